@@ -1,0 +1,117 @@
+// Picks the widest kernel copy this CPU supports and runs a problem over the
+// thread pool, each thread with its own scratch tile memory.
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "csrc/cpu/kernels.h"
+#include "csrc/cpu/thread_pool.h"
+
+namespace mlx_attn::cpu {
+namespace {
+
+struct Isa {
+  const char* name;
+  int (*lanes)();
+  void (*process)(const AttentionProblem&, int64_t, float*);
+  bool (*available)();
+};
+
+bool always() {
+  return true;
+}
+
+#ifdef MLX_ATTN_X86_KERNELS
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+// Widest first.
+const Isa kIsas[] = {
+#ifdef MLX_ATTN_X86_KERNELS
+    {"avx512", avx512::vector_lanes, avx512::process_work_item, has_avx512},
+    {"avx2", avx2::vector_lanes, avx2::process_work_item, has_avx2},
+#endif
+    {"generic", generic::vector_lanes, generic::process_work_item, always},
+};
+
+const Isa* select_isa(const char* name) {
+  for (const Isa& isa : kIsas) {
+    if ((name == nullptr || std::strcmp(name, isa.name) == 0) &&
+        isa.available()) {
+      return &isa;
+    }
+  }
+  return nullptr;
+}
+
+const Isa* default_isa() {
+  const char* env = std::getenv("MLX_ATTN_CPU_ISA");
+  const Isa* isa = env ? select_isa(env) : nullptr;
+  return isa ? isa : select_isa(nullptr);
+}
+
+const Isa*& active_isa() {
+  static const Isa* isa = default_isa();
+  return isa;
+}
+
+}  // namespace
+
+const char* current_isa() {
+  return active_isa()->name;
+}
+
+void set_isa(const char* name) {
+  const Isa* isa = select_isa(name);
+  if (!isa) {
+    throw std::invalid_argument(
+        std::string("[mlx_attn] CPU instruction set '") + name +
+        "' is not available on this machine or build");
+  }
+  active_isa() = isa;
+}
+
+const char* const* supported_isas(int* count) {
+  static std::vector<const char*> names = [] {
+    std::vector<const char*> v;
+    for (const Isa& isa : kIsas) {
+      if (isa.available()) v.push_back(isa.name);
+    }
+    return v;
+  }();
+  *count = int(names.size());
+  return names.data();
+}
+
+void run_attention(const AttentionProblem& problem) {
+  const Isa* isa = active_isa();
+  ThreadPool& pool = thread_pool();
+  const int64_t items = problem.work_items();
+  const int64_t floats = scratch_floats(problem, isa->lanes());
+  int threads = pool.size();
+  if (items < threads) threads = int(items);
+  // One 64-byte aligned scratch block per thread slot.
+  const int64_t stride = round_up(floats, 16);
+  std::unique_ptr<float[], decltype(&std::free)> scratch(
+      static_cast<float*>(std::aligned_alloc(
+          64, sizeof(float) * stride * pool.size())),
+      &std::free);
+  if (!scratch) throw std::bad_alloc();
+  float* base = scratch.get();
+  pool.parallel_for(items, [&](int64_t item, int slot) {
+    isa->process(problem, item, base + stride * slot);
+  });
+}
+
+}  // namespace mlx_attn::cpu

@@ -1,0 +1,473 @@
+// The fused attention forward for the CPU: tiled over query rows and key/value
+// blocks with the online softmax. Included once per instruction set by
+// kernel_<isa>.cpp, which defines
+//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512)
+//   MLX_ATTN_VEC_BYTES  the vector width in bytes (16, 32, 64)
+// Everything here has internal linkage except process_work_item and
+// vector_lanes, and nothing uses the STL, so code compiled for a wide
+// instruction set cannot be linked into callers on an older CPU.
+//
+// Algorithm steps (same names as mlx_attn/reference.py and metal/):
+//   score      S = Q . K^T for one key block (Q pre-multiplied by scale*log2 e)
+//   mask       causal / sliding window / boolean / additive, in place on S
+//   online max / rescale   m_new = max(m, rowmax S); O *= exp2(m - m_new)
+//   accumulate P = exp2(S - m_new); l = l * alpha + rowsum P; O += P . V
+//   normalize  sinks join the sum; O / l (zeros where nothing was attended)
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "csrc/cpu/attention_problem.h"
+
+#ifndef MLX_ATTN_ISA
+#error "define MLX_ATTN_ISA and MLX_ATTN_VEC_BYTES before including kernel_impl.h"
+#endif
+
+namespace mlx_attn::cpu::MLX_ATTN_ISA {
+namespace {
+
+constexpr int kLanes = MLX_ATTN_VEC_BYTES / 4;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+typedef float vfloat __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
+typedef float vfloat_unaligned
+    __attribute__((vector_size(MLX_ATTN_VEC_BYTES), aligned(4)));
+typedef int32_t vint __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
+
+inline vfloat load(const float* p) {
+  return *reinterpret_cast<const vfloat_unaligned*>(p);
+}
+inline void store(float* p, vfloat x) {
+  *reinterpret_cast<vfloat_unaligned*>(p) = x;
+}
+inline vfloat splat(float x) {
+  return vfloat{} + x;
+}
+inline vfloat vmax(vfloat a, vfloat b) {
+  return a > b ? a : b;
+}
+inline float horizontal_max(vfloat x) {
+  float r = x[0];
+  for (int i = 1; i < kLanes; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+inline float horizontal_sum(vfloat x) {
+  float r = 0.0f;
+  for (int i = 0; i < kLanes; ++i) r += x[i];
+  return r;
+}
+
+// 2^x for x <= 0 (all softmax arguments here are <= 0). Round-to-nearest
+// range reduction, then a degree-6 polynomial on [-0.5, 0.5] (rel. error
+// ~2e-7); arguments below -126 (including -inf) give exactly 0.
+inline vfloat exp2_vec(vfloat x) {
+  const vfloat lo = splat(-126.0f);
+  vfloat xc = x < lo ? lo : x;
+  xc = xc > 0.0f ? splat(0.0f) : xc;
+  vfloat shifted = xc + 0.5f;
+  vfloat whole = __builtin_convertvector(
+      __builtin_convertvector(shifted, vint), vfloat);
+  whole = whole > shifted ? whole - 1.0f : whole;  // floor
+  vfloat f = xc - whole;
+  vfloat p = splat(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  vint bits = (__builtin_convertvector(whole, vint) + 127) << 23;
+  vfloat r = p * (vfloat)bits;
+  return x < lo ? splat(0.0f) : r;
+}
+
+// ---------------------------------------------------------------- elements
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: renormalize
+    int shift = 0;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    bits = sign | (uint32_t(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t abs = x & 0x7fffffff;
+  if (abs >= 0x7f800000) {  // inf or nan
+    return uint16_t(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
+  }
+  if (abs >= 0x477ff000) return uint16_t(sign | 0x7c00);  // rounds to inf
+  if (abs < 0x38800000) {  // subnormal or zero half: round to nearest even
+    float magnitude;
+    memcpy(&magnitude, &abs, 4);
+    // 2^-24 is the half subnormal step; adding 0.5 (2^-1) rounds with the FPU.
+    float scaled = magnitude + 0.5f;
+    uint32_t s;
+    memcpy(&s, &scaled, 4);
+    return uint16_t(sign | (s - 0x3f000000u));
+  }
+  uint32_t mantissa_odd = (abs >> 13) & 1;
+  abs += 0xc8000fffu + mantissa_odd;  // rebias exponent and round to even
+  return uint16_t(sign | (abs >> 13));
+}
+
+inline float bfloat_to_float(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bfloat(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return uint16_t((x >> 16) | 0x40);
+  x += 0x7fff + ((x >> 16) & 1);
+  return uint16_t(x >> 16);
+}
+
+template <ElemType T>
+inline float load_elem(const void* base, int64_t i) {
+  if constexpr (T == ElemType::float32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (T == ElemType::float16) {
+    return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else {
+    return bfloat_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+template <ElemType T>
+inline void store_elem(void* base, int64_t i, float x) {
+  if constexpr (T == ElemType::float32) {
+    static_cast<float*>(base)[i] = x;
+  } else if constexpr (T == ElemType::float16) {
+    static_cast<uint16_t*>(base)[i] = float_to_half(x);
+  } else {
+    static_cast<uint16_t*>(base)[i] = float_to_bfloat(x);
+  }
+}
+
+// dst[i * dst_stride] = factor * src[offset + i * stride], i < n.
+template <ElemType T>
+inline void load_row(
+    float* dst,
+    int64_t dst_stride,
+    const void* src,
+    int64_t offset,
+    int64_t stride,
+    int n,
+    float factor) {
+  if (T == ElemType::float32 && stride == 1 && dst_stride == 1) {
+    const float* s = static_cast<const float*>(src) + offset;
+    for (int i = 0; i < n; ++i) dst[i] = s[i] * factor;
+    return;
+  }
+  for (int i = 0; i < n; ++i) {
+    dst[i * dst_stride] = load_elem<T>(src, offset + i * stride) * factor;
+  }
+}
+
+// ---------------------------------------------------------------- matmul
+// C[MR rows][NV vectors] += A[MR][K] . B[K][NV vectors], accumulators in
+// registers.
+template <int MR, int NV>
+inline void matmul_tile(
+    const float* __restrict A,
+    int64_t lda,
+    const float* __restrict B,
+    int64_t ldb,
+    float* __restrict C,
+    int64_t ldc,
+    int K) {
+  vfloat acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + v * kLanes);
+  for (int k = 0; k < K; ++k) {
+    vfloat b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      vfloat a = splat(A[r * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kLanes, acc[r][v]);
+}
+
+constexpr int kTileRows = 6;
+
+template <int NV>
+inline void matmul_rows(
+    const float* A,
+    int64_t lda,
+    const float* B,
+    int64_t ldb,
+    float* C,
+    int64_t ldc,
+    int rows,
+    int K) {
+  int r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) {
+    matmul_tile<kTileRows, NV>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, K);
+  }
+  const float* a = A + r * lda;
+  float* c = C + r * ldc;
+  switch (rows - r) {
+    case 5: matmul_tile<5, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 4: matmul_tile<4, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 3: matmul_tile<3, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 2: matmul_tile<2, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 1: matmul_tile<1, NV>(a, lda, B, ldb, c, ldc, K); break;
+    default: break;
+  }
+}
+
+// C[rows][N] += A[rows][K] . B[K][N] with N a multiple of kLanes.
+inline void matmul_accumulate(
+    const float* A,
+    int64_t lda,
+    const float* B,
+    int64_t ldb,
+    float* C,
+    int64_t ldc,
+    int rows,
+    int K,
+    int N) {
+  int n = 0;
+  for (; n + 2 * kLanes <= N; n += 2 * kLanes) {
+    matmul_rows<2>(A, lda, B + n, ldb, C + n, ldc, rows, K);
+  }
+  for (; n < N; n += kLanes) {
+    matmul_rows<1>(A, lda, B + n, ldb, C + n, ldc, rows, K);
+  }
+}
+
+// ---------------------------------------------------------------- work item
+struct Layout {
+  int group, query_block, query_blocks, value_dim_padded;
+};
+
+inline Layout layout_of(const AttentionProblem& p) {
+  Layout l;
+  l.group = p.q_heads / p.kv_heads;
+  int qb = kRowTarget / l.group;
+  qb = qb < 1 ? 1 : qb;
+  l.query_block = qb < p.q_len ? qb : p.q_len;
+  l.query_blocks = (p.q_len + l.query_block - 1) / l.query_block;
+  l.value_dim_padded = (p.value_dim + kLanes - 1) / kLanes * kLanes;
+  return l;
+}
+
+template <ElemType T>
+void attention_work_item(
+    const AttentionProblem& p,
+    int64_t item,
+    float* scratch) {
+  const Layout lay = layout_of(p);
+  const int D = p.head_dim, Dv = p.value_dim, Dvp = lay.value_dim_padded;
+  const int KB = kKeyBlock;
+
+  // Heaviest query blocks (the last ones, under a causal mask) come first.
+  const int64_t per_block = int64_t(p.batch) * p.kv_heads;
+  const int qblock = lay.query_blocks - 1 - int(item / per_block);
+  const int b = int((item % per_block) / p.kv_heads);
+  const int kv_head = int(item % p.kv_heads);
+  const int q_start = qblock * lay.query_block;
+  const int qb = (p.q_len - q_start) < lay.query_block ? (p.q_len - q_start)
+                                                      : lay.query_block;
+  const int rows = lay.group * qb;
+  const int offset = p.kv_len - p.q_len;  // causal alignment (lower right)
+
+  float* q_packed = scratch;                       // [rows][D]
+  float* scores = q_packed + rows * D;             // [rows][KB]
+  float* acc = scores + rows * KB;                 // [rows][Dvp]
+  float* k_packed = acc + rows * Dvp;              // [D][KB]  (K^T)
+  float* v_packed = k_packed + D * KB;             // [KB][Dvp]
+  float* row_max = v_packed + KB * Dvp;            // [rows]
+  float* row_sum = row_max + rows;                 // [rows]
+
+  // Rows are (head in group, query position): row = g * qb + i.
+  const float q_factor = p.scale * kLog2e;
+  for (int r = 0; r < rows; ++r) {
+    const int h = kv_head * lay.group + r / qb;
+    const int qi = q_start + r % qb;
+    int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
+    load_row<T>(q_packed + r * D, 1, p.q, off, p.q_strides[3], D, q_factor);
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.0f;
+  }
+  memset(acc, 0, sizeof(float) * rows * Dvp);
+
+  // Key range any row of this block can see.
+  const int first_pos = q_start + offset;
+  const int last_pos = q_start + qb - 1 + offset;
+  int kv_begin = 0, kv_end = p.kv_len;
+  if (p.causal) {
+    kv_end = last_pos + 1 < kv_end ? last_pos + 1 : kv_end;
+    if (p.window_size > 0) {
+      int lo = first_pos - p.window_size + 1;
+      kv_begin = lo > 0 ? lo : 0;
+    }
+  }
+
+  for (int kb = kv_begin; kb < kv_end; kb += KB) {
+    const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
+
+    // Pack K^T (zero padded to KB columns) and V (padded to Dvp columns).
+    for (int j = 0; j < n; ++j) {
+      int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] +
+          int64_t(kb + j) * p.k_strides[2];
+      load_row<T>(k_packed + j, KB, p.k, koff, p.k_strides[3], D, 1.0f);
+      int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] +
+          int64_t(kb + j) * p.v_strides[2];
+      float* vrow = v_packed + j * Dvp;
+      load_row<T>(vrow, 1, p.v, voff, p.v_strides[3], Dv, 1.0f);
+      for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
+    }
+    if (n < KB) {
+      for (int d = 0; d < D; ++d) {
+        for (int j = n; j < KB; ++j) k_packed[d * KB + j] = 0.0f;
+      }
+    }
+
+    // score
+    memset(scores, 0, sizeof(float) * rows * KB);
+    matmul_accumulate(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
+
+    // mask
+    const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
+    const bool window_edge =
+        p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
+    for (int r = 0; r < rows; ++r) {
+      float* s = scores + r * KB;
+      for (int j = n; j < KB; ++j) s[j] = -INFINITY;
+      const int h = kv_head * lay.group + r / qb;
+      const int qi = q_start + r % qb;
+      const int pos = qi + offset;
+      if (causal_edge || window_edge) {
+        for (int j = 0; j < n; ++j) {
+          int key = kb + j;
+          bool visible = key <= pos &&
+              (p.window_size <= 0 || key > pos - p.window_size);
+          if (!visible) s[j] = -INFINITY;
+        }
+      }
+      if (p.mask_kind != ArrayMask::none) {
+        int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
+            qi * p.mask_strides[2] + int64_t(kb) * p.mask_strides[3];
+        const int64_t ms = p.mask_strides[3];
+        if (p.mask_kind == ArrayMask::boolean) {
+          const bool* m = static_cast<const bool*>(p.mask) + moff;
+          for (int j = 0; j < n; ++j) {
+            if (!m[j * ms]) s[j] = -INFINITY;
+          }
+        } else {
+          for (int j = 0; j < n; ++j) {
+            s[j] += load_elem<T>(p.mask, moff + j * ms) * kLog2e;
+          }
+        }
+      }
+    }
+
+    // online max / rescale, then accumulate
+    for (int r = 0; r < rows; ++r) {
+      float* s = scores + r * KB;
+      vfloat vm = splat(-INFINITY);
+      for (int c = 0; c < KB; c += kLanes) vm = vmax(vm, load(s + c));
+      const float block_max = horizontal_max(vm);
+      const float m_old = row_max[r];
+      const float m_new = block_max > m_old ? block_max : m_old;
+      if (m_new == -INFINITY) {  // nothing visible yet in this row
+        memset(s, 0, sizeof(float) * KB);
+        continue;
+      }
+      vfloat vs = splat(0.0f);
+      for (int c = 0; c < KB; c += kLanes) {
+        vfloat e = exp2_vec(load(s + c) - m_new);
+        store(s + c, e);
+        vs += e;
+      }
+      const float alpha = exp2f(m_old - m_new);
+      row_sum[r] = row_sum[r] * alpha + horizontal_sum(vs);
+      row_max[r] = m_new;
+      if (alpha != 1.0f) {
+        float* o = acc + r * Dvp;
+        const vfloat va = splat(alpha);
+        for (int c = 0; c < Dvp; c += kLanes) store(o + c, load(o + c) * va);
+      }
+    }
+    matmul_accumulate(scores, KB, v_packed, Dvp, acc, Dvp, rows, n, Dvp);
+  }
+
+  // normalize
+  for (int r = 0; r < rows; ++r) {
+    const int h = kv_head * lay.group + r / qb;
+    const int qi = q_start + r % qb;
+    float m = row_max[r];
+    float l = row_sum[r];
+    float correction = 1.0f;
+    if (p.sinks) {
+      float sink = load_elem<T>(p.sinks, h * p.sinks_stride) * kLog2e;
+      float m_final = sink > m ? sink : m;
+      correction = exp2f(m - m_final);
+      l = l * correction + exp2f(sink - m_final);
+      m = m_final;
+    }
+    const float factor = l > 0.0f ? correction / l : 0.0f;
+    const int64_t row_index = (int64_t(b) * p.q_heads + h) * p.q_len + qi;
+    const float* o = acc + r * Dvp;
+    for (int e = 0; e < Dv; ++e) {
+      store_elem<T>(p.out, row_index * Dv + e, o[e] * factor);
+    }
+    if (p.lse) {
+      p.lse[row_index] = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+}  // namespace
+
+int vector_lanes() {
+  return kLanes;
+}
+
+void process_work_item(const AttentionProblem& p, int64_t item, float* scratch) {
+  switch (p.dtype) {
+    case ElemType::float32:
+      return attention_work_item<ElemType::float32>(p, item, scratch);
+    case ElemType::float16:
+      return attention_work_item<ElemType::float16>(p, item, scratch);
+    case ElemType::bfloat16:
+      return attention_work_item<ElemType::bfloat16>(p, item, scratch);
+  }
+}
+
+}  // namespace mlx_attn::cpu::MLX_ATTN_ISA

@@ -1,0 +1,1 @@
+#include "csrc/launch_plan.h"

@@ -1,0 +1,2 @@
+// Portable description of how the Metal kernels are launched (see issue #3).
+#pragma once

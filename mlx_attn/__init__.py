@@ -1,0 +1,17 @@
+"""mlx_attn: fast, exact attention for MLX.
+
+``scaled_dot_product_attention`` is a drop-in for
+``mx.fast.scaled_dot_product_attention`` with three implementations: the
+pure-MLX reference path, a fused tiled CPU kernel and fused Metal kernels.
+"""
+
+from mlx_attn.ops import attention_path, scaled_dot_product_attention
+from mlx_attn.reference import reference_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention_path",
+    "reference_attention",
+]

@@ -1,0 +1,121 @@
+"""The pure-MLX reference path: attention written step by step.
+
+This is the ground truth the fused CPU and Metal kernels are tested against.
+The steps carry the same names as in ``csrc/cpu/kernel_impl.h`` and
+``metal/``: score, scale, mask, softmax (max, exp, sum), aggregate,
+normalize. Everything is computed in float32 and the result is cast back to
+the input dtype.
+
+GQA/MQA are computed by grouping the query heads ``[B, Hkv, G, Tq, D]`` against
+``[B, Hkv, 1, Tkv, D]`` keys, so keys and values are never repeated.
+
+A query row that can see no key (every key masked) returns zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import mlx.core as mx
+
+__all__ = ["reference_attention", "causal_visibility"]
+
+
+def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -> mx.array:
+    """Boolean ``[Tq, Tkv]``: True where query i may see key j.
+
+    Causal attention is lower-right aligned (the last query is at position
+    ``kv_len - 1``); with ``window_size`` each query sees at most that many
+    most recent keys, itself included.
+    """
+    positions = mx.arange(q_len)[:, None] + (kv_len - q_len)
+    keys = mx.arange(kv_len)[None, :]
+    visible = keys <= positions
+    if window_size is not None:
+        visible = visible & (keys > positions - window_size)
+    return visible
+
+
+def _group_heads(x: mx.array, kv_heads: int) -> mx.array:
+    """[B, Hq, ...] -> [B, Hkv, G, ...] (a reshape, no copy of K/V)."""
+    b, hq = x.shape[:2]
+    return x.reshape(b, kv_heads, hq // kv_heads, *x.shape[2:])
+
+
+def reference_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+    sinks: mx.array | None = None,
+    window_size: int | None = None,
+    return_weights: bool = False,
+    dropout_p: float = 0.0,
+    dropout_key: mx.array | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+):
+    """Scaled dot-product attention in plain MLX operations.
+
+    Same arguments as :func:`mlx_attn.scaled_dot_product_attention` (inputs
+    are assumed valid). ``return_weights=True`` also returns the attention
+    weights ``[B, Hq, Tq, Tkv]`` (float32, after dropout). ``dropout_p`` drops
+    weights with that probability and rescales the rest by ``1/(1-p)``
+    (training only); ``dropout_key`` makes it reproducible.
+    """
+    with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+        out_dtype = q.dtype
+        batch, q_heads, q_len, _ = q.shape
+        kv_heads, kv_len = k.shape[1], k.shape[2]
+
+        qf = _group_heads(q.astype(mx.float32), kv_heads)  # [B,Hkv,G,Tq,D]
+        kf = k.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,D]
+        vf = v.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,Dv]
+
+        # score, scale
+        scores = (qf @ kf.swapaxes(-1, -2)) * scale  # [B,Hkv,G,Tq,Tkv]
+
+        # mask: `visible` is False where a key may not be seen
+        visible = None
+        if isinstance(mask, str) or window_size is not None:
+            visible = causal_visibility(q_len, kv_len, window_size)
+        if isinstance(mask, mx.array):
+            full = mx.broadcast_to(mask, (batch, q_heads, q_len, kv_len))
+            full = _group_heads(full, kv_heads)
+            if full.dtype == mx.bool_:
+                visible = full if visible is None else (visible & full)
+            else:
+                scores = scores + full.astype(mx.float32)
+        if visible is not None:
+            scores = mx.where(visible, scores, -mx.inf)
+
+        # softmax along keys: max, exp, sum (sinks join max and sum)
+        row_max = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink_logits = _group_heads(
+                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1), kv_heads
+            )
+            row_max = mx.maximum(row_max, sink_logits)
+        # A row that sees nothing has max -inf; any finite shift keeps exp = 0.
+        row_max = mx.where(row_max == -mx.inf, 0.0, row_max)
+        weights = mx.exp(scores - row_max)
+        row_sum = weights.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            row_sum = row_sum + mx.exp(sink_logits - row_max)
+        # normalize (rows that see nothing get all-zero weights)
+        weights = weights / mx.where(row_sum == 0, 1.0, row_sum)
+
+        if dropout_p > 0.0:
+            if not 0.0 <= dropout_p < 1.0:
+                raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+            keep = mx.random.bernoulli(1.0 - dropout_p, weights.shape, key=dropout_key)
+            weights = mx.where(keep, weights / (1.0 - dropout_p), 0.0)
+
+        # aggregate
+        out = weights @ vf  # [B,Hkv,G,Tq,Dv]
+        out = out.reshape(batch, q_heads, q_len, v.shape[-1]).astype(out_dtype)
+        if return_weights:
+            return out, weights.reshape(batch, q_heads, q_len, kv_len)
+        return out
+
