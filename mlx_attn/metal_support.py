@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def unsupported_reason(q: mx.array, k: mx.array, v: mx.array) -> str | None:
+def unsupported_reason(q: mx.array, k: mx.array, v: mx.array, mask, sinks, window_size) -> str | None:
     """None when the Metal kernels handle this problem on the GPU, else why not."""
     from mlx_attn.ops import _ext
 

@@ -138,7 +138,7 @@ def _device_type(stream) -> mx.DeviceType:
     raise ValueError(f"stream must be an mlx Stream, Device or None, got {type(stream).__name__}")
 
 
-def _fused_unsupported_reason(q, k, v, stream) -> str | None:
+def _fused_unsupported_reason(q, k, v, mask, sinks, window_size, stream) -> str | None:
     """None when the fused kernel handles this problem, else why not."""
     if _ext is None:
         return f"the native extension mlx_attn._ext is not available ({_EXT_ERROR})"
@@ -146,7 +146,7 @@ def _fused_unsupported_reason(q, k, v, stream) -> str | None:
     if device == mx.gpu:
         from mlx_attn import metal_support
 
-        return metal_support.unsupported_reason(q, k, v)
+        return metal_support.unsupported_reason(q, k, v, mask, sinks, window_size)
     d, dv = q.shape[3], v.shape[3]
     if not (1 <= d <= MAX_FUSED_CPU_HEAD_DIM and 1 <= dv <= MAX_FUSED_CPU_HEAD_DIM):
         return f"the fused CPU kernel supports head dims 1..{MAX_FUSED_CPU_HEAD_DIM}, got D={d}, Dv={dv}"
@@ -168,13 +168,13 @@ def attention_path(
     """Which implementation ``scaled_dot_product_attention`` uses for these
     arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
     _validate(q, k, v, scale, mask, sinks, window_size, backend)
-    return _choose_path(q, k, v, backend, stream)
+    return _choose_path(q, k, v, mask, sinks, window_size, backend, stream)
 
 
-def _choose_path(q, k, v, backend, stream) -> Path:
+def _choose_path(q, k, v, mask, sinks, window_size, backend, stream) -> Path:
     if backend == "reference":
         return "reference"
-    reason = _fused_unsupported_reason(q, k, v, stream)
+    reason = _fused_unsupported_reason(q, k, v, mask, sinks, window_size, stream)
     if reason is None:
         return "fused-metal" if _device_type(stream) == mx.gpu else "fused-cpu"
     if backend == "fused":
@@ -266,7 +266,7 @@ def scaled_dot_product_attention(
     """
     dtype = _validate(q, k, v, scale, mask, sinks, window_size, backend)
     q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
-    path = _choose_path(q, k, v, backend, stream)
+    path = _choose_path(q, k, v, mask, sinks, window_size, backend, stream)
     if path == "reference":
         return reference_attention(
             q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
