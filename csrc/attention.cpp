@@ -109,10 +109,18 @@ void FusedAttention::eval_cpu(
   }
   p.lse = lse;
 
+  // Tile scratch comes from MLX's allocator so it shows in MLX's memory
+  // statistics; it is O(threads x tile), never O(Tq x Tkv).
+  mx::array scratch({int(cpu::scratch_size(p))}, mx::float32, nullptr, {});
+  scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
+
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([p]() { cpu::run_attention(p); });
+  encoder.dispatch([p, buffer = scratch.data<float>()]() {
+    cpu::run_attention(p, buffer);
+  });
+  encoder.add_temporary(std::move(scratch));
 }
 
 void FusedAttention::eval_gpu(

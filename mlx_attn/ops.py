@@ -135,7 +135,9 @@ def _device_type(stream) -> mx.DeviceType:
         return stream.device.type
     if isinstance(stream, mx.Device):
         return stream.type
-    raise ValueError(f"stream must be an mlx Stream, Device or None, got {type(stream).__name__}")
+    if isinstance(stream, mx.DeviceType):  # mx.cpu / mx.gpu
+        return stream
+    raise ValueError(f"stream must be an mlx Stream, Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
 
 
 def _fused_unsupported_reason(q, k, v, mask, sinks, window_size, stream) -> str | None:

@@ -2,7 +2,6 @@
 // thread pool, each thread with its own scratch tile memory.
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -94,22 +93,23 @@ const char* const* supported_isas(int* count) {
   return names.data();
 }
 
-void run_attention(const AttentionProblem& problem) {
+namespace {
+int64_t scratch_stride(const AttentionProblem& problem) {
+  return round_up(scratch_floats(problem, active_isa()->lanes()), 16);
+}
+}  // namespace
+
+int64_t scratch_size(const AttentionProblem& problem) {
+  return scratch_stride(problem) * thread_pool().size() + 16;
+}
+
+void run_attention(const AttentionProblem& problem, float* scratch) {
   const Isa* isa = active_isa();
-  ThreadPool& pool = thread_pool();
-  const int64_t items = problem.work_items();
-  const int64_t floats = scratch_floats(problem, isa->lanes());
-  int threads = pool.size();
-  if (items < threads) threads = int(items);
-  // One 64-byte aligned scratch block per thread slot.
-  const int64_t stride = round_up(floats, 16);
-  std::unique_ptr<float[], decltype(&std::free)> scratch(
-      static_cast<float*>(std::aligned_alloc(
-          64, sizeof(float) * stride * pool.size())),
-      &std::free);
-  if (!scratch) throw std::bad_alloc();
-  float* base = scratch.get();
-  pool.parallel_for(items, [&](int64_t item, int slot) {
+  const int64_t stride = scratch_stride(problem);
+  // Align each thread's block to 64 bytes.
+  float* base = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
+  thread_pool().parallel_for(problem.work_items(), [&](int64_t item, int slot) {
     isa->process(problem, item, base + stride * slot);
   });
 }

@@ -17,8 +17,11 @@ MLX_ATTN_DECLARE_ISA(avx512)
 #endif
 #undef MLX_ATTN_DECLARE_ISA
 
-// Runs the whole problem on the calling thread plus the kernel's worker pool.
-void run_attention(const AttentionProblem& problem);
+// Scratch floats run_attention needs (tile buffers for every pool thread).
+int64_t scratch_size(const AttentionProblem& problem);
+// Runs the whole problem on the calling thread plus the kernel's worker pool;
+// `scratch` holds scratch_size(problem) floats, 64-byte aligned.
+void run_attention(const AttentionProblem& problem, float* scratch);
 
 // The instruction set in use ("generic", "avx2", "avx512") and the ones this
 // CPU and build support; set_isa overrides the choice (tests use it).

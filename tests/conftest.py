@@ -1,0 +1,10 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+# Property tests stay bounded so CI is fast; HYPOTHESIS_PROFILE=thorough for more.
+settings.register_profile(
+    "default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("thorough", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

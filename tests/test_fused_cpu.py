@@ -1,0 +1,207 @@
+"""The fused CPU kernel against the reference path on a grid of problems."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_attn
+from mlx_attn import _ext
+from sdpa_cases import DTYPES, TOLERANCE, assert_close, fused, make_qkv, max_abs_diff, reference
+
+HEAD_DIMS = [1, 3, 16, 64, 80, 96, 128, 256]
+# (Tq, Tkv): single rows, odd sizes, sizes that are not multiples of the
+# 64-key block or of the query block.
+LENGTHS = [(1, 1), (1, 77), (7, 7), (13, 130), (65, 65), (130, 61)]
+
+
+@pytest.fixture(params=_ext.supported_cpu_isas())
+def isa(request):
+    """Runs a test once per compiled kernel copy this CPU can execute."""
+    before = _ext.cpu_isa()
+    _ext.set_cpu_isa(request.param)
+    yield request.param
+    _ext.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims_and_dtypes(dtype, d, causal):
+    for i, (tq, tkv) in enumerate(LENGTHS):
+        q, k, v = make_qkv(1, 2, 2, tq, tkv, d, dtype=dtype, seed=i)
+        mask = "causal" if causal else None
+        out = fused(q, k, v, mask=mask)
+        assert out.dtype == dtype and out.shape == (1, 2, tq, d)
+        assert_close(out, reference(q, k, v, mask=mask), dtype)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 32), (16, 100), (3, 256), (256, 8)])
+def test_value_dim_differs(d, dv):
+    q, k, v = make_qkv(2, 4, 2, 9, 70, d, dv)
+    assert_close(fused(q, k, v, mask="causal"), reference(q, k, v, mask="causal"), mx.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 2), (8, 2), (16, 2), (8, 1), (5, 1)])
+def test_gqa_and_mqa(dtype, hq, hkv):
+    for tq, tkv in [(1, 100), (33, 33), (70, 140)]:
+        q, k, v = make_qkv(2, hq, hkv, tq, tkv, 32, dtype=dtype)
+        for mask in (None, "causal"):
+            assert_close(fused(q, k, v, mask=mask), reference(q, k, v, mask=mask), dtype)
+
+
+MASK_SHAPES = [(9, 70), (1, 70), (9, 1), (1, 1, 9, 70), (2, 1, 9, 70), (1, 4, 9, 70), (2, 4, 9, 70), (4, 1, 70), (70,)]
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_array_masks_broadcast(shape, kind, dtype):
+    q, k, v = make_qkv(2, 4, 2, 9, 70, 16, dtype=dtype)
+    rng = np.random.default_rng(len(shape))
+    if kind == "bool":
+        mask = mx.array(rng.random(shape) > 0.4)
+    else:
+        mask = mx.array(rng.standard_normal(shape).astype(np.float32) * 3).astype(dtype)
+    assert_close(fused(q, k, v, mask=mask), reference(q, k, v, mask=mask), dtype)
+
+
+def test_float32_additive_mask_with_float32_inputs_and_mixed_dtypes():
+    q, k, v = make_qkv(1, 2, 2, 5, 20, 8)
+    mask = mx.zeros((5, 20)) - 2.0 * (mx.arange(20) % 3 == 0)
+    assert_close(fused(q, k, v, mask=mask), reference(q, k, v, mask=mask), mx.float32)
+    # q float16 with float32 k promotes to float32, like mx.fast
+    out = mlx_attn.scaled_dot_product_attention(q.astype(mx.float16), k, v, scale=0.3)
+    assert out.dtype == mx.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask", [None, "causal", "bool"])
+def test_sinks(dtype, mask):
+    q, k, v = make_qkv(2, 6, 2, 11, 75, 16, dtype=dtype)
+    sinks = mx.array([0.0, 1.0, -2.0, 3.0, 10.0, -30.0]).astype(dtype)
+    if mask == "bool":
+        m = np.random.default_rng(0).random((11, 75)) > 0.5
+        m[3] = False  # a fully masked row: the sink alone gives zeros
+        mask = mx.array(m)
+    out = fused(q, k, v, mask=mask, sinks=sinks)
+    ref = reference(q, k, v, mask=mask, sinks=sinks)
+    assert_close(out, ref, dtype)
+    ours = np.array(out.astype(mx.float32))
+    if mask is not None and not isinstance(mask, str):
+        assert np.all(ours[:, :, 3] == 0)
+    if dtype == mx.float32 and mask is None:
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=16**-0.5, sinks=sinks)
+        assert max_abs_diff(out, theirs) < 2e-5
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 64, 65, 200])
+@pytest.mark.parametrize("tq,tkv", [(1, 150), (40, 40), (100, 230)])
+def test_sliding_window(window, tq, tkv):
+    q, k, v = make_qkv(1, 4, 2, tq, tkv, 32, seed=window)
+    for mask in (None, "causal"):
+        out = fused(q, k, v, mask=mask, window_size=window)
+        assert_close(out, reference(q, k, v, mask=mask, window_size=window), mx.float32)
+    # with an array mask on top
+    bool_mask = mx.array(np.random.default_rng(1).random((tq, tkv)) > 0.2)
+    out = fused(q, k, v, mask=bool_mask, window_size=window)
+    assert_close(out, reference(q, k, v, mask=bool_mask, window_size=window), mx.float32)
+
+
+def test_window_against_explicit_band_mask():
+    q, k, v = make_qkv(1, 2, 1, 50, 90, 16)
+    pos = np.arange(50)[:, None] + 40
+    key = np.arange(90)[None, :]
+    band = mx.array((key <= pos) & (key > pos - 7))
+    assert max_abs_diff(fused(q, k, v, window_size=7), fused(q, k, v, mask=band)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_are_zero(dtype):
+    q, k, v = make_qkv(1, 2, 2, 6, 70, 16, dtype=dtype)
+    m = np.ones((6, 70), dtype=bool)
+    m[2] = False
+    additive = np.zeros((6, 70), dtype=np.float32)
+    additive[4] = -np.inf
+    additive[5, :69] = -np.inf  # only the last key visible
+    for mask in (mx.array(m), mx.array(additive).astype(dtype)):
+        out = np.array(fused(q, k, v, mask=mask).astype(mx.float32))
+        assert np.isfinite(out).all()
+    assert np.all(np.array(fused(q, k, v, mask=mx.array(m)).astype(mx.float32))[:, :, 2] == 0)
+    out = np.array(fused(q, k, v, mask=mx.array(additive).astype(dtype)).astype(mx.float32))
+    assert np.all(out[:, :, 4] == 0)
+    np.testing.assert_allclose(out[:, :, 5], np.array(v.astype(mx.float32))[:, :, 69], atol=TOLERANCE[dtype])
+    # causal with more queries than keys: the first queries see nothing
+    q, k, v = make_qkv(1, 2, 2, 10, 4, 16, dtype=dtype)
+    out = np.array(fused(q, k, v, mask="causal").astype(mx.float32))
+    assert np.all(out[:, :, :6] == 0) and np.isfinite(out).all()
+    assert_close(mx.array(out), reference(q, k, v, mask="causal"), dtype)
+    # no keys at all
+    q, k, v = make_qkv(1, 2, 2, 3, 0, 16, dtype=dtype)
+    out = mlx_attn.scaled_dot_product_attention(q, k, v, scale=1.0)
+    assert out.shape == (1, 2, 3, 16) and np.all(np.array(out.astype(mx.float32)) == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_logits_stay_finite(dtype):
+    q, k, v = make_qkv(1, 2, 2, 33, 99, 64, dtype=dtype)
+    q = q * 60  # logits in the thousands: softmax is one-hot
+    for mask in (None, "causal"):
+        out = fused(q, k, v, mask=mask, scale=1.0)
+        assert_close(out, reference(q, k, v, mask=mask, scale=1.0), dtype)
+
+
+def test_non_contiguous_inputs():
+    rng = np.random.default_rng(0)
+    base = mx.array(rng.standard_normal((2, 40, 4, 32)).astype(np.float32))
+    q = base.transpose(0, 2, 1, 3)  # [B, H, T, D] view of [B, T, H, D]
+    big = mx.array(rng.standard_normal((2, 2, 90, 48)).astype(np.float32))
+    k = big[:, :, 5:85, :32]  # sliced
+    v = big[:, :, 5:85, 16:]
+    kt = mx.array(rng.standard_normal((2, 2, 32, 80)).astype(np.float32)).swapaxes(-1, -2)
+    for kk in (k, kt):
+        out = fused(q, kk, v, mask="causal")
+        assert_close(out, reference(q, kk, v, mask="causal"), mx.float32)
+    # K/V broadcast over the batch (zero strides) and a transposed mask
+    kb = mx.broadcast_to(k[:1], k.shape)
+    mask_t = mx.array(rng.random((80, 40)) > 0.3).T
+    out = fused(q, kb, v, mask=mask_t)
+    assert_close(out, reference(q, kb, v, mask=mask_t), mx.float32)
+    # every other query (stride 2 in T) and a reversed-in-memory head order
+    qs = mx.array(rng.standard_normal((2, 4, 80, 32)).astype(np.float32))[:, ::-1, ::2]
+    assert_close(fused(qs, k, v), reference(qs, k, v), mx.float32)
+
+
+def test_every_kernel_copy_agrees(isa):
+    for dtype, (tq, tkv), d in itertools.product(DTYPES, [(1, 70), (67, 131)], [3, 64, 80]):
+        q, k, v = make_qkv(1, 4, 2, tq, tkv, d, dtype=dtype)
+        sinks = mx.array([0.5, -1.0, 0.0, 2.0]).astype(dtype)
+        mask = mx.array(np.random.default_rng(d).random((tq, tkv)) > 0.3)
+        for kw in ({"mask": "causal"}, {"mask": mask, "sinks": sinks}, {"window_size": 9}):
+            assert_close(fused(q, k, v, **kw), reference(q, k, v, **kw), dtype)
+
+
+def test_matches_mlx_fast_on_cpu():
+    q, k, v = make_qkv(2, 8, 2, 100, 300, 64)
+    for mask in (None, "causal"):
+        ours = fused(q, k, v, mask=mask)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, stream=mx.cpu)
+        assert max_abs_diff(ours, theirs) < 2e-5
+
+
+def test_extra_memory_is_not_quadratic():
+    """At T=4096 a materialized score matrix would be 64 MiB per head."""
+    q, k, v = make_qkv(1, 1, 1, 4096, 4096, 64)
+    mx.eval(q, k, v)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = fused(q, k, v, mask="causal")
+    extra = mx.get_peak_memory() - base
+    assert extra < out.nbytes + 8 * 2**20, f"extra peak {extra / 2**20:.1f} MiB"
+    mx.reset_peak_memory()
+    ref = reference(q, k, v, mask="causal")
+    assert mx.get_peak_memory() - base > 4096 * 4096 * 4  # the unfused path does
+    assert_close(out, ref, mx.float32)
