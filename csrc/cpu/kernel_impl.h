@@ -20,6 +20,10 @@
 
 #include "csrc/cpu/attention_problem.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>  // intrinsics are always-inline: nothing leaks
+#endif
+
 #ifndef MLX_ATTN_ISA
 #error "define MLX_ATTN_ISA and MLX_ATTN_VEC_BYTES before including kernel_impl.h"
 #endif
@@ -168,7 +172,29 @@ inline void store_elem(void* base, int64_t i, float x) {
   }
 }
 
-// dst[i * dst_stride] = factor * src[offset + i * stride], i < n.
+// dst[i] = src[offset + i], i < n: the packing hot path, vectorized.
+template <ElemType T>
+inline void convert_contiguous(float* dst, const void* src, int64_t offset, int n) {
+  if constexpr (T == ElemType::float32) {
+    memcpy(dst, static_cast<const float*>(src) + offset, sizeof(float) * n);
+  } else if constexpr (T == ElemType::bfloat16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(s[i]);
+  }
+}
+
+// dst[i * dst_stride] = factor * src[offset + i * stride], i < n <= kMaxHeadDim.
 template <ElemType T>
 inline void load_row(
     float* dst,
@@ -178,9 +204,17 @@ inline void load_row(
     int64_t stride,
     int n,
     float factor) {
-  if (T == ElemType::float32 && stride == 1 && dst_stride == 1) {
-    const float* s = static_cast<const float*>(src) + offset;
-    for (int i = 0; i < n; ++i) dst[i] = s[i] * factor;
+  if (stride == 1) {
+    if (dst_stride == 1) {
+      convert_contiguous<T>(dst, src, offset, n);
+      if (factor != 1.0f) {
+        for (int i = 0; i < n; ++i) dst[i] *= factor;
+      }
+      return;
+    }
+    float row[kMaxHeadDim];
+    convert_contiguous<T>(row, src, offset, n);
+    for (int i = 0; i < n; ++i) dst[i * dst_stride] = row[i] * factor;
     return;
   }
   for (int i = 0; i < n; ++i) {
