@@ -8,6 +8,7 @@
 
 #include "csrc/attention.h"
 #include "csrc/cpu/kernels.h"
+#include "mlx/version.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -42,6 +43,9 @@ NB_MODULE(_ext, m) {
       "window_size"_a = 0, "mask"_a = nb::none(), "sinks"_a = nb::none(),
       "output_lse"_a = false, "stream"_a = nb::none(),
       "Fused attention on validated inputs; returns [out] or [out, lse].");
+
+  m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
 
   m.def("cpu_isa", [] { return std::string(mlx_attn::cpu::current_isa()); },
         "Instruction set the fused CPU kernel uses.");

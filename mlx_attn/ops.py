@@ -23,6 +23,14 @@ except ImportError as _error:  # pragma: no cover - only without a build
     _EXT_ERROR = _error
 else:
     _EXT_ERROR = None
+    # The extension links against libmlx and shares MLX's nanobind types, so
+    # it only works with the MLX release it was compiled against.
+    if _ext.built_with_mlx != mx.__version__.split(".dev")[0]:
+        raise ImportError(
+            f"mlx_attn was built against MLX {_ext.built_with_mlx} but MLX {mx.__version__} "
+            f"is installed; reinstall mlx_attn (pip install --force-reinstall --no-cache-dir mlx_attn) "
+            f"or install mlx=={_ext.built_with_mlx}"
+        )
 
 __all__ = ["scaled_dot_product_attention", "attention_path", "Backend", "Path"]
 

@@ -256,7 +256,18 @@ inline void matmul_tile(
     for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kLanes, acc[r][v]);
 }
 
-constexpr int kTileRows = 6;
+// Register tile: kTileRows rows x kTileVectors vectors of accumulators
+// (wider with 32 vector registers, as on AVX-512 and NEON).
+#ifndef MLX_ATTN_TILE_ROWS
+#define MLX_ATTN_TILE_ROWS 6
+#endif
+#ifndef MLX_ATTN_TILE_VECTORS
+#define MLX_ATTN_TILE_VECTORS 2
+#endif
+constexpr int kTileRows = MLX_ATTN_TILE_ROWS;
+constexpr int kTileVectors = MLX_ATTN_TILE_VECTORS;
+static_assert(kTileRows >= 1 && kTileRows <= 8, "tails below handle up to 7 rows");
+static_assert(kTileVectors >= 1 && kTileVectors <= 4, "tails below handle up to 3 vectors");
 
 template <int NV>
 inline void matmul_rows(
@@ -275,6 +286,8 @@ inline void matmul_rows(
   const float* a = A + r * lda;
   float* c = C + r * ldc;
   switch (rows - r) {
+    case 7: matmul_tile<7, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 6: matmul_tile<6, NV>(a, lda, B, ldb, c, ldc, K); break;
     case 5: matmul_tile<5, NV>(a, lda, B, ldb, c, ldc, K); break;
     case 4: matmul_tile<4, NV>(a, lda, B, ldb, c, ldc, K); break;
     case 3: matmul_tile<3, NV>(a, lda, B, ldb, c, ldc, K); break;
@@ -296,11 +309,14 @@ inline void matmul_accumulate(
     int K,
     int N) {
   int n = 0;
-  for (; n + 2 * kLanes <= N; n += 2 * kLanes) {
-    matmul_rows<2>(A, lda, B + n, ldb, C + n, ldc, rows, K);
+  for (; n + kTileVectors * kLanes <= N; n += kTileVectors * kLanes) {
+    matmul_rows<kTileVectors>(A, lda, B + n, ldb, C + n, ldc, rows, K);
   }
-  for (; n < N; n += kLanes) {
-    matmul_rows<1>(A, lda, B + n, ldb, C + n, ldc, rows, K);
+  switch ((N - n) / kLanes) {
+    case 3: matmul_rows<3>(A, lda, B + n, ldb, C + n, ldc, rows, K); break;
+    case 2: matmul_rows<2>(A, lda, B + n, ldb, C + n, ldc, rows, K); break;
+    case 1: matmul_rows<1>(A, lda, B + n, ldb, C + n, ldc, rows, K); break;
+    default: break;
   }
 }
 
