@@ -108,6 +108,7 @@ void FusedAttention::eval_cpu(
     p.sinks_stride = sinks.strides()[0];
   }
   p.lse = lse;
+  cpu::plan_work(p);
 
   // Tile scratch comes from MLX's allocator so it shows in MLX's memory
   // statistics; it is O(threads x tile), never O(Tq x Tkv).

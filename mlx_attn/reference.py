@@ -68,6 +68,10 @@ def reference_attention(
         out_dtype = q.dtype
         batch, q_heads, q_len, _ = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
+        if kv_len == 0:  # no key to see: every row is fully masked
+            out = mx.zeros((batch, q_heads, q_len, v.shape[-1]), dtype=out_dtype)
+            weights = mx.zeros((batch, q_heads, q_len, 0), dtype=mx.float32)
+            return (out, weights) if return_weights else out
 
         qf = _group_heads(q.astype(mx.float32), kv_heads)  # [B,Hkv,G,Tq,D]
         kf = k.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,D]

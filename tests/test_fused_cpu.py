@@ -140,8 +140,9 @@ def test_fully_masked_rows_are_zero(dtype):
     assert_close(mx.array(out), reference(q, k, v, mask="causal"), dtype)
     # no keys at all
     q, k, v = make_qkv(1, 2, 2, 3, 0, 16, dtype=dtype)
-    out = mlx_attn.scaled_dot_product_attention(q, k, v, scale=1.0)
-    assert out.shape == (1, 2, 3, 16) and np.all(np.array(out.astype(mx.float32)) == 0)
+    for backend in ("auto", "reference"):
+        out = mlx_attn.scaled_dot_product_attention(q, k, v, scale=1.0, backend=backend)
+        assert out.shape == (1, 2, 3, 16) and np.all(np.array(out.astype(mx.float32)) == 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -10,12 +10,12 @@ namespace mlx_attn::cpu {
 enum class ElemType : int32_t { float32 = 0, float16 = 1, bfloat16 = 2 };
 enum class ArrayMask : int32_t { none = 0, boolean = 1, additive = 2 };
 
-// Keys per key/value block and the target number of query rows per work item.
+// Keys per key/value block and the largest number of query rows per work item.
 // A work item is (batch, kv head, block of query positions); its rows are the
 // query positions of every query head of the GQA group, so each K/V block is
-// loaded once per group.
+// packed once per group and reused by all its rows.
 inline constexpr int kKeyBlock = 64;
-inline constexpr int kRowTarget = 64;
+inline constexpr int kMaxRows = 128;
 inline constexpr int kMaxHeadDim = 256;
 
 struct AttentionProblem {
@@ -38,14 +38,12 @@ struct AttentionProblem {
   int64_t sinks_stride;
   float* lse;               // optional [B, Hq, Tq] natural-log log-sum-exp
 
-  // Derived work split.
+  // Work split, chosen by the host (csrc/cpu/dispatch.cpp, plan_work):
+  // query positions per work item; rows per item = group size x query_block.
+  int query_block;
+
   int group_size() const { return q_heads / kv_heads; }
-  int query_block() const {
-    int qb = kRowTarget / group_size();
-    if (qb < 1) qb = 1;
-    return qb < q_len ? qb : q_len;
-  }
-  int query_blocks() const { return (q_len + query_block() - 1) / query_block(); }
+  int query_blocks() const { return (q_len + query_block - 1) / query_block; }
   int64_t work_items() const {
     return int64_t(batch) * kv_heads * query_blocks();
   }
@@ -56,7 +54,7 @@ struct AttentionProblem {
 // `lanes`.
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t scratch_floats(const AttentionProblem& p, int lanes) {
-  int64_t rows = int64_t(p.group_size()) * p.query_block();
+  int64_t rows = int64_t(p.group_size()) * p.query_block;
   int64_t dvp = round_up(p.value_dim, lanes);
   return rows * p.head_dim + rows * kKeyBlock + rows * dvp +
       int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 2 * rows + 64;

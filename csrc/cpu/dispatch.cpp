@@ -93,6 +93,19 @@ const char* const* supported_isas(int* count) {
   return names.data();
 }
 
+void plan_work(AttentionProblem& p) {
+  const int group = p.group_size();
+  int qb = kMaxRows / group;
+  qb = qb < 1 ? 1 : (qb < p.q_len ? qb : p.q_len);
+  p.query_block = qb;
+  // Small problems: smaller blocks so every thread gets work (rows >= 16).
+  const int64_t enough = 2 * int64_t(thread_pool().size());
+  while (p.work_items() < enough && qb > 1 && (qb / 2) * group >= 16) {
+    qb /= 2;
+    p.query_block = qb;
+  }
+}
+
 namespace {
 int64_t scratch_stride(const AttentionProblem& problem) {
   return round_up(scratch_floats(problem, active_isa()->lanes()), 16);

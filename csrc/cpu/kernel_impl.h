@@ -328,9 +328,7 @@ struct Layout {
 inline Layout layout_of(const AttentionProblem& p) {
   Layout l;
   l.group = p.q_heads / p.kv_heads;
-  int qb = kRowTarget / l.group;
-  qb = qb < 1 ? 1 : qb;
-  l.query_block = qb < p.q_len ? qb : p.q_len;
+  l.query_block = p.query_block;
   l.query_blocks = (p.q_len + l.query_block - 1) / l.query_block;
   l.value_dim_padded = (p.value_dim + kLanes - 1) / kLanes * kLanes;
   return l;

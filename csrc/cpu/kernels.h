@@ -17,6 +17,9 @@ MLX_ATTN_DECLARE_ISA(avx512)
 #endif
 #undef MLX_ATTN_DECLARE_ISA
 
+// Sets problem.query_block: as many query rows per work item as fit
+// kMaxRows, fewer when that would leave threads idle.
+void plan_work(AttentionProblem& problem);
 // Scratch floats run_attention needs (tile buffers for every pool thread).
 int64_t scratch_size(const AttentionProblem& problem);
 // Runs the whole problem on the calling thread plus the kernel's worker pool;
