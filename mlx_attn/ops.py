@@ -41,10 +41,6 @@ FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 MAX_FUSED_CPU_HEAD_DIM = 256
 
 
-def _promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
-    return mx.result_type(a, b)
-
-
 def _shape(a: mx.array) -> str:
     return "(" + ", ".join(str(d) for d in a.shape) + ")"
 
@@ -55,7 +51,7 @@ def _result_dtype(q: mx.array, k: mx.array, v: mx.array) -> mx.Dtype:
             raise ValueError(
                 f"{name} has dtype {a.dtype}; attention needs float16, bfloat16 or float32 inputs"
             )
-    dtype = _promote(_promote(q.dtype, k.dtype), v.dtype)
+    dtype = mx.result_type(q.dtype, k.dtype, v.dtype)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"unsupported input dtype {dtype}; use float16, bfloat16 or float32")
     return dtype
@@ -111,7 +107,7 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend):
                 raise ValueError(
                     f"mask must be boolean (True = attend) or an additive float mask, got {mask.dtype}"
                 )
-            if _promote(mask.dtype, dtype) != dtype:
+            if mx.result_type(mask.dtype, dtype) != dtype:
                 raise ValueError(
                     f"additive mask dtype {mask.dtype} must promote to the output dtype {dtype}"
                 )
@@ -125,7 +121,7 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend):
             )
         if not mx.issubdtype(sinks.dtype, mx.floating):
             raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
-        if _promote(sinks.dtype, dtype) != dtype:
+        if mx.result_type(sinks.dtype, dtype) != dtype:
             raise ValueError(f"sinks dtype {sinks.dtype} must promote to the output dtype {dtype}")
 
     if window_size is not None:

@@ -94,7 +94,9 @@ def test_stream_argument_runs_on_that_stream():
     assert_close(out, reference(q, k, v, scale=0.3, mask="causal"), mx.float32)
 
 
-@pytest.mark.parametrize("kw", [{}, {"mask": "causal"}, {"window_size": 3}, {"sinks": True}, {"mask": "additive"}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"mask": "causal"}, {"window_size": 3}, {"sinks": True}, {"mask": "additive"}, {"mask": "bool"}]
+)
 def test_gradients_through_fused_match_reference(kw):
     q, k, v = make_qkv(1, 4, 2, 6, 9, 8)
     kw = dict(kw)
@@ -102,6 +104,8 @@ def test_gradients_through_fused_match_reference(kw):
         kw["sinks"] = mx.array([0.1, -0.2, 0.3, 0.0])
     if kw.get("mask") == "additive":
         kw["mask"] = mx.array(np.random.default_rng(0).standard_normal((6, 9)).astype(np.float32))
+    elif kw.get("mask") == "bool":
+        kw["mask"] = mx.array(np.random.default_rng(0).random((1, 4, 6, 9)) > 0.3)
 
     def loss(backend):
         def f(q, k, v):
