@@ -159,6 +159,24 @@ def print_row(row, flush=False):
     print("| " + " | ".join(cells) + " |", flush=flush)
 
 
+def summary_table(rows) -> str:
+    """The compact Markdown table quoted in the README."""
+    lines = [
+        "| D | dtype | causal | T | fused ms | fused GFLOP/s | mx.fast GFLOP/s | torch GFLOP/s | fused vs mx.fast | fused vs torch | fused extra MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = r["fused"]
+        cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), f"{f['ms']:.1f}", f"{f['gflops']:.0f}"]
+        cells.append(f"{r['mx.fast']['gflops']:.1f}" if "mx.fast" in r else "-")
+        cells.append(f"{r['torch']['gflops']:.0f}" if "torch" in r else "-")
+        cells.append(f"{r['mx.fast']['ms'] / f['ms']:.0f}x" if "mx.fast" in r else "-")
+        cells.append(f"{r['torch']['ms'] / f['ms']:.2f}x" if "torch" in r else "-")
+        cells.append(f"{f['extra_peak_mib']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def long_context_memory(heads, t, d):
     """Extra peak memory of the fused kernel at a long context, next to the
     score matrix an unfused implementation has to hold (B*H*T*T float32)."""
@@ -245,8 +263,9 @@ def main(argv=None):
             f"alone is {mem['unfused_scores_mib']:.0f} MiB"
         )
     (args.out / "bench_sdpa_cpu.json").write_text(json.dumps(result, indent=1))
+    (args.out / "bench_sdpa_cpu.md").write_text(summary_table(rows) + "\n")
     plot(rows, args.out / "bench_sdpa_cpu.png")
-    print(f"\nsaved {args.out / 'bench_sdpa_cpu.json'} and {args.out / 'bench_sdpa_cpu.png'}")
+    print(f"\nsaved {args.out / 'bench_sdpa_cpu.json'}, .md and .png")
     return result
 
 
