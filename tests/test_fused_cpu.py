@@ -206,3 +206,30 @@ def test_extra_memory_is_not_quadratic():
     ref = reference(q, k, v, mask="causal")
     assert mx.get_peak_memory() - base > 4096 * 4096 * 4  # the unfused path does
     assert_close(out, ref, mx.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_single_visible_key_returns_value_bit_exactly(dtype, isa):
+    """One visible key gets weight exactly 1, so the output must equal that
+    value row bit for bit: checks the fp16/bf16 load and store conversions
+    (including subnormals and extremes; a sum cannot keep the sign of -0)."""
+    special = {
+        mx.float32: [0.0, 1e-40, -3.4e38, 1.5, 7e-8],
+        mx.float16: [0.0, 6e-8, -6.1e-5, 65504.0, -2.0e-7, 0.333],
+        mx.bfloat16: [0.0, 1e-39, -3.0e38, 1.0e-3, 0.333],
+    }[dtype]
+    rng = np.random.default_rng(0)
+    tkv, dv = 70, 40
+    values = rng.standard_normal((1, 1, tkv, dv)).astype(np.float32) * 100
+    values.flat[: len(special)] = special
+    v = mx.array(values).astype(dtype)
+    q, k, _ = make_qkv(1, 2, 1, 9, tkv, 16, dtype=dtype)
+    visible = np.zeros((9, tkv), dtype=bool)
+    chosen = rng.choice(tkv, 9)
+    chosen[0] = 0  # the row holding the special values
+    visible[np.arange(9), chosen] = True
+    out = fused(q, k, v, mask=mx.array(visible))
+    got = np.array(out.astype(mx.float32)).view(np.uint32)
+    want = np.array(v.astype(mx.float32))[0, 0, chosen].view(np.uint32)
+    np.testing.assert_array_equal(got[0, 0], want)
+    np.testing.assert_array_equal(got[0, 1], want)

@@ -88,6 +88,17 @@ inline vfloat exp2_vec(vfloat x) {
 }
 
 // ---------------------------------------------------------------- elements
+inline uint32_t bits_of(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  return bits;
+}
+inline float float_of(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline float half_to_float(uint16_t h) {
   uint32_t sign = uint32_t(h & 0x8000) << 16;
   uint32_t exponent = (h >> 10) & 0x1f;
@@ -107,14 +118,11 @@ inline float half_to_float(uint16_t h) {
     }
     bits = sign | (uint32_t(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
   }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
+  return float_of(bits);
 }
 
 inline uint16_t float_to_half(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
+  uint32_t x = bits_of(f);
   uint32_t sign = (x >> 16) & 0x8000;
   uint32_t abs = x & 0x7fffffff;
   if (abs >= 0x7f800000) {  // inf or nan
@@ -122,13 +130,10 @@ inline uint16_t float_to_half(float f) {
   }
   if (abs >= 0x477ff000) return uint16_t(sign | 0x7c00);  // rounds to inf
   if (abs < 0x38800000) {  // subnormal or zero half: round to nearest even
-    float magnitude;
-    memcpy(&magnitude, &abs, 4);
-    // 2^-24 is the half subnormal step; adding 0.5 (2^-1) rounds with the FPU.
-    float scaled = magnitude + 0.5f;
-    uint32_t s;
-    memcpy(&s, &scaled, 4);
-    return uint16_t(sign | (s - 0x3f000000u));
+    // 2^-24 is the half subnormal step: in [0.5, 1) the float ulp is 2^-24,
+    // so adding 0.5 rounds to it with the FPU's round-to-nearest-even.
+    uint32_t rounded = bits_of(float_of(abs) + 0.5f);
+    return uint16_t(sign | (rounded - 0x3f000000u));
   }
   uint32_t mantissa_odd = (abs >> 13) & 1;
   abs += 0xc8000fffu + mantissa_odd;  // rebias exponent and round to even
@@ -136,15 +141,11 @@ inline uint16_t float_to_half(float f) {
 }
 
 inline float bfloat_to_float(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
+  return float_of(uint32_t(h) << 16);
 }
 
 inline uint16_t float_to_bfloat(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
+  uint32_t x = bits_of(f);
   if ((x & 0x7fffffff) > 0x7f800000) return uint16_t((x >> 16) | 0x40);
   x += 0x7fff + ((x >> 16) & 1);
   return uint16_t(x >> 16);
