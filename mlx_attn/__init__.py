@@ -5,8 +5,11 @@
 pure-MLX reference path, a fused tiled CPU kernel and fused Metal kernels.
 """
 
+from mlx_attn.attention import MultiHeadAttention
+from mlx_attn.cache import ConcatKVCache, KVCache, RotatingKVCache
 from mlx_attn.ops import attention_path, scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
+from mlx_attn.rope import RoPE
 
 __version__ = "0.1.0"
 
@@ -14,4 +17,9 @@ __all__ = [
     "scaled_dot_product_attention",
     "attention_path",
     "reference_attention",
+    "MultiHeadAttention",
+    "RoPE",
+    "ConcatKVCache",
+    "KVCache",
+    "RotatingKVCache",
 ]

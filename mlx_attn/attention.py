@@ -1,0 +1,162 @@
+"""Multi-head attention (MHA), grouped-query (GQA) and multi-query (MQA).
+
+``MultiHeadAttention(d_model, n_heads, n_kv_heads)`` is MHA when
+``n_kv_heads == n_heads``, GQA when it divides ``n_heads`` and MQA when it is
+1. Keys and values are projected to ``n_kv_heads`` heads only and are never
+repeated: :func:`mlx_attn.scaled_dot_product_attention` maps each group of
+query heads onto its shared key/value head.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_attn.ops import Backend, scaled_dot_product_attention
+from mlx_attn.reference import reference_attention
+from mlx_attn.rope import RoPE
+
+__all__ = ["MultiHeadAttention", "RoPE"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with optional GQA/MQA, RoPE and KV cache.
+
+    Args:
+        d_model: model (embedding) width.
+        n_heads: query heads.
+        n_kv_heads: key/value heads (default ``n_heads``); must divide ``n_heads``.
+        head_dim: per-head width (default ``d_model // n_heads``).
+        bias: biases on the q/k/v projections.
+        out_bias: bias on the output projection (default: ``bias``).
+        fused_qkv: one ``qkv_proj`` instead of ``q_proj``/``k_proj``/``v_proj``
+            (self-attention only).
+        dropout: attention-weight dropout while training (uses the reference path).
+        rope: a :class:`RoPE` applied to queries and keys in self-attention.
+        backend: ``"auto"``, ``"fused"`` or ``"reference"`` (see
+            :func:`mlx_attn.scaled_dot_product_attention`).
+        window_size: sliding-window attention (each query sees at most this
+            many most recent keys).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        head_dim: int | None = None,
+        bias: bool = False,
+        out_bias: bool | None = None,
+        fused_qkv: bool = False,
+        dropout: float = 0.0,
+        rope: RoPE | None = None,
+        backend: Backend = "auto",
+        window_size: int | None = None,
+    ):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if d_model < 1 or n_heads < 1 or n_kv_heads < 1:
+            raise ValueError(
+                f"d_model, n_heads and n_kv_heads must be positive, got {d_model}, {n_heads}, {n_kv_heads}"
+            )
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            head_dim = d_model // n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if backend not in ("auto", "fused", "reference"):
+            raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+        if rope is not None and rope.dims > head_dim:
+            raise ValueError(f"RoPE over {rope.dims} dims does not fit head_dim {head_dim}")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.dropout = dropout
+        self.rope = rope
+        self.backend = backend
+        self.window_size = window_size
+        self.fused_qkv = fused_qkv
+        q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
+        else:
+            self.q_proj = nn.Linear(d_model, q_width, bias=bias)
+            self.k_proj = nn.Linear(d_model, kv_width, bias=bias)
+            self.v_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, d_model, bias=bias if out_bias is None else out_bias)
+
+    def _split_heads(self, x: mx.array, heads: int) -> mx.array:
+        b, t, _ = x.shape
+        return x.reshape(b, t, heads, self.head_dim).transpose(0, 2, 1, 3)
+
+    def _project(self, x: mx.array, kv: mx.array | None):
+        if self.fused_qkv:
+            if kv is not None:
+                raise ValueError("fused_qkv projections serve self-attention only; pass kv=None")
+            q_width = self.n_heads * self.head_dim
+            kv_width = self.n_kv_heads * self.head_dim
+            qkv = self.qkv_proj(x)
+            return mx.split(qkv, [q_width, q_width + kv_width], axis=-1)
+        source = x if kv is None else kv
+        return self.q_proj(x), self.k_proj(source), self.v_proj(source)
+
+    def _check_inputs(self, x: mx.array, kv: mx.array | None):
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [batch, length, {self.d_model}], got shape {x.shape}")
+        if kv is not None:
+            if kv.ndim != 3 or kv.shape[-1] != self.d_model:
+                raise ValueError(f"kv must be [batch, length, {self.d_model}], got shape {kv.shape}")
+            if kv.shape[0] != x.shape[0]:
+                raise ValueError(f"x and kv batch sizes differ: {x.shape[0]} vs {kv.shape[0]}")
+
+    def __call__(
+        self,
+        x: mx.array,
+        kv: mx.array | None = None,
+        *,
+        mask: mx.array | str | None = None,
+        cache=None,
+        return_weights: bool = False,
+    ):
+        """Attend from ``x [B, T, d_model]`` to itself, or to ``kv [B, S,
+        d_model]`` (cross-attention). ``mask``: None, ``"causal"`` or an array
+        broadcastable to ``[B, n_heads, T, S]``. ``cache``: a KV cache
+        (``mlx_attn.cache``); RoPE then starts at ``cache.offset``. Returns
+        ``y [B, T, d_model]``, and the attention weights ``[B, n_heads, T, S]``
+        too when ``return_weights`` (computed by the reference path)."""
+        self._check_inputs(x, kv)
+        q, k, v = self._project(x, kv)
+        q = self._split_heads(q, self.n_heads)
+        k = self._split_heads(k, self.n_kv_heads)
+        v = self._split_heads(v, self.n_kv_heads)
+
+        if self.rope is not None and kv is None:
+            offset = cache.offset if cache is not None else 0
+            q = self.rope(q, offset=offset)
+            k = self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+            if isinstance(mask, str) and mask == "causal":
+                # a rotating cache needs its band mask, others plain causal
+                mask = cache.make_mask(q.shape[2]) if q.shape[2] > 1 else None
+
+        dropout = self.dropout if self.training else 0.0
+        if return_weights or dropout > 0.0:
+            out, weights = reference_attention(
+                q, k, v, scale=self.scale, mask=mask, window_size=self.window_size,
+                return_weights=True, dropout_p=dropout,
+            )
+        else:
+            out = scaled_dot_product_attention(
+                q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=self.backend
+            )
+            weights = None
+        b, _, t, _ = out.shape
+        y = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        return (y, weights) if return_weights else y

@@ -1,0 +1,155 @@
+"""Attention masks.
+
+Two forms, both accepted by :func:`mlx_attn.scaled_dot_product_attention`:
+
+- **boolean**: True where a query may attend to a key;
+- **additive**: added to the scores, 0 where allowed and ``-inf`` where not.
+
+Shapes broadcast to ``[B, H, Tq, Tkv]``. A query row that may see no key gets
+zeros from the attention (never NaN), which is what padded query rows need.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_attn.reference import causal_visibility
+
+__all__ = [
+    "causal_mask",
+    "sliding_window_mask",
+    "padding_mask",
+    "query_key_padding_mask",
+    "combine_masks",
+    "bool_to_additive",
+    "additive_to_bool",
+]
+
+
+def _as_dtype(visible: mx.array, dtype) -> mx.array:
+    if dtype == mx.bool_:
+        return visible
+    return bool_to_additive(visible, dtype)
+
+
+def causal_mask(
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    offset: int | None = None,
+    window_size: int | None = None,
+    dtype: mx.Dtype = mx.bool_,
+) -> mx.array:
+    """``[q_len, kv_len]`` causal mask.
+
+    Query ``i`` sits at absolute position ``offset + i`` and sees keys
+    ``0 .. offset + i`` (with ``window_size``: only the last ``window_size``
+    of them). ``offset`` defaults to ``kv_len - q_len`` (lower-right aligned,
+    the cached-decoding case: the new queries are the last positions);
+    ``kv_len`` defaults to ``offset + q_len``. ``dtype`` bool gives a boolean
+    mask, a float dtype an additive one.
+    """
+    if q_len < 0 or (kv_len is not None and kv_len < 0):
+        raise ValueError(f"lengths must be >= 0, got q_len={q_len}, kv_len={kv_len}")
+    if window_size is not None and window_size < 1:
+        raise ValueError(f"window_size must be >= 1, got {window_size}")
+    if kv_len is None:
+        kv_len = q_len + (offset or 0)
+    if offset is None or offset == kv_len - q_len:
+        visible = causal_visibility(q_len, kv_len, window_size)
+    else:
+        positions = mx.arange(q_len)[:, None] + offset
+        keys = mx.arange(kv_len)[None, :]
+        visible = keys <= positions
+        if window_size is not None:
+            visible = visible & (keys > positions - window_size)
+    return _as_dtype(visible, dtype)
+
+
+def sliding_window_mask(
+    q_len: int,
+    window_size: int,
+    kv_len: int | None = None,
+    *,
+    offset: int | None = None,
+    dtype: mx.Dtype = mx.bool_,
+) -> mx.array:
+    """Causal mask where each query sees at most ``window_size`` most recent
+    keys, itself included (see :func:`causal_mask`)."""
+    return causal_mask(q_len, kv_len, offset=offset, window_size=window_size, dtype=dtype)
+
+
+def _lengths_array(lengths, max_len: int | None) -> tuple[mx.array, int]:
+    lengths = mx.array(lengths) if not isinstance(lengths, mx.array) else lengths
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths must be a 1-D sequence of lengths, got shape {lengths.shape}")
+    if lengths.size and (lengths.min().item() < 0):
+        raise ValueError("lengths must be >= 0")
+    longest = int(lengths.max().item()) if lengths.size else 0
+    if max_len is None:
+        max_len = longest
+    elif longest > max_len:
+        raise ValueError(f"a length ({longest}) exceeds max_len ({max_len})")
+    return lengths, max_len
+
+
+def padding_mask(lengths, max_len: int | None = None, *, dtype: mx.Dtype = mx.bool_) -> mx.array:
+    """Key-padding mask ``[B, 1, 1, max_len]`` from per-sequence lengths:
+    True (or 0) for the first ``lengths[b]`` keys of batch element ``b``."""
+    lengths, max_len = _lengths_array(lengths, max_len)
+    valid = mx.arange(max_len)[None, :] < lengths[:, None]
+    return _as_dtype(valid[:, None, None, :], dtype)
+
+
+def query_key_padding_mask(lengths, max_len: int | None = None, *, dtype: mx.Dtype = mx.bool_) -> mx.array:
+    """``[B, 1, max_len, max_len]``: real queries see real keys; padded query
+    rows see nothing, so attention returns zeros for them."""
+    lengths, max_len = _lengths_array(lengths, max_len)
+    valid = mx.arange(max_len)[None, :] < lengths[:, None]
+    both = valid[:, None, :, None] & valid[:, None, None, :]
+    return _as_dtype(both, dtype)
+
+
+def bool_to_additive(mask: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """True -> 0, False -> -inf."""
+    if mask.dtype != mx.bool_:
+        raise ValueError(f"expected a boolean mask, got {mask.dtype}")
+    if not mx.issubdtype(dtype, mx.floating):
+        raise ValueError(f"an additive mask needs a floating dtype, got {dtype}")
+    return mx.where(mask, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
+
+
+def additive_to_bool(mask: mx.array) -> mx.array:
+    """A key is visible where the additive mask is not ``-inf``.
+
+    Finite penalties have no boolean form: they are dropped (treated as
+    visible), so only masks of 0 / ``-inf`` convert losslessly."""
+    if not mx.issubdtype(mask.dtype, mx.floating):
+        raise ValueError(f"expected an additive (floating) mask, got {mask.dtype}")
+    return mask > -mx.inf
+
+
+def combine_masks(*masks: mx.array | None) -> mx.array | None:
+    """Combine masks so a key is visible only where every mask allows it.
+
+    Booleans are ANDed; if any mask is additive the result is additive (the
+    sum, with booleans converted). ``None`` entries are ignored; all ``None``
+    gives ``None``. Shapes broadcast.
+    """
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    for m in masks:
+        if not isinstance(m, mx.array):
+            raise ValueError(f"combine_masks takes arrays or None, got {type(m).__name__}")
+    if all(m.dtype == mx.bool_ for m in masks):
+        out = masks[0]
+        for m in masks[1:]:
+            out = out & m
+        return out
+    dtype = mx.result_type(*[m.dtype for m in masks if m.dtype != mx.bool_])
+    out = None
+    for m in masks:
+        term = bool_to_additive(m, dtype) if m.dtype == mx.bool_ else m.astype(dtype)
+        out = term if out is None else out + term
+    return out

@@ -1,0 +1,70 @@
+"""Rotary position embeddings (RoPE).
+
+Feature pairs are rotated by an angle proportional to the position:
+``theta_i(p) = scale * p * base^(-2i/dims)``. Two layouts pair the features
+differently:
+
+- ``traditional=True``: interleaved pairs ``(x0, x1), (x2, x3), ...``
+  (the original RoFormer layout, and GGUF/llama.cpp's);
+- ``traditional=False``: split halves ``(x_i, x_{i + dims/2})`` (Hugging Face
+  Llama's ``rotate_half``).
+
+Only the first ``dims`` features are rotated; the rest pass through.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["RoPE", "rope_angles"]
+
+
+def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx.array:
+    """``[len(positions), dims // 2]`` rotation angles (float32)."""
+    inv_freq = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    return (scale * positions.astype(mx.float32))[:, None] * inv_freq[None, :]
+
+
+class RoPE(nn.Module):
+    """``RoPE(dims, base=10000.0, traditional=False, scale=1.0)``; call with
+    ``x [..., T, features]`` and the position ``offset`` of its first step
+    (an int or a scalar array; e.g. the KV cache's ``offset``)."""
+
+    def __init__(self, dims: int, *, base: float = 10000.0, traditional: bool = False, scale: float = 1.0):
+        super().__init__()
+        if dims < 2 or dims % 2:
+            raise ValueError(f"RoPE dims must be a positive even number, got {dims}")
+        if base <= 0:
+            raise ValueError(f"RoPE base must be positive, got {base}")
+        self.dims = dims
+        self.base = float(base)
+        self.traditional = traditional
+        self.scale = float(scale)
+
+    def _extra_repr(self) -> str:
+        return f"{self.dims}, base={self.base}, traditional={self.traditional}, scale={self.scale}"
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.ndim < 2:
+            raise ValueError(f"RoPE expects [..., T, features], got shape {x.shape}")
+        if x.shape[-1] < self.dims:
+            raise ValueError(f"RoPE over {self.dims} dims but x has only {x.shape[-1]} features")
+        length = x.shape[-2]
+        positions = mx.arange(length) + offset
+        angles = rope_angles(positions, self.dims, self.base, self.scale)
+        cos, sin = mx.cos(angles), mx.sin(angles)  # [T, dims/2]
+
+        rotated, rest = x[..., : self.dims], x[..., self.dims :]
+        rotated = rotated.astype(mx.float32)
+        if self.traditional:
+            pairs = rotated.reshape(*rotated.shape[:-1], self.dims // 2, 2)
+            first, second = pairs[..., 0], pairs[..., 1]
+            out = mx.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
+            out = out.reshape(rotated.shape)
+        else:
+            half = self.dims // 2
+            first, second = rotated[..., :half], rotated[..., half:]
+            out = mx.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+        out = out.astype(x.dtype)
+        return mx.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
