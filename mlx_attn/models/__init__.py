@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
+from mlx_attn.models.bert import BertEncoder, SentenceEncoder, load_sentence_encoder
 from mlx_attn.models.llama import Llama, LlamaConfig
 
-__all__ = ["Llama", "LlamaConfig", "load_model"]
+__all__ = ["Llama", "LlamaConfig", "load_model", "BertEncoder", "SentenceEncoder", "load_sentence_encoder"]
 
 
 def load_model(path_or_name: str | os.PathLike | None = None, backend: str = "auto"):

@@ -1,0 +1,79 @@
+"""The BERT encoder: sentence embeddings against transformers, bidirectional
+attention, padding invariance, loading errors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_attn.model_store import fetch_model
+from mlx_attn.models import load_sentence_encoder
+from model_fixtures import minilm
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DATA = json.loads((FIXTURES / "minilm.json").read_text())
+# transformers (float32, torch) vs MLX (float32): measured max |diff| ~2e-7
+EMBEDDING_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_embeddings_match_transformers(backend):
+    encoder = minilm()
+    encoder.model.set_backend(backend)
+    try:
+        assert encoder.tokenize(DATA["sentences"]) == DATA["ids"]
+        got = np.array(encoder.encode(DATA["sentences"]))
+    finally:
+        encoder.model.set_backend("auto")
+    expected = np.load(FIXTURES / "minilm_embeddings.npy")
+    np.testing.assert_allclose(got, expected, atol=EMBEDDING_TOLERANCE)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-6)
+
+
+def test_similar_sentences_are_closer():
+    e = np.array(minilm().encode(["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."]))
+    assert e[0] @ e[1] > e[0] @ e[2] + 0.2
+
+
+def test_padding_does_not_change_an_embedding():
+    encoder = minilm()
+    short = "Paris"
+    alone = np.array(encoder.encode([short]))[0]
+    batched = np.array(encoder.encode([short, "a much longer sentence that forces plenty of padding onto the short one"]))[0]
+    np.testing.assert_allclose(alone, batched, atol=1e-5)
+
+
+def test_attention_is_bidirectional():
+    encoder = minilm()
+    tokens = mx.array([encoder.tokenize(["the bank of the river"])[0]])
+    changed = mx.array(tokens)
+    changed[0, -2] = encoder.tokenizer.token_to_id("money")
+    a = np.array(encoder.model(tokens, [tokens.shape[1]]))
+    b = np.array(encoder.model(changed, [tokens.shape[1]]))
+    assert not np.allclose(a[0, 1], b[0, 1], atol=1e-4)  # an earlier token sees a later change
+
+
+def test_loading_errors(tmp_path):
+    source = fetch_model("all-minilm-l6-v2")
+    copy = tmp_path / "model"
+    shutil.copytree(source, copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        load_sentence_encoder(copy)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_sentence_encoder(copy)
+    shutil.copy(source / "model.safetensors", weights)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(dict(config, model_type="gpt2")))
+    with pytest.raises(ValueError, match="not 'bert'"):
+        load_sentence_encoder(copy)
+    (copy / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=7)))
+    with pytest.raises(ValueError, match="do not fit"):
+        load_sentence_encoder(copy)
+    with pytest.raises(ValueError, match="no sentences"):
+        minilm().encode([])
