@@ -20,3 +20,15 @@ def test_cpu_benchmark_quick_run(tmp_path):
     # FLOP count: causal counts the visible pairs only
     assert bench.attention_flops(1, 1, 4, 4, 8, 8, True) == 2 * 10 * 16
     assert bench.attention_flops(1, 1, 4, 4, 8, 8, False) == 2 * 16 * 16
+
+
+def test_generation_benchmark_quick_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_generate", BENCH.parent / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--quick", "--out", str(tmp_path)])
+    assert [r["context"] for r in rows] == [16, 32]
+    for r in rows:
+        for backend in ("fused", "reference"):
+            assert r[backend]["generated"] == 3 and r[backend]["generation_tps"] > 0
+    assert (tmp_path / "bench_generate.png").stat().st_size > 10_000

@@ -34,3 +34,14 @@ def test_visualize_attention_example(tmp_path):
             assert np.triu(w, 1).max() == 0
     window = weights["sliding window (3)"]
     assert np.tril(window, -3).max() == 0 and np.tril(weights["causal"], -3).max() > 0
+
+
+def test_visualize_attention_of_the_real_model(tmp_path):
+    example = load("visualize_attention")
+    weights = example.main(["--model", "default", "--layer", "2", "--text", "The cat sat on the mat.",
+                            "--window", "3", "--out", str(tmp_path / "model.png")])
+    assert (tmp_path / "model.png").stat().st_size > 10_000
+    causal = weights["causal (as trained)"]
+    np.testing.assert_allclose(causal.sum(-1), 1.0, atol=1e-5)
+    assert np.triu(causal, 1).max() == 0
+    assert np.tril(weights["sliding window (3)"], -3).max() == 0
