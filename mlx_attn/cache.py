@@ -47,10 +47,21 @@ def _check_update(keys: mx.array, values: mx.array, stored: mx.array | None):
         )
 
 
+def _extend(stored: mx.array | None, like: mx.array, extra: int) -> mx.array:
+    """`stored` followed by `extra` zero slots along the time axis."""
+    b, h, _, d = like.shape
+    zeros = mx.zeros((b, h, extra, d), dtype=like.dtype)
+    return zeros if stored is None else mx.concatenate([stored, zeros], axis=2)
+
+
 class _Cache:
     keys: mx.array | None
     values: mx.array | None
     offset: int
+
+    @property
+    def state(self):
+        return self.keys, self.values
 
     def empty(self) -> bool:
         return self.keys is None
@@ -93,11 +104,7 @@ class ConcatKVCache(_Cache):
         self.offset += keys.shape[2]
         return self.keys, self.values
 
-    @property
-    def state(self):
-        return self.keys, self.values
-
-    @state.setter
+    @_Cache.state.setter
     def state(self, value):
         self.keys, self.values = value
         self.offset = self.keys.shape[2]
@@ -127,16 +134,9 @@ class KVCache(_Cache):
         """Reallocate to the next multiple of `step` that fits the update."""
         needed = self.offset + keys.shape[2]
         capacity = (needed + self.step - 1) // self.step * self.step
-        b, h, _, d = keys.shape
-        extra_k = mx.zeros((b, h, capacity - self.offset, d), dtype=keys.dtype)
-        extra_v = mx.zeros((b, h, capacity - self.offset, values.shape[3]), dtype=values.dtype)
-        if self.keys is None:
-            self.keys, self.values = extra_k, extra_v
-        else:
-            used_k = self.keys[..., : self.offset, :]
-            used_v = self.values[..., : self.offset, :]
-            self.keys = mx.concatenate([used_k, extra_k], axis=2)
-            self.values = mx.concatenate([used_v, extra_v], axis=2)
+        used = (None, None) if self.keys is None else (self.keys[..., : self.offset, :], self.values[..., : self.offset, :])
+        self.keys = _extend(used[0], keys, capacity - self.offset)
+        self.values = _extend(used[1], values, capacity - self.offset)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         _check_update(keys, values, self.keys)
@@ -244,14 +244,8 @@ class RotatingKVCache(_Cache):
             self._idx = self.keys.shape[2]
         if self.keys is None or (self._idx == self.keys.shape[2] and self.keys.shape[2] < self.max_size):
             grow = min(self.step, self.max_size - (0 if self.keys is None else self.keys.shape[2]))
-            b, h, _, d = keys.shape
-            extra_k = mx.zeros((b, h, grow, d), dtype=keys.dtype)
-            extra_v = mx.zeros((b, h, grow, values.shape[3]), dtype=values.dtype)
-            if self.keys is None:
-                self.keys, self.values = extra_k, extra_v
-            else:
-                self.keys = mx.concatenate([self.keys, extra_k], axis=2)
-                self.values = mx.concatenate([self.values, extra_v], axis=2)
+            self.keys = _extend(self.keys, keys, grow)
+            self.values = _extend(self.values, values, grow)
         if self._idx == self.max_size:  # full: overwrite the oldest non-kept slot
             self._idx = self.keep
         self.keys[..., self._idx : self._idx + 1, :] = keys
@@ -279,11 +273,7 @@ class RotatingKVCache(_Cache):
         return visible
 
     # -- state --------------------------------------------------------------
-    @property
-    def state(self):
-        return self.keys, self.values
-
-    @state.setter
+    @_Cache.state.setter
     def state(self, value):
         self.keys, self.values = value
 

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_attn.models.llama import Llama, LlamaConfig
 from mlx_attn.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
 
-__all__ = ["load_gguf", "load_hf_directory", "load_decoder"]
+__all__ = ["load_gguf", "load_hf_directory", "load_decoder", "rename_weights"]
 
 # GGUF tensor names -> this package's module paths
 _GGUF_NAMES = [
@@ -56,17 +56,20 @@ def _meta_float(meta: dict, key: str, default: float) -> float:
     return float(value.item() if hasattr(value, "item") else value)
 
 
-def _rename_gguf(weights: dict) -> dict:
+def rename_weights(weights: dict, patterns: list[tuple[str, str]], skip=lambda name: False, source="checkpoint") -> dict:
+    """Map checkpoint tensor names to module paths with the first matching
+    (regex, replacement); names `skip` accepts are dropped, others are errors."""
     renamed = {}
     for name, value in weights.items():
-        for pattern, replacement in _GGUF_NAMES:
+        if skip(name):
+            continue
+        for pattern, replacement in patterns:
             new, count = re.subn(pattern, replacement, name)
             if count:
                 renamed[new] = value
                 break
         else:
-            if not name.startswith("rope_freqs"):
-                raise ValueError(f"unexpected tensor {name!r} in the GGUF file")
+            raise ValueError(f"unexpected tensor {name!r} in the {source}")
     return renamed
 
 
@@ -128,7 +131,7 @@ def load_gguf(path: str | os.PathLike, backend: str = "auto") -> tuple[Llama, To
         tie_word_embeddings="output.weight" not in weights,
         max_position_embeddings=_meta_int(meta, "llama.context_length", 8192),
     )
-    weights = _rename_gguf(weights)
+    weights = rename_weights(weights, _GGUF_NAMES, skip=lambda n: n.startswith("rope_freqs"), source="GGUF file")
     quantized = any(name.endswith(".scales") for name in weights)
     model = _build(config, weights, GGUF_GROUP_SIZE if quantized else None, backend, str(path))
     return model, tokenizer_from_gguf_metadata(meta)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,19 +99,12 @@ _HF_NAMES = [
 
 
 def _rename(weights: dict) -> dict:
-    out = {}
-    for name, value in weights.items():
-        name = name.removeprefix("bert.")
-        if name.endswith("position_ids") or name.startswith("pooler."):
-            continue  # buffers and the unused classification pooler
-        for pattern, replacement in _HF_NAMES:
-            new, count = re.subn(pattern, replacement, name)
-            if count:
-                out[new] = value
-                break
-        else:
-            raise ValueError(f"unexpected tensor {name!r} in the BERT checkpoint")
-    return out
+    from mlx_attn.loading import rename_weights
+
+    weights = {name.removeprefix("bert."): value for name, value in weights.items()}
+    # position_ids are a buffer; the pooler serves classification, not embeddings
+    skip = lambda name: name.endswith("position_ids") or name.startswith("pooler.")  # noqa: E731
+    return rename_weights(weights, _HF_NAMES, skip=skip, source="BERT checkpoint")
 
 
 class SentenceEncoder:
