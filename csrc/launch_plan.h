@@ -1,2 +1,47 @@
-// Portable description of how the Metal kernels are launched (see issue #3).
+// Portable description of how the fused Metal kernels are launched for a
+// problem: kernel names, grids, threadgroup sizes, the parameter struct and
+// the buffer binding order. The Mac host (csrc/metal/) only translates a plan
+// into encoder calls; the MSL emulator tests launch from the same plan.
 #pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "metal/attention_params.h"
+
+namespace mlx_attn {
+
+struct AttentionShape {
+  int batch = 1, q_heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 64, value_dim = 64;
+  std::string dtype = "float32";  // float32 | float16 | bfloat16
+  std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, mask_strides{};
+  int mask_kind = MLX_ATTN_MASK_NONE;
+  bool causal = false;
+  int window_size = 0;
+  bool has_sinks = false;
+  float scale = 1.0f;
+};
+
+struct KernelDispatch {
+  std::string kernel;                  // host name in mlx_attn.metallib
+  std::array<int, 3> grid{};           // threadgroups
+  std::array<int, 3> threadgroup{};    // threads per threadgroup
+  std::vector<std::string> buffers;    // binding order: q k v out params mask sinks
+  int threadgroup_memory_bytes = 0;
+};
+
+struct LaunchPlan {
+  bool supported = false;
+  std::string reason;  // why not, when unsupported
+  AttentionParams params{};
+  std::vector<KernelDispatch> dispatches;
+};
+
+// Keys per staged block of the prefill kernel for a head dim (0: unsupported).
+int prefill_key_block(int head_dim);
+
+LaunchPlan plan_attention(const AttentionShape& shape);
+
+}  // namespace mlx_attn

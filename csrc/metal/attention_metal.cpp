@@ -1,7 +1,6 @@
-// Loads mlx_attn.metallib from next to the extension binary, the way MLX's
-// extension example does. The attention kernels themselves come with the
-// Metal-kernel work (metal/*.metal); until they exist, Python never routes a
-// GPU call here (mlx_attn/metal_support.py reports them unavailable).
+// The Mac-only part: translate a launch plan (csrc/launch_plan.cpp, tested on
+// Linux) into MLX Metal command-encoder calls. mlx_attn.metallib is loaded
+// from next to the extension binary, as in MLX's extension example.
 #include "csrc/metal/attention_metal.h"
 
 #include <dlfcn.h>
@@ -9,6 +8,7 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "csrc/launch_plan.h"
 #include "mlx/backend/metal/device.h"
 
 namespace mlx_attn::metal {
@@ -24,16 +24,78 @@ const std::string& binary_dir() {
   return dir;
 }
 
+namespace {
+std::string dtype_name(mx::Dtype t) {
+  if (t == mx::float32) return "float32";
+  if (t == mx::float16) return "float16";
+  if (t == mx::bfloat16) return "bfloat16";
+  throw std::invalid_argument("[mlx_attn] unsupported dtype for the Metal kernels");
+}
+void copy_strides(const mx::array& a, std::array<int64_t, 4>& out) {
+  for (int i = 0; i < 4; ++i) out[i] = a.strides()[i];
+}
+}  // namespace
+
 void eval_attention(
     mx::Stream stream,
-    const AttentionOptions&,
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
+    const AttentionOptions& options,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  if (options.output_lse) {
+    throw std::runtime_error("[mlx_attn] the Metal kernels do not return the log-sum-exp");
+  }
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const auto& v = inputs[2];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  AttentionShape shape;
+  shape.batch = q.shape(0);
+  shape.q_heads = q.shape(1);
+  shape.q_len = q.shape(2);
+  shape.head_dim = q.shape(3);
+  shape.kv_heads = k.shape(1);
+  shape.kv_len = k.shape(2);
+  shape.value_dim = v.shape(3);
+  shape.dtype = dtype_name(q.dtype());
+  copy_strides(q, shape.q_strides);
+  copy_strides(k, shape.k_strides);
+  copy_strides(v, shape.v_strides);
+  const mx::array* mask = options.has_mask ? &inputs[3] : nullptr;
+  if (mask) {
+    copy_strides(*mask, shape.mask_strides);
+    shape.mask_kind = mask->dtype() == mx::bool_ ? MLX_ATTN_MASK_BOOL : MLX_ATTN_MASK_ADDITIVE;
+  }
+  shape.causal = options.causal;
+  shape.window_size = options.window_size;
+  shape.has_sinks = options.has_sinks;
+  shape.scale = options.scale;
+  const LaunchPlan plan = plan_attention(shape);
+  if (!plan.supported) {
+    throw std::runtime_error("[mlx_attn] Metal kernels: " + plan.reason);
+  }
+
   auto& device = mx::metal::device(stream.device);
-  device.get_library("mlx_attn", binary_dir());  // fails clearly if not installed
-  throw std::runtime_error(
-      "[mlx_attn] this version has no fused Metal attention kernels yet; "
-      "use backend='auto' or 'reference' on the GPU");
+  auto* library = device.get_library("mlx_attn", binary_dir());
+  auto& encoder = mx::metal::get_command_encoder(stream);
+  for (const auto& dispatch : plan.dispatches) {
+    encoder.set_compute_pipeline_state(device.get_kernel(dispatch.kernel, library));
+    for (int i = 0; i < int(dispatch.buffers.size()); ++i) {
+      const std::string& name = dispatch.buffers[i];
+      if (name == "q") encoder.set_input_array(q, i);
+      else if (name == "k") encoder.set_input_array(k, i);
+      else if (name == "v") encoder.set_input_array(v, i);
+      else if (name == "out") encoder.set_output_array(out, i);
+      else if (name == "params") encoder.set_bytes(plan.params, i);
+      else if (name == "mask") encoder.set_input_array(mask ? *mask : q, i);  // q: an unread placeholder
+      else if (name == "sinks") encoder.set_input_array(options.has_sinks ? inputs.back() : q, i);
+      else throw std::logic_error("[mlx_attn] unknown buffer " + name + " in a launch plan");
+    }
+    encoder.dispatch_threadgroups(
+        MTL::Size(dispatch.grid[0], dispatch.grid[1], dispatch.grid[2]),
+        MTL::Size(dispatch.threadgroup[0], dispatch.threadgroup[1], dispatch.threadgroup[2]));
+  }
 }
 
 }  // namespace mlx_attn::metal

@@ -126,7 +126,7 @@ def _matching_paren(text: str, open_index: int) -> int:
 
 _KERNEL_DEF = re.compile(r"(\[\[\s*kernel\s*\]\]|\bkernel\b)\s+void\s+(\w+)\s*\(")
 _INSTANTIATION = re.compile(
-    r"template\s*\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*([^;]+);"
+    r"template\s*\[\[\s*host_name\s*\(\s*((?:\"[^\"]*\"\s*)+)\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*([^;]+);"
 )
 _ATTRIBUTE = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]")
 _VECTOR_CONSTRUCTOR = re.compile(r"\b((?:float|half|bfloat|int|uint|short|ushort|ulong)[234])\s*\(")
@@ -154,7 +154,8 @@ def translate(text: str) -> tuple[str, list[str]]:
     instantiations = []
 
     def instantiate(match):
-        host, decl = match.group(1), match.group(2)
+        host = "".join(re.findall(r'"([^"]*)"', match.group(1)))  # adjacent literals concatenate
+        decl = match.group(2)
         inner = re.match(r"decltype\s*\((.*)\)\s*(.*)$", decl.strip(), re.S)
         if not inner:
             raise MetalCompileError(f"cannot read the instantiation of {host!r}: {decl.strip()}")

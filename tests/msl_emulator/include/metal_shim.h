@@ -271,8 +271,8 @@ inline bool simd_any(bool x, MSL_HERE) {
 
 // ------------------------------------------------------------ simdgroup_matrix
 // A simdgroup-wide 8x8 matrix. On the GPU each lane holds two elements; here
-// every lane holds the whole tile (all lanes load and compute the same
-// values), which is observably the same for simdgroup-uniform code.
+// every lane keeps a copy of the whole tile for the arithmetic, while loads
+// and stores move only the lane's own elements (see simdgroup_load).
 template <typename T, int Rows, int Cols>
 struct simdgroup_matrix {
   static_assert(Rows == 8 && Cols == 8, "only 8x8 simdgroup matrices are emulated");
@@ -291,26 +291,41 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T value) {
   return simdgroup_matrix<T, R, C>(value);
 }
 
+// Like the hardware, each lane moves only the two elements it owns (2 * lane,
+// 2 * lane + 1); a load is a simdgroup collective that gives every lane the
+// whole tile. So a lane that loads before the others have written their part
+// of the source reads stale or poisoned values, as on a GPU.
 // src: a device/threadgroup/constant pointer; element (r, c) of the tile is at
 // src[(origin.y + r) * elements_per_row + origin.x + c] (transposed: r <-> c).
+template <typename T>
+struct msl_pair {
+  T first, second;
+};
 template <typename T, typename P>
 inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& m, P src, ulong elements_per_row = 8,
-                           ulong2 origin = ulong2(0), bool transpose = false) {
-  for (int r = 0; r < 8; ++r)
-    for (int c = 0; c < 8; ++c) {
-      ulong row = transpose ? c : r, col = transpose ? r : c;
-      m.elements[r * 8 + c] = static_cast<T>(src[(origin.y + row) * elements_per_row + origin.x + col]);
-    }
+                           ulong2 origin = ulong2(0), bool transpose = false, MSL_HERE) {
+  msl_pair<T> mine;
+  T* own[2] = {&mine.first, &mine.second};
+  for (int i = 0; i < 2; ++i) {
+    int e = 2 * msl_rt::simd_lane() + i, r = e / 8, c = e % 8;
+    ulong row = transpose ? c : r, col = transpose ? r : c;
+    *own[i] = static_cast<T>(src[(origin.y + row) * elements_per_row + origin.x + col]);
+  }
+  const msl_pair<T>* lanes = msl_rt::simd_exchange(mine, msl_file, msl_line);
+  for (int lane = 0; lane < 32; ++lane) {
+    m.elements[2 * lane] = lanes[lane].first;
+    m.elements[2 * lane + 1] = lanes[lane].second;
+  }
 }
 template <typename T, typename P>
 inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst, ulong elements_per_row = 8,
                             ulong2 origin = ulong2(0), bool transpose = false) {
-  for (int r = 0; r < 8; ++r)
-    for (int c = 0; c < 8; ++c) {
-      ulong row = transpose ? c : r, col = transpose ? r : c;
-      dst[(origin.y + row) * elements_per_row + origin.x + col] =
-          static_cast<std::remove_reference_t<decltype(dst[0])>>(m.elements[r * 8 + c]);
-    }
+  for (int i = 0; i < 2; ++i) {
+    int e = 2 * msl_rt::simd_lane() + i, r = e / 8, c = e % 8;
+    ulong row = transpose ? c : r, col = transpose ? r : c;
+    dst[(origin.y + row) * elements_per_row + origin.x + col] =
+        static_cast<std::remove_reference_t<decltype(dst[0])>>(m.elements[e]);
+  }
 }
 template <typename TD, typename TA, typename TB, typename TC>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,

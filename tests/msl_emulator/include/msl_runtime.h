@@ -2,9 +2,10 @@
 // threads a ucontext fiber on one OS thread. A fiber runs until it reaches a
 // synchronisation point (threadgroup_barrier, a simd_* collective) or returns;
 // the scheduler then releases the point once every thread that must reach it
-// has, or reports a deadlock with the waiting locations. Running each thread
-// as far as it goes before the next starts makes missing barriers visible:
-// the reader runs before the writers.
+// has, or reports a deadlock with the waiting locations. The lowest simdgroup
+// that can progress always runs first, so it gets as far ahead of the others
+// as the synchronisation allows: a missing barrier lets it read what others
+// have not written yet, or overwrite what they still read.
 //
 // Threadgroup memory is allocated per threadgroup and poisoned with 0xFF
 // bytes (NaN as float/half) so reads of uninitialised memory show up.
@@ -177,6 +178,9 @@ inline bool resolve(Group& g, bool& released) {
     }
   }
   if (released) return true;
+  for (const Fiber& f : g.fibers) {
+    if (f.wait == Wait::none) return true;  // someone can still run
+  }
   int at_barrier = 0, done = 0;
   const Fiber* waiting = nullptr;
   for (const Fiber& f : g.fibers) {
@@ -232,12 +236,17 @@ inline bool run_threadgroup(Group& g, void (*body)(), std::string& error) {
   }
   current_group = &g;
   while (true) {
+    // Only the lowest simdgroup that can progress runs (each lane until it
+    // blocks): one simdgroup races as far ahead of the others as the
+    // synchronisation allows, which exposes missing barriers both ways.
     bool ran = false;
-    for (int i = 0; i < n; ++i) {
-      if (g.fibers[i].wait != Wait::none) continue;
-      g.current = i;
-      swapcontext(&g.scheduler, &g.fibers[i].context);
-      ran = true;
+    for (int s = 0; s < groups && !ran; ++s) {
+      for (int i = s * kSimdWidth; i < n && i < (s + 1) * kSimdWidth; ++i) {
+        if (g.fibers[i].wait != Wait::none) continue;
+        g.current = i;
+        swapcontext(&g.scheduler, &g.fibers[i].context);
+        ran = true;
+      }
     }
     bool all_done = true;
     for (const Fiber& f : g.fibers) all_done &= f.wait == Wait::done;

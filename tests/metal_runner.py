@@ -1,0 +1,75 @@
+"""Run the fused Metal attention the way the Mac host does: from the C++
+launch plan. On Linux the .metal sources execute in the MSL emulator; on a
+Mac with Metal, the real kernels run through mlx_attn on the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_attn
+from mlx_attn import _ext
+from mlx_attn.metal_support import launch_plan
+
+REPO = Path(__file__).resolve().parent.parent
+METAL_SOURCES = sorted((REPO / "metal").glob("*.metal"))
+REAL_METAL = mx.metal.is_available() and _ext.has_metal()
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """float32/float16 as themselves, bfloat16 as its uint16 bits."""
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16))
+    return np.array(a)
+
+
+def from_numpy(x: np.ndarray, dtype) -> mx.array:
+    if dtype == mx.bfloat16:
+        return mx.array(x).view(mx.bfloat16)
+    return mx.array(x)
+
+
+def element_strides(x: np.ndarray, shape=None) -> list[int]:
+    view = x if shape is None else np.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), shape)
+    return [s // x.itemsize for s in view.strides]
+
+
+class EmulatedMetal:
+    def __init__(self, fast_math: bool, sources=None):
+        import msl_emulator
+
+        self.fast_math = fast_math
+        self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
+
+    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None):
+        nq, nk, nv = to_numpy(q), to_numpy(k), to_numpy(v)
+        strides = {"q": element_strides(nq), "k": element_strides(nk), "v": element_strides(nv)}
+        buffers = {"q": nq, "k": nk, "v": nv, "mask": np.zeros(1, np.uint8), "sinks": np.zeros(1, nq.dtype)}
+        if isinstance(mask, mx.array):
+            m = mask if mask.dtype == mx.bool_ else mask.astype(q.dtype)
+            nm = np.ascontiguousarray(to_numpy(m))
+            full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            strides["mask"] = element_strides(nm, full)
+            buffers["mask"] = nm.view(np.uint8) if nm.dtype == np.bool_ else nm
+        if sinks is not None:
+            buffers["sinks"] = np.ascontiguousarray(to_numpy(sinks.astype(q.dtype)))
+        plan = launch_plan(q, k, v, mask, sinks, window_size, scale=scale, strides=strides)
+        assert plan["supported"], plan["reason"]
+        out = np.zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=nq.dtype)
+        buffers["out"] = out
+        buffers["params"] = plan["params"]
+        for step in plan["dispatches"]:
+            bound = {i: buffers[name] for i, name in enumerate(step["buffers"])}
+            self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
+        return from_numpy(out, q.dtype)
+
+
+class RealMetal:
+    fast_math = True
+
+    def __call__(self, q, k, v, **kw):
+        out = mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.gpu, **kw)
+        mx.eval(out)
+        return out

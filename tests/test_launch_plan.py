@@ -1,0 +1,65 @@
+"""The portable launch plan the Mac host and the emulator tests share."""
+
+import struct
+
+import mlx.core as mx
+import pytest
+
+import mlx_attn
+import mlx_attn.metal_support
+from mlx_attn import _ext
+from mlx_attn.metal_support import launch_plan
+
+
+def plan_for(b=1, hq=8, hkv=2, tq=100, tkv=120, d=64, dv=None, dtype=mx.float16, **kw):
+    q = mx.zeros((b, hq, tq, d), dtype=dtype)
+    k = mx.zeros((b, hkv, tkv, d), dtype=dtype)
+    v = mx.zeros((b, hkv, tkv, dv or d), dtype=dtype)
+    return launch_plan(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("tq", [1, 31, 32, 33, 1000])
+def test_grid_covers_every_query_row_and_memory_fits(d, tq):
+    plan = plan_for(tq=tq, d=d)
+    assert plan["supported"], plan["reason"]
+    (step,) = plan["dispatches"]
+    rows_per_group = 32
+    assert step["grid"] == [-(-tq // rows_per_group), 8, 1]
+    assert step["grid"][0] * rows_per_group >= tq > (step["grid"][0] - 1) * rows_per_group
+    assert step["threadgroup"] == [128, 1, 1]
+    assert step["threadgroup_memory_bytes"] <= 32 * 1024
+    assert step["kernel"] == f"attention_prefill_float16_d{d}"
+    assert step["buffers"] == ["q", "k", "v", "out", "params", "mask", "sinks"]
+
+
+def test_params_bytes_encode_the_problem():
+    plan = plan_for(b=2, hq=8, hkv=2, tq=7, tkv=9, mask="causal", window_size=4, scale=0.5,
+                    strides={"q": [1, 2, 3, 4], "k": [5, 6, 7, 8], "v": [9, 10, 11, 12], "mask": [0, 0, 13, 1]})
+    raw = plan["params"]
+    assert len(raw) == _ext.ATTENTION_PARAMS_BYTES
+    values = struct.unpack("16q10ifi", raw)
+    assert values[:16] == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 0, 13, 1)
+    batch, q_heads, kv_heads, group, q_len, kv_len, causal, window, mask_kind, sinks = values[16:26]
+    assert (batch, q_heads, kv_heads, group, q_len, kv_len) == (2, 8, 2, 4, 7, 9)
+    assert (causal, window, mask_kind, sinks) == (1, 4, _ext.MASK_NONE, 0)
+    assert abs(values[26] - 0.5 * 1.4426950408889634) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(d=72), "head dims 64, 80, 96, 128 and 256"),
+    (dict(d=64, dv=32), "equal"),
+    (dict(d=8), "head dims"),
+])
+def test_unsupported_problems_say_why(kwargs, reason):
+    plan = plan_for(**kwargs)
+    assert not plan["supported"] and reason in plan["reason"]
+
+
+def test_metal_support_reason_on_this_build():
+    q = mx.zeros((1, 2, 4, 64))
+    reason = mlx_attn.metal_support.unsupported_reason(q, q, q, None, None, None)
+    if _ext.has_metal():
+        assert reason is None
+    else:
+        assert "no Metal kernels" in reason
