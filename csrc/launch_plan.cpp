@@ -1,5 +1,6 @@
 #include "csrc/launch_plan.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace mlx_attn {
@@ -19,6 +20,37 @@ int prefill_key_block(int head_dim) {
     default: return 0;
   }
 }
+
+int decode_key_block(int head_dim) {
+  return head_dim % 32 == 0 ? prefill_key_block(head_dim) : 0;
+}
+
+namespace {
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeKeysPerSplit = 64;
+constexpr int kDecodeMaxSplits = 32;
+
+void plan_decode(const AttentionShape& s, LaunchPlan& plan) {
+  const int rows = (s.q_heads / s.kv_heads) * s.q_len;
+  const int splits = std::max(1, std::min(kDecodeMaxSplits, (s.kv_len + kDecodeKeysPerSplit - 1) / kDecodeKeysPerSplit));
+  const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
+  plan.splits = splits;
+  plan.scratch = {{"partial_out", partials * s.head_dim}, {"partial_stats", partials * 2}};
+  const int key_block = decode_key_block(s.head_dim);
+  KernelDispatch partial;
+  partial.kernel = "attention_decode_partial_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  partial.grid = {splits, s.kv_heads, s.batch};
+  partial.threadgroup = {kDecodeThreads, 1, 1};
+  partial.buffers = {"q", "k", "v", "params", "mask", "partial_out", "partial_stats"};
+  partial.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4;
+  KernelDispatch merge;
+  merge.kernel = "attention_decode_merge_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  merge.grid = {rows, s.kv_heads, s.batch};
+  merge.threadgroup = {32, 1, 1};
+  merge.buffers = {"partial_out", "partial_stats", "sinks", "out", "params", "splits"};
+  plan.dispatches = {partial, merge};
+}
+}  // namespace
 
 LaunchPlan plan_attention(const AttentionShape& s) {
   LaunchPlan plan;
@@ -58,6 +90,13 @@ LaunchPlan plan_attention(const AttentionShape& s) {
   p.mask_kind = s.mask_kind;
   p.has_sinks = s.has_sinks ? 1 : 0;
   p.scale_log2 = s.scale * kLog2e;
+
+  const int rows = (s.q_heads / s.kv_heads) * s.q_len;
+  if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_key_block(s.head_dim) != 0) {
+    plan_decode(s, plan);
+    plan.supported = true;
+    return plan;
+  }
 
   KernelDispatch prefill;
   prefill.kernel = "attention_prefill_" + s.dtype + "_d" + std::to_string(s.head_dim);

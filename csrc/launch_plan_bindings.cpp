@@ -37,6 +37,10 @@ void bind_launch_plan(nb::module_& m) {
           dispatches.append(entry);
         }
         out["dispatches"] = dispatches;
+        out["splits"] = plan.splits;
+        nb::dict scratch;
+        for (const auto& buffer : plan.scratch) scratch[buffer.name.c_str()] = buffer.elements;
+        out["scratch"] = scratch;
         return out;
       },
       "batch"_a, "q_heads"_a, "kv_heads"_a, "q_len"_a, "kv_len"_a, "head_dim"_a, "value_dim"_a,

@@ -4,6 +4,7 @@ Mac with Metal, the real kernels run through mlx_attn on the GPU."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,6 +61,10 @@ class EmulatedMetal:
         out = np.zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=nq.dtype)
         buffers["out"] = out
         buffers["params"] = plan["params"]
+        buffers["splits"] = struct.pack("i", plan["splits"])
+        for name, elements in plan["scratch"].items():
+            buffers[name] = np.full(elements, np.nan, np.float32)  # unwritten partials would show
+        self.last_plan = plan
         for step in plan["dispatches"]:
             bound = {i: buffers[name] for i, name in enumerate(step["buffers"])}
             self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)

@@ -91,3 +91,28 @@ def test_sinks_windows_and_fully_masked_rows(run):
 def test_large_logits(run):
     q, k, v = make(1, 2, 1, 20, 40, 64, mx.float16)
     check(run, q * 40, k, v, scale=1.0, mask="causal")
+
+
+@pytest.mark.parametrize("tq", [1, 3, 8])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (4, 1)])
+def test_decode_split_kv(run, tq, hq, hkv):
+    q, k, v = make(2, hq, hkv, tq, 150, 64, mx.float32, seed=tq)
+    got = check(run, q, k, v, mask="causal", sinks=mx.linspace(-1, 1, hq))
+    if not REAL_METAL:
+        kernels = [step["kernel"] for step in run.last_plan["dispatches"]]
+        assert kernels == ["attention_decode_partial_float32_d64", "attention_decode_merge_float32_d64"]
+        assert run.last_plan["splits"] == 3  # 150 keys over splits of 64
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [96, 128, 256])
+def test_decode_head_dims_masks_and_windows(run, dtype, d):
+    q, k, v = make(1, 4, 2, 2, 90, d, dtype)
+    rng = np.random.default_rng(d)
+    visible = rng.random((1, 4, 2, 90)) > 0.3
+    visible[0, 1, 0] = False  # a fully masked row
+    got = check(run, q, k, v, mask=mx.array(visible))
+    assert np.all(got[0, 1, 0] == 0)
+    check(run, q, k, v, window_size=20)
+    check(run, q, k, v, mask=mx.array(rng.standard_normal((2, 90)).astype(np.float32)).astype(dtype))

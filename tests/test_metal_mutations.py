@@ -17,12 +17,14 @@ from mlx_attn.reference import reference_attention
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
 
 PREFILL = REPO / "metal" / "attention_prefill.metal"
+DECODE = REPO / "metal" / "attention_decode.metal"
 
 
 def only_float32_d64(text: str) -> str:
     """Keep one instantiation so each mutant compiles quickly."""
-    text = re.sub(r"^MLX_ATTN_PREFILL_TYPES\(.*\)$", "", text, flags=re.M)
-    return text + "\nMLX_ATTN_PREFILL(float32, float, 64, 32)\n"
+    text = re.sub(r"^MLX_ATTN_(PREFILL|DECODE)_TYPES\(.*\)$", "", text, flags=re.M)
+    kind = "PREFILL" if "attention_prefill<" in text else "DECODE"
+    return text + f"\nMLX_ATTN_{kind}(float32, float, 64, 32)\n"
 
 
 def nth_occurrence_removed(text: str, needle: str, n: int) -> str:
@@ -32,25 +34,33 @@ def nth_occurrence_removed(text: str, needle: str, n: int) -> str:
     return text[:start] + text[end:]
 
 
-BARRIERS = PREFILL.read_text().count("threadgroup_barrier(")
-SIMD_BARRIERS = PREFILL.read_text().count("simdgroup_barrier(")
+def barriers(source: Path, kind: str) -> dict:
+    count = source.read_text().count(f"{kind}(")
+    return {f"{source.stem}: {kind} #{i} removed": (source, "remove", f"{kind}(", i) for i in range(count)}
+
 
 MUTANTS = {
-    **{f"threadgroup_barrier #{i} removed": ("remove", "threadgroup_barrier(", i) for i in range(BARRIERS)},
-    **{f"simdgroup_barrier #{i} removed": ("remove", "simdgroup_barrier(", i) for i in range(SIMD_BARRIERS)},
-    "causal comparison flipped": ("replace", "key <= pos &&", "key < pos &&"),
-    "window comparison off by one": ("replace", "key > pos - p.window_size", "key >= pos - p.window_size"),
-    "accumulator rescale dropped": ("replace", "simdgroup_multiply(o_tiles[d], rescale, o_tiles[d]);", ""),
-    "K/V tile load bound off by one": ("replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
-    "causal block range off by one": ("replace", "kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
-    "output row bound off by one": ("replace", "if (row < p.q_len) {", "if (row < p.q_len - 1) {"),
-    "bool mask ignored": ("replace", "visible = mask[at] != 0;", "visible = true;"),
-    "sink left out of the sum": ("replace", "l_final = l_row * correction + exp2(sink - m_final);", "l_final = l_row * correction;"),
+    **barriers(PREFILL, "threadgroup_barrier"),
+    **barriers(PREFILL, "simdgroup_barrier"),
+    **barriers(DECODE, "threadgroup_barrier"),
+    "prefill: causal comparison flipped": (PREFILL, "replace", "key <= pos &&", "key < pos &&"),
+    "prefill: window comparison off by one": (PREFILL, "replace", "key > pos - p.window_size", "key >= pos - p.window_size"),
+    "prefill: accumulator rescale dropped": (PREFILL, "replace", "simdgroup_multiply(o_tiles[d], rescale, o_tiles[d]);", ""),
+    "prefill: K/V tile load bound off by one": (PREFILL, "replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
+    "prefill: causal block range off by one": (PREFILL, "replace", "kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
+    "prefill: output row bound off by one": (PREFILL, "replace", "if (row < p.q_len) {", "if (row < p.q_len - 1) {"),
+    "prefill: bool mask ignored": (PREFILL, "replace", "visible = mask[at] != 0;", "visible = true;"),
+    "prefill: sink left out of the sum": (PREFILL, "replace", "l_final = l_row * correction + exp2(sink - m_final);", "l_final = l_row * correction;"),
+    "decode: causal comparison flipped": (DECODE, "replace", "key <= pos &&", "key < pos &&"),
+    "decode: accumulator rescale dropped": (DECODE, "replace", "o_part[i][e] * alpha + prob", "o_part[i][e] + prob"),
+    "decode: split range off by one": (DECODE, "replace", "min(p.kv_len, kv_begin + chunk)", "min(p.kv_len, kv_begin + chunk - 1)"),
+    "decode: merge rescale dropped": (DECODE, "replace", "const float weight = exp2(partial_stats[base * 2] - m);", "const float weight = 1.0f;"),
+    "decode: K/V tile load bound off by one": (DECODE, "replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
 }
 
 
-def mutate(kind, a, b) -> str:
-    text = PREFILL.read_text()
+def mutate(source, kind, a, b) -> str:
+    text = source.read_text()
     if kind == "remove":
         assert text.count(a) > b
         return only_float32_d64(nth_occurrence_removed(text, a, b))
@@ -62,6 +72,8 @@ CASES = [
     dict(shape=(1, 4, 2, 40, 100), mask="causal"),
     dict(shape=(1, 2, 1, 37, 90), window_size=7),
     dict(shape=(2, 2, 2, 33, 70), mask="bool", sinks=True),
+    dict(shape=(1, 8, 2, 2, 150), mask="causal", sinks=True),  # decode: split KV
+    dict(shape=(2, 4, 4, 1, 70), mask="bool"),
 ]
 
 
@@ -90,8 +102,12 @@ def caught(run) -> bool:
     return False
 
 
-def test_unmutated_kernel_passes_the_battery():
-    assert not caught(EmulatedMetal(fast_math=True, sources=[_write(only_float32_d64(PREFILL.read_text()), "original")]))
+def originals():
+    return [_write(only_float32_d64(src.read_text()), f"original {src.stem}") for src in (PREFILL, DECODE)]
+
+
+def test_unmutated_kernels_pass_the_battery():
+    assert not caught(EmulatedMetal(fast_math=True, sources=originals()))
 
 
 _TMP = Path(__import__("tempfile").mkdtemp(prefix="mlx_attn_mutants_"))
@@ -105,9 +121,11 @@ def _write(text: str, name: str) -> Path:
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(name):
-    source = _write(mutate(*MUTANTS[name]), name)
+    source, *change = MUTANTS[name]
+    mutated = _write(mutate(source, *change), name)
+    sources = [mutated if original.name.startswith(f"original_{source.stem}") else original for original in originals()]
     try:
-        run = EmulatedMetal(fast_math=True, sources=[source])
+        run = EmulatedMetal(fast_math=True, sources=sources)
     except msl_emulator.MetalCompileError:
         return  # caught by the compiler
     assert caught(run), f"mutant survived: {name}"

@@ -79,6 +79,18 @@ void eval_attention(
   auto& device = mx::metal::device(stream.device);
   auto* library = device.get_library("mlx_attn", binary_dir());
   auto& encoder = mx::metal::get_command_encoder(stream);
+  std::vector<std::pair<std::string, mx::array>> scratch;
+  for (const auto& buffer : plan.scratch) {
+    mx::array temporary({int(buffer.elements)}, mx::float32, nullptr, {});
+    temporary.set_data(mx::allocator::malloc(temporary.nbytes()));
+    scratch.emplace_back(buffer.name, temporary);
+  }
+  auto scratch_array = [&](const std::string& name) -> mx::array* {
+    for (auto& [key, array] : scratch) {
+      if (key == name) return &array;
+    }
+    return nullptr;
+  };
   for (const auto& dispatch : plan.dispatches) {
     encoder.set_compute_pipeline_state(device.get_kernel(dispatch.kernel, library));
     for (int i = 0; i < int(dispatch.buffers.size()); ++i) {
@@ -90,12 +102,19 @@ void eval_attention(
       else if (name == "params") encoder.set_bytes(plan.params, i);
       else if (name == "mask") encoder.set_input_array(mask ? *mask : q, i);  // q: an unread placeholder
       else if (name == "sinks") encoder.set_input_array(options.has_sinks ? inputs.back() : q, i);
+      else if (name == "splits") encoder.set_bytes(plan.splits, i);
+      else if (mx::array* buffer = scratch_array(name)) {
+        // written by the first dispatch, read by the second
+        if (&dispatch == &plan.dispatches.front()) encoder.set_output_array(*buffer, i);
+        else encoder.set_input_array(*buffer, i);
+      }
       else throw std::logic_error("[mlx_attn] unknown buffer " + name + " in a launch plan");
     }
     encoder.dispatch_threadgroups(
         MTL::Size(dispatch.grid[0], dispatch.grid[1], dispatch.grid[2]),
         MTL::Size(dispatch.threadgroup[0], dispatch.threadgroup[1], dispatch.threadgroup[2]));
   }
+  for (auto& [name, array] : scratch) encoder.add_temporary(std::move(array));
 }
 
 }  // namespace mlx_attn::metal
