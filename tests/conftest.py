@@ -8,3 +8,9 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+import mlx.core as mx
+
+# The CPU-kernel tests expect the CPU; on a Mac the Metal tests pass
+# stream=mx.gpu explicitly (tests/metal_runner.py).
+mx.set_default_device(mx.cpu)
