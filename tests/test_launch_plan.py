@@ -19,8 +19,8 @@ def plan_for(b=1, hq=8, hkv=2, tq=100, tkv=120, d=64, dv=None, dtype=mx.float16,
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("tq", [1, 31, 32, 33, 1000])
-def test_grid_covers_every_query_row_and_memory_fits(d, tq):
+@pytest.mark.parametrize("tq", [9, 31, 32, 33, 1000])
+def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
     plan = plan_for(tq=tq, d=d)
     assert plan["supported"], plan["reason"]
     (step,) = plan["dispatches"]
@@ -31,6 +31,33 @@ def test_grid_covers_every_query_row_and_memory_fits(d, tq):
     assert step["threadgroup_memory_bytes"] <= 32 * 1024
     assert step["kernel"] == f"attention_prefill_float16_d{d}"
     assert step["buffers"] == ["q", "k", "v", "out", "params", "mask", "sinks"]
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("tq,tkv", [(1, 1), (1, 150), (8, 4000), (4, 100000)])
+def test_decode_plan_for_few_queries(d, tq, tkv):
+    plan = plan_for(b=2, hq=8, hkv=2, tq=tq, tkv=tkv, d=d)
+    assert plan["supported"], plan["reason"]
+    partial, merge = plan["dispatches"]
+    rows = 4 * tq  # query heads per KV head x query positions
+    splits = plan["splits"]
+    assert splits == min(32, max(1, -(-tkv // 64)))
+    assert partial["kernel"] == f"attention_decode_partial_float16_d{d}"
+    assert partial["grid"] == [splits, 2, 2] and partial["threadgroup"] == [128, 1, 1]
+    assert partial["threadgroup_memory_bytes"] <= 32 * 1024
+    assert merge["kernel"] == f"attention_decode_merge_float16_d{d}"
+    assert merge["grid"] == [rows, 2, 2] and merge["threadgroup"] == [32, 1, 1]
+    # the partials the first dispatch writes are what the second one reads
+    assert {"partial_out", "partial_stats"} <= set(partial["buffers"]) & set(merge["buffers"])
+    assert plan["scratch"] == {"partial_out": 2 * 2 * splits * rows * d, "partial_stats": 2 * 2 * splits * rows * 2}
+    assert "out" in merge["buffers"] and "out" not in partial["buffers"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(d=80, tq=1), dict(hq=40, hkv=1, tq=1), dict(hq=8, hkv=2, tq=9)])
+def test_shapes_outside_decode_take_the_prefill_kernel(kwargs):
+    plan = plan_for(**kwargs)
+    assert plan["supported"]
+    assert [step["kernel"].split("_float")[0] for step in plan["dispatches"]] == ["attention_prefill"]
 
 
 def test_params_bytes_encode_the_problem():
