@@ -160,25 +160,13 @@ inline bool isnan(T x) {
   return std::isnan(msl_f(x));
 }
 
+// metal::fast:: and metal::precise:: name the same functions here (the
+// emulator computes in float either way; -ffast-math models Metal's default).
 namespace fast {
-using metal::exp;
-using metal::exp2;
-using metal::log;
-using metal::log2;
-using metal::max;
-using metal::min;
-using metal::rsqrt;
-using metal::sqrt;
+using namespace ::metal;
 }  // namespace fast
 namespace precise {
-using metal::exp;
-using metal::exp2;
-using metal::log;
-using metal::log2;
-using metal::max;
-using metal::min;
-using metal::rsqrt;
-using metal::sqrt;
+using namespace ::metal;
 }  // namespace precise
 
 template <typename To, typename From>
