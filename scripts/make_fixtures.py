@@ -71,7 +71,7 @@ def smollm2(workdir: Path) -> dict:
     root = fetch(SMOLLM_PACKAGE, workdir / "smollm2")
     gguf = root / SMOLLM_MEMBER
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.eval()
     prompts = []
     with torch.inference_mode():
@@ -106,7 +106,7 @@ def minilm(workdir: Path) -> dict:
     config = next(root.rglob("config.json"))
     model_dir = config.parent
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
     with torch.inference_mode():
@@ -118,6 +118,8 @@ def minilm(workdir: Path) -> dict:
     return {
         "package": MINILM_PACKAGE,
         "model_dir": str(model_dir.relative_to(root)),
+        "safetensors_sha256": sha256(model_dir / "model.safetensors"),
+        "tokenizer_sha256": sha256(model_dir / "tokenizer.json"),
         "sentences": SENTENCES,
         "ids": [[int(t) for t, m in zip(ids, am) if m] for ids, am in zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())],
     }
