@@ -322,18 +322,32 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict[str, str] |
     mx.save_safetensors(str(path), arrays, metadata=meta)
 
 
+_EXPECTABLE = ("n_layers", "n_kv_heads", "head_dim", "batch")
+
+
 def load_cache(
     path: str | os.PathLike,
+    expected: dict[str, int] | None = None,
     *,
     n_layers: int | None = None,
     n_kv_heads: int | None = None,
     head_dim: int | None = None,
+    batch: int | None = None,
 ) -> tuple[list, dict[str, str]]:
     """Load caches saved by :func:`save_cache`; returns ``(caches, metadata)``.
 
-    Pass the model's ``n_layers`` / ``n_kv_heads`` / ``head_dim`` to have a
-    cache made for another model rejected with a ``ValueError``.
+    Pass the model's ``n_layers`` / ``n_kv_heads`` / ``head_dim`` (and the
+    ``batch`` size), as keywords or as an ``expected`` dict with those keys, to
+    have a cache made for another model rejected with a ``ValueError``.
     """
+    wanted = dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, batch=batch)
+    for key, value in (expected or {}).items():
+        if key not in _EXPECTABLE:
+            raise ValueError(f"unknown key {key!r} in expected; use {', '.join(_EXPECTABLE)}")
+        if wanted[key] is not None and wanted[key] != value:
+            raise ValueError(f"expected[{key!r}]={value} contradicts {key}={wanted[key]}")
+        wanted[key] = value
+    n_layers, n_kv_heads, head_dim, batch = (wanted[k] for k in _EXPECTABLE)
     path = str(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no cache file at {path}")
@@ -357,7 +371,9 @@ def load_cache(
             cache = cls()
         if not entry["empty"]:
             keys, values = arrays[f"{i}.keys"], arrays[f"{i}.values"]
-            for name, want, got in (("n_kv_heads", n_kv_heads, keys.shape[1]), ("head_dim", head_dim, keys.shape[3])):
+            checks = (("batch", batch, keys.shape[0]), ("n_kv_heads", n_kv_heads, keys.shape[1]),
+                      ("head_dim", head_dim, keys.shape[3]))
+            for name, want, got in checks:
                 if want is not None and want != got:
                     raise ValueError(
                         f"layer {i} of {path} has {name}={got} (keys {keys.shape}), expected {want}"

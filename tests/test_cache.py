@@ -4,7 +4,10 @@ memory accounting."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import mlx_attn
 from mlx_attn import ConcatKVCache, KVCache, MultiHeadAttention, RoPE, RotatingKVCache
 from mlx_attn.cache import kv_cache_bytes, kv_cache_bytes_per_token, load_cache, save_cache
 
@@ -66,6 +69,64 @@ def test_rotating_cache_beyond_its_window(max_size, keep, chunks, backend):
         assert cache.keys.shape[2] <= max_size
 
 
+@st.composite
+def chunkings(draw, length=17):
+    """A random split of `length` tokens into consecutive chunks."""
+    sizes, left = [], length
+    while left:
+        size = draw(st.integers(1, min(left, 6)))
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    chunks=chunkings(),
+    max_size=st.integers(2, 9),
+    keep_fraction=st.floats(0.0, 0.99),
+    backend=st.sampled_from(["fused", "reference"]),
+)
+def test_rotating_cache_any_chunking(chunks, max_size, keep_fraction, backend):
+    keep = int(keep_fraction * max_size)
+    mx.random.seed(4)
+    mha = MultiHeadAttention(16, 4, 2, rope=RoPE(4), backend=backend)
+    x = mx.random.normal((1, 17, 16))
+    expected = mha(x, mask=mx.array(windowed_reference_mask(17, max_size, keep)))
+    got = decode(mha, x, RotatingKVCache(max_size, keep=keep, step=2), chunks)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(chunks=chunkings(), step=st.integers(1, 8))
+def test_stepped_cache_any_chunking(chunks, step):
+    mx.random.seed(5)
+    mha = MultiHeadAttention(16, 4, 1, rope=RoPE(4, traditional=True))
+    x = mx.random.normal((2, 17, 16))
+    cache = KVCache(step=step)
+    got = decode(mha, x, cache, chunks)
+    np.testing.assert_allclose(np.array(got), np.array(mha(x, mask="causal")), atol=2e-5)
+    assert cache.keys.shape[2] % step == 0 and cache.keys.shape[2] >= 17
+
+
+def test_kv_cache_slices_take_the_fused_path():
+    """The prefix views a KVCache returns are handed to the fused kernel as
+    they are (no fallback to the reference path)."""
+    cache = KVCache(step=16)
+    for length in (5, 1, 1):
+        k = mx.random.normal((1, 2, length, 8))
+        keys, values = cache.update_and_fetch(k, k)
+    assert cache.keys.shape[2] == 16 and keys.shape[2] == 7
+    q = mx.random.normal((1, 4, 1, 8))
+    assert mlx_attn.attention_path(q, keys, values, scale=0.35, mask="causal") == "fused-cpu"
+    dense = mx.array(np.array(keys))
+    np.testing.assert_allclose(
+        np.array(mlx_attn.scaled_dot_product_attention(q, keys, values, scale=0.35, mask="causal")),
+        np.array(mlx_attn.scaled_dot_product_attention(q, dense, dense, scale=0.35, mask="causal", backend="reference")),
+        atol=1e-5,
+    )
+
+
 def test_kv_cache_returns_views_and_grows_in_steps():
     cache = KVCache(step=4)
     k = mx.ones((1, 2, 3, 8))
@@ -125,6 +186,16 @@ def test_load_cache_rejects_mismatches_and_bad_files(tmp_path):
         load_cache(path, head_dim=64)
     with pytest.raises(ValueError, match="1 layers"):
         load_cache(path, n_layers=30)
+    with pytest.raises(ValueError, match="batch=1"):
+        load_cache(path, {"batch": 4})
+    with pytest.raises(ValueError, match="n_kv_heads=2"):
+        load_cache(path, {"n_layers": 1, "n_kv_heads": 3})
+    with pytest.raises(ValueError, match="unknown key 'layers'"):
+        load_cache(path, {"layers": 1})
+    with pytest.raises(ValueError, match="contradicts"):
+        load_cache(path, {"head_dim": 8}, head_dim=16)
+    loaded, _ = load_cache(path, {"n_layers": 1, "n_kv_heads": 2, "head_dim": 8, "batch": 1})
+    assert loaded[0].offset == 3 and loaded[0].state[0].shape == (1, 2, 3, 8)
     with pytest.raises(FileNotFoundError):
         load_cache(tmp_path / "missing.safetensors")
     broken = tmp_path / "broken.safetensors"

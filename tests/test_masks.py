@@ -3,6 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mlx_attn
 from mlx_attn.masks import (
@@ -95,3 +97,36 @@ def test_combine_masks():
     assert combine_masks(None, None) is None
     with pytest.raises(ValueError, match="arrays"):
         combine_masks("causal", a)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tq=st.integers(0, 9),
+    extra=st.integers(0, 9),
+    offset_shift=st.one_of(st.none(), st.integers(-3, 3)),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_causal_mask_property(tq, extra, offset_shift, window):
+    """Any lengths, offsets (lower-right or explicit) and windows agree with
+    the loop definition, in both forms."""
+    tkv = tq + extra
+    offset = None if offset_shift is None else max(0, tkv - tq + offset_shift)
+    expected = np_causal(tq, tkv, tkv - tq if offset is None else offset, window)
+    got = causal_mask(tq, tkv, offset=offset, window_size=window)
+    assert got.shape == (tq, tkv)
+    np.testing.assert_array_equal(np.array(got), expected)
+    additive = causal_mask(tq, tkv, offset=offset, window_size=window, dtype=mx.float32)
+    np.testing.assert_array_equal(np.array(additive_to_bool(additive)), expected)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 7), min_size=1, max_size=4), pad=st.integers(0, 3))
+def test_padding_mask_property(lengths, pad):
+    max_len = max(lengths) + pad
+    mask = np.array(padding_mask(lengths, max_len))
+    assert mask.shape == (len(lengths), 1, 1, max_len)
+    np.testing.assert_array_equal(mask.sum(-1).ravel(), lengths)
+    for b, n in enumerate(lengths):
+        assert mask[b, 0, 0, :n].all() and not mask[b, 0, 0, n:].any()
+    both = np.array(query_key_padding_mask(lengths, max_len))
+    np.testing.assert_array_equal(both[:, 0], mask[:, 0, 0, :, None] & mask[:, 0, 0, None, :])
