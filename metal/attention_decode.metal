@@ -111,7 +111,8 @@ template <typename T, int D, int BK>
           if (p.mask_kind == MLX_ATTN_MASK_BOOL) {
             visible = mask[at] != 0;
           } else {
-            s += float(((const device T*)mask)[at]) * kDecodeLog2e;
+            // clamped to the finite sentinel: an additive -inf masks the key
+            s += max(float(((const device T*)mask)[at]) * kDecodeLog2e, kDecodeMasked);
             visible = s > 0.5f * kDecodeMasked;
           }
         }
@@ -205,10 +206,16 @@ template <typename T, int D>
   template [[host_name("attention_decode_merge_" #tname "_d" #d)]] [[kernel]] decltype(       \
       attention_decode_merge<type, d>) attention_decode_merge<type, d>;
 
+// bfloat exists from Metal 3.1 on: an older target builds the other dtypes.
+#if __METAL_VERSION__ >= 310
+#define MLX_ATTN_DECODE_BFLOAT16(d, bk) MLX_ATTN_DECODE(bfloat16, bfloat, d, bk)
+#else
+#define MLX_ATTN_DECODE_BFLOAT16(d, bk)
+#endif
 #define MLX_ATTN_DECODE_TYPES(d, bk)       \
   MLX_ATTN_DECODE(float32, float, d, bk)   \
   MLX_ATTN_DECODE(float16, half, d, bk)    \
-  MLX_ATTN_DECODE(bfloat16, bfloat, d, bk)
+  MLX_ATTN_DECODE_BFLOAT16(d, bk)
 
 MLX_ATTN_DECODE_TYPES(64, 32)
 MLX_ATTN_DECODE_TYPES(96, 16)

@@ -64,7 +64,7 @@ template <typename T, int D, int BK>
           : 0.0f;
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // stage written -> read by all lanes
-    simdgroup_load(q_tiles[d], stage, 8);
+    simdgroup_load(q_tiles[d], stage, 8);  // collective: every lane has read stage after it
   }
   simdgroup_float8x8 o_tiles[D / 8];
   for (int d = 0; d < D / 8; ++d) {
@@ -111,7 +111,8 @@ template <typename T, int D, int BK>
       simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (int d = 0; d < D / 8; ++d) {
         simdgroup_float8x8 k_t;
-        simdgroup_load(k_t, k_tile, D, ulong2(d * 8, j * 8), true);
+        // K^T block: the pointer selects keys j*8.. and dims d*8.., transpose flips it
+        simdgroup_load(k_t, k_tile + j * 8 * D + d * 8, D, ulong2(0, 0), true);
         simdgroup_multiply_accumulate(acc, q_tiles[d], k_t, acc);
       }
       simdgroup_store(acc, s_rows, BK, ulong2(j * 8, 0));
@@ -134,8 +135,9 @@ template <typename T, int D, int BK>
         if (p.mask_kind == MLX_ATTN_MASK_BOOL) {
           visible = mask[at] != 0;
         } else {
-          s += float(((const device T*)mask)[at]) * kLog2e;
-          visible = s > 0.5f * kMaskedScore;  // an additive -inf masks the key
+          // clamped to the finite sentinel: an additive -inf masks the key
+          s += max(float(((const device T*)mask)[at]) * kLog2e, kMaskedScore);
+          visible = s > 0.5f * kMaskedScore;
         }
       }
       s_row[c] = visible ? s : kMaskedScore;
@@ -221,10 +223,16 @@ template <typename T, int D, int BK>
       attention_prefill<type, d, bk>) attention_prefill<type, d, bk>;
 
 // BK: keys per block, so that 2 * BK * D * 4 bytes of K/V tiles stay <= 16 KB.
+// bfloat exists from Metal 3.1 on: an older target builds the other dtypes.
+#if __METAL_VERSION__ >= 310
+#define MLX_ATTN_PREFILL_BFLOAT16(d, bk) MLX_ATTN_PREFILL(bfloat16, bfloat, d, bk)
+#else
+#define MLX_ATTN_PREFILL_BFLOAT16(d, bk)
+#endif
 #define MLX_ATTN_PREFILL_TYPES(d, bk)        \
   MLX_ATTN_PREFILL(float32, float, d, bk)    \
   MLX_ATTN_PREFILL(float16, half, d, bk)     \
-  MLX_ATTN_PREFILL(bfloat16, bfloat, d, bk)
+  MLX_ATTN_PREFILL_BFLOAT16(d, bk)
 
 MLX_ATTN_PREFILL_TYPES(64, 32)
 MLX_ATTN_PREFILL_TYPES(80, 16)

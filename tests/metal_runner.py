@@ -37,6 +37,33 @@ def element_strides(x: np.ndarray, shape=None) -> list[int]:
     return [s // x.itemsize for s in view.strides]
 
 
+def physical_layout(x: np.ndarray, layout: str | None):
+    """(buffer, view): the memory an input lives in and its [B, H, T, D] view.
+    "seq_major": stored [B, T, H, D] (the projection layout), so the head and
+    sequence strides are swapped; "cache": the first T of a longer
+    preallocated cache whose unused tail is NaN (a read past T would show)."""
+    if layout is None:
+        return x, x
+    if layout == "seq_major":
+        buffer = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        return buffer, buffer.transpose(0, 2, 1, 3)
+    if layout == "cache":
+        b, h, t, d = x.shape
+        nan = np.array(0x7FC0, np.uint16) if x.dtype == np.uint16 else np.array(np.nan, x.dtype)
+        buffer = np.full((b, h, t + 7, d), nan, x.dtype)
+        buffer[:, :, :t] = x
+        return buffer, buffer[:, :, :t]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def mx_view(x: mx.array, layout: str | None) -> mx.array:
+    """The same layout as an MLX view (what the real kernels receive)."""
+    if layout is None:
+        return x
+    buffer = from_numpy(physical_layout(to_numpy(x), layout)[0], x.dtype)
+    return buffer.transpose(0, 2, 1, 3) if layout == "seq_major" else buffer[:, :, : x.shape[2]]
+
+
 class EmulatedMetal:
     def __init__(self, fast_math: bool, sources=None):
         import msl_emulator
@@ -44,10 +71,14 @@ class EmulatedMetal:
         self.fast_math = fast_math
         self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
 
-    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None):
-        nq, nk, nv = to_numpy(q), to_numpy(k), to_numpy(v)
-        strides = {"q": element_strides(nq), "k": element_strides(nk), "v": element_strides(nv)}
-        buffers = {"q": nq, "k": nk, "v": nv, "mask": np.zeros(1, np.uint8), "sinks": np.zeros(1, nq.dtype)}
+    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None):
+        buffers = {"mask": np.zeros(1, np.uint8)}
+        strides = {}
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            buffers[name], view = physical_layout(to_numpy(x), layout)
+            strides[name] = element_strides(view)
+        nq = buffers["q"]
+        buffers["sinks"] = np.zeros(1, nq.dtype)
         if isinstance(mask, mx.array):
             m = mask if mask.dtype == mx.bool_ else mask.astype(q.dtype)
             nm = np.ascontiguousarray(to_numpy(m))
@@ -74,7 +105,8 @@ class EmulatedMetal:
 class RealMetal:
     fast_math = True
 
-    def __call__(self, q, k, v, **kw):
+    def __call__(self, q, k, v, layout=None, **kw):
+        q, k, v = (mx_view(x, layout) for x in (q, k, v))
         out = mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.gpu, **kw)
         mx.eval(out)
         return out

@@ -37,9 +37,9 @@ def make(b, hq, hkv, tq, tkv, d, dtype, seed=0):
     )
 
 
-def check(run, q, k, v, **kw):
+def check(run, q, k, v, layout=None, **kw):
     kw.setdefault("scale", q.shape[-1] ** -0.5)
-    got = np.array(run(q, k, v, **kw).astype(mx.float32))
+    got = np.array(run(q, k, v, **kw, **({"layout": layout} if layout else {})).astype(mx.float32))
     want = np.array(reference_attention(q, k, v, **kw).astype(mx.float32))
     assert np.isfinite(got).all()
     err = np.abs(got - want).max()
@@ -93,6 +93,15 @@ def test_large_logits(run):
     check(run, q * 40, k, v, scale=1.0, mask="causal")
 
 
+@pytest.mark.parametrize("layout", ["seq_major", "cache"])
+@pytest.mark.parametrize("tq", [37, 3], ids=["prefill", "decode"])
+def test_strided_inputs(run, layout, tq):
+    """q/k/v read through their batch/head/sequence strides: a [B, T, H, D]
+    projection layout, or the first Tkv rows of a longer KV cache."""
+    check(run, *make(2, 4, 2, tq, 50, 64, mx.float16, seed=tq), mask="causal", layout=layout)
+    check(run, *make(1, 2, 2, tq, 45, 96, mx.bfloat16, seed=tq), layout=layout)
+
+
 @pytest.mark.parametrize("tq", [1, 3, 8])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (4, 1)])
 def test_decode_split_kv(run, tq, hq, hkv):
@@ -115,7 +124,10 @@ def test_decode_head_dims_masks_and_windows(run, dtype, d):
     got = check(run, q, k, v, mask=mx.array(visible))
     assert np.all(got[0, 1, 0] == 0)
     check(run, q, k, v, window_size=20)
-    check(run, q, k, v, mask=mx.array(rng.standard_normal((2, 90)).astype(np.float32)).astype(dtype))
+    additive = rng.standard_normal((2, 90)).astype(np.float32)
+    additive[1] = -np.inf  # the second query position sees nothing
+    got = check(run, q, k, v, mask=mx.array(additive).astype(dtype))
+    assert np.all(got[:, :, 1] == 0)
 
 
 @pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")

@@ -56,6 +56,10 @@ MUTANTS = {
     "decode: split range off by one": (DECODE, "replace", "min(p.kv_len, kv_begin + chunk)", "min(p.kv_len, kv_begin + chunk - 1)"),
     "decode: merge rescale dropped": (DECODE, "replace", "const float weight = exp2(partial_stats[base * 2] - m);", "const float weight = 1.0f;"),
     "decode: K/V tile load bound off by one": (DECODE, "replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
+    "prefill: additive mask ignored": (PREFILL, "replace", "s += max(float(((const device T*)mask)[at]) * kLog2e, kMaskedScore);", ""),
+    "prefill: GQA head mapping wrong": (PREFILL, "replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
+    "prefill: key sequence stride assumed contiguous": (PREFILL, "replace", "key * p.k_strides[2]", "key * D"),
+    "decode: value head stride assumed contiguous": (DECODE, "replace", "kv_head * p.v_strides[1]", "kv_head * p.kv_len * D"),
 }
 
 
@@ -74,6 +78,8 @@ CASES = [
     dict(shape=(2, 2, 2, 33, 70), mask="bool", sinks=True),
     dict(shape=(1, 8, 2, 2, 150), mask="causal", sinks=True),  # decode: split KV
     dict(shape=(2, 4, 4, 1, 70), mask="bool"),
+    dict(shape=(1, 4, 2, 20, 45), mask="additive", layout="seq_major"),  # [B, T, H, D] storage
+    dict(shape=(1, 4, 2, 3, 45), layout="cache"),  # decode from a cache
 ]
 
 
@@ -86,6 +92,8 @@ def caught(run) -> bool:
         kw = {"scale": 0.125}
         if case.get("mask") == "bool":
             kw["mask"] = mx.array(rng.random((tq, tkv)) > 0.4)
+        elif case.get("mask") == "additive":
+            kw["mask"] = mx.array(rng.standard_normal((tq, tkv)).astype(np.float32))
         elif case.get("mask"):
             kw["mask"] = case["mask"]
         if case.get("window_size"):
@@ -93,7 +101,7 @@ def caught(run) -> bool:
         if case.get("sinks"):
             kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32))
         try:
-            got = np.array(run(q, k, v, **kw))
+            got = np.array(run(q, k, v, **kw, layout=case.get("layout")))
         except msl_emulator.EmulatorError:
             return True  # deadlock or launch failure
         want = np.array(reference_attention(q, k, v, **kw))
@@ -102,28 +110,31 @@ def caught(run) -> bool:
     return False
 
 
-def originals():
-    return [_write(only_float32_d64(src.read_text()), f"original {src.stem}") for src in (PREFILL, DECODE)]
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mutants")
 
 
-def test_unmutated_kernels_pass_the_battery():
-    assert not caught(EmulatedMetal(fast_math=True, sources=originals()))
-
-
-_TMP = Path(__import__("tempfile").mkdtemp(prefix="mlx_attn_mutants_"))
-
-
-def _write(text: str, name: str) -> Path:
-    path = _TMP / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.metal"
+def write(directory: Path, text: str, name: str) -> Path:
+    path = directory / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.metal"
     path.write_text(text)
     return path
 
 
+def originals(directory: Path) -> list[Path]:
+    return [write(directory, only_float32_d64(src.read_text()), f"original {src.stem}") for src in (PREFILL, DECODE)]
+
+
+def test_unmutated_kernels_pass_the_battery(workdir):
+    assert not caught(EmulatedMetal(fast_math=True, sources=originals(workdir)))
+
+
 @pytest.mark.parametrize("name", list(MUTANTS))
-def test_mutant_is_caught(name):
+def test_mutant_is_caught(workdir, name):
     source, *change = MUTANTS[name]
-    mutated = _write(mutate(source, *change), name)
-    sources = [mutated if original.name.startswith(f"original_{source.stem}") else original for original in originals()]
+    mutated = write(workdir, mutate(source, *change), name)
+    sources = [mutated if original.name.startswith(f"original_{source.stem}") else original
+               for original in originals(workdir)]
     try:
         run = EmulatedMetal(fast_math=True, sources=sources)
     except msl_emulator.MetalCompileError:
