@@ -90,3 +90,18 @@ def test_metal_support_reason_on_this_build():
         assert reason is None
     else:
         assert "no Metal kernels" in reason
+
+
+@pytest.mark.parametrize("d", [72, 64])
+def test_gpu_dispatch_falls_back_to_the_reference_path_with_the_reason(d):
+    """ops asks metal_support (i.e. the launch plan) on a GPU stream: an
+    unsupported head dim, or a build without Metal, takes the reference path,
+    and backend='fused' names the reason."""
+    q = mx.zeros((1, 2, 4, d))
+    path = mlx_attn.attention_path(q, q, q, stream=mx.gpu)
+    supported = _ext.has_metal() and d in (64, 80, 96, 128, 256)
+    assert path == ("fused-metal" if supported else "reference")
+    if not supported:
+        reason = "head dims 64, 80, 96, 128 and 256" if _ext.has_metal() else "no Metal kernels"
+        with pytest.raises(ValueError, match=reason):
+            mlx_attn.attention_path(q, q, q, stream=mx.gpu, backend="fused")
