@@ -1,110 +1,578 @@
-// Binding kernel parameters and launching grids (used by the launchers the
-// translator appends to each kernel source).
+// Binding kernel parameters and running a dispatch: the launchers the
+// translator appends to each kernel source call into this, and the exported
+// C functions at the bottom are what the Python side loads with ctypes.
+//
+// A dispatch copies every buffer into guarded memory (an inaccessible page on
+// either side), runs the threadgroups on worker threads (each threadgroup's
+// threads as fibers on one worker), and copies written buffers back. Faults
+// inside a kernel (out-of-bounds access, writes to const buffers, stack
+// overflow, integer division by zero) and kernels that never finish are
+// reported as errors instead of killing the process.
 #pragma once
 
-#include "metal_shim.h"  // (std headers come first, from msl_runtime.h)
+#include "metal_shim.h"
+
+// This file is plain C++: the Metal keyword macros stay out of it.
+#pragma push_macro("device")
+#pragma push_macro("constant")
+#pragma push_macro("threadgroup")
+#pragma push_macro("thread")
+#undef device
+#undef constant
+#undef threadgroup
+#undef thread
 
 namespace msl_rt {
 
+// ------------------------------------------------------------------ parameters
+enum ParamKind : int {
+  kBuffer = 0,  // [[buffer(index)]]
+  kThreadPositionInGrid = 1,
+  kThreadgroupPositionInGrid = 2,
+  kThreadPositionInThreadgroup = 3,
+  kThreadIndexInThreadgroup = 4,
+  kThreadsPerThreadgroup = 5,
+  kThreadgroupsPerGrid = 6,
+  kThreadsPerGrid = 7,
+  kSimdgroupIndexInThreadgroup = 8,
+  kThreadIndexInSimdgroup = 9,
+  kThreadsPerSimdgroup = 10,
+  kSimdgroupsPerThreadgroup = 11,
+  kThreadgroupMemory = 12,  // [[threadgroup(index)]]
+};
+
 struct Param {
-  int kind;   // 0: [[buffer(index)]], else a builtin (see BUILTINS in __init__.py)
+  int kind;
   int index;
+};
+
+// What the Python side needs to check a dispatch before running it.
+struct ParamInfo {
+  int kind;
+  int index;
+  uint32_t bytes;     // sizeof the referenced object, or of a pointer's element
+  uint32_t align;     // alignof the same
+  int is_pointer;
+  int writable;       // the kernel may write through it (not const, not constant)
+  const char* type;   // the C++ type, as clang prints it
 };
 
 struct Entry {
   const char* name;
   void (*body)();
+  int (*describe)(ParamInfo* out, int capacity);
 };
 
 inline void builtin_value(int kind, uint32_t out[3]) {
-  const Builtins& b = current_group->builtins;
-  uint32_t local[3];
-  thread_position(local);
+  const Geometry& geo = current_group->geometry;
   uint32_t index = uint32_t(self().index);
+  uint32_t local[3] = {index % geo.group_size[0], (index / geo.group_size[0]) % geo.group_size[1],
+                       index / (geo.group_size[0] * geo.group_size[1])};
   out[0] = out[1] = out[2] = 0;
   switch (kind) {
-    case 1: for (int i = 0; i < 3; ++i) out[i] = b.tg_id[i] * b.tg_size[i] + local[i]; break;
-    case 2: for (int i = 0; i < 3; ++i) out[i] = b.tg_id[i]; break;
-    case 3: for (int i = 0; i < 3; ++i) out[i] = local[i]; break;
-    case 4: out[0] = index; break;
-    case 5: for (int i = 0; i < 3; ++i) out[i] = b.tg_size[i]; break;
-    case 6: for (int i = 0; i < 3; ++i) out[i] = b.tg_count[i]; break;
-    case 7: for (int i = 0; i < 3; ++i) out[i] = b.grid_threads[i]; break;
-    case 8: out[0] = index / kSimdWidth; break;
-    case 9: out[0] = index % kSimdWidth; break;
-    case 10: out[0] = kSimdWidth; break;
-    case 11: out[0] = uint32_t((current_group->fibers.size() + kSimdWidth - 1) / kSimdWidth); break;
+    case kThreadPositionInGrid:
+      for (int i = 0; i < 3; ++i) out[i] = geo.group_id[i] * geo.nominal_size[i] + local[i];
+      break;
+    case kThreadgroupPositionInGrid:
+      for (int i = 0; i < 3; ++i) out[i] = geo.group_id[i];
+      break;
+    case kThreadPositionInThreadgroup:
+      for (int i = 0; i < 3; ++i) out[i] = local[i];
+      break;
+    case kThreadIndexInThreadgroup: out[0] = index; break;
+    case kThreadsPerThreadgroup:
+      for (int i = 0; i < 3; ++i) out[i] = geo.group_size[i];
+      break;
+    case kThreadgroupsPerGrid:
+      for (int i = 0; i < 3; ++i) out[i] = geo.threadgroups[i];
+      break;
+    case kThreadsPerGrid:
+      for (int i = 0; i < 3; ++i) out[i] = geo.grid_threads[i];
+      break;
+    case kSimdgroupIndexInThreadgroup: out[0] = index / kSimdWidth; break;
+    case kThreadIndexInSimdgroup: out[0] = index % kSimdWidth; break;
+    case kThreadsPerSimdgroup: out[0] = kSimdWidth; break;
+    case kSimdgroupsPerThreadgroup: out[0] = uint32_t(simdgroup_count()); break;
   }
 }
 
 template <typename P>
 inline P bind(const Param& p) {
   if constexpr (std::is_pointer_v<P>) {
-    return (P)buffer(p.index);  // C-style: into the parameter's address space
+    if (p.kind == kThreadgroupMemory) return (P)threadgroup_argument(p.index);
+    return (P)buffer(p.index);  // C-style cast: into the parameter's address space
   } else if constexpr (std::is_reference_v<P>) {
     return *(std::remove_reference_t<P>*)buffer(p.index);
-  } else if (p.kind == 0) {
-    return *(P*)buffer(p.index);
   } else {
+    if (p.kind == kBuffer) return *(P*)buffer(p.index);
     uint32_t v[3];
     builtin_value(p.kind, v);
-    if constexpr (std::is_arithmetic_v<P>) {
-      return P(v[0]);
-    } else {
+    if constexpr (metal::is_msl_vector_v<P>) {
       P out;
-      for (int i = 0; i < int(__builtin_vectorelements(P)); ++i) out[i] = v[i];
+      for (int i = 0; i < metal::vector_traits<P>::size; ++i) out[i] = v[i];
       return out;
+    } else {
+      return P(v[0]);
     }
   }
+}
+
+template <typename T>
+inline const char* type_name() {
+  return __PRETTY_FUNCTION__;  // "... [T = <type>]"; the Python side extracts <type>
+}
+
+template <typename P>
+inline ParamInfo describe_param(const Param& p) {
+  ParamInfo info{p.kind, p.index, 0, 0, 0, 0, type_name<P>()};
+  if constexpr (std::is_pointer_v<P> || std::is_reference_v<P>) {
+    using Pointee = std::remove_pointer_t<std::remove_reference_t<P>>;
+    if constexpr (!std::is_void_v<std::remove_cv_t<Pointee>>) {
+      info.bytes = uint32_t(sizeof(Pointee));
+      info.align = uint32_t(alignof(Pointee));
+    } else {
+      info.bytes = info.align = 1;
+    }
+    info.is_pointer = std::is_pointer_v<P>;
+    info.writable = !std::is_const_v<Pointee>;
+  } else {
+    info.bytes = uint32_t(sizeof(P));
+    info.align = uint32_t(alignof(P));
+  }
+  return info;
+}
+
+template <typename... A>
+constexpr int arity(void (*)(A...)) {
+  return int(sizeof...(A));
 }
 
 template <typename... A, std::size_t... I>
 inline void invoke_impl(void (*f)(A...), const Param* params, std::index_sequence<I...>) {
   f(bind<A>(params[I])...);
 }
-
 template <typename... A>
 inline void invoke(void (*f)(A...), const Param* params) {
   invoke_impl(f, params, std::index_sequence_for<A...>{});
 }
 
-inline int dispatch(const Entry* entries, int count, const char* name, const uint32_t* grid,
-                    const uint32_t* tg, void* const* buffers, int nbuf, char* err, int errlen) {
-  const Entry* entry = nullptr;
-  for (int i = 0; i < count; ++i) {
-    if (std::string(entries[i].name) == name) entry = &entries[i];
+template <typename... A, std::size_t... I>
+inline int describe_impl(void (*)(A...), const Param* params, ParamInfo* out, int capacity, std::index_sequence<I...>) {
+  if (int(sizeof...(A)) <= capacity) ((out[I] = describe_param<A>(params[I])), ...);
+  return int(sizeof...(A));
+}
+template <typename... A>
+inline int describe(void (*f)(A...), const Param* params, ParamInfo* out, int capacity) {
+  return describe_impl(f, params, out, capacity, std::index_sequence_for<A...>{});
+}
+
+// ------------------------------------------------------------------ workers, faults
+constexpr std::size_t kThreadgroupMemoryLimit = 32 * 1024;  // every Apple GPU
+
+// Per OS thread that runs threadgroups.
+struct Worker {
+  StackPool stacks;
+  sigjmp_buf jump;                 // where a fault or fail() lands
+  volatile sig_atomic_t armed = 0;
+  int signal = 0;                  // the fault's signal, 0 for fail()
+  void* address = nullptr;         // the faulting address
+  uintptr_t pc = 0;                // the faulting instruction
+  std::string failure;             // fail()'s message
+};
+inline thread_local Worker* current_worker = nullptr;
+
+inline int timeout_signal() {
+  return SIGRTMIN + 2;
+}
+
+[[noreturn]] inline void fail(const std::string& message) {
+  Worker* w = current_worker;
+  if (!w || !w->armed) {
+    std::fprintf(stderr, "msl emulator: %s\n", message.c_str());
+    std::abort();
   }
-  if (!entry) {
-    std::snprintf(err, errlen, "unknown kernel %s", name);
-    return 2;
+  w->armed = 0;
+  w->signal = 0;
+  w->failure = message;
+  siglongjmp(w->jump, 1);
+}
+
+constexpr int kHandledSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+
+struct SavedHandlers {
+  struct sigaction previous[std::size(kHandledSignals) + 1];
+};
+inline SavedHandlers saved_handlers;
+
+inline const struct sigaction* previous_handler(int sig) {
+  for (std::size_t i = 0; i < std::size(kHandledSignals); ++i)
+    if (kHandledSignals[i] == sig) return &saved_handlers.previous[i];
+  return nullptr;
+}
+
+inline void on_signal(int sig, siginfo_t* info, void* context) {
+  Worker* w = current_worker;
+  if (w && w->armed) {
+    w->armed = 0;
+    w->signal = sig;
+    w->address = info->si_addr;
+#if defined(__x86_64__)
+    w->pc = uintptr_t(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+    w->pc = uintptr_t(static_cast<ucontext_t*>(context)->uc_mcontext.pc);
+#endif
+    siglongjmp(w->jump, 1);
   }
-  Group g;
-  g.buffers = buffers;
-  g.buffer_count = nbuf;
-  for (int i = 0; i < 3; ++i) {
-    g.builtins.tg_count[i] = grid[i];
-    g.builtins.tg_size[i] = tg[i];
-    g.builtins.grid_threads[i] = grid[i] * tg[i];
+  if (sig == timeout_signal()) return;  // it arrived after the worker finished
+  // Not ours: hand it to whoever had it before (Python's faulthandler, or the
+  // default action when this returns and the instruction faults again).
+  const struct sigaction* old = previous_handler(sig);
+  if (old && (old->sa_flags & SA_SIGINFO) && old->sa_sigaction) {
+    old->sa_sigaction(sig, info, context);
+  } else if (old && old->sa_handler != SIG_DFL && old->sa_handler != SIG_IGN) {
+    old->sa_handler(sig);
+  } else {
+    signal(sig, SIG_DFL);
   }
-  for (uint32_t z = 0; z < grid[2]; ++z)
-    for (uint32_t y = 0; y < grid[1]; ++y)
-      for (uint32_t x = 0; x < grid[0]; ++x) {
-        g.builtins.tg_id[0] = x;
-        g.builtins.tg_id[1] = y;
-        g.builtins.tg_id[2] = z;
-        std::string error;
-        if (!run_threadgroup(g, entry->body, error)) {
-          std::snprintf(err, errlen, "threadgroup (%u, %u, %u): %s", x, y, z, error.c_str());
-          return 1;
+}
+
+// Installs the fault handlers for the duration of a dispatch.
+class FaultHandlers {
+ public:
+  FaultHandlers() {
+    struct sigaction action {};
+    action.sa_sigaction = on_signal;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&action.sa_mask);
+    for (std::size_t i = 0; i < std::size(kHandledSignals); ++i)
+      sigaction(kHandledSignals[i], &action, &saved_handlers.previous[i]);
+    sigaction(timeout_signal(), &action, &previous_timeout_);
+  }
+  ~FaultHandlers() {
+    for (std::size_t i = 0; i < std::size(kHandledSignals); ++i)
+      sigaction(kHandledSignals[i], &saved_handlers.previous[i], nullptr);
+    sigaction(timeout_signal(), &previous_timeout_, nullptr);
+  }
+
+ private:
+  struct sigaction previous_timeout_ {};
+};
+
+// An alternate signal stack for the calling thread, so a fiber's stack
+// overflow can still be reported.
+class AltStack {
+ public:
+  AltStack() : memory_(64 * 1024) {
+    stack_t stack{};
+    stack.ss_sp = memory_.data();
+    stack.ss_size = memory_.size();
+    sigaltstack(&stack, &previous_);
+  }
+  ~AltStack() {
+    if (previous_.ss_sp && !(previous_.ss_flags & SS_DISABLE)) {
+      sigaltstack(&previous_, nullptr);
+    } else {
+      stack_t off{};
+      off.ss_flags = SS_DISABLE;
+      sigaltstack(&off, nullptr);
+    }
+  }
+
+ private:
+  std::vector<char> memory_;
+  stack_t previous_{};
+};
+
+// ------------------------------------------------------------------ buffers
+// The kernel's view of the dispatch's buffers: guarded copies, or the
+// caller's memory itself where buffers overlap (views of one array).
+class StagedBuffers {
+ public:
+  StagedBuffers(void* const* user, const uint64_t* bytes, const uint32_t* align, const int* writable, int count)
+      : user_(user, user + count), bytes_(bytes, bytes + count), writable_(writable, writable + count),
+        pointers_(count, nullptr), blocks_(count), owner_(count, -1) {
+    for (int i = 0; i < count; ++i) {
+      if (!user[i]) continue;
+      int same = -1;
+      bool overlaps = false;
+      for (int j = 0; j < count; ++j) {
+        if (j == i || !user[j]) continue;
+        if (user[j] == user[i] && bytes[j] == bytes[i]) {
+          if (j < i) same = j;
+        } else if (overlap(i, j)) {
+          overlaps = true;
         }
       }
-  return 0;
+      if (same >= 0) {
+        pointers_[i] = pointers_[same];
+        owner_[i] = owner_[same];
+        continue;
+      }
+      if (overlaps) {
+        pointers_[i] = user[i];
+        continue;
+      }
+      bool written = writable[i];
+      for (int j = i + 1; j < count; ++j)
+        if (user[j] == user[i] && bytes[j] == bytes[i]) written |= bool(writable[j]);
+      GuardedBlock block(bytes[i], std::max<uint32_t>(align[i], 1));
+      if (!block.ok()) {
+        pointers_[i] = user[i];
+        continue;
+      }
+      if (bytes[i]) std::memcpy(block.data(), user[i], bytes[i]);
+      if (!written) block.protect_read_only();
+      writable_[i] = written;
+      pointers_[i] = block.data();
+      blocks_[i] = std::move(block);
+      owner_[i] = i;
+    }
+  }
+  // Copies what the kernel may have written back to the caller's memory.
+  void copy_back() {
+    for (std::size_t i = 0; i < blocks_.size(); ++i)
+      if (owner_[i] == int(i) && writable_[i] && bytes_[i]) std::memcpy(user_[i], blocks_[i].data(), bytes_[i]);
+  }
+  void* const* pointers() const { return pointers_.data(); }
+  // "4 bytes past the end of buffer(2) (64 bytes)", or "".
+  std::string describe(const void* address) const {
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      if (owner_[i] != int(i)) continue;
+      std::string relation = blocks_[i].describe(address);
+      if (!relation.empty())
+        return relation + " buffer(" + std::to_string(i) + ") (" + std::to_string(bytes_[i]) + " bytes)";
+    }
+    return "";
+  }
+
+ private:
+  bool overlap(int i, int j) const {
+    auto a = static_cast<const char*>(user_[i]), b = static_cast<const char*>(user_[j]);
+    return a < b + bytes_[j] && b < a + bytes_[i];
+  }
+  std::vector<void*> user_;
+  std::vector<uint64_t> bytes_;
+  std::vector<int> writable_;
+  std::vector<void*> pointers_;
+  std::vector<GuardedBlock> blocks_;
+  std::vector<int> owner_;
+};
+
+// ------------------------------------------------------------------ dispatch
+struct Failure {
+  int code = 0;          // 1 deadlock, 2 error, 3 fault, 4 timeout
+  long group = -1;       // linear threadgroup index, for picking the first
+  std::string message;
+  uintptr_t pc = 0;
+};
+
+struct Launch {
+  const Entry* entry;
+  Geometry geometry;     // group_id / group_size filled per group
+  void* const* buffers;
+  int buffer_count;
+  const uint32_t* threadgroup_arg_bytes;
+  int threadgroup_arg_count;
+  const StagedBuffers* staged;
+  long total_groups;
+  std::atomic<long> next{0};
+  std::atomic<bool> stop{false};
+  std::mutex mutex;
+  Failure failure;
+
+  void report(Failure f) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (failure.code == 0 || f.group < failure.group) failure = std::move(f);
+    stop = true;
+  }
+};
+
+inline std::string group_name(const Geometry& geo) {
+  return "threadgroup (" + std::to_string(geo.group_id[0]) + ", " + std::to_string(geo.group_id[1]) + ", " +
+         std::to_string(geo.group_id[2]) + ")";
+}
+
+// " in thread 5 (simdgroup 0, lane 5), last synchronised in ... at file:line"
+inline std::string where_in(const Group& g) {
+  if (g.fibers.empty()) return "";
+  const Fiber& f = g.fibers[g.current];
+  std::string text = "; in " + thread_name(f);
+  if (f.site.line) text += ", last synchronised in " + std::string(f.site.what) + " at " + f.site.where();
+  return text;
+}
+
+inline std::string describe_fault(const Worker& w, const Group& g, const StackPool& stacks, const StagedBuffers& staged) {
+  std::string what;
+  switch (w.signal) {
+    case SIGSEGV: case SIGBUS: what = "invalid memory access"; break;
+    case SIGFPE: what = "arithmetic fault (integer division by zero?)"; break;
+    case SIGILL: what = "illegal instruction (undefined behaviour trap?)"; break;
+    case SIGABRT: what = "abort"; break;
+    default: what = "signal " + std::to_string(w.signal);
+  }
+  std::string message = what;
+  if (w.signal == SIGSEGV || w.signal == SIGBUS) {
+    std::string where = staged.describe(w.address);
+    for (const auto& [id, array] : g.threadgroup_memory) {
+      if (!where.empty()) break;
+      std::string relation = array.block.describe(w.address);
+      if (!relation.empty())
+        where = relation + " threadgroup array " + array.name + " (" + std::to_string(array.block.size()) + " bytes)";
+    }
+    int overflowed = stacks.overflowed_fiber(w.address);
+    if (overflowed >= 0) where = "the stack guard of thread " + std::to_string(overflowed) + " (stack overflow)";
+    if (where.empty() || where.rfind("inside", 0) == 0) {
+      char text[64];
+      std::snprintf(text, sizeof text, "address %p", w.address);
+      where = text;
+    }
+    message += " at " + where;
+  }
+  return message + where_in(g);
+}
+
+inline void run_worker(Launch& launch) {
+  Worker worker;
+  current_worker = &worker;
+  AltStack alt_stack;
+  Group group;
+  group.geometry = launch.geometry;
+  group.buffers = launch.buffers;
+  group.buffer_count = launch.buffer_count;
+  group.threadgroup_arg_bytes = launch.threadgroup_arg_bytes;
+  group.threadgroup_arg_count = launch.threadgroup_arg_count;
+  Geometry& geo = group.geometry;
+  while (!launch.stop) {
+    long index = launch.next++;
+    if (index >= launch.total_groups) break;
+    geo.group_id[0] = uint32_t(index % geo.threadgroups[0]);
+    geo.group_id[1] = uint32_t((index / geo.threadgroups[0]) % geo.threadgroups[1]);
+    geo.group_id[2] = uint32_t(index / (long(geo.threadgroups[0]) * geo.threadgroups[1]));
+    for (int i = 0; i < 3; ++i)
+      geo.group_size[i] = std::min(geo.nominal_size[i], geo.grid_threads[i] - geo.group_id[i] * geo.nominal_size[i]);
+    if (sigsetjmp(worker.jump, 1) == 0) {
+      worker.armed = 1;
+      bool ok = run_threadgroup(group, worker.stacks, launch.entry->body);
+      worker.armed = 0;
+      std::size_t shared = 0;
+      for (const auto& [id, array] : group.threadgroup_memory) shared += array.block.size();
+      if (!ok) {
+        launch.report({1, index, group_name(geo) + ": " + group.error});
+      } else if (shared > kThreadgroupMemoryLimit) {
+        launch.report({2, index, "the kernel uses " + std::to_string(shared) +
+                                     " bytes of threadgroup memory; Metal allows " +
+                                     std::to_string(kThreadgroupMemoryLimit)});
+      }
+    } else {
+      current_group = nullptr;
+      Failure f;
+      f.group = index;
+      if (worker.signal == 0) {
+        f.code = 2;
+        f.message = group_name(geo) + ": " + worker.failure + where_in(group);
+      } else if (worker.signal == timeout_signal()) {
+        f.code = 4;
+        f.message = group_name(geo) + ": the kernel did not finish in time (an endless loop?)" + where_in(group);
+      } else {
+        f.code = 3;
+        f.pc = worker.pc;
+        f.message = group_name(geo) + ": " + describe_fault(worker, group, worker.stacks, *launch.staged);
+      }
+      launch.report(std::move(f));
+      // The fibers' state is lost; a fresh group for any further work.
+      group.fibers.clear();
+    }
+  }
+  current_worker = nullptr;
+}
+
+inline int dispatch(const Entry* entries, int count, const char* name, const uint32_t* threadgroups,
+                    const uint32_t* threadgroup_size, const uint32_t* grid_threads, void* const* buffers,
+                    const uint64_t* buffer_bytes, const uint32_t* buffer_align, const int* buffer_writable,
+                    int buffer_count, const uint32_t* threadgroup_arg_bytes, int threadgroup_arg_count, int workers,
+                    double timeout_s, char* error, int error_capacity, uint64_t* fault_pc) {
+  *fault_pc = 0;
+  const Entry* entry = nullptr;
+  for (int i = 0; i < count; ++i)
+    if (std::strcmp(entries[i].name, name) == 0) entry = &entries[i];
+  if (!entry) {
+    std::snprintf(error, error_capacity, "unknown kernel %s", name);
+    return 2;
+  }
+  StagedBuffers staged(buffers, buffer_bytes, buffer_align, buffer_writable, buffer_count);
+  Launch launch;
+  launch.entry = entry;
+  for (int i = 0; i < 3; ++i) {
+    launch.geometry.threadgroups[i] = threadgroups[i];
+    launch.geometry.nominal_size[i] = threadgroup_size[i];
+    launch.geometry.grid_threads[i] = grid_threads[i];
+  }
+  launch.buffers = staged.pointers();
+  launch.buffer_count = buffer_count;
+  launch.threadgroup_arg_bytes = threadgroup_arg_bytes;
+  launch.threadgroup_arg_count = threadgroup_arg_count;
+  launch.staged = &staged;
+  launch.total_groups = long(threadgroups[0]) * threadgroups[1] * threadgroups[2];
+  workers = int(std::max(1L, std::min<long>(workers, launch.total_groups)));
+  {
+    FaultHandlers handlers;
+    std::vector<std::thread> threads;
+    std::vector<pthread_t> handles;
+    std::atomic<int> running{workers};
+    std::mutex done_mutex;
+    std::condition_variable done;
+    for (int i = 0; i < workers; ++i) {
+      threads.emplace_back([&] {
+        run_worker(launch);
+        std::lock_guard<std::mutex> lock(done_mutex);
+        --running;
+        done.notify_all();
+      });
+      handles.push_back(threads.back().native_handle());
+    }
+    std::unique_lock<std::mutex> lock(done_mutex);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    if (!done.wait_until(lock, deadline, [&] { return running == 0; })) {
+      launch.stop = true;  // workers between threadgroups stop by themselves
+      if (!done.wait_for(lock, std::chrono::milliseconds(200), [&] { return running == 0; })) {
+        for (pthread_t handle : handles) pthread_kill(handle, timeout_signal());
+      }
+    }
+    lock.unlock();
+    for (auto& t : threads) t.join();
+  }
+  staged.copy_back();
+  if (launch.failure.code == 0) return 0;
+  std::snprintf(error, error_capacity, "%s", launch.failure.message.c_str());
+  // The faulting instruction as an offset into this library, for symbolizing.
+  Dl_info fault{}, self_info{};
+  *fault_pc = 0;
+  if (launch.failure.pc && dladdr(reinterpret_cast<void*>(launch.failure.pc), &fault) &&
+      dladdr(reinterpret_cast<void*>(&run_worker), &self_info) && fault.dli_fbase == self_info.dli_fbase)
+    *fault_pc = launch.failure.pc - reinterpret_cast<uintptr_t>(fault.dli_fbase);
+  return launch.failure.code;
 }
 
 }  // namespace msl_rt
 
-#define MSL_EMULATOR_EXPORTS(count)                                                          \
-  extern "C" int msl_dispatch(const char* name, const uint32_t* grid, const uint32_t* tg,    \
-                              void* const* buffers, int nbuf, char* err, int errlen) {       \
-    return msl_rt::dispatch(msl_entries, count, name, grid, tg, buffers, nbuf, err, errlen); \
+#pragma pop_macro("device")
+#pragma pop_macro("constant")
+#pragma pop_macro("threadgroup")
+#pragma pop_macro("thread")
+
+// The C interface of every translated library.
+#define MSL_EMULATOR_EXPORTS(count)                                                                           \
+  extern "C" __attribute__((visibility("default"))) int msl_kernel_count() { return count; }                                                       \
+  extern "C" __attribute__((visibility("default"))) const char* msl_kernel_name(int i) { return msl_entries[i].name; }                             \
+  extern "C" __attribute__((visibility("default"))) int msl_kernel_params(int i, msl_rt::ParamInfo* out, int capacity) {                           \
+    return msl_entries[i].describe(out, capacity);                                                          \
+  }                                                                                                         \
+  extern "C" __attribute__((visibility("default"))) int msl_dispatch(const char* name, const uint32_t* threadgroups, const uint32_t* threadgroup_size, \
+                              const uint32_t* grid_threads, void* const* buffers, const uint64_t* buffer_bytes, \
+                              const uint32_t* buffer_align, const int* buffer_writable, int buffer_count,   \
+                              const uint32_t* threadgroup_arg_bytes, int threadgroup_arg_count, int workers, \
+                              double timeout_s, char* error, int error_capacity, uint64_t* fault_pc) {      \
+    return msl_rt::dispatch(msl_entries, count, name, threadgroups, threadgroup_size, grid_threads, buffers,  \
+                            buffer_bytes, buffer_align, buffer_writable, buffer_count, threadgroup_arg_bytes, \
+                            threadgroup_arg_count, workers, timeout_s, error, error_capacity, fault_pc);    \
   }
