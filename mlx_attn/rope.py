@@ -17,11 +17,23 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_attn._checks import MAX_DIM, check_array, check_bool, check_int, check_real
+
 __all__ = ["RoPE", "rope_angles"]
+
+
+def _check_parameters(dims, base, scale) -> tuple[int, float, float]:
+    dims = check_int("RoPE dims", dims)
+    if dims < 2 or dims % 2:
+        raise ValueError(f"RoPE dims must be a positive even number, got {dims}")
+    # base <= 0 or non-finite makes the frequencies NaN or infinite
+    return dims, check_real("RoPE base", base, positive=True), check_real("RoPE scale", scale)
 
 
 def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx.array:
     """``[len(positions), dims // 2]`` rotation angles (float32)."""
+    check_array("positions", positions, ndim=1)
+    dims, base, scale = _check_parameters(dims, base, scale)
     inv_freq = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
     return (scale * positions.astype(mx.float32))[:, None] * inv_freq[None, :]
 
@@ -29,29 +41,39 @@ def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx
 class RoPE(nn.Module):
     """``RoPE(dims, base=10000.0, traditional=False, scale=1.0)``; call with
     ``x [..., T, features]`` and the position ``offset`` of its first step
-    (an int or a scalar array; e.g. the KV cache's ``offset``)."""
+    (an int >= 0 or a scalar integer array; e.g. the KV cache's ``offset``).
+
+    ``dims`` is a positive even int, ``base`` a finite positive number,
+    ``scale`` a finite number; ``x`` is floating point. Anything else raises
+    ``ValueError`` naming the argument."""
 
     def __init__(self, dims: int, *, base: float = 10000.0, traditional: bool = False, scale: float = 1.0):
         super().__init__()
-        if dims < 2 or dims % 2:
-            raise ValueError(f"RoPE dims must be a positive even number, got {dims}")
-        if base <= 0:
-            raise ValueError(f"RoPE base must be positive, got {base}")
-        self.dims = dims
-        self.base = float(base)
-        self.traditional = traditional
-        self.scale = float(scale)
+        self.dims, self.base, self.scale = _check_parameters(dims, base, scale)
+        self.traditional = check_bool("traditional", traditional)
 
     def _extra_repr(self) -> str:
         return f"{self.dims}, base={self.base}, traditional={self.traditional}, scale={self.scale}"
 
+    def _positions(self, length: int, offset) -> mx.array:
+        if isinstance(offset, mx.array):
+            if offset.ndim != 0 or not mx.issubdtype(offset.dtype, mx.integer):
+                raise ValueError(
+                    f"RoPE offset must be an int or a scalar integer array, got shape "
+                    f"{tuple(offset.shape)} and dtype {offset.dtype}"
+                )
+            return mx.arange(length) + offset.astype(mx.int32)
+        # positions are int32: the last one must fit
+        offset = check_int("RoPE offset", offset, minimum=0, maximum=MAX_DIM - length)
+        return mx.arange(length) + offset
+
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        check_array("RoPE input x", x, floating=True)
         if x.ndim < 2:
             raise ValueError(f"RoPE expects [..., T, features], got shape {x.shape}")
         if x.shape[-1] < self.dims:
             raise ValueError(f"RoPE over {self.dims} dims but x has only {x.shape[-1]} features")
-        length = x.shape[-2]
-        positions = mx.arange(length) + offset
+        positions = self._positions(x.shape[-2], offset)
         angles = rope_angles(positions, self.dims, self.base, self.scale)
         cos, sin = mx.cos(angles), mx.sin(angles)  # [T, dims/2]
 
