@@ -19,9 +19,12 @@ call needs after an update).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import mlx.core as mx
+
+from mlx_attn._checks import MAX_DIM, check_array, check_int
 
 __all__ = [
     "ConcatKVCache",
@@ -31,20 +34,65 @@ __all__ = [
     "load_cache",
     "kv_cache_bytes",
     "kv_cache_bytes_per_token",
+    "MAX_STEP",
 ]
 
+# The largest allocation step (tokens) a cache accepts: growing by more than
+# this at once is a typo, not a plan (mlx-lm uses 256).
+MAX_STEP = 2**16
 
-def _check_update(keys: mx.array, values: mx.array, stored: mx.array | None):
-    if keys.ndim != 4 or values.ndim != 4:
-        raise ValueError(
-            f"keys and values must be [B, n_kv_heads, T, head_dim], got {keys.shape} and {values.shape}"
-        )
+
+def _check_pair(keys, values, what: str) -> None:
+    """Keys and values of one update or state: 4-D, floating, one dtype,
+    agreeing on [B, heads, T], with at least one head and one feature."""
+    for name, a in (("keys", keys), ("values", values)):
+        check_array(f"{what} {name}", a, floating=True)
+        if a.ndim != 4:
+            raise ValueError(
+                f"{what} keys and values must be [B, n_kv_heads, T, head_dim], got {keys.shape} and {values.shape}"
+            )
     if keys.shape[:3] != values.shape[:3]:
-        raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on [B, heads, T]")
-    if stored is not None and (keys.shape[:2] != stored.shape[:2] or keys.shape[3] != stored.shape[3]):
+        raise ValueError(f"{what} keys {keys.shape} and values {values.shape} disagree on [B, heads, T]")
+    if keys.dtype != values.dtype:
+        raise ValueError(f"{what} keys ({keys.dtype}) and values ({values.dtype}) need the same dtype")
+    if keys.shape[1] == 0 or keys.shape[3] == 0 or values.shape[3] == 0:
+        raise ValueError(f"{what} keys {keys.shape} / values {values.shape} need >= 1 head and head_dim >= 1")
+
+
+def _check_update(keys, values, stored_keys: mx.array | None, stored_values: mx.array | None, offset: int):
+    _check_pair(keys, values, "new")
+    if keys.shape[2] == 0:
+        raise ValueError(f"an update must add at least one token, got keys of shape {keys.shape}")
+    check_int("the cache length after this update", offset + keys.shape[2])
+    if stored_keys is None:
+        return
+    if keys.shape[:2] != stored_keys.shape[:2] or keys.shape[3] != stored_keys.shape[3]:
         raise ValueError(
-            f"new keys {keys.shape} do not match the cached ones {stored.shape} (batch, heads or head_dim)"
+            f"new keys {keys.shape} do not match the cached ones {stored_keys.shape} (batch, heads or head_dim)"
         )
+    if values.shape[3] != stored_values.shape[3]:
+        raise ValueError(f"new values {values.shape} do not match the cached ones {stored_values.shape} (value dim)")
+    if keys.dtype != stored_keys.dtype:
+        raise ValueError(f"new keys have dtype {keys.dtype}, the cached ones {stored_keys.dtype}")
+
+
+def _check_state(value) -> tuple[mx.array | None, mx.array | None]:
+    """A state to set: ``(keys, values)`` arrays, or ``(None, None)`` (empty)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"state must be a (keys, values) pair, got {type(value).__name__}")
+    keys, values = value
+    if keys is None and values is None:
+        return None, None
+    _check_pair(keys, values, "state")
+    return keys, values
+
+
+def _check_meta(value, names: tuple[str, ...]) -> dict[str, int]:
+    """A meta_state dict with exactly ``names``, all ints >= 0."""
+    if not isinstance(value, dict) or set(value) != set(names):
+        got = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"meta_state must be a dict with keys {list(names)}, got {got}")
+    return {name: check_int(f"meta_state[{name!r}]", value[name], minimum=0) for name in names}
 
 
 def _extend(stored: mx.array | None, like: mx.array, extra: int) -> mx.array:
@@ -55,6 +103,9 @@ def _extend(stored: mx.array | None, like: mx.array, extra: int) -> mx.array:
 
 
 class _Cache:
+    """Shared interface. Arguments are checked: a bad one raises ValueError
+    naming it, and leaves the cache unchanged."""
+
     keys: mx.array | None
     values: mx.array | None
     offset: int
@@ -73,17 +124,41 @@ class _Cache:
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    def _check_update(self, keys, values) -> None:
+        _check_update(keys, values, self.keys, self.values, self.offset)
+
     def make_mask(self, q_len: int):
         """Mask for the attention of the ``q_len`` newest queries against the
         keys returned by the last update: plain lower-right causal."""
+        q_len = check_int("q_len", q_len, minimum=0, maximum=self.offset)
         return "causal" if q_len > 1 else None
+
+    def keys_after_update(self, n: int) -> int:
+        """How many keys ``update_and_fetch`` returns for an update of ``n``
+        tokens (lets a caller check a mask before changing the cache)."""
+        return self.offset + check_int("n", n, minimum=1)
 
     def is_trimmable(self) -> bool:
         return True
 
+    def _trim_count(self, n) -> int:
+        """``n`` checked (a non-negative int), capped at what the cache holds."""
+        return min(self.offset, check_int("n", n, minimum=0, maximum=None))
+
     @property
     def meta_state(self) -> dict:
         return {"offset": self.offset}
+
+    def _stored_length(self) -> int:
+        """Tokens :attr:`state` returns (what a meta_state must agree with)."""
+        keys = self.state[0]
+        return 0 if keys is None else keys.shape[2]
+
+    def _set_offset(self, offset: int) -> None:
+        """Caches that hold every token: the offset is the stored length."""
+        if offset != self._stored_length():
+            raise ValueError(f"meta_state offset {offset} contradicts the {self._stored_length()} stored tokens")
+        self.offset = offset
 
 
 class ConcatKVCache(_Cache):
@@ -95,7 +170,7 @@ class ConcatKVCache(_Cache):
         self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        _check_update(keys, values, self.keys)
+        self._check_update(keys, values)
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
@@ -106,11 +181,16 @@ class ConcatKVCache(_Cache):
 
     @_Cache.state.setter
     def state(self, value):
-        self.keys, self.values = value
-        self.offset = self.keys.shape[2]
+        self.keys, self.values = _check_state(value)
+        self.offset = 0 if self.keys is None else self.keys.shape[2]
+
+    @_Cache.meta_state.setter
+    def meta_state(self, value):
+        self._set_offset(_check_meta(value, ("offset",))["offset"])
 
     def trim(self, n: int) -> int:
-        n = min(self.offset, max(0, n))
+        """Drop the ``n`` newest tokens; returns how many were dropped."""
+        n = self._trim_count(n)
         if n and self.keys is not None:
             self.offset -= n
             self.keys = self.keys[..., : self.offset, :]
@@ -119,13 +199,11 @@ class ConcatKVCache(_Cache):
 
 
 class KVCache(_Cache):
-    """Preallocated in chunks of ``step`` tokens; returns ``[:, :, :offset]``
-    slices of its buffers (no copy)."""
+    """Preallocated in chunks of ``step`` tokens (1 .. ``MAX_STEP``); returns
+    ``[:, :, :offset]`` slices of its buffers (no copy)."""
 
     def __init__(self, step: int = 256):
-        if step < 1:
-            raise ValueError(f"step must be >= 1, got {step}")
-        self.step = step
+        self.step = check_int("step", step, minimum=1, maximum=MAX_STEP)
         self.keys = None
         self.values = None
         self.offset = 0
@@ -133,13 +211,13 @@ class KVCache(_Cache):
     def _grow(self, keys: mx.array, values: mx.array):
         """Reallocate to the next multiple of `step` that fits the update."""
         needed = self.offset + keys.shape[2]
-        capacity = (needed + self.step - 1) // self.step * self.step
+        capacity = min((needed + self.step - 1) // self.step * self.step, MAX_DIM)
         used = (None, None) if self.keys is None else (self.keys[..., : self.offset, :], self.values[..., : self.offset, :])
         self.keys = _extend(used[0], keys, capacity - self.offset)
         self.values = _extend(used[1], values, capacity - self.offset)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        _check_update(keys, values, self.keys)
+        self._check_update(keys, values)
         start = self.offset
         if self.keys is None or start + keys.shape[2] > self.keys.shape[2]:
             self._grow(keys, values)
@@ -156,17 +234,25 @@ class KVCache(_Cache):
 
     @state.setter
     def state(self, value):
-        self.keys, self.values = value
-        self.offset = self.keys.shape[2]
+        self.keys, self.values = _check_state(value)
+        self.offset = 0 if self.keys is None else self.keys.shape[2]
 
     def trim(self, n: int) -> int:
-        n = min(self.offset, max(0, n))
+        """Forget the ``n`` newest tokens; returns how many were forgotten."""
+        n = self._trim_count(n)
         self.offset -= n
         return n
 
     @property
     def meta_state(self) -> dict:
         return {"offset": self.offset, "step": self.step}
+
+    @meta_state.setter
+    def meta_state(self, value):
+        meta = _check_meta(value, ("offset", "step"))
+        step = check_int("meta_state['step']", meta["step"], minimum=1, maximum=MAX_STEP)
+        self._set_offset(meta["offset"])
+        self.step = step
 
 
 class RotatingKVCache(_Cache):
@@ -181,21 +267,23 @@ class RotatingKVCache(_Cache):
     """
 
     def __init__(self, max_size: int, keep: int = 0, step: int = 256):
-        if max_size < 1:
-            raise ValueError(f"max_size must be >= 1, got {max_size}")
-        if not 0 <= keep < max_size:
+        self.max_size = check_int("max_size", max_size, minimum=1)
+        if check_int("keep", keep, minimum=0) >= max_size:
             raise ValueError(f"keep must be in [0, max_size), got keep={keep}, max_size={max_size}")
-        if step < 1:
-            raise ValueError(f"step must be >= 1, got {step}")
-        self.max_size = max_size
         self.keep = keep
-        self.step = step
+        self.step = check_int("step", step, minimum=1, maximum=MAX_STEP)
         self.keys = None
         self.values = None
         self.offset = 0
         self._idx = 0  # next slot to write; == buffer length when in temporal order
+        self._last_update = 0  # tokens of the last update (what make_mask describes)
 
     # -- helpers ------------------------------------------------------------
+    def _temporal_length(self) -> int:
+        """How many entries `_temporal` returns."""
+        size = self.keys.shape[2]
+        return self._idx if self._idx != size and self.offset <= self._idx else size
+
     def _temporal(self, buf: mx.array) -> mx.array:
         """The valid entries of a buffer, oldest first."""
         size = buf.shape[2]
@@ -217,8 +305,17 @@ class RotatingKVCache(_Cache):
         return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
 
     # -- updates ------------------------------------------------------------
+    def keys_after_update(self, n: int) -> int:
+        n = check_int("n", n, minimum=1)
+        if n == 1:
+            return min(self.offset + 1, self.max_size)
+        if self.keys is None:
+            return n
+        return min(self._temporal_length(), self.max_size - 1) + n
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        _check_update(keys, values, self.keys)
+        self._check_update(keys, values)
+        self._last_update = keys.shape[2]
         if keys.shape[2] == 1:
             return self._update_in_place(keys, values)
         return self._update_concat(keys, values)
@@ -258,10 +355,15 @@ class RotatingKVCache(_Cache):
 
     def make_mask(self, q_len: int):
         """After a multi-token update: a boolean ``[q_len, L]`` band mask for
-        the returned keys; after a single token: None (every stored token is
-        inside the window)."""
-        if q_len == 1:
+        the returned keys (``q_len`` at most the update's length); after a
+        single token: None (every stored token is inside the window)."""
+        q_len = check_int("q_len", q_len, minimum=0)
+        if q_len <= 1:
             return None
+        if q_len > self._last_update:
+            raise ValueError(
+                f"q_len={q_len}: make_mask describes the last update, which added {self._last_update} tokens"
+            )
         length = self.keys.shape[2]
         j = mx.arange(length)
         key_pos = mx.where(j < self.keep, j, self.offset - length + j)
@@ -273,9 +375,19 @@ class RotatingKVCache(_Cache):
         return visible
 
     # -- state --------------------------------------------------------------
-    @_Cache.state.setter
+    @property
+    def state(self):
+        if self.keys is not None and self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    @state.setter
     def state(self, value):
-        self.keys, self.values = value
+        """The buffers as :attr:`state` returns them; read as every token
+        in temporal order until :attr:`meta_state` says the window has slid."""
+        self.keys, self.values = _check_state(value)
+        self.offset = self._idx = 0 if self.keys is None else self.keys.shape[2]
+        self._last_update = 0
 
     @property
     def meta_state(self) -> dict:
@@ -287,47 +399,205 @@ class RotatingKVCache(_Cache):
             "idx": self._idx,
         }
 
+    @meta_state.setter
+    def meta_state(self, value):
+        meta = _check_meta(value, ("offset", "max_size", "keep", "step", "idx"))
+        shape = RotatingKVCache(meta["max_size"], meta["keep"], meta["step"])  # checks those three
+        offset, idx, stored = meta["offset"], meta["idx"], self._stored_length()
+        # the layouts update_and_fetch can leave behind
+        if stored == offset:  # every token stored, oldest first
+            consistent = idx == stored
+        else:  # the window has slid: a full ring, or a chunk in temporal order
+            consistent = stored < offset and stored >= shape.max_size and (
+                shape.keep <= idx <= stored if stored == shape.max_size else idx == stored
+            )
+        if not consistent:
+            raise ValueError(
+                f"meta_state offset={offset}, idx={idx} contradict the {stored} stored tokens "
+                f"of a window of max_size={shape.max_size}, keep={shape.keep}"
+            )
+        self.max_size, self.keep, self.step = shape.max_size, shape.keep, shape.step
+        self.offset, self._idx = offset, idx
+
     def is_trimmable(self) -> bool:
         return self.offset < self.max_size
 
     def trim(self, n: int) -> int:
-        """Only possible before the window has started to slide."""
+        """Only possible before the window has started to slide; returns how
+        many tokens were dropped (0 once it has)."""
+        n = self._trim_count(n)
         if not self.is_trimmable():
             return 0
-        n = min(self.offset, max(0, n))
         self.offset -= n
         self._idx -= n
+        self._last_update = 0
         return n
 
 
 # ---------------------------------------------------------------- persistence
 _CACHE_TYPES = {"ConcatKVCache": ConcatKVCache, "KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
 _META_KEY = "mlx_attn.caches"
+_SUFFIX = ".safetensors"
+# bytes per element of the safetensors dtypes
+_SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+def _cache_file(path) -> str:
+    """The file a cache lives in: ``path`` with ``.safetensors`` appended
+    unless it already ends so (the rule of ``mx.save_safetensors``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"path must be a non-empty str path, got {path!r}")
+    return path if path.endswith(_SUFFIX) else path + _SUFFIX
 
 
 def save_cache(path: str | os.PathLike, caches: list, metadata: dict[str, str] | None = None) -> None:
-    """Save a list of caches (one per layer) to a safetensors file."""
+    """Save a list of caches (one per layer) to a safetensors file.
+
+    ``path`` gets ``.safetensors`` appended unless it ends so, exactly as
+    :func:`mlx.core.save_safetensors` does; :func:`load_cache` accepts the
+    same ``path``. ``metadata``: extra ``str -> str`` entries."""
+    file = _cache_file(path)
+    if not isinstance(caches, (list, tuple)):
+        raise ValueError(f"caches must be a list of caches (one per layer), got {type(caches).__name__}")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
+    meta = dict(metadata or {})
+    for key, value in meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"metadata must map str to str, got {key!r}: {value!r}")
+    if _META_KEY in meta:
+        raise ValueError(f"metadata key {_META_KEY!r} is reserved for the cache description")
     arrays, described = {}, []
     for i, cache in enumerate(caches):
         name = type(cache).__name__
-        if name not in _CACHE_TYPES:
-            raise ValueError(f"cannot save a cache of type {name}")
+        if _CACHE_TYPES.get(name) is not type(cache):
+            raise ValueError(f"cannot save caches[{i}] of type {name}; supported: {', '.join(_CACHE_TYPES)}")
         keys, values = cache.state
         if keys is not None:
             arrays[f"{i}.keys"] = keys
             arrays[f"{i}.values"] = values
         described.append({"type": name, "meta": cache.meta_state, "empty": keys is None})
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta[_META_KEY] = json.dumps(described)
-    mx.save_safetensors(str(path), arrays, metadata=meta)
+    try:
+        mx.save_safetensors(file, arrays, metadata=meta)
+    except (RuntimeError, OSError) as error:
+        raise ValueError(f"cannot write the cache file {file}: {error}") from error
 
 
-_EXPECTABLE = ("n_layers", "n_kv_heads", "head_dim", "batch")
+def _read_safetensors_header(file: str) -> tuple[dict, dict]:
+    """The tensor table and metadata of a safetensors file, every extent
+    checked against the file size (so MLX's reader only sees sound files).
+    Messages leave out the file name: the caller adds it."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{size} bytes, shorter than the header size field")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"header length {header_len} does not fit the {size}-byte file")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"the safetensors header is not valid JSON: {error}") from error
+    if not isinstance(header, dict):
+        raise ValueError(f"the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"__metadata__ must map str to str")
+    data_size = size - 8 - header_len
+    for name, entry in header.items():
+        where = f"tensor {name!r}"
+        if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_ITEMSIZE:
+            raise ValueError(f"{where} has no known dtype")
+        shape, extent = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):
+            raise ValueError(f"{where} has an invalid shape {shape!r}")
+        if not (isinstance(extent, list) and len(extent) == 2 and all(type(o) is int for o in extent)):
+            raise ValueError(f"{where} has invalid data_offsets {extent!r}")
+        begin, end = extent
+        if not 0 <= begin <= end <= data_size:
+            raise ValueError(f"{where}: data_offsets {extent} exceed the {data_size} data bytes (truncated file?)")
+        if end - begin != math.prod(shape) * _SAFETENSORS_ITEMSIZE[entry["dtype"]]:
+            raise ValueError(f"{where}: {end - begin} bytes do not hold shape {shape} of {entry['dtype']}")
+    return header, metadata
+
+
+def _check_expected(expected, given: dict) -> dict:
+    """Merge the ``expected`` dict with the keyword arguments, each checked."""
+    if expected is not None and not isinstance(expected, dict):
+        raise ValueError(f"expected must be a dict, got {type(expected).__name__}")
+    wanted = dict(given)
+    for key, value in (expected or {}).items():
+        if key not in _EXPECTABLE:
+            raise ValueError(f"unknown key {key!r} in expected; use {', '.join(_EXPECTABLE)}")
+        if wanted[key] is not None and wanted[key] != value:
+            raise ValueError(f"expected[{key!r}]={value} contradicts {key}={wanted[key]}")
+        wanted[key] = value
+    for key, value in wanted.items():
+        if value is None:
+            continue
+        if key == "dtype":
+            if not isinstance(value, mx.Dtype):
+                raise ValueError(f"expected dtype must be an mlx dtype, got {value!r}")
+        else:
+            check_int(key, value, minimum=0 if key == "n_layers" else 1)
+    return wanted
+
+
+def _load_layer(file: str, i: int, entry, arrays: dict):
+    """One cache from its description and tensors; ValueError naming the field."""
+    if not isinstance(entry, dict) or set(entry) != {"type", "meta", "empty"}:
+        raise ValueError("the description must have exactly the fields type, meta, empty")
+    cls = _CACHE_TYPES.get(entry["type"]) if isinstance(entry["type"], str) else None
+    if cls is None:
+        raise ValueError(f"type {entry['type']!r} is not one of {', '.join(_CACHE_TYPES)}")
+    info = entry["meta"]
+    if not isinstance(info, dict):
+        raise ValueError(f"meta must be a dict, got {type(info).__name__}")
+    if cls is RotatingKVCache:
+        cache = cls(info.get("max_size"), info.get("keep"), info.get("step"))
+    elif cls is KVCache:
+        cache = cls(info.get("step"))
+    else:
+        cache = cls()
+    empty = entry["empty"]
+    if not isinstance(empty, bool) or empty == (f"{i}.keys" in arrays):
+        raise ValueError(f"empty={empty!r} contradicts the tensors stored for it")
+    if not empty:
+        cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+    cache.meta_state = info
+    return cache
+
+
+def _check_layer_shapes(cache, expected: dict, batch_seen: int | None) -> int | None:
+    keys, values = cache.state
+    if keys is None:
+        return batch_seen
+    got = {"batch": keys.shape[0], "n_kv_heads": keys.shape[1], "head_dim": keys.shape[3],
+           "value_dim": values.shape[3], "dtype": keys.dtype}
+    for name, value in got.items():
+        if expected[name] is not None and expected[name] != value:
+            raise ValueError(f"has {name}={value} (keys {keys.shape}, values {values.shape}), expected {expected[name]}")
+    if batch_seen is not None and keys.shape[0] != batch_seen:
+        raise ValueError(f"has batch={keys.shape[0]}, an earlier layer batch={batch_seen}")
+    return keys.shape[0]
+
+
+_EXPECTABLE = ("n_layers", "n_kv_heads", "head_dim", "batch", "value_dim", "dtype")
 
 
 def load_cache(
     path: str | os.PathLike,
-    expected: dict[str, int] | None = None,
+    expected: dict | None = None,
     *,
     n_layers: int | None = None,
     n_kv_heads: int | None = None,
@@ -336,52 +606,55 @@ def load_cache(
 ) -> tuple[list, dict[str, str]]:
     """Load caches saved by :func:`save_cache`; returns ``(caches, metadata)``.
 
-    Pass the model's ``n_layers`` / ``n_kv_heads`` / ``head_dim`` (and the
-    ``batch`` size), as keywords or as an ``expected`` dict with those keys, to
+    ``path`` is what was given to :func:`save_cache` (``.safetensors`` is
+    appended unless it ends so). Pass the model's ``n_layers`` /
+    ``n_kv_heads`` / ``head_dim`` (and the ``batch`` size), as keywords or in
+    an ``expected`` dict (which also takes ``value_dim`` and ``dtype``), to
     have a cache made for another model rejected with a ``ValueError``.
+    Damaged, truncated or foreign files raise ``ValueError`` naming the file
+    and the field; a missing one ``FileNotFoundError``.
     """
-    wanted = dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, batch=batch)
-    for key, value in (expected or {}).items():
-        if key not in _EXPECTABLE:
-            raise ValueError(f"unknown key {key!r} in expected; use {', '.join(_EXPECTABLE)}")
-        if wanted[key] is not None and wanted[key] != value:
-            raise ValueError(f"expected[{key!r}]={value} contradicts {key}={wanted[key]}")
-        wanted[key] = value
-    n_layers, n_kv_heads, head_dim, batch = (wanted[k] for k in _EXPECTABLE)
-    path = str(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no cache file at {path}")
+    given = dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, batch=batch,
+                 value_dim=None, dtype=None)
+    wanted = _check_expected(expected, given)
+    file = _cache_file(path)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no cache file at {file}")
+    if not os.path.isfile(file):
+        raise ValueError(f"{file} is not a file")
+    unreadable = f"{file} is not a readable mlx_attn cache file"
     try:
-        arrays, meta = mx.load(path, return_metadata=True)
+        header, meta = _read_safetensors_header(file)
+    except ValueError as error:
+        raise ValueError(f"{unreadable}: {error}") from error
+    if _META_KEY not in meta:
+        raise ValueError(f"{unreadable}: no {_META_KEY!r} metadata")
+    try:
         described = json.loads(meta.pop(_META_KEY))
-    except Exception as error:  # corrupted or not ours
-        raise ValueError(f"{path} is not a readable mlx_attn cache file: {error}") from error
-    if n_layers is not None and len(described) != n_layers:
-        raise ValueError(f"{path} holds caches for {len(described)} layers, expected {n_layers}")
-    caches = []
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"{file}: metadata {_META_KEY!r} is not valid JSON: {error}") from error
+    if not isinstance(described, list):
+        raise ValueError(f"{file}: metadata {_META_KEY!r} must be a list of layer descriptions")
+    if wanted["n_layers"] is not None and len(described) != wanted["n_layers"]:
+        raise ValueError(f"{file} holds caches for {len(described)} layers, expected {wanted['n_layers']}")
+    names = {f"{i}.{part}" for i, entry in enumerate(described) for part in ("keys", "values")}
+    foreign = sorted(set(header) - names)
+    if foreign:
+        raise ValueError(f"{file} holds tensors that are not cache layers: {foreign[:5]}")
+    for name in header:
+        if name.endswith(".keys") and name[: -len("keys")] + "values" not in header:
+            raise ValueError(f"{file}: tensor {name!r} has no values beside it")
+    try:
+        arrays = mx.load(file, format="safetensors")
+    except Exception as error:  # MLX's reader: anything it refuses is a bad file
+        raise ValueError(f"{unreadable}: {error}") from error
+    caches, batch_seen = [], None
     for i, entry in enumerate(described):
-        cls = _CACHE_TYPES[entry["type"]]
-        info = entry["meta"]
-        if cls is RotatingKVCache:
-            cache = cls(info["max_size"], info["keep"], info["step"])
-            cache._idx = info["idx"]
-        elif cls is KVCache:
-            cache = cls(info["step"])
-        else:
-            cache = cls()
-        if not entry["empty"]:
-            keys, values = arrays[f"{i}.keys"], arrays[f"{i}.values"]
-            checks = (("batch", batch, keys.shape[0]), ("n_kv_heads", n_kv_heads, keys.shape[1]),
-                      ("head_dim", head_dim, keys.shape[3]))
-            for name, want, got in checks:
-                if want is not None and want != got:
-                    raise ValueError(
-                        f"layer {i} of {path} has {name}={got} (keys {keys.shape}), expected {want}"
-                    )
-            if keys.shape[:3] != values.shape[:3]:
-                raise ValueError(f"layer {i} of {path}: keys {keys.shape} and values {values.shape} disagree")
-            cache.state = (keys, values)
-        cache.offset = info["offset"]
+        try:
+            cache = _load_layer(file, i, entry, arrays)
+            batch_seen = _check_layer_shapes(cache, wanted, batch_seen)
+        except ValueError as error:
+            raise ValueError(f"layer {i} of {file}: {error}") from error
         caches.append(cache)
     return caches, meta
 
@@ -390,8 +663,9 @@ def load_cache(
 def kv_cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype=mx.float16, batch: int = 1) -> int:
     """Bytes one token adds to the cache: keys and values of every layer."""
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("batch", batch)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        check_int(name, value, minimum=1, maximum=None)
+    if not isinstance(dtype, mx.Dtype):
+        raise ValueError(f"dtype must be an mlx dtype, got {dtype!r}")
     return 2 * n_layers * n_kv_heads * head_dim * dtype.size * batch
 
 
@@ -399,6 +673,5 @@ def kv_cache_bytes(
     n_layers: int, n_kv_heads: int, head_dim: int, context: int, dtype=mx.float16, batch: int = 1
 ) -> int:
     """Bytes of a cache holding ``context`` tokens."""
-    if context < 0:
-        raise ValueError(f"context must be >= 0, got {context}")
+    check_int("context", context, minimum=0, maximum=None)
     return kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype, batch) * context
