@@ -25,7 +25,8 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        wanted = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be {wanted}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value

@@ -12,7 +12,17 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.ops import Backend, scaled_dot_product_attention
+from mlx_attn._checks import (
+    MAX_DIM,
+    check_array,
+    check_bool,
+    check_elements,
+    check_int,
+    check_optional_int,
+    check_real,
+)
+from mlx_attn.masks import check_additive_values
+from mlx_attn.ops import Backend, attention_path, scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
 
@@ -37,6 +47,9 @@ class MultiHeadAttention(nn.Module):
             :func:`mlx_attn.scaled_dot_product_attention`).
         window_size: sliding-window attention (each query sees at most this
             many most recent keys).
+
+    Every bad argument, at construction or call, raises ``ValueError``
+    naming it; a call with a bad mask leaves the cache untouched.
     """
 
     def __init__(
@@ -55,23 +68,36 @@ class MultiHeadAttention(nn.Module):
         window_size: int | None = None,
     ):
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if d_model < 1 or n_heads < 1 or n_kv_heads < 1:
-            raise ValueError(
-                f"d_model, n_heads and n_kv_heads must be positive, got {d_model}, {n_heads}, {n_kv_heads}"
-            )
+        d_model = check_int("d_model", d_model, minimum=1)
+        n_heads = check_int("n_heads", n_heads, minimum=1)
+        n_kv_heads = n_heads if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, minimum=1)
+        head_dim = check_optional_int("head_dim", head_dim, minimum=1)
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
             head_dim = d_model // n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        check_bool("bias", bias)
+        if out_bias is not None:
+            check_bool("out_bias", out_bias)
+        check_bool("fused_qkv", fused_qkv)
+        dropout = check_real("dropout", dropout)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if backend not in ("auto", "fused", "reference"):
             raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+        if rope is not None and not isinstance(rope, RoPE):
+            raise ValueError(f"rope must be a mlx_attn.RoPE or None, got {type(rope).__name__}")
         if rope is not None and rope.dims > head_dim:
             raise ValueError(f"RoPE over {rope.dims} dims does not fit head_dim {head_dim}")
+        window_size = check_optional_int("window_size", window_size, minimum=1)
+        # the projection weights, checked before nn.Linear creates them
+        q_width = check_int("n_heads * head_dim", n_heads * head_dim, maximum=MAX_DIM)
+        kv_width = n_kv_heads * head_dim
+        in_width = check_int("the fused qkv width", q_width + 2 * kv_width) if fused_qkv else q_width
+        check_elements("the q/qkv projection weight", (in_width, d_model))
+        check_elements("the o_proj weight", (d_model, q_width))
         self.d_model = d_model
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -82,7 +108,6 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         self.window_size = window_size
         self.fused_qkv = fused_qkv
-        q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
         if fused_qkv:
             self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
         else:
@@ -106,14 +131,27 @@ class MultiHeadAttention(nn.Module):
         source = x if kv is None else kv
         return self.q_proj(x), self.k_proj(source), self.v_proj(source)
 
-    def _check_inputs(self, x: mx.array, kv: mx.array | None):
+    def _check_inputs(self, x: mx.array, kv: mx.array | None, cache):
+        check_array("x", x, floating=True)
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be [batch, length, {self.d_model}], got shape {x.shape}")
         if kv is not None:
+            check_array("kv", kv, floating=True)
             if kv.ndim != 3 or kv.shape[-1] != self.d_model:
                 raise ValueError(f"kv must be [batch, length, {self.d_model}], got shape {kv.shape}")
             if kv.shape[0] != x.shape[0]:
                 raise ValueError(f"x and kv batch sizes differ: {x.shape[0]} vs {kv.shape[0]}")
+        if cache is not None and not (hasattr(cache, "update_and_fetch") and hasattr(cache, "offset")):
+            raise ValueError(f"cache must be a KV cache (update_and_fetch, offset), got {type(cache).__name__}")
+
+    def _check_attention(self, q, k, v, mask, backend: Backend, kv_len: int | None = None):
+        """The SDPA contract for these arguments; with ``kv_len``, for keys of
+        that length (what a cache will return: checked before updating it)."""
+        if kv_len is not None:
+            # lazy placeholders of the right shape: never evaluated, nothing allocated
+            k = mx.broadcast_to(mx.zeros((), k.dtype), (*k.shape[:2], kv_len, k.shape[3]))
+            v = mx.broadcast_to(mx.zeros((), v.dtype), (*v.shape[:2], kv_len, v.shape[3]))
+        attention_path(q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=backend)
 
     def __call__(
         self,
@@ -130,7 +168,14 @@ class MultiHeadAttention(nn.Module):
         (``mlx_attn.cache``); RoPE then starts at ``cache.offset``. Returns
         ``y [B, T, d_model]``, and the attention weights ``[B, n_heads, T, S]``
         too when ``return_weights`` (computed by the reference path)."""
-        self._check_inputs(x, kv)
+        self._check_inputs(x, kv, cache)
+        check_bool("return_weights", return_weights)
+        if isinstance(mask, mx.array):
+            check_additive_values("mask", mask)
+        dropout = self.dropout if self.training else 0.0
+        # weights and dropout exist only on the reference path
+        needs_weights = return_weights or dropout > 0.0
+        backend = "reference" if needs_weights else self.backend
         q, k, v = self._project(x, kv)
         q = self._split_heads(q, self.n_heads)
         k = self._split_heads(k, self.n_kv_heads)
@@ -141,13 +186,15 @@ class MultiHeadAttention(nn.Module):
             q = self.rope(q, offset=offset)
             k = self.rope(k, offset=offset)
         if cache is not None:
+            if hasattr(cache, "keys_after_update") and k.shape[2] > 0:
+                self._check_attention(q, k, v, mask, backend, cache.keys_after_update(k.shape[2]))
             k, v = cache.update_and_fetch(k, v)
             if isinstance(mask, str) and mask == "causal":
                 # a rotating cache needs its band mask, others plain causal
                 mask = cache.make_mask(q.shape[2]) if q.shape[2] > 1 else None
 
-        dropout = self.dropout if self.training else 0.0
-        if return_weights or dropout > 0.0:
+        if needs_weights:
+            self._check_attention(q, k, v, mask, backend)
             out, weights = reference_attention(
                 q, k, v, scale=self.scale, mask=mask, window_size=self.window_size,
                 return_weights=True, dropout_p=dropout,

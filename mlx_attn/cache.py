@@ -509,10 +509,10 @@ def _read_safetensors_header(file: str) -> tuple[dict, dict]:
     except (ValueError, RecursionError) as error:
         raise ValueError(f"the safetensors header is not valid JSON: {error}") from error
     if not isinstance(header, dict):
-        raise ValueError(f"the safetensors header is not a JSON object")
+        raise ValueError("the safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError(f"__metadata__ must map str to str")
+        raise ValueError("__metadata__ must map str to str")
     data_size = size - 8 - header_len
     for name, entry in header.items():
         where = f"tensor {name!r}"
