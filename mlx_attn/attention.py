@@ -204,6 +204,6 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=self.backend
             )
             weights = None
-        b, _, t, _ = out.shape
-        y = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        b, h, t, dv = out.shape
+        y = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dv))
         return (y, weights) if return_weights else y

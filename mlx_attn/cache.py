@@ -109,6 +109,7 @@ class _Cache:
     keys: mx.array | None
     values: mx.array | None
     offset: int
+    META_FIELDS: tuple[str, ...] = ("offset",)  # the keys of meta_state
 
     @property
     def state(self):
@@ -186,7 +187,7 @@ class ConcatKVCache(_Cache):
 
     @_Cache.meta_state.setter
     def meta_state(self, value):
-        self._set_offset(_check_meta(value, ("offset",))["offset"])
+        self._set_offset(_check_meta(value, self.META_FIELDS)["offset"])
 
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens; returns how many were dropped."""
@@ -201,6 +202,8 @@ class ConcatKVCache(_Cache):
 class KVCache(_Cache):
     """Preallocated in chunks of ``step`` tokens (1 .. ``MAX_STEP``); returns
     ``[:, :, :offset]`` slices of its buffers (no copy)."""
+
+    META_FIELDS = ("offset", "step")
 
     def __init__(self, step: int = 256):
         self.step = check_int("step", step, minimum=1, maximum=MAX_STEP)
@@ -249,7 +252,7 @@ class KVCache(_Cache):
 
     @meta_state.setter
     def meta_state(self, value):
-        meta = _check_meta(value, ("offset", "step"))
+        meta = _check_meta(value, self.META_FIELDS)
         step = check_int("meta_state['step']", meta["step"], minimum=1, maximum=MAX_STEP)
         self._set_offset(meta["offset"])
         self.step = step
@@ -265,6 +268,8 @@ class RotatingKVCache(_Cache):
     tokens in temporal order, and :meth:`make_mask` gives the band mask that
     keeps each new query within its own window.
     """
+
+    META_FIELDS = ("offset", "max_size", "keep", "step", "idx")
 
     def __init__(self, max_size: int, keep: int = 0, step: int = 256):
         self.max_size = check_int("max_size", max_size, minimum=1)
@@ -401,7 +406,7 @@ class RotatingKVCache(_Cache):
 
     @meta_state.setter
     def meta_state(self, value):
-        meta = _check_meta(value, ("offset", "max_size", "keep", "step", "idx"))
+        meta = _check_meta(value, self.META_FIELDS)
         shape = RotatingKVCache(meta["max_size"], meta["keep"], meta["step"])  # checks those three
         offset, idx, stored = meta["offset"], meta["idx"], self._stored_length()
         # the layouts update_and_fetch can leave behind
@@ -560,13 +565,11 @@ def _load_layer(file: str, i: int, entry, arrays: dict):
     cls = _CACHE_TYPES.get(entry["type"]) if isinstance(entry["type"], str) else None
     if cls is None:
         raise ValueError(f"type {entry['type']!r} is not one of {', '.join(_CACHE_TYPES)}")
-    info = entry["meta"]
-    if not isinstance(info, dict):
-        raise ValueError(f"meta must be a dict, got {type(info).__name__}")
+    info = _check_meta(entry["meta"], cls.META_FIELDS)
     if cls is RotatingKVCache:
-        cache = cls(info.get("max_size"), info.get("keep"), info.get("step"))
+        cache = cls(info["max_size"], info["keep"], info["step"])
     elif cls is KVCache:
-        cache = cls(info.get("step"))
+        cache = cls(info["step"])
     else:
         cache = cls()
     empty = entry["empty"]
