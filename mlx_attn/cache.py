@@ -3,8 +3,15 @@
 Every cache stores keys and values in the ``[B, n_kv_heads, T, head_dim]``
 layout and offers ``update_and_fetch(keys, values) -> (keys, values)``,
 ``offset`` (tokens seen so far), ``state`` (get/set), ``trim(n)``,
-``is_trimmable()``, ``nbytes`` and ``make_mask(q_len)`` (the mask the attention
-call needs after an update).
+``is_trimmable()``, ``nbytes``, ``make_mask(q_len)`` (the mask the attention
+call needs after an update), ``keys_after_update(n)`` (how many keys the next
+update of ``n`` tokens returns) and ``meta_state`` (get/set, the dict of
+``META_FIELDS``).
+
+Every argument is checked: a bad one raises ``ValueError`` naming it and
+leaves the cache as it was. Updates must match what the cache holds (batch,
+heads, head dim, value dim, dtype) and add at least one token; ``trim`` takes
+an int >= 0 and returns how many tokens it dropped.
 
 - :class:`ConcatKVCache`: the textbook version, concatenating on every step.
 - :class:`KVCache`: preallocates in steps and returns slices of its buffers,

@@ -22,12 +22,25 @@ from mlx_attn._checks import MAX_DIM, check_array, check_bool, check_int, check_
 __all__ = ["RoPE", "rope_angles"]
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_parameters(dims, base, scale) -> tuple[int, float, float]:
+    """Checked ``dims, base, scale``: the angles are computed in float32 and
+    must stay finite at every int32 position (else cos/sin give NaN)."""
     dims = check_int("RoPE dims", dims)
     if dims < 2 or dims % 2:
         raise ValueError(f"RoPE dims must be a positive even number, got {dims}")
-    # base <= 0 or non-finite makes the frequencies NaN or infinite
-    return dims, check_real("RoPE base", base, positive=True), check_real("RoPE scale", scale)
+    base, scale = check_real("RoPE base", base, positive=True), check_real("RoPE scale", scale)
+    if base > FLOAT32_MAX:
+        raise ValueError(f"RoPE base must be finite in float32, got {base}")
+    largest_frequency = max(1.0, 1.0 / base)  # base ** (-2i / dims) over i
+    if abs(scale) * MAX_DIM * largest_frequency >= FLOAT32_MAX:
+        raise ValueError(
+            f"RoPE base={base} and scale={scale} make the rotation angles overflow float32 "
+            f"(|scale| / min(base, 1) must stay below {FLOAT32_MAX / MAX_DIM:.3g})"
+        )
+    return dims, base, scale
 
 
 def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx.array:

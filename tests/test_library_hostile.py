@@ -169,6 +169,10 @@ BAD_ROPE_CONFIGS = [
     (dict(dims=8, base=0), "base"),
     (dict(dims=8, base="1e4"), "base"),
     (dict(dims=8, base=True), "base"),
+    (dict(dims=8, base=1e-40), "overflow float32"),  # 1/base is not a float32
+    (dict(dims=8, base=1e39), "base"),
+    (dict(dims=8, scale=1e30), "overflow float32"),
+    (dict(dims=8, base=1e-20, scale=-1e10), "overflow float32"),
     (dict(dims=8, scale=NAN), "scale"),
     (dict(dims=8, scale=-INF), "scale"),
     (dict(dims=8, scale="1"), "scale"),
@@ -222,6 +226,9 @@ def test_rope_accepts_integer_array_offsets_and_empty_sequences():
     assert empty.shape == (1, 2, 0, 8) and empty.dtype == mx.float16
     large = rope(x, offset=2**31 - 4)  # the largest offset that still fits
     assert np.isfinite(np.array(large)).all()
+    # the most extreme accepted base and scale still give finite rotations
+    for extreme in (RoPE(8, base=1e-20, scale=1e8), RoPE(8, base=1e38, scale=-1.0), RoPE(8, scale=0.0)):
+        assert np.isfinite(np.array(extreme(x, offset=2**31 - 4))).all()
 
 
 # ------------------------------------------------------------ masks
