@@ -11,6 +11,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_attn import ConcatKVCache, KVCache, MultiHeadAttention, RoPE, RotatingKVCache
 from mlx_attn.cache import kv_cache_bytes, kv_cache_bytes_per_token, load_cache, save_cache
@@ -734,3 +736,30 @@ def test_memory_accounting_of_huge_contexts_is_arithmetic():
     # a 2**40-token context is a number to report, not an allocation
     assert kv_cache_bytes(32, 8, 128, HUGE, mx.bfloat16) == 2 * 32 * 8 * 128 * 2 * HUGE
     assert math.log2(kv_cache_bytes_per_token(1, 1, 1, mx.float32)) == 3
+
+
+# ------------------------------------------------------------ every reachable state loads back
+@settings(max_examples=40, deadline=None)
+@given(
+    kind=st.sampled_from(list(CACHES)),
+    actions=st.lists(st.one_of(st.integers(1, 7), st.integers(-3, -1)), min_size=1, max_size=10),
+)
+def test_any_reachable_state_survives_save_and_load(tmp_path_factory, kind, actions):
+    """Updates (positive sizes) and trims (negative) in any order: the saved
+    state passes load_cache's consistency checks and decodes on identically."""
+    cache = CACHES[kind]()
+    mx.random.seed(len(actions))
+    for action in actions:
+        if action > 0:
+            cache.update_and_fetch(*[mx.random.normal((1, 2, action, 4))] * 2)
+        else:
+            cache.trim(-action)
+    path = tmp_path_factory.mktemp("state") / "cache"
+    save_cache(path, [cache])
+    (loaded,), _ = load_cache(path)
+    assert loaded.offset == cache.offset and loaded.meta_state == cache.meta_state
+    for size in (1, 3, 1):
+        new = mx.random.normal((1, 2, size, 4))
+        expected_keys, _ = cache.update_and_fetch(new, new)
+        got_keys, _ = loaded.update_and_fetch(new, new)
+        np.testing.assert_array_equal(np.array(got_keys), np.array(expected_keys))
