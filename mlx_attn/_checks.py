@@ -12,6 +12,8 @@ import numbers
 
 import mlx.core as mx
 
+from mlx_attn.ops import FLOAT_DTYPES
+
 # MLX shapes are int32: no axis can be longer than this.
 MAX_DIM = 2**31 - 1
 # The largest array (in elements) a builder here agrees to create: a 2 GiB
@@ -59,7 +61,7 @@ def check_array(name: str, value, *, ndim: int | None = None, floating: bool = F
         raise ValueError(f"{name} must be an mlx.core.array, got {type(value).__name__}")
     if ndim is not None and value.ndim != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(value.shape)}")
-    if floating and not mx.issubdtype(value.dtype, mx.floating):
+    if floating and value.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be floating point (float16, bfloat16 or float32), got {value.dtype}")
     return value
 

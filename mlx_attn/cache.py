@@ -52,12 +52,12 @@ MAX_STEP = 2**16
 def _check_pair(keys, values, what: str) -> None:
     """Keys and values of one update or state: 4-D, floating, one dtype,
     agreeing on [B, heads, T], with at least one head and one feature."""
-    for name, a in (("keys", keys), ("values", values)):
-        check_array(f"{what} {name}", a, floating=True)
-        if a.ndim != 4:
-            raise ValueError(
-                f"{what} keys and values must be [B, n_kv_heads, T, head_dim], got {keys.shape} and {values.shape}"
-            )
+    check_array(f"{what} keys", keys, floating=True)
+    check_array(f"{what} values", values, floating=True)
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(
+            f"{what} keys and values must be [B, n_kv_heads, T, head_dim], got {keys.shape} and {values.shape}"
+        )
     if keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"{what} keys {keys.shape} and values {values.shape} disagree on [B, heads, T]")
     if keys.dtype != values.dtype:
@@ -97,7 +97,7 @@ def _check_state(value) -> tuple[mx.array | None, mx.array | None]:
 def _check_meta(value, names: tuple[str, ...]) -> dict[str, int]:
     """A meta_state dict with exactly ``names``, all ints >= 0."""
     if not isinstance(value, dict) or set(value) != set(names):
-        got = sorted(value) if isinstance(value, dict) else type(value).__name__
+        got = list(value) if isinstance(value, dict) else type(value).__name__
         raise ValueError(f"meta_state must be a dict with keys {list(names)}, got {got}")
     return {name: check_int(f"meta_state[{name!r}]", value[name], minimum=0) for name in names}
 
@@ -579,8 +579,11 @@ def _load_layer(file: str, i: int, entry, arrays: dict):
         cache = cls(info["step"])
     else:
         cache = cls()
+    has_keys, has_values = f"{i}.keys" in arrays, f"{i}.values" in arrays
+    if has_keys != has_values:
+        raise ValueError(f"{'keys' if has_keys else 'values'} stored without {'values' if has_keys else 'keys'}")
     empty = entry["empty"]
-    if not isinstance(empty, bool) or empty == (f"{i}.keys" in arrays):
+    if not isinstance(empty, bool) or empty == has_keys:
         raise ValueError(f"empty={empty!r} contradicts the tensors stored for it")
     if not empty:
         cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
@@ -651,9 +654,6 @@ def load_cache(
     foreign = sorted(set(header) - names)
     if foreign:
         raise ValueError(f"{file} holds tensors that are not cache layers: {foreign[:5]}")
-    for name in header:
-        if name.endswith(".keys") and name[: -len("keys")] + "values" not in header:
-            raise ValueError(f"{file}: tensor {name!r} has no values beside it")
     try:
         arrays = mx.load(file, format="safetensors")
     except Exception as error:  # MLX's reader: anything it refuses is a bad file

@@ -84,6 +84,7 @@ def module_call_cases():
     return [
         (lambda m: m([[1.0] * 32]), "x must be an mlx"),
         (lambda m: m(mx.ones((2, 5, 32), dtype=mx.int32)), "x must be floating"),
+        (lambda m: m(mx.ones((2, 5, 32), dtype=mx.float64)), "x must be floating"),
         (lambda m: m(mx.ones((5, 32))), r"\[batch, length"),
         (lambda m: m(mx.ones((1, 2, 5, 32))), r"\[batch, length"),
         (lambda m: m(mx.ones((2, 5, 16))), "32"),
@@ -194,6 +195,7 @@ BAD_ROPE_CALLS = [
     (lambda r: r([[1.0] * 8]), "x must be an mlx"),
     (lambda r: r(mx.ones((2, 8), dtype=mx.int32)), "floating"),
     (lambda r: r(mx.ones((2, 8), dtype=mx.bool_)), "floating"),
+    (lambda r: r(mx.ones((2, 8), dtype=mx.float64)), "floating"),
     (lambda r: r(mx.ones((8,))), r"\[\.\.\., T, features\]"),
     (lambda r: r(mx.ones((2, 4))), "features"),
     (lambda r: r(mx.ones((2, 8)), offset=-1), "offset"),
@@ -350,8 +352,10 @@ CACHES = {
 BAD_UPDATES = [  # against a cache holding kv(b=1, h=2, t=3, d=8, dv=6)
     (lambda: ([[1.0]], kv()[1]), "keys must be an mlx"),
     (lambda: (kv()[0], None), "values must be an mlx"),
+    (lambda: (mx.ones((2, 3, 8)), [[1.0]]), "values must be an mlx"),
     (lambda: (mx.ones((2, 3, 8)), mx.ones((2, 3, 8))), r"\[B, n_kv_heads, T, head_dim\]"),
     (lambda: kv(d=8, dv=6, dtype=mx.int32), "floating"),
+    (lambda: kv(d=8, dv=6, dtype=mx.float64), "floating"),
     (lambda: (kv()[0], kv(dv=6, dtype=mx.float16)[1]), "same dtype"),
     (lambda: (kv(t=1)[0], kv(t=2, dv=6)[1]), "disagree"),
     (lambda: kv(t=1, dv=8), "value dim"),  # the head dim of the values changed
@@ -467,6 +471,7 @@ def bad_meta_states(kind):
     cases = [
         ("not a dict", "dict"),
         ({**meta, "extra": 1}, "keys"),
+        ({**meta, 1: 2}, "keys"),
         ({k: v for k, v in meta.items() if k != "offset"}, "keys"),
         ({**meta, "offset": "3"}, "offset"),
         ({**meta, "offset": 3.0}, "offset"),
@@ -615,7 +620,8 @@ def forged_files():
         (ok, [{**kv_layer(), "empty": True}], "empty"),
         (ok, [{**kv_layer(), "empty": "no"}], "empty"),
         ({}, [kv_layer()], "empty"),
-        ({"0.keys": k}, [kv_layer()], "no values"),
+        ({"0.keys": k}, [kv_layer()], "keys stored without values"),
+        ({"0.values": v}, [{**kv_layer(), "empty": True}], "values stored without keys"),
         ({**ok, "weights": k}, [kv_layer()], "not cache layers"),
         ({**ok, "1.keys": k, "1.values": v}, [kv_layer()], "not cache layers"),
         ({"0.keys": k, "0.values": kv(t=3, h=1)[1]}, [kv_layer()], "disagree"),
