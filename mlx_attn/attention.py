@@ -49,7 +49,9 @@ class MultiHeadAttention(nn.Module):
             many most recent keys).
 
     Every bad argument, at construction or call, raises ``ValueError``
-    naming it; a call with a bad mask leaves the cache untouched.
+    naming it; a call with a bad mask leaves an ``mlx_attn.cache`` cache
+    untouched (it says how many keys it will return; other caches are
+    checked after their update).
     """
 
     def __init__(
@@ -145,13 +147,16 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"cache must be a KV cache (update_and_fetch, offset), got {type(cache).__name__}")
 
     def _check_attention(self, q, k, v, mask, backend: Backend, kv_len: int | None = None):
-        """The SDPA contract for these arguments; with ``kv_len``, for keys of
-        that length (what a cache will return: checked before updating it)."""
+        """The SDPA contract for these arguments, then the values of an
+        additive mask (once its shape is known to be sound); with ``kv_len``,
+        for keys of that length (what a cache will return)."""
         if kv_len is not None:
             # lazy placeholders of the right shape: never evaluated, nothing allocated
-            k = mx.broadcast_to(mx.zeros((), k.dtype), (*k.shape[:2], kv_len, k.shape[3]))
-            v = mx.broadcast_to(mx.zeros((), v.dtype), (*v.shape[:2], kv_len, v.shape[3]))
+            k = mx.zeros((*k.shape[:2], kv_len, k.shape[3]), k.dtype)
+            v = mx.zeros((*v.shape[:2], kv_len, v.shape[3]), v.dtype)
         attention_path(q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=backend)
+        if isinstance(mask, mx.array):
+            check_additive_values("mask", mask)
 
     def __call__(
         self,
@@ -170,8 +175,6 @@ class MultiHeadAttention(nn.Module):
         too when ``return_weights`` (computed by the reference path)."""
         self._check_inputs(x, kv, cache)
         check_bool("return_weights", return_weights)
-        if isinstance(mask, mx.array):
-            check_additive_values("mask", mask)
         dropout = self.dropout if self.training else 0.0
         # weights and dropout exist only on the reference path
         needs_weights = return_weights or dropout > 0.0
@@ -185,16 +188,20 @@ class MultiHeadAttention(nn.Module):
             offset = cache.offset if cache is not None else 0
             q = self.rope(q, offset=offset)
             k = self.rope(k, offset=offset)
+        checked = False
         if cache is not None:
             if hasattr(cache, "keys_after_update") and k.shape[2] > 0:
+                # before the update, so that a bad mask leaves the cache as it was
                 self._check_attention(q, k, v, mask, backend, cache.keys_after_update(k.shape[2]))
+                checked = True
             k, v = cache.update_and_fetch(k, v)
             if isinstance(mask, str) and mask == "causal":
                 # a rotating cache needs its band mask, others plain causal
                 mask = cache.make_mask(q.shape[2]) if q.shape[2] > 1 else None
+        if not checked:
+            self._check_attention(q, k, v, mask, backend)
 
         if needs_weights:
-            self._check_attention(q, k, v, mask, backend)
             out, weights = reference_attention(
                 q, k, v, scale=self.scale, mask=mask, window_size=self.window_size,
                 return_weights=True, dropout_p=dropout,

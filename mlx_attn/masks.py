@@ -184,15 +184,18 @@ def combine_masks(*masks: mx.array | None) -> mx.array | None:
             raise ValueError(f"combine_masks takes arrays or None, got {type(m).__name__} for mask {i}")
         if m is not None:
             check_mask_dtype(f"mask {i} dtype", m.dtype)
-            check_additive_values(f"mask {i}", m)
-    masks = [m for m in masks if m is not None]
-    if not masks:
+    present = [m for m in masks if m is not None]
+    if not present:
         return None
     try:
-        shape = mx.broadcast_shapes(*[m.shape for m in masks])
+        shape = mx.broadcast_shapes(*[m.shape for m in present])
     except ValueError as error:
         raise ValueError(f"combine_masks: the mask shapes do not broadcast: {error}") from error
     check_elements("the combined mask", shape)
+    for i, m in enumerate(masks):  # values last: this evaluates the masks
+        if m is not None:
+            check_additive_values(f"mask {i}", m)
+    masks = present
     if all(m.dtype == mx.bool_ for m in masks):
         out = masks[0]
         for m in masks[1:]:

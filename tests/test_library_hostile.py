@@ -769,3 +769,39 @@ def test_any_reachable_state_survives_save_and_load(tmp_path_factory, kind, acti
         expected_keys, _ = cache.update_and_fetch(new, new)
         got_keys, _ = loaded.update_and_fetch(new, new)
         np.testing.assert_array_equal(np.array(got_keys), np.array(expected_keys))
+
+
+def test_huge_lazy_masks_are_refused_by_shape_before_their_values_are_read():
+    """A mask whose shape is wrong is never evaluated (its values check would
+    allocate 2**40 elements)."""
+    huge = mx.zeros((2**20, 2**20))
+    with pytest.raises(ValueError, match="broadcast"):
+        MultiHeadAttention(16, 2)(mx.ones((1, 3, 16)), mask=huge)
+    with pytest.raises(ValueError, match="elements"):
+        combine_masks(huge, mx.ones((2**20, 1), dtype=mx.bool_))
+
+
+def test_foreign_caches_are_checked_after_their_update():
+    """A cache that cannot say how many keys it will return still has the
+    mask checked, after the update."""
+
+    class MinimalCache:
+        def __init__(self):
+            self.offset, self.keys, self.values = 0, None, None
+
+        def update_and_fetch(self, keys, values):
+            self.offset += keys.shape[2]
+            self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
+            self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+            return self.keys, self.values
+
+        def make_mask(self, q_len):
+            return "causal"
+
+    mha, cache = MultiHeadAttention(16, 2, rope=RoPE(4)), MinimalCache()
+    x = mx.random.normal((1, 4, 16))
+    np.testing.assert_allclose(
+        np.array(mha(x, mask="causal", cache=cache)), np.array(mha(x, mask="causal")), atol=1e-5
+    )
+    with pytest.raises(ValueError, match="broadcast"):
+        mha(x[:, :1], mask=mx.ones((1, 4), dtype=mx.bool_), cache=cache)
