@@ -11,6 +11,7 @@ import math
 import numbers
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_attn.ops import FLOAT_DTYPES
 
@@ -23,7 +24,7 @@ MAX_ELEMENTS = 2**31 - 1
 
 def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = MAX_DIM) -> int:
     """``value`` as an int; bools, floats, strings and arrays are rejected."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
     if minimum is not None and value < minimum:
@@ -40,7 +41,7 @@ def check_optional_int(name: str, value, **bounds) -> int | None:
 
 def check_real(name: str, value, *, positive: bool = False) -> float:
     """``value`` as a finite float (NaN and infinities rejected)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     value = float(value)
     if not math.isfinite(value):
@@ -51,9 +52,9 @@ def check_real(name: str, value, *, positive: bool = False) -> float:
 
 
 def check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
+    return bool(value)
 
 
 def check_array(name: str, value, *, ndim: int | None = None, floating: bool = False) -> mx.array:

@@ -805,3 +805,13 @@ def test_foreign_caches_are_checked_after_their_update():
     )
     with pytest.raises(ValueError, match="broadcast"):
         mha(x[:, :1], mask=mx.ones((1, 4), dtype=mx.bool_), cache=cache)
+
+
+def test_numpy_scalars_are_numbers_not_errors():
+    mha = MultiHeadAttention(np.int64(16), np.int32(4), np.int64(2), bias=np.bool_(True), dropout=np.float32(0.1))
+    assert (mha.d_model, mha.n_heads, mha.n_kv_heads) == (16, 4, 2)
+    rope = RoPE(np.int64(4), base=np.float64(500.0), traditional=np.bool_(True))
+    assert rope.traditional is True and rope.base == 500.0
+    with pytest.raises(ValueError, match="d_model"):
+        MultiHeadAttention(np.bool_(True), 1)
+    assert causal_mask(np.int64(3)).shape == (3, 3)
