@@ -21,7 +21,6 @@ from mlx_attn._checks import (
     check_optional_int,
     check_real,
 )
-from mlx_attn.masks import check_additive_values
 from mlx_attn.ops import Backend, attention_path, scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
@@ -147,16 +146,15 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"cache must be a KV cache (update_and_fetch, offset), got {type(cache).__name__}")
 
     def _check_attention(self, q, k, v, mask, backend: Backend, kv_len: int | None = None):
-        """The SDPA contract for these arguments, then the values of an
-        additive mask (once its shape is known to be sound); with ``kv_len``,
-        for keys of that length (what a cache will return)."""
+        """The SDPA contract for these arguments; with ``kv_len``, for keys of
+        that length (what a cache will return). Additive mask values are not
+        read: that would synchronize every call and break ``mx.compile``
+        (NaN in a mask gives NaN in its rows, as with ``mx.fast``)."""
         if kv_len is not None:
             # lazy placeholders of the right shape: never evaluated, nothing allocated
             k = mx.zeros((*k.shape[:2], kv_len, k.shape[3]), k.dtype)
             v = mx.zeros((*v.shape[:2], kv_len, v.shape[3]), v.dtype)
         attention_path(q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=backend)
-        if isinstance(mask, mx.array):
-            check_additive_values("mask", mask)
 
     def __call__(
         self,

@@ -198,3 +198,16 @@ def test_is_an_mlx_module():
     mha = MultiHeadAttention(16, 2)
     assert isinstance(mha, nn.Module)
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(mha.children())
+
+
+def test_module_compiles_with_an_additive_mask():
+    """Validation never reads mask values, so a model with an additive mask
+    compiles (an evaluation inside mx.compile would raise)."""
+    mx.random.seed(3)
+    mha = MultiHeadAttention(32, 4, n_kv_heads=2)
+    x = mx.random.normal((2, 6, 32))
+    mask = mx.where(mx.tril(mx.ones((6, 6), dtype=mx.bool_)), 0.0, -mx.inf)
+    compiled = mx.compile(lambda x, m: mha(x, mask=m))
+    got = compiled(x, mask)
+    want = numpy_mha(mha, x, causal=True)
+    assert np.abs(np.array(got, dtype=np.float64) - want).max() < 1e-4
