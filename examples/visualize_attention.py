@@ -43,7 +43,7 @@ def small_module_weights(length: int, window: int, seed: int = 0) -> dict[str, n
 
 
 def model_weights(model_name: str, text: str, layer: int, window: int):
-    from mlx_attn.models import load_model  # the text-generation models
+    from mlx_attn.lm.models import load_model  # the text-generation models
 
     model, tokenizer = load_model(None if model_name == "default" else model_name)
     tokens = tokenizer.encode(text)

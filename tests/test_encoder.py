@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_attn.model_store import fetch_model
-from mlx_attn.models import load_sentence_encoder
+from mlx_attn.lm.model_store import fetch_model
+from mlx_attn.lm.models import load_sentence_encoder
 from model_fixtures import minilm
 
 

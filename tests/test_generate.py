@@ -5,11 +5,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_attn.cli import main as cli_main
-from mlx_attn.generate import GenerationConfig, GenerationStats, generate, generate_tokens
-from mlx_attn.models.llama import Llama, LlamaConfig
-from mlx_attn.sampling import apply_repetition_penalty, make_sampler
-from mlx_attn.tokenizer import StreamingDetokenizer
+from mlx_attn.lm.cli import main as cli_main
+from mlx_attn.lm.generate import GenerationConfig, GenerationStats, generate, generate_tokens
+from mlx_attn.lm.models.llama import Llama, LlamaConfig
+from mlx_attn.lm.sampling import apply_repetition_penalty, make_sampler
+from mlx_attn.lm.tokenizer import StreamingDetokenizer
 from model_fixtures import smollm2
 
 

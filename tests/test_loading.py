@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_attn import model_store
-from mlx_attn.loading import load_decoder, load_gguf, load_hf_directory
-from mlx_attn.models.llama import Llama, LlamaConfig
+from mlx_attn.lm import model_store
+from mlx_attn.lm.loading import load_decoder, load_gguf, load_hf_directory
+from mlx_attn.lm.models.llama import Llama, LlamaConfig
 from model_fixtures import smollm2
 
 CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -16,8 +16,8 @@ __all__ = ["main"]
 def _generate(args) -> int:
     import mlx.core as mx
 
-    from mlx_attn.generate import GenerationConfig, GenerationStats, stream_generate
-    from mlx_attn.models import load_model
+    from mlx_attn.lm.generate import GenerationConfig, GenerationStats, stream_generate
+    from mlx_attn.lm.models import load_model
 
     if args.device == "cpu":
         mx.set_default_device(mx.cpu)

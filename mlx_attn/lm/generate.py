@@ -9,8 +9,8 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from mlx_attn.sampling import apply_repetition_penalty, make_sampler
-from mlx_attn.tokenizer import StreamingDetokenizer
+from mlx_attn.lm.sampling import apply_repetition_penalty, make_sampler
+from mlx_attn.lm.tokenizer import StreamingDetokenizer
 
 __all__ = ["GenerationConfig", "GenerationStats", "generate_tokens", "stream_generate", "generate"]
 

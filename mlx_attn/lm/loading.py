@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.models.llama import Llama, LlamaConfig
-from mlx_attn.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
+from mlx_attn.lm.models.llama import Llama, LlamaConfig
+from mlx_attn.lm.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
 
 __all__ = ["load_gguf", "load_hf_directory", "load_decoder", "rename_weights", "check_gguf_structure"]
 

@@ -1,0 +1,1 @@
+"""The language-model application built on the mlx_attn attention library."""
