@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_attn.lm.model_store import fetch_model
-from mlx_attn.lm.models import load_sentence_encoder
+from mlx_attn.lm import load_sentence_encoder
 from model_fixtures import minilm
 
 
