@@ -145,7 +145,7 @@ def generate_tokens(
 def stream_generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig,
                     stats: GenerationStats | None = None) -> Iterator[str]:
     """Yields text pieces as soon as they are complete."""
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, (str, bytes)) else prompt  # encode refuses bytes
     detokenizer = StreamingDetokenizer(tokenizer)
     for token in generate_tokens(model, ids, config, tokenizer.eos_token_ids, stats):
         piece = detokenizer.add(token)

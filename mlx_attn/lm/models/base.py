@@ -42,7 +42,9 @@ def check_layer_count(weights: dict, n_layers: int, field: str, source: str) -> 
     """The config's layer count must be what the checkpoint holds: checked
     before anything is built per layer."""
     present = layer_indices(weights)
-    if present != set(range(n_layers)):
+    # n distinct non-negative indices whose largest is n - 1 are exactly 0..n-1
+    # (and nothing here is sized by the untrusted n_layers)
+    if len(present) != n_layers or max(present, default=-1) != n_layers - 1:
         holds = f"tensors for {len(present)} layers" + (f" (highest index {max(present)})" if present else "")
         raise ValueError(f"{source}: weights do not fit: {field} says a {n_layers}-layer model, "
                          f"the checkpoint holds {holds}")
