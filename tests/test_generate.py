@@ -130,3 +130,12 @@ def test_text_prompts_are_checked():
         generate(model, tokenizer, "Hi", temp=0.5)
     with pytest.raises(ValueError, match="text must be a string, got bytes"):
         list(stream_generate(model, tokenizer, b"Hi", GenerationConfig()))
+
+
+def test_attention_weights_layer_is_checked():
+    model = tiny_llama()
+    tokens = mx.array([[1, 2, 3]])
+    assert model.attention_weights(tokens, layer=1).shape == (1, 4, 3, 3)
+    for layer, message in ((2, "layer must be <= 1"), (-1, "layer must be >= 0"), ("0", "must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            model.attention_weights(tokens, layer=layer)

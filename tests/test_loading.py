@@ -312,6 +312,10 @@ HF_CASES = {
     "model_type": (edit_config(model_type="gpt2"), "model_type 'gpt2' is not a Llama-family decoder"),
     "quantization_not_object": (edit_config(quantization=4), "quantization must be an object"),
     "group_size_unsupported": (edit_config(quantization={"group_size": 7, "bits": 4}), "group_size must be one of"),
+    "scales_without_weight": (lambda d: (edit_config(quantization={"group_size": 32, "bits": 4})(d),
+                                         set_tensor("model.layers.0.mlp.up_proj.weight", None)(d),
+                                         set_tensor("model.layers.0.mlp.up_proj.scales", mx.zeros((96, 2)))(d)),
+                              "up_proj.scales without .*up_proj.weight"),
     "quantized_without_settings": (set_tensor("model.norm.scales", mx.zeros((64, 2))), "no quantization settings"),
     "header_length_huge": (lambda d: (d / "model.safetensors").write_bytes(
         struct.pack("<Q", 2**62) + (d / "model.safetensors").read_bytes()[8:]), "header of 4611686018427387904 bytes"),
@@ -376,3 +380,62 @@ def test_load_model_names_unknown_models_and_empty_paths(tmp_path):
         load_model("")
     with pytest.raises(TypeError, match="got int"):
         load_model(3)
+
+
+# ---------------------------------------------------------------- mutated bytes
+FUZZ_SCRIPT = """
+import random, struct, sys
+from pathlib import Path
+from mlx_attn.lm.loading import load_gguf, load_hf_directory
+
+def mutations(base, lo, hi, seed):
+    rng = random.Random(seed)
+    data = bytearray(base)
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(lo, hi)] = rng.choice([rng.randrange(256), 0, 0xFF, ord("9"), ord("]")])
+    return bytes(data)
+
+gguf, hf = Path(sys.argv[1]), Path(sys.argv[2])
+base = gguf.read_bytes()
+tensor_table = base.index(b"token_embd.weight") - 20
+regions = [(0, 600), (tensor_table, base.index(b"output_norm.weight") + 200)]
+other, refused = [], 0
+for seed in range({cases}):
+    lo, hi = regions[seed % 2]
+    gguf.write_bytes(mutations(base, lo, hi, seed))
+    try:
+        load_gguf(gguf)
+    except ValueError:
+        refused += 1
+    except Exception as error:
+        other.append(("gguf", seed, repr(error)))
+weights = hf / "model.safetensors"
+base = weights.read_bytes()
+(header,) = struct.unpack("<Q", base[:8])
+for seed in range({cases}):
+    weights.write_bytes(mutations(base, 0, 8 + header, seed))
+    try:
+        load_hf_directory(hf)
+    except ValueError:
+        refused += 1
+    except Exception as error:
+        other.append(("safetensors", seed, repr(error)))
+print("other exceptions:", other)
+print("refused:", refused)
+"""
+FUZZ_CASES = 100
+
+
+def test_mutated_headers_give_value_errors_never_crashes(tmp_path):
+    """Random byte changes in the GGUF header, metadata and tensor table and in
+    the safetensors header: each load succeeds or raises ValueError; a crash or
+    a runaway allocation (under the memory cap) fails the subprocess."""
+    gguf = write_llama_gguf(tmp_path / "fuzz.gguf")
+    hf = save_hf_directory(random_llama(), tmp_path / "hf")
+    script = tmp_path / "fuzz.py"
+    script.write_text(FUZZ_SCRIPT.replace("{cases}", str(FUZZ_CASES)))
+    result = run_capped(f"import sys; sys.argv = ['fuzz', {str(gguf)!r}, {str(hf)!r}]\n"
+                        f"exec(open({str(script)!r}).read())", timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "other exceptions: []" in result.stdout, result.stdout[-2000:]
+    assert int(result.stdout.split("refused:")[1]) > FUZZ_CASES // 2  # the mutations do damage

@@ -54,6 +54,8 @@ def _quantized_problem(name: str, weights: dict, shape: tuple[int, int], group_s
     """Why a packed ``name.weight`` / ``.scales`` / ``.biases`` triple cannot be
     the quantized form of a float ``shape`` matrix, or None if it can."""
     out_features, in_features = shape
+    if f"{name}.weight" not in weights:
+        return f"{name}.scales without {name}.weight"
     weight, scales = weights[f"{name}.weight"], weights[f"{name}.scales"]
     biases = weights.get(f"{name}.biases")
     if in_features % group_size:

@@ -255,8 +255,7 @@ class Llama(nn.Module):
     def attention_weights(self, tokens: mx.array, layer: int, mask="causal") -> mx.array:
         """Attention weights ``[B, heads, T, T]`` of one layer on a sequence
         (through the reference path), e.g. for visualisation."""
-        if not 0 <= layer < len(self.layers):
-            raise ValueError(f"layer must be in [0, {len(self.layers)}), got {layer}")
+        layer = require_int("layer", layer, 0, len(self.layers) - 1)
         x = self.embed_tokens(tokens)
         causal = "causal" if tokens.shape[1] > 1 else None
         for block in self.layers[:layer]:
