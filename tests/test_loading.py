@@ -5,7 +5,6 @@ untrusted number is allocated."""
 
 import json
 import struct
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +20,7 @@ from model_fixtures import (
     run_capped,
     save_hf_directory,
     smollm2,
+    tiny_vocabulary,
     write_llama_gguf,
 )
 
@@ -183,8 +183,6 @@ def test_semantically_wrong_gguf_gives_clear_error(tmp_path, case):
 
 
 def test_duplicate_tokens_and_a_tokenizer_larger_than_the_embedding(tmp_path):
-    from model_fixtures import tiny_vocabulary
-
     tokens, _ = tiny_vocabulary()
     path = write_llama_gguf(tmp_path / "dup.gguf", tokenizer__ggml__tokens=tokens[:-1] + [tokens[3]])
     with pytest.raises(ValueError, match="1 duplicate tokens"):
@@ -253,6 +251,9 @@ def test_hf_directory_errors(tmp_path):
         load_hf_directory(directory)
 
 
+MISSING_KEY = object()  # an edit_config value that removes the key
+
+
 def edit_config(**changes):
     def edit(directory):
         path = directory / "config.json"
@@ -261,9 +262,6 @@ def edit_config(**changes):
             config.pop(key, None) if value is MISSING_KEY else config.__setitem__(key, value)
         path.write_text(json.dumps(config))
     return edit
-
-
-MISSING_KEY = object()
 
 
 def write_file(name, content: bytes):

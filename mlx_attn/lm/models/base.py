@@ -86,8 +86,9 @@ def check_weights(weights: dict, expected: dict[str, tuple[int, ...]], group_siz
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in quantized:
             allowed |= {f"{module}.scales", f"{module}.biases"}
-            if len(shape) != 2 or (problem := _quantized_problem(module, weights, shape, group_size)):
-                problem = problem if len(shape) == 2 else "only matrices can be quantized"
+            problem = ("only matrices can be quantized" if len(shape) != 2
+                       else _quantized_problem(module, weights, shape, group_size))
+            if problem:
                 raise ValueError(f"{source}: tensor {name!r}: {problem}")
             continue
         if name not in weights:

@@ -82,7 +82,7 @@ def config_from_gguf(metadata: dict, tie_word_embeddings: bool) -> LlamaConfig:
     the GGUF key."""
     missing = [GGUF_CONFIG_KEYS[f] for f in _GGUF_REQUIRED if GGUF_CONFIG_KEYS[f] not in metadata]
     if missing:
-        raise FieldError(missing[0], "is missing from the GGUF metadata")
+        raise FieldError(missing[0], "is missing")
     values = {field: metadata[key] for field, key in GGUF_CONFIG_KEYS.items() if key in metadata}
     if "vocab_size" not in values:
         values["vocab_size"] = len(metadata.get("tokenizer.ggml.tokens") or [])
