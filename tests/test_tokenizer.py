@@ -110,3 +110,15 @@ def test_named_chat_templates_and_broken_tokenizer_files(tmp_path):
     path.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ValueError, match="is not a valid tokenizer.json"):
         tokenizer_from_file(path)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([5, 10**6], "token id at position 1 must be <= 262"),
+    ([-1], "token id at position 0 must be >= 0"),
+    (["a"], "must be an integer, got str"),
+    ([2**70], "must be <= 262"),
+    ([1.0], "must be an integer, got float"),
+])
+def test_decode_refuses_ids_outside_the_vocabulary(ids, message):
+    with pytest.raises(ValueError, match=message):
+        tiny().decode(ids)

@@ -53,7 +53,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of token ids; an id outside the vocabulary is an error (the
+        tokenizers library would silently drop it)."""
+        last = self.vocab_size - 1
+        ids = [require_int(f"token id at position {i}", t, 0, last) for i, t in enumerate(ids)]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """Render the model's chat template (Jinja2, as Hugging Face does)."""
