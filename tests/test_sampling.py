@@ -6,6 +6,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mlx_attn.lm.sampling import apply_repetition_penalty, make_sampler
 
@@ -62,6 +64,26 @@ def test_extreme_temperatures_never_give_nan():
     assert np.abs(got - 1 / 6).max() < 0.03
     big = mx.array([[3e38, -3e38, 0.0]])  # float32 extremes
     assert set(np.unique(np.array(make_sampler(0.5)(mx.broadcast_to(big, (50, 3)))))) == {0}
+
+
+@given(
+    logits=st.lists(st.one_of(st.floats(-(2.0**120), 2.0**120, width=32), st.just(-math.inf)), min_size=1, max_size=12)
+    .filter(lambda row: any(math.isfinite(x) for x in row)),
+    temperature=st.one_of(st.just(0.0), st.floats(1e-30, 1e30)),
+    top_k=st.integers(0, 14),
+    top_p=st.floats(1e-9, 1.0),
+    min_p=st.floats(0.0, 0.999),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_valid_parameters_sample_a_finite_logit(logits, temperature, top_k, top_p, min_p, seed):
+    """Whatever the (valid) parameters, the token drawn is an index of a
+    finite logit, and with top_k it is among the k largest."""
+    mx.random.seed(seed)
+    row = np.array(logits, dtype=np.float32)
+    token = make_sampler(temperature, top_k, top_p, min_p)(mx.array(row)[None]).item()
+    assert 0 <= token < len(row) and np.isfinite(row[token])
+    if top_k:
+        assert row[token] >= np.sort(row)[-min(top_k, len(row))]
 
 
 # ---------------------------------------------------------------- hostile input

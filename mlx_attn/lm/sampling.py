@@ -62,14 +62,16 @@ def make_sampler(
         return lambda logits: mx.argmax(logits, axis=-1)
 
     def sample(logits: mx.array) -> mx.array:
-        logits = logits.astype(mx.float32)
         # shifted so the best logit is 0: a tiny temperature then gives -inf
         # for the others, never inf - inf = NaN
-        logits = (logits - logits.max(axis=-1, keepdims=True)) / temperature
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logits = logits.astype(mx.float32)
+        scaled = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
         if top_k and top_k < logits.shape[-1]:
-            kth = mx.sort(logprobs, axis=-1)[..., -top_k][..., None]
-            logprobs = mx.where(logprobs >= kth, logprobs, -mx.inf)
+            # ranked on the logits as given: shifting and scaling can round
+            # distinct logits to ties
+            kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
+            logprobs = mx.where(logits >= kth, logprobs, -mx.inf)
         if top_p < 1.0:
             order = mx.argsort(-logprobs, axis=-1)
             sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
