@@ -1,0 +1,119 @@
+"""The Metal source text the extension embeds (what a Mac compiles at run time
+through MLX's get_library) is the repository's .metal text with the project
+headers inlined, byte for byte, and that very text compiles and runs in the
+MSL emulator against the reference path.
+
+The inlining rule is written here a second time, independently of
+csrc/metal/embed_metal_sources.cmake, so the two must agree."""
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import msl_emulator
+from metal_runner import EmulatedMetal
+from mlx_attn import _ext
+from mlx_attn.reference import reference_attention
+from test_metal_kernels import TOLERANCE
+
+REPO = Path(__file__).resolve().parent.parent
+METAL_FILES = sorted((REPO / "metal").glob("*.metal"))
+QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*\n?', re.MULTILINE)
+PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[^\n]*\n?", re.MULTILINE)
+
+
+def inline_project_includes(text: str, root: Path, inlined: set[str]) -> str:
+    """`#include "p"` lines become root/p (recursively, `#pragma once` lines
+    dropped, each file once); `#include <...>` stays."""
+
+    def replace(match: re.Match) -> str:
+        path = match.group(1)
+        if path in inlined:
+            return ""
+        inlined.add(path)
+        header = PRAGMA_ONCE.sub("", (root / path).read_bytes().decode())
+        return inline_project_includes(header, root, inlined)
+
+    return QUOTED_INCLUDE.sub(replace, text)
+
+
+def jit_text_from_repository(metal_file: Path) -> str:
+    return inline_project_includes(metal_file.read_bytes().decode(), REPO, set())
+
+
+def test_every_metal_file_is_embedded():
+    assert METAL_FILES, "no metal/*.metal in the repository"
+    assert sorted(_ext.metal_source_names()) == [f.stem for f in METAL_FILES]
+
+
+@pytest.mark.parametrize("metal_file", METAL_FILES, ids=lambda f: f.name)
+def test_embedded_text_is_the_repository_text_with_headers_inlined(metal_file):
+    embedded = _ext.metal_kernel_source(metal_file.stem)
+    assert embedded.encode() == jit_text_from_repository(metal_file).encode()
+    # Self-contained: a run-time compile has no include path into the project.
+    assert not QUOTED_INCLUDE.search(embedded)
+    assert "struct AttentionParams" in embedded
+
+
+def test_inlining_rule_inlines_nested_headers_once(tmp_path):
+    # The rule itself (this file's copy), on a nested include and a repeat.
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\nint a;\n')
+    (tmp_path / "b.h").write_text("#pragma once\nint b;\n")
+    text = '#include <metal_stdlib>\n#include "a.h"\n#include "b.h"\nkernel;\n'
+    assert inline_project_includes(text, tmp_path, set()) == "#include <metal_stdlib>\nint b;\nint a;\nkernel;\n"
+
+
+def test_unknown_kernel_name_is_a_value_error():
+    with pytest.raises(ValueError, match="attention_nothing_float32_d64"):
+        _ext.metal_kernel_source("attention_nothing_float32_d64")
+    with pytest.raises(ValueError, match="no Metal source"):
+        _ext.metal_kernel_source("")
+
+
+@pytest.mark.skipif(not msl_emulator.clang_available(), reason="needs clang-19 for the MSL emulator")
+class TestEmbeddedTextRunsInTheEmulator:
+    @pytest.fixture(scope="class")
+    def jit_files(self, tmp_path_factory) -> dict[str, Path]:
+        """The embedded strings written to files (the emulator compiles files)."""
+        folder = tmp_path_factory.mktemp("jit_sources")
+        files = {}
+        for name in _ext.metal_source_names():
+            files[name] = folder / f"{name}.metal"
+            files[name].write_bytes(_ext.metal_kernel_source(name).encode())
+        return files
+
+    @pytest.fixture(scope="class")
+    def emulated(self, jit_files):
+        return EmulatedMetal(fast_math=False, sources=list(jit_files.values()))
+
+    def test_every_kernel_maps_to_the_source_that_defines_it(self, jit_files):
+        for name, path in jit_files.items():
+            # No include dirs: the text must stand alone, as in a run-time compile.
+            kernels = msl_emulator.compile_library([path], include_dirs=[]).kernel_names
+            assert kernels, f"{name} defines no kernel"
+            for kernel in kernels:
+                assert _ext.metal_kernel_source(kernel) == path.read_text(), kernel
+
+    @pytest.mark.parametrize(
+        "shape, dtype, mask, family",
+        [((1, 2, 1, 33, 50, 64), mx.float32, "causal", "attention_prefill"),
+         ((1, 4, 2, 1, 70, 64), mx.float16, None, "attention_decode")],
+        ids=["prefill", "decode"],
+    )
+    def test_against_the_reference(self, emulated, shape, dtype, mask, family):
+        b, hq, hkv, tq, tkv, d = shape
+        rng = np.random.default_rng(0)
+        q, k, v = (
+            mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+            for s in ((b, hq, tq, d), (b, hkv, tkv, d), (b, hkv, tkv, d))
+        )
+        got = np.array(emulated(q, k, v, scale=d**-0.5, mask=mask).astype(mx.float32))
+        want = np.array(reference_attention(q, k, v, scale=d**-0.5, mask=mask).astype(mx.float32))
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= TOLERANCE[dtype]
+        # The plan's kernels come from the family this case is meant to test.
+        for dispatch in emulated.last_plan["dispatches"]:
+            assert _ext.metal_kernel_source(dispatch["kernel"]) == _ext.metal_kernel_source(family)
