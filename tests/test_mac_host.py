@@ -9,8 +9,10 @@ not deliver) fails the tests; elsewhere it skips them, saying what is missing.""
 import os
 import re
 import shutil
-from pathlib import Path
+import subprocess
+import sys
 
+import mlx.core as mx
 import pytest
 
 from mac_host import check_mac_host as mac_host
@@ -20,6 +22,8 @@ REPO = mac_host.REPO
 
 @pytest.fixture(scope="module")
 def tools():
+    if sys.platform == "darwin":
+        pytest.skip("on a Mac, installing the package compiles and links the host code for real")
     try:
         return mac_host.toolchain(REPO)
     except mac_host.SetupError as error:
@@ -98,3 +102,17 @@ def test_setup_errors_name_the_missing_piece(monkeypatch, tmp_path):
     (tmp_path / "pyproject.toml").write_text("[project]\n")
     with pytest.raises(mac_host.SetupError, match="pins no mlx=="):
         mac_host.pinned_version(tmp_path, "mlx")
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="a Metal device is here: the macOS workflow runs the probe for real")
+@pytest.mark.parametrize("require_gpu", [False, True])
+def test_the_metal_probe_says_when_the_kernels_did_not_run(tmp_path, require_gpu):
+    summary, output = tmp_path / "summary.md", tmp_path / "output.txt"
+    env = dict(os.environ, GITHUB_STEP_SUMMARY=str(summary), GITHUB_OUTPUT=str(output))
+    done = subprocess.run([sys.executable, str(REPO / "tests/mac_host/metal_probe.py")]
+                          + (["--require-gpu"] if require_gpu else []), env=env, capture_output=True, text=True)
+    assert done.returncode == (1 if require_gpu else 0), done.stdout + done.stderr
+    assert "Metal kernels NOT executed" in done.stdout
+    assert f"::{'error' if require_gpu else 'warning'}::Metal kernels NOT executed" in done.stdout
+    assert summary.read_text().startswith("## Metal kernels NOT executed")
+    assert output.read_text() == "metal_kernels=not-executed\n"
