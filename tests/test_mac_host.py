@@ -62,7 +62,7 @@ def test_a_wrong_mlx_call_fails_the_check(tools, repo_copy):
     seeded, count = re.subn(r"\.set_bytes\(([^;()]+), *[^;()]+\);", r".set_bytes(\1);", source, count=1)
     assert count == 1, f"{unit} has no set_bytes(value, index) call to seed a fault into: update this test"
     path.write_text(seeded)
-    report = mac_host.check(repo_copy, tools, only=[unit])
+    report = mac_host.check(repo_copy, tools, only=[unit], cache=False)
     assert not report.ok
     assert any(e.startswith(f"[compile] {unit}") and "set_bytes" in e for e in report.errors), report.summary()
 
@@ -73,7 +73,7 @@ def test_a_symbol_libmlx_does_not_export_fails_the_check(tools, repo_copy):
     path.write_text(path.read_text() + (
         "\nnamespace mlx::core::metal { void not_exported_by_mlx(int); }\n"
         "void seeded_fault_use() { mlx::core::metal::not_exported_by_mlx(1); }\n"))
-    report = mac_host.check(repo_copy, tools, only=[unit])
+    report = mac_host.check(repo_copy, tools, only=[unit], cache=False)
     assert report.errors == [
         f"[link] {unit} needs mlx::core::metal::not_exported_by_mlx(int), which libmlx.dylib does not export"
     ]

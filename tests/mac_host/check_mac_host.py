@@ -23,6 +23,7 @@ of Apple clang and the SDK's, no availability annotations, a Linux pyconfig.h.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -32,7 +33,7 @@ import sysconfig
 import tempfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -174,6 +175,7 @@ def unpacked(wheel_path: Path, prefixes: tuple[str, ...]) -> Path:
 @dataclass
 class Toolchain:
     clang: str
+    clang_version: str
     nm: str
     cxxfilt: str
     cmake: str
@@ -199,6 +201,7 @@ def toolchain(repo: Path = REPO) -> Toolchain:
     if not (python_include / "Python.h").is_file():
         raise SetupError(f"no Python.h in {python_include} (install the Python development headers)")
     resource = subprocess.run([clang, "-print-resource-dir"], capture_output=True, text=True, check=True)
+    version = subprocess.run([clang, "--version"], capture_output=True, text=True, check=True).stdout
     include = mlx / "mlx/include"
     # Include order as a Darwin C++ driver: libc++, compiler builtins, libc.
     # MLX as system headers, as CMake treats an imported target's includes.
@@ -209,7 +212,7 @@ def toolchain(repo: Path = REPO) -> Toolchain:
     flags += [f"-D{k}={v}" for k, v in LIBCXX_CONFIG.items()] + MLX_DEFINES + ["-DMLX_ATTN_METAL=1"]
     binding = [arg for path in (nanobind / "include", nanobind / "ext/robin_map/include", python_include)
                for arg in ("-isystem", str(path))]
-    return Toolchain(clang, nm, cxxfilt, cmake, mlx, flags, binding)
+    return Toolchain(clang, version, nm, cxxfilt, cmake, mlx, flags, binding)
 
 
 # ------------------------------------------------------------------- check
@@ -231,19 +234,49 @@ def embed_metal_sources(tools: Toolchain, repo: Path, out_dir: Path) -> Path:
     return output
 
 
-def compile_unit(tools: Toolchain, repo: Path, unit: Path, label: str, obj: Path, report: Report) -> bool:
+@dataclass
+class Compiled:
+    """What compiling one unit yields (cached: see compile_cached)."""
+    returncode: int
+    diagnostics: str
+    undefined: list[str]  # symbols the object needs (mangled)
+
+
+def compile_unit(tools: Toolchain, repo: Path, unit: Path, label: str, obj: Path) -> Compiled:
     flags = tools.compile_flags + (tools.binding_flags if BINDING_UNIT.search(label) else [])
     # -O1: inline functions of the headers resolve as in an optimized build.
     done = subprocess.run([tools.clang, *flags, f"-I{repo}", "-O1", "-Wall", "-Wextra", "-c", str(unit),
                            "-o", str(obj)], capture_output=True, text=True)
-    for line in done.stderr.splitlines():
-        if re.search(r": (fatal )?error: ", line):
-            report.errors.append(f"[compile] {label}: {line.replace(str(repo) + '/', '')}")
-        elif ": warning: " in line and line.startswith(str(repo)):
-            report.warnings.append(line.replace(str(repo) + "/", ""))
-    if done.returncode != 0 and not any(label in e for e in report.errors):
-        report.errors.append(f"[compile] {label}: clang failed\n{done.stderr[-3000:]}")
-    return done.returncode == 0
+    undefined = symbols(tools, ["--undefined-only", str(obj)]) if done.returncode == 0 else []
+    return Compiled(done.returncode, done.stderr, undefined)
+
+
+def inputs_digest(tools: Toolchain, repo: Path) -> str:
+    """Everything a unit's compile depends on: the project's C++ and Metal
+    trees, the stubs, the flags (which name the wheels) and the compiler."""
+    digest = hashlib.sha256(str(repo).encode())
+    for root in (repo / "csrc", repo / "metal", STUBS):
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0" + path.read_bytes())
+    for arg in tools.compile_flags + tools.binding_flags + [tools.clang_version]:
+        digest.update(arg.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def compile_cached(tools: Toolchain, repo: Path, unit: Path, label: str, obj: Path, digest: str | None) -> Compiled:
+    """compile_unit, remembered in the cache under the inputs' digest, so an
+    unchanged tree is not compiled again (digest None: always compile)."""
+    if digest is None:
+        return compile_unit(tools, repo, unit, label, obj)
+    path = cache_dir() / "results" / f"{hashlib.sha256((digest + label).encode()).hexdigest()}.json"
+    if path.is_file():
+        return Compiled(**json.loads(path.read_text()))
+    compiled = compile_unit(tools, repo, unit, label, obj)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(asdict(compiled)))
+    os.replace(partial, path)
+    return compiled
 
 
 def symbols(tools: Toolchain, args: list[str]) -> list[str]:
@@ -254,6 +287,8 @@ def symbols(tools: Toolchain, args: list[str]) -> list[str]:
 
 
 def demangle(tools: Toolchain, mangled: list[str]) -> list[str]:
+    if not mangled:
+        return []
     # Mach-O prefixes C symbols with "_": strip it first (-_).
     done = subprocess.run([tools.cxxfilt, "-_"], input="\n".join(mangled), capture_output=True, text=True)
     names = done.stdout.splitlines()
@@ -262,15 +297,39 @@ def demangle(tools: Toolchain, mangled: list[str]) -> list[str]:
     return names
 
 
+def libmlx_exports(tools: Toolchain) -> set[str]:
+    listing = tools.mlx / "libmlx.exports"  # beside the unpacked wheel, made once
+    if not listing.is_file():
+        names = symbols(tools, ["--extern-only", "--defined-only", str(tools.mlx / "mlx/lib/libmlx.dylib")])
+        if len(names) < 1000:
+            raise SetupError(f"{tools.nm} read only {len(names)} exports from libmlx.dylib")
+        partial = listing.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text("\n".join(names))
+        os.replace(partial, listing)
+    return set(listing.read_text().split("\n"))
+
+
+def report_compile(report: Report, repo: Path, label: str, compiled: Compiled) -> None:
+    for line in compiled.diagnostics.splitlines():
+        if re.search(r": (fatal )?error: ", line):
+            report.errors.append(f"[compile] {label}: {line.replace(str(repo) + '/', '')}")
+        elif ": warning: " in line and line.startswith(str(repo)):
+            report.warnings.append(line.replace(str(repo) + "/", ""))
+    if compiled.returncode != 0 and not any(e.startswith(f"[compile] {label}:") for e in report.errors):
+        report.errors.append(f"[compile] {label}: clang failed\n{compiled.diagnostics[-3000:]}")
+
+
 GENERATED_UNIT = "<generated> embedded_metal_sources.cpp"
 
 
-def check(repo: Path = REPO, tools: Toolchain | None = None, only: list[str] | None = None) -> Report:
+def check(repo: Path = REPO, tools: Toolchain | None = None, only: list[str] | None = None,
+          cache: bool = True) -> Report:
     """Compile every Mac unit of `repo` (or the `only` ones) and resolve their
-    MLX symbols."""
+    MLX symbols in libmlx.dylib. cache: reuse results of an unchanged tree."""
     repo = Path(repo).resolve()
     tools = tools or toolchain(repo)
     report = Report()
+    digest = inputs_digest(tools, repo) if cache else None
     with tempfile.TemporaryDirectory(prefix="mac_host_") as tmp:
         tmp = Path(tmp)
         units = [(repo / u, u) for u in mac_units(repo)]
@@ -282,24 +341,19 @@ def check(repo: Path = REPO, tools: Toolchain | None = None, only: list[str] | N
                 raise ValueError(f"only: not units of {repo}: {sorted(missing)}")
             units = [(path, label) for path, label in units if label in only]
         report.units = [label for _, label in units]
-        objects = [tmp / f"unit{i}.o" for i in range(len(units))]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            compiled = list(pool.map(lambda i: compile_unit(tools, repo, *units[i], objects[i], report),
-                                     range(len(units))))
-        exported = set(symbols(tools, ["--extern-only", "--defined-only", str(tools.mlx / "mlx/lib/libmlx.dylib")]))
-        if len(exported) < 1000:
-            raise SetupError(f"{tools.nm} read only {len(exported)} exports from libmlx.dylib")
-        for (_, label), obj, ok in zip(units, objects, compiled):
-            if not ok:
+            results = list(pool.map(
+                lambda i: compile_cached(tools, repo, *units[i], tmp / f"unit{i}.o", digest), range(len(units))))
+    exported = libmlx_exports(tools)
+    for (_, label), compiled in zip(units, results):
+        report_compile(report, repo, label, compiled)
+        for mangled, name in zip(compiled.undefined, demangle(tools, compiled.undefined)):
+            if not CHECKED_SYMBOL.match(name):
                 continue
-            undefined = symbols(tools, ["--undefined-only", str(obj)])
-            for mangled, name in zip(undefined, demangle(tools, undefined) if undefined else []):
-                if not CHECKED_SYMBOL.match(name):
-                    continue
-                if mangled in exported:
-                    report.checked_symbols.add(name)
-                else:
-                    report.errors.append(f"[link] {label} needs {name}, which libmlx.dylib does not export")
+            if mangled in exported:
+                report.checked_symbols.add(name)
+            else:
+                report.errors.append(f"[link] {label} needs {name}, which libmlx.dylib does not export")
     return report
 
 
