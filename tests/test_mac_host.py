@@ -45,6 +45,7 @@ def test_the_mac_build_compiles_and_resolves_in_libmlx(tools):
     report = mac_host.check(REPO, tools)
     assert report.ok, report.summary()
     for unit in ("csrc/metal/attention_metal.cpp", "csrc/metal/metal_library.cpp",
+                 "csrc/metal/metal_library.cpp with MLX_ATTN_PREBUILT_METALLIB",
                  "csrc/bindings.cpp", mac_host.GENERATED_UNIT):
         assert unit in report.units
     # The Metal host's MLX calls were among the symbols resolved.

@@ -45,6 +45,9 @@ ZIGLANG_VERSION = "0.17.0"
 CLANG, NM, CXXFILT, CMAKE = "clang-19", "llvm-nm-19", "llvm-cxxfilt-19", "cmake"
 # Compiled only on x86-64 (CMakeLists.txt): not part of an arm64 Mac build.
 X86_ONLY_UNITS = {"csrc/cpu/kernel_avx2.cpp", "csrc/cpu/kernel_avx512.cpp"}
+# CMake options that change what a Mac unit compiles: such a unit is checked
+# once more with the option's definition.
+OPTION_DEFINES = {"csrc/metal/metal_library.cpp": "MLX_ATTN_PREBUILT_METALLIB"}
 # Units that need nanobind and Python.h (the module's bindings).
 BINDING_UNIT = re.compile(r"bindings\.cpp$")
 # MLXConfig.cmake's MLX_CXX_FLAGS for a Metal build (the imported target `mlx`).
@@ -242,10 +245,18 @@ class Compiled:
     undefined: list[str]  # symbols the object needs (mangled)
 
 
-def compile_unit(tools: Toolchain, repo: Path, unit: Path, label: str, obj: Path) -> Compiled:
-    flags = tools.compile_flags + (tools.binding_flags if BINDING_UNIT.search(label) else [])
+@dataclass(frozen=True)
+class Unit:
+    path: Path
+    label: str  # repo-relative path, and the option it is compiled with
+    defines: tuple[str, ...] = ()
+
+
+def compile_unit(tools: Toolchain, repo: Path, unit: Unit, obj: Path) -> Compiled:
+    flags = tools.compile_flags + (tools.binding_flags if BINDING_UNIT.search(unit.path.name) else [])
+    flags += [f"-D{name}=1" for name in unit.defines]
     # -O1: inline functions of the headers resolve as in an optimized build.
-    done = subprocess.run([tools.clang, *flags, f"-I{repo}", "-O1", "-Wall", "-Wextra", "-c", str(unit),
+    done = subprocess.run([tools.clang, *flags, f"-I{repo}", "-O1", "-Wall", "-Wextra", "-c", str(unit.path),
                            "-o", str(obj)], capture_output=True, text=True)
     undefined = symbols(tools, ["--undefined-only", str(obj)]) if done.returncode == 0 else []
     return Compiled(done.returncode, done.stderr, undefined)
@@ -263,15 +274,15 @@ def inputs_digest(tools: Toolchain, repo: Path) -> str:
     return digest.hexdigest()
 
 
-def compile_cached(tools: Toolchain, repo: Path, unit: Path, label: str, obj: Path, digest: str | None) -> Compiled:
+def compile_cached(tools: Toolchain, repo: Path, unit: Unit, obj: Path, digest: str | None) -> Compiled:
     """compile_unit, remembered in the cache under the inputs' digest, so an
     unchanged tree is not compiled again (digest None: always compile)."""
     if digest is None:
-        return compile_unit(tools, repo, unit, label, obj)
-    path = cache_dir() / "results" / f"{hashlib.sha256((digest + label).encode()).hexdigest()}.json"
+        return compile_unit(tools, repo, unit, obj)
+    path = cache_dir() / "results" / f"{hashlib.sha256((digest + unit.label).encode()).hexdigest()}.json"
     if path.is_file():
         return Compiled(**json.loads(path.read_text()))
-    compiled = compile_unit(tools, repo, unit, label, obj)
+    compiled = compile_unit(tools, repo, unit, obj)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
     partial.write_text(json.dumps(asdict(compiled)))
@@ -332,20 +343,25 @@ def check(repo: Path = REPO, tools: Toolchain | None = None, only: list[str] | N
     digest = inputs_digest(tools, repo) if cache else None
     with tempfile.TemporaryDirectory(prefix="mac_host_") as tmp:
         tmp = Path(tmp)
-        units = [(repo / u, u) for u in mac_units(repo)]
+        units = []
+        for name in mac_units(repo):
+            units.append(Unit(repo / name, name))
+            if name in OPTION_DEFINES:
+                units.append(Unit(repo / name, f"{name} with {OPTION_DEFINES[name]}", (OPTION_DEFINES[name],)))
         if only is None or GENERATED_UNIT in only:
-            units.append((embed_metal_sources(tools, repo, tmp), GENERATED_UNIT))
+            units.append(Unit(embed_metal_sources(tools, repo, tmp), GENERATED_UNIT))
         if only is not None:
-            missing = set(only) - {label for _, label in units}
+            missing = set(only) - {unit.label for unit in units}
             if missing:
                 raise ValueError(f"only: not units of {repo}: {sorted(missing)}")
-            units = [(path, label) for path, label in units if label in only]
-        report.units = [label for _, label in units]
+            units = [unit for unit in units if unit.label in only]
+        report.units = [unit.label for unit in units]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             results = list(pool.map(
-                lambda i: compile_cached(tools, repo, *units[i], tmp / f"unit{i}.o", digest), range(len(units))))
+                lambda i: compile_cached(tools, repo, units[i], tmp / f"unit{i}.o", digest), range(len(units))))
     exported = libmlx_exports(tools)
-    for (_, label), compiled in zip(units, results):
+    for unit, compiled in zip(units, results):
+        label = unit.label
         report_compile(report, repo, label, compiled)
         for mangled, name in zip(compiled.undefined, demangle(tools, compiled.undefined)):
             if not CHECKED_SYMBOL.match(name):
