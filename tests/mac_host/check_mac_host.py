@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mlx_attn.model_store import cache_dir as mlx_attn_cache_dir  # $MLX_ATTN_CACHE, the model store's
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 STUBS = HERE / "stubs"
@@ -110,8 +112,7 @@ class Report:
 
 # ------------------------------------------------------------------ pieces
 def cache_dir() -> Path:
-    base = Path(os.environ.get("MLX_ATTN_CACHE", Path.home() / ".cache" / "mlx_attn"))
-    return base / "mac-host"
+    return mlx_attn_cache_dir() / "mac-host"
 
 
 def pinned_version(repo: Path, package: str) -> str:
@@ -137,16 +138,17 @@ def wheel(name: str, version: str, platform: str | None) -> Path:
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "--dest", str(folder), f"{name}=={version}"]
-    if platform:
-        command[5:5] = ["--platform", platform]
+    platform_args = ["--platform", platform] if platform else []
     print(f"mac host check: downloading {name}=={version} into {folder} (once)", file=sys.stderr)
-    done = subprocess.run(command, capture_output=True, text=True)
-    found = sorted(folder.glob(pattern))
-    if done.returncode != 0 or not found:
-        raise SetupError(f"cannot download {name}=={version}: {' '.join(command)}\n{done.stderr[-2000:]}")
-    return found[0]
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                   *platform_args, "--dest", tmp, f"{name}=={version}"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        downloaded = sorted(Path(tmp).glob(pattern))
+        if done.returncode != 0 or not downloaded:
+            raise SetupError(f"cannot download {name}=={version}: {' '.join(command)}\n{done.stderr[-2000:]}")
+        os.replace(downloaded[0], folder / downloaded[0].name)  # whole, or not at all
+    return folder / downloaded[0].name
 
 
 def unpacked(wheel_path: Path, prefixes: tuple[str, ...]) -> Path:
@@ -226,15 +228,14 @@ def mac_units(repo: Path) -> list[str]:
     return [u for u in units if u not in X86_ONLY_UNITS]
 
 
-def embed_metal_sources(tools: Toolchain, repo: Path, out_dir: Path) -> Path:
-    """The generated unit holding the Metal sources, made by the build's own script."""
+def embed_metal_sources(tools: Toolchain, repo: Path, out_dir: Path) -> tuple[Path, str]:
+    """The generated unit holding the Metal sources, made by the build's own
+    script, and the script's error output (empty when it worked)."""
     output = out_dir / "embedded_metal_sources.cpp"
     sources = ";".join(str(p) for p in sorted((repo / "metal").glob("*.metal")))
     done = subprocess.run([tools.cmake, f"-DSOURCE_ROOT={repo}", f"-DSOURCES={sources}", f"-DOUTPUT={output}",
                            "-P", str(repo / "csrc/metal/embed_metal_sources.cmake")], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SetupError(f"embed_metal_sources.cmake failed:\n{done.stdout}{done.stderr}")
-    return output
+    return output, "" if done.returncode == 0 else (done.stdout + done.stderr).strip()
 
 
 @dataclass
@@ -349,9 +350,13 @@ def check(repo: Path = REPO, tools: Toolchain | None = None, only: list[str] | N
             if name in OPTION_DEFINES:
                 units.append(Unit(repo / name, f"{name} with {OPTION_DEFINES[name]}", (OPTION_DEFINES[name],)))
         if only is None or GENERATED_UNIT in only:
-            units.append(Unit(embed_metal_sources(tools, repo, tmp), GENERATED_UNIT))
+            generated, failure = embed_metal_sources(tools, repo, tmp)
+            if failure:
+                report.errors.append(f"[embed] csrc/metal/embed_metal_sources.cmake failed: {failure}")
+            else:
+                units.append(Unit(generated, GENERATED_UNIT))
         if only is not None:
-            missing = set(only) - {unit.label for unit in units}
+            missing = set(only) - {unit.label for unit in units} - {GENERATED_UNIT}
             if missing:
                 raise ValueError(f"only: not units of {repo}: {sorted(missing)}")
             units = [unit for unit in units if unit.label in only]
