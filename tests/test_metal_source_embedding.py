@@ -7,6 +7,8 @@ The inlining rule is written here a second time, independently of
 csrc/metal/embed_metal_sources.cmake, so the two must agree."""
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,6 +66,44 @@ def test_inlining_rule_inlines_nested_headers_once(tmp_path):
     (tmp_path / "b.h").write_text("#pragma once\nint b;\n")
     text = '#include <metal_stdlib>\n#include "a.h"\n#include "b.h"\nkernel;\n'
     assert inline_project_includes(text, tmp_path, set()) == "#include <metal_stdlib>\nint b;\nint a;\nkernel;\n"
+
+
+def run_embed_script(root: Path, sources: list[Path], output: Path) -> subprocess.CompletedProcess:
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake not on PATH (scripts/test.sh installs it; the build itself brings its own)")
+    return subprocess.run(
+        [cmake, f"-DSOURCE_ROOT={root}", f"-DSOURCES={';'.join(map(str, sources))}", f"-DOUTPUT={output}",
+         "-P", str(REPO / "csrc/metal/embed_metal_sources.cmake")], capture_output=True, text=True)
+
+
+def embedded_bytes(generated_cpp: str) -> dict[str, bytes]:
+    arrays = re.findall(r"const unsigned char (\w+)_bytes\[\] = \{([^}]*)\}", generated_cpp)
+    return {name: bytes(int(b, 16) for b in re.findall(r"0x([0-9a-f]{2})", body)) for name, body in arrays}
+
+
+def test_the_build_script_applies_the_same_rule_to_edge_cases(tmp_path):
+    # Nested and repeated includes, indented directives, non-ASCII text, CMake
+    # list and regex characters, a file without a final newline.
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc/a.h").write_text('#pragma once\n  #  include "inc/b.h"  // nested\nint a; // µ [x];\n')
+    (tmp_path / "inc/b.h").write_text("#pragma once\nint b = 1; /* ${NOT_CMAKE} \\1 */")
+    kernel = tmp_path / "k.metal"
+    kernel.write_text('#include <metal_stdlib>\n#include "inc/a.h"\n#include "inc/b.h"\nkernel void f(); // "#include"\n')
+    output = tmp_path / "out.cpp"
+    done = run_embed_script(tmp_path, [kernel], output)
+    assert done.returncode == 0, done.stderr
+    want = inline_project_includes(kernel.read_text(), tmp_path, set()).encode()
+    assert b"int b = 1;" in want and want.count(b"int b") == 1 and b"pragma once" not in want
+    assert embedded_bytes(output.read_text()) == {"k": want}
+
+
+def test_the_build_script_names_a_missing_include(tmp_path):
+    kernel = tmp_path / "k.metal"
+    kernel.write_text('#include "metal/not_there.h"\n')
+    done = run_embed_script(tmp_path, [kernel], tmp_path / "out.cpp")
+    assert done.returncode != 0
+    assert '#include "metal/not_there.h" not found' in done.stderr
 
 
 def test_unknown_kernel_name_is_a_value_error():
