@@ -15,9 +15,9 @@ namespace mx = mlx::core;
 
 MTL::Library* kernel_library(mx::metal::Device& device, const std::string& kernel) {
 #ifdef MLX_ATTN_PREBUILT_METALLIB
-  if (std::filesystem::exists(std::filesystem::path(binary_dir()) / "mlx_attn.metallib")) {
-    return device.get_library("mlx_attn", binary_dir());
-  }
+  static const bool prebuilt_installed =
+      std::filesystem::exists(std::filesystem::path(binary_dir()) / "mlx_attn.metallib");
+  if (prebuilt_installed) return device.get_library("mlx_attn", binary_dir());
 #endif
   const EmbeddedSource& source = source_for_kernel(kernel);
   // Safe math, as the prebuilt metallib (-fno-fast-math); the kernels use
