@@ -4,7 +4,7 @@ Prints the device, mx.metal.is_available(), and runs one prefill and one
 decode call on the GPU with backend="fused" (the Metal kernels, compiled at
 run time on the first call) against the reference path on the CPU. The
 verdict goes to the log, to $GITHUB_STEP_SUMMARY and to $GITHUB_OUTPUT
-(metal_kernels=executed|not-executed).
+(metal_kernels=executed|failed|not-executed).
 
 Exit status: 0 when the kernels ran and matched; 1 when they ran and did not
 match or failed to run on a GPU MLX says is there; when Metal is not there
@@ -62,8 +62,8 @@ def run_case(shape, dtype, mask, seed=0):
     return error, timings[0], timings[1]
 
 
-def probe() -> tuple[str, list[str], bool]:
-    """(verdict, report lines, failed)."""
+def probe() -> tuple[str, str, list[str]]:
+    """(outcome: executed|failed|not-executed, verdict, report lines)."""
     lines = [f"- machine: {platform.platform()} ({platform.machine()})",
              f"- mlx {mx.__version__}, mlx_attn built with MLX {_ext.built_with_mlx}, "
              f"extension has Metal: {_ext.has_metal()}",
@@ -72,7 +72,7 @@ def probe() -> tuple[str, list[str], bool]:
              f"- prebuilt mlx_attn.metallib installed: "
              f"{(Path(_ext.__file__).parent / 'mlx_attn.metallib').exists()} (else: run-time compile)"]
     if not (mx.metal.is_available() and _ext.has_metal()):
-        return "Metal kernels NOT executed: no Metal device/build here", lines, False
+        return "not-executed", "Metal kernels NOT executed: no Metal device/build here", lines
     failed = False
     for name, shape, dtype, mask, tolerance in CASES:
         try:
@@ -87,29 +87,28 @@ def probe() -> tuple[str, list[str], bool]:
                      f"{'ok' if ok else 'WRONG'}; first call {first * 1e3:.1f} ms "
                      f"(includes the run-time compile), second {second * 1e3:.2f} ms")
     if failed:
-        return "Metal kernels FAILED on this GPU", lines, True
-    return "Metal kernels EXECUTED on a real GPU and match the reference", lines, False
+        return "failed", "Metal kernels FAILED on this GPU", lines
+    return "executed", "Metal kernels EXECUTED on a real GPU and match the reference", lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--require-gpu", action="store_true", help="fail when the kernels could not be executed")
     args = parser.parse_args()
-    verdict, lines, failed = probe()
-    executed = verdict.startswith("Metal kernels EXECUTED")
-    if not executed and not failed and args.require_gpu:
-        failed = True
+    outcome, verdict, lines = probe()
+    failed = outcome == "failed" or (outcome == "not-executed" and args.require_gpu)
+    if outcome == "not-executed" and args.require_gpu:
         verdict += " (a GPU was required)"
     report = "\n".join([f"## {verdict}", *lines]) + "\n"
     print(report)
-    if not executed:
+    if outcome != "executed":
         print(f"::{'error' if failed else 'warning'}::{verdict}")
     if os.environ.get("GITHUB_STEP_SUMMARY"):
         with open(os.environ["GITHUB_STEP_SUMMARY"], "a") as summary:
             summary.write(report)
     if os.environ.get("GITHUB_OUTPUT"):
         with open(os.environ["GITHUB_OUTPUT"], "a") as output:
-            output.write(f"metal_kernels={'executed' if executed else 'not-executed'}\n")
+            output.write(f"metal_kernels={outcome}\n")
     return 1 if failed else 0
 
 
