@@ -6,6 +6,7 @@ MSL emulator against the reference path.
 The inlining rule is written here a second time, independently of
 csrc/metal/embed_metal_sources.cmake, so the two must agree."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -71,6 +72,8 @@ def test_inlining_rule_inlines_nested_headers_once(tmp_path):
 def run_embed_script(root: Path, sources: list[Path], output: Path) -> subprocess.CompletedProcess:
     cmake = shutil.which("cmake")
     if cmake is None:
+        if os.environ.get("CI"):
+            pytest.fail("cmake not on PATH on CI (scripts/test.sh installs it)")
         pytest.skip("cmake not on PATH (scripts/test.sh installs it; the build itself brings its own)")
     return subprocess.run(
         [cmake, f"-DSOURCE_ROOT={root}", f"-DSOURCES={';'.join(map(str, sources))}", f"-DOUTPUT={output}",
@@ -135,7 +138,7 @@ class TestEmbeddedTextRunsInTheEmulator:
             kernels = msl_emulator.compile_library([path], include_dirs=[]).kernel_names
             assert kernels, f"{name} defines no kernel"
             for kernel in kernels:
-                assert _ext.metal_kernel_source(kernel) == path.read_text(), kernel
+                assert _ext.metal_kernel_source(kernel).encode() == path.read_bytes(), kernel
 
     @pytest.mark.parametrize(
         "shape, dtype, mask, family",
