@@ -111,8 +111,8 @@ kernel void g(constant float& x [[buffer(0)]]) {}
 '''
     translation = translate(source)
     kernels = {k.host_name: (k.function, k.params) for k in translation.kernels}
-    assert kernels == {"f_float": ("f<float, 8>", [(0, 1), (1, 0)]), "f_half": ("f<half, 4>", [(0, 1), (1, 0)]),
-                       "g": ("g", [(0, 0)])}
+    assert kernels == {"f_float": ("f<float, 8>", [(0, 1, -1), (1, 0, -1)]),
+                       "f_half": ("f<half, 4>", [(0, 1, -1), (1, 0, -1)]), "g": ("g", [(0, 0, -1)])}
     assert "threadgroup T (&tile)[N][4] = " in translation.cpp
     assert '"tile (k.metal:3)"' in translation.cpp  # errors name the declaration's line
     assert "threadgroup float* p = nullptr;" in translation.cpp  # pointers stay pointers

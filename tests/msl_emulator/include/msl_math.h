@@ -90,8 +90,8 @@ inline auto to_float(E x) {
     using E = detail::element_t<T>;                                                 \
     return detail::map(x, [](E e) { auto v = detail::to_float(e); return static_cast<E>(expr); }); \
   }
-MSL_FLOAT_UNARY(exp, std::exp(v))
-MSL_FLOAT_UNARY(exp2, std::exp2(v))
+MSL_FLOAT_UNARY(exp, (MSL_COUNT(exp_calls, 1), std::exp(v)))
+MSL_FLOAT_UNARY(exp2, (MSL_COUNT(exp_calls, 1), std::exp2(v)))
 MSL_FLOAT_UNARY(exp10, std::pow(decltype(v)(10), v))
 MSL_FLOAT_UNARY(log, std::log(v))
 MSL_FLOAT_UNARY(log2, std::log2(v))
