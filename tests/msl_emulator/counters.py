@@ -11,7 +11,8 @@ simdgroup products, exp/exp2) when ``MSL_COUNTERS`` is defined.
 
 Per-thread array bytes are static: the bytes of the ``alloca``s (arrays and
 aggregates that stay in per-thread memory after optimisation) of the kernel
-and the functions it calls, emulator runtime excluded.
+and the functions it calls, emulator runtime excluded; a simdgroup matrix
+counts as the two elements a lane holds on the GPU.
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def instrument(ir: str) -> str:
 _STRUCT_TYPE = re.compile(r"^(%[\w.\"$:<>, ]+?) = type (<?\{.*\}>?|opaque)\s*$", re.M)
 _DEFINE = re.compile(r"^define [^@]*@([\w.$]+)\(.*?\{\s*$(.*?)^\}", re.M | re.S)
 _ALLOCA = re.compile(r"= alloca (.*?)(?:, align (\d+))?(?:, !.*)?$", re.M)
-_CALL = re.compile(r"@([\w.$]+)\(")
+_REFERENCE = re.compile(r"@([\w.$]+)")  # calls and function pointers (launchers pass the kernel)
 _SCALAR_BYTES = {"half": 2, "bfloat": 2, "float": 4, "double": 8, "ptr": 8, "i1": 1}
-_RUNTIME_MANGLING = ("msl_rt", "N5metal", "ZN5metal", "msl_count_access", "llvm.")
+_RUNTIME_MANGLING = ("msl_rt", "N5metal", "msl_count_access", "msl_body_", "St", "llvm.")
 
 
 def _type_size(type_: str, structs: dict[str, str]) -> tuple[int, int]:
@@ -137,6 +138,13 @@ def _type_size(type_: str, structs: dict[str, str]) -> tuple[int, int]:
         size = 1 << (size - 1).bit_length()  # vectors round up to a power of two
         return size, size
     if type_.startswith("%"):
+        if "msl_rt::" in type_:
+            return 0, 1  # the emulator's own (call sites of simd functions)
+        if "metal::simdgroup_matrix" in type_:
+            # Each lane keeps a replica of the 64 elements; on the GPU it holds two.
+            replica = _split_operands(structs[type_].strip("<>{} "))[0]
+            size, align = _type_size(replica, structs)
+            return size // 32, align
         return _type_size(structs.get(type_, "{}"), structs)
     packed = type_.startswith("<{")
     body = type_.strip("<>{} ")
@@ -150,7 +158,8 @@ def _type_size(type_: str, structs: dict[str, str]) -> tuple[int, int]:
 
 
 def thread_array_bytes(ir: str, entry: str) -> int:
-    """Bytes of the allocas of `entry` and of the kernel functions it calls."""
+    """Bytes of the allocas of the functions reachable from `entry`, the
+    emulator's own (runtime and shim) excluded."""
     structs = {m.group(1): m.group(2) for m in _STRUCT_TYPE.finditer(ir)}
     bodies = {m.group(1): m.group(2) for m in _DEFINE.finditer(ir)}
     seen, pending, total = set(), [entry], 0
@@ -160,8 +169,8 @@ def thread_array_bytes(ir: str, entry: str) -> int:
             continue
         seen.add(name)
         body = bodies[name]
-        for alloca in _ALLOCA.finditer(body):
-            type_ = _split_operands(alloca.group(1))[0]
-            total += _type_size(type_, structs)[0]
-        pending += [c for c in _CALL.findall(body) if not any(r in c for r in _RUNTIME_MANGLING)]
+        if not any(marker in name for marker in _RUNTIME_MANGLING):
+            for alloca in _ALLOCA.finditer(body):
+                total += _type_size(_split_operands(alloca.group(1))[0], structs)[0]
+        pending += _REFERENCE.findall(body)
     return total
