@@ -184,7 +184,8 @@ def _function_constants(text: str, locate) -> tuple[str, dict[str, int]]:
         if name in constants:
             raise MetalCompileError(f"{where}: function constant {name} declared twice")
         constants[name] = _attribute_index(match.group("id"), where)
-        return f'static msl_rt::FunctionConstant<{type_}> {name}{{{constants[name]}, "{name}"}};'
+        newlines = "\n" * match.group(0).count("\n")  # keep later lines where they were
+        return f'static msl_rt::FunctionConstant<{type_}> {name}{{{constants[name]}, "{name}"}};{newlines}'
 
     return _FUNCTION_CONSTANT.sub(declare, text), constants
 
@@ -269,8 +270,9 @@ def _address_space_members(text: str) -> str:
             start = _declaration_start(text, match.start())
             if start < last:
                 continue
-            pieces.append(text[last:start])
-            last = _declaration_end(text, match.end())
+            end = _declaration_end(text, match.end())
+            pieces += [text[last:start], "\n" * text.count("\n", start, end)]  # keep line numbers
+            last = end
     return "".join(pieces) + text[last:]
 
 
@@ -283,10 +285,8 @@ def translate(text: str) -> Translation:
     """Translate one preprocessed `.metal` translation unit."""
     text = _address_space_members(text)
     text = _ARRAY_PARAMETER.sub(r"\1 \2* \3", text)
+    text, constants = _function_constants(text, _Locator(text))
     locate = _Locator(text)
-    constants: dict[str, int] = {}
-    for match in _FUNCTION_CONSTANT.finditer(text):
-        constants[match.group("name")] = _attribute_index(match.group("id"), locate(match.start()))
 
     # 1. Kernel definitions: remember their parameter bindings, drop [[kernel]].
     definitions: dict[str, list[tuple[int, int, int]]] = {}
@@ -311,7 +311,6 @@ def translate(text: str) -> Translation:
         return f"template decltype({function}) {function};"
 
     text = _INSTANTIATION.sub(instantiate, text)
-    text, constants = _function_constants(text, _Locator(text))
     text = _KERNEL_DEFINITION.sub(lambda m: f"void {m.group(2)}(", text)
     # `threadgroup` is a macro (an address space) in the shim: keep it out of attributes.
     text = re.sub(r"\[\[\s*threadgroup\s*\(", "[[msl_threadgroup_argument(", text)
