@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,7 @@ def emulated_rows(args):
     and MLX's (tests/mlx_kernel_runner.py) on the same problems, in counting
     builds of the MSL emulator: modelled costs, not timings."""
     sys.path.insert(0, str(ROOT / "tests"))
+    os.environ.setdefault("MSL_EMULATOR_TIMEOUT", "3600")  # one long prefill dispatch runs for minutes
     import mlx_kernel_runner
     import msl_emulator
     from metal_runner import METAL_SOURCES, EmulatedMetal
@@ -287,7 +289,10 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     if args.emulate:
         if "--lengths" not in (argv if argv is not None else sys.argv[1:]):
-            args.lengths = [512, 1024, 2048]  # prefill; the emulator runs about 1e8 FLOP/s
+            # Prefill lengths that keep the run near 5 minutes on 2 cores (the
+            # emulator manages some 1e8 FLOP/s); --lengths 512 1024 2048 takes
+            # about 20, and the costs per FLOP move by a few percent.
+            args.lengths = [512, 1024]
         print(markdown_header())
         rows = emulated_rows(args)
         command = " ".join(["python benchmarks/bench_metal.py", *(argv if argv is not None else sys.argv[1:])])

@@ -15,9 +15,11 @@ Arrays are NumPy ``[B, H, T, D]``: float32, float16, or bfloat16 as its
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,24 +46,30 @@ def cache_dir() -> Path:
 
 
 def kernel_headers() -> Path:
-    """The include root holding MLX's kernel headers (extracted once from the wheel)."""
+    """The include root holding MLX's kernel headers (extracted once from the
+    wheel; safe when several processes get there at once)."""
     root = cache_dir() / MLX_METAL_VERSION
-    marker = root / ".extracted"
-    if marker.exists():
-        return root / "mlx" / "include"
-    wheels = sorted(cache_dir().glob(f"mlx_metal-{MLX_METAL_VERSION}-*.whl"))
-    if not wheels:
+    if not (root / ".extracted").exists():
         cache_dir().mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--platform", "macosx_14_0_arm64", f"mlx-metal=={MLX_METAL_VERSION}", "-d", str(cache_dir())]
-        result = subprocess.run(command, capture_output=True, text=True)
         wheels = sorted(cache_dir().glob(f"mlx_metal-{MLX_METAL_VERSION}-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise RuntimeError(f"could not download mlx-metal=={MLX_METAL_VERSION}:\n{result.stderr[-2000:]}")
-    with zipfile.ZipFile(wheels[0]) as archive:
-        members = [m for m in archive.namelist() if m.startswith(KERNELS + "/") and m.endswith(".h")]
-        archive.extractall(root, members)
-    marker.write_text(wheels[0].name + "\n")
+        if not wheels:
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as download:
+                command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                           "--platform", "macosx_14_0_arm64", f"mlx-metal=={MLX_METAL_VERSION}", "-d", download]
+                result = subprocess.run(command, capture_output=True, text=True)
+                fetched = sorted(Path(download).glob("*.whl"))
+                if result.returncode != 0 or not fetched:
+                    raise RuntimeError(f"could not download mlx-metal=={MLX_METAL_VERSION}:\n{result.stderr[-2000:]}")
+                fetched[0].replace(cache_dir() / fetched[0].name)
+            wheels = sorted(cache_dir().glob(f"mlx_metal-{MLX_METAL_VERSION}-*.whl"))
+        partial = Path(tempfile.mkdtemp(dir=cache_dir()))
+        with zipfile.ZipFile(wheels[0]) as archive:
+            archive.extractall(partial, [m for m in archive.namelist() if m.startswith(KERNELS + "/") and m.endswith(".h")])
+        (partial / ".extracted").write_text(wheels[0].name + "\n")
+        try:
+            partial.rename(root)
+        except OSError:  # another process finished first
+            shutil.rmtree(partial)
     return root / "mlx" / "include"
 
 

@@ -18,6 +18,7 @@ from .translate import Translation, translate
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
 FAKE_METAL = INCLUDE / "fake_metal"  # empty <metal_stdlib> & co.
+COUNTING_FLAG = "-DMSL_COUNTERS"  # the shim's counters (counters.py)
 METAL_VERSION = 310  # __METAL_VERSION__ as Metal 3.1's compiler defines it
 
 CLANG = shutil.which("clang++-19") or shutil.which("clang-19")
@@ -71,7 +72,7 @@ def compile_flags(fast_math: bool, counters: bool = False) -> list[str]:
     flags = [
         "-std=c++20", "-fPIC", "-O1", "-fvisibility=hidden",
         # Counting builds go through textual IR: no debug info to keep in step.
-        *(["-g0", "-DMSL_COUNTERS"] if counters else ["-gline-tables-only"]),
+        *(["-g0", COUNTING_FLAG] if counters else ["-gline-tables-only"]),
         # half/bfloat arithmetic rounds after every operation, as on the GPU
         # (clang would otherwise keep float intermediates).
         "-Xclang", "-ffloat16-excess-precision=none", "-Xclang", "-fbfloat16-excess-precision=none",
@@ -90,7 +91,6 @@ def _runtime_fingerprint() -> str:
     digest.update(version.encode())
     for header in sorted(INCLUDE.glob("*.h")):
         digest.update(header.name.encode() + header.read_bytes())
-    digest.update((HERE / "counters.py").read_bytes())  # the IR instrumentation
     return digest.hexdigest()
 
 
@@ -98,6 +98,8 @@ def _fingerprint(translation: Translation, flags: list[str]) -> str:
     digest = hashlib.sha256(translation.cpp.encode())
     digest.update(" ".join(flags).encode())
     digest.update(_runtime_fingerprint().encode())
+    if COUNTING_FLAG in flags:
+        digest.update((HERE / "counters.py").read_bytes())  # the IR instrumentation
     return digest.hexdigest()[:24]
 
 

@@ -62,8 +62,8 @@ def _split_operands(text: str) -> list[str]:
     return parts
 
 
-_LOAD = re.compile(r"^(\s*)%[\w.]+ = load (?:volatile )?(.*)$")
-_STORE = re.compile(r"^(\s*)store (?:volatile )?(.*)$")
+_LOAD = re.compile(r"^(\s*)%[\w.]+ = load (?:atomic )?(?:volatile )?(.*)$")
+_STORE = re.compile(r"^(\s*)store (?:atomic )?(?:volatile )?(.*)$")
 _MEMORY_INTRINSIC = re.compile(r"^(\s*)(?:tail )?call void @llvm\.(memcpy|memmove|memset)(?:\.inline)?\.[\w.]+\((.*)\)(.*)$")
 _POINTER_SPACE = re.compile(r"^ptr addrspace\((\d+)\)")
 

@@ -226,6 +226,7 @@ class MetalLibrary:
         a kernel that runs longer than `timeout` seconds, EmulatorError for
         anything else that stops a kernel (missing buffers, out-of-bounds
         accesses, ...)."""
+        self.last_counters = None
         library = self._library(name)
         size = _dims(threadgroup, "threadgroup")
         if math.prod(size) > MAX_THREADS_PER_THREADGROUP:
