@@ -128,19 +128,3 @@ def test_decode_head_dims_masks_and_windows(run, dtype, d):
     additive[1] = -np.inf  # the second query position sees nothing
     got = check(run, q, k, v, mask=mx.array(additive).astype(dtype))
     assert np.all(got[:, :, 1] == 0)
-
-
-@pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
-def test_metal_benchmark_runs_emulated(tmp_path):
-    import importlib.util
-
-    from metal_runner import REPO
-
-    spec = importlib.util.spec_from_file_location("bench_metal", REPO / "benchmarks" / "bench_metal.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = bench.main(["--emulate", "--out", str(tmp_path)])
-    assert [r["phase"] for r in rows] == ["prefill", "decode"]
-    assert rows[0]["kernels"] == ["attention_prefill_float32_d64"]
-    assert rows[1]["kernels"][0].startswith("attention_decode_partial")
-    assert all(r["max_abs_error"] < 1e-4 for r in rows)
