@@ -9,7 +9,6 @@ namespace {
 constexpr int kPrefillRows = 32;       // BQ: 4 simdgroups x 8 rows
 constexpr int kPrefillThreads = 128;
 constexpr int kThreadgroupMemoryLimit = 32 * 1024;
-constexpr float kLog2e = 1.4426950408889634f;
 }  // namespace
 
 int prefill_key_block(int head_dim) {
@@ -30,7 +29,7 @@ constexpr int kDecodeThreads = 128;
 constexpr int kDecodeKeysPerSplit = 64;
 constexpr int kDecodeMaxSplits = 32;
 
-void plan_decode(const AttentionShape& s, LaunchPlan& plan) {
+void plan_decode(const AttentionProblem& s, LaunchPlan& plan) {
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   const int splits = std::max(1, std::min(kDecodeMaxSplits, (s.kv_len + kDecodeKeysPerSplit - 1) / kDecodeKeysPerSplit));
   const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
@@ -38,13 +37,13 @@ void plan_decode(const AttentionShape& s, LaunchPlan& plan) {
   plan.scratch = {{"partial_out", partials * s.head_dim}, {"partial_stats", partials * 2}};
   const int key_block = decode_key_block(s.head_dim);
   KernelDispatch partial;
-  partial.kernel = "attention_decode_partial_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  partial.kernel = "attention_decode_partial_" + std::string(elem_type_name(s.dtype)) + "_d" + std::to_string(s.head_dim);
   partial.grid = {splits, s.kv_heads, s.batch};
   partial.threadgroup = {kDecodeThreads, 1, 1};
   partial.buffers = {"q", "k", "v", "params", "mask", "partial_out", "partial_stats"};
   partial.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4;
   KernelDispatch merge;
-  merge.kernel = "attention_decode_merge_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  merge.kernel = "attention_decode_merge_" + std::string(elem_type_name(s.dtype)) + "_d" + std::to_string(s.head_dim);
   merge.grid = {rows, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
   merge.buffers = {"partial_out", "partial_stats", "sinks", "out", "params", "splits"};
@@ -52,7 +51,7 @@ void plan_decode(const AttentionShape& s, LaunchPlan& plan) {
 }
 }  // namespace
 
-LaunchPlan plan_attention(const AttentionShape& s) {
+LaunchPlan plan_attention(const AttentionProblem& s) {
   LaunchPlan plan;
   const int key_block = prefill_key_block(s.head_dim);
   if (key_block == 0) {
@@ -64,8 +63,8 @@ LaunchPlan plan_attention(const AttentionShape& s) {
         " and " + std::to_string(s.value_dim);
     return plan;
   }
-  if (s.dtype != "float32" && s.dtype != "float16" && s.dtype != "bfloat16") {
-    plan.reason = "unsupported dtype " + s.dtype;
+  if (s.output_lse) {
+    plan.reason = "the Metal kernels do not return the log-sum-exp";
     return plan;
   }
   if (s.kv_heads < 1 || s.q_heads % s.kv_heads != 0) {
@@ -85,11 +84,11 @@ LaunchPlan plan_attention(const AttentionShape& s) {
   p.group = s.q_heads / s.kv_heads;
   p.q_len = s.q_len;
   p.kv_len = s.kv_len;
-  p.causal = (s.causal || s.window_size > 0) ? 1 : 0;
+  p.causal = s.causal ? 1 : 0;
   p.window_size = s.window_size;
-  p.mask_kind = s.mask_kind;
+  p.mask_kind = int32_t(s.mask_kind);
   p.has_sinks = s.has_sinks ? 1 : 0;
-  p.scale_log2 = s.scale * kLog2e;
+  p.scale = s.scale;
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_key_block(s.head_dim) != 0) {
@@ -99,7 +98,7 @@ LaunchPlan plan_attention(const AttentionShape& s) {
   }
 
   KernelDispatch prefill;
-  prefill.kernel = "attention_prefill_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  prefill.kernel = "attention_prefill_" + std::string(elem_type_name(s.dtype)) + "_d" + std::to_string(s.head_dim);
   prefill.grid = {(s.q_len + kPrefillRows - 1) / kPrefillRows, s.q_heads, s.batch};
   prefill.threadgroup = {kPrefillThreads, 1, 1};
   prefill.buffers = {"q", "k", "v", "out", "params", "mask", "sinks"};

@@ -9,20 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "metal/attention_params.h"
+#include "csrc/attention_problem.h"
 
 namespace mlx_attn {
-
-struct AttentionShape {
-  int batch = 1, q_heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 64, value_dim = 64;
-  std::string dtype = "float32";  // float32 | float16 | bfloat16
-  std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, mask_strides{};
-  int mask_kind = MLX_ATTN_MASK_NONE;
-  bool causal = false;
-  int window_size = 0;
-  bool has_sinks = false;
-  float scale = 1.0f;
-};
 
 struct KernelDispatch {
   std::string kernel;                  // host name in mlx_attn.metallib
@@ -57,6 +46,6 @@ int prefill_key_block(int head_dim);
 // Keys per staged block of the decode kernel (0: head dim not a multiple of 32).
 int decode_key_block(int head_dim);
 
-LaunchPlan plan_attention(const AttentionShape& shape);
+LaunchPlan plan_attention(const AttentionProblem& problem);
 
 }  // namespace mlx_attn

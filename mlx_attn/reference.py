@@ -10,6 +10,13 @@ GQA/MQA are computed by grouping the query heads ``[B, Hkv, G, Tq, D]`` against
 ``[B, Hkv, 1, Tkv, D]`` keys, so keys and values are never repeated.
 
 A query row that can see no key (every key masked) returns zeros.
+
+Numbers: every logit (``scale * q.k``, the logit plus an additive mask value,
+and each sink) saturates to ``[-LOGIT_LIMIT, LOGIT_LIMIT]`` (2^125); an
+additive mask value at or below ``MASKED_LOGIT`` (-2^127, so ``-inf``
+included) masks the key. Differences of saturated logits cannot
+overflow, so any finite float32 scale gives finite outputs for finite inputs.
+The fused kernels follow the same rule (``metal/attention_params.h``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ import contextlib
 
 import mlx.core as mx
 
-__all__ = ["reference_attention", "causal_visibility"]
+__all__ = ["reference_attention", "causal_visibility", "LOGIT_LIMIT", "MASKED_LOGIT"]
+
+# Same values as MLX_ATTN_LOGIT_LIMIT / MLX_ATTN_MASKED_LOGIT in
+# metal/attention_params.h (tests/test_native.py checks).
+LOGIT_LIMIT = 2.0**125
+MASKED_LOGIT = -(2.0**127)
+
+
+def _saturate(x: mx.array) -> mx.array:
+    return mx.clip(x, -LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -> mx.array:
@@ -78,7 +94,7 @@ def reference_attention(
         vf = v.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,Dv]
 
         # score, scale
-        scores = (qf @ kf.swapaxes(-1, -2)) * scale  # [B,Hkv,G,Tq,Tkv]
+        scores = _saturate((qf @ kf.swapaxes(-1, -2)) * scale)  # [B,Hkv,G,Tq,Tkv]
 
         # mask: `visible` is False where a key may not be seen
         visible = None
@@ -90,7 +106,8 @@ def reference_attention(
             if full.dtype == mx.bool_:
                 visible = full if visible is None else (visible & full)
             else:
-                scores = scores + full.astype(mx.float32)
+                added = full.astype(mx.float32)
+                scores = mx.where(added <= MASKED_LOGIT, -mx.inf, _saturate(scores + added))
         if visible is not None:
             scores = mx.where(visible, scores, -mx.inf)
 
@@ -98,7 +115,7 @@ def reference_attention(
         row_max = scores.max(axis=-1, keepdims=True)
         if sinks is not None:
             sink_logits = _group_heads(
-                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1), kv_heads
+                _saturate(sinks.astype(mx.float32)).reshape(1, q_heads, 1, 1), kv_heads
             )
             row_max = mx.maximum(row_max, sink_logits)
         # A row that sees nothing has max -inf; any finite shift keeps exp = 0.

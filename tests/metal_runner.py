@@ -32,9 +32,20 @@ def from_numpy(x: np.ndarray, dtype) -> mx.array:
     return mx.array(x)
 
 
-def element_strides(x: np.ndarray, shape=None) -> list[int]:
-    view = x if shape is None else np.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), shape)
-    return [s // x.itemsize for s in view.strides]
+class View:
+    """An input as the Mac host receives it: an MLX array that may be a view
+    (transposed, sliced, broadcast) of the contiguous array `base`, starting
+    `offset` elements into it. The emulator binds base's memory from offset
+    and reads it through the strides the launch plan took from `array`."""
+
+    def __init__(self, base: mx.array, view=lambda a: a, offset: int = 0):
+        self.base = base
+        self.array = view(base)
+        self.offset = offset
+        mx.eval(self.base, self.array)  # evaluated views carry their real strides
+
+    def memory(self) -> np.ndarray:
+        return to_numpy(self.base).reshape(-1)[self.offset:]
 
 
 def physical_layout(x: np.ndarray, layout: str | None):
@@ -56,12 +67,18 @@ def physical_layout(x: np.ndarray, layout: str | None):
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def mx_view(x: mx.array, layout: str | None) -> mx.array:
-    """The same layout as an MLX view (what the real kernels receive)."""
+def layout_view(x: mx.array, layout: str | None) -> View:
+    """`x` stored in `layout` (see physical_layout), as the view MLX hands over."""
     if layout is None:
-        return x
+        return View(x)
     buffer = from_numpy(physical_layout(to_numpy(x), layout)[0], x.dtype)
-    return buffer.transpose(0, 2, 1, 3) if layout == "seq_major" else buffer[:, :, : x.shape[2]]
+    if layout == "seq_major":
+        return View(buffer, lambda a: a.transpose(0, 2, 1, 3))
+    return View(buffer, lambda a: a[:, :, : x.shape[2]])
+
+
+def as_view(x) -> View:
+    return x if isinstance(x, View) else View(x)
 
 
 class EmulatedMetal:
@@ -72,24 +89,27 @@ class EmulatedMetal:
         self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
 
     def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None):
-        buffers = {"mask": np.zeros(1, np.uint8)}
-        strides = {}
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            buffers[name], view = physical_layout(to_numpy(x), layout)
-            strides[name] = element_strides(view)
-        nq = buffers["q"]
-        buffers["sinks"] = np.zeros(1, nq.dtype)
+        """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
+        a View; the result as an MLX array."""
+        views = {name: x if isinstance(x, View) else layout_view(x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
+        dtype = views["q"].array.dtype
         if isinstance(mask, mx.array):
-            m = mask if mask.dtype == mx.bool_ else mask.astype(q.dtype)
-            nm = np.ascontiguousarray(to_numpy(m))
-            full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            strides["mask"] = element_strides(nm, full)
-            buffers["mask"] = nm.view(np.uint8) if nm.dtype == np.bool_ else nm
+            views["mask"] = View(mask if mask.dtype == mx.bool_ else mask.astype(dtype))
         if sinks is not None:
-            buffers["sinks"] = np.ascontiguousarray(to_numpy(sinks.astype(q.dtype)))
-        plan = launch_plan(q, k, v, mask, sinks, window_size, scale=scale, strides=strides)
+            views["sinks"] = as_view(sinks)
+        plan = launch_plan(
+            views["q"].array, views["k"].array, views["v"].array, scale=scale,
+            mask=views["mask"].array if "mask" in views else mask,
+            sinks=views["sinks"].array if "sinks" in views else None, window_size=window_size,
+        )
         assert plan["supported"], plan["reason"]
-        out = np.zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=nq.dtype)
+        buffers = {name: view.memory() for name, view in views.items()}
+        for name in ("mask", "sinks"):  # absent: a placeholder the kernel does not read
+            buffers.setdefault(name, np.zeros(1, np.uint8))
+        if buffers["mask"].dtype == np.bool_:
+            buffers["mask"] = buffers["mask"].view(np.uint8)
+        shape = views["q"].array.shape[:3] + views["v"].array.shape[3:]
+        out = np.zeros(shape, dtype=buffers["q"].dtype)
         buffers["out"] = out
         buffers["params"] = plan["params"]
         buffers["splits"] = struct.pack("i", plan["splits"])
@@ -99,14 +119,16 @@ class EmulatedMetal:
         for step in plan["dispatches"]:
             bound = {i: buffers[name] for i, name in enumerate(step["buffers"])}
             self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
-        return from_numpy(out, q.dtype)
+        return from_numpy(out, dtype)
 
 
 class RealMetal:
     fast_math = True
 
-    def __call__(self, q, k, v, layout=None, **kw):
-        q, k, v = (mx_view(x, layout) for x in (q, k, v))
+    def __call__(self, q, k, v, layout=None, sinks=None, **kw):
+        q, k, v = (x.array if isinstance(x, View) else layout_view(x, layout).array for x in (q, k, v))
+        if sinks is not None:
+            kw["sinks"] = as_view(sinks).array
         out = mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.gpu, **kw)
         mx.eval(out)
         return out

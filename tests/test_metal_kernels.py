@@ -93,6 +93,21 @@ def test_large_logits(run):
     check(run, q * 40, k, v, scale=1.0, mask="causal")
 
 
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("tq", [37, 2], ids=["prefill", "decode"])
+def test_every_finite_scale(run, tq):
+    """Scales from 0 and denormals up to FLT_MAX: the kernels saturate logits
+    like the reference path (no overflowing exponent, no NaN)."""
+    q, k, v = make(1, 4, 2, tq, 50, 64, mx.float32, seed=tq)
+    additive = mx.array(np.random.default_rng(1).standard_normal((tq, 50)).astype(np.float32) * 3e37)
+    sinks = mx.array([1e38, 0.5, -1e38, -2.0])
+    for scale in (0.0, 1e-45, -0.3, 1e30, 3e38, FLT_MAX, -FLT_MAX):
+        check(run, q, k, v, scale=scale, mask="causal", sinks=sinks)
+        check(run, q, k, v, scale=scale, mask=additive)
+
+
 @pytest.mark.parametrize("layout", ["seq_major", "cache"])
 @pytest.mark.parametrize("tq", [37, 3], ids=["prefill", "decode"])
 def test_strided_inputs(run, layout, tq):

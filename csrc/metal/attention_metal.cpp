@@ -24,54 +24,19 @@ const std::string& binary_dir() {
   return dir;
 }
 
-namespace {
-std::string dtype_name(mx::Dtype t) {
-  if (t == mx::float32) return "float32";
-  if (t == mx::float16) return "float16";
-  if (t == mx::bfloat16) return "bfloat16";
-  throw std::invalid_argument("[mlx_attn] unsupported dtype for the Metal kernels");
-}
-void copy_strides(const mx::array& a, std::array<int64_t, 4>& out) {
-  for (int i = 0; i < 4; ++i) out[i] = a.strides()[i];
-}
-}  // namespace
-
 void eval_attention(
     mx::Stream stream,
-    const AttentionOptions& options,
+    const AttentionProblem& problem,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  if (options.output_lse) {
-    throw std::runtime_error("[mlx_attn] the Metal kernels do not return the log-sum-exp");
-  }
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   const auto& v = inputs[2];
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-
-  AttentionShape shape;
-  shape.batch = q.shape(0);
-  shape.q_heads = q.shape(1);
-  shape.q_len = q.shape(2);
-  shape.head_dim = q.shape(3);
-  shape.kv_heads = k.shape(1);
-  shape.kv_len = k.shape(2);
-  shape.value_dim = v.shape(3);
-  shape.dtype = dtype_name(q.dtype());
-  copy_strides(q, shape.q_strides);
-  copy_strides(k, shape.k_strides);
-  copy_strides(v, shape.v_strides);
-  const mx::array* mask = options.has_mask ? &inputs[3] : nullptr;
-  if (mask) {
-    copy_strides(*mask, shape.mask_strides);
-    shape.mask_kind = mask->dtype() == mx::bool_ ? MLX_ATTN_MASK_BOOL : MLX_ATTN_MASK_ADDITIVE;
-  }
-  shape.causal = options.causal;
-  shape.window_size = options.window_size;
-  shape.has_sinks = options.has_sinks;
-  shape.scale = options.scale;
-  const LaunchPlan plan = plan_attention(shape);
+  if (out.size() == 0) return;
+  const mx::array* mask = problem.mask_kind != MaskKind::none ? &inputs[3] : nullptr;
+  const LaunchPlan plan = plan_attention(problem);
   if (!plan.supported) {
     throw std::runtime_error("[mlx_attn] Metal kernels: " + plan.reason);
   }
@@ -101,7 +66,7 @@ void eval_attention(
       else if (name == "out") encoder.set_output_array(out, i);
       else if (name == "params") encoder.set_bytes(plan.params, i);
       else if (name == "mask") encoder.set_input_array(mask ? *mask : q, i);  // q: an unread placeholder
-      else if (name == "sinks") encoder.set_input_array(options.has_sinks ? inputs.back() : q, i);
+      else if (name == "sinks") encoder.set_input_array(problem.has_sinks ? inputs.back() : q, i);
       else if (name == "splits") encoder.set_bytes(plan.splits, i);
       else if (mx::array* buffer = scratch_array(name)) {
         // written by the first dispatch, read by the second
