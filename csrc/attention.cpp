@@ -19,7 +19,7 @@ namespace {
 std::string shape_string(const mx::array& a) {
   std::ostringstream out;
   out << "(";
-  for (int i = 0; i < a.ndim(); ++i) out << (i ? ", " : "") << a.shape(i);
+  for (size_t i = 0; i < a.ndim(); ++i) out << (i ? ", " : "") << a.shape(int(i));
   out << ")";
   return out.str();
 }

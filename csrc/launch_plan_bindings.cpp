@@ -26,20 +26,38 @@ void bind_launch_plan(nb::module_& m) {
           entry["kernel"] = d.kernel;
           entry["grid"] = d.grid;
           entry["threadgroup"] = d.threadgroup;
-          entry["buffers"] = d.buffers;
+          nb::list bindings;
+          for (const auto& b : d.bindings) {
+            nb::dict binding;
+            binding["index"] = b.index;
+            binding["role"] = role_name(b.role);
+            binding["access"] = b.access == Access::write ? "write" : "read";
+            binding["source"] = source_name(b.source);
+            binding["source_index"] = b.source_index;
+            bindings.append(binding);
+          }
+          entry["bindings"] = bindings;
           entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
           dispatches.append(entry);
         }
         out["dispatches"] = dispatches;
         out["splits"] = plan.splits;
-        nb::dict scratch;
-        for (const auto& buffer : plan.scratch) scratch[buffer.name.c_str()] = buffer.elements;
+        nb::list scratch;
+        for (const auto& buffer : plan.scratch) {
+          nb::dict entry;
+          entry["role"] = role_name(buffer.role);
+          entry["elements"] = buffer.elements;
+          entry["producer"] = buffer.producer;
+          entry["consumer"] = buffer.consumer;
+          scratch.append(entry);
+        }
         out["scratch"] = scratch;
         return out;
       },
       "problem"_a,
       "The Metal launch plan for a problem (_ext.describe_attention): kernels, grids, threadgroups, "
-      "params bytes, bindings.");
+      "params bytes, and per dispatch its bindings (index, role, access, source, source_index) "
+      "exactly as the Mac host encodes them.");
   m.attr("MASK_NONE") = MLX_ATTN_MASK_NONE;
   m.attr("MASK_BOOL") = MLX_ATTN_MASK_BOOL;
   m.attr("MASK_ADDITIVE") = MLX_ATTN_MASK_ADDITIVE;

@@ -193,7 +193,7 @@ template <typename T, int D>
   // normalize: sinks join the sum; rows that saw nothing give zeros
   float correction = 1.0f;
   if (p.has_sinks != 0) {
-    const float sink = decode_saturate_logit(float(sinks[h]));
+    const float sink = decode_saturate_logit(float(sinks[h * p.sinks_stride]));
     const float m_final = max(m, sink);
     correction = exp2((m - m_final) * MLX_ATTN_LOG2E);
     l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);

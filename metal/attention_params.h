@@ -35,6 +35,7 @@ struct AttentionParams {
   attn_int64 k_strides[4];
   attn_int64 v_strides[4];
   attn_int64 mask_strides[4];  // broadcast dims have stride 0
+  attn_int64 sinks_stride;     // sinks[h * sinks_stride]; 0: one value for every head
   attn_int32 batch;
   attn_int32 q_heads;
   attn_int32 kv_heads;
@@ -50,5 +51,5 @@ struct AttentionParams {
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 4 * 4 * 8 + 12 * 4, "AttentionParams layout");
+static_assert(sizeof(AttentionParams) == 17 * 8 + 12 * 4, "AttentionParams layout");
 #endif

@@ -198,7 +198,7 @@ template <typename T, int D, int BK>
   float correction = 1.0f;
   float l_final = l_row;
   if (p.has_sinks != 0) {
-    const float sink = saturate_logit(float(sinks[h]));
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
     const float m_final = max(m_row, sink);
     correction = exp2((m_row - m_final) * MLX_ATTN_LOG2E);
     l_final = l_row * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Literal
 
 import mlx.core as mx
-
 import numpy as np
 
 from mlx_attn import _native
@@ -143,6 +142,16 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream):
     return dtype, scale
 
 
+def _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream):
+    """Validates the call; returns q, k, v in the output dtype, the scale as a
+    float and the window size as an int (or None)."""
+    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
+    if window_size is not None:
+        window_size = min(int(window_size), _WINDOW_LIMIT)
+    return q, k, v, scale, window_size
+
+
 def _device_type(stream) -> mx.DeviceType:
     if stream is None:
         return mx.default_device().type
@@ -155,7 +164,7 @@ def _device_type(stream) -> mx.DeviceType:
     raise ValueError(f"stream must be an mlx Stream, Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
 
 
-def _kernel_inputs(q, mask, sinks, dtype):
+def _kernel_inputs(mask, sinks, dtype):
     """The mask and sinks as the fused kernels take them: an additive mask and
     sinks in the output dtype; the mask in its own (broadcastable) shape."""
     if isinstance(mask, mx.array) and mask.dtype != mx.bool_ and mask.dtype != dtype:
@@ -173,7 +182,7 @@ def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) 
         _native.warn_if_missing()
         return _native.MISSING_REASON
     device = _device_type(stream)
-    array_mask, sinks = _kernel_inputs(q, mask, sinks, q.dtype)
+    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
     problem = ext.describe_attention(
         q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
         mask=array_mask, sinks=sinks,
@@ -195,10 +204,7 @@ def attention_path(
 ) -> Path:
     """Which implementation ``scaled_dot_product_attention`` uses for these
     arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
-    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream)
-    q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
-    if window_size is not None:
-        window_size = min(int(window_size), _WINDOW_LIMIT)
+    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
     return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
 
 
@@ -270,13 +276,17 @@ def scaled_dot_product_attention(
         q: queries ``[B, Hq, Tq, D]``.
         k: keys ``[B, Hkv, Tkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA; never repeated).
         v: values ``[B, Hkv, Tkv, Dv]``.
-        scale: multiplies ``q @ k^T`` (usually ``1/sqrt(D)``).
+        scale: multiplies ``q @ k^T`` (usually ``1/sqrt(D)``): what mx.fast
+            accepts (Python or NumPy real scalars, 0-d NumPy arrays, size-1
+            MLX arrays), finite in float32. Logits saturate at +-2^125 (see
+            :mod:`mlx_attn.reference`), so every such scale gives finite
+            outputs for finite inputs.
         mask: ``None``, ``"causal"`` (lower-right aligned), a boolean array
             (True = attend) or an additive array, broadcastable to
             ``[B, Hq, Tq, Tkv]``. An additive mask's dtype must promote to
             the output dtype.
-        sinks: optional ``[Hq]`` logits that join each head's softmax and
-            contribute no value.
+        sinks: optional ``[Hq]`` logits (any view, e.g. strided or
+            broadcast) that join each head's softmax and contribute no value.
         stream: stream or device to run on.
         window_size: sliding-window attention: each query sees at most this
             many most recent keys (itself included); implies causal.
@@ -291,16 +301,13 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: naming the offending argument, shape or dtype.
     """
-    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream)
-    q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
-    if window_size is not None:
-        window_size = min(int(window_size), _WINDOW_LIMIT)
+    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
     path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
     if path == "reference":
         return reference_attention(
             q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
         )
-    array_mask, sinks = _kernel_inputs(q, mask, sinks, dtype)
+    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
     return _native.ext.fused_attention(
         q,
         k,

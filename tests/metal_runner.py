@@ -91,35 +91,50 @@ class EmulatedMetal:
     def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None):
         """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
         a View; the result as an MLX array."""
-        views = {name: x if isinstance(x, View) else layout_view(x, layout) for name, x in (("q", q), ("k", k), ("v", v))}
-        dtype = views["q"].array.dtype
+        inputs = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
+        dtype = inputs[0].array.dtype
         if isinstance(mask, mx.array):
-            views["mask"] = View(mask if mask.dtype == mx.bool_ else mask.astype(dtype))
+            inputs.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
         if sinks is not None:
-            views["sinks"] = as_view(sinks)
+            inputs.append(as_view(sinks))
+        arrays = [view.array for view in inputs]
         plan = launch_plan(
-            views["q"].array, views["k"].array, views["v"].array, scale=scale,
-            mask=views["mask"].array if "mask" in views else mask,
-            sinks=views["sinks"].array if "sinks" in views else None, window_size=window_size,
+            *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
+            sinks=arrays[-1] if sinks is not None else None, window_size=window_size,
         )
         assert plan["supported"], plan["reason"]
-        buffers = {name: view.memory() for name, view in views.items()}
-        for name in ("mask", "sinks"):  # absent: a placeholder the kernel does not read
-            buffers.setdefault(name, np.zeros(1, np.uint8))
-        if buffers["mask"].dtype == np.bool_:
-            buffers["mask"] = buffers["mask"].view(np.uint8)
-        shape = views["q"].array.shape[:3] + views["v"].array.shape[3:]
-        out = np.zeros(shape, dtype=buffers["q"].dtype)
-        buffers["out"] = out
-        buffers["params"] = plan["params"]
-        buffers["splits"] = struct.pack("i", plan["splits"])
-        for name, elements in plan["scratch"].items():
-            buffers[name] = np.full(elements, np.nan, np.float32)  # unwritten partials would show
         self.last_plan = plan
-        for step in plan["dispatches"]:
-            bound = {i: buffers[name] for i, name in enumerate(step["buffers"])}
+        return from_numpy(self.launch(plan, inputs), dtype)
+
+    def launch(self, plan: dict, inputs: list[View]) -> np.ndarray:
+        """Runs every dispatch of `plan` with the bindings it names, as
+        csrc/metal/attention_metal.cpp encodes them: each input's memory from
+        its view's offset (read through the plan's strides), the output,
+        scratch buffers and bytes."""
+        memory = [view.memory() for view in inputs]
+        memory = [m.view(np.uint8) if m.dtype == np.bool_ else m for m in memory]
+        problem = plan["problem"]
+        out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
+        # NaN: a read of a partial nobody wrote would show
+        scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
+        for position, step in enumerate(plan["dispatches"]):
+            bound = {}
+            for binding in step["bindings"]:
+                source, index = binding["source"], binding["source_index"]
+                if source == "input":
+                    bound[binding["index"]] = memory[index]
+                elif source == "output":
+                    bound[binding["index"]] = out
+                elif source == "scratch":
+                    buffer = plan["scratch"][index]
+                    assert position == (buffer["producer"] if binding["access"] == "write" else buffer["consumer"])
+                    bound[binding["index"]] = scratch[index]
+                elif source == "params":
+                    bound[binding["index"]] = plan["params"]
+                else:
+                    bound[binding["index"]] = struct.pack("i", plan["splits"])
             self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
-        return from_numpy(out, dtype)
+        return out
 
 
 class RealMetal:

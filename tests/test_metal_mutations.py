@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REPO, EmulatedMetal
+from metal_runner import REPO, EmulatedMetal, View
 from mlx_attn.reference import reference_attention
+from sdpa_cases import TOLERANCE
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
 
@@ -60,6 +61,8 @@ MUTANTS = {
     "prefill: GQA head mapping wrong": (PREFILL, "replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
     "prefill: key sequence stride assumed contiguous": (PREFILL, "replace", "key * p.k_strides[2]", "key * D"),
     "decode: value head stride assumed contiguous": (DECODE, "replace", "kv_head * p.v_strides[1]", "kv_head * p.kv_len * D"),
+    "prefill: sinks stride assumed contiguous": (PREFILL, "replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
+    "decode: sinks stride assumed contiguous": (DECODE, "replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
 }
 
 
@@ -80,6 +83,8 @@ CASES = [
     dict(shape=(2, 4, 4, 1, 70), mask="bool"),
     dict(shape=(1, 4, 2, 20, 45), mask="additive", layout="seq_major"),  # [B, T, H, D] storage
     dict(shape=(1, 4, 2, 3, 45), layout="cache"),  # decode from a cache
+    dict(shape=(1, 4, 2, 30, 50), mask="causal", sinks="strided"),  # sinks[::2] of a longer array
+    dict(shape=(1, 4, 2, 2, 50), sinks="strided"),
 ]
 
 
@@ -98,14 +103,18 @@ def caught(run) -> bool:
             kw["mask"] = case["mask"]
         if case.get("window_size"):
             kw["window_size"] = case["window_size"]
-        if case.get("sinks"):
+        if case.get("sinks") == "strided":
+            kw["sinks"] = View(mx.array(rng.standard_normal(2 * hq).astype(np.float32)), lambda a: a[::2])
+        elif case.get("sinks"):
             kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32))
         try:
             got = np.array(run(q, k, v, **kw, layout=case.get("layout")))
         except msl_emulator.EmulatorError:
             return True  # deadlock or launch failure
+        if isinstance(kw.get("sinks"), View):
+            kw["sinks"] = kw["sinks"].array
         want = np.array(reference_attention(q, k, v, **kw))
-        if not np.isfinite(got).all() or np.abs(got - want).max() > 2e-5:
+        if not np.isfinite(got).all() or np.abs(got - want).max() > TOLERANCE[mx.float32]:
             return True
     return False
 
