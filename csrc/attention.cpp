@@ -228,14 +228,15 @@ std::vector<mx::array> differentiate(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& vectors,
     const std::vector<int>& argnums,
-    const AttentionOptions& options) {
+    const AttentionOptions& options,
+    mx::Stream stream) {
   if (options.output_lse) {
     throw std::invalid_argument("[mlx_attn] the log-sum-exp output is not differentiable");
   }
   if (!differentiation_rule()) {
     throw std::runtime_error("[mlx_attn] import mlx_attn to differentiate the fused attention");
   }
-  return differentiation_rule()(mode, primals, vectors, argnums, options);
+  return differentiation_rule()(mode, primals, vectors, argnums, options, stream);
 }
 
 }  // namespace
@@ -249,14 +250,14 @@ std::vector<mx::array> FusedAttention::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  return differentiate("vjp", primals, cotangents, argnums, options_);
+  return differentiate("vjp", primals, cotangents, argnums, options_, stream());
 }
 
 std::vector<mx::array> FusedAttention::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {
-  return differentiate("jvp", primals, tangents, argnums, options_);
+  return differentiate("jvp", primals, tangents, argnums, options_, stream());
 }
 
 // vmap folds the mapped axis into the head axis: q [B, V, Hq, ...] becomes

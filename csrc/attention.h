@@ -54,14 +54,15 @@ std::vector<mx::array> fused_attention(
 
 // Gradients and forward-mode derivatives of the primitive come from the
 // reference path (mlx_attn/ops.py registers it through _ext):
-//   rule("vjp", primals, cotangents, argnums, options) -> one gradient per argnum
-//   rule("jvp", primals, tangents, argnums, options)   -> [output tangent]
+//   rule("vjp", primals, cotangents, argnums, options, stream) -> one gradient per argnum
+//   rule("jvp", primals, tangents, argnums, options, stream)   -> [output tangent]
 using DifferentiationRule = std::function<std::vector<mx::array>(
     const std::string& mode,
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& vectors,
     const std::vector<int>& argnums,
-    const AttentionOptions& options)>;
+    const AttentionOptions& options,
+    mx::Stream stream)>;
 void set_differentiation_rule(DifferentiationRule rule);
 
 class FusedAttention : public mx::Primitive {

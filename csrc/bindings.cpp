@@ -117,7 +117,7 @@ NB_MODULE(_ext, m) {
       "set_differentiation_rule",
       [](mlx_attn::DifferentiationRule rule) { mlx_attn::set_differentiation_rule(std::move(rule)); },
       "rule"_a,
-      "rule(mode, primals, vectors, argnums, options): 'vjp' returns one gradient per argnum, "
+      "rule(mode, primals, vectors, argnums, options, stream): 'vjp' returns one gradient per argnum, "
       "'jvp' the output tangent. mlx_attn.ops registers the reference path's.");
 
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +

@@ -219,9 +219,9 @@ def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream) -> P
     return "reference"
 
 
-def _reference_derivative(mode, primals, vectors, argnums, options):
+def _reference_derivative(mode, primals, vectors, argnums, options, stream):
     """The fused primitive's vjp / jvp (registered with _ext): those of the
-    reference path on the same inputs. Bool masks are constants."""
+    reference path on the same inputs and stream. Bool masks are constants."""
     # causal is a window of every earlier key: one route for both
     window_size = options.window_size or (_WINDOW_LIMIT if options.causal else None)
 
@@ -230,7 +230,7 @@ def _reference_derivative(mode, primals, vectors, argnums, options):
         mask = extras.pop(0) if options.has_mask else None
         sinks = extras.pop(0) if options.has_sinks else None
         return reference_attention(
-            q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size
+            q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
         )
 
     argnums = list(argnums)
