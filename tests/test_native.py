@@ -80,7 +80,7 @@ def imports_of(module: Path) -> tuple[set[str], list[int]]:
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             if isinstance(node, ast.ImportFrom) and node.module == "mlx_attn":
                 names = [f"mlx_attn.{a.name}" for a in node.names]
-            if node.col_offset > 0 and not isinstance(getattr(node, "parent", None), ast.Try):
+            if node.col_offset > 0:  # inside a function, class or try block
                 nested.append(node.lineno)
             top |= {n for n in names if n.startswith("mlx_attn")}
     return top, nested
