@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlx_attn.model_store import cache_dir as mlx_attn_cache_dir  # $MLX_ATTN_CACHE, the model store's
+from mlx_attn.lm.model_store import cache_dir as mlx_attn_cache_dir  # $MLX_ATTN_CACHE, the model store's
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
