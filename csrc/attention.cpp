@@ -230,9 +230,6 @@ std::vector<mx::array> differentiate(
     const std::vector<int>& argnums,
     const AttentionOptions& options,
     mx::Stream stream) {
-  if (options.output_lse) {
-    throw std::invalid_argument("[mlx_attn] the log-sum-exp output is not differentiable");
-  }
   if (!differentiation_rule()) {
     throw std::runtime_error("[mlx_attn] import mlx_attn to differentiate the fused attention");
   }

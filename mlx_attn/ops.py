@@ -1,9 +1,15 @@
 """``mlx_attn.scaled_dot_product_attention``: validation and dispatch.
 
 The contract is exactly that of ``mx.fast.scaled_dot_product_attention``
-(MLX 0.32), plus keyword-only extensions (``window_size``, ``backend``).
-One documented difference: a query row that can see no key at all (fully
-masked) returns zeros, where MLX returns an average of the values.
+(MLX 0.32), plus keyword-only extensions (``window_size``, ``backend``,
+``return_lse``). One documented difference: a query row that can see no key
+at all (fully masked) returns zeros, where MLX returns an average of the
+values.
+
+Paths, in order of preference: the fused kernel of the stream's device
+(``"fused-cpu"``; ``"fused-metal"`` once its variant passed the first-use
+self-check, :mod:`mlx_attn.self_check`); on the GPU, ``"mlx-fast"`` for the
+problems ``mx.fast`` computes under this contract; else ``"reference"``.
 """
 
 from __future__ import annotations
@@ -13,13 +19,13 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from mlx_attn import _native
+from mlx_attn import _native, self_check
 from mlx_attn.reference import reference_attention
 
-__all__ = ["scaled_dot_product_attention", "attention_path", "Backend", "Path"]
+__all__ = ["scaled_dot_product_attention", "attention_path", "metal_kernel_runner", "Backend", "Path"]
 
 Backend = Literal["auto", "fused", "reference"]
-Path = Literal["fused-cpu", "fused-metal", "reference"]
+Path = Literal["fused-cpu", "fused-metal", "mlx-fast", "reference"]
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -66,7 +72,7 @@ def _as_scale(scale) -> float:
     return value
 
 
-def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream):
+def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse=False):
     """Checks everything; returns the output dtype and the scale as a float.
     Raises ValueError naming the argument."""
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -138,14 +144,16 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream):
             raise ValueError(f"window_size must be a positive integer or None, got {window_size!r}")
     if not isinstance(backend, str) or backend not in ("auto", "fused", "reference"):
         raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
     _device_type(stream)  # raises for a stream of the wrong type
     return dtype, scale
 
 
-def _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream):
+def _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse=False):
     """Validates the call; returns q, k, v in the output dtype, the scale as a
     float and the window size as an int (or None)."""
-    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
     q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
     if window_size is not None:
         window_size = min(int(window_size), _WINDOW_LIMIT)
@@ -174,20 +182,72 @@ def _kernel_inputs(mask, sinks, dtype):
     return (mask if isinstance(mask, mx.array) else None), sinks
 
 
-def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) -> str | None:
+def _describe(q, k, v, scale, mask, sinks, window_size, return_lse=False):
+    """The C++ problem description of a validated call."""
+    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
+    return _native.ext.describe_attention(
+        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks, output_lse=return_lse,
+    )
+
+
+def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream, return_lse=False) -> str | None:
     """None when the fused kernel handles this problem, else why not (the
-    support rules live in C++: the CPU kernel's and the Metal launch plan's)."""
-    ext = _native.ext
-    if ext is None:
+    support rules live in C++: the CPU kernel's and the Metal launch plan's;
+    on the GPU also the first-use self-check of the kernel variant)."""
+    if _native.ext is None:
         _native.warn_if_missing()
         return _native.MISSING_REASON
+    problem = _describe(q, k, v, scale, mask, sinks, window_size, return_lse)
     device = _device_type(stream)
+    reason = _native.ext.unsupported_reason(problem, device=device)
+    if reason is None and device == mx.gpu:
+        variant = metal_variant(problem)
+        if not self_check.trusted(variant, metal_kernel_runner(stream)):
+            reason = f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
+    return reason
+
+
+def metal_variant(problem) -> self_check.Variant:
+    """The kernel variant the Metal launch plan uses for a problem: what a
+    self-check vouches for (prefill or decode, dtype, head dim)."""
+    first_kernel = _native.ext.metal_launch_plan(problem)["dispatches"][0]["kernel"]
+    phase = "decode" if "decode" in first_kernel else "prefill"
+    return self_check.Variant(phase, problem.dtype, problem.head_dim)
+
+
+def _run_fused(q, k, v, scale, mask, sinks, window_size, stream, return_lse=False) -> list[mx.array]:
+    """The fused primitive on validated inputs: ``[out]`` or ``[out, lse]``."""
     array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
-    problem = ext.describe_attention(
+    return _native.ext.fused_attention(
         q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=array_mask, sinks=sinks,
+        mask=array_mask, sinks=sinks, output_lse=return_lse, stream=stream,
     )
-    return ext.unsupported_reason(problem, device=device)
+
+
+def metal_kernel_runner(stream=None):
+    """``run(q, k, v, *, scale, mask=None, sinks=None, window_size=None)``:
+    the fused Metal kernels themselves on ``stream`` (default: the GPU),
+    evaluated, bypassing the self-check. What the self-check and
+    ``mlx-attn doctor`` test."""
+    stream = mx.gpu if stream is None else stream
+
+    def run(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
+        q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, "fused", stream)
+        out = _run_fused(q, k, v, scale, mask, sinks, window_size, stream)[0]
+        mx.eval(out)
+        return out
+
+    return run
+
+
+def _mlx_fast_computes(q, k, mask, window_size, return_lse) -> bool:
+    """Problems ``mx.fast`` computes under this package's contract: no window
+    or log-sum-exp (it has neither) and no row that can see no key (it does
+    not return zeros for those; an array mask may hide every key of a row)."""
+    if window_size is not None or return_lse:
+        return False
+    return mask is None or (isinstance(mask, str) and q.shape[2] <= k.shape[2])
 
 
 def attention_path(
@@ -201,27 +261,33 @@ def attention_path(
     window_size: int | None = None,
     backend: Backend = "auto",
     stream=None,
+    return_lse: bool = False,
 ) -> Path:
     """Which implementation ``scaled_dot_product_attention`` uses for these
-    arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
-    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
-    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    arguments: ``"fused-cpu"``, ``"fused-metal"``, ``"mlx-fast"`` (GPU only)
+    or ``"reference"``."""
+    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
+    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
 
 
-def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream) -> Path:
+def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse=False) -> Path:
     if backend == "reference":
         return "reference"
-    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream)
+    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream, return_lse)
+    on_gpu = _device_type(stream) == mx.gpu
     if reason is None:
-        return "fused-metal" if _device_type(stream) == mx.gpu else "fused-cpu"
+        return "fused-metal" if on_gpu else "fused-cpu"
     if backend == "fused":
         raise ValueError(f"backend='fused' is not possible here: {reason}")
+    if on_gpu and _mlx_fast_computes(q, k, mask, window_size, return_lse):
+        return "mlx-fast"
     return "reference"
 
 
 def _reference_derivative(mode, primals, vectors, argnums, options, stream):
     """The fused primitive's vjp / jvp (registered with _ext): those of the
-    reference path on the same inputs and stream. Bool masks are constants."""
+    reference path on the same inputs and stream, for every output (the
+    log-sum-exp too when the call returns it). Bool masks are constants."""
     # causal is a window of every earlier key: one route for both
     window_size = options.window_size or (_WINDOW_LIMIT if options.causal else None)
 
@@ -229,9 +295,11 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
         q, k, v, *extras = arrays
         mask = extras.pop(0) if options.has_mask else None
         sinks = extras.pop(0) if options.has_sinks else None
-        return reference_attention(
-            q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
+        outputs = reference_attention(
+            q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream,
+            return_lse=options.output_lse,
         )
+        return list(outputs) if options.output_lse else [outputs]
 
     argnums = list(argnums)
     active = [i for i in argnums if primals[i].dtype != mx.bool_]
@@ -244,12 +312,12 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
 
     chosen = [primals[i] for i in active]
     if mode == "vjp":
-        _, grads = mx.vjp(of_active, chosen, [vectors[0]])
+        _, grads = mx.vjp(of_active, chosen, list(vectors))
         by_index = dict(zip(active, grads))
         return [by_index.get(i, mx.zeros_like(primals[i])) for i in argnums]
     tangents = [t for i, t in zip(argnums, vectors) if primals[i].dtype != mx.bool_]
     if not chosen:
-        return [mx.zeros_like(attend(list(primals)))]
+        return [mx.zeros_like(out) for out in attend(list(primals))]
     _, out_tangents = mx.jvp(of_active, chosen, tangents)
     return out_tangents
 
@@ -269,7 +337,8 @@ def scaled_dot_product_attention(
     stream: mx.Stream | mx.Device | None = None,
     window_size: int | None = None,
     backend: Backend = "auto",
-) -> mx.array:
+    return_lse: bool = False,
+) -> mx.array | tuple[mx.array, mx.array]:
     """Scaled dot-product attention, a drop-in for ``mx.fast.scaled_dot_product_attention``.
 
     Args:
@@ -290,32 +359,31 @@ def scaled_dot_product_attention(
         stream: stream or device to run on.
         window_size: sliding-window attention: each query sees at most this
             many most recent keys (itself included); implies causal.
-        backend: ``"auto"`` (fused when supported, else reference),
-            ``"fused"`` (error if unsupported) or ``"reference"``. See
-            :func:`attention_path`.
+        backend: ``"auto"`` (the fused kernel when it supports the problem;
+            on the GPU then ``mx.fast`` where it computes the same, else the
+            reference path), ``"fused"`` (error if the fused kernel cannot
+            run it) or ``"reference"``. See :func:`attention_path`.
+        return_lse: also return the row log-sum-exp: float32 ``[B, Hq, Tq]``,
+            the natural log of each row's softmax denominator (sinks
+            included; ``-inf`` for a row that sees no key). Partial results
+            over disjoint key sets merge exactly through it.
 
     Returns:
-        ``[B, Hq, Tq, Dv]`` in the promoted input dtype. Softmax and
-        accumulation run in float32. Rows that see no key are zeros.
+        ``[B, Hq, Tq, Dv]`` in the promoted input dtype (and the
+        log-sum-exp with ``return_lse``). Softmax and accumulation run in
+        float32. Rows that see no key are zeros.
 
     Raises:
         ValueError: naming the offending argument, shape or dtype.
     """
-    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
-    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
+    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
     if path == "reference":
         return reference_attention(
-            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
+            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream,
+            return_lse=return_lse,
         )
-    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
-    return _native.ext.fused_attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=isinstance(mask, str),
-        window_size=window_size or 0,
-        mask=array_mask,
-        sinks=sinks,
-        stream=stream,
-    )[0]
+    if path == "mlx-fast":
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
+    outputs = _run_fused(q, k, v, scale, mask, sinks, window_size, stream, return_lse)
+    return (outputs[0], outputs[1]) if return_lse else outputs[0]

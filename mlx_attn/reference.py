@@ -71,6 +71,7 @@ def reference_attention(
     sinks: mx.array | None = None,
     window_size: int | None = None,
     return_weights: bool = False,
+    return_lse: bool = False,
     dropout_p: float = 0.0,
     dropout_key: mx.array | None = None,
     stream: mx.Stream | mx.Device | None = None,
@@ -79,7 +80,10 @@ def reference_attention(
 
     Same arguments as :func:`mlx_attn.scaled_dot_product_attention` (inputs
     are assumed valid). ``return_weights=True`` also returns the attention
-    weights ``[B, Hq, Tq, Tkv]`` (float32, after dropout). ``dropout_p`` drops
+    weights ``[B, Hq, Tq, Tkv]`` (float32, after dropout); ``return_lse=True``
+    also returns the row log-sum-exp ``[B, Hq, Tq]`` (float32, natural log of
+    the softmax denominator, sinks included; ``-inf`` for a row that sees no
+    key), last. ``dropout_p`` drops
     weights with that probability and rescales the rest by ``1/(1-p)``
     (training only); ``dropout_key`` makes it reproducible.
     """
@@ -90,7 +94,8 @@ def reference_attention(
         if kv_len == 0:  # no key to see: every row is fully masked
             out = mx.zeros((batch, q_heads, q_len, v.shape[-1]), dtype=out_dtype)
             weights = mx.zeros((batch, q_heads, q_len, 0), dtype=mx.float32)
-            return (out, weights) if return_weights else out
+            lse = mx.full((batch, q_heads, q_len), -mx.inf, dtype=mx.float32)
+            return _results(out, weights if return_weights else None, lse if return_lse else None)
 
         qf = _group_heads(q.astype(mx.float32), kv_heads)  # [B,Hkv,G,Tq,D]
         kf = k.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,D]
@@ -127,6 +132,9 @@ def reference_attention(
         row_sum = weights.sum(axis=-1, keepdims=True)
         if sinks is not None:
             row_sum = row_sum + mx.exp(sink_logits - row_max)
+        lse = None
+        if return_lse:  # the softmax denominator in log space: what partial results merge by
+            lse = mx.flatten(mx.where(row_sum == 0, -mx.inf, row_max + mx.log(row_sum)).squeeze(-1), 1, 2)
         # normalize (rows that see nothing get all-zero weights)
         weights = weights / mx.where(row_sum == 0, 1.0, row_sum)
 
@@ -139,7 +147,11 @@ def reference_attention(
         # aggregate
         out = weights @ vf  # [B,Hkv,G,Tq,Dv]
         out = mx.flatten(out, 1, 2).astype(out_dtype)
-        if return_weights:
-            return out, mx.flatten(weights, 1, 2)
-        return out
+        return _results(out, mx.flatten(weights, 1, 2) if return_weights else None, lse)
+
+
+def _results(out, weights, lse):
+    """``out``, then the weights and the log-sum-exp where asked for."""
+    extra = tuple(x for x in (weights, lse) if x is not None)
+    return (out, *extra) if extra else out
 

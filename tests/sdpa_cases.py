@@ -68,11 +68,12 @@ def as_float64(x) -> np.ndarray:
     return np.asarray(x, np.float64)
 
 
-def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
+def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None, return_lse=False):
     """Attention in float64 NumPy, straight from the definition (no shared
     code with mlx_attn): softmax over keys of scale * q.k (+ additive mask),
     sinks as extra logits with no value, rows that see no key give zeros.
-    q, k, v, sinks: MLX or NumPy arrays."""
+    With ``return_lse`` also the log of each row's softmax denominator
+    (``-inf`` where it is empty). q, k, v, sinks: MLX or NumPy arrays."""
     q64, k64, v64 = (as_float64(x) for x in (q, k, v))
     b, hq, tq, _ = q64.shape
     hkv, tkv = k64.shape[1], k64.shape[2]
@@ -107,4 +108,9 @@ def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
         total = total + np.exp(s - shift)
     seen = visible.any(axis=-1, keepdims=True)
     out = np.einsum("bhqk,bhkd->bhqd", weights / np.where(total > 0, total, 1.0), v64)
-    return np.where(seen, out, 0.0)
+    out = np.where(seen, out, 0.0)
+    if not return_lse:
+        return out
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, np.log(total) + shift, -np.inf)[..., 0]
+    return out, lse

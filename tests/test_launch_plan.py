@@ -158,14 +158,28 @@ def test_metal_support_reason_on_this_build():
 
 
 @pytest.mark.parametrize("d", [72, 64])
-def test_gpu_dispatch_falls_back_to_the_reference_path_with_the_reason(d):
+def test_gpu_dispatch_falls_back_with_the_reason(d):
     """ops asks the launch plan (through _ext) on a GPU stream: an
-    unsupported head dim, or a build without Metal, takes the reference path,
-    and backend='fused' names the reason."""
+    unsupported head dim, or a build without Metal, takes mx.fast where it
+    computes the same (no window, no log-sum-exp, no row that may see no key),
+    else the reference path; backend='fused' names the reason."""
     q = mx.zeros((1, 2, 4, d))
-    path = mlx_attn.attention_path(q, q, q, stream=mx.gpu)
     supported = _ext.has_metal() and d in (64, 80, 96, 128, 256)
-    assert path == ("fused-metal" if supported else "reference")
+    fallback = {
+        "plain": (dict(), "mlx-fast"),
+        "causal": (dict(mask="causal"), "mlx-fast"),
+        "window": (dict(mask="causal", window_size=2), "reference"),
+        "bool mask": (dict(mask=mx.ones((4, 4), dtype=mx.bool_)), "reference"),
+        "lse": (dict(return_lse=True), "reference"),
+    }
+    for name, (kwargs, expected) in fallback.items():
+        path = mlx_attn.attention_path(q, q, q, stream=mx.gpu, **kwargs)
+        if supported and name != "lse":
+            assert path == "fused-metal", name
+        elif not supported:
+            assert path == expected, name
+    causal_cross = mlx_attn.attention_path(q, q[:, :, :2], q[:, :, :2], mask="causal", stream=mx.gpu)
+    assert causal_cross == ("fused-metal" if supported else "reference")  # Tq > Tkv: rows that see nothing
     if not supported:
         reason = "head dims 64, 80, 96, 128 and 256" if _ext.has_metal() else "no Metal kernels"
         with pytest.raises(ValueError, match=reason):

@@ -3,6 +3,7 @@
     mlx-attn generate "The capital of France is"
     mlx-attn generate --chat "Write a haiku about attention." --temp 0.7 --seed 1
     mlx-attn generate --backend reference "..."      # compare attention paths
+    mlx-attn doctor > report.md                       # what this machine runs, checked
 
 A user mistake (bad option, damaged model file, broken chat template) ends
 with exit code 2 and one line on stderr, never a traceback.
@@ -15,6 +16,8 @@ import sys
 
 import mlx.core as mx
 
+from mlx_attn.doctor import run_doctor
+from mlx_attn.self_check import Variant
 from mlx_attn.lm.generate import GenerationConfig, GenerationStats, stream_generate
 from mlx_attn.lm.loading import load_model
 from mlx_attn.lm.validate import require_utf8
@@ -93,7 +96,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["default", "cpu"], default="default")
     gen.add_argument("--quiet", action="store_true", help="no statistics line")
     gen.set_defaults(run=_generate)
+
+    doctor = commands.add_parser(
+        "doctor", help="check every kernel against the reference path and print a Markdown report",
+        description="Checks the fused kernels this machine runs (CPU; Metal on a Mac) against the "
+                    "reference path on a grid of shapes, times them next to mx.fast, and prints a "
+                    "Markdown report for bug reports. Exits 1 on any mismatch.")
+    doctor.add_argument("--quick", action="store_true",
+                        help="Metal: only float16 at head dims 64 and 128; smaller timings")
+    doctor.add_argument("--no-timings", action="store_true", help="skip the timing table")
+    doctor.add_argument("--output", default=None, help="also write the report to this file")
+    doctor.set_defaults(run=_doctor)
     return parser
+
+
+def _doctor(args) -> int:
+    variants = None
+    if args.quick:
+        variants = [Variant(phase, "float16", d) for phase in ("prefill", "decode") for d in (64, 128)]
+    report = run_doctor(
+        variants=variants, timings=not args.no_timings, lengths=(256,) if args.quick else (256, 1024)
+    )
+    print(report.markdown)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(report.markdown)
+    return 0 if report.ok else 1
 
 
 def _one_line(error: BaseException) -> str:
