@@ -1,7 +1,8 @@
 """MLX's own Metal attention kernels, run in the MSL emulator.
 
 The kernels come from MLX's macOS wheel (``mlx-metal``, fetched once with
-``pip download`` into ``$MLX_ATTN_CACHE`` or ``~/.cache/mlx_attn``): the
+``pip download`` into the cache the Mac host check shares,
+``$MLX_ATTN_CACHE/mac-host`` or ``~/.cache/mlx_attn/mac-host``): the
 headers ``steel_attention.h`` (prefill) and ``sdpa_vector.h`` (decode, one
 and two passes). Nothing of MLX is kept in this repository: the
 instantiation sources are generated here, and the launchers below follow
@@ -15,18 +16,14 @@ Arrays are NumPy ``[B, H, T, D]``: float32, float16, or bfloat16 as its
 from __future__ import annotations
 
 import os
-import shutil
 import struct
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 import msl_emulator as me
+from mac_host import check_mac_host
 
 MLX_METAL_VERSION = "0.32.4"
 KERNELS = "mlx/include/mlx/backend/metal/kernels"
@@ -41,36 +38,11 @@ PREFILL_HEAD_DIMS = (64, 72, 80, 96, 128)
 DECODE_HEAD_DIMS = (64, 96, 128)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLX_ATTN_CACHE", Path.home() / ".cache" / "mlx_attn")) / "mlx-metal-kernels"
-
-
 def kernel_headers() -> Path:
-    """The include root holding MLX's kernel headers (extracted once from the
-    wheel; safe when several processes get there at once)."""
-    root = cache_dir() / MLX_METAL_VERSION
-    if not (root / ".extracted").exists():
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        wheels = sorted(cache_dir().glob(f"mlx_metal-{MLX_METAL_VERSION}-*.whl"))
-        if not wheels:
-            with tempfile.TemporaryDirectory(dir=cache_dir()) as download:
-                command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                           "--platform", "macosx_14_0_arm64", f"mlx-metal=={MLX_METAL_VERSION}", "-d", download]
-                result = subprocess.run(command, capture_output=True, text=True)
-                fetched = sorted(Path(download).glob("*.whl"))
-                if result.returncode != 0 or not fetched:
-                    raise RuntimeError(f"could not download mlx-metal=={MLX_METAL_VERSION}:\n{result.stderr[-2000:]}")
-                fetched[0].replace(cache_dir() / fetched[0].name)
-            wheels = sorted(cache_dir().glob(f"mlx_metal-{MLX_METAL_VERSION}-*.whl"))
-        partial = Path(tempfile.mkdtemp(dir=cache_dir()))
-        with zipfile.ZipFile(wheels[0]) as archive:
-            archive.extractall(partial, [m for m in archive.namelist() if m.startswith(KERNELS + "/") and m.endswith(".h")])
-        (partial / ".extracted").write_text(wheels[0].name + "\n")
-        try:
-            partial.rename(root)
-        except OSError:  # another process finished first
-            shutil.rmtree(partial)
-    return root / "mlx" / "include"
+    """The include root holding MLX's kernel headers: the macOS wheel the Mac
+    host check uses too, fetched and unpacked once into the shared cache."""
+    wheel = check_mac_host.wheel("mlx-metal", MLX_METAL_VERSION, "macosx_14_0_arm64")
+    return check_mac_host.unpacked(wheel, (KERNELS + "/",)) / "mlx" / "include"
 
 
 # ---------------------------------------------------------------- instantiation
