@@ -116,7 +116,7 @@ def config_from_hf(config_json: dict) -> LlamaConfig:
     if config_json.get("hidden_act", "silu") != "silu":
         raise FieldError("hidden_act", f"{config_json['hidden_act']!r} is not supported (only 'silu')")
     fields = LlamaConfig.__dataclass_fields__
-    values = {k: v for k, v in config_json.items() if k in fields and k != "rope_traditional"}
+    values = {k: v for k, v in config_json.items() if k in fields}  # rope_traditional: as mlx-lm's llama
     if "num_attention_heads" in values:
         values.setdefault("num_key_value_heads", values["num_attention_heads"])  # plain multi-head attention
     missing = [f for f, spec in fields.items() if spec.default is dataclasses.MISSING and f not in values]
