@@ -4,11 +4,16 @@ default) and serial decoding (``pipelined=False``: each step is built only
 after the previous token is read), and mlx-lm on the same weights when it is
 importable.
 
-For each context length the prompt is prefilled into the KV cache, then
---decode tokens are generated greedily. The paths run alternately, --repeats
-times, and the median of each is reported: prompt and generation tokens/s,
-peak memory, and the ratios (same run). mlx-lm loads the same weights from a
-directory written by ``mlx_attn.lm.convert`` (GGUF -> mlx-lm layout).
+For each context length all but the last prompt token are prefilled once
+(fused path; prefill on this CPU runs at ~10 tokens/s, so one 4096-token
+prefill per path would take an hour) and every path decodes --decode tokens
+greedily from its own copy of that cache, feeding the last prompt token
+first. The paths run alternately, --repeats times, and the median of each is
+reported: generation tokens/s, peak memory and the ratios (same run); the
+prompt tokens/s column is the shared prefill's. --full-prefill prefills per
+run instead. mlx-lm loads the same weights from a directory written by
+``mlx_attn.lm.convert`` (GGUF -> mlx-lm layout) and decodes from an mlx-lm
+KVCache holding the same keys and values.
 
     python benchmarks/bench_generate.py                    # contexts 128, 1024, 4096
     python benchmarks/bench_generate.py --quick            # smoke run
@@ -21,10 +26,12 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_attn.cache import KVCache
 from mlx_attn.lm import load_model
 from mlx_attn.lm.convert import save_mlx_directory
 from mlx_attn.lm.generate import DEFAULT_PREFILL_CHUNK, GenerationConfig, stream_generate
@@ -51,12 +58,36 @@ def _result(last) -> dict:
             "peak_memory_gb": last.peak_memory, "generated": last.generation_tokens}
 
 
-def run(model, tokenizer, prompt, decode, prefill_chunk, pipelined=True) -> dict:
+def run(model, tokenizer, prompt, decode, prefill_chunk, pipelined=True, cache=None) -> dict:
     config = GenerationConfig(max_tokens=decode, stop_at_eos=False, prefill_chunk=prefill_chunk, pipelined=pipelined)
     last = None
-    for last in stream_generate(model, tokenizer, prompt, config):
+    for last in stream_generate(model, tokenizer, prompt, config, cache=cache):
         pass
     return _result(last)
+
+
+def prefill(model, prompt, prefill_chunk) -> tuple[list, float]:
+    """A fused-path cache holding ``prompt`` and the prompt tokens/s."""
+    model.set_backend("fused")
+    cache = model.make_cache()
+    start = time.perf_counter()
+    for begin in range(0, len(prompt), prefill_chunk):
+        model(mx.array([prompt[begin:begin + prefill_chunk]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache, len(prompt) / (time.perf_counter() - start)
+
+
+def _kv_cache(keys, values) -> KVCache:
+    cache = KVCache()
+    cache.state = (keys, values)
+    return cache
+
+
+def copy_state(cache, make=_kv_cache) -> list:
+    """Fresh caches (``make(keys, values)``) holding copies of ``cache``'s keys and values."""
+    copies = [make(mx.array(layer.state[0]), mx.array(layer.state[1])) for layer in cache]
+    mx.eval([[c.keys, c.values] for c in copies])
+    return copies
 
 
 def load_mlx_lm(model, tokenizer, workdir: Path):
@@ -71,10 +102,20 @@ def load_mlx_lm(model, tokenizer, workdir: Path):
     return (mlx_lm_model, mlx_lm_tokenizer, mlx_lm_stream_generate), None
 
 
-def mlx_lm_run(loaded, prompt, decode, prefill_chunk) -> dict:
+def mlx_lm_run(loaded, prompt, decode, prefill_chunk, cache=None) -> dict:
     model, tokenizer, mlx_lm_stream_generate = loaded
+    if cache is not None:
+        from mlx_lm.models.cache import KVCache as MlxLmKVCache
+
+        def make(keys, values):  # set directly: the state setter's tuple differs between mlx-lm versions
+            their = MlxLmKVCache()
+            their.keys, their.values, their.offset = keys, values, keys.shape[2]
+            return their
+
+        cache = copy_state(cache, make)
     last = None
-    for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=decode, prefill_step_size=prefill_chunk):
+    for last in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=decode, prefill_step_size=prefill_chunk,
+                                       prompt_cache=cache):
         pass
     return _result(last)
 
@@ -132,6 +173,7 @@ def main(argv=None):
                    help="instead: measure prompt tokens/s per prefill chunk size")
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--no-mlx-lm", action="store_true", help="leave mlx-lm out even if it is installed")
+    p.add_argument("--full-prefill", action="store_true", help="every run prefills its own prompt")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -156,12 +198,18 @@ def main(argv=None):
             runs = {name: [] for name in names}
             for name in names:  # warm up every path
                 _run_path(name, model, tokenizer, mlx_lm, prompt[:16], 2, args.prefill_chunk)
+            shared, prompt_tps = (None, None) if args.full_prefill else prefill(model, prompt[:-1],
+                                                                               args.prefill_chunk)
+            decoded = prompt if args.full_prefill else prompt[-1:]
             for repeat in range(args.repeats):
                 order = names[repeat % len(names):] + names[:repeat % len(names)]  # alternate who goes first
                 for name in order:
-                    runs[name].append(_run_path(name, model, tokenizer, mlx_lm, prompt, args.decode,
-                                                args.prefill_chunk))
+                    runs[name].append(_run_path(name, model, tokenizer, mlx_lm, decoded, args.decode,
+                                                args.prefill_chunk, shared))
             row = {"context": context, **{name: median_result(runs[name]) for name in names}}
+            if shared is not None:
+                for name in names:
+                    row[name]["prompt_tps"] = prompt_tps
             for name in names:
                 r = row[name]
                 print(f"| {context} | {name} | {r['prompt_tps']:.1f} | {r['generation_tps']:.1f} | "
@@ -184,12 +232,13 @@ def main(argv=None):
     return rows
 
 
-def _run_path(name, model, tokenizer, mlx_lm, prompt, decode, prefill_chunk) -> dict:
+def _run_path(name, model, tokenizer, mlx_lm, prompt, decode, prefill_chunk, shared=None) -> dict:
     if name == MLX_LM:
-        return mlx_lm_run(mlx_lm, prompt, decode, prefill_chunk)
+        return mlx_lm_run(mlx_lm, prompt, decode, prefill_chunk, shared)
     backend, pipelined = PATHS[name]
     model.set_backend(backend)
-    return run(model, tokenizer, prompt, decode, prefill_chunk, pipelined)
+    return run(model, tokenizer, prompt, decode, prefill_chunk, pipelined,
+               copy_state(shared) if shared is not None else None)
 
 
 if __name__ == "__main__":

@@ -500,3 +500,14 @@ def test_mutated_headers_give_value_errors_never_crashes(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "other exceptions: []" in result.stdout, result.stdout[-2000:]
     assert int(result.stdout.split("refused:")[1]) > FUZZ_CASES // 2  # the mutations do damage
+
+
+def test_mlx_lm_loads_the_converted_directory_and_generates_the_same_tokens(tmp_path):
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is an optional comparison, not a dependency")
+    model, tokenizer = smollm2()
+    out = convert(None, tmp_path / "mlx")
+    theirs, their_tokenizer = mlx_lm.load(str(out))
+    ids = tokenizer.encode("The capital of France is")
+    assert their_tokenizer.encode("The capital of France is") == ids
+    their_tokens = [r.token for r in mlx_lm.stream_generate(theirs, their_tokenizer, ids, max_tokens=8)]
+    assert their_tokens == list(generate_tokens(model, ids, GenerationConfig(max_tokens=8)))
