@@ -2,6 +2,7 @@
 that must end with exit code 2 and one readable line on stderr, never a
 traceback."""
 
+import os
 import re
 import subprocess
 import sys
@@ -119,6 +120,10 @@ def test_prompt_cache_mistakes(capsys, tmp_path):
     capsys.readouterr()
     assert_one_line_error(capsys, ["generate", "--model", other, "--prompt-cache-file", cache_file, "x"],
                           "was made with --model")
+    relative = os.path.relpath(model)  # the same model named another way is the same model
+    assert cli_main(["generate", "--model", relative, "--prompt-cache-file", cache_file, "x", "-m", "2",
+                     "--quiet"]) == 0
+    capsys.readouterr()
     assert_one_line_error(capsys, ["generate", "--prompt-cache-file", str(tmp_path / "none.safetensors"), "x"],
                           "no cache file")
     foreign = tmp_path / "foreign.safetensors"

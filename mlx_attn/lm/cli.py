@@ -22,8 +22,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_attn.cache import load_cache, save_cache
-from mlx_attn.lm.generate import DEFAULT_PREFILL_CHUNK, GenerationConfig, format_statistics, stream_generate
+from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, GenerationConfig, format_statistics,
+                                  stream_generate)
 from mlx_attn.lm.loading import load_model
+from mlx_attn.lm.model_store import DEFAULT_DECODER
 from mlx_attn.lm.validate import require_utf8
 
 __all__ = ["main", "build_parser"]
@@ -153,6 +155,13 @@ def _load(args, model_name):
 
 
 # ---------------------------------------------------------------- prompt caches
+def _model_identity(model) -> str:
+    """How a prompt cache names its model: an absolute path, or a registered name."""
+    if model is None:
+        return DEFAULT_DECODER
+    return str(Path(model).resolve()) if Path(str(model)).exists() else str(model)
+
+
 def _check_cache_fits(file, caches, model) -> None:
     config = model.config
     keys = caches[0].state[0] if caches else None
@@ -170,7 +179,7 @@ def _read_prompt_cache(args):
     if missing:
         raise ValueError(f"{args.prompt_cache_file} was not made by 'mlx-attn cache-prompt' (no {missing[0]})")
     made_with = meta[CACHE_META_MODEL]
-    if args.model is not None and str(args.model) != made_with:
+    if args.model is not None and _model_identity(args.model) != made_with:
         raise ValueError(f"{args.prompt_cache_file} was made with --model {made_with}, not {args.model}")
     try:
         ids = json.loads(meta[CACHE_META_IDS])
@@ -178,7 +187,7 @@ def _read_prompt_cache(args):
         raise ValueError(f"{args.prompt_cache_file}: {CACHE_META_IDS} is not JSON: {error}") from None
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or len(ids) != caches[0].offset:
         raise ValueError(f"{args.prompt_cache_file}: {CACHE_META_IDS} does not describe the cached tokens")
-    return caches, meta[CACHE_META_PROMPT], ids, (None if made_with == "None" else made_with)
+    return caches, meta[CACHE_META_PROMPT], ids, made_with
 
 
 def _reuse_cache(caches, cached_ids: list[int], ids: list[int]) -> list[int]:
@@ -241,8 +250,6 @@ def _generate(args) -> int:
 def _cache_prompt(args) -> int:
     prompt = _prompt_text(args)
     config = GenerationConfig(max_tokens=0, prefill_chunk=args.prefill_step_size, max_kv_size=args.max_kv_size)
-    if args.model is not None and Path(str(args.model)).exists():
-        args.model = str(Path(args.model).resolve())  # the cache names its model for later runs
     model, tokenizer = _load(args, args.model)
     templated = _uses_template(args, tokenizer)
     ids = _render(args, tokenizer, prompt, templated, add_generation_prompt=False)
@@ -251,10 +258,10 @@ def _cache_prompt(args) -> int:
     for begin in range(0, len(ids), config.prefill_chunk):
         model(tokens[:, begin:begin + config.prefill_chunk], cache=cache)
         mx.eval([c.state for c in cache])
-    save_cache(args.prompt_cache_file, cache, {CACHE_META_MODEL: str(args.model), CACHE_META_PROMPT: prompt,
-                                               CACHE_META_IDS: json.dumps(ids)})
+    meta = {CACHE_META_MODEL: _model_identity(args.model), CACHE_META_PROMPT: prompt, CACHE_META_IDS: json.dumps(ids)}
+    save_cache(args.prompt_cache_file, cache, meta)
     print(f"cached {len(ids)} prompt tokens in {args.prompt_cache_file}; peak memory: "
-          f"{mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
+          f"{mx.get_peak_memory() / BYTES_PER_GB:.3f} GB", file=sys.stderr)
     return 0
 
 
