@@ -162,20 +162,18 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
         end = min(begin + config.prefill_chunk, len(prompt) - 1)
         model(tokens[:, begin:end], cache=cache)
         mx.eval([c.state for c in cache])
-    token, logprobs = step(tokens[:, -1:])
-    mx.async_eval(token, logprobs) if logprobs is not None else mx.async_eval(token)
-
-    def queue_next():
-        queued = step(token.reshape(1, 1))
+    def queue(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
+        queued = step(inputs)
         mx.async_eval(*(a for a in queued if a is not None))
         return queued
 
+    token, logprobs = queue(tokens[:, -1:])
     for n in range(config.max_tokens):
         more = n + 1 < config.max_tokens
-        queued = queue_next() if more and config.pipelined else None
+        queued = queue(token.reshape(1, 1)) if more and config.pipelined else None
         yield int(token.item()), logprobs
         if more and not config.pipelined:
-            queued = queue_next()
+            queued = queue(token.reshape(1, 1))
         if queued is not None:
             token, logprobs = queued
 
