@@ -28,7 +28,8 @@ from mlx_attn.lm.validate import require_bool, require_int
 __all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
            "generate", "format_statistics", "DEFAULT_PREFILL_CHUNK"]
 
-# prompt tokens per prefill step; measured on SmolLM2-135M (benchmarks/bench_generate.py --prefill-chunks)
+# prompt tokens per prefill step: mlx-lm's prefill_step_size (compare sizes with
+# benchmarks/bench_generate.py --prefill-chunks; results never depend on it)
 DEFAULT_PREFILL_CHUNK = 2048
 BYTES_PER_GB = 1e9  # mlx-lm reports peak memory in decimal gigabytes
 
