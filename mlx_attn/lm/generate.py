@@ -163,6 +163,7 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
         end = min(begin + config.prefill_chunk, len(prompt) - 1)
         model(tokens[:, begin:end], cache=cache)
         mx.eval([c.state for c in cache])
+
     def queue(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         queued = step(inputs)
         mx.async_eval(*(a for a in queued if a is not None))
