@@ -1,8 +1,8 @@
 """Generate text with SmolLM2-135M-Instruct whose attention runs through mlx_attn.
 
-    python examples/generate.py "The capital of France is"
-    python examples/generate.py --backend reference "The capital of France is"
-    python examples/generate.py --chat --temp 0.7 --seed 0 "Tell me a joke."
+    python examples/generate.py --prompt "What is the capital of France?"
+    python examples/generate.py --backend reference --ignore-chat-template "The capital of France is"
+    python examples/generate.py --temp 0.7 --seed 0 --verbose --prompt "Tell me a joke."
 
 Same options as `mlx-attn generate` (see `mlx-attn generate --help`).
 """

@@ -22,6 +22,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from mlx_attn.lm import load_model, load_sentence_encoder
 from mlx_attn.lm.models.llama import Llama, LlamaConfig
+from mlx_attn.lm.tokenizer import Tokenizer
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,6 +87,12 @@ def tiny_hf_tokenizer() -> HFTokenizer:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(SPECIAL_TOKENS)
     return backend
+
+
+def tiny_tokenizer(eos_token_ids=(2,)) -> Tokenizer:
+    """The tiny tokenizer (263 tokens) as mlx_attn's Tokenizer, for random_llama."""
+    return Tokenizer(tiny_hf_tokenizer(), bos_token_id=None, eos_token_ids=eos_token_ids, add_bos=False,
+                     chat_template=CHAT_TEMPLATE)
 
 
 # ---------------------------------------------------------------- GGUF writer

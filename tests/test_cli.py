@@ -2,22 +2,152 @@
 that must end with exit code 2 and one readable line on stderr, never a
 traceback."""
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from mlx_attn.cache import KVCache, save_cache
 from mlx_attn.lm import model_store
 from mlx_attn.lm.cli import main as cli_main
-from model_fixtures import write_llama_gguf
+from model_fixtures import random_llama, smollm2, tiny_vocabulary, write_llama_gguf
 
 
 def test_cli_generates_and_reports(capsys):
-    assert cli_main(["generate", "The capital of France is", "--max-tokens", "4", "--backend", "fused"]) == 0
+    assert cli_main(["generate", "The capital of France is", "--max-tokens", "4", "--backend", "fused",
+                     "--ignore-chat-template"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("The capital of France is Paris")
-    assert "[fused attention]" in captured.err and "tokens/s" in captured.err and "peak memory" in captured.err
+    assert "[fused attention] Prompt: " in captured.err and "tokens-per-sec" in captured.err
+    assert re.search(r"Peak memory: \d+\.\d{3} GB$", captured.err.strip())
     assert cli_main(["generate", "--chat", "Hi", "--max-tokens", "2", "--quiet"]) == 0
+
+
+def test_prompt_flag_and_positional_prompt_are_the_same(capsys):
+    outputs = []
+    for argv in (["--prompt", "The capital of France is"], ["-p", "The capital of France is"],
+                 ["The capital of France is"]):
+        assert cli_main(["generate", *argv, "-m", "3", "--quiet"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2] and outputs[0].strip()
+
+
+def test_chat_template_applies_by_default_for_instruct_models(capsys):
+    runs = {}
+    for name, flags in (("default", []), ("chat", ["--chat"]), ("plain", ["--ignore-chat-template"])):
+        assert cli_main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8",
+                         *flags]) == 0
+        runs[name] = capsys.readouterr()
+    _, tokenizer = smollm2()
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    templated = len(tokenizer.encode(tokenizer.apply_chat_template(question), add_special_tokens=False))
+    plain = len(tokenizer.encode("What is the capital of France?"))
+    assert templated > plain
+    assert runs["default"].out == runs["chat"].out
+    assert f"Prompt: {templated} tokens" in runs["default"].err
+    assert runs["plain"].out.startswith("What is the capital of France?")  # a plain prompt is echoed
+    assert f"Prompt: {plain} tokens" in runs["plain"].err
+    assert cli_main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8",
+                     "--system-prompt", "Answer in French."]) == 0
+    assert f"Prompt: {templated} tokens" not in capsys.readouterr().err  # the system message is in the prompt
+
+
+def test_verbose_prints_as_mlx_lm(capsys):
+    assert cli_main(["generate", "--prompt", "Hi", "--max-tokens", "3", "--verbose"]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert lines[0] == "==========" and lines[-4] == "=========="
+    assert lines[-3].startswith("Prompt: ") and lines[-2].startswith("Generation: 3 tokens, ")
+    assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", lines[-1])
+    assert cli_main(["generate", "--prompt", "Hi", "--max-tokens", "3", "--verbose", "False", "--quiet"]) == 0
+    assert "==========" not in capsys.readouterr().out
+
+
+def test_extra_eos_token_ends_generation(capsys):
+    base = ["generate", "--prompt", "The capital of France is", "--ignore-chat-template", "--max-tokens", "6",
+            "--quiet"]
+    assert cli_main(base) == 0
+    assert capsys.readouterr().out.startswith("The capital of France is Paris.")
+    assert cli_main([*base, "--extra-eos-token", "."]) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris\n"
+
+
+def test_max_kv_size_and_prefill_step_size(capsys):
+    outputs = []
+    for flags in (["--prefill-step-size", "4"], ["--prefill-chunk", "4"], ["--max-kv-size", "64"], []):
+        assert cli_main(["generate", "--prompt", "Tell me about Paris.", "-m", "6", "--quiet", *flags]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert len(set(outputs)) == 1  # neither changes greedy output (the window holds everything)
+    assert cli_main(["generate", "--prompt", "Tell me about Paris.", "-m", "20", "--quiet",
+                     "--max-kv-size", "16"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def tiny_gguf(path):
+    """A tiny GGUF whose embedding has exactly the tokenizer's rows, so
+    every generated id decodes."""
+    vocab = len(tiny_vocabulary()[0])
+    return str(write_llama_gguf(path, model=random_llama(rope_traditional=True, vocab_size=vocab),
+                                llama__vocab_size=vocab))
+
+
+def test_prompt_cache_file_gives_the_same_output_as_the_whole_prompt(capsys, tmp_path):
+    model = tiny_gguf(tmp_path / "tiny.gguf")
+    cache_file = str(tmp_path / "prefix.safetensors")
+    prefix, rest = "the then in the ", "then in"
+    for flags in ([], ["--ignore-chat-template"]):
+        assert cli_main(["cache-prompt", "--model", model, "--prompt", prefix, "--prompt-cache-file", cache_file,
+                         *flags]) == 0
+        assert "cached" in capsys.readouterr().err
+        assert cli_main(["generate", "--model", model, "--prompt", prefix + rest, "-m", "6", "--quiet",
+                         *flags]) == 0
+        whole = capsys.readouterr().out
+        assert cli_main(["generate", "--prompt-cache-file", cache_file, "--prompt", rest, "-m", "6",
+                         *flags]) == 0  # the model is the one the cache names
+        cached = capsys.readouterr()
+        assert whole.endswith(cached.out) and cached.out.strip()
+        assert "Prompt: " in cached.err
+        Path(cache_file).unlink()
+
+
+def test_prompt_cache_mistakes(capsys, tmp_path):
+    model = tiny_gguf(tmp_path / "tiny.gguf")
+    other = tiny_gguf(tmp_path / "other.gguf")
+    cache_file = str(tmp_path / "c.safetensors")
+    assert cli_main(["cache-prompt", "--model", model, "--prompt", "the", "--prompt-cache-file", cache_file]) == 0
+    capsys.readouterr()
+    assert_one_line_error(capsys, ["generate", "--model", other, "--prompt-cache-file", cache_file, "x"],
+                          "was made with --model")
+    relative = os.path.relpath(model)  # the same model named another way is the same model
+    assert cli_main(["generate", "--model", relative, "--prompt-cache-file", cache_file, "x", "-m", "2",
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    assert_one_line_error(capsys, ["generate", "--prompt-cache-file", str(tmp_path / "none.safetensors"), "x"],
+                          "no cache file")
+    foreign = tmp_path / "foreign.safetensors"
+    save_cache(str(foreign), [KVCache()])
+    assert_one_line_error(capsys, ["generate", "--prompt-cache-file", str(foreign), "x"],
+                          "was not made by 'mlx-attn cache-prompt'")
+
+
+def test_a_hub_name_says_there_is_no_hub(capsys):
+    assert_one_line_error(capsys, ["generate", "--model", "mlx-community/SmolLM2-135M-Instruct-8bit", "x"],
+                          "looks like a Hugging Face Hub name")
+
+
+def test_convert_writes_a_directory_the_usual_mlx_lm_command_runs(capsys, tmp_path):
+    model = tiny_gguf(tmp_path / "tiny.gguf")
+    assert cli_main(["convert", "--model", model, "--mlx-path", str(tmp_path / "mlx")]) == 0
+    capsys.readouterr()
+    outputs = []
+    for source in (model, str(tmp_path / "mlx")):
+        assert cli_main(["generate", "--model", source, "--prompt", "the then", "--max-tokens", "5"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+    assert_one_line_error(capsys, ["convert", "--model", model, "--mlx-path", str(tmp_path / "mlx")],
+                          "already exists and is not an empty directory")
 
 
 def test_cli_reports_bad_model_paths(capsys, tmp_path):
@@ -54,21 +184,27 @@ def assert_one_line_error(capsys, argv, message):
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--max-tokens", "-5"], "max_tokens must be >= 0, got -5"),
     (["--prefill-chunk", "0"], "prefill_chunk must be >= 1"),
-    (["--max-tokens", "abc"], "argument --max-tokens: invalid int value: 'abc'"),
+    (["--prefill-step-size", "-1"], "prefill_chunk must be >= 1"),
+    (["--max-kv-size", "2"], "max_kv_size must be >= 5"),
+    (["--verbose", "maybe"], "argument --verbose: expected True or False"),
+    (["--prompt", "Hi"], "either positionally or with --prompt"),
+    (["--chat", "--ignore-chat-template"], "contradict each other"),
+    (["--extra-eos-token", "<|no-such-token|>"], "end token '<|no-such-token|>' is not in the vocabulary"),
+    (["--ignore-chat-template", "--system-prompt", "Be brief."], "--system-prompt needs the model's chat template"),
+    (["--max-tokens", "abc"], "argument --max-tokens/-m: invalid int value: 'abc'"),
     (["--seed", "1.5"], "argument --seed: invalid int value"),
     (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--model", ""], "empty string"),
     (["--model", "no-such-model"], "'no-such-model' not found"),
-    (["--system", "caf\udce9", "--chat"], "--system is not valid UTF-8"),
+    (["--system", "caf\udce9", "--chat"], "--system-prompt is not valid UTF-8"),
 ])
 def test_option_mistakes(capsys, options, message):
     captured = assert_one_line_error(capsys, ["generate", "Hello", *options], message)
     assert captured.out == ""  # nothing generated, not even the prompt echoed
 
 
-def test_missing_prompt_or_command(capsys):
-    assert_one_line_error(capsys, ["generate"], "the following arguments are required: prompt")
+def test_missing_command(capsys):
     assert_one_line_error(capsys, [], "the following arguments are required: command")
     assert_one_line_error(capsys, ["train"], "invalid choice: 'train'")
 

@@ -1,13 +1,16 @@
 """Generation mechanics (mlx_attn.lm.generate): cached decoding, prefill
-chunks, both attention paths, stopping, seeding, and refused arguments."""
+chunks, both attention paths, pipelining, mlx-lm-shaped responses, stopping,
+seeding, and refused arguments."""
 
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from mlx_attn.lm.generate import GenerationConfig, GenerationStats, generate, generate_tokens, stream_generate
-from model_fixtures import smollm2, tiny_llama
+from mlx_attn.cache import ConcatKVCache, KVCache, RotatingKVCache
+from mlx_attn.lm.generate import GenerationConfig, generate, generate_step, generate_tokens, stream_generate
+from model_fixtures import random_llama, smollm2, tiny_llama, tiny_tokenizer
 
 
 def test_cached_generation_equals_recomputing_the_whole_sequence():
@@ -38,15 +41,12 @@ def test_fused_and_reference_paths_generate_the_same_tokens():
     assert out["fused"] == out["reference"]
 
 
-def test_stops_at_end_of_sequence_and_counts():
+def test_stops_at_end_of_sequence():
     model = tiny_llama()
     prompt = [1, 2, 3]
     free = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=8, stop_at_eos=False)))
-    stats = GenerationStats()
-    stopped = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=8), eos_token_ids={free[3]}, stats=stats))
+    stopped = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=8), eos_token_ids={free[3]}))
     assert stopped == free[: free.index(free[3])]
-    assert stats.generated_tokens == len(stopped) and stats.prompt_tokens == 3
-    assert stats.prompt_tps > 0 and stats.peak_memory_bytes > 0
     with pytest.raises(ValueError, match="at least one"):
         list(generate_tokens(model, [], GenerationConfig()))
 
@@ -89,6 +89,10 @@ def test_zero_max_tokens_generates_nothing():
     ("seed", 1.5, "seed must be an integer"),
     ("prefill_chunk", 0, "prefill_chunk must be >= 1"),
     ("stop_at_eos", "no", "stop_at_eos must be true or false"),
+    ("logprobs", 1, "logprobs must be true or false"),
+    ("pipelined", None, "pipelined must be true or false"),
+    ("max_kv_size", 4, "max_kv_size must be >= 5"),
+    ("max_kv_size", 8.0, "max_kv_size must be an integer"),
 ])
 def test_invalid_generation_config(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -139,3 +143,158 @@ def test_attention_weights_layer_is_checked():
     for layer, message in ((2, "layer must be <= 1"), (-1, "layer must be >= 0"), ("0", "must be an integer")):
         with pytest.raises(ValueError, match=message):
             model.attention_weights(tokens, layer=layer)
+
+
+# ---------------------------------------------------------------- pipelining
+class CallCounter:
+    """A model wrapper that counts forward calls."""
+
+    def __init__(self, model):
+        self.model, self.config, self.calls = model, model.config, 0
+
+    def make_cache(self, max_kv_size=None):
+        return self.model.make_cache(max_kv_size)
+
+    def __call__(self, tokens, cache=None):
+        self.calls += 1
+        return self.model(tokens, cache=cache)
+
+
+@pytest.mark.parametrize("pipelined, queued_ahead", [(True, 1), (False, 0)])
+def test_the_next_step_is_queued_before_a_token_is_handed_out(pipelined, queued_ahead):
+    counter = CallCounter(tiny_llama())
+    config = GenerationConfig(max_tokens=5, prefill_chunk=512, pipelined=pipelined)
+    for n, _ in enumerate(generate_step(counter, [1, 2, 3, 4], config)):
+        # one prefill call, one call per token up to n, and the queued one
+        last = n + 1 == config.max_tokens
+        assert counter.calls == 1 + (n + 1) + (0 if last else queued_ahead)
+    assert counter.calls == 1 + config.max_tokens
+
+
+CACHES = {"kv": lambda m: None, "rotating": lambda m: [RotatingKVCache(12, keep=4) for _ in m.layers],
+          "concat": lambda m: [ConcatKVCache() for _ in m.layers]}
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+@pytest.mark.parametrize("cache_kind", sorted(CACHES))
+def test_pipelined_and_serial_decoding_agree(backend, cache_kind):
+    model = tiny_llama(seed=2)
+    model.set_backend(backend)
+    prompt = list(range(3, 30, 2))
+    out = {}
+    for pipelined in (True, False):
+        config = GenerationConfig(max_tokens=12, temperature=0.8, top_k=20, seed=3, repetition_penalty=1.3,
+                                  repetition_context=5, prefill_chunk=4, pipelined=pipelined)
+        out[pipelined] = list(generate_tokens(model, prompt, config, cache=CACHES[cache_kind](model)))
+    assert out[True] == out[False] and len(out[True]) == 12
+
+
+def test_repetition_penalty_sees_generated_tokens():
+    model = tiny_llama(seed=5)
+    prompt = [7, 8, 9]
+    plain = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=12, stop_at_eos=False)))
+    penalized = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=12, repetition_penalty=50.0)))
+    # greedy decoding of a random model repeats itself; a heavy penalty on the
+    # last 64 tokens forbids every repeat
+    assert len(set(plain)) < len(plain)
+    assert len(set(penalized)) == len(penalized)
+
+
+def test_rotating_cache_generation_is_consistent_across_prefill_chunks():
+    model = tiny_llama(seed=1)
+    prompt = list(range(1, 40))
+    runs = [list(generate_tokens(model, prompt, GenerationConfig(max_tokens=10, max_kv_size=9, prefill_chunk=c)))
+            for c in (1, 5, 512)]
+    assert runs[0] == runs[1] == runs[2]
+    cache = model.make_cache(9)
+    list(generate_tokens(model, prompt, GenerationConfig(max_tokens=3), cache=cache))
+    assert isinstance(cache[0], RotatingKVCache) and cache[0].state[0].shape[2] <= 9
+    # a window larger than everything generated is the full cache
+    assert (list(generate_tokens(model, prompt, GenerationConfig(max_tokens=10, max_kv_size=64)))
+            == list(generate_tokens(model, prompt, GenerationConfig(max_tokens=10))))
+
+
+def test_a_prefilled_cache_continues_the_prompt():
+    model = tiny_llama(seed=3)
+    prompt = list(range(2, 26))
+    whole = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=8)))
+    cache = [KVCache() for _ in model.layers]
+    model(mx.array([prompt[:15]]), cache=cache)
+    assert list(generate_tokens(model, prompt[15:], GenerationConfig(max_tokens=8), cache=cache)) == whole
+    small = tiny_llama(max_position_embeddings=20)
+    cache = [KVCache() for _ in small.layers]
+    small(mx.array([list(range(1, 15))]), cache=cache)
+    with pytest.raises(ValueError, match=r"max_tokens \(5\) plus the prompt's 2 tokens after the 14 cached"):
+        list(generate_tokens(small, [1, 2], GenerationConfig(max_tokens=5), cache=cache))
+
+
+# ---------------------------------------------------------------- responses (mlx-lm's shape)
+def _greedy(model, prompt, n):
+    return list(generate_tokens(model, prompt, GenerationConfig(max_tokens=n, stop_at_eos=False)))
+
+
+def test_responses_when_the_length_limit_ends_generation():
+    model, tokenizer = random_llama(seed=1), tiny_tokenizer(eos_token_ids=())
+    prompt = tokenizer.encode("the then in")
+    expected = _greedy(model, prompt, 6)
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=6))
+    assert len(responses) == 6 and [r.token for r in responses] == expected
+    assert [r.generation_tokens for r in responses] == [1, 2, 3, 4, 5, 6]
+    assert [r.finish_reason for r in responses] == [None] * 5 + ["length"]
+    assert "".join(r.text for r in responses) == tokenizer.decode(expected)
+    last = responses[-1]
+    assert last.prompt_tokens == len(prompt) and last.prompt_tps > 0 and last.generation_tps > 0
+    assert 0 < last.peak_memory < 1  # GB, for a tiny model
+    assert all(r.logprobs is None for r in responses)
+
+
+def test_responses_when_an_end_token_stops_generation():
+    model = random_llama(seed=1)
+    prompt = tiny_tokenizer().encode("the then in")
+    expected = _greedy(model, prompt, 6)
+    eos = expected[3]
+    stop = expected.index(eos)
+    tokenizer = tiny_tokenizer(eos_token_ids=(eos,))
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=6))
+    # as mlx-lm: the end token is counted and reported in the final response, without text
+    assert len(responses) == stop + 1
+    final = responses[-1]
+    assert final.finish_reason == "stop" and final.token == eos and final.generation_tokens == stop + 1
+    assert [r.token for r in responses[:-1]] == expected[:stop]
+    assert "".join(r.text for r in responses) == tokenizer.decode(expected[:stop])
+    stopped_at_once = list(stream_generate(model, tiny_tokenizer(eos_token_ids=(expected[0],)), prompt))
+    assert len(stopped_at_once) == 1 and stopped_at_once[0].generation_tokens == 1
+    assert stopped_at_once[0].text == ""
+
+
+def test_zero_max_tokens_gives_one_final_response():
+    model, tokenizer = random_llama(), tiny_tokenizer()
+    (only,) = stream_generate(model, tokenizer, [5, 6], max_tokens=0)
+    assert only.token is None and only.text == "" and only.finish_reason == "length"
+    assert only.generation_tokens == 0
+
+
+def test_logprobs_on_request_are_the_log_softmax_of_the_logits():
+    model, tokenizer = random_llama(seed=2), tiny_tokenizer(eos_token_ids=())
+    prompt = [40, 41, 42, 43]
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=3, logprobs=True))
+    sequence = prompt + [r.token for r in responses]
+    logits = np.array(model(mx.array([sequence]))[0].astype(mx.float32), dtype=np.float64)
+    for i, r in enumerate(responses):
+        row = logits[len(prompt) - 1 + i]
+        expected = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert r.logprobs.shape == (300,)
+        np.testing.assert_allclose(np.array(r.logprobs), expected, atol=1e-4)
+        assert int(np.argmax(np.array(r.logprobs))) == r.token  # greedy picks the most likely
+
+
+def test_generate_verbose_prints_as_mlx_lm(capsys):
+    model, tokenizer = random_llama(seed=1), tiny_tokenizer(eos_token_ids=())
+    text = generate(model, tokenizer, "the", max_tokens=4, verbose=True)
+    lines = capsys.readouterr().out.split("\n")
+    assert lines[0] == "==========" and lines[1] == text and lines[2] == "=========="
+    assert lines[3].startswith(f"Prompt: {len(tokenizer.encode('the'))} tokens, ") and lines[3].endswith(" tokens-per-sec")
+    assert lines[4].startswith("Generation: 4 tokens, ")
+    assert lines[5].startswith("Peak memory: ") and lines[5].endswith(" GB")
+    with pytest.raises(ValueError, match="verbose must be true or false"):
+        generate(model, tokenizer, "the", verbose="yes")

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from mlx_attn.lm import model_store
+from mlx_attn.lm.convert import convert
+from mlx_attn.lm.generate import GenerationConfig, generate_tokens
 from mlx_attn.lm.loading import load_decoder, load_gguf, load_hf_directory, load_model
 from model_fixtures import (
     TINY_CONFIG,
@@ -314,6 +316,13 @@ HF_CASES = {
                                          set_tensor("model.layers.0.mlp.up_proj.weight", None)(d),
                                          set_tensor("model.layers.0.mlp.up_proj.scales", mx.zeros((96, 2)))(d)),
                               "up_proj.scales without .*up_proj.weight"),
+    "quantization_mode_unsupported": (edit_config(quantization={"group_size": 32, "bits": 4, "mode": "mxfp4"}),
+                                      "quantization.mode 'mxfp4' is not supported"),
+    "generation_config_eos_out_of_vocab": (write_file("generation_config.json", b'{"eos_token_id": [2, 9999]}'),
+                                           "eos_token_id must be <= 262"),
+    "generation_config_eos_string": (write_file("generation_config.json", b'{"eos_token_id": "2"}'),
+                                     "eos_token_id must be an integer"),
+    "generation_config_not_json": (write_file("generation_config.json", b"{"), "generation_config.json is not valid"),
     "quantized_without_settings": (set_tensor("model.norm.scales", mx.zeros((64, 2))), "no quantization settings"),
     "header_length_huge": (lambda d: (d / "model.safetensors").write_bytes(
         struct.pack("<Q", 2**62) + (d / "model.safetensors").read_bytes()[8:]), "header of 4611686018427387904 bytes"),
@@ -371,6 +380,60 @@ def test_hf_huge_layer_count_fails_fast_under_a_memory_cap(tmp_path):
 
 
 # ---------------------------------------------------------------- load_model
+def test_generation_config_end_tokens_and_affine_mode_are_honoured(tmp_path):
+    directory = save_hf_directory(random_llama(quantized=True), tmp_path / "hf", quantized=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization"]["mode"] = "affine"
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    _, tokenizer = load_hf_directory(directory)
+    assert tokenizer.eos_token_ids == {0, 2}  # tokenizer_config's <|im_end|> and both of generation_config's
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    assert load_hf_directory(directory)[1].eos_token_ids == {1, 2}
+
+
+def test_a_hub_name_is_refused_saying_there_is_no_hub():
+    with pytest.raises(FileNotFoundError, match="'mlx-community/Llama-3.2-1B-Instruct-4bit' looks like a Hugging "
+                                                "Face Hub name .* does not download from the Hugging Face Hub"):
+        load_model("mlx-community/Llama-3.2-1B-Instruct-4bit")
+
+
+# ---------------------------------------------------------------- conversion to mlx-lm's layout
+def test_convert_round_trips_the_default_quantized_gguf(tmp_path):
+    model, tokenizer = smollm2()
+    out = convert(None, tmp_path / "mlx")
+    config = json.loads((out / "config.json").read_text())
+    # mlx-lm's quantization entry: the common setting plus the layers that differ (an 8-bit embedding here)
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+    assert config["quantization"]["mode"] == "affine" and config["quantization_config"] == config["quantization"]
+    assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert config["model_type"] == "llama" and config["rope_traditional"] is True
+    names = mx.load(str(out / "model.safetensors")).keys()
+    assert "model.layers.0.self_attn.q_proj.scales" in names and "model.embed_tokens.biases" in names
+    loaded, loaded_tokenizer = load_model(out)
+    ids = tokenizer.encode("The capital of France is")
+    assert loaded_tokenizer.encode("The capital of France is") == ids
+    assert loaded_tokenizer.eos_token_ids == tokenizer.eos_token_ids
+    assert loaded_tokenizer.chat_template == tokenizer.chat_template
+    np.testing.assert_array_equal(np.array(loaded(mx.array([ids]))), np.array(model(mx.array([ids]))))
+    config = GenerationConfig(max_tokens=8, stop_at_eos=False)
+    assert list(generate_tokens(loaded, ids, config)) == list(generate_tokens(model, ids, config))
+
+
+def test_convert_round_trips_a_float_gguf_and_refuses_a_used_target(tmp_path):
+    source = write_llama_gguf(tmp_path / "tiny.gguf")
+    model, _ = load_gguf(source)
+    out = convert(source, tmp_path / "mlx")
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    loaded, _ = load_model(out)
+    tokens = mx.array([[1, 5, 9, 200, 42]])
+    np.testing.assert_array_equal(np.array(loaded(tokens)), np.array(model(tokens)))
+    with pytest.raises(ValueError, match="already exists and is not an empty directory"):
+        convert(source, out)
+    with pytest.raises(ValueError, match="already exists"):
+        convert(source, source)
+
+
 def test_load_model_names_unknown_models_and_empty_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="'no-such-model' not found.*registered name.*smollm2-135m-instruct"):
         load_model("no-such-model")
@@ -437,3 +500,14 @@ def test_mutated_headers_give_value_errors_never_crashes(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "other exceptions: []" in result.stdout, result.stdout[-2000:]
     assert int(result.stdout.split("refused:")[1]) > FUZZ_CASES // 2  # the mutations do damage
+
+
+def test_mlx_lm_loads_the_converted_directory_and_generates_the_same_tokens(tmp_path):
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is an optional comparison, not a dependency")
+    model, tokenizer = smollm2()
+    out = convert(None, tmp_path / "mlx")
+    theirs, their_tokenizer = mlx_lm.load(str(out))
+    ids = tokenizer.encode("The capital of France is")
+    assert their_tokenizer.encode("The capital of France is") == ids
+    their_tokens = [r.token for r in mlx_lm.stream_generate(theirs, their_tokenizer, ids, max_tokens=8)]
+    assert their_tokens == list(generate_tokens(model, ids, GenerationConfig(max_tokens=8)))

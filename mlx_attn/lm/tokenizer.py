@@ -45,6 +45,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def add_eos_token(self, token: str) -> None:
+        """One more token (by its text) that ends generation."""
+        require_utf8("the end token", token)
+        found = self.backend.token_to_id(token)
+        if found is None:
+            raise ValueError(f"end token {token!r} is not in the vocabulary")
+        self.eos_token_ids.add(found)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         require_utf8("text", text)
         ids = self.backend.encode(text, add_special_tokens=False).ids

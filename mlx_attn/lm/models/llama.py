@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_attn.attention import MultiHeadAttention
-from mlx_attn.cache import KVCache
+from mlx_attn.cache import KVCache, RotatingKVCache
 from mlx_attn.lm.models.base import rename_weights
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
@@ -19,6 +19,7 @@ __all__ = ["LlamaConfig", "Llama", "config_from_gguf", "config_from_hf", "saniti
            "weight_shapes"]
 
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
+ROTATING_CACHE_KEEP = 4  # first tokens a rotating cache never drops
 
 
 @dataclasses.dataclass
@@ -115,7 +116,7 @@ def config_from_hf(config_json: dict) -> LlamaConfig:
     if config_json.get("hidden_act", "silu") != "silu":
         raise FieldError("hidden_act", f"{config_json['hidden_act']!r} is not supported (only 'silu')")
     fields = LlamaConfig.__dataclass_fields__
-    values = {k: v for k, v in config_json.items() if k in fields and k != "rope_traditional"}
+    values = {k: v for k, v in config_json.items() if k in fields}  # rope_traditional: as mlx-lm's llama
     if "num_attention_heads" in values:
         values.setdefault("num_key_value_heads", values["num_attention_heads"])  # plain multi-head attention
     missing = [f for f, spec in fields.items() if spec.default is dataclasses.MISSING and f not in values]
@@ -235,8 +236,14 @@ class Llama(nn.Module):
         for layer in self.layers:
             layer.self_attn.backend = backend
 
-    def make_cache(self) -> list:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, max_kv_size: int | None = None) -> list:
+        """One KV cache per layer; with ``max_kv_size`` a rotating window of
+        that many tokens that keeps the first ``ROTATING_CACHE_KEEP`` (the
+        attention sinks; mlx-lm keeps as many)."""
+        if max_kv_size is None:
+            return [KVCache() for _ in self.layers]
+        max_kv_size = require_int("max_kv_size", max_kv_size, ROTATING_CACHE_KEEP + 1)
+        return [RotatingKVCache(max_kv_size, keep=ROTATING_CACHE_KEEP) for _ in self.layers]
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         if tokens.ndim != 2:

@@ -1,0 +1,95 @@
+"""Write a loaded decoder as a model directory in mlx-lm's layout, so the
+same weights run in both tools: ``config.json`` (Hugging Face field names,
+mlx-lm's ``quantization`` entry), ``model.safetensors`` (``model.``-prefixed
+tensor names; quantized layers keep MLX's ``weight``/``scales``/``biases``),
+``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``
+and ``generation_config.json`` (every end token).
+
+GGUF checkpoints store Q/K rows in llama.cpp's interleaved-RoPE order; the
+directory says so with ``rope_traditional: true``, which mlx-lm's Llama and
+this package's loader both honour."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_attn.lm.loading import QUANTIZATION_MODE, load_model
+
+__all__ = ["convert", "save_mlx_directory"]
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _quantization(model: nn.Module) -> dict | None:
+    """mlx-lm's ``quantization`` entry: the most common bits/group size, and
+    per-layer entries (mlx-lm's module paths) for layers that differ."""
+    layers = {f"model.{path}" if not path.startswith("lm_head") else path: (m.bits, m.group_size)
+              for path, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    if not layers:
+        return None
+    bits, group_size = collections.Counter(layers.values()).most_common(1)[0][0]
+    entry = {"group_size": group_size, "bits": bits, "mode": QUANTIZATION_MODE}
+    for path, (layer_bits, layer_group) in sorted(layers.items()):
+        if (layer_bits, layer_group) != (bits, group_size):
+            entry[path] = {"group_size": layer_group, "bits": layer_bits, "mode": QUANTIZATION_MODE}
+    return entry
+
+
+def _check_target(path: Path) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"--mlx-path {path} already exists and is not an empty directory")
+
+
+def save_mlx_directory(model, tokenizer, path: str | os.PathLike) -> Path:
+    """Write ``model`` (a :class:`mlx_attn.lm.models.Llama`) and its
+    tokenizer to a new directory ``path``; refuses to write into a non-empty one."""
+    path = Path(path)
+    _check_target(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.asdict(model.config)
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
+    quantization = _quantization(model)
+    if quantization is not None:
+        config["quantization"] = config["quantization_config"] = quantization
+    weights = {name if name.startswith("lm_head") else f"model.{name}": value
+               for name, value in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    special = {}
+    if tokenizer.bos_token_id is not None:
+        special["bos_token"] = tokenizer.backend.id_to_token(tokenizer.bos_token_id)
+    eos_ids = sorted(tokenizer.eos_token_ids)
+    if eos_ids:
+        special["eos_token"] = tokenizer.backend.id_to_token(eos_ids[0])
+    tokenizer_config = dict(special, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=tokenizer.add_bos,
+                            model_max_length=model.config.max_position_embeddings)
+    if tokenizer.chat_template:
+        tokenizer_config["chat_template"] = tokenizer.chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    generation = {"eos_token_id": eos_ids}
+    if tokenizer.bos_token_id is not None:
+        generation["bos_token_id"] = tokenizer.bos_token_id
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path
+
+
+def convert(model: str | os.PathLike | None, mlx_path: str | os.PathLike) -> Path:
+    """A ``.gguf`` file, model directory or registered name -> an mlx-lm
+    directory at ``mlx_path``."""
+    if mlx_path is None or not str(mlx_path):
+        raise ValueError("--mlx-path must name the directory to create")
+    target = Path(mlx_path)
+    _check_target(target)  # before the slow load
+    loaded, tokenizer = load_model(model)
+    return save_mlx_directory(loaded, tokenizer, target)
