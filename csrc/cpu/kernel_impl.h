@@ -268,8 +268,7 @@ void attention_work_item(
     }
 
     // score
-    memset(scores, 0, sizeof(float) * rows * KB);
-    matmul_accumulate(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
+    matmul_overwrite(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
 
     // scale, mask
     const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
