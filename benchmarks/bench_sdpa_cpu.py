@@ -125,6 +125,9 @@ def cpu_description() -> dict:
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 info["model"] = value.strip()
+            elif key.strip() in ("vendor_id", "cpu family", "model", "CPU implementer", "CPU part"):
+                name = "model_number" if key.strip() == "model" else key.strip().replace(" ", "_")
+                info.setdefault(name, value.strip())
             elif key.strip() in ("flags", "Features") and not info["features"]:
                 wanted = ("avx", "fma", "f16c", "asimd", "fphp", "bf16", "sve", "amx")
                 info["features"] = sorted(f for f in value.split() if f.startswith(wanted) or f in wanted)
