@@ -1,7 +1,7 @@
 // The fused attention forward for the CPU: tiled over query rows and key/value
 // blocks with the online softmax. Included once per instruction set by
 // kernel_<isa>.cpp, which defines
-//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512)
+//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512, neon)
 //   MLX_ATTN_VEC_BYTES  the vector width in bytes (16, 32, 64)
 // Everything here has internal linkage except process_work_item and
 // vector_lanes, and nothing uses the STL, so code compiled for a wide
