@@ -3,8 +3,17 @@ mx.fast.scaled_dot_product_attention on the CPU stream, the pure-MLX reference
 path and (when installed) PyTorch's CPU scaled_dot_product_attention with the
 same number of threads.
 
-Prints a table (time, GFLOP/s, extra peak memory, speed-up of the fused kernel
-over each baseline measured in the same run), saves it as JSON and a PNG plot.
+Prints a table (time, GFLOP/s, the fused kernel's fraction of the machine's
+measured FMA peak, extra peak memory, speed-up of the fused kernel over each
+baseline measured in the same run), saves it as JSON (with the CPU model and
+its ISA features) and a PNG plot. The fused kernel and PyTorch are timed
+interleaved (fused, torch, fused, torch, ...), best of --repeats each, so load
+from other processes hits both alike; --busy adds such a load on purpose (one
+process spinning) to see how the ratio holds up under contention.
+
+The FMA peak of each kernel copy is measured, not looked up: a small C
+program (an FMA loop on independent register-resident accumulators, one
+thread per core) is compiled for the copy's vector width and run.
 
     python benchmarks/bench_sdpa_cpu.py                   # full grid
     python benchmarks/bench_sdpa_cpu.py --quick           # a small smoke run
@@ -17,8 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
-import statistics
+import platform
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +46,100 @@ try:
 except ImportError:  # optional, for comparison only
     torch = None
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16}
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# The FMA throughput probe: ACCUMULATORS independent vector FMA chains (enough
+# to cover FMA latency x pipes on current cores) that stay in registers.
+FMA_PEAK_SOURCE = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+typedef float vf __attribute__((vector_size(VEC_BYTES)));
+enum { ACCUMULATORS = 12, LANES = VEC_BYTES / 4 };
+static long iterations;
+static void* spin(void* out) {
+  vf acc[ACCUMULATORS], a = {0}, b = {0};
+  for (int i = 0; i < ACCUMULATORS; ++i) acc[i] = a + (float)i;
+  a += 0.999999f; b += 1e-7f;
+  for (long n = 0; n < iterations; ++n) {
+    for (int i = 0; i < ACCUMULATORS; ++i) acc[i] = acc[i] * a + b;
+  }
+  float sum = 0;
+  for (int i = 0; i < ACCUMULATORS; ++i) sum += acc[i][0];
+  *(float*)out = sum;
+  return 0;
+}
+int main(int argc, char** argv) {
+  int threads = atoi(argv[1]);
+  iterations = atol(argv[2]);
+  pthread_t t[256];
+  float sink[256];
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < threads; ++i) pthread_create(&t[i], 0, spin, &sink[i]);
+  for (int i = 0; i < threads; ++i) pthread_join(t[i], 0);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+  printf("%f %f\n", 2.0 * threads * iterations * ACCUMULATORS * LANES / s / 1e9, sink[0]);
+  return 0;
+}
+"""
+# Vector width and compiler flags of each kernel copy's FMA probe (the flags
+# only need to enable the copy's vector FMA; "generic" is SSE2 mul + add).
+PEAK_PROBES = {
+    "avx512": (64, ["-mavx512f", "-mfma"]),
+    "avx2": (32, ["-mavx2", "-mfma"]),
+    "generic": (16, []),
+    "neon": (16, []),
+}
+
+
+def fma_peak_gflops(isa: str, threads: int, repeats: int = 3) -> float | None:
+    """Best of `repeats` runs of the FMA probe for `isa`, GFLOP/s over `threads` threads."""
+    compiler = next((c for c in ("clang-19", "clang", "cc", "gcc") if shutil.which(c)), None)
+    if compiler is None or isa not in PEAK_PROBES:
+        return None
+    vec_bytes, flags = PEAK_PROBES[isa]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "fma_peak.c", Path(tmp) / "fma_peak"
+        src.write_text(FMA_PEAK_SOURCE)
+        build = subprocess.run(
+            [compiler, "-O2", f"-DVEC_BYTES={vec_bytes}", *flags, str(src), "-o", str(exe), "-lpthread"],
+            capture_output=True, text=True,
+        )
+        if build.returncode != 0:
+            print(f"FMA probe for {isa} did not build: {build.stderr.strip()[:200]}")
+            return None
+        runs = [float(subprocess.run([str(exe), str(threads), "20000000"], capture_output=True,
+                                     text=True, check=True).stdout.split()[0]) for _ in range(repeats)]
+    return max(runs)
+
+
+def cpu_description() -> dict:
+    """CPU model and instruction-set features, for the JSON record."""
+    info = {"machine": platform.machine(), "model": platform.processor() or "unknown", "features": []}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                info["model"] = value.strip()
+            elif key.strip() in ("vendor_id", "cpu family", "model", "CPU implementer", "CPU part"):
+                name = "model_number" if key.strip() == "model" else key.strip().replace(" ", "_")
+                info.setdefault(name, value.strip())
+            elif key.strip() in ("flags", "Features") and not info["features"]:
+                wanted = ("avx", "fma", "f16c", "asimd", "fphp", "bf16", "sve", "amx")
+                info["features"] = sorted(f for f in value.split() if f.startswith(wanted) or f in wanted)
+    elif platform.system() == "Darwin":
+        brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+        info["model"] = brand.stdout.strip() or info["model"]
+    return info
+
+
+def _spin():
+    while True:
+        pass
 
 
 def attention_flops(batch, heads, q_len, kv_len, d, dv, causal):
@@ -51,14 +157,21 @@ def threads_used() -> int:
 
 
 def time_call(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Best seconds of `repeats` calls after one warm-up call."""
+    return time_interleaved([fn], repeats)[0]
+
+
+def time_interleaved(fns, repeats: int) -> list[float]:
+    """Best seconds of each function over `repeats` rounds that call them in
+    turn (after one warm-up round), so changing load hits all alike."""
+    best = [float("inf")] * len(fns)
+    for round_index in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            if round_index > 0:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def mlx_runner(impl, q, k, v, causal):
@@ -89,16 +202,19 @@ def extra_peak_memory(fn) -> int:
     return mx.get_peak_memory() - base
 
 
-def run_torch(batch, heads, t, d, dtype_name, causal, repeats):
-    tdtype = {"float32": torch.float32, "float16": torch.float16}[dtype_name]
+def torch_runner(batch, heads, t, d, dtype_name, causal):
+    tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype_name]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, heads, t, d, generator=gen, dtype=tdtype) for _ in range(3))
-    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    with torch.inference_mode():
-        return time_call(fn, repeats)
+
+    def run():
+        with torch.inference_mode():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
 
 
-def benchmark(args):
+def benchmark(args, peak):
     mx.set_default_device(mx.cpu)
     if torch is not None:
         torch.set_num_threads(threads_used())
@@ -116,21 +232,25 @@ def benchmark(args):
                     mx.eval(q, k, v)
                     flops = attention_flops(1, args.heads, t, t, d, d, causal)
                     row = {"D": d, "dtype": dtype_name, "causal": causal, "T": t}
-                    impls = ["fused"]
-                    if t <= args.max_baseline_len:
-                        impls += ["mx.fast", "reference"]
-                    for impl in impls:
-                        fn = mlx_runner(impl, q, k, v, causal)
-                        repeats = args.repeats if impl == "fused" else 1
-                        seconds = time_call(fn, repeats)
-                        row[impl] = {
-                            "ms": seconds * 1e3,
-                            "gflops": flops / seconds / 1e9,
-                            "extra_peak_mib": extra_peak_memory(fn) / 2**20,
-                        }
+                    # Fused and torch interleaved, best of --repeats each.
+                    fused_fn = mlx_runner("fused", q, k, v, causal)
+                    timed = {"fused": fused_fn}
                     if torch is not None:
-                        seconds = run_torch(1, args.heads, t, d, dtype_name, causal, args.repeats)
-                        row["torch"] = {"ms": seconds * 1e3, "gflops": flops / seconds / 1e9}
+                        timed["torch"] = torch_runner(1, args.heads, t, d, dtype_name, causal)
+                    for impl, seconds in zip(timed, time_interleaved(list(timed.values()), args.repeats)):
+                        row[impl] = {"ms": seconds * 1e3, "gflops": flops / seconds / 1e9}
+                    row["fused"]["extra_peak_mib"] = extra_peak_memory(fused_fn) / 2**20
+                    if peak:
+                        row["fused"]["peak_fraction"] = row["fused"]["gflops"] / peak
+                    if t <= args.max_baseline_len:
+                        for impl in ("mx.fast", "reference"):
+                            fn = mlx_runner(impl, q, k, v, causal)
+                            seconds = time_call(fn, 1)
+                            row[impl] = {
+                                "ms": seconds * 1e3,
+                                "gflops": flops / seconds / 1e9,
+                                "extra_peak_mib": extra_peak_memory(fn) / 2**20,
+                            }
                     rows.append(row)
                     print_row(row, flush=True)
     return rows
@@ -143,7 +263,7 @@ def header():
     cols = ["D", "dtype", "causal", "T"]
     for impl in IMPLS:
         cols += [f"{impl} ms", f"{impl} GFLOP/s"]
-    cols += ["fused MiB", "unfused MiB", "vs mx.fast", "vs torch"]
+    cols += ["fused % of FMA peak", "fused MiB", "unfused MiB", "vs mx.fast", "vs torch"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
@@ -152,6 +272,8 @@ def print_row(row, flush=False):
     for impl in IMPLS:
         r = row.get(impl)
         cells += [f"{r['ms']:.1f}", f"{r['gflops']:.1f}"] if r else ["-", "-"]
+    fraction = row["fused"].get("peak_fraction")
+    cells.append(f"{100 * fraction:.0f}%" if fraction is not None else "-")
     cells.append(f"{row['fused']['extra_peak_mib']:.1f}")
     cells.append(f"{row['mx.fast']['extra_peak_mib']:.0f}" if "mx.fast" in row else "-")
     for base in ("mx.fast", "torch"):
@@ -162,12 +284,13 @@ def print_row(row, flush=False):
 def summary_table(rows) -> str:
     """The compact Markdown table quoted in the README."""
     lines = [
-        "| D | dtype | causal | T | fused ms | fused GFLOP/s | mx.fast GFLOP/s | torch GFLOP/s | fused vs mx.fast | fused vs torch | fused extra MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| D | dtype | causal | T | fused ms | fused GFLOP/s | % of FMA peak | mx.fast GFLOP/s | torch GFLOP/s | fused vs mx.fast | fused vs torch | fused extra MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         f = r["fused"]
         cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), f"{f['ms']:.1f}", f"{f['gflops']:.0f}"]
+        cells.append(f"{100 * f['peak_fraction']:.0f}%" if "peak_fraction" in f else "-")
         cells.append(f"{r['mx.fast']['gflops']:.1f}" if "mx.fast" in r else "-")
         cells.append(f"{r['torch']['gflops']:.0f}" if "torch" in r else "-")
         cells.append(f"{r['mx.fast']['ms'] / f['ms']:.0f}x" if "mx.fast" in r else "-")
@@ -237,6 +360,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-baseline-len", type=int, default=4096)
     p.add_argument("--long-context", type=int, default=16384, help="T of the memory check (0: skip)")
+    p.add_argument("--busy", action="store_true", help="run one spinning process alongside (contention)")
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke test")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -245,15 +369,34 @@ def main(argv=None):
         args.repeats, args.long_context = 1, 1024
 
     args.out.mkdir(parents=True, exist_ok=True)
+    cpu = cpu_description()
+    load_at_start = os.getloadavg()[0]
+    peaks = {isa: fma_peak_gflops(isa, threads_used()) for isa in _ext.supported_cpu_isas()}
     print(
         f"mlx {mx.__version__}, mlx_attn kernel {_ext.cpu_isa()}, {threads_used()} threads, "
-        f"torch {torch.__version__ if torch else 'not installed'}"
+        f"torch {torch.__version__ if torch else 'not installed'}, CPU {cpu['model']}, "
+        f"load average {load_at_start:.1f}{', one busy process added' if args.busy else ''}"
     )
+    print("measured FMA peak (GFLOP/s, all threads): "
+          + ", ".join(f"{isa} {p:.0f}" if p else f"{isa} -" for isa, p in peaks.items()))
     print(header())
-    rows = benchmark(args)
+    busy = multiprocessing.Process(target=_spin, daemon=True) if args.busy else None
+    if busy:
+        busy.start()
+    try:
+        rows = benchmark(args, peaks.get(_ext.cpu_isa()))
+    finally:
+        if busy:
+            busy.terminate()
+            busy.join()
     for r in rows:
         r["H"] = args.heads
-    result = {"rows": rows, "isa": _ext.cpu_isa(), "threads": threads_used(), "mlx": mx.__version__}
+    result = {
+        "rows": rows, "isa": _ext.cpu_isa(), "threads": threads_used(), "mlx": mx.__version__,
+        "cpu": cpu, "fma_peak_gflops": peaks, "busy_process": args.busy,
+        "load_average_at_start": load_at_start,
+        "torch": torch.__version__ if torch else None,
+    }
     if args.long_context:
         mem = long_context_memory(args.heads, args.long_context, 64)
         result["long_context_memory"] = mem

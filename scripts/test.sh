@@ -3,8 +3,9 @@
 # On Linux it also installs the tools two test groups need (Debian/Ubuntu):
 # clang-19 for the MSL emulator (the Metal kernels type-checked and executed
 # on the CPU) and for the Mac host check (tests/test_mac_host.py), which also
-# needs llvm-19 (llvm-nm-19, llvm-cxxfilt-19) and cmake. Missing tools skip
-# those tests, except on CI (CI set), where the Mac host check then fails.
+# needs llvm-19 (llvm-nm-19, llvm-cxxfilt-19) and cmake, and on x86-64
+# qemu-user plus an aarch64 C library for the arm64 kernel copy. Missing tools
+# skip those tests, except on CI (CI set), where they then fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -14,6 +15,12 @@ if [ "$(uname -s)" = "Linux" ]; then
   for pair in clang-19:clang-19 llvm-nm-19:llvm-19 llvm-cxxfilt-19:llvm-19 cmake:cmake; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
   done
+  # The arm64 NEON kernel copy runs under qemu-aarch64 (tests/test_cpu_kernel_arm64.py),
+  # cross-built with clang-19 against an aarch64 C library.
+  if [ "$(uname -m)" = "x86_64" ]; then
+    command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
+    [ -e /usr/aarch64-linux-gnu/lib/libc.a ] || missing+=(libc6-dev-arm64-cross gcc-aarch64-linux-gnu)
+  fi
   if [ ${#missing[@]} -gt 0 ]; then
     packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then

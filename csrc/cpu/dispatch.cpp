@@ -41,6 +41,9 @@ const Isa kIsas[] = {
     {"avx512", avx512::vector_lanes, avx512::process_work_item, has_avx512},
     {"avx2", avx2::vector_lanes, avx2::process_work_item, has_avx2},
 #endif
+#ifdef MLX_ATTN_ARM64_KERNELS
+    {"neon", neon::vector_lanes, neon::process_work_item, always},  // baseline on arm64
+#endif
     {"generic", generic::vector_lanes, generic::process_work_item, always},
 };
 

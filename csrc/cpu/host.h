@@ -21,7 +21,7 @@ int64_t scratch_size(const KernelCall& call);
 // `scratch` holds scratch_size(call) floats.
 void run_attention(const KernelCall& call, float* scratch);
 
-// The instruction set in use ("generic", "avx2", "avx512") and the ones this
+// The instruction set in use ("generic", "avx2", "avx512", "neon") and the ones this
 // CPU and build support; set_isa overrides the choice (tests use it).
 const char* current_isa();
 void set_isa(const char* name);  // throws std::invalid_argument if unsupported

@@ -1,7 +1,7 @@
 // The fused attention forward for the CPU: tiled over query rows and key/value
 // blocks with the online softmax. Included once per instruction set by
 // kernel_<isa>.cpp, which defines
-//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512)
+//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512, neon)
 //   MLX_ATTN_VEC_BYTES  the vector width in bytes (16, 32, 64)
 // Everything here has internal linkage except process_work_item and
 // vector_lanes, and nothing uses the STL, so code compiled for a wide
@@ -24,80 +24,15 @@
 #include <string.h>
 
 #include "csrc/cpu/kernels.h"
+#include "csrc/cpu/micro_kernel.h"
+#include "csrc/cpu/simd.h"
 
 #if defined(__F16C__)
 #include <immintrin.h>  // intrinsics are always-inline: nothing leaks
 #endif
 
-#ifndef MLX_ATTN_ISA
-#error "define MLX_ATTN_ISA and MLX_ATTN_VEC_BYTES before including kernel_impl.h"
-#endif
-
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
-
-constexpr int kLanes = MLX_ATTN_VEC_BYTES / 4;
-
-typedef float vfloat __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
-typedef float vfloat_unaligned
-    __attribute__((vector_size(MLX_ATTN_VEC_BYTES), aligned(4)));
-typedef int32_t vint __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
-
-inline vfloat load(const float* p) {
-  return *reinterpret_cast<const vfloat_unaligned*>(p);
-}
-inline void store(float* p, vfloat x) {
-  *reinterpret_cast<vfloat_unaligned*>(p) = x;
-}
-inline vfloat splat(float x) {
-  return vfloat{} + x;
-}
-inline vfloat vmax(vfloat a, vfloat b) {
-  return a > b ? a : b;
-}
-// Clamps to [-kLogitLimit, kLogitLimit]; NaN stays NaN.
-inline vfloat saturate(vfloat x) {
-  x = x < -kLogitLimit ? splat(-kLogitLimit) : x;
-  return x > kLogitLimit ? splat(kLogitLimit) : x;
-}
-inline float saturate(float x) {
-  x = x < -kLogitLimit ? -kLogitLimit : x;
-  return x > kLogitLimit ? kLogitLimit : x;
-}
-inline float horizontal_max(vfloat x) {
-  float r = x[0];
-  for (int i = 1; i < kLanes; ++i) r = x[i] > r ? x[i] : r;
-  return r;
-}
-inline float horizontal_sum(vfloat x) {
-  float r = 0.0f;
-  for (int i = 0; i < kLanes; ++i) r += x[i];
-  return r;
-}
-
-// 2^x for x <= 0 (all softmax arguments here are <= 0). Round-to-nearest
-// range reduction, then a degree-6 polynomial on [-0.5, 0.5] (rel. error
-// ~2e-7); arguments below -126 (including -inf) give exactly 0.
-inline vfloat exp2_vec(vfloat x) {
-  const vfloat lo = splat(-126.0f);
-  vfloat xc = x < lo ? lo : x;
-  xc = xc > 0.0f ? splat(0.0f) : xc;
-  vfloat shifted = xc + 0.5f;
-  vfloat whole = __builtin_convertvector(
-      __builtin_convertvector(shifted, vint), vfloat);
-  whole = whole > shifted ? whole - 1.0f : whole;  // floor
-  vfloat f = xc - whole;
-  vfloat p = splat(1.5403530393381606e-4f);
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  vint bits = (__builtin_convertvector(whole, vint) + 127) << 23;
-  vfloat r = p * (vfloat)bits;
-  return x < lo ? splat(0.0f) : r;
-}
 
 // ---------------------------------------------------------------- elements
 inline uint32_t bits_of(float f) {
@@ -202,6 +137,16 @@ inline void convert_contiguous(float* dst, const void* src, int64_t offset, int 
       __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
     }
+#elif defined(__aarch64__)
+    // Baseline arm64 converts half vectors natively (fcvtl).
+    typedef _Float16 half4 __attribute__((vector_size(8)));
+    typedef float float4 __attribute__((vector_size(16)));
+    for (; i + 4 <= n; i += 4) {
+      half4 h;
+      memcpy(&h, s + i, sizeof h);
+      const float4 f = __builtin_convertvector(h, float4);
+      memcpy(dst + i, &f, sizeof f);
+    }
 #endif
     for (; i < n; ++i) dst[i] = half_to_float(s[i]);
   }
@@ -232,104 +177,6 @@ inline void load_row(
   }
   for (int i = 0; i < n; ++i) {
     dst[i * dst_stride] = load_elem<T>(src, offset + i * stride) * factor;
-  }
-}
-
-// ---------------------------------------------------------------- matmul
-// C[MR rows][NV vectors] += A[MR][K] . B[K][NV vectors], accumulators in
-// registers.
-template <int MR, int NV>
-inline void matmul_tile(
-    const float* __restrict A,
-    int64_t lda,
-    const float* __restrict B,
-    int64_t ldb,
-    float* __restrict C,
-    int64_t ldc,
-    int K) {
-  vfloat acc[MR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + v * kLanes);
-  for (int k = 0; k < K; ++k) {
-    vfloat b[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      vfloat a = splat(A[r * lda + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kLanes, acc[r][v]);
-}
-
-// Register tile: kTileRows rows x kTileVectors vectors of accumulators
-// (wider with 32 vector registers, as on AVX-512 and NEON).
-#ifndef MLX_ATTN_TILE_ROWS
-#define MLX_ATTN_TILE_ROWS 6
-#endif
-#ifndef MLX_ATTN_TILE_VECTORS
-#define MLX_ATTN_TILE_VECTORS 2
-#endif
-constexpr int kTileRows = MLX_ATTN_TILE_ROWS;
-constexpr int kTileVectors = MLX_ATTN_TILE_VECTORS;
-static_assert(kTileRows >= 1 && kTileRows <= 8, "tails below handle up to 7 rows");
-static_assert(kTileVectors >= 1 && kTileVectors <= 4, "tails below handle up to 3 vectors");
-
-template <int NV>
-inline void matmul_rows(
-    const float* A,
-    int64_t lda,
-    const float* B,
-    int64_t ldb,
-    float* C,
-    int64_t ldc,
-    int rows,
-    int K) {
-  int r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows) {
-    matmul_tile<kTileRows, NV>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, K);
-  }
-  const float* a = A + r * lda;
-  float* c = C + r * ldc;
-  switch (rows - r) {
-    case 7: matmul_tile<7, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 6: matmul_tile<6, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 5: matmul_tile<5, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 4: matmul_tile<4, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 3: matmul_tile<3, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 2: matmul_tile<2, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 1: matmul_tile<1, NV>(a, lda, B, ldb, c, ldc, K); break;
-    default: break;
-  }
-}
-
-// C[rows][N] += A[rows][K] . B[K][N] with N a multiple of kLanes.
-inline void matmul_accumulate(
-    const float* A,
-    int64_t lda,
-    const float* B,
-    int64_t ldb,
-    float* C,
-    int64_t ldc,
-    int rows,
-    int K,
-    int N) {
-  int n = 0;
-  for (; n + kTileVectors * kLanes <= N; n += kTileVectors * kLanes) {
-    matmul_rows<kTileVectors>(A, lda, B + n, ldb, C + n, ldc, rows, K);
-  }
-  switch ((N - n) / kLanes) {
-    case 3: matmul_rows<3>(A, lda, B + n, ldb, C + n, ldc, rows, K); break;
-    case 2: matmul_rows<2>(A, lda, B + n, ldb, C + n, ldc, rows, K); break;
-    case 1: matmul_rows<1>(A, lda, B + n, ldb, C + n, ldc, rows, K); break;
-    default: break;
   }
 }
 
@@ -421,8 +268,7 @@ void attention_work_item(
     }
 
     // score
-    memset(scores, 0, sizeof(float) * rows * KB);
-    matmul_accumulate(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
+    matmul_overwrite(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
 
     // scale, mask
     const bool causal_edge = p.causal && (kb + n - 1 > first_pos);

@@ -58,6 +58,9 @@ MLX_ATTN_DECLARE_ISA(generic)
 MLX_ATTN_DECLARE_ISA(avx2)
 MLX_ATTN_DECLARE_ISA(avx512)
 #endif
+#ifdef MLX_ATTN_ARM64_KERNELS
+MLX_ATTN_DECLARE_ISA(neon)
+#endif
 #undef MLX_ATTN_DECLARE_ISA
 
 }  // namespace mlx_attn::cpu

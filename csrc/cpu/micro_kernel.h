@@ -1,0 +1,143 @@
+// The register-blocked matrix micro-kernel of the CPU kernels, used for both
+// products of attention (forward: S = Q K^T and O += P V; a backward pass:
+// dP = dO V^T, dV += P^T dO, dQ += dS K, dK += dS^T Q):
+//
+//   matmul_accumulate(A, lda, B, ldb, C, ldc, rows, K, N)
+//       C[rows][N] += A[rows][K] . B[K][N]
+//   matmul_overwrite(A, lda, B, ldb, C, ldc, rows, K, N)
+//       C[rows][N]  = A[rows][K] . B[K][N]   (C is not read: no zeroing pass)
+//
+// A is row-major with row stride lda (any rows, any K). B is a packed panel:
+// row-major, row stride ldb, N columns with N a multiple of kLanes (callers
+// zero-pad), streamed row by row with plain vector loads (no gathers). C is
+// row-major with stride ldc, read and written once per register tile.
+//
+// Register tile: kTileRows rows x kTileVectors vectors of accumulators, sized
+// to the register file (MLX_ATTN_TILE_ROWS / MLX_ATTN_TILE_VECTORS from the
+// per-ISA unit): per step of K it loads kTileVectors B vectors and broadcasts
+// kTileRows A scalars for kTileRows * kTileVectors FMAs. Row and column tails
+// use smaller tiles of the same code.
+#pragma once
+
+#include "csrc/cpu/simd.h"
+
+namespace mlx_attn::cpu::MLX_ATTN_ISA {
+namespace {
+
+// C[MR rows][NV vectors] (+)= A[MR][K] . B[K][NV vectors], accumulators in
+// registers; kAccumulate = false overwrites C without reading it.
+template <bool kAccumulate, int MR, int NV>
+inline void matmul_tile(
+    const float* __restrict A,
+    int64_t lda,
+    const float* __restrict B,
+    int64_t ldb,
+    float* __restrict C,
+    int64_t ldc,
+    int K) {
+  vfloat acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      acc[r][v] = kAccumulate ? load(C + r * ldc + v * kLanes) : splat(0.0f);
+    }
+  for (int k = 0; k < K; ++k) {
+    vfloat b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      vfloat a = splat(A[r * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kLanes, acc[r][v]);
+}
+
+// Register tile: kTileRows rows x kTileVectors vectors of accumulators
+// (wider with 32 vector registers, as on AVX-512 and NEON).
+#ifndef MLX_ATTN_TILE_ROWS
+#define MLX_ATTN_TILE_ROWS 6
+#endif
+#ifndef MLX_ATTN_TILE_VECTORS
+#define MLX_ATTN_TILE_VECTORS 2
+#endif
+constexpr int kTileRows = MLX_ATTN_TILE_ROWS;
+constexpr int kTileVectors = MLX_ATTN_TILE_VECTORS;
+static_assert(kTileRows >= 1 && kTileRows <= 8, "tails below handle up to 7 rows");
+static_assert(kTileVectors >= 1 && kTileVectors <= 4, "tails below handle up to 3 vectors");
+
+template <bool kAccumulate, int NV>
+inline void matmul_rows(
+    const float* A,
+    int64_t lda,
+    const float* B,
+    int64_t ldb,
+    float* C,
+    int64_t ldc,
+    int rows,
+    int K) {
+  int r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) {
+    matmul_tile<kAccumulate, kTileRows, NV>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, K);
+  }
+  const float* a = A + r * lda;
+  float* c = C + r * ldc;
+  switch (rows - r) {
+    case 7: matmul_tile<kAccumulate, 7, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 6: matmul_tile<kAccumulate, 6, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 5: matmul_tile<kAccumulate, 5, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 4: matmul_tile<kAccumulate, 4, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 3: matmul_tile<kAccumulate, 3, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 2: matmul_tile<kAccumulate, 2, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 1: matmul_tile<kAccumulate, 1, NV>(a, lda, B, ldb, c, ldc, K); break;
+    default: break;
+  }
+}
+
+template <bool kAccumulate>
+inline void matmul(
+    const float* A,
+    int64_t lda,
+    const float* B,
+    int64_t ldb,
+    float* C,
+    int64_t ldc,
+    int rows,
+    int K,
+    int N) {
+  int n = 0;
+  for (; n + kTileVectors * kLanes <= N; n += kTileVectors * kLanes) {
+    matmul_rows<kAccumulate, kTileVectors>(A, lda, B + n, ldb, C + n, ldc, rows, K);
+  }
+  const float* b = B + n;
+  float* c = C + n;
+  switch ((N - n) / kLanes) {
+    case 3: matmul_rows<kAccumulate, 3>(A, lda, b, ldb, c, ldc, rows, K); break;
+    case 2: matmul_rows<kAccumulate, 2>(A, lda, b, ldb, c, ldc, rows, K); break;
+    case 1: matmul_rows<kAccumulate, 1>(A, lda, b, ldb, c, ldc, rows, K); break;
+    default: break;
+  }
+}
+
+// C[rows][N] += A[rows][K] . B[K][N] with N a multiple of kLanes.
+inline void matmul_accumulate(
+    const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+    int rows, int K, int N) {
+  matmul<true>(A, lda, B, ldb, C, ldc, rows, K, N);
+}
+
+// C[rows][N] = A[rows][K] . B[K][N] with N a multiple of kLanes (C not read).
+inline void matmul_overwrite(
+    const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+    int rows, int K, int N) {
+  matmul<false>(A, lda, B, ldb, C, ldc, rows, K, N);
+}
+
+}  // namespace
+}  // namespace mlx_attn::cpu::MLX_ATTN_ISA

@@ -1,0 +1,85 @@
+// Vector basics for one per-ISA copy of the CPU kernels: the float vector
+// type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation and a
+// vectorized exp2. GCC/Clang vector extensions only (no STL, no intrinsics),
+// everything in an anonymous namespace inside the copy's namespace
+// MLX_ATTN_ISA, so nothing compiled for a wide instruction set can be linked
+// into code that runs on an older CPU. Shared by the forward (kernel_impl.h)
+// and any other kernel of the same copy.
+#pragma once
+
+#include <stdint.h>
+
+#include "csrc/cpu/kernels.h"
+
+#if !defined(MLX_ATTN_ISA) || !defined(MLX_ATTN_VEC_BYTES)
+#error "define MLX_ATTN_ISA and MLX_ATTN_VEC_BYTES before including simd.h"
+#endif
+
+namespace mlx_attn::cpu::MLX_ATTN_ISA {
+namespace {
+
+constexpr int kLanes = MLX_ATTN_VEC_BYTES / 4;
+
+typedef float vfloat __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
+typedef float vfloat_unaligned
+    __attribute__((vector_size(MLX_ATTN_VEC_BYTES), aligned(4)));
+typedef int32_t vint __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
+
+inline vfloat load(const float* p) {
+  return *reinterpret_cast<const vfloat_unaligned*>(p);
+}
+inline void store(float* p, vfloat x) {
+  *reinterpret_cast<vfloat_unaligned*>(p) = x;
+}
+inline vfloat splat(float x) {
+  return vfloat{} + x;
+}
+inline vfloat vmax(vfloat a, vfloat b) {
+  return a > b ? a : b;
+}
+// Clamps to [-kLogitLimit, kLogitLimit]; NaN stays NaN.
+inline vfloat saturate(vfloat x) {
+  x = x < -kLogitLimit ? splat(-kLogitLimit) : x;
+  return x > kLogitLimit ? splat(kLogitLimit) : x;
+}
+inline float saturate(float x) {
+  x = x < -kLogitLimit ? -kLogitLimit : x;
+  return x > kLogitLimit ? kLogitLimit : x;
+}
+inline float horizontal_max(vfloat x) {
+  float r = x[0];
+  for (int i = 1; i < kLanes; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+inline float horizontal_sum(vfloat x) {
+  float r = 0.0f;
+  for (int i = 0; i < kLanes; ++i) r += x[i];
+  return r;
+}
+
+// 2^x for x <= 0 (all softmax arguments here are <= 0). Round-to-nearest
+// range reduction, then a degree-6 polynomial on [-0.5, 0.5] (rel. error
+// ~2e-7); arguments below -126 (including -inf) give exactly 0.
+inline vfloat exp2_vec(vfloat x) {
+  const vfloat lo = splat(-126.0f);
+  vfloat xc = x < lo ? lo : x;
+  xc = xc > 0.0f ? splat(0.0f) : xc;
+  vfloat shifted = xc + 0.5f;
+  vfloat whole = __builtin_convertvector(
+      __builtin_convertvector(shifted, vint), vfloat);
+  whole = whole > shifted ? whole - 1.0f : whole;  // floor
+  vfloat f = xc - whole;
+  vfloat p = splat(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  vint bits = (__builtin_convertvector(whole, vint) + 127) << 23;
+  vfloat r = p * (vfloat)bits;
+  return x < lo ? splat(0.0f) : r;
+}
+
+}  // namespace
+}  // namespace mlx_attn::cpu::MLX_ATTN_ISA
