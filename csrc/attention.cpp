@@ -293,11 +293,10 @@ std::vector<mx::array> FusedAttention::vjp(
   inputs.push_back(outputs[1]);
   inputs.push_back(mx::astype(cotangents[0], q.dtype(), s));
   inputs.push_back(mx::astype(cotangents[1], mx::float32, s));
-  std::vector<mx::Shape> shapes = {q.shape(), primals[1].shape(), primals[2].shape()};
-  if (options_.has_sinks) shapes.push_back({q.shape(1)});
+  auto backward = std::make_shared<FusedAttentionBackward>(s, options_);
+  auto shapes = backward->output_shapes(inputs);
   const std::vector<mx::Dtype> dtypes(shapes.size(), q.dtype());
-  auto grads = mx::array::make_arrays(
-      std::move(shapes), dtypes, std::make_shared<FusedAttentionBackward>(s, options_), inputs);
+  auto grads = mx::array::make_arrays(std::move(shapes), dtypes, backward, inputs);
   const int mask_index = options_.has_mask ? 3 : -1;
   std::vector<mx::array> result;
   for (int i : argnums) {
@@ -462,6 +461,14 @@ void FusedAttentionBackward::eval_gpu(
     const std::vector<mx::array>&,
     std::vector<mx::array>&) {
   throw std::runtime_error("[mlx_attn] the fused attention backward runs on the CPU only");
+}
+
+// The gradients have the shapes of q, k, v and sinks (a [Hq] view).
+std::vector<mx::Shape> FusedAttentionBackward::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes = {inputs[0].shape(), inputs[1].shape(), inputs[2].shape()};
+  if (options_.has_sinks) shapes.push_back({inputs[0].shape(1)});
+  return shapes;
 }
 
 bool FusedAttentionBackward::is_equivalent(const mx::Primitive& other) const {

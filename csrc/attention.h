@@ -118,6 +118,7 @@ class FusedAttentionBackward : public mx::Primitive {
       override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override {
     return "FusedAttentionBackward";
   }
