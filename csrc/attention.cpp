@@ -1,9 +1,11 @@
 #include "csrc/attention.h"
 
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
+#include "csrc/cpu/backward_host.h"
 #include "csrc/cpu/host.h"
 #include "csrc/launch_plan.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -147,14 +149,17 @@ std::string unsupported_reason(const AttentionProblem& problem, mx::Device::Devi
   return cpu::unsupported_reason(problem);
 }
 
-std::vector<mx::array> fused_attention(
+namespace {
+
+// Every output of the primitive (out, and lse when options.output_lse).
+std::vector<mx::array> fused_attention_outputs(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
-    mx::StreamOrDevice s) {
+    mx::Stream stream) {
   options.has_mask = mask.has_value();
   options.has_sinks = sinks.has_value();
   if (options.window_size > 0) options.causal = true;
@@ -162,7 +167,6 @@ std::vector<mx::array> fused_attention(
   if (mask) inputs.push_back(*mask);
   if (sinks) inputs.push_back(*sinks);
   const AttentionProblem problem = describe_attention(inputs, options);
-  auto stream = mx::to_stream(s);
   if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
     invalid(reason);
   }
@@ -171,6 +175,32 @@ std::vector<mx::array> fused_attention(
   std::vector<mx::Dtype> dtypes = {q.dtype()};
   if (options.output_lse) dtypes.push_back(mx::float32);
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
+}
+
+}  // namespace
+
+std::vector<mx::array> fused_attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& sinks,
+    AttentionOptions options,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  // Inputs are tracers only inside a transformation (grad, vjp, compile,
+  // vmap): only then may a backward need the lse. MLX does not export its
+  // own "in grad tracing" test, so compiled inference keeps it too (one
+  // float per query row).
+  const bool traced = q.is_tracer() || k.is_tracer() || v.is_tracer() ||
+      (sinks && sinks->is_tracer());
+  options.lse_for_backward = false;
+  if (!options.output_lse && stream.device == mx::Device::cpu && traced) {
+    options.output_lse = options.lse_for_backward = true;
+  }
+  auto outputs = fused_attention_outputs(q, k, v, mask, sinks, options, stream);
+  if (options.lse_for_backward) outputs.pop_back();
+  return outputs;
 }
 
 void FusedAttention::eval_cpu(
@@ -242,19 +272,57 @@ void set_differentiation_rule(DifferentiationRule rule) {
   differentiation_rule() = std::move(rule);
 }
 
+// The fused backward runs when the forward kept its lse on the CPU; the
+// cotangent of the lse (zeros unless the caller asked for the lse) joins
+// delta. Masks are constants: their gradient is zero.
 std::vector<mx::array> FusedAttention::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
-  return differentiate("vjp", primals, cotangents, argnums, options_, stream());
+    const std::vector<mx::array>& outputs) {
+  const auto s = stream();
+  if (!options_.output_lse || s.device != mx::Device::cpu) {
+    return differentiate("vjp", primals, cotangents, argnums, options_, s);
+  }
+  const auto& q = primals[0];
+  std::vector<mx::array> inputs = primals;
+  inputs.push_back(outputs[0]);
+  inputs.push_back(outputs[1]);
+  inputs.push_back(mx::astype(cotangents[0], q.dtype(), s));
+  inputs.push_back(mx::astype(cotangents[1], mx::float32, s));
+  auto backward = std::make_shared<FusedAttentionBackward>(s, options_);
+  auto shapes = backward->output_shapes(inputs);
+  const std::vector<mx::Dtype> dtypes(shapes.size(), q.dtype());
+  auto grads = mx::array::make_arrays(std::move(shapes), dtypes, backward, inputs);
+  const int mask_index = options_.has_mask ? 3 : -1;
+  std::vector<mx::array> result;
+  for (int i : argnums) {
+    if (i < 3) {
+      result.push_back(grads[i]);
+    } else if (i == mask_index) {
+      result.push_back(mx::zeros_like(primals[i], s));
+    } else {
+      result.push_back(mx::astype(grads[3], primals[i].dtype(), s));
+    }
+  }
+  return result;
 }
 
 std::vector<mx::array> FusedAttention::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {
-  return differentiate("jvp", primals, tangents, argnums, options_, stream());
+  if (!options_.lse_for_backward) {
+    return differentiate("jvp", primals, tangents, argnums, options_, stream());
+  }
+  // The hidden lse is read by the fused backward only, never differentiated
+  // forward: its tangent is a placeholder of the right shape.
+  AttentionOptions without_lse = options_;
+  without_lse.output_lse = without_lse.lse_for_backward = false;
+  auto out_tangent = differentiate("jvp", primals, tangents, argnums, without_lse, stream());
+  const auto& q = primals[0];
+  out_tangent.push_back(mx::zeros({q.shape(0), q.shape(1), q.shape(2)}, mx::float32, stream()));
+  return out_tangent;
 }
 
 // vmap folds the mapped axis into the head axis: q [B, V, Hq, ...] becomes
@@ -306,8 +374,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> FusedAttention::vmap(
     const size_t i = next++;
     sinks = mx::flatten(mapped_at(i, 0), s);  // [V*Hq]
   }
-  AttentionOptions options = options_;
-  auto outs = fused_attention(folded[0], folded[1], folded[2], mask, sinks, options, s);
+  auto outs = fused_attention_outputs(folded[0], folded[1], folded[2], mask, sinks, options_, s);
   std::vector<int> out_axes;
   for (auto& o : outs) {
     auto shape = o.shape();
@@ -331,6 +398,78 @@ std::vector<mx::Shape> FusedAttention::output_shapes(
 
 bool FusedAttention::is_equivalent(const mx::Primitive& other) const {
   return options_ == static_cast<const FusedAttention&>(other).options_;
+}
+
+void FusedAttentionBackward::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const size_t forward_inputs = 3 + options_.has_mask + options_.has_sinks;
+  const std::vector<mx::array> primals(inputs.begin(), inputs.begin() + forward_inputs);
+  const auto& out = inputs[forward_inputs];
+  const auto& lse = inputs[forward_inputs + 1];
+  const auto& d_out = inputs[forward_inputs + 2];
+  const auto& d_lse = inputs[forward_inputs + 3];
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+
+  cpu::BackwardCall call{};
+  call.problem = describe_attention(primals, options_);
+  const AttentionProblem& p = call.problem;
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (auto& o : outputs) encoder.set_output_array(o);
+  if (int64_t(p.batch) * p.q_heads * p.q_len * p.kv_len == 0) {  // nothing attended
+    std::vector<std::pair<void*, size_t>> buffers;
+    for (auto& o : outputs) buffers.emplace_back(o.data<void>(), o.nbytes());
+    encoder.dispatch([buffers]() {
+      for (auto [data, bytes] : buffers) std::memset(data, 0, bytes);
+    });
+    return;
+  }
+  call.q = primals[0].data<void>();
+  call.k = primals[1].data<void>();
+  call.v = primals[2].data<void>();
+  size_t next = 3;
+  if (options_.has_mask) call.mask = primals[next++].data<void>();
+  if (options_.has_sinks) call.sinks = primals[next++].data<void>();
+  call.out = out.data<void>();
+  copy_strides(out, call.out_strides);
+  call.lse = lse.data<float>();
+  call.d_out = d_out.data<void>();
+  copy_strides(d_out, call.d_out_strides);
+  call.d_lse = d_lse.data<float>();
+  for (int i = 0; i < 3; ++i) call.d_lse_strides[i] = d_lse.strides()[i];
+  call.dq = outputs[0].data<void>();
+  call.dk = outputs[1].data<void>();
+  call.dv = outputs[2].data<void>();
+  call.d_sinks = options_.has_sinks ? outputs[3].data<void>() : nullptr;
+  cpu::plan_backward(call);
+
+  // Scratch from MLX's allocator (it shows in MLX's memory statistics): delta
+  // per query row and per-thread tiles, never O(Tq x Tkv).
+  mx::array scratch({int(cpu::backward_scratch_size(call))}, mx::float32, nullptr, {});
+  scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
+  encoder.dispatch([call, buffer = scratch.data<float>()]() {
+    cpu::run_backward(call, buffer);
+  });
+  encoder.add_temporary(std::move(scratch));
+}
+
+void FusedAttentionBackward::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  throw std::runtime_error("[mlx_attn] the fused attention backward runs on the CPU only");
+}
+
+// The gradients have the shapes of q, k, v and sinks (a [Hq] view).
+std::vector<mx::Shape> FusedAttentionBackward::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes = {inputs[0].shape(), inputs[1].shape(), inputs[2].shape()};
+  if (options_.has_sinks) shapes.push_back({inputs[0].shape(1)});
+  return shapes;
+}
+
+bool FusedAttentionBackward::is_equivalent(const mx::Primitive& other) const {
+  return options_ == static_cast<const FusedAttentionBackward&>(other).options_;
 }
 
 }  // namespace mlx_attn

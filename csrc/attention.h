@@ -23,6 +23,9 @@ struct AttentionOptions {
   bool has_mask = false;   // inputs[3] is a bool or additive mask
   bool has_sinks = false;  // last input is sinks [Hq]
   bool output_lse = false; // second output: float32 [B, Hq, Tq] log-sum-exp
+  // The lse output exists only for the fused CPU backward (set while MLX
+  // traces a transformation): fused_attention does not return it.
+  bool lse_for_backward = false;
   bool operator==(const AttentionOptions&) const = default;
 };
 
@@ -42,7 +45,9 @@ std::string unsupported_reason(const AttentionProblem& problem, mx::Device::Devi
 // q [B,Hq,Tq,D], k [B,Hkv,Tkv,D], v [B,Hkv,Tkv,Dv] of one float dtype; mask
 // (rank <= 4) broadcastable to [B,Hq,Tq,Tkv], bool or of q's dtype; sinks
 // [Hq] of q's dtype. Validates everything (std::invalid_argument), including
-// the support rule of the stream's device.
+// the support rule of the stream's device. Returns [out] or [out, lse].
+// While MLX traces a transformation on the CPU the primitive also keeps the
+// lse for its fused backward (plain inference pays nothing for it).
 std::vector<mx::array> fused_attention(
     const mx::array& q,
     const mx::array& k,
@@ -52,8 +57,10 @@ std::vector<mx::array> fused_attention(
     AttentionOptions options,
     mx::StreamOrDevice s = {});
 
-// Gradients and forward-mode derivatives of the primitive come from the
-// reference path (mlx_attn/ops.py registers it through _ext):
+// Gradients on the CPU come from the fused backward (FusedAttentionBackward)
+// whenever the forward kept its lse; other gradients and forward-mode
+// derivatives come from the reference path (mlx_attn/ops.py registers it
+// through _ext):
 //   rule("vjp", primals, cotangents, argnums, options, stream) -> one gradient per argnum
 //   rule("jvp", primals, tangents, argnums, options, stream)   -> [output tangent]
 using DifferentiationRule = std::function<std::vector<mx::array>(
@@ -94,6 +101,28 @@ class FusedAttention : public mx::Primitive {
   const AttentionOptions& options() const {
     return options_;
   }
+
+ private:
+  AttentionOptions options_;
+};
+
+// The fused CPU backward: inputs q, k, v, [mask], [sinks], out, lse, d_out,
+// d_lse (the forward's inputs, outputs and their cotangents); outputs dq, dk,
+// dv and, with sinks, d_sinks, in q's dtype. Not differentiable itself.
+class FusedAttentionBackward : public mx::Primitive {
+ public:
+  FusedAttentionBackward(mx::Stream stream, AttentionOptions options)
+      : mx::Primitive(stream), options_(options) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override {
+    return "FusedAttentionBackward";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
   AttentionOptions options_;

@@ -56,7 +56,8 @@ void bind_problem(nb::module_& m) {
       .def_ro("window_size", &AttentionOptions::window_size)
       .def_ro("has_mask", &AttentionOptions::has_mask)
       .def_ro("has_sinks", &AttentionOptions::has_sinks)
-      .def_ro("output_lse", &AttentionOptions::output_lse);
+      .def_ro("output_lse", &AttentionOptions::output_lse)
+      .def_ro("lse_for_backward", &AttentionOptions::lse_for_backward);
 
   m.def(
       "describe_attention",

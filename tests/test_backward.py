@@ -1,0 +1,340 @@
+"""The fused CPU backward (csrc/cpu/backward_*): gradients of
+mlx_attn.scaled_dot_product_attention on the fused path against the
+reference path's autodiff (float32, on float32 copies of the inputs) over
+the forward's grid, against float64 finite differences of an independent
+NumPy attention, with no Tq x Tkv buffer (MLX's peak memory), and that the
+reference rule is not what runs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mlx_attn
+from mlx_attn import _native
+from mlx_attn.attention import MultiHeadAttention
+from sdpa_cases import make_qkv, numpy_attention
+
+# Max abs gradient error relative to the largest reference gradient: float32
+# accumulation order; float16/bfloat16 inputs, output and cotangent rounded
+# once each (ulp(1) 2^-10 resp. 2^-7), float32 accumulation.
+GRAD_TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 6e-2}
+FD_STEP = 1e-6
+
+
+def _loss_weights(shape, seed=11):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+def _grads(q, k, v, sinks, backend, weights, **kw):
+    """d sum(out * weights) / d (q, k, v[, sinks])."""
+    argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+
+    def loss(q, k, v, sinks=None):
+        out = mlx_attn.scaled_dot_product_attention(q, k, v, sinks=sinks, backend=backend, **kw)
+        return (out.astype(mx.float32) * weights).sum()
+
+    args = (q, k, v, sinks) if sinks is not None else (q, k, v)
+    grads = mx.grad(loss, argnums=argnums)(*args)
+    mx.eval(grads)
+    return grads
+
+
+def _as32(x):
+    return None if x is None else x.astype(mx.float32)
+
+
+def assert_grads_match_reference(q, k, v, *, sinks=None, dtype=mx.float32, **kw):
+    kw.setdefault("scale", q.shape[-1] ** -0.5)
+    assert mlx_attn.attention_path(q, k, v, sinks=sinks, **kw) == "fused-cpu"
+    out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    weights = _loss_weights(out_shape)
+    got = _grads(q, k, v, sinks, "fused", weights, **kw)
+    mask = kw.get("mask")
+    ref_kw = dict(kw)
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+        ref_kw["mask"] = mask.astype(mx.float32)
+    want = _grads(_as32(q), _as32(k), _as32(v), _as32(sinks), "reference", weights, **ref_kw)
+    for name, g, w in zip(("q", "k", "v", "sinks"), got, want):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        g64 = np.array(g.astype(mx.float32)).astype(np.float64)
+        w64 = np.array(w).astype(np.float64)
+        assert np.isfinite(g64).all(), f"d/d{name} not finite"
+        scale = max(1.0, float(np.abs(w64).max()))
+        err = float(np.abs(g64 - w64).max()) / scale
+        assert err <= GRAD_TOLERANCE[dtype], f"d/d{name}: relative error {err} > {GRAD_TOLERANCE[dtype]}"
+
+
+# (b, hq, hkv, tq, tkv, d, dv): several key blocks (64) and query blocks
+# (128 rows / group), Tq < Tkv and Tq > Tkv, GQA 1/2/4, MQA, D != Dv.
+SHAPES = [
+    (1, 2, 2, 5, 7, 8, 8),
+    (2, 4, 2, 70, 150, 16, 16),
+    (1, 8, 2, 33, 65, 12, 20),
+    (1, 6, 1, 40, 40, 32, 8),
+    (1, 4, 4, 90, 30, 24, 24),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mask", [None, "causal", "window", "bool", "additive", "additive-broadcast"])
+def test_fused_gradients_match_reference_autodiff(shape, mask):
+    b, hq, hkv, tq, tkv, d, dv = shape
+    q, k, v = make_qkv(b, hq, hkv, tq, tkv, d, dv, seed=sum(shape))
+    rng = np.random.default_rng(3)
+    kw = {}
+    if mask == "causal":
+        kw["mask"] = "causal"
+    elif mask == "window":
+        kw["window_size"] = 9
+    elif mask == "bool":
+        kw["mask"] = mx.array(rng.random((b, hq, tq, tkv)) > 0.3)
+    elif mask == "additive":
+        kw["mask"] = mx.array(rng.standard_normal((b, hq, tq, tkv)).astype(np.float32))
+    elif mask == "additive-broadcast":
+        kw["mask"] = mx.array(rng.standard_normal((tq, tkv)).astype(np.float32))
+    assert_grads_match_reference(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_gradients_dtypes_with_sinks(dtype, causal):
+    q, k, v = make_qkv(1, 4, 2, 37, 80, 16, 24, dtype=dtype, seed=4)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0]).astype(dtype)
+    assert_grads_match_reference(q, k, v, sinks=sinks, dtype=dtype, mask="causal" if causal else None)
+
+
+def test_fused_gradients_strided_inputs():
+    """q, k, v as transposed views ([B, T, H, D] memory), sinks a strided view."""
+    rng = np.random.default_rng(8)
+    q = mx.array(rng.standard_normal((2, 50, 4, 16)).astype(np.float32)).swapaxes(1, 2)
+    k = mx.array(rng.standard_normal((2, 70, 2, 16)).astype(np.float32)).swapaxes(1, 2)
+    v = mx.array(rng.standard_normal((2, 16, 2, 70)).astype(np.float32)).transpose(0, 2, 3, 1)
+    sinks = mx.array(rng.standard_normal(8).astype(np.float32))[::2]
+    assert_grads_match_reference(q, k, v, sinks=sinks, mask="causal")
+
+
+@pytest.mark.parametrize("isa", _native.ext.supported_cpu_isas() if _native.ext else [])
+def test_fused_gradients_every_instruction_set(isa):
+    before = _native.ext.cpu_isa()
+    _native.ext.set_cpu_isa(isa)
+    try:
+        q, k, v = make_qkv(1, 4, 2, 45, 100, 20, 12, seed=9)
+        assert_grads_match_reference(q, k, v, mask="causal", sinks=mx.array([0.1, 0.2, -0.3, 1.0]))
+    finally:
+        _native.ext.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_fully_masked_rows_give_zero_gradients(sinks):
+    q, k, v = make_qkv(1, 2, 1, 6, 9, 8, seed=2)
+    visible = np.ones((1, 2, 6, 9), bool)
+    visible[0, 0, 2, :] = False  # row 2 of head 0 sees nothing
+    visible[0, :, 4, :] = False  # row 4 of every head sees nothing
+    mask = mx.array(visible)
+    sink_values = mx.array([0.3, -0.7]) if sinks else None
+    weights = _loss_weights((1, 2, 6, 8))
+    grads = _grads(q, k, v, sink_values, "fused", weights, scale=0.5, mask=mask)
+    dq = np.array(grads[0])
+    for g in grads:
+        assert np.isfinite(np.array(g)).all()
+    assert (dq[0, 0, 2] == 0).all() and (dq[0, :, 4] == 0).all()
+    assert np.abs(dq[0, 1, 2]).max() > 0  # a row that sees keys still gets a gradient
+    want = _grads(q, k, v, sink_values, "reference", weights, scale=0.5, mask=mask)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5)
+
+
+def _finite_differences(f, arrays, index):
+    x = arrays[index]
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
+        plus[index][i] += FD_STEP
+        minus[index][i] -= FD_STEP
+        grad[i] = (f(*plus) - f(*minus)) / (2 * FD_STEP)
+    return grad
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(shape=(1, 4, 1, 3, 5, 3, 2), window_size=2),  # MQA, D != Dv, window
+        dict(shape=(1, 4, 2, 4, 3, 2, 3), mask="causal"),  # Tq > Tkv: a row sees nothing
+        dict(shape=(2, 2, 2, 2, 4, 3, 3), mask="bool-empty-row"),
+    ],
+    ids=["mqa-window", "causal-tq-gt-tkv", "bool-empty-row"],
+)
+def test_fused_gradients_match_finite_differences(case):
+    b, hq, hkv, tq, tkv, d, dv = case["shape"]
+    q, k, v = make_qkv(b, hq, hkv, tq, tkv, d, dv, seed=6)
+    sinks = mx.array(np.linspace(-0.5, 0.5, hq).astype(np.float32))
+    mask = case.get("mask")
+    if mask == "bool-empty-row":
+        visible = np.random.default_rng(1).random((b, hq, tq, tkv)) > 0.4
+        visible[0, 0, 1, :] = False
+        mask = mx.array(visible)
+    kw = dict(scale=0.8, mask=mask, window_size=case.get("window_size"))
+    weights = np.random.default_rng(12).standard_normal((b, hq, tq, dv))
+
+    def loss_numpy(q, k, v, sinks):
+        return float((numpy_attention(q, k, v, sinks=sinks, **kw) * weights).sum())
+
+    grads = _grads(q, k, v, sinks, "fused", mx.array(weights.astype(np.float32)), **kw)
+    arrays = [np.array(a).astype(np.float64) for a in (q, k, v, sinks)]
+    for index, name in enumerate(("q", "k", "v", "sinks")):
+        want = _finite_differences(loss_numpy, arrays, index)
+        np.testing.assert_allclose(np.array(grads[index]), want, atol=3e-5, rtol=1e-4, err_msg=name)
+
+
+def test_lse_output_is_differentiable_on_the_cpu():
+    """The fused backward takes the lse's cotangent too: d sum(lse * w) / dq
+    against finite differences of a float64 log-sum-exp."""
+    q, k, v = make_qkv(1, 2, 1, 3, 4, 2, seed=3)
+    w = np.random.default_rng(4).standard_normal((1, 2, 3))
+
+    def loss(q):
+        out, lse = _native.ext.fused_attention(q, k, v, scale=0.9, causal=True, output_lse=True)
+        return (lse * mx.array(w.astype(np.float32))).sum() + out.sum()
+
+    def loss_numpy(q64, k64, v64):
+        logits = 0.9 * q64 @ np.repeat(k64, 2, axis=1).swapaxes(-1, -2)
+        logits = np.where(np.tril(np.ones((3, 4), bool), k=1), logits, -np.inf)
+        lse = np.log(np.exp(logits).sum(-1))
+        return float((lse * w).sum() + numpy_attention(q64, k64, v64, scale=0.9, mask="causal").sum())
+
+    got = np.array(mx.grad(loss)(q))
+    arrays = [np.array(a).astype(np.float64) for a in (q, k, v)]
+    np.testing.assert_allclose(got, _finite_differences(loss_numpy, arrays, 0), atol=3e-5, rtol=1e-4)
+
+
+def test_fused_backward_does_not_use_the_reference_rule():
+    """With the reference-path rule replaced by one that fails, CPU gradients
+    of the fused path still work (they come from the fused backward) while
+    forward-mode derivatives reach the rule."""
+
+    def failing_rule(mode, *args):
+        raise RuntimeError(f"reference rule called ({mode})")
+
+    q, k, v = make_qkv(1, 2, 1, 10, 12, 8, seed=1)
+    _native.ext.set_differentiation_rule(failing_rule)
+    try:
+        grads = _grads(q, k, v, None, "fused", _loss_weights((1, 2, 10, 8)), scale=0.3, mask="causal")
+        assert all(np.isfinite(np.array(g)).all() for g in grads)
+        with pytest.raises(RuntimeError, match="reference rule called"):
+            f = lambda q: mlx_attn.scaled_dot_product_attention(q, k, v, scale=0.3, backend="fused")
+            mx.eval(mx.jvp(f, [q], [mx.ones_like(q)]))
+    finally:
+        from mlx_attn.ops import _reference_derivative
+
+        _native.ext.set_differentiation_rule(_reference_derivative)
+
+
+def _peak_gradient_memory(backend, q, k, v):
+    def loss(q, k, v):
+        return mlx_attn.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal", backend=backend).sum()
+
+    mx.eval(q, k, v)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    grads = mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    mx.eval(grads)
+    peak = mx.get_peak_memory() - base
+    del grads
+    return peak
+
+
+def test_fused_backward_allocates_no_score_matrix():
+    """Tq x Tkv float32 for one head is 16 MiB here; the fused forward and
+    backward together stay far below it (inputs, outputs and gradients are
+    ~3 MiB), the reference path's autodiff does not."""
+    t, heads, d = 2048, 2, 32
+    q, k, v = make_qkv(1, heads, heads, t, t, d, seed=0)
+    score_matrix = t * t * 4
+    fused_peak = _peak_gradient_memory("fused", q, k, v)
+    reference_peak = _peak_gradient_memory("reference", q, k, v)
+    assert reference_peak > score_matrix  # the measurement sees such a buffer
+    assert fused_peak < score_matrix / 2, f"fused peak {fused_peak / 2**20:.1f} MiB"
+
+
+def test_module_gradients_fused_match_reference():
+    """nn.value_and_grad through MultiHeadAttention (GQA, causal): the fused
+    backend's loss and parameter gradients equal the reference backend's."""
+    mx.random.seed(0)
+    fused_attn = MultiHeadAttention(32, 4, 2, backend="fused")
+    reference_attn = MultiHeadAttention(32, 4, 2, backend="reference")
+    reference_attn.update(fused_attn.parameters())
+    x = mx.random.normal((2, 20, 32))
+
+    def loss(model, x):
+        return (model(x, mask="causal") ** 2).mean()
+
+    (fused_loss, fused_grads) = nn.value_and_grad(fused_attn, loss)(fused_attn, x)
+    (ref_loss, ref_grads) = nn.value_and_grad(reference_attn, loss)(reference_attn, x)
+    assert abs(fused_loss.item() - ref_loss.item()) < 1e-5
+    flat_fused = dict(_flatten(fused_grads))
+    for name, g in _flatten(ref_grads):
+        np.testing.assert_allclose(np.array(flat_fused[name]), np.array(g), atol=2e-5, err_msg=name)
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _flatten(value, f"{prefix}{i}.")
+    else:
+        yield prefix, tree
+
+
+def _load_training_example():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_shakespeare.py"
+    spec = importlib.util.spec_from_file_location("train_shakespeare", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_example_fused_equals_reference_and_learns():
+    """A tiny config of examples/train_shakespeare.py on the start of the
+    works: the loss falls, and fused and reference attention train to the
+    same losses (same seed, same batches)."""
+    from mlx_attn.lm.data import fetch_shakespeare
+
+    example = _load_training_example()
+    text = fetch_shakespeare()[:20000]
+    losses = {}
+    for backend in ("fused", "reference"):
+        cfg = example.Config(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden=64, context=32, backend=backend)
+        _, _, losses[backend], _ = example.train(
+            cfg, text, steps=30, minutes=None, batch=8, lr=1e-2, log=lambda *_: None, progress=False
+        )
+    fused, reference = np.array(losses["fused"]), np.array(losses["reference"])
+    assert fused[-5:].mean() < fused[:5].mean() - 0.5
+    np.testing.assert_allclose(fused, reference, rtol=2e-3)
+
+
+def test_backward_benchmark_quick_run(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_backward", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--quick", "--heads", "2", "--repeats", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_backward.json").read_text())
+    assert saved["rows"] == rows and len(rows) == 4
+    assert all(r["fused_s"] > 0 and "reference_s" in r for r in rows)
+    assert (tmp_path / "bench_backward.png").stat().st_size > 10_000
