@@ -19,7 +19,9 @@ that died is reported as :class:`DistributedError` by MLX's ring backend at
 once; a peer that hangs or never connects would block forever, so after
 ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, or the environment
 variable :data:`TIMEOUT_ENV`) the process prints what it waited for and exits
-with :data:`WATCHDOG_EXIT_CODE` (a blocked native call cannot be interrupted).
+with :data:`WATCHDOG_EXIT_CODE` (a blocked native call cannot be interrupted);
+:func:`init` (whose native connection loop holds the GIL) is ended by SIGTERM
+from a watcher process instead.
 See ``docs/distributed.md``.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
 import sys
 import threading
 from typing import Literal
@@ -99,17 +102,23 @@ def _timeout_seconds(timeout: float | None) -> float:
     return float(timeout)
 
 
+def _timeout_message(what: str, seconds: float) -> str:
+    rank = os.environ.get("MLX_RANK", "?")
+    return (
+        f"mlx_attn.distributed: rank {rank}: {what} did not finish within {seconds:g} s "
+        f"(a peer hung, died or never connected; set {TIMEOUT_ENV} to wait longer); exiting\n"
+    )
+
+
 @contextlib.contextmanager
 def _watchdog(what: str, timeout: float | None):
-    """Exits the process with a clear message if the block runs past ``timeout``."""
+    """Exits the process (code WATCHDOG_EXIT_CODE) with a clear message if the
+    block runs past ``timeout``. A thread suffices because ``mx.eval``
+    releases the GIL while it waits on a socket."""
     seconds = _timeout_seconds(timeout)
 
     def expire():
-        rank = os.environ.get("MLX_RANK", "?")
-        sys.stderr.write(
-            f"mlx_attn.distributed: rank {rank}: {what} did not finish within {seconds:g} s "
-            f"(a peer hung, died or never connected; set {TIMEOUT_ENV} to wait longer); exiting\n"
-        )
+        sys.stderr.write(_timeout_message(what, seconds))
         sys.stderr.flush()
         os._exit(WATCHDOG_EXIT_CODE)
 
@@ -120,6 +129,34 @@ def _watchdog(what: str, timeout: float | None):
         yield
     finally:
         timer.cancel()
+
+
+# The watcher process waits on its stdin: EOF (we finished or died) ends it quietly.
+_WATCHER = """\
+import os, select, signal, sys
+seconds, message, parent = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    os.kill(parent, signal.SIGTERM)
+"""
+
+
+@contextlib.contextmanager
+def _process_watchdog(what: str, timeout: float | None):
+    """Like :func:`_watchdog` for native calls that keep the GIL (MLX's
+    connection loop in ``mx.distributed.init``), where no Python thread can
+    run: a watcher process prints the message and ends this one with SIGTERM."""
+    seconds = _timeout_seconds(timeout)
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _WATCHER, str(seconds), _timeout_message(what, seconds), str(os.getpid())],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        yield
+    finally:
+        watcher.stdin.close()
+        watcher.wait()
 
 
 def _communicate(what: str, arrays, group, timeout):
@@ -137,8 +174,9 @@ def _communicate(what: str, arrays, group, timeout):
 def init(*, backend: str = "ring", timeout: float | None = None) -> mx.distributed.Group:
     """``mx.distributed.init(strict=True, backend=backend)`` under the watchdog:
     a peer that never connects ends this process after ``timeout`` seconds
-    instead of hanging (MLX's ring backend waits forever)."""
-    with _watchdog(f"connecting the {backend!r} group", timeout):
+    instead of hanging (MLX's ring backend waits forever): the process is
+    ended with SIGTERM after a message on stderr."""
+    with _process_watchdog(f"connecting the {backend!r} group", timeout):
         return mx.distributed.init(strict=True, backend=backend)
 
 
