@@ -40,6 +40,11 @@ import mlx.core as mx
 from mlx_attn.ops import attention_path
 from mlx_attn.reference import causal_visibility
 
+try:  # the fused primitive can also return the log-sum-exp
+    from mlx_attn import _ext
+except ImportError:  # pragma: no cover - only without a build
+    _ext = None
+
 __all__ = [
     "DistributedError",
     "RingStats",
@@ -61,9 +66,9 @@ LAYOUTS = ("zigzag", "contiguous")
 TIMEOUT_ENV = "MLX_ATTN_DISTRIBUTED_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL: a peer, not this rank, is at fault
-# Queries per attention call in the plain-MLX block path: bounds the float32
-# score tile (rows x keys) a rank materializes.
-_QUERY_TILE = 256
+# Queries per attention call when blocks take the plain-MLX path: bounds the
+# float32 score tile (rows x keys) a rank materializes.
+_PLAIN_QUERY_TILE = 256
 
 
 class DistributedError(RuntimeError):
@@ -361,11 +366,33 @@ def attention_work(
 # block attention and the merge
 
 
+def _fused_lse_available(q, k, v, mask, window_size) -> bool:
+    return (
+        _ext is not None
+        and attention_path(q, k, v, scale=1.0, mask=mask, window_size=window_size) == "fused-cpu"
+    )
+
+
 def _attend_block(q, k, v, *, scale, mask=None, window_size=None):
-    """Attention of ``q`` to one key block: ``(out, lse)``, both float32;
-    ``out`` is normalized within the block, ``lse`` ``[B, Hq, Tq]`` is the
-    natural-log row log-sum-exp of the scaled scores (``-inf`` and ``out = 0``
-    for a row that sees no key). ``mask`` is None, "causal" or a bool array."""
+    """Attention of ``q`` to one key block: ``(out, lse)``. ``out`` is
+    normalized within the block; ``lse`` ``[B, Hq, Tq]`` float32 is the
+    natural-log row log-sum-exp of the scaled scores (``-inf``, with
+    ``out = 0``, for a row that sees no key). ``mask`` is None, "causal"
+    (with ``window_size``) or a bool array ``[Tq, Tk]``.
+
+    The fused CPU kernel computes both when it supports the problem (TODO:
+    the public ``scaled_dot_product_attention(..., return_lse=True)`` once it
+    exists); otherwise plain MLX ops in float32.
+    """
+    window_size = window_size if isinstance(mask, str) else None
+    if _fused_lse_available(q, k, v, mask, window_size):
+        b, hq, tq, _ = q.shape
+        array_mask = mx.broadcast_to(mask, (b, hq, tq, k.shape[2])) if isinstance(mask, mx.array) else None
+        out, lse = _ext.fused_attention(
+            q, k, v, scale=scale, causal=mask == "causal", window_size=window_size or 0,
+            mask=array_mask, output_lse=True,
+        )
+        return out, lse
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     qf = q.astype(mx.float32).reshape(b, hkv, hq // hkv, tq, d)  # GQA: group, never repeat K/V
@@ -504,10 +531,12 @@ def ring_attention(
     q_shard = layout_of(rank, q_len)
 
     # Accumulators per query tile: (global start, length, shard offset) -> (out, lse).
+    # The fused kernel never materializes scores: one tile per chunk then.
+    tile_len = q_shard.chunk_len if _fused_lse_available(q, k, v, None, None) else _PLAIN_QUERY_TILE
     tiles = [
-        (start + t, min(_QUERY_TILE, q_shard.chunk_len - t), offset + t)
+        (start + t, min(tile_len, q_shard.chunk_len - t), offset + t)
         for _, start, offset in q_shard.spans()
-        for t in range(0, q_shard.chunk_len, _QUERY_TILE)
+        for t in range(0, q_shard.chunk_len, tile_len)
     ]
     acc = {tile: None for tile in tiles}
 

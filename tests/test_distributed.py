@@ -45,7 +45,7 @@ def _full_lse(q, k, scale, visible=None):
     return mx.logsumexp(scores, axis=-1)
 
 
-def test_merge_partials_equals_attention_over_the_union():
+def test_merge_partials_equals_attention_over_the_union(block_path):
     q, k, v = _random((1, 2, 5, 4), 0), _random((1, 2, 9, 4), 1), _random((1, 2, 9, 3), 2)
     scale = 0.5
     expected = mlx_attn.reference_attention(q, k, v, scale=scale)
@@ -72,12 +72,33 @@ def test_merge_partials_handles_rows_that_see_nothing():
     assert mx.all(both_lse == -mx.inf).item()
 
 
-def test_attend_block_lse_of_an_empty_row_is_minus_infinity():
+@pytest.fixture(params=["fused", "plain"])
+def block_path(request, monkeypatch):
+    """Runs a test with blocks on the fused kernel and again on plain MLX ops."""
+    if request.param == "plain":
+        monkeypatch.setattr(dist, "_ext", None)
+    else:
+        assert dist._fused_lse_available(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)), None, None)
+    return request.param
+
+
+def test_attend_block_lse_of_an_empty_row_is_minus_infinity(block_path):
     q, k, v = _random((1, 1, 3, 4), 3), _random((1, 1, 3, 4), 4), _random((1, 1, 3, 4), 5)
     nothing_for_row_0 = mx.array([[False, False, False], [True, False, False], [True, True, True]])
     out, lse = dist._attend_block(q, k, v, scale=1.0, mask=nothing_for_row_0)
     assert lse[0, 0, 0].item() == -math.inf and mx.all(out[0, 0, 0] == 0).item()
     assert mx.allclose(lse[0, 0, 1:], _full_lse(q, k, 1.0, nothing_for_row_0)[0, 0, 1:], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_attend_block_causal_matches_scaled_dot_product_attention(block_path, window):
+    q, k, v = _random((1, 4, 6, 8), 15), _random((1, 2, 6, 8), 16), _random((1, 2, 6, 8), 17)
+    out, lse = dist._attend_block(q, k, v, scale=0.4, mask="causal", window_size=window)
+    expected = mlx_attn.scaled_dot_product_attention(q, k, v, scale=0.4, mask="causal", window_size=window)
+    visible = mlx_attn.reference.causal_visibility(6, 6, window)
+    k_repeated = mx.repeat(k, 2, axis=1)
+    assert mx.allclose(out, expected, atol=1e-5).item()
+    assert mx.allclose(lse, _full_lse(q, k_repeated, 0.4, visible), atol=1e-5).item()
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4, 8])
@@ -102,7 +123,7 @@ def test_attention_work_counts_window_pairs():
 
 @pytest.mark.parametrize("layout", dist.LAYOUTS)
 @pytest.mark.parametrize("mask,window", [(None, None), ("causal", None), ("causal", 3), (None, 5)])
-def test_one_rank_equals_scaled_dot_product_attention(layout, mask, window):
+def test_one_rank_equals_scaled_dot_product_attention(layout, mask, window, block_path):
     q, k, v = _random((2, 4, 16, 8), 6), _random((2, 2, 16, 8), 7), _random((2, 2, 16, 8), 8)
     sinks = _random((4,), 9)
     stats = dist.RingStats()
