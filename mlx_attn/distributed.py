@@ -411,15 +411,8 @@ def _attend_block(q, k, v, *, scale, mask=None, window_size=None):
     return out.reshape(b, hq, tq, v.shape[-1]), lse.reshape(b, hq, tq)
 
 
-def merge_partials(out_a: mx.array, lse_a: mx.array, out_b: mx.array, lse_b: mx.array):
-    """Exact softmax merge of two partial attentions over disjoint key sets.
-
-    ``out_*`` ``[..., T, Dv]`` are each normalized over their own keys and
-    ``lse_*`` ``[..., T]`` are their row log-sum-exps; returns ``(out, lse)``
-    in float32 as if attention had run over the union. A side with
-    ``lse = -inf`` (no key seen) contributes nothing; both ``-inf`` give
-    ``out = 0, lse = -inf`` (never NaN).
-    """
+@mx.compile  # one fused elementwise pass: no float32 temporaries per term
+def _merge(out_a, lse_a, out_b, lse_b):
     lse_a, lse_b = lse_a.astype(mx.float32), lse_b.astype(mx.float32)
     top = mx.maximum(lse_a, lse_b)
     top = mx.where(top == -mx.inf, 0.0, top)
@@ -429,6 +422,18 @@ def merge_partials(out_a: mx.array, lse_a: mx.array, out_b: mx.array, lse_b: mx.
     safe_total = mx.where(total == 0, 1.0, total)[..., None]
     out = (out_a.astype(mx.float32) * weight_a[..., None] + out_b.astype(mx.float32) * weight_b[..., None]) / safe_total
     return out, lse
+
+
+def merge_partials(out_a: mx.array, lse_a: mx.array, out_b: mx.array, lse_b: mx.array):
+    """Exact softmax merge of two partial attentions over disjoint key sets.
+
+    ``out_*`` ``[..., T, Dv]`` are each normalized over their own keys and
+    ``lse_*`` ``[..., T]`` are their row log-sum-exps; returns ``(out, lse)``
+    in float32 as if attention had run over the union. A side with
+    ``lse = -inf`` (no key seen) contributes nothing; both ``-inf`` give
+    ``out = 0, lse = -inf`` (never NaN).
+    """
+    return _merge(out_a, lse_a, out_b, lse_b)
 
 
 # --------------------------------------------------------------------------
@@ -567,11 +572,9 @@ def ring_attention(
 
     k_shard = layout_of(rank, kv_len)
     block = {
-        # contiguous copies: send() transmits the buffer
-        c: (mx.contiguous(k[:, :, off : off + k_shard.chunk_len]), mx.contiguous(v[:, :, off : off + k_shard.chunk_len]))
+        c: (k[:, :, off : off + k_shard.chunk_len], v[:, :, off : off + k_shard.chunk_len])
         for c, _, off in k_shard.spans()
     }
-    mx.eval(*[a for kv in block.values() for a in kv])
     for step in range(ranks):
         source = (rank - step) % ranks
         attend(block, layout_of(source, kv_len))
@@ -582,18 +585,18 @@ def ring_attention(
         block = _pass_block(block, step + 1, source, group, k_shard.chunk_len, kv_len, layout_of,
                             needed_downstream, k, v, timeout, stats)
 
-    outs, lses = [], []
+    outs = []
     for tile in tiles:
         if acc[tile] is None:  # no key visible anywhere
             b, hq = q.shape[:2]
             acc[tile] = (mx.zeros((b, hq, tile[1], v.shape[-1]), mx.float32), mx.full((b, hq, tile[1]), -mx.inf))
-        outs.append(acc[tile][0])
-        lses.append(acc[tile][1])
-    out, lse = mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)
-    if sinks is not None:  # a sink is a partial with no value and log-mass `sink`
-        sink_lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], lse.shape)
-        out, lse = merge_partials(out, lse, mx.zeros_like(out), sink_lse)
-    return out.astype(out_dtype)
+        out, lse = acc.pop(tile)
+        if sinks is not None:  # a sink is a partial with no value and log-mass `sink`
+            sink_lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], lse.shape)
+            out, _ = merge_partials(out, lse, mx.zeros_like(out), sink_lse)
+        outs.append(out.astype(out_dtype))
+        mx.eval(outs[-1])  # frees this tile's float32 accumulator before the next
+    return mx.concatenate(outs, axis=2)
 
 
 def _pass_block(block, exchange, held_source, group, chunk_len, kv_len, layout_of, needed_downstream, k, v,
@@ -617,8 +620,9 @@ def _pass_block(block, exchange, held_source, group, chunk_len, kv_len, layout_o
     def send():
         for c in to_send:
             for a in block[c]:
-                _communicate(f"{what}: sending to rank {right}", [mx.distributed.send(a, right, group=group)], group,
-                             timeout)
+                # a chunk of a shard is a strided view: send a short-lived contiguous copy
+                sent = mx.distributed.send(mx.contiguous(a), right, group=group)
+                _communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
                 if stats is not None:
                     stats.bytes_sent += a.nbytes
 
