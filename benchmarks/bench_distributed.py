@@ -38,10 +38,10 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration")
     parser.add_argument("--lengths", default="8192,16384,32768,65536", help="comma-separated sequence lengths")
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (1 = single-process fused)")
-    parser.add_argument("--q-heads", type=int, default=2)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--q-heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--layout", default="zigzag", choices=dist.LAYOUTS)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: the results file of one rank

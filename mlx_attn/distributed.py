@@ -585,6 +585,7 @@ def ring_attention(
         block = _pass_block(block, step + 1, source, group, k_shard.chunk_len, kv_len, layout_of,
                             needed_downstream, k, v, timeout, stats)
 
+    del block  # the last received K/V: not needed while the output is assembled
     outs = []
     for tile in tiles:
         if acc[tile] is None:  # no key visible anywhere
