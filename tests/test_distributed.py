@@ -361,3 +361,28 @@ def test_a_peer_that_never_connects_trips_the_watchdog(tmp_path):
     assert code == -signal.SIGTERM, stderr
     assert "connecting the 'ring' group did not finish within 3 s" in stderr, stderr
     assert not (tmp_path / "rank0.json").exists()
+
+
+# --------------------------------------------------------------------------
+# the benchmark script
+
+
+def test_benchmark_smoke_run(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_distributed.py"
+    spec = importlib.util.spec_from_file_location("bench_distributed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    table = bench.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_distributed.json").read_text())
+    assert saved["table"] == table
+    assert (tmp_path / "bench_distributed.png").stat().st_size > 10_000
+    assert {(row["ranks"], row["seq_len"]) for row in table} == {(1, 512), (1, 1024), (2, 512), (2, 1024)}
+    for row in table:
+        assert row["peak_mib_per_rank"] > 0 and row["seconds_slowest_rank"] > 0
+        if row["ranks"] == 2:
+            assert 0.5 <= row["sent_vs_lower_bound"] <= 1.1  # zigzag causal: rank 0 skips a chunk nobody needs
+            assert row["work_max_vs_mean"] <= 1.1
+            assert row["peak_vs_single"] < 1.5
+    assert not list(tmp_path.glob(".bench_distributed_*"))  # per-rank files cleaned up
