@@ -610,7 +610,11 @@ def _pass_block(block, exchange, held_source, group, chunk_len, kv_len, layout_o
     ranks, rank = group.size(), group.rank()
     right, left = (rank + 1) % ranks, (rank - 1) % ranks
     incoming_source = (held_source - 1) % ranks
-    to_send = [c for c in sorted(block) if needed_downstream(held_source, c, exchange, chunk_len)]
+    # both sides walk chunks in layout order, so the k/v messages pair up
+    to_send = [
+        c for c in layout_of(held_source, kv_len).chunks
+        if c in block and needed_downstream(held_source, c, exchange, chunk_len)
+    ]
     to_receive = [
         c for c in layout_of(incoming_source, kv_len).chunks if needed_downstream(incoming_source, c, exchange, chunk_len)
     ]
