@@ -16,6 +16,7 @@ Prints a table and saves ``bench_distributed.json`` and ``bench_distributed.png`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -76,7 +77,7 @@ def measure(args, group):
                 q, k, v, scale=scale, mask="causal", group=group, layout=args.layout, stats=stats
             )
         mx.eval(attend())  # warm-up (also the counters of one call)
-        counters = dataclass_dict(stats)
+        counters = dataclasses.asdict(stats)
         mx.reset_peak_memory()
         start = time.perf_counter()
         out = attend()
@@ -94,10 +95,6 @@ def measure(args, group):
         })
         del q, k, v, out
     return rows
-
-
-def dataclass_dict(stats):
-    return {"bytes_sent": stats.bytes_sent, "visible_pairs": stats.visible_pairs}
 
 
 def worker(args):
