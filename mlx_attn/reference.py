@@ -10,6 +10,13 @@ GQA/MQA are computed by grouping the query heads ``[B, Hkv, G, Tq, D]`` against
 ``[B, Hkv, 1, Tkv, D]`` keys, so keys and values are never repeated.
 
 A query row that can see no key (every key masked) returns zeros.
+
+Numbers: every logit (``scale * q.k``, the logit plus an additive mask value,
+and each sink) saturates to ``[-LOGIT_LIMIT, LOGIT_LIMIT]`` (2^125); an
+additive mask value at or below ``MASKED_LOGIT`` (-2^127, so ``-inf``
+included) masks the key. Differences of saturated logits cannot
+overflow, so any finite float32 scale gives finite outputs for finite inputs.
+The fused kernels follow the same rule (``metal/attention_params.h``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ import contextlib
 
 import mlx.core as mx
 
-__all__ = ["reference_attention", "causal_visibility"]
+__all__ = ["reference_attention", "causal_visibility", "LOGIT_LIMIT", "MASKED_LOGIT"]
+
+# Same values as MLX_ATTN_LOGIT_LIMIT / MLX_ATTN_MASKED_LOGIT in
+# metal/attention_params.h (tests/test_native.py checks).
+LOGIT_LIMIT = 2.0**125
+MASKED_LOGIT = -(2.0**127)
+
+
+def _saturate(x: mx.array) -> mx.array:
+    return mx.clip(x, -LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -> mx.array:
@@ -37,9 +53,12 @@ def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -
 
 
 def _group_heads(x: mx.array, kv_heads: int) -> mx.array:
-    """[B, Hq, ...] -> [B, Hkv, G, ...] (a reshape, no copy of K/V)."""
-    b, hq = x.shape[:2]
-    return x.reshape(b, kv_heads, hq // kv_heads, *x.shape[2:])
+    """[B, Hq, ...] -> [B, Hkv, G, ...] (no copy of K/V). Shape-free ops
+    (unflatten, expand_dims, flatten) here and below keep the path correct
+    under mx.compile(shapeless=True) when the lengths change."""
+    if x.shape[1] == 1:  # broadcast over every head
+        return mx.expand_dims(x, 2)
+    return mx.unflatten(x, 1, (kv_heads, -1))
 
 
 def reference_attention(
@@ -52,6 +71,7 @@ def reference_attention(
     sinks: mx.array | None = None,
     window_size: int | None = None,
     return_weights: bool = False,
+    return_lse: bool = False,
     dropout_p: float = 0.0,
     dropout_key: mx.array | None = None,
     stream: mx.Stream | mx.Device | None = None,
@@ -60,7 +80,10 @@ def reference_attention(
 
     Same arguments as :func:`mlx_attn.scaled_dot_product_attention` (inputs
     are assumed valid). ``return_weights=True`` also returns the attention
-    weights ``[B, Hq, Tq, Tkv]`` (float32, after dropout). ``dropout_p`` drops
+    weights ``[B, Hq, Tq, Tkv]`` (float32, after dropout); ``return_lse=True``
+    also returns the row log-sum-exp ``[B, Hq, Tq]`` (float32, natural log of
+    the softmax denominator, sinks included; ``-inf`` for a row that sees no
+    key), last. ``dropout_p`` drops
     weights with that probability and rescales the rest by ``1/(1-p)``
     (training only); ``dropout_key`` makes it reproducible.
     """
@@ -71,26 +94,28 @@ def reference_attention(
         if kv_len == 0:  # no key to see: every row is fully masked
             out = mx.zeros((batch, q_heads, q_len, v.shape[-1]), dtype=out_dtype)
             weights = mx.zeros((batch, q_heads, q_len, 0), dtype=mx.float32)
-            return (out, weights) if return_weights else out
+            lse = mx.full((batch, q_heads, q_len), -mx.inf, dtype=mx.float32)
+            return _results(out, weights if return_weights else None, lse if return_lse else None)
 
         qf = _group_heads(q.astype(mx.float32), kv_heads)  # [B,Hkv,G,Tq,D]
         kf = k.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,D]
         vf = v.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,Dv]
 
         # score, scale
-        scores = (qf @ kf.swapaxes(-1, -2)) * scale  # [B,Hkv,G,Tq,Tkv]
+        scores = _saturate((qf @ kf.swapaxes(-1, -2)) * scale)  # [B,Hkv,G,Tq,Tkv]
 
         # mask: `visible` is False where a key may not be seen
         visible = None
         if isinstance(mask, str) or window_size is not None:
             visible = causal_visibility(q_len, kv_len, window_size)
         if isinstance(mask, mx.array):
-            full = mx.broadcast_to(mask, (batch, q_heads, q_len, kv_len))
-            full = _group_heads(full, kv_heads)
+            full = mask if mask.ndim == 4 else mx.expand_dims(mask, list(range(4 - mask.ndim)))
+            full = _group_heads(full, kv_heads)  # broadcasts against [B,Hkv,G,Tq,Tkv]
             if full.dtype == mx.bool_:
                 visible = full if visible is None else (visible & full)
             else:
-                scores = scores + full.astype(mx.float32)
+                added = full.astype(mx.float32)
+                scores = mx.where(added <= MASKED_LOGIT, -mx.inf, _saturate(scores + added))
         if visible is not None:
             scores = mx.where(visible, scores, -mx.inf)
 
@@ -98,7 +123,7 @@ def reference_attention(
         row_max = scores.max(axis=-1, keepdims=True)
         if sinks is not None:
             sink_logits = _group_heads(
-                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1), kv_heads
+                mx.expand_dims(_saturate(sinks.astype(mx.float32)), (0, 2, 3)), kv_heads
             )
             row_max = mx.maximum(row_max, sink_logits)
         # A row that sees nothing has max -inf; any finite shift keeps exp = 0.
@@ -107,6 +132,9 @@ def reference_attention(
         row_sum = weights.sum(axis=-1, keepdims=True)
         if sinks is not None:
             row_sum = row_sum + mx.exp(sink_logits - row_max)
+        lse = None
+        if return_lse:  # the softmax denominator in log space: what partial results merge by
+            lse = mx.flatten(mx.where(row_sum == 0, -mx.inf, row_max + mx.log(row_sum)).squeeze(-1), 1, 2)
         # normalize (rows that see nothing get all-zero weights)
         weights = weights / mx.where(row_sum == 0, 1.0, row_sum)
 
@@ -118,8 +146,12 @@ def reference_attention(
 
         # aggregate
         out = weights @ vf  # [B,Hkv,G,Tq,Dv]
-        out = out.reshape(batch, q_heads, q_len, v.shape[-1]).astype(out_dtype)
-        if return_weights:
-            return out, weights.reshape(batch, q_heads, q_len, kv_len)
-        return out
+        out = mx.flatten(out, 1, 2).astype(out_dtype)
+        return _results(out, mx.flatten(weights, 1, 2) if return_weights else None, lse)
+
+
+def _results(out, weights, lse):
+    """``out``, then the weights and the log-sum-exp where asked for."""
+    extra = tuple(x for x in (weights, lse) if x is not None)
+    return (out, *extra) if extra else out
 

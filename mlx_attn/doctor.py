@@ -1,0 +1,203 @@
+"""``mlx-attn doctor``: what this machine runs, checked against the reference.
+
+Prints a Markdown report to paste into a bug report: versions, device, which
+kernels the build carries, every kernel variant's check against the reference
+path on a grid of shapes (masks, GQA, window, sinks, decode splits), and a
+short timing table next to ``mx.fast`` and the reference path. The report is
+``ok`` only if every check passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import sys
+import time
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_attn
+from mlx_attn import _native, self_check
+from mlx_attn.ops import metal_kernel_runner
+from mlx_attn.self_check import Case, CheckResult, Variant
+
+__all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid"]
+
+METAL_HEAD_DIMS = (64, 80, 96, 128, 256)
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
+
+
+@dataclasses.dataclass
+class DoctorReport:
+    markdown: str
+    ok: bool
+    cpu_results: list[CheckResult]
+    metal_results: list[CheckResult]
+
+
+def _extra_cases(variant: Variant) -> list[Case]:
+    """Beyond the canonical self-check: more GQA ratios, MQA, long decode."""
+    if variant.phase == "prefill":
+        return [
+            Case("MQA causal", 1, 8, 1, 64, 64, mask="causal"),
+            Case("cross (Tq < Tkv), bool", 1, 2, 2, 48, 200, mask="bool"),
+            Case("window only", 1, 2, 1, 70, 70, window_size=16),
+        ]
+    return [
+        Case("GQA 8, long", 1, 8, 1, 1, 2048),
+        Case("GQA 3, additive", 1, 6, 2, 2, 513, mask="additive"),
+        Case("sinks only", 1, 2, 2, 1, 65, sinks=True),
+    ]
+
+
+def metal_grid(variant: Variant) -> list[Case]:
+    return self_check.canonical_cases(variant) + _extra_cases(variant)
+
+
+def cpu_grid(variant: Variant) -> list[Case]:
+    # One CPU kernel serves both phases; the prefill and decode shapes cover it.
+    return metal_grid(variant)
+
+
+def _environment_rows(native) -> list[tuple[str, str]]:
+    rows = [
+        ("mlx_attn", mlx_attn.__version__),
+        ("MLX", mx.__version__),
+        ("Python", sys.version.split()[0]),
+        ("OS", platform.platform()),
+        ("machine", platform.machine()),
+        ("default device", str(mx.default_device())),
+    ]
+    if native is None:
+        rows.append(("native extension", "NOT LOADED: fused kernels unavailable (see warnings)"))
+        return rows
+    rows.append(("native extension", f"built with MLX {native.built_with_mlx}"))
+    rows.append(("CPU kernel ISA", f"{native.cpu_isa()} (this CPU can run: {', '.join(native.supported_cpu_isas())})"))
+    metal = mx.metal.is_available()
+    rows.append(("Metal available (MLX)", str(metal)))
+    rows.append(("Metal kernels in this build", str(native.has_metal())))
+    if metal:
+        info = mx.metal.device_info()
+        rows.append(("GPU", f"{info.get('device_name', '?')} ({info.get('architecture', '?')})"))
+        rows.append(("Metal library", "compiled at run time from the embedded source, or the prebuilt "
+                     "mlx_attn.metallib next to _ext when installed with MLX_ATTN_PREBUILT_METALLIB=ON"))
+    return rows
+
+
+def _check_rows(results: list[CheckResult], label: str = "") -> list[str]:
+    lines = ["| variant | cases | max abs error | tolerance | result |", "|---|---|---|---|---|"]
+    for r in results:
+        verdict = "pass" if r.passed else f"**FAIL**: {r.error}"
+        lines.append(
+            f"| {label}{r.variant} | {r.cases} | {r.max_error:.2e} | {self_check.TOLERANCE[r.variant.dtype]:g} | {verdict} |"
+        )
+    return lines
+
+
+def _median_ms(fn, repeats: int) -> float:
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def _timing_lines(stream, dtype, lengths, repeats: int) -> list[str]:
+    lines = [
+        "| phase | T | D | causal | fused ms | mx.fast ms | reference ms | fused speed-up vs mx.fast |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    heads, kv_heads = 8, 2
+    for t in lengths:
+        for d in (64, 128):
+            for phase, tq in (("prefill", t), ("decode", 1)):
+                causal = phase == "prefill"
+                rng = np.random.default_rng(0)
+                q, k, v = (
+                    mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+                    for shape in ((1, heads, tq, d), (1, kv_heads, t, d), (1, kv_heads, t, d))
+                )
+                mask = "causal" if causal else None
+                scale = d**-0.5
+
+                def run(backend):
+                    return lambda: mlx_attn.scaled_dot_product_attention(
+                        q, k, v, scale=scale, mask=mask, stream=stream, backend=backend
+                    )
+
+                fused = _median_ms(run("fused"), repeats)
+                fast = _median_ms(
+                    lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, stream=stream),
+                    repeats,
+                )
+                reference = _median_ms(run("reference"), repeats)
+                lines.append(
+                    f"| {phase} | {t} | {d} | {causal} | {fused:.2f} | {fast:.2f} | {reference:.2f} | {fast / fused:.2f}x |"
+                )
+    return lines
+
+
+def run_doctor(
+    *,
+    metal_runner: Callable | None = None,
+    variants: list[Variant] | None = None,
+    timings: bool = True,
+    lengths: tuple[int, ...] = (256, 1024),
+    repeats: int = 3,
+    native=None,
+) -> DoctorReport:
+    """Builds the report. ``metal_runner`` runs the Metal kernels (default:
+    the real GPU when this build and machine have Metal; the tests pass the
+    MSL emulator); ``variants`` limits the Metal variants checked."""
+    native = _native.ext if native is None else native
+    if metal_runner is None and native is not None and mx.metal.is_available() and native.has_metal():
+        metal_runner = metal_kernel_runner(mx.gpu)
+    lines = ["# mlx_attn doctor report", "", "## Environment", "", "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in _environment_rows(native)]
+    ok = native is not None
+    cpu_results: list[CheckResult] = []
+    metal_results: list[CheckResult] = []
+
+    lines += ["", "## Fused CPU kernel against the reference path", ""]
+    if native is None:
+        lines.append("Not checked: the native extension is not loaded.")
+    else:
+        def cpu_runner(q, k, v, **kwargs):
+            return mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.cpu, **kwargs)
+
+        cpu_variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in (64, 128)]
+        cpu_results = [self_check.check_variant(v, cpu_runner, cpu_grid(v)) for v in cpu_variants]
+        lines += _check_rows(cpu_results, label="cpu ")
+        ok &= all(r.passed for r in cpu_results)
+
+    lines += ["", "## Metal kernels against the reference path", ""]
+    if metal_runner is None:
+        reason = (
+            "Metal is not available on this machine"
+            if not mx.metal.is_available()
+            else "this build of mlx_attn has no Metal kernels"
+        )
+        lines.append(f"Not checked: {reason}.")
+    else:
+        if variants is None:
+            variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in METAL_HEAD_DIMS]
+        metal_results = [self_check.check_variant(v, metal_runner, metal_grid(v)) for v in variants]
+        lines += _check_rows(metal_results)
+        ok &= all(r.passed for r in metal_results)
+        failed = [str(r.variant) for r in metal_results if not r.passed]
+        if failed:
+            lines += ["", f"Variants that would be disabled by the first-use self-check: {', '.join(failed)}."]
+
+    if timings and native is not None:
+        on_gpu = metal_runner is not None and mx.metal.is_available()
+        device = "GPU" if on_gpu else "CPU"
+        dtype = mx.float16 if on_gpu else mx.float32
+        lines += ["", f"## Timings on the {device} (median of {repeats}, {dtype}, 8 query / 2 KV heads)", ""]
+        lines += _timing_lines(mx.gpu if on_gpu else mx.cpu, dtype, lengths, repeats)
+
+    lines += ["", f"**Result: {'all checks passed' if ok else 'MISMATCHES FOUND (see above)'}**", ""]
+    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results)
