@@ -37,13 +37,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from mlx_attn.ops import attention_path
-from mlx_attn.reference import causal_visibility
-
-try:  # the fused primitive can also return the log-sum-exp
-    from mlx_attn import _ext
-except ImportError:  # pragma: no cover - only without a build
-    _ext = None
+from mlx_attn.ops import attention_path, scaled_dot_product_attention
 
 __all__ = [
     "DistributedError",
@@ -66,9 +60,11 @@ LAYOUTS = ("zigzag", "contiguous")
 TIMEOUT_ENV = "MLX_ATTN_DISTRIBUTED_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL: a peer, not this rank, is at fault
-# Queries per attention call when blocks take the plain-MLX path: bounds the
-# float32 score tile (rows x keys) a rank materializes.
-_PLAIN_QUERY_TILE = 256
+# Queries per attention call when blocks take the reference path (no fused
+# kernel): bounds the float32 score tile (rows x keys) a rank materializes.
+_REFERENCE_QUERY_TILE = 256
+# The blocks' backend; tests set "reference" to cover the tiled path.
+_BLOCK_BACKEND = "auto"
 
 
 class DistributedError(RuntimeError):
@@ -366,11 +362,8 @@ def attention_work(
 # block attention and the merge
 
 
-def _fused_lse_available(q, k, v, mask, window_size) -> bool:
-    return (
-        _ext is not None
-        and attention_path(q, k, v, scale=1.0, mask=mask, window_size=window_size) == "fused-cpu"
-    )
+def _scores_materialized(q, k, v) -> bool:
+    return attention_path(q, k, v, scale=1.0, backend=_BLOCK_BACKEND) == "reference"
 
 
 def _attend_block(q, k, v, *, scale, mask=None, window_size=None):
@@ -378,37 +371,11 @@ def _attend_block(q, k, v, *, scale, mask=None, window_size=None):
     normalized within the block; ``lse`` ``[B, Hq, Tq]`` float32 is the
     natural-log row log-sum-exp of the scaled scores (``-inf``, with
     ``out = 0``, for a row that sees no key). ``mask`` is None, "causal"
-    (with ``window_size``) or a bool array ``[Tq, Tk]``.
-
-    The fused CPU kernel computes both when it supports the problem (TODO:
-    the public ``scaled_dot_product_attention(..., return_lse=True)`` once it
-    exists); otherwise plain MLX ops in float32.
-    """
-    window_size = window_size if isinstance(mask, str) else None
-    if _fused_lse_available(q, k, v, mask, window_size):
-        b, hq, tq, _ = q.shape
-        array_mask = mx.broadcast_to(mask, (b, hq, tq, k.shape[2])) if isinstance(mask, mx.array) else None
-        out, lse = _ext.fused_attention(
-            q, k, v, scale=scale, causal=mask == "causal", window_size=window_size or 0,
-            mask=array_mask, output_lse=True,
-        )
-        return out, lse
-    b, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    qf = q.astype(mx.float32).reshape(b, hkv, hq // hkv, tq, d)  # GQA: group, never repeat K/V
-    kf = k.astype(mx.float32)[:, :, None]
-    vf = v.astype(mx.float32)[:, :, None]
-    scores = (qf @ kf.swapaxes(-1, -2)) * scale
-    visible = causal_visibility(tq, tk, window_size) if isinstance(mask, str) else mask
-    if visible is not None:
-        scores = mx.where(visible, scores, -mx.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max = mx.where(row_max == -mx.inf, 0.0, row_max)
-    weights = mx.exp(scores - row_max)
-    row_sum = weights.sum(axis=-1, keepdims=True)
-    out = (weights @ vf) / mx.where(row_sum == 0, 1.0, row_sum)
-    lse = row_max + mx.log(row_sum)  # log(0) = -inf for rows that see nothing
-    return out.reshape(b, hq, tq, v.shape[-1]), lse.reshape(b, hq, tq)
+    (with ``window_size``) or a bool array ``[Tq, Tk]``."""
+    return scaled_dot_product_attention(
+        q, k, v, scale=scale, mask=mask, window_size=window_size if isinstance(mask, str) else None,
+        backend=_BLOCK_BACKEND, return_lse=True,
+    )
 
 
 @mx.compile  # one fused elementwise pass: no float32 temporaries per term
@@ -537,7 +504,7 @@ def ring_attention(
 
     # Accumulators per query tile: (global start, length, shard offset) -> (out, lse).
     # The fused kernel never materializes scores: one tile per chunk then.
-    tile_len = q_shard.chunk_len if _fused_lse_available(q, k, v, None, None) else _PLAIN_QUERY_TILE
+    tile_len = _REFERENCE_QUERY_TILE if _scores_materialized(q, k, v) else q_shard.chunk_len
     tiles = [
         (start + t, min(tile_len, q_shard.chunk_len - t), offset + t)
         for _, start, offset in q_shard.spans()

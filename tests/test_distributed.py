@@ -72,13 +72,15 @@ def test_merge_partials_handles_rows_that_see_nothing():
     assert mx.all(both_lse == -mx.inf).item()
 
 
-@pytest.fixture(params=["fused", "plain"])
+@pytest.fixture(params=["fused", "reference"])
 def block_path(request, monkeypatch):
-    """Runs a test with blocks on the fused kernel and again on plain MLX ops."""
-    if request.param == "plain":
-        monkeypatch.setattr(dist, "_ext", None)
-    else:
-        assert dist._fused_lse_available(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)), None, None)
+    """Runs a test with blocks on the fused kernel and again on the reference
+    path (which materializes scores, so ring attention tiles the queries)."""
+    if request.param == "reference":
+        monkeypatch.setattr(dist, "_BLOCK_BACKEND", "reference")
+        monkeypatch.setattr(dist, "_REFERENCE_QUERY_TILE", 4)
+    tiny = mx.zeros((1, 1, 2, 4))
+    assert dist._scores_materialized(tiny, tiny, tiny) == (request.param == "reference")
     return request.param
 
 
