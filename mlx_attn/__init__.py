@@ -6,6 +6,7 @@ pure-MLX reference path, a fused tiled CPU kernel and fused Metal kernels.
 """
 
 from mlx_attn.attention import MultiHeadAttention
+from mlx_attn import distributed  # ring attention: mlx_attn.distributed.ring_attention
 from mlx_attn.cache import ConcatKVCache, KVCache, RotatingKVCache
 from mlx_attn.ops import attention_path, scaled_dot_product_attention
 from mlx_attn.reference import reference_attention

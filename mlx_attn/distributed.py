@@ -1,0 +1,620 @@
+"""Context-parallel (ring) attention over ``mx.distributed``.
+
+Each rank of a group holds one shard of the sequence of Q, K and V. The K/V
+shards travel around the ring (rank r sends to r+1 and receives from r-1)
+while every rank attends its queries to the block it currently holds; the
+partial results are merged exactly through the row log-sum-exp (``lse``), the
+same online-softmax merge the fused kernels use across key tiles.
+
+Layouts (how the global sequence is cut into shards):
+
+- ``"zigzag"``: the sequence is cut into ``2n`` chunks and rank r holds
+  chunks ``r`` and ``2n-1-r``, so under a causal mask every rank does the same
+  work (see :func:`attention_work`);
+- ``"contiguous"``: ``n`` chunks, rank r holds chunk ``r`` (the last rank does
+  most of the causal work).
+
+Failure behaviour: every communication step runs under a watchdog. A peer
+that died is reported as :class:`DistributedError` by MLX's ring backend at
+once; a peer that hangs or never connects would block forever, so after
+``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, or the environment
+variable :data:`TIMEOUT_ENV`) the process prints what it waited for and exits
+with :data:`WATCHDOG_EXIT_CODE` (a blocked native call cannot be interrupted);
+:func:`init` (whose native connection loop holds the GIL) is ended by SIGTERM
+from a watcher process instead.
+See ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+from typing import Literal
+
+import mlx.core as mx
+
+from mlx_attn.ops import attention_path, scaled_dot_product_attention
+
+__all__ = [
+    "DistributedError",
+    "RingStats",
+    "init",
+    "ring_attention",
+    "merge_partials",
+    "shard_sequence",
+    "unshard_sequence",
+    "chunk_ids",
+    "attention_work",
+    "LAYOUTS",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT_S",
+    "WATCHDOG_EXIT_CODE",
+]
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS = ("zigzag", "contiguous")
+TIMEOUT_ENV = "MLX_ATTN_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL: a peer, not this rank, is at fault
+# Queries per attention call when blocks take the reference path (no fused
+# kernel): bounds the float32 score tile (rows x keys) a rank materializes.
+_REFERENCE_QUERY_TILE = 256
+# The blocks' backend; tests set "reference" to cover the tiled path.
+_BLOCK_BACKEND = "auto"
+
+
+class DistributedError(RuntimeError):
+    """A communication step failed (a peer died or disconnected)."""
+
+
+@dataclasses.dataclass
+class RingStats:
+    """Counters a caller may pass to :func:`ring_attention` (accumulated)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    # visible query-key pairs in the blocks this rank computed (its attention work)
+    visible_pairs: int = 0
+    ring_steps: int = 0
+
+
+# --------------------------------------------------------------------------
+# watchdog and checked communication
+
+
+def _timeout_seconds(timeout: float | None) -> float:
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+        what = f"environment variable {TIMEOUT_ENV}"
+    else:
+        what = "timeout"
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _timeout_message(what: str, seconds: float) -> str:
+    rank = os.environ.get("MLX_RANK", "?")
+    return (
+        f"mlx_attn.distributed: rank {rank}: {what} did not finish within {seconds:g} s "
+        f"(a peer hung, died or never connected; set {TIMEOUT_ENV} to wait longer); exiting\n"
+    )
+
+
+@contextlib.contextmanager
+def _watchdog(what: str, timeout: float | None):
+    """Exits the process (code WATCHDOG_EXIT_CODE) with a clear message if the
+    block runs past ``timeout``. A thread suffices because ``mx.eval``
+    releases the GIL while it waits on a socket."""
+    seconds = _timeout_seconds(timeout)
+
+    def expire():
+        sys.stderr.write(_timeout_message(what, seconds))
+        sys.stderr.flush()
+        os._exit(WATCHDOG_EXIT_CODE)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+# The watcher process waits on its stdin: EOF (we finished or died) ends it quietly.
+_WATCHER = """\
+import os, select, signal, sys
+seconds, message, parent = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    os.kill(parent, signal.SIGTERM)
+"""
+
+
+@contextlib.contextmanager
+def _process_watchdog(what: str, timeout: float | None):
+    """Like :func:`_watchdog` for native calls that keep the GIL (MLX's
+    connection loop in ``mx.distributed.init``), where no Python thread can
+    run: a watcher process prints the message and ends this one with SIGTERM."""
+    seconds = _timeout_seconds(timeout)
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _WATCHER, str(seconds), _timeout_message(what, seconds), str(os.getpid())],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        yield
+    finally:
+        watcher.stdin.close()
+        watcher.wait()
+
+
+def _communicate(what: str, arrays, group, timeout):
+    """Evaluates communication ``arrays`` under the watchdog; errors become DistributedError."""
+    with _watchdog(f"{what} (rank {group.rank()} of {group.size()})", timeout):
+        try:
+            mx.eval(*arrays)
+        except RuntimeError as error:
+            raise DistributedError(
+                f"rank {group.rank()} of {group.size()}: {what} failed: {error} "
+                f"(a peer died or disconnected)"
+            ) from error
+
+
+def init(*, backend: str = "ring", timeout: float | None = None) -> mx.distributed.Group:
+    """``mx.distributed.init(strict=True, backend=backend)`` under the watchdog:
+    a peer that never connects ends this process after ``timeout`` seconds
+    instead of hanging (MLX's ring backend waits forever): the process is
+    ended with SIGTERM after a message on stderr."""
+    with _process_watchdog(f"connecting the {backend!r} group", timeout):
+        return mx.distributed.init(strict=True, backend=backend)
+
+
+def _group(group) -> mx.distributed.Group:
+    if group is None:
+        return mx.distributed.init()
+    if not isinstance(group, mx.distributed.Group):
+        raise ValueError(f"group must be an mx.distributed.Group or None, got {type(group).__name__}")
+    return group
+
+
+# --------------------------------------------------------------------------
+# layouts
+
+
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _chunk_count(layout: Layout, ranks: int) -> int:
+    return 2 * ranks if layout == "zigzag" else ranks
+
+
+def chunk_ids(layout: Layout, rank: int, ranks: int) -> tuple[int, ...]:
+    """The global chunk indices rank ``rank`` of ``ranks`` holds, in shard order."""
+    _check_layout(layout)
+    if layout == "zigzag":
+        return (rank, 2 * ranks - 1 - rank)
+    return (rank,)
+
+
+def _check_axis(x: mx.array, axis: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis must be an integer in [{-x.ndim}, {x.ndim}) for shape {tuple(x.shape)}, got {axis!r}")
+    return axis % x.ndim
+
+
+def shard_sequence(x: mx.array, *, group=None, layout: Layout = "zigzag", axis: int = 2) -> mx.array:
+    """This rank's shard of the full sequence ``x`` (cut along ``axis``)."""
+    group = _group(group)
+    _check_layout(layout)
+    if not isinstance(x, mx.array):
+        raise ValueError(f"x must be an mlx array, got {type(x).__name__}")
+    axis = _check_axis(x, axis)
+    chunks = _chunk_count(layout, group.size())
+    length = x.shape[axis]
+    if length % chunks:
+        raise ValueError(
+            f"sequence length {length} (axis {axis}) must be divisible by {chunks} "
+            f"for layout {layout!r} on {group.size()} ranks"
+        )
+    pieces = mx.split(x, chunks, axis=axis)
+    return mx.concatenate([pieces[i] for i in chunk_ids(layout, group.rank(), group.size())], axis=axis)
+
+
+def unshard_sequence(
+    x_shard: mx.array, *, group=None, layout: Layout = "zigzag", axis: int = 2, timeout: float | None = None
+) -> mx.array:
+    """The full sequence from every rank's shard (an ``all_gather``); the inverse of
+    :func:`shard_sequence`. Every rank gets the whole array."""
+    group = _group(group)
+    _check_layout(layout)
+    if not isinstance(x_shard, mx.array):
+        raise ValueError(f"x_shard must be an mlx array, got {type(x_shard).__name__}")
+    axis = _check_axis(x_shard, axis)
+    ranks = group.size()
+    per_rank = len(chunk_ids(layout, 0, ranks))
+    if x_shard.shape[axis] % per_rank:
+        raise ValueError(
+            f"shard length {x_shard.shape[axis]} (axis {axis}) must be divisible by {per_rank} for layout {layout!r}"
+        )
+    _check_same_across_ranks("x_shard", _shape_signature(x_shard), group, timeout)
+    if ranks == 1:
+        return x_shard
+    front = mx.moveaxis(x_shard, axis, 0)
+    gathered = mx.distributed.all_gather(front, group=group)
+    _communicate("unshard_sequence all_gather", [gathered], group, timeout)
+    chunk = x_shard.shape[axis] // per_rank
+    by_chunk = gathered.reshape(ranks * per_rank, chunk, *front.shape[1:])
+    owner_slot = {c: r * per_rank + i for r in range(ranks) for i, c in enumerate(chunk_ids(layout, r, ranks))}
+    ordered = by_chunk[mx.array([owner_slot[c] for c in range(ranks * per_rank)])]
+    return mx.moveaxis(ordered.reshape(-1, *front.shape[1:]), 0, axis)
+
+
+# --------------------------------------------------------------------------
+# cross-rank validation
+
+_DTYPE_CODES = {mx.float32: 1, mx.float16: 2, mx.bfloat16: 3}
+
+
+def _shape_signature(*arrays: mx.array) -> list[int]:
+    sig = []
+    for a in arrays:
+        sig += [a.ndim, *a.shape, _DTYPE_CODES.get(a.dtype, 0)]
+    return sig
+
+
+def _check_same_across_ranks(what: str, signature: list[int], group, timeout) -> None:
+    """All ranks must pass the same ``signature`` (shapes, dtypes, options):
+    one small all_gather, so a mismatch is an error on every rank, not a hang."""
+    if group.size() == 1:
+        return
+    mine = mx.array(signature, dtype=mx.int64)
+    everyone = mx.distributed.all_gather(mine[None], group=group)
+    _communicate(f"checking {what} across ranks", [everyone], group, timeout)
+    rows = everyone.tolist()
+    differing = [r for r, row in enumerate(rows) if row != rows[group.rank()]]
+    if differing:
+        raise ValueError(
+            f"{what} differ across ranks: rank {group.rank()} has {rows[group.rank()]}, "
+            f"rank {differing[0]} has {rows[differing[0]]} (shapes, dtypes and options must agree)"
+        )
+
+
+# --------------------------------------------------------------------------
+# visibility of a key block to a query block
+
+
+def _block_kind(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool, window_size: int | None) -> str:
+    """How queries at global positions ``[q_start, q_start+q_len)`` see keys at
+    ``[k_start, k_start+k_len)``: ``"skip"`` (no pair visible), ``"full"``,
+    ``"diagonal"`` (the same positions: lower-right aligned causal with the
+    window) or ``"partial"`` (needs a boolean mask)."""
+    if not causal:
+        return "full"
+    q_last, k_last = q_start + q_len - 1, k_start + k_len - 1
+    if k_start > q_last:
+        return "skip"  # every key is in every query's future
+    if window_size is not None and k_last <= q_start - window_size:
+        return "skip"  # every key is older than every query's window
+    all_past = k_last <= q_start
+    all_in_window = window_size is None or k_start > q_last - window_size
+    if all_past and all_in_window:
+        return "full"
+    if q_start == k_start and q_len == k_len:
+        return "diagonal"
+    return "partial"
+
+
+def _block_mask(kind: str, q_start: int, q_len: int, k_start: int, k_len: int, window_size: int | None):
+    """The ``mask`` argument for :func:`_attend_block` of a non-skipped block."""
+    if kind == "full":
+        return None
+    if kind == "diagonal":
+        return "causal"
+    positions = mx.arange(q_start, q_start + q_len)[:, None]
+    keys = mx.arange(k_start, k_start + k_len)[None, :]
+    visible = keys <= positions
+    if window_size is not None:
+        visible = visible & (keys > positions - window_size)
+    return visible
+
+
+def _visible_pairs(q_start, q_len, k_start, k_len, causal, window_size) -> int:
+    """Query-key pairs that are visible (the attention work), without building masks."""
+    total = 0
+    for p in range(q_start, q_start + q_len):
+        hi = min(p, k_start + k_len - 1) if causal else k_start + k_len - 1
+        lo = max(k_start, p - window_size + 1) if (causal and window_size is not None) else k_start
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def attention_work(
+    seq_len: int, ranks: int, *, layout: Layout = "zigzag", causal: bool = True, window_size: int | None = None
+) -> list[int]:
+    """Visible query-key pairs per rank (proportional to its attention FLOPs)
+    for a ``seq_len`` sequence split by ``layout``."""
+    _check_layout(layout)
+    chunks = _chunk_count(layout, ranks)
+    if seq_len % chunks:
+        raise ValueError(f"seq_len {seq_len} must be divisible by {chunks} for layout {layout!r} on {ranks} ranks")
+    c = seq_len // chunks
+    return [
+        sum(_visible_pairs(qi * c, c, 0, seq_len, causal, window_size) for qi in chunk_ids(layout, r, ranks))
+        for r in range(ranks)
+    ]
+
+
+# --------------------------------------------------------------------------
+# block attention and the merge
+
+
+def _scores_materialized(q, k, v) -> bool:
+    return attention_path(q, k, v, scale=1.0, backend=_BLOCK_BACKEND) == "reference"
+
+
+def _attend_block(q, k, v, *, scale, mask=None, window_size=None):
+    """Attention of ``q`` to one key block: ``(out, lse)``. ``out`` is
+    normalized within the block; ``lse`` ``[B, Hq, Tq]`` float32 is the
+    natural-log row log-sum-exp of the scaled scores (``-inf``, with
+    ``out = 0``, for a row that sees no key). ``mask`` is None, "causal"
+    (with ``window_size``) or a bool array ``[Tq, Tk]``."""
+    return scaled_dot_product_attention(
+        q, k, v, scale=scale, mask=mask, window_size=window_size if isinstance(mask, str) else None,
+        backend=_BLOCK_BACKEND, return_lse=True,
+    )
+
+
+@mx.compile  # one fused elementwise pass: no float32 temporaries per term
+def _merge(out_a, lse_a, out_b, lse_b):
+    lse_a, lse_b = lse_a.astype(mx.float32), lse_b.astype(mx.float32)
+    top = mx.maximum(lse_a, lse_b)
+    top = mx.where(top == -mx.inf, 0.0, top)
+    weight_a, weight_b = mx.exp(lse_a - top), mx.exp(lse_b - top)
+    total = weight_a + weight_b
+    lse = top + mx.log(total)
+    safe_total = mx.where(total == 0, 1.0, total)[..., None]
+    out = (out_a.astype(mx.float32) * weight_a[..., None] + out_b.astype(mx.float32) * weight_b[..., None]) / safe_total
+    return out, lse
+
+
+def merge_partials(out_a: mx.array, lse_a: mx.array, out_b: mx.array, lse_b: mx.array):
+    """Exact softmax merge of two partial attentions over disjoint key sets.
+
+    ``out_*`` ``[..., T, Dv]`` are each normalized over their own keys and
+    ``lse_*`` ``[..., T]`` are their row log-sum-exps; returns ``(out, lse)``
+    in float32 as if attention had run over the union. A side with
+    ``lse = -inf`` (no key seen) contributes nothing; both ``-inf`` give
+    ``out = 0, lse = -inf`` (never NaN).
+    """
+    return _merge(out_a, lse_a, out_b, lse_b)
+
+
+# --------------------------------------------------------------------------
+# ring attention
+
+
+@dataclasses.dataclass
+class _Shard:
+    """The global chunk positions of one rank's shard."""
+
+    chunks: tuple[int, ...]
+    chunk_len: int
+
+    def spans(self):
+        """(chunk id, global start, offset in the shard) for each chunk."""
+        return [(c, c * self.chunk_len, i * self.chunk_len) for i, c in enumerate(self.chunks)]
+
+
+def _needed(q_shard: _Shard, k_chunk: int, k_len: int, causal, window_size) -> bool:
+    return any(
+        _block_kind(start, q_shard.chunk_len, k_chunk * k_len, k_len, causal, window_size) != "skip"
+        for _, start, _ in q_shard.spans()
+    )
+
+
+def ring_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: str | None = None,
+    group: mx.distributed.Group | None = None,
+    sinks: mx.array | None = None,
+    window_size: int | None = None,
+    layout: Layout = "zigzag",
+    timeout: float | None = None,
+    stats: RingStats | None = None,
+) -> mx.array:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank passes its shard (see :func:`shard_sequence`) of ``q``
+    ``[B, Hq, T/n, D]``, ``k`` ``[B, Hkv, T/n, D]`` and ``v`` ``[B, Hkv, T/n, Dv]``
+    and gets back its shard of the output ``[B, Hq, T/n, Dv]``, equal to
+    ``scaled_dot_product_attention`` on the full sequence.
+
+    ``mask`` is ``None`` or ``"causal"`` over the full sequence (array masks
+    are rejected: they would have to be sharded too); ``window_size`` implies
+    causal and key blocks wholly outside every window are never sent nor
+    computed. ``sinks`` ``[Hq]`` join the softmax once. K/V travel at
+    ``Hkv`` heads (GQA is never expanded). Merging is in float32; the output
+    has the inputs' promoted dtype. Without a causal mask the query and key
+    shards may differ in length (and the layout does not matter).
+
+    ``timeout``: seconds any communication step may block (see the module
+    docstring); ``stats``: a :class:`RingStats` to accumulate counters into.
+
+    Raises:
+        ValueError: bad arguments, or shapes/options that differ across ranks.
+        DistributedError: a peer died during the exchange.
+    """
+    group = _group(group)
+    _check_layout(layout)
+    if isinstance(mask, mx.array):
+        raise ValueError(
+            "ring_attention takes mask=None or mask='causal'; array masks are not supported "
+            "(they would have to be sharded with the sequence)"
+        )
+    # Local checks (shapes, dtypes, scale, sinks, window) are those of the single-process API.
+    attention_path(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size)
+    if stats is not None and not isinstance(stats, RingStats):
+        raise ValueError(f"stats must be a RingStats or None, got {type(stats).__name__}")
+    causal = mask == "causal" or window_size is not None
+    ranks, rank = group.size(), group.rank()
+    per_rank = len(chunk_ids(layout, 0, ranks)) if causal else 1
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal ring attention needs query and key shards of the same length (one sequence), "
+            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if q.shape[2] % per_rank:
+        raise ValueError(
+            f"shard length {q.shape[2]} must be divisible by {per_rank} for layout {layout!r} "
+            f"(the global length by {_chunk_count(layout, ranks)})"
+        )
+    options = [LAYOUTS.index(layout), int(causal), window_size or 0, int(sinks is not None)]
+    _check_same_across_ranks(
+        "ring_attention inputs (q, k, v, [layout, causal, window, sinks])",
+        _shape_signature(q, k, v) + options,
+        group,
+        timeout,
+    )
+
+    out_dtype = mx.result_type(q.dtype, k.dtype, v.dtype)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    if causal:
+        layout_of = lambda r, length: _Shard(chunk_ids(layout, r, ranks), length // per_rank)
+    else:  # positions do not matter: one block per rank
+        layout_of = lambda r, length: _Shard((r,), length)
+    q_shard = layout_of(rank, q_len)
+
+    # Accumulators per query tile: (global start, length, shard offset) -> (out, lse).
+    # The fused kernel never materializes scores: one tile per chunk then.
+    tile_len = _REFERENCE_QUERY_TILE if _scores_materialized(q, k, v) else q_shard.chunk_len
+    tiles = [
+        (start + t, min(tile_len, q_shard.chunk_len - t), offset + t)
+        for _, start, offset in q_shard.spans()
+        for t in range(0, q_shard.chunk_len, tile_len)
+    ]
+    acc = {tile: None for tile in tiles}
+
+    def attend(block: dict[int, tuple[mx.array, mx.array]], source_shard: _Shard):
+        for chunk, (kc, vc) in block.items():
+            k_start = chunk * source_shard.chunk_len
+            for tile in tiles:
+                q_start, length, offset = tile
+                k_len = kc.shape[2]
+                kind = _block_kind(q_start, length, k_start, k_len, causal, window_size)
+                if kind == "skip":
+                    continue
+                block_mask = _block_mask(kind, q_start, length, k_start, k_len, window_size)
+                partial = _attend_block(
+                    q[:, :, offset : offset + length], kc, vc, scale=scale, mask=block_mask, window_size=window_size
+                )
+                acc[tile] = partial if acc[tile] is None else merge_partials(*acc[tile], *partial)
+                mx.eval(*acc[tile])  # bounds memory: one score tile alive at a time
+                if stats is not None:
+                    stats.visible_pairs += _visible_pairs(q_start, length, k_start, k_len, causal, window_size)
+
+    def needed_downstream(source: int, chunk: int, first_step: int, k_chunk_len: int) -> bool:
+        """Does some rank at ring distance >= first_step from ``source`` need ``chunk``?"""
+        return any(
+            _needed(layout_of((source + s) % ranks, q_len), chunk, k_chunk_len, causal, window_size)
+            for s in range(first_step, ranks)
+        )
+
+    k_shard = layout_of(rank, kv_len)
+    block = {
+        c: (k[:, :, off : off + k_shard.chunk_len], v[:, :, off : off + k_shard.chunk_len])
+        for c, _, off in k_shard.spans()
+    }
+    for step in range(ranks):
+        source = (rank - step) % ranks
+        attend(block, layout_of(source, kv_len))
+        if stats is not None:
+            stats.ring_steps += 1
+        if step == ranks - 1:
+            break
+        block = _pass_block(block, step + 1, source, group, k_shard.chunk_len, kv_len, layout_of,
+                            needed_downstream, k, v, timeout, stats)
+
+    del block  # the last received K/V: not needed while the output is assembled
+    outs = []
+    for tile in tiles:
+        if acc[tile] is None:  # no key visible anywhere
+            b, hq = q.shape[:2]
+            acc[tile] = (mx.zeros((b, hq, tile[1], v.shape[-1]), mx.float32), mx.full((b, hq, tile[1]), -mx.inf))
+        out, lse = acc.pop(tile)
+        if sinks is not None:  # a sink is a partial with no value and log-mass `sink`
+            sink_lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], lse.shape)
+            out, _ = merge_partials(out, lse, mx.zeros_like(out), sink_lse)
+        outs.append(out.astype(out_dtype))
+        mx.eval(outs[-1])  # frees this tile's float32 accumulator before the next
+    return mx.concatenate(outs, axis=2)
+
+
+def _pass_block(block, exchange, held_source, group, chunk_len, kv_len, layout_of, needed_downstream, k, v,
+                timeout, stats):
+    """Exchange ``exchange`` (1..n-1): send the held block of ``held_source``
+    to rank+1 and receive rank-1's (source ``held_source - 1``). Only chunks
+    some rank further along still needs travel; sender and receiver decide
+    the same from the layout. Even ranks send first, odd ranks receive first
+    (MLX's ring send/recv block, so all-send-first would deadlock)."""
+    ranks, rank = group.size(), group.rank()
+    right, left = (rank + 1) % ranks, (rank - 1) % ranks
+    incoming_source = (held_source - 1) % ranks
+    # both sides walk chunks in layout order, so the k/v messages pair up
+    to_send = [
+        c for c in layout_of(held_source, kv_len).chunks
+        if c in block and needed_downstream(held_source, c, exchange, chunk_len)
+    ]
+    to_receive = [
+        c for c in layout_of(incoming_source, kv_len).chunks if needed_downstream(incoming_source, c, exchange, chunk_len)
+    ]
+    k_shape = (k.shape[0], k.shape[1], chunk_len, k.shape[3])
+    v_shape = (v.shape[0], v.shape[1], chunk_len, v.shape[3])
+    what = f"ring exchange {exchange}"
+
+    def send():
+        for c in to_send:
+            for a in block[c]:
+                # a chunk of a shard is a strided view: send a short-lived contiguous copy
+                sent = mx.distributed.send(mx.contiguous(a), right, group=group)
+                _communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
+                if stats is not None:
+                    stats.bytes_sent += a.nbytes
+
+    received = {}
+
+    def receive():
+        for c in to_receive:
+            parts = []
+            for shape, dtype in ((k_shape, k.dtype), (v_shape, v.dtype)):
+                part = mx.distributed.recv(shape, dtype, left, group=group)
+                _communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
+                parts.append(part)
+                if stats is not None:
+                    stats.bytes_received += part.nbytes
+            received[c] = tuple(parts)
+
+    if rank % 2 == 0:
+        send()
+        receive()
+    else:
+        receive()
+        send()
+    return received

@@ -1,0 +1,128 @@
+"""One rank of the distributed tests (started by ``mlx.launch`` or by hand).
+
+``python distributed_worker.py MODE OUT_DIR [CASES_JSON]`` writes
+``OUT_DIR/rank<r>.json``. Modes:
+
+- ``compare``: for every case in CASES_JSON, ring attention on the shards
+  against the single-process ``scaled_dot_product_attention`` on the full
+  sequence (every rank builds the same inputs from the case's seed), plus
+  the rank's communication and work counters;
+- ``mismatch``: ranks pass disagreeing shapes / layouts; records the errors;
+- ``die``: rank 1 kills itself (SIGKILL) in the middle of the ring, the
+  others record what happened;
+- ``hang``: rank 1 stops answering (sleeps forever) before the exchange;
+- ``connect``: only connects (used with a peer that never starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import mlx.core as mx
+
+import mlx_attn
+from mlx_attn import distributed as dist
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def write(out_dir: str, rank: int, payload) -> None:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def make_inputs(case):
+    key = mx.random.key(case["seed"])
+    kq, kk, kv, ks = mx.random.split(key, 4)
+    b, t, d = case.get("batch", 1), case["seq"], case["head_dim"]
+    dtype = DTYPES[case["dtype"]]
+    q = mx.random.normal((b, case["q_heads"], t, d), key=kq).astype(dtype)
+    k = mx.random.normal((b, case["kv_heads"], t, d), key=kk).astype(dtype)
+    v = mx.random.normal((b, case["kv_heads"], t, d), key=kv).astype(dtype)
+    sinks = mx.random.normal((case["q_heads"],), key=ks).astype(dtype) if case.get("sinks") else None
+    return q, k, v, sinks
+
+
+def compare(group, cases):
+    results = []
+    for case in cases:
+        q, k, v, sinks = make_inputs(case)
+        scale = case["head_dim"] ** -0.5
+        mask, window, layout = case.get("mask"), case.get("window"), case["layout"]
+        expected = mlx_attn.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window
+        )
+        shard = lambda x: dist.shard_sequence(x, group=group, layout=layout)
+        stats = dist.RingStats()
+        out_shard = dist.ring_attention(
+            shard(q), shard(k), shard(v), scale=scale, mask=mask, group=group, sinks=sinks,
+            window_size=window, layout=layout, stats=stats,
+        )
+        out = dist.unshard_sequence(out_shard, group=group, layout=layout)
+        error = mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item()
+        results.append({
+            "case": case,
+            "max_abs_error": error,
+            "out_dtype": str(out.dtype),
+            "finite": bool(mx.all(mx.isfinite(out)).item()),
+            "shard_matches": bool(mx.array_equal(out_shard, shard(out)).item()),
+            "bytes_sent": stats.bytes_sent,
+            "bytes_received": stats.bytes_received,
+            "visible_pairs": stats.visible_pairs,
+            "shard_kv_bytes": shard(k).nbytes + shard(v).nbytes,
+        })
+    return results
+
+
+def mismatch(group):
+    rank, errors = group.rank(), {}
+    q = mx.zeros((1, 2, 8 if rank == 0 else 16, 4))
+    try:
+        dist.ring_attention(q, q, q, scale=1.0, mask="causal", group=group)
+        errors["shape"] = None
+    except ValueError as e:
+        errors["shape"] = str(e)
+    q = mx.zeros((1, 2, 8, 4))
+    try:
+        dist.ring_attention(q, q, q, scale=1.0, mask="causal", group=group,
+                            layout="zigzag" if rank == 0 else "contiguous")
+        errors["layout"] = None
+    except ValueError as e:
+        errors["layout"] = str(e)
+    return errors
+
+
+def main():
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    # Without mlx.launch (no MLX_RANK) this is a single process: a group of one.
+    group = dist.init(backend="ring") if "MLX_RANK" in os.environ else mx.distributed.init()
+    rank = group.rank()
+    if mode == "compare":
+        with open(sys.argv[3]) as f:
+            cases = json.load(f)
+        write(out_dir, rank, compare(group, cases))
+    elif mode == "mismatch":
+        write(out_dir, rank, mismatch(group))
+    elif mode in ("die", "hang"):
+        q = mx.random.normal((1, 2, 64 * group.size(), 8), key=mx.random.key(0))
+        if rank == 1:
+            if mode == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)
+        write(out_dir, rank, {"started": time.time()})
+        dist.ring_attention(q, q, q, scale=1.0, mask="causal", group=group)
+        write(out_dir, rank, {"finished": True})
+    elif mode == "connect":
+        write(out_dir, rank, {"connected": True})
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
