@@ -40,6 +40,7 @@ template <typename T, int D, int BK>
     constant AttentionParams& p [[buffer(4)]],
     const device uchar* mask [[buffer(5)]],
     const device T* sinks [[buffer(6)]],
+    device float* lse [[buffer(7)]],  // [B, Hq, Tq] when p.output_lse
     uint3 group_id [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -197,14 +198,20 @@ template <typename T, int D, int BK>
   // normalize: sinks join the sum; rows that saw nothing give zeros
   float correction = 1.0f;
   float l_final = l_row;
+  float m_final = m_row;
   if (p.has_sinks != 0) {
     const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-    const float m_final = max(m_row, sink);
+    m_final = max(m_row, sink);
     correction = exp2((m_row - m_final) * MLX_ATTN_LOG2E);
     l_final = l_row * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
   }
   if (quarter == 0) {
     row_factor[int(sg) * 8 + r] = l_final > 0.0f ? correction / l_final : 0.0f;
+    if (p.output_lse != 0 && qi < p.q_len) {
+      // a row that saw nothing: -inf, written as bits (fast math has no infinities)
+      lse[(long(b) * p.q_heads + h) * p.q_len + qi] =
+          l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
+    }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   for (int e = int(lane); e < 64; e += 32) {
