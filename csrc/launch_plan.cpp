@@ -12,7 +12,7 @@ constexpr int kThreadgroupMemoryLimit = 32 * 1024;
 }  // namespace
 
 int prefill_key_block(int head_dim) {
-  switch (head_dim) {  // 2 * BK * D * 4 bytes of K/V tiles <= 16 KB
+  switch (head_dim) {  // 2 * BK * (D * 4 + 16) bytes of float32 K/V tiles <= 18.5 KB
     case 64: return 32;
     case 80: case 96: case 128: return 16;
     case 256: return 8;
@@ -211,8 +211,9 @@ LaunchPlan plan_attention(const AttentionProblem& s) {
   prefill.threadgroup = {kPrefillThreads, 1, 1};
   using R = BufferRole;
   prefill.bindings = bindings_for(s, {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks, R::lse}, plan.scratch, 0);
-  prefill.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4 + kPrefillRows * key_block * 4 +
-      4 * 64 * 4 + kPrefillRows * 4;
+  // K and V tiles in the input dtype, rows padded by 16 bytes
+  const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
+  prefill.threadgroup_memory_bytes = 2 * key_block * (s.head_dim * element_bytes + 16);
   if (prefill.threadgroup_memory_bytes > kThreadgroupMemoryLimit) {
     plan.reason = "threadgroup memory over 32 KB";
     return plan;
