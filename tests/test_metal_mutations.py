@@ -69,10 +69,11 @@ MUTANTS = {
     "decode: row chunks ignored": (DECODE, "replace", "const int row_chunks = (rows + R - 1) / R;", "const int row_chunks = 1;"),
     "decode: sink left out of the sum": (DECODE, "replace", "l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);", "l = l * correction;"),
     "decode: lse without the row max": (DECODE, "replace", "m + log(l)", "log(l)"),
-    "decode: lse of an empty row not -inf": (DECODE, "replace", "l > 0.0f ? m + log(l) : as_type<float>(0xff800000u)", "m + log(l)"),
+    # (m + log(0) is -inf in IEEE arithmetic: the -inf must not become a finite value)
+    "decode: lse of an empty row not -inf": (DECODE, "replace", "m + log(l) : as_type<float>(0xff800000u)", "m + log(l) : 0.0f"),
     "decode: lse before the sink joins": (DECODE, "replace", "    m = m_final;\n", "\n"),
     "prefill: lse without the row max": (PREFILL, "replace", "m_final + log(l_final)", "log(l_final)"),
-    "prefill: lse of an empty row not -inf": (PREFILL, "replace", "l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u)", "m_final + log(l_final)"),
+    "prefill: lse of an empty row not -inf": (PREFILL, "replace", "m_final + log(l_final) : as_type<float>(0xff800000u)", "m_final + log(l_final) : 0.0f"),
     "prefill: lse without the sink's max": (PREFILL, "replace", "m_final + log(l_final)", "m_row + log(l_final)"),
     "prefill: additive mask ignored": (PREFILL, "replace", "s = saturate_logit(s + added);", ""),
     "prefill: GQA head mapping wrong": (PREFILL, "replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
@@ -105,6 +106,7 @@ CASES = [
     dict(shape=(1, 4, 2, 2, 90), window_size=5),  # decode: keys before the window skipped
     dict(shape=(1, 8, 1, 3, 60), mask="causal"),  # decode: 24 rows, two row chunks at D = 64
     dict(shape=(1, 2, 2, 35, 60), sinks=True),  # prefill: sinks without a mask
+    dict(shape=(1, 2, 1, 20, 40), mask="bool"),  # prefill: a row that sees nothing, no sinks
 ]
 
 
@@ -127,8 +129,8 @@ def caught(run) -> bool:
             kw["window_size"] = case["window_size"]
         if case.get("sinks") == "strided":
             kw["sinks"] = View(mx.array(rng.standard_normal(2 * hq).astype(np.float32)), lambda a: a[::2])
-        elif case.get("sinks"):
-            kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32))
+        elif case.get("sinks"):  # some above every logit: the sink sets the row max
+            kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32) * 4)
         try:
             got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True)
         except msl_emulator.EmulatorError:
