@@ -86,6 +86,35 @@ COST_COLUMNS = {  # counter -> column title; per useful FLOP (prefill) or per K/
 }
 STATIC_COLUMNS = {"threadgroup_memory_bytes": "threadgroup memory (B)", "thread_array_bytes": "thread arrays (B)"}
 
+# Published figures of the GPU the modelled time is computed for: Apple M2
+# (Apple8 family), 10-core GPU: 3.6 TFLOP/s FP32 (Apple; FP16 runs at the
+# same rate on Apple7-9 per Philip Turner's metal-benchmarks), 100 GB/s
+# LPDDR5 (Apple). Threadgroup-memory bandwidth is not published: 128 B per
+# clock per core at 1.398 GHz is an UNMEASURED assumption, as is the cost of
+# an exp2 (4 FMA slots per lane). docs/metal_kernels.md has the formula.
+GPU_MODEL = {
+    "name": "Apple M2, 10-core GPU",
+    "flops": 3.6e12,
+    "device_bytes_per_s": 100e9,
+    "threadgroup_bytes_per_s": 10 * 128 * 1.398e9,  # unmeasured
+    "flops_per_mma": 2 * 8 * 8 * 8,  # one 8x8x8 simdgroup multiply-accumulate
+    "flops_per_exp": 2 * 4,  # unmeasured: an exp2 costs about 4 FMAs
+}
+
+
+def modelled_seconds(counters: dict, gpu: dict = GPU_MODEL) -> dict[str, float]:
+    """A roofline from the counters: the slowest of device traffic,
+    threadgroup traffic and arithmetic (MMAs and exps) bounds the time.
+    Ignores occupancy, latency and scalar ALU work."""
+    parts = {
+        "device": counters["device_bytes"] / gpu["device_bytes_per_s"],
+        "threadgroup": counters["threadgroup_bytes"] / gpu["threadgroup_bytes_per_s"],
+        "math": (counters["simdgroup_matrix_mmas"] * gpu["flops_per_mma"]
+                 + counters["exp_calls"] * gpu["flops_per_exp"]) / gpu["flops"],
+    }
+    bound = max(parts, key=parts.get)
+    return {"seconds": parts[bound], "bound": bound, **{f"{k}_seconds": v for k, v in parts.items()}}
+
 
 def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
     """Query-key pairs attention must compute (causal: bottom-right aligned, as MLX)."""
@@ -134,11 +163,12 @@ def emulated_rows(args):
     ours = EmulatedMetal(fast_math=True)
     ours.library = _CountingLibrary(msl_emulator.compile_library(
         METAL_SOURCES, include_dirs=[ROOT], fast_math=True, counters=True))
-    problems = [("prefill", d, causal, t) for d in args.head_dims for causal in (False, True) for t in args.lengths]
-    problems += [("decode", d, False, t) for d in args.head_dims for t in args.decode_lengths]
+    problems = [("prefill", d, causal, t, 1) for d in args.head_dims for causal in (False, True) for t in args.lengths]
+    problems += [("decode", d, False, t, g) for d in args.decode_head_dims for g in args.decode_groups
+                 for t in args.decode_lengths]
     rows = []
-    for phase, d, causal, t in problems:
-        heads, kv_heads = (args.emulate_heads, args.emulate_heads) if phase == "prefill" else (args.decode_heads, 1)
+    for phase, d, causal, t, group in problems:
+        heads, kv_heads = (args.emulate_heads, args.emulate_heads) if phase == "prefill" else (group, 1)
         q_len = t if phase == "prefill" else 1
         key = mx.random.key(t * 1000 + d)
         q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i]).astype(mx.float16)
@@ -166,13 +196,14 @@ def emulated_rows(args):
         else:
             work, unit = 2.0 * kv_heads * t * d * 2, "K/V byte"
         row = {"phase": phase, "D": d, "dtype": "float16", "causal": causal, "T": t, "heads": heads,
-               "kv_heads": kv_heads, "per": unit, "work": work}
+               "kv_heads": kv_heads, "group": heads // kv_heads, "per": unit, "work": work}
         for name, counters, out, kernels, seconds in (
                 ("ours", ours.library.counters, out_ours, ours_kernels, ours_seconds),
                 ("mlx", launch.counters, out_mlx.astype(np.float32), launch.kernels, mlx_seconds)):
             total = summed(counters)
             row[name] = {"kernels": kernels, "counters": total,
                          "per_work": {k: total[k] / work for k in COST_COLUMNS},
+                         "modelled": modelled_seconds(total),
                          "max_abs_error": float(np.abs(out - expected).max()), "emulated_seconds": seconds}
         rows.append(row)
         print(markdown_row(row), flush=True)
@@ -186,8 +217,8 @@ def _cell(ours: float, theirs: float, scale: float = 1.0) -> str:
 
 def markdown_header() -> str:
     titles = [*COST_COLUMNS.values(), *STATIC_COLUMNS.values()]
-    return ("| phase | D | causal | T | per | " + " | ".join(titles) + " |\n"
-            + "|---" * (5 + len(titles)) + "|")
+    return ("| phase | D | GQA | causal | T | per | " + " | ".join(titles) + " | modelled µs (bound) |\n"
+            + "|---" * (7 + len(titles)) + "|")
 
 
 def markdown_row(row) -> str:
@@ -195,7 +226,9 @@ def markdown_row(row) -> str:
     per = "1k FLOP" if row["phase"] == "prefill" else "K/V byte"
     cells = [_cell(row["ours"]["per_work"][k], row["mlx"]["per_work"][k], scale) for k in COST_COLUMNS]
     cells += [_cell(row["ours"]["counters"][k], row["mlx"]["counters"][k]) for k in STATIC_COLUMNS]
-    return (f"| {row['phase']} | {row['D']} | {'yes' if row['causal'] else 'no'} | {row['T']} | {per} | "
+    ours, theirs = row["ours"]["modelled"], row["mlx"]["modelled"]
+    cells.append(f"{_cell(ours['seconds'], theirs['seconds'], 1e6)} ({ours['bound']} / {theirs['bound']})")
+    return (f"| {row['phase']} | {row['D']} | {row.get('group', 1)} | {'yes' if row['causal'] else 'no'} | {row['T']} | {per} | "
             + " | ".join(cells) + " |")
 
 
@@ -208,7 +241,7 @@ def costs_markdown(rows, command: str) -> str:
     if prefill:
         shapes.append(f"prefill B=1, H={prefill['heads']}, Hkv={prefill['kv_heads']}")
     if decode:
-        shapes.append(f"decode B=1, H={decode['heads']}, Hkv={decode['kv_heads']} (one query)")
+        shapes.append("decode B=1, Hkv=1, H = the GQA group (one query)")
     lines = [
         "# Modelled kernel costs: our Metal kernels and MLX's (MSL emulator counters)",
         "",
@@ -224,7 +257,14 @@ def costs_markdown(rows, command: str) -> str:
         f"sdpa_vector from mlx-metal {MLX_METAL_VERSION} launched as MLX's host code does",
         "(tests/mlx_kernel_runner.py; decode as on a base Apple GPU). float16, "
         + "; ".join(shapes) + ". Heads are few to keep the emulated run short: costs per",
-        "useful FLOP or K/V byte do not depend on the head count.",
+        "useful FLOP or K/V byte do not depend on the head count (the modelled time, a roofline,",
+        "scales with the work, so its ratio does not either; occupancy is not modelled).",
+        "",
+        f"Modelled time (µs, for the emulated problem): the roofline of docs/metal_kernels.md on "
+        f"{GPU_MODEL['name']}: max(device bytes / {GPU_MODEL['device_bytes_per_s'] / 1e9:.0f} GB/s, "
+        f"threadgroup bytes / {GPU_MODEL['threadgroup_bytes_per_s'] / 1e9:.0f} GB/s (unmeasured), "
+        f"({GPU_MODEL['flops_per_mma']}·MMAs + {GPU_MODEL['flops_per_exp']}·exps) / "
+        f"{GPU_MODEL['flops'] / 1e12:.1f} TFLOP/s); the bound that decides is in parentheses.",
         "",
         f"Command: `{command}`",
         "",
@@ -233,13 +273,13 @@ def costs_markdown(rows, command: str) -> str:
         "",
         "Kernels and accuracy (max |out - reference_attention|):",
         "",
-        "| phase | D | causal | T | ours | MLX |",
-        "|---|---|---|---|---|---|",
+        "| phase | D | GQA | causal | T | ours | MLX |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ours = f"{', '.join(r['ours']['kernels'])} ({r['ours']['max_abs_error']:.1e})"
         theirs = f"{', '.join(r['mlx']['kernels'])} ({r['mlx']['max_abs_error']:.1e})"
-        lines.append(f"| {r['phase']} | {r['D']} | {'yes' if r['causal'] else 'no'} | {r['T']} | {ours} | {theirs} |")
+        lines.append(f"| {r['phase']} | {r['D']} | {r.get('group', 1)} | {'yes' if r['causal'] else 'no'} | {r['T']} | {ours} | {theirs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -278,10 +318,12 @@ def main(argv=None):
     p.add_argument("--max-reference-len", type=int, default=8192)
     p.add_argument("--emulate", action="store_true",
                    help="modelled costs of our kernels and MLX's in the MSL emulator (no GPU needed)")
-    p.add_argument("--decode-lengths", type=int, nargs="+", default=[2048, 8192],
+    p.add_argument("--decode-lengths", type=int, nargs="+", default=[4096, 8192],
                    help="--emulate: decode K/V lengths")
+    p.add_argument("--decode-head-dims", type=int, nargs="+", default=[128], help="--emulate: decode head dims")
+    p.add_argument("--decode-groups", type=int, nargs="+", default=[4, 8],
+                   help="--emulate: decode GQA groups (query heads over one KV head)")
     p.add_argument("--emulate-heads", type=int, default=1, help="--emulate: prefill heads (and KV heads)")
-    p.add_argument("--decode-heads", type=int, default=4, help="--emulate: decode query heads (one KV head)")
     p.add_argument("--costs-doc", type=Path, default=ROOT / "docs" / "emulator_costs.md",
                    help="--emulate: where the Markdown table goes")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -289,10 +331,10 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     if args.emulate:
         if "--lengths" not in (argv if argv is not None else sys.argv[1:]):
-            # Prefill lengths that keep the run near 5 minutes on 2 cores (the
-            # emulator manages some 1e8 FLOP/s); --lengths 512 1024 2048 takes
-            # about 20, and the costs per FLOP move by a few percent.
-            args.lengths = [512, 1024]
+            # The issue's prefill lengths; the emulator manages some 1e8
+            # FLOP/s on 2 cores, so this takes tens of minutes (--lengths
+            # 512 1024 about 5; the costs per FLOP move by a few percent).
+            args.lengths = [1024, 2048]
         print(markdown_header())
         rows = emulated_rows(args)
         command = " ".join(["python benchmarks/bench_metal.py", *(argv if argv is not None else sys.argv[1:])])

@@ -12,7 +12,7 @@ constexpr int kThreadgroupMemoryLimit = 32 * 1024;
 }  // namespace
 
 int prefill_key_block(int head_dim) {
-  switch (head_dim) {  // 2 * BK * D * 4 bytes of K/V tiles <= 16 KB
+  switch (head_dim) {  // 2 * BK * (D * 4 + 16) bytes of float32 K/V tiles <= 18.5 KB
     case 64: return 32;
     case 80: case 96: case 128: return 16;
     case 256: return 8;
@@ -20,8 +20,30 @@ int prefill_key_block(int head_dim) {
   }
 }
 
-int decode_key_block(int head_dim) {
-  return head_dim % 32 == 0 ? prefill_key_block(head_dim) : 0;
+int decode_rows_per_threadgroup(int head_dim) {
+  if (head_dim % 32 != 0 || prefill_key_block(head_dim) == 0) return 0;
+  return MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32);
+}
+
+namespace {
+// Unmeasured (no Apple GPU here): 256 threadgroups of 128 threads keep
+// 8 per core on a 32-core GPU (M1/M2/M3 Max class), more than enough for
+// the 8-10 core base parts.
+constexpr int kDecodeTargetThreadgroups = 256;
+// A split's partial (D + 2 floats per row, written then read) costs about
+// 2 * rows / keys of its K/V traffic: at least 16 keys per row keeps it
+// <= 1/8 (fp16); at least 64 keys gives each of the 4 simdgroups 16.
+constexpr int kDecodeMinKeysPerSplit = 64;
+constexpr int kDecodeMinKeysPerRow = 16;
+}  // namespace
+
+int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim) {
+  const int row_chunks = (rows + decode_rows_per_threadgroup(head_dim) - 1) / decode_rows_per_threadgroup(head_dim);
+  const int64_t threadgroups = int64_t(batch) * kv_heads * row_chunks;
+  const int64_t for_occupancy = (kDecodeTargetThreadgroups + threadgroups - 1) / threadgroups;
+  const int64_t keys_per_split = std::max(kDecodeMinKeysPerSplit, kDecodeMinKeysPerRow * rows);
+  const int64_t for_traffic = (kv_len + keys_per_split - 1) / keys_per_split;
+  return int(std::max<int64_t>(1, std::min(for_occupancy, for_traffic)));
 }
 
 const char* role_name(BufferRole role) {
@@ -32,6 +54,7 @@ const char* role_name(BufferRole role) {
     case BufferRole::mask: return "mask";
     case BufferRole::sinks: return "sinks";
     case BufferRole::out: return "out";
+    case BufferRole::lse: return "lse";
     case BufferRole::params: return "params";
     case BufferRole::splits: return "splits";
     case BufferRole::partial_out: return "partial_out";
@@ -52,15 +75,13 @@ const char* source_name(Source source) {
 }
 
 namespace {
-constexpr int kDecodeThreads = 128;
-constexpr int kDecodeKeysPerSplit = 64;
-constexpr int kDecodeMaxSplits = 32;
+constexpr int kDecodeThreads = 32 * MLX_ATTN_DECODE_SIMDGROUPS;
 
 // Turns the kernel's parameter list (buffer(i) = roles[i]) into bindings:
 // inputs in the primitive's order (q, k, v, then mask and sinks when
-// present), the output, scratch and bytes. An absent mask or sinks binds q
-// as a placeholder: the kernel never reads it (params.mask_kind /
-// params.has_sinks say so), but every buffer index must be bound.
+// present), the outputs, scratch and bytes. An absent mask, sinks or lse
+// binds q as a placeholder: the kernel never touches it (params.mask_kind /
+// has_sinks / output_lse say so), but every buffer index must be bound.
 std::vector<Binding> bindings_for(
     const AttentionProblem& s,
     const std::vector<BufferRole>& roles,
@@ -81,6 +102,13 @@ std::vector<Binding> bindings_for(
       case BufferRole::out:
         b.source = Source::output;
         b.access = Access::write;
+        break;
+      case BufferRole::lse:
+        if (s.output_lse) {
+          b.source = Source::output;
+          b.access = Access::write;
+          b.source_index = 1;
+        }
         break;
       case BufferRole::params: b.source = Source::params; break;
       case BufferRole::splits: b.source = Source::splits; break;
@@ -107,25 +135,28 @@ std::string kernel_name(const char* kind, const AttentionProblem& s) {
 void plan_decode(const AttentionProblem& s, LaunchPlan& plan) {
   using R = BufferRole;
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
-  const int splits = std::max(1, std::min(kDecodeMaxSplits, (s.kv_len + kDecodeKeysPerSplit - 1) / kDecodeKeysPerSplit));
+  const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
+  const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
+  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim);
   const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
   plan.splits = splits;
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
   plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
-  const int key_block = decode_key_block(s.head_dim);
   KernelDispatch partial;
   partial.kernel = kernel_name("attention_decode_partial", s);
-  partial.grid = {splits, s.kv_heads, s.batch};
+  partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {kDecodeThreads, 1, 1};
   partial.bindings = bindings_for(
       s, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats}, plan.scratch, 0);
-  partial.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4;
+  // the simdgroups' output, max and sum per row, combined at the end
+  partial.threadgroup_memory_bytes =
+      MLX_ATTN_DECODE_SIMDGROUPS * rows_per_threadgroup * (s.head_dim + 2) * 4;
   KernelDispatch merge;
   merge.kernel = kernel_name("attention_decode_merge", s);
   merge.grid = {rows, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
   merge.bindings = bindings_for(
-      s, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits}, plan.scratch, 1);
+      s, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
   plan.dispatches = {partial, merge};
 }
 }  // namespace
@@ -140,10 +171,6 @@ LaunchPlan plan_attention(const AttentionProblem& s) {
   if (s.value_dim != s.head_dim) {
     plan.reason = "the Metal kernels need equal query/key and value head dims, got " + std::to_string(s.head_dim) +
         " and " + std::to_string(s.value_dim);
-    return plan;
-  }
-  if (s.output_lse) {
-    plan.reason = "the Metal kernels do not return the log-sum-exp";
     return plan;
   }
   if (s.kv_heads < 1 || s.q_heads % s.kv_heads != 0) {
@@ -169,9 +196,10 @@ LaunchPlan plan_attention(const AttentionProblem& s) {
   p.has_sinks = s.has_sinks ? 1 : 0;
   p.sinks_stride = s.sinks_stride;
   p.scale = s.scale;
+  p.output_lse = s.output_lse ? 1 : 0;
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
-  if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_key_block(s.head_dim) != 0) {
+  if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_rows_per_threadgroup(s.head_dim) != 0) {
     plan_decode(s, plan);
     plan.supported = true;
     return plan;
@@ -182,9 +210,10 @@ LaunchPlan plan_attention(const AttentionProblem& s) {
   prefill.grid = {(s.q_len + kPrefillRows - 1) / kPrefillRows, s.q_heads, s.batch};
   prefill.threadgroup = {kPrefillThreads, 1, 1};
   using R = BufferRole;
-  prefill.bindings = bindings_for(s, {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks}, plan.scratch, 0);
-  prefill.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4 + kPrefillRows * key_block * 4 +
-      4 * 64 * 4 + kPrefillRows * 4;
+  prefill.bindings = bindings_for(s, {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks, R::lse}, plan.scratch, 0);
+  // K and V tiles in the input dtype, rows padded by 16 bytes
+  const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
+  prefill.threadgroup_memory_bytes = 2 * key_block * (s.head_dim * element_bytes + 16);
   if (prefill.threadgroup_memory_bytes > kThreadgroupMemoryLimit) {
     plan.reason = "threadgroup memory over 32 KB";
     return plan;

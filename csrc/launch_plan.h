@@ -17,7 +17,7 @@ namespace mlx_attn {
 
 // What a kernel parameter is.
 enum class BufferRole : int32_t {
-  q, k, v, mask, sinks, out, params, splits, partial_out, partial_stats,
+  q, k, v, mask, sinks, out, lse, params, splits, partial_out, partial_stats,
 };
 enum class Access : int32_t { read, write };
 // Where the bound memory comes from.
@@ -73,8 +73,13 @@ inline constexpr int kDecodeMaxRows = 32;
 
 // Keys per staged block of the prefill kernel for a head dim (0: unsupported).
 int prefill_key_block(int head_dim);
-// Keys per staged block of the decode kernel (0: head dim not a multiple of 32).
-int decode_key_block(int head_dim);
+// Rows (query heads x positions) one decode threadgroup serves for a head dim
+// (its register budget, metal/attention_params.h); 0: D not a multiple of 32.
+int decode_rows_per_threadgroup(int head_dim);
+// Threadgroups along the key/value length for a decode problem: enough to
+// fill the GPU, while each split keeps enough keys that its partial's traffic
+// stays small next to its K/V (docs/metal_kernels.md).
+int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim);
 
 LaunchPlan plan_attention(const AttentionProblem& problem);
 

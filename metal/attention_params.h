@@ -30,6 +30,13 @@ typedef int32_t attn_int32;
 // mask value at or below it (-inf included) masks the key.
 #define MLX_ATTN_MASKED_LOGIT (-1.701411834604692317e38f)
 
+// Simdgroups per decode threadgroup; each writes its own partial, so the
+// merge combines splits x MLX_ATTN_DECODE_SIMDGROUPS partials per row.
+#define MLX_ATTN_DECODE_SIMDGROUPS 4
+// Decode register budget: a lane holds rows x D/32 floats of q and as many of
+// the output; rows per threadgroup = this / (D / 32) (8 at D = 128).
+#define MLX_ATTN_DECODE_ROW_FLOATS 32
+
 struct AttentionParams {
   attn_int64 q_strides[4];     // in elements, [batch, head, position, dim]
   attn_int64 k_strides[4];
@@ -47,7 +54,7 @@ struct AttentionParams {
   attn_int32 mask_kind;
   attn_int32 has_sinks;
   float scale;                 // multiplies q.k (natural-log units)
-  attn_int32 reserved;
+  attn_int32 output_lse;       // write the row log-sum-exp (float32 [B, Hq, Tq])
 };
 
 #ifndef __METAL_VERSION__

@@ -81,6 +81,34 @@ def as_view(x) -> View:
     return x if isinstance(x, View) else View(x)
 
 
+def reference_lse(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
+    """The row log-sum-exp float32 [B, Hq, Tq] the kernels should return,
+    computed independently in float64 NumPy from the same logits as the
+    reference path (scale·q·k, plus an additive mask, masked keys -inf; the
+    sink joins the sum); -inf for a row that sees nothing."""
+    q64, k64 = (np.array(x.astype(mx.float32), np.float64) for x in (q, k))
+    group = q.shape[1] // k.shape[1]
+    logits = scale * np.einsum("bhqd,bhkd->bhqk", q64, np.repeat(k64, group, axis=1))
+    tq, tkv = q.shape[2], k.shape[2]
+    visible = np.ones((tq, tkv), bool)
+    if isinstance(mask, str) or window_size:
+        pos = np.arange(tq)[:, None] + tkv - tq
+        keys = np.arange(tkv)[None, :]
+        visible = (keys <= pos) & ((keys > pos - window_size) if window_size else True)
+    elif isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+        visible = np.array(mask)
+    elif isinstance(mask, mx.array):  # additive: -inf masks
+        logits = logits + np.array(mask.astype(mx.float32), np.float64)
+    logits = np.where(visible, logits, -np.inf)
+    if sinks is not None:
+        sink = np.broadcast_to(np.array(sinks.astype(mx.float32), np.float64)[None, :, None, None], logits.shape[:3] + (1,))
+        logits = np.concatenate([logits, sink], axis=-1)
+    top = logits.max(axis=-1, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return (np.log(np.exp(logits - safe).sum(axis=-1)) + safe[..., 0])
+
+
 class EmulatedMetal:
     def __init__(self, fast_math: bool, sources=None):
         import msl_emulator
@@ -88,9 +116,10 @@ class EmulatedMetal:
         self.fast_math = fast_math
         self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
 
-    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None):
+    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None, return_lse=False):
         """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
-        a View; the result as an MLX array."""
+        a View; the result as an MLX array (and the float32 [B, Hq, Tq]
+        log-sum-exp with return_lse)."""
         inputs = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
         dtype = inputs[0].array.dtype
         if isinstance(mask, mx.array):
@@ -100,21 +129,25 @@ class EmulatedMetal:
         arrays = [view.array for view in inputs]
         plan = launch_plan(
             *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
-            sinks=arrays[-1] if sinks is not None else None, window_size=window_size,
+            sinks=arrays[-1] if sinks is not None else None, window_size=window_size, output_lse=return_lse,
         )
         assert plan["supported"], plan["reason"]
         self.last_plan = plan
-        return from_numpy(self.launch(plan, inputs), dtype)
+        out, lse = self.launch(plan, inputs)
+        return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
 
     def launch(self, plan: dict, inputs: list[View]) -> np.ndarray:
         """Runs every dispatch of `plan` with the bindings it names, as
         csrc/metal/attention_metal.cpp encodes them: each input's memory from
         its view's offset (read through the plan's strides), the output,
-        scratch buffers and bytes."""
+        scratch buffers and bytes. Returns the outputs (out, lse); lse is
+        NaN where no kernel wrote it."""
         memory = [view.memory() for view in inputs]
         memory = [m.view(np.uint8) if m.dtype == np.bool_ else m for m in memory]
         problem = plan["problem"]
         out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
+        lse = np.full((problem.batch, problem.q_heads, problem.q_len), np.nan, np.float32)
+        outputs = [out, lse] if problem.output_lse else [out]
         # NaN: a read of a partial nobody wrote would show
         scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
         for position, step in enumerate(plan["dispatches"]):
@@ -124,7 +157,7 @@ class EmulatedMetal:
                 if source == "input":
                     bound[binding["index"]] = memory[index]
                 elif source == "output":
-                    bound[binding["index"]] = out
+                    bound[binding["index"]] = outputs[index]
                 elif source == "scratch":
                     buffer = plan["scratch"][index]
                     assert position == (buffer["producer"] if binding["access"] == "write" else buffer["consumer"])
@@ -134,16 +167,18 @@ class EmulatedMetal:
                 else:
                     bound[binding["index"]] = struct.pack("i", plan["splits"])
             self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
-        return out
+        return out, lse
 
 
 class RealMetal:
     fast_math = True
 
-    def __call__(self, q, k, v, layout=None, sinks=None, **kw):
+    def __call__(self, q, k, v, layout=None, sinks=None, return_lse=False, **kw):
         q, k, v = (x.array if isinstance(x, View) else layout_view(x, layout).array for x in (q, k, v))
         if sinks is not None:
             kw["sinks"] = as_view(sinks).array
+        if return_lse:  # the public keyword (ops.py), asked for only when wanted
+            kw["return_lse"] = True
         out = mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.gpu, **kw)
         mx.eval(out)
         return out

@@ -31,31 +31,37 @@ def where_bound(plan) -> dict:
 @pytest.mark.parametrize("tq", [40, 2], ids=["prefill", "decode"])
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_bindings_name_their_memory_and_placeholders(tq, with_mask, with_sinks):
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_bindings_name_their_memory_and_placeholders(tq, with_mask, with_sinks, with_lse):
     """Inputs come in the primitive's order (q, k, v, then mask and sinks when
-    present); an absent mask or sinks is bound to q as a placeholder the
-    kernel does not read; buffer indices are 0.. in order; only the output
-    and scratch a dispatch produces are written."""
+    present); an absent mask, sinks or lse is bound to q as a placeholder the
+    kernel does not touch; buffer indices are 0.. in order; only the outputs
+    and scratch a dispatch produces are written; the lse is the second output."""
     mask = mx.ones((tq, 120), mx.bool_) if with_mask else None
     sinks = mx.zeros((8,), mx.float16) if with_sinks else None
-    plan = plan_for(tq=tq, mask=mask, sinks=sinks)
+    plan = plan_for(tq=tq, mask=mask, sinks=sinks, output_lse=with_lse)
+    assert plan["supported"], plan["reason"]
     bound = where_bound(plan)
     for step in plan["dispatches"]:
         assert [b["index"] for b in step["bindings"]] == list(range(len(step["bindings"])))
         for b in step["bindings"]:
-            writes = b["role"] == "out" or (b["source"] == "scratch" and plan["scratch"][b["source_index"]]["producer"] == plan["dispatches"].index(step))
+            writes = b["role"] == "out" or (b["role"] == "lse" and with_lse) or (b["source"] == "scratch" and plan["scratch"][b["source_index"]]["producer"] == plan["dispatches"].index(step))
             assert (b["access"] == "write") == writes
     mask_at = ("input", 3 if with_mask else 0, "read")
     sinks_at = ("input", (3 + with_mask) if with_sinks else 0, "read")
+    lse_at = ("output", 1, "write") if with_lse else ("input", 0, "read")
     for (i, role), where in bound.items():
         expected = {"q": ("input", 0, "read"), "k": ("input", 1, "read"), "v": ("input", 2, "read"),
-                    "mask": mask_at, "sinks": sinks_at, "out": ("output", 0, "write"),
+                    "mask": mask_at, "sinks": sinks_at, "out": ("output", 0, "write"), "lse": lse_at,
                     "params": ("params", 0, "read"), "splits": ("splits", 0, "read")}.get(role)
         if expected:
             assert where == expected, (role, where)
+    # the dispatch that writes the output also writes the lse
+    assert [roles(step).count("lse") for step in plan["dispatches"]] == ["out" in roles(step) for step in plan["dispatches"]]
     params = struct.unpack("17q10ifi", plan["params"])
     assert params[26] == (1 if with_sinks else 0)
     assert params[25] == (_ext.MASK_BOOL if with_mask else _ext.MASK_NONE)
+    assert params[28] == (1 if with_lse else 0)
 
 
 def test_sinks_stride_is_in_the_params():
@@ -79,7 +85,7 @@ def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
     assert step["threadgroup"] == [128, 1, 1]
     assert step["threadgroup_memory_bytes"] <= 32 * 1024
     assert step["kernel"] == f"attention_prefill_float16_d{d}"
-    assert roles(step) == ["q", "k", "v", "out", "params", "mask", "sinks"]
+    assert roles(step) == ["q", "k", "v", "out", "params", "mask", "sinks", "lse"]
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
@@ -89,10 +95,13 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     assert plan["supported"], plan["reason"]
     partial, merge = plan["dispatches"]
     rows = 4 * tq  # query heads per KV head x query positions
+    # registers: a lane holds 32 floats of q (D/32 per row), so 32 / (D/32) rows per threadgroup
+    row_chunks = -(-rows // (32 // (d // 32)))
     splits = plan["splits"]
-    assert splits == min(32, max(1, -(-tkv // 64)))
+    # enough threadgroups to fill a GPU (256), but at least max(64, 16 x rows) keys each
+    assert splits == max(1, min(-(-256 // (2 * 2 * row_chunks)), -(-tkv // max(64, 16 * rows))))
     assert partial["kernel"] == f"attention_decode_partial_float16_d{d}"
-    assert partial["grid"] == [splits, 2, 2] and partial["threadgroup"] == [128, 1, 1]
+    assert partial["grid"] == [splits, 2 * row_chunks, 2] and partial["threadgroup"] == [128, 1, 1]
     assert partial["threadgroup_memory_bytes"] <= 32 * 1024
     assert merge["kernel"] == f"attention_decode_merge_float16_d{d}"
     assert merge["grid"] == [rows, 2, 2] and merge["threadgroup"] == [32, 1, 1]
@@ -106,6 +115,13 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
         assert [(b["role"], b["source_index"], b["access"]) for b in scratch] == [
             ("partial_out", 0, access), ("partial_stats", 1, access)]
     assert "out" in roles(merge) and "out" not in roles(partial)
+
+
+@pytest.mark.parametrize("tkv,hkv,expected", [(8192, 1, 128), (8192, 8, 32), (4096, 1, 64), (300, 1, 5), (100, 16, 2), (100000, 64, 4)])
+def test_decode_splits_fill_the_gpu_without_tiny_splits(tkv, hkv, expected):
+    """D = 128, GQA 4, one query: 4 rows, one row chunk per KV head."""
+    plan = plan_for(b=1, hq=4 * hkv, hkv=hkv, tq=1, tkv=tkv, d=128)
+    assert plan["splits"] == expected
 
 
 @pytest.mark.parametrize("kwargs", [dict(d=80, tq=1), dict(hq=40, hkv=1, tq=1), dict(hq=8, hkv=2, tq=9)])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REAL_METAL, EmulatedMetal, RealMetal, View
+from metal_runner import REAL_METAL, EmulatedMetal, RealMetal, View, reference_lse
 from mlx_attn.reference import reference_attention
 from sdpa_cases import DTYPES, TOLERANCE, make_qkv
 
@@ -142,8 +142,46 @@ def test_decode_split_kv(run, tq, hq, hkv):
     if not REAL_METAL:
         kernels = [step["kernel"] for step in run.last_plan["dispatches"]]
         assert kernels == ["attention_decode_partial_float32_d64", "attention_decode_merge_float32_d64"]
-        assert run.last_plan["splits"] == 3  # 150 keys over splits of 64
+        rows = hq // hkv * tq
+        # splits of at least max(64, 16 per row) keys (docs/metal_kernels.md)
+        assert run.last_plan["splits"] == -(-150 // max(64, 16 * rows))
     assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("hq,tq", [(8, 2), (32, 1)], ids=["one-row-chunk", "four-row-chunks"])
+def test_decode_row_chunks_at_d256(run, hq, tq):
+    """At D = 256 a threadgroup holds 4 rows in registers: a larger GQA group
+    is served by several row chunks of the same KV head."""
+    q, k, v = make(1, hq, 1, tq, 300, 256, mx.float16, seed=hq)
+    check(run, q, k, v, mask="causal", sinks=mx.linspace(-1, 1, hq).astype(mx.float16))
+    if not REAL_METAL:
+        assert run.last_plan["dispatches"][0]["grid"][1] == -(-hq * tq // 4)
+
+
+@pytest.mark.parametrize("tq", [37, 1, 3], ids=["prefill", "decode-1", "decode-3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_logsumexp(run, dtype, tq):
+    """The float32 [B, Hq, Tq] log-sum-exp output of both kernels (sinks and
+    masks included, -inf for a row that sees nothing), next to an unchanged output."""
+    q, k, v = make(2, 4, 2, tq, 140, 64, dtype, seed=tq)
+    visible = np.random.default_rng(tq).random((tq, 140)) > 0.3
+    visible[0] = False
+    sinks = mx.array([0.5, -1.0, 3.0, 0.0]).astype(dtype)
+    for kw in (dict(mask="causal"), dict(mask=mx.array(visible)), dict(mask="causal", sinks=sinks),
+               dict(window_size=9)):
+        out, lse = run(q, k, v, scale=0.125, return_lse=True, **kw)
+        want = reference_lse(q, k, v, scale=0.125, **kw)
+        got = np.array(lse)
+        assert lse.dtype == mx.float32 and got.shape == (2, 4, tq)
+        assert np.array_equal(np.isneginf(got), np.isneginf(want)), "rows that see nothing: -inf"
+        finite = np.isfinite(want)
+        assert np.isfinite(got[finite]).all()
+        assert np.all(np.abs(got[finite] - want[finite]) <= 1e-4 * np.maximum(1.0, np.abs(want[finite])))
+        plain = run(q, k, v, scale=0.125, **kw)
+        assert np.array_equal(np.array(out.astype(mx.float32)), np.array(plain.astype(mx.float32)))
+    if not REAL_METAL:
+        lse_bindings = [b for step in run.last_plan["dispatches"] for b in step["bindings"] if b["role"] == "lse"]
+        assert lse_bindings[-1]["source"] == "input"  # without return_lse: the placeholder
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

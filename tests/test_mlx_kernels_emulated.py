@@ -194,12 +194,14 @@ def test_bench_metal_emulate_smoke_run(tmp_path):
     spec.loader.exec_module(bench)
     doc = tmp_path / "costs.md"
     rows = bench.main(["--emulate", "--lengths", "64", "--decode-lengths", "128", "--head-dims", "64",
+                       "--decode-head-dims", "64", "--decode-groups", "4",
                        "--out", str(tmp_path), "--costs-doc", str(doc)])
     assert [(r["phase"], r["causal"]) for r in rows] == [("prefill", False), ("prefill", True), ("decode", False)]
     for row in rows:
         for impl in ("ours", "mlx"):
             assert row[impl]["max_abs_error"] < 2e-3
             assert row[impl]["counters"]["device_bytes"] > 0
+            assert row[impl]["modelled"]["seconds"] >= row[impl]["modelled"]["device_seconds"] > 0
     # Both read all of K and V at least once; MLX's one-pass decode reads them once per query head.
     decode = rows[2]
     assert decode["ours"]["per_work"]["device_bytes"] >= 1.0
