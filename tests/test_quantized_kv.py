@@ -473,3 +473,14 @@ def test_smollm2_greedy_tokens_with_quantized_caches():
         four_bit, logits = _greedy(model, entry["ids"], [QuantizedKVCache(64, 4) for _ in range(layers)], 1)
         assert four_bit == expected[:1]
         assert np.abs(np.array(logits - float_logits)).max() < FOUR_BIT_LOGIT_TOLERANCE
+
+
+def test_kv_cache_memory_example_reports_quantized_caches(tmp_path, capsys):
+    from test_examples import load
+
+    load("kv_cache_memory").main(["--out", str(tmp_path / "kv.png")])
+    printed = capsys.readouterr().out
+    # Llama-3-8B, 8 KV heads x 128 dims x 32 layers: 8 bits = (128 + 2 x 2 x 2) x 2 x 8 x 32 bytes = 68 KiB per token
+    assert "| Llama-3-8B | 8-bit, group 64 | 68.0 KiB | 0.531x | 136.0 MiB |" in printed
+    assert "| Llama-3-8B | 4-bit, group 64 | 36.0 KiB | 0.281x |" in printed
+    assert (tmp_path / "kv.png").stat().st_size > 10_000
