@@ -484,3 +484,38 @@ def test_kv_cache_memory_example_reports_quantized_caches(tmp_path, capsys):
     assert "| Llama-3-8B | 8-bit, group 64 | 68.0 KiB | 0.531x | 136.0 MiB |" in printed
     assert "| Llama-3-8B | 4-bit, group 64 | 36.0 KiB | 0.281x |" in printed
     assert (tmp_path / "kv.png").stat().st_size > 10_000
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quantized_kv.py"
+    spec = importlib.util.spec_from_file_location("bench_quantized_kv", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_benchmark_unfused_formula_computes_attention(bits):
+    """The re-implemented mlx-lm formula is a correct baseline."""
+    q = mx.random.normal((1, 12, 1, 64), key=mx.random.key(1))
+    kq, vq = (quantize(mx.random.normal((1, 4, 100, 64), key=mx.random.key(i)), 64, bits) for i in (2, 3))
+    got = _bench().unfused_quantized_attention(q, kq, vq, scale=0.125, group_size=64, bits=bits)
+    expected = qsdpa(q, kq, vq, scale=0.125, bits=bits, backend="reference")
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5)
+
+
+def test_benchmark_quick_run(tmp_path):
+    import json
+
+    result = _bench().main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_quantized_kv.json").read_text())
+    assert len(saved["rows"]) == len(result["rows"]) == 2
+    for row in saved["rows"]:
+        for method in ("quantized 8-bit", "quantized 4-bit", "float16 fused", "mlx-lm unfused 8-bit"):
+            assert row[method]["ms"] > 0
+        assert row["quantized 8-bit"]["kv_bytes"] <= 0.55 * row["float16 fused"]["kv_bytes"]
+        assert row["quantized 4-bit"]["kv_bytes"] <= 0.30 * row["float16 fused"]["kv_bytes"]
+    assert (tmp_path / "bench_quantized_kv.png").stat().st_size > 10_000
