@@ -22,8 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_attn.generate import GenerationConfig, GenerationStats, generate_tokens
-from mlx_attn.models import load_model
+from mlx_attn.lm.generate import GenerationConfig, GenerationStats, generate_tokens
+from mlx_attn.lm import load_model
 
 TEXT = (
     "Attention lets every token look at every other token. A query is compared with all keys, the scores "

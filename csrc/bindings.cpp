@@ -15,6 +15,7 @@ using namespace nb::literals;
 
 namespace mlx_attn {
 void bind_launch_plan(nb::module_& m);  // csrc/launch_plan_bindings.cpp
+void bind_metal_sources(nb::module_& m);  // csrc/metal/metal_source_bindings.cpp
 }
 
 NB_MODULE(_ext, m) {
@@ -66,4 +67,5 @@ NB_MODULE(_ext, m) {
       }, "Whether this build contains the Metal kernels.");
 
   mlx_attn::bind_launch_plan(m);
+  mlx_attn::bind_metal_sources(m);
 }

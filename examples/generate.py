@@ -9,7 +9,7 @@ Same options as `mlx-attn generate` (see `mlx-attn generate --help`).
 
 import sys
 
-from mlx_attn.cli import main
+from mlx_attn.lm.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["generate", *sys.argv[1:]]))

@@ -4,7 +4,7 @@ masks.
 Without --model, a small randomly initialised MultiHeadAttention over a
 sequence with structure (repeated tokens) is used. With --model, the weights
 of one layer of a real model on a real sentence are shown (needs the text
-generation models, `mlx_attn.models.load_model`).
+generation models, `mlx_attn.lm.load_model`).
 
     python examples/visualize_attention.py [--out plots/attention.png]
     python examples/visualize_attention.py --model default --layer 3 --text "The cat sat on the mat."
@@ -43,7 +43,7 @@ def small_module_weights(length: int, window: int, seed: int = 0) -> dict[str, n
 
 
 def model_weights(model_name: str, text: str, layer: int, window: int):
-    from mlx_attn.models import load_model  # the text-generation models
+    from mlx_attn.lm import load_model  # the text-generation models
 
     model, tokenizer = load_model(None if model_name == "default" else model_name)
     tokens = tokenizer.encode(text)

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_attn.model_store import fetch_model
-from mlx_attn.models import load_sentence_encoder
+from mlx_attn.lm.model_store import fetch_model
+from mlx_attn.lm import load_sentence_encoder
 from model_fixtures import minilm
 
 
@@ -57,3 +57,29 @@ def test_loading_errors(tmp_path):
         load_sentence_encoder(copy)
     with pytest.raises(ValueError, match="no sentences"):
         minilm().encode([])
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_attention_heads=0), "num_attention_heads must be >= 1"),
+    (dict(num_attention_heads=5), r"hidden_size \(384\) is not a multiple of num_attention_heads \(5\)"),
+    (dict(hidden_size="384"), "hidden_size must be an integer, got str"),
+    (dict(layer_norm_eps=float("nan")), "layer_norm_eps must be finite"),
+    (dict(max_position_embeddings=1024), r"position_embeddings.weight' has shape \(512, 384\)"),
+    (dict(num_hidden_layers=2**31 - 1), "says a 2147483647-layer model, the checkpoint holds tensors for 6 layers"),
+    (dict(position_embedding_type="relative_key"), "position_embedding_type 'relative_key' is not supported"),
+    (dict(vocab_size=None), "vocab_size must be an integer, got NoneType"),
+])
+def test_wrong_bert_configs(tmp_path, changes, message):
+    source = fetch_model("all-minilm-l6-v2")
+    copy = tmp_path / "model"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(dict(config, **changes)))
+    with pytest.raises(ValueError, match=message) as error:
+        load_sentence_encoder(copy)
+    assert str(copy) in str(error.value)
+
+
+def test_sentences_must_be_text():
+    with pytest.raises(ValueError, match="sentences must be strings"):
+        minilm().encode(["fine", 3])

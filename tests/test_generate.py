@@ -1,83 +1,15 @@
-"""Sampling, generation mechanics, streaming and the CLI."""
+"""Generation mechanics (mlx_attn.lm.generate): cached decoding, prefill
+chunks, both attention paths, stopping, seeding, and refused arguments."""
 
+import math
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
-from mlx_attn.cli import main as cli_main
-from mlx_attn.generate import GenerationConfig, GenerationStats, generate, generate_tokens
-from mlx_attn.models.llama import Llama, LlamaConfig
-from mlx_attn.sampling import apply_repetition_penalty, make_sampler
-from mlx_attn.tokenizer import StreamingDetokenizer
-from model_fixtures import smollm2
+from mlx_attn.lm.generate import GenerationConfig, GenerationStats, generate, generate_tokens, stream_generate
+from model_fixtures import smollm2, tiny_llama
 
 
-def tiny_llama(seed=0, **overrides):
-    mx.random.seed(seed)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0)
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    model = Llama(config)
-    mx.eval(model.parameters())
-    return model
-
-
-# ---------------------------------------------------------------- sampling
-LOGITS = mx.array([[2.0, 1.0, 0.5, -1.0, 0.0, 3.0]])
-
-
-def frequencies(sampler, n=4000, seed=0):
-    mx.random.seed(seed)
-    draws = np.array(sampler(mx.broadcast_to(LOGITS, (n, LOGITS.shape[1]))))
-    return np.bincount(draws, minlength=LOGITS.shape[1]) / n
-
-
-def test_greedy_and_degenerate_filters_pick_the_argmax():
-    assert make_sampler(0.0)(LOGITS).item() == 5
-    for sampler in (make_sampler(1.0, top_k=1), make_sampler(1.0, top_p=1e-6), make_sampler(1.0, min_p=0.99)):
-        assert set(np.unique(np.array(sampler(mx.broadcast_to(LOGITS, (200, 6)))))) == {5}
-
-
-def test_temperature_sampling_follows_softmax():
-    for temperature in (1.0, 0.5):
-        expected = np.exp(np.array(LOGITS[0]) / temperature)
-        expected /= expected.sum()
-        got = frequencies(make_sampler(temperature))
-        assert np.abs(got - expected).max() < 0.03, (got, expected)
-
-
-def test_top_k_top_p_and_min_p_restrict_the_support():
-    assert set(np.nonzero(frequencies(make_sampler(1.0, top_k=2)))[0]) == {0, 5}
-    probs = np.exp(np.array(LOGITS[0]))
-    probs /= probs.sum()  # sorted: 5 (0.56), 0 (0.21), 1 (0.08), ...
-    assert set(np.nonzero(frequencies(make_sampler(1.0, top_p=0.7)))[0]) == {5, 0}
-    assert set(np.nonzero(frequencies(make_sampler(1.0, min_p=0.3)))[0]) == {5, 0}
-    # renormalised among the survivors
-    got = frequencies(make_sampler(1.0, top_k=2))
-    assert abs(got[5] - probs[5] / (probs[5] + probs[0])) < 0.03
-
-
-def test_seeded_sampling_is_reproducible():
-    sampler = make_sampler(1.0)
-    assert np.array_equal(frequencies(sampler, seed=3), frequencies(sampler, seed=3))
-
-
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0)])
-def test_invalid_sampling_parameters(kwargs):
-    with pytest.raises(ValueError):
-        make_sampler(**kwargs)
-
-
-def test_repetition_penalty():
-    out = np.array(apply_repetition_penalty(mx.array([[2.0, -2.0, 1.0]]), [0, 1, 1], 2.0))
-    np.testing.assert_allclose(out, [[1.0, -4.0, 1.0]])
-    with pytest.raises(ValueError):
-        apply_repetition_penalty(LOGITS, [0], 0.0)
-
-
-# ---------------------------------------------------------------- generation
 def test_cached_generation_equals_recomputing_the_whole_sequence():
     model = tiny_llama()
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -128,30 +60,82 @@ def test_seeded_sampling_generation_is_reproducible():
     assert a == b and a != c
 
 
-def test_streaming_detokenizer_handles_multibyte_characters():
-    _, tokenizer = smollm2()
-    text = "naïve café 日本語 🙂 done"
-    ids = tokenizer.encode(text)
-    detok = StreamingDetokenizer(tokenizer)
-    pieces = [detok.add(t) for t in ids] + [detok.finish()]
-    assert "".join(pieces) == text
-    assert all("\ufffd" not in p for p in pieces)
-
-
 def test_generate_with_the_real_model():
     model, tokenizer = smollm2()
     text = generate(model, tokenizer, "The capital of France is", max_tokens=3)
     assert text.startswith(" Paris")
 
 
-def test_cli_generates_and_reports(capsys):
-    assert cli_main(["generate", "The capital of France is", "--max-tokens", "4", "--backend", "fused"]) == 0
-    captured = capsys.readouterr()
-    assert captured.out.startswith("The capital of France is Paris")
-    assert "[fused attention]" in captured.err and "tokens/s" in captured.err and "peak memory" in captured.err
-    assert cli_main(["generate", "--chat", "Hi", "--max-tokens", "2", "--quiet"]) == 0
+def test_zero_max_tokens_generates_nothing():
+    model = tiny_llama()
+    assert list(generate_tokens(model, [1, 2, 3], GenerationConfig(max_tokens=0))) == []
 
 
-def test_cli_reports_bad_model_paths(capsys, tmp_path):
-    assert cli_main(["generate", "x", "--model", str(tmp_path / "missing.gguf")]) == 2
-    assert "not found" in capsys.readouterr().err
+# ---------------------------------------------------------------- hostile input
+@pytest.mark.parametrize("field, value, message", [
+    ("max_tokens", -1, "max_tokens must be >= 0"),
+    ("max_tokens", 2.5, "max_tokens must be an integer, got float"),
+    ("max_tokens", "10", "max_tokens must be an integer, got str"),
+    ("temperature", math.nan, "temperature must be finite"),
+    ("temperature", -0.5, "temperature must be >= 0"),
+    ("top_p", math.inf, "top_p must be finite"),
+    ("top_k", -2, "top_k must be >= 0"),
+    ("min_p", math.nan, "min_p must be finite"),
+    ("repetition_penalty", math.nan, "repetition_penalty must be finite"),
+    ("repetition_penalty", 0, "repetition_penalty must be > 0"),
+    ("repetition_context", 0, "repetition_context must be >= 1"),
+    ("seed", -1, "seed must be >= 0"),
+    ("seed", 2**64, "seed must be <= 18446744073709551615"),
+    ("seed", 1.5, "seed must be an integer"),
+    ("prefill_chunk", 0, "prefill_chunk must be >= 1"),
+    ("stop_at_eos", "no", "stop_at_eos must be true or false"),
+])
+def test_invalid_generation_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**{field: value})
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, 97], r"prompt\[1\] must be <= 96"),
+    ([-1], r"prompt\[0\] must be >= 0"),
+    ([1, 2.0], r"prompt\[1\] must be an integer, got float"),
+    ([True], r"prompt\[0\] must be an integer, got bool"),
+    ("hello", "prompt must be a list of token ids, got str"),
+    (5, "prompt must be a list of token ids, got int"),
+    ([], "at least one token"),
+])
+def test_invalid_prompts(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        list(generate_tokens(tiny_llama(), prompt, GenerationConfig(max_tokens=2)))
+
+
+def test_context_length_and_config_type_are_checked():
+    model = tiny_llama(max_position_embeddings=16)
+    with pytest.raises(ValueError, match=r"max_tokens \(14\) plus the prompt's 3 tokens exceed .* 16"):
+        list(generate_tokens(model, [1, 2, 3], GenerationConfig(max_tokens=14)))
+    assert len(list(generate_tokens(model, [1, 2, 3], GenerationConfig(max_tokens=13, stop_at_eos=False)))) == 13
+    with pytest.raises(ValueError, match="config must be a GenerationConfig, got dict"):
+        list(generate_tokens(model, [1], {"max_tokens": 3}))
+
+
+def test_text_prompts_are_checked():
+    model, tokenizer = smollm2()
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, tokenizer, "")
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        generate(model, tokenizer, "caf\udce9")  # an undecodable byte kept as a surrogate
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        generate(model, tokenizer, "Hi", temperature=math.nan)
+    with pytest.raises(TypeError, match="unknown generation option 'temp'"):
+        generate(model, tokenizer, "Hi", temp=0.5)
+    with pytest.raises(ValueError, match="text must be a string, got bytes"):
+        list(stream_generate(model, tokenizer, b"Hi", GenerationConfig()))
+
+
+def test_attention_weights_layer_is_checked():
+    model = tiny_llama()
+    tokens = mx.array([[1, 2, 3]])
+    assert model.attention_weights(tokens, layer=1).shape == (1, 4, 3, 3)
+    for layer, message in ((2, "layer must be <= 1"), (-1, "layer must be >= 0"), ("0", "must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            model.attention_weights(tokens, layer=layer)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_attn.model_store import DEFAULT_ENCODER, MODELS, fetch_model, sha256_of
+from mlx_attn.lm.model_store import DEFAULT_ENCODER, MODELS, fetch_model, sha256_of
 from model_fixtures import minilm
 
 FIXTURES = Path(__file__).parent / "fixtures"

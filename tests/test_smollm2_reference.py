@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_attn.generate import GenerationConfig, generate_tokens
+from mlx_attn.lm.generate import GenerationConfig, generate_tokens
 from model_fixtures import smollm2
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -31,7 +31,7 @@ def model_and_tokenizer():
 
 
 def test_fixture_is_for_the_same_file():
-    from mlx_attn.model_store import MODELS
+    from mlx_attn.lm.model_store import MODELS
 
     spec = MODELS["smollm2-135m-instruct"]
     assert DATA["gguf_sha256"] == spec.files[spec.main_file]

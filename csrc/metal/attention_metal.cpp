@@ -1,6 +1,6 @@
 // The Mac-only part: translate a launch plan (csrc/launch_plan.cpp, tested on
-// Linux) into MLX Metal command-encoder calls. mlx_attn.metallib is loaded
-// from next to the extension binary, as in MLX's extension example.
+// Linux) into MLX Metal command-encoder calls. The kernels' library comes
+// from csrc/metal/metal_library.cpp (compiled at run time by default).
 #include "csrc/metal/attention_metal.h"
 
 #include <dlfcn.h>
@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "csrc/launch_plan.h"
+#include "csrc/metal/metal_library.h"
 #include "mlx/backend/metal/device.h"
 
 namespace mlx_attn::metal {
@@ -77,7 +78,6 @@ void eval_attention(
   }
 
   auto& device = mx::metal::device(stream.device);
-  auto* library = device.get_library("mlx_attn", binary_dir());
   auto& encoder = mx::metal::get_command_encoder(stream);
   std::vector<std::pair<std::string, mx::array>> scratch;
   for (const auto& buffer : plan.scratch) {
@@ -92,7 +92,8 @@ void eval_attention(
     return nullptr;
   };
   for (const auto& dispatch : plan.dispatches) {
-    encoder.set_compute_pipeline_state(device.get_kernel(dispatch.kernel, library));
+    encoder.set_compute_pipeline_state(
+        device.get_kernel(dispatch.kernel, kernel_library(device, dispatch.kernel)));
     for (int i = 0; i < int(dispatch.buffers.size()); ++i) {
       const std::string& name = dispatch.buffers[i];
       if (name == "q") encoder.set_input_array(q, i);

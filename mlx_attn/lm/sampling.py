@@ -7,7 +7,9 @@ from typing import Callable, Iterable
 
 import mlx.core as mx
 
-__all__ = ["make_sampler", "apply_repetition_penalty"]
+from mlx_attn.lm.validate import require_float, require_int
+
+__all__ = ["make_sampler", "apply_repetition_penalty", "check_sampling_parameters", "check_repetition_penalty"]
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -16,8 +18,7 @@ def apply_repetition_penalty(logits: mx.array, previous: Iterable[int], penalty:
     """Make tokens that already occurred less likely (CTRL-style): positive
     logits are divided by ``penalty``, negative ones multiplied. ``logits``
     is ``[vocab]`` or ``[1, vocab]``."""
-    if penalty <= 0:
-        raise ValueError(f"repetition penalty must be > 0, got {penalty}")
+    penalty = check_repetition_penalty(penalty)
     ids = sorted(set(int(t) for t in previous))
     if penalty == 1.0 or not ids:
         return logits
@@ -27,6 +28,23 @@ def apply_repetition_penalty(logits: mx.array, previous: Iterable[int], penalty:
     logits = mx.array(logits)
     logits[..., index] = chosen
     return logits
+
+
+def check_repetition_penalty(penalty) -> float:
+    """A finite penalty > 0 (1 leaves the logits alone)."""
+    return require_float("repetition_penalty", penalty, 0.0, min_inclusive=False)
+
+
+def check_sampling_parameters(temperature, top_k, top_p, min_p) -> tuple[float, int, float, float]:
+    """The sampling parameters as numbers in their ranges: temperature >= 0,
+    top_k >= 0 (0: off), top_p in (0, 1], min_p in [0, 1); NaN, infinities,
+    bools and strings are refused."""
+    return (
+        require_float("temperature", temperature, 0.0),
+        require_int("top_k", top_k, 0),
+        require_float("top_p", top_p, 0.0, 1.0, min_inclusive=False),
+        require_float("min_p", min_p, 0.0, 1.0, max_inclusive=False),
+    )
 
 
 def make_sampler(
@@ -39,23 +57,21 @@ def make_sampler(
     otherwise the filters (top-k, then top-p, then min-p) remove unlikely
     tokens and one is drawn from the rest with MLX's global random state
     (seed it with ``mx.random.seed``)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
+    temperature, top_k, top_p, min_p = check_sampling_parameters(temperature, top_k, top_p, min_p)
     if temperature == 0:
         return lambda logits: mx.argmax(logits, axis=-1)
 
     def sample(logits: mx.array) -> mx.array:
-        logits = logits.astype(mx.float32) / temperature
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        # shifted so the best logit is 0: a tiny temperature then gives -inf
+        # for the others, never inf - inf = NaN
+        logits = logits.astype(mx.float32)
+        scaled = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
         if top_k and top_k < logits.shape[-1]:
-            kth = mx.sort(logprobs, axis=-1)[..., -top_k][..., None]
-            logprobs = mx.where(logprobs >= kth, logprobs, -mx.inf)
+            # ranked on the logits as given: shifting and scaling can round
+            # distinct logits to ties
+            kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
+            logprobs = mx.where(logits >= kth, logprobs, -mx.inf)
         if top_p < 1.0:
             order = mx.argsort(-logprobs, axis=-1)
             sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))

@@ -9,8 +9,14 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from mlx_attn.sampling import apply_repetition_penalty, make_sampler
-from mlx_attn.tokenizer import StreamingDetokenizer
+from mlx_attn.lm.sampling import (
+    apply_repetition_penalty,
+    check_repetition_penalty,
+    check_sampling_parameters,
+    make_sampler,
+)
+from mlx_attn.lm.tokenizer import StreamingDetokenizer
+from mlx_attn.lm.validate import require_bool, require_int
 
 __all__ = ["GenerationConfig", "GenerationStats", "generate_tokens", "stream_generate", "generate"]
 
@@ -29,10 +35,16 @@ class GenerationConfig:
     stop_at_eos: bool = True
 
     def __post_init__(self):
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        self.max_tokens = require_int("max_tokens", self.max_tokens, 0)
+        self.temperature, self.top_k, self.top_p, self.min_p = check_sampling_parameters(
+            self.temperature, self.top_k, self.top_p, self.min_p
+        )
+        self.repetition_penalty = check_repetition_penalty(self.repetition_penalty)
+        self.repetition_context = require_int("repetition_context", self.repetition_context, 1)
+        if self.seed is not None:
+            self.seed = require_int("seed", self.seed, 0, 2**64 - 1)  # MLX seeds are uint64
+        self.prefill_chunk = require_int("prefill_chunk", self.prefill_chunk, 1)
+        require_bool("stop_at_eos", self.stop_at_eos)
 
 
 @dataclasses.dataclass
@@ -59,13 +71,31 @@ class GenerationStats:
         )
 
 
+def _check_prompt(model, prompt, max_tokens: int) -> list[int]:
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError("the prompt must contain at least one token")
+    config = getattr(model, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    ids = [require_int(f"prompt[{i}]", t, 0, vocab_size - 1 if vocab_size else None) for i, t in enumerate(prompt)]
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and len(ids) + max_tokens > context:
+        raise ValueError(f"max_tokens ({max_tokens}) plus the prompt's {len(ids)} tokens exceed the model's "
+                         f"context length of {context}")
+    return ids
+
+
 def generate_tokens(
     model, prompt: list[int], config: GenerationConfig, eos_token_ids=(), stats: GenerationStats | None = None,
     cache: list | None = None,
 ) -> Iterator[int]:
-    """Yields generated token ids. Fills ``stats`` (if given) as it goes."""
-    if not prompt:
-        raise ValueError("the prompt must contain at least one token")
+    """Yields generated token ids. Fills ``stats`` (if given) as it goes.
+    The prompt's ids must lie in the model's vocabulary and the prompt plus
+    ``max_tokens`` within its context length."""
+    if not isinstance(config, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    prompt = _check_prompt(model, prompt, config.max_tokens)
     stats = stats if stats is not None else GenerationStats()
     sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
     if config.seed is not None:
@@ -115,7 +145,7 @@ def generate_tokens(
 def stream_generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig,
                     stats: GenerationStats | None = None) -> Iterator[str]:
     """Yields text pieces as soon as they are complete."""
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, (str, bytes)) else prompt  # encode refuses bytes
     detokenizer = StreamingDetokenizer(tokenizer)
     for token in generate_tokens(model, ids, config, tokenizer.eos_token_ids, stats):
         piece = detokenizer.add(token)
@@ -127,6 +157,11 @@ def stream_generate(model, tokenizer, prompt: str | list[int], config: Generatio
 
 
 def generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig | None = None, **kwargs) -> str:
-    """The whole completion as one string (kwargs override GenerationConfig fields)."""
+    """The whole completion as one string (kwargs override GenerationConfig
+    fields; an unknown one is a TypeError, as for any function)."""
+    unknown = sorted(set(kwargs) - set(GenerationConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"unknown generation option {unknown[0]!r}; GenerationConfig has "
+                        f"{', '.join(GenerationConfig.__dataclass_fields__)}")
     config = dataclasses.replace(config or GenerationConfig(), **kwargs)
     return "".join(stream_generate(model, tokenizer, prompt, config))

@@ -3,6 +3,9 @@
     mlx-attn generate "The capital of France is"
     mlx-attn generate --chat "Write a haiku about attention." --temp 0.7 --seed 1
     mlx-attn generate --backend reference "..."      # compare attention paths
+
+A user mistake (bad option, damaged model file, broken chat template) ends
+with exit code 2 and one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,24 +13,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main"]
+import mlx.core as mx
+
+from mlx_attn.lm.generate import GenerationConfig, GenerationStats, stream_generate
+from mlx_attn.lm.loading import load_model
+from mlx_attn.lm.validate import require_utf8
+
+__all__ = ["main", "build_parser"]
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A command-line mistake argparse found."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage and exit; main prints one line
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _generate(args) -> int:
-    import mlx.core as mx
-
-    from mlx_attn.generate import GenerationConfig, GenerationStats, stream_generate
-    from mlx_attn.models import load_model
-
-    if args.device == "cpu":
-        mx.set_default_device(mx.cpu)
-    model, tokenizer = load_model(args.model, backend=args.backend)
-    prompt = args.prompt
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = require_utf8("the prompt", args.prompt)
+    if args.system is not None:
+        require_utf8("--system", args.system)
+    # every option is checked before the (slow) model load
     config = GenerationConfig(
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -38,10 +48,21 @@ def _generate(args) -> int:
         seed=args.seed,
         prefill_chunk=args.prefill_chunk,
     )
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    model, tokenizer = load_model(args.model, backend=args.backend)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     stats = GenerationStats()
+    pieces = stream_generate(model, tokenizer, prompt, config, stats)
+    first = next(pieces, "")  # the prompt is checked against the model before anything is printed
     if not args.chat:
         print(args.prompt, end="", flush=True)
-    for piece in stream_generate(model, tokenizer, prompt, config, stats):
+    print(first, end="", flush=True)
+    for piece in pieces:
         print(piece, end="", flush=True)
     print()
     if not args.quiet:
@@ -50,7 +71,7 @@ def _generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-attn", description="mlx_attn: fast exact attention for MLX")
+    parser = _Parser(prog="mlx-attn", description="mlx_attn: fast exact attention for MLX")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text with a pretrained model")
     gen.add_argument("prompt", help="the prompt (with --chat: the user message)")
@@ -75,13 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        print(f"mlx-attn: error: {error}", file=sys.stderr)
-        return 2
+    except UsageError as error:
+        print(f"{_one_line(error)} (see mlx-attn generate --help)", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as error:
+        print(f"mlx-attn: error: {_one_line(error)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("mlx-attn: interrupted", file=sys.stderr)
+        return 130
+    return USAGE_ERROR
 
 
 if __name__ == "__main__":

