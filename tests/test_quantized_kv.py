@@ -519,3 +519,44 @@ def test_benchmark_quick_run(tmp_path):
         assert row["quantized 8-bit"]["kv_bytes"] <= 0.55 * row["float16 fused"]["kv_bytes"]
         assert row["quantized 4-bit"]["kv_bytes"] <= 0.30 * row["float16 fused"]["kv_bytes"]
     assert (tmp_path / "bench_quantized_kv.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------------ generation and the CLI
+def test_generation_config_checks_the_kv_options():
+    from mlx_attn.lm.generate import GenerationConfig
+
+    for bad, message in [(dict(kv_bits=3), "bits must be one of"), (dict(kv_bits=8, kv_group_size=48), "group_size"),
+                         (dict(quantized_kv_start=-1), "quantized_kv_start")]:
+        with pytest.raises(ValueError, match=message):
+            GenerationConfig(**bad)
+
+
+@pytest.mark.parametrize("start, quantized", [(6, True), (0, True), (100, False)])
+def test_generation_switches_to_a_quantized_cache_at_the_start_offset(start, quantized):
+    from mlx_attn.lm.generate import GenerationConfig, generate_tokens
+    from model_fixtures import tiny_llama
+
+    model = tiny_llama(hidden_size=128, head_dim=32)  # one group of 32 features per head
+    config = GenerationConfig(max_tokens=4, stop_at_eos=False, prefill_chunk=4, kv_bits=8, kv_group_size=32,
+                              quantized_kv_start=start)
+    cache = model.make_cache()
+    tokens = list(generate_tokens(model, list(range(1, 10)), config, cache=cache))
+    assert len(tokens) == 4
+    assert all(isinstance(c, QuantizedKVCache) == quantized for c in cache)
+    assert all(c.offset == 9 + 3 for c in cache)
+    if quantized:
+        assert all((c.bits, c.group_size) == (8, 32) for c in cache)
+
+
+def test_cli_generates_the_same_text_with_an_8_bit_cache(capsys):
+    from mlx_attn.lm.cli import main
+
+    prompt = _smollm2_prompts()[0]["prompt"]
+    outputs = []
+    for extra in ([], ["--kv-bits", "8", "--kv-group-size", "64"], ["--kv-bits", "8", "--quantized-kv-start", "3"]):
+        assert main(["generate", "--max-tokens", "12", "--quiet", *extra, prompt]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0].startswith(prompt) and len(outputs[0]) > len(prompt)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert main(["generate", "--kv-bits", "3", prompt]) == 2
+    assert "--kv-bits" in capsys.readouterr().err

@@ -3,6 +3,7 @@
     mlx-attn generate "The capital of France is"
     mlx-attn generate --chat "Write a haiku about attention." --temp 0.7 --seed 1
     mlx-attn generate --backend reference "..."      # compare attention paths
+    mlx-attn generate --kv-bits 8 "..."              # quantized KV cache (4 or 8 bits)
 
 A user mistake (bad option, damaged model file, broken chat template) ends
 with exit code 2 and one line on stderr, never a traceback.
@@ -47,6 +48,9 @@ def _generate(args) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         prefill_chunk=args.prefill_chunk,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
     )
     if args.device == "cpu":
         mx.set_default_device(mx.cpu)
@@ -88,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--prefill-chunk", type=int, default=512)
+    gen.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                     help="quantize the KV cache to this many bits (default: float)")
+    gen.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                     help="features per scale and bias of the quantized KV cache")
+    gen.add_argument("--quantized-kv-start", type=int, default=0,
+                     help="with --kv-bits: keep the cache float until it holds this many tokens")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--device", choices=["default", "cpu"], default="default")

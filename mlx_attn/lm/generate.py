@@ -9,6 +9,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from mlx_attn.cache import QuantizedKVCache
 from mlx_attn.lm.sampling import (
     apply_repetition_penalty,
     check_repetition_penalty,
@@ -17,6 +18,7 @@ from mlx_attn.lm.sampling import (
 )
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 from mlx_attn.lm.validate import require_bool, require_int
+from mlx_attn.quantized import check_quantization
 
 __all__ = ["GenerationConfig", "GenerationStats", "generate_tokens", "stream_generate", "generate"]
 
@@ -33,6 +35,11 @@ class GenerationConfig:
     seed: int | None = None
     prefill_chunk: int = 512
     stop_at_eos: bool = True
+    # quantized KV cache (mlx-lm's options): with kv_bits (4 or 8) the float
+    # caches become QuantizedKVCache once they hold quantized_kv_start tokens
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
 
     def __post_init__(self):
         self.max_tokens = require_int("max_tokens", self.max_tokens, 0)
@@ -45,6 +52,9 @@ class GenerationConfig:
             self.seed = require_int("seed", self.seed, 0, 2**64 - 1)  # MLX seeds are uint64
         self.prefill_chunk = require_int("prefill_chunk", self.prefill_chunk, 1)
         require_bool("stop_at_eos", self.stop_at_eos)
+        if self.kv_bits is not None:
+            self.kv_group_size, self.kv_bits = check_quantization(self.kv_group_size, self.kv_bits)
+        self.quantized_kv_start = require_int("quantized_kv_start", self.quantized_kv_start, 0)
 
 
 @dataclasses.dataclass
@@ -86,6 +96,15 @@ def _check_prompt(model, prompt, max_tokens: int) -> list[int]:
     return ids
 
 
+def _maybe_quantize(cache: list, config: GenerationConfig) -> None:
+    """Swap the float caches (in place) for quantized ones once they hold
+    ``config.quantized_kv_start`` tokens, when ``config.kv_bits`` asks."""
+    if config.kv_bits is None or not cache or isinstance(cache[0], QuantizedKVCache):
+        return
+    if cache[0].offset >= config.quantized_kv_start:
+        cache[:] = [c.to_quantized(config.kv_group_size, config.kv_bits) for c in cache]
+
+
 def generate_tokens(
     model, prompt: list[int], config: GenerationConfig, eos_token_ids=(), stats: GenerationStats | None = None,
     cache: list | None = None,
@@ -109,8 +128,10 @@ def generate_tokens(
     tokens = mx.array(prompt)[None]
     for begin in range(0, len(prompt) - 1, config.prefill_chunk):
         end = min(begin + config.prefill_chunk, len(prompt) - 1)
+        _maybe_quantize(cache, config)
         model(tokens[:, begin:end], cache=cache)
         mx.eval([c.state for c in cache])
+    _maybe_quantize(cache, config)
     logits = model(tokens[:, -1:], cache=cache)[:, -1]
     history = list(prompt)
 
@@ -132,6 +153,7 @@ def generate_tokens(
         stats.generated_tokens += 1
         if stats.generated_tokens < config.max_tokens:
             # queue the next step before handing this token out
+            _maybe_quantize(cache, config)
             logits = model(token.reshape(1, 1), cache=cache)[:, -1]
             token = pick(logits)
             mx.async_eval(token)
