@@ -5,14 +5,21 @@ mx.fast.scaled_dot_product_attention and the reference path, for D in
 table, saves JSON and a PNG.
 
     python benchmarks/bench_metal.py                  # on a Mac with Metal
-    python benchmarks/bench_metal.py --emulate        # anywhere with clang-19:
-                                                      # one tiny shape through the MSL emulator
+    python benchmarks/bench_metal.py --emulate        # anywhere with clang-19: modelled costs
+
+--emulate runs our kernels and MLX's own (steel_attention, sdpa_vector) on the
+same problems in counting builds of the MSL emulator (tests/msl_emulator/)
+and prints device/threadgroup bytes, simdgroup MMAs, simd ops, barriers and
+exp calls per useful FLOP (prefill) or per K/V byte (decode), ours next to
+MLX's; the table goes to docs/emulator_costs.md and JSON to
+benchmarks/results/. These are modelled costs, not timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,26 +75,172 @@ def gpu_rows(args):
     return rows
 
 
-def emulated_rows():
-    """One tiny shape through the MSL emulator (keeps this script from rotting)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from metal_runner import EmulatedMetal
-    from mlx_attn.reference import reference_attention
+# ---------------------------------------------------------------- --emulate: modelled costs
+COST_COLUMNS = {  # counter -> column title; per useful FLOP (prefill) or per K/V byte (decode)
+    "device_bytes": "device bytes",
+    "threadgroup_bytes": "threadgroup bytes",
+    "simdgroup_matrix_mmas": "simdgroup MMAs",
+    "simd_ops": "simd ops",
+    "threadgroup_barriers": "barriers",
+    "exp_calls": "exp/exp2",
+}
+STATIC_COLUMNS = {"threadgroup_memory_bytes": "threadgroup memory (B)", "thread_array_bytes": "thread arrays (B)"}
 
-    run = EmulatedMetal(fast_math=True)
+
+def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """Query-key pairs attention must compute (causal: bottom-right aligned, as MLX)."""
+    if not causal:
+        return q_len * kv_len
+    offset = kv_len - q_len
+    return sum(min(kv_len, offset + i + 1) for i in range(q_len))
+
+
+def summed(counters: list) -> dict[str, int]:
+    """Counters of a problem's dispatches: costs add, allocations take the largest."""
+    total = {key: 0 for key in [*COST_COLUMNS, *STATIC_COLUMNS]}
+    for c in counters:
+        d = c.as_dict()
+        total["device_bytes"] += d["device_bytes_read"] + d["device_bytes_written"]
+        total["threadgroup_bytes"] += d["threadgroup_bytes_read"] + d["threadgroup_bytes_written"]
+        for key in ("simdgroup_matrix_mmas", "simd_ops", "threadgroup_barriers", "exp_calls"):
+            total[key] += d[key]
+        for key in STATIC_COLUMNS:
+            total[key] = max(total[key], d[key])
+    return total
+
+
+class _CountingLibrary:
+    """Stands in for EmulatedMetal's library and keeps every dispatch's counters."""
+
+    def __init__(self, library):
+        self.library, self.counters = library, []
+
+    def dispatch(self, *args, **kwargs):
+        counters = self.library.dispatch(*args, **kwargs)
+        self.counters.append(counters)
+        return counters
+
+
+def emulated_rows(args):
+    """Our kernels (from the launch plan, as tests/metal_runner.py runs them)
+    and MLX's (tests/mlx_kernel_runner.py) on the same problems, in counting
+    builds of the MSL emulator: modelled costs, not timings."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    os.environ.setdefault("MSL_EMULATOR_TIMEOUT", "3600")  # one long prefill dispatch runs for minutes
+    import mlx_kernel_runner
+    import msl_emulator
+    from metal_runner import METAL_SOURCES, EmulatedMetal
+
+    ours = EmulatedMetal(fast_math=True)
+    ours.library = _CountingLibrary(msl_emulator.compile_library(
+        METAL_SOURCES, include_dirs=[ROOT], fast_math=True, counters=True))
+    problems = [("prefill", d, causal, t) for d in args.head_dims for causal in (False, True) for t in args.lengths]
+    problems += [("decode", d, False, t) for d in args.head_dims for t in args.decode_lengths]
     rows = []
-    for phase, tq in (("prefill", 40), ("decode", 1)):
-        q = mx.random.normal((1, 4, tq, 64))
-        k = mx.random.normal((1, 2, 80, 64))
-        v = mx.random.normal((1, 2, 80, 64))
+    for phase, d, causal, t in problems:
+        heads, kv_heads = (args.emulate_heads, args.emulate_heads) if phase == "prefill" else (args.decode_heads, 1)
+        q_len = t if phase == "prefill" else 1
+        key = mx.random.key(t * 1000 + d)
+        q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i]).astype(mx.float16)
+                   for i, shape in enumerate([(1, heads, q_len, d), (1, kv_heads, t, d), (1, kv_heads, t, d)]))
+        mask = "causal" if causal else None
+        expected = np.array(mlx_attn.reference_attention(q, k, v, scale=d**-0.5, mask=mask).astype(mx.float32))
+
+        ours.library.counters = []
         start = time.perf_counter()
-        out = run(q, k, v, scale=0.125, mask="causal")
-        seconds = time.perf_counter() - start
-        err = float(mx.abs(out - reference_attention(q, k, v, scale=0.125, mask="causal")).max())
-        rows.append({"phase": phase, "T": 80, "emulated_seconds": seconds, "max_abs_error": err,
-                     "kernels": [s["kernel"] for s in run.last_plan["dispatches"]]})
-        print(f"| {phase} (emulated) | 64 | float32 | yes | 80 | {seconds * 1e3:.0f} ms on the CPU | max error {err:.1e} |")
+        out_ours = np.array(ours(q, k, v, scale=d**-0.5, mask=mask).astype(mx.float32))
+        ours_seconds = time.perf_counter() - start
+        ours_kernels = [s["kernel"] for s in ours.last_plan["dispatches"]]
+
+        library = mlx_kernel_runner.compile_mlx_library(phase, np.float16, d, counters=True)
+        inputs = [np.array(x) for x in (q, k, v)]
+        start = time.perf_counter()
+        if phase == "prefill":
+            out_mlx, launch = mlx_kernel_runner.prefill(library, *inputs, scale=d**-0.5, causal=causal)
+        else:
+            out_mlx, launch = mlx_kernel_runner.decode(library, *inputs, scale=d**-0.5, causal=causal)
+        mlx_seconds = time.perf_counter() - start
+
+        if phase == "prefill":
+            work, unit = 4.0 * heads * d * visible_pairs(q_len, t, causal), "useful FLOP"
+        else:
+            work, unit = 2.0 * kv_heads * t * d * 2, "K/V byte"
+        row = {"phase": phase, "D": d, "dtype": "float16", "causal": causal, "T": t, "heads": heads,
+               "kv_heads": kv_heads, "per": unit, "work": work}
+        for name, counters, out, kernels, seconds in (
+                ("ours", ours.library.counters, out_ours, ours_kernels, ours_seconds),
+                ("mlx", launch.counters, out_mlx.astype(np.float32), launch.kernels, mlx_seconds)):
+            total = summed(counters)
+            row[name] = {"kernels": kernels, "counters": total,
+                         "per_work": {k: total[k] / work for k in COST_COLUMNS},
+                         "max_abs_error": float(np.abs(out - expected).max()), "emulated_seconds": seconds}
+        rows.append(row)
+        print(markdown_row(row), flush=True)
     return rows
+
+
+def _cell(ours: float, theirs: float, scale: float = 1.0) -> str:
+    ratio = f"{ours / theirs:.2f}" if theirs else ("=" if ours == theirs else "inf")
+    return f"{ours * scale:.3g} / {theirs * scale:.3g} ({ratio})"
+
+
+def markdown_header() -> str:
+    titles = [*COST_COLUMNS.values(), *STATIC_COLUMNS.values()]
+    return ("| phase | D | causal | T | per | " + " | ".join(titles) + " |\n"
+            + "|---" * (5 + len(titles)) + "|")
+
+
+def markdown_row(row) -> str:
+    scale = 1000.0 if row["phase"] == "prefill" else 1.0  # prefill per 1000 useful FLOP
+    per = "1k FLOP" if row["phase"] == "prefill" else "K/V byte"
+    cells = [_cell(row["ours"]["per_work"][k], row["mlx"]["per_work"][k], scale) for k in COST_COLUMNS]
+    cells += [_cell(row["ours"]["counters"][k], row["mlx"]["counters"][k]) for k in STATIC_COLUMNS]
+    return (f"| {row['phase']} | {row['D']} | {'yes' if row['causal'] else 'no'} | {row['T']} | {per} | "
+            + " | ".join(cells) + " |")
+
+
+def costs_markdown(rows, command: str) -> str:
+    from mlx_kernel_runner import MLX_METAL_VERSION
+
+    prefill = next((r for r in rows if r["phase"] == "prefill"), None)
+    decode = next((r for r in rows if r["phase"] == "decode"), None)
+    shapes = []
+    if prefill:
+        shapes.append(f"prefill B=1, H={prefill['heads']}, Hkv={prefill['kv_heads']}")
+    if decode:
+        shapes.append(f"decode B=1, H={decode['heads']}, Hkv={decode['kv_heads']} (one query)")
+    lines = [
+        "# Modelled kernel costs: our Metal kernels and MLX's (MSL emulator counters)",
+        "",
+        "**These are modelled costs counted by the MSL emulator on the CPU, not GPU timings.**",
+        "Each cell is `ours / MLX (ours/MLX)`. Counters are summed over every thread and every",
+        "dispatch of a problem, divided by the useful work: per 1000 useful FLOP for prefill",
+        "(4·H·D·visible query-key pairs), per K/V byte for decode (2·Hkv·T·D·2 bytes).",
+        "Threadgroup memory (per threadgroup) and thread arrays (per thread, what stays in",
+        "memory after clang -O1) are the largest of the problem's kernels, not normalised.",
+        "What each counter means and how it is counted: docs/msl_emulator.md.",
+        "",
+        "Kernels: ours from the launch plan (tests/metal_runner.py); MLX's steel_attention and",
+        f"sdpa_vector from mlx-metal {MLX_METAL_VERSION} launched as MLX's host code does",
+        "(tests/mlx_kernel_runner.py; decode as on a base Apple GPU). float16, "
+        + "; ".join(shapes) + ". Heads are few to keep the emulated run short: costs per",
+        "useful FLOP or K/V byte do not depend on the head count.",
+        "",
+        f"Command: `{command}`",
+        "",
+        markdown_header(),
+        *(markdown_row(r) for r in rows),
+        "",
+        "Kernels and accuracy (max |out - reference_attention|):",
+        "",
+        "| phase | D | causal | T | ours | MLX |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ours = f"{', '.join(r['ours']['kernels'])} ({r['ours']['max_abs_error']:.1e})"
+        theirs = f"{', '.join(r['mlx']['kernels'])} ({r['mlx']['max_abs_error']:.1e})"
+        lines.append(f"| {r['phase']} | {r['D']} | {'yes' if r['causal'] else 'no'} | {r['T']} | {ours} | {theirs} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows, path: Path):
@@ -123,19 +276,35 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--max-reference-len", type=int, default=8192)
-    p.add_argument("--emulate", action="store_true", help="run one tiny shape in the MSL emulator instead")
+    p.add_argument("--emulate", action="store_true",
+                   help="modelled costs of our kernels and MLX's in the MSL emulator (no GPU needed)")
+    p.add_argument("--decode-lengths", type=int, nargs="+", default=[2048, 8192],
+                   help="--emulate: decode K/V lengths")
+    p.add_argument("--emulate-heads", type=int, default=1, help="--emulate: prefill heads (and KV heads)")
+    p.add_argument("--decode-heads", type=int, default=4, help="--emulate: decode query heads (one KV head)")
+    p.add_argument("--costs-doc", type=Path, default=ROOT / "docs" / "emulator_costs.md",
+                   help="--emulate: where the Markdown table goes")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.emulate:
+        if "--lengths" not in (argv if argv is not None else sys.argv[1:]):
+            # Prefill lengths that keep the run near 5 minutes on 2 cores (the
+            # emulator manages some 1e8 FLOP/s); --lengths 512 1024 2048 takes
+            # about 20, and the costs per FLOP move by a few percent.
+            args.lengths = [512, 1024]
+        print(markdown_header())
+        rows = emulated_rows(args)
+        command = " ".join(["python benchmarks/bench_metal.py", *(argv if argv is not None else sys.argv[1:])])
+        args.costs_doc.write_text(costs_markdown(rows, command))
+        (args.out / "bench_metal_emulated.json").write_text(json.dumps(rows, indent=1))
+        return rows
     print("| phase | D | dtype | causal | T | fused ms | TFLOP/s | GB/s | mx.fast ms | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    if args.emulate:
-        rows = emulated_rows()
-    else:
-        if not (mx.metal.is_available() and mlx_attn.ops._ext is not None and mlx_attn.ops._ext.has_metal()):
-            raise SystemExit("needs an Apple GPU and mlx_attn built with Metal (or use --emulate)")
-        rows = gpu_rows(args)
-        plot(rows, args.out / "bench_metal.png")
+    if not (mx.metal.is_available() and mlx_attn.ops._ext is not None and mlx_attn.ops._ext.has_metal()):
+        raise SystemExit("needs an Apple GPU and mlx_attn built with Metal (or use --emulate)")
+    rows = gpu_rows(args)
+    plot(rows, args.out / "bench_metal.png")
     (args.out / "bench_metal.json").write_text(json.dumps(rows, indent=1))
     return rows
 

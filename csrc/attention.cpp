@@ -1,9 +1,11 @@
 #include "csrc/attention.h"
 
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
-#include "csrc/cpu/kernels.h"
+#include "csrc/cpu/host.h"
+#include "csrc/launch_plan.h"
 #include "mlx/backend/cpu/encoder.h"
 
 #ifdef MLX_ATTN_METAL
@@ -11,6 +13,139 @@
 #endif
 
 namespace mlx_attn {
+
+namespace {
+
+std::string shape_string(const mx::array& a) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < a.ndim(); ++i) out << (i ? ", " : "") << a.shape(int(i));
+  out << ")";
+  return out.str();
+}
+
+[[noreturn]] void invalid(const std::string& message) {
+  throw std::invalid_argument("[mlx_attn.fused_attention] " + message);
+}
+
+ElemType elem_type(mx::Dtype t) {
+  if (t == mx::float32) return ElemType::float32;
+  if (t == mx::float16) return ElemType::float16;
+  if (t == mx::bfloat16) return ElemType::bfloat16;
+  std::ostringstream msg;
+  msg << "q has dtype " << t << "; the fused kernels take float32, float16 or bfloat16";
+  invalid(msg.str());
+}
+
+void copy_strides(const mx::array& a, int64_t* out) {
+  for (int i = 0; i < 4; ++i) out[i] = a.strides()[i];
+}
+
+// The mask's strides as a [B, Hq, Tq, Tkv] view: missing leading dims and
+// size-1 dims read with stride 0.
+void broadcast_strides(const mx::array& mask, const int (&target)[4], int64_t* out) {
+  const int lead = 4 - mask.ndim();
+  for (int i = 0; i < 4; ++i) {
+    const int axis = i - lead;
+    if (axis < 0 || mask.shape(axis) == 1) {
+      out[i] = 0;
+    } else if (mask.shape(axis) == target[i]) {
+      out[i] = mask.strides()[axis];
+    } else {
+      invalid("mask of shape " + shape_string(mask) +
+              " does not broadcast to [batch, q_heads, q_len, kv_len] = [" +
+              std::to_string(target[0]) + ", " + std::to_string(target[1]) + ", " +
+              std::to_string(target[2]) + ", " + std::to_string(target[3]) + "]");
+    }
+  }
+}
+
+}  // namespace
+
+AttentionProblem describe_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options) {
+  const size_t expected = 3 + options.has_mask + options.has_sinks;
+  if (inputs.size() != expected) {
+    invalid("expected " + std::to_string(expected) + " inputs, got " + std::to_string(inputs.size()));
+  }
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const auto& v = inputs[2];
+  const char* names[] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    if (inputs[i].ndim() != 4) {
+      invalid(std::string(names[i]) + " must have rank 4 [batch, heads, length, head_dim], got shape " +
+              shape_string(inputs[i]));
+    }
+  }
+  AttentionProblem p{};
+  p.dtype = elem_type(q.dtype());
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    invalid("q, k and v must share one dtype");
+  }
+  p.batch = q.shape(0);
+  p.q_heads = q.shape(1);
+  p.q_len = q.shape(2);
+  p.head_dim = q.shape(3);
+  p.kv_heads = k.shape(1);
+  p.kv_len = k.shape(2);
+  p.value_dim = v.shape(3);
+  if (k.shape(0) != p.batch || v.shape(0) != p.batch) {
+    invalid("batch sizes differ: q " + shape_string(q) + ", k " + shape_string(k) + ", v " + shape_string(v));
+  }
+  if (v.shape(1) != p.kv_heads || v.shape(2) != p.kv_len) {
+    invalid("k and v need the same heads and length: k " + shape_string(k) + ", v " + shape_string(v));
+  }
+  if (k.shape(3) != p.head_dim) {
+    invalid("q and k need the same head dim: q " + shape_string(q) + ", k " + shape_string(k));
+  }
+  if (p.kv_heads < 1 || p.q_heads % p.kv_heads != 0) {
+    invalid("the number of query heads (" + std::to_string(p.q_heads) +
+            ") must be a multiple of the number of key/value heads (" + std::to_string(p.kv_heads) + ")");
+  }
+  if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
+  if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
+  copy_strides(q, p.q_strides);
+  copy_strides(k, p.k_strides);
+  copy_strides(v, p.v_strides);
+  p.scale = options.scale;
+  p.causal = options.causal || options.window_size > 0;
+  p.window_size = options.window_size;
+  p.output_lse = options.output_lse;
+  p.mask_kind = MaskKind::none;
+  size_t next = 3;
+  if (options.has_mask) {
+    const auto& mask = inputs[next++];
+    if (mask.ndim() > 4) invalid("mask must have at most 4 dims, got shape " + shape_string(mask));
+    if (mask.dtype() != mx::bool_ && mask.dtype() != q.dtype()) {
+      invalid("mask must be bool or of q's dtype");
+    }
+    p.mask_kind = mask.dtype() == mx::bool_ ? MaskKind::boolean : MaskKind::additive;
+    broadcast_strides(mask, {p.batch, p.q_heads, p.q_len, p.kv_len}, p.mask_strides);
+  }
+  if (options.has_sinks) {
+    const auto& sinks = inputs[next++];
+    if (sinks.ndim() != 1 || sinks.shape(0) != p.q_heads) {
+      invalid("sinks must have shape [q_heads] = [" + std::to_string(p.q_heads) + "], got " +
+              shape_string(sinks));
+    }
+    if (sinks.dtype() != q.dtype()) invalid("sinks must have q's dtype");
+    p.has_sinks = true;
+    p.sinks_stride = sinks.strides()[0];
+  }
+  return p;
+}
+
+std::string unsupported_reason(const AttentionProblem& problem, mx::Device::DeviceType device) {
+  if (device == mx::Device::gpu) {
+#ifdef MLX_ATTN_METAL
+    return plan_attention(problem).reason;
+#else
+    return "this build of mlx_attn has no Metal kernels (MLX without Metal)";
+#endif
+  }
+  return cpu::unsupported_reason(problem);
+}
 
 std::vector<mx::array> fused_attention(
     const mx::array& q,
@@ -20,106 +155,51 @@ std::vector<mx::array> fused_attention(
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
     mx::StreamOrDevice s) {
-  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
-    throw std::invalid_argument("[mlx_attn] q, k and v must be rank 4");
-  }
   options.has_mask = mask.has_value();
   options.has_sinks = sinks.has_value();
   if (options.window_size > 0) options.causal = true;
   std::vector<mx::array> inputs = {q, k, v};
   if (mask) inputs.push_back(*mask);
   if (sinks) inputs.push_back(*sinks);
+  const AttentionProblem problem = describe_attention(inputs, options);
   auto stream = mx::to_stream(s);
-  auto primitive = std::make_shared<FusedAttention>(stream, options);
-  mx::Shape out_shape = {q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
-  if (options.output_lse) {
-    return mx::array::make_arrays(
-        {out_shape, mx::Shape{q.shape(0), q.shape(1), q.shape(2)}},
-        {q.dtype(), mx::float32},
-        primitive,
-        inputs);
+  if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
+    invalid(reason);
   }
-  return {mx::array(out_shape, q.dtype(), primitive, inputs)};
+  auto primitive = std::make_shared<FusedAttention>(stream, options);
+  auto shapes = primitive->output_shapes(inputs);
+  std::vector<mx::Dtype> dtypes = {q.dtype()};
+  if (options.output_lse) dtypes.push_back(mx::float32);
+  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
 }
-
-namespace {
-
-cpu::ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float32) return cpu::ElemType::float32;
-  if (t == mx::float16) return cpu::ElemType::float16;
-  if (t == mx::bfloat16) return cpu::ElemType::bfloat16;
-  std::ostringstream msg;
-  msg << "[mlx_attn] fused attention supports float32, float16 and bfloat16, got "
-      << t;
-  throw std::invalid_argument(msg.str());
-}
-
-void copy_strides(const mx::array& a, int64_t* out) {
-  for (int i = 0; i < 4; ++i) out[i] = a.strides()[i];
-}
-
-}  // namespace
 
 void FusedAttention::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  const auto& q = inputs[0];
-  const auto& k = inputs[1];
-  const auto& v = inputs[2];
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  float* lse = nullptr;
-  if (options_.output_lse) {
-    outputs[1].set_data(mx::allocator::malloc(outputs[1].nbytes()));
-    lse = outputs[1].data<float>();
-  }
-
-  cpu::AttentionProblem p{};
-  p.batch = q.shape(0);
-  p.q_heads = q.shape(1);
-  p.q_len = q.shape(2);
-  p.head_dim = q.shape(3);
-  p.kv_heads = k.shape(1);
-  p.kv_len = k.shape(2);
-  p.value_dim = v.shape(3);
-  p.dtype = elem_type(q.dtype());
-  p.q = q.data<void>();
-  p.k = k.data<void>();
-  p.v = v.data<void>();
-  p.out = out.data<void>();
-  copy_strides(q, p.q_strides);
-  copy_strides(k, p.k_strides);
-  copy_strides(v, p.v_strides);
-  p.scale = options_.scale;
-  p.causal = options_.causal;
-  p.window_size = options_.window_size;
-  p.mask_kind = cpu::ArrayMask::none;
-  int next = 3;
-  if (options_.has_mask) {
-    const auto& mask = inputs[next++];
-    p.mask_kind = mask.dtype() == mx::bool_ ? cpu::ArrayMask::boolean
-                                            : cpu::ArrayMask::additive;
-    p.mask = mask.data<void>();
-    copy_strides(mask, p.mask_strides);
-  }
-  if (options_.has_sinks) {
-    const auto& sinks = inputs[next++];
-    p.sinks = sinks.data<void>();
-    p.sinks_stride = sinks.strides()[0];
-  }
-  p.lse = lse;
-  cpu::plan_work(p);
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  cpu::KernelCall call{};
+  call.problem = describe_attention(inputs, options_);
+  if (outputs[0].size() == 0) return;  // B, Hq or Tq is 0: nothing to compute
+  call.q = inputs[0].data<void>();
+  call.k = inputs[1].data<void>();
+  call.v = inputs[2].data<void>();
+  size_t next = 3;
+  if (options_.has_mask) call.mask = inputs[next++].data<void>();
+  if (options_.has_sinks) call.sinks = inputs[next++].data<void>();
+  call.out = outputs[0].data<void>();
+  call.lse = options_.output_lse ? outputs[1].data<float>() : nullptr;
+  cpu::plan_work(call);
 
   // Tile scratch comes from MLX's allocator so it shows in MLX's memory
   // statistics; it is O(threads x tile), never O(Tq x Tkv).
-  mx::array scratch({int(cpu::scratch_size(p))}, mx::float32, nullptr, {});
+  mx::array scratch({int(cpu::scratch_size(call))}, mx::float32, nullptr, {});
   scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([p, buffer = scratch.data<float>()]() {
-    cpu::run_attention(p, buffer);
+  encoder.dispatch([call, buffer = scratch.data<float>()]() {
+    cpu::run_attention(call, buffer);
   });
   encoder.add_temporary(std::move(scratch));
 }
@@ -128,23 +208,118 @@ void FusedAttention::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
 #ifdef MLX_ATTN_METAL
-  metal::eval_attention(stream(), options_, inputs, outputs);
+  metal::eval_attention(stream(), describe_attention(inputs, options_), inputs, outputs);
 #else
   throw std::runtime_error(
       "[mlx_attn] this build of mlx_attn has no GPU kernels (MLX without Metal)");
 #endif
 }
 
+namespace {
+
+DifferentiationRule& differentiation_rule() {
+  // Never destroyed: it may hold a Python callable past interpreter teardown.
+  static auto* rule = new DifferentiationRule();
+  return *rule;
+}
+
+std::vector<mx::array> differentiate(
+    const char* mode,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& vectors,
+    const std::vector<int>& argnums,
+    const AttentionOptions& options,
+    mx::Stream stream) {
+  if (options.output_lse) {
+    throw std::invalid_argument("[mlx_attn] the log-sum-exp output is not differentiable");
+  }
+  if (!differentiation_rule()) {
+    throw std::runtime_error("[mlx_attn] import mlx_attn to differentiate the fused attention");
+  }
+  return differentiation_rule()(mode, primals, vectors, argnums, options, stream);
+}
+
+}  // namespace
+
+void set_differentiation_rule(DifferentiationRule rule) {
+  differentiation_rule() = std::move(rule);
+}
+
 std::vector<mx::array> FusedAttention::vjp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  // mlx_attn.scaled_dot_product_attention wraps the primitive in a
-  // custom_function whose vjp differentiates the reference path.
-  throw std::runtime_error(
-      "[mlx_attn] differentiate mlx_attn.scaled_dot_product_attention, not the "
-      "raw _ext primitive");
+  return differentiate("vjp", primals, cotangents, argnums, options_, stream());
+}
+
+std::vector<mx::array> FusedAttention::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  return differentiate("jvp", primals, tangents, argnums, options_, stream());
+}
+
+// vmap folds the mapped axis into the head axis: q [B, V, Hq, ...] becomes
+// [B, V*Hq, ...] (likewise k, v, the mask and sinks [V*Hq]), so query head
+// v*Hq + h still maps to key/value head v*Hkv + h/G. Unmapped inputs are
+// repeated along V where they are not broadcast already.
+std::pair<std::vector<mx::array>, std::vector<int>> FusedAttention::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  const auto s = stream();
+  int mapped = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) mapped = inputs[i].shape(axes[i]);
+  }
+  // x with the mapped axis at `at` (inserted with size `mapped` if unmapped).
+  auto mapped_at = [&](size_t i, int at) {
+    const auto& x = inputs[i];
+    if (axes[i] >= 0) return mx::moveaxis(x, axes[i], at, s);
+    auto shape = x.shape();
+    shape.insert(shape.begin() + at, mapped);
+    return mx::broadcast_to(mx::expand_dims(x, at, s), shape, s);
+  };
+  auto fold_heads = [&](const mx::array& x5) {  // [B, V, H, ...] -> [B, V*H, ...]
+    auto shape = x5.shape();
+    shape[1] *= shape[2];
+    shape.erase(shape.begin() + 2);
+    return mx::reshape(x5, shape, s);
+  };
+  std::vector<mx::array> folded;
+  for (size_t i = 0; i < 3; ++i) folded.push_back(fold_heads(mapped_at(i, 1)));
+  const int q_heads = folded[0].shape(1) / mapped;
+  size_t next = 3;
+  std::optional<mx::array> mask, sinks;
+  if (options_.has_mask) {
+    const size_t i = next++;
+    const auto& m = inputs[i];
+    if (axes[i] < 0 && (m.ndim() < 3 || m.shape(m.ndim() - 3) == 1)) {
+      mask = m;  // broadcast over every head already
+    } else {
+      auto m5 = mapped_at(i, 0);  // [V, ...rank dims]
+      while (m5.ndim() < 5) m5 = mx::expand_dims(m5, 1, s);
+      m5 = mx::moveaxis(m5, 0, 1, s);  // [b, V, h, tq, tkv]
+      auto shape = m5.shape();
+      shape[2] = q_heads;
+      mask = fold_heads(mx::broadcast_to(m5, shape, s));
+    }
+  }
+  if (options_.has_sinks) {
+    const size_t i = next++;
+    sinks = mx::flatten(mapped_at(i, 0), s);  // [V*Hq]
+  }
+  AttentionOptions options = options_;
+  auto outs = fused_attention(folded[0], folded[1], folded[2], mask, sinks, options, s);
+  std::vector<int> out_axes;
+  for (auto& o : outs) {
+    auto shape = o.shape();
+    shape[1] = mapped;
+    shape.insert(shape.begin() + 2, q_heads);
+    o = mx::reshape(o, shape, s);
+    out_axes.push_back(1);
+  }
+  return {outs, out_axes};
 }
 
 std::vector<mx::Shape> FusedAttention::output_shapes(

@@ -3,8 +3,11 @@
 // Metal kernels (csrc/metal/, only where MLX is built with Metal).
 #pragma once
 
+#include <functional>
 #include <optional>
+#include <string>
 
+#include "csrc/attention_problem.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -12,6 +15,7 @@ namespace mlx_attn {
 
 namespace mx = mlx::core;
 
+// The attributes of one call that the arrays do not carry.
 struct AttentionOptions {
   float scale = 1.0f;
   bool causal = false;     // lower-right aligned
@@ -22,9 +26,23 @@ struct AttentionOptions {
   bool operator==(const AttentionOptions&) const = default;
 };
 
+// Builds the problem description from the primitive's inputs (q, k, v, then
+// the mask and sinks when the options say so) and checks every invariant the
+// kernels rely on: ranks, dtypes, shapes that agree, GQA divisibility, a mask
+// that broadcasts to [B, Hq, Tq, Tkv], sinks [Hq], a finite scale. Throws
+// std::invalid_argument naming the argument. Strides are the arrays' own (row
+// contiguous until evaluated); the mask's are those of its broadcast view.
+AttentionProblem describe_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options);
+
+// Empty when the fused kernels of `device` handle the problem, else why not:
+// the CPU kernel's rule (csrc/cpu/) or the Metal launch plan's.
+std::string unsupported_reason(const AttentionProblem& problem, mx::Device::DeviceType device);
+
 // q [B,Hq,Tq,D], k [B,Hkv,Tkv,D], v [B,Hkv,Tkv,Dv] of one float dtype; mask
-// already broadcast (a view) to [B,Hq,Tq,Tkv], bool or of q's dtype; sinks
-// [Hq] of q's dtype. Inputs are validated in Python (mlx_attn/ops.py).
+// (rank <= 4) broadcastable to [B,Hq,Tq,Tkv], bool or of q's dtype; sinks
+// [Hq] of q's dtype. Validates everything (std::invalid_argument), including
+// the support rule of the stream's device.
 std::vector<mx::array> fused_attention(
     const mx::array& q,
     const mx::array& k,
@@ -33,6 +51,19 @@ std::vector<mx::array> fused_attention(
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
     mx::StreamOrDevice s = {});
+
+// Gradients and forward-mode derivatives of the primitive come from the
+// reference path (mlx_attn/ops.py registers it through _ext):
+//   rule("vjp", primals, cotangents, argnums, options, stream) -> one gradient per argnum
+//   rule("jvp", primals, tangents, argnums, options, stream)   -> [output tangent]
+using DifferentiationRule = std::function<std::vector<mx::array>(
+    const std::string& mode,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& vectors,
+    const std::vector<int>& argnums,
+    const AttentionOptions& options,
+    mx::Stream stream)>;
+void set_differentiation_rule(DifferentiationRule rule);
 
 class FusedAttention : public mx::Primitive {
  public:
@@ -48,6 +79,13 @@ class FusedAttention : public mx::Primitive {
       const std::vector<mx::array>& cotangents,
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override {
     return "FusedAttention";

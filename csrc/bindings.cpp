@@ -1,38 +1,107 @@
-// The Python module mlx_attn._ext. Public API and input validation live in
-// mlx_attn/ops.py; these bindings are thin.
+// The Python module mlx_attn._ext: the fused attention op, the problem
+// description and the support rules it is built on (Python asks them), and
+// the CPU instruction-set controls. Every entry validates its input in C++
+// (std::invalid_argument becomes ValueError).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "csrc/attention.h"
-#include "csrc/cpu/kernels.h"
+#include "csrc/cpu/host.h"
 #include "mlx/version.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+namespace mx = mlx::core;
 
 namespace mlx_attn {
 void bind_launch_plan(nb::module_& m);  // csrc/launch_plan_bindings.cpp
 void bind_metal_sources(nb::module_& m);  // csrc/metal/metal_source_bindings.cpp
+
+namespace {
+
+std::vector<int64_t> strides_of(const int64_t (&s)[4]) {
+  return {s[0], s[1], s[2], s[3]};
 }
+
+void bind_problem(nb::module_& m) {
+  nb::class_<AttentionProblem>(m, "AttentionProblem",
+                               "The one description of an attention problem (csrc/attention_problem.h).")
+      .def_ro("batch", &AttentionProblem::batch)
+      .def_ro("q_heads", &AttentionProblem::q_heads)
+      .def_ro("kv_heads", &AttentionProblem::kv_heads)
+      .def_ro("q_len", &AttentionProblem::q_len)
+      .def_ro("kv_len", &AttentionProblem::kv_len)
+      .def_ro("head_dim", &AttentionProblem::head_dim)
+      .def_ro("value_dim", &AttentionProblem::value_dim)
+      .def_prop_ro("dtype", [](const AttentionProblem& p) { return std::string(elem_type_name(p.dtype)); })
+      .def_prop_ro("q_strides", [](const AttentionProblem& p) { return strides_of(p.q_strides); })
+      .def_prop_ro("k_strides", [](const AttentionProblem& p) { return strides_of(p.k_strides); })
+      .def_prop_ro("v_strides", [](const AttentionProblem& p) { return strides_of(p.v_strides); })
+      .def_prop_ro("mask_strides", [](const AttentionProblem& p) { return strides_of(p.mask_strides); })
+      .def_prop_ro("mask_kind", [](const AttentionProblem& p) { return int(p.mask_kind); })
+      .def_ro("causal", &AttentionProblem::causal)
+      .def_ro("window_size", &AttentionProblem::window_size)
+      .def_ro("has_sinks", &AttentionProblem::has_sinks)
+      .def_ro("sinks_stride", &AttentionProblem::sinks_stride)
+      .def_ro("scale", &AttentionProblem::scale)
+      .def_ro("output_lse", &AttentionProblem::output_lse);
+
+  nb::class_<AttentionOptions>(m, "AttentionOptions", "Attributes of one fused attention call.")
+      .def_ro("scale", &AttentionOptions::scale)
+      .def_ro("causal", &AttentionOptions::causal)
+      .def_ro("window_size", &AttentionOptions::window_size)
+      .def_ro("has_mask", &AttentionOptions::has_mask)
+      .def_ro("has_sinks", &AttentionOptions::has_sinks)
+      .def_ro("output_lse", &AttentionOptions::output_lse);
+
+  m.def(
+      "describe_attention",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+         int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
+         bool output_lse) {
+        AttentionOptions options{scale, causal, window_size, mask.has_value(), sinks.has_value(), output_lse};
+        std::vector<mx::array> inputs = {q, k, v};
+        if (mask) inputs.push_back(*mask);
+        if (sinks) inputs.push_back(*sinks);
+        return describe_attention(inputs, options);
+      },
+      "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
+      "mask"_a = nb::none(), "sinks"_a = nb::none(), "output_lse"_a = false,
+      "The problem description the primitive builds from these arrays (their current strides).");
+
+  m.def(
+      "unsupported_reason",
+      [](const AttentionProblem& problem, mx::Device::DeviceType device) -> std::optional<std::string> {
+        std::string reason = unsupported_reason(problem, device);
+        if (reason.empty()) return std::nullopt;
+        return reason;
+      },
+      "problem"_a, nb::kw_only(), "device"_a,
+      "None when the fused kernels of `device` (mx.cpu or mx.gpu) handle the problem, else why not.");
+}
+
+}  // namespace
+}  // namespace mlx_attn
 
 NB_MODULE(_ext, m) {
   m.doc() = "mlx_attn native extension: the fused attention primitive.";
 
   m.def(
       "fused_attention",
-      [](const mlx::core::array& q,
-         const mlx::core::array& k,
-         const mlx::core::array& v,
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
          float scale,
          bool causal,
          int window_size,
-         std::optional<mlx::core::array> mask,
-         std::optional<mlx::core::array> sinks,
+         std::optional<mx::array> mask,
+         std::optional<mx::array> sinks,
          bool output_lse,
-         mlx::core::StreamOrDevice s) {
+         mx::StreamOrDevice s) {
         mlx_attn::AttentionOptions options;
         options.scale = scale;
         options.causal = causal;
@@ -43,7 +112,14 @@ NB_MODULE(_ext, m) {
       "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
       "window_size"_a = 0, "mask"_a = nb::none(), "sinks"_a = nb::none(),
       "output_lse"_a = false, "stream"_a = nb::none(),
-      "Fused attention on validated inputs; returns [out] or [out, lse].");
+      "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input.");
+
+  m.def(
+      "set_differentiation_rule",
+      [](mlx_attn::DifferentiationRule rule) { mlx_attn::set_differentiation_rule(std::move(rule)); },
+      "rule"_a,
+      "rule(mode, primals, vectors, argnums, options, stream): 'vjp' returns one gradient per argnum, "
+      "'jvp' the output tangent. mlx_attn.ops registers the reference path's.");
 
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
@@ -66,6 +142,10 @@ NB_MODULE(_ext, m) {
 #endif
       }, "Whether this build contains the Metal kernels.");
 
+  m.attr("LOG2E") = mlx_attn::kLog2e;
+  m.attr("LOGIT_LIMIT") = mlx_attn::kLogitLimit;
+  m.attr("MASKED_LOGIT") = mlx_attn::kMaskedLogit;
+  mlx_attn::bind_problem(m);
   mlx_attn::bind_launch_plan(m);
   mlx_attn::bind_metal_sources(m);
 }

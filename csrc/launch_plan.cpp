@@ -9,7 +9,6 @@ namespace {
 constexpr int kPrefillRows = 32;       // BQ: 4 simdgroups x 8 rows
 constexpr int kPrefillThreads = 128;
 constexpr int kThreadgroupMemoryLimit = 32 * 1024;
-constexpr float kLog2e = 1.4426950408889634f;
 }  // namespace
 
 int prefill_key_block(int head_dim) {
@@ -25,34 +24,113 @@ int decode_key_block(int head_dim) {
   return head_dim % 32 == 0 ? prefill_key_block(head_dim) : 0;
 }
 
+const char* role_name(BufferRole role) {
+  switch (role) {
+    case BufferRole::q: return "q";
+    case BufferRole::k: return "k";
+    case BufferRole::v: return "v";
+    case BufferRole::mask: return "mask";
+    case BufferRole::sinks: return "sinks";
+    case BufferRole::out: return "out";
+    case BufferRole::params: return "params";
+    case BufferRole::splits: return "splits";
+    case BufferRole::partial_out: return "partial_out";
+    case BufferRole::partial_stats: return "partial_stats";
+  }
+  return "?";
+}
+
+const char* source_name(Source source) {
+  switch (source) {
+    case Source::input: return "input";
+    case Source::output: return "output";
+    case Source::scratch: return "scratch";
+    case Source::params: return "params";
+    case Source::splits: return "splits";
+  }
+  return "?";
+}
+
 namespace {
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeKeysPerSplit = 64;
 constexpr int kDecodeMaxSplits = 32;
 
-void plan_decode(const AttentionShape& s, LaunchPlan& plan) {
+// Turns the kernel's parameter list (buffer(i) = roles[i]) into bindings:
+// inputs in the primitive's order (q, k, v, then mask and sinks when
+// present), the output, scratch and bytes. An absent mask or sinks binds q
+// as a placeholder: the kernel never reads it (params.mask_kind /
+// params.has_sinks say so), but every buffer index must be bound.
+std::vector<Binding> bindings_for(
+    const AttentionProblem& s,
+    const std::vector<BufferRole>& roles,
+    const std::vector<ScratchBuffer>& scratch,
+    int dispatch_index) {
+  const bool has_mask = s.mask_kind != MaskKind::none;
+  std::vector<Binding> out;
+  for (int i = 0; i < int(roles.size()); ++i) {
+    Binding b;
+    b.index = i;
+    b.role = roles[i];
+    switch (b.role) {
+      case BufferRole::q: b.source_index = 0; break;
+      case BufferRole::k: b.source_index = 1; break;
+      case BufferRole::v: b.source_index = 2; break;
+      case BufferRole::mask: b.source_index = has_mask ? 3 : 0; break;
+      case BufferRole::sinks: b.source_index = s.has_sinks ? 3 + has_mask : 0; break;
+      case BufferRole::out:
+        b.source = Source::output;
+        b.access = Access::write;
+        break;
+      case BufferRole::params: b.source = Source::params; break;
+      case BufferRole::splits: b.source = Source::splits; break;
+      case BufferRole::partial_out:
+      case BufferRole::partial_stats:
+        b.source = Source::scratch;
+        for (int j = 0; j < int(scratch.size()); ++j) {
+          if (scratch[j].role == b.role) {
+            b.source_index = j;
+            b.access = scratch[j].producer == dispatch_index ? Access::write : Access::read;
+          }
+        }
+        break;
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+
+std::string kernel_name(const char* kind, const AttentionProblem& s) {
+  return std::string(kind) + "_" + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
+}
+
+void plan_decode(const AttentionProblem& s, LaunchPlan& plan) {
+  using R = BufferRole;
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   const int splits = std::max(1, std::min(kDecodeMaxSplits, (s.kv_len + kDecodeKeysPerSplit - 1) / kDecodeKeysPerSplit));
   const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
   plan.splits = splits;
-  plan.scratch = {{"partial_out", partials * s.head_dim}, {"partial_stats", partials * 2}};
+  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
+  plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
   const int key_block = decode_key_block(s.head_dim);
   KernelDispatch partial;
-  partial.kernel = "attention_decode_partial_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  partial.kernel = kernel_name("attention_decode_partial", s);
   partial.grid = {splits, s.kv_heads, s.batch};
   partial.threadgroup = {kDecodeThreads, 1, 1};
-  partial.buffers = {"q", "k", "v", "params", "mask", "partial_out", "partial_stats"};
+  partial.bindings = bindings_for(
+      s, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats}, plan.scratch, 0);
   partial.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4;
   KernelDispatch merge;
-  merge.kernel = "attention_decode_merge_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  merge.kernel = kernel_name("attention_decode_merge", s);
   merge.grid = {rows, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
-  merge.buffers = {"partial_out", "partial_stats", "sinks", "out", "params", "splits"};
+  merge.bindings = bindings_for(
+      s, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits}, plan.scratch, 1);
   plan.dispatches = {partial, merge};
 }
 }  // namespace
 
-LaunchPlan plan_attention(const AttentionShape& s) {
+LaunchPlan plan_attention(const AttentionProblem& s) {
   LaunchPlan plan;
   const int key_block = prefill_key_block(s.head_dim);
   if (key_block == 0) {
@@ -64,8 +142,8 @@ LaunchPlan plan_attention(const AttentionShape& s) {
         " and " + std::to_string(s.value_dim);
     return plan;
   }
-  if (s.dtype != "float32" && s.dtype != "float16" && s.dtype != "bfloat16") {
-    plan.reason = "unsupported dtype " + s.dtype;
+  if (s.output_lse) {
+    plan.reason = "the Metal kernels do not return the log-sum-exp";
     return plan;
   }
   if (s.kv_heads < 1 || s.q_heads % s.kv_heads != 0) {
@@ -85,11 +163,12 @@ LaunchPlan plan_attention(const AttentionShape& s) {
   p.group = s.q_heads / s.kv_heads;
   p.q_len = s.q_len;
   p.kv_len = s.kv_len;
-  p.causal = (s.causal || s.window_size > 0) ? 1 : 0;
+  p.causal = s.causal ? 1 : 0;
   p.window_size = s.window_size;
-  p.mask_kind = s.mask_kind;
+  p.mask_kind = int32_t(s.mask_kind);
   p.has_sinks = s.has_sinks ? 1 : 0;
-  p.scale_log2 = s.scale * kLog2e;
+  p.sinks_stride = s.sinks_stride;
+  p.scale = s.scale;
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_key_block(s.head_dim) != 0) {
@@ -99,10 +178,11 @@ LaunchPlan plan_attention(const AttentionShape& s) {
   }
 
   KernelDispatch prefill;
-  prefill.kernel = "attention_prefill_" + s.dtype + "_d" + std::to_string(s.head_dim);
+  prefill.kernel = kernel_name("attention_prefill", s);
   prefill.grid = {(s.q_len + kPrefillRows - 1) / kPrefillRows, s.q_heads, s.batch};
   prefill.threadgroup = {kPrefillThreads, 1, 1};
-  prefill.buffers = {"q", "k", "v", "out", "params", "mask", "sinks"};
+  using R = BufferRole;
+  prefill.bindings = bindings_for(s, {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks}, plan.scratch, 0);
   prefill.threadgroup_memory_bytes = 2 * key_block * s.head_dim * 4 + kPrefillRows * key_block * 4 +
       4 * 64 * 4 + kPrefillRows * 4;
   if (prefill.threadgroup_memory_bytes > kThreadgroupMemoryLimit) {

@@ -1,7 +1,9 @@
 // Portable description of how the fused Metal kernels are launched for a
 // problem: kernel names, grids, threadgroup sizes, the parameter struct and
-// the buffer binding order. The Mac host (csrc/metal/) only translates a plan
-// into encoder calls; the MSL emulator tests launch from the same plan.
+// every buffer binding (its role, access and where its memory comes from,
+// placeholders and scratch producers/consumers included). The plan decides
+// everything; the Mac host (csrc/metal/) only encodes it, and the MSL
+// emulator tests (tests/metal_runner.py) launch the identical plan.
 #pragma once
 
 #include <array>
@@ -9,43 +11,60 @@
 #include <string>
 #include <vector>
 
-#include "metal/attention_params.h"
+#include "csrc/attention_problem.h"
 
 namespace mlx_attn {
 
-struct AttentionShape {
-  int batch = 1, q_heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 64, value_dim = 64;
-  std::string dtype = "float32";  // float32 | float16 | bfloat16
-  std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, mask_strides{};
-  int mask_kind = MLX_ATTN_MASK_NONE;
-  bool causal = false;
-  int window_size = 0;
-  bool has_sinks = false;
-  float scale = 1.0f;
+// What a kernel parameter is.
+enum class BufferRole : int32_t {
+  q, k, v, mask, sinks, out, params, splits, partial_out, partial_stats,
+};
+enum class Access : int32_t { read, write };
+// Where the bound memory comes from.
+enum class Source : int32_t {
+  input,    // the primitive's inputs[source_index] (q, k, v, then mask, sinks)
+  output,   // the primitive's outputs[source_index]
+  scratch,  // LaunchPlan::scratch[source_index], allocated for the call
+  params,   // LaunchPlan::params, as bytes
+  splits,   // LaunchPlan::splits (int32), as bytes
+};
+
+struct Binding {
+  int index = 0;  // [[buffer(index)]]
+  BufferRole role = BufferRole::q;
+  Access access = Access::read;
+  Source source = Source::input;
+  int source_index = 0;
 };
 
 struct KernelDispatch {
   std::string kernel;                  // host name in mlx_attn.metallib
   std::array<int, 3> grid{};           // threadgroups
   std::array<int, 3> threadgroup{};    // threads per threadgroup
-  std::vector<std::string> buffers;    // binding order: q k v out params mask sinks
+  std::vector<Binding> bindings;
   int threadgroup_memory_bytes = 0;
 };
 
-// A float32 buffer the host allocates for the duration of the call.
+// A float32 buffer allocated for the duration of the call: written by
+// dispatches[producer], read by dispatches[consumer].
 struct ScratchBuffer {
-  std::string name;
+  BufferRole role = BufferRole::partial_out;
   int64_t elements = 0;
+  int producer = 0;
+  int consumer = 0;
 };
 
 struct LaunchPlan {
   bool supported = false;
   std::string reason;  // why not, when unsupported
   AttentionParams params{};
-  int32_t splits = 1;  // decode: threadgroups along the key/value length ("splits" buffer)
+  int32_t splits = 1;  // decode: threadgroups along the key/value length
   std::vector<ScratchBuffer> scratch;
   std::vector<KernelDispatch> dispatches;
 };
+
+const char* role_name(BufferRole role);
+const char* source_name(Source source);
 
 // The decode kernels serve at most this many query positions and rows
 // (query heads of a GQA group x positions).
@@ -57,6 +76,6 @@ int prefill_key_block(int head_dim);
 // Keys per staged block of the decode kernel (0: head dim not a multiple of 32).
 int decode_key_block(int head_dim);
 
-LaunchPlan plan_attention(const AttentionShape& shape);
+LaunchPlan plan_attention(const AttentionProblem& problem);
 
 }  // namespace mlx_attn

@@ -16,8 +16,11 @@
 
 using namespace metal;
 
-constant float kDecodeMasked = -1.0e30f;
-constant float kDecodeLog2e = 1.4426950408889634f;
+constant float kDecodeMasked = MLX_ATTN_MASKED_LOGIT;
+
+inline float decode_saturate_logit(float x) {
+  return clamp(x, -MLX_ATTN_LOGIT_LIMIT, MLX_ATTN_LOGIT_LIMIT);
+}
 
 template <typename T, int D, int BK>
 [[kernel]] void attention_decode_partial(
@@ -61,8 +64,7 @@ template <typename T, int D, int BK>
     for (int e = 0; e < SLICE; ++e) {
       const int col = int(lane) * SLICE + e;
       q_part[i][e] = r < rows
-          ? float(q[b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2] + col * p.q_strides[3]]) *
-              p.scale_log2
+          ? float(q[b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2] + col * p.q_strides[3]])
           : 0.0f;
       o_part[i][e] = 0.0f;
     }
@@ -99,7 +101,7 @@ template <typename T, int D, int BK>
         for (int e = 0; e < SLICE; ++e) {
           dot += q_part[i][e] * k_tile[j * D + int(lane) * SLICE + e];
         }
-        float s = simd_sum(dot);
+        float s = decode_saturate_logit(simd_sum(dot) * p.scale);  // scale
         // mask
         bool visible = key < kv_end;
         if (p.causal != 0) {
@@ -111,9 +113,11 @@ template <typename T, int D, int BK>
           if (p.mask_kind == MLX_ATTN_MASK_BOOL) {
             visible = mask[at] != 0;
           } else {
-            // clamped to the finite sentinel: an additive -inf masks the key
-            s += max(float(((const device T*)mask)[at]) * kDecodeLog2e, kDecodeMasked);
-            visible = s > 0.5f * kDecodeMasked;
+            // values at or below the sentinel (-inf included) mask the key;
+            // max() turns -inf into a finite value before any arithmetic
+            const float added = max(float(((const device T*)mask)[at]), kDecodeMasked);
+            visible = added > kDecodeMasked;
+            s = decode_saturate_logit(s + added);
           }
         }
         if (!visible) {
@@ -121,8 +125,8 @@ template <typename T, int D, int BK>
         }
         // online max / rescale, accumulate
         const float m_new = max(m_row[i], s);
-        const float alpha = exp2(m_row[i] - m_new);
-        const float prob = exp2(s - m_new);
+        const float alpha = exp2((m_row[i] - m_new) * MLX_ATTN_LOG2E);
+        const float prob = exp2((s - m_new) * MLX_ATTN_LOG2E);
         l_row[i] = l_row[i] * alpha + prob;
         m_row[i] = m_new;
         for (int e = 0; e < SLICE; ++e) {
@@ -180,7 +184,7 @@ template <typename T, int D>
   }
   for (int s = 0; s < splits; ++s) {
     const long base = ((long(b) * p.kv_heads + kv_head) * splits + s) * rows + r;
-    const float weight = exp2(partial_stats[base * 2] - m);  // rescale to the common max
+    const float weight = exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
     l += partial_stats[base * 2 + 1] * weight;
     for (int e = 0; e < SLICE; ++e) {
       o[e] += partial_out[base * D + int(lane) * SLICE + e] * weight;
@@ -189,10 +193,10 @@ template <typename T, int D>
   // normalize: sinks join the sum; rows that saw nothing give zeros
   float correction = 1.0f;
   if (p.has_sinks != 0) {
-    const float sink = float(sinks[h]) * kDecodeLog2e;
+    const float sink = decode_saturate_logit(float(sinks[h * p.sinks_stride]));
     const float m_final = max(m, sink);
-    correction = exp2(m - m_final);
-    l = l * correction + exp2(sink - m_final);
+    correction = exp2((m - m_final) * MLX_ATTN_LOG2E);
+    l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
   }
   const float factor = l > 0.0f ? correction / l : 0.0f;
   for (int e = 0; e < SLICE; ++e) {

@@ -1,5 +1,6 @@
-// Parameters of the fused Metal attention kernels, shared by the .metal
-// sources and the C++ host (csrc/launch_plan.cpp) so the layout cannot drift.
+// Parameters and constants of the fused attention, shared by the .metal
+// sources, the C++ host and the CPU kernel (through csrc/attention_problem.h),
+// so neither the layout nor a constant can drift.
 // 64-bit members first: both sides then lay the struct out without padding.
 #pragma once
 
@@ -7,7 +8,7 @@
 typedef long attn_int64;
 typedef int attn_int32;
 #else
-#include <cstdint>
+#include <stdint.h>
 typedef int64_t attn_int64;
 typedef int32_t attn_int32;
 #endif
@@ -17,11 +18,24 @@ typedef int32_t attn_int32;
 #define MLX_ATTN_MASK_BOOL 1
 #define MLX_ATTN_MASK_ADDITIVE 2
 
+// log2(e): the kernels compute exp(x) as exp2(x * log2 e).
+#define MLX_ATTN_LOG2E 1.4426950408889634f
+// Every logit (scale * q.k, after adding an additive mask, and each sink)
+// saturates to [-2^125, 2^125]. The difference of two logits, and of a logit
+// and MLX_ATTN_MASKED_LOGIT, times log2 e then stays finite, so no exponent
+// overflows for any finite float32 scale (docs/architecture.md, "Numbers").
+#define MLX_ATTN_LOGIT_LIMIT 4.253529586511730793e37f
+// -2^127: below every saturated logit; a finite stand-in for -inf where
+// infinities are not reliable (Metal compiles with fast math). An additive
+// mask value at or below it (-inf included) masks the key.
+#define MLX_ATTN_MASKED_LOGIT (-1.701411834604692317e38f)
+
 struct AttentionParams {
   attn_int64 q_strides[4];     // in elements, [batch, head, position, dim]
   attn_int64 k_strides[4];
   attn_int64 v_strides[4];
   attn_int64 mask_strides[4];  // broadcast dims have stride 0
+  attn_int64 sinks_stride;     // sinks[h * sinks_stride]; 0: one value for every head
   attn_int32 batch;
   attn_int32 q_heads;
   attn_int32 kv_heads;
@@ -32,10 +46,10 @@ struct AttentionParams {
   attn_int32 window_size;      // > 0: sliding window (with causal)
   attn_int32 mask_kind;
   attn_int32 has_sinks;
-  float scale_log2;            // scale * log2(e): scores live in exp2 space
+  float scale;                 // multiplies q.k (natural-log units)
   attn_int32 reserved;
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 4 * 4 * 8 + 12 * 4, "AttentionParams layout");
+static_assert(sizeof(AttentionParams) == 17 * 8 + 12 * 4, "AttentionParams layout");
 #endif

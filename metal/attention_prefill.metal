@@ -4,12 +4,15 @@
 // (batch, query head); each simdgroup owns 8 rows. Key/value blocks of BK keys
 // are staged in threadgroup memory (as float) and consumed with 8x8
 // simdgroup_matrix multiply-accumulates:
-//   score      S = (Q * scale * log2 e) . K^T         (exp2 space)
-//   mask       causal / window / bool / additive -> kMaskedScore
-//   online max / rescale   m_new = max(m, rowmax S); O = diag(exp2(m - m_new)) O
-//   accumulate P = exp2(S - m_new); l = l * alpha + rowsum P; O += P . V
+//   score      S = Q . K^T
+//   scale      S = saturate(scale * S)                 (natural-log units)
+//   mask       additive (saturated; -inf masks), causal / window / bool -> kMasked
+//   online max / rescale   m_new = max(m, rowmax S); O = diag(exp(m - m_new)) O
+//   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join l; O = diag(1 / l) O (rows that saw nothing: 0)
-// Finite sentinels instead of infinities: Metal compiles with fast math.
+// exp(x) = exp2(x * log2 e) of differences of saturated logits, which stay
+// finite (metal/attention_params.h). Finite sentinels instead of infinities:
+// Metal compiles with fast math.
 // K/V head = query head / group: keys and values are never repeated.
 // Threadgroup memory: 2 * BK * D * 4 (K, V) + BQ * BK * 4 (S) + 4 * 64 * 4
 // (staging) + BQ * 4 bytes; BK is chosen so this stays below 32 KB (see
@@ -20,8 +23,13 @@
 
 using namespace metal;
 
-constant float kMaskedScore = -1.0e30f;
-constant float kLog2e = 1.4426950408889634f;
+constant float kMasked = MLX_ATTN_MASKED_LOGIT;
+
+// Clamps a logit to [-MLX_ATTN_LOGIT_LIMIT, MLX_ATTN_LOGIT_LIMIT].
+inline float saturate_logit(float x) {
+  return clamp(x, -MLX_ATTN_LOGIT_LIMIT, MLX_ATTN_LOGIT_LIMIT);
+}
+
 
 template <typename T, int D, int BK>
 [[kernel]] void attention_prefill(
@@ -52,15 +60,14 @@ template <typename T, int D, int BK>
   const int offset = p.kv_len - p.q_len;
   threadgroup float* stage = staging + sg * 64;
 
-  // This simdgroup's 8 query rows, scaled into exp2 space, as D/8 tiles.
+  // This simdgroup's 8 query rows as D/8 tiles.
   simdgroup_float8x8 q_tiles[D / 8];
   for (int d = 0; d < D / 8; ++d) {
     for (int e = int(lane); e < 64; e += 32) {
       const int row = q0 + int(sg) * 8 + e / 8;
       const int col = d * 8 + e % 8;
       stage[e] = row < p.q_len
-          ? float(q[b * p.q_strides[0] + h * p.q_strides[1] + row * p.q_strides[2] + col * p.q_strides[3]]) *
-              p.scale_log2
+          ? float(q[b * p.q_strides[0] + h * p.q_strides[1] + row * p.q_strides[2] + col * p.q_strides[3]])
           : 0.0f;
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // stage written -> read by all lanes
@@ -76,7 +83,7 @@ template <typename T, int D, int BK>
   const int quarter = int(lane) % 4;
   const int qi = q0 + int(sg) * 8 + r;
   const int pos = qi + offset;
-  float m_row = kMaskedScore;
+  float m_row = kMasked;
   float l_row = 0.0f;
 
   // Key range any row of this block can see: skip fully masked blocks.
@@ -119,40 +126,42 @@ template <typename T, int D, int BK>
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
 
-    // mask, then online max / rescale
+    // scale, mask, then online max / rescale
     threadgroup float* s_row = s_rows + r * BK;
-    float block_max = kMaskedScore;
+    float block_max = kMasked;
     for (int c = quarter; c < BK; c += 4) {
       const int key = kb + c;
       bool visible = key < kv_end && qi < p.q_len;
       if (p.causal != 0) {
         visible = visible && key <= pos && (p.window_size <= 0 || key > pos - p.window_size);
       }
-      float s = s_row[c];
+      float s = saturate_logit(s_row[c] * p.scale);
       if (visible && p.mask_kind != MLX_ATTN_MASK_NONE) {
         const long at = b * p.mask_strides[0] + h * p.mask_strides[1] + qi * p.mask_strides[2] +
             key * p.mask_strides[3];
         if (p.mask_kind == MLX_ATTN_MASK_BOOL) {
           visible = mask[at] != 0;
         } else {
-          // clamped to the finite sentinel: an additive -inf masks the key
-          s += max(float(((const device T*)mask)[at]) * kLog2e, kMaskedScore);
-          visible = s > 0.5f * kMaskedScore;
+          // values at or below the sentinel (-inf included) mask the key;
+          // max() turns -inf into a finite value before any arithmetic
+          const float added = max(float(((const device T*)mask)[at]), kMasked);
+          visible = added > kMasked;
+          s = saturate_logit(s + added);
         }
       }
-      s_row[c] = visible ? s : kMaskedScore;
-      block_max = max(block_max, visible ? s : kMaskedScore);
+      s_row[c] = visible ? s : kMasked;
+      block_max = max(block_max, visible ? s : kMasked);
     }
     block_max = max(block_max, simd_shuffle_xor(block_max, 1));
     block_max = max(block_max, simd_shuffle_xor(block_max, 2));
     const float m_new = max(m_row, block_max);
-    const float alpha = exp2(m_row - m_new);
+    const float alpha = exp2((m_row - m_new) * MLX_ATTN_LOG2E);
 
     // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
     float p_sum = 0.0f;
     for (int c = quarter; c < BK; c += 4) {
       const float s = s_row[c];
-      const float prob = s > 0.5f * kMaskedScore ? exp2(s - m_new) : 0.0f;
+      const float prob = s > 0.5f * kMasked ? exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
       s_row[c] = prob;
       p_sum += prob;
     }
@@ -189,10 +198,10 @@ template <typename T, int D, int BK>
   float correction = 1.0f;
   float l_final = l_row;
   if (p.has_sinks != 0) {
-    const float sink = float(sinks[h]) * kLog2e;
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
     const float m_final = max(m_row, sink);
-    correction = exp2(m_row - m_final);
-    l_final = l_row * correction + exp2(sink - m_final);
+    correction = exp2((m_row - m_final) * MLX_ATTN_LOG2E);
+    l_final = l_row * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
   }
   if (quarter == 0) {
     row_factor[int(sg) * 8 + r] = l_final > 0.0f ? correction / l_final : 0.0f;

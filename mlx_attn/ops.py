@@ -8,29 +8,13 @@ masked) returns zeros, where MLX returns an average of the values.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Literal
 
 import mlx.core as mx
+import numpy as np
 
+from mlx_attn import _native
 from mlx_attn.reference import reference_attention
-
-try:  # the native extension; the reference path works without it
-    from mlx_attn import _ext
-except ImportError as _error:  # pragma: no cover - only without a build
-    _ext = None
-    _EXT_ERROR = _error
-else:
-    _EXT_ERROR = None
-    # The extension links against libmlx and shares MLX's nanobind types, so
-    # it only works with the MLX release it was compiled against.
-    if _ext.built_with_mlx != mx.__version__.split(".dev")[0]:
-        raise ImportError(
-            f"mlx_attn was built against MLX {_ext.built_with_mlx} but MLX {mx.__version__} "
-            f"is installed; reinstall mlx_attn (pip install --force-reinstall --no-cache-dir mlx_attn) "
-            f"or install mlx=={_ext.built_with_mlx}"
-        )
 
 __all__ = ["scaled_dot_product_attention", "attention_path", "Backend", "Path"]
 
@@ -38,7 +22,11 @@ Backend = Literal["auto", "fused", "reference"]
 Path = Literal["fused-cpu", "fused-metal", "reference"]
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-MAX_FUSED_CPU_HEAD_DIM = 256
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Windows beyond any position are plain causal attention; the kernels take int32.
+_WINDOW_LIMIT = 2**31 - 1
+
+_ext = _native.ext  # kept for callers that probe mlx_attn.ops._ext
 
 
 def _shape(a: mx.array) -> str:
@@ -57,8 +45,30 @@ def _result_dtype(q: mx.array, k: mx.array, v: mx.array) -> mx.Dtype:
     return dtype
 
 
-def _validate(q, k, v, scale, mask, sinks, window_size, backend):
-    """Checks everything and returns the output dtype. Raises ValueError."""
+def _as_scale(scale) -> float:
+    """What mx.fast accepts as a scale (Python/NumPy real scalars, 0-d NumPy
+    arrays, size-1 MLX arrays), as a float finite in float32."""
+    if isinstance(scale, mx.array):
+        if scale.size != 1 or mx.issubdtype(scale.dtype, mx.complexfloating):
+            raise ValueError(f"scale must be a real number or a size-1 array, got an array of shape {_shape(scale)} and dtype {scale.dtype}")
+        value = scale.item()
+    elif isinstance(scale, np.ndarray):
+        if scale.ndim != 0 or not np.isrealobj(scale) or scale.dtype.kind not in "biuf":
+            raise ValueError(f"scale must be a real number or a 0-d array, got a NumPy array of shape {scale.shape} and dtype {scale.dtype}")
+        value = scale.item()
+    elif isinstance(scale, (int, float, np.integer, np.floating, np.bool_)):
+        value = scale
+    else:
+        raise ValueError(f"scale must be a real number, got {type(scale).__name__}")
+    value = float(value)
+    if not abs(value) <= FLOAT32_MAX:
+        raise ValueError(f"scale must be finite in float32 (|scale| <= {FLOAT32_MAX:.8g}), got {value!r}")
+    return value
+
+
+def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream):
+    """Checks everything; returns the output dtype and the scale as a float.
+    Raises ValueError naming the argument."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, mx.array):
             raise ValueError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
@@ -84,8 +94,7 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend):
             f"the number of query heads ({q.shape[1]}) must be a multiple of the "
             f"number of key/value heads ({k.shape[1]})"
         )
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    scale = _as_scale(scale)
 
     if isinstance(mask, str):
         if mask != "causal":
@@ -125,11 +134,22 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend):
             raise ValueError(f"sinks dtype {sinks.dtype} must promote to the output dtype {dtype}")
 
     if window_size is not None:
-        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+        if isinstance(window_size, (bool, np.bool_)) or not isinstance(window_size, (int, np.integer)) or window_size < 1:
             raise ValueError(f"window_size must be a positive integer or None, got {window_size!r}")
-    if backend not in ("auto", "fused", "reference"):
+    if not isinstance(backend, str) or backend not in ("auto", "fused", "reference"):
         raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    return dtype
+    _device_type(stream)  # raises for a stream of the wrong type
+    return dtype, scale
+
+
+def _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream):
+    """Validates the call; returns q, k, v in the output dtype, the scale as a
+    float and the window size as an int (or None)."""
+    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
+    if window_size is not None:
+        window_size = min(int(window_size), _WINDOW_LIMIT)
+    return q, k, v, scale, window_size
 
 
 def _device_type(stream) -> mx.DeviceType:
@@ -144,19 +164,30 @@ def _device_type(stream) -> mx.DeviceType:
     raise ValueError(f"stream must be an mlx Stream, Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
 
 
-def _fused_unsupported_reason(q, k, v, mask, sinks, window_size, stream) -> str | None:
-    """None when the fused kernel handles this problem, else why not."""
-    if _ext is None:
-        return f"the native extension mlx_attn._ext is not available ({_EXT_ERROR})"
-    device = _device_type(stream)
-    if device == mx.gpu:
-        from mlx_attn import metal_support
+def _kernel_inputs(mask, sinks, dtype):
+    """The mask and sinks as the fused kernels take them: an additive mask and
+    sinks in the output dtype; the mask in its own (broadcastable) shape."""
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_ and mask.dtype != dtype:
+        mask = mask.astype(dtype)
+    if sinks is not None and sinks.dtype != dtype:
+        sinks = sinks.astype(dtype)
+    return (mask if isinstance(mask, mx.array) else None), sinks
 
-        return metal_support.unsupported_reason(q, k, v, mask, sinks, window_size)
-    d, dv = q.shape[3], v.shape[3]
-    if not (1 <= d <= MAX_FUSED_CPU_HEAD_DIM and 1 <= dv <= MAX_FUSED_CPU_HEAD_DIM):
-        return f"the fused CPU kernel supports head dims 1..{MAX_FUSED_CPU_HEAD_DIM}, got D={d}, Dv={dv}"
-    return None
+
+def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) -> str | None:
+    """None when the fused kernel handles this problem, else why not (the
+    support rules live in C++: the CPU kernel's and the Metal launch plan's)."""
+    ext = _native.ext
+    if ext is None:
+        _native.warn_if_missing()
+        return _native.MISSING_REASON
+    device = _device_type(stream)
+    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
+    problem = ext.describe_attention(
+        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks,
+    )
+    return ext.unsupported_reason(problem, device=device)
 
 
 def attention_path(
@@ -173,14 +204,14 @@ def attention_path(
 ) -> Path:
     """Which implementation ``scaled_dot_product_attention`` uses for these
     arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
-    _validate(q, k, v, scale, mask, sinks, window_size, backend)
-    return _choose_path(q, k, v, mask, sinks, window_size, backend, stream)
+    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
 
 
-def _choose_path(q, k, v, mask, sinks, window_size, backend, stream) -> Path:
+def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream) -> Path:
     if backend == "reference":
         return "reference"
-    reason = _fused_unsupported_reason(q, k, v, mask, sinks, window_size, stream)
+    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream)
     if reason is None:
         return "fused-metal" if _device_type(stream) == mx.gpu else "fused-cpu"
     if backend == "fused":
@@ -188,47 +219,43 @@ def _choose_path(q, k, v, mask, sinks, window_size, backend, stream) -> Path:
     return "reference"
 
 
-@functools.lru_cache(maxsize=256)
-def _differentiable_fused(scale, causal, window_size, has_mask, has_sinks, stream):
-    """The fused primitive wrapped so that gradients flow: the forward pass is
-    fused, the backward pass differentiates the reference path."""
-    mask_mode = "causal" if causal else None
+def _reference_derivative(mode, primals, vectors, argnums, options, stream):
+    """The fused primitive's vjp / jvp (registered with _ext): those of the
+    reference path on the same inputs and stream. Bool masks are constants."""
+    # causal is a window of every earlier key: one route for both
+    window_size = options.window_size or (_WINDOW_LIMIT if options.causal else None)
 
-    def split(extras):
-        extras = list(extras)
-        mask = extras.pop(0) if has_mask else mask_mode
-        sinks = extras.pop(0) if has_sinks else None
-        return mask, sinks
-
-    @mx.custom_function
-    def fused(q, k, v, *extras):
-        mask, sinks = split(extras)
-        return _ext.fused_attention(
-            q,
-            k,
-            v,
-            scale=scale,
-            causal=causal,
-            window_size=window_size or 0,
-            mask=mask if has_mask else None,
-            sinks=sinks,
-            stream=stream,
-        )[0]
-
-    @fused.vjp
-    def fused_vjp(primals, cotangent, output):
-        def reference(q, k, v, *extras):
-            mask, sinks = split(extras)
-            return reference_attention(
-                q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
-            )
-
-        _, grads = mx.vjp(reference, list(primals), [cotangent])
-        return tuple(
-            g if p.dtype != mx.bool_ else mx.zeros_like(p) for g, p in zip(grads, primals)
+    def attend(arrays):
+        q, k, v, *extras = arrays
+        mask = extras.pop(0) if options.has_mask else None
+        sinks = extras.pop(0) if options.has_sinks else None
+        return reference_attention(
+            q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
         )
 
-    return fused
+    argnums = list(argnums)
+    active = [i for i in argnums if primals[i].dtype != mx.bool_]
+
+    def of_active(*chosen):
+        arrays = list(primals)
+        for i, a in zip(active, chosen):
+            arrays[i] = a
+        return attend(arrays)
+
+    chosen = [primals[i] for i in active]
+    if mode == "vjp":
+        _, grads = mx.vjp(of_active, chosen, [vectors[0]])
+        by_index = dict(zip(active, grads))
+        return [by_index.get(i, mx.zeros_like(primals[i])) for i in argnums]
+    tangents = [t for i, t in zip(argnums, vectors) if primals[i].dtype != mx.bool_]
+    if not chosen:
+        return [mx.zeros_like(attend(list(primals)))]
+    _, out_tangents = mx.jvp(of_active, chosen, tangents)
+    return out_tangents
+
+
+if _native.ext is not None:
+    _native.ext.set_differentiation_rule(_reference_derivative)
 
 
 def scaled_dot_product_attention(
@@ -249,13 +276,17 @@ def scaled_dot_product_attention(
         q: queries ``[B, Hq, Tq, D]``.
         k: keys ``[B, Hkv, Tkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA; never repeated).
         v: values ``[B, Hkv, Tkv, Dv]``.
-        scale: multiplies ``q @ k^T`` (usually ``1/sqrt(D)``).
+        scale: multiplies ``q @ k^T`` (usually ``1/sqrt(D)``): what mx.fast
+            accepts (Python or NumPy real scalars, 0-d NumPy arrays, size-1
+            MLX arrays), finite in float32. Logits saturate at +-2^125 (see
+            :mod:`mlx_attn.reference`), so every such scale gives finite
+            outputs for finite inputs.
         mask: ``None``, ``"causal"`` (lower-right aligned), a boolean array
             (True = attend) or an additive array, broadcastable to
             ``[B, Hq, Tq, Tkv]``. An additive mask's dtype must promote to
             the output dtype.
-        sinks: optional ``[Hq]`` logits that join each head's softmax and
-            contribute no value.
+        sinks: optional ``[Hq]`` logits (any view, e.g. strided or
+            broadcast) that join each head's softmax and contribute no value.
         stream: stream or device to run on.
         window_size: sliding-window attention: each query sees at most this
             many most recent keys (itself included); implies causal.
@@ -270,29 +301,21 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: naming the offending argument, shape or dtype.
     """
-    dtype = _validate(q, k, v, scale, mask, sinks, window_size, backend)
-    q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
-    path = _choose_path(q, k, v, mask, sinks, window_size, backend, stream)
+    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
     if path == "reference":
         return reference_attention(
             q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
         )
-
-    b, hq, tq, _ = q.shape
-    tkv = k.shape[2]
-    if min(b, hq, tq, tkv, v.shape[3]) == 0:
-        return mx.zeros((b, hq, tq, v.shape[3]), dtype=dtype)
-    extras = []
-    has_mask = isinstance(mask, mx.array)
-    if has_mask:
-        if mask.dtype != mx.bool_ and mask.dtype != dtype:
-            mask = mask.astype(dtype)
-        # A broadcast view: the kernel reads it through zero strides.
-        extras.append(mx.broadcast_to(mask, (b, hq, tq, tkv), stream=stream))
-    if sinks is not None:
-        extras.append(sinks.astype(dtype) if sinks.dtype != dtype else sinks)
-    fused = _differentiable_fused(
-        float(scale), mask == "causal" if isinstance(mask, str) else False,
-        window_size, has_mask, sinks is not None, stream,
-    )
-    return fused(q, k, v, *extras)
+    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
+    return _native.ext.fused_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=isinstance(mask, str),
+        window_size=window_size or 0,
+        mask=array_mask,
+        sinks=sinks,
+        stream=stream,
+    )[0]

@@ -10,6 +10,13 @@ GQA/MQA are computed by grouping the query heads ``[B, Hkv, G, Tq, D]`` against
 ``[B, Hkv, 1, Tkv, D]`` keys, so keys and values are never repeated.
 
 A query row that can see no key (every key masked) returns zeros.
+
+Numbers: every logit (``scale * q.k``, the logit plus an additive mask value,
+and each sink) saturates to ``[-LOGIT_LIMIT, LOGIT_LIMIT]`` (2^125); an
+additive mask value at or below ``MASKED_LOGIT`` (-2^127, so ``-inf``
+included) masks the key. Differences of saturated logits cannot
+overflow, so any finite float32 scale gives finite outputs for finite inputs.
+The fused kernels follow the same rule (``metal/attention_params.h``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ import contextlib
 
 import mlx.core as mx
 
-__all__ = ["reference_attention", "causal_visibility"]
+__all__ = ["reference_attention", "causal_visibility", "LOGIT_LIMIT", "MASKED_LOGIT"]
+
+# Same values as MLX_ATTN_LOGIT_LIMIT / MLX_ATTN_MASKED_LOGIT in
+# metal/attention_params.h (tests/test_native.py checks).
+LOGIT_LIMIT = 2.0**125
+MASKED_LOGIT = -(2.0**127)
+
+
+def _saturate(x: mx.array) -> mx.array:
+    return mx.clip(x, -LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -> mx.array:
@@ -37,9 +53,12 @@ def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -
 
 
 def _group_heads(x: mx.array, kv_heads: int) -> mx.array:
-    """[B, Hq, ...] -> [B, Hkv, G, ...] (a reshape, no copy of K/V)."""
-    b, hq = x.shape[:2]
-    return x.reshape(b, kv_heads, hq // kv_heads, *x.shape[2:])
+    """[B, Hq, ...] -> [B, Hkv, G, ...] (no copy of K/V). Shape-free ops
+    (unflatten, expand_dims, flatten) here and below keep the path correct
+    under mx.compile(shapeless=True) when the lengths change."""
+    if x.shape[1] == 1:  # broadcast over every head
+        return mx.expand_dims(x, 2)
+    return mx.unflatten(x, 1, (kv_heads, -1))
 
 
 def reference_attention(
@@ -78,19 +97,20 @@ def reference_attention(
         vf = v.astype(mx.float32)[:, :, None]  # [B,Hkv,1,Tkv,Dv]
 
         # score, scale
-        scores = (qf @ kf.swapaxes(-1, -2)) * scale  # [B,Hkv,G,Tq,Tkv]
+        scores = _saturate((qf @ kf.swapaxes(-1, -2)) * scale)  # [B,Hkv,G,Tq,Tkv]
 
         # mask: `visible` is False where a key may not be seen
         visible = None
         if isinstance(mask, str) or window_size is not None:
             visible = causal_visibility(q_len, kv_len, window_size)
         if isinstance(mask, mx.array):
-            full = mx.broadcast_to(mask, (batch, q_heads, q_len, kv_len))
-            full = _group_heads(full, kv_heads)
+            full = mask if mask.ndim == 4 else mx.expand_dims(mask, list(range(4 - mask.ndim)))
+            full = _group_heads(full, kv_heads)  # broadcasts against [B,Hkv,G,Tq,Tkv]
             if full.dtype == mx.bool_:
                 visible = full if visible is None else (visible & full)
             else:
-                scores = scores + full.astype(mx.float32)
+                added = full.astype(mx.float32)
+                scores = mx.where(added <= MASKED_LOGIT, -mx.inf, _saturate(scores + added))
         if visible is not None:
             scores = mx.where(visible, scores, -mx.inf)
 
@@ -98,7 +118,7 @@ def reference_attention(
         row_max = scores.max(axis=-1, keepdims=True)
         if sinks is not None:
             sink_logits = _group_heads(
-                sinks.astype(mx.float32).reshape(1, q_heads, 1, 1), kv_heads
+                mx.expand_dims(_saturate(sinks.astype(mx.float32)), (0, 2, 3)), kv_heads
             )
             row_max = mx.maximum(row_max, sink_logits)
         # A row that sees nothing has max -inf; any finite shift keeps exp = 0.
@@ -118,8 +138,8 @@ def reference_attention(
 
         # aggregate
         out = weights @ vf  # [B,Hkv,G,Tq,Dv]
-        out = out.reshape(batch, q_heads, q_len, v.shape[-1]).astype(out_dtype)
+        out = mx.flatten(out, 1, 2).astype(out_dtype)
         if return_weights:
-            return out, weights.reshape(batch, q_heads, q_len, kv_len)
+            return out, mx.flatten(weights, 1, 2)
         return out
 

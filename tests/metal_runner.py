@@ -32,9 +32,20 @@ def from_numpy(x: np.ndarray, dtype) -> mx.array:
     return mx.array(x)
 
 
-def element_strides(x: np.ndarray, shape=None) -> list[int]:
-    view = x if shape is None else np.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), shape)
-    return [s // x.itemsize for s in view.strides]
+class View:
+    """An input as the Mac host receives it: an MLX array that may be a view
+    (transposed, sliced, broadcast) of the contiguous array `base`, starting
+    `offset` elements into it. The emulator binds base's memory from offset
+    and reads it through the strides the launch plan took from `array`."""
+
+    def __init__(self, base: mx.array, view=lambda a: a, offset: int = 0):
+        self.base = base
+        self.array = view(base)
+        self.offset = offset
+        mx.eval(self.base, self.array)  # evaluated views carry their real strides
+
+    def memory(self) -> np.ndarray:
+        return to_numpy(self.base).reshape(-1)[self.offset:]
 
 
 def physical_layout(x: np.ndarray, layout: str | None):
@@ -56,12 +67,18 @@ def physical_layout(x: np.ndarray, layout: str | None):
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def mx_view(x: mx.array, layout: str | None) -> mx.array:
-    """The same layout as an MLX view (what the real kernels receive)."""
+def layout_view(x: mx.array, layout: str | None) -> View:
+    """`x` stored in `layout` (see physical_layout), as the view MLX hands over."""
     if layout is None:
-        return x
+        return View(x)
     buffer = from_numpy(physical_layout(to_numpy(x), layout)[0], x.dtype)
-    return buffer.transpose(0, 2, 1, 3) if layout == "seq_major" else buffer[:, :, : x.shape[2]]
+    if layout == "seq_major":
+        return View(buffer, lambda a: a.transpose(0, 2, 1, 3))
+    return View(buffer, lambda a: a[:, :, : x.shape[2]])
+
+
+def as_view(x) -> View:
+    return x if isinstance(x, View) else View(x)
 
 
 class EmulatedMetal:
@@ -72,41 +89,61 @@ class EmulatedMetal:
         self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
 
     def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None):
-        buffers = {"mask": np.zeros(1, np.uint8)}
-        strides = {}
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            buffers[name], view = physical_layout(to_numpy(x), layout)
-            strides[name] = element_strides(view)
-        nq = buffers["q"]
-        buffers["sinks"] = np.zeros(1, nq.dtype)
+        """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
+        a View; the result as an MLX array."""
+        inputs = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
+        dtype = inputs[0].array.dtype
         if isinstance(mask, mx.array):
-            m = mask if mask.dtype == mx.bool_ else mask.astype(q.dtype)
-            nm = np.ascontiguousarray(to_numpy(m))
-            full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            strides["mask"] = element_strides(nm, full)
-            buffers["mask"] = nm.view(np.uint8) if nm.dtype == np.bool_ else nm
+            inputs.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
         if sinks is not None:
-            buffers["sinks"] = np.ascontiguousarray(to_numpy(sinks.astype(q.dtype)))
-        plan = launch_plan(q, k, v, mask, sinks, window_size, scale=scale, strides=strides)
+            inputs.append(as_view(sinks))
+        arrays = [view.array for view in inputs]
+        plan = launch_plan(
+            *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
+            sinks=arrays[-1] if sinks is not None else None, window_size=window_size,
+        )
         assert plan["supported"], plan["reason"]
-        out = np.zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=nq.dtype)
-        buffers["out"] = out
-        buffers["params"] = plan["params"]
-        buffers["splits"] = struct.pack("i", plan["splits"])
-        for name, elements in plan["scratch"].items():
-            buffers[name] = np.full(elements, np.nan, np.float32)  # unwritten partials would show
         self.last_plan = plan
-        for step in plan["dispatches"]:
-            bound = {i: buffers[name] for i, name in enumerate(step["buffers"])}
+        return from_numpy(self.launch(plan, inputs), dtype)
+
+    def launch(self, plan: dict, inputs: list[View]) -> np.ndarray:
+        """Runs every dispatch of `plan` with the bindings it names, as
+        csrc/metal/attention_metal.cpp encodes them: each input's memory from
+        its view's offset (read through the plan's strides), the output,
+        scratch buffers and bytes."""
+        memory = [view.memory() for view in inputs]
+        memory = [m.view(np.uint8) if m.dtype == np.bool_ else m for m in memory]
+        problem = plan["problem"]
+        out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
+        # NaN: a read of a partial nobody wrote would show
+        scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
+        for position, step in enumerate(plan["dispatches"]):
+            bound = {}
+            for binding in step["bindings"]:
+                source, index = binding["source"], binding["source_index"]
+                if source == "input":
+                    bound[binding["index"]] = memory[index]
+                elif source == "output":
+                    bound[binding["index"]] = out
+                elif source == "scratch":
+                    buffer = plan["scratch"][index]
+                    assert position == (buffer["producer"] if binding["access"] == "write" else buffer["consumer"])
+                    bound[binding["index"]] = scratch[index]
+                elif source == "params":
+                    bound[binding["index"]] = plan["params"]
+                else:
+                    bound[binding["index"]] = struct.pack("i", plan["splits"])
             self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
-        return from_numpy(out, q.dtype)
+        return out
 
 
 class RealMetal:
     fast_math = True
 
-    def __call__(self, q, k, v, layout=None, **kw):
-        q, k, v = (mx_view(x, layout) for x in (q, k, v))
+    def __call__(self, q, k, v, layout=None, sinks=None, **kw):
+        q, k, v = (x.array if isinstance(x, View) else layout_view(x, layout).array for x in (q, k, v))
+        if sinks is not None:
+            kw["sinks"] = as_view(sinks).array
         out = mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.gpu, **kw)
         mx.eval(out)
         return out

@@ -50,3 +50,61 @@ def max_abs_diff(a, b) -> float:
 def assert_close(out, ref, dtype):
     err = max_abs_diff(out, ref)
     assert err <= TOLERANCE[dtype], f"max abs error {err} > {TOLERANCE[dtype]} for {dtype}"
+
+
+def exact_qkv(b, hq, hkv, tq, tkv, d, dtype=mx.float32, seed=0):
+    """q, k, v of multiples of 1/64 in [-1/16, 1/16]: every product and sum of
+    q.k is exact in float32 (and float16), and |q.k| <= d / 256."""
+    rng = np.random.default_rng(seed)
+    return tuple(
+        mx.array(rng.integers(-4, 5, shape).astype(np.float32) / 64).astype(dtype)
+        for shape in ((b, hq, tq, d), (b, hkv, tkv, d), (b, hkv, tkv, d))
+    )
+
+
+def as_float64(x) -> np.ndarray:
+    if isinstance(x, mx.array):
+        return np.array(x.astype(mx.float32)).astype(np.float64)
+    return np.asarray(x, np.float64)
+
+
+def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
+    """Attention in float64 NumPy, straight from the definition (no shared
+    code with mlx_attn): softmax over keys of scale * q.k (+ additive mask),
+    sinks as extra logits with no value, rows that see no key give zeros.
+    q, k, v, sinks: MLX or NumPy arrays."""
+    q64, k64, v64 = (as_float64(x) for x in (q, k, v))
+    b, hq, tq, _ = q64.shape
+    hkv, tkv = k64.shape[1], k64.shape[2]
+    group = hq // hkv
+    k64 = np.repeat(k64, group, axis=1)
+    v64 = np.repeat(v64, group, axis=1)
+    logits = scale * np.einsum("bhqd,bhkd->bhqk", q64, k64)
+    visible = np.ones((b, hq, tq, tkv), bool)
+    if isinstance(mask, str) or window_size is not None:
+        pos = np.arange(tq)[:, None] + tkv - tq
+        keys = np.arange(tkv)[None, :]
+        causal = keys <= pos
+        if window_size is not None:
+            causal &= keys > pos - window_size
+        visible &= causal
+    elif mask is not None:
+        m = np.broadcast_to(np.array(mask.astype(mx.float32) if mask.dtype != mx.bool_ else mask), visible.shape)
+        if mask.dtype == mx.bool_:
+            visible &= m
+        else:
+            visible &= m != -np.inf
+            logits = logits + np.where(m == -np.inf, 0.0, m)
+    logits = np.where(visible, logits, -np.inf)
+    row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sinks is not None:
+        s = as_float64(sinks).reshape(1, hq, 1, 1)
+        row_max = np.maximum(row_max, s)
+    shift = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.exp(logits - shift)
+    total = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(s - shift)
+    seen = visible.any(axis=-1, keepdims=True)
+    out = np.einsum("bhqk,bhkd->bhqd", weights / np.where(total > 0, total, 1.0), v64)
+    return np.where(seen, out, 0.0)

@@ -233,3 +233,15 @@ def test_single_visible_key_returns_value_bit_exactly(dtype, isa):
     want = np.array(v.astype(mx.float32))[0, 0, chosen].view(np.uint32)
     np.testing.assert_array_equal(got[0, 0], want)
     np.testing.assert_array_equal(got[0, 1], want)
+
+
+@pytest.mark.parametrize("make_sinks", [
+    lambda base: base[::3][:4],
+    lambda base: base[1:5],
+    lambda base: mx.broadcast_to(base[2:3], (4,)),
+], ids=["stride-3", "offset", "broadcast"])
+def test_sinks_views_are_read_through_their_stride(make_sinks):
+    q, k, v = make_qkv(1, 4, 2, 9, 13, 16)
+    sinks = make_sinks(mx.array(np.linspace(-2.0, 3.0, 13).astype(np.float32)))
+    mx.eval(sinks)
+    assert_close(fused(q, k, v, sinks=sinks, mask="causal"), reference(q, k, v, sinks=sinks, mask="causal"), mx.float32)

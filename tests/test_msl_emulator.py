@@ -6,6 +6,7 @@ accesses, endless loops) must be reported, not silently pass."""
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from pathlib import Path
@@ -18,9 +19,12 @@ from msl_emulator.translate import translate
 
 KERNELS = Path(__file__).parent / "msl_emulator" / "test_kernels"
 KERNEL_INCLUDES = [KERNELS / "include"]
-SOFTMAX, SIMD, MATRIX, TYPES, FAULTS = (KERNELS / f"{n}.metal" for n in ("softmax", "simd", "matrix", "types", "faults"))
+SOFTMAX, SIMD, MATRIX, TYPES, FAULTS, COUNTERS = (
+    KERNELS / f"{n}.metal" for n in ("softmax", "simd", "matrix", "types", "faults", "counters"))
 REDUCE = KERNELS / "reduce.metal"
 
+if not me.clang_available() and os.environ.get("CI"):
+    pytest.fail("clang-19 is required on CI to run the MSL emulator", pytrace=False)
 needs_clang = pytest.mark.skipif(not me.clang_available(), reason="clang-19 is not installed (apt-get install clang-19)")
 
 
@@ -111,13 +115,38 @@ kernel void g(constant float& x [[buffer(0)]]) {}
 '''
     translation = translate(source)
     kernels = {k.host_name: (k.function, k.params) for k in translation.kernels}
-    assert kernels == {"f_float": ("f<float, 8>", [(0, 1), (1, 0)]), "f_half": ("f<half, 4>", [(0, 1), (1, 0)]),
-                       "g": ("g", [(0, 0)])}
+    assert kernels == {"f_float": ("f<float, 8>", [(0, 1, -1), (1, 0, -1)]),
+                       "f_half": ("f<half, 4>", [(0, 1, -1), (1, 0, -1)]), "g": ("g", [(0, 0, -1)])}
     assert "threadgroup T (&tile)[N][4] = " in translation.cpp
     assert '"tile (k.metal:3)"' in translation.cpp  # errors name the declaration's line
     assert "threadgroup float* p = nullptr;" in translation.cpp  # pointers stay pointers
     assert "msl_make<float2>(half(1.0), 2)" in translation.cpp
     assert "template decltype(f<half, 4>) f<half, 4>;" in translation.cpp
+
+
+def test_translation_of_function_constants_and_address_space_members():
+    source = '''# 1 "k.metal"
+constant bool has_mask [[function_constant(20)]];
+constant int blocks [[function_constant(26)]];
+struct S {
+  float x;
+  S() thread : x(0) {}
+  S() threadgroup : x(0) {}
+  float get() const device { return x; }
+};
+float first(constant const float v[3]) { return v[0]; }
+kernel void f(device float* o [[buffer(0)]], const device bool* m [[buffer(1), function_constant(has_mask)]]) {}
+template <typename T> [[kernel]] void unused(device T* o [[buffer(0)]]) {}
+'''
+    translation = translate(source)
+    assert translation.function_constants == {"has_mask": 20, "blocks": 26}
+    assert 'static msl_rt::FunctionConstant<bool> has_mask{20, "has_mask"};' in translation.cpp
+    assert [(k.host_name, k.params) for k in translation.kernels] == [("f", [(0, 0, -1), (0, 1, 20)])]
+    assert "S() : x(0) {}" in translation.cpp and "threadgroup : x(0)" not in translation.cpp
+    assert "get()" not in translation.cpp  # only a device overload: dropped
+    assert "float first(constant const float* v)" in translation.cpp
+    with pytest.raises(me.MetalCompileError, match=r"function_constant\(nothing\)\]\] names no declared"):
+        translate("kernel void g(device float* o [[buffer(0), function_constant(nothing)]]) {}\n")
 
 
 def test_translation_rejects_parameters_without_bindings():
@@ -503,3 +532,98 @@ def test_bad_launches_and_buffers(softmax_lib, faults_lib):
     struct_params = np.array([(1, 8, 1.0)], dtype=[("rows", "<u4"), ("columns", "<u4"), ("scale", "<f4")])
     softmax_lib.dispatch("softmax_float32_128", grid=(1, 1, 1), threadgroup=(128, 1, 1), buffers={0: x, 1: out, 2: struct_params})
     np.testing.assert_allclose(out, np.full((1, 8), 1 / 8), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- cost counters
+@pytest.fixture(scope="module")
+def counting_lib():
+    return build(COUNTERS, fast_math=True, counters=True)
+
+
+@needs_clang
+def test_uncounted_libraries_return_no_counters(softmax_lib):
+    x = np.ones((2, 64), np.float32)
+    assert softmax_lib.dispatch("softmax_float32_128", (2, 1, 1), (128, 1, 1),
+                                {0: x, 1: np.zeros_like(x), 2: struct.pack("IIf", 2, 64, 1.0)}) is None
+    assert softmax_lib.last_counters is None
+
+
+@needs_clang
+def test_counters_of_a_copy_kernel(counting_lib):
+    n = 100  # 2 threadgroups of 64: 28 threads do nothing but read n
+    x, y = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    counters = counting_lib.dispatch("scale_copy", (2, 1, 1), (64, 1, 1), {0: x, 1: y, 2: struct.pack("I", n)})
+    np.testing.assert_array_equal(y, 2 * x)
+    assert counters == counting_lib.last_counters
+    assert (counters.device_bytes_read, counters.device_bytes_written) == (4 * n, 4 * n)
+    assert counters.constant_bytes_read == 4 * 128
+    assert counters.threadgroup_bytes_read == counters.threadgroup_bytes_written == 0
+    assert counters.threadgroup_barriers == counters.simd_ops == counters.exp_calls == 0
+    assert counters.threadgroup_memory_bytes == counters.thread_array_bytes == 0
+
+
+@needs_clang
+def test_counters_of_barriers_threadgroup_memory_simd_and_exp(counting_lib):
+    groups, threads = 3, 64
+    x = np.linspace(-1, 1, groups * threads, dtype=np.float32)
+    y = np.zeros_like(x)
+    counters = counting_lib.dispatch("staged_exp", (groups, 1, 1), (threads, 1, 1), {0: x, 1: y})
+    per_group = x.reshape(groups, 2, 32)
+    reversed_in_group = x.reshape(groups, threads)[:, ::-1].reshape(-1)
+    expected = np.repeat(np.exp(per_group).sum(axis=2), 32, axis=1).reshape(-1) + reversed_in_group
+    np.testing.assert_allclose(y, expected, rtol=1e-5)
+    n = groups * threads
+    assert counters.threadgroup_barriers == 3 * groups
+    assert counters.threadgroup_bytes_written == 4 * n and counters.threadgroup_bytes_read == 2 * 4 * n
+    assert counters.device_bytes_read == counters.device_bytes_written == 4 * n
+    assert counters.simd_ops == groups * 2  # one simd_sum per simdgroup
+    assert counters.exp_calls == n
+    assert counters.threadgroup_memory_bytes == 4 * threads
+
+
+@needs_clang
+def test_counters_of_a_simdgroup_product(counting_lib):
+    a = np.arange(64, dtype=np.float16).reshape(8, 8) / 64
+    b = np.eye(8, dtype=np.float16)
+    c = np.zeros((8, 8), np.float32)
+    counters = counting_lib.dispatch("one_product", (1, 1, 1), (32, 1, 1), {0: a, 1: b, 2: c})
+    np.testing.assert_allclose(c, a.astype(np.float32))
+    assert counters.simdgroup_matrix_mmas == 1
+    assert counters.device_bytes_read == 2 * 64 * 2 and counters.device_bytes_written == 64 * 4
+    assert counters.simd_ops == 0  # the loads' lane exchange is no simd function
+
+
+@needs_clang
+def test_thread_array_bytes_count_arrays_kept_in_memory(counting_lib):
+    x, y = np.arange(32 * 64, dtype=np.float32), np.zeros(32, np.float32)
+    counters = counting_lib.dispatch("thread_array", (1, 1, 1), (32, 1, 1), {0: x, 1: y, 2: struct.pack("I", 1)})
+    np.testing.assert_array_equal(y, x.reshape(32, 64)[np.arange(32), (np.arange(32) + 1) % 64])
+    assert counters.thread_array_bytes == 64 * 4
+    assert counters.device_bytes_read == 32 * 64 * 4
+
+
+def test_ir_instrumentation_counts_loads_stores_and_copies():
+    from msl_emulator import counters as c
+
+    ir = """define void @k(ptr addrspace(1) %d, ptr addrspace(3) %t, ptr %p) {
+  %a = load <2 x half>, ptr addrspace(1) %d, align 4
+  store float 1.0, ptr addrspace(3) %t, align 4
+  store ptr addrspace(1) %d, ptr %p, align 8
+  %b = load i32, ptr %p, align 4
+  call void @llvm.memcpy.p3.p1.i64(ptr addrspace(3) align 4 %t, ptr addrspace(1) align 4 %d, i64 16, i1 false)
+  ret void
+}
+define void @msl_count_access(i32 %0, i64 %1, i32 %2) {
+  ret void
+}
+"""
+    out = c.instrument(ir)
+    calls = [line.strip() for line in out.splitlines() if "call void @msl_count_access" in line]
+    assert calls == [
+        "call void @msl_count_access(i32 1, i64 ptrtoint (ptr getelementptr (<2 x half>, ptr null, i32 1) to i64), i32 0)",
+        "call void @msl_count_access(i32 3, i64 ptrtoint (ptr getelementptr (float, ptr null, i32 1) to i64), i32 1)",
+        "call void @msl_count_access(i32 3, i64 16, i32 1)",
+        "call void @msl_count_access(i32 1, i64 16, i32 0)",
+    ]
+    with pytest.raises(ValueError, match="msl_count_access"):
+        c.instrument("define void @k() {\n  ret void\n}\n")

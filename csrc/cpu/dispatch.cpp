@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "csrc/cpu/kernels.h"
+#include "csrc/cpu/host.h"
 #include "csrc/cpu/thread_pool.h"
 
 namespace mlx_attn::cpu {
@@ -15,7 +15,7 @@ namespace {
 struct Isa {
   const char* name;
   int (*lanes)();
-  void (*process)(const AttentionProblem&, int64_t, float*);
+  void (*process)(const KernelCall&, int64_t, float*);
   bool (*available)();
 };
 
@@ -93,37 +93,47 @@ const char* const* supported_isas(int* count) {
   return names.data();
 }
 
-void plan_work(AttentionProblem& p) {
+std::string unsupported_reason(const AttentionProblem& p) {
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim || p.value_dim < 1 ||
+      p.value_dim > kMaxHeadDim) {
+    return "the fused CPU kernel supports head dims 1.." + std::to_string(kMaxHeadDim) +
+        ", got D=" + std::to_string(p.head_dim) + ", Dv=" + std::to_string(p.value_dim);
+  }
+  return {};
+}
+
+void plan_work(KernelCall& call) {
+  const AttentionProblem& p = call.problem;
   const int group = p.group_size();
   int qb = kMaxRows / group;
   qb = qb < 1 ? 1 : (qb < p.q_len ? qb : p.q_len);
-  p.query_block = qb;
+  call.query_block = qb;
   // Small problems: smaller blocks so every thread gets work (rows >= 16).
   const int64_t enough = 2 * int64_t(thread_pool().size());
-  while (p.work_items() < enough && qb > 1 && (qb / 2) * group >= 16) {
+  while (call.work_items() < enough && qb > 1 && (qb / 2) * group >= 16) {
     qb /= 2;
-    p.query_block = qb;
+    call.query_block = qb;
   }
 }
 
 namespace {
-int64_t scratch_stride(const AttentionProblem& problem) {
-  return round_up(scratch_floats(problem, active_isa()->lanes()), 16);
+int64_t scratch_stride(const KernelCall& call) {
+  return round_up(scratch_floats(call, active_isa()->lanes()), 16);
 }
 }  // namespace
 
-int64_t scratch_size(const AttentionProblem& problem) {
-  return scratch_stride(problem) * thread_pool().size() + 16;
+int64_t scratch_size(const KernelCall& call) {
+  return scratch_stride(call) * thread_pool().size() + 16;
 }
 
-void run_attention(const AttentionProblem& problem, float* scratch) {
+void run_attention(const KernelCall& call, float* scratch) {
   const Isa* isa = active_isa();
-  const int64_t stride = scratch_stride(problem);
+  const int64_t stride = scratch_stride(call);
   // Align each thread's block to 64 bytes.
   float* base = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
-  thread_pool().parallel_for(problem.work_items(), [&](int64_t item, int slot) {
-    isa->process(problem, item, base + stride * slot);
+  thread_pool().parallel_for(call.work_items(), [&](int64_t item, int slot) {
+    isa->process(call, item, base + stride * slot);
   });
 }
 

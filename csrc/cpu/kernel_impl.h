@@ -8,17 +8,22 @@
 // instruction set cannot be linked into callers on an older CPU.
 //
 // Algorithm steps (same names as mlx_attn/reference.py and metal/):
-//   score      S = Q . K^T for one key block (Q pre-multiplied by scale*log2 e)
-//   mask       causal / sliding window / boolean / additive, in place on S
-//   online max / rescale   m_new = max(m, rowmax S); O *= exp2(m - m_new)
-//   accumulate P = exp2(S - m_new); l = l * alpha + rowsum P; O += P . V
+//   score      S = Q . K^T for one key block
+//   scale      S = saturate(scale * S), logits in natural-log units
+//   mask       additive (saturated; values <= kMaskedLogit, -inf included,
+//              mask the key), then causal / sliding window /
+//              boolean set -inf, in place on S
+//   online max / rescale   m_new = max(m, rowmax S); O *= exp(m - m_new)
+//   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join the sum; O / l (zeros where nothing was attended)
+// exp(x) is exp2(x * log2 e) of a difference to the running max, which
+// saturation keeps finite (metal/attention_params.h).
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "csrc/cpu/attention_problem.h"
+#include "csrc/cpu/kernels.h"
 
 #if defined(__F16C__)
 #include <immintrin.h>  // intrinsics are always-inline: nothing leaks
@@ -32,8 +37,6 @@ namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
 
 constexpr int kLanes = MLX_ATTN_VEC_BYTES / 4;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 typedef float vfloat __attribute__((vector_size(MLX_ATTN_VEC_BYTES)));
 typedef float vfloat_unaligned
@@ -51,6 +54,15 @@ inline vfloat splat(float x) {
 }
 inline vfloat vmax(vfloat a, vfloat b) {
   return a > b ? a : b;
+}
+// Clamps to [-kLogitLimit, kLogitLimit]; NaN stays NaN.
+inline vfloat saturate(vfloat x) {
+  x = x < -kLogitLimit ? splat(-kLogitLimit) : x;
+  return x > kLogitLimit ? splat(kLogitLimit) : x;
+}
+inline float saturate(float x) {
+  x = x < -kLogitLimit ? -kLogitLimit : x;
+  return x > kLogitLimit ? kLogitLimit : x;
 }
 inline float horizontal_max(vfloat x) {
   float r = x[0];
@@ -326,21 +338,23 @@ struct Layout {
   int group, query_block, query_blocks, value_dim_padded;
 };
 
-inline Layout layout_of(const AttentionProblem& p) {
+inline Layout layout_of(const KernelCall& call) {
+  const AttentionProblem& p = call.problem;
   Layout l;
-  l.group = p.q_heads / p.kv_heads;
-  l.query_block = p.query_block;
-  l.query_blocks = (p.q_len + l.query_block - 1) / l.query_block;
+  l.group = p.group_size();
+  l.query_block = call.query_block;
+  l.query_blocks = call.query_blocks();
   l.value_dim_padded = (p.value_dim + kLanes - 1) / kLanes * kLanes;
   return l;
 }
 
 template <ElemType T>
 void attention_work_item(
-    const AttentionProblem& p,
+    const KernelCall& call,
     int64_t item,
     float* scratch) {
-  const Layout lay = layout_of(p);
+  const AttentionProblem& p = call.problem;
+  const Layout lay = layout_of(call);
   const int D = p.head_dim, Dv = p.value_dim, Dvp = lay.value_dim_padded;
   const int KB = kKeyBlock;
 
@@ -364,12 +378,11 @@ void attention_work_item(
   float* row_sum = row_max + rows;                 // [rows]
 
   // Rows are (head in group, query position): row = g * qb + i.
-  const float q_factor = p.scale * kLog2e;
   for (int r = 0; r < rows; ++r) {
     const int h = kv_head * lay.group + r / qb;
     const int qi = q_start + r % qb;
     int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
-    load_row<T>(q_packed + r * D, 1, p.q, off, p.q_strides[3], D, q_factor);
+    load_row<T>(q_packed + r * D, 1, call.q, off, p.q_strides[3], D, 1.0f);
     row_max[r] = -INFINITY;
     row_sum[r] = 0.0f;
   }
@@ -394,11 +407,11 @@ void attention_work_item(
     for (int j = 0; j < n; ++j) {
       int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] +
           int64_t(kb + j) * p.k_strides[2];
-      load_row<T>(k_packed + j, KB, p.k, koff, p.k_strides[3], D, 1.0f);
+      load_row<T>(k_packed + j, KB, call.k, koff, p.k_strides[3], D, 1.0f);
       int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] +
           int64_t(kb + j) * p.v_strides[2];
       float* vrow = v_packed + j * Dvp;
-      load_row<T>(vrow, 1, p.v, voff, p.v_strides[3], Dv, 1.0f);
+      load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
       for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
     }
     if (n < KB) {
@@ -411,16 +424,33 @@ void attention_work_item(
     memset(scores, 0, sizeof(float) * rows * KB);
     matmul_accumulate(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
 
-    // mask
+    // scale, mask
     const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
     const bool window_edge =
         p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
+    const vfloat scale = splat(p.scale);
     for (int r = 0; r < rows; ++r) {
       float* s = scores + r * KB;
-      for (int j = n; j < KB; ++j) s[j] = -INFINITY;
+      for (int c = 0; c < KB; c += kLanes) store(s + c, saturate(load(s + c) * scale));
       const int h = kv_head * lay.group + r / qb;
       const int qi = q_start + r % qb;
       const int pos = qi + offset;
+      if (p.mask_kind != MaskKind::none) {
+        int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
+            qi * p.mask_strides[2] + int64_t(kb) * p.mask_strides[3];
+        const int64_t ms = p.mask_strides[3];
+        if (p.mask_kind == MaskKind::boolean) {
+          const bool* m = static_cast<const bool*>(call.mask) + moff;
+          for (int j = 0; j < n; ++j) {
+            if (!m[j * ms]) s[j] = -INFINITY;
+          }
+        } else {
+          for (int j = 0; j < n; ++j) {
+            const float added = load_elem<T>(call.mask, moff + j * ms);
+            s[j] = added <= kMaskedLogit ? -INFINITY : saturate(s[j] + added);
+          }
+        }
+      }
       if (causal_edge || window_edge) {
         for (int j = 0; j < n; ++j) {
           int key = kb + j;
@@ -429,21 +459,7 @@ void attention_work_item(
           if (!visible) s[j] = -INFINITY;
         }
       }
-      if (p.mask_kind != ArrayMask::none) {
-        int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
-            qi * p.mask_strides[2] + int64_t(kb) * p.mask_strides[3];
-        const int64_t ms = p.mask_strides[3];
-        if (p.mask_kind == ArrayMask::boolean) {
-          const bool* m = static_cast<const bool*>(p.mask) + moff;
-          for (int j = 0; j < n; ++j) {
-            if (!m[j * ms]) s[j] = -INFINITY;
-          }
-        } else {
-          for (int j = 0; j < n; ++j) {
-            s[j] += load_elem<T>(p.mask, moff + j * ms) * kLog2e;
-          }
-        }
-      }
+      for (int j = n; j < KB; ++j) s[j] = -INFINITY;
     }
 
     // online max / rescale, then accumulate
@@ -460,11 +476,11 @@ void attention_work_item(
       }
       vfloat vs = splat(0.0f);
       for (int c = 0; c < KB; c += kLanes) {
-        vfloat e = exp2_vec(load(s + c) - m_new);
+        vfloat e = exp2_vec((load(s + c) - m_new) * kLog2e);
         store(s + c, e);
         vs += e;
       }
-      const float alpha = exp2f(m_old - m_new);
+      const float alpha = exp2f((m_old - m_new) * kLog2e);
       row_sum[r] = row_sum[r] * alpha + horizontal_sum(vs);
       row_max[r] = m_new;
       if (alpha != 1.0f) {
@@ -483,21 +499,22 @@ void attention_work_item(
     float m = row_max[r];
     float l = row_sum[r];
     float correction = 1.0f;
-    if (p.sinks) {
-      float sink = load_elem<T>(p.sinks, h * p.sinks_stride) * kLog2e;
-      float m_final = sink > m ? sink : m;
-      correction = exp2f(m - m_final);
-      l = l * correction + exp2f(sink - m_final);
+    if (p.has_sinks) {
+      const float sink = saturate(load_elem<T>(call.sinks, h * p.sinks_stride));
+      const float m_final = sink > m ? sink : m;
+      correction = exp2f((m - m_final) * kLog2e);
+      l = l * correction + exp2f((sink - m_final) * kLog2e);
       m = m_final;
     }
-    const float factor = l > 0.0f ? correction / l : 0.0f;
+    // l == 0: the row saw nothing (zeros); a NaN sum (NaN data) stays NaN
+    const float factor = l == 0.0f ? 0.0f : correction / l;
     const int64_t row_index = (int64_t(b) * p.q_heads + h) * p.q_len + qi;
     const float* o = acc + r * Dvp;
     for (int e = 0; e < Dv; ++e) {
-      store_elem<T>(p.out, row_index * Dv + e, o[e] * factor);
+      store_elem<T>(call.out, row_index * Dv + e, o[e] * factor);
     }
-    if (p.lse) {
-      p.lse[row_index] = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    if (call.lse) {
+      call.lse[row_index] = l == 0.0f ? -INFINITY : m + logf(l);
     }
   }
 }
@@ -508,14 +525,14 @@ int vector_lanes() {
   return kLanes;
 }
 
-void process_work_item(const AttentionProblem& p, int64_t item, float* scratch) {
-  switch (p.dtype) {
+void process_work_item(const KernelCall& call, int64_t item, float* scratch) {
+  switch (call.problem.dtype) {
     case ElemType::float32:
-      return attention_work_item<ElemType::float32>(p, item, scratch);
+      return attention_work_item<ElemType::float32>(call, item, scratch);
     case ElemType::float16:
-      return attention_work_item<ElemType::float16>(p, item, scratch);
+      return attention_work_item<ElemType::float16>(call, item, scratch);
     case ElemType::bfloat16:
-      return attention_work_item<ElemType::bfloat16>(p, item, scratch);
+      return attention_work_item<ElemType::bfloat16>(call, item, scratch);
   }
 }
 

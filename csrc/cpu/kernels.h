@@ -1,14 +1,57 @@
-// Entry points of the per-ISA copies of the fused CPU kernel.
+// What the per-ISA copies of the fused CPU kernel see: the problem plus its
+// buffers and work split (KernelCall), and their entry points. Plain C++ (no
+// STL, no MLX), so code compiled for a wide instruction set cannot leak.
 #pragma once
 
-#include "csrc/cpu/attention_problem.h"
+#include "csrc/attention_problem.h"
 
 namespace mlx_attn::cpu {
 
-#define MLX_ATTN_DECLARE_ISA(isa)                                      \
-  namespace isa {                                                      \
-  int vector_lanes();                                                  \
-  void process_work_item(const AttentionProblem&, int64_t, float*);    \
+// Keys per key/value block and the largest number of query rows per work item.
+// A work item is (batch, kv head, block of query positions); its rows are the
+// query positions of every query head of the GQA group, so each K/V block is
+// packed once per group and reused by all its rows.
+inline constexpr int kKeyBlock = 64;
+inline constexpr int kMaxRows = 128;
+// Largest head dim (D and Dv) the kernel's row buffers hold.
+inline constexpr int kMaxHeadDim = 256;
+
+struct KernelCall {
+  AttentionProblem problem;
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* mask;   // bool or problem.dtype, read through problem.mask_strides
+  const void* sinks;  // problem.dtype, read through problem.sinks_stride
+  void* out;          // row-contiguous [B, Hq, Tq, Dv]
+  float* lse;         // row-contiguous [B, Hq, Tq] natural-log log-sum-exp, or null
+  // Query positions per work item (csrc/cpu/dispatch.cpp, plan_work); rows per
+  // item = group size x query_block.
+  int query_block;
+
+  int query_blocks() const { return (problem.q_len + query_block - 1) / query_block; }
+  int64_t work_items() const {
+    return int64_t(problem.batch) * problem.kv_heads * query_blocks();
+  }
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Floats of per-thread scratch a work item needs (packed Q, scores, output
+// accumulator, packed K and V blocks, running max and sum), for vector width
+// `lanes`.
+inline int64_t scratch_floats(const KernelCall& call, int lanes) {
+  const AttentionProblem& p = call.problem;
+  int64_t rows = int64_t(p.group_size()) * call.query_block;
+  int64_t dvp = round_up(p.value_dim, lanes);
+  return rows * p.head_dim + rows * kKeyBlock + rows * dvp +
+      int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 2 * rows + 64;
+}
+
+#define MLX_ATTN_DECLARE_ISA(isa)                               \
+  namespace isa {                                               \
+  int vector_lanes();                                           \
+  void process_work_item(const KernelCall&, int64_t, float*);   \
   }
 MLX_ATTN_DECLARE_ISA(generic)
 #ifdef MLX_ATTN_X86_KERNELS
@@ -16,20 +59,5 @@ MLX_ATTN_DECLARE_ISA(avx2)
 MLX_ATTN_DECLARE_ISA(avx512)
 #endif
 #undef MLX_ATTN_DECLARE_ISA
-
-// Sets problem.query_block: as many query rows per work item as fit
-// kMaxRows, fewer when that would leave threads idle.
-void plan_work(AttentionProblem& problem);
-// Scratch floats run_attention needs (tile buffers for every pool thread).
-int64_t scratch_size(const AttentionProblem& problem);
-// Runs the whole problem on the calling thread plus the kernel's worker pool;
-// `scratch` holds scratch_size(problem) floats, 64-byte aligned.
-void run_attention(const AttentionProblem& problem, float* scratch);
-
-// The instruction set in use ("generic", "avx2", "avx512") and the ones this
-// CPU and build support; set_isa overrides the choice (tests use it).
-const char* current_isa();
-void set_isa(const char* name);  // throws std::invalid_argument if unsupported
-const char* const* supported_isas(int* count);
 
 }  // namespace mlx_attn::cpu

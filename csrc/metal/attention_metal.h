@@ -14,7 +14,7 @@ const std::string& binary_dir();
 // Runs the fused attention on a GPU stream.
 void eval_attention(
     mx::Stream stream,
-    const AttentionOptions& options,
+    const AttentionProblem& problem,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 

@@ -24,6 +24,9 @@ Usage (from tests/, where pytest runs)::
   buffers, more than 32 KiB of threadgroup memory.
   ``MetalCompileError``: clang's diagnostics (address-space mistakes, ...).
 * Threadgroup memory starts as 0xFF bytes (NaN), so uninitialised reads show.
+* ``function_constants={20: True, "blocks": 32}`` sets [[function_constant(n)]]
+  values for one dispatch; ``compile_library(..., counters=True)`` makes every
+  dispatch return modelled costs (``Counters``; also ``lib.last_counters``).
 
 How it works and what is not modelled: docs/msl_emulator.md.
 """
@@ -34,8 +37,9 @@ from pathlib import Path
 
 from .build import cache_dir, clang_available
 from .build import typecheck as _typecheck
+from .counters import Counters
 from .errors import DeadlockError, EmulatorError, MetalCompileError
-from .library import MetalLibrary, Param
+from .library import FunctionConstant, MetalLibrary, Param
 from .translate import translate
 
 __all__ = [
@@ -44,6 +48,8 @@ __all__ = [
     "compile_library",
     "MetalLibrary",
     "Param",
+    "FunctionConstant",
+    "Counters",
     "MetalCompileError",
     "DeadlockError",
     "EmulatorError",
@@ -58,14 +64,16 @@ def typecheck(source_path, include_dirs=(), defines=None) -> None:
     _typecheck(Path(source_path), tuple(include_dirs), defines)
 
 
-def compile_library(sources, include_dirs=(), fast_math: bool = False, defines=None) -> MetalLibrary:
+def compile_library(sources, include_dirs=(), fast_math: bool = False, defines=None,
+                    counters: bool = False) -> MetalLibrary:
     """Type-check, translate and build `sources` (one path or several) into a
     MetalLibrary; `fast_math=True` compiles with -ffast-math (Metal's default),
-    False precisely. Builds are cached by the content of the preprocessed
-    source, the flags and the emulator's headers."""
+    False precisely. `counters=True` builds a separately cached, slower
+    library whose dispatches return cost Counters. Builds are cached by the
+    content of the preprocessed source, the flags and the emulator's headers."""
     from .build import build
 
     if isinstance(sources, (str, Path)):
         sources = [sources]
-    libraries = [build(Path(s), tuple(include_dirs), defines, fast_math)[0] for s in sources]
+    libraries = [build(Path(s), tuple(include_dirs), defines, fast_math, counters)[0] for s in sources]
     return MetalLibrary(libraries, fast_math)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -11,11 +12,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import EmulatorError, MetalCompileError
+from . import counters
 from .translate import Translation, translate
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
 FAKE_METAL = INCLUDE / "fake_metal"  # empty <metal_stdlib> & co.
+COUNTING_FLAG = "-DMSL_COUNTERS"  # the shim's counters (counters.py)
 METAL_VERSION = 310  # __METAL_VERSION__ as Metal 3.1's compiler defines it
 
 CLANG = shutil.which("clang++-19") or shutil.which("clang-19")
@@ -65,9 +68,11 @@ def preprocess(source: Path, include_dirs=(), defines=None) -> str:
     return result.stdout
 
 
-def compile_flags(fast_math: bool) -> list[str]:
+def compile_flags(fast_math: bool, counters: bool = False) -> list[str]:
     flags = [
-        "-std=c++20", "-fPIC", "-O1", "-gline-tables-only", "-fvisibility=hidden",
+        "-std=c++20", "-fPIC", "-O1", "-fvisibility=hidden",
+        # Counting builds go through textual IR: no debug info to keep in step.
+        *(["-g0", COUNTING_FLAG] if counters else ["-gline-tables-only"]),
         # half/bfloat arithmetic rounds after every operation, as on the GPU
         # (clang would otherwise keep float intermediates).
         "-Xclang", "-ffloat16-excess-precision=none", "-Xclang", "-fbfloat16-excess-precision=none",
@@ -93,6 +98,8 @@ def _fingerprint(translation: Translation, flags: list[str]) -> str:
     digest = hashlib.sha256(translation.cpp.encode())
     digest.update(" ".join(flags).encode())
     digest.update(_runtime_fingerprint().encode())
+    if COUNTING_FLAG in flags:
+        digest.update((HERE / "counters.py").read_bytes())  # the IR instrumentation
     return digest.hexdigest()[:24]
 
 
@@ -123,20 +130,44 @@ def typecheck(source, include_dirs=(), defines=None) -> None:
     checked.touch()
 
 
-def build(source, include_dirs=(), defines=None, fast_math=False) -> tuple[Path, Translation]:
-    """Translate and compile `source` into a shared library (cached by content)."""
+def build(source, include_dirs=(), defines=None, fast_math=False, counters=False) -> tuple[Path, Translation]:
+    """Translate and compile `source` into a shared library (cached by
+    content). With `counters`, the library counts costs (counters.py) and a
+    `.counters.json` beside it holds each kernel's per-thread array bytes."""
     source = Path(source)
     translation = translate(preprocess(source, include_dirs, defines))
-    flags = compile_flags(fast_math)
+    flags = compile_flags(fast_math, counters)
     key = _fingerprint(translation, flags)
     library = cache_dir() / f"{source.stem}-{key}.so"
     if not library.exists():
         cpp = cache_dir() / f"{source.stem}-{key}.cpp"
         _write_atomically(cpp, translation.cpp)
         partial = library.with_name(f"{library.name}.{os.getpid()}.partial")
-        _clang([*flags, "-shared", str(cpp), "-o", str(partial)], source)
+        if counters:
+            _build_counting(cpp, translation, flags, partial, source, static_counters_path(library))
+        else:
+            _clang([*flags, "-shared", str(cpp), "-o", str(partial)], source)
         partial.replace(library)
     return library, translation
+
+
+def static_counters_path(library: Path) -> Path:
+    return library.with_suffix(".counters.json")
+
+
+def _build_counting(cpp: Path, translation: Translation, flags: list[str], output: Path, source: Path,
+                    static_output: Path) -> None:
+    ir = cpp.with_suffix(f".{os.getpid()}.ll")
+    _clang([*flags, "-S", "-emit-llvm", str(cpp), "-o", str(ir)], source)
+    text = ir.read_text()
+    arrays = {
+        kernel.host_name: counters.thread_array_bytes(text, f"_ZL{len(f'msl_body_{i}')}msl_body_{i}v")
+        for i, kernel in enumerate(translation.kernels)
+    }
+    ir.write_text(counters.instrument(text))
+    _clang(["-fPIC", "-O1", "-shared", "-x", "ir", str(ir), "-o", str(output)], source)
+    ir.unlink()
+    _write_atomically(static_output, json.dumps(arrays))
 
 
 def symbolize(library: Path, offset: int) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 import re
@@ -13,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from . import build
+from .counters import RUNTIME_FIELDS, Counters
 from .errors import DeadlockError, EmulatorError
-from .translate import BUFFER, THREADGROUP_MEMORY
+from .translate import BUFFER, NO_CONDITION, THREADGROUP_MEMORY
 
 MAX_THREADS_PER_THREADGROUP = 1024
 DEFAULT_TIMEOUT_S = float(os.environ.get("MSL_EMULATOR_TIMEOUT", 120))
@@ -32,6 +34,7 @@ class _ParamInfo(ctypes.Structure):
         ("is_pointer", ctypes.c_int),
         ("writable", ctypes.c_int),
         ("type", ctypes.c_char_p),
+        ("condition", ctypes.c_int),
     ]
 
 
@@ -44,6 +47,22 @@ class Param:
     is_pointer: bool
     writable: bool
     type: str  # as MSL spells it, e.g. "const device float*"
+    condition: int = NO_CONDITION  # id of the bool function constant the parameter exists under
+
+
+# Function constant types -> how their values are packed.
+_CONSTANT_DTYPES = {
+    "bool": np.bool_, "char": np.int8, "uchar": np.uint8, "short": np.int16, "ushort": np.uint16,
+    "int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
+    "half": np.float16, "float": np.float32,
+}
+
+
+@dataclass(frozen=True)
+class FunctionConstant:
+    id: int
+    name: str
+    type: str  # as MSL spells it, e.g. "bool"
 
 
 def _msl_type(pretty_function: str) -> str:
@@ -63,6 +82,9 @@ class _Library:
     def __init__(self, path: Path):
         self.path = path
         self.handle = ctypes.CDLL(str(path))
+        counted = build.static_counters_path(path)
+        self.thread_array_bytes: dict[str, int] | None = json.loads(counted.read_text()) if counted.exists() else None
+        self.handle.msl_last_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         self.handle.msl_kernel_count.restype = ctypes.c_int
         self.handle.msl_kernel_name.restype = ctypes.c_char_p
         self.handle.msl_kernel_name.argtypes = [ctypes.c_int]
@@ -85,9 +107,42 @@ class _Library:
             infos = (_ParamInfo * max(count, 1))()
             self.handle.msl_kernel_params(i, infos, count)
             self.params[name] = [
-                Param(p.kind, p.index, p.bytes, p.align, bool(p.is_pointer), bool(p.writable), _msl_type(p.type.decode()))
+                Param(p.kind, p.index, p.bytes, p.align, bool(p.is_pointer), bool(p.writable),
+                      _msl_type(p.type.decode()), p.condition)
                 for p in infos[:count]
             ]
+        self.handle.msl_function_constant_count.restype = ctypes.c_int
+        self.handle.msl_function_constant_info.argtypes = [
+            ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)]
+        self.handle.msl_set_function_constants.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.constants: list[FunctionConstant] = []
+        for i in range(self.handle.msl_function_constant_count()):
+            id_, name, type_ = ctypes.c_int(), ctypes.c_char_p(), ctypes.c_char_p()
+            self.handle.msl_function_constant_info(i, id_, name, type_)
+            self.constants.append(FunctionConstant(id_.value, name.value.decode(), _msl_type(type_.value.decode())))
+
+    def set_function_constants(self, kernel: str, values: dict) -> set[int]:
+        """Give the library's function constants `values` (by id or name; the
+        others become unset). Returns the ids of the true bool constants."""
+        by_key = {c.id: c for c in self.constants} | {c.name: c for c in self.constants}
+        unknown = sorted(str(k) for k in values if k not in by_key)
+        if unknown:
+            known = ", ".join(f"{c.name} ({c.id})" for c in self.constants) or "none"
+            raise EmulatorError(f"{kernel}: no function constant {', '.join(unknown)}; the source declares {known}")
+        packed: dict[int, np.ndarray] = {}
+        for key, value in values.items():
+            constant = by_key[key]
+            dtype = _CONSTANT_DTYPES.get(constant.type)
+            if dtype is None:
+                raise EmulatorError(f"{kernel}: function constant {constant.name} has type {constant.type}, "
+                                    "which the emulator cannot set")
+            packed[constant.id] = np.array([value], dtype=dtype)
+        pointers = (ctypes.c_void_p * max(len(self.constants), 1))()
+        for i, constant in enumerate(self.constants):
+            if constant.id in packed:
+                pointers[i] = packed[constant.id].ctypes.data
+        self.handle.msl_set_function_constants(pointers)
+        return {i for i, v in packed.items() if v.dtype == np.bool_ and bool(v[0])}
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:
@@ -127,6 +182,7 @@ class MetalLibrary:
 
     def __init__(self, libraries: list[Path], fast_math: bool):
         self.fast_math = fast_math
+        self.last_counters: Counters | None = None  # of the latest dispatch, in libraries built with counters
         self._kernels: dict[str, _Library] = {}
         for path in libraries:
             library = _Library(path)
@@ -148,17 +204,29 @@ class MetalLibrary:
             raise EmulatorError(f"no kernel named {name!r}; the library has {self.kernel_names}")
         return self._kernels[name]
 
+    def function_constants(self, name: str) -> list[FunctionConstant]:
+        """The function constants declared by the source of kernel `name`."""
+        return list(self._library(name).constants)
+
     def dispatch(self, name: str, grid, threadgroup, buffers: dict, threads=None, *,
-                 threadgroup_memory: dict | None = None, timeout: float | None = None) -> None:
+                 threadgroup_memory: dict | None = None, timeout: float | None = None,
+                 function_constants: dict | None = None) -> Counters | None:
         """Run kernel `name` on `grid` threadgroups of `threadgroup` threads
         (like dispatchThreadgroups). With `threads` (total threads per
         dimension, like dispatchThreads) the grid is derived from it and the
         threadgroups at the far edges are smaller. NumPy buffers are passed by
         pointer and written in place; bytes are read-only `constant` data.
         `threadgroup_memory` gives the byte lengths of [[threadgroup(n)]]
-        arguments. Raises DeadlockError for a deadlock or a kernel that runs
-        longer than `timeout` seconds, EmulatorError for anything else that
-        stops a kernel (missing buffers, out-of-bounds accesses, ...)."""
+        arguments. `function_constants` gives values of [[function_constant(n)]]
+        declarations by id or name (as a pipeline's MTLFunctionConstantValues);
+        a parameter attributed with a false one needs no buffer, and reading a
+        constant left unset is an error. In a library compiled with
+        `counters=True` the dispatch returns its Counters (also kept in
+        `last_counters`); otherwise None. Raises DeadlockError for a deadlock or
+        a kernel that runs longer than `timeout` seconds, EmulatorError for
+        anything else that stops a kernel (missing buffers, out-of-bounds
+        accesses, ...)."""
+        self.last_counters = None
         library = self._library(name)
         size = _dims(threadgroup, "threadgroup")
         if math.prod(size) > MAX_THREADS_PER_THREADGROUP:
@@ -175,9 +243,17 @@ class MetalLibrary:
 
         params = library.params[name]
         bound = {int(i): _Buffer(int(i), v) for i, v in buffers.items()}
+        with _DISPATCH_LOCK:
+            true_constants = library.set_function_constants(name, function_constants or {})
+            return self._dispatch(library, name, params, bound, groups, size, total, true_constants,
+                                  threadgroup_memory, timeout)
+
+    def _dispatch(self, library, name, params, bound, groups, size, total, true_constants,
+                  threadgroup_memory, timeout) -> Counters | None:
         count = max(bound, default=-1) + 1
         align = [16] * count
         writable = [0] * count
+        params = [p for p in params if p.condition == NO_CONDITION or p.condition in true_constants]
         for p in params:
             if p.kind == BUFFER:
                 self._check_buffer(name, p, bound)
@@ -200,15 +276,20 @@ class MetalLibrary:
         fault_pc = ctypes.c_uint64(0)
         workers = int(os.environ.get("MSL_EMULATOR_THREADS") or os.cpu_count() or 1)
         u32x3 = ctypes.c_uint32 * 3
-        with _DISPATCH_LOCK:
-            code = library.handle.msl_dispatch(
-                name.encode(), u32x3(*groups), u32x3(*size), u32x3(*total),
-                pointers, sizes, (ctypes.c_uint32 * max(count, 1))(*align), (ctypes.c_int * max(count, 1))(*writable),
-                count, (ctypes.c_uint32 * max(len(arg_lengths), 1))(*arg_lengths), len(arg_lengths),
-                workers, float(timeout or DEFAULT_TIMEOUT_S), error, len(error), ctypes.byref(fault_pc),
-            )
+        # The caller holds _DISPATCH_LOCK (fault handlers and function constants are process-wide).
+        code = library.handle.msl_dispatch(
+            name.encode(), u32x3(*groups), u32x3(*size), u32x3(*total),
+            pointers, sizes, (ctypes.c_uint32 * max(count, 1))(*align), (ctypes.c_int * max(count, 1))(*writable),
+            count, (ctypes.c_uint32 * max(len(arg_lengths), 1))(*arg_lengths), len(arg_lengths),
+            workers, float(timeout or DEFAULT_TIMEOUT_S), error, len(error), ctypes.byref(fault_pc),
+        )
         if code == 0:
-            return
+            if library.thread_array_bytes is None:
+                return None
+            values = (ctypes.c_uint64 * RUNTIME_FIELDS)()
+            library.handle.msl_last_counters(values)
+            self.last_counters = Counters(*values, library.thread_array_bytes[name])
+            return self.last_counters
         message = f"{name}: {error.value.decode(errors='replace')}"
         if code == 3:
             location = build.symbolize(library.path, fault_pc.value)

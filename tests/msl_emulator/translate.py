@@ -11,7 +11,18 @@ this module does the few rewrites that a header cannot:
 * statement-level ``threadgroup T name[N];`` (and scalar) declarations become
   references to storage shared by the threadgroup;
 * vector constructors ``float4(a, b, c, d)`` become ``msl_make<float4>(...)``;
-* half literals ``1.5h`` become ``half(1.5)``.
+* half literals ``1.5h`` become ``half(1.5)``;
+* array parameters in an address space, ``constant int s[3]``, become the
+  pointers they decay to (clang rejects the qualified array parameter);
+* member functions qualified with the address space of ``this``
+  (``T f() const threadgroup {...}``, which C++ lacks): the ``thread``
+  overload stays, unqualified; the other overloads are dropped, since the
+  emulator's objects all live in one address space;
+* function constants, ``constant T name [[function_constant(n)]];``, become
+  run-time values (``msl_rt::FunctionConstant<T>``) set by each dispatch, and
+  a parameter attributed ``[[buffer(n), function_constant(name)]]`` is bound
+  only when that constant is true (Metal compiles one pipeline per set of
+  values; the emulator compiles once and reads them when the kernel runs).
 
 Kernel parameters are bound by their attributes (``[[buffer(n)]]``,
 ``[[threadgroup(n)]]``, the builtins); their C++ types are never parsed here:
@@ -45,17 +56,23 @@ BUILTIN_KINDS = {
 VECTOR_ELEMENTS = "float|half|bfloat|int|uint|short|ushort|char|uchar|long|ulong|bool"
 
 
+NO_CONDITION = -1  # a parameter bound whatever the function constants say
+
+
 @dataclass
 class Kernel:
     host_name: str
     function: str            # the C++ function (template-id for templates)
-    params: list[tuple[int, int]] = field(default_factory=list)  # (kind, index)
+    # (kind, index, id of the function constant that must be true for the
+    # parameter to exist, or NO_CONDITION)
+    params: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
 class Translation:
     cpp: str
     kernels: list[Kernel]
+    function_constants: dict[str, int] = field(default_factory=dict)  # name -> id
 
 
 class _Locator:
@@ -115,27 +132,62 @@ def _attribute_index(argument: str, where: str) -> int:
     return int(eval(argument.replace("/", "//"), {"__builtins__": {}}))  # digits and + - * / ( ) only
 
 
-_ATTRIBUTE = re.compile(r"\[\[\s*(\w+)\s*(?:\(([^()]*(?:\([^()]*\)[^()]*)*)\))?\s*\]\]")
+_ATTRIBUTE_LIST = re.compile(r"\[\[(.*?)\]\]", re.S)
+_ATTRIBUTE = re.compile(r"^\s*(\w+)\s*(?:\((.*)\))?\s*$", re.S)
 
 
-def _parameter_specs(params: str, kernel: str, where: str) -> list[tuple[int, int]]:
+def _parameter_specs(params: str, kernel: str, where: str, constants: dict[str, int]) -> list[tuple[int, int, int]]:
     specs = []
     for param in _split_top_level(params):
         if param.strip() in ("", "void"):
             continue
-        match = _ATTRIBUTE.search(param)
-        if not match:
+        listed = _ATTRIBUTE_LIST.search(param)
+        if not listed:
             raise MetalCompileError(f"{where}: kernel {kernel}: parameter {param.strip()!r} has no [[...]] attribute")
-        name, argument = match.group(1), match.group(2)
-        if name == "buffer":
-            specs.append((BUFFER, _attribute_index(argument, where)))
-        elif name == "threadgroup":
-            specs.append((THREADGROUP_MEMORY, _attribute_index(argument, where)))
-        elif name in BUILTIN_KINDS:
-            specs.append((BUILTIN_KINDS[name], 0))
-        else:
-            raise MetalCompileError(f"{where}: kernel {kernel}: attribute [[{name}]] is not supported by the emulator")
+        binding, condition = None, NO_CONDITION
+        for attribute in _split_top_level(listed.group(1)):
+            match = _ATTRIBUTE.match(attribute)
+            if not match:
+                raise MetalCompileError(f"{where}: kernel {kernel}: cannot read attribute [[{attribute.strip()}]]")
+            name, argument = match.group(1), match.group(2)
+            if name == "function_constant":
+                if argument.strip() not in constants:
+                    raise MetalCompileError(f"{where}: kernel {kernel}: [[function_constant({argument.strip()})]] "
+                                            "names no declared function constant")
+                condition = constants[argument.strip()]
+            elif name == "buffer":
+                binding = (BUFFER, _attribute_index(argument, where))
+            elif name == "threadgroup":
+                binding = (THREADGROUP_MEMORY, _attribute_index(argument, where))
+            elif name in BUILTIN_KINDS:
+                binding = (BUILTIN_KINDS[name], 0)
+            else:
+                raise MetalCompileError(f"{where}: kernel {kernel}: attribute [[{name}]] is not supported by the emulator")
+        if binding is None:
+            raise MetalCompileError(f"{where}: kernel {kernel}: parameter {param.strip()!r} has no binding attribute")
+        specs.append((*binding, condition))
     return specs
+
+
+_FUNCTION_CONSTANT = re.compile(
+    r"\bconstant\s+(?P<type>[\w:]+)\s+(?P<name>\w+)\s*\[\[\s*function_constant\s*\((?P<id>[^()]*)\)\s*\]\]\s*;"
+)
+
+
+def _function_constants(text: str, locate) -> tuple[str, dict[str, int]]:
+    """Replace function constant declarations by run-time values."""
+    constants: dict[str, int] = {}
+
+    def declare(match: re.Match) -> str:
+        name, type_ = match.group("name"), match.group("type")
+        where = locate(match.start())
+        if name in constants:
+            raise MetalCompileError(f"{where}: function constant {name} declared twice")
+        constants[name] = _attribute_index(match.group("id"), where)
+        newlines = "\n" * match.group(0).count("\n")  # keep later lines where they were
+        return f'static msl_rt::FunctionConstant<{type_}> {name}{{{constants[name]}, "{name}"}};{newlines}'
+
+    return _FUNCTION_CONSTANT.sub(declare, text), constants
 
 
 _KERNEL_ATTRIBUTE = r"(?:\[\[\s*kernel\b[^\]]*\]\]|\bkernel\b)"
@@ -168,19 +220,86 @@ def _instantiated_function(declaration: str, host: str) -> str:
     raise MetalCompileError(f"cannot read the instantiation of {host!r}: {declaration[:120]}")
 
 
+_QUALIFIED_MEMBER = re.compile(
+    r"\)(\s*(?:const\s+)?)(thread|threadgroup|device|constant)\s*(?=[:{;])"
+)
+_ACCESS_LABEL = re.compile(r"^\s*(?:public|private|protected)\s*:")
+
+
+def _declaration_start(text: str, index: int) -> int:
+    """Start of the member declaration that contains `index`."""
+    depth = 0
+    for i in range(index, -1, -1):
+        ch = text[i]
+        if ch == ")":
+            depth += 1
+        elif ch == "(":
+            depth -= 1
+        elif depth == 0 and ch in ";{}":
+            start = i + 1
+            label = _ACCESS_LABEL.match(text, start)
+            return label.end() if label else start
+    return 0
+
+
+def _declaration_end(text: str, index: int) -> int:
+    """End (exclusive) of the declaration whose qualifier ends at `index`."""
+    depth = 0
+    for i in range(index, len(text)):
+        ch = text[i]
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif depth == 0 and ch == ";":
+            return i + 1
+        elif depth == 0 and ch == "{":
+            return _matching(text, i, "{", "}") + 1
+    return len(text)
+
+
+def _address_space_members(text: str) -> str:
+    pieces, last = [], 0
+    for match in _QUALIFIED_MEMBER.finditer(text):
+        if match.start() < last:
+            continue  # inside a declaration already dropped
+        if match.group(2) == "thread":
+            pieces += [text[last:match.start()], ")", match.group(1)]
+            last = match.end()
+        else:
+            start = _declaration_start(text, match.start())
+            if start < last:
+                continue
+            end = _declaration_end(text, match.end())
+            pieces += [text[last:start], "\n" * text.count("\n", start, end)]  # keep line numbers
+            last = end
+    return "".join(pieces) + text[last:]
+
+
+_ARRAY_PARAMETER = re.compile(
+    r"\b(constant|device|threadgroup)\s+((?:const\s+)?[\w:]+)\s+(\w+)\s*\[[^\]]*\]\s*(?=[,)])"
+)
+
+
 def translate(text: str) -> Translation:
     """Translate one preprocessed `.metal` translation unit."""
+    text = _address_space_members(text)
+    text = _ARRAY_PARAMETER.sub(r"\1 \2* \3", text)
+    text, constants = _function_constants(text, _Locator(text))
     locate = _Locator(text)
 
     # 1. Kernel definitions: remember their parameter bindings, drop [[kernel]].
-    definitions: dict[str, list[tuple[int, int]]] = {}
+    definitions: dict[str, list[tuple[int, int, int]]] = {}
+    templates: set[str] = set()  # template kernels: launchers only for their instantiations
     for match in _KERNEL_DEFINITION.finditer(text):
         name = match.group(2)
         open_paren = match.end() - 1
         close = _matching(text, open_paren, "(", ")")
         if not re.match(r"\s*[{]", text[close + 1:]):
             continue  # a declaration, or an instantiation in the full-signature form
-        definitions[name] = _parameter_specs(text[open_paren + 1:close], name, locate(match.start()))
+        definitions[name] = _parameter_specs(text[open_paren + 1:close], name, locate(match.start()), constants)
+        if re.search(r">\s*$", text[:match.start()]):
+            templates.add(name)  # `template <...> [[kernel]] void name(`
 
     # 2. Instantiations with host names.
     instantiations: list[tuple[str, str]] = []
@@ -234,7 +353,7 @@ def translate(text: str) -> Translation:
         templated.add(base)
         kernels.append(Kernel(host, function, definitions[base]))
     for name, params in definitions.items():
-        if name not in templated:
+        if name not in templated and name not in templates:
             kernels.append(Kernel(name, name, params))
     hosts = [k.host_name for k in kernels]
     duplicates = sorted({h for h in hosts if hosts.count(h) > 1})
@@ -243,7 +362,8 @@ def translate(text: str) -> Translation:
 
     generated = ['\n# 1 "<msl_emulator launchers>"']
     for i, kernel in enumerate(kernels):
-        specs = ", ".join(f"{{{kind}, {index}}}" for kind, index in kernel.params) or "{0, -1}"
+        specs = ", ".join(f"{{{kind}, {index}, {condition}}}" for kind, index, condition in kernel.params)
+        specs = specs or f"{{0, -1, {NO_CONDITION}}}"
         generated.append(
             f"static const msl_rt::Param msl_params_{i}[] = {{{specs}}};\n"
             f"static_assert(msl_rt::arity(&{kernel.function}) == {len(kernel.params)}, "
@@ -255,4 +375,4 @@ def translate(text: str) -> Translation:
     table = ",\n".join(f'  {{"{k.host_name}", msl_body_{i}, msl_describe_{i}}}' for i, k in enumerate(kernels))
     generated.append(f"static const msl_rt::Entry msl_entries[] = {{\n{table or '  {nullptr, nullptr, nullptr}'}\n}};")
     generated.append(f"MSL_EMULATOR_EXPORTS({len(kernels)})\n")
-    return Translation(text + "\n".join(generated), kernels)
+    return Translation(text + "\n".join(generated), kernels, constants)

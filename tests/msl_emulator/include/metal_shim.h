@@ -9,6 +9,7 @@
 #include "msl_math.h"
 #include "msl_simd.h"
 #include "msl_simdgroup_matrix.h"
+#include "msl_builtins.h"
 
 #ifndef __METAL_VERSION__
 #define __METAL_VERSION__ 310

@@ -44,6 +44,7 @@ enum ParamKind : int {
 struct Param {
   int kind;
   int index;
+  int condition;  // id of the bool function constant that must be true for the parameter to exist, or -1
 };
 
 // What the Python side needs to check a dispatch before running it.
@@ -55,6 +56,7 @@ struct ParamInfo {
   int is_pointer;
   int writable;       // the kernel may write through it (not const, not constant)
   const char* type;   // the C++ type, as clang prints it
+  int condition;      // Param::condition
 };
 
 struct Entry {
@@ -96,8 +98,71 @@ inline void builtin_value(int kind, uint32_t out[3]) {
   }
 }
 
+template <typename T>
+inline const char* type_name() {
+  return __PRETTY_FUNCTION__;  // "... [T = <type>]"; the Python side extracts <type>
+}
+
+// ------------------------------------------------------------------ function constants
+// `constant T name [[function_constant(n)]];` becomes a FunctionConstant<T>.
+// Metal fixes the values when it builds a pipeline; here one build serves
+// every set of values: each dispatch sets them (msl_set_function_constants)
+// before the kernel runs, and reading one it did not set is an error.
+struct FunctionConstantSlot {
+  int id;
+  const char* name;
+  const char* type;  // as type_name prints it
+  uint32_t bytes;
+  void* value;
+  bool* set;
+};
+inline std::vector<FunctionConstantSlot>& function_constant_slots() {
+  static std::vector<FunctionConstantSlot> slots;
+  return slots;
+}
+
+template <typename T>
+struct FunctionConstant {
+  int id;
+  const char* name;
+  bool set = false;
+  T value{};
+
+  FunctionConstant(int id_, const char* name_) : id(id_), name(name_) {
+    function_constant_slots().push_back({id, name, type_name<T>(), uint32_t(sizeof(T)), &value, &set});
+  }
+  FunctionConstant(const FunctionConstant&) = delete;
+  operator T() const {
+    if (!set)
+      fail(std::string("function constant ") + name + " [[function_constant(" + std::to_string(id) +
+           ")]] is read but the dispatch did not set it (function_constants={...})");
+    return value;
+  }
+};
+
+inline bool function_constant_true(int id) {
+  for (const FunctionConstantSlot& slot : function_constant_slots())
+    if (slot.id == id) return *slot.set && *static_cast<const bool*>(slot.value);
+  return false;
+}
+
+// Where a reference parameter that is absent from the pipeline points: a
+// read-only page of zeros. References are dereferenceable, so the compiler
+// may load through one before the kernel's `if (has_mask)`; writes fault.
+__attribute__((noinline)) inline void* absent_parameter() {
+  static void* page = mmap(nullptr, size_t(sysconf(_SC_PAGESIZE)), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return page;
+}
+
 template <typename P>
 inline P bind(const Param& p) {
+  if (p.condition >= 0 && !function_constant_true(p.condition)) {
+    // Absent in this pipeline (Metal: [[function_constant(c)]] with c false):
+    // pointers are null, references read zeros.
+    if constexpr (std::is_pointer_v<P>) return nullptr;
+    else if constexpr (std::is_reference_v<P>) return *(std::remove_reference_t<P>*)absent_parameter();
+    else return P{};
+  }
   if constexpr (std::is_pointer_v<P>) {
     if (p.kind == kThreadgroupMemory) return (P)threadgroup_argument(p.index);
     return (P)buffer(p.index);  // C-style cast: into the parameter's address space
@@ -117,14 +182,9 @@ inline P bind(const Param& p) {
   }
 }
 
-template <typename T>
-inline const char* type_name() {
-  return __PRETTY_FUNCTION__;  // "... [T = <type>]"; the Python side extracts <type>
-}
-
 template <typename P>
 inline ParamInfo describe_param(const Param& p) {
-  ParamInfo info{p.kind, p.index, 0, 0, 0, 0, type_name<P>()};
+  ParamInfo info{p.kind, p.index, 0, 0, 0, 0, type_name<P>(), p.condition};
   if constexpr (std::is_pointer_v<P> || std::is_reference_v<P>) {
     using Pointee = std::remove_pointer_t<std::remove_reference_t<P>>;
     if constexpr (!std::is_void_v<std::remove_cv_t<Pointee>>) {
@@ -379,6 +439,15 @@ struct Launch {
   std::atomic<bool> stop{false};
   std::mutex mutex;
   Failure failure;
+  Counters counters;  // summed over the workers
+
+  void add_counters(const Counters& c) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (int i = 0; i < Counters::kFields; ++i) {
+      uint64_t& total = counters.fields()[i];
+      total = &total == &counters.threadgroup_memory_bytes ? std::max(total, c.fields()[i]) : total + c.fields()[i];
+    }
+  }
 
   void report(Failure f) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -434,6 +503,8 @@ inline std::string describe_fault(const Worker& w, const Group& g, const StackPo
 inline void run_worker(Launch& launch) {
   Worker worker;
   current_worker = &worker;
+  Counters counters;
+  current_counters = &counters;
   AltStack alt_stack;
   Group group;
   group.geometry = launch.geometry;
@@ -456,6 +527,7 @@ inline void run_worker(Launch& launch) {
       worker.armed = 0;
       std::size_t shared = 0;
       for (const auto& [id, array] : group.threadgroup_memory) shared += array.block.size();
+      counters.threadgroup_memory_bytes = std::max<uint64_t>(counters.threadgroup_memory_bytes, shared);
       if (!ok) {
         launch.report({1, index, group_name(geo) + ": " + group.error});
       } else if (shared > kThreadgroupMemoryLimit) {
@@ -484,7 +556,11 @@ inline void run_worker(Launch& launch) {
     }
   }
   current_worker = nullptr;
+  current_counters = nullptr;
+  launch.add_counters(counters);
 }
+
+inline Counters last_counters;  // of the latest dispatch of this library
 
 inline int dispatch(const Entry* entries, int count, const char* name, const uint32_t* threadgroups,
                     const uint32_t* threadgroup_size, const uint32_t* grid_threads, void* const* buffers,
@@ -542,6 +618,7 @@ inline int dispatch(const Entry* entries, int count, const char* name, const uin
     for (auto& t : threads) t.join();
   }
   staged.copy_back();
+  last_counters = launch.counters;
   if (launch.failure.code == 0) return 0;
   std::snprintf(error, error_capacity, "%s", launch.failure.message.c_str());
   // The faulting instruction as an offset into this library, for symbolizing.
@@ -555,6 +632,25 @@ inline int dispatch(const Entry* entries, int count, const char* name, const uin
 
 }  // namespace msl_rt
 
+#ifdef MSL_COUNTERS
+// Called before every load and store of device (1), constant (2) and
+// threadgroup (3) memory in kernel code; build.py inserts the calls.
+extern "C" __attribute__((used, noinline, visibility("hidden"))) void msl_count_access(int space, uint64_t bytes,
+                                                                                      int is_store) {
+  msl_rt::Counters* c = msl_rt::current_counters;
+  if (!c) return;
+  if (space == 1) (is_store ? c->device_bytes_written : c->device_bytes_read) += bytes;
+  else if (space == 2) c->constant_bytes_read += bytes;
+  else if (space == 3) (is_store ? c->threadgroup_bytes_written : c->threadgroup_bytes_read) += bytes;
+}
+#endif
+
+// Metal's is_function_constant_defined(name).
+template <typename T>
+inline bool is_function_constant_defined(const msl_rt::FunctionConstant<T>& constant_) {
+  return constant_.set;
+}
+
 #pragma pop_macro("device")
 #pragma pop_macro("constant")
 #pragma pop_macro("threadgroup")
@@ -566,6 +662,29 @@ inline int dispatch(const Entry* entries, int count, const char* name, const uin
   extern "C" __attribute__((visibility("default"))) const char* msl_kernel_name(int i) { return msl_entries[i].name; }                             \
   extern "C" __attribute__((visibility("default"))) int msl_kernel_params(int i, msl_rt::ParamInfo* out, int capacity) {                           \
     return msl_entries[i].describe(out, capacity);                                                          \
+  }                                                                                                         \
+  extern "C" __attribute__((visibility("default"))) int msl_function_constant_count() {                       \
+    return int(msl_rt::function_constant_slots().size());                                                   \
+  }                                                                                                         \
+  extern "C" __attribute__((visibility("default"))) void msl_function_constant_info(                          \
+      int i, int* id, const char** name, const char** type) {                                               \
+    const auto& slot = msl_rt::function_constant_slots()[i];                                                \
+    *id = slot.id;                                                                                          \
+    *name = slot.name;                                                                                      \
+    *type = slot.type;                                                                                      \
+  }                                                                                                         \
+  /* Unsets every constant, then sets constant i (slot order) to values[i] where given. */                  \
+  extern "C" __attribute__((visibility("default"))) void msl_set_function_constants(const void* const* values) { \
+    int i = 0;                                                                                              \
+    for (auto& slot : msl_rt::function_constant_slots()) {                                                  \
+      *slot.set = values[i] != nullptr;                                                                     \
+      if (values[i]) std::memcpy(slot.value, values[i], slot.bytes);                                        \
+      ++i;                                                                                                  \
+    }                                                                                                       \
+  }                                                                                                         \
+  extern "C" __attribute__((visibility("default"))) int msl_last_counters(uint64_t* out) {                   \
+    std::memcpy(out, msl_rt::last_counters.fields(), sizeof(uint64_t) * msl_rt::Counters::kFields);        \
+    return msl_rt::Counters::kFields;                                                                       \
   }                                                                                                         \
   extern "C" __attribute__((visibility("default"))) int msl_dispatch(const char* name, const uint32_t* threadgroups, const uint32_t* threadgroup_size, \
                               const uint32_t* grid_threads, void* const* buffers, const uint64_t* buffer_bytes, \

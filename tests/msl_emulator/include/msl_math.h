@@ -90,8 +90,8 @@ inline auto to_float(E x) {
     using E = detail::element_t<T>;                                                 \
     return detail::map(x, [](E e) { auto v = detail::to_float(e); return static_cast<E>(expr); }); \
   }
-MSL_FLOAT_UNARY(exp, std::exp(v))
-MSL_FLOAT_UNARY(exp2, std::exp2(v))
+MSL_FLOAT_UNARY(exp, (MSL_COUNT(exp_calls, 1), std::exp(v)))
+MSL_FLOAT_UNARY(exp2, (MSL_COUNT(exp_calls, 1), std::exp2(v)))
 MSL_FLOAT_UNARY(exp10, std::pow(decltype(v)(10), v))
 MSL_FLOAT_UNARY(log, std::log(v))
 MSL_FLOAT_UNARY(log2, std::log2(v))
@@ -293,11 +293,26 @@ inline T ctz(T x) {
 
 // metal::fast:: and metal::precise:: name the same functions here (the
 // emulator computes in float either way; -ffast-math models Metal's default).
+// Using-declarations, not a using-directive: a library that adds its own
+// overloads to metal::fast (MLX adds bfloat ones) would otherwise hide these
+// from qualified lookup, and fast::exp2(float) would round through bfloat.
+#define MSL_MATH_FUNCTIONS                                                                                  \
+  using ::metal::exp; using ::metal::exp2; using ::metal::exp10; using ::metal::log; using ::metal::log2;   \
+  using ::metal::log10; using ::metal::sqrt; using ::metal::rsqrt; using ::metal::sin; using ::metal::cos;  \
+  using ::metal::tan; using ::metal::asin; using ::metal::acos; using ::metal::atan; using ::metal::sinh;   \
+  using ::metal::cosh; using ::metal::tanh; using ::metal::erf; using ::metal::floor; using ::metal::ceil;  \
+  using ::metal::round; using ::metal::rint; using ::metal::trunc; using ::metal::fract;                    \
+  using ::metal::fabs; using ::metal::saturate; using ::metal::sign; using ::metal::pow;                    \
+  using ::metal::powr; using ::metal::fmin; using ::metal::fmax; using ::metal::fmod; using ::metal::atan2; \
+  using ::metal::copysign; using ::metal::step; using ::metal::divide; using ::metal::abs;                  \
+  using ::metal::max; using ::metal::min; using ::metal::max3; using ::metal::min3; using ::metal::clamp;   \
+  using ::metal::fma; using ::metal::mix; using ::metal::dot;
 namespace fast {
-using namespace ::metal;
+MSL_MATH_FUNCTIONS
 }  // namespace fast
 namespace precise {
-using namespace ::metal;
+MSL_MATH_FUNCTIONS
 }  // namespace precise
+#undef MSL_MATH_FUNCTIONS
 
 }  // namespace metal

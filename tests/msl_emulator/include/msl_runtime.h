@@ -73,6 +73,38 @@ struct Site {
   std::string where() const { return std::string(file) + ":" + std::to_string(line); }
 };
 
+// ------------------------------------------------------------------ cost counters
+// Modelled costs of a dispatch, summed over its threads (libraries built with
+// counters=True define MSL_COUNTERS; other builds count nothing and pay
+// nothing). Device, constant and threadgroup bytes are counted by calls the
+// build inserts before every load and store of those address spaces (see
+// build.py); the rest by the shim functions below. Keep the field order in
+// step with library.py's Counters.
+struct Counters {
+  uint64_t device_bytes_read = 0;
+  uint64_t device_bytes_written = 0;
+  uint64_t constant_bytes_read = 0;
+  uint64_t threadgroup_bytes_read = 0;
+  uint64_t threadgroup_bytes_written = 0;
+  uint64_t simdgroup_matrix_mmas = 0;   // 8x8x8 multiply-accumulates, per simdgroup
+  uint64_t simd_ops = 0;                // shuffles, broadcasts, reductions, scans, per simdgroup
+  uint64_t threadgroup_barriers = 0;    // released barriers, per threadgroup
+  uint64_t simdgroup_barriers = 0;      // per simdgroup
+  uint64_t exp_calls = 0;               // exp and exp2, per thread and vector element
+  uint64_t threadgroup_memory_bytes = 0;  // allocated by one threadgroup (the largest)
+
+  static constexpr int kFields = 11;
+  uint64_t* fields() { return &device_bytes_read; }
+  const uint64_t* fields() const { return &device_bytes_read; }
+};
+inline thread_local Counters* current_counters = nullptr;
+
+#ifdef MSL_COUNTERS
+#define MSL_COUNT(field, n) (msl_rt::current_counters->field += uint64_t(n))
+#else
+#define MSL_COUNT(field, n) ((void)0)
+#endif
+
 struct Fiber {
   jmp_buf resume;     // where the fiber continues once it has started
   ucontext_t start;   // its entry, used once
@@ -309,13 +341,14 @@ inline void barrier(const Site& site) {
 // at the same call site, then returns all lanes' values (valid until this
 // lane's next simd call).
 template <typename T>
-inline const T* simd_exchange(const T& value, const Site& site) {
+inline const T* simd_exchange(const T& value, const Site& site, bool is_simd_op = true) {
   static_assert(sizeof(T) <= kSlotBytes, "value too large for a simd function in the emulator");
   static_assert(std::is_trivially_copyable_v<T>);
   Group* g = current_group;
   int group = simd_group();
   uint32_t parity = g->simd_generation[group] & 1;
   char* slots = g->simd_slots[parity].data() + std::size_t(group) * kSimdWidth * kSlotBytes;
+  if (is_simd_op && simd_lane() == 0) MSL_COUNT(simd_ops, 1);
   std::memcpy(slots + simd_lane() * kSlotBytes, &value, sizeof(T));
   wait_at(Wait::simd, site);
   static thread_local T lanes[kSimdWidth];
@@ -399,6 +432,7 @@ inline bool settle_threadgroup(Group& g) {
     return false;
   }
   for (Fiber& f : g.fibers) f.wait = Wait::runnable;
+  MSL_COUNT(threadgroup_barriers, 1);
   return true;
 }
 

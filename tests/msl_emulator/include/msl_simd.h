@@ -22,7 +22,8 @@ inline void threadgroup_barrier(mem_flags, MSL_SITE("threadgroup_barrier")) {
   msl_rt::barrier(msl_site);
 }
 inline void simdgroup_barrier(mem_flags, MSL_SITE("simdgroup_barrier")) {
-  msl_rt::simd_exchange(char(0), msl_site);  // all lanes meet, nothing is exchanged
+  if (msl_rt::simd_lane() == 0) MSL_COUNT(simdgroup_barriers, 1);
+  msl_rt::simd_exchange(char(0), msl_site, false);  // all lanes meet, nothing is exchanged
 }
 
 namespace detail {

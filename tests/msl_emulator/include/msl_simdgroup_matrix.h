@@ -81,7 +81,7 @@ inline ulong matrix_offset(int row, int col, ulong stride, ulong2 origin, bool t
 // Every lane posts its own pair and receives everybody's: the replica.
 template <typename T>
 inline void share_pairs(simdgroup_matrix<T, 8, 8>& m, vec<T, 2> own, const msl_rt::Site& site) {
-  const vec<T, 2>* lanes = msl_rt::simd_exchange(own, site);
+  const vec<T, 2>* lanes = msl_rt::simd_exchange(own, site, false);
   for (int lane = 0; lane < msl_rt::kSimdWidth; ++lane) {
     m.elements[2 * lane] = lanes[lane][0];
     m.elements[2 * lane + 1] = lanes[lane][1];
@@ -149,6 +149,7 @@ inline void multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_m
   simdgroup_matrix<TA, 8, 8> a_copy;
   simdgroup_matrix<TB, 8, 8> b_copy;
   simdgroup_matrix<TC, 8, 8> c_copy;
+  if (msl_rt::simd_lane() == 0) MSL_COUNT(simdgroup_matrix_mmas, 1);
   const auto& a = synced(a_in, a_copy, site);
   const auto& b = synced(b_in, b_copy, site);
   const auto& c = synced(c_in, c_copy, site);

@@ -49,6 +49,24 @@ MSL_VECTORS(ulong)
 MSL_VECTORS(bool)
 #undef MSL_VECTORS
 
+// <metal_stdlib>'s inlining macro (MLX's kernels use it for every helper).
+#define METAL_FUNC inline __attribute__((always_inline))
+
+// <metal_math>'s float constants.
+#define M_E_F 2.71828182845904523536f
+#define M_LOG2E_F 1.44269504088896340736f
+#define M_LOG10E_F 0.434294481903251827651f
+#define M_LN2_F 0.693147180559945309417f
+#define M_LN10_F 2.30258509299404568402f
+#define M_PI_F 3.14159265358979323846f
+#define M_PI_2_F 1.57079632679489661923f
+#define M_PI_4_F 0.785398163397448309616f
+#define M_1_PI_F 0.318309886183790671538f
+#define M_2_PI_F 0.636619772367581343076f
+#define M_2_SQRTPI_F 1.12837916709551257390f
+#define M_SQRT2_F 1.41421356237309504880f
+#define M_SQRT1_2_F 0.707106781186547524401f
+
 #ifndef MAXFLOAT
 #define MAXFLOAT 3.402823466e+38f
 #endif
@@ -107,15 +125,62 @@ struct numeric_limits<bfloat> {
   static constexpr bool has_infinity = true;
   static constexpr bool has_quiet_NaN = true;
   static constexpr int digits = 8;
-  static bfloat from_bits(uint16_t bits) { return __builtin_bit_cast(bfloat, bits); }
-  static bfloat min() { return from_bits(0x0080); }
-  static bfloat max() { return from_bits(0x7f7f); }
-  static bfloat lowest() { return from_bits(0xff7f); }
-  static bfloat epsilon() { return from_bits(0x3c00); }
-  static bfloat infinity() { return from_bits(0x7f80); }
-  static bfloat quiet_NaN() { return from_bits(0x7fc0); }
-  static bfloat denorm_min() { return from_bits(0x0001); }
+  static constexpr bfloat from_bits(uint16_t bits) { return __builtin_bit_cast(bfloat, bits); }
+  static constexpr bfloat min() { return from_bits(0x0080); }
+  static constexpr bfloat max() { return from_bits(0x7f7f); }
+  static constexpr bfloat lowest() { return from_bits(0xff7f); }
+  static constexpr bfloat epsilon() { return from_bits(0x3c00); }
+  static constexpr bfloat infinity() { return from_bits(0x7f80); }
+  static constexpr bfloat quiet_NaN() { return from_bits(0x7fc0); }
+  static constexpr bfloat denorm_min() { return from_bits(0x0001); }
 };
+
+// <metal_type_traits>: the standard traits, under metal::.
+using std::bool_constant;
+using std::conditional;
+using std::conditional_t;
+using std::decay_t;
+using std::enable_if;
+using std::enable_if_t;
+using std::false_type;
+using std::integral_constant;
+using std::is_arithmetic_v;
+using std::is_convertible;
+using std::is_convertible_v;
+using std::is_floating_point_v;
+using std::is_integral;
+using std::is_integral_v;
+using std::is_pointer_v;
+using std::is_same;
+using std::is_same_v;
+using std::is_signed_v;
+using std::is_unsigned_v;
+using std::make_signed_t;
+using std::make_unsigned_t;
+using std::remove_const_t;
+using std::remove_cv_t;
+using std::remove_pointer_t;
+using std::remove_reference_t;
+using std::true_type;
+
+template <typename T>
+struct remove_addrspace {
+  using type = T;
+};
+template <typename T>
+struct remove_addrspace<__attribute__((address_space(1))) T> {
+  using type = T;
+};
+template <typename T>
+struct remove_addrspace<__attribute__((address_space(2))) T> {
+  using type = T;
+};
+template <typename T>
+struct remove_addrspace<__attribute__((address_space(3))) T> {
+  using type = T;
+};
+template <typename T>
+using remove_addrspace_t = typename remove_addrspace<T>::type;
 
 // Reinterprets the bits of `x` (sizes must match, as in Metal).
 template <typename To, typename From>
