@@ -20,7 +20,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from mlx_attn import ops
+from mlx_attn import _native, ops
 from mlx_attn._checks import check_int
 from mlx_attn.reference import reference_attention
 
@@ -120,41 +120,52 @@ def _stand_in(shape, dtype) -> mx.array:
     return mx.broadcast_to(mx.zeros((), dtype=dtype), shape)
 
 
-def _validate(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend):
-    """Everything checked; returns the checked triples and the output dtype."""
+def _prepare(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream):
+    """Everything checked. Returns q in the output dtype, the checked triples,
+    group size, bits, the scale as a float, the window size and float
+    stand-ins for K and V (shapes only)."""
     group_size, bits = check_quantization(group_size, bits)
     k_quant = _check_triple("k_quant", k_quant, group_size, bits)
     v_quant = _check_triple("v_quant", v_quant, group_size, bits)
-    if not isinstance(q, mx.array):
-        raise ValueError(f"q must be an mlx.core.array, got {type(q).__name__}")
     if k_quant[1].dtype != v_quant[1].dtype:
         raise ValueError(f"k_quant and v_quant scales need one dtype, got {k_quant[1].dtype} and {v_quant[1].dtype}")
     if k_quant[0].shape[:3] != v_quant[0].shape[:3]:
         raise ValueError(
             f"k_quant {k_quant[0].shape} and v_quant {v_quant[0].shape} disagree on [batch, heads, length]"
         )
-    k_shape = (*k_quant[0].shape[:3], quantized_head_dim(k_quant[0], bits))
-    v_shape = (*v_quant[0].shape[:3], quantized_head_dim(v_quant[0], bits))
     float_dtype = k_quant[1].dtype
-    dtype = ops._validate(q, _stand_in(k_shape, float_dtype), _stand_in(v_shape, float_dtype),
-                          scale, mask, sinks, window_size, backend)
-    return k_quant, v_quant, group_size, bits, dtype
+    k = _stand_in((*k_quant[0].shape[:3], quantized_head_dim(k_quant[0], bits)), float_dtype)
+    v = _stand_in((*v_quant[0].shape[:3], quantized_head_dim(v_quant[0], bits)), float_dtype)
+    q, k, v, scale, window_size = ops._prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    return q, k_quant, v_quant, group_size, bits, scale, window_size, k, v
 
 
-def _choose_path(backend, stream) -> QuantizedPath:
+def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) -> str | None:
+    """None when the fused CPU kernel handles quantized K/V standing for
+    float ``k`` and ``v`` (its support rule lives in C++), else why not."""
+    ext = _native.ext
+    if ext is None:
+        _native.warn_if_missing()
+        return _native.MISSING_REASON
+    if ops._device_type(stream) != mx.cpu:
+        return "no Metal kernel reads quantized K/V (the fused CPU kernel does)"
+    array_mask, sinks = ops._kernel_inputs(mask, sinks, q.dtype)
+    problem = ext.describe_attention(
+        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks,
+    )
+    return ext.unsupported_reason(problem, device=mx.cpu)
+
+
+def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream) -> QuantizedPath:
     if backend == "reference":
         return "reference"
-    reason = _fused_unsupported_reason(stream)
+    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream)
     if reason is None:
         return "fused-cpu"
     if backend == "fused":
         raise ValueError(f"backend='fused' is not possible here: {reason}")
     return "reference"
-
-
-def _fused_unsupported_reason(stream) -> str | None:
-    """None when a fused kernel handles quantized K/V here, else why not."""
-    return "no fused kernel over quantized K/V is built yet"
 
 
 def quantized_attention_path(
@@ -163,8 +174,10 @@ def quantized_attention_path(
 ) -> QuantizedPath:
     """Which implementation :func:`quantized_scaled_dot_product_attention`
     uses for these arguments: ``"fused-cpu"`` or ``"reference"``."""
-    _validate(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend)
-    return _choose_path(backend, stream)
+    q, _, _, _, _, scale, window_size, k, v = _prepare(
+        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
+    )
+    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
 
 
 def quantized_scaled_dot_product_attention(
@@ -193,6 +206,11 @@ def quantized_scaled_dot_product_attention(
             :func:`mlx_attn.scaled_dot_product_attention`.
         group_size, bits: the quantization of both triples (32/64/128; 4/8).
 
+    The fused CPU kernel dequantizes each key/value block inside its tile (no
+    dequantized copy of K/V exists); it computes the forward pass only (no
+    gradients through it). The reference path dequantizes, then runs the
+    reference SDPA.
+
     Returns:
         ``[B, Hq, Tq, Dv]`` in the dtype ``q`` and the scales promote to.
         Softmax and accumulation run in float32. Rows that see no key are zeros.
@@ -200,12 +218,23 @@ def quantized_scaled_dot_product_attention(
     Raises:
         ValueError: naming the offending argument, part of a triple, shape or dtype.
     """
-    k_quant, v_quant, group_size, bits, dtype = _validate(
-        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend
+    q, k_quant, v_quant, group_size, bits, scale, window_size, k, v = _prepare(
+        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
     )
-    _choose_path(backend, stream)  # only the reference path exists so far
-    q = q.astype(dtype) if q.dtype != dtype else q
-    with mx.stream(stream) if stream is not None else contextlib.nullcontext():
-        k = dequantize(k_quant, group_size, bits).astype(dtype)
-        v = dequantize(v_quant, group_size, bits).astype(dtype)
-    return reference_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream)
+    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    dtype = q.dtype
+    if path == "reference":
+        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+            k = dequantize(k_quant, group_size, bits).astype(dtype)
+            v = dequantize(v_quant, group_size, bits).astype(dtype)
+        return reference_attention(
+            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
+        )
+    # the kernel reads scales and biases in the output dtype
+    k_quant, v_quant = ([t[0], *(a.astype(dtype) if a.dtype != dtype else a for a in t[1:])]
+                        for t in (k_quant, v_quant))
+    array_mask, sinks = ops._kernel_inputs(mask, sinks, dtype)
+    return _native.ext.quantized_attention(
+        q, k_quant, v_quant, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks, bits=bits, group_size=group_size, stream=stream,
+    )
