@@ -10,7 +10,11 @@ A quantized tensor is the triple ``(packed, scales, biases)`` that
 :func:`quantized_scaled_dot_product_attention` has the contract of
 :func:`mlx_attn.scaled_dot_product_attention` (mask, sinks, window, GQA
 without repeating K/V, lower-right causal) with ``k`` and ``v`` given as such
-triples. Its reference path dequantizes and runs the reference SDPA.
+triples. On CPU streams it runs the fused CPU kernel, which dequantizes each
+key/value block inside its tile (``csrc/cpu/kernel_impl.h``,
+``load_quantized_row``); its reference path dequantizes and runs the
+reference SDPA. No Metal kernel reads quantized K/V yet: GPU streams take the
+reference path.
 """
 
 from __future__ import annotations
