@@ -218,6 +218,14 @@ void FusedAttention::eval_cpu(
   if (options_.has_sinks) call.sinks = inputs[next++].data<void>();
   call.out = outputs[0].data<void>();
   call.lse = options_.output_lse ? outputs[1].data<float>() : nullptr;
+  run_cpu_kernel(call, inputs, outputs, stream());
+}
+
+void run_cpu_kernel(
+    cpu::KernelCall call,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    mx::Stream stream) {
   cpu::plan_work(call);
 
   // Tile scratch comes from MLX's allocator so it shows in MLX's memory
@@ -225,7 +233,7 @@ void FusedAttention::eval_cpu(
   mx::array scratch({int(cpu::scratch_size(call))}, mx::float32, nullptr, {});
   scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
 
-  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto& encoder = mx::cpu::get_command_encoder(stream);
   for (const auto& in : inputs) encoder.set_input_array(in);
   for (auto& o : outputs) encoder.set_output_array(o);
   encoder.dispatch([call, buffer = scratch.data<float>()]() {

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "csrc/attention_problem.h"
+#include "csrc/cpu/kernels.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -56,6 +57,14 @@ std::vector<mx::array> fused_attention(
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
     mx::StreamOrDevice s = {});
+
+// Runs the fused CPU kernel for `call` (buffers set, outputs allocated) on
+// the stream's command encoder, with tile scratch from MLX's allocator.
+void run_cpu_kernel(
+    cpu::KernelCall call,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    mx::Stream stream);
 
 // Gradients on the CPU come from the fused backward (FusedAttentionBackward)
 // whenever the forward kept its lse; other gradients and forward-mode

@@ -11,6 +11,7 @@
 
 #include "csrc/attention.h"
 #include "csrc/cpu/host.h"
+#include "csrc/quantized_attention.h"
 #include "mlx/version.h"
 
 namespace nb = nanobind;
@@ -114,6 +115,29 @@ NB_MODULE(_ext, m) {
       "window_size"_a = 0, "mask"_a = nb::none(), "sinks"_a = nb::none(),
       "output_lse"_a = false, "stream"_a = nb::none(),
       "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input.");
+
+  m.def(
+      "quantized_attention",
+      [](const mx::array& q,
+         const std::vector<mx::array>& k_quant,
+         const std::vector<mx::array>& v_quant,
+         float scale,
+         bool causal,
+         int window_size,
+         std::optional<mx::array> mask,
+         std::optional<mx::array> sinks,
+         int bits,
+         int group_size,
+         mx::StreamOrDevice s) {
+        mlx_attn::AttentionOptions options;
+        options.scale = scale;
+        options.causal = causal;
+        options.window_size = window_size;
+        return mlx_attn::quantized_attention(q, k_quant, v_quant, mask, sinks, options, {bits, group_size}, s)[0];
+      },
+      "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a, "causal"_a = false, "window_size"_a = 0,
+      "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "stream"_a = nb::none(),
+      "Fused attention over mx.quantize triples (CPU). Raises ValueError on any invalid input.");
 
   m.def(
       "set_differentiation_rule",

@@ -1,8 +1,10 @@
-"""KV-cache memory: MHA vs GQA vs MQA.
+"""KV-cache memory: MHA vs GQA vs MQA, and quantized caches.
 
 Prints bytes per token and at several context lengths for a few model shapes
 (every layout of one model keeps the number of query heads and the head dim,
-only the key/value heads change), and saves a plot.
+only the key/value heads change), then what a ``QuantizedKVCache`` (8 and 4
+bits, ``--kv-group-size`` features per scale and bias) costs for the actual
+layout, and saves a plot.
 
     python examples/kv_cache_memory.py [--out plots/kv_cache_memory.png]
 """
@@ -22,6 +24,7 @@ MODELS = [
 ]
 CONTEXTS = [2048, 8192, 32768, 131072]
 DTYPES = {"float16": mx.float16, "float32": mx.float32}
+KV_BITS = (8, 4)  # the QuantizedKVCache widths compared with the float cache
 
 
 def human(n: float) -> str:
@@ -43,7 +46,30 @@ def table(dtype_name: str) -> list[str]:
     return lines
 
 
-def plot(path: Path, dtype_name: str):
+def actual_layout(layouts) -> int:
+    """The kv heads of the layout the model really uses."""
+    return next(kv_heads for layout, kv_heads in layouts if "actual" in layout)
+
+
+def quantized_table(dtype_name: str, group_size: int) -> list[str]:
+    """Bytes of the actual layout with float and quantized caches (the
+    quantized scales and biases are in ``dtype_name``)."""
+    dtype = DTYPES[dtype_name]
+    head = ["model", "cache", "per token", "vs float"] + [f"{c // 1024}K ctx" for c in CONTEXTS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, layers, _, head_dim, layouts in MODELS:
+        kv_heads = actual_layout(layouts)
+        float_bytes = kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype)
+        for bits in (None, *KV_BITS):
+            per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype, bits=bits, group_size=group_size)
+            label = dtype_name if bits is None else f"{bits}-bit, group {group_size}"
+            cells = [name, label, human(per_token), f"{per_token / float_bytes:.3f}x"]
+            cells += [human(per_token * c) for c in CONTEXTS]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(path: Path, dtype_name: str, group_size: int):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,6 +82,11 @@ def plot(path: Path, dtype_name: str):
         for (layout, kv_heads), style in zip(layouts, ["o-", "s-", "^-"]):
             gib = [kv_cache_bytes(layers, kv_heads, head_dim, c, dtype) / 2**30 for c in contexts]
             ax.plot(contexts, gib, style, label=f"{layout}: {kv_heads} KV heads")
+        kv_heads = actual_layout(layouts)
+        for bits, style in zip(KV_BITS, ["s--", "s:"]):
+            gib = [kv_cache_bytes(layers, kv_heads, head_dim, c, dtype, bits=bits, group_size=group_size) / 2**30
+                   for c in contexts]
+            ax.plot(contexts, gib, style, label=f"GQA, {bits}-bit quantized")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{name} ({layers} layers, head dim {head_dim})")
@@ -72,11 +103,16 @@ def plot(path: Path, dtype_name: str):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=list(DTYPES), default="float16")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="features per scale and bias of the quantized caches")
     p.add_argument("--out", type=Path, default=Path("plots/kv_cache_memory.png"))
     args = p.parse_args(argv)
     print(f"KV-cache size ({args.dtype}, batch 1): 2 x layers x kv_heads x head_dim x bytes per token\n")
     print("\n".join(table(args.dtype)))
-    plot(args.out, args.dtype)
+    print(f"\nQuantized KV cache (actual layout): bits/8 bytes per feature + a {args.dtype} scale and bias "
+          f"per {args.kv_group_size} features\n")
+    print("\n".join(quantized_table(args.dtype, args.kv_group_size)))
+    plot(args.out, args.dtype, args.kv_group_size)
     print(f"\nsaved {args.out}")
 
 

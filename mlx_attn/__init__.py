@@ -7,8 +7,9 @@ pure-MLX reference path, a fused tiled CPU kernel and fused Metal kernels.
 
 from mlx_attn.attention import MultiHeadAttention
 from mlx_attn import distributed  # ring attention: mlx_attn.distributed.ring_attention
-from mlx_attn.cache import ConcatKVCache, KVCache, RotatingKVCache
+from mlx_attn.cache import ConcatKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_attn.ops import attention_path, scaled_dot_product_attention
+from mlx_attn.quantized import quantized_attention_path, quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
 
@@ -23,4 +24,7 @@ __all__ = [
     "ConcatKVCache",
     "KVCache",
     "RotatingKVCache",
+    "QuantizedKVCache",
+    "quantized_scaled_dot_product_attention",
+    "quantized_attention_path",
 ]

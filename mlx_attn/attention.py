@@ -22,6 +22,7 @@ from mlx_attn._checks import (
     check_real,
 )
 from mlx_attn.ops import Backend, attention_path, scaled_dot_product_attention
+from mlx_attn.quantized import dequantize, quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
 
@@ -196,10 +197,21 @@ class MultiHeadAttention(nn.Module):
             if isinstance(mask, str) and mask == "causal":
                 # a rotating cache needs its band mask, others plain causal
                 mask = cache.make_mask(q.shape[2]) if q.shape[2] > 1 else None
-        if not checked:
+        # a quantized cache returns mx.quantize triples (checked by quantized SDPA)
+        quantization = dict(group_size=cache.group_size, bits=cache.bits) if isinstance(k, tuple) else None
+        if quantization is not None and needs_weights:
+            k, v = (dequantize(x, **quantization) for x in (k, v))
+            quantization = None
+        if not checked and quantization is None:
             self._check_attention(q, k, v, mask, backend)
 
-        if needs_weights:
+        if quantization is not None:
+            out = quantized_scaled_dot_product_attention(
+                q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=self.backend,
+                **quantization,
+            )
+            weights = None
+        elif needs_weights:
             out, weights = reference_attention(
                 q, k, v, scale=self.scale, mask=mask, window_size=self.window_size,
                 return_weights=True, dropout_p=dropout,

@@ -18,6 +18,10 @@ an int >= 0 and returns how many tokens it dropped.
   views the fused kernel reads through their strides without a copy.
 - :class:`RotatingKVCache`: a ring buffer of ``max_size`` slots that always
   keeps the first ``keep`` tokens (sliding-window attention).
+- :class:`QuantizedKVCache`: like :class:`KVCache`, storing keys and values
+  as ``mx.quantize`` triples (4 or 8 bits); ``update_and_fetch`` returns the
+  triples, for :func:`mlx_attn.quantized_scaled_dot_product_attention`.
+  ``KVCache.to_quantized`` / ``ConcatKVCache.to_quantized`` convert.
 
 :func:`save_cache` / :func:`load_cache` store caches in a safetensors file
 (prompt caching); :func:`kv_cache_bytes` computes what a cache costs.
@@ -31,12 +35,14 @@ import os
 
 import mlx.core as mx
 
+from mlx_attn import quantized
 from mlx_attn._checks import MAX_DIM, check_array, check_int
 
 __all__ = [
     "ConcatKVCache",
     "KVCache",
     "RotatingKVCache",
+    "QuantizedKVCache",
     "save_cache",
     "load_cache",
     "kv_cache_bytes",
@@ -167,6 +173,34 @@ class _Cache:
         if offset != self._stored_length():
             raise ValueError(f"meta_state offset {offset} contradicts the {self._stored_length()} stored tokens")
         self.offset = offset
+
+    # the tensors of :attr:`state`, flat, as a cache file names them
+    STATE_TENSORS: tuple[str, ...] = ("keys", "values")
+
+    def _state_tensors(self) -> tuple[mx.array, ...] | None:
+        keys, values = self.state
+        return None if keys is None else (keys, values)
+
+    def _set_state_tensors(self, tensors: tuple[mx.array, ...]) -> None:
+        self.state = tuple(tensors)
+
+    def layout(self) -> dict | None:
+        """What the stored keys and values look like (batch, n_kv_heads,
+        head_dim, value_dim, dtype), or None when empty."""
+        keys, values = self.state
+        if keys is None:
+            return None
+        return {"batch": keys.shape[0], "n_kv_heads": keys.shape[1], "head_dim": keys.shape[3],
+                "value_dim": values.shape[3], "dtype": keys.dtype}
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedKVCache":
+        """A :class:`QuantizedKVCache` holding this cache's tokens (this cache
+        is left as it was)."""
+        cache = QuantizedKVCache(group_size, bits)
+        keys, values = self.state
+        if keys is not None and keys.shape[2] > 0:
+            cache.update_and_fetch(keys, values)
+        return cache
 
 
 class ConcatKVCache(_Cache):
@@ -434,6 +468,10 @@ class RotatingKVCache(_Cache):
     def is_trimmable(self) -> bool:
         return self.offset < self.max_size
 
+    def to_quantized(self, group_size: int = 64, bits: int = 8):
+        """Refused: a quantized cache keeps every token, not a window."""
+        raise ValueError("a RotatingKVCache cannot be converted to a QuantizedKVCache (it keeps a sliding window)")
+
     def trim(self, n: int) -> int:
         """Only possible before the window has started to slide; returns how
         many tokens were dropped (0 once it has)."""
@@ -446,8 +484,145 @@ class RotatingKVCache(_Cache):
         return n
 
 
+class QuantizedKVCache(_Cache):
+    """Like :class:`KVCache` (preallocated in ``step``-token chunks, slices
+    returned without a copy), with keys and values stored quantized by
+    ``mx.quantize`` (``bits`` 4 or 8, ``group_size`` 32/64/128 features per
+    scale and bias). ``update_and_fetch`` takes float keys and values and
+    returns ``(packed, scales, biases)`` triples; :attr:`state` is a pair of
+    triples; ``meta_state`` adds ``group_size`` and ``bits``. Head and value
+    dims must be multiples of ``group_size``; scales keep the update dtype.
+    """
+
+    META_FIELDS = ("offset", "step", "group_size", "bits")
+    STATE_TENSORS = tuple(f"{which}.{part}" for which in ("keys", "values") for part in ("packed", "scales", "biases"))
+
+    def __init__(self, group_size: int = 64, bits: int = 8, step: int = 256):
+        self.group_size, self.bits = quantized.check_quantization(group_size, bits)
+        self.step = check_int("step", step, minimum=1, maximum=MAX_STEP)
+        self.keys = None  # (packed, scales, biases) buffers of capacity >= offset
+        self.values = None
+        self.offset = 0
+
+    def _check_update(self, keys, values) -> None:
+        _check_pair(keys, values, "new")
+        for name, dim in (("head_dim", keys.shape[3]), ("value_dim", values.shape[3])):
+            quantized.check_quantizable_dim(f"new keys/values {name}", dim, self.group_size)
+        if keys.shape[2] == 0:
+            raise ValueError(f"an update must add at least one token, got keys of shape {keys.shape}")
+        check_int("the cache length after this update", self.offset + keys.shape[2])
+        held = self.layout()
+        if held is None:
+            return
+        new = {"batch": keys.shape[0], "n_kv_heads": keys.shape[1], "head_dim": keys.shape[3],
+               "value_dim": values.shape[3], "dtype": keys.dtype}
+        for name, value in new.items():
+            if value != held[name]:
+                raise ValueError(f"new keys {keys.shape} / values {values.shape} ({keys.dtype}) do not match "
+                                 f"the cached ones: {name} {value} != {held[name]}")
+
+    def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return quantized.quantize(x, self.group_size, self.bits)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_update(keys, values)
+        new_k, new_v = self._quantize(keys), self._quantize(values)
+        start = self.offset
+        if self.keys is None or start + keys.shape[2] > self.keys[0].shape[2]:
+            needed = start + keys.shape[2]
+            extra = min((needed + self.step - 1) // self.step * self.step, MAX_DIM) - start
+            used_k, used_v = self.state
+            self.keys = tuple(_extend(old, part, extra) for old, part in zip(used_k or (None,) * 3, new_k))
+            self.values = tuple(_extend(old, part, extra) for old, part in zip(used_v or (None,) * 3, new_v))
+        self.offset = start + keys.shape[2]
+        for buffer, new in zip(self.keys + self.values, new_k + new_v):
+            buffer[..., start : self.offset, :] = new
+        return self.state
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return None, None
+        return (tuple(a[..., : self.offset, :] for a in self.keys),
+                tuple(a[..., : self.offset, :] for a in self.values))
+
+    @state.setter
+    def state(self, value):
+        """``((k_packed, k_scales, k_biases), (v_packed, v_scales, v_biases))``
+        for this cache's ``group_size`` and ``bits``, or ``(None, None)``."""
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise ValueError(f"state must be a (keys, values) pair of quantized triples, got {type(value).__name__}")
+        keys, values = value
+        if keys is None and values is None:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        keys = quantized._check_triple("state keys", keys, self.group_size, self.bits)
+        values = quantized._check_triple("state values", values, self.group_size, self.bits)
+        if keys[0].shape[:3] != values[0].shape[:3] or keys[1].dtype != values[1].dtype:
+            raise ValueError(f"state keys {keys[0].shape} ({keys[1].dtype}) and values {values[0].shape} "
+                             f"({values[1].dtype}) disagree on [B, heads, T] or the scales dtype")
+        if keys[0].shape[1] == 0:
+            raise ValueError(f"state keys {keys[0].shape} need >= 1 head")
+        self.keys, self.values = keys, values
+        self.offset = keys[0].shape[2]
+
+    def _state_tensors(self):
+        keys, values = self.state
+        return None if keys is None else keys + values
+
+    def _set_state_tensors(self, tensors) -> None:
+        self.state = (tuple(tensors[:3]), tuple(tensors[3:]))
+
+    def _stored_length(self) -> int:
+        keys = self.state[0]
+        return 0 if keys is None else keys[0].shape[2]
+
+    def layout(self) -> dict | None:
+        if self.keys is None:
+            return None
+        (k_packed, k_scales, _), (v_packed, _, _) = self.keys, self.values
+        return {"batch": k_packed.shape[0], "n_kv_heads": k_packed.shape[1],
+                "head_dim": quantized.quantized_head_dim(k_packed, self.bits),
+                "value_dim": quantized.quantized_head_dim(v_packed, self.bits), "dtype": k_scales.dtype}
+
+    def trim(self, n: int) -> int:
+        """Forget the ``n`` newest tokens; returns how many were forgotten."""
+        n = self._trim_count(n)
+        self.offset -= n
+        return n
+
+    @property
+    def meta_state(self) -> dict:
+        return {"offset": self.offset, "step": self.step, "group_size": self.group_size, "bits": self.bits}
+
+    @meta_state.setter
+    def meta_state(self, value):
+        meta = _check_meta(value, self.META_FIELDS)
+        step = check_int("meta_state['step']", meta["step"], minimum=1, maximum=MAX_STEP)
+        group_size, bits = quantized.check_quantization(meta["group_size"], meta["bits"])
+        if self.keys is not None and (group_size, bits) != (self.group_size, self.bits):
+            raise ValueError(
+                f"meta_state group_size={group_size}, bits={bits} contradict the stored tensors, "
+                f"quantized with group_size={self.group_size}, bits={self.bits}"
+            )
+        self._set_offset(meta["offset"])
+        self.step, self.group_size, self.bits = step, group_size, bits
+
+
 # ---------------------------------------------------------------- persistence
-_CACHE_TYPES = {"ConcatKVCache": ConcatKVCache, "KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+_CACHE_TYPES = {
+    "ConcatKVCache": ConcatKVCache, "KVCache": KVCache, "RotatingKVCache": RotatingKVCache,
+    "QuantizedKVCache": QuantizedKVCache,
+}
+# every tensor name a layer may store, over all cache types
+_ALL_STATE_TENSORS = tuple(dict.fromkeys(name for cls in _CACHE_TYPES.values() for name in cls.STATE_TENSORS))
 _META_KEY = "mlx_attn.caches"
 _SUFFIX = ".safetensors"
 # bytes per element of the safetensors dtypes
@@ -491,11 +666,10 @@ def save_cache(path: str | os.PathLike, caches: list, metadata: dict[str, str] |
         name = type(cache).__name__
         if _CACHE_TYPES.get(name) is not type(cache):
             raise ValueError(f"cannot save caches[{i}] of type {name}; supported: {', '.join(_CACHE_TYPES)}")
-        keys, values = cache.state
-        if keys is not None:
-            arrays[f"{i}.keys"] = keys
-            arrays[f"{i}.values"] = values
-        described.append({"type": name, "meta": cache.meta_state, "empty": keys is None})
+        tensors = cache._state_tensors()
+        if tensors is not None:
+            arrays.update({f"{i}.{part}": a for part, a in zip(cache.STATE_TENSORS, tensors)})
+        described.append({"type": name, "meta": cache.meta_state, "empty": tensors is None})
     meta[_META_KEY] = json.dumps(described)
     try:
         mx.save_safetensors(file, arrays, metadata=meta)
@@ -577,32 +751,36 @@ def _load_layer(file: str, i: int, entry, arrays: dict):
         cache = cls(info["max_size"], info["keep"], info["step"])
     elif cls is KVCache:
         cache = cls(info["step"])
+    elif cls is QuantizedKVCache:
+        cache = cls(info["group_size"], info["bits"], info["step"])
     else:
         cache = cls()
-    has_keys, has_values = f"{i}.keys" in arrays, f"{i}.values" in arrays
-    if has_keys != has_values:
-        raise ValueError(f"{'keys' if has_keys else 'values'} stored without {'values' if has_keys else 'keys'}")
+    stored = [part for part in _ALL_STATE_TENSORS if f"{i}.{part}" in arrays]
+    foreign = [part for part in stored if part not in cls.STATE_TENSORS]
+    if foreign:
+        raise ValueError(f"a {entry['type']} does not store {', '.join(foreign)}")
+    if stored and len(stored) != len(cls.STATE_TENSORS):
+        missing = [part for part in cls.STATE_TENSORS if part not in stored]
+        raise ValueError(f"{', '.join(stored)} stored without {', '.join(missing)}")
     empty = entry["empty"]
-    if not isinstance(empty, bool) or empty == has_keys:
+    if not isinstance(empty, bool) or empty == bool(stored):
         raise ValueError(f"empty={empty!r} contradicts the tensors stored for it")
     if not empty:
-        cache.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+        cache._set_state_tensors(tuple(arrays[f"{i}.{part}"] for part in cls.STATE_TENSORS))
     cache.meta_state = info
     return cache
 
 
 def _check_layer_shapes(cache, expected: dict, batch_seen: int | None) -> int | None:
-    keys, values = cache.state
-    if keys is None:
+    got = cache.layout()
+    if got is None:
         return batch_seen
-    got = {"batch": keys.shape[0], "n_kv_heads": keys.shape[1], "head_dim": keys.shape[3],
-           "value_dim": values.shape[3], "dtype": keys.dtype}
     for name, value in got.items():
         if expected[name] is not None and expected[name] != value:
-            raise ValueError(f"has {name}={value} (keys {keys.shape}, values {values.shape}), expected {expected[name]}")
-    if batch_seen is not None and keys.shape[0] != batch_seen:
-        raise ValueError(f"has batch={keys.shape[0]}, an earlier layer batch={batch_seen}")
-    return keys.shape[0]
+            raise ValueError(f"has {name}={value} ({got}), expected {expected[name]}")
+    if batch_seen is not None and got["batch"] != batch_seen:
+        raise ValueError(f"has batch={got['batch']}, an earlier layer batch={batch_seen}")
+    return got["batch"]
 
 
 _EXPECTABLE = ("n_layers", "n_kv_heads", "head_dim", "batch", "value_dim", "dtype")
@@ -650,7 +828,7 @@ def load_cache(
         raise ValueError(f"{file}: metadata {_META_KEY!r} must be a list of layer descriptions")
     if wanted["n_layers"] is not None and len(described) != wanted["n_layers"]:
         raise ValueError(f"{file} holds caches for {len(described)} layers, expected {wanted['n_layers']}")
-    names = {f"{i}.{part}" for i, entry in enumerate(described) for part in ("keys", "values")}
+    names = {f"{i}.{part}" for i in range(len(described)) for part in _ALL_STATE_TENSORS}
     foreign = sorted(set(header) - names)
     if foreign:
         raise ValueError(f"{file} holds tensors that are not cache layers: {foreign[:5]}")
@@ -670,18 +848,33 @@ def load_cache(
 
 
 # ---------------------------------------------------------------- memory
-def kv_cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype=mx.float16, batch: int = 1) -> int:
-    """Bytes one token adds to the cache: keys and values of every layer."""
+def kv_cache_bytes_per_token(
+    n_layers: int, n_kv_heads: int, head_dim: int, dtype=mx.float16, batch: int = 1,
+    *, bits: int | None = None, group_size: int = 64,
+) -> int:
+    """Bytes one token adds to the cache: keys and values of every layer.
+
+    With ``bits`` (4 or 8) the cache is a :class:`QuantizedKVCache`: per
+    feature ``bits / 8`` bytes, plus a scale and a bias in ``dtype`` per
+    ``group_size`` features."""
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("batch", batch)):
         check_int(name, value, minimum=1, maximum=None)
     if not isinstance(dtype, mx.Dtype):
         raise ValueError(f"dtype must be an mlx dtype, got {dtype!r}")
-    return 2 * n_layers * n_kv_heads * head_dim * dtype.size * batch
+    if bits is None:
+        per_head_vector = head_dim * dtype.size
+    else:
+        group_size, bits = quantized.check_quantization(group_size, bits)
+        quantized.check_quantizable_dim("head_dim", head_dim, group_size)
+        per_head_vector = head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
+    return 2 * n_layers * n_kv_heads * per_head_vector * batch
 
 
 def kv_cache_bytes(
-    n_layers: int, n_kv_heads: int, head_dim: int, context: int, dtype=mx.float16, batch: int = 1
+    n_layers: int, n_kv_heads: int, head_dim: int, context: int, dtype=mx.float16, batch: int = 1,
+    *, bits: int | None = None, group_size: int = 64,
 ) -> int:
-    """Bytes of a cache holding ``context`` tokens."""
+    """Bytes of a cache holding ``context`` tokens (quantized with ``bits``)."""
     check_int("context", context, minimum=0, maximum=None)
-    return kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype, batch) * context
+    per_token = kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype, batch, bits=bits, group_size=group_size)
+    return per_token * context

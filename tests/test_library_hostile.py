@@ -609,7 +609,7 @@ def forged_files():
         (ok, [kv_layer("RotatingKVCache", keep=9)], "keep"),
         (ok, [kv_layer(step=0)], "step"),
         (ok, [kv_layer(step=HUGE)], "step"),
-        (ok, [{**kv_layer(), "type": "QuantizedKVCache"}], "type"),
+        (ok, [{**kv_layer(), "type": "PagedKVCache"}], "type"),
         (ok, [{**kv_layer(), "type": ["KVCache"]}], "type"),
         (ok, [{"type": "KVCache", "meta": {"offset": 3, "step": 4}}], "fields"),
         (ok, [{**kv_layer(), "meta": "offset=3"}], "meta"),

@@ -180,6 +180,54 @@ inline void load_row(
   }
 }
 
+// One row of quantized K or V as load_quantized_row reads it.
+struct QuantizedRow {
+  const uint32_t* words;
+  int64_t word_stride;
+  const void* scales;
+  int64_t scale_offset, scale_stride;  // of group 0, and between groups
+  const void* biases;
+  int64_t bias_offset, bias_stride;
+};
+
+// dst[i * dst_stride] = feature i < n of a quantized row
+// (csrc/cpu/quantized_kv.h). Contiguous words are read as bytes
+// (little-endian: field e of a word is its e-th byte or nibble).
+template <ElemType T, int Bits>
+inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRow& q, int group_size, int n) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "byte reads assume little-endian words");
+  constexpr int kPerWord = 32 / Bits;
+  constexpr uint32_t kMask = (1u << Bits) - 1;
+  float row[kMaxHeadDim];
+  float* out = dst_stride == 1 ? dst : row;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(q.words);
+  for (int begin = 0; begin < n; begin += group_size) {
+    const int64_t group = begin / group_size;
+    const float scale = load_elem<T>(q.scales, q.scale_offset + group * q.scale_stride);
+    const float bias = load_elem<T>(q.biases, q.bias_offset + group * q.bias_stride);
+    float* o = out + begin;
+    if (q.word_stride == 1 && Bits == 8) {
+      const uint8_t* b = bytes + begin;
+      for (int i = 0; i < group_size; ++i) o[i] = float(b[i]) * scale + bias;
+    } else if (q.word_stride == 1 && Bits == 4) {
+      const uint8_t* b = bytes + begin / 2;
+      for (int i = 0; i < group_size / 2; ++i) {
+        o[2 * i] = float(b[i] & 15) * scale + bias;
+        o[2 * i + 1] = float(b[i] >> 4) * scale + bias;
+      }
+    } else {
+      for (int i = 0; i < group_size; ++i) {
+        const int f = begin + i;
+        const uint32_t word = q.words[int64_t(f / kPerWord) * q.word_stride];
+        o[i] = float((word >> (Bits * (f % kPerWord))) & kMask) * scale + bias;
+      }
+    }
+  }
+  if (out == row) {
+    for (int i = 0; i < n; ++i) dst[i * dst_stride] = row[i];
+  }
+}
+
 // ---------------------------------------------------------------- work item
 struct Layout {
   int group, query_block, query_blocks, value_dim_padded;
@@ -195,7 +243,8 @@ inline Layout layout_of(const KernelCall& call) {
   return l;
 }
 
-template <ElemType T>
+// Bits: 0 for float K/V, else their quantization (4 or 8).
+template <ElemType T, int Bits>
 void attention_work_item(
     const KernelCall& call,
     int64_t item,
@@ -254,11 +303,26 @@ void attention_work_item(
     for (int j = 0; j < n; ++j) {
       int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] +
           int64_t(kb + j) * p.k_strides[2];
-      load_row<T>(k_packed + j, KB, call.k, koff, p.k_strides[3], D, 1.0f);
       int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] +
           int64_t(kb + j) * p.v_strides[2];
       float* vrow = v_packed + j * Dvp;
-      load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+      if constexpr (Bits == 0) {
+        load_row<T>(k_packed + j, KB, call.k, koff, p.k_strides[3], D, 1.0f);
+        load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+      } else {  // dequantize in the tile: no dequantized copy of K/V exists
+        const QuantizedKV& qkv = call.quantized;
+        const int64_t t = kb + j;
+        const QuantizedRow key = {
+            static_cast<const uint32_t*>(call.k) + koff, p.k_strides[3],
+            qkv.k_scales, QuantizedKV::row_offset(qkv.k_scale_strides, b, kv_head, t), qkv.k_scale_strides[3],
+            qkv.k_biases, QuantizedKV::row_offset(qkv.k_bias_strides, b, kv_head, t), qkv.k_bias_strides[3]};
+        const QuantizedRow value = {
+            static_cast<const uint32_t*>(call.v) + voff, p.v_strides[3],
+            qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, b, kv_head, t), qkv.v_scale_strides[3],
+            qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, b, kv_head, t), qkv.v_bias_strides[3]};
+        load_quantized_row<T, Bits>(k_packed + j, KB, key, qkv.group_size, D);
+        load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, Dv);
+      }
       for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
     }
     if (n < KB) {
@@ -371,14 +435,25 @@ int vector_lanes() {
   return kLanes;
 }
 
+namespace {
+template <ElemType T>
+void work_item_of_type(const KernelCall& call, int64_t item, float* scratch) {
+  switch (call.quantized.bits) {
+    case 8: return attention_work_item<T, 8>(call, item, scratch);
+    case 4: return attention_work_item<T, 4>(call, item, scratch);
+    default: return attention_work_item<T, 0>(call, item, scratch);
+  }
+}
+}  // namespace
+
 void process_work_item(const KernelCall& call, int64_t item, float* scratch) {
   switch (call.problem.dtype) {
     case ElemType::float32:
-      return attention_work_item<ElemType::float32>(call, item, scratch);
+      return work_item_of_type<ElemType::float32>(call, item, scratch);
     case ElemType::float16:
-      return attention_work_item<ElemType::float16>(call, item, scratch);
+      return work_item_of_type<ElemType::float16>(call, item, scratch);
     case ElemType::bfloat16:
-      return attention_work_item<ElemType::bfloat16>(call, item, scratch);
+      return work_item_of_type<ElemType::bfloat16>(call, item, scratch);
   }
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "csrc/attention_problem.h"
+#include "csrc/cpu/quantized_kv.h"
 
 namespace mlx_attn::cpu {
 
@@ -25,6 +26,7 @@ struct KernelCall {
   const void* sinks;  // problem.dtype, read through problem.sinks_stride
   void* out;          // row-contiguous [B, Hq, Tq, Dv]
   float* lse;         // row-contiguous [B, Hq, Tq] natural-log log-sum-exp, or null
+  QuantizedKV quantized;  // bits > 0: k and v are packed words (csrc/cpu/quantized_kv.h)
   // Query positions per work item (csrc/cpu/dispatch.cpp, plan_work); rows per
   // item = group size x query_block.
   int query_block;

@@ -7,6 +7,7 @@
     mlx-attn generate --prompt-cache-file long.safetensors --prompt "Summarize it."
     mlx-attn convert --model model.gguf --mlx-path smollm2-mlx   # a directory mlx-lm loads
     mlx-attn doctor > report.md                       # what this machine runs, checked
+    mlx-attn generate --kv-bits 8 "..."              # quantized KV cache (4 or 8 bits)
 
 A model's chat template applies by default (``--ignore-chat-template`` turns
 it off). A user mistake (bad option, damaged model file, broken chat
@@ -82,6 +83,12 @@ def _add_prompt_options(parser) -> None:
                         help="keep at most this many tokens in the KV cache (a rotating window)")
     parser.add_argument("--prefill-step-size", "--prefill-chunk", dest="prefill_step_size", type=int,
                         default=DEFAULT_PREFILL_CHUNK, help="prompt tokens per prefill step")
+    parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                        help="quantize the KV cache to this many bits (default: float)")
+    parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                        help="features per scale and bias of the quantized KV cache")
+    parser.add_argument("--quantized-kv-start", type=int, default=0,
+                        help="with --kv-bits: keep the cache float until it holds this many tokens")
 
 
 def _add_generation_options(parser) -> None:
@@ -114,6 +121,9 @@ def _generation_config(args) -> GenerationConfig:
         seed=args.seed,
         prefill_chunk=args.prefill_step_size,
         max_kv_size=args.max_kv_size,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
     )
 
 

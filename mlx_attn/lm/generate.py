@@ -16,6 +16,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from mlx_attn.lm.models.llama import ROTATING_CACHE_KEEP
+from mlx_attn.cache import QuantizedKVCache
 from mlx_attn.lm.sampling import (
     apply_repetition_penalty,
     check_repetition_penalty,
@@ -24,6 +25,7 @@ from mlx_attn.lm.sampling import (
 )
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 from mlx_attn.lm.validate import require_bool, require_int
+from mlx_attn.quantized import check_quantization
 
 __all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
            "generate", "format_statistics", "DEFAULT_PREFILL_CHUNK"]
@@ -49,6 +51,11 @@ class GenerationConfig:
     logprobs: bool = False  # put each step's log-probabilities over the vocabulary in the response
     max_kv_size: int | None = None  # a rotating cache of this many tokens (when no cache is passed)
     pipelined: bool = True  # False: build each step only after reading the previous token (for comparison)
+    # quantized KV cache (mlx-lm's options): with kv_bits (4 or 8) the float
+    # caches become QuantizedKVCache once they hold quantized_kv_start tokens
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
 
     def __post_init__(self):
         self.max_tokens = require_int("max_tokens", self.max_tokens, 0)
@@ -64,6 +71,11 @@ class GenerationConfig:
             self.max_kv_size = require_int("max_kv_size", self.max_kv_size, ROTATING_CACHE_KEEP + 1)
         for field in ("stop_at_eos", "logprobs", "pipelined"):
             require_bool(field, getattr(self, field))
+        if self.kv_bits is not None:
+            self.kv_group_size, self.kv_bits = check_quantization(self.kv_group_size, self.kv_bits)
+        self.quantized_kv_start = require_int("quantized_kv_start", self.quantized_kv_start, 0)
+        if self.kv_bits is not None and self.max_kv_size is not None:
+            raise ValueError("kv_bits and max_kv_size cannot be combined: a rotating KV cache is not quantized")
 
 
 @dataclasses.dataclass
@@ -124,6 +136,15 @@ def _check_prompt(model, prompt, max_tokens: int, cached: int) -> list[int]:
     return ids
 
 
+def _maybe_quantize(cache: list, config: GenerationConfig) -> None:
+    """Swap the float caches (in place) for quantized ones once they hold
+    ``config.quantized_kv_start`` tokens, when ``config.kv_bits`` asks."""
+    if config.kv_bits is None or not cache or isinstance(cache[0], QuantizedKVCache):
+        return
+    if cache[0].offset >= config.quantized_kv_start:
+        cache[:] = [c.to_quantized(config.kv_group_size, config.kv_bits) for c in cache]
+
+
 def generate_step(model, prompt: list[int], config: GenerationConfig, cache: list | None = None
                   ) -> Iterator[tuple[int, mx.array | None]]:
     """Yields ``(token id, log-probabilities or None)`` for up to
@@ -147,6 +168,7 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
 
     def step(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         nonlocal recent
+        _maybe_quantize(cache, config)
         logits = model(inputs, cache=cache)[:, -1]
         if penalize:
             logits = apply_repetition_penalty(logits, recent, config.repetition_penalty)
@@ -161,6 +183,7 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     tokens = mx.array(prompt)[None]
     for begin in range(0, len(prompt) - 1, config.prefill_chunk):
         end = min(begin + config.prefill_chunk, len(prompt) - 1)
+        _maybe_quantize(cache, config)
         model(tokens[:, begin:end], cache=cache)
         mx.eval([c.state for c in cache])
 

@@ -1,0 +1,244 @@
+"""Attention over quantized keys and values (the ``mx.quantize`` format).
+
+A quantized tensor is the triple ``(packed, scales, biases)`` that
+``mx.quantize(x, group_size, bits)`` returns for ``x`` of shape
+``[B, H, T, D]``: ``packed`` is uint32 ``[B, H, T, D * bits / 32]`` (element
+``i`` of a word sits at bit ``(i % (32 / bits)) * bits``), ``scales`` and
+``biases`` are float ``[B, H, T, D / group_size]`` and
+``x[..., i] ~= packed_i * scales[..., i // group_size] + biases[..., i // group_size]``.
+
+:func:`quantized_scaled_dot_product_attention` has the contract of
+:func:`mlx_attn.scaled_dot_product_attention` (mask, sinks, window, GQA
+without repeating K/V, lower-right causal) with ``k`` and ``v`` given as such
+triples. On CPU streams it runs the fused CPU kernel, which dequantizes each
+key/value block inside its tile (``csrc/cpu/kernel_impl.h``,
+``load_quantized_row``); its reference path dequantizes and runs the
+reference SDPA. No Metal kernel reads quantized K/V yet: GPU streams take the
+reference path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import mlx.core as mx
+
+from mlx_attn import _native, ops
+from mlx_attn._checks import check_int
+from mlx_attn.reference import reference_attention
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "SUPPORTED_GROUP_SIZES",
+    "check_quantization",
+    "quantize",
+    "dequantize",
+    "quantized_head_dim",
+    "quantized_scaled_dot_product_attention",
+    "quantized_attention_path",
+]
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+_WORD_BITS = 32
+
+QuantizedPath = Literal["fused-cpu", "reference"]
+
+
+def check_quantization(group_size, bits) -> tuple[int, int]:
+    """``(group_size, bits)`` checked against the supported values."""
+    group_size = check_int("group_size", group_size)
+    bits = check_int("bits", bits)
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    return group_size, bits
+
+
+def check_quantizable_dim(name: str, dim: int, group_size: int) -> None:
+    """A feature dimension ``mx.quantize`` can split into whole groups."""
+    if dim == 0 or dim % group_size != 0:
+        raise ValueError(f"{name} {dim} must be a positive multiple of group_size={group_size}")
+
+
+def quantize(x: mx.array, group_size: int = 64, bits: int = 8) -> tuple[mx.array, mx.array, mx.array]:
+    """``x [..., D]`` as a ``(packed, scales, biases)`` triple (``mx.quantize``)."""
+    group_size, bits = check_quantization(group_size, bits)
+    check_quantizable_dim("the last dimension", x.shape[-1], group_size)
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def dequantize(triple, group_size: int = 64, bits: int = 8) -> mx.array:
+    """The float array a ``(packed, scales, biases)`` triple stands for."""
+    packed, scales, biases = triple
+    if packed.size == 0:  # mx.dequantize cannot reshape an empty array
+        return mx.zeros((*packed.shape[:-1], quantized_head_dim(packed, bits)), dtype=scales.dtype)
+    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+
+
+def quantized_head_dim(packed: mx.array, bits: int) -> int:
+    """The feature dimension a packed uint32 array holds."""
+    return packed.shape[-1] * (_WORD_BITS // bits)
+
+
+def _check_triple(name: str, triple, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """One ``(packed, scales, biases)`` triple: types, ranks, dtypes and the
+    shapes ``mx.quantize`` gives for this group size and bit width."""
+    if not isinstance(triple, (tuple, list)) or len(triple) != 3:
+        raise ValueError(f"{name} must be a (packed, scales, biases) triple as mx.quantize returns, "
+                         f"got {type(triple).__name__}"
+                         + (f" of length {len(triple)}" if isinstance(triple, (tuple, list)) else ""))
+    for part, a in zip(("packed", "scales", "biases"), triple):
+        if not isinstance(a, mx.array):
+            raise ValueError(f"{name} {part} must be an mlx.core.array, got {type(a).__name__}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} {part} must have rank 4 [batch, heads, length, features], got {a.shape}")
+    packed, scales, biases = triple
+    if packed.dtype != mx.uint32:
+        raise ValueError(f"{name} packed must be uint32 (mx.quantize's packing), got {packed.dtype}")
+    if scales.dtype not in ops.FLOAT_DTYPES or biases.dtype != scales.dtype:
+        raise ValueError(
+            f"{name} scales and biases must share one float dtype (float16, bfloat16, float32), "
+            f"got {scales.dtype} and {biases.dtype}"
+        )
+    if scales.shape != biases.shape or scales.shape[:3] != packed.shape[:3]:
+        raise ValueError(
+            f"{name} packed {packed.shape}, scales {scales.shape} and biases {biases.shape} disagree on "
+            f"[batch, heads, length] or scales/biases shapes"
+        )
+    dim = quantized_head_dim(packed, bits)
+    if dim == 0 or dim % group_size != 0 or scales.shape[3] != dim // group_size:
+        raise ValueError(
+            f"{name} does not match group_size={group_size}, bits={bits}: packed {packed.shape} holds "
+            f"{dim} features, which needs scales/biases with {dim // group_size if dim % group_size == 0 else '?'} "
+            f"groups, got {scales.shape}"
+        )
+    return packed, scales, biases
+
+
+def _stand_in(shape, dtype) -> mx.array:
+    """A lazy array of this shape and dtype that is never evaluated: lets the
+    float entry point's checks (mask, sinks, window, GQA) run on shapes."""
+    return mx.broadcast_to(mx.zeros((), dtype=dtype), shape)
+
+
+def _prepare(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream):
+    """Everything checked. Returns q in the output dtype, the checked triples,
+    group size, bits, the scale as a float, the window size and float
+    stand-ins for K and V (shapes only)."""
+    group_size, bits = check_quantization(group_size, bits)
+    k_quant = _check_triple("k_quant", k_quant, group_size, bits)
+    v_quant = _check_triple("v_quant", v_quant, group_size, bits)
+    if k_quant[1].dtype != v_quant[1].dtype:
+        raise ValueError(f"k_quant and v_quant scales need one dtype, got {k_quant[1].dtype} and {v_quant[1].dtype}")
+    if k_quant[0].shape[:3] != v_quant[0].shape[:3]:
+        raise ValueError(
+            f"k_quant {k_quant[0].shape} and v_quant {v_quant[0].shape} disagree on [batch, heads, length]"
+        )
+    float_dtype = k_quant[1].dtype
+    k = _stand_in((*k_quant[0].shape[:3], quantized_head_dim(k_quant[0], bits)), float_dtype)
+    v = _stand_in((*v_quant[0].shape[:3], quantized_head_dim(v_quant[0], bits)), float_dtype)
+    q, k, v, scale, window_size = ops._prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    return q, k_quant, v_quant, group_size, bits, scale, window_size, k, v
+
+
+def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) -> str | None:
+    """None when the fused CPU kernel handles quantized K/V standing for
+    float ``k`` and ``v`` (its support rule lives in C++), else why not."""
+    ext = _native.ext
+    if ext is None:
+        _native.warn_if_missing()
+        return _native.MISSING_REASON
+    if ops._device_type(stream) != mx.cpu:
+        return "no Metal kernel reads quantized K/V (the fused CPU kernel does)"
+    array_mask, sinks = ops._kernel_inputs(mask, sinks, q.dtype)
+    problem = ext.describe_attention(
+        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks,
+    )
+    return ext.unsupported_reason(problem, device=mx.cpu)
+
+
+def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream) -> QuantizedPath:
+    if backend == "reference":
+        return "reference"
+    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream)
+    if reason is None:
+        return "fused-cpu"
+    if backend == "fused":
+        raise ValueError(f"backend='fused' is not possible here: {reason}")
+    return "reference"
+
+
+def quantized_attention_path(
+    q, k_quant, v_quant, *, scale: float = 1.0, mask=None, group_size: int = 64, bits: int = 8,
+    sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto",
+) -> QuantizedPath:
+    """Which implementation :func:`quantized_scaled_dot_product_attention`
+    uses for these arguments: ``"fused-cpu"`` or ``"reference"``."""
+    q, _, _, _, _, scale, window_size, k, v = _prepare(
+        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
+    )
+    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+
+
+def quantized_scaled_dot_product_attention(
+    q: mx.array,
+    k_quant,
+    v_quant,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+    group_size: int = 64,
+    bits: int = 8,
+    sinks: mx.array | None = None,
+    window_size: int | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+    backend: ops.Backend = "auto",
+) -> mx.array:
+    """Scaled dot-product attention with quantized keys and values.
+
+    Args:
+        q: queries ``[B, Hq, Tq, D]``.
+        k_quant: keys as ``mx.quantize`` returns them for ``[B, Hkv, Tkv, D]``:
+            ``(packed uint32, scales, biases)``; ``Hq % Hkv == 0``.
+        v_quant: values likewise for ``[B, Hkv, Tkv, Dv]``; scales in the
+            same dtype as the keys'.
+        scale, mask, sinks, window_size, stream, backend: as in
+            :func:`mlx_attn.scaled_dot_product_attention`.
+        group_size, bits: the quantization of both triples (32/64/128; 4/8).
+
+    The fused CPU kernel dequantizes each key/value block inside its tile (no
+    dequantized copy of K/V exists); it computes the forward pass only (no
+    gradients through it). The reference path dequantizes, then runs the
+    reference SDPA.
+
+    Returns:
+        ``[B, Hq, Tq, Dv]`` in the dtype ``q`` and the scales promote to.
+        Softmax and accumulation run in float32. Rows that see no key are zeros.
+
+    Raises:
+        ValueError: naming the offending argument, part of a triple, shape or dtype.
+    """
+    q, k_quant, v_quant, group_size, bits, scale, window_size, k, v = _prepare(
+        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
+    )
+    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    dtype = q.dtype
+    if path == "reference":
+        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+            k = dequantize(k_quant, group_size, bits).astype(dtype)
+            v = dequantize(v_quant, group_size, bits).astype(dtype)
+        return reference_attention(
+            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
+        )
+    # the kernel reads scales and biases in the output dtype
+    k_quant, v_quant = ([t[0], *(a.astype(dtype) if a.dtype != dtype else a for a in t[1:])]
+                        for t in (k_quant, v_quant))
+    array_mask, sinks = ops._kernel_inputs(mask, sinks, dtype)
+    return _native.ext.quantized_attention(
+        q, k_quant, v_quant, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks, bits=bits, group_size=group_size, stream=stream,
+    )
