@@ -196,7 +196,7 @@ def run_doctor(
         on_gpu = metal_runner is not None and mx.metal.is_available()
         device = "GPU" if on_gpu else "CPU"
         dtype = mx.float16 if on_gpu else mx.float32
-        lines += ["", f"## Timings on the {device} (median of {repeats}, {dtype}, 8 query / 2 KV heads)", ""]
+        lines += ["", f"## Timings on the {device} (median of {repeats}, {str(dtype).split('.')[-1]}, 8 query / 2 KV heads)", ""]
         lines += _timing_lines(mx.gpu if on_gpu else mx.cpu, dtype, lengths, repeats)
 
     lines += ["", f"**Result: {'all checks passed' if ok else 'MISMATCHES FOUND (see above)'}**", ""]
