@@ -11,18 +11,23 @@ greedily from its own copy of that cache, feeding the last prompt token
 first. The paths run alternately, --repeats times, and the median of each is
 reported: generation tokens/s, peak memory and the ratios (same run); the
 prompt tokens/s column is the shared prefill's. --full-prefill prefills per
-run instead. mlx-lm loads the same weights from a directory written by
+run instead. --prefill-cache DIR keeps each context's shared prefill in
+DIR (``save_cache``; reused by later runs with the same model, prompt and
+chunk, its prompt tokens/s taken from the run that made it), so a quiet-machine
+decode measurement need not wait for the prefill again. mlx-lm loads the same weights from a directory written by
 ``mlx_attn.lm.convert`` (GGUF -> mlx-lm layout) and decodes from an mlx-lm
 KVCache holding the same keys and values.
 
     python benchmarks/bench_generate.py                    # contexts 128, 1024, 4096
     python benchmarks/bench_generate.py --quick            # smoke run
     python benchmarks/bench_generate.py --prefill-chunks 512 1024 2048 4096 --contexts 4096
+    python benchmarks/bench_generate.py --contexts 4096 --prefill-cache ~/.cache/mlx_attn/bench-prefill
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -31,7 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_attn.cache import KVCache
+from mlx_attn.cache import KVCache, load_cache, save_cache
 from mlx_attn.lm import load_model
 from mlx_attn.lm.convert import save_mlx_directory
 from mlx_attn.lm.generate import DEFAULT_PREFILL_CHUNK, GenerationConfig, stream_generate
@@ -75,6 +80,24 @@ def prefill(model, prompt, prefill_chunk) -> tuple[list, float]:
         model(mx.array([prompt[begin:begin + prefill_chunk]]), cache=cache)
         mx.eval([c.state for c in cache])
     return cache, len(prompt) / (time.perf_counter() - start)
+
+
+def cached_prefill(model, prompt, prefill_chunk, directory: Path | None) -> tuple[list, float]:
+    """prefill(), through a cache file in ``directory`` when given: the file
+    is keyed by the prompt's tokens and the chunk, and records the prompt
+    tokens/s of the run that made it."""
+    if directory is None:
+        return prefill(model, prompt, prefill_chunk)
+    key = hashlib.sha256(json.dumps([repr(model.config), prompt, prefill_chunk]).encode()).hexdigest()
+    file = Path(directory).expanduser() / f"prefill-{len(prompt)}-{key[:16]}.safetensors"
+    if file.exists():
+        cache, metadata = load_cache(file)
+        print(f"prefill of {len(prompt)} tokens loaded from {file} (prompt tok/s from the run that saved it)")
+        return cache, float(metadata["prompt_tps"])
+    cache, prompt_tps = prefill(model, prompt, prefill_chunk)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_cache(file, cache, {"prompt_tps": repr(prompt_tps)})
+    return cache, prompt_tps
 
 
 def _kv_cache(keys, values) -> KVCache:
@@ -174,6 +197,8 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--no-mlx-lm", action="store_true", help="leave mlx-lm out even if it is installed")
     p.add_argument("--full-prefill", action="store_true", help="every run prefills its own prompt")
+    p.add_argument("--prefill-cache", type=Path, default=None,
+                   help="directory keeping each context's shared prefill for later runs")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -198,8 +223,8 @@ def main(argv=None):
             runs = {name: [] for name in names}
             for name in names:  # warm up every path
                 _run_path(name, model, tokenizer, mlx_lm, prompt[:16], 2, args.prefill_chunk)
-            shared, prompt_tps = (None, None) if args.full_prefill else prefill(model, prompt[:-1],
-                                                                               args.prefill_chunk)
+            shared, prompt_tps = (None, None) if args.full_prefill else cached_prefill(
+                model, prompt[:-1], args.prefill_chunk, args.prefill_cache)
             decoded = prompt if args.full_prefill else prompt[-1:]
             for repeat in range(args.repeats):
                 order = names[repeat % len(names):] + names[:repeat % len(names)]  # alternate who goes first
