@@ -5,6 +5,12 @@
 pure-MLX reference path, a fused tiled CPU kernel and fused Metal kernels.
 """
 
+# Before anything imports MLX: on Linux, bind MLX's float32 matmuls to a
+# system OpenBLAS instead of the reference BLAS its wheel bundles (_blas.py).
+from mlx_attn._blas import preload_fast_blas
+
+preload_fast_blas()
+
 from mlx_attn.attention import MultiHeadAttention
 from mlx_attn import distributed  # ring attention: mlx_attn.distributed.ring_attention
 from mlx_attn.cache import ConcatKVCache, KVCache, QuantizedKVCache, RotatingKVCache

@@ -20,6 +20,7 @@ import numpy as np
 
 import mlx_attn
 from mlx_attn import _native, self_check
+from mlx_attn._blas import blas_choice
 from mlx_attn.ops import metal_kernel_runner
 from mlx_attn.self_check import Case, CheckResult, Variant
 
@@ -61,6 +62,11 @@ def cpu_grid(variant: Variant) -> list[Case]:
     return metal_grid(variant)
 
 
+def _blas_row() -> str:
+    choice = blas_choice()
+    return f"{choice.library}: {choice.reason}" if choice.library else choice.reason
+
+
 def _environment_rows(native) -> list[tuple[str, str]]:
     rows = [
         ("mlx_attn", mlx_attn.__version__),
@@ -69,6 +75,7 @@ def _environment_rows(native) -> list[tuple[str, str]]:
         ("OS", platform.platform()),
         ("machine", platform.machine()),
         ("default device", str(mx.default_device())),
+        ("BLAS for MLX matmuls", _blas_row()),
     ]
     if native is None:
         rows.append(("native extension", "NOT LOADED: fused kernels unavailable (see warnings)"))

@@ -21,6 +21,9 @@ if [ "$(uname -s)" = "Linux" ]; then
     command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
     [ -e /usr/aarch64-linux-gnu/lib/libc.a ] || missing+=(libc6-dev-arm64-cross gcc-aarch64-linux-gnu)
   fi
+  # MLX's Linux wheel bundles the reference BLAS; mlx_attn preloads a system
+  # OpenBLAS for MLX's float32 matmuls (mlx_attn/_blas.py, tests/test_blas.py).
+  [ -e "/usr/lib/$(uname -m)-linux-gnu/libopenblas.so.0" ] || missing+=(libopenblas0-pthread)
   if [ ${#missing[@]} -gt 0 ]; then
     packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
