@@ -45,6 +45,7 @@ __all__ = [
     "init",
     "ring_attention",
     "merge_partials",
+    "decode_attention",
     "shard_sequence",
     "unshard_sequence",
     "chunk_ids",
@@ -401,6 +402,67 @@ def merge_partials(out_a: mx.array, lse_a: mx.array, out_b: mx.array, lse_b: mx.
     ``out = 0, lse = -inf`` (never NaN).
     """
     return _merge(out_a, lse_a, out_b, lse_b)
+
+
+def _merge_gathered(gathered: mx.array, ranks: int, value_dim: int):
+    """Folds the ``ranks`` partials of an all_gather (rank order, so every
+    rank merges the same numbers the same way and gets identical bits)."""
+    parts = mx.split(gathered, ranks, axis=0)
+    out, lse = parts[0][..., :value_dim], parts[0][..., value_dim]
+    for part in parts[1:]:
+        out, lse = merge_partials(out, lse, part[..., :value_dim], part[..., value_dim])
+    return out, lse
+
+
+def decode_attention(
+    q: mx.array,
+    k: mx.array | None,
+    v: mx.array | None,
+    *,
+    scale: float,
+    group: mx.distributed.Group | None = None,
+    backend: str = "auto",
+    timeout: float | None = None,
+) -> mx.array:
+    """Attention of a few new queries to keys spread over the ranks.
+
+    Every rank passes the same ``q`` ``[B, Hq, Tq, D]`` and its own part of
+    the keys and values ``k`` ``[B, Hkv, S_r, D]``, ``v`` ``[B, Hkv, S_r, Dv]``
+    (any split, any order; ``None`` or ``S_r = 0`` for a rank that holds
+    none); no mask: every query sees every key. Each rank computes its
+    partial ``(out, lse)`` with ``return_lse=True``, one ``all_gather``
+    brings all of them to every rank, and they merge exactly by log-sum-exp
+    in rank order. Returns ``[B, Hq, Tq, Dv]`` in ``q``'s dtype, identical on
+    every rank, equal to ``scaled_dot_product_attention`` over all the keys.
+    """
+    group = _group(group)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must both be arrays or both be None")
+    if not isinstance(q, mx.array) or q.ndim != 4:
+        raise ValueError(f"q must be a 4-d mlx array [B, Hq, Tq, D], got {getattr(q, 'shape', type(q).__name__)}")
+    value_dim = v.shape[-1] if v is not None else q.shape[-1]
+    _check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
+                             group, timeout)
+    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout)
+
+
+def _decode_attention(q, k, v, *, scale, group, backend, timeout):
+    """:func:`decode_attention` without the cross-rank check (generation
+    checks its inputs once, not at every layer of every token)."""
+    if k is not None and k.shape[2] > 0:
+        out, lse = scaled_dot_product_attention(q, k, v, scale=scale, backend=backend, return_lse=True)
+        value_dim = v.shape[-1]
+    else:  # nothing held here: a partial that contributes nothing
+        value_dim = v.shape[-1] if v is not None else q.shape[-1]
+        out = mx.zeros((*q.shape[:3], value_dim), mx.float32)
+        lse = mx.full(q.shape[:3], -mx.inf)
+    if group.size() == 1:
+        return out.astype(q.dtype)
+    packed = mx.concatenate([out.astype(mx.float32), lse.astype(mx.float32)[..., None]], axis=-1)
+    gathered = mx.distributed.all_gather(packed, group=group)
+    _communicate("decode_attention all_gather", [gathered], group, timeout)
+    merged, _ = _merge_gathered(gathered, group.size(), value_dim)
+    return merged.astype(q.dtype)
 
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,12 @@
 - ``die``: rank 1 kills itself (SIGKILL) in the middle of the ring, the
   others record what happened;
 - ``hang``: rank 1 stops answering (sleeps forever) before the exchange;
-- ``connect``: only connects (used with a peer that never starts).
+- ``connect``: only connects (used with a peer that never starts);
+- ``decode``: :func:`decode_attention` of new queries to a cache split
+  unevenly across the ranks (one rank may hold nothing), against
+  ``scaled_dot_product_attention`` over the whole cache;
+- ``generate``: greedy distributed generation with SmolLM2 from the prompt
+  ids in CASES_JSON (``{"prompt": [...], "max_tokens": n}``).
 """
 
 from __future__ import annotations
@@ -98,6 +103,43 @@ def mismatch(group):
     return errors
 
 
+def decode(group):
+    """Per case: the merged attention's error against the single-process result."""
+    rank, ranks, results = group.rank(), group.size(), []
+    for seed, (kv_len, q_len, dtype) in enumerate([(37, 1, "float32"), (20, 1, "float16"), (9, 3, "bfloat16"),
+                                                  (1, 1, "float32")]):
+        case = {"seed": seed, "seq": kv_len, "head_dim": 16, "q_heads": 4, "kv_heads": 2, "dtype": dtype}
+        q_full, k, v, _ = make_inputs(case)
+        q = q_full[:, :, :q_len]
+        expected = mlx_attn.scaled_dot_product_attention(q, k, v, scale=0.25)
+        # uneven, interleaved split: rank r holds positions p with p % (ranks + 1) == r; the last rank
+        # also gets the leftover residue class (and with kv_len=1 all but rank 0 hold nothing)
+        owner = [min(p % (ranks + 1), ranks - 1) for p in range(kv_len)]
+        mine = [p for p in range(kv_len) if owner[p] == rank]
+        k_mine, v_mine = (k[:, :, mx.array(mine)], v[:, :, mx.array(mine)]) if mine else (None, None)
+        out = dist.decode_attention(q, k_mine, v_mine, scale=0.25, group=group)
+        results.append({
+            "case": case, "held": len(mine), "out_dtype": str(out.dtype),
+            "max_abs_error": mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item(),
+            "bits": out.astype(mx.float32).flatten().tolist()[:8],
+        })
+    return results
+
+
+def generate(group, request):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from model_fixtures import smollm2  # noqa: PLC0415 (only this mode loads a model)
+
+    from mlx_attn.lm.distributed_generate import distributed_generate_step  # noqa: PLC0415
+    from mlx_attn.lm.generate import GenerationConfig  # noqa: PLC0415
+
+    model, _ = smollm2()
+    config = GenerationConfig(max_tokens=request["max_tokens"])
+    cache = model.make_cache()
+    tokens = [token for token, _ in distributed_generate_step(model, request["prompt"], config, group, cache=cache)]
+    return {"tokens": tokens, "held": [c.offset for c in cache]}
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     # Without mlx.launch (no MLX_RANK) this is a single process: a group of one.
@@ -118,6 +160,11 @@ def main():
         write(out_dir, rank, {"started": time.time()})
         dist.ring_attention(q, q, q, scale=1.0, mask="causal", group=group)
         write(out_dir, rank, {"finished": True})
+    elif mode == "decode":
+        write(out_dir, rank, decode(group))
+    elif mode == "generate":
+        with open(sys.argv[3]) as f:
+            write(out_dir, rank, generate(group, json.load(f)))
     elif mode == "connect":
         write(out_dir, rank, {"connected": True})
     else:
