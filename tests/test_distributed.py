@@ -366,6 +366,98 @@ def test_a_peer_that_never_connects_trips_the_watchdog(tmp_path):
 
 
 # --------------------------------------------------------------------------
+# distributed generation
+
+
+def test_decode_attention_across_ranks_equals_attention_over_the_whole_cache(tmp_path):
+    per_rank = _launch(2, "decode", tmp_path)
+    assert len(per_rank[0]) == 4
+    for index, result in enumerate(per_rank[0]):
+        case = result["case"]
+        assert sum(r[index]["held"] for r in per_rank) == case["seq"], case  # the cache is split, not copied
+        for rank, results in enumerate(per_rank):
+            mine = results[index]
+            assert mine["max_abs_error"] <= TOLERANCE[case["dtype"]], f"rank {rank}: {case}"
+            assert mine["out_dtype"] == f"mlx.core.{case['dtype']}", case
+            assert mine["values"] == result["values"], f"ranks disagree: {case}"  # same bits everywhere
+    assert [r[3]["held"] for r in per_rank] == [1, 0]  # a rank holding no key contributes nothing
+
+
+GENERATE_PROMPT = ("Ring attention splits a long sequence across machines. Each rank keeps a shard of the "
+                   "keys and values, and the partial results merge through the log-sum-exp. Explain it briefly.")
+GENERATE_TOKENS = 6
+
+
+def test_distributed_generation_equals_the_single_process_greedy_tokens(tmp_path):
+    from model_fixtures import smollm2
+
+    from mlx_attn.lm.generate import GenerationConfig, generate_tokens
+
+    model, tokenizer = smollm2()
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": GENERATE_PROMPT}],
+                                                            add_generation_prompt=True), add_special_tokens=False)
+    assert len(prompt) >= 40  # several tokens per rank and chunk
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"prompt": prompt, "max_tokens": GENERATE_TOKENS}))
+    per_rank = _launch(2, "generate", tmp_path, str(request))
+    expected = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=GENERATE_TOKENS, stop_at_eos=False)))
+    assert len(expected) == GENERATE_TOKENS
+    for rank, result in enumerate(per_rank):
+        assert result["tokens"] == expected, f"rank {rank}"
+        held = result["held"]
+        assert len(set(held)) == 1, "every layer holds the same positions"
+        assert held[0] >= len(prompt) // 4, f"rank {rank} holds only {held[0]} tokens"
+    # every position's K/V (the prompt but its last token, then one per decoded token) is held exactly once
+    assert sum(r["held"][0] for r in per_rank) == len(prompt) - 1 + GENERATE_TOKENS
+
+
+def test_cli_distributed_prints_the_single_process_text_on_rank_0_only():
+    argv = ["generate", "--prompt", GENERATE_PROMPT, "--max-tokens", "4", "--quiet"]
+    command = [*_launcher(), "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1",
+               "--starting-port", str(_free_ports(2)), sys.executable, "-m", "mlx_attn.lm.cli", *argv,
+               "--distributed"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    single = subprocess.run([sys.executable, "-m", "mlx_attn.lm.cli", *argv], capture_output=True, text=True,
+                            timeout=LAUNCH_TIMEOUT_S)
+    assert single.returncode == 0, single.stderr
+    assert single.stdout.strip() and done.stdout == single.stdout  # printed once: rank 1 is silent
+
+
+def test_cli_distributed_without_a_group_says_how_to_launch(capsys, monkeypatch):
+    from mlx_attn.lm.cli import main as cli_main
+
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert cli_main(["generate", "--distributed", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "--distributed needs a distributed group of more than one rank" in error and "mlx.launch -n 2" in error
+
+
+@pytest.mark.parametrize("flags,named", [(["--max-kv-size", "64"], "--max-kv-size"), (["--kv-bits", "8"], "--kv-bits"),
+                                         (["--prompt-cache-file", "cache.safetensors"], "--prompt-cache-file")])
+def test_cli_distributed_refuses_options_it_does_not_support(capsys, flags, named):
+    from mlx_attn.lm.cli import main as cli_main
+
+    assert cli_main(["generate", "--distributed", "--prompt", "hi", *flags]) == 2
+    error = capsys.readouterr().err
+    assert named in error and "cannot be combined with" in error, error
+
+
+def test_distributed_generate_step_needs_a_group_of_several_ranks():
+    from mlx_attn.lm.distributed_generate import distributed_generate_step
+    from mlx_attn.lm.generate import GenerationConfig
+    from model_fixtures import tiny_llama
+
+    model = tiny_llama()
+    steps = distributed_generate_step(model, [1, 2, 3], GenerationConfig(max_tokens=2), mx.distributed.init())
+    with pytest.raises(ValueError, match="more than one rank.*mlx.launch"):
+        next(steps)
+    steps = distributed_generate_step(model, [1, 2], GenerationConfig(max_tokens=2), group="world")
+    with pytest.raises(ValueError, match="group must be an mx.distributed.Group"):
+        next(steps)
+
+
+# --------------------------------------------------------------------------
 # the benchmark script
 
 
