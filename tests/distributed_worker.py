@@ -56,7 +56,9 @@ def make_inputs(case):
 
 def compare(group, cases):
     results = []
+    default_min_piece = dist._MIN_PIECE
     for case in cases:
+        dist._MIN_PIECE = case.get("min_piece", default_min_piece)  # smaller pieces: more ring rounds
         q, k, v, sinks = make_inputs(case)
         scale = case["head_dim"] ** -0.5
         mask, window, layout = case.get("mask"), case.get("window"), case["layout"]
@@ -81,6 +83,7 @@ def compare(group, cases):
             "bytes_received": stats.bytes_received,
             "visible_pairs": stats.visible_pairs,
             "shard_kv_bytes": shard(k).nbytes + shard(v).nbytes,
+            "ring_steps": stats.ring_steps,
         })
     return results
 

@@ -240,6 +240,12 @@ def _cases():
                 cases.append({"seed": seed, "seq": 72, "head_dim": 8, "q_heads": q_heads, "kv_heads": kv_heads,
                               "batch": 1 + seed % 2, "dtype": dtype, "layout": layout, "mask": mask,
                               "window": window, "sinks": sinks})
+        # K/V travelling in several pieces per chunk (the default keeps a chunk this short whole)
+        for mask, window, sinks in [("causal", None, False), ("causal", 5, True), (None, None, False)]:
+            seed += 1
+            cases.append({"seed": seed, "seq": 72, "head_dim": 8, "q_heads": 4, "kv_heads": 2, "batch": 1,
+                          "dtype": "float32", "layout": layout, "mask": mask, "window": window, "sinks": sinks,
+                          "min_piece": 2})
     return cases
 
 
@@ -263,6 +269,8 @@ def test_ring_attention_matches_single_process_attention(ring_results):
             assert result["max_abs_error"] <= TOLERANCE[case["dtype"]], label
             assert result["out_dtype"] == f"mlx.core.{case['dtype']}", label
             assert result["shard_matches"], label
+            if case["mask"] is None and case["window"] is None:
+                assert result["ring_steps"] == ranks, label  # its own block, then every other rank's
 
 
 def test_each_rank_does_exactly_its_layout_work(ring_results):
