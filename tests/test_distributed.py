@@ -139,6 +139,19 @@ def test_one_rank_equals_scaled_dot_product_attention(layout, mask, window, bloc
     assert stats.visible_pairs == dist.attention_work(16, 1, layout=layout, causal=causal, window_size=window)[0]
 
 
+def test_ring_attention_accumulates_the_output_in_place():
+    # beyond its inputs a rank holds the float32 output and a few query tiles, never a second output-sized array
+    q, k, v = _random((1, 4, 8192, 32), 20), _random((1, 1, 8192, 32), 21), _random((1, 1, 8192, 32), 22)
+    mx.eval(q, k, v)
+    mx.reset_peak_memory()
+    out = dist.ring_attention(q, k, v, scale=32**-0.5, mask="causal")
+    mx.eval(out)
+    beyond_inputs = mx.get_peak_memory() - (q.nbytes + k.nbytes + v.nbytes)
+    assert beyond_inputs <= 1.3 * out.nbytes
+    assert mx.allclose(out, mlx_attn.scaled_dot_product_attention(q, k, v, scale=32**-0.5, mask="causal"),
+                       atol=1e-5).item()
+
+
 def test_one_rank_shard_and_unshard_are_identities():
     x = _random((1, 2, 8, 3), 10)
     assert mx.array_equal(dist.shard_sequence(x), x).item()
