@@ -16,7 +16,9 @@
   unevenly across the ranks (one rank may hold nothing), against
   ``scaled_dot_product_attention`` over the whole cache;
 - ``generate``: greedy distributed generation with SmolLM2 from the prompt
-  ids in CASES_JSON (``{"prompt": [...], "max_tokens": n}``).
+  ids in CASES_JSON (``{"prompt": [...], "max_tokens": n}``);
+- ``generate_mismatch``: ranks pass different prompts to distributed
+  generation (a tiny random model); records the errors.
 """
 
 from __future__ import annotations
@@ -143,6 +145,21 @@ def generate(group, request):
     return {"tokens": tokens, "held": [c.offset for c in cache]}
 
 
+def generate_mismatch(group):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from model_fixtures import tiny_llama  # noqa: PLC0415
+
+    from mlx_attn.lm.distributed_generate import distributed_generate_step  # noqa: PLC0415
+    from mlx_attn.lm.generate import GenerationConfig  # noqa: PLC0415
+
+    prompt = [5, 6, 7, 8] if group.rank() == 0 else [5, 6, 7, 9]
+    try:
+        list(distributed_generate_step(tiny_llama(), prompt, GenerationConfig(max_tokens=2), group))
+        return {"error": None}
+    except ValueError as error:
+        return {"error": str(error)}
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     # Without mlx.launch (no MLX_RANK) this is a single process: a group of one.
@@ -168,6 +185,8 @@ def main():
     elif mode == "generate":
         with open(sys.argv[3]) as f:
             write(out_dir, rank, generate(group, json.load(f)))
+    elif mode == "generate_mismatch":
+        write(out_dir, rank, generate_mismatch(group))
     elif mode == "connect":
         write(out_dir, rank, {"connected": True})
     else:

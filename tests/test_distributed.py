@@ -432,6 +432,11 @@ def test_distributed_generation_equals_the_single_process_greedy_tokens(tmp_path
     assert sum(r["held"][0] for r in per_rank) == len(prompt) - 1 + GENERATE_TOKENS
 
 
+def test_distributed_generation_with_different_prompts_fails_on_every_rank(tmp_path):
+    for rank, result in enumerate(_launch(2, "generate_mismatch", tmp_path)):
+        assert result["error"] is not None and "differ across ranks" in result["error"], rank
+
+
 def test_cli_distributed_prints_the_single_process_text_on_rank_0_only(tmp_path, capsys):
     from model_fixtures import random_llama, tiny_vocabulary, write_llama_gguf
 

@@ -155,8 +155,11 @@ def distributed_generate_step(model, prompt: list[int], config: GenerationConfig
           or not all(type(c) is KVCache and c.offset == 0 for c in cache)):
         raise ValueError(f"cache must be a list of {len(model.layers)} empty KVCache objects (one per layer)")
     prompt = _check_prompt(model, prompt, config.max_tokens, 0)
-    agreement = [len(prompt), config.max_tokens, *prompt[:64], *prompt[-64:]]
-    dist._check_same_across_ranks("the prompt and max_tokens", agreement, group, timeout)
+    sampling = [round(x * 1e6) for x in (config.temperature, config.top_p, config.min_p, config.repetition_penalty)]
+    seed = -1 if config.seed is None else config.seed % 2**62  # fits the int64 signature
+    agreement = [len(prompt), config.max_tokens, config.top_k, config.repetition_context, seed, *sampling,
+                 *prompt[:64], *prompt[-64:]]
+    dist._check_same_across_ranks("the prompt and generation options", agreement, group, timeout)
     if config.max_tokens == 0:
         return
     sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
