@@ -1,10 +1,13 @@
 """Context-parallel (ring) attention over ``mx.distributed``.
 
 Each rank of a group holds one shard of the sequence of Q, K and V. The K/V
-shards travel around the ring (rank r sends to r+1 and receives from r-1)
-while every rank attends its queries to the block it currently holds; the
-partial results are merged exactly through the row log-sum-exp (``lse``), the
-same online-softmax merge the fused kernels use across key tiles.
+shards travel around the ring in pieces (rank r sends to r+1 and receives
+from r-1, forwarding each piece as far as some rank needs it) while every
+rank attends its queries to each piece as it arrives; the partial results
+are merged exactly through the row log-sum-exp (``lse``), the same
+online-softmax merge the fused kernels use across key tiles, into one
+output buffer updated in place. :func:`decode_attention` merges the same way
+the partials of new queries against a KV cache split across the ranks.
 
 Layouts (how the global sequence is cut into shards):
 
@@ -84,7 +87,7 @@ class RingStats:
     bytes_received: int = 0
     # visible query-key pairs in the blocks this rank computed (its attention work)
     visible_pairs: int = 0
-    ring_steps: int = 0
+    ring_steps: int = 0  # K/V shards attended to: its own, then one per other rank whose pieces arrived
 
 
 # --------------------------------------------------------------------------
@@ -638,7 +641,6 @@ def ring_attention(
     lse = {tile: mx.broadcast_to(first_lse, (b, hq, tile[1])) for tile in tiles}
 
     def attend(kp: mx.array, vp: mx.array, k_start: int):
-        nonlocal out
         for tile in tiles:
             q_start, length, offset = tile
             kind = _block_kind(q_start, length, k_start, kp.shape[2], causal, window_size)
