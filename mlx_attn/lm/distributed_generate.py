@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_attn import distributed as dist
 from mlx_attn.cache import KVCache
 from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, _check_prompt, _responses
+from mlx_attn.lm.models.llama import Llama
 from mlx_attn.lm.sampling import apply_repetition_penalty, make_sampler
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 
@@ -72,8 +73,8 @@ def _layer_qkv(block, x: mx.array, starts: list[int], span: int):
     positions ``starts``) with RoPE at those positions."""
     attn = block.self_attn
     q, k, v = attn._project(block.input_layernorm(x), None)
-    q, k, v = attn._split_heads(q, attn.n_heads), attn._split_heads(k, attn.n_kv_heads), \
-        attn._split_heads(v, attn.n_kv_heads)
+    q = attn._split_heads(q, attn.n_heads)
+    k, v = (attn._split_heads(a, attn.n_kv_heads) for a in (k, v))
     if attn.rope is not None:
         rotate = lambda a: mx.concatenate(
             [attn.rope(a[:, :, i * span:(i + 1) * span], offset=start) for i, start in enumerate(starts)], axis=2)
@@ -147,6 +148,8 @@ def distributed_generate_step(model, prompt: list[int], config: GenerationConfig
     :mod:`mlx_attn.distributed`."""
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    if not isinstance(model, Llama):
+        raise ValueError(f"distributed generation runs the Llama decoder, got {type(model).__name__}")
     group = _check_group(group)
     check_distributed_config(config)
     if cache is None:
