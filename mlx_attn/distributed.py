@@ -1,10 +1,13 @@
 """Context-parallel (ring) attention over ``mx.distributed``.
 
 Each rank of a group holds one shard of the sequence of Q, K and V. The K/V
-shards travel around the ring (rank r sends to r+1 and receives from r-1)
-while every rank attends its queries to the block it currently holds; the
-partial results are merged exactly through the row log-sum-exp (``lse``), the
-same online-softmax merge the fused kernels use across key tiles.
+shards travel around the ring in pieces (rank r sends to r+1 and receives
+from r-1, forwarding each piece as far as some rank needs it) while every
+rank attends its queries to each piece as it arrives; the partial results
+are merged exactly through the row log-sum-exp (``lse``), the same
+online-softmax merge the fused kernels use across key tiles, into one
+output buffer updated in place. :func:`decode_attention` merges the same way
+the partials of new queries against a KV cache split across the ranks.
 
 Layouts (how the global sequence is cut into shards):
 
@@ -45,6 +48,7 @@ __all__ = [
     "init",
     "ring_attention",
     "merge_partials",
+    "decode_attention",
     "shard_sequence",
     "unshard_sequence",
     "chunk_ids",
@@ -63,6 +67,10 @@ WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL: a peer, not this rank, is at fault
 # Queries per attention call when blocks take the reference path (no fused
 # kernel): bounds the float32 score tile (rows x keys) a rank materializes.
 _REFERENCE_QUERY_TILE = 256
+# K/V travel in pieces of about 1/_PIECES_PER_CHUNK of a chunk (at least
+# _MIN_PIECE positions): what bounds a rank's memory beyond its own shards.
+_PIECES_PER_CHUNK = 8
+_MIN_PIECE = 64
 # The blocks' backend; tests set "reference" to cover the tiled path.
 _BLOCK_BACKEND = "auto"
 
@@ -79,7 +87,7 @@ class RingStats:
     bytes_received: int = 0
     # visible query-key pairs in the blocks this rank computed (its attention work)
     visible_pairs: int = 0
-    ring_steps: int = 0
+    ring_steps: int = 0  # K/V shards attended to: its own, then one per other rank whose pieces arrived
 
 
 # --------------------------------------------------------------------------
@@ -403,6 +411,67 @@ def merge_partials(out_a: mx.array, lse_a: mx.array, out_b: mx.array, lse_b: mx.
     return _merge(out_a, lse_a, out_b, lse_b)
 
 
+def _merge_gathered(gathered: mx.array, ranks: int, value_dim: int):
+    """Folds the ``ranks`` partials of an all_gather (rank order, so every
+    rank merges the same numbers the same way and gets identical bits)."""
+    parts = mx.split(gathered, ranks, axis=0)
+    out, lse = parts[0][..., :value_dim], parts[0][..., value_dim]
+    for part in parts[1:]:
+        out, lse = merge_partials(out, lse, part[..., :value_dim], part[..., value_dim])
+    return out, lse
+
+
+def decode_attention(
+    q: mx.array,
+    k: mx.array | None,
+    v: mx.array | None,
+    *,
+    scale: float,
+    group: mx.distributed.Group | None = None,
+    backend: str = "auto",
+    timeout: float | None = None,
+) -> mx.array:
+    """Attention of a few new queries to keys spread over the ranks.
+
+    Every rank passes the same ``q`` ``[B, Hq, Tq, D]`` and its own part of
+    the keys and values ``k`` ``[B, Hkv, S_r, D]``, ``v`` ``[B, Hkv, S_r, Dv]``
+    (any split, any order; ``None`` or ``S_r = 0`` for a rank that holds
+    none); no mask: every query sees every key. Each rank computes its
+    partial ``(out, lse)`` with ``return_lse=True``, one ``all_gather``
+    brings all of them to every rank, and they merge exactly by log-sum-exp
+    in rank order. Returns ``[B, Hq, Tq, Dv]`` in ``q``'s dtype, identical on
+    every rank, equal to ``scaled_dot_product_attention`` over all the keys.
+    """
+    group = _group(group)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must both be arrays or both be None")
+    if not isinstance(q, mx.array) or q.ndim != 4:
+        raise ValueError(f"q must be a 4-d mlx array [B, Hq, Tq, D], got {getattr(q, 'shape', type(q).__name__)}")
+    value_dim = v.shape[-1] if v is not None else q.shape[-1]
+    _check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
+                             group, timeout)
+    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout)
+
+
+def _decode_attention(q, k, v, *, scale, group, backend, timeout):
+    """:func:`decode_attention` without the cross-rank check (generation
+    checks its inputs once, not at every layer of every token)."""
+    if k is not None and k.shape[2] > 0:
+        out, lse = scaled_dot_product_attention(q, k, v, scale=scale, backend=backend, return_lse=True)
+        value_dim = v.shape[-1]
+    else:  # nothing held here: a partial that contributes nothing
+        value_dim = v.shape[-1] if v is not None else q.shape[-1]
+        out = mx.zeros((*q.shape[:3], value_dim), mx.float32)
+        lse = mx.full(q.shape[:3], -mx.inf)
+    if group.size() == 1:
+        return out.astype(q.dtype)
+    packed = mx.concatenate([out.astype(mx.float32), lse.astype(mx.float32)[..., None]], axis=-1)
+    gathered = mx.distributed.all_gather(packed, group=group)
+    _communicate("decode_attention all_gather", [gathered], group, timeout)
+    merged, _ = _merge_gathered(gathered, group.size(), value_dim)
+    return merged.astype(q.dtype)
+
+
 # --------------------------------------------------------------------------
 # ring attention
 
@@ -418,12 +487,69 @@ class _Shard:
         """(chunk id, global start, offset in the shard) for each chunk."""
         return [(c, c * self.chunk_len, i * self.chunk_len) for i, c in enumerate(self.chunks)]
 
+    def pieces(self, piece_len: int):
+        """(global start, length, offset in the shard) of each piece of at
+        most ``piece_len`` positions, chunk by chunk, in shard order."""
+        return [
+            (start + p, min(piece_len, self.chunk_len - p), offset + p)
+            for _, start, offset in self.spans()
+            for p in range(0, self.chunk_len, piece_len)
+        ]
 
-def _needed(q_shard: _Shard, k_chunk: int, k_len: int, causal, window_size) -> bool:
-    return any(
-        _block_kind(start, q_shard.chunk_len, k_chunk * k_len, k_len, causal, window_size) != "skip"
-        for _, start, _ in q_shard.spans()
-    )
+
+def _piece_len(chunk_len: int) -> int:
+    """Positions per travelling K/V piece (and per query tile on the fused
+    path): a fraction of a chunk, so a rank never holds a whole received
+    block, but not so small that messages and kernel calls dominate."""
+    return min(chunk_len, max(_MIN_PIECE, -(-chunk_len // _PIECES_PER_CHUNK)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    source: int  # the rank whose shard it is
+    start: int  # global position of its first key
+    length: int
+    offset: int  # where it starts in the source's shard
+    reach: int  # how many ranks along the ring it travels (the farthest that needs it)
+
+
+def _ring_schedule(ranks: int, layout_of, kv_len: int, q_len: int, causal: bool, window_size):
+    """The rounds of the exchange, identical on every rank: ``rounds[t][r]``
+    is the piece rank r sends to r+1 in round t (or None). A rank forwards
+    the piece it received the round before while it still has to travel,
+    else sends its next own piece; so it holds at most the piece it
+    forwards and the one it receives, never a whole block."""
+
+    def needs(rank: int, piece_start: int, piece_len: int) -> bool:
+        q_shard = layout_of(rank, q_len)
+        return any(_block_kind(start, q_shard.chunk_len, piece_start, piece_len, causal, window_size) != "skip"
+                   for _, start, _ in q_shard.spans())
+
+    own = []
+    for source in range(ranks):
+        shard = layout_of(source, kv_len)
+        pieces = []
+        for start, length, offset in shard.pieces(_piece_len(shard.chunk_len)):
+            reach = max((d for d in range(1, ranks) if needs((source + d) % ranks, start, length)), default=0)
+            if reach:
+                pieces.append(_Piece(source, start, length, offset, reach))
+        own.append(pieces)
+    carried = [None] * ranks  # (piece, hops travelled) each rank received last round
+    rounds = []
+    while True:
+        sends = []
+        for r in range(ranks):
+            held = carried[r]
+            if held is not None and held[1] < held[0].reach:
+                sends.append((held[0], held[1] + 1))
+            elif own[r]:
+                sends.append((own[r].pop(0), 1))
+            else:
+                sends.append(None)
+        if all(s is None for s in sends):
+            return rounds
+        rounds.append([s[0] if s else None for s in sends])
+        carried = [sends[(r - 1) % ranks] for r in range(ranks)]
 
 
 def ring_attention(
@@ -502,119 +628,93 @@ def ring_attention(
         layout_of = lambda r, length: _Shard((r,), length)
     q_shard = layout_of(rank, q_len)
 
-    # Accumulators per query tile: (global start, length, shard offset) -> (out, lse).
-    # The fused kernel never materializes scores: one tile per chunk then.
-    tile_len = _REFERENCE_QUERY_TILE if _scores_materialized(q, k, v) else q_shard.chunk_len
-    tiles = [
-        (start + t, min(tile_len, q_shard.chunk_len - t), offset + t)
-        for _, start, offset in q_shard.spans()
-        for t in range(0, q_shard.chunk_len, tile_len)
-    ]
-    acc = {tile: None for tile in tiles}
+    # The output accumulates in place in one float32 buffer (merged tile by
+    # tile, so no second output-sized array ever exists); each query tile
+    # keeps its row log-sum-exp. Sinks start the accumulator: a partial with
+    # no value and log-mass `sink`.
+    b, hq = q.shape[:2]
+    tile_len = _REFERENCE_QUERY_TILE if _scores_materialized(q, k, v) else _piece_len(q_shard.chunk_len)
+    tiles = q_shard.pieces(tile_len)
+    out = mx.zeros((b, hq, q_len, v.shape[-1]), mx.float32)
+    first_lse = (mx.full((b, hq, 1), -mx.inf) if sinks is None
+                 else sinks.astype(mx.float32).reshape(1, hq, 1))
+    lse = {tile: mx.broadcast_to(first_lse, (b, hq, tile[1])) for tile in tiles}
 
-    def attend(block: dict[int, tuple[mx.array, mx.array]], source_shard: _Shard):
-        for chunk, (kc, vc) in block.items():
-            k_start = chunk * source_shard.chunk_len
-            for tile in tiles:
-                q_start, length, offset = tile
-                k_len = kc.shape[2]
-                kind = _block_kind(q_start, length, k_start, k_len, causal, window_size)
-                if kind == "skip":
-                    continue
-                block_mask = _block_mask(kind, q_start, length, k_start, k_len, window_size)
-                partial = _attend_block(
-                    q[:, :, offset : offset + length], kc, vc, scale=scale, mask=block_mask, window_size=window_size
-                )
-                acc[tile] = partial if acc[tile] is None else merge_partials(*acc[tile], *partial)
-                mx.eval(*acc[tile])  # bounds memory: one score tile alive at a time
-                if stats is not None:
-                    stats.visible_pairs += _visible_pairs(q_start, length, k_start, k_len, causal, window_size)
-
-    def needed_downstream(source: int, chunk: int, first_step: int, k_chunk_len: int) -> bool:
-        """Does some rank at ring distance >= first_step from ``source`` need ``chunk``?"""
-        return any(
-            _needed(layout_of((source + s) % ranks, q_len), chunk, k_chunk_len, causal, window_size)
-            for s in range(first_step, ranks)
-        )
+    def attend(kp: mx.array, vp: mx.array, k_start: int):
+        for tile in tiles:
+            q_start, length, offset = tile
+            kind = _block_kind(q_start, length, k_start, kp.shape[2], causal, window_size)
+            if kind == "skip":
+                continue
+            block_mask = _block_mask(kind, q_start, length, k_start, kp.shape[2], window_size)
+            rows = slice(offset, offset + length)
+            merged, lse[tile] = merge_partials(
+                out[:, :, rows], lse[tile],
+                *_attend_block(q[:, :, rows], kp, vp, scale=scale, mask=block_mask, window_size=window_size),
+            )
+            mx.eval(merged, lse[tile])  # one tile's partial alive at a time
+            out[:, :, rows] = merged  # in place: `out` has no other reference
+            del merged
+            mx.eval(out)
+            if stats is not None:
+                stats.visible_pairs += _visible_pairs(q_start, length, k_start, kp.shape[2], causal, window_size)
 
     k_shard = layout_of(rank, kv_len)
-    block = {
-        c: (k[:, :, off : off + k_shard.chunk_len], v[:, :, off : off + k_shard.chunk_len])
-        for c, _, off in k_shard.spans()
-    }
-    for step in range(ranks):
-        source = (rank - step) % ranks
-        attend(block, layout_of(source, kv_len))
-        if stats is not None:
-            stats.ring_steps += 1
-        if step == ranks - 1:
-            break
-        block = _pass_block(block, step + 1, source, group, k_shard.chunk_len, kv_len, layout_of,
-                            needed_downstream, k, v, timeout, stats)
-
-    del block  # the last received K/V: not needed while the output is assembled
-    outs = []
-    for tile in tiles:
-        if acc[tile] is None:  # no key visible anywhere
-            b, hq = q.shape[:2]
-            acc[tile] = (mx.zeros((b, hq, tile[1], v.shape[-1]), mx.float32), mx.full((b, hq, tile[1]), -mx.inf))
-        out, lse = acc.pop(tile)
-        if sinks is not None:  # a sink is a partial with no value and log-mass `sink`
-            sink_lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], lse.shape)
-            out, _ = merge_partials(out, lse, mx.zeros_like(out), sink_lse)
-        outs.append(out.astype(out_dtype))
-        mx.eval(outs[-1])  # frees this tile's float32 accumulator before the next
-    return mx.concatenate(outs, axis=2)
+    for start, length, offset in k_shard.pieces(_piece_len(k_shard.chunk_len)):
+        attend(k[:, :, offset : offset + length], v[:, :, offset : offset + length], start)
+    if stats is not None:
+        stats.ring_steps += 1
+    _exchange(_ring_schedule(ranks, layout_of, kv_len, q_len, causal, window_size), group, k, v, attend,
+              timeout, stats)
+    return out if out_dtype == mx.float32 else out.astype(out_dtype)
 
 
-def _pass_block(block, exchange, held_source, group, chunk_len, kv_len, layout_of, needed_downstream, k, v,
-                timeout, stats):
-    """Exchange ``exchange`` (1..n-1): send the held block of ``held_source``
-    to rank+1 and receive rank-1's (source ``held_source - 1``). Only chunks
-    some rank further along still needs travel; sender and receiver decide
-    the same from the layout. Even ranks send first, odd ranks receive first
-    (MLX's ring send/recv block, so all-send-first would deadlock)."""
+def _exchange(rounds, group, k, v, attend, timeout, stats):
+    """Runs the schedule of :func:`_ring_schedule`: each round a rank sends
+    one piece to rank+1 and receives one from rank-1 (and attends to it if
+    its queries see it). Even ranks send first, odd ranks receive first:
+    MLX's ring send/recv block, so all-send-first would deadlock."""
     ranks, rank = group.size(), group.rank()
     right, left = (rank + 1) % ranks, (rank - 1) % ranks
-    incoming_source = (held_source - 1) % ranks
-    # both sides walk chunks in layout order, so the k/v messages pair up
-    to_send = [
-        c for c in layout_of(held_source, kv_len).chunks
-        if c in block and needed_downstream(held_source, c, exchange, chunk_len)
-    ]
-    to_receive = [
-        c for c in layout_of(incoming_source, kv_len).chunks if needed_downstream(incoming_source, c, exchange, chunk_len)
-    ]
-    k_shape = (k.shape[0], k.shape[1], chunk_len, k.shape[3])
-    v_shape = (v.shape[0], v.shape[1], chunk_len, v.shape[3])
-    what = f"ring exchange {exchange}"
+    held = None  # (piece, k, v) received last round
 
-    def send():
-        for c in to_send:
-            for a in block[c]:
-                # a chunk of a shard is a strided view: send a short-lived contiguous copy
-                sent = mx.distributed.send(mx.contiguous(a), right, group=group)
-                _communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
-                if stats is not None:
-                    stats.bytes_sent += a.nbytes
+    def send(piece: _Piece, what: str):
+        if piece.source == rank:  # an own piece is a strided view: send a short-lived contiguous copy
+            arrays = [mx.contiguous(a[:, :, piece.offset : piece.offset + piece.length]) for a in (k, v)]
+        elif held is not None and held[0] == piece:
+            arrays = list(held[1:])
+        else:  # the schedule forwards only what arrived the round before
+            raise RuntimeError(f"ring schedule broken on rank {rank}: {piece} was not received last round")
+        for a in arrays:
+            sent = mx.distributed.send(a, right, group=group)
+            _communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
+            if stats is not None:
+                stats.bytes_sent += a.nbytes
 
-    received = {}
+    def receive(piece: _Piece, what: str):
+        parts = []
+        for like in (k, v):
+            part = mx.distributed.recv((*like.shape[:2], piece.length, like.shape[3]), like.dtype, left, group=group)
+            _communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
+            parts.append(part)
+            if stats is not None:
+                stats.bytes_received += part.nbytes
+        return (piece, *parts)
 
-    def receive():
-        for c in to_receive:
-            parts = []
-            for shape, dtype in ((k_shape, k.dtype), (v_shape, v.dtype)):
-                part = mx.distributed.recv(shape, dtype, left, group=group)
-                _communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
-                parts.append(part)
-                if stats is not None:
-                    stats.bytes_received += part.nbytes
-            received[c] = tuple(parts)
-
-    if rank % 2 == 0:
-        send()
-        receive()
-    else:
-        receive()
-        send()
-    return received
+    seen = set()
+    for index, pieces in enumerate(rounds):
+        what = f"ring round {index + 1} of {len(rounds)}"
+        outgoing, incoming = pieces[rank], pieces[left]
+        arrived = None
+        if rank % 2 and incoming is not None:
+            arrived = receive(incoming, what)
+        if outgoing is not None:
+            send(outgoing, what)
+        if rank % 2 == 0 and incoming is not None:
+            arrived = receive(incoming, what)
+        held = arrived  # the piece sent this round (if forwarded) is no longer needed
+        if arrived is not None:
+            attend(arrived[1], arrived[2], incoming.start)
+            if stats is not None and incoming.source not in seen:
+                seen.add(incoming.source)
+                stats.ring_steps += 1

@@ -139,6 +139,19 @@ def test_one_rank_equals_scaled_dot_product_attention(layout, mask, window, bloc
     assert stats.visible_pairs == dist.attention_work(16, 1, layout=layout, causal=causal, window_size=window)[0]
 
 
+def test_ring_attention_accumulates_the_output_in_place():
+    # beyond its inputs a rank holds the float32 output and a few query tiles, never a second output-sized array
+    q, k, v = _random((1, 4, 8192, 32), 20), _random((1, 1, 8192, 32), 21), _random((1, 1, 8192, 32), 22)
+    mx.eval(q, k, v)
+    mx.reset_peak_memory()
+    out = dist.ring_attention(q, k, v, scale=32**-0.5, mask="causal")
+    mx.eval(out)
+    beyond_inputs = mx.get_peak_memory() - (q.nbytes + k.nbytes + v.nbytes)
+    assert beyond_inputs <= 1.3 * out.nbytes
+    assert mx.allclose(out, mlx_attn.scaled_dot_product_attention(q, k, v, scale=32**-0.5, mask="causal"),
+                       atol=1e-5).item()
+
+
 def test_one_rank_shard_and_unshard_are_identities():
     x = _random((1, 2, 8, 3), 10)
     assert mx.array_equal(dist.shard_sequence(x), x).item()
@@ -219,13 +232,13 @@ def _free_ports(count: int) -> int:
     raise RuntimeError("no run of free ports on 127.0.0.1")
 
 
-def _launch(ranks: int, mode: str, out_dir: Path, *extra: str):
+def _launch(ranks: int, mode: str, out_dir: Path, *extra: str, timeout_s: float = LAUNCH_TIMEOUT_S):
     command = [
         *_launcher(), "-n", str(ranks), "--backend", "ring", "--hosts", "127.0.0.1",
         "--starting-port", str(_free_ports(ranks)),
         sys.executable, str(WORKER), mode, str(out_dir), *extra,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -240,6 +253,12 @@ def _cases():
                 cases.append({"seed": seed, "seq": 72, "head_dim": 8, "q_heads": q_heads, "kv_heads": kv_heads,
                               "batch": 1 + seed % 2, "dtype": dtype, "layout": layout, "mask": mask,
                               "window": window, "sinks": sinks})
+        # K/V travelling in several pieces per chunk (the default keeps a chunk this short whole)
+        for mask, window, sinks in [("causal", None, False), ("causal", 5, True), (None, None, False)]:
+            seed += 1
+            cases.append({"seed": seed, "seq": 72, "head_dim": 8, "q_heads": 4, "kv_heads": 2, "batch": 1,
+                          "dtype": "float32", "layout": layout, "mask": mask, "window": window, "sinks": sinks,
+                          "min_piece": 2})
     return cases
 
 
@@ -263,6 +282,8 @@ def test_ring_attention_matches_single_process_attention(ring_results):
             assert result["max_abs_error"] <= TOLERANCE[case["dtype"]], label
             assert result["out_dtype"] == f"mlx.core.{case['dtype']}", label
             assert result["shard_matches"], label
+            if case["mask"] is None and case["window"] is None:
+                assert result["ring_steps"] == ranks, label  # its own block, then every other rank's
 
 
 def test_each_rank_does_exactly_its_layout_work(ring_results):
@@ -363,6 +384,111 @@ def test_a_peer_that_never_connects_trips_the_watchdog(tmp_path):
     assert code == -signal.SIGTERM, stderr
     assert "connecting the 'ring' group did not finish within 3 s" in stderr, stderr
     assert not (tmp_path / "rank0.json").exists()
+
+
+# --------------------------------------------------------------------------
+# distributed generation
+
+
+def test_decode_attention_across_ranks_equals_attention_over_the_whole_cache(tmp_path):
+    per_rank = _launch(2, "decode", tmp_path)
+    assert len(per_rank[0]) == 4
+    for index, result in enumerate(per_rank[0]):
+        case = result["case"]
+        assert sum(r[index]["held"] for r in per_rank) == case["seq"], case  # the cache is split, not copied
+        for rank, results in enumerate(per_rank):
+            mine = results[index]
+            assert mine["max_abs_error"] <= TOLERANCE[case["dtype"]], f"rank {rank}: {case}"
+            assert mine["out_dtype"] == f"mlx.core.{case['dtype']}", case
+            assert mine["values"] == result["values"], f"ranks disagree: {case}"  # same bits everywhere
+    assert [r[3]["held"] for r in per_rank] == [1, 0]  # a rank holding no key contributes nothing
+
+
+GENERATE_PROMPT = ("Ring attention splits a long sequence across machines. Each rank keeps a shard of the "
+                   "keys and values, and the partial results merge through the log-sum-exp. Explain it briefly.")
+GENERATE_TOKENS = 6
+
+
+def test_distributed_generation_equals_the_single_process_greedy_tokens(tmp_path):
+    from model_fixtures import smollm2
+
+    from mlx_attn.lm.generate import GenerationConfig, generate_tokens
+
+    model, tokenizer = smollm2()
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": GENERATE_PROMPT}],
+                                                            add_generation_prompt=True), add_special_tokens=False)
+    assert len(prompt) >= 40  # several tokens per rank and chunk
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"prompt": prompt, "max_tokens": GENERATE_TOKENS}))
+    # every rank loads SmolLM2: slow on a loaded 2-core machine (about 30 s when idle)
+    per_rank = _launch(2, "generate", tmp_path, str(request), timeout_s=3 * LAUNCH_TIMEOUT_S)
+    expected = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=GENERATE_TOKENS, stop_at_eos=False)))
+    assert len(expected) == GENERATE_TOKENS
+    for rank, result in enumerate(per_rank):
+        assert result["tokens"] == expected, f"rank {rank}"
+        held = result["held"]
+        assert len(set(held)) == 1, "every layer holds the same positions"
+        assert held[0] >= len(prompt) // 4, f"rank {rank} holds only {held[0]} tokens"
+    # every position's K/V (the prompt but its last token, then one per decoded token) is held exactly once
+    assert sum(r["held"][0] for r in per_rank) == len(prompt) - 1 + GENERATE_TOKENS
+
+
+def test_distributed_generation_with_different_prompts_fails_on_every_rank(tmp_path):
+    for rank, result in enumerate(_launch(2, "generate_mismatch", tmp_path)):
+        assert result["error"] is not None and "differ across ranks" in result["error"], rank
+
+
+def test_cli_distributed_prints_the_single_process_text_on_rank_0_only(tmp_path, capsys):
+    from model_fixtures import random_llama, tiny_vocabulary, write_llama_gguf
+
+    from mlx_attn.lm.cli import main as cli_main
+
+    vocab = len(tiny_vocabulary()[0])  # a tiny model: this test is about the command, not the numbers
+    model = write_llama_gguf(tmp_path / "tiny.gguf", model=random_llama(rope_traditional=True, vocab_size=vocab),
+                             llama__vocab_size=vocab)
+    argv = ["generate", "--model", str(model), "--prompt", "the then in the " * 8, "--max-tokens", "5",
+            "--ignore-chat-template", "--quiet"]
+    command = [*_launcher(), "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1",
+               "--starting-port", str(_free_ports(2)), sys.executable, "-m", "mlx_attn.lm.cli", *argv,
+               "--distributed"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert cli_main(argv) == 0
+    single = capsys.readouterr().out
+    assert len(single) > len("the then in the " * 8) and done.stdout == single  # printed once: rank 1 is silent
+
+
+def test_cli_distributed_without_a_group_says_how_to_launch(capsys, monkeypatch):
+    from mlx_attn.lm.cli import main as cli_main
+
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert cli_main(["generate", "--distributed", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "--distributed needs a distributed group of more than one rank" in error and "mlx.launch -n 2" in error
+
+
+@pytest.mark.parametrize("flags,named", [(["--max-kv-size", "64"], "--max-kv-size"), (["--kv-bits", "8"], "--kv-bits"),
+                                         (["--prompt-cache-file", "cache.safetensors"], "--prompt-cache-file")])
+def test_cli_distributed_refuses_options_it_does_not_support(capsys, flags, named):
+    from mlx_attn.lm.cli import main as cli_main
+
+    assert cli_main(["generate", "--distributed", "--prompt", "hi", *flags]) == 2
+    error = capsys.readouterr().err
+    assert named in error and "cannot be combined with" in error, error
+
+
+def test_distributed_generate_step_needs_a_group_of_several_ranks():
+    from mlx_attn.lm.distributed_generate import distributed_generate_step
+    from mlx_attn.lm.generate import GenerationConfig
+    from model_fixtures import tiny_llama
+
+    model = tiny_llama()
+    steps = distributed_generate_step(model, [1, 2, 3], GenerationConfig(max_tokens=2), mx.distributed.init())
+    with pytest.raises(ValueError, match="more than one rank.*mlx.launch"):
+        next(steps)
+    steps = distributed_generate_step(model, [1, 2], GenerationConfig(max_tokens=2), group="world")
+    with pytest.raises(ValueError, match="group must be an mx.distributed.Group"):
+        next(steps)
 
 
 # --------------------------------------------------------------------------

@@ -8,6 +8,7 @@
     mlx-attn convert --model model.gguf --mlx-path smollm2-mlx   # a directory mlx-lm loads
     mlx-attn doctor > report.md                       # what this machine runs, checked
     mlx-attn generate --kv-bits 8 "..."              # quantized KV cache (4 or 8 bits)
+    mlx.launch -n 2 --backend ring -- mlx-attn generate --distributed --prompt "$(cat long.txt)"
 
 A model's chat template applies by default (``--ignore-chat-template`` turns
 it off). A user mistake (bad option, damaged model file, broken chat
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -108,6 +110,9 @@ def _add_generation_options(parser) -> None:
     parser.add_argument("--verbose", nargs="?", type=_bool, const=True, default=False,
                         help="print as mlx-lm does: the text between ========== lines, then the statistics")
     parser.add_argument("--quiet", action="store_true", help="no statistics line")
+    parser.add_argument("--distributed", action="store_true",
+                        help="split the prompt and KV cache across the ranks started by mlx.launch "
+                             "(--backend ring); rank 0 prints the text")
 
 
 def _generation_config(args) -> GenerationConfig:
@@ -223,10 +228,29 @@ def _reuse_cache(caches, cached_ids: list[int], ids: list[int]) -> list[int]:
     return ids[common:]
 
 
+# ---------------------------------------------------------------- distributed
+def _distributed_group(args, config: GenerationConfig):
+    """The ring group of ``--distributed`` (checked before the model loads)."""
+    from mlx_attn import distributed  # noqa: PLC0415 (only --distributed needs it)
+    from mlx_attn.lm.distributed_generate import LAUNCH_HINT, check_distributed_config  # noqa: PLC0415
+
+    if args.prompt_cache_file:
+        raise ValueError("--prompt-cache-file cannot be combined with --distributed: a prompt cache is one "
+                         "process's whole KV cache, not a shard")
+    check_distributed_config(config)
+    if "MLX_HOSTFILE" not in os.environ:  # what mlx.launch --backend ring sets for each rank
+        raise ValueError(f"--distributed needs a distributed group of more than one rank: {LAUNCH_HINT}")
+    group = distributed.init(backend="ring")
+    if group.size() < 2:
+        raise ValueError(f"--distributed needs more than one rank, the group has {group.size()}: {LAUNCH_HINT}")
+    return group
+
+
 # ---------------------------------------------------------------- commands
 def _generate(args) -> int:
     prompt = _prompt_text(args)
     config = _generation_config(args)  # every option is checked before the (slow) model load
+    group = _distributed_group(args, config) if args.distributed else None
     cached = _read_prompt_cache(args) if args.prompt_cache_file else None
     model_name = cached[3] if cached and args.model is None else args.model
     model, tokenizer = _load(args, model_name)
@@ -240,7 +264,16 @@ def _generate(args) -> int:
         ids = _reuse_cache(cache, cached_ids, _render(args, tokenizer, cached_prompt + prompt, templated))
     else:
         ids = _render(args, tokenizer, prompt, templated)
-    responses = stream_generate(model, tokenizer, ids, config, cache=cache)
+    if group is not None:
+        from mlx_attn.lm.distributed_generate import distributed_stream_generate  # noqa: PLC0415
+
+        responses = distributed_stream_generate(model, tokenizer, ids, config, group)
+        if group.rank() != 0:  # every rank computes the same tokens; rank 0 speaks for all
+            for _ in responses:
+                pass
+            return 0
+    else:
+        responses = stream_generate(model, tokenizer, ids, config, cache=cache)
     first = next(responses)  # the prompt is checked against the model before anything is printed
     if args.verbose:
         print("=" * 10)

@@ -204,8 +204,11 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
 
 
 def _responses(model, detokenizer: StreamingDetokenizer, prompt: list[int], config: GenerationConfig,
-               eos_token_ids, cache) -> Iterator[GenerationResponse]:
-    """The response stream; the last one carries the finish reason."""
+               eos_token_ids, cache, steps: Iterator[tuple[int, mx.array | None]] | None = None
+               ) -> Iterator[GenerationResponse]:
+    """The response stream; the last one carries the finish reason. ``steps``:
+    the (token, logprobs) source, :func:`generate_step` unless given (the
+    distributed generator passes its own)."""
     mx.reset_peak_memory()
     start = time.perf_counter()
     prompt_tps, generated, token, logprobs, text = 0.0, 0, None, None, ""
@@ -216,7 +219,7 @@ def _responses(model, detokenizer: StreamingDetokenizer, prompt: list[int], conf
                                   generated / elapsed if generated and elapsed > 0 else 0.0,
                                   mx.get_peak_memory() / BYTES_PER_GB, finish_reason)
 
-    for token, logprobs in generate_step(model, prompt, config, cache):
+    for token, logprobs in steps if steps is not None else generate_step(model, prompt, config, cache):
         if generated == 0:
             prompt_tps = len(prompt) / (time.perf_counter() - start)
             start = time.perf_counter()

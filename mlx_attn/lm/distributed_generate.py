@@ -1,0 +1,194 @@
+"""Generation with the prompt and the KV cache split across the ranks of an
+``mx.distributed`` group (started by ``mlx.launch``).
+
+Every rank holds the whole model and runs the same token loop; only the
+sequence is split:
+
+- **prefill**: the prompt (all but its last token, as in
+  :func:`mlx_attn.lm.generate.generate_step`) is padded at its end to a
+  multiple of ``2n`` and cut with the zigzag layout of
+  :mod:`mlx_attn.distributed`. Each rank embeds its own tokens, applies the
+  norms, projections, RoPE (at the tokens' global positions) and MLP to them
+  alone, and computes attention with :func:`mlx_attn.distributed.ring_attention`.
+  Each layer's cache keeps only this rank's real tokens (the padding is
+  dropped; it sits after every real token, so causally no real query saw it).
+- **decode**: every rank runs the new token through the model. Its key and
+  value go to the cache of rank ``position % n`` only (round-robin, so the
+  caches grow evenly); at each layer every rank attends the query to the
+  keys it holds and :func:`mlx_attn.distributed.decode_attention` merges the
+  partials exactly (one ``all_gather`` of output and log-sum-exp per layer).
+  The merge runs in rank order, so every rank computes the same logits;
+  rank 0's token is broadcast anyway (an ``all_sum``) so sampling can never
+  make the ranks diverge.
+
+Greedy output equals the single-process run's, token for token, up to
+float rounding in the merged attention (tested on SmolLM2).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import mlx.core as mx
+
+from mlx_attn import distributed as dist
+from mlx_attn.cache import KVCache
+from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, _check_prompt, _responses
+from mlx_attn.lm.models.llama import Llama
+from mlx_attn.lm.sampling import apply_repetition_penalty, make_sampler
+from mlx_attn.lm.tokenizer import StreamingDetokenizer
+
+__all__ = ["distributed_generate_step", "distributed_stream_generate", "check_distributed_config",
+           "LAUNCH_HINT", "PADDING_TOKEN"]
+
+LAUNCH_HINT = ("start the ranks with mlx.launch, e.g. "
+               "'mlx.launch -n 2 --backend ring -- mlx-attn generate --distributed ...' "
+               "(or --hostfile hosts.json across Macs)")
+PADDING_TOKEN = 0  # fills the prompt's tail to a multiple of 2n; never attended to by a real token
+
+
+def check_distributed_config(config: GenerationConfig) -> None:
+    """Refuses the generation options the sharded cache does not support."""
+    if config.max_kv_size is not None:
+        raise ValueError("max_kv_size (--max-kv-size) cannot be combined with distributed generation: "
+                         "the sharded KV cache is not a rotating window")
+    if config.kv_bits is not None:
+        raise ValueError("kv_bits (--kv-bits) cannot be combined with distributed generation: "
+                         "the sharded KV cache is not quantized")
+    if config.logprobs:
+        raise ValueError("logprobs are not returned by distributed generation")
+
+
+def _check_group(group) -> mx.distributed.Group:
+    if not isinstance(group, mx.distributed.Group):
+        raise ValueError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
+    if group.size() < 2:
+        raise ValueError(f"distributed generation needs a group of more than one rank, got {group.size()}: "
+                         f"{LAUNCH_HINT}")
+    return group
+
+
+def _layer_qkv(block, x: mx.array, starts: list[int], span: int):
+    """Queries, keys and values of ``x`` (pieces of ``span`` tokens at global
+    positions ``starts``) with RoPE at those positions."""
+    attn = block.self_attn
+    q, k, v = attn._project(block.input_layernorm(x), None)
+    q = attn._split_heads(q, attn.n_heads)
+    k, v = (attn._split_heads(a, attn.n_kv_heads) for a in (k, v))
+    if attn.rope is not None:
+        rotate = lambda a: mx.concatenate(
+            [attn.rope(a[:, :, i * span:(i + 1) * span], offset=start) for i, start in enumerate(starts)], axis=2)
+        q, k = rotate(q), rotate(k)
+    return q, k, v
+
+
+def _finish_layer(block, x: mx.array, attention: mx.array) -> mx.array:
+    b, h, t, dv = attention.shape
+    x = x + block.self_attn.o_proj(attention.transpose(0, 2, 1, 3).reshape(b, t, h * dv))
+    return x + block.mlp(block.post_attention_layernorm(x))
+
+
+def _logits(model, x: mx.array) -> mx.array:
+    x = model.norm(x)
+    return model.embed_tokens.as_linear(x) if model.config.tie_word_embeddings else model.lm_head(x)
+
+
+def _prefill(model, tokens: list[int], caches: list[KVCache], group, timeout) -> None:
+    """Fills each rank's caches with its zigzag share of ``tokens``."""
+    ranks, rank = group.size(), group.rank()
+    chunks = 2 * ranks
+    span = -(-len(tokens) // chunks)  # tokens per chunk, padding included
+    padded = tokens + [PADDING_TOKEN] * (span * chunks - len(tokens))
+    ids = dist.chunk_ids("zigzag", rank, ranks)
+    starts = [c * span for c in ids]
+    positions = [start + i for start in starts for i in range(span)]
+    mine = mx.array([padded[p] for p in positions])[None]
+    real = mx.array([i for i, p in enumerate(positions) if p < len(tokens)])  # this rank's unpadded tokens
+    x = model.embed_tokens(mine)
+    for block, cache in zip(model.layers, caches):
+        q, k, v = _layer_qkv(block, x, starts, span)
+        attention = dist.ring_attention(q, k, v, scale=block.self_attn.scale, mask="causal", group=group,
+                                        layout="zigzag", timeout=timeout)
+        if real.size:
+            cache.update_and_fetch(k[:, :, real], v[:, :, real])
+        x = _finish_layer(block, x, attention)
+        mx.eval(x, [c.state for c in caches if c.keys is not None])
+
+
+def _decode(model, token: mx.array, position: int, caches: list[KVCache], group, timeout) -> mx.array:
+    """Logits ``[1, vocab]`` of ``token`` at global ``position``; its K/V go to rank ``position % n``."""
+    owner = position % group.size() == group.rank()
+    x = model.embed_tokens(token.reshape(1, 1))
+    for block, cache in zip(model.layers, caches):
+        q, k, v = _layer_qkv(block, x, [position], 1)
+        keys, values = cache.update_and_fetch(k, v) if owner else cache.state
+        attention = dist._decode_attention(q, keys, values, scale=block.self_attn.scale, group=group,
+                                           backend=block.self_attn.backend, timeout=timeout)
+        x = _finish_layer(block, x, attention)
+    return _logits(model, x)[:, -1]
+
+
+def _agree(token: mx.array, group, timeout) -> mx.array:
+    """Rank 0's token on every rank (one small all_sum)."""
+    mine = token.astype(mx.int64) if group.rank() == 0 else mx.zeros(token.shape, mx.int64)
+    agreed = mx.distributed.all_sum(mine, group=group)
+    dist._communicate("agreeing on the next token", [agreed], group, timeout)
+    return agreed.astype(token.dtype)
+
+
+def distributed_generate_step(model, prompt: list[int], config: GenerationConfig, group, *,
+                              cache: list | None = None, timeout: float | None = None
+                              ) -> Iterator[tuple[int, None]]:
+    """Yields ``(token id, None)`` for up to ``config.max_tokens`` tokens on
+    every rank (the same tokens), like :func:`generate_step` but with the
+    prompt and the cache split across ``group``. Every rank must pass the
+    same prompt and config (checked: a difference is a ValueError on all).
+    ``cache``: empty per-layer ``KVCache`` objects to fill with this rank's
+    share (to inspect it); made fresh when None. ``timeout``: see
+    :mod:`mlx_attn.distributed`."""
+    if not isinstance(config, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    if not isinstance(model, Llama):
+        raise ValueError(f"distributed generation runs the Llama decoder, got {type(model).__name__}")
+    group = _check_group(group)
+    check_distributed_config(config)
+    if cache is None:
+        cache = [KVCache() for _ in model.layers]
+    elif (not isinstance(cache, list) or len(cache) != len(model.layers)
+          or not all(type(c) is KVCache and c.offset == 0 for c in cache)):
+        raise ValueError(f"cache must be a list of {len(model.layers)} empty KVCache objects (one per layer)")
+    prompt = _check_prompt(model, prompt, config.max_tokens, 0)
+    sampling = [round(x * 1e6) for x in (config.temperature, config.top_p, config.min_p, config.repetition_penalty)]
+    seed = -1 if config.seed is None else config.seed % 2**62  # fits the int64 signature
+    agreement = [len(prompt), config.max_tokens, config.top_k, config.repetition_context, seed, *sampling,
+                 *prompt[:64], *prompt[-64:]]
+    dist._check_same_across_ranks("the prompt and generation options", agreement, group, timeout)
+    if config.max_tokens == 0:
+        return
+    sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
+    if config.seed is not None:
+        mx.random.seed(config.seed)
+    penalize = config.repetition_penalty != 1.0
+    recent = mx.array(prompt[-config.repetition_context:], dtype=mx.uint32)
+    if len(prompt) > 1:
+        _prefill(model, prompt[:-1], cache, group, timeout)
+    token, position = mx.array(prompt[-1:]), len(prompt) - 1
+    for _ in range(config.max_tokens):
+        logits = _decode(model, token, position, cache, group, timeout)
+        if penalize:
+            logits = apply_repetition_penalty(logits, recent, config.repetition_penalty)
+        token = _agree(sampler(logits), group, timeout)
+        if penalize:
+            recent = mx.concatenate([recent, token.astype(mx.uint32)])[-config.repetition_context:]
+        position += 1
+        yield int(token.item()), None
+
+
+def distributed_stream_generate(model, tokenizer, prompt: str | list[int], config: GenerationConfig, group,
+                                timeout: float | None = None) -> Iterator[GenerationResponse]:
+    """:func:`mlx_attn.lm.generate.stream_generate` across ``group``: the
+    same responses on every rank (the caller prints rank 0's)."""
+    ids = tokenizer.encode(prompt) if isinstance(prompt, (str, bytes)) else prompt
+    steps = distributed_generate_step(model, ids, config, group, timeout=timeout)
+    return _responses(model, StreamingDetokenizer(tokenizer), ids, config, tokenizer.eos_token_ids, None,
+                      steps=steps)
