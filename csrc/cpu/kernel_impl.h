@@ -229,8 +229,14 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
 }
 
 // ---------------------------------------------------------------- work item
+// Scores are held transposed, S^T[key][row]: the score product is
+// K[keys][D] . Q^T[D][rows], so K rows are the micro-kernel's broadcast
+// operand (read in place for contiguous float32, no transposing pass), the
+// packed Q^T panel (once per item) is its streamed operand, and the online
+// softmax runs down the key axis with whole vectors of rows (no horizontal
+// reductions). O += P . V then reads P^T as a transposed A operand.
 struct Layout {
-  int group, query_block, query_blocks, value_dim_padded;
+  int group, query_block, query_blocks, rows_padded, value_dim_padded;
 };
 
 inline Layout layout_of(const KernelCall& call) {
@@ -239,7 +245,8 @@ inline Layout layout_of(const KernelCall& call) {
   l.group = p.group_size();
   l.query_block = call.query_block;
   l.query_blocks = call.query_blocks();
-  l.value_dim_padded = (p.value_dim + kLanes - 1) / kLanes * kLanes;
+  l.rows_padded = int(round_up(int64_t(l.group) * l.query_block, kLanes));
+  l.value_dim_padded = int(round_up(p.value_dim, kLanes));
   return l;
 }
 
@@ -263,26 +270,40 @@ void attention_work_item(
   const int qb = (p.q_len - q_start) < lay.query_block ? (p.q_len - q_start)
                                                       : lay.query_block;
   const int rows = lay.group * qb;
+  const int rp = int(round_up(rows, kLanes));  // <= lay.rows_padded
   const int offset = p.kv_len - p.q_len;  // causal alignment (lower right)
 
-  float* q_packed = scratch;                       // [rows][D]
-  float* scores = q_packed + rows * D;             // [rows][KB]
-  float* acc = scores + rows * KB;                 // [rows][Dvp]
-  float* k_packed = acc + rows * Dvp;              // [D][KB]  (K^T)
-  float* v_packed = k_packed + D * KB;             // [KB][Dvp]
-  float* row_max = v_packed + KB * Dvp;            // [rows]
-  float* row_sum = row_max + rows;                 // [rows]
+  float* q_t = scratch;                            // [D][rp]   Q^T
+  float* scores_t = q_t + D * rp;                  // [KB][rp]  S^T, then P^T
+  float* acc = scores_t + KB * rp;                 // [rows][Dvp]
+  float* k_rows = acc + rows * Dvp;                // [KB][D]   when K is packed
+  float* v_packed = k_rows + KB * D;               // [KB][Dvp] when V is packed
+  float* row_max = v_packed + KB * Dvp;            // [rp]
+  float* row_sum = row_max + rp;                   // [rp]
+  float* rescale = row_sum + rp;                   // [rp]
 
   // Rows are (head in group, query position): row = g * qb + i.
   for (int r = 0; r < rows; ++r) {
     const int h = kv_head * lay.group + r / qb;
     const int qi = q_start + r % qb;
     int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
-    load_row<T>(q_packed + r * D, 1, call.q, off, p.q_strides[3], D, 1.0f);
+    load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
+  }
+  for (int d = 0; d < D; ++d) {
+    for (int r = rows; r < rp; ++r) q_t[d * rp + r] = 0.0f;
+  }
+  for (int r = 0; r < rp; ++r) {
     row_max[r] = -INFINITY;
     row_sum[r] = 0.0f;
   }
   memset(acc, 0, sizeof(float) * rows * Dvp);
+
+  // Float32 K rows and V rows (of a whole number of vectors) with unit
+  // feature stride are read in place; anything else is converted per block.
+  const bool k_in_place = Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1;
+  const bool v_in_place = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
+  const int64_t k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
+  const int64_t v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
 
   // Key range any row of this block can see.
   const int first_pos = q_start + offset;
@@ -299,16 +320,31 @@ void attention_work_item(
   for (int kb = kv_begin; kb < kv_end; kb += KB) {
     const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
 
-    // Pack K^T (zero padded to KB columns) and V (padded to Dvp columns).
-    for (int j = 0; j < n; ++j) {
-      int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] +
-          int64_t(kb + j) * p.k_strides[2];
-      int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] +
-          int64_t(kb + j) * p.v_strides[2];
+    const float* k_block;
+    int64_t ldk;
+    const float* v_block;
+    int64_t ldv;
+    if (k_in_place) {
+      k_block = static_cast<const float*>(call.k) + k_head + int64_t(kb) * p.k_strides[2];
+      ldk = p.k_strides[2];
+    } else {
+      k_block = k_rows;
+      ldk = D;
+    }
+    if (v_in_place) {
+      v_block = static_cast<const float*>(call.v) + v_head + int64_t(kb) * p.v_strides[2];
+      ldv = p.v_strides[2];
+    } else {
+      v_block = v_packed;
+      ldv = Dvp;
+    }
+    for (int j = 0; j < n && !(k_in_place && v_in_place); ++j) {
+      const int64_t koff = k_head + int64_t(kb + j) * p.k_strides[2];
+      const int64_t voff = v_head + int64_t(kb + j) * p.v_strides[2];
       float* vrow = v_packed + j * Dvp;
       if constexpr (Bits == 0) {
-        load_row<T>(k_packed + j, KB, call.k, koff, p.k_strides[3], D, 1.0f);
-        load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+        if (!k_in_place) load_row<T>(k_rows + j * D, 1, call.k, koff, p.k_strides[3], D, 1.0f);
+        if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
       } else {  // dequantize in the tile: no dequantized copy of K/V exists
         const QuantizedKV& qkv = call.quantized;
         const int64_t t = kb + j;
@@ -320,86 +356,93 @@ void attention_work_item(
             static_cast<const uint32_t*>(call.v) + voff, p.v_strides[3],
             qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, b, kv_head, t), qkv.v_scale_strides[3],
             qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, b, kv_head, t), qkv.v_bias_strides[3]};
-        load_quantized_row<T, Bits>(k_packed + j, KB, key, qkv.group_size, D);
+        load_quantized_row<T, Bits>(k_rows + j * D, 1, key, qkv.group_size, D);
         load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, Dv);
       }
-      for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
-    }
-    if (n < KB) {
-      for (int d = 0; d < D; ++d) {
-        for (int j = n; j < KB; ++j) k_packed[d * KB + j] = 0.0f;
+      if (!v_in_place) {
+        for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
       }
     }
 
-    // score
-    matmul_overwrite(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
+    // score: S^T[n][rp] = K[n][D] . Q^T[D][rp]
+    matmul_overwrite(k_block, ldk, q_t, rp, scores_t, rp, n, D, rp);
 
-    // scale, mask
-    const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
-    const bool window_edge =
-        p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
+    // scale
     const vfloat scale = splat(p.scale);
-    for (int r = 0; r < rows; ++r) {
-      float* s = scores + r * KB;
-      for (int c = 0; c < KB; c += kLanes) store(s + c, saturate(load(s + c) * scale));
-      const int h = kv_head * lay.group + r / qb;
-      const int qi = q_start + r % qb;
-      const int pos = qi + offset;
-      if (p.mask_kind != MaskKind::none) {
-        int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
-            qi * p.mask_strides[2] + int64_t(kb) * p.mask_strides[3];
-        const int64_t ms = p.mask_strides[3];
+    for (int i = 0; i < n * rp; i += kLanes) {
+      store(scores_t + i, saturate(load(scores_t + i) * scale));
+    }
+
+    // mask (explicit masks, then causal / window edges of this block)
+    if (p.mask_kind != MaskKind::none) {
+      const int64_t ms = p.mask_strides[3];
+      for (int r = 0; r < rows; ++r) {
+        const int h = kv_head * lay.group + r / qb;
+        const int qi = q_start + r % qb;
+        const int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
+            qi * p.mask_strides[2] + int64_t(kb) * ms;
+        float* s = scores_t + r;
         if (p.mask_kind == MaskKind::boolean) {
           const bool* m = static_cast<const bool*>(call.mask) + moff;
           for (int j = 0; j < n; ++j) {
-            if (!m[j * ms]) s[j] = -INFINITY;
+            if (!m[j * ms]) s[j * rp] = -INFINITY;
           }
         } else {
           for (int j = 0; j < n; ++j) {
             const float added = load_elem<T>(call.mask, moff + j * ms);
-            s[j] = added <= kMaskedLogit ? -INFINITY : saturate(s[j] + added);
+            s[j * rp] = added <= kMaskedLogit ? -INFINITY : saturate(s[j * rp] + added);
           }
         }
       }
-      if (causal_edge || window_edge) {
-        for (int j = 0; j < n; ++j) {
-          int key = kb + j;
-          bool visible = key <= pos &&
-              (p.window_size <= 0 || key > pos - p.window_size);
-          if (!visible) s[j] = -INFINITY;
+    }
+    const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
+    const bool window_edge =
+        p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
+    if (causal_edge || window_edge) {
+      for (int r = 0; r < rows; ++r) {
+        const int pos = q_start + r % qb + offset;
+        // Visible keys: (pos - window, pos]; j indexes key kb + j.
+        int visible_end = pos - kb + 1;
+        visible_end = visible_end < n ? visible_end : n;
+        for (int j = visible_end < 0 ? 0 : visible_end; j < n; ++j) scores_t[j * rp + r] = -INFINITY;
+        if (p.window_size > 0) {
+          int visible_begin = pos - p.window_size + 1 - kb;
+          visible_begin = visible_begin < n ? visible_begin : n;
+          for (int j = 0; j < visible_begin; ++j) scores_t[j * rp + r] = -INFINITY;
         }
       }
-      for (int j = n; j < KB; ++j) s[j] = -INFINITY;
     }
 
-    // online max / rescale, then accumulate
+    // online max / rescale, then P^T = exp(S^T - m_new) and the row sums
+    for (int c = 0; c < rp; c += kLanes) {
+      vfloat block_max = splat(-INFINITY);
+      for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(scores_t + j * rp + c));
+      const vfloat m_old = load(row_max + c);
+      const vfloat m_new = vmax(block_max, m_old);
+      // A row with nothing visible yet keeps m = -inf; its P and alpha are 0.
+      const vfloat m_ref = m_new == -INFINITY ? splat(0.0f) : m_new;
+      vfloat sum = splat(0.0f);
+      for (int j = 0; j < n; ++j) {
+        float* s = scores_t + j * rp + c;
+        const vfloat e = exp2_vec((load(s) - m_ref) * kLog2e);
+        store(s, e);
+        sum += e;
+      }
+      const vfloat alpha = exp2_vec((m_old - m_ref) * kLog2e);
+      store(row_sum + c, load(row_sum + c) * alpha + sum);
+      store(row_max + c, m_new);
+      store(rescale + c, alpha);
+    }
     for (int r = 0; r < rows; ++r) {
-      float* s = scores + r * KB;
-      vfloat vm = splat(-INFINITY);
-      for (int c = 0; c < KB; c += kLanes) vm = vmax(vm, load(s + c));
-      const float block_max = horizontal_max(vm);
-      const float m_old = row_max[r];
-      const float m_new = block_max > m_old ? block_max : m_old;
-      if (m_new == -INFINITY) {  // nothing visible yet in this row
-        memset(s, 0, sizeof(float) * KB);
-        continue;
-      }
-      vfloat vs = splat(0.0f);
-      for (int c = 0; c < KB; c += kLanes) {
-        vfloat e = exp2_vec((load(s + c) - m_new) * kLog2e);
-        store(s + c, e);
-        vs += e;
-      }
-      const float alpha = exp2f((m_old - m_new) * kLog2e);
-      row_sum[r] = row_sum[r] * alpha + horizontal_sum(vs);
-      row_max[r] = m_new;
-      if (alpha != 1.0f) {
+      if (rescale[r] != 1.0f) {
         float* o = acc + r * Dvp;
-        const vfloat va = splat(alpha);
+        const vfloat va = splat(rescale[r]);
         for (int c = 0; c < Dvp; c += kLanes) store(o + c, load(o + c) * va);
       }
     }
-    matmul_accumulate(scores, KB, v_packed, Dvp, acc, Dvp, rows, n, Dvp);
+
+    // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
+    matmul_accumulate_transposed_a(scores_t, rp, v_block, ldv, acc, Dvp, rows, n, Dvp);
   }
 
   // normalize

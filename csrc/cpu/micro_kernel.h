@@ -6,8 +6,12 @@
 //       C[rows][N] += A[rows][K] . B[K][N]
 //   matmul_overwrite(A, lda, B, ldb, C, ldc, rows, K, N)
 //       C[rows][N]  = A[rows][K] . B[K][N]   (C is not read: no zeroing pass)
+//   matmul_accumulate_transposed_a(At, ldat, B, ldb, C, ldc, rows, K, N)
+//       C[rows][N] += At[K][rows]^T . B[K][N] (A stored transposed: no
+//       transposing pass; the forward's P^T and a backward's P^T, dS^T)
 //
-// A is row-major with row stride lda (any rows, any K). B is a packed panel:
+// A is row-major with row stride lda (any rows, any K), or for the _transposed_a
+// form stored as At[K][rows] with row stride ldat. B is a packed panel:
 // row-major, row stride ldb, N columns with N a multiple of kLanes (callers
 // zero-pad), streamed row by row with plain vector loads (no gathers). C is
 // row-major with stride ldc, read and written once per register tile.
@@ -26,10 +30,12 @@ namespace {
 
 // C[MR rows][NV vectors] (+)= A[MR][K] . B[K][NV vectors], accumulators in
 // registers; kAccumulate = false overwrites C without reading it.
+// A[r][k] is A[r * a_row + k * a_k]: (lda, 1) row-major, (1, ldat) transposed.
 template <bool kAccumulate, int MR, int NV>
 inline void matmul_tile(
     const float* __restrict A,
-    int64_t lda,
+    int64_t a_row,
+    int64_t a_k,
     const float* __restrict B,
     int64_t ldb,
     float* __restrict C,
@@ -48,7 +54,7 @@ inline void matmul_tile(
     for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      vfloat a = splat(A[r * lda + k]);
+      vfloat a = splat(A[r * a_row + k * a_k]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
@@ -75,7 +81,8 @@ static_assert(kTileVectors >= 1 && kTileVectors <= 4, "tails below handle up to 
 template <bool kAccumulate, int NV>
 inline void matmul_rows(
     const float* A,
-    int64_t lda,
+    int64_t a_row,
+    int64_t a_k,
     const float* B,
     int64_t ldb,
     float* C,
@@ -84,18 +91,18 @@ inline void matmul_rows(
     int K) {
   int r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) {
-    matmul_tile<kAccumulate, kTileRows, NV>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, K);
+    matmul_tile<kAccumulate, kTileRows, NV>(A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, K);
   }
-  const float* a = A + r * lda;
+  const float* a = A + r * a_row;
   float* c = C + r * ldc;
   switch (rows - r) {
-    case 7: matmul_tile<kAccumulate, 7, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 6: matmul_tile<kAccumulate, 6, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 5: matmul_tile<kAccumulate, 5, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 4: matmul_tile<kAccumulate, 4, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 3: matmul_tile<kAccumulate, 3, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 2: matmul_tile<kAccumulate, 2, NV>(a, lda, B, ldb, c, ldc, K); break;
-    case 1: matmul_tile<kAccumulate, 1, NV>(a, lda, B, ldb, c, ldc, K); break;
+    case 7: matmul_tile<kAccumulate, 7, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
+    case 6: matmul_tile<kAccumulate, 6, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
+    case 5: matmul_tile<kAccumulate, 5, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
+    case 4: matmul_tile<kAccumulate, 4, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
+    case 3: matmul_tile<kAccumulate, 3, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
+    case 2: matmul_tile<kAccumulate, 2, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
+    case 1: matmul_tile<kAccumulate, 1, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
     default: break;
   }
 }
@@ -103,7 +110,8 @@ inline void matmul_rows(
 template <bool kAccumulate>
 inline void matmul(
     const float* A,
-    int64_t lda,
+    int64_t a_row,
+    int64_t a_k,
     const float* B,
     int64_t ldb,
     float* C,
@@ -113,14 +121,14 @@ inline void matmul(
     int N) {
   int n = 0;
   for (; n + kTileVectors * kLanes <= N; n += kTileVectors * kLanes) {
-    matmul_rows<kAccumulate, kTileVectors>(A, lda, B + n, ldb, C + n, ldc, rows, K);
+    matmul_rows<kAccumulate, kTileVectors>(A, a_row, a_k, B + n, ldb, C + n, ldc, rows, K);
   }
   const float* b = B + n;
   float* c = C + n;
   switch ((N - n) / kLanes) {
-    case 3: matmul_rows<kAccumulate, 3>(A, lda, b, ldb, c, ldc, rows, K); break;
-    case 2: matmul_rows<kAccumulate, 2>(A, lda, b, ldb, c, ldc, rows, K); break;
-    case 1: matmul_rows<kAccumulate, 1>(A, lda, b, ldb, c, ldc, rows, K); break;
+    case 3: matmul_rows<kAccumulate, 3>(A, a_row, a_k, b, ldb, c, ldc, rows, K); break;
+    case 2: matmul_rows<kAccumulate, 2>(A, a_row, a_k, b, ldb, c, ldc, rows, K); break;
+    case 1: matmul_rows<kAccumulate, 1>(A, a_row, a_k, b, ldb, c, ldc, rows, K); break;
     default: break;
   }
 }
@@ -129,14 +137,21 @@ inline void matmul(
 inline void matmul_accumulate(
     const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
     int rows, int K, int N) {
-  matmul<true>(A, lda, B, ldb, C, ldc, rows, K, N);
+  matmul<true>(A, lda, 1, B, ldb, C, ldc, rows, K, N);
 }
 
 // C[rows][N] = A[rows][K] . B[K][N] with N a multiple of kLanes (C not read).
 inline void matmul_overwrite(
     const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
     int rows, int K, int N) {
-  matmul<false>(A, lda, B, ldb, C, ldc, rows, K, N);
+  matmul<false>(A, lda, 1, B, ldb, C, ldc, rows, K, N);
+}
+
+// C[rows][N] += At[K][rows]^T . B[K][N] with N a multiple of kLanes.
+inline void matmul_accumulate_transposed_a(
+    const float* At, int64_t ldat, const float* B, int64_t ldb, float* C, int64_t ldc,
+    int rows, int K, int N) {
+  matmul<true>(At, 1, ldat, B, ldb, C, ldc, rows, K, N);
 }
 
 }  // namespace
