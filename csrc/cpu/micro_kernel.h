@@ -9,6 +9,9 @@
 //   matmul_accumulate_transposed_a(At, ldat, B, ldb, C, ldc, rows, K, N)
 //       C[rows][N] += At[K][rows]^T . B[K][N] (A stored transposed: no
 //       transposing pass; the forward's P^T and a backward's P^T, dS^T)
+//   matmul_overwrite_bf16_pairs(A, lda, Bp, ldbp, C, ldc, rows, Kp, N)
+//       C = A . B on bf16 pairs with float32 accumulation, where the copy has
+//       AVX512_BF16 (kNativeBf16); see its definition for the layouts
 //
 // A is row-major with row stride lda (any rows, any K), or for the _transposed_a
 // form stored as At[K][rows] with row stride ldat. B is a packed panel:
@@ -20,7 +23,8 @@
 // to the register file (MLX_ATTN_TILE_ROWS / MLX_ATTN_TILE_VECTORS from the
 // per-ISA unit): per step of K it loads kTileVectors B vectors and broadcasts
 // kTileRows A scalars for kTileRows * kTileVectors FMAs. Row and column tails
-// use smaller tiles of the same code.
+// use smaller tiles of the same code. What one step multiplies is a policy
+// (FloatProduct, Bf16PairProduct), so the tiling has one home.
 #pragma once
 
 #include <string.h>
