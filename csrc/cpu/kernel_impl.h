@@ -237,7 +237,7 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
 // softmax runs down the key axis with whole vectors of rows (no horizontal
 // reductions). O += P . V then reads P^T as a transposed A operand.
 struct Layout {
-  int group, query_block, query_blocks, rows_padded, value_dim_padded;
+  int group, query_block, query_blocks, value_dim_padded;
 };
 
 inline Layout layout_of(const KernelCall& call) {
@@ -246,7 +246,6 @@ inline Layout layout_of(const KernelCall& call) {
   l.group = p.group_size();
   l.query_block = call.query_block;
   l.query_blocks = call.query_blocks();
-  l.rows_padded = int(round_up(int64_t(l.group) * l.query_block, kLanes));
   l.value_dim_padded = int(round_up(p.value_dim, kLanes));
   return l;
 }
@@ -271,7 +270,7 @@ void attention_work_item(
   const int qb = (p.q_len - q_start) < lay.query_block ? (p.q_len - q_start)
                                                       : lay.query_block;
   const int rows = lay.group * qb;
-  const int rp = int(round_up(rows, kLanes));  // <= lay.rows_padded
+  const int rp = int(round_up(rows, kLanes));  // rows padded to whole vectors
   const int offset = p.kv_len - p.q_len;  // causal alignment (lower right)
 
   float* q_t = scratch;                            // [D][rp]   Q^T
