@@ -126,9 +126,10 @@ inline void convert_contiguous(float* dst, const void* src, int64_t offset, int 
   if constexpr (T == ElemType::float32) {
     memcpy(dst, static_cast<const float*>(src) + offset, sizeof(float) * n);
   } else if constexpr (T == ElemType::bfloat16) {
+    // Through memcpy (bfloat_to_float): storing uint32_t into floats would
+    // break strict aliasing (GCC then drops the stores into a local row).
     const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    for (int i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
+    for (int i = 0; i < n; ++i) dst[i] = bfloat_to_float(s[i]);
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
     int i = 0;
@@ -229,6 +230,12 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
 }
 
 // ---------------------------------------------------------------- work item
+// Scores are held transposed, S^T[key][row]: the score product is
+// K[keys][D] . Q^T[D][rows], so K rows are the micro-kernel's broadcast
+// operand (read in place for contiguous float32, no transposing pass), the
+// packed Q^T panel (once per item) is its streamed operand, and the online
+// softmax runs down the key axis with whole vectors of rows (no horizontal
+// reductions). O += P . V then reads P^T as a transposed A operand.
 struct Layout {
   int group, query_block, query_blocks, value_dim_padded;
 };
@@ -239,7 +246,7 @@ inline Layout layout_of(const KernelCall& call) {
   l.group = p.group_size();
   l.query_block = call.query_block;
   l.query_blocks = call.query_blocks();
-  l.value_dim_padded = (p.value_dim + kLanes - 1) / kLanes * kLanes;
+  l.value_dim_padded = int(round_up(p.value_dim, kLanes));
   return l;
 }
 
@@ -263,26 +270,62 @@ void attention_work_item(
   const int qb = (p.q_len - q_start) < lay.query_block ? (p.q_len - q_start)
                                                       : lay.query_block;
   const int rows = lay.group * qb;
+  const int rp = int(round_up(rows, kLanes));  // rows padded to whole vectors
   const int offset = p.kv_len - p.q_len;  // causal alignment (lower right)
 
-  float* q_packed = scratch;                       // [rows][D]
-  float* scores = q_packed + rows * D;             // [rows][KB]
-  float* acc = scores + rows * KB;                 // [rows][Dvp]
-  float* k_packed = acc + rows * Dvp;              // [D][KB]  (K^T)
-  float* v_packed = k_packed + D * KB;             // [KB][Dvp]
-  float* row_max = v_packed + KB * Dvp;            // [rows]
-  float* row_sum = row_max + rows;                 // [rows]
+  float* q_t = scratch;                            // [D][rp]   Q^T
+  float* scores_t = q_t + D * rp;                  // [KB][rp]  S^T, then P^T
+  float* acc = scores_t + KB * rp;                 // [rows][Dvp]
+  float* k_rows = acc + rows * Dvp;                // [KB][D]   when K is packed
+  float* v_packed = k_rows + KB * D;               // [KB][Dvp] when V is packed
+  float* row_max = v_packed + KB * Dvp;            // [rp]
+  float* row_sum = row_max + rp;                   // [rp]
+  float* rescale = row_sum + rp;                   // [rp]
+
+  // bf16 with a native bf16 dot product (kNativeBf16, micro_kernel.h): the
+  // score product runs on the bf16 inputs in pairs of features; Q^T is then
+  // the pair-interleaved panel q_pairs[D_pairs][rp][2] (same bytes or fewer).
+  constexpr bool kBf16Score = kNativeBf16 && T == ElemType::bfloat16 && Bits == 0;
+  const int pairs = (D + 1) / 2;
+  uint16_t* q_pairs = reinterpret_cast<uint16_t*>(q_t);
+  uint16_t* k_pairs = reinterpret_cast<uint16_t*>(k_rows);  // [KB][2 pairs]
 
   // Rows are (head in group, query position): row = g * qb + i.
   for (int r = 0; r < rows; ++r) {
     const int h = kv_head * lay.group + r / qb;
     const int qi = q_start + r % qb;
     int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
-    load_row<T>(q_packed + r * D, 1, call.q, off, p.q_strides[3], D, 1.0f);
+    if constexpr (kBf16Score) {
+      const uint16_t* q = static_cast<const uint16_t*>(call.q) + off;
+      for (int d = 0; d < D; ++d) q_pairs[(d / 2) * 2 * rp + 2 * r + d % 2] = q[d * p.q_strides[3]];
+      if (D % 2) q_pairs[(pairs - 1) * 2 * rp + 2 * r + 1] = 0;
+    } else {
+      load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
+    }
+  }
+  if constexpr (kBf16Score) {
+    for (int kp = 0; kp < pairs; ++kp) {
+      for (int r = 2 * rows; r < 2 * rp; ++r) q_pairs[kp * 2 * rp + r] = 0;
+    }
+  } else {
+    for (int d = 0; d < D; ++d) {
+      for (int r = rows; r < rp; ++r) q_t[d * rp + r] = 0.0f;
+    }
+  }
+  for (int r = 0; r < rp; ++r) {
     row_max[r] = -INFINITY;
     row_sum[r] = 0.0f;
   }
   memset(acc, 0, sizeof(float) * rows * Dvp);
+
+  // Float32 K rows and V rows (of a whole number of vectors) with unit
+  // feature stride are read in place; anything else is converted per block.
+  // bf16 K for the native score product: in place when its pairs are whole.
+  const bool k_in_place = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
+      (kBf16Score && p.k_strides[3] == 1 && D % 2 == 0);
+  const bool v_in_place = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
+  const int64_t k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
+  const int64_t v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
 
   // Key range any row of this block can see.
   const int first_pos = q_start + offset;
@@ -299,16 +342,29 @@ void attention_work_item(
   for (int kb = kv_begin; kb < kv_end; kb += KB) {
     const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
 
-    // Pack K^T (zero padded to KB columns) and V (padded to Dvp columns).
-    for (int j = 0; j < n; ++j) {
-      int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] +
-          int64_t(kb + j) * p.k_strides[2];
-      int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] +
-          int64_t(kb + j) * p.v_strides[2];
+    const float* v_block;
+    int64_t ldv;
+    if (v_in_place) {
+      v_block = static_cast<const float*>(call.v) + v_head + int64_t(kb) * p.v_strides[2];
+      ldv = p.v_strides[2];
+    } else {
+      v_block = v_packed;
+      ldv = Dvp;
+    }
+    for (int j = 0; j < n && !(k_in_place && v_in_place); ++j) {
+      const int64_t koff = k_head + int64_t(kb + j) * p.k_strides[2];
+      const int64_t voff = v_head + int64_t(kb + j) * p.v_strides[2];
       float* vrow = v_packed + j * Dvp;
-      if constexpr (Bits == 0) {
-        load_row<T>(k_packed + j, KB, call.k, koff, p.k_strides[3], D, 1.0f);
-        load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+      if constexpr (kBf16Score) {
+        if (!k_in_place) {
+          const uint16_t* k = static_cast<const uint16_t*>(call.k) + koff;
+          for (int d = 0; d < D; ++d) k_pairs[j * 2 * pairs + d] = k[d * p.k_strides[3]];
+          if (D % 2) k_pairs[j * 2 * pairs + D] = 0;
+        }
+        if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+      } else if constexpr (Bits == 0) {
+        if (!k_in_place) load_row<T>(k_rows + j * D, 1, call.k, koff, p.k_strides[3], D, 1.0f);
+        if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
       } else {  // dequantize in the tile: no dequantized copy of K/V exists
         const QuantizedKV& qkv = call.quantized;
         const int64_t t = kb + j;
@@ -320,86 +376,105 @@ void attention_work_item(
             static_cast<const uint32_t*>(call.v) + voff, p.v_strides[3],
             qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, b, kv_head, t), qkv.v_scale_strides[3],
             qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, b, kv_head, t), qkv.v_bias_strides[3]};
-        load_quantized_row<T, Bits>(k_packed + j, KB, key, qkv.group_size, D);
+        load_quantized_row<T, Bits>(k_rows + j * D, 1, key, qkv.group_size, D);
         load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, Dv);
       }
-      for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
-    }
-    if (n < KB) {
-      for (int d = 0; d < D; ++d) {
-        for (int j = n; j < KB; ++j) k_packed[d * KB + j] = 0.0f;
+      if (!v_in_place) {
+        for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
       }
     }
 
-    // score
-    matmul_overwrite(q_packed, D, k_packed, KB, scores, KB, rows, D, KB);
+    // score: S^T[n][rp] = K[n][D] . Q^T[D][rp]
+    if constexpr (kBf16Score) {
+      const uint16_t* k_block_pairs = k_in_place
+          ? static_cast<const uint16_t*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
+          : k_pairs;
+      const int64_t ldk_pairs = k_in_place ? p.k_strides[2] : 2 * pairs;
+      matmul_overwrite_bf16_pairs(k_block_pairs, ldk_pairs, q_pairs, 2 * rp, scores_t, rp, n, pairs, rp);
+    } else {
+      const float* k_block = k_in_place
+          ? static_cast<const float*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
+          : k_rows;
+      const int64_t ldk = k_in_place ? p.k_strides[2] : D;
+      matmul_overwrite(k_block, ldk, q_t, rp, scores_t, rp, n, D, rp);
+    }
 
-    // scale, mask
-    const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
-    const bool window_edge =
-        p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
+    // scale
     const vfloat scale = splat(p.scale);
-    for (int r = 0; r < rows; ++r) {
-      float* s = scores + r * KB;
-      for (int c = 0; c < KB; c += kLanes) store(s + c, saturate(load(s + c) * scale));
-      const int h = kv_head * lay.group + r / qb;
-      const int qi = q_start + r % qb;
-      const int pos = qi + offset;
-      if (p.mask_kind != MaskKind::none) {
-        int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
-            qi * p.mask_strides[2] + int64_t(kb) * p.mask_strides[3];
-        const int64_t ms = p.mask_strides[3];
+    for (int i = 0; i < n * rp; i += kLanes) {
+      store(scores_t + i, saturate(load(scores_t + i) * scale));
+    }
+
+    // mask (explicit masks, then causal / window edges of this block)
+    if (p.mask_kind != MaskKind::none) {
+      const int64_t ms = p.mask_strides[3];
+      for (int r = 0; r < rows; ++r) {
+        const int h = kv_head * lay.group + r / qb;
+        const int qi = q_start + r % qb;
+        const int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
+            qi * p.mask_strides[2] + int64_t(kb) * ms;
+        float* s = scores_t + r;
         if (p.mask_kind == MaskKind::boolean) {
           const bool* m = static_cast<const bool*>(call.mask) + moff;
           for (int j = 0; j < n; ++j) {
-            if (!m[j * ms]) s[j] = -INFINITY;
+            if (!m[j * ms]) s[j * rp] = -INFINITY;
           }
         } else {
           for (int j = 0; j < n; ++j) {
             const float added = load_elem<T>(call.mask, moff + j * ms);
-            s[j] = added <= kMaskedLogit ? -INFINITY : saturate(s[j] + added);
+            s[j * rp] = added <= kMaskedLogit ? -INFINITY : saturate(s[j * rp] + added);
           }
         }
       }
-      if (causal_edge || window_edge) {
-        for (int j = 0; j < n; ++j) {
-          int key = kb + j;
-          bool visible = key <= pos &&
-              (p.window_size <= 0 || key > pos - p.window_size);
-          if (!visible) s[j] = -INFINITY;
+    }
+    const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
+    const bool window_edge =
+        p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
+    if (causal_edge || window_edge) {
+      for (int r = 0; r < rows; ++r) {
+        const int pos = q_start + r % qb + offset;
+        // Visible keys: (pos - window, pos]; j indexes key kb + j.
+        int visible_end = pos - kb + 1;
+        visible_end = visible_end < n ? visible_end : n;
+        for (int j = visible_end < 0 ? 0 : visible_end; j < n; ++j) scores_t[j * rp + r] = -INFINITY;
+        if (p.window_size > 0) {
+          int visible_begin = pos - p.window_size + 1 - kb;
+          visible_begin = visible_begin < n ? visible_begin : n;
+          for (int j = 0; j < visible_begin; ++j) scores_t[j * rp + r] = -INFINITY;
         }
       }
-      for (int j = n; j < KB; ++j) s[j] = -INFINITY;
     }
 
-    // online max / rescale, then accumulate
+    // online max / rescale, then P^T = exp(S^T - m_new) and the row sums
+    for (int c = 0; c < rp; c += kLanes) {
+      vfloat block_max = splat(-INFINITY);
+      for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(scores_t + j * rp + c));
+      const vfloat m_old = load(row_max + c);
+      const vfloat m_new = vmax(block_max, m_old);
+      // A row with nothing visible yet keeps m = -inf; its P and alpha are 0.
+      const vfloat m_ref = m_new == -INFINITY ? splat(0.0f) : m_new;
+      vfloat sum = splat(0.0f);
+      for (int j = 0; j < n; ++j) {
+        float* s = scores_t + j * rp + c;
+        const vfloat e = exp2_vec((load(s) - m_ref) * kLog2e);
+        store(s, e);
+        sum += e;
+      }
+      const vfloat alpha = exp2_vec((m_old - m_ref) * kLog2e);
+      store(row_sum + c, load(row_sum + c) * alpha + sum);
+      store(row_max + c, m_new);
+      store(rescale + c, alpha);
+    }
     for (int r = 0; r < rows; ++r) {
-      float* s = scores + r * KB;
-      vfloat vm = splat(-INFINITY);
-      for (int c = 0; c < KB; c += kLanes) vm = vmax(vm, load(s + c));
-      const float block_max = horizontal_max(vm);
-      const float m_old = row_max[r];
-      const float m_new = block_max > m_old ? block_max : m_old;
-      if (m_new == -INFINITY) {  // nothing visible yet in this row
-        memset(s, 0, sizeof(float) * KB);
-        continue;
-      }
-      vfloat vs = splat(0.0f);
-      for (int c = 0; c < KB; c += kLanes) {
-        vfloat e = exp2_vec((load(s + c) - m_new) * kLog2e);
-        store(s + c, e);
-        vs += e;
-      }
-      const float alpha = exp2f((m_old - m_new) * kLog2e);
-      row_sum[r] = row_sum[r] * alpha + horizontal_sum(vs);
-      row_max[r] = m_new;
-      if (alpha != 1.0f) {
+      if (rescale[r] != 1.0f) {
         float* o = acc + r * Dvp;
-        const vfloat va = splat(alpha);
+        const vfloat va = splat(rescale[r]);
         for (int c = 0; c < Dvp; c += kLanes) store(o + c, load(o + c) * va);
       }
     }
-    matmul_accumulate(scores, KB, v_packed, Dvp, acc, Dvp, rows, n, Dvp);
+
+    // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
+    matmul_accumulate_transposed_a(scores_t, rp, v_block, ldv, acc, Dvp, rows, n, Dvp);
   }
 
   // normalize

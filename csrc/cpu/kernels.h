@@ -39,15 +39,16 @@ struct KernelCall {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Floats of per-thread scratch a work item needs (packed Q, scores, output
-// accumulator, packed K and V blocks, running max and sum), for vector width
-// `lanes`.
+// Floats of per-thread scratch a work item needs (packed Q^T and the scores,
+// both with rows padded to the vector width, output accumulator, K and V
+// block buffers, running max, sum and rescale factors), for vector width `lanes`.
 inline int64_t scratch_floats(const KernelCall& call, int lanes) {
   const AttentionProblem& p = call.problem;
   int64_t rows = int64_t(p.group_size()) * call.query_block;
+  int64_t rows_padded = round_up(rows, lanes);
   int64_t dvp = round_up(p.value_dim, lanes);
-  return rows * p.head_dim + rows * kKeyBlock + rows * dvp +
-      int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 2 * rows + 64;
+  return rows_padded * p.head_dim + rows_padded * kKeyBlock + rows * dvp +
+      int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 3 * rows_padded + 64;
 }
 
 #define MLX_ATTN_DECLARE_ISA(isa)                               \
@@ -59,6 +60,7 @@ MLX_ATTN_DECLARE_ISA(generic)
 #ifdef MLX_ATTN_X86_KERNELS
 MLX_ATTN_DECLARE_ISA(avx2)
 MLX_ATTN_DECLARE_ISA(avx512)
+MLX_ATTN_DECLARE_ISA(avx512bf16)
 #endif
 #ifdef MLX_ATTN_ARM64_KERNELS
 MLX_ATTN_DECLARE_ISA(neon)
