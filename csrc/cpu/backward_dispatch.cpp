@@ -3,6 +3,8 @@
 // the single-pass and the two-pass scheme (backward_kernels.h).
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "csrc/cpu/backward_host.h"
 #include "csrc/cpu/host.h"
@@ -55,8 +57,12 @@ int64_t thread_stride(const BackwardCall& call) {
 // MLX_ATTN_CPU_BACKWARD=single|two forces a scheme (tests cover both).
 bool single_pass_pays(const AttentionProblem& p, int threads) {
   const char* forced = std::getenv("MLX_ATTN_CPU_BACKWARD");
-  if (forced && std::strcmp(forced, "single") == 0) return true;
-  if (forced && std::strcmp(forced, "two") == 0) return false;
+  if (forced && *forced) {
+    if (std::strcmp(forced, "single") == 0) return true;
+    if (std::strcmp(forced, "two") == 0) return false;
+    throw std::invalid_argument(std::string("[mlx_attn] MLX_ATTN_CPU_BACKWARD must be 'single' or 'two', got '") +
+                                forced + "'");
+  }
   const int64_t items = int64_t(p.batch) * p.kv_heads;
   const int64_t rounds = (items + threads - 1) / threads;
   return 7 * items >= 5 * rounds * threads;
