@@ -53,9 +53,13 @@ int64_t thread_stride(const BackwardCall& call) {
 
 // The single pass has batch x kv heads equal work items; the two passes do
 // 7 tile products for its 5. Single pass unless its items would leave the
-// threads idle more than that (busy fraction below 5/7).
+// threads idle more than that (busy fraction below 5/7), or its per-thread
+// dQ accumulators (float32 [group][Tq][D] outside the in-place case) would
+// exceed kSinglePassScratchBytes in all.
 // MLX_ATTN_CPU_BACKWARD=single|two forces a scheme (tests cover both).
-bool single_pass_pays(const AttentionProblem& p, int threads) {
+constexpr int64_t kSinglePassScratchBytes = int64_t(64) << 20;
+
+bool single_pass_pays(const BackwardCall& call, int threads) {
   const char* forced = std::getenv("MLX_ATTN_CPU_BACKWARD");
   if (forced && *forced) {
     if (std::strcmp(forced, "single") == 0) return true;
@@ -63,9 +67,12 @@ bool single_pass_pays(const AttentionProblem& p, int threads) {
     throw std::invalid_argument(std::string("[mlx_attn] MLX_ATTN_CPU_BACKWARD must be 'single' or 'two', got '") +
                                 forced + "'");
   }
+  const AttentionProblem& p = call.problem;
   const int64_t items = int64_t(p.batch) * p.kv_heads;
   const int64_t rounds = (items + threads - 1) / threads;
-  return 7 * items >= 5 * rounds * threads;
+  const int64_t dq_bytes =
+      single_pass_dq_floats(call, active_backward_isa().lanes()) * int64_t(sizeof(float)) * threads;
+  return 7 * items >= 5 * rounds * threads && dq_bytes <= kSinglePassScratchBytes;
 }
 
 }  // namespace
@@ -75,7 +82,7 @@ void plan_backward(BackwardCall& call) {
   int qb = kMaxRows / p.group_size();
   qb = qb < 1 ? 1 : qb;
   call.query_block = qb < p.q_len ? qb : (p.q_len > 0 ? p.q_len : 1);
-  call.single_pass = single_pass_pays(p, thread_pool().size());
+  call.single_pass = single_pass_pays(call, thread_pool().size());
 }
 
 int64_t backward_scratch_size(const BackwardCall& call) {

@@ -58,6 +58,14 @@ inline bool dq_accumulates_in_place(const BackwardCall& call, int lanes) {
   return call.problem.dtype == ElemType::float32 && call.problem.head_dim % lanes == 0;
 }
 
+// Floats of the single pass's float32 dQ accumulator for a whole GQA group
+// [group][Tq][Dp] in a thread's scratch; none when dQ accumulates in place.
+inline int64_t single_pass_dq_floats(const BackwardCall& call, int lanes) {
+  const AttentionProblem& p = call.problem;
+  if (dq_accumulates_in_place(call, lanes)) return 0;
+  return int64_t(p.group_size()) * p.q_len * round_up(p.head_dim, lanes);
+}
+
 // Offsets (in floats, 64-byte aligned) of one thread's buffers, for vector
 // width `lanes`: packed Q [rows][Dp] and dO [rows][Dvp]; P, dS and the
 // clamp gate [rows][KB]; K^T [D][KB], V^T [Dv][KB], K rows [KB][Dp]; dK, dV
@@ -73,10 +81,7 @@ inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   const AttentionProblem& p = call.problem;
   const int64_t rows = int64_t(p.group_size()) * call.query_block;
   const int64_t dp = round_up(p.head_dim, lanes), dvp = round_up(p.value_dim, lanes);
-  int64_t dq_floats = rows * dp;
-  if (call.single_pass) {
-    dq_floats = dq_accumulates_in_place(call, lanes) ? 0 : int64_t(p.group_size()) * p.q_len * dp;
-  }
+  const int64_t dq_floats = call.single_pass ? single_pass_dq_floats(call, lanes) : rows * dp;
   BackwardScratch s{};
   int64_t at = 0;
   auto take = [&at](int64_t floats) {
