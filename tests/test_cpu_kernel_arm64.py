@@ -108,8 +108,8 @@ def test_arm64_neon_copy_matches_the_reference_under_qemu(tmp_path):
 def test_x86_copies_match_the_reference_on_the_same_grid(tmp_path):
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the x86-64 copies are built on x86-64 hosts only")
-    binary = build_harness(tmp_path, [], ["avx512", "avx2", "generic"], "HARNESS_X86")
+    binary = build_harness(tmp_path, [], ["avx512bf16", "avx512", "avx2", "generic"], "HARNESS_X86")
     report = run_harness([str(binary)], [], ["generic"])
-    for copy in ("avx512", "avx2"):
+    for copy in ("avx512bf16", "avx512", "avx2"):
         assert f"{copy}: {CASES_PER_COPY} cases, 0 failures" in report or \
             f"{copy}: not supported by this CPU" in report, report

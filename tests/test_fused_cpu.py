@@ -1,6 +1,10 @@
 """The fused CPU kernel against the reference path on a grid of problems."""
 
 import itertools
+import os
+import platform
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -245,3 +249,86 @@ def test_sinks_views_are_read_through_their_stride(make_sinks):
     sinks = make_sinks(mx.array(np.linspace(-2.0, 3.0, 13).astype(np.float32)))
     mx.eval(sinks)
     assert_close(fused(q, k, v, sinks=sinks, mask="causal"), reference(q, k, v, sinks=sinks, mask="causal"), mx.float32)
+
+
+# ------------------------------------------------------------ ISA dispatch
+# Each x86 copy and the /proc/cpuinfo flags it needs, widest first (the
+# order dispatch.cpp prefers); the expectation comes from the kernel's
+# documented rule, not from the code under test.
+X86_COPY_FLAGS = [
+    ("avx512bf16", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}),
+    ("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}),
+    ("avx2", {"avx2", "fma", "f16c"}),
+    ("generic", set()),
+]
+
+
+def _cpuinfo_flags():
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def _x86_linux_flags():
+    flags = _cpuinfo_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64") or flags is None:
+        pytest.skip("reads the CPU features from /proc/cpuinfo on x86-64 Linux")
+    return flags
+
+
+def _isa_in_fresh_process(env_isa=None):
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ATTN_CPU_ISA"}
+    if env_isa is not None:
+        env["MLX_ATTN_CPU_ISA"] = env_isa
+    script = "from mlx_attn import _ext; print(_ext.cpu_isa())"
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def test_dispatch_offers_exactly_the_copies_the_cpu_features_allow():
+    flags = _x86_linux_flags()
+    expected = [name for name, needs in X86_COPY_FLAGS if needs <= flags]
+    assert list(_ext.supported_cpu_isas()) == expected
+    assert _isa_in_fresh_process() == expected[0]  # the widest by default
+
+
+def test_isa_override_picks_the_named_copy_and_refuses_missing_ones():
+    flags = _x86_linux_flags()
+    assert _isa_in_fresh_process("generic") == "generic"
+    for name, needs in X86_COPY_FLAGS:
+        if not needs <= flags:  # e.g. avx512bf16 on a CPU without AVX512_BF16
+            with pytest.raises(ValueError, match=name):
+                _ext.set_cpu_isa(name)
+    with pytest.raises(ValueError, match="neon"):
+        _ext.set_cpu_isa("neon")  # an arm64 copy, not built on x86-64
+    # An unavailable name in the environment falls back to the widest copy.
+    if not X86_COPY_FLAGS[0][1] <= flags:
+        assert _isa_in_fresh_process(X86_COPY_FLAGS[0][0]) != X86_COPY_FLAGS[0][0]
+
+
+@pytest.fixture
+def native_bf16_copy():
+    if "avx512bf16" not in _ext.supported_cpu_isas():
+        pytest.skip("the native bf16 copy needs a CPU with AVX512_BF16 (cpuinfo flag avx512_bf16)")
+    before = _ext.cpu_isa()
+    _ext.set_cpu_isa("avx512bf16")
+    yield
+    _ext.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_native_bf16_score_product_matches_the_reference(native_bf16_copy, d, causal):
+    """vdpbf16ps sums feature pairs: odd D pads the last pair, and a K whose
+    features are not contiguous (a transposed view) is packed, not read in place."""
+    mask = "causal" if causal else None
+    for i, (tq, tkv) in enumerate(LENGTHS):
+        q, k, v = make_qkv(1, 4, 2, tq, tkv, d, dtype=mx.bfloat16, seed=i)
+        assert_close(fused(q, k, v, mask=mask), reference(q, k, v, mask=mask), mx.bfloat16)
+    k_features_strided = mx.swapaxes(mx.swapaxes(k, 2, 3) + 0, 2, 3)
+    assert_close(fused(q, k_features_strided, v, mask=mask), reference(q, k, v, mask=mask), mx.bfloat16)

@@ -27,6 +27,9 @@ struct BackwardIsa {
    isa::backward_key_block, isa::backward_query_block}
 const BackwardIsa kBackwardIsas[] = {
 #ifdef MLX_ATTN_X86_KERNELS
+    // The forward's avx512bf16 copy differs in its bf16 score product only;
+    // the backward computes in float32, so it shares the avx512 copy.
+    MLX_ATTN_BACKWARD_ISA("avx512bf16", avx512_backward),
     MLX_ATTN_BACKWARD_ISA("avx512", avx512_backward),
     MLX_ATTN_BACKWARD_ISA("avx2", avx2_backward),
 #endif

@@ -33,11 +33,15 @@ bool has_avx512() {
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl");
 }
+bool has_avx512bf16() {
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 #endif
 
 // Widest first.
 const Isa kIsas[] = {
 #ifdef MLX_ATTN_X86_KERNELS
+    {"avx512bf16", avx512bf16::vector_lanes, avx512bf16::process_work_item, has_avx512bf16},
     {"avx512", avx512::vector_lanes, avx512::process_work_item, has_avx512},
     {"avx2", avx2::vector_lanes, avx2::process_work_item, has_avx2},
 #endif

@@ -111,8 +111,9 @@ inline void convert_contiguous(float* dst, const void* src, int64_t offset, int 
     memcpy(dst, static_cast<const float*>(src) + offset, sizeof(float) * n);
   } else if constexpr (T == ElemType::bfloat16) {
     const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    for (int i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
+    // Through memcpy (bfloat_to_float): storing uint32_t into floats would
+    // break strict aliasing (GCC then drops the stores into a local row).
+    for (int i = 0; i < n; ++i) dst[i] = bfloat_to_float(s[i]);
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
     int i = 0;

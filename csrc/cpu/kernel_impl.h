@@ -87,7 +87,7 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
 // softmax runs down the key axis with whole vectors of rows (no horizontal
 // reductions). O += P . V then reads P^T as a transposed A operand.
 struct Layout {
-  int group, query_block, query_blocks, rows_padded, value_dim_padded;
+  int group, query_block, query_blocks, value_dim_padded;
 };
 
 inline Layout layout_of(const KernelCall& call) {
@@ -96,7 +96,6 @@ inline Layout layout_of(const KernelCall& call) {
   l.group = p.group_size();
   l.query_block = call.query_block;
   l.query_blocks = call.query_blocks();
-  l.rows_padded = int(round_up(int64_t(l.group) * l.query_block, kLanes));
   l.value_dim_padded = int(round_up(p.value_dim, kLanes));
   return l;
 }
@@ -121,7 +120,7 @@ void attention_work_item(
   const int qb = (p.q_len - q_start) < lay.query_block ? (p.q_len - q_start)
                                                       : lay.query_block;
   const int rows = lay.group * qb;
-  const int rp = int(round_up(rows, kLanes));  // <= lay.rows_padded
+  const int rp = int(round_up(rows, kLanes));  // rows padded to whole vectors
   const int offset = p.kv_len - p.q_len;  // causal alignment (lower right)
 
   float* q_t = scratch;                            // [D][rp]   Q^T
@@ -133,15 +132,35 @@ void attention_work_item(
   float* row_sum = row_max + rp;                   // [rp]
   float* rescale = row_sum + rp;                   // [rp]
 
+  // bf16 with a native bf16 dot product (kNativeBf16, micro_kernel.h): the
+  // score product runs on the bf16 inputs in pairs of features; Q^T is then
+  // the pair-interleaved panel q_pairs[D_pairs][rp][2] (same bytes or fewer).
+  constexpr bool kBf16Score = kNativeBf16 && T == ElemType::bfloat16 && Bits == 0;
+  const int pairs = (D + 1) / 2;
+  uint16_t* q_pairs = reinterpret_cast<uint16_t*>(q_t);
+  uint16_t* k_pairs = reinterpret_cast<uint16_t*>(k_rows);  // [KB][2 pairs]
+
   // Rows are (head in group, query position): row = g * qb + i.
   for (int r = 0; r < rows; ++r) {
     const int h = kv_head * lay.group + r / qb;
     const int qi = q_start + r % qb;
     int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
-    load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
+    if constexpr (kBf16Score) {
+      const uint16_t* q = static_cast<const uint16_t*>(call.q) + off;
+      for (int d = 0; d < D; ++d) q_pairs[(d / 2) * 2 * rp + 2 * r + d % 2] = q[d * p.q_strides[3]];
+      if (D % 2) q_pairs[(pairs - 1) * 2 * rp + 2 * r + 1] = 0;
+    } else {
+      load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
+    }
   }
-  for (int d = 0; d < D; ++d) {
-    for (int r = rows; r < rp; ++r) q_t[d * rp + r] = 0.0f;
+  if constexpr (kBf16Score) {
+    for (int kp = 0; kp < pairs; ++kp) {
+      for (int r = 2 * rows; r < 2 * rp; ++r) q_pairs[kp * 2 * rp + r] = 0;
+    }
+  } else {
+    for (int d = 0; d < D; ++d) {
+      for (int r = rows; r < rp; ++r) q_t[d * rp + r] = 0.0f;
+    }
   }
   for (int r = 0; r < rp; ++r) {
     row_max[r] = -INFINITY;
@@ -151,7 +170,9 @@ void attention_work_item(
 
   // Float32 K rows and V rows (of a whole number of vectors) with unit
   // feature stride are read in place; anything else is converted per block.
-  const bool k_in_place = Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1;
+  // bf16 K for the native score product: in place when its pairs are whole.
+  const bool k_in_place = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
+      (kBf16Score && p.k_strides[3] == 1 && D % 2 == 0);
   const bool v_in_place = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
   const int64_t k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
   const int64_t v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
@@ -171,17 +192,8 @@ void attention_work_item(
   for (int kb = kv_begin; kb < kv_end; kb += KB) {
     const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
 
-    const float* k_block;
-    int64_t ldk;
     const float* v_block;
     int64_t ldv;
-    if (k_in_place) {
-      k_block = static_cast<const float*>(call.k) + k_head + int64_t(kb) * p.k_strides[2];
-      ldk = p.k_strides[2];
-    } else {
-      k_block = k_rows;
-      ldk = D;
-    }
     if (v_in_place) {
       v_block = static_cast<const float*>(call.v) + v_head + int64_t(kb) * p.v_strides[2];
       ldv = p.v_strides[2];
@@ -193,7 +205,14 @@ void attention_work_item(
       const int64_t koff = k_head + int64_t(kb + j) * p.k_strides[2];
       const int64_t voff = v_head + int64_t(kb + j) * p.v_strides[2];
       float* vrow = v_packed + j * Dvp;
-      if constexpr (Bits == 0) {
+      if constexpr (kBf16Score) {
+        if (!k_in_place) {
+          const uint16_t* k = static_cast<const uint16_t*>(call.k) + koff;
+          for (int d = 0; d < D; ++d) k_pairs[j * 2 * pairs + d] = k[d * p.k_strides[3]];
+          if (D % 2) k_pairs[j * 2 * pairs + D] = 0;
+        }
+        if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+      } else if constexpr (Bits == 0) {
         if (!k_in_place) load_row<T>(k_rows + j * D, 1, call.k, koff, p.k_strides[3], D, 1.0f);
         if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
       } else {  // dequantize in the tile: no dequantized copy of K/V exists
@@ -216,7 +235,19 @@ void attention_work_item(
     }
 
     // score: S^T[n][rp] = K[n][D] . Q^T[D][rp]
-    matmul_overwrite(k_block, ldk, q_t, rp, scores_t, rp, n, D, rp);
+    if constexpr (kBf16Score) {
+      const uint16_t* k_block_pairs = k_in_place
+          ? static_cast<const uint16_t*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
+          : k_pairs;
+      const int64_t ldk_pairs = k_in_place ? p.k_strides[2] : 2 * pairs;
+      matmul_overwrite_bf16_pairs(k_block_pairs, ldk_pairs, q_pairs, 2 * rp, scores_t, rp, n, pairs, rp);
+    } else {
+      const float* k_block = k_in_place
+          ? static_cast<const float*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
+          : k_rows;
+      const int64_t ldk = k_in_place ? p.k_strides[2] : D;
+      matmul_overwrite(k_block, ldk, q_t, rp, scores_t, rp, n, D, rp);
+    }
 
     // scale
     const vfloat scale = splat(p.scale);

@@ -31,8 +31,10 @@ inline vfloat load(const float* p) {
 inline void store(float* p, vfloat x) {
   *reinterpret_cast<vfloat_unaligned*>(p) = x;
 }
+// x - 0 is x for every x (0 + x is not, for x = -0), so this folds to a
+// plain broadcast, with no add in the micro-kernel's inner loop.
 inline vfloat splat(float x) {
-  return vfloat{} + x;
+  return x - vfloat{};
 }
 inline vfloat vmax(vfloat a, vfloat b) {
   return a > b ? a : b;

@@ -4,7 +4,7 @@
 // build for any target (arm64 under qemu-aarch64 included). No STL, so a
 // cross build needs only a C library.
 //
-// Build with -DHARNESS_ARM64 (neon, generic) or -DHARNESS_X86 (avx512, avx2,
+// Build with -DHARNESS_ARM64 (neon, generic) or -DHARNESS_X86 (avx512bf16, avx512, avx2,
 // generic) plus the matching units. Usage: harness [isa ...] (default: every
 // copy built in that the CPU runs). Prints one line per copy and exits 1 on
 // any mismatch, 2 on bad usage.
@@ -46,7 +46,11 @@ bool has_avx512() {
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl");
 }
+bool has_avx512bf16() {
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 const Copy kCopies[] = {
+    {"avx512bf16", avx512bf16::vector_lanes, avx512bf16::process_work_item, has_avx512bf16},
     {"avx512", avx512::vector_lanes, avx512::process_work_item, has_avx512},
     {"avx2", avx2::vector_lanes, avx2::process_work_item, has_avx2},
     {"generic", generic::vector_lanes, generic::process_work_item, always},
