@@ -4,10 +4,18 @@ MLX autodiff, and through PyTorch's CPU scaled_dot_product_attention (when
 importable, same thread count).
 
 Prints a table (median time, extra peak memory, fused speed-up over each
-baseline measured in the same run), saves it as JSON and a PNG plot.
+baseline measured in the same run), saves it as JSON (with the CPU model and
+the load average) and a PNG plot.
 
     python benchmarks/bench_backward.py                 # T = 512..8192
     python benchmarks/bench_backward.py --quick         # a small smoke run
+    python benchmarks/bench_backward.py --lengths 4096 --dims 64 128   # one length
+
+Columns: fused ms / ref ms / torch ms are the median forward + backward time;
+peak MiB is the fused step's peak memory beyond its inputs, and work MiB the
+part of it beyond the gradients and the forward output every implementation
+holds (dq, dk, dv, out): delta, lse, cotangents and the kernels' scratch;
+vs ref / vs torch are baseline time / fused time (> 1: fused is faster).
 
 The reference path needs O(T^2) memory: it only runs up to
 --max-reference-len. Timings on a shared machine are noisy; compare ratios
@@ -20,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +41,9 @@ try:
     import torch
 except ImportError:  # optional, for comparison only
     torch = None
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sdpa_cpu import cpu_description  # noqa: E402  (a sibling script)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16}
 
@@ -100,6 +112,8 @@ def run_grid(lengths, dims, dtypes, causals, heads, repeats, max_reference_len):
                     fused = mlx_step("fused", q, k, v, causal)
                     row["fused_s"] = median_seconds(fused, repeats)
                     row["fused_peak_mib"] = extra_peak_mib(fused)
+                    held = 4 * q.nbytes / 2**20  # dq, dk, dv and out, each the size of q here
+                    row["fused_work_mib"] = row["fused_peak_mib"] - held
                     if t <= max_reference_len:
                         reference = mlx_step("reference", q, k, v, causal)
                         row["reference_s"] = median_seconds(reference, repeats)
@@ -119,14 +133,14 @@ def format_row(row) -> str:
     torch_ms = f"{row['torch_s'] * 1e3:9.1f}" if "torch_s" in row else "        -"
     return (
         f"| {row['T']:5d} | {row['D']:3d} | {row['dtype']:7s} | {str(row['causal']):5s} | "
-        f"{row['fused_s'] * 1e3:9.1f} | {row['fused_peak_mib']:8.1f} | {ref} | {torch_ms} | "
+        f"{row['fused_s'] * 1e3:9.1f} | {row['fused_peak_mib']:8.1f} | {row['fused_work_mib']:8.1f} | {ref} | {torch_ms} | "
         f"{ratio('reference_s'):>8s} | {ratio('torch_s'):>8s} |"
     )
 
 
 HEADER = (
-    "|     T |   D | dtype   | causal | fused ms | peak MiB |   ref ms | torch ms | vs ref | vs torch |\n"
-    "|------:|----:|---------|--------|---------:|---------:|---------:|---------:|-------:|---------:|"
+    "|     T |   D | dtype   | causal | fused ms | peak MiB | work MiB |   ref ms | torch ms | vs ref | vs torch |\n"
+    "|------:|----:|---------|--------|---------:|---------:|---------:|---------:|---------:|-------:|---------:|"
 )
 
 
@@ -158,6 +172,10 @@ def plot(rows, path: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="T=256/512, D=64, float32 only")
+    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 512..8192)")
+    parser.add_argument("--dims", type=int, nargs="+", choices=[64, 128], help="head dims (default 64 128)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default float32 float16")
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-reference-len", type=int, default=4096)
@@ -165,16 +183,29 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.heads < 1 or args.repeats < 1:
         parser.error("--heads and --repeats must be >= 1")
+    if args.lengths and min(args.lengths) < 1:
+        parser.error("--lengths must be >= 1")
     mx.set_default_device(mx.cpu)
     if args.quick:
         grid = dict(lengths=[256, 512], dims=[64], dtypes=["float32"], causals=[False, True])
     else:
-        grid = dict(lengths=[512, 1024, 2048, 4096, 8192], dims=[64, 128], dtypes=["float32", "float16"], causals=[False, True])
-    print(f"threads: {threads_used()}, heads: {args.heads}, PyTorch: {torch.__version__ if torch else 'not installed'}")
+        grid = dict(
+            lengths=args.lengths or [512, 1024, 2048, 4096, 8192],
+            dims=args.dims or [64, 128],
+            dtypes=args.dtypes or ["float32", "float16"],
+            causals={"both": [False, True], "yes": [True], "no": [False]}[args.causal],
+        )
+    cpu = cpu_description()["model"]
+    load = os.getloadavg()[0]
+    print(f"CPU: {cpu}, threads: {threads_used()}, heads: {args.heads}, load average {load:.1f}, "
+          f"PyTorch: {torch.__version__ if torch else 'not installed'}")
     print(HEADER)
     rows = run_grid(**grid, heads=args.heads, repeats=args.repeats, max_reference_len=args.max_reference_len)
+    load_end = os.getloadavg()[0]
+    print(f"load average at the end: {load_end:.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_backward.json").write_text(json.dumps({"threads": threads_used(), "rows": rows}, indent=1))
+    record = {"threads": threads_used(), "cpu": cpu, "load_average": [load, load_end], "rows": rows}
+    (args.out / "bench_backward.json").write_text(json.dumps(record, indent=1))
     plot(rows, args.out / "bench_backward.png")
     return rows
 

@@ -114,3 +114,19 @@ def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None, 
     with np.errstate(divide="ignore"):
         lse = np.where(total > 0, np.log(total) + shift, -np.inf)[..., 0]
     return out, lse
+
+
+FINITE_DIFFERENCE_STEP = 1e-6
+
+
+def finite_difference_gradient(f, arrays, index, step=FINITE_DIFFERENCE_STEP):
+    """d f(*arrays) / d arrays[index] by central differences, element by
+    element (float64 arrays; f returns a Python float)."""
+    x = arrays[index]
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
+        plus[index][i] += step
+        minus[index][i] -= step
+        grad[i] = (f(*plus) - f(*minus)) / (2 * step)
+    return grad

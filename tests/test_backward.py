@@ -15,13 +15,31 @@ import pytest
 import mlx_attn
 from mlx_attn import _native
 from mlx_attn.attention import MultiHeadAttention
-from sdpa_cases import make_qkv, numpy_attention
+from sdpa_cases import finite_difference_gradient, make_qkv, numpy_attention
 
 # Max abs gradient error relative to the largest reference gradient: float32
 # accumulation order; float16/bfloat16 inputs, output and cotangent rounded
 # once each (ulp(1) 2^-10 resp. 2^-7), float32 accumulation.
 GRAD_TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 6e-2}
-FD_STEP = 1e-6
+
+
+# The CPU backward's two schemes (csrc/cpu/backward_kernels.h): which one runs
+# by default depends on batch x kv heads and the thread count, so the tests
+# force each in turn.
+BACKWARD_SCHEMES = ["single", "two"]
+
+
+@pytest.fixture(params=BACKWARD_SCHEMES)
+def backward_scheme(request, monkeypatch):
+    monkeypatch.setenv("MLX_ATTN_CPU_BACKWARD", request.param)
+    return request.param
+
+
+def test_unknown_backward_scheme_is_refused(monkeypatch):
+    monkeypatch.setenv("MLX_ATTN_CPU_BACKWARD", "three")
+    q, k, v = make_qkv(1, 2, 1, 4, 4, 8, seed=1)
+    with pytest.raises(ValueError, match="MLX_ATTN_CPU_BACKWARD"):
+        _grads(q, k, v, None, "fused", _loss_weights((1, 2, 4, 8)), scale=0.5)
 
 
 def _loss_weights(shape, seed=11):
@@ -81,7 +99,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("mask", [None, "causal", "window", "bool", "additive", "additive-broadcast"])
-def test_fused_gradients_match_reference_autodiff(shape, mask):
+def test_fused_gradients_match_reference_autodiff(shape, mask, backward_scheme):
     b, hq, hkv, tq, tkv, d, dv = shape
     q, k, v = make_qkv(b, hq, hkv, tq, tkv, d, dv, seed=sum(shape))
     rng = np.random.default_rng(3)
@@ -101,13 +119,13 @@ def test_fused_gradients_match_reference_autodiff(shape, mask):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_gradients_dtypes_with_sinks(dtype, causal):
+def test_fused_gradients_dtypes_with_sinks(dtype, causal, backward_scheme):
     q, k, v = make_qkv(1, 4, 2, 37, 80, 16, 24, dtype=dtype, seed=4)
     sinks = mx.array([0.5, -1.0, 2.0, 0.0]).astype(dtype)
     assert_grads_match_reference(q, k, v, sinks=sinks, dtype=dtype, mask="causal" if causal else None)
 
 
-def test_fused_gradients_strided_inputs():
+def test_fused_gradients_strided_inputs(backward_scheme):
     """q, k, v as transposed views ([B, T, H, D] memory), sinks a strided view."""
     rng = np.random.default_rng(8)
     q = mx.array(rng.standard_normal((2, 50, 4, 16)).astype(np.float32)).swapaxes(1, 2)
@@ -118,7 +136,7 @@ def test_fused_gradients_strided_inputs():
 
 
 @pytest.mark.parametrize("isa", _native.ext.supported_cpu_isas() if _native.ext else [])
-def test_fused_gradients_every_instruction_set(isa):
+def test_fused_gradients_every_instruction_set(isa, backward_scheme):
     before = _native.ext.cpu_isa()
     _native.ext.set_cpu_isa(isa)
     try:
@@ -129,7 +147,7 @@ def test_fused_gradients_every_instruction_set(isa):
 
 
 @pytest.mark.parametrize("sinks", [False, True])
-def test_fully_masked_rows_give_zero_gradients(sinks):
+def test_fully_masked_rows_give_zero_gradients(sinks, backward_scheme):
     q, k, v = make_qkv(1, 2, 1, 6, 9, 8, seed=2)
     visible = np.ones((1, 2, 6, 9), bool)
     visible[0, 0, 2, :] = False  # row 2 of head 0 sees nothing
@@ -148,17 +166,6 @@ def test_fully_masked_rows_give_zero_gradients(sinks):
         np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-5)
 
 
-def _finite_differences(f, arrays, index):
-    x = arrays[index]
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
-        plus[index][i] += FD_STEP
-        minus[index][i] -= FD_STEP
-        grad[i] = (f(*plus) - f(*minus)) / (2 * FD_STEP)
-    return grad
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -168,7 +175,7 @@ def _finite_differences(f, arrays, index):
     ],
     ids=["mqa-window", "causal-tq-gt-tkv", "bool-empty-row"],
 )
-def test_fused_gradients_match_finite_differences(case):
+def test_fused_gradients_match_finite_differences(case, backward_scheme):
     b, hq, hkv, tq, tkv, d, dv = case["shape"]
     q, k, v = make_qkv(b, hq, hkv, tq, tkv, d, dv, seed=6)
     sinks = mx.array(np.linspace(-0.5, 0.5, hq).astype(np.float32))
@@ -186,7 +193,7 @@ def test_fused_gradients_match_finite_differences(case):
     grads = _grads(q, k, v, sinks, "fused", mx.array(weights.astype(np.float32)), **kw)
     arrays = [np.array(a).astype(np.float64) for a in (q, k, v, sinks)]
     for index, name in enumerate(("q", "k", "v", "sinks")):
-        want = _finite_differences(loss_numpy, arrays, index)
+        want = finite_difference_gradient(loss_numpy, arrays, index)
         np.testing.assert_allclose(np.array(grads[index]), want, atol=3e-5, rtol=1e-4, err_msg=name)
 
 
@@ -208,7 +215,7 @@ def test_lse_output_is_differentiable_on_the_cpu():
 
     got = np.array(mx.grad(loss)(q))
     arrays = [np.array(a).astype(np.float64) for a in (q, k, v)]
-    np.testing.assert_allclose(got, _finite_differences(loss_numpy, arrays, 0), atol=3e-5, rtol=1e-4)
+    np.testing.assert_allclose(got, finite_difference_gradient(loss_numpy, arrays, 0), atol=3e-5, rtol=1e-4)
 
 
 def test_fused_backward_does_not_use_the_reference_rule():

@@ -8,21 +8,7 @@ import numpy as np
 import pytest
 
 import mlx_attn
-from sdpa_cases import make_qkv, numpy_attention
-
-STEP = 1e-6
-
-
-def finite_differences(f, arrays, index):
-    """d f / d arrays[index] by central differences, element by element."""
-    x = arrays[index]
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
-        plus[index][i] += STEP
-        minus[index][i] -= STEP
-        grad[i] = (f(*plus) - f(*minus)) / (2 * STEP)
-    return grad
+from sdpa_cases import finite_difference_gradient, make_qkv, numpy_attention
 
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
@@ -50,6 +36,6 @@ def test_gradients_match_finite_differences(backend, mask):
     grads = mx.grad(loss_mlx, argnums=(0, 1, 2, 3))(q, k, v, sinks)
     arrays = [np.array(a).astype(np.float64) for a in (q, k, v, sinks)]
     for index, name in enumerate(("q", "k", "v", "sinks")):
-        want = finite_differences(loss_numpy, arrays, index)
+        want = finite_difference_gradient(loss_numpy, arrays, index)
         got = np.array(grads[index])
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d loss / d {name}")

@@ -1,6 +1,10 @@
 // Runs the fused CPU backward over the thread pool with the kernel copy of
-// the instruction set the forward uses (cpu::current_isa).
+// the instruction set the forward uses (cpu::current_isa), choosing between
+// the single-pass and the two-pass scheme (backward_kernels.h).
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "csrc/cpu/backward_host.h"
 #include "csrc/cpu/host.h"
@@ -13,20 +17,25 @@ struct BackwardIsa {
   const char* name;
   int (*lanes)();
   void (*rows)(const BackwardCall&, int64_t);
+  void (*group)(const BackwardCall&, int64_t, float*);
   void (*key_block)(const BackwardCall&, int64_t, float*);
   void (*query_block)(const BackwardCall&, int64_t, float*);
 };
 
+#define MLX_ATTN_BACKWARD_ISA(name, isa)                                               \
+  {name, isa::backward_vector_lanes, isa::backward_rows, isa::backward_group,         \
+   isa::backward_key_block, isa::backward_query_block}
 const BackwardIsa kBackwardIsas[] = {
 #ifdef MLX_ATTN_X86_KERNELS
-    {"avx512", avx512::vector_lanes, avx512_backward::backward_rows,
-     avx512_backward::backward_key_block, avx512_backward::backward_query_block},
-    {"avx2", avx2::vector_lanes, avx2_backward::backward_rows,
-     avx2_backward::backward_key_block, avx2_backward::backward_query_block},
+    // The forward's avx512bf16 copy differs in its bf16 score product only;
+    // the backward computes in float32, so it shares the avx512 copy.
+    MLX_ATTN_BACKWARD_ISA("avx512bf16", avx512_backward),
+    MLX_ATTN_BACKWARD_ISA("avx512", avx512_backward),
+    MLX_ATTN_BACKWARD_ISA("avx2", avx2_backward),
 #endif
-    {"generic", generic::vector_lanes, generic_backward::backward_rows,
-     generic_backward::backward_key_block, generic_backward::backward_query_block},
+    MLX_ATTN_BACKWARD_ISA("generic", generic_backward),
 };
+#undef MLX_ATTN_BACKWARD_ISA
 
 const BackwardIsa& active_backward_isa() {
   const char* name = current_isa();
@@ -42,7 +51,31 @@ int64_t delta_floats(const BackwardCall& call) {
 }
 
 int64_t thread_stride(const BackwardCall& call) {
-  return round_up(backward_scratch_floats(call, active_backward_isa().lanes()), 16);
+  return round_up(backward_scratch(call, active_backward_isa().lanes()).total, 16);
+}
+
+// The single pass has batch x kv heads equal work items; the two passes do
+// 7 tile products for its 5. Single pass unless its items would leave the
+// threads idle more than that (busy fraction below 5/7), or its per-thread
+// dQ accumulators (float32 [group][Tq][D] outside the in-place case) would
+// exceed kSinglePassScratchBytes in all.
+// MLX_ATTN_CPU_BACKWARD=single|two forces a scheme (tests cover both).
+constexpr int64_t kSinglePassScratchBytes = int64_t(64) << 20;
+
+bool single_pass_pays(const BackwardCall& call, int threads) {
+  const char* forced = std::getenv("MLX_ATTN_CPU_BACKWARD");
+  if (forced && *forced) {
+    if (std::strcmp(forced, "single") == 0) return true;
+    if (std::strcmp(forced, "two") == 0) return false;
+    throw std::invalid_argument(std::string("[mlx_attn] MLX_ATTN_CPU_BACKWARD must be 'single' or 'two', got '") +
+                                forced + "'");
+  }
+  const AttentionProblem& p = call.problem;
+  const int64_t items = int64_t(p.batch) * p.kv_heads;
+  const int64_t rounds = (items + threads - 1) / threads;
+  const int64_t dq_bytes =
+      single_pass_dq_floats(call, active_backward_isa().lanes()) * int64_t(sizeof(float)) * threads;
+  return 7 * items >= 5 * rounds * threads && dq_bytes <= kSinglePassScratchBytes;
 }
 
 }  // namespace
@@ -52,6 +85,7 @@ void plan_backward(BackwardCall& call) {
   int qb = kMaxRows / p.group_size();
   qb = qb < 1 ? 1 : qb;
   call.query_block = qb < p.q_len ? qb : (p.q_len > 0 ? p.q_len : 1);
+  call.single_pass = single_pass_pays(call, thread_pool().size());
 }
 
 int64_t backward_scratch_size(const BackwardCall& call) {
@@ -63,12 +97,18 @@ void run_backward(BackwardCall call, float* scratch) {
   const BackwardIsa& isa = active_backward_isa();
   const int64_t stride = thread_stride(call);
   call.delta = scratch;
-  // Each thread's tile block aligned to 64 bytes.
+  // Each thread's buffers aligned to 64 bytes.
   float* base = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(scratch + delta_floats(call)) + 63) & ~uintptr_t(63));
   auto& pool = thread_pool();
   pool.parallel_for(p.q_heads, [&](int64_t head, int) { isa.rows(call, head); });
   const int64_t per_block = int64_t(p.batch) * p.kv_heads;
+  if (call.single_pass) {
+    pool.parallel_for(per_block, [&](int64_t item, int slot) {
+      isa.group(call, item, base + stride * slot);
+    });
+    return;
+  }
   pool.parallel_for(per_block * call.key_blocks(), [&](int64_t item, int slot) {
     isa.key_block(call, item, base + stride * slot);
   });

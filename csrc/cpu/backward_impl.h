@@ -1,14 +1,20 @@
 // The fused attention backward for the CPU (see backward_kernels.h for the
-// algorithm). Included once per instruction set by backward_<isa>.cpp, which
-// defines MLX_ATTN_ISA (<isa>_backward) and MLX_ATTN_VEC_BYTES like the
-// forward's units. It reuses the forward's vector, element and matmul helpers
-// from kernel_impl.h (the forward entry points that come with them in this
-// namespace are unused here). Steps mirror the forward's: score, scale
-// (saturating: no gradient where a logit is clamped), mask, then
-// P = exp(S - lse) instead of the online softmax.
+// algorithm and the two schemes). Included once per instruction set by
+// backward_<isa>.cpp, which defines MLX_ATTN_ISA (<isa>_backward) and
+// MLX_ATTN_VEC_BYTES like the forward's units. It shares the forward's vector
+// basics (simd.h), element conversion (elements.h) and register-blocked
+// micro-kernel (micro_kernel.h), but none of the forward itself. Steps mirror
+// the forward's: score, scale (saturating: no gradient where a logit is
+// clamped), mask, then P = exp(S - lse) instead of the online softmax.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "csrc/cpu/backward_kernels.h"
-#include "csrc/cpu/kernel_impl.h"
+#include "csrc/cpu/elements.h"
+#include "csrc/cpu/micro_kernel.h"
+#include "csrc/cpu/simd.h"
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
@@ -22,6 +28,21 @@ struct TileRows {
   int query(int r) const { return q_start + r % qb; }
 };
 
+// One thread's buffers (backward_scratch in backward_kernels.h).
+struct Buffers {
+  float *q_packed, *d_out_packed, *probs, *d_scores, *gate, *k_t, *v_t, *k_rows,
+      *dk_acc, *dv_acc, *dq_acc, *lse_row, *delta_row;
+};
+
+Buffers buffers_of(const BackwardCall& call, float* scratch) {
+  const BackwardScratch s = backward_scratch(call, kLanes);
+  return {scratch + s.q_packed, scratch + s.d_out_packed, scratch + s.probs,
+          scratch + s.d_scores, scratch + s.gate,         scratch + s.k_t,
+          scratch + s.v_t,      scratch + s.k_rows,       scratch + s.dk_acc,
+          scratch + s.dv_acc,   scratch + s.dq_acc,       scratch + s.lse_row,
+          scratch + s.delta_row};
+}
+
 inline int64_t row_index(const AttentionProblem& p, int b, int h, int qi) {
   return (int64_t(b) * p.q_heads + h) * p.q_len + qi;
 }
@@ -30,78 +51,77 @@ inline void zero_tail(float* row, int from, int to) {
   for (int e = from; e < to; ++e) row[e] = 0.0f;
 }
 
-// Q [rows][ldq] and dO [rows][lddo] (zero padded), lse (+inf where the row
-// saw nothing, so P = exp(S - lse) is 0 there) and delta per row.
+// Q [rows][Dp] and dO [rows][Dvp] (zero padded), lse (+inf where the row saw
+// nothing, so P = exp(S - lse) is 0 there) and delta per row.
 template <ElemType T>
-void pack_rows(const BackwardCall& call, const TileRows& t, float* q_packed, int ldq,
-               float* d_out_packed, int lddo, float* lse_row, float* delta_row) {
+void pack_rows(const BackwardCall& call, const TileRows& t, const Buffers& buf, int ldq, int lddo) {
   const AttentionProblem& p = call.problem;
   for (int r = 0; r < t.rows(); ++r) {
     const int h = t.head(r), qi = t.query(r);
-    load_row<T>(q_packed + r * ldq, 1, call.q,
-                t.b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2],
+    float* q_row = buf.q_packed + r * ldq;
+    load_row<T>(q_row, 1, call.q, t.b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2],
                 p.q_strides[3], p.head_dim, 1.0f);
-    zero_tail(q_packed + r * ldq, p.head_dim, ldq);
+    zero_tail(q_row, p.head_dim, ldq);
     const int64_t* ds = call.d_out_strides;
-    load_row<T>(d_out_packed + r * lddo, 1, call.d_out,
-                t.b * ds[0] + h * ds[1] + qi * ds[2], ds[3], p.value_dim, 1.0f);
-    zero_tail(d_out_packed + r * lddo, p.value_dim, lddo);
+    float* d_out_row = buf.d_out_packed + r * lddo;
+    load_row<T>(d_out_row, 1, call.d_out, t.b * ds[0] + h * ds[1] + qi * ds[2], ds[3], p.value_dim, 1.0f);
+    zero_tail(d_out_row, p.value_dim, lddo);
     const int64_t i = row_index(p, t.b, h, qi);
-    lse_row[r] = call.lse[i] == -INFINITY ? INFINITY : call.lse[i];
-    delta_row[r] = call.delta[i];
+    buf.lse_row[r] = call.lse[i] == -INFINITY ? INFINITY : call.lse[i];
+    buf.delta_row[r] = call.delta[i];
   }
 }
 
-// K^T [D][KB] and V^T [Dv][KB] of keys kb..kb+n (zero columns past n), and
-// when k_rows is set, K [KB][ldk] (zero padded).
+// K^T [D][KB], V^T [Dv][KB] of keys kb..kb+n (zero columns past n) and
+// K [KB][ldk] (zero padded), the B panels of the tile's products.
 template <ElemType T>
-void pack_keys(const BackwardCall& call, int b, int kv_head, int kb, int n,
-               float* k_t, float* v_t, float* k_rows, int ldk) {
+void pack_keys(const BackwardCall& call, int b, int kv_head, int kb, int n, const Buffers& buf, int ldk) {
   const AttentionProblem& p = call.problem;
   const int KB = kKeyBlock;
   for (int j = 0; j < n; ++j) {
-    const int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] +
-        int64_t(kb + j) * p.k_strides[2];
-    load_row<T>(k_t + j, KB, call.k, koff, p.k_strides[3], p.head_dim, 1.0f);
-    const int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] +
-        int64_t(kb + j) * p.v_strides[2];
-    load_row<T>(v_t + j, KB, call.v, voff, p.v_strides[3], p.value_dim, 1.0f);
-    if (k_rows) {
-      load_row<T>(k_rows + j * ldk, 1, call.k, koff, p.k_strides[3], p.head_dim, 1.0f);
-      zero_tail(k_rows + j * ldk, p.head_dim, ldk);
-    }
+    const int64_t koff = b * p.k_strides[0] + kv_head * p.k_strides[1] + int64_t(kb + j) * p.k_strides[2];
+    float* k_row = buf.k_rows + j * ldk;
+    load_row<T>(k_row, 1, call.k, koff, p.k_strides[3], p.head_dim, 1.0f);
+    zero_tail(k_row, p.head_dim, ldk);
+    for (int d = 0; d < p.head_dim; ++d) buf.k_t[d * KB + j] = k_row[d];
+    const int64_t voff = b * p.v_strides[0] + kv_head * p.v_strides[1] + int64_t(kb + j) * p.v_strides[2];
+    load_row<T>(buf.v_t + j, KB, call.v, voff, p.v_strides[3], p.value_dim, 1.0f);
   }
   for (int j = n; j < KB; ++j) {
-    for (int d = 0; d < p.head_dim; ++d) k_t[d * KB + j] = 0.0f;
-    for (int e = 0; e < p.value_dim; ++e) v_t[e * KB + j] = 0.0f;
-    if (k_rows) zero_tail(k_rows + j * ldk, 0, ldk);
+    for (int d = 0; d < p.head_dim; ++d) buf.k_t[d * KB + j] = 0.0f;
+    for (int e = 0; e < p.value_dim; ++e) buf.v_t[e * KB + j] = 0.0f;
+    zero_tail(buf.k_rows + j * ldk, 0, ldk);
   }
 }
 
 // One tile: P [rows][KB] = exp(S - lse) of the masked, saturated logits and
 // dS [rows][KB] = scale * P * (dO . V^T - delta), zero where a logit was
-// clamped (gate: a [rows][KB] buffer, only written when something clamped).
+// clamped (gate, only written when something clamped). Columns past n are 0.
 template <ElemType T>
-void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n,
-                    const float* q_packed, int ldq, const float* d_out_packed, int lddo,
-                    const float* k_t, const float* v_t, const float* lse_row,
-                    const float* delta_row, float* probs, float* d_scores, float* gate) {
+void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, const Buffers& buf,
+                    int ldq, int lddo) {
   const AttentionProblem& p = call.problem;
   const int KB = kKeyBlock, rows = t.rows();
   const int offset = p.kv_len - p.q_len;
   const vfloat limit = splat(kLogitLimit), scale = splat(p.scale);
+  float* const probs = buf.probs;
+  float* const d_scores = buf.d_scores;
   bool gated = false;
   auto close_gate = [&](int r, int j) {
     if (!gated) {
-      for (int64_t i = 0; i < int64_t(rows) * KB; ++i) gate[i] = 1.0f;
+      for (int64_t i = 0; i < int64_t(rows) * KB; ++i) buf.gate[i] = 1.0f;
       gated = true;
     }
-    gate[r * KB + j] = 0.0f;
+    buf.gate[r * KB + j] = 0.0f;
   };
+  // Only tiles that straddle the causal diagonal or the window's edge mask
+  // per key (as the forward's).
+  const int first_pos = t.q_start + offset, last_pos = t.q_start + t.qb - 1 + offset;
+  const bool causal_edge = p.causal && kb + n - 1 > first_pos;
+  const bool window_edge = p.causal && p.window_size > 0 && kb <= last_pos - p.window_size;
 
   // score
-  memset(probs, 0, sizeof(float) * rows * KB);
-  matmul_accumulate(q_packed, ldq, k_t, KB, probs, KB, rows, p.head_dim, KB);
+  matmul_overwrite(buf.q_packed, ldq, buf.k_t, KB, probs, KB, rows, p.head_dim, KB);
 
   for (int r = 0; r < rows; ++r) {
     float* s = probs + r * KB;
@@ -118,7 +138,7 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n,
     if (any_clamped) {  // rare: recompute which logits clamped
       for (int j = 0; j < n; ++j) {
         float dot = 0.0f;
-        for (int d = 0; d < p.head_dim; ++d) dot += q_packed[r * ldq + d] * k_t[d * KB + j];
+        for (int d = 0; d < p.head_dim; ++d) dot += buf.q_packed[r * ldq + d] * buf.k_t[d * KB + j];
         if (!(fabsf(dot * p.scale) <= kLogitLimit)) close_gate(r, j);
       }
     }
@@ -144,7 +164,7 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n,
         }
       }
     }
-    if (p.causal) {
+    if (causal_edge || window_edge) {
       for (int j = 0; j < n; ++j) {
         const int key = kb + j;
         if (key > pos || (p.window_size > 0 && key <= pos - p.window_size)) s[j] = -INFINITY;
@@ -152,30 +172,57 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n,
     }
     for (int j = n; j < KB; ++j) s[j] = -INFINITY;
     // P = exp(S - lse)
-    const vfloat lse = splat(lse_row[r]);
+    const vfloat lse = splat(buf.lse_row[r]);
     for (int c = 0; c < KB; c += kLanes) store(s + c, exp2_vec((load(s + c) - lse) * kLog2e));
   }
 
   // dP = dO . V^T, then dS in place
-  memset(d_scores, 0, sizeof(float) * rows * KB);
-  matmul_accumulate(d_out_packed, lddo, v_t, KB, d_scores, KB, rows, p.value_dim, KB);
+  matmul_overwrite(buf.d_out_packed, lddo, buf.v_t, KB, d_scores, KB, rows, p.value_dim, KB);
   for (int r = 0; r < rows; ++r) {
     float* ds = d_scores + r * KB;
     const float* pr = probs + r * KB;
-    const vfloat delta = splat(delta_row[r]);
+    const vfloat delta = splat(buf.delta_row[r]);
     for (int c = 0; c < KB; c += kLanes) {
       vfloat g = load(pr + c) * (load(ds + c) - delta) * scale;
-      if (gated) g *= load(gate + r * KB + c);
+      if (gated) g *= load(buf.gate + r * KB + c);
       store(ds + c, g);
     }
   }
 }
 
-// dst [cols][rows] = src [rows][cols] (src row stride KB).
-inline void transpose_tile(const float* src, int rows, int cols, float* dst) {
-  for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < cols; ++c) dst[c * rows + r] = src[r * kKeyBlock + c];
+// dV += P^T . dO and dK += dS^T . Q of one tile (P and dS read transposed in
+// place by the micro-kernel).
+inline void accumulate_key_gradients(const Buffers& buf, int rows, int n, int Dp, int Dvp) {
+  matmul_accumulate_transposed_a(buf.probs, kKeyBlock, buf.d_out_packed, Dvp, buf.dv_acc, Dvp, n, rows, Dvp);
+  matmul_accumulate_transposed_a(buf.d_scores, kKeyBlock, buf.q_packed, Dp, buf.dk_acc, Dp, n, rows, Dp);
+}
+
+template <ElemType T>
+void store_key_gradients(const BackwardCall& call, int b, int kv_head, int kb, int n, const Buffers& buf,
+                         int Dp, int Dvp) {
+  const AttentionProblem& p = call.problem;
+  for (int j = 0; j < n; ++j) {
+    const int64_t key_row = (int64_t(b) * p.kv_heads + kv_head) * p.kv_len + kb + j;
+    for (int d = 0; d < p.head_dim; ++d) store_elem<T>(call.dk, key_row * p.head_dim + d, buf.dk_acc[j * Dp + d]);
+    for (int e = 0; e < p.value_dim; ++e) store_elem<T>(call.dv, key_row * p.value_dim + e, buf.dv_acc[j * Dvp + e]);
   }
+}
+
+// Query positions [lo, hi) that can see a key of block kb..kb+n.
+struct QueryRange {
+  int64_t lo, hi;
+};
+inline QueryRange queries_seeing(const AttentionProblem& p, int kb, int n) {
+  const int offset = p.kv_len - p.q_len;
+  QueryRange range{0, p.q_len};
+  if (p.causal) {
+    range.lo = int64_t(kb) - offset > 0 ? int64_t(kb) - offset : 0;
+    if (p.window_size > 0) {
+      const int64_t hi = int64_t(kb) + n - 1 - offset + p.window_size;
+      range.hi = hi < range.hi ? hi : range.hi;
+    }
+  }
+  return range;
 }
 
 template <ElemType T>
@@ -214,71 +261,86 @@ void rows_pass(const BackwardCall& call, int h) {
   if (p.has_sinks) store_elem<T>(call.d_sinks, h, sink_clamped ? 0.0f : d_sink);
 }
 
+// The single pass: all of dK, dV and dQ of one (batch, kv head).
+template <ElemType T>
+void group_pass(const BackwardCall& call, int64_t item, float* scratch) {
+  const AttentionProblem& p = call.problem;
+  const int KB = kKeyBlock, D = p.head_dim;
+  const int Dp = int(round_up(D, kLanes)), Dvp = int(round_up(p.value_dim, kLanes));
+  const int group = p.group_size();
+  const int b = int(item / p.kv_heads), kv_head = int(item % p.kv_heads);
+  const Buffers buf = buffers_of(call, scratch);
+  // dQ rows of head g of the group, position qi: dq_group + (g * Tq + qi) * Dp.
+  const bool in_place = dq_accumulates_in_place(call, kLanes);
+  float* const dq_group = in_place
+      ? static_cast<float*>(call.dq) + row_index(p, b, kv_head * group, 0) * D
+      : buf.dq_acc;
+  memset(dq_group, 0, sizeof(float) * group * p.q_len * Dp);
+
+  for (int kb = 0; kb < p.kv_len; kb += KB) {
+    const int n = (p.kv_len - kb) < KB ? (p.kv_len - kb) : KB;
+    const QueryRange range = queries_seeing(p, kb, n);
+    memset(buf.dk_acc, 0, sizeof(float) * KB * Dp);
+    memset(buf.dv_acc, 0, sizeof(float) * KB * Dvp);
+    if (range.lo < range.hi) pack_keys<T>(call, b, kv_head, kb, n, buf, Dp);
+    for (int64_t qs = range.lo; qs < range.hi; qs += call.query_block) {
+      const int qb = int((range.hi - qs) < call.query_block ? (range.hi - qs) : call.query_block);
+      const TileRows t{b, kv_head, int(qs), qb, group};
+      pack_rows<T>(call, t, buf, Dp, Dvp);
+      tile_gradients<T>(call, t, kb, n, buf, Dp, Dvp);
+      accumulate_key_gradients(buf, t.rows(), n, Dp, Dvp);
+      for (int g = 0; g < group; ++g) {  // dQ += dS . K, per head of the group
+        matmul_accumulate(buf.d_scores + g * qb * KB, KB, buf.k_rows, Dp,
+                          dq_group + (int64_t(g) * p.q_len + qs) * Dp, Dp, qb, n, Dp);
+      }
+    }
+    store_key_gradients<T>(call, b, kv_head, kb, n, buf, Dp, Dvp);  // zero where no query sees
+  }
+  if (!in_place) {
+    for (int g = 0; g < group; ++g) {
+      const int64_t first = row_index(p, b, kv_head * group + g, 0);
+      for (int qi = 0; qi < p.q_len; ++qi) {
+        const float* acc = dq_group + (int64_t(g) * p.q_len + qi) * Dp;
+        for (int d = 0; d < D; ++d) store_elem<T>(call.dq, (first + qi) * D + d, acc[d]);
+      }
+    }
+  }
+}
+
+// Two passes, first: dK, dV of one (batch, kv head, key block).
 template <ElemType T>
 void key_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
   const AttentionProblem& p = call.problem;
-  const int KB = kKeyBlock, D = p.head_dim, Dv = p.value_dim;
-  const int Dp = int(round_up(D, kLanes)), Dvp = int(round_up(Dv, kLanes));
+  const int KB = kKeyBlock;
+  const int Dp = int(round_up(p.head_dim, kLanes)), Dvp = int(round_up(p.value_dim, kLanes));
   const int group = p.group_size();
   const int64_t per_block = int64_t(p.batch) * p.kv_heads;
   const int kb = int(item / per_block) * KB;  // early key blocks (most work, causal) first
   const int b = int((item % per_block) / p.kv_heads);
   const int kv_head = int(item % p.kv_heads);
   const int n = (p.kv_len - kb) < KB ? (p.kv_len - kb) : KB;
-  const int max_rows = group * call.query_block;
+  const Buffers buf = buffers_of(call, scratch);
 
-  float* q_packed = scratch;                         // [rows][Dp]
-  float* d_out_packed = q_packed + max_rows * Dp;    // [rows][Dvp]
-  float* probs = d_out_packed + max_rows * Dvp;      // [rows][KB]
-  float* d_scores = probs + max_rows * KB;           // [rows][KB]
-  float* gate = d_scores + max_rows * KB;            // [rows][KB]
-  float* transposed = gate + max_rows * KB;          // [KB][rows]
-  float* k_t = transposed + max_rows * KB;           // [D][KB]
-  float* v_t = k_t + D * KB;                         // [Dv][KB]
-  float* dk_acc = v_t + Dv * KB;                     // [KB][Dp]
-  float* dv_acc = dk_acc + KB * Dp;                  // [KB][Dvp]
-  float* lse_row = dv_acc + KB * Dvp;                // [rows]
-  float* delta_row = lse_row + max_rows;             // [rows]
-
-  pack_keys<T>(call, b, kv_head, kb, n, k_t, v_t, nullptr, 0);
-  memset(dk_acc, 0, sizeof(float) * KB * Dp);
-  memset(dv_acc, 0, sizeof(float) * KB * Dvp);
-
-  // Query positions that can see a key of this block.
-  const int offset = p.kv_len - p.q_len;
-  int64_t q_lo = 0, q_hi = p.q_len;
-  if (p.causal) {
-    q_lo = int64_t(kb) - offset > 0 ? int64_t(kb) - offset : 0;
-    if (p.window_size > 0) {
-      const int64_t hi = int64_t(kb) + n - 1 - offset + p.window_size;
-      q_hi = hi < q_hi ? hi : q_hi;
-    }
-  }
-  for (int64_t qs = q_lo; qs < q_hi; qs += call.query_block) {
-    const int qb = int((q_hi - qs) < call.query_block ? (q_hi - qs) : call.query_block);
+  pack_keys<T>(call, b, kv_head, kb, n, buf, Dp);
+  memset(buf.dk_acc, 0, sizeof(float) * KB * Dp);
+  memset(buf.dv_acc, 0, sizeof(float) * KB * Dvp);
+  const QueryRange range = queries_seeing(p, kb, n);
+  for (int64_t qs = range.lo; qs < range.hi; qs += call.query_block) {
+    const int qb = int((range.hi - qs) < call.query_block ? (range.hi - qs) : call.query_block);
     const TileRows t{b, kv_head, int(qs), qb, group};
-    const int rows = t.rows();
-    pack_rows<T>(call, t, q_packed, Dp, d_out_packed, Dvp, lse_row, delta_row);
-    tile_gradients<T>(call, t, kb, n, q_packed, Dp, d_out_packed, Dvp, k_t, v_t, lse_row,
-                      delta_row, probs, d_scores, gate);
-    transpose_tile(probs, rows, n, transposed);  // dV += P^T . dO
-    matmul_accumulate(transposed, rows, d_out_packed, Dvp, dv_acc, Dvp, n, rows, Dvp);
-    transpose_tile(d_scores, rows, n, transposed);  // dK += dS^T . Q
-    matmul_accumulate(transposed, rows, q_packed, Dp, dk_acc, Dp, n, rows, Dp);
+    pack_rows<T>(call, t, buf, Dp, Dvp);
+    tile_gradients<T>(call, t, kb, n, buf, Dp, Dvp);
+    accumulate_key_gradients(buf, t.rows(), n, Dp, Dvp);
   }
-
-  for (int j = 0; j < n; ++j) {
-    const int64_t key_row = (int64_t(b) * p.kv_heads + kv_head) * p.kv_len + kb + j;
-    for (int d = 0; d < D; ++d) store_elem<T>(call.dk, key_row * D + d, dk_acc[j * Dp + d]);
-    for (int e = 0; e < Dv; ++e) store_elem<T>(call.dv, key_row * Dv + e, dv_acc[j * Dvp + e]);
-  }
+  store_key_gradients<T>(call, b, kv_head, kb, n, buf, Dp, Dvp);
 }
 
+// Two passes, second: dQ of one (batch, kv head, query block), as the forward.
 template <ElemType T>
 void query_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
   const AttentionProblem& p = call.problem;
-  const int KB = kKeyBlock, D = p.head_dim, Dv = p.value_dim;
-  const int Dp = int(round_up(D, kLanes)), Dvp = int(round_up(Dv, kLanes));
+  const int KB = kKeyBlock, D = p.head_dim;
+  const int Dp = int(round_up(D, kLanes)), Dvp = int(round_up(p.value_dim, kLanes));
   const int group = p.group_size();
   const int64_t per_block = int64_t(p.batch) * p.kv_heads;
   // Heaviest query blocks (the last ones, under a causal mask) first.
@@ -287,22 +349,11 @@ void query_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
   const int kv_head = int(item % p.kv_heads);
   const int qb = (p.q_len - q_start) < call.query_block ? (p.q_len - q_start) : call.query_block;
   const TileRows t{b, kv_head, q_start, qb, group};
-  const int rows = t.rows(), max_rows = group * call.query_block;
+  const int rows = t.rows();
+  const Buffers buf = buffers_of(call, scratch);
 
-  float* q_packed = scratch;                         // [rows][Dp]
-  float* d_out_packed = q_packed + max_rows * Dp;    // [rows][Dvp]
-  float* probs = d_out_packed + max_rows * Dvp;      // [rows][KB]
-  float* d_scores = probs + max_rows * KB;           // [rows][KB]
-  float* gate = d_scores + max_rows * KB;            // [rows][KB]
-  float* k_t = gate + max_rows * KB;                 // [D][KB]
-  float* v_t = k_t + D * KB;                         // [Dv][KB]
-  float* k_rows = v_t + Dv * KB;                     // [KB][Dp]
-  float* dq_acc = k_rows + KB * Dp;                  // [rows][Dp]
-  float* lse_row = dq_acc + max_rows * Dp;           // [rows]
-  float* delta_row = lse_row + max_rows;             // [rows]
-
-  pack_rows<T>(call, t, q_packed, Dp, d_out_packed, Dvp, lse_row, delta_row);
-  memset(dq_acc, 0, sizeof(float) * rows * Dp);
+  pack_rows<T>(call, t, buf, Dp, Dvp);
+  memset(buf.dq_acc, 0, sizeof(float) * rows * Dp);
 
   // Key range any row of this block can see (as the forward's).
   const int offset = p.kv_len - p.q_len;
@@ -317,15 +368,14 @@ void query_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
   }
   for (int kb = kv_begin; kb < kv_end; kb += KB) {
     const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
-    pack_keys<T>(call, b, kv_head, kb, n, k_t, v_t, k_rows, Dp);
-    tile_gradients<T>(call, t, kb, n, q_packed, Dp, d_out_packed, Dvp, k_t, v_t, lse_row,
-                      delta_row, probs, d_scores, gate);
-    matmul_accumulate(d_scores, KB, k_rows, Dp, dq_acc, Dp, rows, n, Dp);  // dQ += dS . K
+    pack_keys<T>(call, b, kv_head, kb, n, buf, Dp);
+    tile_gradients<T>(call, t, kb, n, buf, Dp, Dvp);
+    matmul_accumulate(buf.d_scores, KB, buf.k_rows, Dp, buf.dq_acc, Dp, rows, n, Dp);  // dQ += dS . K
   }
 
   for (int r = 0; r < rows; ++r) {
     const int64_t i = row_index(p, b, t.head(r), t.query(r));
-    for (int d = 0; d < D; ++d) store_elem<T>(call.dq, i * D + d, dq_acc[r * Dp + d]);
+    for (int d = 0; d < D; ++d) store_elem<T>(call.dq, i * D + d, buf.dq_acc[r * Dp + d]);
   }
 }
 
@@ -338,8 +388,12 @@ void query_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
     case ElemType::bfloat16: return function<ElemType::bfloat16>(__VA_ARGS__);  \
   }
 
+int backward_vector_lanes() { return kLanes; }
 void backward_rows(const BackwardCall& call, int64_t head) {
   MLX_ATTN_BY_DTYPE(rows_pass, call, int(head))
+}
+void backward_group(const BackwardCall& call, int64_t item, float* scratch) {
+  MLX_ATTN_BY_DTYPE(group_pass, call, item, scratch)
 }
 void backward_key_block(const BackwardCall& call, int64_t item, float* scratch) {
   MLX_ATTN_BY_DTYPE(key_block_pass, call, item, scratch)

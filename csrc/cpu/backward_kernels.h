@@ -1,15 +1,24 @@
 // What the per-ISA copies of the fused CPU attention backward see: the
-// problem, the forward's buffers and the gradients' (BackwardCall), and their
-// entry points. Plain C++ (no STL, no MLX), like kernels.h.
+// problem, the forward's buffers and the gradients' (BackwardCall), the
+// per-thread scratch layout and their entry points. Plain C++ (no STL, no
+// MLX), like kernels.h.
 //
 // FlashAttention-2 style: the forward's row log-sum-exp lets every tile
 // recompute P = exp(S - lse) directly; delta = rowsum(dO * O) - dlse turns
 // the softmax derivative into dS = P * (dP - delta) with dP = dO . V^T.
-// Three passes, each writing disjoint outputs (no races, no atomics):
-//   rows        delta per query row, and the sinks' gradient (per head)
-//   key blocks  dK, dV of one (batch, kv head, key block), summed over every
-//               query head of the GQA group and every query block
-//   query rows  dQ of one (batch, kv head, query block), as the forward
+// A tile (query rows x kKeyBlock keys) costs five products, all through the
+// forward's micro-kernel: S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q,
+// dQ += dS K. First a rows pass writes delta per query row and the sinks'
+// gradient (per head); then one of two schemes, each writing disjoint
+// outputs (no races, no atomics):
+//   single pass  one work item per (batch, kv head): key blocks outer, query
+//                blocks inner, dK/dV of the key block in scratch and dQ of the
+//                whole GQA group accumulated by the item itself (in place in
+//                a float32 dq, else in its thread's scratch): 5 products/tile
+//   two passes   one over (batch, kv head, key block) for dK/dV, one over
+//                (batch, kv head, query block) for dQ, which recomputes S
+//                and dP: 7 products/tile, but enough items for every thread
+//                when batch x kv heads is small (plan_backward chooses)
 // No Tq x Tkv buffer exists: tiles are at most kMaxRows x kKeyBlock.
 #pragma once
 
@@ -37,26 +46,71 @@ struct BackwardCall {
   void* d_sinks;             // [Hq] problem.dtype, or null (no sinks)
   float* delta;              // [B, Hq, Tq] float32 work buffer (pass rows)
   int query_block;           // query positions per tile (rows = group x this)
+  bool single_pass;          // the single-pass scheme (else two passes)
 
   int query_blocks() const { return (problem.q_len + query_block - 1) / query_block; }
   int key_blocks() const { return (problem.kv_len + kKeyBlock - 1) / kKeyBlock; }
 };
 
-// Floats of per-thread scratch either tile pass needs, for vector width `lanes`.
-inline int64_t backward_scratch_floats(const BackwardCall& call, int lanes) {
+// The single pass accumulates dQ straight into dq when dq is float32 with
+// rows padded to nothing (head_dim a multiple of the vector width).
+inline bool dq_accumulates_in_place(const BackwardCall& call, int lanes) {
+  return call.problem.dtype == ElemType::float32 && call.problem.head_dim % lanes == 0;
+}
+
+// Floats of the single pass's float32 dQ accumulator for a whole GQA group
+// [group][Tq][Dp] in a thread's scratch; none when dQ accumulates in place.
+inline int64_t single_pass_dq_floats(const BackwardCall& call, int lanes) {
+  const AttentionProblem& p = call.problem;
+  if (dq_accumulates_in_place(call, lanes)) return 0;
+  return int64_t(p.group_size()) * p.q_len * round_up(p.head_dim, lanes);
+}
+
+// Offsets (in floats, 64-byte aligned) of one thread's buffers, for vector
+// width `lanes`: packed Q [rows][Dp] and dO [rows][Dvp]; P, dS and the
+// clamp gate [rows][KB]; K^T [D][KB], V^T [Dv][KB], K rows [KB][Dp]; dK, dV
+// accumulators [KB][Dp], [KB][Dvp]; the dQ accumulator (a tile's [rows][Dp],
+// or the single pass's whole group [group][Tq][Dp] unless in place, else
+// nothing); lse and delta per row.
+struct BackwardScratch {
+  int64_t q_packed, d_out_packed, probs, d_scores, gate, k_t, v_t, k_rows,
+      dk_acc, dv_acc, dq_acc, lse_row, delta_row, total;
+};
+
+inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   const AttentionProblem& p = call.problem;
   const int64_t rows = int64_t(p.group_size()) * call.query_block;
   const int64_t dp = round_up(p.head_dim, lanes), dvp = round_up(p.value_dim, lanes);
-  const int64_t tile = rows * kKeyBlock;
-  // packed Q, dO; P, dS, gate and a transposed tile; K^T, V^T, K rows;
-  // dQ or dK+dV accumulators; lse and delta per row
-  return rows * dp + rows * dvp + 4 * tile + (p.head_dim + p.value_dim) * int64_t(kKeyBlock) +
-      kKeyBlock * dp + rows * dp + kKeyBlock * (dp + dvp) + 2 * rows + 64;
+  const int64_t dq_floats = call.single_pass ? single_pass_dq_floats(call, lanes) : rows * dp;
+  BackwardScratch s{};
+  int64_t at = 0;
+  auto take = [&at](int64_t floats) {
+    const int64_t offset = at;
+    at += round_up(floats, 16);
+    return offset;
+  };
+  s.q_packed = take(rows * dp);
+  s.d_out_packed = take(rows * dvp);
+  s.probs = take(rows * kKeyBlock);
+  s.d_scores = take(rows * kKeyBlock);
+  s.gate = take(rows * kKeyBlock);
+  s.k_t = take(int64_t(p.head_dim) * kKeyBlock);
+  s.v_t = take(int64_t(p.value_dim) * kKeyBlock);
+  s.k_rows = take(kKeyBlock * dp);
+  s.dk_acc = take(kKeyBlock * dp);
+  s.dv_acc = take(kKeyBlock * dvp);
+  s.dq_acc = take(dq_floats);
+  s.lse_row = take(rows);
+  s.delta_row = take(rows);
+  s.total = at;
+  return s;
 }
 
 #define MLX_ATTN_DECLARE_BACKWARD_ISA(isa)                          \
   namespace isa {                                                   \
+  int backward_vector_lanes();                                      \
   void backward_rows(const BackwardCall&, int64_t head);            \
+  void backward_group(const BackwardCall&, int64_t, float*);        \
   void backward_key_block(const BackwardCall&, int64_t, float*);    \
   void backward_query_block(const BackwardCall&, int64_t, float*);  \
   }
