@@ -28,19 +28,10 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_attn
+from mlx_attn._timing import median_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def timed(fn, repeats=5) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def gpu_rows(args):
@@ -65,7 +56,7 @@ def gpu_rows(args):
                         flops = 4.0 * args.heads * tq * t * d * (0.5 if causal and phase == "prefill" else 1.0)
                         kv_bytes = 2.0 * args.kv_heads * t * d * q.itemsize
                         for name, fn in impls.items():
-                            seconds = timed(fn)
+                            seconds = median_seconds(fn)
                             row[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "gbps": kv_bytes / seconds / 1e9}
                         rows.append(row)
                         f = row["fused"]
@@ -94,6 +85,7 @@ STATIC_COLUMNS = {"threadgroup_memory_bytes": "threadgroup memory (B)", "thread_
 # an exp2 (4 FMA slots per lane). docs/metal_kernels.md has the formula.
 GPU_MODEL = {
     "name": "Apple M2, 10-core GPU",
+    "plan_target": {"gpu_family": "apple8", "gpu_cores": 10},  # our kernels are planned for the same GPU
     "flops": 3.6e12,
     "device_bytes_per_s": 100e9,
     "threadgroup_bytes_per_s": 10 * 128 * 1.398e9,  # unmeasured
@@ -178,7 +170,7 @@ def emulated_rows(args):
 
         ours.library.counters = []
         start = time.perf_counter()
-        out_ours = np.array(ours(q, k, v, scale=d**-0.5, mask=mask).astype(mx.float32))
+        out_ours = np.array(ours(q, k, v, scale=d**-0.5, mask=mask, gpu_target=GPU_MODEL["plan_target"]).astype(mx.float32))
         ours_seconds = time.perf_counter() - start
         ours_kernels = [s["kernel"] for s in ours.last_plan["dispatches"]]
 
@@ -253,7 +245,8 @@ def costs_markdown(rows, command: str) -> str:
         "memory after clang -O1) are the largest of the problem's kernels, not normalised.",
         "What each counter means and how it is counted: docs/msl_emulator.md.",
         "",
-        "Kernels: ours from the launch plan (tests/metal_runner.py); MLX's steel_attention and",
+        "Kernels: ours from the launch plan for the modelled GPU "
+        f"({GPU_MODEL['plan_target']['gpu_family']}, {GPU_MODEL['plan_target']['gpu_cores']} cores; tests/metal_runner.py); MLX's steel_attention and",
         f"sdpa_vector from mlx-metal {MLX_METAL_VERSION} launched as MLX's host code does",
         "(tests/mlx_kernel_runner.py; decode as on a base Apple GPU). float16, "
         + "; ".join(shapes) + ". Heads are few to keep the emulated run short: costs per",

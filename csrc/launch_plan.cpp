@@ -6,41 +6,117 @@
 namespace mlx_attn {
 
 namespace {
-constexpr int kPrefillRows = 32;       // BQ: 4 simdgroups x 8 rows
-constexpr int kPrefillThreads = 128;
 constexpr int kThreadgroupMemoryLimit = 32 * 1024;
+
+// The per-family table (docs/metal_kernels.md, "GPU family table"). BK for
+// apple7/8 is MLX's steel_attention choice for fp16 (32 at D = 64, 16 at
+// D = 128); apple9's larger BK for 2-byte dtypes and every core count and
+// threadgroups-per-core figure are UNMEASURED (no Apple GPU here).
+constexpr std::array<int, 5> kSteelKeyBlocks = {32, 16, 16, 16, 8};
+constexpr GpuTuning kGpuTable[] = {
+    {GpuFamily::unknown, "unknown", 8, 4, kSteelKeyBlocks, kSteelKeyBlocks, 8},
+    {GpuFamily::apple7, "apple7", 8, 4, kSteelKeyBlocks, kSteelKeyBlocks, 8},
+    {GpuFamily::apple8, "apple8", 8, 4, kSteelKeyBlocks, kSteelKeyBlocks, 8},
+    {GpuFamily::apple9, "apple9", 8, 4, {32, 32, 32, 32, 16}, kSteelKeyBlocks, 8},
+};
+// The prefill kernel is compiled for this many simdgroups per threadgroup.
+constexpr bool table_matches_kernels() {
+  for (const auto& row : kGpuTable) {
+    if (row.prefill_simdgroups != MLX_ATTN_PREFILL_SIMDGROUPS) return false;
+  }
+  return true;
+}
+static_assert(table_matches_kernels(), "metal/attention_prefill.metal is instantiated for MLX_ATTN_PREFILL_SIMDGROUPS");
+
+int head_dim_index(int head_dim) {
+  for (int i = 0; i < int(kHeadDims.size()); ++i) {
+    if (kHeadDims[i] == head_dim) return i;
+  }
+  return -1;
+}
 }  // namespace
 
-int prefill_key_block(int head_dim) {
-  switch (head_dim) {  // 2 * BK * (D * 4 + 16) bytes of float32 K/V tiles <= 18.5 KB
-    case 64: return 32;
-    case 80: case 96: case 128: return 16;
-    case 256: return 8;
-    default: return 0;
+const GpuTuning& gpu_tuning(GpuFamily family) {
+  for (const auto& row : kGpuTable) {
+    if (row.family == family) return row;
   }
+  return kGpuTable[0];
+}
+
+const char* gpu_family_name(GpuFamily family) { return gpu_tuning(family).name; }
+
+bool gpu_family_from_name(std::string_view name, GpuFamily& family) {
+  for (const auto& row : kGpuTable) {
+    if (name == row.name) {
+      family = row.family;
+      return true;
+    }
+  }
+  return false;
+}
+
+GpuTarget gpu_target_from_architecture(std::string_view architecture) {
+  // "applegpu_g13g": generation 13 (M1), tier g (base). Generations follow
+  // Apple's G13 = M1, G14 = M2, G15 = M3, G16 = M4; tiers p (iPhone/iPad),
+  // g (base), s (Pro), c (Max), d (Ultra), with the tier's smallest core count.
+  constexpr std::string_view prefix = "applegpu_g";
+  GpuTarget target;
+  if (architecture.substr(0, prefix.size()) != prefix) return target;
+  std::string_view rest = architecture.substr(prefix.size());
+  int generation = 0;
+  size_t digits = 0;
+  while (digits < rest.size() && digits < 3 && rest[digits] >= '0' && rest[digits] <= '9') {
+    generation = generation * 10 + (rest[digits] - '0');
+    ++digits;
+  }
+  if (digits == 0) return target;
+  if (generation == 13) target.family = GpuFamily::apple7;
+  else if (generation == 14) target.family = GpuFamily::apple8;
+  else if (generation >= 15) target.family = GpuFamily::apple9;
+  if (rest.size() == digits + 1) {
+    switch (rest[digits]) {
+      case 'p': target.gpu_cores = 4; break;
+      case 'g': target.gpu_cores = 8; break;
+      case 's': target.gpu_cores = 14; break;
+      case 'c': target.gpu_cores = 24; break;
+      case 'd': target.gpu_cores = 48; break;
+      default: break;
+    }
+  }
+  return target;
+}
+
+int gpu_cores(const GpuTarget& target) {
+  return target.gpu_cores > 0 ? target.gpu_cores : gpu_tuning(target.family).base_cores;
+}
+
+int prefill_key_block(int head_dim, ElemType dtype, const GpuTarget& target) {
+  const int at = head_dim_index(head_dim);
+  if (at < 0) return 0;
+  const GpuTuning& row = gpu_tuning(target.family);
+  return dtype == ElemType::float32 ? row.prefill_key_block_32[at] : row.prefill_key_block_16[at];
 }
 
 int decode_rows_per_threadgroup(int head_dim) {
-  if (head_dim % 32 != 0 || prefill_key_block(head_dim) == 0) return 0;
+  if (head_dim % 32 != 0 || head_dim_index(head_dim) < 0) return 0;
   return MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32);
 }
 
 namespace {
-// Unmeasured (no Apple GPU here): 256 threadgroups of 128 threads keep
-// 8 per core on a 32-core GPU (M1/M2/M3 Max class), more than enough for
-// the 8-10 core base parts.
-constexpr int kDecodeTargetThreadgroups = 256;
-// A split's partial (D + 2 floats per row, written then read) costs about
-// 2 * rows / keys of its K/V traffic: at least 16 keys per row keeps it
-// <= 1/8 (fp16); at least 64 keys gives each of the 4 simdgroups 16.
+// A split costs, next to its K/V (4·keys·D bytes at fp16), about 2·rows·D·4
+// bytes of partials in device memory and 6·rows·D·4 bytes of simdgroup
+// combine in threadgroup memory: at least 64 keys per row keeps them at 1/32
+// and 3/32 of the K/V bytes; at least 64 keys gives each simdgroup 16.
 constexpr int kDecodeMinKeysPerSplit = 64;
-constexpr int kDecodeMinKeysPerRow = 16;
+constexpr int kDecodeMinKeysPerRow = 64;
 }  // namespace
 
-int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim) {
-  const int row_chunks = (rows + decode_rows_per_threadgroup(head_dim) - 1) / decode_rows_per_threadgroup(head_dim);
+int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target) {
+  const int rows_per_threadgroup = decode_rows_per_threadgroup(head_dim);
+  const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
   const int64_t threadgroups = int64_t(batch) * kv_heads * row_chunks;
-  const int64_t for_occupancy = (kDecodeTargetThreadgroups + threadgroups - 1) / threadgroups;
+  const int64_t busy = int64_t(gpu_cores(target)) * gpu_tuning(target.family).decode_threadgroups_per_core;
+  const int64_t for_occupancy = (busy + threadgroups - 1) / threadgroups;
   const int64_t keys_per_split = std::max(kDecodeMinKeysPerSplit, kDecodeMinKeysPerRow * rows);
   const int64_t for_traffic = (kv_len + keys_per_split - 1) / keys_per_split;
   return int(std::max<int64_t>(1, std::min(for_occupancy, for_traffic)));
@@ -132,12 +208,12 @@ std::string kernel_name(const char* kind, const AttentionProblem& s) {
   return std::string(kind) + "_" + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
 }
 
-void plan_decode(const AttentionProblem& s, LaunchPlan& plan) {
+void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan& plan) {
   using R = BufferRole;
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
   const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
-  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim);
+  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
   const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
   plan.splits = splits;
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
@@ -148,9 +224,9 @@ void plan_decode(const AttentionProblem& s, LaunchPlan& plan) {
   partial.threadgroup = {kDecodeThreads, 1, 1};
   partial.bindings = bindings_for(
       s, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats}, plan.scratch, 0);
-  // the simdgroups' output, max and sum per row, combined at the end
+  // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
   partial.threadgroup_memory_bytes =
-      MLX_ATTN_DECODE_SIMDGROUPS * rows_per_threadgroup * (s.head_dim + 2) * 4;
+      (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
   KernelDispatch merge;
   merge.kernel = kernel_name("attention_decode_merge", s);
   merge.grid = {rows, s.kv_heads, s.batch};
@@ -161,9 +237,10 @@ void plan_decode(const AttentionProblem& s, LaunchPlan& plan) {
 }
 }  // namespace
 
-LaunchPlan plan_attention(const AttentionProblem& s) {
+LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   LaunchPlan plan;
-  const int key_block = prefill_key_block(s.head_dim);
+  plan.target = {target.family, gpu_cores(target)};
+  const int key_block = prefill_key_block(s.head_dim, s.dtype, target);
   if (key_block == 0) {
     plan.reason = "the Metal kernels support head dims 64, 80, 96, 128 and 256, got " + std::to_string(s.head_dim);
     return plan;
@@ -200,15 +277,17 @@ LaunchPlan plan_attention(const AttentionProblem& s) {
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_rows_per_threadgroup(s.head_dim) != 0) {
-    plan_decode(s, plan);
+    plan_decode(s, target, plan);
     plan.supported = true;
     return plan;
   }
 
   KernelDispatch prefill;
-  prefill.kernel = kernel_name("attention_prefill", s);
-  prefill.grid = {(s.q_len + kPrefillRows - 1) / kPrefillRows, s.q_heads, s.batch};
-  prefill.threadgroup = {kPrefillThreads, 1, 1};
+  const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
+  const int query_block = 8 * simdgroups;  // BQ: 8 rows per simdgroup
+  prefill.kernel = kernel_name("attention_prefill", s) + "_bk" + std::to_string(key_block);
+  prefill.grid = {(s.q_len + query_block - 1) / query_block, s.q_heads, s.batch};
+  prefill.threadgroup = {32 * simdgroups, 1, 1};
   using R = BufferRole;
   prefill.bindings = bindings_for(s, {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks, R::lse}, plan.scratch, 0);
   // K and V tiles in the input dtype, rows padded by 16 bytes

@@ -9,11 +9,37 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "csrc/attention_problem.h"
 
 namespace mlx_attn {
+
+// Apple GPU families of Metal's feature set tables: apple7 = M1 (A14),
+// apple8 = M2 (A15, A16), apple9 = M3, M4 and later (A17 Pro, A18).
+enum class GpuFamily : int32_t { unknown = 0, apple7 = 7, apple8 = 8, apple9 = 9 };
+
+// The GPU a plan is made for. The default is the conservative target: an
+// unknown family (tiled as apple7) with the cores of a base M1.
+struct GpuTarget {
+  GpuFamily family = GpuFamily::unknown;
+  int gpu_cores = 0;  // 0: the family's base Mac part (GpuTuning::base_cores)
+};
+
+// One row of the per-family table (docs/metal_kernels.md, "GPU family
+// table"): every tile and split choice the plan makes for a family.
+inline constexpr std::array<int, 5> kHeadDims = {64, 80, 96, 128, 256};
+struct GpuTuning {
+  GpuFamily family;
+  const char* name;
+  int base_cores;                            // GPU cores of the family's base Mac chip
+  int prefill_simdgroups;                    // per threadgroup; BQ = 8 x this
+  std::array<int, 5> prefill_key_block_16;   // BK per kHeadDims, 2-byte dtypes
+  std::array<int, 5> prefill_key_block_32;   // BK per kHeadDims, float32
+  int decode_threadgroups_per_core;          // decode threadgroups that keep a core busy
+};
+
 
 // What a kernel parameter is.
 enum class BufferRole : int32_t {
@@ -56,6 +82,7 @@ struct ScratchBuffer {
 
 struct LaunchPlan {
   bool supported = false;
+  GpuTarget target;    // the GPU it was made for, cores resolved
   std::string reason;  // why not, when unsupported
   AttentionParams params{};
   int32_t splits = 1;  // decode: threadgroups along the key/value length
@@ -71,16 +98,27 @@ const char* source_name(Source source);
 inline constexpr int kDecodeMaxQueries = 8;
 inline constexpr int kDecodeMaxRows = 32;
 
-// Keys per staged block of the prefill kernel for a head dim (0: unsupported).
-int prefill_key_block(int head_dim);
+const GpuTuning& gpu_tuning(GpuFamily family);
+const char* gpu_family_name(GpuFamily family);
+// Name -> family ("apple7", "apple8", "apple9", "unknown"); false if unknown name.
+bool gpu_family_from_name(std::string_view name, GpuFamily& family);
+// MLX's Device::get_architecture() ("applegpu_g<generation><tier>", e.g.
+// "applegpu_g14g" = M2) -> family and the tier's smallest core count.
+GpuTarget gpu_target_from_architecture(std::string_view architecture);
+// gpu_cores resolved (0 -> the family's base part).
+int gpu_cores(const GpuTarget& target);
+
+// Keys per staged block of the prefill kernel (0: unsupported head dim).
+int prefill_key_block(int head_dim, ElemType dtype, const GpuTarget& target = {});
 // Rows (query heads x positions) one decode threadgroup serves for a head dim
 // (its register budget, metal/attention_params.h); 0: D not a multiple of 32.
 int decode_rows_per_threadgroup(int head_dim);
 // Threadgroups along the key/value length for a decode problem: enough to
-// fill the GPU, while each split keeps enough keys that its partial's traffic
-// stays small next to its K/V (docs/metal_kernels.md).
-int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim);
+// keep the target GPU's cores busy, while each split keeps enough keys that
+// its partial and its simdgroup combine stay small next to its K/V
+// (docs/metal_kernels.md).
+int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {});
 
-LaunchPlan plan_attention(const AttentionProblem& problem);
+LaunchPlan plan_attention(const AttentionProblem& problem, const GpuTarget& target = {});
 
 }  // namespace mlx_attn

@@ -14,9 +14,19 @@ namespace mlx_attn {
 void bind_launch_plan(nb::module_& m) {
   m.def(
       "metal_launch_plan",
-      [](const AttentionProblem& problem) {
-        LaunchPlan plan = plan_attention(problem);
+      [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores) {
+        GpuTarget target;
+        if (!gpu_family_from_name(gpu_family, target.family)) {
+          throw nb::value_error(("gpu_family must be one of apple7, apple8, apple9, unknown; got '" + gpu_family + "'").c_str());
+        }
+        if (gpu_cores < 0) {
+          throw nb::value_error(("gpu_cores must be >= 0 (0: the family's base part), got " + std::to_string(gpu_cores)).c_str());
+        }
+        target.gpu_cores = gpu_cores;
+        LaunchPlan plan = plan_attention(problem, target);
         nb::dict out;
+        out["gpu_family"] = gpu_family_name(plan.target.family);
+        out["gpu_cores"] = plan.target.gpu_cores;
         out["supported"] = plan.supported;
         out["reason"] = plan.reason;
         out["params"] = nb::bytes(reinterpret_cast<const char*>(&plan.params), sizeof(AttentionParams));
@@ -54,10 +64,44 @@ void bind_launch_plan(nb::module_& m) {
         out["scratch"] = scratch;
         return out;
       },
-      "problem"_a,
-      "The Metal launch plan for a problem (_ext.describe_attention): kernels, grids, threadgroups, "
-      "params bytes, and per dispatch its bindings (index, role, access, source, source_index) "
-      "exactly as the Mac host encodes them.");
+      "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
+      "The Metal launch plan for a problem (_ext.describe_attention) on a GPU family (apple7, apple8, "
+      "apple9, unknown = the conservative default) with gpu_cores cores (0: the family's base part): "
+      "kernels, grids, threadgroups, params bytes, and per dispatch its bindings (index, role, access, "
+      "source, source_index) exactly as the Mac host encodes them.");
+  m.def(
+      "gpu_target_from_architecture",
+      [](const std::string& architecture) {
+        const GpuTarget target = gpu_target_from_architecture(architecture);
+        nb::dict out;
+        out["gpu_family"] = gpu_family_name(target.family);
+        out["gpu_cores"] = target.gpu_cores;
+        return out;
+      },
+      "architecture"_a,
+      "The plan's GPU target for an MLX Metal architecture name (mx.metal.device_info()['architecture'], "
+      "e.g. 'applegpu_g14g'): family and the tier's smallest core count (0: not known).");
+  m.def(
+      "gpu_family_table",
+      [] {
+        nb::list rows;
+        for (GpuFamily family : {GpuFamily::unknown, GpuFamily::apple7, GpuFamily::apple8, GpuFamily::apple9}) {
+          const GpuTuning& row = gpu_tuning(family);
+          nb::dict entry;
+          entry["gpu_family"] = row.name;
+          entry["base_cores"] = row.base_cores;
+          entry["prefill_simdgroups"] = row.prefill_simdgroups;
+          nb::dict blocks;
+          for (int i = 0; i < int(kHeadDims.size()); ++i) {
+            blocks[nb::int_(kHeadDims[i])] = nb::make_tuple(row.prefill_key_block_16[i], row.prefill_key_block_32[i]);
+          }
+          entry["prefill_key_block"] = blocks;  // D -> (2-byte dtypes, float32)
+          entry["decode_threadgroups_per_core"] = row.decode_threadgroups_per_core;
+          rows.append(entry);
+        }
+        return rows;
+      },
+      "The launch plan's per-GPU-family table (docs/metal_kernels.md).");
   m.attr("MASK_NONE") = MLX_ATTN_MASK_NONE;
   m.attr("MASK_BOOL") = MLX_ATTN_MASK_BOOL;
   m.attr("MASK_ADDITIVE") = MLX_ATTN_MASK_ADDITIVE;

@@ -10,8 +10,10 @@
 // value, every row's query and output, so a score is a simd_sum of lane
 // partial dot products; no K/V staging. Register budget: R x D/32 floats of
 // q and of the output per lane (MLX_ATTN_DECODE_ROW_FLOATS each).
-// The simdgroups' online-softmax states are combined once, through
-// threadgroup memory, into one partial (max, sum, output) per (row, split).
+// The simdgroups' online-softmax states are combined once into one partial
+// (max, sum, output) per (row, split): simdgroups 1.. hand their live rows
+// (not the register budget's unused ones) to simdgroup 0 through threadgroup
+// memory, and simdgroup 0 adds them to its own registers.
 // attention_decode_merge combines the splits: the same rescale, then sinks,
 // normalize and the row log-sum-exp.
 // Same step names and finite sentinels as attention_prefill.metal.
@@ -43,11 +45,11 @@ template <typename T, int D>
   constexpr int NSG = MLX_ATTN_DECODE_SIMDGROUPS;
   constexpr int SLICE = D / 32;                              // head-dim elements per lane
   constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / SLICE;      // rows per threadgroup
-  // the simdgroups' states, combined at the end; element e of a lane's slice
-  // sits at e * 32 + lane so that the 32 lanes hit 32 different banks
-  threadgroup float sg_out[NSG * R * D];
-  threadgroup float sg_max[NSG * R];
-  threadgroup float sg_sum[NSG * R];
+  // the states of simdgroups 1.., combined at the end; element e of a lane's
+  // slice sits at e * 32 + lane so that the 32 lanes hit 32 different banks
+  threadgroup float sg_out[(NSG - 1) * R * D];
+  threadgroup float sg_max[(NSG - 1) * R];
+  threadgroup float sg_sum[(NSG - 1) * R];
 
   const int split = int(group_id.x);
   const int splits = int(groups.x);
@@ -141,29 +143,37 @@ template <typename T, int D>
     }
   }
 
-  // combine the simdgroups' states into this split's partial
-  for (int i = 0; i < R; ++i) {
-    for (int e = 0; e < SLICE; ++e) {
-      sg_out[(int(sg) * R + i) * D + e * 32 + int(lane)] = o_part[i][e];
-    }
-    if (lane == 0) {
-      sg_max[int(sg) * R + i] = m_row[i];
-      sg_sum[int(sg) * R + i] = l_row[i];
+  // combine the simdgroups' states into this split's partial, live rows only
+  const int live_rows = min(R, rows - r0);
+  if (sg != 0) {
+    const int at = (int(sg) - 1) * R;
+    for (int i = 0; i < live_rows; ++i) {
+      for (int e = 0; e < SLICE; ++e) {
+        sg_out[(at + i) * D + e * 32 + int(lane)] = o_part[i][e];
+      }
+      if (lane == 0) {
+        sg_max[at + i] = m_row[i];
+        sg_sum[at + i] = l_row[i];
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int i = int(sg); i < R && r0 + i < rows; i += NSG) {
-    float m = kDecodeMasked;
-    for (int g = 0; g < NSG; ++g) {
+  if (sg != 0) {
+    return;  // after the last barrier
+  }
+  for (int i = 0; i < live_rows; ++i) {
+    float m = m_row[i];
+    for (int g = 0; g < NSG - 1; ++g) {
       m = max(m, sg_max[g * R + i]);
     }
-    float l = 0.0f;
+    const float own = exp2((m_row[i] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
+    float l = l_row[i] * own;
     float o[SLICE];
     for (int e = 0; e < SLICE; ++e) {
-      o[e] = 0.0f;
+      o[e] = o_part[i][e] * own;
     }
-    for (int g = 0; g < NSG; ++g) {
-      const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
+    for (int g = 0; g < NSG - 1; ++g) {
+      const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);
       l += sg_sum[g * R + i] * weight;
       for (int e = 0; e < SLICE; ++e) {
         o[e] += sg_out[(g * R + i) * D + e * 32 + int(lane)] * weight;

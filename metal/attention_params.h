@@ -30,8 +30,11 @@ typedef int32_t attn_int32;
 // mask value at or below it (-inf included) masks the key.
 #define MLX_ATTN_MASKED_LOGIT (-1.701411834604692317e38f)
 
-// Simdgroups per decode threadgroup; each writes its own partial, so the
-// merge combines splits x MLX_ATTN_DECODE_SIMDGROUPS partials per row.
+// Simdgroups per prefill threadgroup (BQ = 8 rows each); the launch plan's
+// per-GPU-family table must agree (csrc/launch_plan.cpp checks it).
+#define MLX_ATTN_PREFILL_SIMDGROUPS 4
+// Simdgroups per decode threadgroup; their states are combined into one
+// partial per (row, split) before the merge.
 #define MLX_ATTN_DECODE_SIMDGROUPS 4
 // Decode register budget: a lane holds rows x D/32 floats of q and as many of
 // the output; rows per threadgroup = this / (D / 32) (8 at D = 128).

@@ -1,6 +1,6 @@
 // Fused attention forward for prefill (FlashAttention-2 style, in registers).
 //
-// One threadgroup of 4 simdgroups (128 threads) owns BQ = 32 query rows of one
+// One threadgroup of NSG = 4 simdgroups (128 threads) owns BQ = 32 query rows of one
 // (batch, query head); each simdgroup owns 8 rows, held as D/8 8x8 float
 // simdgroup matrices of Q and of the output accumulator O. Key/value blocks
 // of BK keys are staged in threadgroup memory in the input dtype (rows padded
@@ -49,7 +49,7 @@ template <typename T, int D, int BK>
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = 4;
+  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
   constexpr int BQ = 8 * NSG;
   constexpr int THREADS = 32 * NSG;
   constexpr int LD = D + 16 / int(sizeof(T));  // padded tile row
@@ -208,24 +208,33 @@ template <typename T, int D, int BK>
   }
 }
 
-#define MLX_ATTN_PREFILL(tname, type, d, bk)                                          \
-  template [[host_name("attention_prefill_" #tname "_d" #d)]] [[kernel]] decltype( \
+#define MLX_ATTN_PREFILL(tname, type, d, bk)                                                   \
+  template [[host_name("attention_prefill_" #tname "_d" #d "_bk" #bk)]] [[kernel]] decltype( \
       attention_prefill<type, d, bk>) attention_prefill<type, d, bk>;
 
-// BK: keys per block (csrc/launch_plan.cpp, prefill_key_block).
+// BK: keys per block, chosen per GPU family, head dim and element size by
+// the launch plan's table (csrc/launch_plan.cpp, docs/metal_kernels.md).
 // bfloat exists from Metal 3.1 on: an older target builds the other dtypes.
 #if __METAL_VERSION__ >= 310
 #define MLX_ATTN_PREFILL_BFLOAT16(d, bk) MLX_ATTN_PREFILL(bfloat16, bfloat, d, bk)
 #else
 #define MLX_ATTN_PREFILL_BFLOAT16(d, bk)
 #endif
+#define MLX_ATTN_PREFILL_2BYTE_TYPES(d, bk) \
+  MLX_ATTN_PREFILL(float16, half, d, bk)    \
+  MLX_ATTN_PREFILL_BFLOAT16(d, bk)
 #define MLX_ATTN_PREFILL_TYPES(d, bk)        \
   MLX_ATTN_PREFILL(float32, float, d, bk)    \
-  MLX_ATTN_PREFILL(float16, half, d, bk)     \
-  MLX_ATTN_PREFILL_BFLOAT16(d, bk)
+  MLX_ATTN_PREFILL_2BYTE_TYPES(d, bk)
 
+// every family, every dtype (MLX steel_attention's BK)
 MLX_ATTN_PREFILL_TYPES(64, 32)
 MLX_ATTN_PREFILL_TYPES(80, 16)
 MLX_ATTN_PREFILL_TYPES(96, 16)
 MLX_ATTN_PREFILL_TYPES(128, 16)
 MLX_ATTN_PREFILL_TYPES(256, 8)
+// apple9, 2-byte dtypes: twice the keys per block
+MLX_ATTN_PREFILL_2BYTE_TYPES(80, 32)
+MLX_ATTN_PREFILL_2BYTE_TYPES(96, 32)
+MLX_ATTN_PREFILL_2BYTE_TYPES(128, 32)
+MLX_ATTN_PREFILL_2BYTE_TYPES(256, 16)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import platform
 import sys
-import time
 from typing import Callable
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ import numpy as np
 import mlx_attn
 from mlx_attn import _native, self_check
 from mlx_attn._blas import blas_choice
+from mlx_attn._timing import median_seconds
 from mlx_attn.ops import metal_kernel_runner
 from mlx_attn.self_check import Case, CheckResult, Variant
 
@@ -88,6 +88,9 @@ def _environment_rows(native) -> list[tuple[str, str]]:
     if metal:
         info = mx.metal.device_info()
         rows.append(("GPU", f"{info.get('device_name', '?')} ({info.get('architecture', '?')})"))
+        target = native.gpu_target_from_architecture(str(info.get("architecture", "")))
+        cores = target["gpu_cores"] or "the family's base part's"
+        rows.append(("GPU family (launch plan)", f"{target['gpu_family']}, planned for {cores} cores"))
         rows.append(("Metal library", "compiled at run time from the embedded source, or the prebuilt "
                      "mlx_attn.metallib next to _ext when installed with MLX_ATTN_PREBUILT_METALLIB=ON"))
     return rows
@@ -101,16 +104,6 @@ def _check_rows(results: list[CheckResult], label: str = "") -> list[str]:
             f"| {label}{r.variant} | {r.cases} | {r.max_error:.2e} | {self_check.TOLERANCE[r.variant.dtype]:g} | {verdict} |"
         )
     return lines
-
-
-def _median_ms(fn, repeats: int) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def _timing_lines(stream, dtype, lengths, repeats: int) -> list[str]:
@@ -136,12 +129,12 @@ def _timing_lines(stream, dtype, lengths, repeats: int) -> list[str]:
                         q, k, v, scale=scale, mask=mask, stream=stream, backend=backend
                     )
 
-                fused = _median_ms(run("fused"), repeats)
-                fast = _median_ms(
+                fused = 1e3 * median_seconds(run("fused"), repeats)
+                fast = 1e3 * median_seconds(
                     lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, stream=stream),
                     repeats,
                 )
-                reference = _median_ms(run("reference"), repeats)
+                reference = 1e3 * median_seconds(run("reference"), repeats)
                 lines.append(
                     f"| {phase} | {t} | {d} | {causal} | {fused:.2f} | {fast:.2f} | {reference:.2f} | {fast / fused:.2f}x |"
                 )

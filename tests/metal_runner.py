@@ -116,10 +116,12 @@ class EmulatedMetal:
         self.fast_math = fast_math
         self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
 
-    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None, return_lse=False):
+    def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None, return_lse=False,
+                 gpu_target: dict | None = None):
         """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
-        a View; the result as an MLX array (and the float32 [B, Hq, Tq]
-        log-sum-exp with return_lse)."""
+        a View; gpu_target: the plan's GPU ({"gpu_family": ..., "gpu_cores":
+        ...}, default the conservative target); the result as an MLX array
+        (and the float32 [B, Hq, Tq] log-sum-exp with return_lse)."""
         inputs = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
         dtype = inputs[0].array.dtype
         if isinstance(mask, mx.array):
@@ -130,6 +132,7 @@ class EmulatedMetal:
         plan = launch_plan(
             *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
             sinks=arrays[-1] if sinks is not None else None, window_size=window_size, output_lse=return_lse,
+            **(gpu_target or {}),
         )
         assert plan["supported"], plan["reason"]
         self.last_plan = plan

@@ -1,6 +1,7 @@
 """The portable launch plan the Mac host and the emulator tests share."""
 
 import struct
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -84,7 +85,8 @@ def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
     assert step["grid"][0] * rows_per_group >= tq > (step["grid"][0] - 1) * rows_per_group
     assert step["threadgroup"] == [128, 1, 1]
     assert step["threadgroup_memory_bytes"] <= 32 * 1024
-    assert step["kernel"] == f"attention_prefill_float16_d{d}"
+    # the conservative default target takes MLX steel_attention's BK for fp16
+    assert step["kernel"] == f"attention_prefill_float16_d{d}_bk{ {64: 32, 80: 16, 96: 16, 128: 16, 256: 8}[d] }"
     assert roles(step) == ["q", "k", "v", "out", "params", "mask", "sinks", "lse"]
 
 
@@ -98,8 +100,8 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     # registers: a lane holds 32 floats of q (D/32 per row), so 32 / (D/32) rows per threadgroup
     row_chunks = -(-rows // (32 // (d // 32)))
     splits = plan["splits"]
-    # enough threadgroups to fill a GPU (256), but at least max(64, 16 x rows) keys each
-    assert splits == max(1, min(-(-256 // (2 * 2 * row_chunks)), -(-tkv // max(64, 16 * rows))))
+    # enough threadgroups to fill the default target (8 cores x 8), but at least max(64, 64 x rows) keys each
+    assert splits == max(1, min(-(-64 // (2 * 2 * row_chunks)), -(-tkv // max(64, 64 * rows))))
     assert partial["kernel"] == f"attention_decode_partial_float16_d{d}"
     assert partial["grid"] == [splits, 2 * row_chunks, 2] and partial["threadgroup"] == [128, 1, 1]
     assert partial["threadgroup_memory_bytes"] <= 32 * 1024
@@ -117,10 +119,20 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     assert "out" in roles(merge) and "out" not in roles(partial)
 
 
-@pytest.mark.parametrize("tkv,hkv,expected", [(8192, 1, 128), (8192, 8, 32), (4096, 1, 64), (300, 1, 5), (100, 16, 2), (100000, 64, 4)])
-def test_decode_splits_fill_the_gpu_without_tiny_splits(tkv, hkv, expected):
+@pytest.mark.parametrize("tkv,hkv,target,expected", [
+    (8192, 1, {}, 32),  # 256 keys per split (64 per row) bind before the 64 threadgroups of 8 cores
+    (8192, 8, {}, 8),  # 8 KV heads x 8 splits fill the default 8 cores x 8
+    (4096, 1, {}, 16),
+    (300, 1, {}, 2),
+    (100, 16, {}, 1),
+    (100000, 64, {}, 1),
+    (8192, 8, dict(gpu_family="apple9", gpu_cores=24), 24),  # 24 cores x 8 / 8 KV heads
+    (8192, 8, dict(gpu_family="apple8", gpu_cores=10), 10),
+    (100000, 1, dict(gpu_family="apple7", gpu_cores=48), 384),
+])
+def test_decode_splits_fill_the_gpu_without_tiny_splits(tkv, hkv, target, expected):
     """D = 128, GQA 4, one query: 4 rows, one row chunk per KV head."""
-    plan = plan_for(b=1, hq=4 * hkv, hkv=hkv, tq=1, tkv=tkv, d=128)
+    plan = plan_for(b=1, hq=4 * hkv, hkv=hkv, tq=1, tkv=tkv, d=128, **target)
     assert plan["splits"] == expected
 
 
@@ -200,3 +212,79 @@ def test_gpu_dispatch_falls_back_with_the_reason(d):
         reason = "head dims 64, 80, 96, 128 and 256" if _ext.has_metal() else "no Metal kernels"
         with pytest.raises(ValueError, match=reason):
             mlx_attn.attention_path(q, q, q, stream=mx.gpu, backend="fused")
+
+
+# The per-GPU-family table as docs/metal_kernels.md states it: BK per head
+# dim (64, 80, 96, 128, 256) for 2-byte dtypes and for float32.
+STEEL_BK = (32, 16, 16, 16, 8)
+DOCUMENTED_KEY_BLOCKS = {
+    "unknown": (STEEL_BK, STEEL_BK),
+    "apple7": (STEEL_BK, STEEL_BK),
+    "apple8": (STEEL_BK, STEEL_BK),
+    "apple9": ((32, 32, 32, 32, 16), STEEL_BK),
+}
+
+
+@pytest.mark.parametrize("architecture,family,cores", [
+    ("applegpu_g13g", "apple7", 8),  # M1
+    ("applegpu_g13s", "apple7", 14),  # M1 Pro
+    ("applegpu_g14c", "apple8", 24),  # M2 Max
+    ("applegpu_g14d", "apple8", 48),  # M2 Ultra
+    ("applegpu_g15g", "apple9", 8),  # M3
+    ("applegpu_g16s", "apple9", 14),  # M4 Pro
+    ("applegpu_g17p", "apple9", 4),  # a later phone part
+    ("applegpu_g14", "apple8", 0),  # no tier: the family's base part
+    ("applegpu_g14x", "apple8", 0),
+    ("applegpu_g12g", "unknown", 8),  # older than the table
+    ("applegpu_g", "unknown", 0),
+    ("", "unknown", 0),
+    ("Apple M2", "unknown", 0),
+])
+def test_gpu_target_from_mlx_architecture(architecture, family, cores):
+    """The one function the Mac host calls with MLX's
+    Device::get_architecture(): generation -> family, tier -> cores."""
+    assert _ext.gpu_target_from_architecture(architecture) == {"gpu_family": family, "gpu_cores": cores}
+
+
+def test_family_table_is_the_documented_one():
+    table = {row["gpu_family"]: row for row in _ext.gpu_family_table()}
+    assert set(table) == set(DOCUMENTED_KEY_BLOCKS)
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metal_kernels.md").read_text()
+    for family, (bk16, bk32) in DOCUMENTED_KEY_BLOCKS.items():
+        row = table[family]
+        assert tuple(row["prefill_key_block"][d][0] for d in (64, 80, 96, 128, 256)) == bk16
+        assert tuple(row["prefill_key_block"][d][1] for d in (64, 80, 96, 128, 256)) == bk32
+        line = next(line for line in doc.splitlines() if line.startswith(f"| {family} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2:7] == [str(row["base_cores"]), str(row["prefill_simdgroups"]),
+                              "/".join(map(str, bk16)), "/".join(map(str, bk32)),
+                              str(row["decode_threadgroups_per_core"])], family
+
+
+@pytest.mark.parametrize("family", list(DOCUMENTED_KEY_BLOCKS))
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_each_family_plans_its_tiles(family, dtype, d):
+    """The family's row decides BK (in the kernel name and the threadgroup
+    memory), the simdgroups (threadgroup size and rows per threadgroup)."""
+    plan = plan_for(tq=70, tkv=90, d=d, dtype=dtype, gpu_family=family)
+    assert plan["supported"], plan["reason"]
+    assert (plan["gpu_family"], plan["gpu_cores"]) == (family, 8)
+    bk16, bk32 = DOCUMENTED_KEY_BLOCKS[family]
+    bk = (bk32 if dtype == mx.float32 else bk16)[(64, 80, 96, 128, 256).index(d)]
+    (step,) = plan["dispatches"]
+    name = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}[dtype]
+    assert step["kernel"] == f"attention_prefill_{name}_d{d}_bk{bk}"
+    size = 4 if dtype == mx.float32 else 2
+    assert step["threadgroup_memory_bytes"] == 2 * bk * (d * size + 16) <= 32 * 1024
+    assert step["threadgroup"] == [128, 1, 1] and step["grid"] == [3, 8, 1]  # 4 simdgroups x 8 rows
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gpu_family="apple6"), "gpu_family"),
+    (dict(gpu_family="M2"), "gpu_family"),
+    (dict(gpu_cores=-1), "gpu_cores"),
+])
+def test_bad_gpu_target_is_a_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_for(**kwargs)

@@ -9,6 +9,7 @@ import pytest
 
 import msl_emulator
 from metal_runner import REAL_METAL, EmulatedMetal, RealMetal, View, reference_lse
+from mlx_attn.metal_support import launch_plan
 from mlx_attn.reference import reference_attention
 from sdpa_cases import DTYPES, TOLERANCE, make_qkv
 
@@ -31,9 +32,10 @@ def make(b, hq, hkv, tq, tkv, d, dtype, seed=0):
     return make_qkv(b, hq, hkv, tq, tkv, d, dtype=dtype, seed=seed)
 
 
-def check(run, q, k, v, layout=None, **kw):
+def check(run, q, k, v, layout=None, gpu_target=None, **kw):
     kw.setdefault("scale", q.shape[-1] ** -0.5)
-    got = np.array(run(q, k, v, **kw, **({"layout": layout} if layout else {})).astype(mx.float32))
+    extra = {**({"layout": layout} if layout else {}), **({"gpu_target": gpu_target} if gpu_target else {})}
+    got = np.array(run(q, k, v, **kw, **extra).astype(mx.float32))
     want = np.array(reference_attention(q, k, v, **kw).astype(mx.float32))
     assert np.isfinite(got).all()
     err = np.abs(got - want).max()
@@ -137,14 +139,16 @@ def test_strided_inputs(run, layout, tq):
 @pytest.mark.parametrize("tq", [1, 3, 8])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (4, 1)])
 def test_decode_split_kv(run, tq, hq, hkv):
-    q, k, v = make(2, hq, hkv, tq, 150, 64, mx.float32, seed=tq)
+    q, k, v = make(2, hq, hkv, tq, 600, 64, mx.float32, seed=tq)
     got = check(run, q, k, v, mask="causal", sinks=mx.linspace(-1, 1, hq))
     if not REAL_METAL:
         kernels = [step["kernel"] for step in run.last_plan["dispatches"]]
         assert kernels == ["attention_decode_partial_float32_d64", "attention_decode_merge_float32_d64"]
         rows = hq // hkv * tq
-        # splits of at least max(64, 16 per row) keys (docs/metal_kernels.md)
-        assert run.last_plan["splits"] == -(-150 // max(64, 16 * rows))
+        row_chunks = -(-rows // 16)
+        # splits of at least max(64, 64 per row) keys, at most what fills the
+        # default target's 8 cores x 8 threadgroups (docs/metal_kernels.md)
+        assert run.last_plan["splits"] == min(-(-64 // (2 * hkv * row_chunks)), -(-600 // max(64, 64 * rows)))
     assert np.isfinite(got).all()
 
 
@@ -198,3 +202,51 @@ def test_decode_head_dims_masks_and_windows(run, dtype, d):
     additive[1] = -np.inf  # the second query position sees nothing
     got = check(run, q, k, v, mask=mx.array(additive).astype(dtype))
     assert np.all(got[:, :, 1] == 0)
+
+
+FAMILIES = ["unknown", "apple7", "apple8", "apple9"]
+
+
+@pytest.mark.parametrize("family,cores", [("unknown", 0), ("apple7", 8), ("apple8", 10), ("apple9", 40)])
+def test_each_gpu_family_plan_runs_correctly(run, family, cores):
+    """Each row of the plan's family table gives kernels that compute the
+    reference: prefill and decode in float16, one with a mask."""
+    target = dict(gpu_family=family, gpu_cores=cores)
+    q, k, v = make(1, 4, 2, 40, 70, 128, mx.float16, seed=1)
+    check(run, q, k, v, mask="causal", gpu_target=None if REAL_METAL else target)
+    q, k, v = make(1, 4, 1, 1, 700, 128, mx.float16, seed=2)
+    visible = np.random.default_rng(2).random((1, 700)) > 0.3
+    check(run, q, k, v, mask=mx.array(visible), gpu_target=None if REAL_METAL else target)
+    if not REAL_METAL:
+        assert (run.last_plan["gpu_family"], run.last_plan["gpu_cores"]) == (family, cores or 8)
+        assert run.last_plan["splits"] == 3  # ceil(700 / (64 keys x 4 rows)): fewer than any target fills
+    q, k, v = make(1, 2, 2, 35, 50, 256, mx.float16, seed=3)
+    check(run, q, k, v, window_size=9, gpu_target=None if REAL_METAL else target)
+
+
+@pytest.mark.skipif(REAL_METAL, reason="the GPU target is MLX's device on a Mac; the emulator picks any family")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [80, 96, 128, 256])
+def test_apple9_key_blocks(run, dtype, d):
+    """apple9 plans 2-byte dtypes with twice MLX's BK at D >= 80: those
+    kernels against the reference, with a partial last key block."""
+    q, k, v = make(1, 2, 1, 33, 45, d, dtype, seed=d)
+    check(run, q, k, v, mask="causal", gpu_target={"gpu_family": "apple9"})
+    assert run.last_plan["dispatches"][0]["kernel"].endswith("_bk32" if d < 256 else "_bk16")
+
+
+@pytest.mark.skipif(REAL_METAL, reason="lists the emulated library's kernels")
+def test_every_planned_kernel_is_compiled(run):
+    """Whatever the family table picks names a kernel the .metal sources
+    instantiate (for every family, dtype and head dim, prefill and decode)."""
+    names = set()
+    for family in FAMILIES:
+        for dtype in DTYPES:
+            for d in (64, 80, 96, 128, 256):
+                for tq in (40, 1):
+                    q, k, v = make(1, 4, 2, tq, 50, d, dtype)
+                    plan = launch_plan(q, k, v, gpu_family=family)
+                    assert plan["supported"], plan["reason"]
+                    names.update(step["kernel"] for step in plan["dispatches"])
+    assert len(names) > 30
+    assert names <= set(run.library.kernel_names), sorted(names - set(run.library.kernel_names))

@@ -23,7 +23,7 @@ DECODE = REPO / "metal" / "attention_decode.metal"
 
 def only_float32_d64(text: str) -> str:
     """Keep one instantiation so each mutant compiles quickly."""
-    text = re.sub(r"^MLX_ATTN_(PREFILL|DECODE)_TYPES\(.*\)$", "", text, flags=re.M)
+    text = re.sub(r"^MLX_ATTN_(PREFILL|DECODE)_(2BYTE_)?TYPES\(.*\)$", "", text, flags=re.M)
     kind = "PREFILL" if "attention_prefill<" in text else "DECODE"
     instance = "float32, float, 64, 32" if kind == "PREFILL" else "float32, float, 64"
     return text + f"\nMLX_ATTN_{kind}({instance})\n"
@@ -64,7 +64,13 @@ MUTANTS = {
     "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end; key += 1"),
     "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end - 1; key += NSG"),
     "decode: simdgroup combine rescale dropped": (DECODE, "replace", "const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
-    "decode: simdgroup combine leaves one out": (DECODE, "replace", "for (int g = 0; g < NSG; ++g) {\n      const float weight", "for (int g = 1; g < NSG; ++g) {\n      const float weight"),
+    "decode: simdgroup combine leaves one out": (DECODE, "replace", "for (int g = 0; g < NSG - 1; ++g) {\n      const float weight", "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),
+    "decode: simdgroup 0's output not rescaled in the combine": (DECODE, "replace", "o[e] = o_part[i][e] * own;", "o[e] = o_part[i][e];"),
+    "decode: simdgroup 0's sum not rescaled in the combine": (DECODE, "replace", "float l = l_row[i] * own;", "float l = l_row[i];"),
+    "decode: combine misses the last live row": (DECODE, "replace", "const int live_rows = min(R, rows - r0);", "const int live_rows = min(R, rows - r0) - 1;"),
+    "decode: combine hands over rows at the wrong slot": (DECODE, "replace", "const int at = (int(sg) - 1) * R;", "const int at = int(sg) * R;"),
+    "decode: a simdgroup's sum not handed over": (DECODE, "replace", "sg_sum[at + i] = l_row[i];", ""),
+    "decode: combine reads a handed-over row from the wrong simdgroup": (DECODE, "replace", "o[e] += sg_out[(g * R + i) * D", "o[e] += sg_out[(0 * R + i) * D"),
     "decode: window start off by one": (DECODE, "replace", "offset - p.window_size + 1", "offset - p.window_size + 2"),
     "decode: row chunks ignored": (DECODE, "replace", "const int row_chunks = (rows + R - 1) / R;", "const int row_chunks = 1;"),
     "decode: sink left out of the sum": (DECODE, "replace", "l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);", "l = l * correction;"),
@@ -98,6 +104,7 @@ CASES = [
     dict(shape=(1, 2, 1, 37, 90), window_size=7),
     dict(shape=(2, 2, 2, 33, 70), mask="bool", sinks=True),
     dict(shape=(1, 8, 2, 2, 150), mask="causal", sinks=True),  # decode: split KV
+    dict(shape=(1, 2, 2, 1, 200), mask="causal", sinks=True),  # decode: one row, 4 splits of 64 keys
     dict(shape=(2, 4, 4, 1, 70), mask="bool"),
     dict(shape=(1, 4, 2, 20, 45), mask="additive", layout="seq_major"),  # [B, T, H, D] storage
     dict(shape=(1, 4, 2, 3, 45), layout="cache"),  # decode from a cache

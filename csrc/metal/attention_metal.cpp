@@ -34,7 +34,8 @@ void eval_attention(
     std::vector<mx::array>& outputs) {
   for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
   if (outputs[0].size() == 0) return;
-  const LaunchPlan plan = plan_attention(problem);
+  auto& device = mx::metal::device(stream.device);
+  const LaunchPlan plan = plan_attention(problem, gpu_target_from_architecture(device.get_architecture()));
   if (!plan.supported) {
     throw std::runtime_error("[mlx_attn] Metal kernels: " + plan.reason);
   }
@@ -44,7 +45,6 @@ void eval_attention(
     scratch.back().set_data(mx::allocator::malloc(scratch.back().nbytes()));
   }
 
-  auto& device = mx::metal::device(stream.device);
   auto& encoder = mx::metal::get_command_encoder(stream);
   for (const auto& dispatch : plan.dispatches) {
     encoder.set_compute_pipeline_state(
