@@ -59,6 +59,11 @@ const char* role_name(BufferRole role) {
     case BufferRole::splits: return "splits";
     case BufferRole::partial_out: return "partial_out";
     case BufferRole::partial_stats: return "partial_stats";
+    case BufferRole::k_scales: return "k_scales";
+    case BufferRole::k_biases: return "k_biases";
+    case BufferRole::v_scales: return "v_scales";
+    case BufferRole::v_biases: return "v_biases";
+    case BufferRole::quantized_params: return "quantized_params";
   }
   return "?";
 }
@@ -70,6 +75,7 @@ const char* source_name(Source source) {
     case Source::scratch: return "scratch";
     case Source::params: return "params";
     case Source::splits: return "splits";
+    case Source::quantized_params: return "quantized_params";
   }
   return "?";
 }

@@ -27,14 +27,11 @@ const std::string& binary_dir() {
   return dir;
 }
 
-void eval_attention(
+void encode_launch_plan(
     mx::Stream stream,
-    const AttentionProblem& problem,
+    const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (outputs[0].size() == 0) return;
-  const LaunchPlan plan = plan_attention(problem);
   if (!plan.supported) {
     throw std::runtime_error("[mlx_attn] Metal kernels: " + plan.reason);
   }
@@ -59,6 +56,9 @@ void eval_attention(
           break;
         case Source::params: encoder.set_bytes(plan.params, b.index); break;
         case Source::splits: encoder.set_bytes(plan.splits, b.index); break;
+        case Source::quantized_params:
+          encoder.set_bytes(plan.quantized_params.data(), int(plan.quantized_params.size()), b.index);
+          break;
       }
     }
     encoder.dispatch_threadgroups(
