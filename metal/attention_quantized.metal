@@ -8,11 +8,10 @@
 // (query head of the GQA group) x (query position) of one KV head, so K/V
 // are read once for the whole group, its simdgroups taking keys in turn.
 // Lane l owns features [l * SLICE, (l + 1) * SLICE), SLICE = D / 32: per key
-// it reads only the packed words holding them (a simdgroup reads the row's
-// D * BITS / 8 bytes, coalesced) and the one scale and bias of their group
-// (group_size % SLICE == 0: a slice never straddles groups), and dequantizes
-// them in registers; no dequantized K/V exists anywhere, not even in
-// threadgroup memory. Any number of rows: grid.y = KV heads x chunks of R
+// a simdgroup reads the row's D * BITS / 8 bytes of packed words and its
+// D / group_size scales and biases once, coalesced, and each lane
+// dequantizes its slice in registers (dequantize_slice); no dequantized K/V
+// exists anywhere, not even in threadgroup memory. Any number of rows: grid.y = KV heads x chunks of R
 // rows, so prefill shapes run here too (K/V read once per chunk); causal
 // and window attention narrow each chunk's key range to its positions.
 // The partials have the float decode layout, so attention_decode_merge
@@ -30,24 +29,46 @@ inline float quantized_saturate_logit(float x) {
   return clamp(x, -MLX_ATTN_LOGIT_LIMIT, MLX_ATTN_LOGIT_LIMIT);
 }
 
-// Features [first, first + SLICE) of one quantized row, dequantized into
-// `out`: packed_at / scale_at / bias_at locate the row's words and its
-// group's scale and bias.
-template <typename T, int BITS, int SLICE>
+// This lane's features [lane * SLICE, (lane + 1) * SLICE) of one quantized
+// row, dequantized into `out`; packed_at / scale_at / bias_at locate the row.
+// Every device byte of the row is read once per simdgroup: a lane whose
+// slice fills whole words reads them; otherwise the first D * BITS / 32 lanes
+// read one word each and the lanes sharing it take it by simd_shuffle. The
+// row's D / group_size scales and biases are read by the first lanes and
+// shuffled to the lanes of their group (a slice never straddles groups).
+// Call from uniform control flow (simd_shuffle).
+template <typename T, int D, int BITS>
 inline void dequantize_slice(
     const device uint* packed, long packed_at, long word_stride,
-    const device T* scales, long scale_at,
-    const device T* biases, long bias_at,
-    int first, thread float* out) {
+    const device T* scales, long scale_at, long scale_stride,
+    const device T* biases, long bias_at, long bias_stride,
+    int group_size, uint lane, thread float* out) {
+  constexpr int SLICE = D / 32;
   constexpr int CODES_PER_WORD = 32 / BITS;
   constexpr uint CODE_MASK = (1u << BITS) - 1u;
-  const float scale = float(scales[scale_at]);
-  const float bias = float(biases[bias_at]);
-  for (int e = 0; e < SLICE; ++e) {
-    const int i = first + e;
-    const uint word = packed[packed_at + (i / CODES_PER_WORD) * word_stride];
-    const uint code = (word >> ((i % CODES_PER_WORD) * BITS)) & CODE_MASK;
-    out[e] = scale * float(code) + bias;
+  constexpr int SLICE_WORDS = SLICE * BITS / 32;  // 0: lanes share words
+  constexpr int LANES_PER_WORD = SLICE_WORDS > 0 ? 1 : 32 / (SLICE * BITS);
+  const int first = int(lane) * SLICE;
+  const bool reads_group = int(lane) < D / group_size;
+  const float group_scale = reads_group ? float(scales[scale_at + int(lane) * scale_stride]) : 0.0f;
+  const float group_bias = reads_group ? float(biases[bias_at + int(lane) * bias_stride]) : 0.0f;
+  const ushort lane_group = ushort(first / group_size);
+  const float scale = simd_shuffle(group_scale, lane_group);
+  const float bias = simd_shuffle(group_bias, lane_group);
+  if (SLICE_WORDS > 0) {
+    for (int w = 0; w < SLICE_WORDS; ++w) {
+      const uint word = packed[packed_at + (first / CODES_PER_WORD + w) * word_stride];
+      for (int c = 0; c < CODES_PER_WORD; ++c) {
+        out[w * CODES_PER_WORD + c] = scale * float((word >> (c * BITS)) & CODE_MASK) + bias;
+      }
+    }
+  } else {
+    const uint read = int(lane) < D * BITS / 32 ? packed[packed_at + int(lane) * word_stride] : 0u;
+    const uint word = simd_shuffle(read, ushort(int(lane) / LANES_PER_WORD));
+    const int shift = (first % CODES_PER_WORD) * BITS;
+    for (int e = 0; e < SLICE; ++e) {
+      out[e] = scale * float((word >> (shift + e * BITS)) & CODE_MASK) + bias;
+    }
   }
 }
 
@@ -122,30 +143,24 @@ template <typename T, int D, int BITS>
     }
   }
 
-  const int first = int(lane) * SLICE;
-  const int lane_group = first / qp.group_size;
   const long k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
   const long v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
-  const long k_scale_head = b * qp.k_scale_strides[0] + kv_head * qp.k_scale_strides[1] +
-      lane_group * qp.k_scale_strides[3];
-  const long k_bias_head = b * qp.k_bias_strides[0] + kv_head * qp.k_bias_strides[1] +
-      lane_group * qp.k_bias_strides[3];
-  const long v_scale_head = b * qp.v_scale_strides[0] + kv_head * qp.v_scale_strides[1] +
-      lane_group * qp.v_scale_strides[3];
-  const long v_bias_head = b * qp.v_bias_strides[0] + kv_head * qp.v_bias_strides[1] +
-      lane_group * qp.v_bias_strides[3];
+  const long k_scale_head = b * qp.k_scale_strides[0] + kv_head * qp.k_scale_strides[1];
+  const long k_bias_head = b * qp.k_bias_strides[0] + kv_head * qp.k_bias_strides[1];
+  const long v_scale_head = b * qp.v_scale_strides[0] + kv_head * qp.v_scale_strides[1];
+  const long v_bias_head = b * qp.v_bias_strides[0] + kv_head * qp.v_bias_strides[1];
   for (int key = kv_begin + int(sg); key < kv_end; key += NSG) {
     // dequantize: this lane's features of the key and the value, in registers
     float k_slice[SLICE];
     float v_slice[SLICE];
-    dequantize_slice<T, BITS, SLICE>(
+    dequantize_slice<T, D, BITS>(
         k, k_head + key * p.k_strides[2], p.k_strides[3],
-        k_scales, k_scale_head + key * qp.k_scale_strides[2],
-        k_biases, k_bias_head + key * qp.k_bias_strides[2], first, k_slice);
-    dequantize_slice<T, BITS, SLICE>(
+        k_scales, k_scale_head + key * qp.k_scale_strides[2], qp.k_scale_strides[3],
+        k_biases, k_bias_head + key * qp.k_bias_strides[2], qp.k_bias_strides[3], qp.group_size, lane, k_slice);
+    dequantize_slice<T, D, BITS>(
         v, v_head + key * p.v_strides[2], p.v_strides[3],
-        v_scales, v_scale_head + key * qp.v_scale_strides[2],
-        v_biases, v_bias_head + key * qp.v_bias_strides[2], first, v_slice);
+        v_scales, v_scale_head + key * qp.v_scale_strides[2], qp.v_scale_strides[3],
+        v_biases, v_bias_head + key * qp.v_bias_strides[2], qp.v_bias_strides[3], qp.group_size, lane, v_slice);
     for (int i = 0; i < R; ++i) {
       const int r = r0 + i;
       if (r >= rows) {
