@@ -336,14 +336,14 @@ def test_decode_reads_each_quantized_byte_once():
 
 
 if __name__ == "__main__":  # the docs' table: python tests/test_quantized_metal.py
-    run = EmulatedMetal(fast_math=True, sources=SOURCES)
-    run.counting = msl_emulator.compile_library(SOURCES, include_dirs=[REPO], fast_math=True, counters=True)
+    emulated = EmulatedMetal(fast_math=True, sources=SOURCES)
+    emulated.counting = msl_emulator.compile_library(SOURCES, include_dirs=[REPO], fast_math=True, counters=True)
     q = mx.random.normal((1, 4, 1, 128)).astype(mx.float16)
     k, v = (mx.random.normal((1, 1, 1024, 128)).astype(mx.float16) for _ in range(2))
-    fp16 = decode_kv_bytes_per_element(run, q, k, v)
+    fp16 = decode_kv_bytes_per_element(emulated, q, k, v)
     print(f"decode, D=128, GQA 4, Tkv=1024: modelled device bytes per K/V element\n  float16: {fp16:.4f}")
     for bits in (8, 4):
         for group_size in (32, 64, 128):
             kv = [quantize(x, group_size, bits, mx.float16) for x in (k, v)]
-            got = decode_kv_bytes_per_element(run, q, *kv, quantized={"bits": bits, "group_size": group_size})
+            got = decode_kv_bytes_per_element(emulated, q, *kv, quantized={"bits": bits, "group_size": group_size})
             print(f"  {bits}-bit, group {group_size}: {got:.4f} ({got / fp16:.3f}x float16)")
