@@ -242,15 +242,36 @@ void run_cpu_kernel(
   encoder.add_temporary(std::move(scratch));
 }
 
-void FusedAttention::eval_gpu(
+void AttentionPrimitive::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
 #ifdef MLX_ATTN_METAL
-  metal::eval_attention(stream(), describe_attention(inputs, options_), inputs, outputs);
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (outputs[0].size() == 0) return;  // no plan for an empty problem
+  metal::encode_launch_plan(stream(), launch_plan(inputs, metal::gpu_target(stream())), inputs, outputs);
 #else
   throw std::runtime_error(
       "[mlx_attn] this build of mlx_attn has no GPU kernels (MLX without Metal)");
 #endif
+}
+
+std::vector<mx::Shape> AttentionPrimitive::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const auto& q = inputs[0];
+  mx::Shape out = {q.shape(0), q.shape(1), q.shape(2), value_dim(inputs)};
+  if (options_.output_lse) {
+    return {out, mx::Shape{q.shape(0), q.shape(1), q.shape(2)}};
+  }
+  return {out};
+}
+
+bool AttentionPrimitive::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const AttentionPrimitive&>(other);
+  return options_ == o.options_ && same_attributes(o);
+}
+
+LaunchPlan FusedAttention::launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const {
+  return plan_attention(describe_attention(inputs, options_), target);
 }
 
 namespace {
@@ -392,20 +413,6 @@ std::pair<std::vector<mx::array>, std::vector<int>> FusedAttention::vmap(
     out_axes.push_back(1);
   }
   return {outs, out_axes};
-}
-
-std::vector<mx::Shape> FusedAttention::output_shapes(
-    const std::vector<mx::array>& inputs) {
-  const auto& q = inputs[0];
-  mx::Shape out = {q.shape(0), q.shape(1), q.shape(2), inputs[2].shape(3)};
-  if (options_.output_lse) {
-    return {out, mx::Shape{q.shape(0), q.shape(1), q.shape(2)}};
-  }
-  return {out};
-}
-
-bool FusedAttention::is_equivalent(const mx::Primitive& other) const {
-  return options_ == static_cast<const FusedAttention&>(other).options_;
 }
 
 void FusedAttentionBackward::eval_cpu(

@@ -9,6 +9,7 @@
 
 #include "csrc/attention_problem.h"
 #include "csrc/cpu/kernels.h"
+#include "csrc/launch_plan.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -81,14 +82,41 @@ using DifferentiationRule = std::function<std::vector<mx::array>(
     mx::Stream stream)>;
 void set_differentiation_rule(DifferentiationRule rule);
 
-class FusedAttention : public mx::Primitive {
+// What the attention primitives (FusedAttention, QuantizedAttention) share:
+// their options, outputs [B, Hq, Tq, Dv] (and the float32 [B, Hq, Tq] lse
+// with options.output_lse), equivalence, and the GPU evaluation: encode the
+// Metal launch plan of the inputs (csrc/metal/attention_metal.h).
+class AttentionPrimitive : public mx::Primitive {
  public:
-  FusedAttention(mx::Stream stream, AttentionOptions options)
+  AttentionPrimitive(mx::Stream stream, AttentionOptions options)
       : mx::Primitive(stream), options_(options) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // MLX compares primitives of one type only.
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const AttentionOptions& options() const {
+    return options_;
+  }
+
+ protected:
+  // Dv, from the primitive's inputs.
+  virtual int value_dim(const std::vector<mx::array>& inputs) const = 0;
+  virtual LaunchPlan launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const = 0;
+  // Attributes beyond the options that tell two primitives apart.
+  virtual bool same_attributes(const AttentionPrimitive&) const {
+    return true;
+  }
+
+  AttentionOptions options_;
+};
+
+class FusedAttention : public AttentionPrimitive {
+ public:
+  using AttentionPrimitive::AttentionPrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
   std::vector<mx::array> vjp(
       const std::vector<mx::array>& primals,
@@ -102,17 +130,15 @@ class FusedAttention : public mx::Primitive {
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs,
       const std::vector<int>& axes) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override {
     return "FusedAttention";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const AttentionOptions& options() const {
-    return options_;
-  }
 
- private:
-  AttentionOptions options_;
+ protected:
+  int value_dim(const std::vector<mx::array>& inputs) const override {
+    return inputs[2].shape(3);
+  }
+  LaunchPlan launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const override;
 };
 
 // The fused CPU backward: inputs q, k, v, [mask], [sinks], out, lse, d_out,

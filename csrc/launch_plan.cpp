@@ -114,7 +114,8 @@ constexpr int kDecodeMinKeysPerRow = 64;
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target) {
   const int rows_per_threadgroup = decode_rows_per_threadgroup(head_dim);
   const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
-  const int64_t threadgroups = int64_t(batch) * kv_heads * row_chunks;
+  // At least one: an empty problem (no rows) must not divide by zero.
+  const int64_t threadgroups = std::max<int64_t>(1, int64_t(batch) * kv_heads * row_chunks);
   const int64_t busy = int64_t(gpu_cores(target)) * gpu_tuning(target.family).decode_threadgroups_per_core;
   const int64_t for_occupancy = (busy + threadgroups - 1) / threadgroups;
   const int64_t keys_per_split = std::max(kDecodeMinKeysPerSplit, kDecodeMinKeysPerRow * rows);
@@ -135,6 +136,11 @@ const char* role_name(BufferRole role) {
     case BufferRole::splits: return "splits";
     case BufferRole::partial_out: return "partial_out";
     case BufferRole::partial_stats: return "partial_stats";
+    case BufferRole::k_scales: return "k_scales";
+    case BufferRole::k_biases: return "k_biases";
+    case BufferRole::v_scales: return "v_scales";
+    case BufferRole::v_biases: return "v_biases";
+    case BufferRole::quantized_params: return "quantized_params";
   }
   return "?";
 }
@@ -146,6 +152,7 @@ const char* source_name(Source source) {
     case Source::scratch: return "scratch";
     case Source::params: return "params";
     case Source::splits: return "splits";
+    case Source::quantized_params: return "quantized_params";
   }
   return "?";
 }

@@ -44,6 +44,9 @@ struct GpuTuning {
 // What a kernel parameter is.
 enum class BufferRole : int32_t {
   q, k, v, mask, sinks, out, lse, params, splits, partial_out, partial_stats,
+  // kernels over quantized K/V (csrc/quantized_launch_plan.h): k and v are
+  // then their packed words
+  k_scales, k_biases, v_scales, v_biases, quantized_params,
 };
 enum class Access : int32_t { read, write };
 // Where the bound memory comes from.
@@ -53,6 +56,7 @@ enum class Source : int32_t {
   scratch,  // LaunchPlan::scratch[source_index], allocated for the call
   params,   // LaunchPlan::params, as bytes
   splits,   // LaunchPlan::splits (int32), as bytes
+  quantized_params,  // LaunchPlan::quantized_params, as bytes
 };
 
 struct Binding {
@@ -88,6 +92,9 @@ struct LaunchPlan {
   int32_t splits = 1;  // decode: threadgroups along the key/value length
   std::vector<ScratchBuffer> scratch;
   std::vector<KernelDispatch> dispatches;
+  // QuantizedAttentionParams (metal/attention_quantized_params.h) of a plan
+  // over quantized K/V; empty otherwise
+  std::vector<uint8_t> quantized_params;
 };
 
 const char* role_name(BufferRole role);

@@ -1,15 +1,68 @@
 // Exposes the launch plan to Python (tests, the emulator runner).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+
 #include "csrc/launch_plan.h"
+#include "csrc/quantized_attention.h"
+#include "csrc/quantized_launch_plan.h"
+#include "metal/attention_quantized_params.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace mlx_attn {
+
+namespace {
+
+// A plan as Python sees it (tests, the emulator runner).
+nb::dict plan_dict(const LaunchPlan& plan) {
+  nb::dict out;
+  out["supported"] = plan.supported;
+  out["reason"] = plan.reason;
+  out["params"] = nb::bytes(reinterpret_cast<const char*>(&plan.params), sizeof(AttentionParams));
+  nb::list dispatches;
+  for (const auto& d : plan.dispatches) {
+    nb::dict entry;
+    entry["kernel"] = d.kernel;
+    entry["grid"] = d.grid;
+    entry["threadgroup"] = d.threadgroup;
+    nb::list bindings;
+    for (const auto& b : d.bindings) {
+      nb::dict binding;
+      binding["index"] = b.index;
+      binding["role"] = role_name(b.role);
+      binding["access"] = b.access == Access::write ? "write" : "read";
+      binding["source"] = source_name(b.source);
+      binding["source_index"] = b.source_index;
+      bindings.append(binding);
+    }
+    entry["bindings"] = bindings;
+    entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
+    dispatches.append(entry);
+  }
+  out["dispatches"] = dispatches;
+  out["splits"] = plan.splits;
+  nb::list scratch;
+  for (const auto& buffer : plan.scratch) {
+    nb::dict entry;
+    entry["role"] = role_name(buffer.role);
+    entry["elements"] = buffer.elements;
+    entry["producer"] = buffer.producer;
+    entry["consumer"] = buffer.consumer;
+    scratch.append(entry);
+  }
+  out["scratch"] = scratch;
+  out["quantized_params"] = nb::bytes(reinterpret_cast<const char*>(plan.quantized_params.data()),
+                                    plan.quantized_params.size());
+  return out;
+}
+
+}  // namespace
 
 void bind_launch_plan(nb::module_& m) {
   m.def(
@@ -23,45 +76,10 @@ void bind_launch_plan(nb::module_& m) {
           throw nb::value_error(("gpu_cores must be >= 0 (0: the family's base part), got " + std::to_string(gpu_cores)).c_str());
         }
         target.gpu_cores = gpu_cores;
-        LaunchPlan plan = plan_attention(problem, target);
-        nb::dict out;
+        const LaunchPlan plan = plan_attention(problem, target);
+        nb::dict out = plan_dict(plan);
         out["gpu_family"] = gpu_family_name(plan.target.family);
         out["gpu_cores"] = plan.target.gpu_cores;
-        out["supported"] = plan.supported;
-        out["reason"] = plan.reason;
-        out["params"] = nb::bytes(reinterpret_cast<const char*>(&plan.params), sizeof(AttentionParams));
-        nb::list dispatches;
-        for (const auto& d : plan.dispatches) {
-          nb::dict entry;
-          entry["kernel"] = d.kernel;
-          entry["grid"] = d.grid;
-          entry["threadgroup"] = d.threadgroup;
-          nb::list bindings;
-          for (const auto& b : d.bindings) {
-            nb::dict binding;
-            binding["index"] = b.index;
-            binding["role"] = role_name(b.role);
-            binding["access"] = b.access == Access::write ? "write" : "read";
-            binding["source"] = source_name(b.source);
-            binding["source_index"] = b.source_index;
-            bindings.append(binding);
-          }
-          entry["bindings"] = bindings;
-          entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
-          dispatches.append(entry);
-        }
-        out["dispatches"] = dispatches;
-        out["splits"] = plan.splits;
-        nb::list scratch;
-        for (const auto& buffer : plan.scratch) {
-          nb::dict entry;
-          entry["role"] = role_name(buffer.role);
-          entry["elements"] = buffer.elements;
-          entry["producer"] = buffer.producer;
-          entry["consumer"] = buffer.consumer;
-          scratch.append(entry);
-        }
-        out["scratch"] = scratch;
         return out;
       },
       "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
@@ -102,6 +120,31 @@ void bind_launch_plan(nb::module_& m) {
         return rows;
       },
       "The launch plan's per-GPU-family table (docs/metal_kernels.md).");
+  m.def(
+      "quantized_metal_launch_plan",
+      [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
+         float scale, bool causal, int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
+         int bits, int group_size, bool output_lse) {
+        if (k_quant.size() != 3 || v_quant.size() != 3) {
+          throw std::invalid_argument("k_quant and v_quant must be (packed, scales, biases) triples");
+        }
+        const AttentionOptions options{
+            scale, causal || window_size > 0, window_size, mask.has_value(), sinks.has_value(), output_lse};
+        std::vector<mx::array> inputs = {q};
+        inputs.insert(inputs.end(), k_quant.begin(), k_quant.end());
+        inputs.insert(inputs.end(), v_quant.begin(), v_quant.end());
+        if (mask) inputs.push_back(*mask);
+        if (sinks) inputs.push_back(*sinks);
+        const auto [problem, kv] = describe_quantized_attention(inputs, options, {bits, group_size});
+        nb::dict out = plan_dict(plan_quantized_attention(problem, kv));
+        out["problem"] = nb::cast(problem);
+        return out;
+      },
+      "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
+      "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "output_lse"_a = false,
+      "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
+      "q's dtype), as metal_launch_plan, plus 'quantized_params' bytes and the 'problem'.");
+  m.attr("QUANTIZED_ATTENTION_PARAMS_BYTES") = int(sizeof(QuantizedAttentionParams));
   m.attr("MASK_NONE") = MLX_ATTN_MASK_NONE;
   m.attr("MASK_BOOL") = MLX_ATTN_MASK_BOOL;
   m.attr("MASK_ADDITIVE") = MLX_ATTN_MASK_ADDITIVE;

@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "csrc/quantized_launch_plan.h"
+
 namespace mlx_attn {
 
 namespace {
@@ -80,6 +82,18 @@ std::pair<AttentionProblem, cpu::QuantizedKV> describe_quantized_attention(
   return {problem, kv};
 }
 
+std::string quantized_unsupported_reason(
+    const AttentionProblem& problem, const cpu::QuantizedKV& quantized, mx::Device::DeviceType device) {
+  if (device == mx::Device::gpu) {
+#ifdef MLX_ATTN_METAL
+    return plan_quantized_attention(problem, quantized).reason;
+#else
+    return "this build of mlx_attn has no Metal kernels (MLX without Metal)";
+#endif
+  }
+  return unsupported_reason(problem, mx::Device::cpu);
+}
+
 std::vector<mx::array> quantized_attention(
     const mx::array& q,
     const std::vector<mx::array>& k_quant,
@@ -101,10 +115,11 @@ std::vector<mx::array> quantized_attention(
   inputs.insert(inputs.end(), v_quant.begin(), v_quant.end());
   if (mask) inputs.push_back(*mask);
   if (sinks) inputs.push_back(*sinks);
-  const AttentionProblem problem = describe_quantized_attention(inputs, options, quantization).first;
+  const auto [problem, kv] = describe_quantized_attention(inputs, options, quantization);
   auto stream = mx::to_stream(s);
-  if (stream.device.type != mx::Device::cpu) invalid("no Metal kernel reads quantized K/V; use a CPU stream");
-  if (std::string reason = unsupported_reason(problem, mx::Device::cpu); !reason.empty()) invalid(reason);
+  if (std::string reason = quantized_unsupported_reason(problem, kv, stream.device.type); !reason.empty()) {
+    invalid(reason);
+  }
   auto primitive = std::make_shared<QuantizedAttention>(stream, options, quantization);
   auto shapes = primitive->output_shapes(inputs);
   return mx::array::make_arrays(std::move(shapes), {q.dtype()}, primitive, inputs);
@@ -131,18 +146,9 @@ void QuantizedAttention::eval_cpu(
   run_cpu_kernel(call, inputs, outputs, stream());
 }
 
-void QuantizedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[mlx_attn] no Metal kernel reads quantized K/V");
-}
-
-std::vector<mx::Shape> QuantizedAttention::output_shapes(const std::vector<mx::array>& inputs) {
-  const auto& q = inputs[0];
-  return {{q.shape(0), q.shape(1), q.shape(2), inputs[4].shape(3) * (32 / quantization_.bits)}};
-}
-
-bool QuantizedAttention::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const QuantizedAttention&>(other);
-  return options_ == o.options_ && quantization_ == o.quantization_;
+LaunchPlan QuantizedAttention::launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const {
+  const auto [problem, kv] = describe_quantized_attention(inputs, options_, quantization_);
+  return plan_quantized_attention(problem, kv, target);
 }
 
 }  // namespace mlx_attn

@@ -1,9 +1,12 @@
 // Fused attention over keys and values quantized by mx.quantize: the same
 // problem and CPU kernel as FusedAttention (csrc/attention.h), with K/V
-// blocks dequantized inside the kernel's tile (csrc/cpu/quantized_kv.h).
+// blocks dequantized inside the kernel's tile (csrc/cpu/quantized_kv.h); on
+// the GPU the kernels of metal/attention_quantized.metal, through
+// csrc/quantized_launch_plan.h.
 #pragma once
 
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "csrc/attention.h"
@@ -25,8 +28,12 @@ struct Quantization {
 std::pair<AttentionProblem, cpu::QuantizedKV> describe_quantized_attention(
     const std::vector<mx::array>& inputs, const AttentionOptions& options, const Quantization& quantization);
 
-// CPU streams only (no Metal kernel reads quantized K/V); the forward pass
-// only (not differentiable).
+// Empty when the fused kernels of `device` handle the problem, else why not
+// (the CPU kernel's rule or the quantized Metal launch plan's).
+std::string quantized_unsupported_reason(
+    const AttentionProblem& problem, const cpu::QuantizedKV& quantized, mx::Device::DeviceType device);
+
+// CPU and GPU streams; the forward pass only (not differentiable).
 std::vector<mx::array> quantized_attention(
     const mx::array& q,
     const std::vector<mx::array>& k_quant,
@@ -37,23 +44,27 @@ std::vector<mx::array> quantized_attention(
     Quantization quantization,
     mx::StreamOrDevice s = {});
 
-class QuantizedAttention : public mx::Primitive {
+class QuantizedAttention : public AttentionPrimitive {
  public:
   QuantizedAttention(mx::Stream stream, AttentionOptions options, Quantization quantization)
-      : mx::Primitive(stream), options_(options), quantization_(quantization) {}
+      : AttentionPrimitive(stream, options), quantization_(quantization) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override {
     return "QuantizedAttention";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
+
+ protected:
+  int value_dim(const std::vector<mx::array>& inputs) const override {
+    return inputs[4].shape(3) * (32 / quantization_.bits);
+  }
+  LaunchPlan launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const override;
+  bool same_attributes(const AttentionPrimitive& other) const override {
+    return quantization_ == static_cast<const QuantizedAttention&>(other).quantization_;
+  }
 
  private:
-  AttentionOptions options_;
   Quantization quantization_;
 };
 

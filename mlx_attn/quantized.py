@@ -12,9 +12,10 @@ A quantized tensor is the triple ``(packed, scales, biases)`` that
 without repeating K/V, lower-right causal) with ``k`` and ``v`` given as such
 triples. On CPU streams it runs the fused CPU kernel, which dequantizes each
 key/value block inside its tile (``csrc/cpu/kernel_impl.h``,
-``load_quantized_row``); its reference path dequantizes and runs the
-reference SDPA. No Metal kernel reads quantized K/V yet: GPU streams take the
-reference path.
+``load_quantized_row``); on GPU streams the Metal kernels of
+``metal/attention_quantized.metal``, which dequantize packed K/V in registers
+(launch plan: ``csrc/quantized_launch_plan.cpp``, :func:`quantized_launch_plan`).
+Its reference path dequantizes and runs the reference SDPA.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 _WORD_BITS = 32
 
-QuantizedPath = Literal["fused-cpu", "reference"]
+QuantizedPath = Literal["fused-cpu", "fused-metal", "reference"]
 
 
 def check_quantization(group_size, bits) -> tuple[int, int]:
@@ -144,16 +145,29 @@ def _prepare(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, b
     return q, k_quant, v_quant, group_size, bits, scale, window_size, k, v
 
 
-def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) -> str | None:
-    """None when the fused CPU kernel handles quantized K/V standing for
-    float ``k`` and ``v`` (its support rule lives in C++), else why not."""
+def _kernel_triples(k_quant, v_quant, dtype):
+    """The triples as the fused kernels read them: scales and biases in the
+    output dtype."""
+    return ([t[0], *(a.astype(dtype) if a.dtype != dtype else a for a in t[1:])] for t in (k_quant, v_quant))
+
+
+def _fused_unsupported_reason(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits,
+                              stream) -> str | None:
+    """None when the fused kernel of the stream's device handles quantized
+    K/V standing for float ``k`` and ``v``, else why not (the support rules
+    live in C++: the CPU kernel's, the quantized Metal launch plan's)."""
     ext = _native.ext
     if ext is None:
         _native.warn_if_missing()
         return _native.MISSING_REASON
-    if ops._device_type(stream) != mx.cpu:
-        return "no Metal kernel reads quantized K/V (the fused CPU kernel does)"
     array_mask, sinks = ops._kernel_inputs(mask, sinks, q.dtype)
+    if ops._device_type(stream) == mx.gpu:
+        if not ext.has_metal():
+            return "this build of mlx_attn has no Metal kernels (MLX without Metal)"
+        k_quant, v_quant = _kernel_triples(k_quant, v_quant, q.dtype)
+        plan = quantized_launch_plan(q, k_quant, v_quant, scale=scale, mask=mask, sinks=sinks,
+                                     window_size=window_size, bits=bits, group_size=group_size)
+        return None if plan["supported"] else plan["reason"]
     problem = ext.describe_attention(
         q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
         mask=array_mask, sinks=sinks,
@@ -161,12 +175,14 @@ def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream) 
     return ext.unsupported_reason(problem, device=mx.cpu)
 
 
-def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream) -> QuantizedPath:
+def _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
+                 stream) -> QuantizedPath:
     if backend == "reference":
         return "reference"
-    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream)
+    reason = _fused_unsupported_reason(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size,
+                                       bits, stream)
     if reason is None:
-        return "fused-cpu"
+        return "fused-metal" if ops._device_type(stream) == mx.gpu else "fused-cpu"
     if backend == "fused":
         raise ValueError(f"backend='fused' is not possible here: {reason}")
     return "reference"
@@ -177,11 +193,29 @@ def quantized_attention_path(
     sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto",
 ) -> QuantizedPath:
     """Which implementation :func:`quantized_scaled_dot_product_attention`
-    uses for these arguments: ``"fused-cpu"`` or ``"reference"``."""
-    q, _, _, _, _, scale, window_size, k, v = _prepare(
+    uses for these arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
+    q, k_quant, v_quant, group_size, bits, scale, window_size, k, v = _prepare(
         q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
     )
-    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    return _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
+                        stream)
+
+
+def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=None, window_size=None, bits=8,
+                          group_size=64, output_lse=False) -> dict:
+    """The Metal launch plan over quantized K/V for these arrays, as the Mac
+    host builds it (csrc/quantized_launch_plan.cpp): strides are the arrays'
+    own (evaluate views first); scales and biases in q's dtype; ``mask`` is
+    ``"causal"`` or an array; ``output_lse`` adds the float32 ``[B, Hq, Tq]``
+    log-sum-exp output. The dict of :func:`mlx_attn.metal_support.launch_plan`
+    plus ``quantized_params`` (bytes)."""
+    if _native.ext is None:
+        raise RuntimeError(_native.MISSING_REASON)
+    return _native.ext.quantized_metal_launch_plan(
+        q, list(k_quant), list(v_quant), scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, bits=bits, group_size=group_size,
+        output_lse=output_lse,
+    )
 
 
 def quantized_scaled_dot_product_attention(
@@ -210,9 +244,9 @@ def quantized_scaled_dot_product_attention(
             :func:`mlx_attn.scaled_dot_product_attention`.
         group_size, bits: the quantization of both triples (32/64/128; 4/8).
 
-    The fused CPU kernel dequantizes each key/value block inside its tile (no
-    dequantized copy of K/V exists); it computes the forward pass only (no
-    gradients through it). The reference path dequantizes, then runs the
+    The fused CPU kernel dequantizes each key/value block inside its tile,
+    the Metal kernels dequantize K/V in registers (no dequantized copy of K/V
+    exists); they compute the forward pass only (no gradients through them). The reference path dequantizes, then runs the
     reference SDPA.
 
     Returns:
@@ -225,7 +259,8 @@ def quantized_scaled_dot_product_attention(
     q, k_quant, v_quant, group_size, bits, scale, window_size, k, v = _prepare(
         q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
     )
-    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream)
+    path = _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
+                        stream)
     dtype = q.dtype
     if path == "reference":
         with mx.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -234,9 +269,7 @@ def quantized_scaled_dot_product_attention(
         return reference_attention(
             q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
         )
-    # the kernel reads scales and biases in the output dtype
-    k_quant, v_quant = ([t[0], *(a.astype(dtype) if a.dtype != dtype else a for a in t[1:])]
-                        for t in (k_quant, v_quant))
+    k_quant, v_quant = _kernel_triples(k_quant, v_quant, dtype)
     array_mask, sinks = ops._kernel_inputs(mask, sinks, dtype)
     return _native.ext.quantized_attention(
         q, k_quant, v_quant, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,

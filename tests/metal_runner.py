@@ -13,6 +13,7 @@ import numpy as np
 import mlx_attn
 from mlx_attn import _ext
 from mlx_attn.metal_support import launch_plan
+from mlx_attn.quantized import quantized_launch_plan
 
 REPO = Path(__file__).resolve().parent.parent
 METAL_SOURCES = sorted((REPO / "metal").glob("*.metal"))
@@ -139,6 +140,29 @@ class EmulatedMetal:
         out, lse = self.launch(plan, inputs)
         return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
 
+    def quantized(self, q, k_quant, v_quant, *, scale, bits, group_size, mask=None, sinks=None, window_size=None,
+                  return_lse=False):
+        """The kernels over quantized K/V, launched from their plan
+        (csrc/quantized_launch_plan.cpp): q and each part of the
+        (packed, scales, biases) triples an array or a View, scales and
+        biases in q's dtype; otherwise as __call__."""
+        inputs = [as_view(x) for x in (q, *k_quant, *v_quant)]
+        dtype = inputs[0].array.dtype
+        if isinstance(mask, mx.array):
+            inputs.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
+        if sinks is not None:
+            inputs.append(as_view(sinks))
+        arrays = [view.array for view in inputs]
+        plan = quantized_launch_plan(
+            arrays[0], arrays[1:4], arrays[4:7], scale=scale, mask=arrays[7] if isinstance(mask, mx.array) else mask,
+            sinks=arrays[-1] if sinks is not None else None, window_size=window_size, bits=bits,
+            group_size=group_size, output_lse=return_lse,
+        )
+        assert plan["supported"], plan["reason"]
+        self.last_plan = plan
+        out, lse = self.launch(plan, inputs)
+        return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
+
     def launch(self, plan: dict, inputs: list[View]) -> np.ndarray:
         """Runs every dispatch of `plan` with the bindings it names, as
         csrc/metal/attention_metal.cpp encodes them: each input's memory from
@@ -167,6 +191,8 @@ class EmulatedMetal:
                     bound[binding["index"]] = scratch[index]
                 elif source == "params":
                     bound[binding["index"]] = plan["params"]
+                elif source == "quantized_params":
+                    bound[binding["index"]] = plan["quantized_params"]
                 else:
                     bound[binding["index"]] = struct.pack("i", plan["splits"])
             self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)

@@ -27,15 +27,15 @@ const std::string& binary_dir() {
   return dir;
 }
 
-void eval_attention(
+GpuTarget gpu_target(mx::Stream stream) {
+  return gpu_target_from_architecture(mx::metal::device(stream.device).get_architecture());
+}
+
+void encode_launch_plan(
     mx::Stream stream,
-    const AttentionProblem& problem,
+    const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (outputs[0].size() == 0) return;
-  auto& device = mx::metal::device(stream.device);
-  const LaunchPlan plan = plan_attention(problem, gpu_target_from_architecture(device.get_architecture()));
   if (!plan.supported) {
     throw std::runtime_error("[mlx_attn] Metal kernels: " + plan.reason);
   }
@@ -45,6 +45,7 @@ void eval_attention(
     scratch.back().set_data(mx::allocator::malloc(scratch.back().nbytes()));
   }
 
+  auto& device = mx::metal::device(stream.device);
   auto& encoder = mx::metal::get_command_encoder(stream);
   for (const auto& dispatch : plan.dispatches) {
     encoder.set_compute_pipeline_state(
@@ -59,6 +60,9 @@ void eval_attention(
           break;
         case Source::params: encoder.set_bytes(plan.params, b.index); break;
         case Source::splits: encoder.set_bytes(plan.splits, b.index); break;
+        case Source::quantized_params:
+          encoder.set_bytes(plan.quantized_params.data(), int(plan.quantized_params.size()), b.index);
+          break;
       }
     }
     encoder.dispatch_threadgroups(

@@ -5,16 +5,22 @@
 #include <vector>
 
 #include "csrc/attention.h"
+#include "csrc/launch_plan.h"
 
 namespace mlx_attn::metal {
 
 // Directory of the loaded _ext binary; mlx_attn.metallib is installed there.
 const std::string& binary_dir();
 
-// Runs the fused attention on a GPU stream.
-void eval_attention(
+// The launch plan's GPU target (family, cores) for the stream's device.
+GpuTarget gpu_target(mx::Stream stream);
+
+// Encodes every dispatch of `plan` (float or quantized attention) on a GPU
+// stream: inputs are the primitive's, outputs already allocated. Throws for
+// an unsupported plan.
+void encode_launch_plan(
     mx::Stream stream,
-    const AttentionProblem& problem,
+    const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 

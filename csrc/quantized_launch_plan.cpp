@@ -1,0 +1,140 @@
+#include "csrc/quantized_launch_plan.h"
+
+#include <cstring>
+
+#include "metal/attention_quantized_params.h"
+
+namespace mlx_attn {
+
+namespace {
+
+constexpr int kMaskInput = 7;  // after q and the two (packed, scales, biases) triples
+
+// Where the memory of buffer(index) = role comes from; absent mask, sinks or
+// lse bind q as a placeholder the kernels never touch (params say so).
+Binding bind(const AttentionProblem& s, BufferRole role, int index, const std::vector<ScratchBuffer>& scratch,
+             int dispatch_index) {
+  using R = BufferRole;
+  const bool has_mask = s.mask_kind != MaskKind::none;
+  Binding b;
+  b.index = index;
+  b.role = role;
+  switch (role) {
+    case R::q: b.source_index = 0; break;
+    case R::k: b.source_index = 1; break;
+    case R::k_scales: b.source_index = 2; break;
+    case R::k_biases: b.source_index = 3; break;
+    case R::v: b.source_index = 4; break;
+    case R::v_scales: b.source_index = 5; break;
+    case R::v_biases: b.source_index = 6; break;
+    case R::mask: b.source_index = has_mask ? kMaskInput : 0; break;
+    case R::sinks: b.source_index = s.has_sinks ? kMaskInput + has_mask : 0; break;
+    case R::out:
+      b.source = Source::output;
+      b.access = Access::write;
+      break;
+    case R::lse:
+      if (s.output_lse) {
+        b.source = Source::output;
+        b.access = Access::write;
+        b.source_index = 1;
+      }
+      break;
+    case R::params: b.source = Source::params; break;
+    case R::quantized_params: b.source = Source::quantized_params; break;
+    case R::splits: b.source = Source::splits; break;
+    case R::partial_out:
+    case R::partial_stats:
+      b.source = Source::scratch;
+      for (int j = 0; j < int(scratch.size()); ++j) {
+        if (scratch[j].role == role) {
+          b.source_index = j;
+          b.access = scratch[j].producer == dispatch_index ? Access::write : Access::read;
+        }
+      }
+      break;
+  }
+  return b;
+}
+
+std::vector<Binding> bindings(const AttentionProblem& s, const std::vector<BufferRole>& roles,
+                              const std::vector<ScratchBuffer>& scratch, int dispatch_index) {
+  std::vector<Binding> out;
+  for (int i = 0; i < int(roles.size()); ++i) out.push_back(bind(s, roles[i], i, scratch, dispatch_index));
+  return out;
+}
+
+QuantizedAttentionParams quantized_params(const cpu::QuantizedKV& qz) {
+  QuantizedAttentionParams qp{};
+  for (int i = 0; i < 4; ++i) {
+    qp.k_scale_strides[i] = qz.k_scale_strides[i];
+    qp.k_bias_strides[i] = qz.k_bias_strides[i];
+    qp.v_scale_strides[i] = qz.v_scale_strides[i];
+    qp.v_bias_strides[i] = qz.v_bias_strides[i];
+  }
+  qp.group_size = qz.group_size;
+  return qp;
+}
+
+}  // namespace
+
+LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::QuantizedKV& qz, const GpuTarget& target) {
+  if (int64_t(s.batch) * s.q_heads * s.q_len == 0) {
+    LaunchPlan empty;  // an empty output: nothing to launch
+    empty.supported = true;
+    return empty;
+  }
+  // The float plan's checks (head dims, GQA) and its AttentionParams, which
+  // the quantized kernels read too; its dispatches are replaced.
+  LaunchPlan plan = plan_attention(s, target);
+  if (!plan.supported) return plan;
+  plan.supported = false;
+  plan.dispatches.clear();
+  if (qz.bits != 4 && qz.bits != 8) {
+    plan.reason = "the quantized Metal kernels read 4- or 8-bit codes, got bits=" + std::to_string(qz.bits);
+    return plan;
+  }
+  const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
+  const int slice = s.head_dim / 32;  // features per lane: one scale and bias each
+  if (rows_per_threadgroup == 0 || qz.group_size <= 0 || qz.group_size % slice != 0) {
+    plan.reason = "the quantized Metal kernels need a head dim of 64, 128 or 256 that is a multiple of group_size, "
+                  "got head dim " + std::to_string(s.head_dim) + " and group_size " + std::to_string(qz.group_size);
+    return plan;
+  }
+
+  using R = BufferRole;
+  const int rows = s.group_size() * s.q_len;
+  const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
+  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
+  const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
+  plan.splits = splits;
+  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
+  plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
+  const std::string suffix = std::string("_") + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
+
+  KernelDispatch partial;
+  partial.kernel = "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits);
+  partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
+  partial.threadgroup = {32 * MLX_ATTN_DECODE_SIMDGROUPS, 1, 1};
+  partial.bindings = bindings(s, {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::params,
+                                  R::quantized_params, R::mask, R::partial_out, R::partial_stats},
+                              plan.scratch, 0);
+  // the simdgroups' output, max and sum per row, combined at the end
+  partial.threadgroup_memory_bytes = MLX_ATTN_DECODE_SIMDGROUPS * rows_per_threadgroup * (s.head_dim + 2) * 4;
+
+  KernelDispatch merge;  // the float decode's (metal/attention_decode.metal)
+  merge.kernel = "attention_decode_merge" + suffix;
+  merge.grid = {rows, s.kv_heads, s.batch};
+  merge.threadgroup = {32, 1, 1};
+  merge.bindings =
+      bindings(s, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
+  plan.dispatches = {partial, merge};
+
+  const QuantizedAttentionParams qp = quantized_params(qz);
+  plan.quantized_params.resize(sizeof(qp));
+  std::memcpy(plan.quantized_params.data(), &qp, sizeof(qp));
+  plan.supported = true;
+  return plan;
+}
+
+}  // namespace mlx_attn

@@ -1,0 +1,182 @@
+"""Mutation test of the quantized Metal kernel's emulator tests: faults seeded
+into copies of metal/attention_quantized.metal (wrong group index, wrong bit
+unpacking, scale and bias swapped, each barrier, the split and simdgroup
+merges, ranges and strides) must each be caught: wrong results beyond
+tolerance, NaN, a deadlock or a compile error. A mutation whose target text
+is missing fails the test, so none can silently test nothing. Helpers are
+those of the float battery (tests/test_metal_mutations.py)."""
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import msl_emulator
+from metal_runner import REPO, EmulatedMetal, View
+from test_metal_mutations import differs_from_reference, nth_occurrence_removed, write
+
+pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
+
+QUANTIZED = REPO / "metal" / "attention_quantized.metal"
+DECODE = REPO / "metal" / "attention_decode.metal"
+HEAD_DIMS = (64, 128, 256)  # shared words (64, 128 at 4 bits), whole words (128 at 8 bits, 256)
+
+
+def only_float32(text: str) -> str:
+    """Keep the float32 instantiations the cases use, so each mutant compiles quickly."""
+    if "attention_quantized_decode_partial<" in text:
+        text = re.sub(r"^MLX_ATTN_QUANTIZED_DECODE_BITS\(.*\)$", "", text, flags=re.M)
+        kept = [f"MLX_ATTN_QUANTIZED_DECODE(float32, float, {d}, {bits})" for d in HEAD_DIMS for bits in (4, 8)]
+    else:
+        text = re.sub(r"^MLX_ATTN_DECODE_TYPES\(.*\)$", "", text, flags=re.M)
+        kept = [f"MLX_ATTN_DECODE(float32, float, {d})" for d in HEAD_DIMS]
+    return text + "\n" + "\n".join(kept) + "\n"
+
+
+def replaced(a: str, b: str) -> tuple:
+    return ("replace", a, b)
+
+
+MUTANTS = {
+    **{f"threadgroup_barrier #{i} removed": ("remove", "threadgroup_barrier(", i)
+       for i in range(QUANTIZED.read_text().count("threadgroup_barrier("))},
+    # dequantization
+    "group index from the lane, not the feature": replaced(
+        "ushort(first / group_size)", "ushort(int(lane) / group_size)"),
+    "group scales read by feature, not group": replaced(
+        "scales[scale_at + int(lane) * scale_stride]", "scales[scale_at + first * scale_stride]"),
+    "code mask one bit short": replaced("(1u << BITS) - 1u", "(1u << (BITS - 1)) - 1u"),
+    "shared word: position in the word ignored": replaced("(word >> (shift + e * BITS))", "(word >> (e * BITS))"),
+    "shared word taken from the wrong lane": replaced(
+        "simd_shuffle(read, ushort(int(lane) / LANES_PER_WORD))", "simd_shuffle(read, ushort(lane))"),
+    "whole words: shift of a code wrong": replaced("(word >> (c * BITS))", "(word >> (c * 4))"),
+    "whole words: a lane's second word skipped": replaced(
+        "(first / CODES_PER_WORD + w) * word_stride", "(first / CODES_PER_WORD) * word_stride"),
+    "scale and bias swapped (shared words)": replaced(
+        "scale * float((word >> (shift + e * BITS)) & CODE_MASK) + bias",
+        "bias * float((word >> (shift + e * BITS)) & CODE_MASK) + scale"),
+    "scale and bias swapped (whole words)": replaced(
+        "scale * float((word >> (c * BITS)) & CODE_MASK) + bias",
+        "bias * float((word >> (c * BITS)) & CODE_MASK) + scale"),
+    "key scales read through the bias strides": replaced(
+        "key * qp.k_scale_strides[2], qp.k_scale_strides[3]", "key * qp.k_bias_strides[2], qp.k_bias_strides[3]"),
+    "value head stride assumed contiguous": replaced(
+        "kv_head * p.v_strides[1]", "kv_head * p.kv_len * (D * BITS / 32)"),
+    # ranges, rows and masks
+    "split range off by one": replaced("min(p.kv_len, kv_begin + chunk)", "min(p.kv_len, kv_begin + chunk - 1)"),
+    "causal chunk range off by one": replaced("kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
+    "window start off by one": replaced("first_pos - p.window_size + 1", "first_pos - p.window_size + 2"),
+    "chunk's first position not tracked": replaced("first_pos = min(first_pos, qi + offset);", ""),
+    "row chunks ignored": replaced("const int row_chunks = (rows + R - 1) / R;", "const int row_chunks = 1;"),
+    "causal comparison flipped": replaced("key <= pos &&", "key < pos &&"),
+    "bool mask ignored": replaced("visible = mask[at] != 0;", "visible = true;"),
+    "additive mask ignored": replaced("s = quantized_saturate_logit(s + added);", ""),
+    "keys not dealt out among simdgroups": replaced("key < kv_end; key += NSG", "key < kv_end; key += 1"),
+    "GQA rows share one query head": replaced(
+        "const int h = kv_head * p.group + (real ? r / p.q_len : 0);", "const int h = kv_head * p.group;"),
+    # online softmax and the merges
+    "accumulator rescale dropped": replaced("o_part[i][e] * alpha + prob", "o_part[i][e] + prob"),
+    "simdgroup combine rescale dropped": replaced(
+        "const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
+    "simdgroup combine leaves one out": replaced(
+        "for (int g = 0; g < NSG; ++g) {\n      const float weight", "for (int g = 1; g < NSG; ++g) {\n      const float weight"),
+    "partial in a layout the split merge does not read": replaced(
+        "partial_out[base * D + int(lane) * SLICE + e]", "partial_out[base * D + e * 32 + int(lane)]"),
+    "partial max written as the sum": replaced("partial_stats[base * 2] = m;", "partial_stats[base * 2] = l;"),
+}
+
+
+def mutate(kind, a, b) -> str:
+    text = QUANTIZED.read_text()
+    if kind == "remove":
+        assert text.count(a) > b
+        return only_float32(nth_occurrence_removed(text, a, b))
+    assert text.count(a) == 1, f"mutation target {a!r} must occur exactly once"
+    return only_float32(text.replace(a, b))
+
+
+def quantized(x: mx.array, group_size: int, bits: int) -> tuple:
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def cache_view(x: mx.array) -> View:
+    """x as the first T positions of a longer cache holding garbage past T."""
+    b, h, t, f = x.shape
+    tail = mx.full((b, h, 5, f), 0xFFFFFFFF if x.dtype == mx.uint32 else float("nan"), dtype=x.dtype)
+    return View(mx.concatenate([x, tail], axis=2), lambda a: a[:, :, :t])
+
+
+# (B, Hq, Hkv, Tq, Tkv, D, bits, group_size) and the options
+CASES = [
+    dict(shape=(1, 8, 2, 2, 150, 64, 4, 32), mask="causal", sinks=True),  # decode: split K/V, shared words
+    dict(shape=(1, 4, 2, 3, 140, 128, 8, 32), mask="bool"),  # whole words, 4 groups
+    dict(shape=(1, 4, 1, 1, 90, 128, 4, 64), window_size=7),
+    dict(shape=(1, 2, 1, 2, 100, 256, 8, 64), mask="additive"),  # two words per lane
+    dict(shape=(1, 2, 1, 2, 100, 256, 4, 128)),
+    dict(shape=(1, 4, 2, 20, 45, 64, 8, 64), mask="causal", layout="cache"),  # prefill rows, strided triples
+    dict(shape=(1, 4, 2, 20, 60, 128, 4, 32), window_size=9),  # prefill: row chunks and the window
+    dict(shape=(2, 8, 2, 3, 70, 64, 8, 32), sinks=True, layout="biases"),  # scales and biases strides differ
+]
+
+
+def caught(run) -> bool:
+    for n, case in enumerate(CASES):
+        b, hq, hkv, tq, tkv, d, bits, group_size = case["shape"]
+        rng = np.random.default_rng(n)
+        q = mx.array(rng.standard_normal((b, hq, tq, d)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((b, hkv, tkv, d)).astype(np.float32)) for _ in range(2))
+        k_quant, v_quant = quantized(k, group_size, bits), quantized(v, group_size, bits)
+        kw = {"scale": d**-0.5}
+        if case.get("mask") == "bool":
+            visible = rng.random((tq, tkv)) > 0.4
+            visible[0] = False  # a row that sees nothing
+            kw["mask"] = mx.array(visible)
+        elif case.get("mask") == "additive":
+            kw["mask"] = mx.array(rng.standard_normal((tq, tkv)).astype(np.float32))
+        elif case.get("mask"):
+            kw["mask"] = case["mask"]
+        if case.get("window_size"):
+            kw["window_size"] = case["window_size"]
+        if case.get("sinks"):
+            kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32) * 4)
+        views_k, views_v = [View(a) for a in k_quant], [View(a) for a in v_quant]
+        if case.get("layout") == "cache":
+            views_k, views_v = [cache_view(a) for a in k_quant], [cache_view(a) for a in v_quant]
+        elif case.get("layout") == "biases":  # biases stored [B, T, H, G]
+            views_k[2], views_v[2] = (View(mx.contiguous(t[2].transpose(0, 2, 1, 3)), lambda a: a.transpose(0, 2, 1, 3))
+                                      for t in (k_quant, v_quant))
+        try:
+            got, lse = run.quantized(q, views_k, views_v, bits=bits, group_size=group_size, return_lse=True, **kw)
+        except msl_emulator.EmulatorError:
+            return True  # deadlock or launch failure
+        k_ref, v_ref = (mx.dequantize(*t, group_size=group_size, bits=bits) for t in (k_quant, v_quant))
+        if differs_from_reference(got, lse, q, k_ref, v_ref, **kw):
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("quantized_mutants")
+
+
+@pytest.fixture(scope="module")
+def decode_merge(workdir) -> Path:
+    return write(workdir, only_float32(DECODE.read_text()), "original attention_decode")
+
+
+def test_unmutated_kernel_passes_the_battery(workdir, decode_merge):
+    original = write(workdir, only_float32(QUANTIZED.read_text()), "original attention_quantized")
+    assert not caught(EmulatedMetal(fast_math=True, sources=[decode_merge, original]))
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_mutant_is_caught(workdir, decode_merge, name):
+    mutated = write(workdir, mutate(*MUTANTS[name]), f"quantized {name}")
+    try:
+        run = EmulatedMetal(fast_math=True, sources=[decode_merge, mutated])
+    except msl_emulator.MetalCompileError:
+        return  # caught by the compiler
+    assert caught(run), f"mutant survived: {name}"
