@@ -59,6 +59,13 @@ const char* role_name(BufferRole role) {
     case BufferRole::splits: return "splits";
     case BufferRole::partial_out: return "partial_out";
     case BufferRole::partial_stats: return "partial_stats";
+    case BufferRole::d_out: return "d_out";
+    case BufferRole::d_lse: return "d_lse";
+    case BufferRole::dq: return "dq";
+    case BufferRole::dk: return "dk";
+    case BufferRole::dv: return "dv";
+    case BufferRole::d_sinks: return "d_sinks";
+    case BufferRole::delta: return "delta";
   }
   return "?";
 }

@@ -18,6 +18,8 @@ namespace mlx_attn {
 // What a kernel parameter is.
 enum class BufferRole : int32_t {
   q, k, v, mask, sinks, out, lse, params, splits, partial_out, partial_stats,
+  // the backward's (csrc/backward_launch_plan.h)
+  d_out, d_lse, dq, dk, dv, d_sinks, delta,
 };
 enum class Access : int32_t { read, write };
 // Where the bound memory comes from.

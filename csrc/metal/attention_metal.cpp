@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "csrc/launch_plan.h"
+#include "csrc/backward_launch_plan.h"
 #include "csrc/metal/metal_library.h"
 #include "mlx/backend/metal/device.h"
 
@@ -27,14 +27,11 @@ const std::string& binary_dir() {
   return dir;
 }
 
-void eval_attention(
+void encode_launch_plan(
     mx::Stream stream,
-    const AttentionProblem& problem,
+    const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (outputs[0].size() == 0) return;
-  const LaunchPlan plan = plan_attention(problem);
   if (!plan.supported) {
     throw std::runtime_error("[mlx_attn] Metal kernels: " + plan.reason);
   }
@@ -66,6 +63,25 @@ void eval_attention(
         MTL::Size(dispatch.threadgroup[0], dispatch.threadgroup[1], dispatch.threadgroup[2]));
   }
   for (auto& buffer : scratch) encoder.add_temporary(std::move(buffer));
+}
+
+void eval_attention(
+    mx::Stream stream,
+    const AttentionProblem& problem,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (outputs[0].size() == 0) return;
+  encode_launch_plan(stream, plan_attention(problem), inputs, outputs);
+}
+
+void eval_attention_backward(
+    mx::Stream stream,
+    const AttentionProblem& problem,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  encode_launch_plan(stream, plan_attention_backward(problem), inputs, outputs);
 }
 
 }  // namespace mlx_attn::metal
