@@ -66,6 +66,12 @@ int backward_query_block(int head_dim) {
 }
 
 LaunchPlan plan_attention_backward(const AttentionProblem& s) {
+  const int64_t rows = int64_t(s.batch) * s.q_heads * s.q_len;
+  if (rows * s.kv_len == 0) {  // (before the forward's plan, which needs rows)
+    LaunchPlan empty;
+    empty.reason = "an empty problem has zero gradients: nothing to launch";
+    return empty;
+  }
   // The backward runs where the forward's kernels did, with their params.
   LaunchPlan plan = plan_attention(s);
   if (!plan.supported) return plan;
@@ -77,11 +83,6 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   if (query_block == 0) {
     plan.reason = "the Metal backward supports head dims 64, 80, 96 and 128 (register budget), got " +
         std::to_string(s.head_dim);
-    return plan;
-  }
-  const int64_t rows = int64_t(s.batch) * s.q_heads * s.q_len;
-  if (rows * s.kv_len == 0) {
-    plan.reason = "an empty problem has zero gradients: nothing to launch";
     return plan;
   }
   using R = BufferRole;
