@@ -29,16 +29,11 @@ inline float clamp_logit(float x) {
   return clamp(x, -MLX_ATTN_LOGIT_LIMIT, MLX_ATTN_LOGIT_LIMIT);
 }
 
-// The forward writes -inf (as bits) for a row that saw nothing; compared as
-// bits because fast math has no infinities.
-inline bool saw_nothing(float lse) {
-  return as_type<uint>(lse) == 0xff800000u;
-}
-
 // P and dS = P * (dP - delta) of one (query qi of head h, key) pair from its
 // raw score q.k and dP, rebuilding the forward's logit (scale, saturate,
 // mask). dS is 0 where a logit saturated (the clamp has no gradient); the
-// caller multiplies dQ and dK by the scale once.
+// caller multiplies dQ and dK by the scale once. A row that saw nothing (lse
+// -inf, the forward's) has every key masked, so its lse is never used.
 template <typename T>
 inline float2 probability_and_gradient(
     constant AttentionParams& p, const device uchar* mask, float score, float d_prob,
@@ -46,7 +41,7 @@ inline float2 probability_and_gradient(
   const float raw = score * p.scale;
   float s = clamp_logit(raw);
   bool has_gradient = s == raw;
-  bool visible = key < p.kv_len && qi < p.q_len && !saw_nothing(lse);
+  bool visible = key < p.kv_len && qi < p.q_len;
   if (p.causal != 0) {
     const int pos = qi + p.kv_len - p.q_len;
     visible = visible && key <= pos && (p.window_size <= 0 || key > pos - p.window_size);
@@ -161,7 +156,7 @@ template <typename T, int D, int BQ>
     const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
     for (int qs = q_begin; qs < q_end; qs += BQ) {
       // stage Q, dO (float), lse and delta of rows qs ..; rows past q_end
-      // read as rows that saw nothing
+      // see none of this block's keys (causal / window): zeros
       for (int e = int(tid); e < BQ * D; e += THREADS) {
         const int i = e / D;
         const int col = e % D;
@@ -172,7 +167,7 @@ template <typename T, int D, int BQ>
       }
       for (int i = int(tid); i < BQ; i += THREADS) {
         const bool inside = qs + i < q_end;
-        lse_tile[i] = inside ? lse[head_rows + qs + i] : as_type<float>(0xff800000u);
+        lse_tile[i] = inside ? lse[head_rows + qs + i] : 0.0f;
         delta_tile[i] = inside ? delta[head_rows + qs + i] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -273,7 +268,7 @@ template <typename T, int D, int BK>
       dq_acc[d].thread_elements()[t] = 0.0f;
     }
   }
-  const float lse_row = qi < p.q_len ? lse[row] : as_type<float>(0xff800000u);
+  const float lse_row = qi < p.q_len ? lse[row] : 0.0f;
   const float delta_row = qi < p.q_len ? delta[row] : 0.0f;
 
   // Key range any row of this block can see (as the forward's).
@@ -343,7 +338,8 @@ template <typename T, int D, int BK>
 }
 
 // d_sinks[h] = -sum over (batch, row) of exp(sink - lse) * delta: the sink's
-// probability, whose dP is 0. A sink that saturated gets no gradient.
+// probability, whose dP is 0. A sink that saturated gets no gradient. With a
+// sink every row's sum is positive: its lse is finite.
 template <typename T>
 [[kernel]] void attention_backward_sinks(
     const device T* sinks [[buffer(0)]],
@@ -360,8 +356,7 @@ template <typename T>
   for (int b = 0; b < p.batch; ++b) {
     const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
     for (int qi = int(lane); qi < p.q_len; qi += 32) {
-      const float row_lse = lse[head_rows + qi];
-      if (!saw_nothing(row_lse)) sum -= exp2((sink - row_lse) * MLX_ATTN_LOG2E) * delta[head_rows + qi];
+      sum -= exp2((sink - lse[head_rows + qi]) * MLX_ATTN_LOG2E) * delta[head_rows + qi];
     }
   }
   sum = simd_sum(sum);
