@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "csrc/backward_launch_plan.h"
 #include "csrc/cpu/backward_host.h"
 #include "csrc/cpu/host.h"
 #include "csrc/launch_plan.h"
@@ -151,6 +152,30 @@ std::string unsupported_reason(const AttentionProblem& problem, mx::Device::Devi
 
 namespace {
 
+// The primitive's inputs (q, k, v, then the mask and sinks when given) and
+// the options that say which are there.
+std::vector<mx::array> primitive_inputs(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& sinks,
+    AttentionOptions& options) {
+  options.has_mask = mask.has_value();
+  options.has_sinks = sinks.has_value();
+  if (options.window_size > 0) options.causal = true;
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask) inputs.push_back(*mask);
+  if (sinks) inputs.push_back(*sinks);
+  return inputs;
+}
+
+// Whether FusedAttentionBackward runs `problem` on `device`: always on the
+// CPU, on the GPU where the Metal backward's launch plan takes it.
+bool fused_backward_supported(const AttentionProblem& problem, mx::Device device) {
+  return device == mx::Device::cpu || plan_attention_backward(problem).supported;
+}
+
 // Every output of the primitive (out, and lse when options.output_lse).
 std::vector<mx::array> fused_attention_outputs(
     const mx::array& q,
@@ -160,12 +185,7 @@ std::vector<mx::array> fused_attention_outputs(
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
     mx::Stream stream) {
-  options.has_mask = mask.has_value();
-  options.has_sinks = sinks.has_value();
-  if (options.window_size > 0) options.causal = true;
-  std::vector<mx::array> inputs = {q, k, v};
-  if (mask) inputs.push_back(*mask);
-  if (sinks) inputs.push_back(*sinks);
+  const std::vector<mx::array> inputs = primitive_inputs(q, k, v, mask, sinks, options);
   const AttentionProblem problem = describe_attention(inputs, options);
   if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
     invalid(reason);
@@ -195,8 +215,12 @@ std::vector<mx::array> fused_attention(
   const bool traced = q.is_tracer() || k.is_tracer() || v.is_tracer() ||
       (sinks && sinks->is_tracer());
   options.lse_for_backward = false;
-  if (!options.output_lse && stream.device == mx::Device::cpu && traced) {
-    options.output_lse = options.lse_for_backward = true;
+  if (!options.output_lse && traced) {
+    AttentionOptions described = options;
+    const auto inputs = primitive_inputs(q, k, v, mask, sinks, described);
+    if (fused_backward_supported(describe_attention(inputs, described), stream.device)) {
+      options.output_lse = options.lse_for_backward = true;
+    }
   }
   auto outputs = fused_attention_outputs(q, k, v, mask, sinks, options, stream);
   if (options.lse_for_backward) outputs.pop_back();
@@ -301,16 +325,17 @@ void set_differentiation_rule(DifferentiationRule rule) {
   differentiation_rule() = std::move(rule);
 }
 
-// The fused backward runs when the forward kept its lse on the CPU; the
-// cotangent of the lse (zeros unless the caller asked for the lse) joins
-// delta. Masks are constants: their gradient is zero.
+// The fused backward runs when the forward kept its lse (on the GPU: when the
+// Metal backward's plan takes the problem); the cotangent of the lse (zeros
+// unless the caller asked for the lse) joins delta. Masks are constants:
+// their gradient is zero.
 std::vector<mx::array> FusedAttention::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>& outputs) {
   const auto s = stream();
-  if (!options_.output_lse || s.device != mx::Device::cpu) {
+  if (!options_.output_lse || !fused_backward_supported(describe_attention(primals, options_), s.device)) {
     return differentiate("vjp", primals, cotangents, argnums, options_, s);
   }
   const auto& q = primals[0];
@@ -319,6 +344,9 @@ std::vector<mx::array> FusedAttention::vjp(
   inputs.push_back(outputs[1]);
   inputs.push_back(mx::astype(cotangents[0], q.dtype(), s));
   inputs.push_back(mx::astype(cotangents[1], mx::float32, s));
+  if (s.device != mx::Device::cpu) {  // the Metal backward reads these row-contiguous
+    for (size_t i = primals.size(); i < inputs.size(); ++i) inputs[i] = mx::contiguous(inputs[i], false, s);
+  }
   auto backward = std::make_shared<FusedAttentionBackward>(s, options_);
   auto shapes = backward->output_shapes(inputs);
   const std::vector<mx::Dtype> dtypes(shapes.size(), q.dtype());
@@ -470,9 +498,16 @@ void FusedAttentionBackward::eval_cpu(
 }
 
 void FusedAttentionBackward::eval_gpu(
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
-  throw std::runtime_error("[mlx_attn] the fused attention backward runs on the CPU only");
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+#ifdef MLX_ATTN_METAL
+  const size_t forward_inputs = 3 + options_.has_mask + options_.has_sinks;
+  const std::vector<mx::array> primals(inputs.begin(), inputs.begin() + forward_inputs);
+  metal::eval_attention_backward(stream(), describe_attention(primals, options_), inputs, outputs);
+#else
+  throw std::runtime_error(
+      "[mlx_attn] this build of mlx_attn has no GPU kernels (MLX without Metal)");
+#endif
 }
 
 // The gradients have the shapes of q, k, v and sinks (a [Hq] view).

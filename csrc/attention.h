@@ -25,8 +25,8 @@ struct AttentionOptions {
   bool has_mask = false;   // inputs[3] is a bool or additive mask
   bool has_sinks = false;  // last input is sinks [Hq]
   bool output_lse = false; // second output: float32 [B, Hq, Tq] log-sum-exp
-  // The lse output exists only for the fused CPU backward (set while MLX
-  // traces a transformation): fused_attention does not return it.
+  // The lse output exists only for the fused backward (set while MLX traces
+  // a transformation): fused_attention does not return it.
   bool lse_for_backward = false;
   bool operator==(const AttentionOptions&) const = default;
 };
@@ -67,8 +67,8 @@ void run_cpu_kernel(
     std::vector<mx::array>& outputs,
     mx::Stream stream);
 
-// Gradients on the CPU come from the fused backward (FusedAttentionBackward)
-// whenever the forward kept its lse; other gradients and forward-mode
+// Gradients come from the fused backward (FusedAttentionBackward, CPU or
+// Metal) whenever the forward kept its lse; other gradients and forward-mode
 // derivatives come from the reference path (mlx_attn/ops.py registers it
 // through _ext):
 //   rule("vjp", primals, cotangents, argnums, options, stream) -> one gradient per argnum
@@ -141,7 +141,7 @@ class FusedAttention : public AttentionPrimitive {
   LaunchPlan launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const override;
 };
 
-// The fused CPU backward: inputs q, k, v, [mask], [sinks], out, lse, d_out,
+// The fused backward: inputs q, k, v, [mask], [sinks], out, lse, d_out,
 // d_lse (the forward's inputs, outputs and their cotangents); outputs dq, dk,
 // dv and, with sinks, d_sinks, in q's dtype. Not differentiable itself.
 class FusedAttentionBackward : public mx::Primitive {

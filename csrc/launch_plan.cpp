@@ -141,6 +141,13 @@ const char* role_name(BufferRole role) {
     case BufferRole::v_scales: return "v_scales";
     case BufferRole::v_biases: return "v_biases";
     case BufferRole::quantized_params: return "quantized_params";
+    case BufferRole::d_out: return "d_out";
+    case BufferRole::d_lse: return "d_lse";
+    case BufferRole::dq: return "dq";
+    case BufferRole::dk: return "dk";
+    case BufferRole::dv: return "dv";
+    case BufferRole::d_sinks: return "d_sinks";
+    case BufferRole::delta: return "delta";
   }
   return "?";
 }

@@ -47,6 +47,8 @@ enum class BufferRole : int32_t {
   // kernels over quantized K/V (csrc/quantized_launch_plan.h): k and v are
   // then their packed words
   k_scales, k_biases, v_scales, v_biases, quantized_params,
+  // the backward's (csrc/backward_launch_plan.h)
+  d_out, d_lse, dq, dk, dv, d_sinks, delta,
 };
 enum class Access : int32_t { read, write };
 // Where the bound memory comes from.

@@ -7,6 +7,7 @@
 
 #include <stdexcept>
 
+#include "csrc/backward_launch_plan.h"
 #include "csrc/launch_plan.h"
 #include "csrc/quantized_attention.h"
 #include "csrc/quantized_launch_plan.h"
@@ -145,6 +146,13 @@ void bind_launch_plan(nb::module_& m) {
       "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
       "q's dtype), as metal_launch_plan, plus 'quantized_params' bytes and the 'problem'.");
   m.attr("QUANTIZED_ATTENTION_PARAMS_BYTES") = int(sizeof(QuantizedAttentionParams));
+  m.def(
+      "metal_backward_launch_plan",
+      [](const AttentionProblem& problem) { return plan_dict(plan_attention_backward(problem)); },
+      "problem"_a,
+      "The Metal backward's launch plan for a forward problem (_ext.describe_attention), in "
+      "metal_launch_plan's format; bindings index the backward primitive's inputs (q, k, v, [mask], "
+      "[sinks], out, lse, d_out, d_lse) and outputs (dq, dk, dv, [d_sinks]).");
   m.attr("MASK_NONE") = MLX_ATTN_MASK_NONE;
   m.attr("MASK_BOOL") = MLX_ATTN_MASK_BOOL;
   m.attr("MASK_ADDITIVE") = MLX_ATTN_MASK_ADDITIVE;

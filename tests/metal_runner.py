@@ -211,3 +211,88 @@ class RealMetal:
         out = mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.gpu, **kw)
         mx.eval(out)
         return out
+
+
+def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None) -> dict:
+    """The Metal backward's launch plan (csrc/backward_launch_plan.cpp) for
+    the forward problem of these arrays, as the Mac host would build it."""
+    problem = _ext.describe_attention(
+        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=mask if isinstance(mask, mx.array) else None, sinks=sinks,
+    )
+    plan = _ext.metal_backward_launch_plan(problem)
+    plan["problem"] = problem
+    return plan
+
+
+def nan_filled(shape, dtype: np.dtype) -> np.ndarray:
+    """A buffer no kernel wrote reads as NaN (bfloat16: its uint16 bits)."""
+    if dtype == np.uint16:
+        return np.full(shape, 0x7FC0, np.uint16)
+    return np.full(shape, np.nan, dtype)
+
+
+def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+    """Runs every dispatch of `plan` in `library` with the bindings it names,
+    as csrc/metal/attention_metal.cpp's encode_launch_plan encodes them:
+    inputs[i] and outputs[i] by source_index, NaN-filled scratch (a read of
+    something nobody wrote shows), params bytes. A scratch buffer is written
+    by its producer and read only by later dispatches up to its consumer."""
+    scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
+    for position, step in enumerate(plan["dispatches"]):
+        bound = {}
+        for binding in step["bindings"]:
+            source, index = binding["source"], binding["source_index"]
+            if source == "input":
+                bound[binding["index"]] = inputs[index]
+            elif source == "output":
+                bound[binding["index"]] = outputs[index]
+            elif source == "scratch":
+                buffer = plan["scratch"][index]
+                if binding["access"] == "write":
+                    assert position == buffer["producer"]
+                else:
+                    assert buffer["producer"] < position <= buffer["consumer"]
+                bound[binding["index"]] = scratch[index]
+            elif source == "params":
+                bound[binding["index"]] = plan["params"]
+            else:
+                bound[binding["index"]] = struct.pack("i", plan["splits"])
+        library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
+
+
+def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None, *, scale, mask=None,
+                      sinks=None, window_size=None, layout=None):
+    """Gradients (dq, dk, dv, d_sinks or None) of the Metal backward kernels
+    in the emulator, launched from the backward plan with the buffers of the
+    backward primitive: q, k, v (stored in `layout`), mask, sinks, then the
+    forward's out and float32 lse and the cotangents d_out and d_lse (float32
+    [B, Hq, Tq]; zeros when None), row-contiguous as the vjp hands them over."""
+    views = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
+    dtype = views[0].array.dtype
+    if isinstance(mask, mx.array):
+        views.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
+    if sinks is not None:
+        views.append(as_view(sinks))
+    arrays = [view.array for view in views]
+    plan = backward_launch_plan(
+        *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
+        sinks=arrays[-1] if sinks is not None else None, window_size=window_size,
+    )
+    assert plan["supported"], plan["reason"]
+    metal.last_plan = plan
+    problem = plan["problem"]
+    rows = (problem.batch, problem.q_heads, problem.q_len)
+    if d_lse is None:
+        d_lse = mx.zeros(rows, mx.float32)
+    memory = [view.memory() for view in views]
+    memory = [m.view(np.uint8) if m.dtype == np.bool_ else m for m in memory]
+    memory += [np.ascontiguousarray(to_numpy(out.astype(dtype))), np.ascontiguousarray(np.array(lse, np.float32)),
+               np.ascontiguousarray(to_numpy(d_out.astype(dtype))), np.ascontiguousarray(np.array(d_lse, np.float32))]
+    element = memory[0].dtype
+    outputs = [nan_filled(arrays[i].shape, element) for i in range(3)]
+    if sinks is not None:
+        outputs.append(nan_filled((problem.q_heads,), element))
+    run_plan(metal.library, plan, memory, outputs)
+    grads = [from_numpy(g, dtype) for g in outputs]
+    return (*grads[:3], grads[3] if sinks is not None else None)

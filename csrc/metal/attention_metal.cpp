@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "csrc/launch_plan.h"
+#include "csrc/backward_launch_plan.h"
 #include "csrc/metal/metal_library.h"
 #include "mlx/backend/metal/device.h"
 
@@ -70,6 +70,15 @@ void encode_launch_plan(
         MTL::Size(dispatch.threadgroup[0], dispatch.threadgroup[1], dispatch.threadgroup[2]));
   }
   for (auto& buffer : scratch) encoder.add_temporary(std::move(buffer));
+}
+
+void eval_attention_backward(
+    mx::Stream stream,
+    const AttentionProblem& problem,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  encode_launch_plan(stream, plan_attention_backward(problem), inputs, outputs);
 }
 
 }  // namespace mlx_attn::metal

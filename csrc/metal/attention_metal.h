@@ -15,12 +15,19 @@ const std::string& binary_dir();
 // The launch plan's GPU target (family, cores) for the stream's device.
 GpuTarget gpu_target(mx::Stream stream);
 
-// Encodes every dispatch of `plan` (float or quantized attention) on a GPU
+// Encodes every dispatch of `plan` (forward, quantized or backward attention) on a GPU
 // stream: inputs are the primitive's, outputs already allocated. Throws for
 // an unsupported plan.
 void encode_launch_plan(
     mx::Stream stream,
     const LaunchPlan& plan,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs);
+
+// Runs the fused attention backward (FusedAttentionBackward) on a GPU stream.
+void eval_attention_backward(
+    mx::Stream stream,
+    const AttentionProblem& problem,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 

@@ -1,0 +1,143 @@
+#include "csrc/backward_launch_plan.h"
+
+#include <string>
+
+namespace mlx_attn {
+
+namespace {
+constexpr int kThreads = 128;          // 4 simdgroups
+constexpr int kRowsPerThreadgroup = 32;  // dkdv: keys, dq: query rows (8 per simdgroup)
+constexpr int kDeltaRowsPerThreadgroup = 4;  // one simdgroup per row
+// dK/dV keeps K, V, dK and dV fragments in registers: 4 * D / 4 floats per
+// lane, 128 at D = 128; D = 256 would spill.
+constexpr int kMaxHeadDim = 128;
+
+std::string kernel_name(const char* kind, const AttentionProblem& s, bool with_head_dim = true) {
+  std::string name = std::string(kind) + "_" + elem_type_name(s.dtype);
+  return with_head_dim ? name + "_d" + std::to_string(s.head_dim) : name;
+}
+
+// buffer(i) = roles[i], resolved against the backward primitive's inputs
+// and outputs. An absent mask binds q as a placeholder the kernel never reads.
+std::vector<Binding> backward_bindings(
+    const AttentionProblem& s, const std::vector<BufferRole>& roles, int dispatch_index) {
+  const int has_mask = s.mask_kind != MaskKind::none;
+  const int forward_inputs = 3 + has_mask + (s.has_sinks ? 1 : 0);
+  std::vector<Binding> out;
+  for (int i = 0; i < int(roles.size()); ++i) {
+    Binding b;
+    b.index = i;
+    b.role = roles[i];
+    auto output = [&](int index) {
+      b.source = Source::output;
+      b.access = Access::write;
+      b.source_index = index;
+    };
+    switch (b.role) {
+      case BufferRole::q: b.source_index = 0; break;
+      case BufferRole::k: b.source_index = 1; break;
+      case BufferRole::v: b.source_index = 2; break;
+      case BufferRole::mask: b.source_index = has_mask ? 3 : 0; break;
+      case BufferRole::sinks: b.source_index = 3 + has_mask; break;
+      case BufferRole::out: b.source_index = forward_inputs; break;
+      case BufferRole::lse: b.source_index = forward_inputs + 1; break;
+      case BufferRole::d_out: b.source_index = forward_inputs + 2; break;
+      case BufferRole::d_lse: b.source_index = forward_inputs + 3; break;
+      case BufferRole::dq: output(0); break;
+      case BufferRole::dk: output(1); break;
+      case BufferRole::dv: output(2); break;
+      case BufferRole::d_sinks: output(3); break;
+      case BufferRole::delta:
+        b.source = Source::scratch;
+        b.access = dispatch_index == 0 ? Access::write : Access::read;
+        break;
+      case BufferRole::params: b.source = Source::params; break;
+      default: break;  // the forward's split-KV roles do not occur here
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+}  // namespace
+
+// Both follow the instantiations at the end of metal/attention_backward.metal.
+int backward_query_block(int head_dim) {
+  switch (head_dim) {
+    case 64: return 32;
+    case 80: case 96: case 128: return 16;
+    default: return 0;
+  }
+}
+
+int backward_key_block(int head_dim) {
+  switch (head_dim) {
+    case 64: return 32;
+    case 80: case 96: case 128: return 16;
+    default: return 0;
+  }
+}
+
+LaunchPlan plan_attention_backward(const AttentionProblem& s) {
+  const int64_t rows = int64_t(s.batch) * s.q_heads * s.q_len;
+  if (rows * s.kv_len == 0) {  // (before the forward's plan, which needs rows)
+    LaunchPlan empty;
+    empty.reason = "an empty problem has zero gradients: nothing to launch";
+    return empty;
+  }
+  // The backward runs where the forward's kernels did, with their params.
+  LaunchPlan plan = plan_attention(s);
+  if (!plan.supported) return plan;
+  plan.supported = false;
+  plan.splits = 1;
+  plan.scratch.clear();
+  plan.dispatches.clear();
+  const int query_block = backward_query_block(s.head_dim);
+  if (query_block == 0) {
+    plan.reason = "the Metal backward supports head dims 64, 80, 96 and 128 (register budget), got " +
+        std::to_string(s.head_dim);
+    return plan;
+  }
+  using R = BufferRole;
+  const int last = s.has_sinks ? 3 : 2;
+  plan.scratch = {{R::delta, rows, 0, last}};
+
+  KernelDispatch delta;
+  delta.kernel = kernel_name("attention_backward_delta", s);
+  delta.grid = {int((rows + kDeltaRowsPerThreadgroup - 1) / kDeltaRowsPerThreadgroup), 1, 1};
+  delta.threadgroup = {32 * kDeltaRowsPerThreadgroup, 1, 1};
+  delta.bindings = backward_bindings(s, {R::out, R::d_out, R::d_lse, R::delta, R::params}, 0);
+
+  KernelDispatch dkdv;
+  dkdv.kernel = kernel_name("attention_backward_dkdv", s);
+  dkdv.grid = {(s.kv_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.kv_heads, s.batch};
+  dkdv.threadgroup = {kThreads, 1, 1};
+  dkdv.bindings = backward_bindings(
+      s, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, 1);
+  // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
+  dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
+
+  KernelDispatch dq;
+  dq.kernel = kernel_name("attention_backward_dq", s);
+  dq.grid = {(s.q_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.q_heads, s.batch};
+  dq.threadgroup = {kThreads, 1, 1};
+  dq.bindings = backward_bindings(
+      s, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, 2);
+  // K and V tiles in the input dtype, as the forward prefill's
+  const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
+  dq.threadgroup_memory_bytes = 2 * backward_key_block(s.head_dim) * (s.head_dim * element_bytes + 16);
+
+  plan.dispatches = {delta, dkdv, dq};
+  if (s.has_sinks) {
+    KernelDispatch sinks;
+    sinks.kernel = kernel_name("attention_backward_sinks", s, false);
+    sinks.grid = {s.q_heads, 1, 1};
+    sinks.threadgroup = {32, 1, 1};
+    sinks.bindings = backward_bindings(s, {R::sinks, R::lse, R::delta, R::d_sinks, R::params}, 3);
+    plan.dispatches.push_back(sinks);
+  }
+  plan.reason.clear();
+  plan.supported = true;
+  return plan;
+}
+
+}  // namespace mlx_attn

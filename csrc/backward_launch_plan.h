@@ -1,0 +1,28 @@
+// The launch plan of the fused Metal attention backward
+// (metal/attention_backward.metal), in the forward's plan types: the Mac
+// host encodes it like the forward's, and the MSL emulator tests launch it
+// unchanged. The backward primitive (FusedAttentionBackward) has inputs
+// q, k, v, [mask], [sinks], out, lse, d_out, d_lse and outputs dq, dk, dv,
+// [d_sinks]; out, lse, d_out and d_lse must be row-contiguous (the vjp makes
+// them so on the GPU). The one scratch buffer, delta, is written by the first
+// dispatch and read by every later one: its ScratchBuffer::consumer is the
+// last reader.
+#pragma once
+
+#include "csrc/launch_plan.h"
+
+namespace mlx_attn {
+
+// Query rows per staged block of the dK/dV kernel for a head dim (0:
+// unsupported): its float32 Q and dO tiles, 2 * BQ * (D + 4) * 4 bytes,
+// stay under 18 KB.
+int backward_query_block(int head_dim);
+// Keys per staged K/V block of the dQ kernel for a head dim (0: unsupported).
+int backward_key_block(int head_dim);
+
+// Dispatches in order: delta, dK/dV, dQ, then (with sinks) the sinks'
+// gradient. Unsupported (with a reason) where the forward's Metal plan is,
+// for head dims above 128 (register budget) and for empty problems.
+LaunchPlan plan_attention_backward(const AttentionProblem& problem);
+
+}  // namespace mlx_attn

@@ -1,0 +1,132 @@
+"""Mutation test of the Metal backward's emulator tests: faults seeded into
+copies of metal/attention_backward.metal must each be caught by a battery of
+gradient checks against the reference path (wrong gradients beyond
+tolerance, NaN, a deadlock, an out-of-bounds access or a compile error). A
+mutation whose target text is missing fails the test, so none can silently
+test nothing."""
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import msl_emulator
+from metal_runner import EmulatedMetal, View
+from test_metal_backward import BACKWARD, check, make_mask, qkv, random
+
+pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 runs the MSL emulator")
+
+
+def only_float32_d64(text: str) -> str:
+    """Keep one instantiation so each mutant compiles quickly."""
+    text = re.sub(r"^MLX_ATTN_BACKWARD_(TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
+    return text + "\nMLX_ATTN_BACKWARD(float32, float, 64, 32, 32)\nMLX_ATTN_BACKWARD_SINKS(float32, float)\n"
+
+
+def barriers() -> dict:
+    count = BACKWARD.read_text().count("threadgroup_barrier(")
+    assert count == 4  # two per tiled kernel: after staging, before restaging
+    return {f"threadgroup_barrier #{i} removed": ("remove", "threadgroup_barrier(", i) for i in range(count)}
+
+
+MUTANTS = {
+    **barriers(),
+    # delta = rowsum(dO * O) - dlse, and its use in dS
+    "delta: dS without the delta term": ("replace", "prob * (d_prob - delta)", "prob * d_prob"),
+    "delta: lse cotangent left out": ("replace", "delta[row] = dot - d_lse[row];", "delta[row] = dot;"),
+    "delta: row sum of one lane only": ("replace", "dot = simd_sum(dot);", ""),
+    # P = exp(S - lse)
+    "lse: P without subtracting the lse": ("replace", "exp2((s - lse) * MLX_ATTN_LOG2E)", "exp2(s * MLX_ATTN_LOG2E)"),
+    "lse: natural exp taken as exp2": ("replace", "exp2((s - lse) * MLX_ATTN_LOG2E)", "exp2(s - lse)"),
+    "lse: rows past the query length visible": ("replace", "bool visible = key < p.kv_len && qi < p.q_len;", "bool visible = key < p.kv_len;"),
+    # the GQA reduction of dK/dV and the head mapping of dQ
+    "gqa: dK/dV from the first query head of the group only": ("replace", "for (int g = 0; g < p.group; ++g)", "for (int g = 0; g < 1; ++g)"),
+    "gqa: dK/dV query head mapping wrong": ("replace", "const int h = kv_head * p.group + g;", "const int h = kv_head + g;"),
+    "gqa: dQ reads the wrong K/V head": ("replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
+    # causal / window bounds
+    "causal: comparison flipped": ("replace", "key <= pos &&", "key < pos &&"),
+    "window: comparison off by one": ("replace", "key > pos - p.window_size", "key >= pos - p.window_size"),
+    "causal: dK/dV first query row off by one": ("replace", "q_begin = max(0, k0 - offset);", "q_begin = max(0, k0 - offset + 1);"),
+    "window: dK/dV query range end off by one": ("replace", "k_last - offset + p.window_size);", "k_last - offset + p.window_size - 1);"),
+    "causal: dQ key range end off by one": ("replace", "kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
+    "window: dQ key range start off by one": ("replace", "first_pos - p.window_size + 1);", "first_pos - p.window_size + 2);"),
+    # the scale of dS in dK and dQ
+    "scale: dK not scaled": ("replace", "T(dk_acc[d].thread_elements()[t] * p.scale)", "T(dk_acc[d].thread_elements()[t])"),
+    "scale: dQ not scaled": ("replace", "T(dq_acc[d].thread_elements()[t] * p.scale)", "T(dq_acc[d].thread_elements()[t])"),
+    "scale: logits not scaled": ("replace", "const float raw = score * p.scale;", "const float raw = score;"),
+    # masks
+    "mask: bool mask ignored": ("replace", "visible = mask[at] != 0;", "visible = true;"),
+    "mask: additive mask not added": ("replace", "const float sum = s + added;", "const float sum = s;"),
+    # sinks
+    "sinks: gradient sign flipped": ("replace", "sum -= exp2((sink - lse[", "sum += exp2((sink - lse["),
+    "sinks: stride assumed contiguous": ("replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
+    "sinks: one batch only": ("replace", "for (int b = 0; b < p.batch; ++b) {\n    const long head_rows", "for (int b = 0; b < 1; ++b) {\n    const long head_rows"),
+    # staging, fragments and stores
+    "dkdv: Q/dO staging bound off by one": ("replace", "e < BQ * D; e += THREADS", "e < BQ * D - 1; e += THREADS"),
+    "dq: K/V staging bound off by one": ("replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
+    "dkdv: Q^T fragment reads the wrong query": ("replace", "q_tile[(j * 8 + c + t) * LD + d * 8 + r]", "q_tile[(j * 8 + c) * LD + d * 8 + r]"),
+    "dkdv: dV uses dS instead of P": ("replace", "simdgroup_multiply_accumulate(dv_acc[d], s_t,", "simdgroup_multiply_accumulate(dv_acc[d], dp_t,"),
+    "dkdv: last key row not stored": ("replace", "if (key < p.kv_len) {", "if (key < p.kv_len - 1) {"),
+    "dq: K fragment reads the wrong key": ("replace", "k_tile[(j * 8 + r) * LD + d * 8 + c + t]", "k_tile[(j * 8 + c) * LD + d * 8 + c + t]"),
+    "dq: key sequence stride assumed contiguous": ("replace", "k[k_head + key * p.k_strides[2]", "k[k_head + key * D"),
+    "dkdv: query sequence stride assumed contiguous": ("replace", "q[q_head + qi * p.q_strides[2]", "q[q_head + qi * D"),
+}
+
+
+def mutate(kind, a, b) -> str:
+    text = BACKWARD.read_text()
+    if kind == "remove":
+        starts = [m.start() for m in re.finditer(re.escape(a), text)]
+        start = starts[b]
+        return only_float32_d64(text[:start] + text[text.index(";", start) + 1:])
+    assert text.count(a) == 1, f"mutation target {a!r} must occur exactly once"
+    return only_float32_d64(text.replace(a, b))
+
+
+def battery(metal) -> None:
+    """Gradient checks (float32, D = 64) that together reach every rule the
+    mutants break; raises AssertionError on a wrong gradient."""
+    q, k, v = qkv(1, 4, 2, 40, 100, 64, mx.float32, seed=1)
+    check(metal, q, k, v, mask="causal", d_lse=random((1, 4, 40), 2))
+    check(metal, *qkv(1, 2, 1, 37, 90, 64, mx.float32, seed=3), window_size=7)
+    q, k, v = qkv(2, 2, 2, 33, 70, 64, mx.float32, seed=4)
+    check(metal, q, k, v, mask=make_mask("bool", 33, 70, seed=4, empty_rows=(0,)), sinks=mx.array([0.5, 2.0]))
+    q, k, v = qkv(1, 4, 2, 20, 45, 64, mx.float32, seed=5)
+    check(metal, q, k, v, mask=make_mask("additive", 20, 45, seed=5), layout="seq_major")
+    sinks = View(random((8,), 6), lambda a: a[::2])
+    check(metal, *qkv(2, 4, 1, 35, 60, 64, mx.float32, seed=6), mask="causal", sinks=sinks, layout="cache")
+    check(metal, *qkv(1, 2, 2, 40, 8, 64, mx.float32, seed=7), mask="causal")  # the first rows see nothing
+
+
+def caught(metal) -> bool:
+    try:
+        battery(metal)
+    except (AssertionError, msl_emulator.EmulatorError):
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("backward_mutants")
+
+
+def compiled(directory: Path, text: str, name: str) -> EmulatedMetal:
+    path = directory / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.metal"
+    path.write_text(text)
+    return EmulatedMetal(fast_math=True, sources=[path])
+
+
+def test_unmutated_kernels_pass_the_battery(workdir):
+    battery(compiled(workdir, only_float32_d64(BACKWARD.read_text()), "original"))
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_mutant_is_caught(workdir, name):
+    try:
+        metal = compiled(workdir, mutate(*MUTANTS[name]), name)
+    except msl_emulator.MetalCompileError:
+        return  # caught by the compiler
+    assert caught(metal), f"mutant survived: {name}"
