@@ -371,6 +371,8 @@ def parse_args(argv=None):
     for name in ("steps", "batch", "sample_length", "d_model", "layers", "heads", "kv_heads", "hidden", "context"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.prompt:
+        parser.error("--prompt must not be empty (sampling starts from it)")
     for name in ("warmup", "eval_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -394,6 +396,10 @@ def main(argv=None):
                  hidden=args.hidden, context=args.context, backend=args.backend)
     schedule = Schedule(lr=args.lr, steps=args.steps, minutes=args.minutes, warmup=args.warmup)
     text = fetch_shakespeare()
+    try:  # before training, not after it
+        CharTokenizer(text).encode(args.prompt)
+    except ValueError as error:
+        raise ValueError(f"--prompt: {error}") from None
     result = train(cfg, text, schedule=schedule, batch=args.batch, seed=args.seed, eval_every=args.eval_every,
                    compile_step=args.compile)
     save_outputs(args.out, result, cfg)

@@ -100,6 +100,18 @@ def test_bad_options_are_refused_naming_the_option(example, option, value, capsy
     assert option in capsys.readouterr().err
 
 
+def test_empty_prompt_is_refused(example, capsys):
+    with pytest.raises(SystemExit):
+        example.parse_args(["--prompt", ""])
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_prompt_outside_the_vocabulary_is_refused_before_training(example, tmp_path):
+    with pytest.raises(ValueError, match="--prompt: character '\\xe9' is not in the vocabulary"):
+        example.main([*TINY, "--prompt", "caf\u00e9", "--out", str(tmp_path)])
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_context_longer_than_the_text_is_a_clear_error(example):
     schedule = example.Schedule(steps=2, minutes=None)
     with pytest.raises(ValueError, match="context 100 is too long"):
