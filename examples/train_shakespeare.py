@@ -391,6 +391,7 @@ def main(argv=None):
         text = sample(model, tokenizer, args.prompt, args.sample_length, args.temperature, seed=args.seed)
         print(text)
         return text
+    command_start = time.perf_counter()
     load_before = os.getloadavg()
     cfg = Config(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                  hidden=args.hidden, context=args.context, backend=args.backend)
@@ -406,11 +407,12 @@ def main(argv=None):
     summary = summarize(args, cfg, result, text, load_before)
     summary["sample"] = sample(result.model, result.tokenizer, args.prompt, args.sample_length, args.temperature,
                                seed=args.seed)
+    summary["command_seconds"] = round(time.perf_counter() - command_start, 1)  # data, training, evaluations, sample
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\n== train_shakespeare summary (also {args.out}/summary.json; loss curve, checkpoint in {args.out}/) ==")
     print(f"{cfg.backend} attention, {summary['parameters']:,} parameters, {summary['steps']} steps of "
           f"{args.batch}x{cfg.context} characters in {summary['train_seconds']:.0f} s training "
-          f"({summary['wall_seconds']:.0f} s with evaluations)")
+          f"({summary['wall_seconds']:.0f} s with evaluations, {summary['command_seconds']:.0f} s in all)")
     print(f"validation loss {summary['val_loss_nats_per_char']:.3f} nats/char = "
           f"{summary['val_bits_per_char']:.3f} bits/char; {summary['tokens_per_s']:,} tokens/s; "
           f"peak memory {summary['peak_memory_mib']:.0f} MiB")
