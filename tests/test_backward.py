@@ -299,38 +299,6 @@ def _flatten(tree, prefix=""):
         yield prefix, tree
 
 
-def _load_training_example():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "examples" / "train_shakespeare.py"
-    spec = importlib.util.spec_from_file_location("train_shakespeare", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_training_example_fused_equals_reference_and_learns():
-    """A tiny config of examples/train_shakespeare.py on the start of the
-    works: the loss falls, and fused and reference attention train to the
-    same losses (same seed, same batches)."""
-    from mlx_attn.lm.data import fetch_shakespeare
-
-    example = _load_training_example()
-    text = fetch_shakespeare()[:20000]
-    losses = {}
-    for backend in ("fused", "reference"):
-        cfg = example.Config(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden=64, context=32, backend=backend)
-        _, _, losses[backend], _ = example.train(
-            cfg, text, steps=30, minutes=None, batch=8, lr=1e-2, log=lambda *_: None, progress=False
-        )
-    fused, reference = np.array(losses["fused"]), np.array(losses["reference"])
-    assert fused[-5:].mean() < fused[:5].mean() - 0.5
-    np.testing.assert_allclose(fused, reference, rtol=2e-3)
-
-
 def test_backward_benchmark_quick_run(tmp_path):
     import importlib.util
     import json
