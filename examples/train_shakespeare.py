@@ -16,15 +16,15 @@ and samples text through a KV cache.
 
 On Linux, MLX's CPU wheel links the netlib reference BLAS (~2 GFLOP/s for the
 float32 matmuls of this model on a 2-core x86 machine); with a system OpenBLAS
-preloaded the same matmuls run at ~25 GFLOP/s. ``--blas auto`` (the default)
-therefore restarts the script with OpenBLAS in ``LD_PRELOAD`` when the system
-has one (Debian/Ubuntu: ``apt-get install libopenblas0``).
+(Debian/Ubuntu: ``apt-get install libopenblas0``) the same matmuls run at
+~25 GFLOP/s. Importing ``mlx_attn`` before MLX binds MLX's matmuls to it
+(``mlx_attn/_blas.py``; ``MLX_ATTN_BLAS=off`` keeps MLX's own), so this script
+imports ``mlx_attn`` first.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import json
 import math
 import os
@@ -33,17 +33,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import mlx_attn  # noqa: F401  first: on Linux it binds MLX's float32 matmuls to a system OpenBLAS
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
 from mlx_attn import KVCache, MultiHeadAttention, RoPE
+from mlx_attn._blas import blas_choice
 from mlx_attn.lm.data import CharTokenizer, fetch_shakespeare
 
 BACKENDS = ("fused", "reference")
 VALIDATION_FRACTION = 0.05  # the last 5% of the text (the end of the last works)
-_PRELOAD_MARKER = "MLX_ATTN_TRAIN_BLAS"  # set once the script has restarted itself
 
 
 @dataclass
@@ -313,7 +314,7 @@ def summarize(args, cfg: Config, result: TrainResult, text: str, load_before: tu
         "val_bits_per_char": round(result.val_loss / math.log(2), 4),
         "val_curve": [[s, round(v, 4)] for s, v in result.val_points],
         "final_train_loss_last_50_mean": round(float(np.mean(result.losses[-50:])), 4),
-        "blas_preload": os.environ.get("LD_PRELOAD", ""),
+        "blas": blas_choice().library or blas_choice().reason,
         "compiled_step": args.compile,
         "cpu_count": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in load_before],
@@ -323,23 +324,6 @@ def summarize(args, cfg: Config, result: TrainResult, text: str, load_before: tu
         "prompt": args.prompt,
         "temperature": args.temperature,
     }
-
-
-def prefer_openblas(choice: str) -> None:
-    """Restarts this script with a system OpenBLAS preloaded (see the module
-    docstring); MLX's CPU matmuls then call it instead of the reference BLAS."""
-    if choice != "auto" or sys.platform != "linux" or os.environ.get(_PRELOAD_MARKER):
-        return
-    library = ctypes.util.find_library("openblas")
-    if library is None:
-        print("note: no system OpenBLAS found; MLX's bundled reference BLAS makes training ~10x slower "
-              "(apt-get install libopenblas0)", file=sys.stderr)
-        return
-    env = dict(os.environ, **{_PRELOAD_MARKER: library})
-    env["LD_PRELOAD"] = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD", "")]))
-    env.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
-    print(f"restarting with LD_PRELOAD={library} (MLX's CPU float32 matmuls through OpenBLAS)", file=sys.stderr, flush=True)
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def parse_args(argv=None):
@@ -359,8 +343,6 @@ def parse_args(argv=None):
     parser.add_argument("--context", type=int, default=defaults.context)
     parser.add_argument("--eval-every", type=int, default=250, help="validation cadence in steps (0: only at the end)")
     parser.add_argument("--compile", action="store_true", help="mx.compile the training step")
-    parser.add_argument("--blas", choices=["auto", "mlx"], default="auto",
-                        help="auto: preload a system OpenBLAS on Linux; mlx: keep MLX's bundled BLAS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("shakespeare_run"))
     parser.add_argument("--sample-from", type=Path, help="skip training: sample from this output directory's checkpoint")
@@ -417,11 +399,10 @@ def main(argv=None):
           f"{summary['val_bits_per_char']:.3f} bits/char; {summary['tokens_per_s']:,} tokens/s; "
           f"peak memory {summary['peak_memory_mib']:.0f} MiB")
     print(f"{summary['cpu_count']} CPUs, load average {summary['load_average_before'][0]:.1f} before / "
-          f"{summary['load_average_after'][0]:.1f} after; BLAS preload: {summary['blas_preload'] or 'none'}")
+          f"{summary['load_average_after'][0]:.1f} after; BLAS: {summary['blas']}")
     print(f"sample (seed {args.seed}, temperature {args.temperature}):\n{summary['sample']}")
     return summary
 
 
 if __name__ == "__main__":
-    prefer_openblas(parse_args().blas)
     main()

@@ -19,7 +19,7 @@ from mlx_attn.lm.data import fetch_shakespeare
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_shakespeare.py"
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--hidden", "64",
-        "--context", "32", "--batch", "8", "--blas", "mlx"]
+        "--context", "32", "--batch", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_main_writes_summary_and_sample_from_reproduces_it(example, tmp_path, ca
 @pytest.mark.parametrize(
     "option, value",
     [("--minutes", "0"), ("--minutes", "nan"), ("--backend", "fussed"), ("--context", "0"), ("--batch", "-1"),
-     ("--lr", "-0.1"), ("--temperature", "0"), ("--eval-every", "-5"), ("--blas", "mkl")],
+     ("--lr", "-0.1"), ("--temperature", "0"), ("--eval-every", "-5")],
 )
 def test_bad_options_are_refused_naming_the_option(example, option, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
