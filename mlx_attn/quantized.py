@@ -25,7 +25,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from mlx_attn import _native, ops
+from mlx_attn import _native, ops, self_check
 from mlx_attn._checks import check_int
 from mlx_attn.reference import reference_attention
 
@@ -167,12 +167,40 @@ def _fused_unsupported_reason(q, k_quant, v_quant, k, v, scale, mask, sinks, win
         k_quant, v_quant = _kernel_triples(k_quant, v_quant, q.dtype)
         plan = quantized_launch_plan(q, k_quant, v_quant, scale=scale, mask=mask, sinks=sinks,
                                      window_size=window_size, bits=bits, group_size=group_size)
-        return None if plan["supported"] else plan["reason"]
+        if not plan["supported"]:
+            return plan["reason"]
+        variant = self_check.QuantizedVariant(str(q.dtype).removeprefix("mlx.core."), q.shape[-1], bits, group_size)
+        if not self_check.trusted(variant, quantized_metal_kernel_runner(stream, group_size, bits)):
+            return f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
+        return None
     problem = ext.describe_attention(
         q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
         mask=array_mask, sinks=sinks,
     )
     return ext.unsupported_reason(problem, device=mx.cpu)
+
+
+def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
+    """``run(q, k_quant, v_quant, *, scale, mask=None, sinks=None,
+    window_size=None)``: the quantized Metal kernels themselves on ``stream``,
+    evaluated, bypassing the self-check (what the self-check runs)."""
+
+    def run(q, k_quant, v_quant, *, scale, mask=None, sinks=None, window_size=None):
+        out = _run_fused(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, stream)
+        mx.eval(out)
+        return out
+
+    return run
+
+
+def _run_fused(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, stream) -> mx.array:
+    """The fused primitive (CPU or Metal, by the stream) on validated inputs."""
+    k_quant, v_quant = _kernel_triples(k_quant, v_quant, q.dtype)
+    array_mask, sinks = ops._kernel_inputs(mask, sinks, q.dtype)
+    return _native.ext.quantized_attention(
+        q, k_quant, v_quant, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        mask=array_mask, sinks=sinks, bits=bits, group_size=group_size, stream=stream,
+    )
 
 
 def _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
@@ -269,9 +297,4 @@ def quantized_scaled_dot_product_attention(
         return reference_attention(
             q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
         )
-    k_quant, v_quant = _kernel_triples(k_quant, v_quant, dtype)
-    array_mask, sinks = ops._kernel_inputs(mask, sinks, dtype)
-    return _native.ext.quantized_attention(
-        q, k_quant, v_quant, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=array_mask, sinks=sinks, bits=bits, group_size=group_size, stream=stream,
-    )
+    return _run_fused(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, stream)

@@ -31,6 +31,8 @@ from mlx_attn.reference import reference_attention
 
 __all__ = [
     "Variant",
+    "QuantizedVariant",
+    "check_quantized_variant",
     "CheckResult",
     "canonical_cases",
     "check_variant",
@@ -68,8 +70,25 @@ class Variant:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizedVariant:
+    """A kernel family over quantized K/V (metal/attention_quantized.metal)."""
+
+    dtype: str  # q's: "float32" | "float16" | "bfloat16"
+    head_dim: int
+    bits: int
+    group_size: int
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    def __str__(self) -> str:
+        return f"quantized/{self.dtype}/D={self.head_dim}/{self.bits}-bit/group {self.group_size}"
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckResult:
-    variant: Variant
+    variant: Variant | QuantizedVariant
     passed: bool
     cases: int
     max_error: float  # over the cases that ran (nan when none finished)
@@ -140,17 +159,56 @@ def check_variant(variant: Variant, run_kernel: RunKernel, cases: list[Case] | N
     """Runs ``cases`` (default: the canonical ones) through ``run_kernel`` and
     compares each with the reference path on the CPU."""
     cases = canonical_cases(variant) if cases is None else cases
+
+    def outputs(index, case):
+        (q, k, v), kwargs = make_inputs(variant, case, seed=index)
+        return (lambda: run_kernel(q, k, v, **kwargs),
+                lambda: reference_attention(q, k, v, stream=mx.cpu, **kwargs))
+
+    return _compare(variant, cases, outputs)
+
+
+def quantized_cases(variant: QuantizedVariant) -> list[Case]:
+    """Decode (GQA, several splits, window + sinks) and a prefill shape."""
+    return [
+        Case("one query", 1, 8, 2, 1, 300),
+        Case("window+sinks", 2, 4, 1, 1, 257, mask="causal", window_size=100, sinks=True),
+        Case("prefill, bool mask", 1, 4, 2, 19, 40, mask="bool"),
+    ]
+
+
+def check_quantized_variant(variant: QuantizedVariant, run_kernel: RunKernel,
+                            cases: list[Case] | None = None) -> CheckResult:
+    """As :func:`check_variant` for a kernel over quantized K/V:
+    ``run_kernel(q, k_quant, v_quant, **kwargs)`` against the reference path
+    on the dequantized keys and values."""
+    cases = quantized_cases(variant) if cases is None else cases
+    dtype = DTYPES[variant.dtype]
+
+    def outputs(index, case):
+        (q, k, v), kwargs = make_inputs(variant, case, seed=index)
+        k_quant, v_quant = (mx.quantize(x, variant.group_size, variant.bits, stream=mx.cpu) for x in (k, v))
+        k_plain, v_plain = (mx.dequantize(*t, variant.group_size, variant.bits, stream=mx.cpu).astype(dtype)
+                            for t in (k_quant, v_quant))
+        return (lambda: run_kernel(q, k_quant, v_quant, **kwargs),
+                lambda: reference_attention(q, k_plain, v_plain, stream=mx.cpu, **kwargs))
+
+    return _compare(variant, cases, outputs)
+
+
+def _compare(variant, cases: list[Case], outputs) -> CheckResult:
+    """``outputs(index, case) -> (run, want)``: runs each case's kernel and
+    compares it with the reference (shape, finiteness, max abs error)."""
     start = time.perf_counter()
     worst = float("nan")
     for index, case in enumerate(cases):
-        (q, k, v), kwargs = make_inputs(variant, case, seed=index)
+        run, reference = outputs(index, case)
         try:
-            got = run_kernel(q, k, v, **kwargs)
-            got = np.array(mx.array(got).astype(mx.float32))
+            got = np.array(mx.array(run()).astype(mx.float32))
         except Exception as error:  # a failing kernel is a result, not a crash
             return CheckResult(variant, False, index, worst, time.perf_counter() - start,
                                f"case {case.name!r} raised {type(error).__name__}: {error}")
-        want = np.array(reference_attention(q, k, v, stream=mx.cpu, **kwargs).astype(mx.float32))
+        want = np.array(reference().astype(mx.float32))
         if got.shape != want.shape:
             return CheckResult(variant, False, index, worst, time.perf_counter() - start,
                                f"case {case.name!r} returned shape {got.shape}, expected {want.shape}")
@@ -169,11 +227,11 @@ def self_check_enabled() -> bool:
     return os.environ.get("MLX_ATTN_SELF_CHECK", "1").strip() not in ("0", "false", "no", "off")
 
 
-_results: dict[Variant, CheckResult] = {}
+_results: dict[Variant | QuantizedVariant, CheckResult] = {}
 _lock = threading.Lock()
 
 
-def trusted(variant: Variant, run_kernel: RunKernel) -> bool:
+def trusted(variant: Variant | QuantizedVariant, run_kernel: RunKernel) -> bool:
     """Whether ``variant`` may run: checked once per process (unless
     ``MLX_ATTN_SELF_CHECK=0``); a failure warns once and disables it."""
     if not self_check_enabled():
@@ -181,7 +239,8 @@ def trusted(variant: Variant, run_kernel: RunKernel) -> bool:
     with _lock:
         result = _results.get(variant)
         if result is None:
-            result = check_variant(variant, run_kernel)
+            check = check_quantized_variant if isinstance(variant, QuantizedVariant) else check_variant
+            result = check(variant, run_kernel)
             _results[variant] = result
             if not result.passed:
                 warnings.warn(
@@ -194,7 +253,7 @@ def trusted(variant: Variant, run_kernel: RunKernel) -> bool:
     return result.passed
 
 
-def results() -> dict[Variant, CheckResult]:
+def results() -> dict[Variant | QuantizedVariant, CheckResult]:
     """The self-checks run so far in this process."""
     with _lock:
         return dict(_results)

@@ -221,3 +221,82 @@ def test_doctor_command_line(tmp_path):
     text = report.read_text()
     assert text.startswith("# mlx_attn doctor report") and "all checks passed" in text
     assert "## Timings" not in text
+
+
+# --- kernels over quantized K/V: the same gate, checked against dequantize-then-reference
+
+
+def quantized_cpu_runner(variant):
+    """The fused CPU kernel over quantized K/V: a correct kernel."""
+    import mlx_attn
+
+    def run(q, k_quant, v_quant, **kwargs):
+        return mlx_attn.quantized_scaled_dot_product_attention(
+            q, k_quant, v_quant, group_size=variant.group_size, bits=variant.bits, stream=mx.cpu,
+            backend="fused", **kwargs)
+
+    return run
+
+
+def scale_bias_swapped(runner):
+    return lambda q, k_quant, v_quant, **kw: runner(q, (k_quant[0], k_quant[2], k_quant[1]), v_quant, **kw)
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 64)])
+def test_quantized_variant_passes_a_correct_kernel_and_fails_a_scale_bias_swap(bits, group_size):
+    variant = self_check.QuantizedVariant("float16", 64, bits, group_size)
+    assert str(variant) == f"quantized/float16/D=64/{bits}-bit/group {group_size}"
+    good = self_check.check_quantized_variant(variant, quantized_cpu_runner(variant))
+    assert good.passed and good.cases == len(self_check.quantized_cases(variant)), good.error
+    bad = self_check.check_quantized_variant(variant, scale_bias_swapped(quantized_cpu_runner(variant)))
+    assert not bad.passed and "max abs error" in bad.error
+    with pytest.raises(ValueError, match="dtype"):
+        self_check.QuantizedVariant("int8", 64, bits, group_size)
+
+
+def test_quantized_cases_cover_decode_splits_window_sinks_and_prefill():
+    cases = self_check.quantized_cases(self_check.QuantizedVariant("float32", 128, 8, 64))
+    assert any(c.q_len == 1 and c.kv_len > 256 for c in cases)
+    assert any(c.window_size and c.sinks for c in cases)
+    assert any(c.q_len > 8 for c in cases)  # a prefill shape: several row chunks
+
+
+@needs_emulator
+def test_quantized_self_check_runs_the_emulated_metal_kernel():
+    runner = EmulatedMetal(fast_math=True)
+    variant = self_check.QuantizedVariant("float32", 64, 4, 32)
+
+    def run(q, k_quant, v_quant, **kwargs):
+        return runner.quantized(q, k_quant, v_quant, bits=variant.bits, group_size=variant.group_size, **kwargs)
+
+    result = self_check.check_quantized_variant(variant, run)
+    assert result.passed, result.error
+    assert not self_check.check_quantized_variant(variant, scale_bias_swapped(run)).passed
+
+
+@pytest.mark.parametrize("kernel_correct", [True, False], ids=["passes", "fails"])
+def test_quantized_gpu_path_follows_the_self_check(monkeypatch, kernel_correct):
+    """fused-metal once the quantized variant passed its check; a failed check
+    disables it with one warning (auto: the reference path; fused: an error)."""
+    import mlx_attn
+    from mlx_attn import _native, quantized
+
+    monkeypatch.setattr(_native, "ext", MetalBuild(_native.ext))
+    variant = self_check.QuantizedVariant("float16", 64, 8, 64)
+    runner = quantized_cpu_runner(variant)
+    monkeypatch.setattr(quantized, "quantized_metal_kernel_runner",
+                        lambda stream, group_size, bits: runner if kernel_correct else scale_bias_swapped(runner))
+    q = mx.zeros((1, 4, 1, 64), mx.float16)
+    k_quant = mx.quantize(mx.zeros((1, 2, 40, 64), mx.float16), 64, 8)
+
+    def path(**kwargs):
+        return mlx_attn.quantized_attention_path(q, k_quant, k_quant, scale=0.125, stream=mx.gpu, **kwargs)
+
+    if kernel_correct:
+        assert path() == "fused-metal"
+        assert self_check.results()[variant].passed
+        return
+    with pytest.warns(RuntimeWarning, match="quantized/float16/D=64/8-bit/group 64"):
+        assert path() == "reference"
+    with pytest.raises(ValueError, match="failed its self-check"):
+        path(backend="fused")
