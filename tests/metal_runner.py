@@ -175,27 +175,7 @@ class EmulatedMetal:
         out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
         lse = np.full((problem.batch, problem.q_heads, problem.q_len), np.nan, np.float32)
         outputs = [out, lse] if problem.output_lse else [out]
-        # NaN: a read of a partial nobody wrote would show
-        scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
-        for position, step in enumerate(plan["dispatches"]):
-            bound = {}
-            for binding in step["bindings"]:
-                source, index = binding["source"], binding["source_index"]
-                if source == "input":
-                    bound[binding["index"]] = memory[index]
-                elif source == "output":
-                    bound[binding["index"]] = outputs[index]
-                elif source == "scratch":
-                    buffer = plan["scratch"][index]
-                    assert position == (buffer["producer"] if binding["access"] == "write" else buffer["consumer"])
-                    bound[binding["index"]] = scratch[index]
-                elif source == "params":
-                    bound[binding["index"]] = plan["params"]
-                elif source == "quantized_params":
-                    bound[binding["index"]] = plan["quantized_params"]
-                else:
-                    bound[binding["index"]] = struct.pack("i", plan["splits"])
-            self.library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
+        run_plan(self.library, plan, memory, outputs)
         return out, lse
 
 
@@ -236,7 +216,7 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
     """Runs every dispatch of `plan` in `library` with the bindings it names,
     as csrc/metal/attention_metal.cpp's encode_launch_plan encodes them:
     inputs[i] and outputs[i] by source_index, NaN-filled scratch (a read of
-    something nobody wrote shows), params bytes. A scratch buffer is written
+    something nobody wrote shows), params (and quantized params) bytes. A scratch buffer is written
     by its producer and read only by later dispatches up to its consumer."""
     scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
     for position, step in enumerate(plan["dispatches"]):
@@ -256,6 +236,8 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
                 bound[binding["index"]] = scratch[index]
             elif source == "params":
                 bound[binding["index"]] = plan["params"]
+            elif source == "quantized_params":
+                bound[binding["index"]] = plan["quantized_params"]
             else:
                 bound[binding["index"]] = struct.pack("i", plan["splits"])
         library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
