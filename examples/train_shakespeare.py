@@ -39,7 +39,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlx_attn import KVCache, MultiHeadAttention, RoPE
+from mlx_attn import MultiHeadAttention, RotatingKVCache, RoPE
 from mlx_attn._blas import blas_choice
 from mlx_attn.lm.data import CharTokenizer, fetch_shakespeare
 
@@ -126,6 +126,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
+        self.context = cfg.context  # the longest distance between positions it is trained on
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = [Block(cfg) for _ in range(cfg.n_layers)]
         self.norm = nn.RMSNorm(cfg.d_model)
@@ -175,9 +176,14 @@ def split_text(tokenizer: CharTokenizer, text: str, context: int) -> tuple[np.nd
 
 def sample(model, tokenizer: CharTokenizer, prompt: str, length: int, temperature: float, seed: int) -> str:
     """Generates through one KV cache per layer: the prompt in one call,
-    then one character per call."""
+    then one character per call. The caches are sliding windows of the
+    training context: RoPE makes attention depend only on the distance
+    between positions, so a window keeps every distance within what the model
+    was trained on (beyond it, a growing cache makes the text fall apart)."""
+    if len(tokenizer.encode(prompt)) > model.context:
+        raise ValueError(f"--prompt: {len(prompt)} characters exceed the model's context of {model.context}")
     mx.random.seed(seed)
-    caches = [KVCache() for _ in model.blocks]
+    caches = [RotatingKVCache(max_size=model.context) for _ in model.blocks]
     tokens = mx.array([tokenizer.encode(prompt)])
     out = []
     for _ in range(length):
