@@ -11,12 +11,20 @@ interleaved (fused, torch, fused, torch, ...), best of --repeats each, so load
 from other processes hits both alike; --busy adds such a load on purpose (one
 process spinning) to see how the ratio holds up under contention.
 
+--contention N measures that effect per row within one run: N rounds, each
+timing fused and torch once on the machine as it is and once with a spinning
+process started for the round; the row reports the median fused/torch ratio
+of each state and its change under load (busy median / quiet median - 1),
+so a single noisy round does not decide it.
+
 The FMA peak of each kernel copy is measured, not looked up: a small C
 program (an FMA loop on independent register-resident accumulators, one
 thread per core) is compiled for the copy's vector width and run.
 
     python benchmarks/bench_sdpa_cpu.py                   # full grid
     python benchmarks/bench_sdpa_cpu.py --quick           # a small smoke run
+    python benchmarks/bench_sdpa_cpu.py --lengths 4096 --dtypes float32 float16 bfloat16 \
+        --max-baseline-len 0 --long-context 0 --contention 3   # the README table
 
 The slow unfused baselines are only run up to --max-baseline-len (they need
 O(T^2) memory and minutes per call beyond it).
@@ -30,6 +38,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -145,6 +154,19 @@ def _spin():
         pass
 
 
+class BusyProcess:
+    """One process spinning on a core while the block runs."""
+
+    def __enter__(self):
+        self.process = multiprocessing.Process(target=_spin, daemon=True)
+        self.process.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        self.process.join()
+
+
 def attention_flops(batch, heads, q_len, kv_len, d, dv, causal):
     """Multiply-adds of Q.K^T and P.V, counted as 2 FLOPs each; causal counts
     only the visible half (what an ideal kernel computes)."""
@@ -242,6 +264,8 @@ def benchmark(args, peak):
                         timed["torch"] = torch_runner(1, args.heads, t, d, dtype_name, causal)
                     for impl, seconds in zip(timed, time_interleaved(list(timed.values()), args.repeats)):
                         row[impl] = {"ms": seconds * 1e3, "gflops": flops / seconds / 1e9}
+                    if args.contention and "torch" in timed:
+                        row["contention"] = contention_ratios(timed, args.contention, args.repeats)
                     row["fused"]["extra_peak_mib"] = extra_peak_memory(fused_fn) / 2**20
                     if peak:
                         row["fused"]["peak_fraction"] = row["fused"]["gflops"] / peak
@@ -257,6 +281,22 @@ def benchmark(args, peak):
                     rows.append(row)
                     print_row(row, flush=True)
     return rows
+
+
+def contention_ratios(timed, rounds: int, repeats: int) -> dict:
+    """fused/torch speed ratios over `rounds` rounds of (quiet, busy) pairs,
+    and the change of the median under load."""
+    ratios = {"quiet": [], "busy": []}
+    fns = [timed["fused"], timed["torch"]]
+    for _ in range(rounds):
+        fused, torch_s = time_interleaved(fns, repeats)
+        ratios["quiet"].append(torch_s / fused)
+        with BusyProcess():
+            fused, torch_s = time_interleaved(fns, repeats)
+        ratios["busy"].append(torch_s / fused)
+    quiet, busy = statistics.median(ratios["quiet"]), statistics.median(ratios["busy"])
+    return {"quiet_ratios": ratios["quiet"], "busy_ratios": ratios["busy"],
+            "quiet_median": quiet, "busy_median": busy, "change": busy / quiet - 1}
 
 
 IMPLS = ["fused", "mx.fast", "reference", "torch"]
@@ -286,10 +326,12 @@ def print_row(row, flush=False):
 
 def summary_table(rows) -> str:
     """The compact Markdown table quoted in the README."""
-    lines = [
-        "| D | dtype | causal | T | fused ms | fused GFLOP/s | % of FMA peak | mx.fast GFLOP/s | torch GFLOP/s | fused vs mx.fast | fused vs torch | fused extra MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    contention = any("contention" in r for r in rows)
+    head = ["D", "dtype", "causal", "T", "fused ms", "fused GFLOP/s", "% of FMA peak", "mx.fast GFLOP/s",
+            "torch GFLOP/s", "fused vs mx.fast", "fused vs torch", "fused extra MiB"]
+    if contention:
+        head += ["vs torch, quiet (median)", "vs torch, busy (median)", "change under load"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         f = r["fused"]
         cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), f"{f['ms']:.1f}", f"{f['gflops']:.0f}"]
@@ -299,6 +341,9 @@ def summary_table(rows) -> str:
         cells.append(f"{r['mx.fast']['ms'] / f['ms']:.0f}x" if "mx.fast" in r else "-")
         cells.append(f"{r['torch']['ms'] / f['ms']:.2f}x" if "torch" in r else "-")
         cells.append(f"{f['extra_peak_mib']:.1f}")
+        if contention:
+            c = r.get("contention")
+            cells += [f"{c['quiet_median']:.2f}x", f"{c['busy_median']:.2f}x", f"{100 * c['change']:+.0f}%"] if c else ["-"] * 3
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -364,6 +409,8 @@ def main(argv=None):
     p.add_argument("--max-baseline-len", type=int, default=4096)
     p.add_argument("--long-context", type=int, default=16384, help="T of the memory check (0: skip)")
     p.add_argument("--busy", action="store_true", help="run one spinning process alongside (contention)")
+    p.add_argument("--contention", type=int, default=0, metavar="ROUNDS",
+                   help="per row, ROUNDS rounds of fused/torch timed quiet and with a spinning process (0: off)")
     p.add_argument("--quick", action="store_true", help="tiny grid, for a smoke test")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -383,15 +430,13 @@ def main(argv=None):
     print("measured FMA peak (GFLOP/s, all threads): "
           + ", ".join(f"{isa} {p:.0f}" if p else f"{isa} -" for isa, p in peaks.items()))
     print(header())
-    busy = multiprocessing.Process(target=_spin, daemon=True) if args.busy else None
-    if busy:
-        busy.start()
-    try:
+    if args.busy and args.contention:
+        p.error("--busy and --contention exclude each other (--contention starts its own busy process per round)")
+    if args.busy:
+        with BusyProcess():
+            rows = benchmark(args, peaks.get(_ext.cpu_isa()))
+    else:
         rows = benchmark(args, peaks.get(_ext.cpu_isa()))
-    finally:
-        if busy:
-            busy.terminate()
-            busy.join()
     for r in rows:
         r["H"] = args.heads
     result = {
@@ -409,7 +454,10 @@ def main(argv=None):
             f"alone is {mem['unfused_scores_mib']:.0f} MiB"
         )
     (args.out / "bench_sdpa_cpu.json").write_text(json.dumps(result, indent=1))
-    (args.out / "bench_sdpa_cpu.md").write_text(summary_table(rows) + "\n")
+    table = summary_table(rows)
+    if args.contention:
+        print("\n" + table)
+    (args.out / "bench_sdpa_cpu.md").write_text(table + "\n")
     plot(rows, args.out / "bench_sdpa_cpu.png")
     print(f"\nsaved {args.out / 'bench_sdpa_cpu.json'}, .md and .png")
     return result

@@ -22,6 +22,41 @@ def test_cpu_benchmark_quick_run(tmp_path):
     assert bench.attention_flops(1, 1, 4, 4, 8, 8, False) == 2 * 16 * 16
 
 
+def _load_cpu_bench():
+    spec = importlib.util.spec_from_file_location("bench_sdpa_cpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_cpu_benchmark_contention_rounds_pair_quiet_and_busy_timings():
+    import time
+
+    bench = _load_cpu_bench()
+    # stand-ins: "torch" takes about three times as long as "fused", whatever the load
+    timed = {"fused": lambda: time.sleep(0.02), "torch": lambda: time.sleep(0.06)}
+    c = bench.contention_ratios(timed, rounds=3, repeats=1)
+    assert len(c["quiet_ratios"]) == len(c["busy_ratios"]) == 3
+    for ratio in c["quiet_ratios"] + c["busy_ratios"]:
+        assert 1.5 < ratio < 6  # torch time over fused time, not its inverse
+    assert abs(c["change"] - (c["busy_median"] / c["quiet_median"] - 1)) < 1e-12
+    row = {"D": 64, "dtype": "float32", "causal": False, "T": 8,
+           "fused": {"ms": 1.0, "gflops": 2.0, "extra_peak_mib": 0.0}, "torch": {"ms": 3.0, "gflops": 0.7},
+           "contention": {**c, "quiet_median": 3.0, "busy_median": 2.7, "change": -0.1}}
+    table = bench.summary_table([row])
+    assert "change under load" in table.splitlines()[0]
+    assert table.splitlines()[2].endswith("| 3.00x | 2.70x | -10% |")
+
+
+def test_cpu_benchmark_refuses_busy_with_contention(capsys):
+    import pytest
+
+    bench = _load_cpu_bench()
+    with pytest.raises(SystemExit):
+        bench.main(["--busy", "--contention", "2", "--quick"])
+    assert "--busy and --contention" in capsys.readouterr().err
+
+
 def test_generation_benchmark_quick_run(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_generate", BENCH.parent / "bench_generate.py")
     bench = importlib.util.module_from_spec(spec)
