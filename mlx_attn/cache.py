@@ -155,13 +155,20 @@ class _Cache:
     def is_trimmable(self) -> bool:
         return True
 
+    def trim(self, n: int) -> int:
+        """Forget the ``n`` newest tokens; returns how many were forgotten
+        (preallocated buffers: only the offset moves back)."""
+        n = self._trim_count(n)
+        self.offset -= n
+        return n
+
     def _trim_count(self, n) -> int:
         """``n`` checked (a non-negative int), capped at what the cache holds."""
         return min(self.offset, check_int("n", n, minimum=0, maximum=None))
 
     @property
     def meta_state(self) -> dict:
-        return {"offset": self.offset}
+        return {field: getattr(self, field) for field in self.META_FIELDS}
 
     def _stored_length(self) -> int:
         """Tokens :attr:`state` returns (what a meta_state must agree with)."""
@@ -281,17 +288,7 @@ class KVCache(_Cache):
         self.keys, self.values = _check_state(value)
         self.offset = 0 if self.keys is None else self.keys.shape[2]
 
-    def trim(self, n: int) -> int:
-        """Forget the ``n`` newest tokens; returns how many were forgotten."""
-        n = self._trim_count(n)
-        self.offset -= n
-        return n
-
-    @property
-    def meta_state(self) -> dict:
-        return {"offset": self.offset, "step": self.step}
-
-    @meta_state.setter
+    @_Cache.meta_state.setter
     def meta_state(self, value):
         meta = _check_meta(value, self.META_FIELDS)
         step = check_int("meta_state['step']", meta["step"], minimum=1, maximum=MAX_STEP)
@@ -592,17 +589,7 @@ class QuantizedKVCache(_Cache):
                 "head_dim": quantized.quantized_head_dim(k_packed, self.bits),
                 "value_dim": quantized.quantized_head_dim(v_packed, self.bits), "dtype": k_scales.dtype}
 
-    def trim(self, n: int) -> int:
-        """Forget the ``n`` newest tokens; returns how many were forgotten."""
-        n = self._trim_count(n)
-        self.offset -= n
-        return n
-
-    @property
-    def meta_state(self) -> dict:
-        return {"offset": self.offset, "step": self.step, "group_size": self.group_size, "bits": self.bits}
-
-    @meta_state.setter
+    @_Cache.meta_state.setter
     def meta_state(self, value):
         meta = _check_meta(value, self.META_FIELDS)
         step = check_int("meta_state['step']", meta["step"], minimum=1, maximum=MAX_STEP)

@@ -33,9 +33,8 @@ import mlx.core as mx
 
 from mlx_attn import distributed as dist
 from mlx_attn.cache import KVCache
-from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, _check_prompt, _responses
+from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, TokenSampling, _check_prompt, _responses
 from mlx_attn.lm.models.llama import Llama
-from mlx_attn.lm.sampling import apply_repetition_penalty, make_sampler
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 
 __all__ = ["distributed_generate_step", "distributed_stream_generate", "check_distributed_config",
@@ -158,28 +157,21 @@ def distributed_generate_step(model, prompt: list[int], config: GenerationConfig
           or not all(type(c) is KVCache and c.offset == 0 for c in cache)):
         raise ValueError(f"cache must be a list of {len(model.layers)} empty KVCache objects (one per layer)")
     prompt = _check_prompt(model, prompt, config.max_tokens, 0)
-    sampling = [round(x * 1e6) for x in (config.temperature, config.top_p, config.min_p, config.repetition_penalty)]
+    options = [round(x * 1e6) for x in (config.temperature, config.top_p, config.min_p, config.repetition_penalty)]
     seed = -1 if config.seed is None else config.seed % 2**62  # fits the int64 signature
-    agreement = [len(prompt), config.max_tokens, config.top_k, config.repetition_context, seed, *sampling,
+    agreement = [len(prompt), config.max_tokens, config.top_k, config.repetition_context, seed, *options,
                  *prompt[:64], *prompt[-64:]]
     dist._check_same_across_ranks("the prompt and generation options", agreement, group, timeout)
     if config.max_tokens == 0:
         return
-    sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
-    if config.seed is not None:
-        mx.random.seed(config.seed)
-    penalize = config.repetition_penalty != 1.0
-    recent = mx.array(prompt[-config.repetition_context:], dtype=mx.uint32)
+    sampling = TokenSampling(config, prompt)
     if len(prompt) > 1:
         _prefill(model, prompt[:-1], cache, group, timeout)
     token, position = mx.array(prompt[-1:]), len(prompt) - 1
     for _ in range(config.max_tokens):
-        logits = _decode(model, token, position, cache, group, timeout)
-        if penalize:
-            logits = apply_repetition_penalty(logits, recent, config.repetition_penalty)
-        token = _agree(sampler(logits), group, timeout)
-        if penalize:
-            recent = mx.concatenate([recent, token.astype(mx.uint32)])[-config.repetition_context:]
+        logits = sampling.penalized(_decode(model, token, position, cache, group, timeout))
+        token = _agree(sampling.sample(logits), group, timeout)
+        sampling.remember(token)
         position += 1
         yield int(token.item()), None
 

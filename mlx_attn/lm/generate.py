@@ -145,6 +145,27 @@ def _maybe_quantize(cache: list, config: GenerationConfig) -> None:
         cache[:] = [c.to_quantized(config.kv_group_size, config.kv_bits) for c in cache]
 
 
+class TokenSampling:
+    """The sampler (seeded from ``config.seed``) and the repetition-penalty
+    window of one generation: ``penalized(logits)``, ``sample(logits)``, then
+    ``remember(token)``."""
+
+    def __init__(self, config: GenerationConfig, prompt: list[int]):
+        self.sample = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
+        if config.seed is not None:
+            mx.random.seed(config.seed)
+        self.penalty, self.context = config.repetition_penalty, config.repetition_context
+        # kept as an array so the penalty of step n+1 never waits for token n
+        self.recent = mx.array(prompt[-self.context:], dtype=mx.uint32)
+
+    def penalized(self, logits: mx.array) -> mx.array:
+        return logits if self.penalty == 1.0 else apply_repetition_penalty(logits, self.recent, self.penalty)
+
+    def remember(self, token: mx.array) -> None:
+        if self.penalty != 1.0:
+            self.recent = mx.concatenate([self.recent, token.astype(mx.uint32)])[-self.context:]
+
+
 def generate_step(model, prompt: list[int], config: GenerationConfig, cache: list | None = None
                   ) -> Iterator[tuple[int, mx.array | None]]:
     """Yields ``(token id, log-probabilities or None)`` for up to
@@ -159,23 +180,14 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     prompt = _check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
     if config.max_tokens == 0:
         return
-    sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
-    if config.seed is not None:
-        mx.random.seed(config.seed)
-    penalize = config.repetition_penalty != 1.0
-    # kept as an array so the penalty of step n+1 never waits for token n
-    recent = mx.array(prompt[-config.repetition_context:], dtype=mx.uint32)
+    sampling = TokenSampling(config, prompt)
 
     def step(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
-        nonlocal recent
         _maybe_quantize(cache, config)
-        logits = model(inputs, cache=cache)[:, -1]
-        if penalize:
-            logits = apply_repetition_penalty(logits, recent, config.repetition_penalty)
+        logits = sampling.penalized(model(inputs, cache=cache)[:, -1])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
-        token = sampler(logits)
-        if penalize:
-            recent = mx.concatenate([recent, token.astype(mx.uint32)])[-config.repetition_context:]
+        token = sampling.sample(logits)
+        sampling.remember(token)
         return token, (logprobs[0] if logprobs is not None else None)
 
     # prefill all but the last prompt token in chunks; the last one produces
