@@ -63,6 +63,11 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 RunKernel = Callable[..., mx.array]
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One compiled kernel family: what a self-check vouches for."""
@@ -74,8 +79,7 @@ class Variant:
     def __post_init__(self):
         if self.phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be 'prefill' or 'decode', got {self.phase!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
 
     def __str__(self) -> str:
         return f"{self.phase}/{self.dtype}/D={self.head_dim}"
@@ -91,8 +95,7 @@ class QuantizedVariant:
     group_size: int
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
 
     def __str__(self) -> str:
         return f"quantized/{self.dtype}/D={self.head_dim}/{self.bits}-bit/group {self.group_size}"
@@ -108,8 +111,7 @@ class BackwardVariant:
     value_dim: int | None = None  # None: the head dim
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
         if self.value_dim is None:
             object.__setattr__(self, "value_dim", self.head_dim)
 
