@@ -7,6 +7,7 @@ including deliberately broken kernel variants that the check must disable.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ from metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal, emulated_back
 from mlx_attn import self_check
 from mlx_attn.doctor import run_doctor
 from mlx_attn.reference import reference_attention
-from mlx_attn.self_check import BackwardVariant, Case, Variant
+from mlx_attn.self_check import BackwardVariant, Variant
 from test_metal_backward import BACKWARD
 
 needs_emulator = pytest.mark.skipif(
@@ -321,14 +322,19 @@ class EmulatedBackward:
         return [g for g in grads if g is not None]
 
 
-def autodiff_backward(q, k, v, d_out, *, sinks=None, **kwargs):
-    """A correct backward: mx.vjp of the reference path in the inputs' dtype."""
-    primals = [q, k, v] + ([sinks] if sinks is not None else [])
+def backward_of(attention):
+    """``run_backward`` from mx.vjp of ``attention(q, k, v, *, sinks, ...)``."""
+    def run(q, k, v, d_out, *, sinks=None, **kwargs):
+        def attend(q, k, v, *maybe_sinks):
+            return attention(q, k, v, sinks=maybe_sinks[0] if maybe_sinks else None, **kwargs)
 
-    def attend(q, k, v, *maybe_sinks):
-        return reference_attention(q, k, v, sinks=maybe_sinks[0] if maybe_sinks else None, stream=mx.cpu, **kwargs)
+        return mx.vjp(attend, [q, k, v] + ([sinks] if sinks is not None else []), [d_out])[1]
 
-    return mx.vjp(attend, primals, [d_out])[1]
+    return run
+
+
+# A correct backward: the reference path's autodiff in the inputs' dtype.
+autodiff_backward = backward_of(functools.partial(reference_attention, stream=mx.cpu))
 
 
 def dk_dv_swapped(run):
@@ -381,6 +387,18 @@ def test_correct_backward_passes_once_and_a_broken_one_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         assert not self_check.trusted(bad, dk_dv_swapped(autodiff_backward))
+
+
+def test_the_fused_cpu_backward_passes_the_backward_check():
+    """The check accepts a real fused backward (the CPU's, through mx.vjp of
+    the public op), not only the reference autodiff it compares with."""
+    import mlx_attn
+
+    fused_cpu_backward = backward_of(
+        functools.partial(mlx_attn.scaled_dot_product_attention, backend="fused", stream=mx.cpu))
+    for dtype in ("float32", "bfloat16"):
+        result = self_check.check_backward_variant(BackwardVariant(dtype, 64), fused_cpu_backward)
+        assert result.passed and result.max_error <= self_check.TOLERANCE[dtype] / 5, result
 
 
 @pytest.mark.parametrize(
