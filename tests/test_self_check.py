@@ -560,18 +560,22 @@ def test_doctor_lists_the_emulated_metal_backward():
 
 @pytest.mark.skipif(not REAL_METAL, reason="needs an Apple GPU: the Metal backward runs for real only on a Mac")
 def test_gpu_gradients_fall_back_when_the_backward_gate_says_no():
-    """On a Mac: with the gate refusing, mx.grad on the GPU still gives the
-    reference path's gradients (the reference autodiff ran instead)."""
+    """On a Mac: with the gate refusing, mx.grad on the GPU gives the
+    reference path's gradients (its autodiff ran instead, without the lse
+    kept for the backward: a row that sees no key gets zeros, not NaN)."""
     import mlx_attn
     from mlx_attn import _native, ops
 
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.standard_normal((1, 4, 40, 64)).astype(np.float32)) for _ in range(3))
+    visible = rng.random((40, 40)) < 0.7
+    visible[3] = False
+    mask = mx.array(visible)
     asked = []
 
     def loss(backend):
         return lambda q: mlx_attn.scaled_dot_product_attention(
-            q, k, v, scale=0.125, mask="causal", backend=backend, stream=mx.gpu).sum()
+            q, k, v, scale=0.125, mask=mask, backend=backend, stream=mx.gpu).sum()
 
     _native.ext.set_backward_gate(lambda problem: asked.append(problem.head_dim) or False)
     try:
@@ -579,4 +583,5 @@ def test_gpu_gradients_fall_back_when_the_backward_gate_says_no():
     finally:
         _native.ext.set_backward_gate(ops._metal_backward_trusted)
     assert asked == [64]
+    assert np.all(np.array(got)[:, :, 3] == 0)
     assert mx.allclose(got, mx.grad(loss("reference"))(q), atol=1e-4).item()
