@@ -19,10 +19,8 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import mlx.core as mx
 
 import mlx_attn
 from mlx_attn import distributed as dist
+from mlx_attn._local_ranks import run_ranks, write_result
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -45,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--layout", default="zigzag", choices=dist.LAYOUTS)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: the results file of one rank
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: the folder of the ranks' results
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.ranks = "512,1024", "1,2"
@@ -99,46 +98,18 @@ def measure(args, group):
 
 def worker(args):
     group = dist.init(backend="ring") if "MLX_RANK" in os.environ else mx.distributed.init()
-    rows = measure(args, group)
-    Path(f"{args.worker}.rank{group.rank()}").write_text(json.dumps(rows))
+    write_result(args.worker, group.rank(), measure(args, group))
 
 
 # ----------------------------------------------------------------- driver
 
 
-def free_port_base(count: int) -> int:
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        try:
-            held = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports on 127.0.0.1")
-
-
-def launcher() -> list[str]:
-    beside = Path(sys.executable).with_name("mlx.launch")
-    found = str(beside) if beside.exists() else shutil.which("mlx.launch")
-    return [found] if found else [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
-
-
-def run_config(args, ranks: int, results_stem: Path, forwarded: list[str]):
-    command = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--worker", str(results_stem)]
-    if ranks > 1:
-        command = [*launcher(), "-n", str(ranks), "--backend", "ring", "--hosts", "127.0.0.1",
-                   "--starting-port", str(free_port_base(ranks)), *command]
-    subprocess.run(command, check=True, timeout=1800)
-    return [row for r in range(ranks) for row in json.loads(Path(f"{results_stem}.rank{r}").read_text())]
+def run_config(ranks: int, forwarded: list[str]):
+    """Every rank's rows of one configuration, from fresh processes."""
+    with tempfile.TemporaryDirectory() as results:
+        program = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--worker", results]
+        per_rank = run_ranks(ranks, program, results, timeout_s=1800)
+    return [row for rows in per_rank for row in rows]
 
 
 def summarize(rows, args):
@@ -225,9 +196,7 @@ def main(argv=None):
                                                          "--ranks", ",".join(map(str, args.ranks))])
     rows = []
     for ranks in args.ranks:
-        rows += run_config(args, ranks, out / f".bench_distributed_{ranks}", forwarded)
-        for r in range(ranks):
-            Path(out / f".bench_distributed_{ranks}.rank{r}").unlink()
+        rows += run_config(ranks, forwarded)
     table = summarize(rows, args)
     print(format_table(table, args))
     config = {k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim", "dtype", "layout", "lengths", "ranks")}

@@ -319,24 +319,45 @@ std::vector<mx::array> differentiate(
   return differentiation_rule()(mode, primals, vectors, argnums, options, stream);
 }
 
+BackwardGate& backward_gate() {
+  static auto* gate = new BackwardGate();  // never destroyed, as the rule
+  return *gate;
+}
+
+// Whether the vjp runs FusedAttentionBackward: its plan takes the problem
+// and, on the GPU only, the Metal backward's variant is trusted.
+bool use_fused_backward(const AttentionProblem& problem, mx::Device device) {
+  if (!fused_backward_supported(problem, device)) return false;
+  return device == mx::Device::cpu || !backward_gate() || backward_gate()(problem);
+}
+
 }  // namespace
 
 void set_differentiation_rule(DifferentiationRule rule) {
   differentiation_rule() = std::move(rule);
 }
 
+void set_backward_gate(BackwardGate gate) {
+  backward_gate() = std::move(gate);
+}
+
 // The fused backward runs when the forward kept its lse (on the GPU: when the
-// Metal backward's plan takes the problem); the cotangent of the lse (zeros
-// unless the caller asked for the lse) joins delta. Masks are constants:
-// their gradient is zero.
+// Metal backward's plan takes the problem and its variant passed the
+// self-check); the cotangent of the lse (zeros unless the caller asked for
+// the lse) joins delta. Masks are constants: their gradient is zero.
 std::vector<mx::array> FusedAttention::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>& outputs) {
   const auto s = stream();
-  if (!options_.output_lse || !fused_backward_supported(describe_attention(primals, options_), s.device)) {
-    return differentiate("vjp", primals, cotangents, argnums, options_, s);
+  if (!options_.output_lse || !use_fused_backward(describe_attention(primals, options_), s.device)) {
+    if (!options_.lse_for_backward) return differentiate("vjp", primals, cotangents, argnums, options_, s);
+    // The hidden lse's cotangent is zero: differentiating it anyway would
+    // put log(0)'s NaN derivative into the rows that see no key.
+    AttentionOptions without_lse = options_;
+    without_lse.output_lse = without_lse.lse_for_backward = false;
+    return differentiate("vjp", primals, {cotangents[0]}, argnums, without_lse, s);
   }
   const auto& q = primals[0];
   std::vector<mx::array> inputs = primals;

@@ -82,6 +82,13 @@ using DifferentiationRule = std::function<std::vector<mx::array>(
     mx::Stream stream)>;
 void set_differentiation_rule(DifferentiationRule rule);
 
+// On the GPU, FusedAttention::vjp runs the Metal backward only where this
+// gate says the problem's kernel variant passed its first-use self-check
+// (mlx_attn/ops.py registers mlx_attn.self_check's); otherwise the reference
+// path's vjp. Never asked on the CPU; unset, the Metal backward is trusted.
+using BackwardGate = std::function<bool(const AttentionProblem& problem)>;
+void set_backward_gate(BackwardGate gate);
+
 // What the attention primitives (FusedAttention, QuantizedAttention) share:
 // their options, outputs [B, Hq, Tq, Dv] (and the float32 [B, Hq, Tq] lse
 // with options.output_lse), equivalence, and the GPU evaluation: encode the

@@ -146,6 +146,13 @@ NB_MODULE(_ext, m) {
       "rule(mode, primals, vectors, argnums, options, stream): 'vjp' returns one gradient per argnum, "
       "'jvp' the output tangent. mlx_attn.ops registers the reference path's.");
 
+  m.def(
+      "set_backward_gate",
+      [](mlx_attn::BackwardGate gate) { mlx_attn::set_backward_gate(std::move(gate)); },
+      "gate"_a.none(),
+      "gate(problem) -> bool: whether the Metal backward may run `problem` (asked on the GPU only, while "
+      "a vjp is built); None trusts it. mlx_attn.ops registers the first-use self-check's.");
+
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
 

@@ -2,9 +2,10 @@
 
 Prints a Markdown report to paste into a bug report: versions, device, which
 kernels the build carries, every kernel variant's check against the reference
-path on a grid of shapes (masks, GQA, window, sinks, decode splits), and a
-short timing table next to ``mx.fast`` and the reference path. The report is
-``ok`` only if every check passed.
+path on a grid of shapes (masks, GQA, window, sinks, decode splits), the Metal
+backward's variants against the reference path's gradients, and a short
+timing table next to ``mx.fast`` and the reference path. The report is ``ok``
+only if every check passed.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import mlx_attn
 from mlx_attn import _native, self_check
 from mlx_attn._blas import blas_choice
 from mlx_attn._timing import median_seconds
-from mlx_attn.ops import metal_kernel_runner
-from mlx_attn.self_check import Case, CheckResult, Variant
+from mlx_attn.ops import metal_backward_runner, metal_kernel_runner
+from mlx_attn.self_check import BackwardVariant, Case, CheckResult, Variant
 
-__all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid"]
+__all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid", "backward_grid"]
 
 METAL_HEAD_DIMS = (64, 80, 96, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 80, 96, 128)  # the Metal backward's (csrc/backward_launch_plan.cpp)
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 
 
@@ -36,6 +38,7 @@ class DoctorReport:
     ok: bool
     cpu_results: list[CheckResult]
     metal_results: list[CheckResult]
+    backward_results: list[CheckResult] = dataclasses.field(default_factory=list)
 
 
 def _extra_cases(variant: Variant) -> list[Case]:
@@ -55,6 +58,16 @@ def _extra_cases(variant: Variant) -> list[Case]:
 
 def metal_grid(variant: Variant) -> list[Case]:
     return self_check.canonical_cases(variant) + _extra_cases(variant)
+
+
+def backward_grid(variant: BackwardVariant) -> list[Case]:
+    """The backward self-check's cases and more: MQA, no mask with Tq < Tkv,
+    a window alone over several query blocks."""
+    return self_check.backward_cases(variant) + [
+        Case("MQA causal", 1, 8, 1, 64, 64, mask="causal"),
+        Case("cross (Tq < Tkv), no mask", 1, 2, 2, 20, 100),
+        Case("window only", 1, 2, 1, 70, 70, window_size=16),
+    ]
 
 
 def cpu_grid(variant: Variant) -> list[Case]:
@@ -96,8 +109,8 @@ def _environment_rows(native) -> list[tuple[str, str]]:
     return rows
 
 
-def _check_rows(results: list[CheckResult], label: str = "") -> list[str]:
-    lines = ["| variant | cases | max abs error | tolerance | result |", "|---|---|---|---|---|"]
+def _check_rows(results: list[CheckResult], label: str = "", error: str = "max abs error") -> list[str]:
+    lines = [f"| variant | cases | {error} | tolerance | result |", "|---|---|---|---|---|"]
     for r in results:
         verdict = "pass" if r.passed else f"**FAIL**: {r.error}"
         lines.append(
@@ -145,22 +158,27 @@ def run_doctor(
     *,
     metal_runner: Callable | None = None,
     variants: list[Variant] | None = None,
+    metal_backward: Callable | None = None,
+    backward_variants: list[BackwardVariant] | None = None,
     timings: bool = True,
     lengths: tuple[int, ...] = (256, 1024),
     repeats: int = 3,
     native=None,
 ) -> DoctorReport:
-    """Builds the report. ``metal_runner`` runs the Metal kernels (default:
-    the real GPU when this build and machine have Metal; the tests pass the
-    MSL emulator); ``variants`` limits the Metal variants checked."""
+    """Builds the report. ``metal_runner`` runs the Metal kernels and
+    ``metal_backward`` the Metal backward (defaults: the real GPU when this
+    build and machine have Metal; the tests pass the MSL emulator);
+    ``variants`` and ``backward_variants`` limit the variants checked."""
     native = _native.ext if native is None else native
-    if metal_runner is None and native is not None and mx.metal.is_available() and native.has_metal():
-        metal_runner = metal_kernel_runner(mx.gpu)
+    if native is not None and mx.metal.is_available() and native.has_metal():
+        metal_runner = metal_kernel_runner(mx.gpu) if metal_runner is None else metal_runner
+        metal_backward = metal_backward_runner(mx.gpu) if metal_backward is None else metal_backward
     lines = ["# mlx_attn doctor report", "", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in _environment_rows(native)]
     ok = native is not None
     cpu_results: list[CheckResult] = []
     metal_results: list[CheckResult] = []
+    backward_results: list[CheckResult] = []
 
     lines += ["", "## Fused CPU kernel against the reference path", ""]
     if native is None:
@@ -174,23 +192,36 @@ def run_doctor(
         lines += _check_rows(cpu_results, label="cpu ")
         ok &= all(r.passed for r in cpu_results)
 
+    no_metal = (
+        "Not checked: "
+        + ("Metal is not available on this machine" if not mx.metal.is_available()
+           else "this build of mlx_attn has no Metal kernels")
+        + "."
+    )
     lines += ["", "## Metal kernels against the reference path", ""]
     if metal_runner is None:
-        reason = (
-            "Metal is not available on this machine"
-            if not mx.metal.is_available()
-            else "this build of mlx_attn has no Metal kernels"
-        )
-        lines.append(f"Not checked: {reason}.")
+        lines.append(no_metal)
     else:
         if variants is None:
             variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in METAL_HEAD_DIMS]
         metal_results = [self_check.check_variant(v, metal_runner, metal_grid(v)) for v in variants]
         lines += _check_rows(metal_results)
         ok &= all(r.passed for r in metal_results)
-        failed = [str(r.variant) for r in metal_results if not r.passed]
-        if failed:
-            lines += ["", f"Variants that would be disabled by the first-use self-check: {', '.join(failed)}."]
+
+    lines += ["", "## Metal backward against the reference path's gradients", ""]
+    if metal_backward is None:
+        lines.append(no_metal)
+    else:
+        if backward_variants is None:
+            backward_variants = [BackwardVariant(dt, d) for dt in DTYPE_NAMES for d in BACKWARD_HEAD_DIMS]
+        backward_results = [
+            self_check.check_backward_variant(v, metal_backward, backward_grid(v)) for v in backward_variants
+        ]
+        lines += _check_rows(backward_results, error="max error / largest gradient")
+        ok &= all(r.passed for r in backward_results)
+    failed = [str(r.variant) for r in metal_results + backward_results if not r.passed]
+    if failed:
+        lines += ["", f"Variants that would be disabled by the first-use self-check: {', '.join(failed)}."]
 
     if timings and native is not None:
         on_gpu = metal_runner is not None and mx.metal.is_available()
@@ -200,4 +231,4 @@ def run_doctor(
         lines += _timing_lines(mx.gpu if on_gpu else mx.cpu, dtype, lengths, repeats)
 
     lines += ["", f"**Result: {'all checks passed' if ok else 'MISMATCHES FOUND (see above)'}**", ""]
-    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results)
+    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results, backward_results)

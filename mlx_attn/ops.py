@@ -10,6 +10,9 @@ Paths, in order of preference: the fused kernel of the stream's device
 (``"fused-cpu"``; ``"fused-metal"`` once its variant passed the first-use
 self-check, :mod:`mlx_attn.self_check`); on the GPU, ``"mlx-fast"`` for the
 problems ``mx.fast`` computes under this contract; else ``"reference"``.
+Gradients of the fused primitive come from its fused backward (on the GPU,
+once the Metal backward's variant passed its self-check: the gate registered
+below), else from the reference path's autodiff.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import numpy as np
 from mlx_attn import _native, self_check
 from mlx_attn.reference import reference_attention
 
-__all__ = ["scaled_dot_product_attention", "attention_path", "metal_kernel_runner", "Backend", "Path"]
+__all__ = [
+    "scaled_dot_product_attention", "attention_path", "metal_kernel_runner", "metal_backward_runner", "Backend", "Path",
+]
 
 Backend = Literal["auto", "fused", "reference"]
 Path = Literal["fused-cpu", "fused-metal", "mlx-fast", "reference"]
@@ -241,6 +246,41 @@ def metal_kernel_runner(stream=None):
     return run
 
 
+def metal_backward_variant(problem) -> self_check.BackwardVariant:
+    """The Metal backward variant of a problem: what its self-check vouches for."""
+    return self_check.BackwardVariant(problem.dtype, problem.head_dim, problem.value_dim)
+
+
+def metal_backward_runner(stream=None):
+    """``run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None)
+    -> [dq, dk, dv(, d_sinks)]``: the fused forward and the Metal backward on
+    ``stream`` (default: the GPU), evaluated, bypassing the self-check. What
+    the backward self-check and ``mlx-attn doctor`` test."""
+    stream = mx.gpu if stream is None else stream
+
+    def run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None):
+        q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, "fused", stream)
+
+        def attend(q, k, v, *maybe_sinks):
+            return _run_fused(q, k, v, scale, mask, maybe_sinks[0] if maybe_sinks else None, window_size, stream)[0]
+
+        primals = [q, k, v] + ([sinks] if sinks is not None else [])
+        with self_check.unchecked():  # the vjp asks the gate: these calls run the kernels under test
+            _, grads = mx.vjp(attend, primals, [d_out])
+            mx.eval(grads)
+        return grads
+
+    return run
+
+
+def _metal_backward_trusted(problem) -> bool:
+    """The backward gate (``_ext.set_backward_gate``): FusedAttention's vjp
+    asks it on the GPU only, while the graph of a gradient is built (inside
+    ``mx.grad`` or ``mx.compile`` too). It sees the problem, never the
+    caller's arrays: the check runs on arrays of its own."""
+    return self_check.trusted(metal_backward_variant(problem), metal_backward_runner())
+
+
 def _mlx_fast_computes(q, k, mask, window_size, return_lse) -> bool:
     """Problems ``mx.fast`` computes under this package's contract: no window
     or log-sum-exp (it has neither) and no row that can see no key (it does
@@ -324,6 +364,7 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
 
 if _native.ext is not None:
     _native.ext.set_differentiation_rule(_reference_derivative)
+    _native.ext.set_backward_gate(_metal_backward_trusted)
 
 
 def scaled_dot_product_attention(

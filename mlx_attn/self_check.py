@@ -6,17 +6,21 @@ decode, element type, head dim) is about to run in a process, it runs on a
 few small canonical problems and is compared with the reference path. A
 mismatch (or an error) disables that variant for the rest of the process with
 one warning naming the variant and the error; calls then take the next path
-(``mx.fast``, then the reference path). ``MLX_ATTN_SELF_CHECK=0`` turns the
-check off.
+(``mx.fast``, then the reference path). The Metal backward is gated the same
+way (:class:`BackwardVariant`): its gradients are compared with the reference
+path's autodiff, and a failed variant's gradients come from that autodiff.
+``MLX_ATTN_SELF_CHECK=0`` turns the check off.
 
 The check is independent of how kernels are launched: it takes a
-``run_kernel(q, k, v, *, scale, mask, sinks, window_size)`` callable. On a
-Mac that is the fused primitive on the GPU stream; the tests pass the MSL
-emulator, so this logic runs here too.
+``run_kernel(q, k, v, *, scale, mask, sinks, window_size)`` callable (the
+backward's: ``run_backward(q, k, v, d_out, ...) -> [dq, dk, dv(, d_sinks)]``).
+On a Mac that is the fused primitive on the GPU stream; the tests pass the
+MSL emulator, so this logic runs here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -32,7 +36,12 @@ from mlx_attn.reference import reference_attention
 __all__ = [
     "Variant",
     "QuantizedVariant",
+    "BackwardVariant",
     "check_quantized_variant",
+    "check_backward_variant",
+    "backward_cases",
+    "reference_gradients",
+    "unchecked",
     "CheckResult",
     "canonical_cases",
     "check_variant",
@@ -45,10 +54,18 @@ __all__ = [
 # Max abs error against the reference path (outputs of magnitude ~1). The
 # real Metal compiler uses fast math, so float32 gets more room than the
 # emulator tests' 2e-5; half types allow one or two output roundings.
+# The backward's gradients get the same bounds on their max abs error
+# relative to the largest reference gradient (at least 1); the emulated
+# Metal backward stays within a fifth of them on its cases (fast math).
 TOLERANCE = {"float32": 1e-4, "float16": 6e-3, "bfloat16": 4e-2}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 RunKernel = Callable[..., mx.array]
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +79,7 @@ class Variant:
     def __post_init__(self):
         if self.phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be 'prefill' or 'decode', got {self.phase!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
 
     def __str__(self) -> str:
         return f"{self.phase}/{self.dtype}/D={self.head_dim}"
@@ -79,19 +95,40 @@ class QuantizedVariant:
     group_size: int
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
 
     def __str__(self) -> str:
         return f"quantized/{self.dtype}/D={self.head_dim}/{self.bits}-bit/group {self.group_size}"
 
 
 @dataclasses.dataclass(frozen=True)
+class BackwardVariant:
+    """The Metal backward kernels (metal/attention_backward.metal) of one
+    element type and head dims: what a backward self-check vouches for."""
+
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    head_dim: int
+    value_dim: int | None = None  # None: the head dim
+
+    def __post_init__(self):
+        _check_dtype(self.dtype)
+        if self.value_dim is None:
+            object.__setattr__(self, "value_dim", self.head_dim)
+
+    def __str__(self) -> str:
+        value = f"/Dv={self.value_dim}" if self.value_dim != self.head_dim else ""
+        return f"backward/{self.dtype}/D={self.head_dim}{value}"
+
+
+AnyVariant = Variant | QuantizedVariant | BackwardVariant
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckResult:
-    variant: Variant | QuantizedVariant
+    variant: AnyVariant
     passed: bool
     cases: int
-    max_error: float  # over the cases that ran (nan when none finished)
+    max_error: float  # over the cases that ran (nan when none finished); relative for the backward
     seconds: float
     error: str | None = None  # why it failed
 
@@ -128,18 +165,34 @@ def canonical_cases(variant: Variant) -> list[Case]:
     ]
 
 
-def make_inputs(variant: Variant, case: Case, seed: int = 0) -> tuple[tuple, dict]:
+def backward_cases(variant: BackwardVariant) -> list[Case]:
+    """Problems that reach the backward's branches: the GQA sum of dK/dV,
+    causal and window block skipping in both kernels, both mask kinds, the
+    sinks' gradient, several and partial query and key blocks."""
+    return [
+        Case("causal+sinks, GQA", 1, 4, 2, 40, 72, mask="causal", sinks=True),
+        Case("bool mask", 2, 2, 1, 37, 45, mask="bool"),
+        Case("additive mask+window", 1, 3, 3, 33, 50, mask="additive", window_size=9),
+    ]
+
+
+def _normal(rng: np.random.Generator, shape: tuple, dtype: mx.Dtype) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def make_inputs(variant: AnyVariant, case: Case, seed: int = 0) -> tuple[tuple, dict]:
     """``(q, k, v), kwargs`` for a case, in the variant's dtype."""
     rng = np.random.default_rng(seed)
     dtype = DTYPES[variant.dtype]
     d = variant.head_dim
+    value_dim = getattr(variant, "value_dim", d)
 
     def normal(*shape):
-        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        return _normal(rng, shape, dtype)
 
     q = normal(case.batch, case.q_heads, case.q_len, d)
     k = normal(case.batch, case.kv_heads, case.kv_len, d)
-    v = normal(case.batch, case.kv_heads, case.kv_len, d)
+    v = normal(case.batch, case.kv_heads, case.kv_len, value_dim)
     kwargs: dict = {"scale": d**-0.5, "window_size": case.window_size}
     shape = (case.batch, 1, case.q_len, case.kv_len)
     if case.mask == "causal":
@@ -196,30 +249,78 @@ def check_quantized_variant(variant: QuantizedVariant, run_kernel: RunKernel,
     return _compare(variant, cases, outputs)
 
 
-def _compare(variant, cases: list[Case], outputs) -> CheckResult:
+def reference_gradients(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None) -> list[mx.array]:
+    """``[dq, dk, dv(, d_sinks)]`` of ``sum(out * d_out)``: ``mx.vjp`` of the
+    reference path on the CPU, in float32 from the inputs' values."""
+    with mx.stream(mx.cpu):
+        primals = [x.astype(mx.float32) for x in (q, k, v)]
+        if sinks is not None:
+            primals.append(sinks.astype(mx.float32))
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            mask = mask.astype(mx.float32)
+
+        def attend(q, k, v, *maybe_sinks):
+            return reference_attention(q, k, v, scale=scale, mask=mask, sinks=maybe_sinks[0] if maybe_sinks else None,
+                                       window_size=window_size)
+
+        _, grads = mx.vjp(attend, primals, [d_out.astype(mx.float32)])
+        mx.eval(grads)
+    return grads
+
+
+def check_backward_variant(variant: BackwardVariant, run_backward: RunKernel,
+                           cases: list[Case] | None = None) -> CheckResult:
+    """Runs ``cases`` (default: :func:`backward_cases`) through
+    ``run_backward(q, k, v, d_out, **kwargs) -> [dq, dk, dv(, d_sinks)]`` and
+    compares every gradient with :func:`reference_gradients`."""
+    cases = backward_cases(variant) if cases is None else cases
+
+    def outputs(index, case):
+        (q, k, v), kwargs = make_inputs(variant, case, seed=index)
+        d_out = _normal(np.random.default_rng([index, 1]), (*q.shape[:3], v.shape[3]), q.dtype)
+        return (lambda: run_backward(q, k, v, d_out, **kwargs),
+                lambda: reference_gradients(q, k, v, d_out, **kwargs))
+
+    return _compare(variant, cases, outputs)
+
+
+GRADIENT_NAMES = ("dq", "dk", "dv", "d_sinks")
+
+
+def _compare(variant: AnyVariant, cases: list[Case], outputs) -> CheckResult:
     """``outputs(index, case) -> (run, want)``: runs each case's kernel and
-    compares it with the reference (shape, finiteness, max abs error)."""
+    compares it with the reference (shape, finiteness, max abs error; for
+    the backward, each gradient's, relative to its largest reference value)."""
+    backward = isinstance(variant, BackwardVariant)
+    limit = TOLERANCE[variant.dtype]
     start = time.perf_counter()
     worst = float("nan")
+
+    def failed(ran: int, case: Case, why: str) -> CheckResult:
+        return CheckResult(variant, False, ran, worst, time.perf_counter() - start, f"case {case.name!r}{why}")
+
     for index, case in enumerate(cases):
         run, reference = outputs(index, case)
         try:
-            got = np.array(mx.array(run()).astype(mx.float32))
+            got = [np.array(mx.array(g).astype(mx.float32)) for g in (run() if backward else [run()])]
         except Exception as error:  # a failing kernel is a result, not a crash
-            return CheckResult(variant, False, index, worst, time.perf_counter() - start,
-                               f"case {case.name!r} raised {type(error).__name__}: {error}")
-        want = np.array(reference().astype(mx.float32))
-        if got.shape != want.shape:
-            return CheckResult(variant, False, index, worst, time.perf_counter() - start,
-                               f"case {case.name!r} returned shape {got.shape}, expected {want.shape}")
-        if not np.isfinite(got).all():
-            return CheckResult(variant, False, index, worst, time.perf_counter() - start,
-                               f"case {case.name!r} returned non-finite values")
-        error = float(np.abs(got - want).max())
-        worst = error if np.isnan(worst) else max(worst, error)
-        if error > TOLERANCE[variant.dtype]:
-            return CheckResult(variant, False, index + 1, worst, time.perf_counter() - start,
-                               f"case {case.name!r}: max abs error {error:.3g} > {TOLERANCE[variant.dtype]:g}")
+            return failed(index, case, f" raised {type(error).__name__}: {error}")
+        want = [np.array(w.astype(mx.float32)) for w in (reference() if backward else [reference()])]
+        if len(got) != len(want):
+            return failed(index, case, f" returned {len(got)} gradients, expected {len(want)}")
+        for name, g, w in zip(GRADIENT_NAMES if backward else [""], got, want):
+            label = f"{name} " if name else ""
+            if g.shape != w.shape:
+                return failed(index, case, f" returned {label}shape {g.shape}, expected {w.shape}")
+            if not np.isfinite(g).all():
+                return failed(index, case, f" returned non-finite {name or 'values'}")
+            error = float(np.abs(g - w).max(initial=0.0))
+            if backward:
+                error /= max(1.0, float(np.abs(w).max(initial=0.0)))
+            worst = error if np.isnan(worst) else max(worst, error)
+            if error > limit:
+                measure = f"{label}max relative error" if backward else "max abs error"
+                return failed(index + 1, case, f": {measure} {error:.3g} > {limit:g}")
     return CheckResult(variant, True, len(cases), worst, time.perf_counter() - start)
 
 
@@ -227,33 +328,54 @@ def self_check_enabled() -> bool:
     return os.environ.get("MLX_ATTN_SELF_CHECK", "1").strip() not in ("0", "false", "no", "off")
 
 
-_results: dict[Variant | QuantizedVariant, CheckResult] = {}
-_lock = threading.Lock()
+_results: dict[AnyVariant, CheckResult] = {}
+_lock = threading.RLock()  # re-entrant: a check's kernel calls may ask about a variant again
+_thread = threading.local()
+
+_CHECKS = {Variant: check_variant, QuantizedVariant: check_quantized_variant, BackwardVariant: check_backward_variant}
+_FALLBACKS = {
+    Variant: "calls fall back to mx.fast or the reference path",
+    QuantizedVariant: "calls fall back to the reference path",
+    BackwardVariant: "gradients come from the reference path's autodiff",
+}
 
 
-def trusted(variant: Variant | QuantizedVariant, run_kernel: RunKernel) -> bool:
+@contextlib.contextmanager
+def unchecked():
+    """Within it (this thread only), :func:`trusted` trusts every variant:
+    for code that runs the kernels themselves (a check, ``mlx-attn doctor``),
+    whose calls must neither recurse into a check nor be rerouted by one."""
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _thread.depth -= 1
+
+
+def trusted(variant: AnyVariant, run_kernel: RunKernel) -> bool:
     """Whether ``variant`` may run: checked once per process (unless
-    ``MLX_ATTN_SELF_CHECK=0``); a failure warns once and disables it."""
-    if not self_check_enabled():
+    ``MLX_ATTN_SELF_CHECK=0``); a failure warns once and disables it.
+    ``run_kernel`` is the variant kind's runner (see the check functions)."""
+    if not self_check_enabled() or getattr(_thread, "depth", 0):
         return True
     with _lock:
         result = _results.get(variant)
         if result is None:
-            check = check_quantized_variant if isinstance(variant, QuantizedVariant) else check_variant
-            result = check(variant, run_kernel)
+            with unchecked():
+                result = _CHECKS[type(variant)](variant, run_kernel)
             _results[variant] = result
             if not result.passed:
                 warnings.warn(
                     f"mlx_attn: the Metal kernel variant {variant} failed its self-check against the "
-                    f"reference path ({result.error}); it is disabled for this process and calls fall "
-                    f"back to mx.fast or the reference path. Please report this with `mlx-attn doctor`.",
+                    f"reference path ({result.error}); it is disabled for this process and "
+                    f"{_FALLBACKS[type(variant)]}. Please report this with `mlx-attn doctor`.",
                     RuntimeWarning,
                     stacklevel=3,
                 )
     return result.passed
 
 
-def results() -> dict[Variant | QuantizedVariant, CheckResult]:
+def results() -> dict[AnyVariant, CheckResult]:
     """The self-checks run so far in this process."""
     with _lock:
         return dict(_results)

@@ -33,15 +33,9 @@ import mlx.core as mx
 
 import mlx_attn
 from mlx_attn import distributed as dist
+from mlx_attn._local_ranks import write_result
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def write(out_dir: str, rank: int, payload) -> None:
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(payload, f)
-    os.replace(path + ".tmp", path)
 
 
 def make_inputs(case):
@@ -168,27 +162,27 @@ def main():
     if mode == "compare":
         with open(sys.argv[3]) as f:
             cases = json.load(f)
-        write(out_dir, rank, compare(group, cases))
+        write_result(out_dir, rank, compare(group, cases))
     elif mode == "mismatch":
-        write(out_dir, rank, mismatch(group))
+        write_result(out_dir, rank, mismatch(group))
     elif mode in ("die", "hang"):
         q = mx.random.normal((1, 2, 64 * group.size(), 8), key=mx.random.key(0))
         if rank == 1:
             if mode == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(3600)
-        write(out_dir, rank, {"started": time.time()})
+        write_result(out_dir, rank, {"started": time.time()})
         dist.ring_attention(q, q, q, scale=1.0, mask="causal", group=group)
-        write(out_dir, rank, {"finished": True})
+        write_result(out_dir, rank, {"finished": True})
     elif mode == "decode":
-        write(out_dir, rank, decode(group))
+        write_result(out_dir, rank, decode(group))
     elif mode == "generate":
         with open(sys.argv[3]) as f:
-            write(out_dir, rank, generate(group, json.load(f)))
+            write_result(out_dir, rank, generate(group, json.load(f)))
     elif mode == "generate_mismatch":
-        write(out_dir, rank, generate_mismatch(group))
+        write_result(out_dir, rank, generate_mismatch(group))
     elif mode == "connect":
-        write(out_dir, rank, {"connected": True})
+        write_result(out_dir, rank, {"connected": True})
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ import pytest
 
 import mlx_attn
 from mlx_attn import distributed as dist
+from mlx_attn._local_ranks import LOCALHOST, free_port_base, ring_command, run_ranks
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 LAUNCH_TIMEOUT_S = 120
@@ -215,46 +214,8 @@ def test_timeout_environment_variable_is_checked(monkeypatch):
 # real ranks
 
 
-def _launcher() -> list[str]:
-    beside_python = Path(sys.executable).with_name("mlx.launch")
-    found = str(beside_python) if beside_python.exists() else shutil.which("mlx.launch")
-    if found is None:  # the console script of the mlx package; run its module instead
-        return [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
-    return [found]
-
-
-def _free_ports(count: int) -> int:
-    """A base port with ``count`` consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        try:
-            sockets = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no run of free ports on 127.0.0.1")
-
-
 def _launch(ranks: int, mode: str, out_dir: Path, *extra: str, timeout_s: float = LAUNCH_TIMEOUT_S):
-    command = [
-        *_launcher(), "-n", str(ranks), "--backend", "ring", "--hosts", "127.0.0.1",
-        "--starting-port", str(_free_ports(ranks)),
-        sys.executable, str(WORKER), mode, str(out_dir), *extra,
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return run_ranks(ranks, [sys.executable, str(WORKER), mode, str(out_dir), *extra], out_dir, timeout_s=timeout_s)
 
 
 def _cases():
@@ -338,9 +299,9 @@ def test_mismatched_shapes_and_layouts_are_reported_on_every_rank(tmp_path):
 
 
 def _start_by_hand(ranks: int, mode: str, out_dir: Path, *, only=None, timeout_s: float = 5.0):
-    base = _free_ports(ranks)
+    base = free_port_base(ranks)
     hostfile = out_dir / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(ranks)]))
+    hostfile.write_text(json.dumps([[f"{LOCALHOST}:{base + r}"] for r in range(ranks)]))
     processes = {}
     for rank in only if only is not None else range(ranks):
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
@@ -462,9 +423,7 @@ def test_cli_distributed_prints_the_single_process_text_on_rank_0_only(tmp_path,
                              llama__vocab_size=vocab)
     argv = ["generate", "--model", str(model), "--prompt", "the then in the " * 8, "--max-tokens", "5",
             "--ignore-chat-template", "--quiet"]
-    command = [*_launcher(), "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1",
-               "--starting-port", str(_free_ports(2)), sys.executable, "-m", "mlx_attn.lm.cli", *argv,
-               "--distributed"]
+    command = ring_command(2, [sys.executable, "-m", "mlx_attn.lm.cli", *argv, "--distributed"])
     done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert cli_main(argv) == 0

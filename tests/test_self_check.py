@@ -1,11 +1,13 @@
-"""The first-use self-check of Metal kernel variants and `mlx-attn doctor`.
+"""The first-use self-check of Metal kernel variants (forward, quantized,
+backward) and `mlx-attn doctor`.
 
 No Mac here: the Metal path of both is exercised through the MSL emulator,
-including a deliberately broken kernel variant that the check must disable.
+including deliberately broken kernel variants that the check must disable.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import mlx.core as mx
@@ -13,11 +15,12 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal
+from metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal, emulated_backward
 from mlx_attn import self_check
 from mlx_attn.doctor import run_doctor
 from mlx_attn.reference import reference_attention
-from mlx_attn.self_check import Case, Variant
+from mlx_attn.self_check import BackwardVariant, Variant
+from test_metal_backward import BACKWARD
 
 needs_emulator = pytest.mark.skipif(
     REAL_METAL or not msl_emulator.clang_available(), reason="runs the Metal kernels in the MSL emulator"
@@ -300,3 +303,285 @@ def test_quantized_gpu_path_follows_the_self_check(monkeypatch, kernel_correct):
         assert path() == "reference"
     with pytest.raises(ValueError, match="failed its self-check"):
         path(backend="fused")
+
+
+# --- the Metal backward: the same gate, gradients against the reference path's autodiff
+
+
+class EmulatedBackward:
+    """``run_backward`` of the Metal backward kernels in the MSL emulator,
+    from the out and lse the fused forward returns (the reference path's)."""
+
+    def __init__(self, sources=None):
+        self.metal = EmulatedMetal(fast_math=True, sources=sources or [BACKWARD])
+
+    def __call__(self, q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None):
+        kwargs = dict(scale=scale, mask=mask, sinks=sinks, window_size=window_size)
+        out, lse = reference_attention(q, k, v, return_lse=True, stream=mx.cpu, **kwargs)
+        grads = emulated_backward(self.metal, q, k, v, out, lse, d_out, **kwargs)
+        return [g for g in grads if g is not None]
+
+
+def backward_of(attention):
+    """``run_backward`` from mx.vjp of ``attention(q, k, v, *, sinks, ...)``."""
+    def run(q, k, v, d_out, *, sinks=None, **kwargs):
+        def attend(q, k, v, *maybe_sinks):
+            return attention(q, k, v, sinks=maybe_sinks[0] if maybe_sinks else None, **kwargs)
+
+        return mx.vjp(attend, [q, k, v] + ([sinks] if sinks is not None else []), [d_out])[1]
+
+    return run
+
+
+# A correct backward: the reference path's autodiff in the inputs' dtype.
+autodiff_backward = backward_of(functools.partial(reference_attention, stream=mx.cpu))
+
+
+def dk_dv_swapped(run):
+    def swapped(*args, **kwargs):
+        dq, dk, dv, *rest = run(*args, **kwargs)
+        return [dq, dv, dk, *rest]
+    return swapped
+
+
+def dq_doubled(run):
+    def doubled(*args, **kwargs):
+        dq, *rest = run(*args, **kwargs)
+        return [2 * dq, *rest]
+    return doubled
+
+
+def test_backward_variant_validates_and_names_itself():
+    assert str(BackwardVariant("float16", 64)) == "backward/float16/D=64"
+    assert BackwardVariant("float16", 64) == BackwardVariant("float16", 64, 64)
+    assert str(BackwardVariant("bfloat16", 64, 128)) == "backward/bfloat16/D=64/Dv=128"
+    with pytest.raises(ValueError, match="dtype"):
+        BackwardVariant("int8", 64)
+
+
+def test_backward_cases_cover_the_kernel_branches():
+    cases = self_check.backward_cases(BackwardVariant("float32", 64))
+    assert {c.mask for c in cases} >= {"causal", "bool", "additive"}
+    assert any(c.sinks for c in cases) and any(c.window_size for c in cases)
+    assert any(c.q_heads > c.kv_heads for c in cases)  # GQA: dK/dV sum over the group
+    assert all(c.q_len > 32 and c.q_len % 32 and c.kv_len % 32 for c in cases)  # several blocks, partial last
+
+
+def test_correct_backward_passes_once_and_a_broken_one_warns_once():
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return autodiff_backward(*args, **kwargs)
+
+    good = BackwardVariant("float32", 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert self_check.trusted(good, counted) and self_check.trusted(good, counted)
+    assert len(calls) == len(self_check.backward_cases(good))
+    assert self_check.results()[good].max_error < 1e-5
+
+    bad = BackwardVariant("bfloat16", 128)
+    with pytest.warns(RuntimeWarning, match=r"backward/bfloat16/D=128.*dk max relative error.*autodiff"):
+        assert not self_check.trusted(bad, dk_dv_swapped(autodiff_backward))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert not self_check.trusted(bad, dk_dv_swapped(autodiff_backward))
+
+
+def test_the_fused_cpu_backward_passes_the_backward_check():
+    """The check accepts a real fused backward (the CPU's, through mx.vjp of
+    the public op), not only the reference autodiff it compares with."""
+    import mlx_attn
+
+    fused_cpu_backward = backward_of(
+        functools.partial(mlx_attn.scaled_dot_product_attention, backend="fused", stream=mx.cpu))
+    for dtype in ("float32", "bfloat16"):
+        result = self_check.check_backward_variant(BackwardVariant(dtype, 64), fused_cpu_backward)
+        assert result.passed and result.max_error <= self_check.TOLERANCE[dtype] / 5, result
+
+
+@pytest.mark.parametrize(
+    "runner, message",
+    [
+        (dq_doubled(autodiff_backward), "dq max relative error"),
+        (lambda *a, **kw: autodiff_backward(*a, **kw)[:3], "returned 3 gradients, expected 4"),
+        (lambda *a, **kw: [mx.full(g.shape, np.nan, g.dtype) for g in autodiff_backward(*a, **kw)], "non-finite dq"),
+        (lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no pipeline")), "RuntimeError: no pipeline"),
+    ],
+    ids=["scaled dq", "no d_sinks", "nan", "raises"],
+)
+def test_backward_failure_modes_are_reported(runner, message):
+    result = self_check.check_backward_variant(BackwardVariant("float16", 64), runner)
+    assert not result.passed and message in result.error
+    assert result.error.startswith("case 'causal+sinks, GQA'")
+
+
+def test_backward_check_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("MLX_ATTN_SELF_CHECK", "0")
+    assert self_check.trusted(BackwardVariant("float16", 64), dk_dv_swapped(autodiff_backward))
+    assert self_check.results() == {}
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 64), ("float16", 128), ("bfloat16", 80)])
+def test_emulated_metal_backward_passes_its_self_check(dtype, head_dim):
+    variant = BackwardVariant(dtype, head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert self_check.trusted(variant, EmulatedBackward())
+    result = self_check.results()[variant]
+    assert result.cases == 3 and result.max_error <= self_check.TOLERANCE[dtype] / 5  # room for the GPU's own rounding
+
+
+@needs_emulator
+@pytest.mark.parametrize("mutant", [
+    ("gqa: dK/dV from the first query head only", "for (int g = 0; g < p.group; ++g)", "for (int g = 0; g < 1; ++g)"),
+    ("window: dQ key range start off by one", "first_pos - p.window_size + 1);", "first_pos - p.window_size + 2);"),
+], ids=lambda m: m[0])
+def test_self_check_disables_a_broken_emulated_backward(tmp_path, mutant):
+    """Faults of tests/test_metal_backward_mutations.py seeded into the
+    backward's source: the canonical cases catch them, the gate says no."""
+    _, old, new = mutant
+    source = BACKWARD.read_text()
+    assert source.count(old) == 1
+    mutated = tmp_path / BACKWARD.name
+    mutated.write_text(source.replace(old, new))
+    variant = BackwardVariant("float32", 64)
+    with pytest.warns(RuntimeWarning, match="backward/float32/D=64"):
+        assert not self_check.trusted(variant, EmulatedBackward(sources=[mutated]))
+    assert "max relative error" in self_check.results()[variant].error
+    dx, dy = dk_dv_swapped(EmulatedBackward()), EmulatedBackward()
+    assert not self_check.check_backward_variant(variant, dx).passed and self_check.check_backward_variant(variant, dy).passed
+
+
+def problem_of(dtype=mx.float16, head_dim=64):
+    from mlx_attn import _native
+
+    q = mx.zeros((1, 4, 40, head_dim), dtype)
+    kv = mx.zeros((1, 2, 40, head_dim), dtype)
+    return _native.ext.describe_attention(q, kv, kv, scale=0.125, causal=True)
+
+
+@pytest.mark.parametrize("kernel_correct", [True, False], ids=["passes", "fails"])
+def test_backward_gate_checks_the_problems_variant(monkeypatch, kernel_correct):
+    """The gate FusedAttention's vjp asks on the GPU: the problem's variant,
+    checked once with the Metal backward runner; a failure warns once."""
+    from mlx_attn import ops
+
+    runner = autodiff_backward if kernel_correct else dq_doubled(autodiff_backward)
+    monkeypatch.setattr(ops, "metal_backward_runner", lambda stream=None: runner)
+    if kernel_correct:
+        assert ops._metal_backward_trusted(problem_of())
+    else:
+        with pytest.warns(RuntimeWarning, match="backward/float16/D=64"):
+            assert not ops._metal_backward_trusted(problem_of())
+        assert not ops._metal_backward_trusted(problem_of())
+    with warnings.catch_warnings(record=True) as caught:  # other variants are checked on their own
+        warnings.simplefilter("always")
+        assert ops._metal_backward_trusted(problem_of(mx.float32, 128)) == kernel_correct
+    assert [str(w.message).count("backward/float32/D=128") for w in caught] == ([] if kernel_correct else [1])
+    assert set(self_check.results()) == {BackwardVariant("float16", 64), BackwardVariant("float32", 128)}
+
+
+def test_backward_gate_runs_inside_grad_and_compile_and_does_not_recurse(monkeypatch):
+    """The vjp asks the gate while mx.grad / mx.compile trace the caller's
+    graph (a custom vjp stands in for FusedAttention's here); the check
+    evaluates arrays of its own. Its own backward calls ask the gate again
+    (the Mac runner's vjp does): they are trusted, not checked again."""
+    from mlx_attn import ops
+
+    nested = []
+
+    def runner(*args, **kwargs):
+        nested.append(ops._metal_backward_trusted(problem_of()))
+        return autodiff_backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "metal_backward_runner", lambda stream=None: runner)
+    answers = []
+
+    @mx.custom_function
+    def doubled(x):
+        return 2 * x
+
+    @doubled.vjp
+    def doubled_vjp(primals, cotangent, output):
+        answers.append(ops._metal_backward_trusted(problem_of()))
+        return (2 * cotangent,)
+
+    def loss(x):
+        return doubled(x).sum()
+
+    x = mx.arange(3, dtype=mx.float32)
+    assert mx.compile(mx.grad(loss))(x).tolist() == [2.0, 2.0, 2.0]
+    assert mx.grad(loss)(x).tolist() == [2.0, 2.0, 2.0]
+    assert answers == [True, True]
+    assert nested == [True] * len(self_check.backward_cases(BackwardVariant("float16", 64)))  # checked once
+
+
+def test_cpu_gradients_never_ask_the_backward_gate():
+    """On the CPU the fused backward is used without asking (no self-check)."""
+    import mlx_attn
+    from mlx_attn import _native, ops
+
+    asked = []
+    _native.ext.set_backward_gate(lambda problem: asked.append(problem) or False)
+    try:
+        q, k, v = (mx.array(np.random.default_rng(i).standard_normal((1, 2, 24, 64)).astype(np.float32))
+                   for i in range(3))
+
+        def loss(backend):
+            return lambda q, k, v: mlx_attn.scaled_dot_product_attention(
+                q, k, v, scale=0.125, mask="causal", backend=backend, stream=mx.cpu).sum()
+
+        got = mx.grad(loss("fused"), argnums=(0, 1, 2))(q, k, v)
+        compiled = mx.compile(mx.grad(loss("fused"), argnums=(0, 1, 2)))(q, k, v)
+        want = mx.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
+    finally:
+        _native.ext.set_backward_gate(ops._metal_backward_trusted)
+    assert asked == []
+    for g, c, w in zip(got, compiled, want):
+        assert mx.allclose(g, w, atol=1e-4).item() and mx.allclose(c, w, atol=1e-4).item()
+
+
+@needs_emulator
+def test_doctor_lists_the_emulated_metal_backward():
+    variants = [BackwardVariant("float32", 64), BackwardVariant("bfloat16", 96)]
+    report = run_doctor(metal_backward=EmulatedBackward(), backward_variants=variants, timings=False)
+    assert report.ok, report.markdown
+    assert [r.variant for r in report.backward_results] == variants
+    assert all(r.passed and r.cases == 6 for r in report.backward_results)
+    assert "## Metal backward against the reference path's gradients" in report.markdown
+    assert "| backward/bfloat16/D=96 | 6 |" in report.markdown
+    broken = run_doctor(metal_backward=dk_dv_swapped(EmulatedBackward()), backward_variants=variants[:1],
+                        timings=False)
+    assert not broken.ok and "backward/float32/D=64" in broken.markdown.split("would be disabled")[1]
+
+
+@pytest.mark.skipif(not REAL_METAL, reason="needs an Apple GPU: the Metal backward runs for real only on a Mac")
+def test_gpu_gradients_fall_back_when_the_backward_gate_says_no():
+    """On a Mac: with the gate refusing, mx.grad on the GPU gives the
+    reference path's gradients (its autodiff ran instead, without the lse
+    kept for the backward: a row that sees no key gets zeros, not NaN)."""
+    import mlx_attn
+    from mlx_attn import _native, ops
+
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal((1, 4, 40, 64)).astype(np.float32)) for _ in range(3))
+    visible = rng.random((40, 40)) < 0.7
+    visible[3] = False
+    mask = mx.array(visible)
+    asked = []
+
+    def loss(backend):
+        return lambda q: mlx_attn.scaled_dot_product_attention(
+            q, k, v, scale=0.125, mask=mask, backend=backend, stream=mx.gpu).sum()
+
+    _native.ext.set_backward_gate(lambda problem: asked.append(problem.head_dim) or False)
+    try:
+        got = mx.grad(loss("fused"))(q)
+    finally:
+        _native.ext.set_backward_gate(ops._metal_backward_trusted)
+    assert asked == [64]
+    assert np.all(np.array(got)[:, :, 3] == 0)
+    assert mx.allclose(got, mx.grad(loss("reference"))(q), atol=1e-4).item()
