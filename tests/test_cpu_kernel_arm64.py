@@ -153,6 +153,28 @@ def test_arm64_copies_match_the_reference_under_qemu(arm64_harness):
     run_harness(command, [*forward, "neon_backward"], forward, ["neon_backward"], sample=not full_grid())
 
 
+def _mnemonics(obj):
+    objdump = next((t for t in ("llvm-objdump-19", "llvm-objdump") if shutil.which(t)), None)
+    if objdump is None:
+        _missing("llvm-objdump (llvm-19) not found")
+    listing = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+    # Instruction lines: "  addr: bytes\tmnemonic\toperands".
+    return {fields[1] for line in listing.splitlines() if len(fields := line.split("\t")) > 1}
+
+
+def test_native_copies_multiply_with_the_native_instructions(arm64_harness):
+    """The reduced-precision products are really FMLAL/FMLAL2 and BFDOT (and
+    not in the baseline copies, which must run on any ARMv8.0 core)."""
+    binary, _ = arm64_harness
+    found = {unit: _mnemonics(binary.parent / f"{unit}.o")
+             for unit in ("kernel_neonfhm", "kernel_neonbf16", "kernel_neon", "backward_neon", "kernel_generic")}
+    assert {"fmlal", "fmlal2"} <= found["kernel_neonfhm"] and "bfdot" not in found["kernel_neonfhm"]
+    assert {"fmlal", "fmlal2", "bfdot"} <= found["kernel_neonbf16"]
+    for baseline in ("kernel_neon", "backward_neon", "kernel_generic"):
+        assert not {"fmlal", "fmlal2", "bfdot"} & found[baseline], baseline
+        assert "fmla" in found[baseline], baseline  # float32 FMAs: the listing was read
+
+
 def test_a_cpu_without_fhm_and_bf16_gets_the_baseline_copy(arm64_harness):
     """A Cortex-A57 (ARMv8.0: neither FEAT_FHM nor FEAT_BF16): the hwcaps rule
     offers neither native copy, and the baseline NEON copy is right there."""
