@@ -21,7 +21,7 @@
 //
 // Register tile: kTileRows rows x kTileVectors vectors of accumulators, sized
 // to the register file (MLX_ATTN_TILE_ROWS / MLX_ATTN_TILE_VECTORS from the
-// per-ISA unit): per step of K it loads kTileVectors B vectors and broadcasts
+// copy's csrc/cpu/isa_<family>.h): per step of K it loads kTileVectors B vectors and broadcasts
 // kTileRows A scalars for kTileRows * kTileVectors FMAs. Row and column tails
 // use smaller tiles of the same code. What one step multiplies is a policy
 // (FloatProduct; Bf16PairProduct: AVX512_BF16 vdpbf16ps or arm64 BFDOT;
