@@ -263,13 +263,24 @@ X86_COPY_FLAGS = [
 ]
 
 
+# Each arm64 copy and the Linux hwcaps names (/proc/cpuinfo "Features") it
+# needs, widest first.
+ARM64_COPY_FEATURES = [
+    ("neonbf16", {"asimdfhm", "bf16"}),
+    ("neonfhm", {"asimdfhm"}),
+    ("neon", set()),
+    ("generic", set()),
+]
+
+
 def _cpuinfo_flags():
+    """The CPU's feature names: x86's "flags" line, arm64's "Features"."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return set(line.split(":", 1)[1].split())
     return None
 
@@ -297,6 +308,20 @@ def test_dispatch_offers_exactly_the_copies_the_cpu_features_allow():
     assert _isa_in_fresh_process() == expected[0]  # the widest by default
 
 
+def test_arm64_dispatch_offers_exactly_the_copies_the_hwcaps_allow():
+    flags = _cpuinfo_flags()
+    if platform.machine().lower() not in ("aarch64", "arm64") or flags is None:
+        pytest.skip("reads the CPU features from /proc/cpuinfo on arm64 Linux; elsewhere "
+                    "test_cpu_kernel_arm64.py checks the same rule under qemu-aarch64")
+    expected = [name for name, needs in ARM64_COPY_FEATURES if needs <= flags]
+    assert list(_ext.supported_cpu_isas()) == expected
+    assert _isa_in_fresh_process() == expected[0]
+    for name, needs in ARM64_COPY_FEATURES:
+        if not needs <= flags:
+            with pytest.raises(ValueError, match=name):
+                _ext.set_cpu_isa(name)
+
+
 def test_isa_override_picks_the_named_copy_and_refuses_missing_ones():
     flags = _x86_linux_flags()
     assert _isa_in_fresh_process("generic") == "generic"
@@ -304,8 +329,9 @@ def test_isa_override_picks_the_named_copy_and_refuses_missing_ones():
         if not needs <= flags:  # e.g. avx512bf16 on a CPU without AVX512_BF16
             with pytest.raises(ValueError, match=name):
                 _ext.set_cpu_isa(name)
-    with pytest.raises(ValueError, match="neon"):
-        _ext.set_cpu_isa("neon")  # an arm64 copy, not built on x86-64
+    for arm64_copy, _ in ARM64_COPY_FEATURES[:3]:  # not built on x86-64
+        with pytest.raises(ValueError, match=arm64_copy):
+            _ext.set_cpu_isa(arm64_copy)
     # An unavailable name in the environment falls back to the widest copy.
     if not X86_COPY_FLAGS[0][1] <= flags:
         assert _isa_in_fresh_process(X86_COPY_FLAGS[0][0]) != X86_COPY_FLAGS[0][0]

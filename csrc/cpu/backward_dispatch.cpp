@@ -33,6 +33,12 @@ const BackwardIsa kBackwardIsas[] = {
     MLX_ATTN_BACKWARD_ISA("avx512", avx512_backward),
     MLX_ATTN_BACKWARD_ISA("avx2", avx2_backward),
 #endif
+#ifdef MLX_ATTN_ARM64_KERNELS
+    // Likewise the forward's neonbf16 and neonfhm copies share the neon one.
+    MLX_ATTN_BACKWARD_ISA("neonbf16", neon_backward),
+    MLX_ATTN_BACKWARD_ISA("neonfhm", neon_backward),
+    MLX_ATTN_BACKWARD_ISA("neon", neon_backward),
+#endif
     MLX_ATTN_BACKWARD_ISA("generic", generic_backward),
 };
 #undef MLX_ATTN_BACKWARD_ISA

@@ -119,6 +119,9 @@ MLX_ATTN_DECLARE_BACKWARD_ISA(generic_backward)
 MLX_ATTN_DECLARE_BACKWARD_ISA(avx2_backward)
 MLX_ATTN_DECLARE_BACKWARD_ISA(avx512_backward)
 #endif
+#ifdef MLX_ATTN_ARM64_KERNELS
+MLX_ATTN_DECLARE_BACKWARD_ISA(neon_backward)
+#endif
 #undef MLX_ATTN_DECLARE_BACKWARD_ISA
 
 }  // namespace mlx_attn::cpu

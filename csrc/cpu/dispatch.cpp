@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/cpu/cpu_features.h"
 #include "csrc/cpu/host.h"
 #include "csrc/cpu/thread_pool.h"
 
@@ -23,29 +24,16 @@ bool always() {
   return true;
 }
 
-#ifdef MLX_ATTN_X86_KERNELS
-bool has_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c");
-}
-bool has_avx512() {
-  return has_avx2() && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl");
-}
-bool has_avx512bf16() {
-  return has_avx512() && __builtin_cpu_supports("avx512bf16");
-}
-#endif
-
 // Widest first.
 const Isa kIsas[] = {
 #ifdef MLX_ATTN_X86_KERNELS
-    {"avx512bf16", avx512bf16::vector_lanes, avx512bf16::process_work_item, has_avx512bf16},
-    {"avx512", avx512::vector_lanes, avx512::process_work_item, has_avx512},
-    {"avx2", avx2::vector_lanes, avx2::process_work_item, has_avx2},
+    {"avx512bf16", avx512bf16::vector_lanes, avx512bf16::process_work_item, features::avx512bf16},
+    {"avx512", avx512::vector_lanes, avx512::process_work_item, features::avx512},
+    {"avx2", avx2::vector_lanes, avx2::process_work_item, features::avx2},
 #endif
 #ifdef MLX_ATTN_ARM64_KERNELS
+    {"neonbf16", neonbf16::vector_lanes, neonbf16::process_work_item, features::neon_bf16_and_fhm},
+    {"neonfhm", neonfhm::vector_lanes, neonfhm::process_work_item, features::neon_fhm},
     {"neon", neon::vector_lanes, neon::process_work_item, always},  // baseline on arm64
 #endif
     {"generic", generic::vector_lanes, generic::process_work_item, always},

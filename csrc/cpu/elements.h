@@ -14,6 +14,8 @@
 
 #if defined(__F16C__)
 #include <immintrin.h>  // intrinsics are always-inline: nothing leaks
+#elif defined(__aarch64__)
+#include <arm_neon.h>  // likewise
 #endif
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
@@ -123,14 +125,10 @@ inline void convert_contiguous(float* dst, const void* src, int64_t offset, int 
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
     }
 #elif defined(__aarch64__)
-    // Baseline arm64 converts half vectors natively (fcvtl).
-    typedef _Float16 half4 __attribute__((vector_size(8)));
-    typedef float float4 __attribute__((vector_size(16)));
+    // Baseline arm64 converts half vectors natively (fcvtl); through the
+    // intrinsic, as GCC before 13 has no _Float16 in C++.
     for (; i + 4 <= n; i += 4) {
-      half4 h;
-      memcpy(&h, s + i, sizeof h);
-      const float4 f = __builtin_convertvector(h, float4);
-      memcpy(dst + i, &f, sizeof f);
+      vst1q_f32(dst + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s + i))));
     }
 #endif
     for (; i < n; ++i) dst[i] = half_to_float(s[i]);

@@ -1,8 +1,10 @@
 // The fused attention forward for the CPU: tiled over query rows and key/value
 // blocks with the online softmax. Included once per instruction set by
 // kernel_<isa>.cpp, which defines
-//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512, neon)
-//   MLX_ATTN_VEC_BYTES  the vector width in bytes (16, 32, 64)
+//   MLX_ATTN_ISA        the namespace of this copy (generic, avx2, avx512, neon, ...)
+// and includes its isa_<family>.h (vector width, register tile); a copy with
+// native reduced-precision products also defines MLX_ATTN_NATIVE_BF16 /
+// MLX_ATTN_NATIVE_FP16 (micro_kernel.h).
 // Everything here has internal linkage except process_work_item and
 // vector_lanes, and nothing uses the STL, so code compiled for a wide
 // instruction set cannot be linked into callers on an older CPU.
@@ -132,10 +134,12 @@ void attention_work_item(
   float* row_sum = row_max + rp;                   // [rp]
   float* rescale = row_sum + rp;                   // [rp]
 
-  // bf16 with a native bf16 dot product (kNativeBf16, micro_kernel.h): the
-  // score product runs on the bf16 inputs in pairs of features; Q^T is then
-  // the pair-interleaved panel q_pairs[D_pairs][rp][2] (same bytes or fewer).
-  constexpr bool kBf16Score = kNativeBf16 && T == ElemType::bfloat16 && Bits == 0;
+  // bf16 / fp16 where the copy multiplies them natively (NativePairProduct,
+  // micro_kernel.h): the score product runs on the 16-bit inputs in pairs of
+  // features; Q^T is then the product's pair panel q_pairs[D_pairs][2 rp]
+  // (same bytes or fewer).
+  using Native = NativePairProduct<T>;
+  constexpr bool kPairScore = Native::kAvailable && Bits == 0;
   const int pairs = (D + 1) / 2;
   uint16_t* q_pairs = reinterpret_cast<uint16_t*>(q_t);
   uint16_t* k_pairs = reinterpret_cast<uint16_t*>(k_rows);  // [KB][2 pairs]
@@ -145,17 +149,24 @@ void attention_work_item(
     const int h = kv_head * lay.group + r / qb;
     const int qi = q_start + r % qb;
     int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
-    if constexpr (kBf16Score) {
+    if constexpr (kPairScore) {
+      using Product = typename Native::Product;
       const uint16_t* q = static_cast<const uint16_t*>(call.q) + off;
-      for (int d = 0; d < D; ++d) q_pairs[(d / 2) * 2 * rp + 2 * r + d % 2] = q[d * p.q_strides[3]];
-      if (D % 2) q_pairs[(pairs - 1) * 2 * rp + 2 * r + 1] = 0;
+      for (int d = 0; d < D; ++d) {
+        q_pairs[(d / 2) * 2 * rp + Product::panel_offset(r, d % 2)] = q[d * p.q_strides[3]];
+      }
+      if (D % 2) q_pairs[(pairs - 1) * 2 * rp + Product::panel_offset(r, 1)] = 0;
     } else {
       load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
     }
   }
-  if constexpr (kBf16Score) {
+  if constexpr (kPairScore) {
+    using Product = typename Native::Product;
     for (int kp = 0; kp < pairs; ++kp) {
-      for (int r = 2 * rows; r < 2 * rp; ++r) q_pairs[kp * 2 * rp + r] = 0;
+      for (int r = rows; r < rp; ++r) {
+        q_pairs[kp * 2 * rp + Product::panel_offset(r, 0)] = 0;
+        q_pairs[kp * 2 * rp + Product::panel_offset(r, 1)] = 0;
+      }
     }
   } else {
     for (int d = 0; d < D; ++d) {
@@ -170,9 +181,9 @@ void attention_work_item(
 
   // Float32 K rows and V rows (of a whole number of vectors) with unit
   // feature stride are read in place; anything else is converted per block.
-  // bf16 K for the native score product: in place when its pairs are whole.
+  // 16-bit K for a native score product: in place when its pairs are whole.
   const bool k_in_place = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
-      (kBf16Score && p.k_strides[3] == 1 && D % 2 == 0);
+      (kPairScore && p.k_strides[3] == 1 && D % 2 == 0);
   const bool v_in_place = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
   const int64_t k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
   const int64_t v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
@@ -205,7 +216,7 @@ void attention_work_item(
       const int64_t koff = k_head + int64_t(kb + j) * p.k_strides[2];
       const int64_t voff = v_head + int64_t(kb + j) * p.v_strides[2];
       float* vrow = v_packed + j * Dvp;
-      if constexpr (kBf16Score) {
+      if constexpr (kPairScore) {
         if (!k_in_place) {
           const uint16_t* k = static_cast<const uint16_t*>(call.k) + koff;
           for (int d = 0; d < D; ++d) k_pairs[j * 2 * pairs + d] = k[d * p.k_strides[3]];
@@ -235,12 +246,13 @@ void attention_work_item(
     }
 
     // score: S^T[n][rp] = K[n][D] . Q^T[D][rp]
-    if constexpr (kBf16Score) {
+    if constexpr (kPairScore) {
       const uint16_t* k_block_pairs = k_in_place
           ? static_cast<const uint16_t*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
           : k_pairs;
       const int64_t ldk_pairs = k_in_place ? p.k_strides[2] : 2 * pairs;
-      matmul_overwrite_bf16_pairs(k_block_pairs, ldk_pairs, q_pairs, 2 * rp, scores_t, rp, n, pairs, rp);
+      matmul_overwrite_pairs<typename Native::Product>(
+          k_block_pairs, ldk_pairs, q_pairs, 2 * rp, scores_t, rp, n, pairs, rp);
     } else {
       const float* k_block = k_in_place
           ? static_cast<const float*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]

@@ -9,9 +9,9 @@
 //   matmul_accumulate_transposed_a(At, ldat, B, ldb, C, ldc, rows, K, N)
 //       C[rows][N] += At[K][rows]^T . B[K][N] (A stored transposed: no
 //       transposing pass; the forward's P^T and a backward's P^T, dS^T)
-//   matmul_overwrite_bf16_pairs(A, lda, Bp, ldbp, C, ldc, rows, Kp, N)
-//       C = A . B on bf16 pairs with float32 accumulation, where the copy has
-//       AVX512_BF16 (kNativeBf16); see its definition for the layouts
+//   matmul_overwrite_pairs<Product>(A, lda, Bp, ldbp, C, ldc, rows, Kp, N)
+//       C = A . B on pairs of bf16 / fp16 elements with float32 accumulation,
+//       where the copy has a native pair product (NativePairProduct below)
 //
 // A is row-major with row stride lda (any rows, any K), or for the _transposed_a
 // form stored as At[K][rows] with row stride ldat. B is a packed panel:
@@ -21,18 +21,33 @@
 //
 // Register tile: kTileRows rows x kTileVectors vectors of accumulators, sized
 // to the register file (MLX_ATTN_TILE_ROWS / MLX_ATTN_TILE_VECTORS from the
-// per-ISA unit): per step of K it loads kTileVectors B vectors and broadcasts
+// copy's csrc/cpu/isa_<family>.h): per step of K it loads kTileVectors B vectors and broadcasts
 // kTileRows A scalars for kTileRows * kTileVectors FMAs. Row and column tails
 // use smaller tiles of the same code. What one step multiplies is a policy
-// (FloatProduct, Bf16PairProduct), so the tiling has one home.
+// (FloatProduct; Bf16PairProduct: AVX512_BF16 vdpbf16ps or arm64 BFDOT;
+// Fp16PairProduct: arm64 FMLAL/FMLAL2), so the tiling has one home.
 #pragma once
 
 #include <string.h>
 
 #include "csrc/cpu/simd.h"
 
-#if defined(__AVX512BF16__)
+// A copy opts into native reduced-precision products by defining
+// MLX_ATTN_NATIVE_BF16 / MLX_ATTN_NATIVE_FP16 (its kernel_<isa>.cpp); its
+// compile flags (CMakeLists.txt) must then enable the instructions. Opting in
+// explicitly keeps a baseline copy baseline where the compiler's default
+// target already has them (Apple's arm64 default includes FEAT_FHM).
+#if defined(MLX_ATTN_NATIVE_BF16) && !(defined(__AVX512BF16__) && MLX_ATTN_VEC_BYTES == 64) && \
+    !(defined(__aarch64__) && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC))
+#error "MLX_ATTN_NATIVE_BF16 needs AVX512_BF16 or arm64 FEAT_BF16 in the compile flags (CMakeLists.txt)"
+#endif
+#if defined(MLX_ATTN_NATIVE_FP16) && !(defined(__aarch64__) && defined(__ARM_FEATURE_FP16_FML))
+#error "MLX_ATTN_NATIVE_FP16 needs arm64 FEAT_FHM (+fp16fml) in the compile flags (CMakeLists.txt)"
+#endif
+#if defined(MLX_ATTN_NATIVE_BF16) && defined(__AVX512BF16__)
 #include <immintrin.h>  // intrinsics are always-inline: nothing leaks
+#elif defined(MLX_ATTN_NATIVE_BF16) || defined(MLX_ATTN_NATIVE_FP16)
+#include <arm_neon.h>  // likewise
 #endif
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
@@ -50,25 +65,89 @@ struct FloatProduct {
   static vfloat multiply_add(vfloat acc, AVector a, BVector b) { return acc + a * b; }
 };
 
-#if defined(__AVX512BF16__) && MLX_ATTN_VEC_BYTES == 64
-// AVX512_BF16: one step of K is a pair of bf16 elements (k, k + 1), summed
-// into float32 accumulators by vdpbf16ps. A holds the pair adjacently (a
-// 32-bit broadcast); B is a pair-interleaved panel, Bp[k / 2][n][2].
+// Pair products: one step of K is a pair of 16-bit elements (k, k + 1),
+// both summed into float32 accumulators. A holds the pair adjacently (row-
+// major, a 32-bit load); B is a pair panel Bp[k / 2][...] whose layout within
+// one pair row (2 N elements) is the product's panel_offset(n, half): where
+// element B[k + half][n] goes (callers pack it, zero-padding an odd K).
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t pair;
+  memcpy(&pair, p, sizeof pair);
+  return pair;
+}
+
+#if defined(MLX_ATTN_NATIVE_BF16) && defined(__AVX512BF16__)
+// AVX512_BF16 vdpbf16ps: acc[n] += A[k] B[k][n] + A[k+1] B[k+1][n], B
+// pair-interleaved, Bp[k / 2][n][2].
 struct Bf16PairProduct {
   using AElem = uint16_t;
   using BElem = uint16_t;
   using BVector = __m512bh;
   using AVector = __m512bh;
   static constexpr int kBVectorElems = 2 * kLanes;
+  static int panel_offset(int n, int half) { return 2 * n + half; }
   static BVector load_b(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static AVector broadcast_a(const uint16_t* p) {
-    int32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32(pair);
-  }
+  static AVector broadcast_a(const uint16_t* p) { return (__m512bh)_mm512_set1_epi32(int(load_pair(p))); }
   static vfloat multiply_add(vfloat acc, AVector a, BVector b) {
     return (vfloat)_mm512_dpbf16_ps((__m512)acc, a, b);
   }
+};
+#elif defined(MLX_ATTN_NATIVE_BF16)
+// arm64 FEAT_BF16 BFDOT: the same pair-interleaved panel as AVX512_BF16.
+struct Bf16PairProduct {
+  using AElem = uint16_t;
+  using BElem = uint16_t;
+  using BVector = bfloat16x8_t;
+  using AVector = bfloat16x8_t;
+  static constexpr int kBVectorElems = 2 * kLanes;
+  static int panel_offset(int n, int half) { return 2 * n + half; }
+  static BVector load_b(const uint16_t* p) { return vreinterpretq_bf16_u16(vld1q_u16(p)); }
+  static AVector broadcast_a(const uint16_t* p) { return vreinterpretq_bf16_u32(vdupq_n_u32(load_pair(p))); }
+  static vfloat multiply_add(vfloat acc, AVector a, BVector b) {
+    return (vfloat)vbfdotq_f32((float32x4_t)acc, b, a);
+  }
+};
+#endif
+
+#if defined(MLX_ATTN_NATIVE_FP16)
+// arm64 FEAT_FHM FMLAL/FMLAL2 (by element): widening float16 multiply-adds
+// into float32, exact products, one rounding per add. FMLAL takes the low 4
+// halves of a B vector, FMLAL2 the high 4, each times one A lane, so a pair
+// row of the panel holds per vector of kLanes columns row k's kLanes
+// halves, then row k + 1's: acc[n] += A[k] B[k][n] + A[k+1] B[k+1][n].
+struct Fp16PairProduct {
+  using AElem = uint16_t;
+  using BElem = uint16_t;
+  using BVector = float16x8_t;
+  using AVector = float16x4_t;
+  static constexpr int kBVectorElems = 2 * kLanes;
+  static int panel_offset(int n, int half) { return (n / kLanes) * 2 * kLanes + half * kLanes + n % kLanes; }
+  static BVector load_b(const uint16_t* p) { return vreinterpretq_f16_u16(vld1q_u16(p)); }
+  static AVector broadcast_a(const uint16_t* p) { return vreinterpret_f16_u32(vdup_n_u32(load_pair(p))); }
+  static vfloat multiply_add(vfloat acc, AVector a, BVector b) {
+    return (vfloat)vfmlalq_lane_high_f16(vfmlalq_lane_low_f16((float32x4_t)acc, b, a, 0), b, a, 1);
+  }
+};
+#endif
+
+// The native pair product of element type T in this copy, if any:
+// NativePairProduct<T>::kAvailable, and ::Product when it is.
+template <ElemType T>
+struct NativePairProduct {
+  static constexpr bool kAvailable = false;
+};
+#if defined(MLX_ATTN_NATIVE_BF16)
+template <>
+struct NativePairProduct<ElemType::bfloat16> {
+  static constexpr bool kAvailable = true;
+  using Product = Bf16PairProduct;
+};
+#endif
+#if defined(MLX_ATTN_NATIVE_FP16)
+template <>
+struct NativePairProduct<ElemType::float16> {
+  static constexpr bool kAvailable = true;
+  using Product = Fp16PairProduct;
 };
 #endif
 
@@ -202,23 +281,16 @@ inline void matmul_accumulate_transposed_a(
   matmul<FloatProduct, true>(At, 1, ldat, B, ldb, C, ldc, rows, K, N);
 }
 
-#if defined(__AVX512BF16__) && MLX_ATTN_VEC_BYTES == 64
-constexpr bool kNativeBf16 = true;
-// C[rows][N] = A[rows][2 Kp] . B[2 Kp][N] in bf16 pairs (vdpbf16ps, float32
-// accumulation): A row-major bf16 with row stride lda (elements), pairs
-// adjacent; Bp the pair-interleaved panel [Kp][N][2], row stride ldbp (elements).
-inline void matmul_overwrite_bf16_pairs(
+// C[rows][N] = A[rows][2 Kp] . B[2 Kp][N] in pairs of 16-bit elements with
+// float32 accumulation (a pair Product above): A row-major with row stride
+// lda (elements), pairs adjacent; Bp the Product's pair panel [Kp][2 N],
+// row stride ldbp (elements).
+template <class Product>
+inline void matmul_overwrite_pairs(
     const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t ldbp, float* C, int64_t ldc,
     int rows, int Kp, int N) {
-  matmul<Bf16PairProduct, false>(A, lda, 2, Bp, ldbp, C, ldc, rows, Kp, N);
+  matmul<Product, false>(A, lda, 2, Bp, ldbp, C, ldc, rows, Kp, N);
 }
-#else
-constexpr bool kNativeBf16 = false;
-// Declared for name lookup only: callers guard it with `if constexpr (kNativeBf16)`.
-void matmul_overwrite_bf16_pairs(
-    const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t ldbp, float* C, int64_t ldc,
-    int rows, int Kp, int N);
-#endif
 
 }  // namespace
 }  // namespace mlx_attn::cpu::MLX_ATTN_ISA

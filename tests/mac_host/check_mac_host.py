@@ -46,7 +46,11 @@ WHEEL_PLATFORM = "macosx_14_0_arm64"  # the tag of the MLX wheel a Mac installs
 ZIGLANG_VERSION = "0.17.0"
 CLANG, NM, CXXFILT, CMAKE = "clang-19", "llvm-nm-19", "llvm-cxxfilt-19", "cmake"
 # Compiled only on x86-64 (CMakeLists.txt): not part of an arm64 Mac build.
-X86_ONLY_UNITS = {"csrc/cpu/kernel_avx2.cpp", "csrc/cpu/kernel_avx512.cpp"}
+X86_ONLY_UNITS = {"csrc/cpu/kernel_avx2.cpp", "csrc/cpu/kernel_avx512.cpp", "csrc/cpu/kernel_avx512bf16.cpp",
+                  "csrc/cpu/backward_avx2.cpp", "csrc/cpu/backward_avx512.cpp"}
+# Per-unit compile options (the arm64 kernel copies' -march, e.g. +bf16):
+# `set_source_files_properties(<units> PROPERTIES COMPILE_OPTIONS "<a;b>")`.
+UNIT_OPTIONS = re.compile(r"set_source_files_properties\(([^)]*?) PROPERTIES\s+COMPILE_OPTIONS \"([^\"]*)\"")
 # CMake options that change what a Mac unit compiles: such a unit is checked
 # once more with the option's definition.
 OPTION_DEFINES = {"csrc/metal/metal_library.cpp": "MLX_ATTN_PREBUILT_METALLIB"}
@@ -228,6 +232,16 @@ def mac_units(repo: Path) -> list[str]:
     return [u for u in units if u not in X86_ONLY_UNITS]
 
 
+def unit_compile_options(repo: Path) -> dict[str, list[str]]:
+    """The extra compile options CMakeLists.txt gives single units, by
+    repo-relative path (the same for x86-64 and arm64 unit lists)."""
+    options = {}
+    for units, joined in UNIT_OPTIONS.findall((repo / "CMakeLists.txt").read_text()):
+        for unit in re.findall(r"csrc/[\w/]+\.cpp", units):
+            options[unit] = joined.split(";")
+    return options
+
+
 def embed_metal_sources(tools: Toolchain, repo: Path, out_dir: Path) -> tuple[Path, str]:
     """The generated unit holding the Metal sources, made by the build's own
     script, and the script's error output (empty when it worked)."""
@@ -251,11 +265,12 @@ class Unit:
     path: Path
     label: str  # repo-relative path, and the option it is compiled with
     defines: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()  # CMakeLists.txt's options for this unit
 
 
 def compile_unit(tools: Toolchain, repo: Path, unit: Unit, obj: Path) -> Compiled:
     flags = tools.compile_flags + (tools.binding_flags if BINDING_UNIT.search(unit.path.name) else [])
-    flags += [f"-D{name}=1" for name in unit.defines]
+    flags += [f"-D{name}=1" for name in unit.defines] + list(unit.options)
     # -O1: inline functions of the headers resolve as in an optimized build.
     done = subprocess.run([tools.clang, *flags, f"-I{repo}", "-O1", "-Wall", "-Wextra", "-c", str(unit.path),
                            "-o", str(obj)], capture_output=True, text=True)
@@ -280,7 +295,8 @@ def compile_cached(tools: Toolchain, repo: Path, unit: Unit, obj: Path, digest: 
     unchanged tree is not compiled again (digest None: always compile)."""
     if digest is None:
         return compile_unit(tools, repo, unit, obj)
-    path = cache_dir() / "results" / f"{hashlib.sha256((digest + unit.label).encode()).hexdigest()}.json"
+    key = "\0".join([digest, unit.label, *unit.options])
+    path = cache_dir() / "results" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     if path.is_file():
         return Compiled(**json.loads(path.read_text()))
     compiled = compile_unit(tools, repo, unit, obj)
@@ -345,8 +361,9 @@ def check(repo: Path = REPO, tools: Toolchain | None = None, only: list[str] | N
     with tempfile.TemporaryDirectory(prefix="mac_host_") as tmp:
         tmp = Path(tmp)
         units = []
+        options = unit_compile_options(repo)
         for name in mac_units(repo):
-            units.append(Unit(repo / name, name))
+            units.append(Unit(repo / name, name, (), tuple(options.get(name, []))))
             if name in OPTION_DEFINES:
                 units.append(Unit(repo / name, f"{name} with {OPTION_DEFINES[name]}", (OPTION_DEFINES[name],)))
         if only is None or GENERATED_UNIT in only:

@@ -1,0 +1,69 @@
+// What the running CPU supports, for choosing a kernel copy: CPUID on x86-64
+// (__builtin_cpu_supports), hwcaps on Linux arm64 (getauxval), sysctl on
+// macOS arm64. Shared by the dispatchers (dispatch.cpp) and the standalone
+// harness (tests/cpu_harness), so both apply one rule. No STL.
+#pragma once
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
+namespace mlx_attn::cpu::features {
+
+#if defined(__x86_64__) || defined(_M_X64)
+inline bool avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c");
+}
+inline bool avx512() {
+  return avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+inline bool avx512bf16() {
+  return avx512() && __builtin_cpu_supports("avx512bf16");
+}
+#endif
+
+#if defined(__aarch64__)
+#if defined(__linux__)
+// Bits of the kernel's AT_HWCAP / AT_HWCAP2 (asm/hwcap.h), spelled out for
+// older C libraries whose headers lack them.
+inline constexpr unsigned long kHwcapAsimdFhm = 1ul << 23;  // HWCAP_ASIMDFHM
+inline constexpr unsigned long kHwcap2Bf16 = 1ul << 14;     // HWCAP2_BF16
+inline bool neon_fhm() {
+  return (getauxval(AT_HWCAP) & kHwcapAsimdFhm) != 0;
+}
+inline bool neon_bf16() {
+  return (getauxval(AT_HWCAP2) & kHwcap2Bf16) != 0;
+}
+#elif defined(__APPLE__)
+// Apple's "Determining instruction set characteristics" names; a name the
+// kernel does not know reads as absent.
+inline bool sysctl_flag(const char* name) {
+  int value = 0;
+  size_t size = sizeof value;
+  return sysctlbyname(name, &value, &size, nullptr, 0) == 0 && value != 0;
+}
+inline bool neon_fhm() {
+  return sysctl_flag("hw.optional.arm.FEAT_FHM");
+}
+inline bool neon_bf16() {
+  return sysctl_flag("hw.optional.arm.FEAT_BF16");
+}
+#else
+inline bool neon_fhm() {
+  return false;
+}
+inline bool neon_bf16() {
+  return false;
+}
+#endif
+// The neonbf16 copy multiplies float16 natively too (FMLAL), so it needs both.
+inline bool neon_bf16_and_fhm() {
+  return neon_bf16() && neon_fhm();
+}
+#endif
+
+}  // namespace mlx_attn::cpu::features
