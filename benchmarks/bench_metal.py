@@ -75,6 +75,9 @@ COST_COLUMNS = {  # counter -> column title; per useful FLOP (prefill) or per K/
     "threadgroup_barriers": "barriers",
     "exp_calls": "exp/exp2",
 }
+# Not per work: how wide the device reads are (0.5 = one 2-byte element per
+# load instruction, 0.125 = a half4 per load).
+LOAD_WIDTH_COLUMN = "device loads / byte read"
 STATIC_COLUMNS = {"threadgroup_memory_bytes": "threadgroup memory (B)", "thread_array_bytes": "thread arrays (B)"}
 
 # Published figures of the GPU the modelled time is computed for: Apple M2
@@ -118,10 +121,12 @@ def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
 
 def summed(counters: list) -> dict[str, int]:
     """Counters of a problem's dispatches: costs add, allocations take the largest."""
-    total = {key: 0 for key in [*COST_COLUMNS, *STATIC_COLUMNS]}
+    total = {key: 0 for key in [*COST_COLUMNS, *STATIC_COLUMNS, "device_bytes_read", "device_load_operations"]}
     for c in counters:
         d = c.as_dict()
         total["device_bytes"] += d["device_bytes_read"] + d["device_bytes_written"]
+        total["device_bytes_read"] += d["device_bytes_read"]
+        total["device_load_operations"] += d["device_load_operations"]
         total["threadgroup_bytes"] += d["threadgroup_bytes_read"] + d["threadgroup_bytes_written"]
         for key in ("simdgroup_matrix_mmas", "simd_ops", "threadgroup_barriers", "exp_calls"):
             total[key] += d[key]
@@ -207,8 +212,12 @@ def _cell(ours: float, theirs: float, scale: float = 1.0) -> str:
     return f"{ours * scale:.3g} / {theirs * scale:.3g} ({ratio})"
 
 
+def loads_per_byte(counters: dict) -> float:
+    return counters["device_load_operations"] / max(1, counters["device_bytes_read"])
+
+
 def markdown_header() -> str:
-    titles = [*COST_COLUMNS.values(), *STATIC_COLUMNS.values()]
+    titles = [*COST_COLUMNS.values(), LOAD_WIDTH_COLUMN, *STATIC_COLUMNS.values()]
     return ("| phase | D | GQA | causal | T | per | " + " | ".join(titles) + " | modelled µs (bound) |\n"
             + "|---" * (7 + len(titles)) + "|")
 
@@ -217,6 +226,7 @@ def markdown_row(row) -> str:
     scale = 1000.0 if row["phase"] == "prefill" else 1.0  # prefill per 1000 useful FLOP
     per = "1k FLOP" if row["phase"] == "prefill" else "K/V byte"
     cells = [_cell(row["ours"]["per_work"][k], row["mlx"]["per_work"][k], scale) for k in COST_COLUMNS]
+    cells.append(_cell(loads_per_byte(row["ours"]["counters"]), loads_per_byte(row["mlx"]["counters"])))
     cells += [_cell(row["ours"]["counters"][k], row["mlx"]["counters"][k]) for k in STATIC_COLUMNS]
     ours, theirs = row["ours"]["modelled"], row["mlx"]["modelled"]
     cells.append(f"{_cell(ours['seconds'], theirs['seconds'], 1e6)} ({ours['bound']} / {theirs['bound']})")
@@ -242,7 +252,9 @@ def costs_markdown(rows, command: str) -> str:
         "dispatch of a problem, divided by the useful work: per 1000 useful FLOP for prefill",
         "(4·H·D·visible query-key pairs), per K/V byte for decode (2·Hkv·T·D·2 bytes).",
         "Threadgroup memory (per threadgroup) and thread arrays (per thread, what stays in",
-        "memory after clang -O1) are the largest of the problem's kernels, not normalised.",
+        "memory after clang -O1) are the largest of the problem's kernels, not normalised;",
+        "device loads / byte read is the number of device load instructions per byte they read",
+        "(0.5: one 2-byte element per load; 0.125: a half4 per load).",
         "What each counter means and how it is counted: docs/msl_emulator.md.",
         "",
         "Kernels: ours from the launch plan for the modelled GPU "
