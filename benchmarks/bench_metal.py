@@ -165,7 +165,8 @@ def emulated_rows(args):
                  for t in args.decode_lengths]
     rows = []
     for phase, d, causal, t, group in problems:
-        heads, kv_heads = (args.emulate_heads, args.emulate_heads) if phase == "prefill" else (group, 1)
+        kv_heads = args.emulate_heads if phase == "prefill" else args.decode_kv_heads
+        heads = kv_heads * (1 if phase == "prefill" else group)
         q_len = t if phase == "prefill" else 1
         key = mx.random.key(t * 1000 + d)
         q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i]).astype(mx.float16)
@@ -243,7 +244,7 @@ def costs_markdown(rows, command: str) -> str:
     if prefill:
         shapes.append(f"prefill B=1, H={prefill['heads']}, Hkv={prefill['kv_heads']}")
     if decode:
-        shapes.append("decode B=1, Hkv=1, H = the GQA group (one query)")
+        shapes.append(f"decode B=1, Hkv={decode['kv_heads']}, H = Hkv x the GQA group (one query)")
     lines = [
         "# Modelled kernel costs: our Metal kernels and MLX's (MSL emulator counters)",
         "",
@@ -263,7 +264,9 @@ def costs_markdown(rows, command: str) -> str:
         "(tests/mlx_kernel_runner.py; decode as on a base Apple GPU). float16, "
         + "; ".join(shapes) + ". Heads are few to keep the emulated run short: costs per",
         "useful FLOP or K/V byte do not depend on the head count (the modelled time, a roofline,",
-        "scales with the work, so its ratio does not either; occupancy is not modelled).",
+        "scales with the work, so its ratio does not either; occupancy is not modelled), except",
+        "our decode's split count, which the plan lowers as KV heads fill the GPU: fewer",
+        "splits, fewer partials and simdgroup combines per K/V byte (--decode-kv-heads).",
         "",
         f"Modelled time (µs, for the emulated problem): the roofline of docs/metal_kernels.md on "
         f"{GPU_MODEL['name']}: max(device bytes / {GPU_MODEL['device_bytes_per_s'] / 1e9:.0f} GB/s, "
@@ -329,6 +332,8 @@ def main(argv=None):
     p.add_argument("--decode-groups", type=int, nargs="+", default=[4, 8],
                    help="--emulate: decode GQA groups (query heads over one KV head)")
     p.add_argument("--emulate-heads", type=int, default=1, help="--emulate: prefill heads (and KV heads)")
+    p.add_argument("--decode-kv-heads", type=int, default=1,
+                   help="--emulate: decode KV heads (the plan's split count depends on them)")
     p.add_argument("--costs-doc", type=Path, default=ROOT / "docs" / "emulator_costs.md",
                    help="--emulate: where the Markdown table goes")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

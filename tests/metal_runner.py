@@ -207,7 +207,7 @@ class EmulatedMetal:
         out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
         lse = np.full((problem.batch, problem.q_heads, problem.q_len), np.nan, np.float32)
         outputs = [out, lse] if problem.output_lse else [out]
-        run_plan(self.library, plan, memory, outputs)
+        self.last_counters = run_plan(self.library, plan, memory, outputs)
         return out, lse
 
 
@@ -244,13 +244,15 @@ def nan_filled(shape, dtype: np.dtype) -> np.ndarray:
     return np.full(shape, np.nan, dtype)
 
 
-def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> list:
     """Runs every dispatch of `plan` in `library` with the bindings it names,
     as csrc/metal/attention_metal.cpp's encode_launch_plan encodes them:
     inputs[i] and outputs[i] by source_index, NaN-filled scratch (a read of
     something nobody wrote shows), params (and quantized params) bytes. A scratch buffer is written
-    by its producer and read only by later dispatches up to its consumer."""
+    by its producer and read only by later dispatches up to its consumer.
+    Returns what each dispatch returned (Counters in a counting build)."""
     scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
+    results = []
     for position, step in enumerate(plan["dispatches"]):
         bound = {}
         for binding in step["bindings"]:
@@ -272,7 +274,8 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
                 bound[binding["index"]] = plan["quantized_params"]
             else:
                 bound[binding["index"]] = struct.pack("i", plan["splits"])
-        library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
+        results.append(library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound))
+    return results
 
 
 def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None, *, scale, mask=None,
