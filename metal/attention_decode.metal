@@ -7,11 +7,12 @@
 // unless rows > R). Its simdgroups take the split's keys in turn (key j:
 // simdgroup j % NSG) and read them straight from device memory into
 // registers: lane l holds D/32 dims of the key, the value, every row's query
-// and output (decode_dim: chunk c of VEC consecutive dims at
+// and output (DecodeLayout::dim: chunk c of VEC consecutive dims at
 // c * 32 * VEC + l * VEC, so consecutive lanes read consecutive vectors), and
 // a score is a simd_sum of lane partial dot products; no K/V staging. With
-// params.vector_loads each chunk is one VEC-wide device load. Register budget: R x D/32 floats of
-// q and of the output per lane (MLX_ATTN_DECODE_ROW_FLOATS each).
+// params.vector_loads each chunk is one VEC-wide device load. Register
+// budget: R x D/32 floats of q and of the output per lane
+// (MLX_ATTN_DECODE_ROW_FLOATS each).
 // The simdgroups' online-softmax states are combined once into one partial
 // (max, sum, output) per (row, split): simdgroups 1.. hand their live rows
 // (not the register budget's unused ones) to simdgroup 0 through threadgroup
@@ -97,7 +98,7 @@ template <typename T, int D>
       }
     }
     for (int e = 0; e < SLICE; ++e) {
-      q_part[i][e] = r < rows ? q_part[i][e] : 0.0f;
+      q_part[i][e] = r < rows ? q_part[i][e] : 0.0f;  // rows past the group: not read above
       o_part[i][e] = 0.0f;
     }
     m_row[i] = kDecodeMasked;
