@@ -75,6 +75,9 @@ COST_COLUMNS = {  # counter -> column title; per useful FLOP (prefill) or per K/
     "threadgroup_barriers": "barriers",
     "exp_calls": "exp/exp2",
 }
+# Not per work: how wide the device reads are (0.5 = one 2-byte element per
+# load instruction, 0.125 = a half4 per load).
+LOAD_WIDTH_COLUMN = "device loads / byte read"
 STATIC_COLUMNS = {"threadgroup_memory_bytes": "threadgroup memory (B)", "thread_array_bytes": "thread arrays (B)"}
 
 # Published figures of the GPU the modelled time is computed for: Apple M2
@@ -118,10 +121,12 @@ def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
 
 def summed(counters: list) -> dict[str, int]:
     """Counters of a problem's dispatches: costs add, allocations take the largest."""
-    total = {key: 0 for key in [*COST_COLUMNS, *STATIC_COLUMNS]}
+    total = {key: 0 for key in [*COST_COLUMNS, *STATIC_COLUMNS, "device_bytes_read", "device_load_operations"]}
     for c in counters:
         d = c.as_dict()
         total["device_bytes"] += d["device_bytes_read"] + d["device_bytes_written"]
+        total["device_bytes_read"] += d["device_bytes_read"]
+        total["device_load_operations"] += d["device_load_operations"]
         total["threadgroup_bytes"] += d["threadgroup_bytes_read"] + d["threadgroup_bytes_written"]
         for key in ("simdgroup_matrix_mmas", "simd_ops", "threadgroup_barriers", "exp_calls"):
             total[key] += d[key]
@@ -160,7 +165,8 @@ def emulated_rows(args):
                  for t in args.decode_lengths]
     rows = []
     for phase, d, causal, t, group in problems:
-        heads, kv_heads = (args.emulate_heads, args.emulate_heads) if phase == "prefill" else (group, 1)
+        kv_heads = args.emulate_heads if phase == "prefill" else args.decode_kv_heads
+        heads = kv_heads * (1 if phase == "prefill" else group)
         q_len = t if phase == "prefill" else 1
         key = mx.random.key(t * 1000 + d)
         q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i]).astype(mx.float16)
@@ -207,8 +213,12 @@ def _cell(ours: float, theirs: float, scale: float = 1.0) -> str:
     return f"{ours * scale:.3g} / {theirs * scale:.3g} ({ratio})"
 
 
+def loads_per_byte(counters: dict) -> float:
+    return counters["device_load_operations"] / max(1, counters["device_bytes_read"])
+
+
 def markdown_header() -> str:
-    titles = [*COST_COLUMNS.values(), *STATIC_COLUMNS.values()]
+    titles = [*COST_COLUMNS.values(), LOAD_WIDTH_COLUMN, *STATIC_COLUMNS.values()]
     return ("| phase | D | GQA | causal | T | per | " + " | ".join(titles) + " | modelled µs (bound) |\n"
             + "|---" * (7 + len(titles)) + "|")
 
@@ -217,6 +227,7 @@ def markdown_row(row) -> str:
     scale = 1000.0 if row["phase"] == "prefill" else 1.0  # prefill per 1000 useful FLOP
     per = "1k FLOP" if row["phase"] == "prefill" else "K/V byte"
     cells = [_cell(row["ours"]["per_work"][k], row["mlx"]["per_work"][k], scale) for k in COST_COLUMNS]
+    cells.append(_cell(loads_per_byte(row["ours"]["counters"]), loads_per_byte(row["mlx"]["counters"])))
     cells += [_cell(row["ours"]["counters"][k], row["mlx"]["counters"][k]) for k in STATIC_COLUMNS]
     ours, theirs = row["ours"]["modelled"], row["mlx"]["modelled"]
     cells.append(f"{_cell(ours['seconds'], theirs['seconds'], 1e6)} ({ours['bound']} / {theirs['bound']})")
@@ -233,7 +244,7 @@ def costs_markdown(rows, command: str) -> str:
     if prefill:
         shapes.append(f"prefill B=1, H={prefill['heads']}, Hkv={prefill['kv_heads']}")
     if decode:
-        shapes.append("decode B=1, Hkv=1, H = the GQA group (one query)")
+        shapes.append(f"decode B=1, Hkv={decode['kv_heads']}, H = Hkv x the GQA group (one query)")
     lines = [
         "# Modelled kernel costs: our Metal kernels and MLX's (MSL emulator counters)",
         "",
@@ -242,7 +253,9 @@ def costs_markdown(rows, command: str) -> str:
         "dispatch of a problem, divided by the useful work: per 1000 useful FLOP for prefill",
         "(4·H·D·visible query-key pairs), per K/V byte for decode (2·Hkv·T·D·2 bytes).",
         "Threadgroup memory (per threadgroup) and thread arrays (per thread, what stays in",
-        "memory after clang -O1) are the largest of the problem's kernels, not normalised.",
+        "memory after clang -O1) are the largest of the problem's kernels, not normalised;",
+        "device loads / byte read is the number of device load instructions per byte they read",
+        "(0.5: one 2-byte element per load; 0.125: a half4 per load).",
         "What each counter means and how it is counted: docs/msl_emulator.md.",
         "",
         "Kernels: ours from the launch plan for the modelled GPU "
@@ -251,7 +264,9 @@ def costs_markdown(rows, command: str) -> str:
         "(tests/mlx_kernel_runner.py; decode as on a base Apple GPU). float16, "
         + "; ".join(shapes) + ". Heads are few to keep the emulated run short: costs per",
         "useful FLOP or K/V byte do not depend on the head count (the modelled time, a roofline,",
-        "scales with the work, so its ratio does not either; occupancy is not modelled).",
+        "scales with the work, so its ratio does not either; occupancy is not modelled), except",
+        "our decode's split count, which the plan lowers as KV heads fill the GPU: fewer",
+        "splits, fewer partials and simdgroup combines per K/V byte (--decode-kv-heads).",
         "",
         f"Modelled time (µs, for the emulated problem): the roofline of docs/metal_kernels.md on "
         f"{GPU_MODEL['name']}: max(device bytes / {GPU_MODEL['device_bytes_per_s'] / 1e9:.0f} GB/s, "
@@ -317,6 +332,8 @@ def main(argv=None):
     p.add_argument("--decode-groups", type=int, nargs="+", default=[4, 8],
                    help="--emulate: decode GQA groups (query heads over one KV head)")
     p.add_argument("--emulate-heads", type=int, default=1, help="--emulate: prefill heads (and KV heads)")
+    p.add_argument("--decode-kv-heads", type=int, default=1,
+                   help="--emulate: decode KV heads (the plan's split count depends on them)")
     p.add_argument("--costs-doc", type=Path, default=ROOT / "docs" / "emulator_costs.md",
                    help="--emulate: where the Markdown table goes")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

@@ -111,6 +111,9 @@ AttentionProblem describe_attention(
   copy_strides(q, p.q_strides);
   copy_strides(k, p.k_strides);
   copy_strides(v, p.v_strides);
+  p.q_offset = q.offset() / int64_t(q.itemsize());
+  p.k_offset = k.offset() / int64_t(k.itemsize());
+  p.v_offset = v.offset() / int64_t(v.itemsize());
   p.scale = options.scale;
   p.causal = options.causal || options.window_size > 0;
   p.window_size = options.window_size;

@@ -40,6 +40,9 @@ struct AttentionProblem {
   int64_t q_strides[4];     // in elements; any values (broadcast, transposed)
   int64_t k_strides[4];
   int64_t v_strides[4];
+  // where each of q, k, v starts in its buffer, in elements (MLX's
+  // array::offset() is in bytes); 0 before the arrays are evaluated
+  int64_t q_offset, k_offset, v_offset;
   MaskKind mask_kind;
   int64_t mask_strides[4];  // the mask seen as [B, Hq, Tq, Tkv], 0 where broadcast
   bool causal;              // lower-right aligned: query i sees keys <= i + Tkv - Tq

@@ -164,6 +164,16 @@ const char* source_name(Source source) {
   return "?";
 }
 
+bool vector_loads_aligned(const AttentionProblem& s) {
+  constexpr int64_t width = MLX_ATTN_VECTOR_WIDTH;
+  const auto aligned = [](const int64_t strides[4], int64_t offset, int dim) {
+    return strides[3] == 1 && dim % width == 0 && offset % width == 0 && strides[0] % width == 0 &&
+        strides[1] % width == 0 && strides[2] % width == 0;
+  };
+  return aligned(s.q_strides, s.q_offset, s.head_dim) && aligned(s.k_strides, s.k_offset, s.head_dim) &&
+      aligned(s.v_strides, s.v_offset, s.value_dim);
+}
+
 namespace {
 constexpr int kDecodeThreads = 32 * MLX_ATTN_DECODE_SIMDGROUPS;
 
@@ -288,6 +298,7 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   p.sinks_stride = s.sinks_stride;
   p.scale = s.scale;
   p.output_lse = s.output_lse ? 1 : 0;
+  p.vector_loads = vector_loads_aligned(s) ? 1 : 0;
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_rows_per_threadgroup(s.head_dim) != 0) {

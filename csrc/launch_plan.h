@@ -128,6 +128,11 @@ int decode_rows_per_threadgroup(int head_dim);
 // (docs/metal_kernels.md).
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {});
 
+// Whether the kernels may read q, k and v as MLX_ATTN_VECTOR_WIDTH-element
+// vectors: contiguous last dim, and head dims, batch / head / position
+// strides and buffer offsets all multiples of the width (metal/attention_params.h).
+bool vector_loads_aligned(const AttentionProblem& problem);
+
 LaunchPlan plan_attention(const AttentionProblem& problem, const GpuTarget& target = {});
 
 }  // namespace mlx_attn

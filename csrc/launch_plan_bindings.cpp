@@ -26,6 +26,7 @@ nb::dict plan_dict(const LaunchPlan& plan) {
   out["supported"] = plan.supported;
   out["reason"] = plan.reason;
   out["params"] = nb::bytes(reinterpret_cast<const char*>(&plan.params), sizeof(AttentionParams));
+  out["vector_loads"] = plan.params.vector_loads != 0;
   nb::list dispatches;
   for (const auto& d : plan.dispatches) {
     nb::dict entry;

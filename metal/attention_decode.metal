@@ -6,14 +6,18 @@
 // read once for the whole group (grid.y = KV heads x row chunks; one chunk
 // unless rows > R). Its simdgroups take the split's keys in turn (key j:
 // simdgroup j % NSG) and read them straight from device memory into
-// registers: lane l holds dims [l * D/32, (l + 1) * D/32) of the key, the
-// value, every row's query and output, so a score is a simd_sum of lane
-// partial dot products; no K/V staging. Register budget: R x D/32 floats of
-// q and of the output per lane (MLX_ATTN_DECODE_ROW_FLOATS each).
+// registers: lane l holds D/32 dims of the key, the value, every row's query
+// and output (DecodeLayout::dim: chunk c of VEC consecutive dims at
+// c * 32 * VEC + l * VEC, so consecutive lanes read consecutive vectors), and
+// a score is a simd_sum of lane partial dot products; no K/V staging. With
+// params.vector_loads each chunk is one VEC-wide device load. Register
+// budget: R x D/32 floats of q and of the output per lane
+// (MLX_ATTN_DECODE_ROW_FLOATS each).
 // The simdgroups' online-softmax states are combined once into one partial
 // (max, sum, output) per (row, split): simdgroups 1.. hand their live rows
 // (not the register budget's unused ones) to simdgroup 0 through threadgroup
-// memory, and simdgroup 0 adds them to its own registers.
+// memory, and simdgroup 0 adds them to its own registers (lane g reads the max
+// and sum of simdgroup g + 1 once; the other lanes get its weight by shuffle).
 // attention_decode_merge combines the splits: the same rescale, then sinks,
 // normalize and the row log-sum-exp.
 // Same step names and finite sentinels as attention_prefill.metal.
@@ -28,6 +32,15 @@ constant float kDecodeMasked = MLX_ATTN_MASKED_LOGIT;
 inline float decode_saturate_logit(float x) {
   return clamp(x, -MLX_ATTN_LOGIT_LIMIT, MLX_ATTN_LOGIT_LIMIT);
 }
+
+// Dims per device load in decode: the largest of 4, 2, 1 that divides a lane's D/32.
+template <int D>
+struct DecodeLayout {
+  static constexpr int SLICE = D / 32;
+  static constexpr int VEC = SLICE % 4 == 0 ? 4 : (SLICE % 2 == 0 ? 2 : 1);
+  // the head dim of element e of `lane`'s slice
+  static inline int dim(uint lane, int e) { return e / VEC * 32 * VEC + int(lane) * VEC + e % VEC; }
+};
 
 template <typename T, int D>
 [[kernel]] void attention_decode_partial(
@@ -44,6 +57,7 @@ template <typename T, int D>
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int NSG = MLX_ATTN_DECODE_SIMDGROUPS;
   constexpr int SLICE = D / 32;                              // head-dim elements per lane
+  constexpr int VEC = DecodeLayout<D>::VEC;
   constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / SLICE;      // rows per threadgroup
   // the states of simdgroups 1.., combined at the end; element e of a lane's
   // slice sits at e * 32 + lane so that the 32 lanes hit 32 different banks
@@ -67,6 +81,7 @@ template <typename T, int D>
     kv_begin = max(kv_begin, offset - p.window_size + 1);
   }
 
+  const bool vector_loads = p.vector_loads != 0;
   float q_part[R][SLICE];
   float o_part[R][SLICE];
   float m_row[R];
@@ -76,25 +91,33 @@ template <typename T, int D>
     const int h = kv_head * p.group + (r < rows ? r / p.q_len : 0);
     const int qi = r < rows ? r % p.q_len : 0;
     const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
+    for (int e = 0; e < SLICE; e += VEC) {
+      if (r < rows) {
+        const long at = q_row + DecodeLayout<D>::dim(lane, e) * p.q_strides[3];
+        RowLoad<T, VEC>::read(q, at, p.q_strides[3], vector_loads, &q_part[i][e]);
+      }
+    }
     for (int e = 0; e < SLICE; ++e) {
-      q_part[i][e] = r < rows ? float(q[q_row + (int(lane) * SLICE + e) * p.q_strides[3]]) : 0.0f;
+      q_part[i][e] = r < rows ? q_part[i][e] : 0.0f;  // rows past the group: not read above
       o_part[i][e] = 0.0f;
     }
     m_row[i] = kDecodeMasked;
     l_row[i] = 0.0f;
   }
 
-  const long k_head = b * p.k_strides[0] + kv_head * p.k_strides[1] + int(lane) * SLICE * p.k_strides[3];
-  const long v_head = b * p.v_strides[0] + kv_head * p.v_strides[1] + int(lane) * SLICE * p.v_strides[3];
+  const long k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
+  const long v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
   for (int key = kv_begin + int(sg); key < kv_end; key += NSG) {
-    // each lane reads SLICE consecutive elements: one coalesced row per simdgroup
+    // the simdgroup reads one key row in VEC-element chunks, lane l the
+    // l-th chunk of each 32: coalesced
     float k_slice[SLICE];
     float v_slice[SLICE];
     const long k_at = k_head + key * p.k_strides[2];
     const long v_at = v_head + key * p.v_strides[2];
-    for (int e = 0; e < SLICE; ++e) {
-      k_slice[e] = float(k[k_at + e * p.k_strides[3]]);
-      v_slice[e] = float(v[v_at + e * p.v_strides[3]]);
+    for (int e = 0; e < SLICE; e += VEC) {
+      const int d = DecodeLayout<D>::dim(lane, e);
+      RowLoad<T, VEC>::read(k, k_at + d * p.k_strides[3], p.k_strides[3], vector_loads, &k_slice[e]);
+      RowLoad<T, VEC>::read(v, v_at + d * p.v_strides[3], p.v_strides[3], vector_loads, &v_slice[e]);
     }
     for (int i = 0; i < R; ++i) {
       const int r = r0 + i;
@@ -161,27 +184,28 @@ template <typename T, int D>
   if (sg != 0) {
     return;  // after the last barrier
   }
+  const bool reads_stats = lane < uint(NSG - 1);  // lane g: simdgroup g + 1's max and sum
   for (int i = 0; i < live_rows; ++i) {
-    float m = m_row[i];
-    for (int g = 0; g < NSG - 1; ++g) {
-      m = max(m, sg_max[g * R + i]);
-    }
-    const float own = exp2((m_row[i] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
-    float l = l_row[i] * own;
+    const float their_max = reads_stats ? sg_max[int(lane) * R + i] : kDecodeMasked;
+    const float their_sum = reads_stats ? sg_sum[int(lane) * R + i] : 0.0f;
+    const float m = max(m_row[i], simd_max(their_max));
+    // rescale to the common max: lane g's weight is simdgroup g + 1's
+    const float own = exp2((m_row[i] - m) * MLX_ATTN_LOG2E);
+    const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);
+    const float l = l_row[i] * own + simd_sum(their_sum * their_weight);
     float o[SLICE];
     for (int e = 0; e < SLICE; ++e) {
       o[e] = o_part[i][e] * own;
     }
     for (int g = 0; g < NSG - 1; ++g) {
-      const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);
-      l += sg_sum[g * R + i] * weight;
+      const float weight = simd_shuffle(their_weight, ushort(g));
       for (int e = 0; e < SLICE; ++e) {
         o[e] += sg_out[(g * R + i) * D + e * 32 + int(lane)] * weight;
       }
     }
     const long base = ((long(b) * p.kv_heads + kv_head) * splits + split) * rows + r0 + i;
     for (int e = 0; e < SLICE; ++e) {
-      partial_out[base * D + int(lane) * SLICE + e] = o[e];
+      partial_out[base * D + DecodeLayout<D>::dim(lane, e)] = o[e];
     }
     if (lane == 0) {
       partial_stats[base * 2] = m;
@@ -225,7 +249,7 @@ template <typename T, int D>
     const float weight = exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
     l += partial_stats[base * 2 + 1] * weight;
     for (int e = 0; e < SLICE; ++e) {
-      o[e] += partial_out[base * D + int(lane) * SLICE + e] * weight;
+      o[e] += partial_out[base * D + DecodeLayout<D>::dim(lane, e)] * weight;
     }
   }
   // normalize: sinks join the sum; rows that saw nothing give zeros
@@ -240,7 +264,7 @@ template <typename T, int D>
   const float factor = l > 0.0f ? correction / l : 0.0f;
   const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
   for (int e = 0; e < SLICE; ++e) {
-    out[row * D + int(lane) * SLICE + e] = T(o[e] * factor);
+    out[row * D + DecodeLayout<D>::dim(lane, e)] = T(o[e] * factor);
   }
   if (p.output_lse != 0 && lane == 0) {
     // a row that saw nothing: -inf, written as bits (fast math has no infinities)

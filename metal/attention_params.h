@@ -39,6 +39,11 @@ typedef int32_t attn_int32;
 // Decode register budget: a lane holds rows x D/32 floats of q and as many of
 // the output; rows per threadgroup = this / (D / 32) (8 at D = 128).
 #define MLX_ATTN_DECODE_ROW_FLOATS 32
+// Elements per vector device load (half4 / bfloat4 / float4). The launch plan
+// sets AttentionParams::vector_loads only when every q/k/v row, head and batch
+// start is a multiple of it (strides and the buffer's element offset) and the
+// last dim is contiguous; the kernels read element by element otherwise.
+#define MLX_ATTN_VECTOR_WIDTH 4
 
 struct AttentionParams {
   attn_int64 q_strides[4];     // in elements, [batch, head, position, dim]
@@ -58,8 +63,35 @@ struct AttentionParams {
   attn_int32 has_sinks;
   float scale;                 // multiplies q.k (natural-log units)
   attn_int32 output_lse;       // write the row log-sum-exp (float32 [B, Hq, Tq])
+  attn_int32 vector_loads;     // q/k/v aligned to MLX_ATTN_VECTOR_WIDTH (prefill and decode read vectors)
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 17 * 8 + 12 * 4, "AttentionParams layout");
+// 13 four-byte members, then 4 bytes of tail padding to the 8-byte alignment
+static_assert(sizeof(AttentionParams) == 17 * 8 + 13 * 4 + 4, "AttentionParams layout");
+#endif
+
+#ifdef __METAL_VERSION__
+// N consecutive elements of a row, from `at` on, as floats: one N-wide load
+// when the plan found the inputs aligned (params.vector_loads), else N loads
+// `stride` elements apart. N = 1 is always a scalar load.
+template <typename T, int N>
+struct RowLoad {
+  static inline void read(const device T* base, long at, long stride, bool vector_load, thread float* out) {
+    if (vector_load) {
+      const metal::vec<T, N> x = *(const device metal::vec<T, N>*)(base + at);
+      for (int i = 0; i < N; ++i) {
+        out[i] = float(x[i]);
+      }
+    } else {
+      for (int i = 0; i < N; ++i) {
+        out[i] = float(base[at + i * stride]);
+      }
+    }
+  }
+};
+template <typename T>
+struct RowLoad<T, 1> {
+  static inline void read(const device T* base, long at, long, bool, thread float* out) { out[0] = float(base[at]); }
+};
 #endif

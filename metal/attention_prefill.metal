@@ -20,6 +20,8 @@
 // finite (metal/attention_params.h). Finite sentinels instead of infinities:
 // Metal compiles with fast math.
 // K/V head = query head / group: keys and values are never repeated.
+// Device loads: W = 4-element vectors (Q: pairs) when params.vector_loads
+// says every row start is aligned (csrc/launch_plan.cpp), else per element.
 // Threadgroup memory: 2 * BK * (D + 16 / sizeof(T)) * sizeof(T) bytes
 // (csrc/launch_plan.cpp, docs/metal_kernels.md).
 #include <metal_stdlib>
@@ -71,9 +73,14 @@ template <typename T, int D, int BK>
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
   const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
+  const bool vector_loads = p.vector_loads != 0;
   for (int d = 0; d < D / 8; ++d) {
+    float pair[2] = {0.0f, 0.0f};
+    if (qi < p.q_len) {
+      RowLoad<T, 2>::read(q, q_row + (d * 8 + c) * p.q_strides[3], p.q_strides[3], vector_loads, pair);
+    }
     for (int t = 0; t < 2; ++t) {
-      q_tiles[d].thread_elements()[t] = qi < p.q_len ? float(q[q_row + (d * 8 + c + t) * p.q_strides[3]]) : 0.0f;
+      q_tiles[d].thread_elements()[t] = pair[t];
       o_tiles[d].thread_elements()[t] = 0.0f;
     }
   }
@@ -96,14 +103,35 @@ template <typename T, int D, int BK>
   const long v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
     // stage K/V in the input dtype: consecutive threads take consecutive
-    // elements of a key row (coalesced device reads)
-    for (int e = int(tid); e < BK * D; e += THREADS) {
-      const int j = e / D;
-      const int col = e % D;
-      const int key = kb + j;
-      const bool inside = key < kv_end;
-      k_tile[j * LD + col] = inside ? k[k_head + key * p.k_strides[2] + col * p.k_strides[3]] : T(0);
-      v_tile[j * LD + col] = inside ? v[v_head + key * p.v_strides[2] + col * p.v_strides[3]] : T(0);
+    // elements (aligned inputs: consecutive W-element vectors) of a key row,
+    // coalesced device reads; keys past the range are zeros
+    if (vector_loads) {
+      constexpr int W = MLX_ATTN_VECTOR_WIDTH;
+      for (int e = int(tid) * W; e < BK * D; e += THREADS * W) {
+        const int j = e / D;
+        const int col = e % D;
+        const int key = kb + j;
+        const bool inside = key < kv_end;
+        vec<T, W> k_part = vec<T, W>(T(0));
+        vec<T, W> v_part = vec<T, W>(T(0));
+        if (inside) {
+          k_part = *(const device vec<T, W>*)(k + k_head + key * p.k_strides[2] + col);
+          v_part = *(const device vec<T, W>*)(v + v_head + key * p.v_strides[2] + col);
+        }
+        for (int i = 0; i < W; ++i) {
+          k_tile[j * LD + col + i] = k_part[i];
+          v_tile[j * LD + col + i] = v_part[i];
+        }
+      }
+    } else {
+      for (int e = int(tid); e < BK * D; e += THREADS) {
+        const int j = e / D;
+        const int col = e % D;
+        const int key = kb + j;
+        const bool inside = key < kv_end;
+        k_tile[j * LD + col] = inside ? k[k_head + key * p.k_strides[2] + col * p.k_strides[3]] : T(0);
+        v_tile[j * LD + col] = inside ? v[v_head + key * p.v_strides[2] + col * p.v_strides[3]] : T(0);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -53,7 +53,11 @@ def physical_layout(x: np.ndarray, layout: str | None):
     """(buffer, view): the memory an input lives in and its [B, H, T, D] view.
     "seq_major": stored [B, T, H, D] (the projection layout), so the head and
     sequence strides are swapped; "cache": the first T of a longer
-    preallocated cache whose unused tail is NaN (a read past T would show)."""
+    preallocated cache whose unused tail is NaN (a read past T would show);
+    "unaligned": rows of D + 4 elements starting 2 elements in (row strides a
+    multiple of 4, the start not: scalar loads); "odd_rows": rows of D + 1
+    (odd strides: scalar loads); "every_other": every other element of rows
+    of 2·D (last-dim stride 2: scalar loads). Unused elements are NaN."""
     if layout is None:
         return x, x
     if layout == "seq_major":
@@ -61,11 +65,24 @@ def physical_layout(x: np.ndarray, layout: str | None):
         return buffer, buffer.transpose(0, 2, 1, 3)
     if layout == "cache":
         b, h, t, d = x.shape
-        nan = np.array(0x7FC0, np.uint16) if x.dtype == np.uint16 else np.array(np.nan, x.dtype)
-        buffer = np.full((b, h, t + 7, d), nan, x.dtype)
+        buffer = nan_filled((b, h, t + 7, d), x.dtype)
         buffer[:, :, :t] = x
         return buffer, buffer[:, :, :t]
+    if layout == "every_other":
+        buffer = nan_filled(x.shape[:3] + (2 * x.shape[3],), x.dtype)
+        buffer[..., ::2] = x
+        return buffer, buffer[..., ::2]
+    if layout in ROW_PADDING:
+        start, width = ROW_PADDING[layout]
+        buffer = nan_filled(x.shape[:3] + (x.shape[3] + width,), x.dtype)
+        buffer[..., start:start + x.shape[3]] = x
+        return buffer, buffer[..., start:start + x.shape[3]]
     raise ValueError(f"unknown layout {layout!r}")
+
+
+# layout -> (first element of a row, extra elements per row)
+ROW_PADDING = {"unaligned": (2, 4), "odd_rows": (0, 1)}
+LAYOUTS = ("seq_major", "cache", *ROW_PADDING, "every_other")
 
 
 def layout_view(x: mx.array, layout: str | None) -> View:
@@ -75,11 +92,32 @@ def layout_view(x: mx.array, layout: str | None) -> View:
     buffer = from_numpy(physical_layout(to_numpy(x), layout)[0], x.dtype)
     if layout == "seq_major":
         return View(buffer, lambda a: a.transpose(0, 2, 1, 3))
+    if layout == "every_other":
+        return View(buffer, lambda a: a[..., ::2])
+    if layout in ROW_PADDING:
+        start = ROW_PADDING[layout][0]
+        return View(buffer, lambda a: a[..., start:start + x.shape[3]], offset=start)
     return View(buffer, lambda a: a[:, :, : x.shape[2]])
 
 
 def as_view(x) -> View:
     return x if isinstance(x, View) else View(x)
+
+
+def with_mask_and_sinks(views: list[View], mask, sinks) -> tuple[list[View], dict]:
+    """`views` (q, k, v or the quantized triples) followed by the primitive's
+    other inputs: an array mask (bool, or additive in q's dtype) and sinks
+    (an array or a View). Returns them and the plan's mask= / sinks=
+    arguments (the bound arrays; a mask string such as "causal" as is)."""
+    views = list(views)
+    plan_kw = {"mask": mask, "sinks": None}
+    if isinstance(mask, mx.array):
+        views.append(View(mask if mask.dtype == mx.bool_ else mask.astype(views[0].array.dtype)))
+        plan_kw["mask"] = views[-1].array
+    if sinks is not None:
+        views.append(as_view(sinks))
+        plan_kw["sinks"] = views[-1].array
+    return views, plan_kw
 
 
 def reference_lse(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
@@ -111,11 +149,14 @@ def reference_lse(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
 
 
 class EmulatedMetal:
-    def __init__(self, fast_math: bool, sources=None):
+    def __init__(self, fast_math: bool, sources=None, counters: bool = False):
+        """counters: the counting build (slower): its dispatches return cost
+        Counters, and a misaligned device access fails."""
         import msl_emulator
 
         self.fast_math = fast_math
-        self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math)
+        self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math,
+                                                    counters=counters)
 
     def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None, return_lse=False,
                  gpu_target: dict | None = None):
@@ -123,19 +164,15 @@ class EmulatedMetal:
         a View; gpu_target: the plan's GPU ({"gpu_family": ..., "gpu_cores":
         ...}, default the conservative target); the result as an MLX array
         (and the float32 [B, Hq, Tq] log-sum-exp with return_lse)."""
-        inputs = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
+        inputs, plan_kw = with_mask_and_sinks(
+            [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)], mask, sinks)
         dtype = inputs[0].array.dtype
-        if isinstance(mask, mx.array):
-            inputs.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
-        if sinks is not None:
-            inputs.append(as_view(sinks))
-        arrays = [view.array for view in inputs]
-        plan = launch_plan(
-            *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
-            sinks=arrays[-1] if sinks is not None else None, window_size=window_size, output_lse=return_lse,
-            **(gpu_target or {}),
-        )
+        plan = launch_plan(*(view.array for view in inputs[:3]), scale=scale, **plan_kw, window_size=window_size,
+                           output_lse=return_lse, **(gpu_target or {}))
         assert plan["supported"], plan["reason"]
+        # the offsets the host reads from MLX (bytes / itemsize) are the ones bound here
+        problem = plan["problem"]
+        assert (problem.q_offset, problem.k_offset, problem.v_offset) == tuple(view.offset for view in inputs[:3])
         self.last_plan = plan
         out, lse = self.launch(plan, inputs)
         return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
@@ -146,16 +183,11 @@ class EmulatedMetal:
         (csrc/quantized_launch_plan.cpp): q and each part of the
         (packed, scales, biases) triples an array or a View, scales and
         biases in q's dtype; otherwise as __call__."""
-        inputs = [as_view(x) for x in (q, *k_quant, *v_quant)]
+        inputs, plan_kw = with_mask_and_sinks([as_view(x) for x in (q, *k_quant, *v_quant)], mask, sinks)
         dtype = inputs[0].array.dtype
-        if isinstance(mask, mx.array):
-            inputs.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
-        if sinks is not None:
-            inputs.append(as_view(sinks))
         arrays = [view.array for view in inputs]
         plan = quantized_launch_plan(
-            arrays[0], arrays[1:4], arrays[4:7], scale=scale, mask=arrays[7] if isinstance(mask, mx.array) else mask,
-            sinks=arrays[-1] if sinks is not None else None, window_size=window_size, bits=bits,
+            arrays[0], arrays[1:4], arrays[4:7], scale=scale, **plan_kw, window_size=window_size, bits=bits,
             group_size=group_size, output_lse=return_lse,
         )
         assert plan["supported"], plan["reason"]
@@ -169,13 +201,13 @@ class EmulatedMetal:
         its view's offset (read through the plan's strides), the output,
         scratch buffers and bytes. Returns the outputs (out, lse); lse is
         NaN where no kernel wrote it."""
+        problem = plan["problem"]
         memory = [view.memory() for view in inputs]
         memory = [m.view(np.uint8) if m.dtype == np.bool_ else m for m in memory]
-        problem = plan["problem"]
         out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
         lse = np.full((problem.batch, problem.q_heads, problem.q_len), np.nan, np.float32)
         outputs = [out, lse] if problem.output_lse else [out]
-        run_plan(self.library, plan, memory, outputs)
+        self.last_counters = run_plan(self.library, plan, memory, outputs)
         return out, lse
 
 
@@ -212,13 +244,15 @@ def nan_filled(shape, dtype: np.dtype) -> np.ndarray:
     return np.full(shape, np.nan, dtype)
 
 
-def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> list:
     """Runs every dispatch of `plan` in `library` with the bindings it names,
     as csrc/metal/attention_metal.cpp's encode_launch_plan encodes them:
     inputs[i] and outputs[i] by source_index, NaN-filled scratch (a read of
     something nobody wrote shows), params (and quantized params) bytes. A scratch buffer is written
-    by its producer and read only by later dispatches up to its consumer."""
+    by its producer and read only by later dispatches up to its consumer.
+    Returns what each dispatch returned (Counters in a counting build)."""
     scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
+    results = []
     for position, step in enumerate(plan["dispatches"]):
         bound = {}
         for binding in step["bindings"]:
@@ -240,7 +274,8 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
                 bound[binding["index"]] = plan["quantized_params"]
             else:
                 bound[binding["index"]] = struct.pack("i", plan["splits"])
-        library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound)
+        results.append(library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound))
+    return results
 
 
 def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None, *, scale, mask=None,
@@ -250,17 +285,11 @@ def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None
     backward primitive: q, k, v (stored in `layout`), mask, sinks, then the
     forward's out and float32 lse and the cotangents d_out and d_lse (float32
     [B, Hq, Tq]; zeros when None), row-contiguous as the vjp hands them over."""
-    views = [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)]
+    views, plan_kw = with_mask_and_sinks(
+        [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)], mask, sinks)
     dtype = views[0].array.dtype
-    if isinstance(mask, mx.array):
-        views.append(View(mask if mask.dtype == mx.bool_ else mask.astype(dtype)))
-    if sinks is not None:
-        views.append(as_view(sinks))
     arrays = [view.array for view in views]
-    plan = backward_launch_plan(
-        *arrays[:3], scale=scale, mask=arrays[3] if isinstance(mask, mx.array) else mask,
-        sinks=arrays[-1] if sinks is not None else None, window_size=window_size,
-    )
+    plan = backward_launch_plan(*arrays[:3], scale=scale, **plan_kw, window_size=window_size)
     assert plan["supported"], plan["reason"]
     metal.last_plan = plan
     problem = plan["problem"]

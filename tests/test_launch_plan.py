@@ -12,6 +12,11 @@ from mlx_attn import _ext
 from mlx_attn.metal_support import launch_plan
 
 
+# AttentionParams (metal/attention_params.h): 17 int64, 10 int32, the float
+# scale, output_lse, vector_loads, 4 bytes of tail padding
+PARAMS_FORMAT = "17q10ifii4x"
+
+
 def roles(step) -> list[str]:
     return [b["role"] for b in step["bindings"]]
 
@@ -59,7 +64,7 @@ def test_bindings_name_their_memory_and_placeholders(tq, with_mask, with_sinks, 
             assert where == expected, (role, where)
     # the dispatch that writes the output also writes the lse
     assert [roles(step).count("lse") for step in plan["dispatches"]] == ["out" in roles(step) for step in plan["dispatches"]]
-    params = struct.unpack("17q10ifi", plan["params"])
+    params = struct.unpack(PARAMS_FORMAT, plan["params"])
     assert params[26] == (1 if with_sinks else 0)
     assert params[25] == (_ext.MASK_BOOL if with_mask else _ext.MASK_NONE)
     assert params[28] == (1 if with_lse else 0)
@@ -70,7 +75,7 @@ def test_sinks_stride_is_in_the_params():
     for sinks, stride in ((base[::3], 3), (mx.broadcast_to(base[5:6], (8,)), 0), (base[1:9], 1)):
         mx.eval(sinks)
         plan = plan_for(sinks=sinks)
-        assert struct.unpack("17q10ifi", plan["params"])[16] == stride
+        assert struct.unpack(PARAMS_FORMAT, plan["params"])[16] == stride
         assert plan["problem"].sinks_stride == stride
 
 
@@ -154,7 +159,7 @@ def test_params_bytes_encode_the_problem():
     plan = launch_plan(q, k, v, mask=mask, window_size=4, scale=0.5)
     raw = plan["params"]
     assert len(raw) == _ext.ATTENTION_PARAMS_BYTES
-    values = struct.unpack("17q10ifi", raw)
+    values = struct.unpack(PARAMS_FORMAT, raw)
     assert values[:4] == (7 * 8 * 64, 64, 8 * 64, 1)
     assert values[4:8] == (2 * 12 * 64, 12 * 64, 64, 1)
     assert values[8:12] == (2 * 9 * 64, 9 * 64, 64, 1)
@@ -164,6 +169,40 @@ def test_params_bytes_encode_the_problem():
     assert (batch, q_heads, kv_heads, group, q_len, kv_len) == (2, 8, 2, 4, 7, 9)
     assert (causal, window, mask_kind, sinks) == (1, 4, _ext.MASK_BOOL, 0)
     assert values[27] == 0.5
+    assert values[29] == 1 and plan["vector_loads"]  # every row start a multiple of 4 elements
+
+
+def evaluated(x: mx.array) -> mx.array:
+    mx.eval(x)  # a view's strides and offset are known once it is evaluated
+    return x
+
+
+@pytest.mark.parametrize("tq", [40, 2], ids=["prefill", "decode"])
+def test_vector_loads_need_every_row_start_aligned(tq):
+    """The plan lets the kernels read q/k/v as 4-element vectors only when the
+    last dim is contiguous and every batch/head/position stride and the
+    buffer offset are multiples of 4 elements (csrc/launch_plan.cpp)."""
+    q = evaluated(mx.zeros((1, 4, tq, 64), mx.float16))
+    wide = evaluated(mx.zeros((1, 2, 50, 68), mx.float16))
+    odd = evaluated(mx.zeros((1, 2, 50, 65), mx.float16))
+    seq_major = evaluated(mx.zeros((1, 50, 2, 64), mx.float16))
+    cases = {
+        "rows of 68 elements": (q, wide[..., :64], True),
+        "offset of 4 elements": (q, evaluated(wide[..., 4:]), True),
+        "[B, T, H, D] storage": (q, evaluated(seq_major.transpose(0, 2, 1, 3)), True),
+        "offset of 2 elements": (q, evaluated(wide[..., 2:66]), False),
+        "odd row stride": (q, evaluated(odd[..., :64]), False),
+        "strided last dim": (q, evaluated(mx.zeros((1, 2, 50, 128), mx.float16)[..., ::2]), False),
+        "q misaligned, k/v aligned": (evaluated(mx.zeros((1, 4, tq, 66), mx.float16)[..., 1:65]), wide[..., :64], False),
+    }
+    for name, (q_in, kv, vector) in cases.items():
+        kv = evaluated(kv)
+        plan = launch_plan(q_in, kv, kv, scale=0.125)
+        assert plan["supported"], plan["reason"]
+        assert plan["vector_loads"] == vector, name
+        assert struct.unpack(PARAMS_FORMAT, plan["params"])[29] == int(vector), name
+    offset_view = evaluated(wide[..., 2:66])
+    assert launch_plan(q, offset_view, offset_view, scale=0.125)["problem"].k_offset == 2  # elements, not bytes
 
 
 @pytest.mark.parametrize("kwargs,reason", [

@@ -14,6 +14,7 @@ import pytest
 
 import msl_emulator
 from metal_runner import EmulatedMetal, View
+from mutations import assert_caught, mutated, write
 from test_metal_backward import BACKWARD, check, make_mask, qkv, random
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 runs the MSL emulator")
@@ -75,16 +76,6 @@ MUTANTS = {
 }
 
 
-def mutate(kind, a, b) -> str:
-    text = BACKWARD.read_text()
-    if kind == "remove":
-        starts = [m.start() for m in re.finditer(re.escape(a), text)]
-        start = starts[b]
-        return only_float32_d64(text[:start] + text[text.index(";", start) + 1:])
-    assert text.count(a) == 1, f"mutation target {a!r} must occur exactly once"
-    return only_float32_d64(text.replace(a, b))
-
-
 def battery(metal) -> None:
     """Gradient checks (float32, D = 64) that together reach every rule the
     mutants break; raises AssertionError on a wrong gradient."""
@@ -113,20 +104,11 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("backward_mutants")
 
 
-def compiled(directory: Path, text: str, name: str) -> EmulatedMetal:
-    path = directory / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.metal"
-    path.write_text(text)
-    return EmulatedMetal(fast_math=True, sources=[path])
-
-
 def test_unmutated_kernels_pass_the_battery(workdir):
-    battery(compiled(workdir, only_float32_d64(BACKWARD.read_text()), "original"))
+    battery(EmulatedMetal(fast_math=True, sources=[write(workdir, only_float32_d64(BACKWARD.read_text()), "original")]))
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(workdir, name):
-    try:
-        metal = compiled(workdir, mutate(*MUTANTS[name]), name)
-    except msl_emulator.MetalCompileError:
-        return  # caught by the compiler
-    assert caught(metal), f"mutant survived: {name}"
+    mutant = write(workdir, only_float32_d64(mutated(BACKWARD.read_text(), *MUTANTS[name])), name)
+    assert_caught(name, [mutant], caught)

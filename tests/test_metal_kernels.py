@@ -3,12 +3,16 @@
 the same C++ launch plan as on a Mac; on a Mac with Metal the real kernels run.
 Tolerances: tests/sdpa_cases.py (shared with the CPU kernel tests)."""
 
+import itertools
+import os
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REAL_METAL, EmulatedMetal, RealMetal, View, reference_lse
+from metal_runner import REAL_METAL, REPO, EmulatedMetal, RealMetal, View, reference_lse
 from mlx_attn.metal_support import launch_plan
 from mlx_attn.reference import reference_attention
 from sdpa_cases import DTYPES, TOLERANCE, make_qkv
@@ -202,6 +206,65 @@ def test_decode_head_dims_masks_and_windows(run, dtype, d):
     additive[1] = -np.inf  # the second query position sees nothing
     got = check(run, q, k, v, mask=mx.array(additive).astype(dtype))
     assert np.all(got[:, :, 1] == 0)
+
+
+FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
+HEAD_DIMS = [64, 80, 96, 128, 256]
+SCALAR_LAYOUTS = ["unaligned", "odd_rows", "every_other"]  # tests/metal_runner.py physical_layout
+# Each dtype x head dim with one of the scalar-load layouts (in turn) by
+# default, with all three under MLX_ATTN_FULL_GRID=1.
+LOAD_GRID = [(dtype, d, layout)
+             for i, (dtype, d) in enumerate(itertools.product(DTYPES, HEAD_DIMS))
+             for layout in (SCALAR_LAYOUTS if FULL_GRID else [SCALAR_LAYOUTS[i % len(SCALAR_LAYOUTS)]])]
+
+
+@pytest.mark.parametrize("dtype,d,layout", LOAD_GRID, ids=lambda x: str(x).replace("mlx.core.", ""))
+def test_vector_and_scalar_loads(run, dtype, d, layout):
+    """Inputs whose rows all start on a 4-element boundary ([B, T, H, D]
+    storage here) are read with vector loads, others (a start 2 elements into
+    an aligned row, odd rows, a strided last dim) element by element: both
+    compute the reference, prefill and decode."""
+    for tq in (33, 2):
+        q, k, v = make(1, 4, 2, tq, 45, d, dtype, seed=d + tq)
+        for chosen, vector in (("seq_major", True), (layout, False)):
+            check(run, q, k, v, mask="causal", layout=chosen)
+            if not REAL_METAL:
+                assert run.last_plan["vector_loads"] == vector, chosen
+
+
+def trimmed(source, instances: list[str]) -> str:
+    """A kernel source with only `instances` instantiated (quick counting builds)."""
+    text = re.sub(r"^MLX_ATTN_(PREFILL|DECODE)_(2BYTE_)?TYPES\(.*\)$", "", source.read_text(), flags=re.M)
+    return text + "\n" + "\n".join(instances) + "\n"
+
+
+@pytest.mark.skipif(REAL_METAL, reason="counts the emulated kernels' device loads")
+@pytest.mark.parametrize("dtype,d,key_block,vector_bytes", [
+    (mx.float16, 128, 16, {"prefill": 8, "decode": 8}),   # half4; decode lanes read 4 elements
+    (mx.float32, 64, 32, {"prefill": 16, "decode": 8}),   # float4; decode lanes read 2 elements (float2)
+], ids=["float16-d128", "float32-d64"])
+def test_vector_loads_are_aligned_and_fewer(tmp_path, dtype, d, key_block, vector_bytes):
+    """In the counting build (which fails any misaligned device access):
+    aligned inputs are read with vector loads, about one load per vector
+    (Q by pairs in prefill), misaligned ones one element per load."""
+    tname, type_ = {mx.float16: ("float16", "half"), mx.float32: ("float32", "float")}[dtype]
+    sources = []
+    for kind, instance in (("prefill", f"{tname}, {type_}, {d}, {key_block}"), ("decode", f"{tname}, {type_}, {d}")):
+        path = tmp_path / f"attention_{kind}.metal"
+        path.write_text(trimmed(REPO / "metal" / f"attention_{kind}.metal", [f"MLX_ATTN_{kind.upper()}({instance})"]))
+        sources.append(path)
+    metal = EmulatedMetal(fast_math=True, sources=sources, counters=True)
+    element = dtype.size
+    for kind, tq in (("prefill", 40), ("decode", 1)):
+        q, k, v = make(1, 4, 1 if tq == 1 else 4, tq, 96, d, dtype, seed=tq)
+        for layout, bytes_per_load in ((None, vector_bytes[kind]), ("unaligned", element)):
+            check(metal, q, k, v, mask="causal", layout=layout, gpu_target={"gpu_family": "apple8"})
+            attention = metal.last_counters[0]  # prefill, or the decode partial (the merge reads float partials)
+            per_load = attention.device_bytes_read / attention.device_load_operations
+            if bytes_per_load == element:
+                assert per_load == element, (tq, layout)
+            else:  # vectors, and Q (prefill) in pairs
+                assert 0.7 * bytes_per_load <= per_load <= bytes_per_load, (tq, layout, per_load)
 
 
 FAMILIES = ["unknown", "apple7", "apple8", "apple9"]

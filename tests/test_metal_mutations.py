@@ -1,7 +1,8 @@
 """Mutation test of the emulator-based kernel tests: faults seeded into copies
 of the Metal kernels must each be caught (wrong results beyond tolerance, NaN,
-a deadlock, or a compile error). A mutation whose target text is missing
-fails the test, so it can never silently test nothing."""
+a deadlock, a misaligned vector load, or a compile error). A mutation whose
+target text is missing fails the test, so it can never silently test nothing
+(the loop: tests/mutations.py)."""
 
 import re
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import msl_emulator
 from metal_runner import REPO, EmulatedMetal, View, reference_lse
 from mlx_attn.reference import reference_attention
+from mutations import assert_caught, mutated, write
 from sdpa_cases import TOLERANCE
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
@@ -22,18 +24,12 @@ DECODE = REPO / "metal" / "attention_decode.metal"
 
 
 def only_float32_d64(text: str) -> str:
-    """Keep one instantiation so each mutant compiles quickly."""
+    """Keep the float32 instantiations the cases use (D = 64; decode also
+    D = 96, whose lanes read one element per chunk) so each mutant compiles quickly."""
     text = re.sub(r"^MLX_ATTN_(PREFILL|DECODE)_(2BYTE_)?TYPES\(.*\)$", "", text, flags=re.M)
-    kind = "PREFILL" if "attention_prefill<" in text else "DECODE"
-    instance = "float32, float, 64, 32" if kind == "PREFILL" else "float32, float, 64"
-    return text + f"\nMLX_ATTN_{kind}({instance})\n"
-
-
-def nth_occurrence_removed(text: str, needle: str, n: int) -> str:
-    starts = [m.start() for m in re.finditer(re.escape(needle), text)]
-    start = starts[n]
-    end = text.index(";", start) + 1
-    return text[:start] + text[end:]
+    if "attention_prefill<" in text:
+        return text + "\nMLX_ATTN_PREFILL(float32, float, 64, 32)\n"
+    return text + "\nMLX_ATTN_DECODE(float32, float, 64)\nMLX_ATTN_DECODE(float32, float, 96)\n"
 
 
 def barriers(source: Path, kind: str) -> dict:
@@ -52,7 +48,10 @@ MUTANTS = {
     "prefill: row sum misses a lane pair": (PREFILL, "replace", "p_sum += simd_shuffle_xor(p_sum, 8);", ""),
     "prefill: normalize dropped": (PREFILL, "replace", "T(o_tiles[d].thread_elements()[t] * factor)", "T(o_tiles[d].thread_elements()[t])"),
     "prefill: K^T fragment reads the wrong key": (PREFILL, "replace", "k_tile[(j * 8 + c + t) * LD + d * 8 + r]", "k_tile[(j * 8 + c) * LD + d * 8 + r]"),
-    "prefill: K/V tile load bound off by one": (PREFILL, "replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
+    "prefill: K/V tile load bound off by one": (PREFILL, "replace", "e < BK * D; e += THREADS)", "e < BK * D - 1; e += THREADS)"),
+    "prefill: vector K/V tile load bound short by a vector": (PREFILL, "replace", "e < BK * D; e += THREADS * W", "e < BK * D - W; e += THREADS * W"),
+    "prefill: vector K/V tile loads keys past the range": (PREFILL, "replace", "if (inside) {", "if (true) {"),
+    "prefill: vector K/V tile store drops an element": (PREFILL, "replace", "for (int i = 0; i < W; ++i) {", "for (int i = 0; i < W - 1; ++i) {"),
     "prefill: causal block range off by one": (PREFILL, "replace", "kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
     "prefill: output row bound off by one": (PREFILL, "replace", "if (qi < p.q_len) {\n    const long row", "if (qi < p.q_len - 1) {\n    const long row"),
     "prefill: bool mask ignored": (PREFILL, "replace", "visible = mask[at] != 0;", "visible = true;"),
@@ -63,10 +62,18 @@ MUTANTS = {
     "decode: merge rescale dropped": (DECODE, "replace", "const float weight = exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
     "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end; key += 1"),
     "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end - 1; key += NSG"),
-    "decode: simdgroup combine rescale dropped": (DECODE, "replace", "const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
+    "decode: simdgroup combine rescale dropped": (DECODE, "replace", "const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
+    "decode: combine max taken from one lane": (DECODE, "replace", "max(m_row[i], simd_max(their_max))", "max(m_row[i], their_max)"),
+    "decode: combine weight broadcast from the wrong lane": (DECODE, "replace", "simd_shuffle(their_weight, ushort(g))", "simd_shuffle(their_weight, ushort(0))"),
+    "decode: a handed-over max and sum read by no lane": (DECODE, "replace", "lane < uint(NSG - 1);", "lane < uint(NSG - 2);"),
+    "decode: handed-over sums not added across lanes": (DECODE, "replace", "simd_sum(their_sum * their_weight)", "their_sum * their_weight"),
+    "decode: lane layout overlaps chunks": (DECODE, "replace", "e / VEC * 32 * VEC", "e / VEC * 16 * VEC"),
+    "decode: key/value chunk loop stops a chunk early": (DECODE, "replace", "for (int e = 0; e < SLICE; e += VEC) {\n      const int d", "for (int e = 0; e < SLICE - VEC; e += VEC) {\n      const int d"),
+    "decode: query chunk loop stops a chunk early": (DECODE, "replace", "for (int e = 0; e < SLICE; e += VEC) {\n      if (r < rows)", "for (int e = 0; e < SLICE - VEC; e += VEC) {\n      if (r < rows)"),
+    "decode: vector chunk read as one element": (DECODE, "replace", "RowLoad<T, VEC>::read(k,", "RowLoad<T, 1>::read(k,"),
     "decode: simdgroup combine leaves one out": (DECODE, "replace", "for (int g = 0; g < NSG - 1; ++g) {\n      const float weight", "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),
     "decode: simdgroup 0's output not rescaled in the combine": (DECODE, "replace", "o[e] = o_part[i][e] * own;", "o[e] = o_part[i][e];"),
-    "decode: simdgroup 0's sum not rescaled in the combine": (DECODE, "replace", "float l = l_row[i] * own;", "float l = l_row[i];"),
+    "decode: simdgroup 0's sum not rescaled in the combine": (DECODE, "replace", "l_row[i] * own + simd_sum", "l_row[i] + simd_sum"),
     "decode: combine misses the last live row": (DECODE, "replace", "const int live_rows = min(R, rows - r0);", "const int live_rows = min(R, rows - r0) - 1;"),
     "decode: combine hands over rows at the wrong slot": (DECODE, "replace", "const int at = (int(sg) - 1) * R;", "const int at = int(sg) * R;"),
     "decode: a simdgroup's sum not handed over": (DECODE, "replace", "sg_sum[at + i] = l_row[i];", ""),
@@ -83,20 +90,22 @@ MUTANTS = {
     "prefill: lse without the sink's max": (PREFILL, "replace", "m_final + log(l_final)", "m_row + log(l_final)"),
     "prefill: additive mask ignored": (PREFILL, "replace", "s = saturate_logit(s + added);", ""),
     "prefill: GQA head mapping wrong": (PREFILL, "replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
-    "prefill: key sequence stride assumed contiguous": (PREFILL, "replace", "key * p.k_strides[2]", "key * D"),
+    "prefill: key sequence stride assumed contiguous (vector loads)": (PREFILL, "replace", "k_head + key * p.k_strides[2] + col)", "k_head + key * D + col)"),
+    "prefill: key sequence stride assumed contiguous (scalar loads)": (PREFILL, "replace", "k_head + key * p.k_strides[2] + col * p", "k_head + key * D + col * p"),
+    "prefill: value dim stride ignored (scalar loads)": (PREFILL, "replace", "col * p.v_strides[3]", "col"),
+    "decode: key dim stride ignored (scalar loads)": (DECODE, "replace", "k_at + d * p.k_strides[3]", "k_at + d"),
     "decode: value head stride assumed contiguous": (DECODE, "replace", "kv_head * p.v_strides[1]", "kv_head * p.kv_len * D"),
     "prefill: sinks stride assumed contiguous": (PREFILL, "replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
     "decode: sinks stride assumed contiguous": (DECODE, "replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
 }
 
 
-def mutate(source, kind, a, b) -> str:
-    text = source.read_text()
-    if kind == "remove":
-        assert text.count(a) > b
-        return only_float32_d64(nth_occurrence_removed(text, a, b))
-    assert text.count(a) == 1, f"mutation target {a!r} must occur exactly once"
-    return only_float32_d64(text.replace(a, b))
+# Caught only where a misaligned device load fails: in the counting build.
+ALIGNMENT_MUTANTS = {
+    f"{source.stem}: vector loads whatever the alignment": (
+        source, "replace", "const bool vector_loads = p.vector_loads != 0;", "const bool vector_loads = true;")
+    for source in (PREFILL, DECODE)
+}
 
 
 CASES = [
@@ -114,15 +123,26 @@ CASES = [
     dict(shape=(1, 8, 1, 3, 60), mask="causal"),  # decode: 24 rows, two row chunks at D = 64
     dict(shape=(1, 2, 2, 35, 60), sinks=True),  # prefill: sinks without a mask
     dict(shape=(1, 2, 1, 20, 40), mask="bool"),  # prefill: a row that sees nothing, no sinks
+    # scalar loads: a start 2 elements into an aligned row, odd rows, a strided last dim
+    dict(shape=(1, 4, 2, 35, 45), mask="causal", layout="unaligned"),
+    dict(shape=(1, 4, 2, 2, 75), layout="unaligned"),
+    dict(shape=(1, 2, 2, 33, 40), layout="odd_rows"),
+    dict(shape=(1, 4, 2, 3, 50), mask="causal", layout="odd_rows"),
+    dict(shape=(1, 2, 1, 20, 30), layout="every_other"),
+    dict(shape=(1, 4, 1, 1, 40), layout="every_other"),
+    dict(shape=(1, 2, 2, 35, 45), mask="causal", layout="cache"),  # prefill: the last key block's tail is NaN
+    dict(shape=(1, 4, 2, 2, 90), mask="causal", d=96),  # decode: one element per chunk, 3 per lane
+    dict(shape=(1, 4, 2, 2, 70), layout="unaligned", d=96),
 ]
 
 
 def caught(run) -> bool:
     for case in CASES:
         b, hq, hkv, tq, tkv = case["shape"]
+        d = case.get("d", 64)
         rng = np.random.default_rng(tq)
         q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
-                   for s in ((b, hq, tq, 64), (b, hkv, tkv, 64), (b, hkv, tkv, 64)))
+                   for s in ((b, hq, tq, d), (b, hkv, tkv, d), (b, hkv, tkv, d)))
         kw = {"scale": 0.125}
         if case.get("mask") == "bool":
             visible = rng.random((tq, tkv)) > 0.4
@@ -167,28 +187,26 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mutants")
 
 
-def write(directory: Path, text: str, name: str) -> Path:
-    path = directory / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.metal"
-    path.write_text(text)
-    return path
-
-
 def originals(directory: Path) -> list[Path]:
     return [write(directory, only_float32_d64(src.read_text()), f"original {src.stem}") for src in (PREFILL, DECODE)]
 
 
 def test_unmutated_kernels_pass_the_battery(workdir):
     assert not caught(EmulatedMetal(fast_math=True, sources=originals(workdir)))
+    assert not caught(EmulatedMetal(fast_math=True, sources=originals(workdir), counters=True))
+
+
+def mutant_sources(workdir: Path, name: str, source: Path, *change) -> list[Path]:
+    mutant = write(workdir, only_float32_d64(mutated(source.read_text(), *change)), name)
+    return [mutant if original.name.startswith(f"original_{source.stem}") else original
+            for original in originals(workdir)]
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(workdir, name):
-    source, *change = MUTANTS[name]
-    mutated = write(workdir, mutate(source, *change), name)
-    sources = [mutated if original.name.startswith(f"original_{source.stem}") else original
-               for original in originals(workdir)]
-    try:
-        run = EmulatedMetal(fast_math=True, sources=sources)
-    except msl_emulator.MetalCompileError:
-        return  # caught by the compiler
-    assert caught(run), f"mutant survived: {name}"
+    assert_caught(name, mutant_sources(workdir, name, *MUTANTS[name]), caught)
+
+
+@pytest.mark.parametrize("name", list(ALIGNMENT_MUTANTS))
+def test_alignment_mutant_is_caught(workdir, name):
+    assert_caught(name, mutant_sources(workdir, name, *ALIGNMENT_MUTANTS[name]), caught, counters=True)

@@ -602,6 +602,29 @@ def test_thread_array_bytes_count_arrays_kept_in_memory(counting_lib):
     assert counters.device_bytes_read == 32 * 64 * 4
 
 
+@needs_clang
+def test_device_load_operations_count_instructions_whatever_their_width(counting_lib):
+    threads = 32
+    x = np.arange(8 * threads, dtype=np.float16) / 64
+    y = np.zeros(threads, np.float32)
+    counters = counting_lib.dispatch("vector_and_scalar_loads", (1, 1, 1), (threads, 1, 1), {0: x, 1: y})
+    np.testing.assert_allclose(y, x.reshape(threads, 8)[:, :6].astype(np.float32).sum(axis=1), rtol=1e-3)
+    assert counters.device_load_operations == 3 * threads  # one half4 and two halves per thread
+    assert counters.device_bytes_read == (8 + 2 + 2) * threads
+
+
+@needs_clang
+def test_counting_builds_fail_a_misaligned_device_load(counting_lib):
+    """A buffer bound 2 bytes into an allocation stays 2 bytes off in the
+    emulator's staged copy, as a Metal buffer bound at that byte offset: the
+    half4 load (8-byte aligned on the GPU) fails the dispatch."""
+    x = np.zeros(8 * 32 + 1, np.float16)
+    y = np.zeros(32, np.float32)
+    with pytest.raises(me.EmulatorError, match="misaligned device load"):
+        counting_lib.dispatch("vector_and_scalar_loads", (1, 1, 1), (32, 1, 1), {0: x[1:], 1: y})
+    assert counting_lib.dispatch("vector_and_scalar_loads", (1, 1, 1), (32, 1, 1), {0: x[:-1], 1: y}) is not None
+
+
 def test_ir_instrumentation_counts_loads_stores_and_copies():
     from msl_emulator import counters as c
 
@@ -613,17 +636,22 @@ def test_ir_instrumentation_counts_loads_stores_and_copies():
   call void @llvm.memcpy.p3.p1.i64(ptr addrspace(3) align 4 %t, ptr addrspace(1) align 4 %d, i64 16, i1 false)
   ret void
 }
-define void @msl_count_access(i32 %0, i64 %1, i32 %2) {
+define void @msl_count_access(i32 %0, i64 %1, i32 %2, i64 %3, i64 %4) {
   ret void
 }
 """
     out = c.instrument(ir)
-    calls = [line.strip() for line in out.splitlines() if "call void @msl_count_access" in line]
+    calls = [line.strip() for line in out.splitlines() if "call void @msl_count_access(" in line or "ptrtoint ptr" in line]
     assert calls == [
-        "call void @msl_count_access(i32 1, i64 ptrtoint (ptr getelementptr (<2 x half>, ptr null, i32 1) to i64), i32 0)",
-        "call void @msl_count_access(i32 3, i64 ptrtoint (ptr getelementptr (float, ptr null, i32 1) to i64), i32 1)",
-        "call void @msl_count_access(i32 3, i64 16, i32 1)",
-        "call void @msl_count_access(i32 1, i64 16, i32 0)",
+        "%msl_address_1 = ptrtoint ptr addrspace(1) %d to i64",
+        "call void @msl_count_access(i32 1, i64 ptrtoint (ptr getelementptr (<2 x half>, ptr null, i32 1) to i64), "
+        "i32 0, i64 %msl_address_1, i64 4)",
+        "%msl_address_2 = ptrtoint ptr addrspace(3) %t to i64",
+        "call void @msl_count_access(i32 3, i64 ptrtoint (ptr getelementptr (float, ptr null, i32 1) to i64), "
+        "i32 1, i64 %msl_address_2, i64 4)",
+        # copies: no address, no alignment check
+        "call void @msl_count_access(i32 3, i64 16, i32 1, i64 0, i64 1)",
+        "call void @msl_count_access(i32 1, i64 16, i32 0, i64 0, i64 1)",
     ]
     with pytest.raises(ValueError, match="msl_count_access"):
         c.instrument("define void @k() {\n  ret void\n}\n")

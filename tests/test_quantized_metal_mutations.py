@@ -15,7 +15,8 @@ import pytest
 
 import msl_emulator
 from metal_runner import REPO, EmulatedMetal, View
-from test_metal_mutations import differs_from_reference, nth_occurrence_removed, write
+from mutations import assert_caught, mutated, write
+from test_metal_mutations import differs_from_reference
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
 
@@ -86,15 +87,6 @@ MUTANTS = {
         "partial_out[base * D + int(lane) * SLICE + e]", "partial_out[base * D + e * 32 + int(lane)]"),
     "partial max written as the sum": replaced("partial_stats[base * 2] = m;", "partial_stats[base * 2] = l;"),
 }
-
-
-def mutate(kind, a, b) -> str:
-    text = QUANTIZED.read_text()
-    if kind == "remove":
-        assert text.count(a) > b
-        return only_float32(nth_occurrence_removed(text, a, b))
-    assert text.count(a) == 1, f"mutation target {a!r} must occur exactly once"
-    return only_float32(text.replace(a, b))
 
 
 def quantized(x: mx.array, group_size: int, bits: int) -> tuple:
@@ -174,9 +166,5 @@ def test_unmutated_kernel_passes_the_battery(workdir, decode_merge):
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(workdir, decode_merge, name):
-    mutated = write(workdir, mutate(*MUTANTS[name]), f"quantized {name}")
-    try:
-        run = EmulatedMetal(fast_math=True, sources=[decode_merge, mutated])
-    except msl_emulator.MetalCompileError:
-        return  # caught by the compiler
-    assert caught(run), f"mutant survived: {name}"
+    mutant = write(workdir, only_float32(mutated(QUANTIZED.read_text(), *MUTANTS[name])), f"quantized {name}")
+    assert_caught(name, [decode_merge, mutant], caught)

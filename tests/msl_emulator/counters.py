@@ -2,9 +2,11 @@
 
 A library compiled with ``counters=True`` is built in two steps: clang emits
 optimised LLVM IR (``-O1``, as every build), :func:`instrument` inserts a call
-``msl_count_access(space, bytes, is_store)`` before every load, store and
+``msl_count_access(space, bytes, is_store, address, alignment)`` before every load, store and
 memory intrinsic on device (1), constant (2) and threadgroup (3) memory, and
-clang compiles the IR. Counting after optimisation counts the accesses the
+clang compiles the IR (the call also gets the address and the alignment the
+instruction assumes: a misaligned device access fails the dispatch, as a
+misaligned vector load is undefined on the GPU). Counting after optimisation counts the accesses the
 compiled kernel makes (values kept in registers are read once), not every
 subscript in the source. The shim counts the rest (simd functions, barriers,
 simdgroup products, exp/exp2) when ``MSL_COUNTERS`` is defined.
@@ -29,6 +31,7 @@ class Counters:
     docs/msl_emulator.md). Field order matches msl_rt::Counters."""
 
     device_bytes_read: int
+    device_load_operations: int  # load instructions (and copies) from device memory, whatever their width
     device_bytes_written: int
     constant_bytes_read: int
     threadgroup_bytes_read: int
@@ -77,8 +80,29 @@ def _size_of(type_: str) -> str:
     return f"i64 ptrtoint (ptr getelementptr ({type_}, ptr null, i32 1) to i64)"
 
 
-def _count_call(indent: str, space: str, size: str, is_store: bool) -> str:
-    return f"{indent}call void @msl_count_access(i32 {space}, {size}, i32 {int(is_store)})"
+def _alignment(operands: list[str]) -> int:
+    for operand in operands[2:]:
+        if operand.startswith("align "):
+            return int(operand.split()[1])
+    return 1
+
+
+class _Instrumenter:
+    """Counting calls with the accessed address (a ptrtoint before each)."""
+
+    def __init__(self):
+        self.addresses = 0
+
+    def call(self, indent: str, space: str, pointer: str | None, size: str, is_store: bool,
+             alignment: int = 1) -> list[str]:
+        """pointer None (copies, whose operands carry attributes): no address, no alignment check."""
+        lines, address = [], "0"
+        if pointer is not None:
+            self.addresses += 1
+            address = f"%msl_address_{self.addresses}"
+            lines.append(f"{indent}{address} = ptrtoint {pointer} to i64")
+        return lines + [f"{indent}call void @msl_count_access(i32 {space}, {size}, i32 {int(is_store)}, i64 {address}, "
+                        f"i64 {alignment})"]
 
 
 def instrument(ir: str) -> str:
@@ -86,26 +110,28 @@ def instrument(ir: str) -> str:
     if "@msl_count_access(" not in ir:
         raise ValueError("the module does not define msl_count_access (was it built with MSL_COUNTERS?)")
     out = []
+    counting = _Instrumenter()
     for line in ir.splitlines():
         if (match := _LOAD.match(line)):
             operands = _split_operands(match.group(2))
             space = _space(operands[1]) if len(operands) > 1 else None
             if space:
-                out.append(_count_call(match.group(1), space, _size_of(operands[0]), False))
+                out += counting.call(match.group(1), space, operands[1], _size_of(operands[0]), False,
+                                     _alignment(operands))
         elif (match := _STORE.match(line)):
             operands = _split_operands(match.group(2))
             space = _space(operands[1]) if len(operands) > 1 else None
             if space:
                 type_ = operands[0].rsplit(" ", 1)[0]
-                out.append(_count_call(match.group(1), space, _size_of(type_), True))
+                out += counting.call(match.group(1), space, operands[1], _size_of(type_), True, _alignment(operands))
         elif (match := _MEMORY_INTRINSIC.match(line)):
             indent, kind, operands = match.group(1), match.group(2), _split_operands(match.group(3))
             length = operands[2]
             destination = _space(operands[0])
             if destination:
-                out.append(_count_call(indent, destination, length, True))
+                out += counting.call(indent, destination, None, length, True)
             if kind != "memset" and (source := _space(operands[1])):
-                out.append(_count_call(indent, source, length, False))
+                out += counting.call(indent, source, None, length, False)
         out.append(line)
     return "\n".join(out) + "\n"
 

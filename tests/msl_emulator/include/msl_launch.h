@@ -375,7 +375,8 @@ class StagedBuffers {
       bool written = writable[i];
       for (int j = i + 1; j < count; ++j)
         if (user[j] == user[i] && bytes[j] == bytes[i]) written |= bool(writable[j]);
-      GuardedBlock block(bytes[i], std::max<uint32_t>(align[i], 1));
+      const uint32_t alignment = std::max<uint32_t>(align[i], 1);
+      GuardedBlock block(bytes[i], alignment, reinterpret_cast<uintptr_t>(user[i]) % alignment);
       if (!block.ok()) {
         pointers_[i] = user[i];
         continue;
@@ -634,11 +635,20 @@ inline int dispatch(const Entry* entries, int count, const char* name, const uin
 
 #ifdef MSL_COUNTERS
 // Called before every load and store of device (1), constant (2) and
-// threadgroup (3) memory in kernel code; build.py inserts the calls.
-extern "C" __attribute__((used, noinline, visibility("hidden"))) void msl_count_access(int space, uint64_t bytes,
-                                                                                      int is_store) {
+// threadgroup (3) memory in kernel code; build.py inserts the calls with the
+// accessed address and the alignment the instruction assumes (1 for copies).
+// A device access off that alignment (a half4 read 2 bytes into a vector)
+// is undefined on the GPU: it fails the dispatch here.
+extern "C" __attribute__((used, noinline, visibility("hidden"))) void msl_count_access(
+    int space, uint64_t bytes, int is_store, uint64_t address, uint64_t alignment) {
   msl_rt::Counters* c = msl_rt::current_counters;
   if (!c) return;
+  if (space == 1 && alignment > 1 && address % alignment != 0) {
+    msl_rt::fail("misaligned device " + std::string(is_store ? "store" : "load") + " of " + std::to_string(bytes) +
+                 " bytes at an address " + std::to_string(address % alignment) + " bytes past a multiple of " +
+                 std::to_string(alignment));
+  }
+  if (space == 1 && !is_store) ++c->device_load_operations;
   if (space == 1) (is_store ? c->device_bytes_written : c->device_bytes_read) += bytes;
   else if (space == 2) c->constant_bytes_read += bytes;
   else if (space == 3) (is_store ? c->threadgroup_bytes_written : c->threadgroup_bytes_read) += bytes;

@@ -82,6 +82,7 @@ struct Site {
 // step with library.py's Counters.
 struct Counters {
   uint64_t device_bytes_read = 0;
+  uint64_t device_load_operations = 0;  // load instructions from device memory, of any width
   uint64_t device_bytes_written = 0;
   uint64_t constant_bytes_read = 0;
   uint64_t threadgroup_bytes_read = 0;
@@ -93,7 +94,7 @@ struct Counters {
   uint64_t exp_calls = 0;               // exp and exp2, per thread and vector element
   uint64_t threadgroup_memory_bytes = 0;  // allocated by one threadgroup (the largest)
 
-  static constexpr int kFields = 11;
+  static constexpr int kFields = 12;
   uint64_t* fields() { return &device_bytes_read; }
   const uint64_t* fields() const { return &device_bytes_read; }
 };
@@ -161,10 +162,12 @@ class StackPool {
 class GuardedBlock {
  public:
   GuardedBlock() = default;
-  GuardedBlock(std::size_t bytes, std::size_t align) : bytes_(bytes) {
+  // data() % align == phase (< align): a staged copy keeps the caller's
+  // address modulo the alignment, as a buffer bound at a byte offset does.
+  GuardedBlock(std::size_t bytes, std::size_t align, std::size_t phase = 0) : bytes_(bytes) {
     std::size_t page = std::size_t(sysconf(_SC_PAGESIZE));
     align = std::max<std::size_t>(align, 1);
-    span_ = (bytes + align - 1) / align * align;
+    span_ = (bytes + phase + align - 1) / align * align - phase;
     body_ = (span_ + page - 1) / page * page;
     mapped_ = body_ + 2 * page;
     void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

@@ -41,3 +41,14 @@ kernel void thread_array(const device float* in [[buffer(0)]], device float* out
   for (uint j = 0; j < 64; ++j) values[(j * pick) % 64] = in[i * 64 + j];
   out[i] = values[(i + pick) % 64];
 }
+
+// Per thread: one half4 load (8 bytes) and two scalar half loads (4 bytes):
+// 3 device load operations, 12 bytes. The half4 load needs an 8-byte
+// aligned address: bound 2 bytes into a buffer, the dispatch fails.
+kernel void vector_and_scalar_loads(const device half* in [[buffer(0)]], device float* out [[buffer(1)]],
+                                    uint i [[thread_position_in_grid]]) {
+  const half4 four = *(const device half4*)(in + 8 * i);
+  const half fifth = in[8 * i + 4];
+  const half sixth = in[8 * i + 5];
+  out[i] = float(four.x) + float(four.y) + float(four.z) + float(four.w) + float(fifth) + float(sixth);
+}
