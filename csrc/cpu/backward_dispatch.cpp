@@ -7,49 +7,12 @@
 #include <string>
 
 #include "csrc/cpu/backward_host.h"
+#include "csrc/cpu/copies.h"
 #include "csrc/cpu/host.h"
 #include "csrc/cpu/thread_pool.h"
 
 namespace mlx_attn::cpu {
 namespace {
-
-struct BackwardIsa {
-  const char* name;
-  int (*lanes)();
-  void (*rows)(const BackwardCall&, int64_t);
-  void (*group)(const BackwardCall&, int64_t, float*);
-  void (*key_block)(const BackwardCall&, int64_t, float*);
-  void (*query_block)(const BackwardCall&, int64_t, float*);
-};
-
-#define MLX_ATTN_BACKWARD_ISA(name, isa)                                               \
-  {name, isa::backward_vector_lanes, isa::backward_rows, isa::backward_group,         \
-   isa::backward_key_block, isa::backward_query_block}
-const BackwardIsa kBackwardIsas[] = {
-#ifdef MLX_ATTN_X86_KERNELS
-    // The forward's avx512bf16 copy differs in its bf16 score product only;
-    // the backward computes in float32, so it shares the avx512 copy.
-    MLX_ATTN_BACKWARD_ISA("avx512bf16", avx512_backward),
-    MLX_ATTN_BACKWARD_ISA("avx512", avx512_backward),
-    MLX_ATTN_BACKWARD_ISA("avx2", avx2_backward),
-#endif
-#ifdef MLX_ATTN_ARM64_KERNELS
-    // Likewise the forward's neonbf16 and neonfhm copies share the neon one.
-    MLX_ATTN_BACKWARD_ISA("neonbf16", neon_backward),
-    MLX_ATTN_BACKWARD_ISA("neonfhm", neon_backward),
-    MLX_ATTN_BACKWARD_ISA("neon", neon_backward),
-#endif
-    MLX_ATTN_BACKWARD_ISA("generic", generic_backward),
-};
-#undef MLX_ATTN_BACKWARD_ISA
-
-const BackwardIsa& active_backward_isa() {
-  const char* name = current_isa();
-  for (const BackwardIsa& isa : kBackwardIsas) {
-    if (std::strcmp(isa.name, name) == 0) return isa;
-  }
-  return kBackwardIsas[sizeof(kBackwardIsas) / sizeof(kBackwardIsas[0]) - 1];
-}
 
 int64_t delta_floats(const BackwardCall& call) {
   const AttentionProblem& p = call.problem;
@@ -57,7 +20,7 @@ int64_t delta_floats(const BackwardCall& call) {
 }
 
 int64_t thread_stride(const BackwardCall& call) {
-  return round_up(backward_scratch(call, active_backward_isa().lanes()).total, 16);
+  return round_up(backward_scratch(call, active_backward_copy().lanes()).total, 16);
 }
 
 // The single pass has batch x kv heads equal work items; the two passes do
@@ -80,7 +43,7 @@ bool single_pass_pays(const BackwardCall& call, int threads) {
   const int64_t items = int64_t(p.batch) * p.kv_heads;
   const int64_t rounds = (items + threads - 1) / threads;
   const int64_t dq_bytes =
-      single_pass_dq_floats(call, active_backward_isa().lanes()) * int64_t(sizeof(float)) * threads;
+      single_pass_dq_floats(call, active_backward_copy().lanes()) * int64_t(sizeof(float)) * threads;
   return 7 * items >= 5 * rounds * threads && dq_bytes <= kSinglePassScratchBytes;
 }
 
@@ -100,7 +63,7 @@ int64_t backward_scratch_size(const BackwardCall& call) {
 
 void run_backward(BackwardCall call, float* scratch) {
   const AttentionProblem& p = call.problem;
-  const BackwardIsa& isa = active_backward_isa();
+  const BackwardCopy& isa = active_backward_copy();
   const int64_t stride = thread_stride(call);
   call.delta = scratch;
   // Each thread's buffers aligned to 64 bytes.

@@ -6,41 +6,15 @@
 #include <string>
 #include <vector>
 
-#include "csrc/cpu/cpu_features.h"
+#include "csrc/cpu/copies.h"
 #include "csrc/cpu/host.h"
 #include "csrc/cpu/thread_pool.h"
 
 namespace mlx_attn::cpu {
 namespace {
 
-struct Isa {
-  const char* name;
-  int (*lanes)();
-  void (*process)(const KernelCall&, int64_t, float*);
-  bool (*available)();
-};
-
-bool always() {
-  return true;
-}
-
-// Widest first.
-const Isa kIsas[] = {
-#ifdef MLX_ATTN_X86_KERNELS
-    {"avx512bf16", avx512bf16::vector_lanes, avx512bf16::process_work_item, features::avx512bf16},
-    {"avx512", avx512::vector_lanes, avx512::process_work_item, features::avx512},
-    {"avx2", avx2::vector_lanes, avx2::process_work_item, features::avx2},
-#endif
-#ifdef MLX_ATTN_ARM64_KERNELS
-    {"neonbf16", neonbf16::vector_lanes, neonbf16::process_work_item, features::neon_bf16_and_fhm},
-    {"neonfhm", neonfhm::vector_lanes, neonfhm::process_work_item, features::neon_fhm},
-    {"neon", neon::vector_lanes, neon::process_work_item, always},  // baseline on arm64
-#endif
-    {"generic", generic::vector_lanes, generic::process_work_item, always},
-};
-
-const Isa* select_isa(const char* name) {
-  for (const Isa& isa : kIsas) {
+const ForwardCopy* select_isa(const char* name) {
+  for (const ForwardCopy& isa : kForwardCopies) {
     if ((name == nullptr || std::strcmp(name, isa.name) == 0) &&
         isa.available()) {
       return &isa;
@@ -49,14 +23,14 @@ const Isa* select_isa(const char* name) {
   return nullptr;
 }
 
-const Isa* default_isa() {
+const ForwardCopy* default_isa() {
   const char* env = std::getenv("MLX_ATTN_CPU_ISA");
-  const Isa* isa = env ? select_isa(env) : nullptr;
+  const ForwardCopy* isa = env ? select_isa(env) : nullptr;
   return isa ? isa : select_isa(nullptr);
 }
 
-const Isa*& active_isa() {
-  static const Isa* isa = default_isa();
+const ForwardCopy*& active_isa() {
+  static const ForwardCopy* isa = default_isa();
   return isa;
 }
 
@@ -66,8 +40,12 @@ const char* current_isa() {
   return active_isa()->name;
 }
 
+const BackwardCopy& active_backward_copy() {
+  return *active_isa()->backward;
+}
+
 void set_isa(const char* name) {
-  const Isa* isa = select_isa(name);
+  const ForwardCopy* isa = select_isa(name);
   if (!isa) {
     throw std::invalid_argument(
         std::string("[mlx_attn] CPU instruction set '") + name +
@@ -79,7 +57,7 @@ void set_isa(const char* name) {
 const char* const* supported_isas(int* count) {
   static std::vector<const char*> names = [] {
     std::vector<const char*> v;
-    for (const Isa& isa : kIsas) {
+    for (const ForwardCopy& isa : kForwardCopies) {
       if (isa.available()) v.push_back(isa.name);
     }
     return v;
@@ -122,7 +100,7 @@ int64_t scratch_size(const KernelCall& call) {
 }
 
 void run_attention(const KernelCall& call, float* scratch) {
-  const Isa* isa = active_isa();
+  const ForwardCopy* isa = active_isa();
   const int64_t stride = scratch_stride(call);
   // Align each thread's block to 64 bytes.
   float* base = reinterpret_cast<float*>(

@@ -26,5 +26,8 @@ void run_attention(const KernelCall& call, float* scratch);
 const char* current_isa();
 void set_isa(const char* name);  // throws std::invalid_argument if unsupported
 const char* const* supported_isas(int* count);
+// The backward copy that serves the forward copy in use (copies.h).
+struct BackwardCopy;
+const BackwardCopy& active_backward_copy();
 
 }  // namespace mlx_attn::cpu

@@ -27,62 +27,16 @@
 #elif defined(HARNESS_ARM64)
 #define MLX_ATTN_ARM64_KERNELS 1
 #endif
-#include "csrc/cpu/backward_kernels.h"
-#include "csrc/cpu/cpu_features.h"
-#include "csrc/cpu/kernels.h"
+#include "csrc/cpu/copies.h"
 
 using namespace mlx_attn;
 using namespace mlx_attn::cpu;
 
 namespace {
 
-struct Copy {
-  const char* name;
-  int (*lanes)();
-  void (*process)(const KernelCall&, int64_t, float*);
-  bool (*available)();
-};
-
-bool always() { return true; }
-
-struct BackwardCopy {
-  const char* name;
-  int (*lanes)();
-  void (*rows)(const BackwardCall&, int64_t);
-  void (*group)(const BackwardCall&, int64_t, float*);
-  void (*key_block)(const BackwardCall&, int64_t, float*);
-  void (*query_block)(const BackwardCall&, int64_t, float*);
-  bool (*available)();
-};
-#define BACKWARD_COPY(isa, available)                                                   \
-  {#isa, isa::backward_vector_lanes, isa::backward_rows, isa::backward_group,          \
-   isa::backward_key_block, isa::backward_query_block, available}
-
-// Widest first, with the availability rule of csrc/cpu/dispatch.cpp.
-#if defined(HARNESS_X86)
-const Copy kCopies[] = {
-    {"avx512bf16", avx512bf16::vector_lanes, avx512bf16::process_work_item, features::avx512bf16},
-    {"avx512", avx512::vector_lanes, avx512::process_work_item, features::avx512},
-    {"avx2", avx2::vector_lanes, avx2::process_work_item, features::avx2},
-    {"generic", generic::vector_lanes, generic::process_work_item, always},
-};
-const BackwardCopy kBackwardCopies[] = {
-    BACKWARD_COPY(avx512_backward, features::avx512),
-    BACKWARD_COPY(avx2_backward, features::avx2),
-    BACKWARD_COPY(generic_backward, always),
-};
-#elif defined(HARNESS_ARM64)
-const Copy kCopies[] = {
-    {"neonbf16", neonbf16::vector_lanes, neonbf16::process_work_item, features::neon_bf16_and_fhm},
-    {"neonfhm", neonfhm::vector_lanes, neonfhm::process_work_item, features::neon_fhm},
-    {"neon", neon::vector_lanes, neon::process_work_item, always},
-    {"generic", generic::vector_lanes, generic::process_work_item, always},
-};
-const BackwardCopy kBackwardCopies[] = {
-    BACKWARD_COPY(neon_backward, always),
-    BACKWARD_COPY(generic_backward, always),
-};
-#else
+// The dispatchers' own table (csrc/cpu/copies.h): every forward copy and
+// every backward copy built for this architecture, with its availability rule.
+#if !defined(HARNESS_X86) && !defined(HARNESS_ARM64)
 #error "define HARNESS_X86 or HARNESS_ARM64"
 #endif
 
@@ -281,7 +235,7 @@ void note_error(double& worst, double err) {
 
 // Runs one case through `copy` with query blocks of `query_block` positions;
 // returns the largest error divided by the tolerance (> 1: failure).
-double run_case(const Copy& copy, const Case& c, int query_block) {
+double run_case(const ForwardCopy& copy, const Case& c, int query_block) {
   Inputs in(c);
   const AttentionProblem& p = in.p;
   const int B = c.batch, Hq = c.q_heads, Tq = c.q_len, Tk = c.kv_len, Dv = c.value_dim;
@@ -479,7 +433,7 @@ void print_failure(const char* copy, const Case& c, const char* how, double wors
 // The grid of tests/test_fused_cpu.py (head dims, lengths, dtypes, causal,
 // GQA/MQA, masks, windows, sinks), for one copy; `sample`: every third case.
 // Returns failures.
-int check_copy(const Copy& copy, bool sample) {
+int check_copy(const ForwardCopy& copy, bool sample) {
   static const ElemType kDtypes[] = {ElemType::float32, ElemType::float16, ElemType::bfloat16};
   static const int kHeadDims[] = {1, 3, 16, 64, 80, 96, 128, 256};
   static const int kLengths[][2] = {{1, 1}, {1, 77}, {7, 7}, {13, 130}, {65, 65}, {130, 61}};
@@ -581,7 +535,7 @@ bool wanted(const char* name, int argc, char** argv, int first) {
 int main(int argc, char** argv) {
   if (argc == 2 && strcmp(argv[1], "--cpu") == 0) {
     printf("supported:");
-    for (const Copy& copy : kCopies) {
+    for (const ForwardCopy& copy : kForwardCopies) {
       if (copy.available()) printf(" %s", copy.name);
     }
     printf("\n");
@@ -590,7 +544,7 @@ int main(int argc, char** argv) {
   const bool sample = argc > 1 && strcmp(argv[1], "--sample") == 0;
   const int first = sample ? 2 : 1;
   int failures = 0, checked = 0;
-  for (const Copy& copy : kCopies) {
+  for (const ForwardCopy& copy : kForwardCopies) {
     if (!wanted(copy.name, argc, argv, first)) continue;
     ++checked;
     if (!copy.available()) {
@@ -599,7 +553,8 @@ int main(int argc, char** argv) {
     }
     failures += check_copy(copy, sample);
   }
-  for (const BackwardCopy& copy : kBackwardCopies) {
+  for (const BackwardCopy* backward : kBackwardCopies) {
+    const BackwardCopy& copy = *backward;
     if (!wanted(copy.name, argc, argv, first)) continue;
     ++checked;
     if (!copy.available()) {
