@@ -226,6 +226,23 @@ def test_doctor_command_line(tmp_path):
     assert "## Timings" not in text
 
 
+def test_doctor_quick_limits_forward_and_backward_variants(monkeypatch):
+    from mlx_attn import doctor
+    from mlx_attn.lm import cli
+
+    asked = {}
+
+    def spy(**kwargs):
+        asked.update(kwargs)
+        return doctor.run_doctor(lengths=(64,), timings=False)
+
+    monkeypatch.setattr(cli, "run_doctor", spy)
+    assert cli.main(["doctor", "--quick", "--no-timings"]) == 0
+    assert {(v.phase, v.dtype, v.head_dim) for v in asked["variants"]} == {
+        (phase, "float16", d) for phase in ("prefill", "decode") for d in (64, 128)}
+    assert [(v.dtype, v.head_dim) for v in asked["backward_variants"]] == [("float16", 64), ("float16", 128)]
+
+
 # --- kernels over quantized K/V: the same gate, checked against dequantize-then-reference
 
 

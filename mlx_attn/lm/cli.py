@@ -32,7 +32,7 @@ from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, Generatio
 from mlx_attn.lm.loading import load_model
 from mlx_attn.lm.model_store import DEFAULT_DECODER
 from mlx_attn.lm.validate import require_utf8
-from mlx_attn.self_check import Variant
+from mlx_attn.self_check import BackwardVariant, Variant
 
 __all__ = ["main", "build_parser"]
 
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "reference path on a grid of shapes, times them next to mx.fast, and prints a "
                     "Markdown report for bug reports. Exits 1 on any mismatch.")
     doctor.add_argument("--quick", action="store_true",
-                        help="Metal: only float16 at head dims 64 and 128; smaller timings")
+                        help="Metal: only float16 at head dims 64 and 128 (forward and backward); smaller timings")
     doctor.add_argument("--no-timings", action="store_true", help="skip the timing table")
     doctor.add_argument("--output", default=None, help="also write the report to this file")
     doctor.set_defaults(run=_doctor)
@@ -357,11 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args) -> int:
-    variants = None
+    variants = backward_variants = None
     if args.quick:
         variants = [Variant(phase, "float16", d) for phase in ("prefill", "decode") for d in (64, 128)]
+        backward_variants = [BackwardVariant("float16", d) for d in (64, 128)]
     report = run_doctor(
-        variants=variants, timings=not args.no_timings, lengths=(256,) if args.quick else (256, 1024)
+        variants=variants, backward_variants=backward_variants, timings=not args.no_timings,
+        lengths=(256,) if args.quick else (256, 1024),
     )
     print(report.markdown)
     if args.output:
