@@ -143,21 +143,7 @@ def caught(run) -> bool:
         rng = np.random.default_rng(tq)
         q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
                    for s in ((b, hq, tq, d), (b, hkv, tkv, d), (b, hkv, tkv, d)))
-        kw = {"scale": 0.125}
-        if case.get("mask") == "bool":
-            visible = rng.random((tq, tkv)) > 0.4
-            visible[0] = False  # a row that sees nothing
-            kw["mask"] = mx.array(visible)
-        elif case.get("mask") == "additive":
-            kw["mask"] = mx.array(rng.standard_normal((tq, tkv)).astype(np.float32))
-        elif case.get("mask"):
-            kw["mask"] = case["mask"]
-        if case.get("window_size"):
-            kw["window_size"] = case["window_size"]
-        if case.get("sinks") == "strided":
-            kw["sinks"] = View(mx.array(rng.standard_normal(2 * hq).astype(np.float32)), lambda a: a[::2])
-        elif case.get("sinks"):  # some above every logit: the sink sets the row max
-            kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32) * 4)
+        kw = {"scale": 0.125, **case_options(case, rng, hq, tq, tkv)}
         try:
             got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True)
         except msl_emulator.EmulatorError:
@@ -167,6 +153,28 @@ def caught(run) -> bool:
         if differs_from_reference(got, lse, q, k, v, **kw):
             return True
     return False
+
+
+def case_options(case: dict, rng: np.random.Generator, q_heads: int, q_len: int, kv_len: int) -> dict:
+    """The mask, window_size and sinks keywords a battery case asks for
+    (drawn from rng: the mask, then the sinks). Shared with the quantized
+    battery."""
+    kw = {}
+    if case.get("mask") == "bool":
+        visible = rng.random((q_len, kv_len)) > 0.4
+        visible[0] = False  # a row that sees nothing
+        kw["mask"] = mx.array(visible)
+    elif case.get("mask") == "additive":
+        kw["mask"] = mx.array(rng.standard_normal((q_len, kv_len)).astype(np.float32))
+    elif case.get("mask"):
+        kw["mask"] = case["mask"]
+    if case.get("window_size"):
+        kw["window_size"] = case["window_size"]
+    if case.get("sinks") == "strided":
+        kw["sinks"] = View(mx.array(rng.standard_normal(2 * q_heads).astype(np.float32)), lambda a: a[::2])
+    elif case.get("sinks"):  # some above every logit: the sink sets the row max
+        kw["sinks"] = mx.array(rng.standard_normal(q_heads).astype(np.float32) * 4)
+    return kw
 
 
 def differs_from_reference(got, lse, q, k, v, **kw) -> bool:

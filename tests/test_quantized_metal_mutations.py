@@ -16,7 +16,7 @@ import pytest
 import msl_emulator
 from metal_runner import REPO, EmulatedMetal, View
 from mutations import assert_caught, mutated, write
-from test_metal_mutations import differs_from_reference
+from test_metal_mutations import case_options, differs_from_reference
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
 
@@ -120,19 +120,7 @@ def caught(run) -> bool:
         q = mx.array(rng.standard_normal((b, hq, tq, d)).astype(np.float32))
         k, v = (mx.array(rng.standard_normal((b, hkv, tkv, d)).astype(np.float32)) for _ in range(2))
         k_quant, v_quant = quantized(k, group_size, bits), quantized(v, group_size, bits)
-        kw = {"scale": d**-0.5}
-        if case.get("mask") == "bool":
-            visible = rng.random((tq, tkv)) > 0.4
-            visible[0] = False  # a row that sees nothing
-            kw["mask"] = mx.array(visible)
-        elif case.get("mask") == "additive":
-            kw["mask"] = mx.array(rng.standard_normal((tq, tkv)).astype(np.float32))
-        elif case.get("mask"):
-            kw["mask"] = case["mask"]
-        if case.get("window_size"):
-            kw["window_size"] = case["window_size"]
-        if case.get("sinks"):
-            kw["sinks"] = mx.array(rng.standard_normal(hq).astype(np.float32) * 4)
+        kw = {"scale": d**-0.5, **case_options(case, rng, hq, tq, tkv)}
         views_k, views_v = [View(a) for a in k_quant], [View(a) for a in v_quant]
         if case.get("layout") == "cache":
             views_k, views_v = [cache_view(a) for a in k_quant], [cache_view(a) for a in v_quant]
