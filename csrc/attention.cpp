@@ -106,6 +106,7 @@ AttentionProblem describe_attention(
     invalid("the number of query heads (" + std::to_string(p.q_heads) +
             ") must be a multiple of the number of key/value heads (" + std::to_string(p.kv_heads) + ")");
   }
+  p.group = p.q_heads / p.kv_heads;
   if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
   if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
   copy_strides(q, p.q_strides);
@@ -136,7 +137,7 @@ AttentionProblem describe_attention(
               shape_string(sinks));
     }
     if (sinks.dtype() != q.dtype()) invalid("sinks must have q's dtype");
-    p.has_sinks = true;
+    p.has_sinks = 1;
     p.sinks_stride = sinks.strides()[0];
   }
   return p;

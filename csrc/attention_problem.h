@@ -22,35 +22,26 @@ inline constexpr const char* elem_type_name(ElemType t) {
   }
 }
 
-// Values shared with the Metal kernels (metal/attention_params.h).
-enum class MaskKind : int32_t {
-  none = MLX_ATTN_MASK_NONE,
-  boolean = MLX_ATTN_MASK_BOOL,   // false = masked
-  additive = MLX_ATTN_MASK_ADDITIVE,
-};
+// MaskKind: metal/attention_params.h (the kernels read the same values).
 
 inline constexpr float kLog2e = MLX_ATTN_LOG2E;
 inline constexpr float kLogitLimit = MLX_ATTN_LOGIT_LIMIT;
 inline constexpr float kMaskedLogit = MLX_ATTN_MASKED_LOGIT;
 
-struct AttentionProblem {
-  // q [B, Hq, Tq, D], k [B, Hkv, Tkv, D], v [B, Hkv, Tkv, Dv]
-  int batch, q_heads, kv_heads, q_len, kv_len, head_dim, value_dim;
+// The kernels' parameters (AttentionParams: strides, sizes, causal / window,
+// mask kind, sinks, scale, lse; set by describe_attention, except
+// vector_loads, which the Metal launch plan decides) plus what only the host
+// needs. q [B, Hq, Tq, D], k [B, Hkv, Tkv, D], v [B, Hkv, Tkv, Dv]; strides in
+// elements, any values (broadcast, transposed); mask strides seen as
+// [B, Hq, Tq, Tkv], 0 where broadcast; causal is lower-right aligned (query i
+// sees keys <= i + Tkv - Tq); window_size > 0 implies causal; sinks_stride 0
+// broadcasts one sink to every head.
+struct AttentionProblem : AttentionParams {
+  int head_dim, value_dim;
   ElemType dtype;
-  int64_t q_strides[4];     // in elements; any values (broadcast, transposed)
-  int64_t k_strides[4];
-  int64_t v_strides[4];
   // where each of q, k, v starts in its buffer, in elements (MLX's
   // array::offset() is in bytes); 0 before the arrays are evaluated
   int64_t q_offset, k_offset, v_offset;
-  MaskKind mask_kind;
-  int64_t mask_strides[4];  // the mask seen as [B, Hq, Tq, Tkv], 0 where broadcast
-  bool causal;              // lower-right aligned: query i sees keys <= i + Tkv - Tq
-  int window_size;          // > 0: only the window_size most recent keys (implies causal)
-  bool has_sinks;           // sinks [Hq]: one extra logit per query head
-  int64_t sinks_stride;     // in elements (0: one value broadcast to every head)
-  float scale;              // logit = scale * q.k (finite)
-  bool output_lse;          // second output: float32 [B, Hq, Tq] log-sum-exp
 
   int group_size() const { return q_heads / kv_heads; }
 };

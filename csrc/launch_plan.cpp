@@ -279,25 +279,7 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
     return plan;
   }
   AttentionParams& p = plan.params;
-  for (int i = 0; i < 4; ++i) {
-    p.q_strides[i] = s.q_strides[i];
-    p.k_strides[i] = s.k_strides[i];
-    p.v_strides[i] = s.v_strides[i];
-    p.mask_strides[i] = s.mask_strides[i];
-  }
-  p.batch = s.batch;
-  p.q_heads = s.q_heads;
-  p.kv_heads = s.kv_heads;
-  p.group = s.q_heads / s.kv_heads;
-  p.q_len = s.q_len;
-  p.kv_len = s.kv_len;
-  p.causal = s.causal ? 1 : 0;
-  p.window_size = s.window_size;
-  p.mask_kind = int32_t(s.mask_kind);
-  p.has_sinks = s.has_sinks ? 1 : 0;
-  p.sinks_stride = s.sinks_stride;
-  p.scale = s.scale;
-  p.output_lse = s.output_lse ? 1 : 0;
+  p = s;  // the problem extends the kernels' parameters
   p.vector_loads = vector_loads_aligned(s) ? 1 : 0;
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;

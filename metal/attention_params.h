@@ -18,6 +18,21 @@ typedef int32_t attn_int32;
 #define MLX_ATTN_MASK_BOOL 1
 #define MLX_ATTN_MASK_ADDITIVE 2
 
+// The mask kind field: a plain int for Metal, the typed enum for C++ (same
+// 4-byte layout).
+#ifdef __METAL_VERSION__
+typedef int attn_mask_kind;
+#else
+namespace mlx_attn {
+enum class MaskKind : int32_t {
+  none = MLX_ATTN_MASK_NONE,
+  boolean = MLX_ATTN_MASK_BOOL,   // false = masked
+  additive = MLX_ATTN_MASK_ADDITIVE,
+};
+}  // namespace mlx_attn
+typedef mlx_attn::MaskKind attn_mask_kind;
+#endif
+
 // log2(e): the kernels compute exp(x) as exp2(x * log2 e).
 #define MLX_ATTN_LOG2E 1.4426950408889634f
 // Every logit (scale * q.k, after adding an additive mask, and each sink)
@@ -45,6 +60,9 @@ typedef int32_t attn_int32;
 // last dim is contiguous; the kernels read element by element otherwise.
 #define MLX_ATTN_VECTOR_WIDTH 4
 
+// What the kernels read of a problem. The host's description
+// (AttentionProblem, csrc/attention_problem.h) extends this struct, so the
+// launch plan hands it to the GPU as is: no field-by-field copy.
 struct AttentionParams {
   attn_int64 q_strides[4];     // in elements, [batch, head, position, dim]
   attn_int64 k_strides[4];
@@ -59,7 +77,7 @@ struct AttentionParams {
   attn_int32 kv_len;
   attn_int32 causal;           // lower-right aligned
   attn_int32 window_size;      // > 0: sliding window (with causal)
-  attn_int32 mask_kind;
+  attn_mask_kind mask_kind;
   attn_int32 has_sinks;
   float scale;                 // multiplies q.k (natural-log units)
   attn_int32 output_lse;       // write the row log-sum-exp (float32 [B, Hq, Tq])

@@ -158,7 +158,7 @@ struct Inputs {
       keep[i] = next_int(5) != 0;
     }
     for (int h = 0; h < Hq; ++h) sinks.set(h, float(next_int(33) - 16) / 8.0f);
-    p.batch = c.batch, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Tq, p.kv_len = Tk;
+    p.batch = c.batch, p.q_heads = Hq, p.kv_heads = Hkv, p.group = Hq / Hkv, p.q_len = Tq, p.kv_len = Tk;
     p.head_dim = D, p.value_dim = Dv, p.dtype = c.dtype;
     const int64_t qs[4] = {int64_t(Hq) * Tq * D, int64_t(Tq) * D, D, 1};
     const int64_t ks[4] = {int64_t(Hkv) * Tk * D, int64_t(Tk) * D, D, 1};
