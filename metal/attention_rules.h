@@ -87,3 +87,26 @@ inline float additive_masked_logit(float s, float added) {
 inline bool logit_masked(float s) {
   return s <= MLX_ATTN_MASKED_LOGIT;
 }
+
+// Query rows [begin, end) of which some may see a key in
+// [first_key, last_key] (the backward's key blocks); empty when none can.
+struct QueryRange {
+  int begin;
+  int end;
+};
+inline QueryRange block_query_range(ATTN_PARAMS p, int first_key, int last_key) {
+  QueryRange range;
+  range.begin = 0;
+  range.end = p.q_len;
+  if (p.causal != 0) {
+    const int offset = p.kv_len - p.q_len;
+    range.begin = first_key - offset > 0 ? first_key - offset : 0;
+    if (p.window_size > 0) {
+      const attn_int64 end = attn_int64(last_key) - offset + p.window_size;
+      range.end = end < range.end ? int(end) : range.end;
+    }
+  }
+  if (range.begin > p.q_len) range.begin = p.q_len;
+  if (range.end < range.begin) range.end = range.begin;
+  return range;
+}
