@@ -5,7 +5,9 @@
 // basics (simd.h), element conversion (elements.h) and register-blocked
 // micro-kernel (micro_kernel.h), but none of the forward itself. Steps mirror
 // the forward's: score, scale (saturating: no gradient where a logit is
-// clamped), mask, then P = exp(S - lse) instead of the online softmax.
+// clamped), mask, then P = exp(S - lse) instead of the online softmax; the
+// rules they apply are the ones every kernel shares (metal/attention_rules.h,
+// through csrc/cpu/rules.h).
 
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +16,7 @@
 #include "csrc/cpu/backward_kernels.h"
 #include "csrc/cpu/elements.h"
 #include "csrc/cpu/micro_kernel.h"
+#include "csrc/cpu/rules.h"
 #include "csrc/cpu/simd.h"
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
@@ -102,7 +105,6 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, 
                     int ldq, int lddo) {
   const AttentionProblem& p = call.problem;
   const int KB = kKeyBlock, rows = t.rows();
-  const int offset = p.kv_len - p.q_len;
   const vfloat limit = splat(kLogitLimit), scale = splat(p.scale);
   float* const probs = buf.probs;
   float* const d_scores = buf.d_scores;
@@ -116,16 +118,15 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, 
   };
   // Only tiles that straddle the causal diagonal or the window's edge mask
   // per key (as the forward's).
-  const int first_pos = t.q_start + offset, last_pos = t.q_start + t.qb - 1 + offset;
-  const bool causal_edge = p.causal && kb + n - 1 > first_pos;
-  const bool window_edge = p.causal && p.window_size > 0 && kb <= last_pos - p.window_size;
+  const bool on_edge =
+      block_on_edge(p, kb, n, query_position(p, t.q_start), query_position(p, t.q_start + t.qb - 1));
 
   // score
   matmul_overwrite(buf.q_packed, ldq, buf.k_t, KB, probs, KB, rows, p.head_dim, KB);
 
   for (int r = 0; r < rows; ++r) {
     float* s = probs + r * KB;
-    const int h = t.head(r), qi = t.query(r), pos = qi + offset;
+    const int h = t.head(r), qi = t.query(r), pos = query_position(p, qi);
     // scale (saturating)
     vint clamped = vint{};
     for (int c = 0; c < KB; c += kLanes) {
@@ -144,33 +145,27 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, 
     }
     // mask
     if (p.mask_kind != MaskKind::none) {
-      const int64_t* ms = p.mask_strides;
-      const int64_t moff = t.b * ms[0] + h * ms[1] + qi * ms[2] + int64_t(kb) * ms[3];
+      const int64_t ms = p.mask_strides[3];
+      const int64_t moff = mask_offset(p, t.b, h, qi, kb);
       if (p.mask_kind == MaskKind::boolean) {
         const bool* m = static_cast<const bool*>(call.mask) + moff;
-        for (int j = 0; j < n; ++j) {
-          if (!m[j * ms[3]]) s[j] = -INFINITY;
-        }
+        for (int j = 0; j < n; ++j) s[j] = bool_masked_logit(s[j], m[j * ms]);
       } else {
         for (int j = 0; j < n; ++j) {
-          const float added = load_elem<T>(call.mask, moff + j * ms[3]);
-          if (added <= kMaskedLogit) {
-            s[j] = -INFINITY;
-            continue;
-          }
-          const float sum = s[j] + added;
-          s[j] = saturate(sum);
-          if (s[j] != sum && sum == sum) close_gate(r, j);
+          const float added = load_elem<T>(call.mask, moff + j * ms);
+          const float x = additive_masked_logit(s[j], added);
+          // the sum clamped (not masked, not NaN): no gradient
+          if (!logit_masked(x) && x == x && x != s[j] + added) close_gate(r, j);
+          s[j] = x;
         }
       }
     }
-    if (causal_edge || window_edge) {
+    if (on_edge) {
       for (int j = 0; j < n; ++j) {
-        const int key = kb + j;
-        if (key > pos || (p.window_size > 0 && key <= pos - p.window_size)) s[j] = -INFINITY;
+        if (!key_visible(p, kb + j, pos)) s[j] = MLX_ATTN_MASKED_LOGIT;
       }
     }
-    for (int j = n; j < KB; ++j) s[j] = -INFINITY;
+    for (int j = n; j < KB; ++j) s[j] = MLX_ATTN_MASKED_LOGIT;
     // P = exp(S - lse)
     const vfloat lse = splat(buf.lse_row[r]);
     for (int c = 0; c < KB; c += kLanes) store(s + c, exp2_vec((load(s + c) - lse) * kLog2e));
@@ -208,23 +203,6 @@ void store_key_gradients(const BackwardCall& call, int b, int kv_head, int kb, i
   }
 }
 
-// Query positions [lo, hi) that can see a key of block kb..kb+n.
-struct QueryRange {
-  int64_t lo, hi;
-};
-inline QueryRange queries_seeing(const AttentionProblem& p, int kb, int n) {
-  const int offset = p.kv_len - p.q_len;
-  QueryRange range{0, p.q_len};
-  if (p.causal) {
-    range.lo = int64_t(kb) - offset > 0 ? int64_t(kb) - offset : 0;
-    if (p.window_size > 0) {
-      const int64_t hi = int64_t(kb) + n - 1 - offset + p.window_size;
-      range.hi = hi < range.hi ? hi : range.hi;
-    }
-  }
-  return range;
-}
-
 template <ElemType T>
 void rows_pass(const BackwardCall& call, int h) {
   const AttentionProblem& p = call.problem;
@@ -234,7 +212,7 @@ void rows_pass(const BackwardCall& call, int h) {
   bool sink_clamped = false;
   if (p.has_sinks) {
     const float raw = load_elem<T>(call.sinks, h * p.sinks_stride);
-    sink = saturate(raw);
+    sink = saturate_logit(raw);
     sink_clamped = sink != raw;
   }
   float d_sink = 0.0f;
@@ -261,47 +239,65 @@ void rows_pass(const BackwardCall& call, int h) {
   if (p.has_sinks) store_elem<T>(call.d_sinks, h, sink_clamped ? 0.0f : d_sink);
 }
 
+// Row widths of a problem's packed buffers (padded to whole vectors) and its
+// GQA group size.
+struct Widths {
+  int D, Dp, Dvp, group;
+};
+inline Widths widths_of(const AttentionProblem& p) {
+  return {p.head_dim, int(round_up(p.head_dim, kLanes)), int(round_up(p.value_dim, kLanes)), p.group_size()};
+}
+
+// dK, dV of keys kb..kb+n of (batch b, kv head) over every query tile that
+// can see one of them (zero where none can), calling after_tile(t) once the
+// tile's dS is in buf.d_scores.
+template <ElemType T, class AfterTile>
+void key_block_gradients(const BackwardCall& call, int b, int kv_head, int kb, int n, const Buffers& buf,
+                         const Widths& w, AfterTile after_tile) {
+  memset(buf.dk_acc, 0, sizeof(float) * kKeyBlock * w.Dp);
+  memset(buf.dv_acc, 0, sizeof(float) * kKeyBlock * w.Dvp);
+  const QueryRange range = block_query_range(call.problem, kb, kb + n - 1);
+  if (range.begin < range.end) pack_keys<T>(call, b, kv_head, kb, n, buf, w.Dp);
+  for (int qs = range.begin; qs < range.end; qs += call.query_block) {
+    const int qb = (range.end - qs) < call.query_block ? (range.end - qs) : call.query_block;
+    const TileRows t{b, kv_head, qs, qb, w.group};
+    pack_rows<T>(call, t, buf, w.Dp, w.Dvp);
+    tile_gradients<T>(call, t, kb, n, buf, w.Dp, w.Dvp);
+    accumulate_key_gradients(buf, t.rows(), n, w.Dp, w.Dvp);
+    after_tile(t);
+  }
+  store_key_gradients<T>(call, b, kv_head, kb, n, buf, w.Dp, w.Dvp);
+}
+
 // The single pass: all of dK, dV and dQ of one (batch, kv head).
 template <ElemType T>
 void group_pass(const BackwardCall& call, int64_t item, float* scratch) {
   const AttentionProblem& p = call.problem;
-  const int KB = kKeyBlock, D = p.head_dim;
-  const int Dp = int(round_up(D, kLanes)), Dvp = int(round_up(p.value_dim, kLanes));
-  const int group = p.group_size();
+  const Widths w = widths_of(p);
   const int b = int(item / p.kv_heads), kv_head = int(item % p.kv_heads);
   const Buffers buf = buffers_of(call, scratch);
   // dQ rows of head g of the group, position qi: dq_group + (g * Tq + qi) * Dp.
   const bool in_place = dq_accumulates_in_place(call, kLanes);
   float* const dq_group = in_place
-      ? static_cast<float*>(call.dq) + row_index(p, b, kv_head * group, 0) * D
+      ? static_cast<float*>(call.dq) + row_index(p, b, kv_head * w.group, 0) * w.D
       : buf.dq_acc;
-  memset(dq_group, 0, sizeof(float) * group * p.q_len * Dp);
+  memset(dq_group, 0, sizeof(float) * w.group * p.q_len * w.Dp);
 
-  for (int kb = 0; kb < p.kv_len; kb += KB) {
-    const int n = (p.kv_len - kb) < KB ? (p.kv_len - kb) : KB;
-    const QueryRange range = queries_seeing(p, kb, n);
-    memset(buf.dk_acc, 0, sizeof(float) * KB * Dp);
-    memset(buf.dv_acc, 0, sizeof(float) * KB * Dvp);
-    if (range.lo < range.hi) pack_keys<T>(call, b, kv_head, kb, n, buf, Dp);
-    for (int64_t qs = range.lo; qs < range.hi; qs += call.query_block) {
-      const int qb = int((range.hi - qs) < call.query_block ? (range.hi - qs) : call.query_block);
-      const TileRows t{b, kv_head, int(qs), qb, group};
-      pack_rows<T>(call, t, buf, Dp, Dvp);
-      tile_gradients<T>(call, t, kb, n, buf, Dp, Dvp);
-      accumulate_key_gradients(buf, t.rows(), n, Dp, Dvp);
-      for (int g = 0; g < group; ++g) {  // dQ += dS . K, per head of the group
-        matmul_accumulate(buf.d_scores + g * qb * KB, KB, buf.k_rows, Dp,
-                          dq_group + (int64_t(g) * p.q_len + qs) * Dp, Dp, qb, n, Dp);
+  for (int kb = 0; kb < p.kv_len; kb += kKeyBlock) {
+    const int n = (p.kv_len - kb) < kKeyBlock ? (p.kv_len - kb) : kKeyBlock;
+    key_block_gradients<T>(call, b, kv_head, kb, n, buf, w, [&](const TileRows& t) {
+      for (int g = 0; g < w.group; ++g) {  // dQ += dS . K, per head of the group
+        matmul_accumulate(buf.d_scores + g * t.qb * kKeyBlock, kKeyBlock, buf.k_rows, w.Dp,
+                          dq_group + (int64_t(g) * p.q_len + t.q_start) * w.Dp, w.Dp, t.qb, n, w.Dp);
       }
-    }
-    store_key_gradients<T>(call, b, kv_head, kb, n, buf, Dp, Dvp);  // zero where no query sees
+    });
   }
   if (!in_place) {
-    for (int g = 0; g < group; ++g) {
-      const int64_t first = row_index(p, b, kv_head * group + g, 0);
+    for (int g = 0; g < w.group; ++g) {
+      const int64_t first = row_index(p, b, kv_head * w.group + g, 0);
       for (int qi = 0; qi < p.q_len; ++qi) {
-        const float* acc = dq_group + (int64_t(g) * p.q_len + qi) * Dp;
-        for (int d = 0; d < D; ++d) store_elem<T>(call.dq, (first + qi) * D + d, acc[d]);
+        const float* acc = dq_group + (int64_t(g) * p.q_len + qi) * w.Dp;
+        for (int d = 0; d < w.D; ++d) store_elem<T>(call.dq, (first + qi) * w.D + d, acc[d]);
       }
     }
   }
@@ -311,71 +307,43 @@ void group_pass(const BackwardCall& call, int64_t item, float* scratch) {
 template <ElemType T>
 void key_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
   const AttentionProblem& p = call.problem;
-  const int KB = kKeyBlock;
-  const int Dp = int(round_up(p.head_dim, kLanes)), Dvp = int(round_up(p.value_dim, kLanes));
-  const int group = p.group_size();
   const int64_t per_block = int64_t(p.batch) * p.kv_heads;
-  const int kb = int(item / per_block) * KB;  // early key blocks (most work, causal) first
+  const int kb = int(item / per_block) * kKeyBlock;  // early key blocks (most work, causal) first
   const int b = int((item % per_block) / p.kv_heads);
   const int kv_head = int(item % p.kv_heads);
-  const int n = (p.kv_len - kb) < KB ? (p.kv_len - kb) : KB;
-  const Buffers buf = buffers_of(call, scratch);
-
-  pack_keys<T>(call, b, kv_head, kb, n, buf, Dp);
-  memset(buf.dk_acc, 0, sizeof(float) * KB * Dp);
-  memset(buf.dv_acc, 0, sizeof(float) * KB * Dvp);
-  const QueryRange range = queries_seeing(p, kb, n);
-  for (int64_t qs = range.lo; qs < range.hi; qs += call.query_block) {
-    const int qb = int((range.hi - qs) < call.query_block ? (range.hi - qs) : call.query_block);
-    const TileRows t{b, kv_head, int(qs), qb, group};
-    pack_rows<T>(call, t, buf, Dp, Dvp);
-    tile_gradients<T>(call, t, kb, n, buf, Dp, Dvp);
-    accumulate_key_gradients(buf, t.rows(), n, Dp, Dvp);
-  }
-  store_key_gradients<T>(call, b, kv_head, kb, n, buf, Dp, Dvp);
+  const int n = (p.kv_len - kb) < kKeyBlock ? (p.kv_len - kb) : kKeyBlock;
+  key_block_gradients<T>(call, b, kv_head, kb, n, buffers_of(call, scratch), widths_of(p), [](const TileRows&) {});
 }
 
 // Two passes, second: dQ of one (batch, kv head, query block), as the forward.
 template <ElemType T>
 void query_block_pass(const BackwardCall& call, int64_t item, float* scratch) {
   const AttentionProblem& p = call.problem;
-  const int KB = kKeyBlock, D = p.head_dim;
-  const int Dp = int(round_up(D, kLanes)), Dvp = int(round_up(p.value_dim, kLanes));
-  const int group = p.group_size();
+  const Widths w = widths_of(p);
   const int64_t per_block = int64_t(p.batch) * p.kv_heads;
   // Heaviest query blocks (the last ones, under a causal mask) first.
   const int q_start = (call.query_blocks() - 1 - int(item / per_block)) * call.query_block;
   const int b = int((item % per_block) / p.kv_heads);
   const int kv_head = int(item % p.kv_heads);
   const int qb = (p.q_len - q_start) < call.query_block ? (p.q_len - q_start) : call.query_block;
-  const TileRows t{b, kv_head, q_start, qb, group};
+  const TileRows t{b, kv_head, q_start, qb, w.group};
   const int rows = t.rows();
   const Buffers buf = buffers_of(call, scratch);
 
-  pack_rows<T>(call, t, buf, Dp, Dvp);
-  memset(buf.dq_acc, 0, sizeof(float) * rows * Dp);
+  pack_rows<T>(call, t, buf, w.Dp, w.Dvp);
+  memset(buf.dq_acc, 0, sizeof(float) * rows * w.Dp);
 
-  // Key range any row of this block can see (as the forward's).
-  const int offset = p.kv_len - p.q_len;
-  const int first_pos = q_start + offset, last_pos = q_start + qb - 1 + offset;
-  int kv_begin = 0, kv_end = p.kv_len;
-  if (p.causal) {
-    kv_end = last_pos + 1 < kv_end ? last_pos + 1 : kv_end;
-    if (p.window_size > 0) {
-      const int lo = first_pos - p.window_size + 1;
-      kv_begin = lo > 0 ? lo : 0;
-    }
-  }
-  for (int kb = kv_begin; kb < kv_end; kb += KB) {
-    const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
-    pack_keys<T>(call, b, kv_head, kb, n, buf, Dp);
-    tile_gradients<T>(call, t, kb, n, buf, Dp, Dvp);
-    matmul_accumulate(buf.d_scores, KB, buf.k_rows, Dp, buf.dq_acc, Dp, rows, n, Dp);  // dQ += dS . K
+  const KeyRange keys = block_key_range(p, query_position(p, q_start), query_position(p, q_start + qb - 1));
+  for (int kb = keys.begin; kb < keys.end; kb += kKeyBlock) {
+    const int n = (keys.end - kb) < kKeyBlock ? (keys.end - kb) : kKeyBlock;
+    pack_keys<T>(call, b, kv_head, kb, n, buf, w.Dp);
+    tile_gradients<T>(call, t, kb, n, buf, w.Dp, w.Dvp);
+    matmul_accumulate(buf.d_scores, kKeyBlock, buf.k_rows, w.Dp, buf.dq_acc, w.Dp, rows, n, w.Dp);  // dQ += dS . K
   }
 
   for (int r = 0; r < rows; ++r) {
     const int64_t i = row_index(p, b, t.head(r), t.query(r));
-    for (int d = 0; d < D; ++d) store_elem<T>(call.dq, i * D + d, buf.dq_acc[r * Dp + d]);
+    for (int d = 0; d < w.D; ++d) store_elem<T>(call.dq, i * w.D + d, buf.dq_acc[r * w.Dp + d]);
   }
 }
 

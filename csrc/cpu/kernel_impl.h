@@ -12,14 +12,17 @@
 // Algorithm steps (same names as mlx_attn/reference.py and metal/):
 //   score      S = Q . K^T for one key block
 //   scale      S = saturate(scale * S), logits in natural-log units
-//   mask       additive (saturated; values <= kMaskedLogit, -inf included,
-//              mask the key), then causal / sliding window /
-//              boolean set -inf, in place on S
+//   mask       additive (saturated; values <= the masked sentinel, -inf
+//              included, mask the key), then boolean, then causal / sliding
+//              window on edge blocks only: masked logits become the sentinel
+//              MLX_ATTN_MASKED_LOGIT, in place on S
 //   online max / rescale   m_new = max(m, rowmax S); O *= exp(m - m_new)
 //   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join the sum; O / l (zeros where nothing was attended)
 // exp(x) is exp2(x * log2 e) of a difference to the running max, which
-// saturation keeps finite (metal/attention_params.h).
+// saturation keeps finite (metal/attention_params.h). Saturation, visibility,
+// key ranges, edge blocks and the mask read are the rules every kernel shares
+// (metal/attention_rules.h, through csrc/cpu/rules.h).
 
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +31,7 @@
 #include "csrc/cpu/elements.h"
 #include "csrc/cpu/kernels.h"
 #include "csrc/cpu/micro_kernel.h"
+#include "csrc/cpu/rules.h"
 #include "csrc/cpu/simd.h"
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
@@ -123,7 +127,6 @@ void attention_work_item(
                                                       : lay.query_block;
   const int rows = lay.group * qb;
   const int rp = int(round_up(rows, kLanes));  // rows padded to whole vectors
-  const int offset = p.kv_len - p.q_len;  // causal alignment (lower right)
 
   float* q_t = scratch;                            // [D][rp]   Q^T
   float* scores_t = q_t + D * rp;                  // [KB][rp]  S^T, then P^T
@@ -188,20 +191,13 @@ void attention_work_item(
   const int64_t k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
   const int64_t v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
 
-  // Key range any row of this block can see.
-  const int first_pos = q_start + offset;
-  const int last_pos = q_start + qb - 1 + offset;
-  int kv_begin = 0, kv_end = p.kv_len;
-  if (p.causal) {
-    kv_end = last_pos + 1 < kv_end ? last_pos + 1 : kv_end;
-    if (p.window_size > 0) {
-      int lo = first_pos - p.window_size + 1;
-      kv_begin = lo > 0 ? lo : 0;
-    }
-  }
+  // Keys any row of this block can see.
+  const int first_pos = query_position(p, q_start);
+  const int last_pos = query_position(p, q_start + qb - 1);
+  const KeyRange keys = block_key_range(p, first_pos, last_pos);
 
-  for (int kb = kv_begin; kb < kv_end; kb += KB) {
-    const int n = (kv_end - kb) < KB ? (kv_end - kb) : KB;
+  for (int kb = keys.begin; kb < keys.end; kb += KB) {
+    const int n = (keys.end - kb) < KB ? (keys.end - kb) : KB;
 
     const float* v_block;
     int64_t ldv;
@@ -267,42 +263,27 @@ void attention_work_item(
       store(scores_t + i, saturate(load(scores_t + i) * scale));
     }
 
-    // mask (explicit masks, then causal / window edges of this block)
+    // mask (explicit masks, then causal / window on edge blocks only)
     if (p.mask_kind != MaskKind::none) {
       const int64_t ms = p.mask_strides[3];
       for (int r = 0; r < rows; ++r) {
-        const int h = kv_head * lay.group + r / qb;
-        const int qi = q_start + r % qb;
-        const int64_t moff = b * p.mask_strides[0] + h * p.mask_strides[1] +
-            qi * p.mask_strides[2] + int64_t(kb) * ms;
+        const int64_t moff = mask_offset(p, b, kv_head * lay.group + r / qb, q_start + r % qb, kb);
         float* s = scores_t + r;
         if (p.mask_kind == MaskKind::boolean) {
           const bool* m = static_cast<const bool*>(call.mask) + moff;
-          for (int j = 0; j < n; ++j) {
-            if (!m[j * ms]) s[j * rp] = -INFINITY;
-          }
+          for (int j = 0; j < n; ++j) s[j * rp] = bool_masked_logit(s[j * rp], m[j * ms]);
         } else {
           for (int j = 0; j < n; ++j) {
-            const float added = load_elem<T>(call.mask, moff + j * ms);
-            s[j * rp] = added <= kMaskedLogit ? -INFINITY : saturate(s[j * rp] + added);
+            s[j * rp] = additive_masked_logit(s[j * rp], load_elem<T>(call.mask, moff + j * ms));
           }
         }
       }
     }
-    const bool causal_edge = p.causal && (kb + n - 1 > first_pos);
-    const bool window_edge =
-        p.causal && p.window_size > 0 && (kb <= last_pos - p.window_size);
-    if (causal_edge || window_edge) {
+    if (block_on_edge(p, kb, n, first_pos, last_pos)) {
       for (int r = 0; r < rows; ++r) {
-        const int pos = q_start + r % qb + offset;
-        // Visible keys: (pos - window, pos]; j indexes key kb + j.
-        int visible_end = pos - kb + 1;
-        visible_end = visible_end < n ? visible_end : n;
-        for (int j = visible_end < 0 ? 0 : visible_end; j < n; ++j) scores_t[j * rp + r] = -INFINITY;
-        if (p.window_size > 0) {
-          int visible_begin = pos - p.window_size + 1 - kb;
-          visible_begin = visible_begin < n ? visible_begin : n;
-          for (int j = 0; j < visible_begin; ++j) scores_t[j * rp + r] = -INFINITY;
+        const int pos = query_position(p, q_start + r % qb);
+        for (int j = 0; j < n; ++j) {
+          if (!key_visible(p, kb + j, pos)) scores_t[j * rp + r] = MLX_ATTN_MASKED_LOGIT;
         }
       }
     }
@@ -313,8 +294,9 @@ void attention_work_item(
       for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(scores_t + j * rp + c));
       const vfloat m_old = load(row_max + c);
       const vfloat m_new = vmax(block_max, m_old);
-      // A row with nothing visible yet keeps m = -inf; its P and alpha are 0.
-      const vfloat m_ref = m_new == -INFINITY ? splat(0.0f) : m_new;
+      // A row with nothing visible yet (m = -inf, or the masked sentinel)
+      // takes its exponents against 0: its P and alpha are then 0.
+      const vfloat m_ref = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
       vfloat sum = splat(0.0f);
       for (int j = 0; j < n; ++j) {
         float* s = scores_t + j * rp + c;
@@ -347,7 +329,7 @@ void attention_work_item(
     float l = row_sum[r];
     float correction = 1.0f;
     if (p.has_sinks) {
-      const float sink = saturate(load_elem<T>(call.sinks, h * p.sinks_stride));
+      const float sink = saturate_logit(load_elem<T>(call.sinks, h * p.sinks_stride));
       const float m_final = sink > m ? sink : m;
       correction = exp2f((m - m_final) * kLog2e);
       l = l * correction + exp2f((sink - m_final) * kLog2e);

@@ -200,8 +200,26 @@ inline void matmul_tile(
 #endif
 constexpr int kTileRows = MLX_ATTN_TILE_ROWS;
 constexpr int kTileVectors = MLX_ATTN_TILE_VECTORS;
-static_assert(kTileRows >= 1 && kTileRows <= 8, "tails below handle up to 7 rows");
-static_assert(kTileVectors >= 1 && kTileVectors <= 4, "tails below handle up to 3 vectors");
+static_assert(kTileRows >= 1 && kTileRows <= 8, "a register tile holds at most 8 rows");
+static_assert(kTileVectors >= 1 && kTileVectors <= 4, "a register tile holds at most 4 vectors");
+
+template <int N>
+struct Count {
+  static constexpr int value = N;
+};
+
+// Calls body(Count<count>{}) for a run-time count in 1..Max (nothing for 0):
+// a tail of the tiling loops below, as a compile-time size.
+template <int Max, class Body>
+inline void with_count(int count, Body body) {
+  if constexpr (Max > 0) {
+    if (count == Max) {
+      body(Count<Max>{});
+    } else {
+      with_count<Max - 1>(count, body);
+    }
+  }
+}
 
 template <class Product, bool kAccumulate, int NV>
 inline void matmul_rows(
@@ -218,18 +236,10 @@ inline void matmul_rows(
   for (; r + kTileRows <= rows; r += kTileRows) {
     matmul_tile<Product, kAccumulate, kTileRows, NV>(A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, K);
   }
-  const typename Product::AElem* a = A + r * a_row;
-  float* c = C + r * ldc;
-  switch (rows - r) {
-    case 7: matmul_tile<Product, kAccumulate, 7, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    case 6: matmul_tile<Product, kAccumulate, 6, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    case 5: matmul_tile<Product, kAccumulate, 5, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    case 4: matmul_tile<Product, kAccumulate, 4, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    case 3: matmul_tile<Product, kAccumulate, 3, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    case 2: matmul_tile<Product, kAccumulate, 2, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    case 1: matmul_tile<Product, kAccumulate, 1, NV>(a, a_row, a_k, B, ldb, c, ldc, K); break;
-    default: break;
-  }
+  with_count<kTileRows - 1>(rows - r, [&](auto tail_rows) {
+    matmul_tile<Product, kAccumulate, decltype(tail_rows)::value, NV>(
+        A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, K);
+  });
 }
 
 // N counts columns of C; B's column offset scales with Product::kBVectorElems.
@@ -250,14 +260,10 @@ inline void matmul(
     matmul_rows<Product, kAccumulate, kTileVectors>(
         A, a_row, a_k, B + n / kLanes * Product::kBVectorElems, ldb, C + n, ldc, rows, K);
   }
-  const typename Product::BElem* b = B + n / kLanes * Product::kBVectorElems;
-  float* c = C + n;
-  switch ((N - n) / kLanes) {
-    case 3: matmul_rows<Product, kAccumulate, 3>(A, a_row, a_k, b, ldb, c, ldc, rows, K); break;
-    case 2: matmul_rows<Product, kAccumulate, 2>(A, a_row, a_k, b, ldb, c, ldc, rows, K); break;
-    case 1: matmul_rows<Product, kAccumulate, 1>(A, a_row, a_k, b, ldb, c, ldc, rows, K); break;
-    default: break;
-  }
+  with_count<kTileVectors - 1>((N - n) / kLanes, [&](auto tail_vectors) {
+    matmul_rows<Product, kAccumulate, decltype(tail_vectors)::value>(
+        A, a_row, a_k, B + n / kLanes * Product::kBVectorElems, ldb, C + n, ldc, rows, K);
+  });
 }
 
 // C[rows][N] += A[rows][K] . B[K][N] with N a multiple of kLanes.

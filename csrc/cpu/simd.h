@@ -39,24 +39,11 @@ inline vfloat splat(float x) {
 inline vfloat vmax(vfloat a, vfloat b) {
   return a > b ? a : b;
 }
-// Clamps to [-kLogitLimit, kLogitLimit]; NaN stays NaN.
+// saturate_logit (metal/attention_rules.h) on a vector: clamps to
+// [-kLogitLimit, kLogitLimit]; NaN stays NaN.
 inline vfloat saturate(vfloat x) {
   x = x < -kLogitLimit ? splat(-kLogitLimit) : x;
   return x > kLogitLimit ? splat(kLogitLimit) : x;
-}
-inline float saturate(float x) {
-  x = x < -kLogitLimit ? -kLogitLimit : x;
-  return x > kLogitLimit ? kLogitLimit : x;
-}
-inline float horizontal_max(vfloat x) {
-  float r = x[0];
-  for (int i = 1; i < kLanes; ++i) r = x[i] > r ? x[i] : r;
-  return r;
-}
-inline float horizontal_sum(vfloat x) {
-  float r = 0.0f;
-  for (int i = 0; i < kLanes; ++i) r += x[i];
-  return r;
 }
 
 // 2^x for x <= 0 (all softmax arguments here are <= 0). Round-to-nearest
