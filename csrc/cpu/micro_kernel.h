@@ -76,16 +76,24 @@ inline uint32_t load_pair(const uint16_t* p) {
   return pair;
 }
 
+// What every pair product shares: 16-bit operands, 2 kLanes elements of the
+// panel per vector of C.
+struct PairOperands {
+  using AElem = uint16_t;
+  using BElem = uint16_t;
+  static constexpr int kBVectorElems = 2 * kLanes;
+};
+// The pair-interleaved panel Bp[k / 2][n][2] (the bf16 dot products').
+struct InterleavedPairPanel : PairOperands {
+  static int panel_offset(int n, int half) { return 2 * n + half; }
+};
+
 #if defined(MLX_ATTN_NATIVE_BF16) && defined(__AVX512BF16__)
 // AVX512_BF16 vdpbf16ps: acc[n] += A[k] B[k][n] + A[k+1] B[k+1][n], B
 // pair-interleaved, Bp[k / 2][n][2].
-struct Bf16PairProduct {
-  using AElem = uint16_t;
-  using BElem = uint16_t;
+struct Bf16PairProduct : InterleavedPairPanel {
   using BVector = __m512bh;
   using AVector = __m512bh;
-  static constexpr int kBVectorElems = 2 * kLanes;
-  static int panel_offset(int n, int half) { return 2 * n + half; }
   static BVector load_b(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static AVector broadcast_a(const uint16_t* p) { return (__m512bh)_mm512_set1_epi32(int(load_pair(p))); }
   static vfloat multiply_add(vfloat acc, AVector a, BVector b) {
@@ -94,13 +102,9 @@ struct Bf16PairProduct {
 };
 #elif defined(MLX_ATTN_NATIVE_BF16)
 // arm64 FEAT_BF16 BFDOT: the same pair-interleaved panel as AVX512_BF16.
-struct Bf16PairProduct {
-  using AElem = uint16_t;
-  using BElem = uint16_t;
+struct Bf16PairProduct : InterleavedPairPanel {
   using BVector = bfloat16x8_t;
   using AVector = bfloat16x8_t;
-  static constexpr int kBVectorElems = 2 * kLanes;
-  static int panel_offset(int n, int half) { return 2 * n + half; }
   static BVector load_b(const uint16_t* p) { return vreinterpretq_bf16_u16(vld1q_u16(p)); }
   static AVector broadcast_a(const uint16_t* p) { return vreinterpretq_bf16_u32(vdupq_n_u32(load_pair(p))); }
   static vfloat multiply_add(vfloat acc, AVector a, BVector b) {
@@ -115,12 +119,9 @@ struct Bf16PairProduct {
 // halves of a B vector, FMLAL2 the high 4, each times one A lane, so a pair
 // row of the panel holds per vector of kLanes columns row k's kLanes
 // halves, then row k + 1's: acc[n] += A[k] B[k][n] + A[k+1] B[k+1][n].
-struct Fp16PairProduct {
-  using AElem = uint16_t;
-  using BElem = uint16_t;
+struct Fp16PairProduct : PairOperands {
   using BVector = float16x8_t;
   using AVector = float16x4_t;
-  static constexpr int kBVectorElems = 2 * kLanes;
   static int panel_offset(int n, int half) { return (n / kLanes) * 2 * kLanes + half * kLanes + n % kLanes; }
   static BVector load_b(const uint16_t* p) { return vreinterpretq_f16_u16(vld1q_u16(p)); }
   static AVector broadcast_a(const uint16_t* p) { return vreinterpret_f16_u32(vdup_n_u32(load_pair(p))); }
@@ -136,36 +137,49 @@ template <ElemType T>
 struct NativePairProduct {
   static constexpr bool kAvailable = false;
 };
+template <class P>
+struct NativeProduct {
+  static constexpr bool kAvailable = true;
+  using Product = P;
+};
 #if defined(MLX_ATTN_NATIVE_BF16)
 template <>
-struct NativePairProduct<ElemType::bfloat16> {
-  static constexpr bool kAvailable = true;
-  using Product = Bf16PairProduct;
-};
+struct NativePairProduct<ElemType::bfloat16> : NativeProduct<Bf16PairProduct> {};
 #endif
 #if defined(MLX_ATTN_NATIVE_FP16)
 template <>
-struct NativePairProduct<ElemType::float16> {
-  static constexpr bool kAvailable = true;
-  using Product = Fp16PairProduct;
-};
+struct NativePairProduct<ElemType::float16> : NativeProduct<Fp16PairProduct> {};
 #endif
+
+// The operands of C (+)= A . B: A[r][k] is A[r * a_row + k * a_k] ((lda, 1)
+// row-major, (1, ldat) transposed); B a packed panel of row stride ldb whose
+// columns step by Product::kBVectorElems elements per vector of C; C
+// row-major with row stride ldc.
+template <class Product>
+struct Operands {
+  const typename Product::AElem* A;
+  int64_t a_row, a_k;
+  const typename Product::BElem* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+
+  Operands from_row(int r) const { return {A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc}; }
+  Operands from_column(int n) const {
+    return {A, a_row, a_k, B + n / kLanes * Product::kBVectorElems, ldb, C + n, ldc};
+  }
+};
 
 // C[MR rows][NV vectors] (+)= A[MR][K] . B[K][NV vectors], accumulators in
 // registers; kAccumulate = false overwrites C without reading it.
-// A[r][k] is A[r * a_row + k * a_k]: (lda, 1) row-major, (1, ldat) transposed.
 // Product: FloatProduct, or a native reduced-precision product (one step of
 // K is then whatever it multiplies at once, e.g. a bf16 pair).
 template <class Product, bool kAccumulate, int MR, int NV>
-inline void matmul_tile(
-    const typename Product::AElem* __restrict A,
-    int64_t a_row,
-    int64_t a_k,
-    const typename Product::BElem* __restrict B,
-    int64_t ldb,
-    float* __restrict C,
-    int64_t ldc,
-    int K) {
+inline void matmul_tile(const Operands<Product>& o, int K) {
+  const typename Product::AElem* __restrict A = o.A;
+  const typename Product::BElem* __restrict B = o.B;
+  float* __restrict C = o.C;
+  const int64_t a_row = o.a_row, a_k = o.a_k, ldb = o.ldb, ldc = o.ldc;
   vfloat acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -221,48 +235,27 @@ inline void with_count(int count, Body body) {
   }
 }
 
+// C[rows][NV vectors] (+)= A . B: whole register tiles, then the rows left.
 template <class Product, bool kAccumulate, int NV>
-inline void matmul_rows(
-    const typename Product::AElem* A,
-    int64_t a_row,
-    int64_t a_k,
-    const typename Product::BElem* B,
-    int64_t ldb,
-    float* C,
-    int64_t ldc,
-    int rows,
-    int K) {
+inline void matmul_rows(const Operands<Product>& o, int rows, int K) {
   int r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) {
-    matmul_tile<Product, kAccumulate, kTileRows, NV>(A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, K);
+    matmul_tile<Product, kAccumulate, kTileRows, NV>(o.from_row(r), K);
   }
   with_count<kTileRows - 1>(rows - r, [&](auto tail_rows) {
-    matmul_tile<Product, kAccumulate, decltype(tail_rows)::value, NV>(
-        A + r * a_row, a_row, a_k, B, ldb, C + r * ldc, ldc, K);
+    matmul_tile<Product, kAccumulate, decltype(tail_rows)::value, NV>(o.from_row(r), K);
   });
 }
 
-// N counts columns of C; B's column offset scales with Product::kBVectorElems.
+// C[rows][N] (+)= A . B, N counting columns of C (a multiple of kLanes).
 template <class Product, bool kAccumulate>
-inline void matmul(
-    const typename Product::AElem* A,
-    int64_t a_row,
-    int64_t a_k,
-    const typename Product::BElem* B,
-    int64_t ldb,
-    float* C,
-    int64_t ldc,
-    int rows,
-    int K,
-    int N) {
+inline void matmul(const Operands<Product>& o, int rows, int K, int N) {
   int n = 0;
   for (; n + kTileVectors * kLanes <= N; n += kTileVectors * kLanes) {
-    matmul_rows<Product, kAccumulate, kTileVectors>(
-        A, a_row, a_k, B + n / kLanes * Product::kBVectorElems, ldb, C + n, ldc, rows, K);
+    matmul_rows<Product, kAccumulate, kTileVectors>(o.from_column(n), rows, K);
   }
   with_count<kTileVectors - 1>((N - n) / kLanes, [&](auto tail_vectors) {
-    matmul_rows<Product, kAccumulate, decltype(tail_vectors)::value>(
-        A, a_row, a_k, B + n / kLanes * Product::kBVectorElems, ldb, C + n, ldc, rows, K);
+    matmul_rows<Product, kAccumulate, decltype(tail_vectors)::value>(o.from_column(n), rows, K);
   });
 }
 
@@ -270,21 +263,21 @@ inline void matmul(
 inline void matmul_accumulate(
     const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
     int rows, int K, int N) {
-  matmul<FloatProduct, true>(A, lda, 1, B, ldb, C, ldc, rows, K, N);
+  matmul<FloatProduct, true>({A, lda, 1, B, ldb, C, ldc}, rows, K, N);
 }
 
 // C[rows][N] = A[rows][K] . B[K][N] with N a multiple of kLanes (C not read).
 inline void matmul_overwrite(
     const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
     int rows, int K, int N) {
-  matmul<FloatProduct, false>(A, lda, 1, B, ldb, C, ldc, rows, K, N);
+  matmul<FloatProduct, false>({A, lda, 1, B, ldb, C, ldc}, rows, K, N);
 }
 
 // C[rows][N] += At[K][rows]^T . B[K][N] with N a multiple of kLanes.
 inline void matmul_accumulate_transposed_a(
     const float* At, int64_t ldat, const float* B, int64_t ldb, float* C, int64_t ldc,
     int rows, int K, int N) {
-  matmul<FloatProduct, true>(At, 1, ldat, B, ldb, C, ldc, rows, K, N);
+  matmul<FloatProduct, true>({At, 1, ldat, B, ldb, C, ldc}, rows, K, N);
 }
 
 // C[rows][N] = A[rows][2 Kp] . B[2 Kp][N] in pairs of 16-bit elements with
@@ -295,7 +288,7 @@ template <class Product>
 inline void matmul_overwrite_pairs(
     const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t ldbp, float* C, int64_t ldc,
     int rows, int Kp, int N) {
-  matmul<Product, false>(A, lda, 2, Bp, ldbp, C, ldc, rows, Kp, N);
+  matmul<Product, false>({A, lda, 2, Bp, ldbp, C, ldc}, rows, Kp, N);
 }
 
 }  // namespace
