@@ -160,11 +160,7 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, 
         }
       }
     }
-    if (on_edge) {
-      for (int j = 0; j < n; ++j) {
-        if (!key_visible(p, kb + j, pos)) s[j] = MLX_ATTN_MASKED_LOGIT;
-      }
-    }
+    if (on_edge) mask_hidden_keys(p, pos, kb, n, s, 1);
     for (int j = n; j < KB; ++j) s[j] = MLX_ATTN_MASKED_LOGIT;
     // P = exp(S - lse)
     const vfloat lse = splat(buf.lse_row[r]);

@@ -281,10 +281,7 @@ void attention_work_item(
     }
     if (block_on_edge(p, kb, n, first_pos, last_pos)) {
       for (int r = 0; r < rows; ++r) {
-        const int pos = query_position(p, q_start + r % qb);
-        for (int j = 0; j < n; ++j) {
-          if (!key_visible(p, kb + j, pos)) scores_t[j * rp + r] = MLX_ATTN_MASKED_LOGIT;
-        }
+        mask_hidden_keys(p, query_position(p, q_start + r % qb), kb, n, scores_t + r, rp);
       }
     }
 

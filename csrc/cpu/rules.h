@@ -18,5 +18,17 @@
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
 #include "metal/attention_rules.h"
+
+// Sets the logits s[j * stride] of keys kb + j (j < n) that the query at
+// `pos` cannot see (causal / window) to the masked sentinel. The keys a
+// query sees are one range (block_key_range of that single query), so an
+// edge block costs two short stores per row, no test per key.
+inline void mask_hidden_keys(const AttentionParams& p, int pos, int kb, int n, float* s, int64_t stride) {
+  const KeyRange seen = block_key_range(p, pos, pos);
+  const int begin = seen.begin - kb < 0 ? 0 : (seen.begin - kb < n ? seen.begin - kb : n);
+  const int end = seen.end - kb < begin ? begin : (seen.end - kb < n ? seen.end - kb : n);
+  for (int j = 0; j < begin; ++j) s[j * stride] = MLX_ATTN_MASKED_LOGIT;
+  for (int j = end; j < n; ++j) s[j * stride] = MLX_ATTN_MASKED_LOGIT;
+}
 }  // namespace
 }  // namespace mlx_attn::cpu::MLX_ATTN_ISA
