@@ -32,8 +32,8 @@ COMMON_FLAGS = ["-std=c++20", "-nostdinc++", "-fno-exceptions", "-fno-rtti", f"-
 # The number of grid cases the harness runs per forward copy (two query
 # blocks each; every third with --sample) and per backward copy (6 problems
 # x 3 dtypes, each through both schemes).
-CASES_PER_COPY = 668
-SAMPLED_CASES_PER_COPY = 224
+CASES_PER_COPY = 680
+SAMPLED_CASES_PER_COPY = 228
 BACKWARD_CASES_PER_COPY = 36
 
 

@@ -158,6 +158,26 @@ def test_large_logits_stay_finite(dtype):
         assert_close(out, reference(q, k, v, mask=mask, scale=1.0), dtype)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_tiny_products_with_a_scale_near_float32_max(dtype, isa):
+    """Every product q_d k_d below float32's normal range (2^-126) and a scale
+    of 1.5 * 2^127: the logits are of order one. The bf16 dot products of the
+    native copies flush such products to zero unless the kernel moves part of
+    the scale into q first. Oracle: float64 NumPy."""
+    rng = np.random.default_rng(5)
+    tiny = 2.0**-65
+    q_np, k_np = (rng.integers(-128, 129, (1, 2, n, 64)) / 64 * tiny for n in (7, 70))
+    v_np = rng.integers(-128, 129, (1, 2, 70, 64)) / 64
+    scale = 1.5 * 2.0**127
+    logits = np.einsum("bhqd,bhkd->bhqk", q_np, k_np) * scale
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    expected = (weights / weights.sum(-1, keepdims=True)) @ v_np
+    assert np.abs(logits).max() > 0.5  # the logits matter
+    q, k, v = (mx.array(x.astype(np.float32)).astype(dtype) for x in (q_np, k_np, v_np))
+    out = np.array(fused(q, k, v, scale=scale).astype(mx.float32))
+    assert np.abs(out - expected).max() < TOLERANCE[dtype], isa
+
+
 def test_non_contiguous_inputs():
     rng = np.random.default_rng(0)
     base = mx.array(rng.standard_normal((2, 40, 4, 32)).astype(np.float32))

@@ -85,6 +85,28 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
   }
 }
 
+// bf16 dot products (vdpbf16ps, BFDOT) flush products below float32's normal
+// range (2^-126) to zero, so tiny q and k with a huge scale (logits of order
+// one from q.k below 2^-126, scale near float32's maximum) would all score 0.
+// Moves a power of two 2^e of the scale into the packed bf16 Q panel instead
+// (exact: bf16 has float32's exponents), as much as keeps every |q| below
+// 2^-9 (so no q.k of D <= 256 terms can overflow where it did not before) and
+// the rest of the scale >= 1; returns scale * 2^-e. Normal-range products are
+// scaled exactly, so every other logit is bit for bit unchanged.
+inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float scale) {
+  float largest = 0.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    const float x = fabsf(bfloat_to_float(panel[i]));
+    largest = x > largest || x != x ? x : largest;
+  }
+  if (!(largest > 0.0f && largest < INFINITY) || !(fabsf(scale) >= 2.0f)) return scale;
+  const int room = -10 - ilogbf(largest);  // largest * 2^room < 2^-9
+  const int e = room < ilogbf(scale) ? room : ilogbf(scale);
+  if (e <= 0) return scale;
+  for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
+  return ldexpf(scale, -e);
+}
+
 // ---------------------------------------------------------------- work item
 // Scores are held transposed, S^T[key][row]: the score product is
 // K[keys][D] . Q^T[D][rows], so K rows are the micro-kernel's broadcast
@@ -163,6 +185,8 @@ void attention_work_item(
       load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
     }
   }
+  // The scale the score product's sums are multiplied by (scale step).
+  float logit_scale = p.scale;
   if constexpr (kPairScore) {
     using Product = typename Native::Product;
     for (int kp = 0; kp < pairs; ++kp) {
@@ -170,6 +194,9 @@ void attention_work_item(
         q_pairs[kp * 2 * rp + Product::panel_offset(r, 0)] = 0;
         q_pairs[kp * 2 * rp + Product::panel_offset(r, 1)] = 0;
       }
+    }
+    if constexpr (T == ElemType::bfloat16) {
+      logit_scale = move_scale_into_bf16_panel(q_pairs, int64_t(pairs) * 2 * rp, p.scale);
     }
   } else {
     for (int d = 0; d < D; ++d) {
@@ -258,7 +285,7 @@ void attention_work_item(
     }
 
     // scale
-    const vfloat scale = splat(p.scale);
+    const vfloat scale = splat(logit_scale);
     for (int i = 0; i < n * rp; i += kLanes) {
       store(scores_t + i, saturate(load(scores_t + i) * scale));
     }

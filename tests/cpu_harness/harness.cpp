@@ -120,6 +120,11 @@ struct Case {
   int window;
   MaskKind mask;
   bool sinks;
+  // q and k inputs times this power of two, and the scale (0: 1/sqrt(D)):
+  // tiny q.k with a huge scale make logits of order one from products below
+  // float32's normal range.
+  float input_magnitude = 1.0f;
+  float scale = 0.0f;
 };
 
 double saturate(double x) {
@@ -149,8 +154,8 @@ struct Inputs {
     const int Hq = c.q_heads, Hkv = c.kv_heads, Tq = c.q_len, Tk = c.kv_len, D = c.head_dim,
               Dv = c.value_dim;
     keep = static_cast<bool*>(calloc(size_t(Tq) * Tk + 1, 1));
-    for (int64_t i = 0; i < q.count; ++i) q.set(i, random_input());
-    for (int64_t i = 0; i < k.count; ++i) k.set(i, random_input());
+    for (int64_t i = 0; i < q.count; ++i) q.set(i, random_input() * c.input_magnitude);
+    for (int64_t i = 0; i < k.count; ++i) k.set(i, random_input() * c.input_magnitude);
     for (int64_t i = 0; i < v.count; ++i) v.set(i, random_input());
     for (int64_t i = 0; i < additive.count; ++i) {
       // Some keys fully masked (-inf); the rest shifted by multiples of 1/8.
@@ -173,7 +178,7 @@ struct Inputs {
     p.window_size = c.window;
     p.has_sinks = c.sinks;
     p.sinks_stride = 1;
-    p.scale = 1.0f / sqrtf(float(D));
+    p.scale = c.scale != 0.0f ? c.scale : 1.0f / sqrtf(float(D));
     qd = decoded(q);
     kd = decoded(k);
     vd = decoded(v);
@@ -460,6 +465,14 @@ int check_copy(const ForwardCopy& copy, bool sample) {
   }
   for (auto& dims : kValueDims) {
     cases[n++] = {ElemType::float32, 2, 4, 2, 9, 70, dims[0], dims[1], true, 0, MaskKind::none, false};
+  }
+  // Every product q_d k_d below 2^-126 (subnormal in float32; bf16 dot
+  // products flush them), scale 1.5 * 2^127: logits of order one.
+  static const ElemType kTinyDtypes[] = {ElemType::float32, ElemType::bfloat16};
+  for (ElemType t : kTinyDtypes) {
+    for (int i = 0; i < 3; ++i) {  // one of the three runs under --sample
+      cases[n++] = {t, 1, 2, 2, 7, 70, 64, 64, false, 0, MaskKind::none, false, 0x1p-65f, 0x1.8p127f};
+    }
   }
   int failures = 0, ran = 0;
   double worst_seen = 0.0;
