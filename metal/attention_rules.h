@@ -95,18 +95,15 @@ struct QueryRange {
   int end;
 };
 inline QueryRange block_query_range(ATTN_PARAMS p, int first_key, int last_key) {
+  const int offset = p.kv_len - p.q_len;
+  // causal: rows from the first key's position on; a window also ends them
+  // window_size rows after the last key's position
+  const int earliest = p.causal != 0 && first_key - offset > 0 ? first_key - offset : 0;
+  const attn_int64 window_end = attn_int64(last_key) - offset + p.window_size;
+  const bool windowed = p.causal != 0 && p.window_size > 0 && window_end < p.q_len;
   QueryRange range;
-  range.begin = 0;
-  range.end = p.q_len;
-  if (p.causal != 0) {
-    const int offset = p.kv_len - p.q_len;
-    range.begin = first_key - offset > 0 ? first_key - offset : 0;
-    if (p.window_size > 0) {
-      const attn_int64 end = attn_int64(last_key) - offset + p.window_size;
-      range.end = end < range.end ? int(end) : range.end;
-    }
-  }
-  if (range.begin > p.q_len) range.begin = p.q_len;
+  range.begin = earliest < p.q_len ? earliest : p.q_len;
+  range.end = windowed ? int(window_end) : p.q_len;
   if (range.end < range.begin) range.end = range.begin;
   return range;
 }
