@@ -109,6 +109,8 @@ AttentionProblem describe_attention(
   p.group = p.q_heads / p.kv_heads;
   if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
   if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
+  // "a window implies causal" is normalised once, by the caller (Python's AttentionCall)
+  if (options.window_size > 0 && !options.causal) invalid("window_size > 0 needs causal=True");
   copy_strides(q, p.q_strides);
   copy_strides(k, p.k_strides);
   copy_strides(v, p.v_strides);
@@ -116,7 +118,7 @@ AttentionProblem describe_attention(
   p.k_offset = k.offset() / int64_t(k.itemsize());
   p.v_offset = v.offset() / int64_t(v.itemsize());
   p.scale = options.scale;
-  p.causal = options.causal || options.window_size > 0;
+  p.causal = options.causal;
   p.window_size = options.window_size;
   p.output_lse = options.output_lse;
   p.mask_kind = MaskKind::none;
@@ -167,7 +169,6 @@ std::vector<mx::array> primitive_inputs(
     AttentionOptions& options) {
   options.has_mask = mask.has_value();
   options.has_sinks = sinks.has_value();
-  if (options.window_size > 0) options.causal = true;
   std::vector<mx::array> inputs = {q, k, v};
   if (mask) inputs.push_back(*mask);
   if (sinks) inputs.push_back(*sinks);
@@ -323,16 +324,24 @@ std::vector<mx::array> differentiate(
   return differentiation_rule()(mode, primals, vectors, argnums, options, stream);
 }
 
-BackwardGate& backward_gate() {
-  static auto* gate = new BackwardGate();  // never destroyed, as the rule
-  return *gate;
+// Whether the vjp runs FusedAttentionBackward: its plan takes the problem
+// and, on the GPU only, the Metal backward's variant is trusted (the caller's
+// answer, AttentionOptions::metal_backward_trusted).
+bool use_fused_backward(const AttentionProblem& problem, const AttentionOptions& options, mx::Device device) {
+  if (!fused_backward_supported(problem, device)) return false;
+  return device == mx::Device::cpu || options.metal_backward_trusted;
 }
 
-// Whether the vjp runs FusedAttentionBackward: its plan takes the problem
-// and, on the GPU only, the Metal backward's variant is trusted.
-bool use_fused_backward(const AttentionProblem& problem, mx::Device device) {
-  if (!fused_backward_supported(problem, device)) return false;
-  return device == mx::Device::cpu || !backward_gate() || backward_gate()(problem);
+// Whether an additive mask is among the differentiated inputs: the fused
+// backward has no output for its gradient (the score gradient dS reduced
+// over the mask's broadcast dimensions), the reference path's autodiff has.
+bool wants_mask_gradient(
+    const std::vector<mx::array>& primals, const std::vector<int>& argnums, const AttentionOptions& options) {
+  if (!options.has_mask || primals[3].dtype() == mx::bool_) return false;
+  for (int i : argnums) {
+    if (i == 3) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -341,21 +350,19 @@ void set_differentiation_rule(DifferentiationRule rule) {
   differentiation_rule() = std::move(rule);
 }
 
-void set_backward_gate(BackwardGate gate) {
-  backward_gate() = std::move(gate);
-}
-
 // The fused backward runs when the forward kept its lse (on the GPU: when the
 // Metal backward's plan takes the problem and its variant passed the
-// self-check); the cotangent of the lse (zeros unless the caller asked for
-// the lse) joins delta. Masks are constants: their gradient is zero.
+// self-check) and no additive mask is differentiated; the cotangent of the
+// lse (zeros unless the caller asked for the lse) joins delta. A boolean
+// mask is a constant: its gradient is zero.
 std::vector<mx::array> FusedAttention::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>& outputs) {
   const auto s = stream();
-  if (!options_.output_lse || !use_fused_backward(describe_attention(primals, options_), s.device)) {
+  if (!options_.output_lse || wants_mask_gradient(primals, argnums, options_) ||
+      !use_fused_backward(describe_attention(primals, options_), options_, s.device)) {
     if (!options_.lse_for_backward) return differentiate("vjp", primals, cotangents, argnums, options_, s);
     // The hidden lse's cotangent is zero: differentiating it anyway would
     // put log(0)'s NaN derivative into the rows that see no key.

@@ -58,10 +58,11 @@ def _visibility(qf: mx.array, kf: mx.array, window_size: int | None) -> mx.array
     lengths as Python ints: under ``mx.compile(shapeless=True)`` the
     positions follow the shapes of every later call (a mask built from
     ``arange(q_len)`` would keep the first call's)."""
-    query_index = mx.cumsum(mx.ones_like(qf.sum(axis=(0, 1, 2, 4)), dtype=mx.int32)) - 1  # [Tq]
-    key_index = mx.cumsum(mx.ones_like(kf.sum(axis=(0, 1, 2, 4)), dtype=mx.int32)) - 1  # [Tkv]
+    query_ones = mx.ones_like(qf.sum(axis=(0, 1, 2, 4)), dtype=mx.int32)  # [Tq]
+    key_ones = mx.ones_like(kf.sum(axis=(0, 1, 2, 4)), dtype=mx.int32)  # [Tkv]
+    query_index, key_index = mx.cumsum(query_ones) - 1, mx.cumsum(key_ones) - 1
     # lower-right aligned: the last query sits at the last key
-    positions = query_index[:, None] + (key_index.max() - query_index.max())
+    positions = query_index[:, None] + (key_ones.sum() - query_ones.sum())
     visible = key_index[None, :] <= positions
     if window_size is not None:
         visible = visible & (key_index[None, :] > positions - window_size)

@@ -134,6 +134,7 @@ RAW_BAD_CALLS = [
     ("scale", arrays(), dict(scale=float("nan"))),
     ("scale", arrays(), dict(scale=1e39)),
     ("window_size", arrays(), dict(window_size=-1)),
+    ("needs causal", arrays(), dict(window_size=2)),  # the caller normalises "a window implies causal"
 ]
 
 
@@ -168,7 +169,7 @@ def test_problem_description_reads_strides_and_broadcasts():
     mask = mx.zeros((5, 1), mx.bool_)
     mx.eval(q, sinks)
     k = v = mx.zeros((2, 2, 7, 8))
-    p = _ext.describe_attention(q, k, v, scale=0.25, mask=mask, sinks=sinks, window_size=3)
+    p = _ext.describe_attention(q, k, v, scale=0.25, causal=True, mask=mask, sinks=sinks, window_size=3)
     assert (p.batch, p.q_heads, p.kv_heads, p.q_len, p.kv_len, p.head_dim, p.value_dim) == (2, 4, 2, 5, 7, 8, 8)
     assert p.q_strides == [160, 8, 32, 1]
     assert p.mask_strides == [0, 0, 1, 0]
