@@ -181,7 +181,23 @@ bool fused_backward_supported(const AttentionProblem& problem, mx::Device device
   return device == mx::Device::cpu || plan_attention_backward(problem).supported;
 }
 
-// Every output of the primitive (out, and lse when options.output_lse).
+// Every output of the primitive (out, and lse when options.output_lse) for
+// inputs `problem` describes (built once per call, by the caller).
+std::vector<mx::array> make_fused_outputs(
+    const std::vector<mx::array>& inputs,
+    const AttentionOptions& options,
+    const AttentionProblem& problem,
+    mx::Stream stream) {
+  if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
+    invalid(reason);
+  }
+  auto primitive = std::make_shared<FusedAttention>(stream, options);
+  auto shapes = primitive->output_shapes(inputs);
+  std::vector<mx::Dtype> dtypes = {inputs[0].dtype()};
+  if (options.output_lse) dtypes.push_back(mx::float32);
+  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
+}
+
 std::vector<mx::array> fused_attention_outputs(
     const mx::array& q,
     const mx::array& k,
@@ -191,15 +207,7 @@ std::vector<mx::array> fused_attention_outputs(
     AttentionOptions options,
     mx::Stream stream) {
   const std::vector<mx::array> inputs = primitive_inputs(q, k, v, mask, sinks, options);
-  const AttentionProblem problem = describe_attention(inputs, options);
-  if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
-    invalid(reason);
-  }
-  auto primitive = std::make_shared<FusedAttention>(stream, options);
-  auto shapes = primitive->output_shapes(inputs);
-  std::vector<mx::Dtype> dtypes = {q.dtype()};
-  if (options.output_lse) dtypes.push_back(mx::float32);
-  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
+  return make_fused_outputs(inputs, options, describe_attention(inputs, options), stream);
 }
 
 }  // namespace
@@ -213,21 +221,20 @@ std::vector<mx::array> fused_attention(
     AttentionOptions options,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
+  options.lse_for_backward = false;
+  const std::vector<mx::array> inputs = primitive_inputs(q, k, v, mask, sinks, options);
+  AttentionProblem problem = describe_attention(inputs, options);  // once per call
   // Inputs are tracers only inside a transformation (grad, vjp, compile,
   // vmap): only then may a backward need the lse. MLX does not export its
   // own "in grad tracing" test, so compiled inference keeps it too (one
   // float per query row).
   const bool traced = q.is_tracer() || k.is_tracer() || v.is_tracer() ||
       (sinks && sinks->is_tracer());
-  options.lse_for_backward = false;
-  if (!options.output_lse && traced) {
-    AttentionOptions described = options;
-    const auto inputs = primitive_inputs(q, k, v, mask, sinks, described);
-    if (fused_backward_supported(describe_attention(inputs, described), stream.device)) {
-      options.output_lse = options.lse_for_backward = true;
-    }
+  if (!options.output_lse && traced && fused_backward_supported(problem, stream.device)) {
+    options.output_lse = options.lse_for_backward = true;
+    problem.output_lse = true;
   }
-  auto outputs = fused_attention_outputs(q, k, v, mask, sinks, options, stream);
+  auto outputs = make_fused_outputs(inputs, options, problem, stream);
   if (options.lse_for_backward) outputs.pop_back();
   return outputs;
 }

@@ -22,7 +22,7 @@ from mlx_attn._checks import (
     check_real,
 )
 from mlx_attn.cache import RotatingKVCache
-from mlx_attn.ops import Backend, attention_path, scaled_dot_product_attention
+from mlx_attn.ops import AttentionCall, Backend, attention_path
 from mlx_attn.quantized import dequantize, quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
@@ -223,7 +223,7 @@ class MultiHeadAttention(nn.Module):
         if quantization is not None and needs_weights:
             k, v = (dequantize(x, **quantization) for x in (k, v))
             quantization = None
-        if not checked and quantization is None:
+        if not checked and needs_weights:
             self._check_attention(q, k, v, mask, backend)
 
         if quantization is not None:
@@ -237,10 +237,9 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, scale=self.scale, mask=mask, window_size=window,
                 return_weights=True, dropout_p=dropout,
             )
-        else:
-            out = scaled_dot_product_attention(
-                q, k, v, scale=self.scale, mask=mask, window_size=window, backend=self.backend
-            )
+        else:  # one validated call, built once (ValueError naming a bad argument)
+            out = AttentionCall.build(q, k, v, scale=self.scale, mask=mask, window_size=window,
+                                      backend=self.backend).run()
             weights = None
         b, h, t, dv = out.shape
         y = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dv))

@@ -18,6 +18,7 @@ below), else from the reference path's autodiff.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import mlx.core as mx
@@ -245,9 +246,11 @@ class AttentionCall:
             return self.mask
         return "causal" if self.causal else None
 
-    def describe(self):
+    @functools.cached_property
+    def problem(self):
         """The C++ problem description (``_ext.describe_attention``) of the
-        float call (of the stand-ins, for quantized K/V)."""
+        float call (of the stand-ins, for quantized K/V), built once per call
+        for the support rules and the self-check variants."""
         return _native.ext.describe_attention(
             self.q, self.k, self.v, scale=self.scale, causal=self.causal, window_size=self.window_size or 0,
             mask=self.mask, sinks=self.sinks, output_lse=self.return_lse,
@@ -262,7 +265,7 @@ class AttentionCall:
             return _native.MISSING_REASON
         if self.quantized is not None:  # its own plan and self-check (mlx_attn.quantized.QuantizedKV)
             return self.quantized.unsupported_reason(self)
-        problem = self.describe()
+        problem = self.problem
         reason = _native.ext.unsupported_reason(problem, device=self.device)
         if reason is None and self.device == mx.gpu:
             variant = metal_variant(problem)
@@ -282,7 +285,7 @@ class AttentionCall:
     def _metal_backward_trust(self) -> bool:
         """On the fused Metal path: whether the Metal backward's variant
         passed its self-check (asked only where its plan takes the problem)."""
-        problem = self.describe()
+        problem = self.problem
         if not _native.ext.metal_backward_launch_plan(problem)["supported"]:
             return True  # the vjp uses the reference path's autodiff anyway
         return self_check.trusted(metal_backward_variant(problem), metal_backward_runner(self.stream))

@@ -135,7 +135,7 @@ class QuantizedKV:
         kernel's, the quantized Metal launch plan's) and, on the GPU, the
         variant's first-use self-check."""
         if call.device != mx.gpu:
-            return _native.ext.unsupported_reason(call.describe(), device=mx.cpu)
+            return _native.ext.unsupported_reason(call.problem, device=mx.cpu)
         if not _native.ext.has_metal():
             return "this build of mlx_attn has no Metal kernels (MLX without Metal)"
         plan = quantized_launch_plan(call.q, self.k, self.v, scale=call.scale, mask=call.mask_argument,
