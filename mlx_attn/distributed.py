@@ -42,7 +42,7 @@ from typing import Literal
 import mlx.core as mx
 
 from mlx_attn._checks import check_bool, check_int, check_optional_int
-from mlx_attn.ops import attention_path, scaled_dot_product_attention
+from mlx_attn.ops import AttentionCall, attention_path, scaled_dot_product_attention
 
 __all__ = [
     "DistributedError",
@@ -497,18 +497,21 @@ def decode_attention(
     # every rank, never one rank missing from the all_gather the others wait in.
     if k is None:
         k = v = mx.zeros((q.shape[0], q.shape[1], 0, q.shape[3]), q.dtype)
-    attention_path(q, k, v, scale=scale, backend=backend, return_lse=True)
+    call = AttentionCall.build(q, k, v, scale=scale, backend=backend, return_lse=True)
     value_dim = v.shape[-1]
     _check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
                              group, timeout)
-    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout)
+    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout, call=call)
 
 
-def _decode_attention(q, k, v, *, scale, group, backend, timeout):
+def _decode_attention(q, k, v, *, scale, group, backend, timeout, call: AttentionCall | None = None):
     """:func:`decode_attention` without the cross-rank check (generation
-    checks its inputs once, not at every layer of every token)."""
+    checks its inputs once, not at every layer of every token); ``call``:
+    the rank's validated call, when the caller built it."""
     if k is not None and k.shape[2] > 0:
-        out, lse = scaled_dot_product_attention(q, k, v, scale=scale, backend=backend, return_lse=True)
+        if call is None:
+            call = AttentionCall.build(q, k, v, scale=scale, backend=backend, return_lse=True)
+        out, lse = call.run()
         value_dim = v.shape[-1]
     else:  # nothing held here: a partial that contributes nothing
         value_dim = v.shape[-1] if v is not None else q.shape[-1]
