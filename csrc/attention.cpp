@@ -31,13 +31,23 @@ std::string shape_string(const mx::array& a) {
   throw std::invalid_argument("[mlx_attn.fused_attention] " + message);
 }
 
+// An invariant the kernels rely on: a terse statement of it, not a message
+// for users (mlx_attn.ops.AttentionCall validates the public contract and
+// words its errors; these guard direct callers of _ext).
+void require(bool holds, const std::string& invariant, const std::string& detail = "") {
+  if (holds) return;
+  invalid("internal check failed: " + invariant + (detail.empty() ? "" : " (" + detail + ")") +
+          "; mlx_attn.scaled_dot_product_attention validates its arguments");
+}
+
 ElemType elem_type(mx::Dtype t) {
   if (t == mx::float32) return ElemType::float32;
   if (t == mx::float16) return ElemType::float16;
   if (t == mx::bfloat16) return ElemType::bfloat16;
-  std::ostringstream msg;
-  msg << "q has dtype " << t << "; the fused kernels take float32, float16 or bfloat16";
-  invalid(msg.str());
+  std::ostringstream dtype;
+  dtype << t;
+  require(false, "q.dtype in {float32, float16, bfloat16}", dtype.str());
+  return ElemType::float32;  // not reached
 }
 
 void copy_strides(const mx::array& a, int64_t* out) {
@@ -55,10 +65,9 @@ void broadcast_strides(const mx::array& mask, const int (&target)[4], int64_t* o
     } else if (mask.shape(axis) == target[i]) {
       out[i] = mask.strides()[axis];
     } else {
-      invalid("mask of shape " + shape_string(mask) +
-              " does not broadcast to [batch, q_heads, q_len, kv_len] = [" +
-              std::to_string(target[0]) + ", " + std::to_string(target[1]) + ", " +
-              std::to_string(target[2]) + ", " + std::to_string(target[3]) + "]");
+      require(false, "mask broadcasts to [B, Hq, Tq, Tkv]",
+              shape_string(mask) + " against [" + std::to_string(target[0]) + ", " + std::to_string(target[1]) +
+                  ", " + std::to_string(target[2]) + ", " + std::to_string(target[3]) + "]");
     }
   }
 }
@@ -68,24 +77,18 @@ void broadcast_strides(const mx::array& mask, const int (&target)[4], int64_t* o
 AttentionProblem describe_attention(
     const std::vector<mx::array>& inputs, const AttentionOptions& options) {
   const size_t expected = 3 + options.has_mask + options.has_sinks;
-  if (inputs.size() != expected) {
-    invalid("expected " + std::to_string(expected) + " inputs, got " + std::to_string(inputs.size()));
-  }
+  require(inputs.size() == expected, "inputs are q, k, v, [mask], [sinks]",
+          std::to_string(inputs.size()) + " given, " + std::to_string(expected) + " expected");
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   const auto& v = inputs[2];
   const char* names[] = {"q", "k", "v"};
   for (int i = 0; i < 3; ++i) {
-    if (inputs[i].ndim() != 4) {
-      invalid(std::string(names[i]) + " must have rank 4 [batch, heads, length, head_dim], got shape " +
-              shape_string(inputs[i]));
-    }
+    require(inputs[i].ndim() == 4, std::string(names[i]) + ".ndim == 4", shape_string(inputs[i]));
   }
   AttentionProblem p{};
   p.dtype = elem_type(q.dtype());
-  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
-    invalid("q, k and v must share one dtype");
-  }
+  require(k.dtype() == q.dtype() && v.dtype() == q.dtype(), "k.dtype == v.dtype == q.dtype");
   p.batch = q.shape(0);
   p.q_heads = q.shape(1);
   p.q_len = q.shape(2);
@@ -93,24 +96,16 @@ AttentionProblem describe_attention(
   p.kv_heads = k.shape(1);
   p.kv_len = k.shape(2);
   p.value_dim = v.shape(3);
-  if (k.shape(0) != p.batch || v.shape(0) != p.batch) {
-    invalid("batch sizes differ: q " + shape_string(q) + ", k " + shape_string(k) + ", v " + shape_string(v));
-  }
-  if (v.shape(1) != p.kv_heads || v.shape(2) != p.kv_len) {
-    invalid("k and v need the same heads and length: k " + shape_string(k) + ", v " + shape_string(v));
-  }
-  if (k.shape(3) != p.head_dim) {
-    invalid("q and k need the same head dim: q " + shape_string(q) + ", k " + shape_string(k));
-  }
-  if (p.kv_heads < 1 || p.q_heads % p.kv_heads != 0) {
-    invalid("the number of query heads (" + std::to_string(p.q_heads) +
-            ") must be a multiple of the number of key/value heads (" + std::to_string(p.kv_heads) + ")");
-  }
+  const std::string shapes = "q " + shape_string(q) + ", k " + shape_string(k) + ", v " + shape_string(v);
+  require(k.shape(0) == p.batch && v.shape(0) == p.batch, "one batch size for q, k, v", shapes);
+  require(v.shape(1) == p.kv_heads && v.shape(2) == p.kv_len, "k and v: same heads and length", shapes);
+  require(k.shape(3) == p.head_dim, "q and k: same head dim", shapes);
+  require(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, "q heads a multiple of k/v heads", shapes);
   p.group = p.q_heads / p.kv_heads;
-  if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
-  if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
+  require(std::isfinite(options.scale), "scale finite in float32");
+  require(options.window_size >= 0, "window_size >= 0 (0: no window)");
   // "a window implies causal" is normalised once, by the caller (Python's AttentionCall)
-  if (options.window_size > 0 && !options.causal) invalid("window_size > 0 needs causal=True");
+  require(options.window_size == 0 || options.causal, "window_size > 0 only with causal");
   copy_strides(q, p.q_strides);
   copy_strides(k, p.k_strides);
   copy_strides(v, p.v_strides);
@@ -125,20 +120,16 @@ AttentionProblem describe_attention(
   size_t next = 3;
   if (options.has_mask) {
     const auto& mask = inputs[next++];
-    if (mask.ndim() > 4) invalid("mask must have at most 4 dims, got shape " + shape_string(mask));
-    if (mask.dtype() != mx::bool_ && mask.dtype() != q.dtype()) {
-      invalid("mask must be bool or of q's dtype");
-    }
+    require(mask.ndim() <= 4, "mask.ndim <= 4", shape_string(mask));
+    require(mask.dtype() == mx::bool_ || mask.dtype() == q.dtype(), "mask.dtype is bool or q.dtype");
     p.mask_kind = mask.dtype() == mx::bool_ ? MaskKind::boolean : MaskKind::additive;
     broadcast_strides(mask, {p.batch, p.q_heads, p.q_len, p.kv_len}, p.mask_strides);
   }
   if (options.has_sinks) {
     const auto& sinks = inputs[next++];
-    if (sinks.ndim() != 1 || sinks.shape(0) != p.q_heads) {
-      invalid("sinks must have shape [q_heads] = [" + std::to_string(p.q_heads) + "], got " +
-              shape_string(sinks));
-    }
-    if (sinks.dtype() != q.dtype()) invalid("sinks must have q's dtype");
+    require(sinks.ndim() == 1 && sinks.shape(0) == p.q_heads, "sinks.shape == [q_heads]",
+            shape_string(sinks) + " for " + std::to_string(p.q_heads) + " q heads");
+    require(sinks.dtype() == q.dtype(), "sinks.dtype == q.dtype");
     p.has_sinks = 1;
     p.sinks_stride = sinks.strides()[0];
   }

@@ -54,6 +54,40 @@ def test_gradients_of_every_input_match_the_reference(mask_shape, argnums):
         assert float(mx.abs(w).max()) > 1e-3, f"the oracle's gradient of {ARGS[i]} is trivially zero"
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_gradients_with_the_lse_and_a_window_match_the_reference(window):
+    """return_lse=True (the lse in the loss too), a window, a broadcast mask."""
+    q, k, v, rng = _inputs(seed=2)
+    mask = mx.array(rng.standard_normal((1, 1, TQ, TKV)).astype(np.float32))
+    sinks = mx.array(rng.standard_normal(HQ).astype(np.float32))
+
+    def loss(backend):
+        def f(q, k, v, mask, sinks):
+            out, lse = scaled_dot_product_attention(q, k, v, scale=0.4, mask=mask, sinks=sinks, window_size=window,
+                                                    backend=backend, return_lse=True)
+            return out.sum() + (lse * mx.arange(TQ, dtype=mx.float32)).sum()
+        return f
+
+    want = mx.grad(loss("reference"), argnums=(0, 1, 2, 3, 4))(q, k, v, mask, sinks)
+    got = mx.grad(loss("auto"), argnums=(0, 1, 2, 3, 4))(q, k, v, mask, sinks)
+    for name, g, w in zip(ARGS, got, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_the_backward_is_not_gated_by_a_python_hook():
+    """The Metal backward's trust is an option of the call, not a hook C++ asks."""
+    from mlx_attn import _native
+
+    assert not hasattr(_native.ext, "set_backward_gate")
+    q, k, v, _ = _inputs()
+    from mlx_attn.ops import AttentionCall
+
+    call = AttentionCall.build(q, k, v, scale=0.5, window_size=2)
+    assert call.causal and call.window_size == 2 and call.path == "fused-cpu" and call.metal_backward_trusted
+    with pytest.raises(ValueError, match="window_size"):
+        AttentionCall.build(q, k, v, scale=0.5, window_size=0)
+
+
 def test_mask_gradient_matches_float64_finite_differences():
     """The reference path itself, for the mask and the sinks, against NumPy float64."""
     q, k, v, rng = _inputs(seed=1, tq=3, tkv=5)
