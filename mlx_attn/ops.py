@@ -1,4 +1,5 @@
-"""``mlx_attn.scaled_dot_product_attention``: validation and dispatch.
+"""``mlx_attn.scaled_dot_product_attention``: one validated call object
+(:class:`AttentionCall`) and its dispatch.
 
 The contract is exactly that of ``mx.fast.scaled_dot_product_attention``
 (MLX 0.32), plus keyword-only extensions (``window_size``, ``backend``,
@@ -11,8 +12,10 @@ Paths, in order of preference: the fused kernel of the stream's device
 self-check, :mod:`mlx_attn.self_check`); on the GPU, ``"mlx-fast"`` for the
 problems ``mx.fast`` computes under this contract; else ``"reference"``.
 Gradients of the fused primitive come from its fused backward (on the GPU,
-once the Metal backward's variant passed its self-check: the gate registered
-below), else from the reference path's autodiff.
+once the Metal backward's variant passed its self-check, resolved when the
+call picks the fused Metal forward and passed to the primitive as an
+option), else, and for an additive mask among the differentiated inputs,
+from the reference path's autodiff (the rule registered below).
 """
 
 from __future__ import annotations
@@ -182,6 +185,8 @@ def _device_type(stream) -> mx.DeviceType:
 
 
 _SAME = object()  # run_fused's "the call's own sinks"
+# Whether the Metal backward's plan takes a variant (asked once per variant, not per call).
+_BACKWARD_PLAN_TAKES: dict[self_check.BackwardVariant, bool] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,11 +289,16 @@ class AttentionCall:
 
     def _metal_backward_trust(self) -> bool:
         """On the fused Metal path: whether the Metal backward's variant
-        passed its self-check (asked only where its plan takes the problem)."""
+        passed its self-check (asked only where its plan takes the problem;
+        the vjp uses the reference path's autodiff elsewhere anyway)."""
         problem = self.problem
-        if not _native.ext.metal_backward_launch_plan(problem)["supported"]:
-            return True  # the vjp uses the reference path's autodiff anyway
-        return self_check.trusted(metal_backward_variant(problem), metal_backward_runner(self.stream))
+        if problem.batch * problem.q_heads * problem.q_len * problem.kv_len == 0:
+            return True  # nothing to differentiate through the kernels
+        variant = metal_backward_variant(problem)
+        takes = _BACKWARD_PLAN_TAKES.get(variant)
+        if takes is None:  # given the forward plan took it, the backward's rule is the variant's (head dims)
+            takes = _BACKWARD_PLAN_TAKES[variant] = bool(_native.ext.metal_backward_launch_plan(problem)["supported"])
+        return not takes or self_check.trusted(variant, metal_backward_runner(self.stream))
 
     def _with_path(self) -> "AttentionCall":
         if self.backend == "reference":
