@@ -189,7 +189,7 @@ _SAME = object()  # run_fused's "the call's own sinks"
 _BACKWARD_PLAN_TAKES: dict[self_check.BackwardVariant, bool] = {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays do not compare as values
 class AttentionCall:
     """One validated attention call, built once by :meth:`build` and used by
     ``scaled_dot_product_attention``, :func:`attention_path`,

@@ -5,7 +5,6 @@ MLX), float64 NumPy finite differences, or a full pass without a cache.
 """
 
 import json
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -299,6 +298,15 @@ def test_a_malformed_hostfile_names_the_file_and_the_variable(tmp_path, monkeypa
     with pytest.raises(ValueError, match="MLX_HOSTFILE") as info:
         distributed.init(backend="ring", timeout=5)
     assert str(hostfile) in str(info.value)
+
+
+def test_a_rank_beyond_the_hostfile_is_refused(tmp_path, monkeypatch):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    monkeypatch.setenv("MLX_RANK", "2")
+    with pytest.raises(ValueError, match="MLX_RANK=2"):
+        distributed.init(backend="ring", timeout=5)
 
 
 def test_a_missing_hostfile_names_the_file_and_the_variable(tmp_path, monkeypatch):
