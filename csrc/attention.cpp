@@ -31,13 +31,23 @@ std::string shape_string(const mx::array& a) {
   throw std::invalid_argument("[mlx_attn.fused_attention] " + message);
 }
 
+// An invariant the kernels rely on: a terse statement of it, not a message
+// for users (mlx_attn.ops.AttentionCall validates the public contract and
+// words its errors; these guard direct callers of _ext).
+void require(bool holds, const std::string& invariant, const std::string& detail = "") {
+  if (holds) return;
+  invalid("internal check failed: " + invariant + (detail.empty() ? "" : " (" + detail + ")") +
+          "; mlx_attn.scaled_dot_product_attention validates its arguments");
+}
+
 ElemType elem_type(mx::Dtype t) {
   if (t == mx::float32) return ElemType::float32;
   if (t == mx::float16) return ElemType::float16;
   if (t == mx::bfloat16) return ElemType::bfloat16;
-  std::ostringstream msg;
-  msg << "q has dtype " << t << "; the fused kernels take float32, float16 or bfloat16";
-  invalid(msg.str());
+  std::ostringstream dtype;
+  dtype << t;
+  require(false, "q.dtype in {float32, float16, bfloat16}", dtype.str());
+  return ElemType::float32;  // not reached
 }
 
 void copy_strides(const mx::array& a, int64_t* out) {
@@ -55,10 +65,9 @@ void broadcast_strides(const mx::array& mask, const int (&target)[4], int64_t* o
     } else if (mask.shape(axis) == target[i]) {
       out[i] = mask.strides()[axis];
     } else {
-      invalid("mask of shape " + shape_string(mask) +
-              " does not broadcast to [batch, q_heads, q_len, kv_len] = [" +
-              std::to_string(target[0]) + ", " + std::to_string(target[1]) + ", " +
-              std::to_string(target[2]) + ", " + std::to_string(target[3]) + "]");
+      require(false, "mask broadcasts to [B, Hq, Tq, Tkv]",
+              shape_string(mask) + " against [" + std::to_string(target[0]) + ", " + std::to_string(target[1]) +
+                  ", " + std::to_string(target[2]) + ", " + std::to_string(target[3]) + "]");
     }
   }
 }
@@ -68,24 +77,18 @@ void broadcast_strides(const mx::array& mask, const int (&target)[4], int64_t* o
 AttentionProblem describe_attention(
     const std::vector<mx::array>& inputs, const AttentionOptions& options) {
   const size_t expected = 3 + options.has_mask + options.has_sinks;
-  if (inputs.size() != expected) {
-    invalid("expected " + std::to_string(expected) + " inputs, got " + std::to_string(inputs.size()));
-  }
+  require(inputs.size() == expected, "inputs are q, k, v, [mask], [sinks]",
+          std::to_string(inputs.size()) + " given, " + std::to_string(expected) + " expected");
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   const auto& v = inputs[2];
   const char* names[] = {"q", "k", "v"};
   for (int i = 0; i < 3; ++i) {
-    if (inputs[i].ndim() != 4) {
-      invalid(std::string(names[i]) + " must have rank 4 [batch, heads, length, head_dim], got shape " +
-              shape_string(inputs[i]));
-    }
+    require(inputs[i].ndim() == 4, std::string(names[i]) + ".ndim == 4", shape_string(inputs[i]));
   }
   AttentionProblem p{};
   p.dtype = elem_type(q.dtype());
-  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
-    invalid("q, k and v must share one dtype");
-  }
+  require(k.dtype() == q.dtype() && v.dtype() == q.dtype(), "k.dtype == v.dtype == q.dtype");
   p.batch = q.shape(0);
   p.q_heads = q.shape(1);
   p.q_len = q.shape(2);
@@ -93,22 +96,16 @@ AttentionProblem describe_attention(
   p.kv_heads = k.shape(1);
   p.kv_len = k.shape(2);
   p.value_dim = v.shape(3);
-  if (k.shape(0) != p.batch || v.shape(0) != p.batch) {
-    invalid("batch sizes differ: q " + shape_string(q) + ", k " + shape_string(k) + ", v " + shape_string(v));
-  }
-  if (v.shape(1) != p.kv_heads || v.shape(2) != p.kv_len) {
-    invalid("k and v need the same heads and length: k " + shape_string(k) + ", v " + shape_string(v));
-  }
-  if (k.shape(3) != p.head_dim) {
-    invalid("q and k need the same head dim: q " + shape_string(q) + ", k " + shape_string(k));
-  }
-  if (p.kv_heads < 1 || p.q_heads % p.kv_heads != 0) {
-    invalid("the number of query heads (" + std::to_string(p.q_heads) +
-            ") must be a multiple of the number of key/value heads (" + std::to_string(p.kv_heads) + ")");
-  }
+  const std::string shapes = "q " + shape_string(q) + ", k " + shape_string(k) + ", v " + shape_string(v);
+  require(k.shape(0) == p.batch && v.shape(0) == p.batch, "one batch size for q, k, v", shapes);
+  require(v.shape(1) == p.kv_heads && v.shape(2) == p.kv_len, "k and v: same heads and length", shapes);
+  require(k.shape(3) == p.head_dim, "q and k: same head dim", shapes);
+  require(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, "q heads a multiple of k/v heads", shapes);
   p.group = p.q_heads / p.kv_heads;
-  if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
-  if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
+  require(std::isfinite(options.scale), "scale finite in float32");
+  require(options.window_size >= 0, "window_size >= 0 (0: no window)");
+  // "a window implies causal" is normalised once, by the caller (Python's AttentionCall)
+  require(options.window_size == 0 || options.causal, "window_size > 0 only with causal");
   copy_strides(q, p.q_strides);
   copy_strides(k, p.k_strides);
   copy_strides(v, p.v_strides);
@@ -116,27 +113,23 @@ AttentionProblem describe_attention(
   p.k_offset = k.offset() / int64_t(k.itemsize());
   p.v_offset = v.offset() / int64_t(v.itemsize());
   p.scale = options.scale;
-  p.causal = options.causal || options.window_size > 0;
+  p.causal = options.causal;
   p.window_size = options.window_size;
   p.output_lse = options.output_lse;
   p.mask_kind = MaskKind::none;
   size_t next = 3;
   if (options.has_mask) {
     const auto& mask = inputs[next++];
-    if (mask.ndim() > 4) invalid("mask must have at most 4 dims, got shape " + shape_string(mask));
-    if (mask.dtype() != mx::bool_ && mask.dtype() != q.dtype()) {
-      invalid("mask must be bool or of q's dtype");
-    }
+    require(mask.ndim() <= 4, "mask.ndim <= 4", shape_string(mask));
+    require(mask.dtype() == mx::bool_ || mask.dtype() == q.dtype(), "mask.dtype is bool or q.dtype");
     p.mask_kind = mask.dtype() == mx::bool_ ? MaskKind::boolean : MaskKind::additive;
     broadcast_strides(mask, {p.batch, p.q_heads, p.q_len, p.kv_len}, p.mask_strides);
   }
   if (options.has_sinks) {
     const auto& sinks = inputs[next++];
-    if (sinks.ndim() != 1 || sinks.shape(0) != p.q_heads) {
-      invalid("sinks must have shape [q_heads] = [" + std::to_string(p.q_heads) + "], got " +
-              shape_string(sinks));
-    }
-    if (sinks.dtype() != q.dtype()) invalid("sinks must have q's dtype");
+    require(sinks.ndim() == 1 && sinks.shape(0) == p.q_heads, "sinks.shape == [q_heads]",
+            shape_string(sinks) + " for " + std::to_string(p.q_heads) + " q heads");
+    require(sinks.dtype() == q.dtype(), "sinks.dtype == q.dtype");
     p.has_sinks = 1;
     p.sinks_stride = sinks.strides()[0];
   }
@@ -167,7 +160,6 @@ std::vector<mx::array> primitive_inputs(
     AttentionOptions& options) {
   options.has_mask = mask.has_value();
   options.has_sinks = sinks.has_value();
-  if (options.window_size > 0) options.causal = true;
   std::vector<mx::array> inputs = {q, k, v};
   if (mask) inputs.push_back(*mask);
   if (sinks) inputs.push_back(*sinks);
@@ -180,7 +172,23 @@ bool fused_backward_supported(const AttentionProblem& problem, mx::Device device
   return device == mx::Device::cpu || plan_attention_backward(problem).supported;
 }
 
-// Every output of the primitive (out, and lse when options.output_lse).
+// Every output of the primitive (out, and lse when options.output_lse) for
+// inputs `problem` describes (built once per call, by the caller).
+std::vector<mx::array> make_fused_outputs(
+    const std::vector<mx::array>& inputs,
+    const AttentionOptions& options,
+    const AttentionProblem& problem,
+    mx::Stream stream) {
+  if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
+    invalid(reason);
+  }
+  auto primitive = std::make_shared<FusedAttention>(stream, options);
+  auto shapes = primitive->output_shapes(inputs);
+  std::vector<mx::Dtype> dtypes = {inputs[0].dtype()};
+  if (options.output_lse) dtypes.push_back(mx::float32);
+  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
+}
+
 std::vector<mx::array> fused_attention_outputs(
     const mx::array& q,
     const mx::array& k,
@@ -190,15 +198,7 @@ std::vector<mx::array> fused_attention_outputs(
     AttentionOptions options,
     mx::Stream stream) {
   const std::vector<mx::array> inputs = primitive_inputs(q, k, v, mask, sinks, options);
-  const AttentionProblem problem = describe_attention(inputs, options);
-  if (std::string reason = unsupported_reason(problem, stream.device.type); !reason.empty()) {
-    invalid(reason);
-  }
-  auto primitive = std::make_shared<FusedAttention>(stream, options);
-  auto shapes = primitive->output_shapes(inputs);
-  std::vector<mx::Dtype> dtypes = {q.dtype()};
-  if (options.output_lse) dtypes.push_back(mx::float32);
-  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
+  return make_fused_outputs(inputs, options, describe_attention(inputs, options), stream);
 }
 
 }  // namespace
@@ -212,21 +212,20 @@ std::vector<mx::array> fused_attention(
     AttentionOptions options,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
+  options.lse_for_backward = false;
+  const std::vector<mx::array> inputs = primitive_inputs(q, k, v, mask, sinks, options);
+  AttentionProblem problem = describe_attention(inputs, options);  // once per call
   // Inputs are tracers only inside a transformation (grad, vjp, compile,
   // vmap): only then may a backward need the lse. MLX does not export its
   // own "in grad tracing" test, so compiled inference keeps it too (one
   // float per query row).
   const bool traced = q.is_tracer() || k.is_tracer() || v.is_tracer() ||
       (sinks && sinks->is_tracer());
-  options.lse_for_backward = false;
-  if (!options.output_lse && traced) {
-    AttentionOptions described = options;
-    const auto inputs = primitive_inputs(q, k, v, mask, sinks, described);
-    if (fused_backward_supported(describe_attention(inputs, described), stream.device)) {
-      options.output_lse = options.lse_for_backward = true;
-    }
+  if (!options.output_lse && traced && fused_backward_supported(problem, stream.device)) {
+    options.output_lse = options.lse_for_backward = true;
+    problem.output_lse = true;
   }
-  auto outputs = fused_attention_outputs(q, k, v, mask, sinks, options, stream);
+  auto outputs = make_fused_outputs(inputs, options, problem, stream);
   if (options.lse_for_backward) outputs.pop_back();
   return outputs;
 }
@@ -323,16 +322,24 @@ std::vector<mx::array> differentiate(
   return differentiation_rule()(mode, primals, vectors, argnums, options, stream);
 }
 
-BackwardGate& backward_gate() {
-  static auto* gate = new BackwardGate();  // never destroyed, as the rule
-  return *gate;
+// Whether the vjp runs FusedAttentionBackward: its plan takes the problem
+// and, on the GPU only, the Metal backward's variant is trusted (the caller's
+// answer, AttentionOptions::metal_backward_trusted).
+bool use_fused_backward(const AttentionProblem& problem, const AttentionOptions& options, mx::Device device) {
+  if (!fused_backward_supported(problem, device)) return false;
+  return device == mx::Device::cpu || options.metal_backward_trusted;
 }
 
-// Whether the vjp runs FusedAttentionBackward: its plan takes the problem
-// and, on the GPU only, the Metal backward's variant is trusted.
-bool use_fused_backward(const AttentionProblem& problem, mx::Device device) {
-  if (!fused_backward_supported(problem, device)) return false;
-  return device == mx::Device::cpu || !backward_gate() || backward_gate()(problem);
+// Whether an additive mask is among the differentiated inputs: the fused
+// backward has no output for its gradient (the score gradient dS reduced
+// over the mask's broadcast dimensions), the reference path's autodiff has.
+bool wants_mask_gradient(
+    const std::vector<mx::array>& primals, const std::vector<int>& argnums, const AttentionOptions& options) {
+  if (!options.has_mask || primals[3].dtype() == mx::bool_) return false;
+  for (int i : argnums) {
+    if (i == 3) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -341,21 +348,19 @@ void set_differentiation_rule(DifferentiationRule rule) {
   differentiation_rule() = std::move(rule);
 }
 
-void set_backward_gate(BackwardGate gate) {
-  backward_gate() = std::move(gate);
-}
-
 // The fused backward runs when the forward kept its lse (on the GPU: when the
 // Metal backward's plan takes the problem and its variant passed the
-// self-check); the cotangent of the lse (zeros unless the caller asked for
-// the lse) joins delta. Masks are constants: their gradient is zero.
+// self-check) and no additive mask is differentiated; the cotangent of the
+// lse (zeros unless the caller asked for the lse) joins delta. A boolean
+// mask is a constant: its gradient is zero.
 std::vector<mx::array> FusedAttention::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>& outputs) {
   const auto s = stream();
-  if (!options_.output_lse || !use_fused_backward(describe_attention(primals, options_), s.device)) {
+  if (!options_.output_lse || wants_mask_gradient(primals, argnums, options_) ||
+      !use_fused_backward(describe_attention(primals, options_), options_, s.device)) {
     if (!options_.lse_for_backward) return differentiate("vjp", primals, cotangents, argnums, options_, s);
     // The hidden lse's cotangent is zero: differentiating it anyway would
     // put log(0)'s NaN derivative into the rows that see no key.

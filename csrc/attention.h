@@ -28,6 +28,11 @@ struct AttentionOptions {
   // The lse output exists only for the fused backward (set while MLX traces
   // a transformation): fused_attention does not return it.
   bool lse_for_backward = false;
+  // Whether the Metal backward's kernel variant passed its first-use
+  // self-check: Python resolves it when it picks the fused Metal forward
+  // (mlx_attn/ops.py, AttentionCall) and hands the answer here, so the vjp
+  // never calls back into Python for it. Not read on the CPU.
+  bool metal_backward_trusted = true;
   bool operator==(const AttentionOptions&) const = default;
 };
 
@@ -68,9 +73,12 @@ void run_cpu_kernel(
     mx::Stream stream);
 
 // Gradients come from the fused backward (FusedAttentionBackward, CPU or
-// Metal) whenever the forward kept its lse; other gradients and forward-mode
-// derivatives come from the reference path (mlx_attn/ops.py registers it
-// through _ext):
+// Metal) whenever the forward kept its lse and no additive mask is among the
+// differentiated inputs; other gradients (an additive mask's: the score
+// gradient reduced over its broadcast dimensions) and forward-mode
+// derivatives come from the reference path's autodiff. The reference path is
+// Python (mlx_attn/reference.py); this rule, registered once by
+// mlx_attn/ops.py, is the one place where C++ calls into Python:
 //   rule("vjp", primals, cotangents, argnums, options, stream) -> one gradient per argnum
 //   rule("jvp", primals, tangents, argnums, options, stream)   -> [output tangent]
 using DifferentiationRule = std::function<std::vector<mx::array>(
@@ -81,13 +89,6 @@ using DifferentiationRule = std::function<std::vector<mx::array>(
     const AttentionOptions& options,
     mx::Stream stream)>;
 void set_differentiation_rule(DifferentiationRule rule);
-
-// On the GPU, FusedAttention::vjp runs the Metal backward only where this
-// gate says the problem's kernel variant passed its first-use self-check
-// (mlx_attn/ops.py registers mlx_attn.self_check's); otherwise the reference
-// path's vjp. Never asked on the CPU; unset, the Metal backward is trusted.
-using BackwardGate = std::function<bool(const AttentionProblem& problem)>;
-void set_backward_gate(BackwardGate gate);
 
 // What the attention primitives (FusedAttention, QuantizedAttention) share:
 // their options, outputs [B, Hq, Tq, Dv] (and the float32 [B, Hq, Tq] lse

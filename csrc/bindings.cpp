@@ -61,7 +61,8 @@ void bind_problem(nb::module_& m) {
       .def_ro("has_mask", &AttentionOptions::has_mask)
       .def_ro("has_sinks", &AttentionOptions::has_sinks)
       .def_ro("output_lse", &AttentionOptions::output_lse)
-      .def_ro("lse_for_backward", &AttentionOptions::lse_for_backward);
+      .def_ro("lse_for_backward", &AttentionOptions::lse_for_backward)
+      .def_ro("metal_backward_trusted", &AttentionOptions::metal_backward_trusted);
 
   m.def(
       "describe_attention",
@@ -106,18 +107,21 @@ NB_MODULE(_ext, m) {
          std::optional<mx::array> mask,
          std::optional<mx::array> sinks,
          bool output_lse,
+         bool metal_backward_trusted,
          mx::StreamOrDevice s) {
         mlx_attn::AttentionOptions options;
         options.scale = scale;
         options.causal = causal;
         options.window_size = window_size;
         options.output_lse = output_lse;
+        options.metal_backward_trusted = metal_backward_trusted;
         return mlx_attn::fused_attention(q, k, v, mask, sinks, options, s);
       },
       "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
       "window_size"_a = 0, "mask"_a = nb::none(), "sinks"_a = nb::none(),
-      "output_lse"_a = false, "stream"_a = nb::none(),
-      "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input.");
+      "output_lse"_a = false, "metal_backward_trusted"_a = true, "stream"_a = nb::none(),
+      "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input. "
+      "metal_backward_trusted: whether a vjp on the GPU may run the Metal backward (its self-check passed).");
 
   m.def(
       "quantized_attention",
@@ -147,14 +151,8 @@ NB_MODULE(_ext, m) {
       [](mlx_attn::DifferentiationRule rule) { mlx_attn::set_differentiation_rule(std::move(rule)); },
       "rule"_a,
       "rule(mode, primals, vectors, argnums, options, stream): 'vjp' returns one gradient per argnum, "
-      "'jvp' the output tangent. mlx_attn.ops registers the reference path's.");
-
-  m.def(
-      "set_backward_gate",
-      [](mlx_attn::BackwardGate gate) { mlx_attn::set_backward_gate(std::move(gate)); },
-      "gate"_a.none(),
-      "gate(problem) -> bool: whether the Metal backward may run `problem` (asked on the GPU only, while "
-      "a vjp is built); None trusts it. mlx_attn.ops registers the first-use self-check's.");
+      "'jvp' the output tangent. mlx_attn.ops registers the reference path's (the one call from C++ "
+      "into Python).");
 
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);

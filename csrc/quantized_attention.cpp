@@ -109,7 +109,6 @@ std::vector<mx::array> quantized_attention(
   if (options.output_lse) invalid("the log-sum-exp output is not offered over quantized K/V");
   options.has_mask = mask.has_value();
   options.has_sinks = sinks.has_value();
-  if (options.window_size > 0) options.causal = true;
   std::vector<mx::array> inputs = {q};
   inputs.insert(inputs.end(), k_quant.begin(), k_quant.end());
   inputs.insert(inputs.end(), v_quant.begin(), v_quant.end());

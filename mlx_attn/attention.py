@@ -21,12 +21,25 @@ from mlx_attn._checks import (
     check_optional_int,
     check_real,
 )
-from mlx_attn.ops import Backend, attention_path, scaled_dot_product_attention
+from mlx_attn.cache import RotatingKVCache
+from mlx_attn.ops import AttentionCall, Backend, attention_path
 from mlx_attn.quantized import dequantize, quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
 
 __all__ = ["MultiHeadAttention", "RoPE"]
+
+
+def _restrict(mask, visible):
+    """``mask`` (None, "causal" or an array) seeing only where the boolean
+    ``visible`` (causal already) says: a boolean or additive array, or None."""
+    if visible is None:
+        return mask
+    if mask is None or isinstance(mask, str):
+        return visible
+    if mask.dtype == mx.bool_:
+        return mask & visible
+    return mx.where(visible, mask, mx.array(-mx.inf, mask.dtype))
 
 
 class MultiHeadAttention(nn.Module):
@@ -46,7 +59,9 @@ class MultiHeadAttention(nn.Module):
         backend: ``"auto"``, ``"fused"`` or ``"reference"`` (see
             :func:`mlx_attn.scaled_dot_product_attention`).
         window_size: sliding-window attention (each query sees at most this
-            many most recent keys).
+            many most recent keys). Through a ``RotatingKVCache`` the window
+            goes by key position (the cache's band mask), so a wrapped ring
+            gives the full pass's answer.
 
     Every bad argument, at construction or call, raises ``ValueError``
     naming it; a call with a bad mask leaves an ``mlx_attn.cache`` cache
@@ -188,13 +203,19 @@ class MultiHeadAttention(nn.Module):
             q = self.rope(q, offset=offset)
             k = self.rope(k, offset=offset)
         checked = False
+        window = self.window_size
         if cache is not None:
             if hasattr(cache, "keys_after_update") and k.shape[2] > 0:
                 # before the update, so that a bad mask leaves the cache as it was
                 self._check_attention(q, k, v, mask, backend, cache.keys_after_update(k.shape[2]))
                 checked = True
             k, v = cache.update_and_fetch(k, v)
-            if isinstance(mask, str) and mask == "causal":
+            if isinstance(cache, RotatingKVCache) and window is not None:
+                # its keys are not in time order (a wrapped ring, kept first
+                # tokens): the window goes by key position, in its band mask
+                mask = _restrict(mask, cache.make_mask(q.shape[2], window_size=window))
+                window = None
+            elif isinstance(mask, str) and mask == "causal":
                 # a rotating cache needs its band mask, others plain causal
                 mask = cache.make_mask(q.shape[2]) if q.shape[2] > 1 else None
         # a quantized cache returns mx.quantize triples (checked by quantized SDPA)
@@ -202,24 +223,23 @@ class MultiHeadAttention(nn.Module):
         if quantization is not None and needs_weights:
             k, v = (dequantize(x, **quantization) for x in (k, v))
             quantization = None
-        if not checked and quantization is None:
+        if not checked and needs_weights:
             self._check_attention(q, k, v, mask, backend)
 
         if quantization is not None:
             out = quantized_scaled_dot_product_attention(
-                q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=self.backend,
+                q, k, v, scale=self.scale, mask=mask, window_size=window, backend=self.backend,
                 **quantization,
             )
             weights = None
         elif needs_weights:
             out, weights = reference_attention(
-                q, k, v, scale=self.scale, mask=mask, window_size=self.window_size,
+                q, k, v, scale=self.scale, mask=mask, window_size=window,
                 return_weights=True, dropout_p=dropout,
             )
-        else:
-            out = scaled_dot_product_attention(
-                q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=self.backend
-            )
+        else:  # one validated call, built once (ValueError naming a bad argument)
+            out = AttentionCall.build(q, k, v, scale=self.scale, mask=mask, window_size=window,
+                                      backend=self.backend).run()
             weights = None
         b, h, t, dv = out.shape
         y = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dv))

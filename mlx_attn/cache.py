@@ -36,7 +36,7 @@ import os
 import mlx.core as mx
 
 from mlx_attn import quantized
-from mlx_attn._checks import MAX_DIM, check_array, check_int
+from mlx_attn._checks import MAX_DIM, check_array, check_int, check_optional_int
 
 __all__ = [
     "ConcatKVCache",
@@ -396,25 +396,47 @@ class RotatingKVCache(_Cache):
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
 
-    def make_mask(self, q_len: int):
-        """After a multi-token update: a boolean ``[q_len, L]`` band mask for
-        the returned keys (``q_len`` at most the update's length); after a
-        single token: None (every stored token is inside the window)."""
+    def key_positions(self) -> mx.array:
+        """The sequence position of each key the last update returned: in
+        time order after a multi-token update (the kept tokens, then the most
+        recent ones), in ring order after a single token once the ring has
+        wrapped (slot ``s >= keep`` holds the token written ``idx - 1 - s``
+        ring steps before the newest)."""
+        if self.keys is None:
+            return mx.zeros((0,), mx.int32)
+        if self._last_update > 1:  # [keep][recent ... newest], contiguous after the kept ones
+            length = self.keys.shape[2]
+            j = mx.arange(length)
+            return mx.where(j < self.keep, j, self.offset - length + j)
+        length = min(self.offset, self.keys.shape[2])
+        slot = mx.arange(length)
+        ring = self.max_size - self.keep
+        age = (self._idx - 1 - slot) % ring  # ring steps since the slot was written
+        return mx.where(slot < self.keep, slot, self.offset - 1 - age)
+
+    def make_mask(self, q_len: int, window_size: int | None = None):
+        """A boolean ``[q_len, L]`` mask for the keys the last update returned
+        (``q_len`` at most the update's length): a query at position ``p``
+        sees keys at positions up to ``p`` that the cache keeps for it (the
+        first ``keep`` and the ``max_size - keep`` most recent) and, with
+        ``window_size``, only the ``window_size`` most recent of them. The
+        visibility goes by each key's position, not its place in the buffer
+        (a wrapped ring is not in time order). None when a single query sees
+        every stored key (one token, no window)."""
         q_len = check_int("q_len", q_len, minimum=0)
-        if q_len <= 1:
+        window_size = check_optional_int("window_size", window_size, minimum=1)
+        if q_len == 0 or (q_len == 1 and window_size is None):
             return None
         if q_len > self._last_update:
             raise ValueError(
                 f"q_len={q_len}: make_mask describes the last update, which added {self._last_update} tokens"
             )
-        length = self.keys.shape[2]
-        j = mx.arange(length)
-        key_pos = mx.where(j < self.keep, j, self.offset - length + j)
+        key_pos = self.key_positions()[None, :]
         query_pos = mx.arange(self.offset - q_len, self.offset)[:, None]
         recent = self.max_size - self.keep
-        visible = (key_pos[None, :] <= query_pos) & (
-            (key_pos[None, :] < self.keep) | (key_pos[None, :] > query_pos - recent)
-        )
+        visible = (key_pos <= query_pos) & ((key_pos < self.keep) | (key_pos > query_pos - recent))
+        if window_size is not None:
+            visible = visible & (key_pos > query_pos - window_size)
         return visible
 
     # -- state --------------------------------------------------------------

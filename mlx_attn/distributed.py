@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +41,8 @@ from typing import Literal
 
 import mlx.core as mx
 
-from mlx_attn.ops import attention_path, scaled_dot_product_attention
+from mlx_attn._checks import check_bool, check_int, check_optional_int
+from mlx_attn.ops import AttentionCall, attention_path, scaled_dot_product_attention
 
 __all__ = [
     "DistributedError",
@@ -185,8 +187,45 @@ def init(*, backend: str = "ring", timeout: float | None = None) -> mx.distribut
     a peer that never connects ends this process after ``timeout`` seconds
     instead of hanging (MLX's ring backend waits forever): the process is
     ended with SIGTERM after a message on stderr."""
+    if backend == "ring":
+        _check_hostfile()
     with _process_watchdog(f"connecting the {backend!r} group", timeout):
         return mx.distributed.init(strict=True, backend=backend)
+
+
+HOSTFILE_ENV = "MLX_HOSTFILE"  # what mlx.launch --backend ring sets for each rank
+
+
+def _check_hostfile() -> None:
+    """The ring backend's hostfile, read before MLX does: a JSON list with one
+    entry per rank, each a non-empty list of "host:port" strings. A missing
+    or malformed file is a ValueError naming the variable and the file (MLX
+    reports a bare parse error, or crashes on an empty list)."""
+    path = os.environ.get(HOSTFILE_ENV)
+    if path is None:
+        return
+    where = f"{HOSTFILE_ENV}={path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if not text.strip():
+            return  # what mlx.launch writes for a ring of one host: MLX's own case
+        hosts = json.loads(text)
+    except OSError as error:
+        raise ValueError(f"{where}: cannot read the hostfile ({error.strerror or error})") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}: the hostfile is not JSON ({error})") from None
+    form = 'a JSON list with one entry per rank, each a list of "host:port" strings'
+    if not isinstance(hosts, list) or not hosts:
+        raise ValueError(f"{where}: the hostfile must be {form}, got {type(hosts).__name__} {hosts!r:.80}")
+    for rank, entry in enumerate(hosts):
+        if (not isinstance(entry, list) or not entry
+                or not all(isinstance(h, str) and h.rpartition(":")[2].isdigit() for h in entry)):
+            raise ValueError(f"{where}: entry {rank} of the hostfile must be a non-empty list of \"host:port\" "
+                             f"strings ({form}), got {entry!r:.80}")
+    rank = os.environ.get("MLX_RANK")
+    if rank is not None and rank.strip().isdigit() and int(rank) >= len(hosts):
+        raise ValueError(f"{where}: MLX_RANK={rank} but the hostfile lists {len(hosts)} ranks")
 
 
 def _group(group) -> mx.distributed.Group:
@@ -286,7 +325,9 @@ def _shape_signature(*arrays: mx.array) -> list[int]:
 
 def _check_same_across_ranks(what: str, signature: list[int], group, timeout) -> None:
     """All ranks must pass the same ``signature`` (shapes, dtypes, options):
-    one small all_gather, so a mismatch is an error on every rank, not a hang."""
+    one small all_gather, so a mismatch is an error on every rank, not a hang.
+    ``timeout`` is checked on a group of one too (no collective runs there)."""
+    _timeout_seconds(timeout)
     if group.size() == 1:
         return
     mine = mx.array(signature, dtype=mx.int64)
@@ -355,6 +396,10 @@ def attention_work(
 ) -> list[int]:
     """Visible query-key pairs per rank (proportional to its attention FLOPs)
     for a ``seq_len`` sequence split by ``layout``."""
+    seq_len = check_int("seq_len", seq_len, minimum=1)
+    ranks = check_int("ranks", ranks, minimum=1)
+    window_size = check_optional_int("window_size", window_size, minimum=1)
+    causal = check_bool("causal", causal)
     _check_layout(layout)
     chunks = _chunk_count(layout, ranks)
     if seq_len % chunks:
@@ -447,17 +492,26 @@ def decode_attention(
         raise ValueError("k and v must both be arrays or both be None")
     if not isinstance(q, mx.array) or q.ndim != 4:
         raise ValueError(f"q must be a 4-d mlx array [B, Hq, Tq, D], got {getattr(q, 'shape', type(q).__name__)}")
-    value_dim = v.shape[-1] if v is not None else q.shape[-1]
+    # Every rank validates its own call before any collective, a rank holding
+    # no keys too (on stand-ins of no length): a bad argument is an error on
+    # every rank, never one rank missing from the all_gather the others wait in.
+    if k is None:
+        k = v = mx.zeros((q.shape[0], q.shape[1], 0, q.shape[3]), q.dtype)
+    call = AttentionCall.build(q, k, v, scale=scale, backend=backend, return_lse=True)
+    value_dim = v.shape[-1]
     _check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
                              group, timeout)
-    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout)
+    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout, call=call)
 
 
-def _decode_attention(q, k, v, *, scale, group, backend, timeout):
+def _decode_attention(q, k, v, *, scale, group, backend, timeout, call: AttentionCall | None = None):
     """:func:`decode_attention` without the cross-rank check (generation
-    checks its inputs once, not at every layer of every token)."""
+    checks its inputs once, not at every layer of every token); ``call``:
+    the rank's validated call, when the caller built it."""
     if k is not None and k.shape[2] > 0:
-        out, lse = scaled_dot_product_attention(q, k, v, scale=scale, backend=backend, return_lse=True)
+        if call is None:
+            call = AttentionCall.build(q, k, v, scale=scale, backend=backend, return_lse=True)
+        out, lse = call.run()
         value_dim = v.shape[-1]
     else:  # nothing held here: a partial that contributes nothing
         value_dim = v.shape[-1] if v is not None else q.shape[-1]

@@ -26,8 +26,9 @@ def launch_plan(
     the row of the plan's per-GPU-family table (docs/metal_kernels.md)."""
     if ext is None:
         raise RuntimeError(MISSING_REASON)
+    # a window implies causal (ops.AttentionCall's rule; the raw description insists on being told)
     problem = ext.describe_attention(
-        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        q, k, v, scale=scale, causal=isinstance(mask, str) or window_size is not None, window_size=window_size or 0,
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, output_lse=output_lse,
     )
     plan = ext.metal_launch_plan(problem, gpu_family=gpu_family, gpu_cores=gpu_cores)

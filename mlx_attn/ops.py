@@ -1,4 +1,5 @@
-"""``mlx_attn.scaled_dot_product_attention``: validation and dispatch.
+"""``mlx_attn.scaled_dot_product_attention``: one validated call object
+(:class:`AttentionCall`) and its dispatch.
 
 The contract is exactly that of ``mx.fast.scaled_dot_product_attention``
 (MLX 0.32), plus keyword-only extensions (``window_size``, ``backend``,
@@ -11,12 +12,16 @@ Paths, in order of preference: the fused kernel of the stream's device
 self-check, :mod:`mlx_attn.self_check`); on the GPU, ``"mlx-fast"`` for the
 problems ``mx.fast`` computes under this contract; else ``"reference"``.
 Gradients of the fused primitive come from its fused backward (on the GPU,
-once the Metal backward's variant passed its self-check: the gate registered
-below), else from the reference path's autodiff.
+once the Metal backward's variant passed its self-check, resolved when the
+call picks the fused Metal forward and passed to the primitive as an
+option), else, and for an additive mask among the differentiated inputs,
+from the reference path's autodiff (the rule registered below).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Literal
 
 import mlx.core as mx
@@ -26,7 +31,8 @@ from mlx_attn import _native, self_check
 from mlx_attn.reference import reference_attention
 
 __all__ = [
-    "scaled_dot_product_attention", "attention_path", "metal_kernel_runner", "metal_backward_runner", "Backend", "Path",
+    "scaled_dot_product_attention", "attention_path", "AttentionCall", "metal_kernel_runner",
+    "metal_backward_runner", "Backend", "Path",
 ]
 
 Backend = Literal["auto", "fused", "reference"]
@@ -71,15 +77,27 @@ def _as_scale(scale) -> float:
         value = scale
     else:
         raise ValueError(f"scale must be a real number, got {type(scale).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a Python int beyond any float
+        value = float("inf") if value > 0 else float("-inf")
     if not abs(value) <= FLOAT32_MAX:
         raise ValueError(f"scale must be finite in float32 (|scale| <= {FLOAT32_MAX:.8g}), got {value!r}")
     return value
 
 
-def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse=False):
-    """Checks everything; returns the output dtype and the scale as a float.
-    Raises ValueError naming the argument."""
+def _flag(name: str, value) -> bool:
+    """A bool flag: Python or NumPy bools, as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse):
+    """Checks the public contract (ValueError naming the argument; the C++
+    describe_attention keeps only the invariants the kernels must not trust,
+    without restating these messages). Returns the output dtype, the scale as
+    a float and return_lse as a bool."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, mx.array):
             raise ValueError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
@@ -149,20 +167,9 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_
             raise ValueError(f"window_size must be a positive integer or None, got {window_size!r}")
     if not isinstance(backend, str) or backend not in ("auto", "fused", "reference"):
         raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+    return_lse = _flag("return_lse", return_lse)
     _device_type(stream)  # raises for a stream of the wrong type
-    return dtype, scale
-
-
-def _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse=False):
-    """Validates the call; returns q, k, v in the output dtype, the scale as a
-    float and the window size as an int (or None)."""
-    dtype, scale = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
-    q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
-    if window_size is not None:
-        window_size = min(int(window_size), _WINDOW_LIMIT)
-    return q, k, v, scale, window_size
+    return dtype, scale, return_lse
 
 
 def _device_type(stream) -> mx.DeviceType:
@@ -177,40 +184,170 @@ def _device_type(stream) -> mx.DeviceType:
     raise ValueError(f"stream must be an mlx Stream, Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
 
 
-def _kernel_inputs(mask, sinks, dtype):
-    """The mask and sinks as the fused kernels take them: an additive mask and
-    sinks in the output dtype; the mask in its own (broadcastable) shape."""
-    if isinstance(mask, mx.array) and mask.dtype != mx.bool_ and mask.dtype != dtype:
-        mask = mask.astype(dtype)
-    if sinks is not None and sinks.dtype != dtype:
-        sinks = sinks.astype(dtype)
-    return (mask if isinstance(mask, mx.array) else None), sinks
+_SAME = object()  # run_fused's "the call's own sinks"
+# Whether the Metal backward's plan takes a variant (asked once per variant, not per call).
+_BACKWARD_PLAN_TAKES: dict[self_check.BackwardVariant, bool] = {}
 
 
-def _describe(q, k, v, scale, mask, sinks, window_size, return_lse=False):
-    """The C++ problem description of a validated call."""
-    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
-    return _native.ext.describe_attention(
-        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=array_mask, sinks=sinks, output_lse=return_lse,
-    )
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays do not compare as values
+class AttentionCall:
+    """One validated attention call, built once by :meth:`build` and used by
+    ``scaled_dot_product_attention``, :func:`attention_path`,
+    :mod:`mlx_attn.quantized`, :mod:`mlx_attn.distributed` and
+    ``MultiHeadAttention``.
 
+    Fields are normalized: q, k, v (k, v stand-ins of the right shapes when
+    ``quantized``), the mask (an array mask in the output dtype when
+    additive) and sinks in the output dtype; ``causal`` is True for
+    ``mask="causal"`` and for any window (the one place where "a window
+    implies causal" is decided); ``path`` is the implementation chosen and
+    ``reason`` why the fused kernel does not run it (None when it does);
+    ``metal_backward_trusted`` whether a gradient on the GPU may run the
+    Metal backward (its variant's first-use self-check, resolved when the
+    fused Metal forward is chosen: the C++ vjp never asks Python)."""
 
-def _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream, return_lse=False) -> str | None:
-    """None when the fused kernel handles this problem, else why not (the
-    support rules live in C++: the CPU kernel's and the Metal launch plan's;
-    on the GPU also the first-use self-check of the kernel variant)."""
-    if _native.ext is None:
-        _native.warn_if_missing()
-        return _native.MISSING_REASON
-    problem = _describe(q, k, v, scale, mask, sinks, window_size, return_lse)
-    device = _device_type(stream)
-    reason = _native.ext.unsupported_reason(problem, device=device)
-    if reason is None and device == mx.gpu:
-        variant = metal_variant(problem)
-        if not self_check.trusted(variant, metal_kernel_runner(stream)):
-            reason = f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
-    return reason
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    scale: float
+    mask: mx.array | None
+    causal: bool
+    window_size: int | None
+    sinks: mx.array | None
+    return_lse: bool
+    backend: Backend
+    stream: object
+    device: mx.DeviceType
+    quantized: "mlx_attn.quantized.QuantizedKV | None" = None  # noqa: F821 (no import: quantized imports ops)
+    path: Path = "reference"
+    reason: str | None = None
+    metal_backward_trusted: bool = True
+
+    @classmethod
+    def build(cls, q, k, v, *, scale, mask=None, sinks=None, window_size=None, backend: Backend = "auto",
+              stream=None, return_lse=False, quantized=None) -> "AttentionCall":
+        """Validates every argument (ValueError naming it), promotes dtypes
+        and chooses the path. ``backend="fused"`` raises where the fused
+        kernel cannot run the call."""
+        dtype, scale, return_lse = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
+        q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
+        array_mask = mask if isinstance(mask, mx.array) else None
+        if array_mask is not None and array_mask.dtype not in (mx.bool_, dtype):
+            array_mask = array_mask.astype(dtype)  # lossless: its dtype promotes to dtype
+        if sinks is not None and sinks.dtype != dtype:
+            sinks = sinks.astype(dtype)
+        if window_size is not None:
+            window_size = min(int(window_size), _WINDOW_LIMIT)
+        call = cls(q, k, v, scale, array_mask, isinstance(mask, str) or window_size is not None, window_size,
+                   sinks, return_lse, backend, stream, _device_type(stream), quantized)
+        return call._with_path()
+
+    # -- the path ------------------------------------------------------------
+    @property
+    def mask_argument(self) -> mx.array | str | None:
+        """The mask as mx.fast and the reference path take it (with
+        ``window_size`` beside it)."""
+        if self.mask is not None:
+            return self.mask
+        return "causal" if self.causal else None
+
+    @functools.cached_property
+    def problem(self):
+        """The C++ problem description (``_ext.describe_attention``) of the
+        float call (of the stand-ins, for quantized K/V), built once per call
+        for the support rules and the self-check variants."""
+        return _native.ext.describe_attention(
+            self.q, self.k, self.v, scale=self.scale, causal=self.causal, window_size=self.window_size or 0,
+            mask=self.mask, sinks=self.sinks, output_lse=self.return_lse,
+        )
+
+    def _fused_unsupported_reason(self) -> str | None:
+        """None when the fused kernel handles this call, else why not (the
+        support rules live in C++: the CPU kernel's and the Metal launch
+        plans'; on the GPU also the first-use self-check of the variant)."""
+        if _native.ext is None:
+            _native.warn_if_missing()
+            return _native.MISSING_REASON
+        if self.quantized is not None:  # its own plan and self-check (mlx_attn.quantized.QuantizedKV)
+            return self.quantized.unsupported_reason(self)
+        problem = self.problem
+        reason = _native.ext.unsupported_reason(problem, device=self.device)
+        if reason is None and self.device == mx.gpu:
+            variant = metal_variant(problem)
+            if not self_check.trusted(variant, metal_kernel_runner(self.stream)):
+                reason = f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
+        return reason
+
+    def _mlx_fast_computes(self) -> bool:
+        """Calls ``mx.fast`` computes under this package's contract: float
+        K/V, no window or log-sum-exp (it has neither) and no row that can
+        see no key (it does not return zeros for those; an array mask may
+        hide every key of a row)."""
+        if self.quantized is not None or self.window_size is not None or self.return_lse:
+            return False
+        return self.mask is None and (not self.causal or self.q.shape[2] <= self.k.shape[2])
+
+    def _metal_backward_trust(self) -> bool:
+        """On the fused Metal path: whether the Metal backward's variant
+        passed its self-check (asked only where its plan takes the problem;
+        the vjp uses the reference path's autodiff elsewhere anyway)."""
+        problem = self.problem
+        if problem.batch * problem.q_heads * problem.q_len * problem.kv_len == 0:
+            return True  # nothing to differentiate through the kernels
+        variant = metal_backward_variant(problem)
+        takes = _BACKWARD_PLAN_TAKES.get(variant)
+        if takes is None:  # given the forward plan took it, the backward's rule is the variant's (head dims)
+            takes = _BACKWARD_PLAN_TAKES[variant] = bool(_native.ext.metal_backward_launch_plan(problem)["supported"])
+        return not takes or self_check.trusted(variant, metal_backward_runner(self.stream))
+
+    def _with_path(self) -> "AttentionCall":
+        if self.backend == "reference":
+            return dataclasses.replace(self, path="reference", reason="backend='reference'")
+        reason = self._fused_unsupported_reason()
+        on_gpu = self.device == mx.gpu
+        if reason is None:
+            trusted = on_gpu and self.quantized is None and self._metal_backward_trust()
+            return dataclasses.replace(self, path="fused-metal" if on_gpu else "fused-cpu",
+                                       metal_backward_trusted=trusted or not on_gpu)
+        if self.backend == "fused":
+            raise ValueError(f"backend='fused' is not possible here: {reason}")
+        path = "mlx-fast" if on_gpu and self._mlx_fast_computes() else "reference"
+        return dataclasses.replace(self, path=path, reason=reason)
+
+    # -- running it ----------------------------------------------------------
+    def run(self):
+        """The call's result: ``out``, or ``(out, lse)`` with ``return_lse``."""
+        if self.path == "reference":
+            return self.run_reference()
+        if self.path == "mlx-fast":
+            return mx.fast.scaled_dot_product_attention(
+                self.q, self.k, self.v, scale=self.scale, mask=self.mask_argument, sinks=self.sinks,
+                stream=self.stream)
+        outputs = self.run_fused()
+        return (outputs[0], outputs[1]) if self.return_lse else outputs[0]
+
+    def run_reference(self):
+        q, k, v = self.q, self.k, self.v
+        if self.quantized is not None:
+            k, v = self.quantized.dequantized(self)
+        return reference_attention(
+            q, k, v, scale=self.scale, mask=self.mask_argument, sinks=self.sinks, window_size=self.window_size,
+            stream=self.stream, return_lse=self.return_lse,
+        )
+
+    def run_fused(self, *, sinks=_SAME, metal_backward_trusted=None) -> list[mx.array]:
+        """The fused primitive on the call's device, bypassing the path
+        choice: ``[out]`` or ``[out, lse]`` (``[out]`` over quantized K/V).
+        ``sinks`` replaces the call's (a traced copy, for a vjp)."""
+        sinks = self.sinks if sinks is _SAME else sinks
+        common = dict(scale=self.scale, causal=self.causal, window_size=self.window_size or 0, mask=self.mask,
+                      sinks=sinks, stream=self.stream)
+        if self.quantized is not None:
+            return [self.quantized.run_fused(self.q, **common)]
+        trusted = self.metal_backward_trusted if metal_backward_trusted is None else metal_backward_trusted
+        return _native.ext.fused_attention(self.q, self.k, self.v, output_lse=self.return_lse,
+                                           metal_backward_trusted=trusted, **common)
+
 
 
 def metal_variant(problem) -> self_check.Variant:
@@ -221,13 +358,12 @@ def metal_variant(problem) -> self_check.Variant:
     return self_check.Variant(phase, problem.dtype, problem.head_dim)
 
 
-def _run_fused(q, k, v, scale, mask, sinks, window_size, stream, return_lse=False) -> list[mx.array]:
-    """The fused primitive on validated inputs: ``[out]`` or ``[out, lse]``."""
-    array_mask, sinks = _kernel_inputs(mask, sinks, q.dtype)
-    return _native.ext.fused_attention(
-        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=array_mask, sinks=sinks, output_lse=return_lse, stream=stream,
-    )
+def _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream) -> AttentionCall:
+    """A validated call on ``stream`` pinned to the fused Metal kernels,
+    without the path choice (so without any self-check): what runners use."""
+    call = AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
+                               backend="reference", stream=stream)
+    return dataclasses.replace(call, path="fused-metal", reason=None)
 
 
 def metal_kernel_runner(stream=None):
@@ -238,8 +374,7 @@ def metal_kernel_runner(stream=None):
     stream = mx.gpu if stream is None else stream
 
     def run(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
-        q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, "fused", stream)
-        out = _run_fused(q, k, v, scale, mask, sinks, window_size, stream)[0]
+        out = _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream).run_fused()[0]
         mx.eval(out)
         return out
 
@@ -259,35 +394,18 @@ def metal_backward_runner(stream=None):
     stream = mx.gpu if stream is None else stream
 
     def run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None):
-        q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, "fused", stream)
+        call = _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream)
 
         def attend(q, k, v, *maybe_sinks):
-            return _run_fused(q, k, v, scale, mask, maybe_sinks[0] if maybe_sinks else None, window_size, stream)[0]
+            traced = dataclasses.replace(call, q=q, k=k, v=v)
+            return traced.run_fused(sinks=maybe_sinks[0] if maybe_sinks else None, metal_backward_trusted=True)[0]
 
-        primals = [q, k, v] + ([sinks] if sinks is not None else [])
-        with self_check.unchecked():  # the vjp asks the gate: these calls run the kernels under test
-            _, grads = mx.vjp(attend, primals, [d_out])
-            mx.eval(grads)
+        primals = [call.q, call.k, call.v] + ([call.sinks] if call.sinks is not None else [])
+        _, grads = mx.vjp(attend, primals, [d_out])  # the Metal backward, told it is trusted
+        mx.eval(grads)
         return grads
 
     return run
-
-
-def _metal_backward_trusted(problem) -> bool:
-    """The backward gate (``_ext.set_backward_gate``): FusedAttention's vjp
-    asks it on the GPU only, while the graph of a gradient is built (inside
-    ``mx.grad`` or ``mx.compile`` too). It sees the problem, never the
-    caller's arrays: the check runs on arrays of its own."""
-    return self_check.trusted(metal_backward_variant(problem), metal_backward_runner())
-
-
-def _mlx_fast_computes(q, k, mask, window_size, return_lse) -> bool:
-    """Problems ``mx.fast`` computes under this package's contract: no window
-    or log-sum-exp (it has neither) and no row that can see no key (it does
-    not return zeros for those; an array mask may hide every key of a row)."""
-    if window_size is not None or return_lse:
-        return False
-    return mask is None or (isinstance(mask, str) and q.shape[2] <= k.shape[2])
 
 
 def attention_path(
@@ -306,29 +424,17 @@ def attention_path(
     """Which implementation ``scaled_dot_product_attention`` uses for these
     arguments: ``"fused-cpu"``, ``"fused-metal"``, ``"mlx-fast"`` (GPU only)
     or ``"reference"``."""
-    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
-    return _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
-
-
-def _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse=False) -> Path:
-    if backend == "reference":
-        return "reference"
-    reason = _fused_unsupported_reason(q, k, v, scale, mask, sinks, window_size, stream, return_lse)
-    on_gpu = _device_type(stream) == mx.gpu
-    if reason is None:
-        return "fused-metal" if on_gpu else "fused-cpu"
-    if backend == "fused":
-        raise ValueError(f"backend='fused' is not possible here: {reason}")
-    if on_gpu and _mlx_fast_computes(q, k, mask, window_size, return_lse):
-        return "mlx-fast"
-    return "reference"
+    return AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
+                               backend=backend, stream=stream, return_lse=return_lse).path
 
 
 def _reference_derivative(mode, primals, vectors, argnums, options, stream):
-    """The fused primitive's vjp / jvp (registered with _ext): those of the
-    reference path on the same inputs and stream, for every output (the
-    log-sum-exp too when the call returns it). Bool masks are constants."""
-    # causal is a window of every earlier key: one route for both
+    """The fused primitive's vjp / jvp (registered with _ext: the one place
+    C++ calls into Python): those of the reference path on the same inputs
+    and stream, for every output (the log-sum-exp too when the call returns
+    it). Bool masks are constants; an additive mask's gradient is the score
+    gradient reduced over its broadcast dimensions (autodiff does it)."""
+    # causal is a window of every earlier key: one route for both, beside an array mask too
     window_size = options.window_size or (_WINDOW_LIMIT if options.causal else None)
 
     def attend(arrays):
@@ -340,7 +446,6 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
             return_lse=options.output_lse,
         )
         return list(outputs) if options.output_lse else [outputs]
-
     argnums = list(argnums)
     active = [i for i in argnums if primals[i].dtype != mx.bool_]
 
@@ -364,7 +469,6 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
 
 if _native.ext is not None:
     _native.ext.set_differentiation_rule(_reference_derivative)
-    _native.ext.set_backward_gate(_metal_backward_trusted)
 
 
 def scaled_dot_product_attention(
@@ -417,14 +521,5 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: naming the offending argument, shape or dtype.
     """
-    q, k, v, scale, window_size = _prepare(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
-    path = _choose_path(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
-    if path == "reference":
-        return reference_attention(
-            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream,
-            return_lse=return_lse,
-        )
-    if path == "mlx-fast":
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
-    outputs = _run_fused(q, k, v, scale, mask, sinks, window_size, stream, return_lse)
-    return (outputs[0], outputs[1]) if return_lse else outputs[0]
+    return AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
+                               backend=backend, stream=stream, return_lse=return_lse).run()

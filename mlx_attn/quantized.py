@@ -21,13 +21,13 @@ Its reference path dequantizes and runs the reference SDPA.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Literal
 
 import mlx.core as mx
 
 from mlx_attn import _native, ops, self_check
 from mlx_attn._checks import check_int
-from mlx_attn.reference import reference_attention
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -119,16 +119,57 @@ def _check_triple(name: str, triple, group_size: int, bits: int) -> tuple[mx.arr
     return packed, scales, biases
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """K and V of an :class:`mlx_attn.ops.AttentionCall` as ``mx.quantize``
+    triples (checked), scales and biases in the output dtype as the fused
+    kernels read them; the steps that differ from float K/V."""
+
+    k: tuple[mx.array, mx.array, mx.array]
+    v: tuple[mx.array, mx.array, mx.array]
+    group_size: int
+    bits: int
+
+    def unsupported_reason(self, call) -> str | None:
+        """The fused kernels' support rules for quantized K/V (C++: the CPU
+        kernel's, the quantized Metal launch plan's) and, on the GPU, the
+        variant's first-use self-check."""
+        if call.device != mx.gpu:
+            return _native.ext.unsupported_reason(call.problem, device=mx.cpu)
+        if not _native.ext.has_metal():
+            return "this build of mlx_attn has no Metal kernels (MLX without Metal)"
+        plan = quantized_launch_plan(call.q, self.k, self.v, scale=call.scale, mask=call.mask_argument,
+                                     sinks=call.sinks, window_size=call.window_size, bits=self.bits,
+                                     group_size=self.group_size)
+        if not plan["supported"]:
+            return plan["reason"]
+        variant = self_check.QuantizedVariant(str(call.q.dtype).removeprefix("mlx.core."), call.q.shape[-1],
+                                              self.bits, self.group_size)
+        if not self_check.trusted(variant, quantized_metal_kernel_runner(call.stream, self.group_size, self.bits)):
+            return f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
+        return None
+
+    def run_fused(self, q, **options) -> mx.array:
+        return _native.ext.quantized_attention(q, list(self.k), list(self.v), bits=self.bits,
+                                               group_size=self.group_size, **options)
+
+    def dequantized(self, call) -> tuple[mx.array, mx.array]:
+        """K and V as float arrays in the output dtype (the reference path)."""
+        with mx.stream(call.stream) if call.stream is not None else contextlib.nullcontext():
+            return tuple(dequantize(t, self.group_size, self.bits).astype(call.q.dtype) for t in (self.k, self.v))
+
+
 def _stand_in(shape, dtype) -> mx.array:
     """A lazy array of this shape and dtype that is never evaluated: lets the
-    float entry point's checks (mask, sinks, window, GQA) run on shapes."""
+    float call's checks (mask, sinks, window, GQA) run on shapes."""
     return mx.broadcast_to(mx.zeros((), dtype=dtype), shape)
 
 
-def _prepare(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream):
-    """Everything checked. Returns q in the output dtype, the checked triples,
-    group size, bits, the scale as a float, the window size and float
-    stand-ins for K and V (shapes only)."""
+def _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend,
+                stream) -> ops.AttentionCall:
+    """The validated call: the triples checked here, everything else by the
+    float contract (:class:`mlx_attn.ops.AttentionCall`) on stand-ins for K
+    and V of the shapes the triples hold."""
     group_size, bits = check_quantization(group_size, bits)
     k_quant = _check_triple("k_quant", k_quant, group_size, bits)
     v_quant = _check_triple("v_quant", v_quant, group_size, bits)
@@ -141,43 +182,14 @@ def _prepare(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, b
     float_dtype = k_quant[1].dtype
     k = _stand_in((*k_quant[0].shape[:3], quantized_head_dim(k_quant[0], bits)), float_dtype)
     v = _stand_in((*v_quant[0].shape[:3], quantized_head_dim(v_quant[0], bits)), float_dtype)
-    q, k, v, scale, window_size = ops._prepare(q, k, v, scale, mask, sinks, window_size, backend, stream)
-    return q, k_quant, v_quant, group_size, bits, scale, window_size, k, v
+    dtype = mx.result_type(q.dtype, float_dtype) if isinstance(q, mx.array) else float_dtype
 
+    def in_dtype(triple):  # scales and biases as the fused kernels read them
+        return (triple[0], *(a.astype(dtype) if a.dtype != dtype else a for a in triple[1:]))
 
-def _kernel_triples(k_quant, v_quant, dtype):
-    """The triples as the fused kernels read them: scales and biases in the
-    output dtype."""
-    return ([t[0], *(a.astype(dtype) if a.dtype != dtype else a for a in t[1:])] for t in (k_quant, v_quant))
-
-
-def _fused_unsupported_reason(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits,
-                              stream) -> str | None:
-    """None when the fused kernel of the stream's device handles quantized
-    K/V standing for float ``k`` and ``v``, else why not (the support rules
-    live in C++: the CPU kernel's, the quantized Metal launch plan's)."""
-    ext = _native.ext
-    if ext is None:
-        _native.warn_if_missing()
-        return _native.MISSING_REASON
-    array_mask, sinks = ops._kernel_inputs(mask, sinks, q.dtype)
-    if ops._device_type(stream) == mx.gpu:
-        if not ext.has_metal():
-            return "this build of mlx_attn has no Metal kernels (MLX without Metal)"
-        k_quant, v_quant = _kernel_triples(k_quant, v_quant, q.dtype)
-        plan = quantized_launch_plan(q, k_quant, v_quant, scale=scale, mask=mask, sinks=sinks,
-                                     window_size=window_size, bits=bits, group_size=group_size)
-        if not plan["supported"]:
-            return plan["reason"]
-        variant = self_check.QuantizedVariant(str(q.dtype).removeprefix("mlx.core."), q.shape[-1], bits, group_size)
-        if not self_check.trusted(variant, quantized_metal_kernel_runner(stream, group_size, bits)):
-            return f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
-        return None
-    problem = ext.describe_attention(
-        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=array_mask, sinks=sinks,
-    )
-    return ext.unsupported_reason(problem, device=mx.cpu)
+    kv = QuantizedKV(in_dtype(k_quant), in_dtype(v_quant), group_size, bits)
+    return ops.AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
+                                   backend=backend, stream=stream, quantized=kv)
 
 
 def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
@@ -186,34 +198,13 @@ def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
     evaluated, bypassing the self-check (what the self-check runs)."""
 
     def run(q, k_quant, v_quant, *, scale, mask=None, sinks=None, window_size=None):
-        out = _run_fused(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, stream)
+        call = _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, "reference",
+                           stream)
+        out = call.run_fused()[0]
         mx.eval(out)
         return out
 
     return run
-
-
-def _run_fused(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, stream) -> mx.array:
-    """The fused primitive (CPU or Metal, by the stream) on validated inputs."""
-    k_quant, v_quant = _kernel_triples(k_quant, v_quant, q.dtype)
-    array_mask, sinks = ops._kernel_inputs(mask, sinks, q.dtype)
-    return _native.ext.quantized_attention(
-        q, k_quant, v_quant, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=array_mask, sinks=sinks, bits=bits, group_size=group_size, stream=stream,
-    )
-
-
-def _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
-                 stream) -> QuantizedPath:
-    if backend == "reference":
-        return "reference"
-    reason = _fused_unsupported_reason(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size,
-                                       bits, stream)
-    if reason is None:
-        return "fused-metal" if ops._device_type(stream) == mx.gpu else "fused-cpu"
-    if backend == "fused":
-        raise ValueError(f"backend='fused' is not possible here: {reason}")
-    return "reference"
 
 
 def quantized_attention_path(
@@ -222,11 +213,8 @@ def quantized_attention_path(
 ) -> QuantizedPath:
     """Which implementation :func:`quantized_scaled_dot_product_attention`
     uses for these arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
-    q, k_quant, v_quant, group_size, bits, scale, window_size, k, v = _prepare(
-        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
-    )
-    return _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
-                        stream)
+    return _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend,
+                       stream).path
 
 
 def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=None, window_size=None, bits=8,
@@ -240,7 +228,8 @@ def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=No
     if _native.ext is None:
         raise RuntimeError(_native.MISSING_REASON)
     return _native.ext.quantized_metal_launch_plan(
-        q, list(k_quant), list(v_quant), scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
+        q, list(k_quant), list(v_quant), scale=scale, causal=isinstance(mask, str) or window_size is not None,
+        window_size=window_size or 0,
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, bits=bits, group_size=group_size,
         output_lse=output_lse,
     )
@@ -284,17 +273,5 @@ def quantized_scaled_dot_product_attention(
     Raises:
         ValueError: naming the offending argument, part of a triple, shape or dtype.
     """
-    q, k_quant, v_quant, group_size, bits, scale, window_size, k, v = _prepare(
-        q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream
-    )
-    path = _choose_path(q, k_quant, v_quant, k, v, scale, mask, sinks, window_size, group_size, bits, backend,
-                        stream)
-    dtype = q.dtype
-    if path == "reference":
-        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
-            k = dequantize(k_quant, group_size, bits).astype(dtype)
-            v = dequantize(v_quant, group_size, bits).astype(dtype)
-        return reference_attention(
-            q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream
-        )
-    return _run_fused(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, stream)
+    return _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend,
+                       stream).run()

@@ -52,6 +52,23 @@ def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -
     return visible
 
 
+def _visibility(qf: mx.array, kf: mx.array, window_size: int | None) -> mx.array:
+    """:func:`causal_visibility` for grouped ``qf [B,Hkv,G,Tq,D]`` against
+    ``kf [B,Hkv,1,Tkv,D]``, built from the arrays rather than from their
+    lengths as Python ints: under ``mx.compile(shapeless=True)`` the
+    positions follow the shapes of every later call (a mask built from
+    ``arange(q_len)`` would keep the first call's)."""
+    query_ones = mx.ones_like(qf.sum(axis=(0, 1, 2, 4)), dtype=mx.int32)  # [Tq]
+    key_ones = mx.ones_like(kf.sum(axis=(0, 1, 2, 4)), dtype=mx.int32)  # [Tkv]
+    query_index, key_index = mx.cumsum(query_ones) - 1, mx.cumsum(key_ones) - 1
+    # lower-right aligned: the last query sits at the last key
+    positions = query_index[:, None] + (key_ones.sum() - query_ones.sum())
+    visible = key_index[None, :] <= positions
+    if window_size is not None:
+        visible = visible & (key_index[None, :] > positions - window_size)
+    return visible
+
+
 def _group_heads(x: mx.array, kv_heads: int) -> mx.array:
     """[B, Hq, ...] -> [B, Hkv, G, ...] (no copy of K/V). Shape-free ops
     (unflatten, expand_dims, flatten) here and below keep the path correct
@@ -107,7 +124,7 @@ def reference_attention(
         # mask: `visible` is False where a key may not be seen
         visible = None
         if isinstance(mask, str) or window_size is not None:
-            visible = causal_visibility(q_len, kv_len, window_size)
+            visible = _visibility(qf, kf, window_size)
         if isinstance(mask, mx.array):
             full = mask if mask.ndim == 4 else mx.expand_dims(mask, list(range(4 - mask.ndim)))
             full = _group_heads(full, kv_heads)  # broadcasts against [B,Hkv,G,Tq,Tkv]
@@ -134,7 +151,10 @@ def reference_attention(
             row_sum = row_sum + mx.exp(sink_logits - row_max)
         lse = None
         if return_lse:  # the softmax denominator in log space: what partial results merge by
-            lse = mx.flatten(mx.where(row_sum == 0, -mx.inf, row_max + mx.log(row_sum)).squeeze(-1), 1, 2)
+            # log of a safe sum: where() passes a zero cotangent to the branch it
+            # drops, and log's derivative at 0 would turn that zero into NaN
+            safe_log = mx.log(mx.where(row_sum == 0, 1.0, row_sum))
+            lse = mx.flatten(mx.where(row_sum == 0, -mx.inf, row_max + safe_log).squeeze(-1), 1, 2)
         # normalize (rows that see nothing get all-zero weights)
         weights = weights / mx.where(row_sum == 0, 1.0, row_sum)
 

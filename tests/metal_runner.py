@@ -228,9 +228,9 @@ class RealMetal:
 def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None) -> dict:
     """The Metal backward's launch plan (csrc/backward_launch_plan.cpp) for
     the forward problem of these arrays, as the Mac host would build it."""
-    problem = _ext.describe_attention(
-        q, k, v, scale=scale, causal=isinstance(mask, str), window_size=window_size or 0,
-        mask=mask if isinstance(mask, mx.array) else None, sinks=sinks,
+    problem = _ext.describe_attention(  # a window implies causal (as ops.AttentionCall says)
+        q, k, v, scale=scale, causal=isinstance(mask, str) or window_size is not None,
+        window_size=window_size or 0, mask=mask if isinstance(mask, mx.array) else None, sinks=sinks,
     )
     plan = _ext.metal_backward_launch_plan(problem)
     plan["problem"] = problem

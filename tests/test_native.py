@@ -3,6 +3,7 @@ build is loud, the C++ op validates its own inputs, and the Python modules
 import each other in one direction only."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -110,30 +111,31 @@ def with_(index, replacement):
     return qkv
 
 
-RAW_BAD_CALLS = [
+RAW_BAD_CALLS = [  # the C++ states the invariant (the public messages are ops.AttentionCall's)
     ("head dims 1..256", arrays(d=300), {}),
     ("head dims 1..256", arrays(dv=300), {}),
-    ("rank 4", with_(0, mx.zeros((4, 3, 8))), {}),
-    ("rank 4", with_(2, mx.zeros((1, 1, 2, 5, 8))), {}),
-    ("batch sizes differ", with_(1, mx.zeros((2, 2, 5, 8))), {}),
+    ("q.ndim == 4", with_(0, mx.zeros((4, 3, 8))), {}),
+    ("v.ndim == 4", with_(2, mx.zeros((1, 1, 2, 5, 8))), {}),
+    ("one batch size", with_(1, mx.zeros((2, 2, 5, 8))), {}),
     ("same heads and length", with_(2, mx.zeros((1, 2, 6, 8))), {}),
     ("same head dim", with_(1, mx.zeros((1, 2, 5, 4))), {}),
     ("multiple", [mx.zeros((1, 4, 3, 8)), mx.zeros((1, 3, 5, 8)), mx.zeros((1, 3, 5, 8))], {}),
     ("multiple", [mx.zeros((1, 4, 3, 8)), mx.zeros((1, 0, 5, 8)), mx.zeros((1, 0, 5, 8))], {}),
-    ("dtype", arrays(dtype=mx.int32), {}),
-    ("share one dtype", with_(1, mx.zeros((1, 2, 5, 8), mx.float16)), {}),
-    ("does not broadcast", arrays(), dict(mask=mx.zeros((3, 4), mx.bool_))),
-    ("does not broadcast", arrays(), dict(mask=mx.zeros((2, 1, 3, 5), mx.bool_))),
-    ("at most 4 dims", arrays(), dict(mask=mx.zeros((1, 1, 1, 3, 5), mx.bool_))),
-    ("mask must be bool", arrays(), dict(mask=mx.zeros((3, 5), mx.float16))),
-    ("mask must be bool", arrays(), dict(mask=mx.zeros((3, 5), mx.int32))),
-    ("sinks must have shape", arrays(), dict(sinks=mx.zeros((2,)))),
-    ("sinks must have shape", arrays(), dict(sinks=mx.zeros((1, 4)))),
-    ("sinks must have q's dtype", arrays(), dict(sinks=mx.zeros((4,), mx.float16))),
+    ("q.dtype in", arrays(dtype=mx.int32), {}),
+    ("k.dtype == v.dtype == q.dtype", with_(1, mx.zeros((1, 2, 5, 8), mx.float16)), {}),
+    ("mask broadcasts", arrays(), dict(mask=mx.zeros((3, 4), mx.bool_))),
+    ("mask broadcasts", arrays(), dict(mask=mx.zeros((2, 1, 3, 5), mx.bool_))),
+    ("mask.ndim <= 4", arrays(), dict(mask=mx.zeros((1, 1, 1, 3, 5), mx.bool_))),
+    ("mask.dtype is bool or q.dtype", arrays(), dict(mask=mx.zeros((3, 5), mx.float16))),
+    ("mask.dtype is bool or q.dtype", arrays(), dict(mask=mx.zeros((3, 5), mx.int32))),
+    (re.escape("sinks.shape == [q_heads]"), arrays(), dict(sinks=mx.zeros((2,)))),
+    (re.escape("sinks.shape == [q_heads]"), arrays(), dict(sinks=mx.zeros((1, 4)))),
+    ("sinks.dtype == q.dtype", arrays(), dict(sinks=mx.zeros((4,), mx.float16))),
     ("scale", arrays(), dict(scale=float("inf"))),
     ("scale", arrays(), dict(scale=float("nan"))),
     ("scale", arrays(), dict(scale=1e39)),
     ("window_size", arrays(), dict(window_size=-1)),
+    ("only with causal", arrays(), dict(window_size=2)),  # the caller normalises "a window implies causal"
 ]
 
 
@@ -168,7 +170,7 @@ def test_problem_description_reads_strides_and_broadcasts():
     mask = mx.zeros((5, 1), mx.bool_)
     mx.eval(q, sinks)
     k = v = mx.zeros((2, 2, 7, 8))
-    p = _ext.describe_attention(q, k, v, scale=0.25, mask=mask, sinks=sinks, window_size=3)
+    p = _ext.describe_attention(q, k, v, scale=0.25, causal=True, mask=mask, sinks=sinks, window_size=3)
     assert (p.batch, p.q_heads, p.kv_heads, p.q_len, p.kv_len, p.head_dim, p.value_dim) == (2, 4, 2, 5, 7, 8, 8)
     assert p.q_strides == [160, 8, 32, 1]
     assert p.mask_strides == [0, 0, 1, 0]

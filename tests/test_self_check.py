@@ -192,12 +192,15 @@ def test_gpu_path_order_follows_the_self_check(monkeypatch, kernel_correct):
     monkeypatch.setattr(_native, "ext", MetalBuild(_native.ext))
     runner = reference_runner if kernel_correct else broken_runner
     monkeypatch.setattr(ops, "metal_kernel_runner", lambda stream=None: runner)
+    # choosing the fused Metal forward also resolves the backward's trust
+    monkeypatch.setattr(ops, "metal_backward_runner", lambda stream=None: autodiff_backward)
     q = mx.zeros((1, 4, 40, 64), mx.float16)
     kv = mx.zeros((1, 2, 40, 64), mx.float16)
     if kernel_correct:
         assert mlx_attn_path(q, kv, mask="causal") == "fused-metal"
         assert mlx_attn_path(q, kv, mask="causal", window_size=8) == "fused-metal"
         assert self_check.results()[Variant("prefill", "float16", 64)].passed
+        assert self_check.results()[BackwardVariant("float16", 64)].passed
         return
     with pytest.warns(RuntimeWarning, match="prefill/float16/D=64"):
         assert mlx_attn_path(q, kv, mask="causal") == "mlx-fast"
@@ -207,7 +210,8 @@ def test_gpu_path_order_follows_the_self_check(monkeypatch, kernel_correct):
     # other variants are checked on their own: decode passes with a correct kernel
     monkeypatch.setattr(ops, "metal_kernel_runner", lambda stream=None: reference_runner)
     assert mlx_attn_path(q[:, :, :1], kv) == "fused-metal"
-    assert set(self_check.results()) == {Variant("prefill", "float16", 64), Variant("decode", "float16", 64)}
+    forward = {v for v in self_check.results() if isinstance(v, Variant)}
+    assert forward == {Variant("prefill", "float16", 64), Variant("decode", "float16", 64)}
 
 
 def mlx_attn_path(q, kv, **kwargs):
@@ -472,91 +476,65 @@ def test_self_check_disables_a_broken_emulated_backward(tmp_path, mutant):
     assert not self_check.check_backward_variant(variant, dx).passed and self_check.check_backward_variant(variant, dy).passed
 
 
-def problem_of(dtype=mx.float16, head_dim=64):
-    from mlx_attn import _native
+def metal_call(dtype=mx.float16, head_dim=64, **kwargs):
+    """The call ops builds for a GPU problem, on a (simulated) Metal build."""
+    from mlx_attn import ops
 
     q = mx.zeros((1, 4, 40, head_dim), dtype)
     kv = mx.zeros((1, 2, 40, head_dim), dtype)
-    return _native.ext.describe_attention(q, kv, kv, scale=0.125, causal=True)
+    return ops.AttentionCall.build(q, kv, kv, scale=0.125, mask="causal", stream=mx.gpu, **kwargs)
 
 
 @pytest.mark.parametrize("kernel_correct", [True, False], ids=["passes", "fails"])
-def test_backward_gate_checks_the_problems_variant(monkeypatch, kernel_correct):
-    """The gate FusedAttention's vjp asks on the GPU: the problem's variant,
-    checked once with the Metal backward runner; a failure warns once."""
-    from mlx_attn import ops
+def test_fused_metal_call_resolves_the_backward_variants_trust(monkeypatch, kernel_correct):
+    """When ops picks the fused Metal forward it also resolves the Metal
+    backward's trust (the problem's variant, checked once with the backward
+    runner; a failure warns once) and hands it to the primitive as an option:
+    the C++ vjp never calls back into Python for it."""
+    from mlx_attn import _native, ops
 
+    monkeypatch.setattr(_native, "ext", MetalBuild(_native.ext))
+    monkeypatch.setattr(ops, "metal_kernel_runner", lambda stream=None: reference_runner)
     runner = autodiff_backward if kernel_correct else dq_doubled(autodiff_backward)
     monkeypatch.setattr(ops, "metal_backward_runner", lambda stream=None: runner)
     if kernel_correct:
-        assert ops._metal_backward_trusted(problem_of())
+        call = metal_call()
+        assert (call.path, call.metal_backward_trusted) == ("fused-metal", True)
     else:
         with pytest.warns(RuntimeWarning, match="backward/float16/D=64"):
-            assert not ops._metal_backward_trusted(problem_of())
-        assert not ops._metal_backward_trusted(problem_of())
+            call = metal_call()
+        assert (call.path, call.metal_backward_trusted) == ("fused-metal", False)  # the forward still runs
+        assert not metal_call().metal_backward_trusted  # checked once: no second warning
     with warnings.catch_warnings(record=True) as caught:  # other variants are checked on their own
         warnings.simplefilter("always")
-        assert ops._metal_backward_trusted(problem_of(mx.float32, 128)) == kernel_correct
+        assert metal_call(mx.float32, 128).metal_backward_trusted == kernel_correct
     assert [str(w.message).count("backward/float32/D=128") for w in caught] == ([] if kernel_correct else [1])
-    assert set(self_check.results()) == {BackwardVariant("float16", 64), BackwardVariant("float32", 128)}
+    backward = {v for v in self_check.results() if isinstance(v, BackwardVariant)}
+    assert backward == {BackwardVariant("float16", 64), BackwardVariant("float32", 128)}
+    # a problem the backward plan does not take is not checked (its gradients use the reference path)
+    assert metal_call(mx.float16, 256).metal_backward_trusted
+    assert BackwardVariant("float16", 256) not in self_check.results()
 
 
-def test_backward_gate_runs_inside_grad_and_compile_and_does_not_recurse(monkeypatch):
-    """The vjp asks the gate while mx.grad / mx.compile trace the caller's
-    graph (a custom vjp stands in for FusedAttention's here); the check
-    evaluates arrays of its own. Its own backward calls ask the gate again
-    (the Mac runner's vjp does): they are trusted, not checked again."""
-    from mlx_attn import ops
+def test_the_backward_runner_and_the_cpu_need_no_trust(monkeypatch):
+    """The CPU never reads the option: the fused CPU backward runs with
+    metal_backward_trusted=False too, and gives the reference gradients."""
+    from mlx_attn import _native
 
-    nested = []
+    q, k, v = (mx.array(np.random.default_rng(i).standard_normal((1, 2, 24, 64)).astype(np.float32))
+               for i in range(3))
 
-    def runner(*args, **kwargs):
-        nested.append(ops._metal_backward_trusted(problem_of()))
-        return autodiff_backward(*args, **kwargs)
+    def loss(q, k, v):
+        (out,) = _native.ext.fused_attention(q, k, v, scale=0.125, causal=True, metal_backward_trusted=False,
+                                             stream=mx.cpu)
+        return out.sum()
 
-    monkeypatch.setattr(ops, "metal_backward_runner", lambda stream=None: runner)
-    answers = []
+    def reference_loss(q, k, v):
+        return reference_attention(q, k, v, scale=0.125, mask="causal").sum()
 
-    @mx.custom_function
-    def doubled(x):
-        return 2 * x
-
-    @doubled.vjp
-    def doubled_vjp(primals, cotangent, output):
-        answers.append(ops._metal_backward_trusted(problem_of()))
-        return (2 * cotangent,)
-
-    def loss(x):
-        return doubled(x).sum()
-
-    x = mx.arange(3, dtype=mx.float32)
-    assert mx.compile(mx.grad(loss))(x).tolist() == [2.0, 2.0, 2.0]
-    assert mx.grad(loss)(x).tolist() == [2.0, 2.0, 2.0]
-    assert answers == [True, True]
-    assert nested == [True] * len(self_check.backward_cases(BackwardVariant("float16", 64)))  # checked once
-
-
-def test_cpu_gradients_never_ask_the_backward_gate():
-    """On the CPU the fused backward is used without asking (no self-check)."""
-    import mlx_attn
-    from mlx_attn import _native, ops
-
-    asked = []
-    _native.ext.set_backward_gate(lambda problem: asked.append(problem) or False)
-    try:
-        q, k, v = (mx.array(np.random.default_rng(i).standard_normal((1, 2, 24, 64)).astype(np.float32))
-                   for i in range(3))
-
-        def loss(backend):
-            return lambda q, k, v: mlx_attn.scaled_dot_product_attention(
-                q, k, v, scale=0.125, mask="causal", backend=backend, stream=mx.cpu).sum()
-
-        got = mx.grad(loss("fused"), argnums=(0, 1, 2))(q, k, v)
-        compiled = mx.compile(mx.grad(loss("fused"), argnums=(0, 1, 2)))(q, k, v)
-        want = mx.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
-    finally:
-        _native.ext.set_backward_gate(ops._metal_backward_trusted)
-    assert asked == []
+    got = mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    compiled = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = mx.grad(reference_loss, argnums=(0, 1, 2))(q, k, v)
     for g, c, w in zip(got, compiled, want):
         assert mx.allclose(g, w, atol=1e-4).item() and mx.allclose(c, w, atol=1e-4).item()
 
@@ -576,12 +554,12 @@ def test_doctor_lists_the_emulated_metal_backward():
 
 
 @pytest.mark.skipif(not REAL_METAL, reason="needs an Apple GPU: the Metal backward runs for real only on a Mac")
-def test_gpu_gradients_fall_back_when_the_backward_gate_says_no():
-    """On a Mac: with the gate refusing, mx.grad on the GPU gives the
-    reference path's gradients (its autodiff ran instead, without the lse
-    kept for the backward: a row that sees no key gets zeros, not NaN)."""
+def test_gpu_gradients_fall_back_when_the_backward_is_not_trusted(monkeypatch):
+    """On a Mac: with the backward's self-check failing, mx.grad on the GPU
+    gives the reference path's gradients (its autodiff ran instead, without
+    the lse kept for the backward: a row that sees no key gets zeros, not NaN)."""
     import mlx_attn
-    from mlx_attn import _native, ops
+    from mlx_attn import ops
 
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.standard_normal((1, 4, 40, 64)).astype(np.float32)) for _ in range(3))
@@ -590,15 +568,18 @@ def test_gpu_gradients_fall_back_when_the_backward_gate_says_no():
     mask = mx.array(visible)
     asked = []
 
+    def refusing(*args, **kwargs):
+        asked.append(args[0].shape[-1])
+        return [2 * g for g in autodiff_backward(*args, **kwargs)]
+
+    monkeypatch.setattr(ops, "metal_backward_runner", lambda stream=None: refusing)
+
     def loss(backend):
         return lambda q: mlx_attn.scaled_dot_product_attention(
             q, k, v, scale=0.125, mask=mask, backend=backend, stream=mx.gpu).sum()
 
-    _native.ext.set_backward_gate(lambda problem: asked.append(problem.head_dim) or False)
-    try:
+    with pytest.warns(RuntimeWarning, match="backward/float32/D=64"):
         got = mx.grad(loss("fused"))(q)
-    finally:
-        _native.ext.set_backward_gate(ops._metal_backward_trusted)
-    assert asked == [64]
+    assert asked and set(asked) == {64}
     assert np.all(np.array(got)[:, :, 3] == 0)
     assert mx.allclose(got, mx.grad(loss("reference"))(q), atol=1e-4).item()
