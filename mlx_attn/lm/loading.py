@@ -261,7 +261,7 @@ def _build_decoder(arch: Architecture, config, weights: dict, group_size: int | 
                    layer_field: str) -> Decoder:
     """Checks the layer count before anything is sized per layer, then the
     shapes, then builds."""
-    check_layer_count(weights, arch.layer_count(config), layer_field, source)
+    check_layer_count(weights, arch.layer_count(config), layer_field, source, arch.layers_prefix)
     return _build(arch.model_class, config, weights, arch.weight_shapes(config), group_size, backend, source)
 
 

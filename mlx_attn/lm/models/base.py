@@ -19,7 +19,8 @@ from mlx_attn.quantized import quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 
 __all__ = ["Decoder", "AttentionHook", "LayerAttention", "CachedAttention", "AttentionWeights",
-           "ROTATING_CACHE_KEEP", "check_cache_list", "check_max_kv_size", "rename_weights", "layer_indices", "check_layer_count",
+           "ROTATING_CACHE_KEEP", "check_cache_list", "check_max_kv_size", "rename_weights", "layer_indices",
+           "check_layer_count",
            "check_weights"]
 
 BACKENDS = ("auto", "fused", "reference")
@@ -261,18 +262,16 @@ def rename_weights(weights: dict, patterns: list[tuple[str, str]], skip=lambda n
     return renamed
 
 
-_LAYER = re.compile(r"^layers\.(\d+)\.")
+def layer_indices(weights: dict, prefix: str = "layers") -> set[int]:
+    """Indices ``i`` of the ``{prefix}.i.*`` tensors present."""
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+    return {int(match.group(1)) for name in weights if (match := pattern.match(name))}
 
 
-def layer_indices(weights: dict) -> set[int]:
-    """Indices ``i`` of the ``layers.i.*`` tensors present."""
-    return {int(match.group(1)) for name in weights if (match := _LAYER.match(name))}
-
-
-def check_layer_count(weights: dict, n_layers: int, field: str, source: str) -> None:
-    """The config's layer count must be what the checkpoint holds: checked
-    before anything is built per layer."""
-    present = layer_indices(weights)
+def check_layer_count(weights: dict, n_layers: int, field: str, source: str, prefix: str = "layers") -> None:
+    """The config's layer count must be what the checkpoint holds (tensors
+    ``{prefix}.i.*``): checked before anything is built per layer."""
+    present = layer_indices(weights, prefix)
     # n distinct non-negative indices whose largest is n - 1 are exactly 0..n-1
     # (and nothing here is sized by the untrusted n_layers)
     if len(present) != n_layers or max(present, default=-1) != n_layers - 1:

@@ -50,7 +50,8 @@ class Architecture:
     model's parameter paths (``layers.0.self_attn.q_proj.weight``) and drop
     what the model recomputes. ``weight_shapes`` lists every parameter's
     (unquantized) shape; it is called only once ``layer_count(config)``
-    matches the checkpoint, so no untrusted number sizes it. ``hf_config``
+    matches the layers the checkpoint holds (its ``{layers_prefix}.{i}.*``
+    tensors), so no untrusted number sizes it. ``hf_config``
     is the ``config.json`` mlx-lm loads for this model (``convert``), with
     ``mlx_lm_name`` mapping a parameter or module path to mlx-lm's."""
 
@@ -65,9 +66,12 @@ class Architecture:
     weight_shapes: Callable[[Any], dict]
     hf_config: Callable[[Any], dict]
     layer_count: Callable[[Any], int] = _layer_count
+    layers_prefix: str = "layers"  # the model's per-layer parameters are {layers_prefix}.{i}.*
     mlx_lm_name: Callable[[str], str] = _mlx_lm_name
 
     def __post_init__(self):
+        if not isinstance(self.layers_prefix, str) or not self.layers_prefix:
+            raise ValueError(f"Architecture.layers_prefix must be a non-empty string, got {self.layers_prefix!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Architecture.name must be a non-empty string, got {self.name!r}")
         for field in ("gguf_architectures", "hf_model_types"):
