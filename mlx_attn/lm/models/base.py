@@ -20,8 +20,7 @@ from mlx_attn.reference import reference_attention
 
 __all__ = ["Decoder", "AttentionHook", "LayerAttention", "CachedAttention", "AttentionWeights",
            "ROTATING_CACHE_KEEP", "check_cache_list", "check_max_kv_size", "rename_weights", "layer_indices",
-           "check_layer_count",
-           "check_weights"]
+           "check_layer_count", "check_weights"]
 
 BACKENDS = ("auto", "fused", "reference")
 # first tokens a rotating cache of a full-attention layer never drops (the
