@@ -298,3 +298,12 @@ def test_generate_verbose_prints_as_mlx_lm(capsys):
     assert lines[5].startswith("Peak memory: ") and lines[5].endswith(" GB")
     with pytest.raises(ValueError, match="verbose must be true or false"):
         generate(model, tokenizer, "the", verbose="yes")
+
+
+def test_a_cache_that_is_not_a_list_of_layer_caches_is_a_clear_error():
+    model, tokenizer = random_llama(seed=1), tiny_tokenizer()
+    for cache, message in ((KVCache(), r"cache must be a list of 2 per-layer KV caches .*got KVCache"),
+                           ([KVCache()], "cache has 1 layers, the model 2"),
+                           ([KVCache(), "x"], r"cache\[1\] must be a KV cache")):
+        with pytest.raises(ValueError, match=message):
+            generate(model, tokenizer, "the then", cache=cache, max_tokens=2)
