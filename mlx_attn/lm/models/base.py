@@ -12,7 +12,7 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_attn.cache import KVCache, RotatingKVCache
 from mlx_attn.lm.validate import FieldError, require_int
 from mlx_attn.ops import scaled_dot_product_attention
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
