@@ -297,3 +297,70 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------- the engine on a model
+def tiny_llama(seed=0, head_dim=8):
+    from mlx.utils import tree_map
+
+    from mlx_attn.lm.models.llama import Llama, LlamaConfig
+
+    mx.random.seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=256)
+    model = Llama(config, backend="reference")
+    # larger random weights than the default init: sharper, tie-free logits
+    model.update(tree_map(lambda w: w * 4, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy_alone(model, prompt, max_tokens):
+    """Dense KV caches, one request: the model's default attention path."""
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache=cache)
+    out = []
+    for _ in range(max_tokens):
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_engine_batch_greedy_equals_each_request_alone(kv_bits):
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama(head_dim=8 if kv_bits is None else 32)
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 64, 11).tolist()
+    prompts = {f"r{i}": (system if i % 2 else []) + rng.integers(0, 64, int(rng.integers(1, 9))).tolist()
+               for i in range(6)}
+    prompts["copy"] = list(prompts["r1"])  # a whole shared prompt
+    max_tokens = {rid: 3 + i % 4 for i, rid in enumerate(prompts)}
+    # 8 pages of 4 tokens: too few for all at once (preemption); budget 12: chunked prefill
+    engine = Engine(model, kv_tokens=32, page_size=4, max_batch_tokens=12, dtype=mx.float32,
+                    kv_bits=kv_bits, group_size=32)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens[rid])
+    got = engine.run_until_idle(max_steps=400)
+    engine.scheduler.check_invariants()
+    # again on the warm prefix cache: a page-aligned prompt shares every page and copies its last
+    for rid, prompt in (("aligned", prompts["r1"][:8]), ("again", prompts["r3"])):
+        prompts[rid], max_tokens[rid] = prompt, 4
+        engine.submit(rid, prompt, 4)
+    cached_before = engine.scheduler.cached_prompt_tokens
+    got.update(engine.run_until_idle(max_steps=400))
+    assert engine.scheduler.copies >= 1 and engine.scheduler.cached_prompt_tokens - cached_before >= 7 + 8
+    assert engine.pool.held_pages == 0
+    if kv_bits is None:
+        for rid, prompt in prompts.items():
+            assert got[rid] == greedy_alone(model, prompt, max_tokens[rid]), rid
+        assert engine.scheduler.preemptions > 0 and engine.pool.cached_pages > 0
+    else:  # quantized pages: the batch equals each request alone on the same quantized pages
+        for rid, prompt in prompts.items():
+            solo = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, dtype=mx.float32,
+                          kv_bits=kv_bits, group_size=32)
+            solo.submit(rid, prompt, max_tokens[rid])
+            assert got[rid] == solo.run_until_idle()[rid], rid

@@ -8,14 +8,17 @@ A layer above the application (``mlx_attn`` <- ``mlx_attn.lm`` <-
 - :mod:`mlx_attn.serve.kv_store`: the K/V pages of every layer (float,
   8- or 4-bit);
 - :mod:`mlx_attn.serve.scheduler`: which request runs which positions in
-  which pages each step, as pure data.
+  which pages each step, as pure data;
+- :mod:`mlx_attn.serve.engine`: runs the plans through the model's own
+  forward with a paged attention hook.
 
 See docs/serving.md.
 """
 
+from mlx_attn.serve.engine import Engine, PagedAttention
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool, PoolExhausted, chain_hash
 from mlx_attn.serve.scheduler import Request, ScheduledRow, Scheduler, StepPlan, StepResult
 
-__all__ = ["PagePool", "PoolExhausted", "chain_hash", "PagedKVStore", "Request", "ScheduledRow", "Scheduler",
+__all__ = ["Engine", "PagedAttention", "PagePool", "PoolExhausted", "chain_hash", "PagedKVStore", "Request", "ScheduledRow", "Scheduler",
            "StepPlan", "StepResult"]

@@ -136,7 +136,10 @@ class Scheduler:
         self.running: list[_Sequence] = []  # admission order
         self._all: dict[Hashable, _Sequence] = {}
         self._clock = 0
-        self.preemptions = 0
+        self.preemptions = 0  # counters, for tests and metrics
+        self.copies = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
 
     # ------------------------------------------------------------ requests
     def submit(self, request: Request) -> None:
@@ -210,6 +213,7 @@ class Scheduler:
             rows.append(self._row(sequence, count))
             planned.add(sequence.request.request_id)
             budget -= count
+        self.copies += len(copies)
         return StepPlan(tuple(rows), tuple(copies), tuple(preempted), self.pool.page_size)
 
     def _row(self, sequence: _Sequence, count: int) -> ScheduledRow:
@@ -239,8 +243,10 @@ class Scheduler:
             sequence.keys.append(parent)
         if whole:  # copy-on-write: the shared last page gets the recomputed last token
             copies.append(pool.make_private(rid, len(matched) - 1))
-        if sequence.cached_tokens is None:
+        if sequence.cached_tokens is None:  # first admission: the prefix-cache hit of its prompt
             sequence.cached_tokens = sequence.num_computed
+            self.prompt_tokens += len(sequence.tokens)
+            self.cached_prompt_tokens += sequence.num_computed
         self.waiting.remove(sequence)
         self._clock += 1
         sequence.admitted, sequence.preempted = self._clock, False
