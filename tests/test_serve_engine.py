@@ -364,3 +364,23 @@ def test_engine_batch_greedy_equals_each_request_alone(kv_bits):
                           kv_bits=kv_bits, group_size=32)
             solo.submit(rid, prompt, max_tokens[rid])
             assert got[rid] == solo.run_until_idle()[rid], rid
+
+
+def test_engine_refuses_bad_requests_and_stops_on_stop_tokens():
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama()
+    engine = Engine(model, kv_tokens=64, page_size=4, dtype=mx.float32)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.submit("a", [1, 64], 2)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit("a", [1.5], 2)
+    with pytest.raises(ValueError, match="context"):
+        engine.submit("a", [1] * 250, 7)
+    with pytest.raises(ValueError, match="can never fit"):
+        engine.submit("a", [1] * 60, 6)
+    want = greedy_alone(model, [3, 4, 5], 6)
+    engine.submit("stop", [3, 4, 5], 6, stop_token_ids=[want[2]])
+    got = engine.run_until_idle()
+    assert got["stop"] == want[: want.index(want[2]) + 1]
+    assert engine.pool.held_pages == 0

@@ -71,8 +71,22 @@ class Engine:
 
     def submit(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
                stop_token_ids: Sequence[int] = ()) -> None:
-        self.scheduler.submit(Request(request_id, tuple(int(t) for t in prompt), max_tokens,
-                                      frozenset(stop_token_ids)))
+        """Queue a request; ``ValueError`` naming ``prompt`` or ``max_tokens``
+        when its tokens are not the model's or it outgrows the model's
+        context, and the scheduler's errors (can never fit the pool)."""
+        config = self.model.config
+        vocab = config.vocab_size
+        tokens = np.asarray(prompt)
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ValueError(f"prompt holds token ids outside the model's vocabulary [0, {vocab})")
+        context = getattr(config, "max_position_embeddings", None)
+        if context is not None and isinstance(max_tokens, int) and len(tokens) + max_tokens > context:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the model's "
+                             f"context of {context} positions")
+        self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
+                                      frozenset(int(t) for t in stop_token_ids)))
 
     def cancel(self, request_id: Hashable) -> bool:
         return self.scheduler.cancel(request_id)
