@@ -384,3 +384,46 @@ def test_engine_refuses_bad_requests_and_stops_on_stop_tokens():
     got = engine.run_until_idle()
     assert got["stop"] == want[: want.index(want[2]) + 1]
     assert engine.pool.held_pages == 0
+
+
+def test_seeded_sampling_is_batch_independent_and_logprobs_are_the_models():
+    from mlx_attn.serve import Engine, SamplingParams
+
+    model = tiny_llama(seed=3)
+    rng = np.random.default_rng(2)
+    prompts = {f"s{i}": rng.integers(0, 64, int(rng.integers(2, 12))).tolist() for i in range(5)}
+    params = {rid: SamplingParams(temperature=1.5, top_k=20 if i % 2 else 0, top_p=0.95, seed=100 + i,
+                                  repetition_penalty=1.2 if i == 3 else 1.0)
+              for i, rid in enumerate(prompts)}
+
+    def serve(rids, kv_tokens, budget):
+        engine = Engine(model, kv_tokens=kv_tokens, page_size=4, max_batch_tokens=budget, dtype=mx.float32)
+        for rid in rids:
+            engine.submit(rid, prompts[rid], 6, sampling=params[rid])
+        out = {}
+        for _ in range(300):
+            if engine.scheduler.idle:
+                return out, engine
+            for o in engine.step():
+                out.setdefault(o.request_id, []).append((o.token, o.logprob))
+        raise AssertionError("engine did not finish")
+
+    batch, engine = serve(list(prompts), kv_tokens=40, budget=9)  # small pool, chunked prefill
+    assert engine.sampling == {} and engine.generated == {}  # finished requests forgotten
+    for rid in prompts:
+        alone_out, _ = serve([rid], kv_tokens=64, budget=64)
+        assert [t for t, _ in batch[rid]] == [t for t, _ in alone_out[rid]], rid
+        np.testing.assert_allclose([lp for _, lp in batch[rid]], [lp for _, lp in alone_out[rid]], atol=1e-4)
+    # the logprob is the model's: dense forward over the request's own tokens
+    rid = "s0"
+    tokens = prompts[rid] + [t for t, _ in batch[rid]]
+    logits = model(mx.array([tokens[:-1]])).astype(mx.float32)[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    n = len(prompts[rid])
+    want = [logprobs[n - 1 + i, t].item() for i, (t, _) in enumerate(batch[rid])]
+    np.testing.assert_allclose([lp for _, lp in batch[rid]], want, atol=1e-4)
+    assert len({tuple(t for t, _ in v) for v in batch.values()}) > 1
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-3)

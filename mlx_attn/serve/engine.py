@@ -6,11 +6,12 @@ position per token) and runs ``model(tokens, attention=PagedAttention(...))``
 for each layer the hook writes the new tokens' keys and values into their
 pages and calls :func:`mlx_attn.paged.paged_attention` over every sequence's
 block table. The logits of each sampling row's last token give its next token
-(greedy here: argmax).
+(per-request sampling, :mod:`mlx_attn.serve.sampling`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
@@ -19,9 +20,20 @@ import numpy as np
 from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
-from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan, StepResult
+from mlx_attn.serve.sampling import SamplingParams, sample_token
+from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
 
-__all__ = ["PagedAttention", "Engine"]
+__all__ = ["PagedAttention", "Engine", "Output"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One generated token of a request."""
+
+    request_id: Hashable
+    token: int
+    logprob: float  # under the model's distribution, before sampling filters
+    finished: bool  # max_tokens reached or a stop token
 
 
 class PagedAttention(AttentionHook):
@@ -68,9 +80,11 @@ class Engine:
         self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim, dtype=dtype,
                                   bits=kv_bits, group_size=group_size)
         self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        self.sampling: dict[Hashable, SamplingParams] = {}
+        self.generated: dict[Hashable, int] = {}
 
     def submit(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
-               stop_token_ids: Sequence[int] = ()) -> None:
+               stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None) -> None:
         """Queue a request; ``ValueError`` naming ``prompt`` or ``max_tokens``
         when its tokens are not the model's or it outgrows the model's
         context, and the scheduler's errors (can never fit the pool)."""
@@ -85,20 +99,37 @@ class Engine:
         if context is not None and isinstance(max_tokens, int) and len(tokens) + max_tokens > context:
             raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the model's "
                              f"context of {context} positions")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
                                       frozenset(int(t) for t in stop_token_ids)))
+        self.sampling[request_id] = sampling or SamplingParams()
+        self.generated[request_id] = 0
 
     def cancel(self, request_id: Hashable) -> bool:
+        """Stop a request and free its pages at once; False if unknown."""
+        self._forget(request_id)
         return self.scheduler.cancel(request_id)
 
-    def step(self) -> list[StepResult]:
+    def _forget(self, request_id: Hashable) -> None:
+        for table in (self.sampling, self.generated):
+            table.pop(request_id, None)
+
+    def step(self) -> list[Output]:
         """Schedule, run the model on the plan, commit the sampled tokens."""
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
-        return self.scheduler.commit(plan, self._run(plan))
+        sampled = self._run(plan)
+        results = self.scheduler.commit(plan, {rid: token for rid, (token, _) in sampled.items()})
+        outputs = []
+        for result in results:
+            if result.finished:
+                self._forget(result.request_id)
+            outputs.append(Output(result.request_id, result.token, sampled[result.request_id][1], result.finished))
+        return outputs
 
-    def _run(self, plan: StepPlan) -> dict[Hashable, int]:
+    def _run(self, plan: StepPlan) -> dict[Hashable, tuple[int, float]]:
         arrays = plan.arrays()
         self.store.copy(plan.copies)
         logits = self.model(mx.array(arrays["tokens"])[None], attention=PagedAttention(self.store, arrays))[0]
@@ -107,9 +138,15 @@ class Engine:
         if not sampling:
             mx.eval(self.store.keys, self.store.values)
             return {}
-        chosen = mx.argmax(logits[mx.array([end for _, end in sampling])], axis=-1)
-        mx.eval(chosen, self.store.keys, self.store.values)
-        return {rid: int(t) for (rid, _), t in zip(sampling, chosen.tolist())}
+        rows = logits[mx.array([end for _, end in sampling])]
+        mx.eval(rows, self.store.keys, self.store.values)
+        chosen = {}
+        for (rid, _), row in zip(sampling, rows):
+            index = self.generated[rid]
+            token, logprob = sample_token(row, self.sampling[rid], self.scheduler.tokens(rid), index)
+            self.generated[rid] = index + 1
+            chosen[rid] = (token, logprob)
+        return chosen
 
     def run_until_idle(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; the generated tokens of each."""
