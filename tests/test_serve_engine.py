@@ -200,6 +200,9 @@ def test_prefix_cache_hit_and_copy_on_write():
     assert len(plan.copies) == 1 and plan.rows[0].start == 7 and plan.rows[0].tokens == (2,)
     harness.drain()
     assert harness.outputs["again"] == harness.outputs["first"] == alone(prompt, 2)
+    stats = harness.scheduler.stats()
+    assert stats["prompt_tokens"] == 16 and stats["cached_prompt_tokens"] == 7 and stats["copies"] == 1
+    assert stats["pages_held"] == 0 and stats["pages_cached"] + stats["pages_free"] == 16
 
 
 def test_refusal_waiting_cancel_and_budget():
@@ -427,3 +430,13 @@ def test_seeded_sampling_is_batch_independent_and_logprobs_are_the_models():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=-3)
+
+
+def test_nothing_below_serve_imports_it():
+    from pathlib import Path
+
+    import mlx_attn
+
+    root = Path(mlx_attn.__file__).parent
+    below = [p for p in root.rglob("*.py") if "serve" not in p.relative_to(root).parts]
+    assert below and not [p for p in below if "mlx_attn.serve" in p.read_text() or "from . import serve" in p.read_text()]

@@ -324,6 +324,18 @@ class Scheduler:
             results.append(StepResult(rid, token, done))
         return results
 
+    def stats(self) -> dict[str, int | float]:
+        """Counts for metrics: requests, pages, prefix-cache hits, preemptions."""
+        pool = self.pool
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "pages_total": pool.num_pages, "pages_held": pool.held_pages, "pages_cached": pool.cached_pages,
+            "pages_free": pool.free_pages, "evictions": pool.evictions, "preemptions": self.preemptions,
+            "copies": self.copies, "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        }
+
     # ------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         pool, size = self.pool, self.pool.page_size
