@@ -7,7 +7,8 @@ A step holds, under a token budget (``max_batch_tokens``):
 2. the next prefill chunk of every admitted request still prefilling;
 3. chunks of waiting requests, admitted first come first served while the
    pool has pages for their whole prompt (less the pages found in the prefix
-   cache); a request that does not fit waits, and so do those behind it.
+   cache); a request that does not fit waits, and so do those behind it; no
+   request is admitted in a step that had to preempt.
 
 A request that can never fit (its prompt plus ``max_tokens`` need more pages
 than the pool has) is refused at :meth:`Scheduler.submit` with a
@@ -205,7 +206,10 @@ class Scheduler:
             rows.append(self._row(sequence, count))
             planned.add(sequence.request.request_id)
             budget -= count
-        while budget > 0 and self.waiting and (self.max_running is None or len(self.running) < self.max_running):
+        # no admission in a step that preempted: the pool is short (and the
+        # preempted request would only be readmitted to be preempted again)
+        while (budget > 0 and self.waiting and not preempted
+               and (self.max_running is None or len(self.running) < self.max_running)):
             sequence = self.waiting[0]
             if not self._admit(sequence, copies):
                 break
