@@ -1,0 +1,430 @@
+"""Paged, ragged attention: a batch of sequences of different lengths whose
+keys and values live in fixed-size pages addressed through a block table.
+
+:func:`paged_attention` takes the query rows of every sequence packed in
+batch order (no padding) and K/V pages shared by all sequences::
+
+    q            [total_q, Hq, D]          q_lens[b] rows for sequence b, in batch order
+    k_pages      [num_pages, Hkv, page_size, D]
+    v_pages      [num_pages, Hkv, page_size, Dv]
+    block_table  int32 [B, max_pages]       key j of sequence b is slot j % page_size
+                                            of page block_table[b, j // page_size]
+    kv_lens      int32 [B]                  keys of sequence b
+    q_lens       int32 [B] or None          query rows of sequence b (None: one each, decode)
+
+Query row ``i`` of sequence ``b`` sits at position ``kv_lens[b] - q_lens[b] + i``
+(bottom-right aligned), so decode rows (``q_lens[b] == 1``) and chunked-prefill
+rows mix in one call. The output is ``[total_q, Hq, Dv]``. Masks follow the
+dense op's rules (:func:`mlx_attn.scaled_dot_product_attention`): causal,
+sliding window (implies causal), sinks, saturated logits, rows that see no key
+give zeros; float16 / bfloat16 / float32 with float32 softmax; GQA/MQA without
+repeating K/V.
+
+Only the first ``ceil(kv_lens[b] / page_size)`` entries of row ``b`` of the
+block table are read (the rest may hold anything, e.g. ``-1``); those must be
+page indices in ``[0, num_pages)``. Pages may be shared between sequences and
+``page_size`` need not divide any length. The host checks the integer
+arguments' values (one small device-to-host read of ``block_table``,
+``kv_lens`` and ``q_lens``), so the call cannot be traced by ``mx.compile``.
+
+:func:`quantized_paged_attention` is the sibling for pages stored in the
+``QuantizedKVCache`` format (``mx.quantize`` triples per page, 4 or 8 bits).
+
+Implementations: today only the reference (``backend="reference"``, what
+``"auto"`` picks): gather each sequence's pages into contiguous K/V and run
+:func:`mlx_attn.reference.reference_attention` per sequence. No fused paged
+kernel exists yet (``backend="fused"`` raises). Inference only: asking for a
+gradient raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_attn import quantized
+from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _device_type
+from mlx_attn.reference import reference_attention
+
+__all__ = [
+    "paged_attention",
+    "quantized_paged_attention",
+    "paged_attention_path",
+    "gather_pages",
+    "PagedPath",
+]
+
+PagedPath = Literal["reference"]
+_BACKENDS = ("auto", "fused", "reference")
+_NO_FUSED = "no fused paged attention kernel exists yet; use backend='auto' or 'reference'"
+_INFERENCE_ONLY = (
+    "paged_attention is inference only: it has no gradient (use mlx_attn.scaled_dot_product_attention "
+    "on contiguous K/V to train)"
+)
+# Windows beyond any position are plain causal attention (the dense op's limit).
+_WINDOW_LIMIT = 2**31 - 1
+
+
+def _shape(a) -> str:
+    return "(" + ", ".join(str(d) for d in a.shape) + ")"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The host-side facts of a checked call: per-sequence lengths and the
+    block-table rows actually read (plain Python ints)."""
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    pages: list[list[int]]  # the pages each sequence reads, in key order
+    heads: int
+    kv_heads: int
+    page_size: int
+    value_dim: int
+
+
+def _check_mx(name: str, a, ndim: int, meaning: str) -> mx.array:
+    if not isinstance(a, mx.array):
+        raise ValueError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim} {meaning}, got shape {_shape(a)}")
+    return a
+
+
+def _check_int32(name: str, a, ndim: int, meaning: str) -> np.ndarray:
+    _check_mx(name, a, ndim, meaning)
+    if a.dtype != mx.int32:
+        raise ValueError(f"{name} must be int32, got {a.dtype}")
+    return np.asarray(a) if a.size else np.zeros(a.shape, np.int32)
+
+
+def _check_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens) -> _Layout:
+    """Shapes of q and the pages (given as 4-d shapes) and the values of the
+    integer arguments, checked on the host."""
+    total_q, heads, head_dim = q.shape
+    _, kv_heads, page_size, k_dim = k_shape
+    if k_shape[:3] != v_shape[:3]:
+        raise ValueError(
+            f"k_pages {k_shape} and v_pages {v_shape} must agree on [num_pages, kv_heads, page_size]"
+        )
+    if k_dim != head_dim:
+        raise ValueError(f"q and k_pages need the same head dim: q {_shape(q)}, k_pages {k_shape}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"the number of query heads ({heads}) must be a multiple of the number of key/value heads "
+            f"({kv_heads}) of k_pages"
+        )
+    if page_size == 0:
+        raise ValueError(f"k_pages must have page_size >= 1, got shape {k_shape}")
+
+    table = _check_int32("block_table", block_table, 2, "[batch, max_pages]")
+    batch, max_pages = table.shape
+    kv = _check_int32("kv_lens", kv_lens, 1, "[batch]")
+    if kv.shape[0] != batch:
+        raise ValueError(f"kv_lens must have shape [batch] = [{batch}] (block_table's rows), got {kv.shape}")
+    if q_lens is None:
+        ql = np.ones(batch, np.int32)
+        what = "q_lens (None: one query row per sequence)"
+    else:
+        ql = _check_int32("q_lens", q_lens, 1, "[batch]")
+        what = "q_lens"
+        if ql.shape[0] != batch:
+            raise ValueError(f"q_lens must have shape [batch] = [{batch}] (block_table's rows), got {ql.shape}")
+    if (kv < 0).any():
+        raise ValueError(f"kv_lens must be >= 0, got {kv.tolist()}")
+    if (ql < 0).any():
+        raise ValueError(f"q_lens must be >= 0, got {ql.tolist()}")
+    if (ql > kv).any():
+        b = int(np.argmax(ql > kv))
+        raise ValueError(
+            f"{what} must not exceed kv_lens (a query row's own key is in the pages): "
+            f"sequence {b} has q_lens {int(ql[b])} > kv_lens {int(kv[b])}"
+        )
+    if int(ql.sum()) != total_q:
+        raise ValueError(f"q has {total_q} rows but {what} sums to {int(ql.sum())}")
+    needed = (kv.astype(np.int64) + page_size - 1) // page_size
+    if (needed > max_pages).any():
+        b = int(np.argmax(needed > max_pages))
+        raise ValueError(
+            f"kv_lens[{b}] = {int(kv[b])} needs {int(needed[b])} pages of {page_size} keys but block_table "
+            f"has only {max_pages} columns"
+        )
+    pages = []
+    for b in range(batch):
+        row = table[b, : needed[b]]
+        bad = (row < 0) | (row >= num_pages)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"block_table[{b}, {j}] = {int(row[j])} is not a page index in [0, {num_pages}) "
+                f"(sequence {b} reads {int(needed[b])} pages for kv_lens {int(kv[b])})"
+            )
+        pages.append(row.tolist())
+    return _Layout(ql.tolist(), kv.tolist(), pages, heads, kv_heads, page_size, v_shape[3])
+
+
+def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream):
+    scale = _as_scale(scale)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if window_size is not None:
+        if (isinstance(window_size, (bool, np.bool_)) or not isinstance(window_size, (int, np.integer))
+                or window_size < 1):
+            raise ValueError(f"window_size must be a positive integer or None, got {window_size!r}")
+        if not causal:
+            raise ValueError("window_size needs causal=True (a sliding window is causal)")
+        window_size = min(int(window_size), _WINDOW_LIMIT)
+    if sinks is not None:
+        if not isinstance(sinks, mx.array):
+            raise ValueError(f"sinks must be an mlx array, got {type(sinks).__name__}")
+        if sinks.ndim != 1 or sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks must have shape [q_heads] = [{q.shape[1]}], got {_shape(sinks)}")
+        if not mx.issubdtype(sinks.dtype, mx.floating):
+            raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
+        if mx.result_type(sinks.dtype, dtype) != dtype:
+            raise ValueError(f"sinks dtype {sinks.dtype} must promote to the output dtype {dtype}")
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+    if backend == "fused":
+        raise ValueError(f"backend='fused' is not possible: {_NO_FUSED}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+    _device_type(stream)  # raises for a stream of the wrong type
+    return scale, bool(causal), window_size
+
+
+def _check_float(name: str, a, ndim: int, meaning: str) -> mx.array:
+    _check_mx(name, a, ndim, meaning)
+    if a.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {a.dtype}")
+    return a
+
+
+def gather_pages(pages: mx.array, page_ids, length: int) -> mx.array:
+    """The ``[Hkv, length, D]`` contiguous keys (or values) of one sequence:
+    its pages ``page_ids`` (in key order) joined along the token axis."""
+    if length == 0:
+        return mx.zeros((pages.shape[1], 0, pages.shape[3]), dtype=pages.dtype)
+    taken = pages[mx.array(page_ids, dtype=mx.int32)]  # [n, Hkv, P, D]
+    joined = mx.flatten(taken.swapaxes(0, 1), 1, 2)  # [Hkv, n * P, D]
+    return joined[:, :length]
+
+
+def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return_lse):
+    """The reference: per sequence, fetch its contiguous K/V and run the
+    reference SDPA on its query rows. ``fetch(b) -> (k, v)``, ``[Hkv, T, D]``."""
+    outs, lses = [], []
+    start = 0
+    for b, (q_len, kv_len) in enumerate(zip(layout.q_lens, layout.kv_lens)):
+        if q_len == 0:
+            continue
+        k, v = fetch(b)
+        rows = q[start : start + q_len].swapaxes(0, 1)[None]  # [1, Hq, q_len, D]
+        start += q_len
+        result = reference_attention(
+            rows, k[None], v[None], scale=scale, mask="causal" if causal else None, sinks=sinks,
+            window_size=window_size, return_lse=return_lse,
+        )
+        out, lse = result if return_lse else (result, None)
+        outs.append(out[0].swapaxes(0, 1))  # [q_len, Hq, Dv]
+        if return_lse:
+            lses.append(lse[0].swapaxes(0, 1))  # [q_len, Hq]
+    if not outs:
+        out = mx.zeros((0, layout.heads, layout.value_dim), dtype=q.dtype)
+        lse = mx.zeros((0, layout.heads), dtype=mx.float32)
+    else:
+        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        lse = (mx.concatenate(lses) if len(lses) > 1 else lses[0]) if return_lse else None
+    return [out, lse] if return_lse else [out]
+
+
+def _inference_only(compute, arrays: list[mx.array]):
+    """``compute(*arrays)`` whose gradient raises a clear error (the reference
+    would differentiate, but no fused kernel will: one contract for both)."""
+
+    @mx.custom_function
+    def run(*arrays):
+        return compute(*arrays)
+
+    @run.vjp
+    def _vjp(primals, cotangents, outputs):
+        raise ValueError(_INFERENCE_ONLY)
+
+    @run.jvp
+    def _jvp(primals, tangents):
+        raise ValueError(_INFERENCE_ONLY)
+
+    return run(*arrays)
+
+
+def _stream_scope(stream):
+    return mx.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0, causal=True,
+                         window_size=None, sinks=None, backend="auto", return_lse=False,
+                         stream=None) -> PagedPath:
+    """Which implementation :func:`paged_attention` uses for these arguments
+    (validated as the call does): today always ``"reference"``;
+    ``backend="fused"`` raises ``ValueError``."""
+    _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
+             return_lse, stream)
+    return "reference"
+
+
+def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
+             return_lse, stream):
+    _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
+    _check_float("k_pages", k_pages, 4, "[num_pages, kv_heads, page_size, head_dim]")
+    _check_float("v_pages", v_pages, 4, "[num_pages, kv_heads, page_size, value_dim]")
+    dtype = mx.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
+    layout = _check_layout(q, tuple(k_pages.shape), tuple(v_pages.shape), k_pages.shape[0], block_table,
+                           kv_lens, q_lens)
+    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream)
+    return dtype, layout, options
+
+
+def paged_attention(
+    q: mx.array,
+    k_pages: mx.array,
+    v_pages: mx.array,
+    block_table: mx.array,
+    kv_lens: mx.array,
+    *,
+    q_lens: mx.array | None = None,
+    scale: float,
+    causal: bool = True,
+    window_size: int | None = None,
+    sinks: mx.array | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array | tuple[mx.array, mx.array]:
+    """Attention of packed, ragged query rows over paged K/V (see the module doc).
+
+    Args:
+        q: ``[total_q, Hq, D]``, the rows of every sequence in batch order.
+        k_pages: ``[num_pages, Hkv, page_size, D]``, ``Hq % Hkv == 0``.
+        v_pages: ``[num_pages, Hkv, page_size, Dv]``.
+        block_table: int32 ``[B, max_pages]``; row ``b`` lists sequence
+            ``b``'s pages in key order (only the first
+            ``ceil(kv_lens[b] / page_size)`` entries are read).
+        kv_lens: int32 ``[B]``, keys of each sequence (0 allowed).
+        q_lens: int32 ``[B]``, query rows of each sequence (0 allowed,
+            ``<= kv_lens``, summing to ``total_q``); ``None``: one row each.
+        scale: multiplies ``q @ k^T`` (as in the dense op).
+        causal: row ``i`` of sequence ``b`` (at position
+            ``kv_lens[b] - q_lens[b] + i``) sees keys at or before its
+            position; ``False``: every key of its sequence.
+        window_size: each row sees at most this many most recent keys
+            (itself included); needs ``causal=True``.
+        sinks: optional ``[Hq]`` logits joining each head's softmax.
+        backend: ``"auto"`` or ``"reference"`` (``"fused"`` raises: no fused
+            paged kernel exists yet).
+        return_lse: also return the row log-sum-exp, float32 ``[total_q, Hq]``
+            (``-inf`` for a row that sees no key).
+        stream: stream or device to run on.
+
+    Returns:
+        ``[total_q, Hq, Dv]`` in the promoted dtype of ``q``, ``k_pages`` and
+        ``v_pages`` (and the log-sum-exp with ``return_lse``).
+
+    Raises:
+        ValueError: naming the offending argument (shapes, dtypes, lengths,
+        block-table entries); also when a gradient is asked for.
+    """
+    dtype, layout, (scale, causal, window_size) = _prepare(
+        q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
+        return_lse, stream,
+    )
+
+    def compute(q, k_pages, v_pages, *maybe_sinks):
+        q, k_pages, v_pages = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k_pages, v_pages))
+
+        def fetch(b):
+            pages, length = layout.pages[b], layout.kv_lens[b]
+            return gather_pages(k_pages, pages, length), gather_pages(v_pages, pages, length)
+
+        return _attend(q, layout, fetch, scale, causal, window_size, maybe_sinks[0] if maybe_sinks else None,
+                       return_lse)
+
+    with _stream_scope(stream):
+        outputs = _inference_only(compute, [q, k_pages, v_pages] + ([sinks] if sinks is not None else []))
+    return tuple(outputs) if return_lse else outputs[0]
+
+
+def _check_quantized_pages(name: str, pages, group_size: int, bits: int):
+    """A ``(packed, scales, biases)`` triple of pages: ``mx.quantize`` of
+    ``[num_pages, Hkv, page_size, D]`` (the ``QuantizedKVCache`` format)."""
+    return quantized._check_triple(name, pages, group_size, bits)
+
+
+def quantized_paged_attention(
+    q: mx.array,
+    k_pages,
+    v_pages,
+    block_table: mx.array,
+    kv_lens: mx.array,
+    *,
+    q_lens: mx.array | None = None,
+    scale: float,
+    group_size: int = 64,
+    bits: int = 8,
+    causal: bool = True,
+    window_size: int | None = None,
+    sinks: mx.array | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array | tuple[mx.array, mx.array]:
+    """:func:`paged_attention` over quantized pages.
+
+    ``k_pages`` and ``v_pages`` are ``(packed, scales, biases)`` triples as
+    ``mx.quantize(pages, group_size, bits)`` returns them for float pages
+    ``[num_pages, Hkv, page_size, D]`` (the ``QuantizedKVCache`` format,
+    one scale and bias per ``group_size`` features of each token): packed
+    uint32 ``[num_pages, Hkv, page_size, D * bits / 32]``, scales and biases
+    ``[num_pages, Hkv, page_size, D / group_size]`` in one float dtype.
+    ``bits`` 4 or 8, ``group_size`` 32/64/128. The reference dequantizes
+    each sequence's gathered pages, then attends in the dtype ``q`` and the
+    scales promote to. Everything else as :func:`paged_attention`.
+    """
+    group_size, bits = quantized.check_quantization(group_size, bits)
+    k_pages = _check_quantized_pages("k_pages", k_pages, group_size, bits)
+    v_pages = _check_quantized_pages("v_pages", v_pages, group_size, bits)
+    _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
+    if k_pages[1].dtype != v_pages[1].dtype:
+        raise ValueError(f"k_pages and v_pages scales need one dtype, got {k_pages[1].dtype} and {v_pages[1].dtype}")
+    dtype = mx.result_type(q.dtype, k_pages[1].dtype)
+    k_shape = (*k_pages[0].shape[:3], quantized.quantized_head_dim(k_pages[0], bits))
+    v_shape = (*v_pages[0].shape[:3], quantized.quantized_head_dim(v_pages[0], bits))
+    layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+    scale, causal, window_size = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse,
+                                                stream)
+
+    def compute(q, *arrays):
+        k_parts, v_parts, maybe_sinks = arrays[:3], arrays[3:6], arrays[6:]
+        q = q.astype(dtype)
+
+        def fetch(b):
+            pages, length = layout.pages[b], layout.kv_lens[b]
+            k, v = (
+                quantized.dequantize(tuple(gather_pages(part, pages, length) for part in parts), group_size, bits)
+                .astype(dtype)
+                for parts in (k_parts, v_parts)
+            )
+            return k, v
+
+        return _attend(q, layout, fetch, scale, causal, window_size, maybe_sinks[0] if maybe_sinks else None,
+                       return_lse)
+
+    with _stream_scope(stream):
+        outputs = _inference_only(
+            compute, [q, *k_pages, *v_pages] + ([sinks] if sinks is not None else [])
+        )
+    return tuple(outputs) if return_lse else outputs[0]
+

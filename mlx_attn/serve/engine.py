@@ -1,0 +1,159 @@
+"""The engine: runs the scheduler's plans through the model's own forward.
+
+Each step packs the plan's rows into one row of tokens (``B = 1``, one
+position per token) and runs ``model(tokens, attention=PagedAttention(...))``
+(the decoder's attention hook, :class:`mlx_attn.lm.models.base.AttentionHook`):
+for each layer the hook writes the new tokens' keys and values into their
+pages and calls :func:`mlx_attn.paged.paged_attention` over every sequence's
+block table. The logits of each sampling row's last token give its next token
+(per-request sampling, :mod:`mlx_attn.serve.sampling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
+from mlx_attn.serve.kv_store import PagedKVStore
+from mlx_attn.serve.pages import PagePool
+from mlx_attn.serve.sampling import SamplingParams, sample_token
+from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
+
+__all__ = ["PagedAttention", "Engine", "Output"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One generated token of a request."""
+
+    request_id: Hashable
+    token: int
+    logprob: float  # under the model's distribution, before sampling filters
+    finished: bool  # max_tokens reached or a stop token
+
+
+class PagedAttention(AttentionHook):
+    """The attention hook of one step: K/V into pages, paged attention out."""
+
+    def __init__(self, store: PagedKVStore, arrays: dict[str, np.ndarray]):
+        self.store = store
+        self.arrays = {name: mx.array(value) for name, value in arrays.items()}
+
+    def positions(self, length: int) -> mx.array:
+        return self.arrays["positions"]
+
+    def __call__(self, layer: LayerAttention, queries, keys, values):
+        a = self.arrays
+        rows = lambda x: x[0].swapaxes(0, 1)  # noqa: E731  [1, H, T, D] -> [T, H, D]
+        self.store.write(layer.index, a["write_pages"], a["write_slots"], rows(keys), rows(values))
+        out = self.store.attend(layer.index, rows(queries), a["block_table"], a["kv_lens"], a["q_lens"],
+                                scale=layer.scale, window_size=layer.window_size)
+        return out.swapaxes(0, 1)[None]
+
+
+class Engine:
+    """A model, its page pool and K/V pages, and the scheduler.
+
+    ``kv_tokens``: the pool's capacity in tokens, all requests together
+    (rounded up to whole pages); ``kv_bits``: None (pages in ``dtype``), 8 or
+    4 (``mx.quantize`` pages of ``group_size`` features)."""
+
+    def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
+                 max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
+                 dtype=mx.float16):
+        if not isinstance(model, Decoder):
+            raise ValueError(f"model must be an mlx_attn.lm Decoder, got {type(model).__name__}")
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+        self.model = model
+        layers = model.attention_layers()
+        config = model.config
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        head_dim = layers[0].head_dim
+        if kv_heads is None or head_dim is None:
+            raise ValueError("model must declare num_key_value_heads (config) and head_dim (attention_layers)")
+        self.pool = PagePool(-(-kv_tokens // page_size), page_size)
+        self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim, dtype=dtype,
+                                  bits=kv_bits, group_size=group_size)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        self.sampling: dict[Hashable, SamplingParams] = {}
+        self.generated: dict[Hashable, int] = {}
+
+    def submit(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
+               stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None) -> None:
+        """Queue a request; ``ValueError`` naming ``prompt`` or ``max_tokens``
+        when its tokens are not the model's or it outgrows the model's
+        context, and the scheduler's errors (can never fit the pool)."""
+        config = self.model.config
+        vocab = config.vocab_size
+        tokens = np.asarray(prompt)
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ValueError(f"prompt holds token ids outside the model's vocabulary [0, {vocab})")
+        context = getattr(config, "max_position_embeddings", None)
+        if context is not None and isinstance(max_tokens, int) and len(tokens) + max_tokens > context:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the model's "
+                             f"context of {context} positions")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
+                                      frozenset(int(t) for t in stop_token_ids)))
+        self.sampling[request_id] = sampling or SamplingParams()
+        self.generated[request_id] = 0
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Stop a request and free its pages at once; False if unknown."""
+        self._forget(request_id)
+        return self.scheduler.cancel(request_id)
+
+    def _forget(self, request_id: Hashable) -> None:
+        for table in (self.sampling, self.generated):
+            table.pop(request_id, None)
+
+    def step(self) -> list[Output]:
+        """Schedule, run the model on the plan, commit the sampled tokens."""
+        plan = self.scheduler.schedule()
+        if not plan.rows:
+            return []
+        sampled = self._run(plan)
+        results = self.scheduler.commit(plan, {rid: token for rid, (token, _) in sampled.items()})
+        outputs = []
+        for result in results:
+            if result.finished:
+                self._forget(result.request_id)
+            outputs.append(Output(result.request_id, result.token, sampled[result.request_id][1], result.finished))
+        return outputs
+
+    def _run(self, plan: StepPlan) -> dict[Hashable, tuple[int, float]]:
+        arrays = plan.arrays()
+        self.store.copy(plan.copies)
+        logits = self.model(mx.array(arrays["tokens"])[None], attention=PagedAttention(self.store, arrays))[0]
+        ends = np.cumsum(arrays["q_lens"]) - 1
+        sampling = [(row.request_id, int(end)) for row, end in zip(plan.rows, ends) if row.sample]
+        if not sampling:
+            mx.eval(self.store.keys, self.store.values)
+            return {}
+        rows = logits[mx.array([end for _, end in sampling])]
+        mx.eval(rows, self.store.keys, self.store.values)
+        chosen = {}
+        for (rid, _), row in zip(sampling, rows):
+            index = self.generated[rid]
+            token, logprob = sample_token(row, self.sampling[rid], self.scheduler.tokens(rid), index)
+            self.generated[rid] = index + 1
+            chosen[rid] = (token, logprob)
+        return chosen
+
+    def run_until_idle(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
+        """Step until every request finished; the generated tokens of each."""
+        out: dict[Hashable, list[int]] = {}
+        for _ in range(max_steps):
+            if self.scheduler.idle:
+                return out
+            for result in self.step():
+                out.setdefault(result.request_id, []).append(result.token)
+        raise RuntimeError(f"requests still running after {max_steps} steps")

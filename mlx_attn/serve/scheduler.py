@@ -1,0 +1,362 @@
+"""The scheduler: each step, which request runs which token positions in
+which pages, as pure data (:class:`StepPlan`); no model, no arrays of K/V.
+
+A step holds, under a token budget (``max_batch_tokens``):
+
+1. the decode row of every running request (one token each, oldest first);
+2. the next prefill chunk of every admitted request still prefilling;
+3. chunks of waiting requests, admitted first come first served while the
+   pool has pages for their whole prompt (less the pages found in the prefix
+   cache); a request that does not fit waits, and so do those behind it; no
+   request is admitted in a step that had to preempt.
+
+A request that can never fit (its prompt plus ``max_tokens`` need more pages
+than the pool has) is refused at :meth:`Scheduler.submit` with a
+``ValueError``. When a decode row needs a page and none is free or cached,
+the most recently admitted request not yet in this step is preempted: its
+pages are released (its full pages stay in the prefix cache) and it goes
+back to the front of the queue, to be recomputed from its prompt and the
+tokens it generated. The oldest request is never preempted by a younger one,
+so it always progresses and, fitting the pool alone, finishes.
+
+After the model ran a plan, :meth:`Scheduler.commit` records the computed
+positions, indexes the pages that became full and appends the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted
+
+__all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult"]
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: Hashable
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One request's rows in a step: the tokens at positions
+    ``start .. start + len(tokens) - 1``, attending to keys ``0 .. kv_len - 1``
+    in the pages of ``block_table``; ``sample``: the last row's logits give
+    the request's next token."""
+
+    request_id: Hashable
+    start: int
+    tokens: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sample: bool
+
+    @property
+    def kv_len(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: tuple[ScheduledRow, ...]
+    copies: tuple[tuple[int, int], ...]  # copy-on-write (source, destination) pages, before the forward
+    preempted: tuple[Hashable, ...]
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The step as int32 arrays: ``tokens``, ``positions``, ``write_pages``
+        and ``write_slots`` (``[total]``, where each token's K/V goes),
+        ``q_lens``, ``kv_lens`` (``[B]``) and ``block_table`` (``[B, max_pages]``,
+        padded with -1), the arguments of :func:`mlx_attn.paged.paged_attention`."""
+        size = self.page_size
+        positions = [np.arange(r.start, r.kv_len) for r in self.rows]
+        pages = [np.asarray(r.block_table, np.int32)[p // size] for r, p in zip(self.rows, positions)]
+        width = max([len(r.block_table) for r in self.rows] + [1])
+        table = np.full((len(self.rows), width), -1, np.int32)
+        for b, r in enumerate(self.rows):
+            table[b, : len(r.block_table)] = r.block_table
+        join = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
+        return {
+            "tokens": join([np.asarray(r.tokens) for r in self.rows]),
+            "positions": join(positions),
+            "write_pages": join(pages),
+            "write_slots": join([p % size for p in positions]),
+            "q_lens": np.array([len(r.tokens) for r in self.rows], np.int32),
+            "kv_lens": np.array([r.kv_len for r in self.rows], np.int32),
+            "block_table": table,
+        }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    request_id: Hashable
+    token: int
+    finished: bool  # max_tokens reached or a stop token
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    tokens: list[int]
+    arrival: int
+    num_computed: int = 0  # positions whose K/V is in the pages
+    keys: list[bytes] = field(default_factory=list)  # chain keys of its full computed pages
+    generated: int = 0
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    admitted: int = -1  # admission clock, for the preemption order
+    preempted: bool = False  # waiting again after a preemption
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+def pages_needed(length: int, page_size: int) -> int:
+    return math.ceil(length / page_size)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None):
+        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+        if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
+                                        or max_running < 1):
+            raise ValueError(f"max_running must be a positive integer or None, got {max_running!r}")
+        self.pool, self.max_batch_tokens, self.max_running = pool, max_batch_tokens, max_running
+        self.waiting: list[_Sequence] = []
+        self.running: list[_Sequence] = []  # admission order
+        self._all: dict[Hashable, _Sequence] = {}
+        self._clock = 0
+        self.preemptions = 0  # counters, for tests and metrics
+        self.copies = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+
+    # ------------------------------------------------------------ requests
+    def submit(self, request: Request) -> None:
+        """Queue a request; ``ValueError`` when it is malformed or can never
+        fit the pool."""
+        if request.request_id in self._all:
+            raise ValueError(f"request_id {request.request_id!r} is already queued or running")
+        if len(request.prompt) == 0:
+            raise ValueError("prompt must hold at least one token")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        # the last generated token is never fed back: its K/V is never stored
+        most = pages_needed(len(request.prompt) + request.max_tokens - 1, self.pool.page_size)
+        if most > self.pool.num_pages:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit: {len(request.prompt)} prompt tokens + max_tokens "
+                f"{request.max_tokens} need {most} pages of {self.pool.page_size} tokens, the pool has "
+                f"{self.pool.num_pages}"
+            )
+        self._clock += 1
+        sequence = _Sequence(request, list(request.prompt), arrival=self._clock)
+        self._all[request.request_id] = sequence
+        self.waiting.append(sequence)
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Forget a request and free its pages at once; False if unknown."""
+        sequence = self._all.pop(request_id, None)
+        if sequence is None:
+            return False
+        if sequence in self.running:
+            self.running.remove(sequence)
+            self.pool.release(request_id)
+        else:
+            self.waiting.remove(sequence)
+        return True
+
+    def tokens(self, request_id: Hashable) -> list[int]:
+        return list(self._all[request_id].tokens)
+
+    def cached_tokens(self, request_id: Hashable) -> int:
+        return self._all[request_id].cached_tokens or 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ------------------------------------------------------------ a step
+    def schedule(self) -> StepPlan:
+        budget = self.max_batch_tokens
+        rows: list[ScheduledRow] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Hashable] = []
+        planned: set[Hashable] = set()
+        # decode rows first, then prefill continuations, each oldest first
+        for sequence in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted)):
+            if budget == 0:
+                break
+            if sequence not in self.running:  # preempted earlier in this step
+                continue
+            count = min(sequence.pending, budget)
+            if not self._reserve(sequence, count, copies, planned, preempted):
+                continue
+            rows.append(self._row(sequence, count))
+            planned.add(sequence.request.request_id)
+            budget -= count
+        # no admission in a step that preempted: the pool is short (and the
+        # preempted request would only be readmitted to be preempted again)
+        while (budget > 0 and self.waiting and not preempted
+               and (self.max_running is None or len(self.running) < self.max_running)):
+            sequence = self.waiting[0]
+            if not self._admit(sequence, copies):
+                break
+            count = min(sequence.pending, budget)
+            rows.append(self._row(sequence, count))
+            planned.add(sequence.request.request_id)
+            budget -= count
+        self.copies += len(copies)
+        return StepPlan(tuple(rows), tuple(copies), tuple(preempted), self.pool.page_size)
+
+    def _row(self, sequence: _Sequence, count: int) -> ScheduledRow:
+        start = sequence.num_computed
+        return ScheduledRow(
+            sequence.request.request_id, start, tuple(sequence.tokens[start : start + count]),
+            tuple(self.pool.tables[sequence.request.request_id]), sample=start + count == len(sequence.tokens),
+        )
+
+    def _admit(self, sequence: _Sequence, copies: list) -> bool:
+        """Give the head of the queue pages for its whole token list, sharing
+        its cached prefix; False (nothing changed) when they are not there."""
+        pool, size, rid = self.pool, self.pool.page_size, sequence.request.request_id
+        matched = pool.lookup(sequence.tokens)
+        total = pages_needed(len(sequence.tokens), size)
+        whole = len(matched) * size == len(sequence.tokens)  # the last token must still be computed
+        fresh = total - len(matched) + (1 if whole else 0)
+        if pool.available - sum(pool.is_cached(p) for p in matched) < fresh:
+            return False
+        pool.acquire(rid, matched)
+        pool.allocate(rid, total - len(matched))
+        sequence.num_computed = min(len(matched) * size, len(sequence.tokens) - 1)
+        sequence.keys = []
+        parent = ROOT_HASH
+        for i in range(len(matched)):
+            parent = pool.register(matched[i], parent, sequence.tokens[i * size : (i + 1) * size])
+            sequence.keys.append(parent)
+        if whole:  # copy-on-write: the shared last page gets the recomputed last token
+            copies.append(pool.make_private(rid, len(matched) - 1))
+        if sequence.cached_tokens is None:  # first admission: the prefix-cache hit of its prompt
+            sequence.cached_tokens = sequence.num_computed
+            self.prompt_tokens += len(sequence.tokens)
+            self.cached_prompt_tokens += sequence.num_computed
+        self.waiting.remove(sequence)
+        self._clock += 1
+        sequence.admitted, sequence.preempted = self._clock, False
+        self.running.append(sequence)
+        return True
+
+    def _reserve(self, sequence: _Sequence, count: int, copies: list, planned: set, preempted: list) -> bool:
+        """Pages for positions up to ``num_computed + count`` of a running
+        request, private where it writes; preempts younger requests when the
+        pool is dry. False when ``sequence`` itself was preempted."""
+        pool, size, rid = self.pool, self.pool.page_size, sequence.request.request_id
+        first, last = sequence.num_computed // size, (sequence.num_computed + count - 1) // size
+        while True:
+            try:
+                missing = last + 1 - len(pool.tables[rid])
+                if missing > 0:
+                    pool.allocate(rid, missing)
+                for position in range(first, last + 1):
+                    copy = pool.make_private(rid, position)
+                    if copy is not None:
+                        copies.append(copy)
+                return True
+            except PoolExhausted:
+                # the youngest request not yet in this step, maybe this one
+                candidates = [s for s in self.running if s.request.request_id not in planned]
+                victim = max(candidates, key=lambda s: s.admitted)
+                self._preempt(victim, preempted)
+                if victim is sequence:
+                    return False
+
+    def _preempt(self, sequence: _Sequence, preempted: list) -> None:
+        rid = sequence.request.request_id
+        self.pool.release(rid)
+        self.running.remove(sequence)
+        sequence.num_computed, sequence.keys, sequence.preempted = 0, [], True
+        # in front of the queue, preempted requests first come first served
+        position = 0
+        while (position < len(self.waiting) and self.waiting[position].preempted
+               and self.waiting[position].arrival < sequence.arrival):
+            position += 1
+        self.waiting.insert(position, sequence)
+        preempted.append(rid)
+        self.preemptions += 1
+
+    # ------------------------------------------------------------ after the forward
+    def commit(self, plan: StepPlan, sampled: dict[Hashable, int]) -> list[StepResult]:
+        """Record a plan the model ran: ``sampled`` maps each row with
+        ``sample=True`` to the token sampled from its last position.
+        Requests cancelled since the plan are skipped."""
+        results = []
+        size = self.pool.page_size
+        for row in plan.rows:
+            sequence = self._all.get(row.request_id)
+            if sequence is None or sequence not in self.running or sequence.num_computed != row.start:
+                continue
+            rid = row.request_id
+            sequence.num_computed = row.kv_len
+            table = self.pool.tables[rid]
+            while (len(sequence.keys) + 1) * size <= sequence.num_computed:
+                i = len(sequence.keys)
+                parent = sequence.keys[-1] if sequence.keys else ROOT_HASH
+                sequence.keys.append(self.pool.register(table[i], parent, sequence.tokens[i * size : (i + 1) * size]))
+            if not row.sample:
+                continue
+            if rid not in sampled:
+                raise ValueError(f"sampled has no token for request {rid!r}, whose row samples")
+            token = int(sampled[rid])
+            sequence.tokens.append(token)
+            sequence.generated += 1
+            done = sequence.generated >= sequence.request.max_tokens or token in sequence.request.stop_token_ids
+            if done:
+                self.pool.release(rid)
+                self.running.remove(sequence)
+                del self._all[rid]
+            results.append(StepResult(rid, token, done))
+        return results
+
+    def stats(self) -> dict[str, int | float]:
+        """Counts for metrics: requests, pages, prefix-cache hits, preemptions."""
+        pool = self.pool
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "pages_total": pool.num_pages, "pages_held": pool.held_pages, "pages_cached": pool.cached_pages,
+            "pages_free": pool.free_pages, "evictions": pool.evictions, "preemptions": self.preemptions,
+            "copies": self.copies, "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        }
+
+    # ------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        pool, size = self.pool, self.pool.page_size
+        pool.check_invariants()
+        running_ids = {s.request.request_id for s in self.running}
+        assert set(pool.tables) == running_ids, "page holders differ from the running requests"
+        assert len(running_ids) == len(self.running), "a request runs twice"
+        assert not ({s.request.request_id for s in self.waiting} & running_ids), "a request waits and runs"
+        assert len(self.waiting) + len(self.running) == len(self._all), "requests lost or duplicated"
+        for sequence in self.running:
+            table = pool.tables[sequence.request.request_id]
+            assert sequence.pending >= 1, "a running request has no token to compute"
+            assert pages_needed(sequence.num_computed, size) <= len(table) <= pages_needed(len(sequence.tokens), size)
+            assert len(sequence.keys) == sequence.num_computed // size, "chain keys differ from the full pages"
+            for i, page in enumerate(table):
+                if pool.is_indexed(page):
+                    assert pool.indexed_tokens(page) == tuple(sequence.tokens[i * size : (i + 1) * size]), \
+                        f"shared page {page} holds other tokens than request {sequence.request.request_id!r}"
+        if self.max_running is not None:
+            assert len(self.running) <= self.max_running

@@ -1,0 +1,442 @@
+"""mlx_attn.serve: the page pool, the K/V store and the scheduler.
+
+The scheduler is driven by a fake model whose key for the token at position p
+encodes (token, p, a hash of every token up to p): after every step each
+running request's pages, read through its block table, must hold exactly the
+keys of its own tokens. Prefix sharing, copy-on-write, eviction and
+preemption cannot put a wrong page in a table without failing that check.
+Invariants are checked after every operation."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mlx_attn.paged import gather_pages, paged_attention
+from mlx_attn.reference import reference_attention
+from mlx_attn.serve import PagedKVStore, PagePool, PoolExhausted, Request, Scheduler, chain_hash
+from mlx_attn.serve.pages import ROOT_HASH
+
+VOCAB = 3  # a small alphabet: prompts share prefixes often
+DIM = 4
+
+
+def fake_keys(tokens, positions) -> np.ndarray:
+    """``[T, 1, DIM]`` float32 keys: (token, position, prefix hash, 1)."""
+    rows = []
+    for p in positions:
+        prefix = 0
+        for t in tokens[: p + 1]:
+            prefix = (prefix * 7 + int(t) + 1) % 997
+        rows.append([tokens[p], p, prefix, 1.0])
+    return np.asarray(rows, np.float32)[:, None, :]
+
+
+def fake_sample(tokens) -> int:
+    return (sum(tokens) * 5 + len(tokens)) % VOCAB
+
+
+class Harness:
+    """A scheduler, a one-layer store and the fake model."""
+
+    def __init__(self, num_pages, page_size, max_batch_tokens, max_running=None):
+        self.pool = PagePool(num_pages, page_size)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        self.store = PagedKVStore(num_pages, page_size, n_layers=1, n_kv_heads=1, head_dim=DIM, dtype=mx.float32)
+        self.outputs: dict = {}
+        self.finished: dict = {}
+
+    def submit(self, rid, prompt, max_tokens):
+        self.scheduler.submit(Request(rid, tuple(prompt), max_tokens))
+        self.outputs[rid] = []
+
+    def step(self):
+        plan = self.scheduler.schedule()
+        arrays = plan.arrays()
+        self.store.copy(plan.copies)
+        if plan.rows:
+            keys = np.concatenate([fake_keys(self.scheduler.tokens(r.request_id), range(r.start, r.kv_len))
+                                   for r in plan.rows])
+            self.store.write(0, mx.array(arrays["write_pages"]), mx.array(arrays["write_slots"]),
+                             mx.array(keys), mx.array(keys))
+        sampled = {}
+        for row in plan.rows:  # every row reads exactly its own tokens' keys
+            got = np.asarray(gather_pages(self.store.keys[0], list(row.block_table), row.kv_len))
+            tokens = self.scheduler.tokens(row.request_id)
+            np.testing.assert_array_equal(got.swapaxes(0, 1), fake_keys(tokens, range(row.kv_len)))
+            if row.sample:
+                sampled[row.request_id] = fake_sample(tokens)
+        for result in self.scheduler.commit(plan, sampled):
+            self.outputs[result.request_id].append(result.token)
+            if result.finished:
+                self.finished[result.request_id] = True
+        self.scheduler.check_invariants()
+        return plan
+
+    def drain(self, limit=2000):
+        for _ in range(limit):
+            if self.scheduler.idle:
+                return
+            self.step()
+        raise AssertionError("the scheduler did not finish its requests")
+
+
+def alone(prompt, max_tokens):
+    """The tokens a request gets served alone on a large pool."""
+    out, tokens = [], list(prompt)
+    for _ in range(max_tokens):
+        out.append(fake_sample(tokens))
+        tokens.append(out[-1])
+    return out
+
+
+# ---------------------------------------------------------------- the pool
+def test_pool_reference_counts_sharing_and_release():
+    pool = PagePool(6, 2)
+    a = pool.allocate("a", 3)
+    keys, parent = [], ROOT_HASH
+    for i, page in enumerate(a[:2]):
+        parent = pool.register(page, parent, [i, i])
+        keys.append(parent)
+    pool.check_invariants()
+    assert pool.lookup([0, 0, 1, 1, 2]) == a[:2]
+    assert pool.lookup([0, 0, 2, 2]) == a[:1]  # the second page differs
+    assert pool.lookup([1, 1, 1, 1]) == []  # same second page, other parent: no match
+    pool.acquire("b", a[:2])
+    assert pool.refcount[a[0]] == 2
+    pool.check_invariants()
+    pool.release("a")
+    assert pool.free_pages == 4 and pool.held_pages == 2
+    pool.release("b")
+    assert pool.cached_pages == 2 and pool.free_pages == 4
+    pool.check_invariants()
+
+
+def test_pool_copy_on_write_and_lru_eviction():
+    pool = PagePool(3, 2)
+    (page,) = pool.allocate("a", 1)
+    key = pool.register(page, ROOT_HASH, [5, 6])
+    pool.acquire("b", [page])
+    source, destination = pool.make_private("b", 0)
+    assert source == page and destination != page and pool.refcount[page] == 1
+    assert pool.make_private("b", 0) is None  # already private
+    pool.check_invariants()
+    pool.release("a")
+    pool.release("b")
+    assert pool.is_cached(page)
+    pool.allocate("c", 3)  # needs the cached page: evicts it
+    assert pool.evictions == 1 and pool.lookup([5, 6]) == []
+    assert key not in pool._index
+    with pytest.raises(PoolExhausted):
+        pool.allocate("d", 1)
+    pool.check_invariants()
+
+
+def test_chain_hash_depends_on_parent():
+    assert chain_hash(ROOT_HASH, [1, 2]) != chain_hash(chain_hash(ROOT_HASH, [0, 0]), [1, 2])
+    assert chain_hash(ROOT_HASH, [1, 2]) == chain_hash(ROOT_HASH, (1, 2))
+
+
+def test_pool_bad_arguments():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_pages"):
+            PagePool(bad, 4)
+        with pytest.raises(ValueError, match="page_size"):
+            PagePool(4, bad)
+
+
+# ---------------------------------------------------------------- the store
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_store_write_copy_and_attend(bits):
+    rng = np.random.default_rng(0)
+    store = PagedKVStore(5, 4, n_layers=2, n_kv_heads=2, head_dim=32, dtype=mx.float32, bits=bits, group_size=32)
+    keys = rng.standard_normal((6, 2, 32)).astype(np.float32)
+    values = rng.standard_normal((6, 2, 32)).astype(np.float32)
+    pages, slots = mx.array([3, 3, 3, 3, 1, 1]), mx.array([0, 1, 2, 3, 0, 1])
+    store.write(1, pages, slots, mx.array(keys), mx.array(values))
+    store.copy([(3, 0)])
+    table = mx.array([[0, 1]], dtype=mx.int32)
+    q = mx.array(rng.standard_normal((2, 4, 32)).astype(np.float32))
+    out = store.attend(1, q, table, mx.array([6], dtype=mx.int32), mx.array([2], dtype=mx.int32), scale=0.2)
+    dense_k = mx.array(keys.swapaxes(0, 1)[None])
+    dense_v = mx.array(values.swapaxes(0, 1)[None])
+    want = reference_attention(q.swapaxes(0, 1)[None], dense_k, dense_v, scale=0.2, mask="causal")[0].swapaxes(0, 1)
+    tolerance = {None: 1e-5, 8: 0.05, 4: 0.5}[bits]
+    assert np.abs(np.asarray(out) - np.asarray(want)).max() < tolerance
+    if bits is not None:
+        assert store.nbytes < PagedKVStore(5, 4, 2, 2, 32, dtype=mx.float32).nbytes * (0.35 if bits == 4 else 0.6)
+
+
+# ---------------------------------------------------------------- the scheduler
+def test_batch_equals_alone_with_shared_prefixes_and_preemption():
+    harness = Harness(num_pages=12, page_size=4, max_batch_tokens=10)
+    prompts = {f"r{i}": [0, 1, 2, 0, 1, 2, 0] + [i % VOCAB] * (i % 5) for i in range(8)}
+    prompts["whole"] = [0, 1, 2, 0, 1, 2, 0, 1]  # page-aligned: shares everything, copies the last page
+    for rid, prompt in prompts.items():
+        harness.submit(rid, prompt, max_tokens=9)
+        harness.scheduler.check_invariants()
+    harness.drain()
+    for rid, prompt in prompts.items():
+        assert harness.outputs[rid] == alone(prompt, 9), rid
+    assert harness.scheduler.preemptions > 0  # the small pool forced some
+    pool = harness.pool
+    assert pool.held_pages == 0 and pool.free_pages + pool.cached_pages == pool.num_pages
+
+
+def test_prefix_cache_hit_and_copy_on_write():
+    harness = Harness(num_pages=16, page_size=4, max_batch_tokens=64)
+    prompt = [1, 2, 0, 1, 2, 0, 1, 2]
+    harness.submit("first", prompt, max_tokens=2)
+    harness.drain()
+    harness.submit("again", prompt, max_tokens=2)
+    plan = harness.step()
+    assert harness.scheduler.cached_tokens("again") == 7  # the last token is recomputed
+    assert len(plan.copies) == 1 and plan.rows[0].start == 7 and plan.rows[0].tokens == (2,)
+    harness.drain()
+    assert harness.outputs["again"] == harness.outputs["first"] == alone(prompt, 2)
+    stats = harness.scheduler.stats()
+    assert stats["prompt_tokens"] == 16 and stats["cached_prompt_tokens"] == 7 and stats["copies"] == 1
+    assert stats["pages_held"] == 0 and stats["pages_cached"] + stats["pages_free"] == 16
+
+
+def test_refusal_waiting_cancel_and_budget():
+    harness = Harness(num_pages=4, page_size=4, max_batch_tokens=5)
+    with pytest.raises(ValueError, match="can never fit"):
+        harness.submit("huge", [0] * 14, max_tokens=4)  # 17 keys > 16 slots
+    harness.submit("edge", [0] * 14, max_tokens=3)  # 16 keys: fits exactly
+    with pytest.raises(ValueError, match="already queued"):
+        harness.submit("edge", [1], max_tokens=1)
+    with pytest.raises(ValueError, match="prompt"):
+        harness.submit("empty", [], max_tokens=1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        harness.submit("zero", [1], max_tokens=0)
+    harness.submit("next", [2, 2], max_tokens=2)
+    plan = harness.step()
+    assert plan.num_tokens == 5 and [r.request_id for r in plan.rows] == ["edge"]  # chunked, budget 5
+    assert harness.scheduler.waiting[0].request.request_id == "next"  # no page for it yet
+    assert harness.scheduler.cancel("edge") and not harness.scheduler.cancel("edge")
+    harness.scheduler.check_invariants()
+    assert harness.pool.held_pages == 0
+    harness.drain()
+    assert harness.outputs["next"] == alone([2, 2], 2)
+
+
+def test_plan_arrays_feed_paged_attention():
+    harness = Harness(num_pages=8, page_size=3, max_batch_tokens=6)
+    harness.submit("a", [0, 1, 2, 0], max_tokens=3)
+    harness.step()
+    harness.submit("b", [0, 1, 2, 1, 1], max_tokens=3)
+    plan = harness.scheduler.schedule()
+    arrays = plan.arrays()
+    # "b" shares "a"'s first page (0, 1, 2): only its last two tokens run
+    assert arrays["q_lens"].tolist() == [1, 2] and arrays["kv_lens"].tolist() == [5, 5]
+    assert arrays["block_table"][0, 0] == arrays["block_table"][1, 0]
+    assert arrays["positions"].tolist() == [4, 3, 4]
+    k = harness.store.keys[0]
+    q = mx.ones((int(arrays["q_lens"].sum()), 1, DIM))
+    out = paged_attention(q, k, k, mx.array(arrays["block_table"]), mx.array(arrays["kv_lens"]),
+                          q_lens=mx.array(arrays["q_lens"]), scale=0.0)
+    assert out.shape == (3, 1, DIM)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random submits, steps and cancels on a small pool."""
+
+    @initialize(num_pages=st.integers(3, 10), page_size=st.sampled_from([1, 2, 3, 4]),
+                budget=st.integers(1, 12), max_running=st.one_of(st.none(), st.integers(1, 4)))
+    def setup(self, num_pages, page_size, budget, max_running):
+        self.harness = Harness(num_pages, page_size, budget, max_running)
+        self.count = 0
+        self.expected = {}
+
+    @rule(prefix=st.sampled_from([(), (0, 1, 2), (0, 1, 2, 0, 1, 2), (2, 2)]),
+          suffix=st.lists(st.integers(0, VOCAB - 1), max_size=5), max_tokens=st.integers(1, 6))
+    def submit(self, prefix, suffix, max_tokens):
+        prompt = list(prefix) + suffix or [1]
+        rid = f"r{self.count}"
+        self.count += 1
+        fits = math.ceil((len(prompt) + max_tokens - 1) / self.harness.pool.page_size) <= self.harness.pool.num_pages
+        if fits:
+            self.harness.submit(rid, prompt, max_tokens)
+            self.expected[rid] = alone(prompt, max_tokens)
+        else:
+            with pytest.raises(ValueError, match="can never fit"):
+                self.harness.submit(rid, prompt, max_tokens)
+
+    @rule()
+    def step(self):
+        self.harness.step()
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def cancel(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.expected)))
+        if rid not in self.harness.finished:
+            self.harness.scheduler.cancel(rid)
+        self.expected.pop(rid)
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "harness"):
+            self.harness.scheduler.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "harness"):
+            return
+        self.harness.drain()
+        for rid, want in self.expected.items():
+            assert self.harness.outputs[rid] == want, rid
+        pool = self.harness.pool
+        assert pool.held_pages == 0 and pool.free_pages + pool.cached_pages == pool.num_pages
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------- the engine on a model
+def tiny_llama(seed=0, head_dim=8):
+    from mlx.utils import tree_map
+
+    from mlx_attn.lm.models.llama import Llama, LlamaConfig
+
+    mx.random.seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=256)
+    model = Llama(config, backend="reference")
+    # larger random weights than the default init: sharper, tie-free logits
+    model.update(tree_map(lambda w: w * 4, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy_alone(model, prompt, max_tokens):
+    """Dense KV caches, one request: the model's default attention path."""
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache=cache)
+    out = []
+    for _ in range(max_tokens):
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_engine_batch_greedy_equals_each_request_alone(kv_bits):
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama(head_dim=8 if kv_bits is None else 32)
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 64, 11).tolist()
+    prompts = {f"r{i}": (system if i % 2 else []) + rng.integers(0, 64, int(rng.integers(1, 9))).tolist()
+               for i in range(6)}
+    prompts["copy"] = list(prompts["r1"])  # a whole shared prompt
+    max_tokens = {rid: 3 + i % 4 for i, rid in enumerate(prompts)}
+    # 8 pages of 4 tokens: too few for all at once (preemption); budget 12: chunked prefill
+    engine = Engine(model, kv_tokens=32, page_size=4, max_batch_tokens=12, dtype=mx.float32,
+                    kv_bits=kv_bits, group_size=32)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens[rid])
+    got = engine.run_until_idle(max_steps=400)
+    engine.scheduler.check_invariants()
+    # again on the warm prefix cache: a page-aligned prompt shares every page and copies its last
+    for rid, prompt in (("aligned", prompts["r1"][:8]), ("again", prompts["r3"])):
+        prompts[rid], max_tokens[rid] = prompt, 4
+        engine.submit(rid, prompt, 4)
+    cached_before = engine.scheduler.cached_prompt_tokens
+    got.update(engine.run_until_idle(max_steps=400))
+    assert engine.scheduler.copies >= 1 and engine.scheduler.cached_prompt_tokens - cached_before >= 7 + 8
+    assert engine.pool.held_pages == 0
+    if kv_bits is None:
+        for rid, prompt in prompts.items():
+            assert got[rid] == greedy_alone(model, prompt, max_tokens[rid]), rid
+        assert engine.scheduler.preemptions > 0 and engine.pool.cached_pages > 0
+    else:  # quantized pages: the batch equals each request alone on the same quantized pages
+        for rid, prompt in prompts.items():
+            solo = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, dtype=mx.float32,
+                          kv_bits=kv_bits, group_size=32)
+            solo.submit(rid, prompt, max_tokens[rid])
+            assert got[rid] == solo.run_until_idle()[rid], rid
+
+
+def test_engine_refuses_bad_requests_and_stops_on_stop_tokens():
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama()
+    engine = Engine(model, kv_tokens=64, page_size=4, dtype=mx.float32)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.submit("a", [1, 64], 2)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit("a", [1.5], 2)
+    with pytest.raises(ValueError, match="context"):
+        engine.submit("a", [1] * 250, 7)
+    with pytest.raises(ValueError, match="can never fit"):
+        engine.submit("a", [1] * 60, 6)
+    want = greedy_alone(model, [3, 4, 5], 6)
+    engine.submit("stop", [3, 4, 5], 6, stop_token_ids=[want[2]])
+    got = engine.run_until_idle()
+    assert got["stop"] == want[: want.index(want[2]) + 1]
+    assert engine.pool.held_pages == 0
+
+
+def test_seeded_sampling_is_batch_independent_and_logprobs_are_the_models():
+    from mlx_attn.serve import Engine, SamplingParams
+
+    model = tiny_llama(seed=3)
+    rng = np.random.default_rng(2)
+    prompts = {f"s{i}": rng.integers(0, 64, int(rng.integers(2, 12))).tolist() for i in range(5)}
+    params = {rid: SamplingParams(temperature=1.5, top_k=20 if i % 2 else 0, top_p=0.95, seed=100 + i,
+                                  repetition_penalty=1.2 if i == 3 else 1.0)
+              for i, rid in enumerate(prompts)}
+
+    def serve(rids, kv_tokens, budget):
+        engine = Engine(model, kv_tokens=kv_tokens, page_size=4, max_batch_tokens=budget, dtype=mx.float32)
+        for rid in rids:
+            engine.submit(rid, prompts[rid], 6, sampling=params[rid])
+        out = {}
+        for _ in range(300):
+            if engine.scheduler.idle:
+                return out, engine
+            for o in engine.step():
+                out.setdefault(o.request_id, []).append((o.token, o.logprob))
+        raise AssertionError("engine did not finish")
+
+    batch, engine = serve(list(prompts), kv_tokens=40, budget=9)  # small pool, chunked prefill
+    assert engine.sampling == {} and engine.generated == {}  # finished requests forgotten
+    for rid in prompts:
+        alone_out, _ = serve([rid], kv_tokens=64, budget=64)
+        assert [t for t, _ in batch[rid]] == [t for t, _ in alone_out[rid]], rid
+        np.testing.assert_allclose([lp for _, lp in batch[rid]], [lp for _, lp in alone_out[rid]], atol=1e-4)
+    # the logprob is the model's: dense forward over the request's own tokens
+    rid = "s0"
+    tokens = prompts[rid] + [t for t, _ in batch[rid]]
+    logits = model(mx.array([tokens[:-1]])).astype(mx.float32)[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    n = len(prompts[rid])
+    want = [logprobs[n - 1 + i, t].item() for i, (t, _) in enumerate(batch[rid])]
+    np.testing.assert_allclose([lp for _, lp in batch[rid]], want, atol=1e-4)
+    assert len({tuple(t for t, _ in v) for v in batch.values()}) > 1
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-3)
+
+
+def test_nothing_below_serve_imports_it():
+    from pathlib import Path
+
+    import mlx_attn
+
+    root = Path(mlx_attn.__file__).parent
+    below = [p for p in root.rglob("*.py") if "serve" not in p.relative_to(root).parts]
+    assert below and not [p for p in below if "mlx_attn.serve" in p.read_text() or "from . import serve" in p.read_text()]
