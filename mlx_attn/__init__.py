@@ -33,6 +33,8 @@ _EXPORTS = {
     "QuantizedKVCache": "mlx_attn.cache",
     "quantized_scaled_dot_product_attention": "mlx_attn.quantized",
     "quantized_attention_path": "mlx_attn.quantized",
+    "paged_attention": "mlx_attn.paged",
+    "quantized_paged_attention": "mlx_attn.paged",
 }
 
 __all__ = [*_EXPORTS, "use_system_blas", "blas_choice"]
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from mlx_attn.attention import MultiHeadAttention
     from mlx_attn.cache import ConcatKVCache, KVCache, QuantizedKVCache, RotatingKVCache
     from mlx_attn.ops import attention_path, scaled_dot_product_attention
+    from mlx_attn.paged import paged_attention, quantized_paged_attention
     from mlx_attn.quantized import quantized_attention_path, quantized_scaled_dot_product_attention
     from mlx_attn.reference import reference_attention
     from mlx_attn.rope import RoPE
