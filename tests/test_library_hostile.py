@@ -204,7 +204,7 @@ BAD_ROPE_CALLS = [
     (lambda r: r(mx.ones((2, 8)), offset=2**31 - 2), "offset"),  # the last position overflows int32
     (lambda r: r(mx.ones((2, 8)), offset=mx.array(1.5)), "offset"),
     (lambda r: r(mx.ones((2, 8)), offset=mx.array(NAN)), "offset"),
-    (lambda r: r(mx.ones((2, 8)), offset=mx.array([1, 2])), "offset"),
+    (lambda r: r(mx.ones((2, 8)), offset=mx.array([1, 2, 3])), "offset"),  # one position per step: 2, not 3
     (lambda r: rope_angles(mx.zeros((2, 2)), 8, 1e4, 1.0), "positions"),
     (lambda r: rope_angles(mx.arange(3), 5, 1e4, 1.0), "even"),
     (lambda r: rope_angles(mx.arange(3), 8, NAN, 1.0), "base"),
