@@ -82,7 +82,7 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   dkdv.grid = {(s.kv_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.kv_heads, s.batch};
   dkdv.threadgroup = {kThreads, 1, 1};
   dkdv.bindings = bind_roles(
-      layout, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
+      layout, {R::k, R::v, R::q, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
   // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
   dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
 

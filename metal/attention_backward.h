@@ -98,9 +98,9 @@ template <typename T, int D>
 // loop runs over every query head of the group, so dK/dV sum over it.
 template <typename T, int D, int BQ, int MASK>
 [[kernel]] void attention_backward_dkdv(
-    const device T* q [[buffer(0)]],
-    const device T* k [[buffer(1)]],
-    const device T* v [[buffer(2)]],
+    const device T* k [[buffer(0)]],  // the keys and values it owns first,
+    const device T* v [[buffer(1)]],
+    const device T* q [[buffer(2)]],  // then the query rows it streams
     const device T* d_out [[buffer(3)]],
     const device float* lse [[buffer(4)]],
     const device float* delta [[buffer(5)]],
@@ -243,16 +243,12 @@ template <typename T, int D, int BK, int MASK>
   constexpr int NSG = 4;
   constexpr int BQ = 8 * NSG;
   constexpr int THREADS = 32 * NSG;
-  constexpr int LD = D + 16 / int(sizeof(T));
-  threadgroup T k_tile[BK * LD];
-  threadgroup T v_tile[BK * LD];
+  using Tiles = KeyValueTiles<T, D, BK>;
+  constexpr int LD = Tiles::LD;
+  threadgroup Tiles tiles;
 
   const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
-  const int b = rows.b;
-  const int h = rows.h;
-  const int r = rows.r;
-  const int c = rows.c;
-  const int qi = rows.qi;
+  const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
   const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
 
   simdgroup_float8x8 q_rows[D / 8];
@@ -277,7 +273,7 @@ template <typename T, int D, int BK, int MASK>
   const long k_head = b * p.k_strides[0] + rows.kv_head * p.k_strides[1];
   const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
-    stage_key_block<T, D, BK, LD, THREADS>(p, k, v, k_head, v_head, kb, kv_end, false, tid, k_tile, v_tile);
+    stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, false, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // interior blocks skip the per-element visibility tests
     const bool edge = key_block_on_edge(p, rows, kb, BK);
@@ -290,8 +286,8 @@ template <typename T, int D, int BK, int MASK>
         simdgroup_float8x8 k_t;  // row = dim d*8 + r, column = key j*8 + c
         simdgroup_float8x8 v_t;
         for (int t = 0; t < 2; ++t) {
-          k_t.thread_elements()[t] = float(k_tile[(j * 8 + c + t) * LD + d * 8 + r]);
-          v_t.thread_elements()[t] = float(v_tile[(j * 8 + c + t) * LD + d * 8 + r]);
+          k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * LD + d * 8 + r]);
+          v_t.thread_elements()[t] = float(tiles.v[(j * 8 + c + t) * LD + d * 8 + r]);
         }
         simdgroup_multiply_accumulate(s, q_rows[d], k_t, s);
         simdgroup_multiply_accumulate(dp, d_out_rows[d], v_t, dp);
@@ -303,7 +299,7 @@ template <typename T, int D, int BK, int MASK>
       for (int d = 0; d < D / 8; ++d) {
         simdgroup_float8x8 k_part;
         for (int t = 0; t < 2; ++t) {
-          k_part.thread_elements()[t] = float(k_tile[(j * 8 + r) * LD + d * 8 + c + t]);
+          k_part.thread_elements()[t] = float(tiles.k[(j * 8 + r) * LD + d * 8 + c + t]);
         }
         simdgroup_multiply_accumulate(dq_acc[d], dp, k_part, dq_acc[d]);
       }

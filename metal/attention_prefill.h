@@ -79,17 +79,13 @@ template <typename T, int D, int BK, int MASK>
   constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
   constexpr int BQ = 8 * NSG;
   constexpr int THREADS = 32 * NSG;
-  constexpr int LD = D + 16 / int(sizeof(T));  // padded tile row
-  threadgroup T k_tile[BK * LD];
-  threadgroup T v_tile[BK * LD];
+  using Tiles = KeyValueTiles<T, D, BK>;
+  constexpr int LD = Tiles::LD;
+  threadgroup Tiles tiles;
 
   // this lane's rows and columns of the 8x8 tiles, the visible keys
   const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
-  const int b = rows.b;
-  const int h = rows.h;
-  const int r = rows.r;
-  const int c = rows.c;
-  const int qi = rows.qi;
+  const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
@@ -116,7 +112,7 @@ template <typename T, int D, int BK, int MASK>
   const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
     // stage K/V in the input dtype
-    stage_key_block<T, D, BK, LD, THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, k_tile, v_tile);
+    stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // score: S[8 x BK] = Q . K^T, tile j holds keys kb + 8j ..
@@ -126,7 +122,7 @@ template <typename T, int D, int BK, int MASK>
       for (int d = 0; d < D / 8; ++d) {
         simdgroup_float8x8 k_t;  // K^T block: row = dim d*8 + r, column = key j*8 + c
         for (int t = 0; t < 2; ++t) {
-          k_t.thread_elements()[t] = float(k_tile[(j * 8 + c + t) * LD + d * 8 + r]);
+          k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * LD + d * 8 + r]);
         }
         simdgroup_multiply_accumulate(s_tiles[j], q_tiles[d], k_t, s_tiles[j]);
       }
@@ -163,7 +159,7 @@ template <typename T, int D, int BK, int MASK>
       for (int j = 0; j < BK / 8; ++j) {
         simdgroup_float8x8 v_part;  // row = key j*8 + r, column = dim d*8 + c
         for (int t = 0; t < 2; ++t) {
-          v_part.thread_elements()[t] = float(v_tile[(j * 8 + r) * LD + d * 8 + c + t]);
+          v_part.thread_elements()[t] = float(tiles.v[(j * 8 + r) * LD + d * 8 + c + t]);
         }
         simdgroup_multiply_accumulate(o_tiles[d], s_tiles[j], v_part, o_tiles[d]);
       }

@@ -115,14 +115,24 @@ inline bool key_block_on_edge(constant AttentionParams& p, thread const QueryRow
   return block_needs_tests(p, kb, bk, rows.keys.end, rows.sg_first_pos, rows.sg_last_pos, rows.sg_rows_past_end);
 }
 
-// Stages keys [kb, kb + BK) of one K/V head in threadgroup tiles of padded
-// rows (LD elements) in the input dtype: consecutive threads take consecutive
-// elements (aligned inputs: consecutive W-element vectors) of a key row,
-// coalesced device reads; keys at or past kv_end are zeros, not read.
-template <typename T, int D, int BK, int LD, int THREADS>
+// A block of BK keys and values in threadgroup memory, in the input dtype,
+// rows padded by 16 bytes against bank conflicts (prefill, backward dQ).
+template <typename T, int D, int BK>
+struct KeyValueTiles {
+  static constexpr int LD = D + 16 / int(sizeof(T));  // padded row
+  T k[BK * LD];
+  T v[BK * LD];
+};
+
+// Stages keys [kb, kb + BK) of one K/V head into `tiles`: consecutive
+// threads take consecutive elements (aligned inputs: consecutive W-element
+// vectors) of a key row, coalesced device reads; keys at or past kv_end are
+// zeros, not read.
+template <typename T, int D, int BK, int THREADS>
 inline void stage_key_block(
     constant AttentionParams& p, const device T* k, const device T* v, attn_int64 k_head, attn_int64 v_head,
-    int kb, int kv_end, bool vector_loads, uint tid, threadgroup T* k_tile, threadgroup T* v_tile) {
+    int kb, int kv_end, bool vector_loads, uint tid, threadgroup KeyValueTiles<T, D, BK>& tiles) {
+  constexpr int LD = KeyValueTiles<T, D, BK>::LD;
   if (vector_loads) {
     constexpr int W = MLX_ATTN_VECTOR_WIDTH;
     for (int e = int(tid) * W; e < BK * D; e += THREADS * W) {
@@ -136,8 +146,8 @@ inline void stage_key_block(
         v_part = *(const device metal::vec<T, W>*)(v + v_head + key * p.v_strides[2] + col);
       }
       for (int i = 0; i < W; ++i) {
-        k_tile[j * LD + col + i] = k_part[i];
-        v_tile[j * LD + col + i] = v_part[i];
+        tiles.k[j * LD + col + i] = k_part[i];
+        tiles.v[j * LD + col + i] = v_part[i];
       }
     }
   } else {
@@ -146,8 +156,8 @@ inline void stage_key_block(
       const int col = e % D;
       const int key = kb + j;
       const bool inside = key < kv_end;
-      k_tile[j * LD + col] = inside ? k[k_head + key * p.k_strides[2] + col * p.k_strides[3]] : T(0);
-      v_tile[j * LD + col] = inside ? v[v_head + key * p.v_strides[2] + col * p.v_strides[3]] : T(0);
+      tiles.k[j * LD + col] = inside ? k[k_head + key * p.k_strides[2] + col * p.k_strides[3]] : T(0);
+      tiles.v[j * LD + col] = inside ? v[v_head + key * p.v_strides[2] + col * p.v_strides[3]] : T(0);
     }
   }
 }

@@ -70,7 +70,7 @@ MUTANTS = {
     "dkdv: Q^T fragment reads the wrong query": ("replace", "q_tile[(j * 8 + c + t) * LD + d * 8 + r]", "q_tile[(j * 8 + c) * LD + d * 8 + r]"),
     "dkdv: dV uses dS instead of P": ("replace", "simdgroup_multiply_accumulate(dv_acc[d], s_t,", "simdgroup_multiply_accumulate(dv_acc[d], dp_t,"),
     "dkdv: last key row not stored": ("replace", "if (key < p.kv_len) {", "if (key < p.kv_len - 1) {"),
-    "dq: K fragment reads the wrong key": ("replace", "k_tile[(j * 8 + r) * LD + d * 8 + c + t]", "k_tile[(j * 8 + c) * LD + d * 8 + c + t]"),
+    "dq: K fragment reads the wrong key": ("replace", "tiles.k[(j * 8 + r) * LD + d * 8 + c + t]", "tiles.k[(j * 8 + c) * LD + d * 8 + c + t]"),
     "dq: key sequence stride assumed contiguous": ("replace", "k[k_head + key * p.k_strides[2]", "k[k_head + key * D"),
     "dkdv: query sequence stride assumed contiguous": ("replace", "q[q_head + qi * p.q_strides[2]", "q[q_head + qi * D"),
     # the interior-tile shortcut: only edge tiles test causal / window / bounds

@@ -47,7 +47,7 @@ MUTANTS = {
     "prefill: row max misses a lane pair": (PREFILL, "replace", "block_max = max(block_max, simd_shuffle_xor(block_max, 8));", ""),
     "prefill: row sum misses a lane pair": (PREFILL, "replace", "p_sum += simd_shuffle_xor(p_sum, 8);", ""),
     "prefill: normalize dropped": (PREFILL, "replace", "T(o_tiles[d].thread_elements()[t] * factor)", "T(o_tiles[d].thread_elements()[t])"),
-    "prefill: K^T fragment reads the wrong key": (PREFILL, "replace", "k_tile[(j * 8 + c + t) * LD + d * 8 + r]", "k_tile[(j * 8 + c) * LD + d * 8 + r]"),
+    "prefill: K^T fragment reads the wrong key": (PREFILL, "replace", "tiles.k[(j * 8 + c + t) * LD + d * 8 + r]", "tiles.k[(j * 8 + c) * LD + d * 8 + r]"),
     "prefill: K/V tile load bound off by one": (PREFILL, "replace", "e < BK * D; e += THREADS)", "e < BK * D - 1; e += THREADS)"),
     "prefill: vector K/V tile load bound short by a vector": (PREFILL, "replace", "e < BK * D; e += THREADS * W", "e < BK * D - W; e += THREADS * W"),
     "prefill: vector K/V tile loads keys past the range": (PREFILL, "replace", "if (key < kv_end) {", "if (true) {"),
