@@ -17,46 +17,15 @@ std::string kernel_name(const char* kind, const AttentionProblem& s, bool with_h
   return with_head_dim ? name + "_d" + std::to_string(s.head_dim) : name;
 }
 
-// buffer(i) = roles[i], resolved against the backward primitive's inputs
-// and outputs. An absent mask binds q as a placeholder the kernel never reads.
-std::vector<Binding> backward_bindings(
-    const AttentionProblem& s, const std::vector<BufferRole>& roles, int dispatch_index) {
-  const int has_mask = s.mask_kind != MaskKind::none;
-  const int forward_inputs = 3 + has_mask + (s.has_sinks ? 1 : 0);
-  std::vector<Binding> out;
-  for (int i = 0; i < int(roles.size()); ++i) {
-    Binding b;
-    b.index = i;
-    b.role = roles[i];
-    auto output = [&](int index) {
-      b.source = Source::output;
-      b.access = Access::write;
-      b.source_index = index;
-    };
-    switch (b.role) {
-      case BufferRole::q: b.source_index = 0; break;
-      case BufferRole::k: b.source_index = 1; break;
-      case BufferRole::v: b.source_index = 2; break;
-      case BufferRole::mask: b.source_index = has_mask ? 3 : 0; break;
-      case BufferRole::sinks: b.source_index = 3 + has_mask; break;
-      case BufferRole::out: b.source_index = forward_inputs; break;
-      case BufferRole::lse: b.source_index = forward_inputs + 1; break;
-      case BufferRole::d_out: b.source_index = forward_inputs + 2; break;
-      case BufferRole::d_lse: b.source_index = forward_inputs + 3; break;
-      case BufferRole::dq: output(0); break;
-      case BufferRole::dk: output(1); break;
-      case BufferRole::dv: output(2); break;
-      case BufferRole::d_sinks: output(3); break;
-      case BufferRole::delta:
-        b.source = Source::scratch;
-        b.access = dispatch_index == 0 ? Access::write : Access::read;
-        break;
-      case BufferRole::params: b.source = Source::params; break;
-      default: break;  // the forward's split-KV roles do not occur here
-    }
-    out.push_back(b);
-  }
-  return out;
+// The backward primitive: the forward's inputs, then out, lse, d_out, d_lse;
+// outputs dq, dk, dv, then d_sinks with sinks.
+PrimitiveLayout backward_layout(const AttentionProblem& s) {
+  using R = BufferRole;
+  PrimitiveLayout layout = forward_layout(s);
+  layout.inputs.insert(layout.inputs.end(), {R::out, R::lse, R::d_out, R::d_lse});
+  layout.outputs = {R::dq, R::dk, R::dv};
+  if (s.has_sinks) layout.outputs.push_back(R::d_sinks);
+  return layout;
 }
 }  // namespace
 
@@ -98,6 +67,7 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
     return plan;
   }
   using R = BufferRole;
+  const PrimitiveLayout layout = backward_layout(s);
   const int last = s.has_sinks ? 3 : 2;
   plan.scratch = {{R::delta, rows, 0, last}};
 
@@ -105,23 +75,23 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   delta.kernel = kernel_name("attention_backward_delta", s);
   delta.grid = {int((rows + kDeltaRowsPerThreadgroup - 1) / kDeltaRowsPerThreadgroup), 1, 1};
   delta.threadgroup = {32 * kDeltaRowsPerThreadgroup, 1, 1};
-  delta.bindings = backward_bindings(s, {R::out, R::d_out, R::d_lse, R::delta, R::params}, 0);
+  delta.bindings = bind_roles(layout, {R::out, R::d_out, R::d_lse, R::delta, R::params}, plan.scratch, 0);
 
   KernelDispatch dkdv;
-  dkdv.kernel = kernel_name("attention_backward_dkdv", s);
+  dkdv.kernel = kernel_name("attention_backward_dkdv", s) + mask_kernel_suffix(s.mask_kind);
   dkdv.grid = {(s.kv_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.kv_heads, s.batch};
   dkdv.threadgroup = {kThreads, 1, 1};
-  dkdv.bindings = backward_bindings(
-      s, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, 1);
+  dkdv.bindings = bind_roles(
+      layout, {R::k, R::v, R::q, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
   // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
   dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
 
   KernelDispatch dq;
-  dq.kernel = kernel_name("attention_backward_dq", s);
+  dq.kernel = kernel_name("attention_backward_dq", s) + mask_kernel_suffix(s.mask_kind);
   dq.grid = {(s.q_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.q_heads, s.batch};
   dq.threadgroup = {kThreads, 1, 1};
-  dq.bindings = backward_bindings(
-      s, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, 2);
+  dq.bindings = bind_roles(
+      layout, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, plan.scratch, 2);
   // K and V tiles in the input dtype, as the forward prefill's
   const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
   dq.threadgroup_memory_bytes = 2 * backward_key_block(s.head_dim) * (s.head_dim * element_bytes + 16);
@@ -132,7 +102,7 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
     sinks.kernel = kernel_name("attention_backward_sinks", s, false);
     sinks.grid = {s.q_heads, 1, 1};
     sinks.threadgroup = {32, 1, 1};
-    sinks.bindings = backward_bindings(s, {R::sinks, R::lse, R::delta, R::d_sinks, R::params}, 3);
+    sinks.bindings = bind_roles(layout, {R::sinks, R::lse, R::delta, R::d_sinks, R::params}, plan.scratch, 3);
     plan.dispatches.push_back(sinks);
   }
   plan.reason.clear();

@@ -174,59 +174,70 @@ bool vector_loads_aligned(const AttentionProblem& s) {
       aligned(s.v_strides, s.v_offset, s.value_dim);
 }
 
-namespace {
-constexpr int kDecodeThreads = 32 * MLX_ATTN_DECODE_SIMDGROUPS;
+PrimitiveLayout forward_layout(const AttentionProblem& s, bool quantized) {
+  using R = BufferRole;
+  PrimitiveLayout layout;
+  layout.inputs = quantized ? std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases}
+                            : std::vector<R>{R::q, R::k, R::v};
+  if (s.mask_kind != MaskKind::none) layout.inputs.push_back(R::mask);
+  if (s.has_sinks) layout.inputs.push_back(R::sinks);
+  layout.outputs = {R::out};
+  if (s.output_lse) layout.outputs.push_back(R::lse);
+  return layout;
+}
 
-// Turns the kernel's parameter list (buffer(i) = roles[i]) into bindings:
-// inputs in the primitive's order (q, k, v, then mask and sinks when
-// present), the outputs, scratch and bytes. An absent mask, sinks or lse
-// binds q as a placeholder: the kernel never touches it (params.mask_kind /
-// has_sinks / output_lse say so), but every buffer index must be bound.
-std::vector<Binding> bindings_for(
-    const AttentionProblem& s,
-    const std::vector<BufferRole>& roles,
-    const std::vector<ScratchBuffer>& scratch,
+std::vector<Binding> bind_roles(
+    const PrimitiveLayout& layout, const std::vector<BufferRole>& roles, const std::vector<ScratchBuffer>& scratch,
     int dispatch_index) {
-  const bool has_mask = s.mask_kind != MaskKind::none;
+  const auto find = [](const std::vector<BufferRole>& list, BufferRole role) {
+    for (int i = 0; i < int(list.size()); ++i) {
+      if (list[i] == role) return i;
+    }
+    return -1;
+  };
   std::vector<Binding> out;
   for (int i = 0; i < int(roles.size()); ++i) {
     Binding b;
     b.index = i;
     b.role = roles[i];
-    switch (b.role) {
-      case BufferRole::q: b.source_index = 0; break;
-      case BufferRole::k: b.source_index = 1; break;
-      case BufferRole::v: b.source_index = 2; break;
-      case BufferRole::mask: b.source_index = has_mask ? 3 : 0; break;
-      case BufferRole::sinks: b.source_index = s.has_sinks ? 3 + has_mask : 0; break;
-      case BufferRole::out:
-        b.source = Source::output;
-        b.access = Access::write;
-        break;
-      case BufferRole::lse:
-        if (s.output_lse) {
-          b.source = Source::output;
-          b.access = Access::write;
-          b.source_index = 1;
+    int at = -1;
+    if (b.role == BufferRole::params) {
+      b.source = Source::params;
+    } else if (b.role == BufferRole::splits) {
+      b.source = Source::splits;
+    } else if (b.role == BufferRole::quantized_params) {
+      b.source = Source::quantized_params;
+    } else if (std::any_of(scratch.begin(), scratch.end(), [&](const ScratchBuffer& x) { return x.role == b.role; })) {
+      for (int j = 0; j < int(scratch.size()); ++j) {
+        if (scratch[j].role == b.role) {
+          b.source = Source::scratch;
+          b.source_index = j;
+          b.access = scratch[j].producer == dispatch_index ? Access::write : Access::read;
         }
-        break;
-      case BufferRole::params: b.source = Source::params; break;
-      case BufferRole::splits: b.source = Source::splits; break;
-      case BufferRole::partial_out:
-      case BufferRole::partial_stats:
-        b.source = Source::scratch;
-        for (int j = 0; j < int(scratch.size()); ++j) {
-          if (scratch[j].role == b.role) {
-            b.source_index = j;
-            b.access = scratch[j].producer == dispatch_index ? Access::write : Access::read;
-          }
-        }
-        break;
-    }
+      }
+    } else if ((at = find(layout.outputs, b.role)) >= 0) {
+      b.source = Source::output;
+      b.access = Access::write;
+      b.source_index = at;
+    } else if ((at = find(layout.inputs, b.role)) >= 0) {
+      b.source_index = at;
+    }  // else: the placeholder, input 0, read
     out.push_back(b);
   }
   return out;
 }
+
+const char* mask_kernel_suffix(MaskKind kind) {
+  switch (kind) {
+    case MaskKind::none: return "";
+    case MaskKind::boolean: return "_mask_bool";
+    case MaskKind::additive: return "_mask_additive";
+  }
+  return "";
+}
+
+namespace {
+constexpr int kDecodeThreads = 32 * MLX_ATTN_DECODE_SIMDGROUPS;
 
 std::string kernel_name(const char* kind, const AttentionProblem& s) {
   return std::string(kind) + "_" + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
@@ -243,11 +254,12 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan&
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
   plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
   KernelDispatch partial;
-  partial.kernel = kernel_name("attention_decode_partial", s);
+  partial.kernel = kernel_name("attention_decode_partial", s) + mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {kDecodeThreads, 1, 1};
-  partial.bindings = bindings_for(
-      s, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats}, plan.scratch, 0);
+  const PrimitiveLayout layout = forward_layout(s);
+  partial.bindings =
+      bind_roles(layout, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats}, plan.scratch, 0);
   // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
   partial.threadgroup_memory_bytes =
       (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
@@ -255,8 +267,8 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan&
   merge.kernel = kernel_name("attention_decode_merge", s);
   merge.grid = {rows, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
-  merge.bindings = bindings_for(
-      s, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
+  merge.bindings = bind_roles(
+      layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
   plan.dispatches = {partial, merge};
 }
 }  // namespace
@@ -292,11 +304,13 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   KernelDispatch prefill;
   const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
   const int query_block = 8 * simdgroups;  // BQ: 8 rows per simdgroup
-  prefill.kernel = kernel_name("attention_prefill", s) + "_bk" + std::to_string(key_block);
+  prefill.kernel =
+      kernel_name("attention_prefill", s) + "_bk" + std::to_string(key_block) + mask_kernel_suffix(s.mask_kind);
   prefill.grid = {(s.q_len + query_block - 1) / query_block, s.q_heads, s.batch};
   prefill.threadgroup = {32 * simdgroups, 1, 1};
   using R = BufferRole;
-  prefill.bindings = bindings_for(s, {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks, R::lse}, plan.scratch, 0);
+  prefill.bindings =
+      bind_roles(forward_layout(s), {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks, R::lse}, plan.scratch, 0);
   // K and V tiles in the input dtype, rows padded by 16 bytes
   const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
   prefill.threadgroup_memory_bytes = 2 * key_block * (s.head_dim * element_bytes + 16);

@@ -101,6 +101,33 @@ struct LaunchPlan {
 
 const char* role_name(BufferRole role);
 const char* source_name(Source source);
+// Every BufferRole, in declaration order (for role_names() and the doc check).
+inline constexpr int kBufferRoleCount = int(BufferRole::delta) + 1;
+
+// The primitive's inputs and outputs by role, in order: what a binding's
+// source_index points at. One table drives the bindings of every plan
+// (forward, quantized, backward): bind_roles.
+struct PrimitiveLayout {
+  std::vector<BufferRole> inputs;
+  std::vector<BufferRole> outputs;
+};
+// The forward primitive: q, k, v (quantized: k, k_scales, k_biases, v,
+// v_scales, v_biases), then mask and sinks when present; out, then lse when
+// asked.
+PrimitiveLayout forward_layout(const AttentionProblem& problem, bool quantized = false);
+// Turns a kernel's parameter list (buffer(i) = roles[i]) into bindings:
+// params / splits / quantized_params as bytes, scratch roles (written by
+// their producer dispatch, read by the others), then the layout's outputs
+// and inputs. A role the primitive does not carry (an absent mask, sinks or
+// lse) binds input 0 as a placeholder: the kernel never touches it
+// (params.mask_kind / has_sinks / output_lse say so), but every buffer index
+// must be bound.
+std::vector<Binding> bind_roles(
+    const PrimitiveLayout& layout, const std::vector<BufferRole>& roles, const std::vector<ScratchBuffer>& scratch,
+    int dispatch_index);
+// The host-name suffix of a kernel instantiated per mask kind
+// (metal/attention_steps.h MLX_ATTN_FOR_EACH_MASK): "", "_mask_bool", "_mask_additive".
+const char* mask_kernel_suffix(MaskKind kind);
 
 // The decode kernels serve at most this many query positions and rows
 // (query heads of a GQA group x positions).

@@ -154,6 +154,14 @@ void bind_launch_plan(nb::module_& m) {
       "The Metal backward's launch plan for a forward problem (_ext.describe_attention), in "
       "metal_launch_plan's format; bindings index the backward primitive's inputs (q, k, v, [mask], "
       "[sinks], out, lse, d_out, d_lse) and outputs (dq, dk, dv, [d_sinks]).");
+  m.def(
+      "buffer_role_names",
+      [] {
+        std::vector<std::string> names;
+        for (int i = 0; i < kBufferRoleCount; ++i) names.push_back(role_name(BufferRole(i)));
+        return names;
+      },
+      "Every BufferRole of the launch plans, in declaration order (docs/architecture.md lists them).");
   m.attr("MASK_NONE") = MLX_ATTN_MASK_NONE;
   m.attr("MASK_BOOL") = MLX_ATTN_MASK_BOOL;
   m.attr("MASK_ADDITIVE") = MLX_ATTN_MASK_ADDITIVE;

@@ -8,62 +8,6 @@ namespace mlx_attn {
 
 namespace {
 
-constexpr int kMaskInput = 7;  // after q and the two (packed, scales, biases) triples
-
-// Where the memory of buffer(index) = role comes from; absent mask, sinks or
-// lse bind q as a placeholder the kernels never touch (params say so).
-Binding bind(const AttentionProblem& s, BufferRole role, int index, const std::vector<ScratchBuffer>& scratch,
-             int dispatch_index) {
-  using R = BufferRole;
-  const bool has_mask = s.mask_kind != MaskKind::none;
-  Binding b;
-  b.index = index;
-  b.role = role;
-  switch (role) {
-    case R::q: b.source_index = 0; break;
-    case R::k: b.source_index = 1; break;
-    case R::k_scales: b.source_index = 2; break;
-    case R::k_biases: b.source_index = 3; break;
-    case R::v: b.source_index = 4; break;
-    case R::v_scales: b.source_index = 5; break;
-    case R::v_biases: b.source_index = 6; break;
-    case R::mask: b.source_index = has_mask ? kMaskInput : 0; break;
-    case R::sinks: b.source_index = s.has_sinks ? kMaskInput + has_mask : 0; break;
-    case R::out:
-      b.source = Source::output;
-      b.access = Access::write;
-      break;
-    case R::lse:
-      if (s.output_lse) {
-        b.source = Source::output;
-        b.access = Access::write;
-        b.source_index = 1;
-      }
-      break;
-    case R::params: b.source = Source::params; break;
-    case R::quantized_params: b.source = Source::quantized_params; break;
-    case R::splits: b.source = Source::splits; break;
-    case R::partial_out:
-    case R::partial_stats:
-      b.source = Source::scratch;
-      for (int j = 0; j < int(scratch.size()); ++j) {
-        if (scratch[j].role == role) {
-          b.source_index = j;
-          b.access = scratch[j].producer == dispatch_index ? Access::write : Access::read;
-        }
-      }
-      break;
-  }
-  return b;
-}
-
-std::vector<Binding> bindings(const AttentionProblem& s, const std::vector<BufferRole>& roles,
-                              const std::vector<ScratchBuffer>& scratch, int dispatch_index) {
-  std::vector<Binding> out;
-  for (int i = 0; i < int(roles.size()); ++i) out.push_back(bind(s, roles[i], i, scratch, dispatch_index));
-  return out;
-}
-
 QuantizedAttentionParams quantized_params(const cpu::QuantizedKV& qz) {
   QuantizedAttentionParams qp{};
   for (int i = 0; i < 4; ++i) {
@@ -113,21 +57,25 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   const std::string suffix = std::string("_") + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
 
   KernelDispatch partial;
-  partial.kernel = "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits);
+  partial.kernel =
+      "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits) + mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {32 * MLX_ATTN_DECODE_SIMDGROUPS, 1, 1};
-  partial.bindings = bindings(s, {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::params,
+  const PrimitiveLayout layout = forward_layout(s, /*quantized=*/true);
+  partial.bindings = bind_roles(layout, {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::params,
                                   R::quantized_params, R::mask, R::partial_out, R::partial_stats},
                               plan.scratch, 0);
-  // the simdgroups' output, max and sum per row, combined at the end
-  partial.threadgroup_memory_bytes = MLX_ATTN_DECODE_SIMDGROUPS * rows_per_threadgroup * (s.head_dim + 2) * 4;
+  // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
+  // (the float decode's body, metal/attention_decode.h)
+  partial.threadgroup_memory_bytes =
+      (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
 
   KernelDispatch merge;  // the float decode's (metal/attention_decode.metal)
   merge.kernel = "attention_decode_merge" + suffix;
   merge.grid = {rows, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
   merge.bindings =
-      bindings(s, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
+      bind_roles(layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
   plan.dispatches = {partial, merge};
 
   const QuantizedAttentionParams qp = quantized_params(qz);

@@ -15,6 +15,30 @@ import msl_emulator
 from metal_runner import EmulatedMetal
 
 
+QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*\n?', re.MULTILINE)
+PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[^\n]*\n?", re.MULTILINE)
+
+
+def kernel_text(metal_file: Path) -> str:
+    """A kernel family's whole source: the .metal instantiation file with the
+    project headers it includes inlined (each once, as the Mac's run-time
+    compile sees it), so a mutation may target the kernel header, the shared
+    steps (metal/attention_steps.h) or the rules (metal/attention_rules.h),
+    and the mutant changes that family only."""
+    root = metal_file.resolve().parent.parent
+    inlined: set[str] = set()
+
+    def inline(text: str) -> str:
+        def replace(match: re.Match) -> str:
+            if match.group(1) in inlined:
+                return ""
+            inlined.add(match.group(1))
+            return inline(PRAGMA_ONCE.sub("", (root / match.group(1)).read_text()))
+        return QUOTED_INCLUDE.sub(replace, text)
+
+    return inline(metal_file.read_text())
+
+
 def mutated(text: str, kind: str, target: str, change) -> str:
     """`text` with the mutation applied: ("replace", a, b) replaces the one
     occurrence of a by b; ("remove", a, n) removes the statement starting at

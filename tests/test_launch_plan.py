@@ -1,5 +1,6 @@
 """The portable launch plan the Mac host and the emulator tests share."""
 
+import re
 import struct
 from pathlib import Path
 
@@ -327,3 +328,31 @@ def test_each_family_plans_its_tiles(family, dtype, d):
 def test_bad_gpu_target_is_a_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_for(**kwargs)
+
+
+def documented_buffer_roles() -> list[str]:
+    """The roles docs/architecture.md lists, in order: the bullet list after
+    "The buffer roles"."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    after = text.split("The buffer roles (`BufferRole`", 1)[1]
+    bullets = after.split("\n\n")[1]  # the paragraph after the heading sentence
+    assert bullets.lstrip().startswith("- "), "the role list must follow the sentence that introduces it"
+    return re.findall(r"`([a-z_]+)`", bullets)
+
+
+def test_architecture_doc_lists_every_buffer_role():
+    assert documented_buffer_roles() == list(_ext.buffer_role_names())
+
+
+def test_every_role_binds_through_the_one_table():
+    """Every role a plan binds (forward, decode, quantized and backward
+    plans) comes from the same enumeration, and the placeholders bind input
+    0 for reading."""
+    q = mx.zeros((1, 4, 40, 64))
+    k = v = mx.zeros((1, 2, 50, 64))
+    plan = launch_plan(q, k, v)
+    placeholders = [b for d in plan["dispatches"] for b in d["bindings"] if b["role"] in ("mask", "sinks", "lse")]
+    assert placeholders and all(b == {**b, "source": "input", "source_index": 0, "access": "read"}
+                                for b in placeholders)
+    roles = {b["role"] for d in plan["dispatches"] for b in d["bindings"]}
+    assert roles <= set(_ext.buffer_role_names())

@@ -195,8 +195,8 @@ def plan_for(d=64, dtype=mx.float32, hq=4, hkv=2, tq=37, tkv=53, **kw):
 def test_plan_dispatches_and_bindings():
     plan = plan_for(mask=mx.array(np.ones((37, 53), bool)), sinks=mx.zeros((4,)))
     assert plan["supported"], plan["reason"]
-    kinds = ["attention_backward_delta_float32_d64", "attention_backward_dkdv_float32_d64",
-             "attention_backward_dq_float32_d64", "attention_backward_sinks_float32"]
+    kinds = ["attention_backward_delta_float32_d64", "attention_backward_dkdv_float32_d64_mask_bool",
+             "attention_backward_dq_float32_d64_mask_bool", "attention_backward_sinks_float32"]
     assert [step["kernel"] for step in plan["dispatches"]] == kinds
     assert plan["scratch"] == [{"role": "delta", "elements": 4 * 37, "producer": 0, "consumer": 3}]
     delta, dkdv, dq, sinks = plan["dispatches"]

@@ -14,7 +14,7 @@ import pytest
 
 import msl_emulator
 from metal_runner import EmulatedMetal, View
-from mutations import assert_caught, mutated, write
+from mutations import kernel_text, assert_caught, mutated, write
 from test_metal_backward import BACKWARD, check, make_mask, qkv, random
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 runs the MSL emulator")
@@ -27,7 +27,7 @@ def only_float32_d64(text: str) -> str:
 
 
 def barriers() -> dict:
-    count = BACKWARD.read_text().count("threadgroup_barrier(")
+    count = kernel_text(BACKWARD).count("threadgroup_barrier(")
     assert count == 4  # two per tiled kernel: after staging, before restaging
     return {f"threadgroup_barrier #{i} removed": ("remove", "threadgroup_barrier(", i) for i in range(count)}
 
@@ -39,40 +39,50 @@ MUTANTS = {
     "delta: lse cotangent left out": ("replace", "delta[row] = dot - d_lse[row];", "delta[row] = dot;"),
     "delta: row sum of one lane only": ("replace", "dot = simd_sum(dot);", ""),
     # P = exp(S - lse)
-    "lse: P without subtracting the lse": ("replace", "exp2((s - lse) * MLX_ATTN_LOG2E)", "exp2(s * MLX_ATTN_LOG2E)"),
-    "lse: natural exp taken as exp2": ("replace", "exp2((s - lse) * MLX_ATTN_LOG2E)", "exp2(s - lse)"),
-    "lse: rows past the query length visible": ("replace", "bool visible = key < p.kv_len && qi < p.q_len;", "bool visible = key < p.kv_len;"),
+    "lse: P without subtracting the lse": ("replace", "exp2((logit.value - lse) * MLX_ATTN_LOG2E)", "exp2(logit.value * MLX_ATTN_LOG2E)"),
+    "lse: natural exp taken as exp2": ("replace", "exp2((logit.value - lse) * MLX_ATTN_LOG2E)", "exp2(logit.value - lse)"),
+    "lse: rows past the query length visible": ("replace", "key < p.kv_len && qi < p.q_len && key_visible", "key < p.kv_len && key_visible"),
     # the GQA reduction of dK/dV and the head mapping of dQ
     "gqa: dK/dV from the first query head of the group only": ("replace", "for (int g = 0; g < p.group; ++g)", "for (int g = 0; g < 1; ++g)"),
     "gqa: dK/dV query head mapping wrong": ("replace", "const int h = kv_head * p.group + g;", "const int h = kv_head + g;"),
-    "gqa: dQ reads the wrong K/V head": ("replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
+    "gqa: dQ reads the wrong K/V head": ("replace", "rows.kv_head = rows.h / p.group;", "rows.kv_head = rows.h % p.kv_heads;"),
     # causal / window bounds
     "causal: comparison flipped": ("replace", "key <= pos &&", "key < pos &&"),
     "window: comparison off by one": ("replace", "key > pos - p.window_size", "key >= pos - p.window_size"),
-    "causal: dK/dV first query row off by one": ("replace", "q_begin = max(0, k0 - offset);", "q_begin = max(0, k0 - offset + 1);"),
-    "window: dK/dV query range end off by one": ("replace", "k_last - offset + p.window_size);", "k_last - offset + p.window_size - 1);"),
-    "causal: dQ key range end off by one": ("replace", "kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
-    "window: dQ key range start off by one": ("replace", "first_pos - p.window_size + 1);", "first_pos - p.window_size + 2);"),
+    "causal: dK/dV first query row off by one": ("replace", "first_key > offset ? first_key - offset : 0", "first_key + 1 > offset ? first_key - offset + 1 : 0"),
+    "window: dK/dV query range end off by one": ("replace", "const int past_window = last_key - offset + p.window_size;", "const int past_window = last_key - offset + p.window_size - 1;"),
+    "causal: dQ key range end off by one": ("replace", "range.end = last_pos + 1 < p.kv_len ? last_pos + 1", "range.end = last_pos < p.kv_len ? last_pos"),
+    "window: dQ key range start off by one": ("replace", "const int lo = first_pos - p.window_size + 1;", "const int lo = first_pos - p.window_size + 2;"),
     # the scale of dS in dK and dQ
     "scale: dK not scaled": ("replace", "T(dk_acc[d].thread_elements()[t] * p.scale)", "T(dk_acc[d].thread_elements()[t])"),
     "scale: dQ not scaled": ("replace", "T(dq_acc[d].thread_elements()[t] * p.scale)", "T(dq_acc[d].thread_elements()[t])"),
-    "scale: logits not scaled": ("replace", "const float raw = score * p.scale;", "const float raw = score;"),
+    "scale: logits not scaled": ("replace", "masked_logit<T, MASK, EDGE>(p, mask, score * p.scale,", "masked_logit<T, MASK, EDGE>(p, mask, score,"),
     # masks
-    "mask: bool mask ignored": ("replace", "visible = mask[at] != 0;", "visible = true;"),
-    "mask: additive mask not added": ("replace", "const float sum = s + added;", "const float sum = s;"),
+    "mask: bool mask ignored": ("replace", "mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
+    "mask: additive mask not added": ("replace", "const float sum = logit.value + added;", "const float sum = logit.value;"),
     # sinks
     "sinks: gradient sign flipped": ("replace", "sum -= exp2((sink - lse[", "sum += exp2((sink - lse["),
     "sinks: stride assumed contiguous": ("replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
     "sinks: one batch only": ("replace", "for (int b = 0; b < p.batch; ++b) {\n    const long head_rows", "for (int b = 0; b < 1; ++b) {\n    const long head_rows"),
     # staging, fragments and stores
     "dkdv: Q/dO staging bound off by one": ("replace", "e < BQ * D; e += THREADS", "e < BQ * D - 1; e += THREADS"),
-    "dq: K/V staging bound off by one": ("replace", "e < BK * D; e += THREADS", "e < BK * D - 1; e += THREADS"),
+    "dq: K/V staging bound off by one": ("replace", "e < BK * D; e += THREADS)", "e < BK * D - 1; e += THREADS)"),
     "dkdv: Q^T fragment reads the wrong query": ("replace", "q_tile[(j * 8 + c + t) * LD + d * 8 + r]", "q_tile[(j * 8 + c) * LD + d * 8 + r]"),
     "dkdv: dV uses dS instead of P": ("replace", "simdgroup_multiply_accumulate(dv_acc[d], s_t,", "simdgroup_multiply_accumulate(dv_acc[d], dp_t,"),
     "dkdv: last key row not stored": ("replace", "if (key < p.kv_len) {", "if (key < p.kv_len - 1) {"),
-    "dq: K fragment reads the wrong key": ("replace", "k_tile[(j * 8 + r) * LD + d * 8 + c + t]", "k_tile[(j * 8 + c) * LD + d * 8 + c + t]"),
+    "dq: K fragment reads the wrong key": ("replace", "tiles.k[(j * 8 + r) * LD + d * 8 + c + t]", "tiles.k[(j * 8 + c) * LD + d * 8 + c + t]"),
     "dq: key sequence stride assumed contiguous": ("replace", "k[k_head + key * p.k_strides[2]", "k[k_head + key * D"),
     "dkdv: query sequence stride assumed contiguous": ("replace", "q[q_head + qi * p.q_strides[2]", "q[q_head + qi * D"),
+    # the interior-tile shortcut: only edge tiles test causal / window / bounds
+    "interior shortcut: a key past the diagonal taken as interior": (
+        "replace", "first_key + keys - 1 > first_pos;", "first_key + keys - 2 > first_pos;"),
+    "interior shortcut: a key before the window taken as interior": (
+        "replace", "first_key <= last_pos - p.window_size;", "first_key < last_pos - p.window_size;"),
+    "interior shortcut: key blocks past the range end taken as interior": (
+        "replace", "first_key + keys > key_end ||", ""),
+    "dkdv: query tiles past the range end taken as interior": (
+        "replace", "query_position(p, first_query + 7), first_query + 8 > q_end);",
+        "query_position(p, first_query + 7), false);"),
 }
 
 
@@ -89,6 +99,12 @@ def battery(metal) -> None:
     sinks = View(random((8,), 6), lambda a: a[::2])
     check(metal, *qkv(2, 4, 1, 35, 60, 64, mx.float32, seed=6), mask="causal", sinks=sinks, layout="cache")
     check(metal, *qkv(1, 2, 2, 40, 8, 64, mx.float32, seed=7), mask="causal")  # the first rows see nothing
+    # edge tiles: one ending a key past a row group's first position (offset
+    # 6), one starting at the last row's window edge (key 0 hidden from 39 only)
+    check(metal, *qkv(1, 2, 1, 40, 46, 64, mx.float32, seed=8), mask="causal")
+    check(metal, *qkv(1, 2, 1, 48, 48, 64, mx.float32, seed=9), window_size=39)
+    # a bool mask whose last key block passes Tkv in rows that fill their simdgroup
+    check(metal, *qkv(1, 2, 1, 40, 70, 64, mx.float32, seed=10), mask=make_mask("bool", 40, 70, seed=10))
 
 
 def caught(metal) -> bool:
@@ -105,10 +121,10 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def test_unmutated_kernels_pass_the_battery(workdir):
-    battery(EmulatedMetal(fast_math=True, sources=[write(workdir, only_float32_d64(BACKWARD.read_text()), "original")]))
+    battery(EmulatedMetal(fast_math=True, sources=[write(workdir, only_float32_d64(kernel_text(BACKWARD)), "original")]))
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(workdir, name):
-    mutant = write(workdir, only_float32_d64(mutated(BACKWARD.read_text(), *MUTANTS[name])), name)
+    mutant = write(workdir, only_float32_d64(mutated(kernel_text(BACKWARD), *MUTANTS[name])), name)
     assert_caught(name, [mutant], caught)

@@ -308,8 +308,37 @@ def test_every_planned_kernel_is_compiled(run):
             for d in (64, 80, 96, 128, 256):
                 for tq in (40, 1):
                     q, k, v = make(1, 4, 2, tq, 50, d, dtype)
-                    plan = launch_plan(q, k, v, gpu_family=family)
-                    assert plan["supported"], plan["reason"]
-                    names.update(step["kernel"] for step in plan["dispatches"])
-    assert len(names) > 30
+                    for mask in (None, mx.ones((tq, 50), dtype=mx.bool_), mx.zeros((tq, 50), dtype=dtype)):
+                        plan = launch_plan(q, k, v, mask=mask, gpu_family=family)
+                        assert plan["supported"], plan["reason"]
+                        names.update(step["kernel"] for step in plan["dispatches"])
+    assert len(names) > 90  # every mask kind has its own kernel
     assert names <= set(run.library.kernel_names), sorted(names - set(run.library.kernel_names))
+
+
+def documented_kernel_families() -> dict:
+    """docs/metal_kernels.md's "Kernel families" table: family ->
+    (instantiation file, kernel header, host name prefixes)."""
+    text = (REPO / "docs" / "metal_kernels.md").read_text()
+    section = text.split("## Kernel families", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`metal/"):
+            rows[cells[0]] = (cells[1].strip("`"), cells[2].strip("`"), set(re.findall(r"`([a-z_]+)`", cells[3])))
+    return rows
+
+
+@pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
+def test_kernel_family_table_matches_the_sources():
+    """Every .metal file is a documented family that includes its kernel
+    header, and the host names it instantiates start with exactly the
+    documented prefixes (the dtype and what follows it stripped)."""
+    rows = documented_kernel_families()
+    assert sorted(source for source, _, _ in rows.values()) == sorted(
+        f"metal/{p.name}" for p in (REPO / "metal").glob("*.metal"))
+    for family, (source, header, prefixes) in rows.items():
+        assert f'#include "{header}"' in (REPO / source).read_text(), family
+        library = msl_emulator.compile_library(REPO / source, include_dirs=[REPO], fast_math=True)
+        compiled = {re.split(r"_(?:float32|float16|bfloat16)(?=_|$)", name)[0] for name in library.kernel_names}
+        assert compiled == prefixes, family

@@ -14,7 +14,7 @@ import pytest
 import msl_emulator
 from metal_runner import REPO, EmulatedMetal, View, reference_lse
 from mlx_attn.reference import reference_attention
-from mutations import assert_caught, mutated, write
+from mutations import kernel_text, assert_caught, mutated, write
 from sdpa_cases import TOLERANCE
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
@@ -33,7 +33,7 @@ def only_float32_d64(text: str) -> str:
 
 
 def barriers(source: Path, kind: str) -> dict:
-    count = source.read_text().count(f"{kind}(")
+    count = kernel_text(source).count(f"{kind}(")
     return {f"{source.stem}: {kind} #{i} removed": (source, "remove", f"{kind}(", i) for i in range(count)}
 
 
@@ -47,39 +47,39 @@ MUTANTS = {
     "prefill: row max misses a lane pair": (PREFILL, "replace", "block_max = max(block_max, simd_shuffle_xor(block_max, 8));", ""),
     "prefill: row sum misses a lane pair": (PREFILL, "replace", "p_sum += simd_shuffle_xor(p_sum, 8);", ""),
     "prefill: normalize dropped": (PREFILL, "replace", "T(o_tiles[d].thread_elements()[t] * factor)", "T(o_tiles[d].thread_elements()[t])"),
-    "prefill: K^T fragment reads the wrong key": (PREFILL, "replace", "k_tile[(j * 8 + c + t) * LD + d * 8 + r]", "k_tile[(j * 8 + c) * LD + d * 8 + r]"),
+    "prefill: K^T fragment reads the wrong key": (PREFILL, "replace", "tiles.k[(j * 8 + c + t) * LD + d * 8 + r]", "tiles.k[(j * 8 + c) * LD + d * 8 + r]"),
     "prefill: K/V tile load bound off by one": (PREFILL, "replace", "e < BK * D; e += THREADS)", "e < BK * D - 1; e += THREADS)"),
     "prefill: vector K/V tile load bound short by a vector": (PREFILL, "replace", "e < BK * D; e += THREADS * W", "e < BK * D - W; e += THREADS * W"),
-    "prefill: vector K/V tile loads keys past the range": (PREFILL, "replace", "if (inside) {", "if (true) {"),
+    "prefill: vector K/V tile loads keys past the range": (PREFILL, "replace", "if (key < kv_end) {", "if (true) {"),
     "prefill: vector K/V tile store drops an element": (PREFILL, "replace", "for (int i = 0; i < W; ++i) {", "for (int i = 0; i < W - 1; ++i) {"),
-    "prefill: causal block range off by one": (PREFILL, "replace", "kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
+    "prefill: causal block range off by one": (PREFILL, "replace", "range.end = last_pos + 1 < p.kv_len ? last_pos + 1", "range.end = last_pos < p.kv_len ? last_pos"),
     "prefill: output row bound off by one": (PREFILL, "replace", "if (qi < p.q_len) {\n    const long row", "if (qi < p.q_len - 1) {\n    const long row"),
-    "prefill: bool mask ignored": (PREFILL, "replace", "visible = mask[at] != 0;", "visible = true;"),
+    "prefill: bool mask ignored": (PREFILL, "replace", "mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
     "prefill: sink left out of the sum": (PREFILL, "replace", "l_final = l_row * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);", "l_final = l_row * correction;"),
     "decode: causal comparison flipped": (DECODE, "replace", "key <= pos &&", "key < pos &&"),
-    "decode: accumulator rescale dropped": (DECODE, "replace", "o_part[i][e] * alpha + prob", "o_part[i][e] + prob"),
-    "decode: split range off by one": (DECODE, "replace", "min(p.kv_len, kv_begin + chunk)", "min(p.kv_len, kv_begin + chunk - 1)"),
+    "decode: accumulator rescale dropped": (DECODE, "replace", "rows.o[i][e] * alpha + prob", "rows.o[i][e] + prob"),
+    "decode: split range off by one": (DECODE, "replace", "split * chunk + chunk)", "split * chunk + chunk - 1)"),
     "decode: merge rescale dropped": (DECODE, "replace", "const float weight = exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
-    "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end; key += 1"),
-    "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end - 1; key += NSG"),
+    "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end; key += 1"),
+    "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end - 1; key += MLX_ATTN_DECODE_SIMDGROUPS"),
     "decode: simdgroup combine rescale dropped": (DECODE, "replace", "const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
-    "decode: combine max taken from one lane": (DECODE, "replace", "max(m_row[i], simd_max(their_max))", "max(m_row[i], their_max)"),
+    "decode: combine max taken from one lane": (DECODE, "replace", "max(rows.m[i], simd_max(their_max))", "max(rows.m[i], their_max)"),
     "decode: combine weight broadcast from the wrong lane": (DECODE, "replace", "simd_shuffle(their_weight, ushort(g))", "simd_shuffle(their_weight, ushort(0))"),
     "decode: a handed-over max and sum read by no lane": (DECODE, "replace", "lane < uint(NSG - 1);", "lane < uint(NSG - 2);"),
     "decode: handed-over sums not added across lanes": (DECODE, "replace", "simd_sum(their_sum * their_weight)", "their_sum * their_weight"),
     "decode: lane layout overlaps chunks": (DECODE, "replace", "e / VEC * 32 * VEC", "e / VEC * 16 * VEC"),
     "decode: key/value chunk loop stops a chunk early": (DECODE, "replace", "for (int e = 0; e < SLICE; e += VEC) {\n      const int d", "for (int e = 0; e < SLICE - VEC; e += VEC) {\n      const int d"),
-    "decode: query chunk loop stops a chunk early": (DECODE, "replace", "for (int e = 0; e < SLICE; e += VEC) {\n      if (r < rows)", "for (int e = 0; e < SLICE - VEC; e += VEC) {\n      if (r < rows)"),
+    "decode: query chunk loop stops a chunk early": (DECODE, "replace", "for (int e = 0; e < SLICE; e += VEC) {\n      if (real)", "for (int e = 0; e < SLICE - VEC; e += VEC) {\n      if (real)"),
     "decode: vector chunk read as one element": (DECODE, "replace", "RowLoad<T, VEC>::read(k,", "RowLoad<T, 1>::read(k,"),
     "decode: simdgroup combine leaves one out": (DECODE, "replace", "for (int g = 0; g < NSG - 1; ++g) {\n      const float weight", "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),
-    "decode: simdgroup 0's output not rescaled in the combine": (DECODE, "replace", "o[e] = o_part[i][e] * own;", "o[e] = o_part[i][e];"),
-    "decode: simdgroup 0's sum not rescaled in the combine": (DECODE, "replace", "l_row[i] * own + simd_sum", "l_row[i] + simd_sum"),
-    "decode: combine misses the last live row": (DECODE, "replace", "const int live_rows = min(R, rows - r0);", "const int live_rows = min(R, rows - r0) - 1;"),
+    "decode: simdgroup 0's output not rescaled in the combine": (DECODE, "replace", "o[e] = rows.o[i][e] * own;", "o[e] = rows.o[i][e];"),
+    "decode: simdgroup 0's sum not rescaled in the combine": (DECODE, "replace", "rows.l[i] * own + simd_sum", "rows.l[i] + simd_sum"),
+    "decode: combine misses the last live row": (DECODE, "replace", "const int live_rows = min(R, row_count - r0);", "const int live_rows = min(R, row_count - r0) - 1;"),
     "decode: combine hands over rows at the wrong slot": (DECODE, "replace", "const int at = (int(sg) - 1) * R;", "const int at = int(sg) * R;"),
-    "decode: a simdgroup's sum not handed over": (DECODE, "replace", "sg_sum[at + i] = l_row[i];", ""),
-    "decode: combine reads a handed-over row from the wrong simdgroup": (DECODE, "replace", "o[e] += sg_out[(g * R + i) * D", "o[e] += sg_out[(0 * R + i) * D"),
-    "decode: window start off by one": (DECODE, "replace", "offset - p.window_size + 1", "offset - p.window_size + 2"),
-    "decode: row chunks ignored": (DECODE, "replace", "const int row_chunks = (rows + R - 1) / R;", "const int row_chunks = 1;"),
+    "decode: a simdgroup's sum not handed over": (DECODE, "replace", "states.row_sum[at + i] = rows.l[i];", ""),
+    "decode: combine reads a handed-over row from the wrong simdgroup": (DECODE, "replace", "o[e] += states.out[(g * R + i) * D", "o[e] += states.out[(0 * R + i) * D"),
+    "decode: window start off by one": (DECODE, "replace", "const int lo = first_pos - p.window_size + 1;", "const int lo = first_pos - p.window_size + 2;"),
+    "decode: row chunks ignored": (DECODE, "replace", "const int row_chunks = (row_count + R - 1) / R;", "const int row_chunks = 1;"),
     "decode: sink left out of the sum": (DECODE, "replace", "l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);", "l = l * correction;"),
     "decode: lse without the row max": (DECODE, "replace", "m + log(l)", "log(l)"),
     # (m + log(0) is -inf in IEEE arithmetic: the -inf must not become a finite value)
@@ -88,15 +88,25 @@ MUTANTS = {
     "prefill: lse without the row max": (PREFILL, "replace", "m_final + log(l_final)", "log(l_final)"),
     "prefill: lse of an empty row not -inf": (PREFILL, "replace", "m_final + log(l_final) : as_type<float>(0xff800000u)", "m_final + log(l_final) : 0.0f"),
     "prefill: lse without the sink's max": (PREFILL, "replace", "m_final + log(l_final)", "m_row + log(l_final)"),
-    "prefill: additive mask ignored": (PREFILL, "replace", "s = saturate_logit(s + added);", ""),
-    "prefill: GQA head mapping wrong": (PREFILL, "replace", "const int kv_head = h / p.group;", "const int kv_head = h % p.kv_heads;"),
+    "prefill: additive mask ignored": (PREFILL, "replace", "logit.value = additive_masked_logit(logit.value, added);", ""),
+    "prefill: GQA head mapping wrong": (PREFILL, "replace", "rows.kv_head = rows.h / p.group;", "rows.kv_head = rows.h % p.kv_heads;"),
     "prefill: key sequence stride assumed contiguous (vector loads)": (PREFILL, "replace", "k_head + key * p.k_strides[2] + col)", "k_head + key * D + col)"),
     "prefill: key sequence stride assumed contiguous (scalar loads)": (PREFILL, "replace", "k_head + key * p.k_strides[2] + col * p", "k_head + key * D + col * p"),
     "prefill: value dim stride ignored (scalar loads)": (PREFILL, "replace", "col * p.v_strides[3]", "col"),
-    "decode: key dim stride ignored (scalar loads)": (DECODE, "replace", "k_at + d * p.k_strides[3]", "k_at + d"),
+    "decode: key dim stride ignored (scalar loads)": (DECODE, "replace", "k_row + d * k_dim_stride", "k_row + d"),
     "decode: value head stride assumed contiguous": (DECODE, "replace", "kv_head * p.v_strides[1]", "kv_head * p.kv_len * D"),
     "prefill: sinks stride assumed contiguous": (PREFILL, "replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
     "decode: sinks stride assumed contiguous": (DECODE, "replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
+    # the loader policy (ContiguousKV) and the interior-block shortcut: only
+    # edge blocks test causal / window / bounds per element
+    "decode loader: K/V head not selected": (DECODE, "replace", "k_at = b * p.k_strides[0] + kv_head * p.k_strides[1];", "k_at = b * p.k_strides[0];"),
+    "decode loader: values read from the key buffer": (DECODE, "replace", "RowLoad<T, VEC>::read(v, v_row", "RowLoad<T, VEC>::read(k, v_row"),
+    **{f"{source.stem}: interior shortcut: a key past the diagonal taken as interior": (
+        source, "replace", "first_key + keys - 1 > first_pos;", "first_key + keys - 2 > first_pos;") for source in (PREFILL, DECODE)},
+    **{f"{source.stem}: interior shortcut: a key before the window taken as interior": (
+        source, "replace", "first_key <= last_pos - p.window_size;", "first_key < last_pos - p.window_size;") for source in (PREFILL, DECODE)},
+    "prefill: interior shortcut: the block past the key range end taken as interior": (PREFILL, "replace", "first_key + keys > key_end ||", ""),
+    "prefill: interior shortcut: rows past the query length taken as interior": (PREFILL, "replace", "return rows_past_end ||", "return"),
 }
 
 
@@ -133,6 +143,11 @@ CASES = [
     dict(shape=(1, 2, 2, 35, 45), mask="causal", layout="cache"),  # prefill: the last key block's tail is NaN
     dict(shape=(1, 4, 2, 2, 90), mask="causal", d=96),  # decode: one element per chunk, 3 per lane
     dict(shape=(1, 4, 2, 2, 70), layout="unaligned", d=96),
+    # prefill edge blocks: a block ending one key past a row group's first
+    # position (offset 6: rows 24.. at 30..), one starting at the last row's
+    # window edge (rows 32..39, window 39: key 0 hidden from position 39 only)
+    dict(shape=(1, 2, 1, 40, 46), mask="causal"),
+    dict(shape=(1, 2, 1, 48, 48), window_size=39),
 ]
 
 
@@ -196,7 +211,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def originals(directory: Path) -> list[Path]:
-    return [write(directory, only_float32_d64(src.read_text()), f"original {src.stem}") for src in (PREFILL, DECODE)]
+    return [write(directory, only_float32_d64(kernel_text(src)), f"original {src.stem}") for src in (PREFILL, DECODE)]
 
 
 def test_unmutated_kernels_pass_the_battery(workdir):
@@ -205,7 +220,7 @@ def test_unmutated_kernels_pass_the_battery(workdir):
 
 
 def mutant_sources(workdir: Path, name: str, source: Path, *change) -> list[Path]:
-    mutant = write(workdir, only_float32_d64(mutated(source.read_text(), *change)), name)
+    mutant = write(workdir, only_float32_d64(mutated(kernel_text(source), *change)), name)
     return [mutant if original.name.startswith(f"original_{source.stem}") else original
             for original in originals(workdir)]
 

@@ -206,7 +206,7 @@ def test_plan_binds_packed_data_scales_and_biases_of_k_and_v():
     plan = plan_for(mask=mx.ones((1, 300), dtype=mx.bool_), sinks=True, output_lse=True)
     assert plan["supported"], plan["reason"]
     partial, merge = plan["dispatches"]
-    assert partial["kernel"] == "attention_quantized_decode_partial_float16_d64_b8"
+    assert partial["kernel"] == "attention_quantized_decode_partial_float16_d64_b8_mask_bool"
     assert merge["kernel"] == "attention_decode_merge_float16_d64"
     assert roles(partial) == [
         (0, "q", "input", 0, "read"), (1, "k", "input", 1, "read"), (2, "k_scales", "input", 2, "read"),

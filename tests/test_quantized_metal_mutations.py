@@ -15,7 +15,7 @@ import pytest
 
 import msl_emulator
 from metal_runner import REPO, EmulatedMetal, View
-from mutations import assert_caught, mutated, write
+from mutations import kernel_text, assert_caught, mutated, write
 from test_metal_mutations import case_options, differs_from_reference
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
@@ -42,7 +42,7 @@ def replaced(a: str, b: str) -> tuple:
 
 MUTANTS = {
     **{f"threadgroup_barrier #{i} removed": ("remove", "threadgroup_barrier(", i)
-       for i in range(QUANTIZED.read_text().count("threadgroup_barrier("))},
+       for i in range(kernel_text(QUANTIZED).count("threadgroup_barrier("))},
     # dequantization
     "group index from the lane, not the feature": replaced(
         "ushort(first / group_size)", "ushort(int(lane) / group_size)"),
@@ -62,30 +62,42 @@ MUTANTS = {
         "scale * float((word >> (c * BITS)) & CODE_MASK) + bias",
         "bias * float((word >> (c * BITS)) & CODE_MASK) + scale"),
     "key scales read through the bias strides": replaced(
-        "key * qp.k_scale_strides[2], qp.k_scale_strides[3]", "key * qp.k_bias_strides[2], qp.k_bias_strides[3]"),
+        "p.k_strides, qp->k_scale_strides, qp->k_bias_strides,", "p.k_strides, qp->k_bias_strides, qp->k_bias_strides,"),
     "value head stride assumed contiguous": replaced(
         "kv_head * p.v_strides[1]", "kv_head * p.kv_len * (D * BITS / 32)"),
     # ranges, rows and masks
-    "split range off by one": replaced("min(p.kv_len, kv_begin + chunk)", "min(p.kv_len, kv_begin + chunk - 1)"),
-    "causal chunk range off by one": replaced("kv_end = min(kv_end, last_pos + 1);", "kv_end = min(kv_end, last_pos);"),
+    "split range off by one": replaced("split * chunk + chunk)", "split * chunk + chunk - 1)"),
+    "causal chunk range off by one": replaced(
+        "range.end = last_pos + 1 < p.kv_len ? last_pos + 1", "range.end = last_pos < p.kv_len ? last_pos"),
     "window start off by one": replaced("first_pos - p.window_size + 1", "first_pos - p.window_size + 2"),
-    "chunk's first position not tracked": replaced("first_pos = min(first_pos, qi + offset);", ""),
-    "row chunks ignored": replaced("const int row_chunks = (rows + R - 1) / R;", "const int row_chunks = 1;"),
+    "chunk's first position not tracked": replaced("first_pos = min(first_pos, query_position(p, qi));", ""),
+    "row chunks ignored": replaced("const int row_chunks = (row_count + R - 1) / R;", "const int row_chunks = 1;"),
     "causal comparison flipped": replaced("key <= pos &&", "key < pos &&"),
-    "bool mask ignored": replaced("visible = mask[at] != 0;", "visible = true;"),
-    "additive mask ignored": replaced("s = quantized_saturate_logit(s + added);", ""),
-    "keys not dealt out among simdgroups": replaced("key < kv_end; key += NSG", "key < kv_end; key += 1"),
+    "bool mask ignored": replaced("mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
+    "additive mask ignored": replaced("logit.value = additive_masked_logit(logit.value, added);", ""),
+    "keys not dealt out among simdgroups": replaced(
+        "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end; key += 1"),
     "GQA rows share one query head": replaced(
         "const int h = kv_head * p.group + (real ? r / p.q_len : 0);", "const int h = kv_head * p.group;"),
     # online softmax and the merges
-    "accumulator rescale dropped": replaced("o_part[i][e] * alpha + prob", "o_part[i][e] + prob"),
+    "accumulator rescale dropped": replaced("rows.o[i][e] * alpha + prob", "rows.o[i][e] + prob"),
     "simdgroup combine rescale dropped": replaced(
-        "const float weight = exp2((sg_max[g * R + i] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
+        "const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
     "simdgroup combine leaves one out": replaced(
-        "for (int g = 0; g < NSG; ++g) {\n      const float weight", "for (int g = 1; g < NSG; ++g) {\n      const float weight"),
+        "for (int g = 0; g < NSG - 1; ++g) {\n      const float weight",
+        "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),
     "partial in a layout the split merge does not read": replaced(
-        "partial_out[base * D + int(lane) * SLICE + e]", "partial_out[base * D + e * 32 + int(lane)]"),
+        "partial_out[base * D + KV::dim(lane, e)]", "partial_out[base * D + e * 32 + int(lane)]"),
     "partial max written as the sum": replaced("partial_stats[base * 2] = m;", "partial_stats[base * 2] = l;"),
+    # the loader policy (QuantizedKV) and the interior-key shortcut (decode_keys)
+    "loader: K/V head not selected": replaced(
+        "at[i][0] = b * strides[i][0] + kv_head * strides[i][1];", "at[i][0] = b * strides[i][0];"),
+    "loader: values read from the key triple": replaced(
+        "dequantize_slice<T, D, BITS>(v, at[3][0]", "dequantize_slice<T, D, BITS>(k, at[3][0]"),
+    "interior shortcut: a key past the diagonal taken as interior": replaced(
+        "first_key + keys - 1 > first_pos;", "first_key + keys - 2 > first_pos;"),
+    "interior shortcut: a key before the window taken as interior": replaced(
+        "first_key <= last_pos - p.window_size;", "first_key < last_pos - p.window_size;"),
 }
 
 
@@ -144,15 +156,15 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def decode_merge(workdir) -> Path:
-    return write(workdir, only_float32(DECODE.read_text()), "original attention_decode")
+    return write(workdir, only_float32(kernel_text(DECODE)), "original attention_decode")
 
 
 def test_unmutated_kernel_passes_the_battery(workdir, decode_merge):
-    original = write(workdir, only_float32(QUANTIZED.read_text()), "original attention_quantized")
+    original = write(workdir, only_float32(kernel_text(QUANTIZED)), "original attention_quantized")
     assert not caught(EmulatedMetal(fast_math=True, sources=[decode_merge, original]))
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(workdir, decode_merge, name):
-    mutant = write(workdir, only_float32(mutated(QUANTIZED.read_text(), *MUTANTS[name])), f"quantized {name}")
+    mutant = write(workdir, only_float32(mutated(kernel_text(QUANTIZED), *MUTANTS[name])), f"quantized {name}")
     assert_caught(name, [decode_merge, mutant], caught)

@@ -1,0 +1,343 @@
+// Fused attention backward (FlashAttention-2 style): the kernel templates;
+// metal/attention_backward.metal instantiates them. Launched through
+// csrc/backward_launch_plan.cpp. The forward's row log-sum-exp lets every
+// tile recompute P = exp(S - lse) directly; with delta = rowsum(dO * O) -
+// dlse the softmax derivative is dS = P * (dP - delta), dP = dO . V^T.
+// Four dispatches, each writing disjoint memory (no atomics):
+//   delta   one simdgroup per query row: delta[row] (a float32 scratch)
+//   dkdv    one threadgroup per (32 keys, kv head, batch): dK, dV of its keys,
+//           summed in registers over every query head of the GQA group and
+//           every query block that can see them
+//   dq      one threadgroup per (32 query rows, query head, batch), as the
+//           forward prefill kernel: dQ of its rows
+//   sinks   (with sinks) one simdgroup per query head:
+//           d_sink = -sum over rows of exp(sink - lse) * delta
+// Logits are built exactly as the forward's (scale, saturate, mask): a logit
+// that saturated has no gradient, like the CPU backward (csrc/cpu/).
+// Every 8x8 tile is a simdgroup matrix; a lane owns row
+// r = (lane / 16) * 4 + (lane / 2) % 4, columns c, c + 1 with
+// c = ((lane / 8) % 2) * 4 + (lane % 2) * 2 (see attention_prefill.metal).
+// No Tq x Tkv buffer exists: the largest tile is 8 x 32 per simdgroup.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "metal/attention_steps.h"
+
+using namespace metal;
+
+// P and dS = P * (dP - delta) of one (query qi of head h, key) pair from its
+// raw score q.k and dP, rebuilding the forward's logit (scale, saturate,
+// mask: masked_logit, metal/attention_steps.h). dS is 0 where a logit
+// saturated (the clamp has no gradient); the caller multiplies dQ and dK by
+// the scale once. A row that saw nothing (lse -inf, the forward's) has every
+// key masked, so its lse is never used. EDGE: the tile may hold a pair the
+// causal / window rule or the bounds hide (per-element tests).
+template <typename T, int MASK, bool EDGE>
+inline float2 probability_and_gradient(
+    constant AttentionParams& p, const device uchar* mask, float score, float d_prob,
+    float lse, float delta, int b, int h, int qi, int key) {
+  const MaskedLogit logit =
+      masked_logit<T, MASK, EDGE>(p, mask, score * p.scale, b, h, qi, key, query_position(p, qi));
+  const float prob = logit_masked(logit.value) ? 0.0f : exp2((logit.value - lse) * MLX_ATTN_LOG2E);
+  return float2(prob, logit.exact ? prob * (d_prob - delta) : 0.0f);
+}
+
+// P and dS of the two pairs this lane owns in an 8x8 tile, in place: `s`
+// (the raw scores) becomes P, `dp` becomes dS. Pair t is (query qi[t], key
+// key[t]) with that query's lse and delta.
+template <typename T, int MASK, bool EDGE>
+inline void pair_gradients(
+    constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8& s,
+    thread simdgroup_float8x8& dp, float2 lse, float2 delta, int b, int h, int2 qi, int2 key) {
+  for (int t = 0; t < 2; ++t) {
+    const float2 grad = probability_and_gradient<T, MASK, EDGE>(
+        p, mask, s.thread_elements()[t], dp.thread_elements()[t], lse[t], delta[t], b, h, qi[t], key[t]);
+    s.thread_elements()[t] = grad.x;
+    dp.thread_elements()[t] = grad.y;
+  }
+}
+// The variant for this tile: edge (per-element tests) or interior.
+template <typename T, int MASK>
+inline void tile_gradients(
+    constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8& s,
+    thread simdgroup_float8x8& dp, float2 lse, float2 delta, int b, int h, int2 qi, int2 key, bool edge) {
+  if (edge) {
+    pair_gradients<T, MASK, true>(p, mask, s, dp, lse, delta, b, h, qi, key);
+  } else {
+    pair_gradients<T, MASK, false>(p, mask, s, dp, lse, delta, b, h, qi, key);
+  }
+}
+
+// delta[row] = rowsum(dO * O) - dlse[row]; out, d_out, d_lse row-contiguous
+// (the host makes them so). One simdgroup per row.
+template <typename T, int D>
+[[kernel]] void attention_backward_delta(
+    const device T* out [[buffer(0)]],
+    const device T* d_out [[buffer(1)]],
+    const device float* d_lse [[buffer(2)]],
+    device float* delta [[buffer(3)]],
+    constant AttentionParams& p [[buffer(4)]],
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const long rows = long(p.batch) * p.q_heads * p.q_len;
+  const long row = long(group_id.x) * 4 + sg;
+  if (row >= rows) return;  // the whole simdgroup: no collective is split
+  float dot = 0.0f;
+  for (int e = int(lane); e < D; e += 32) {
+    dot += float(out[row * D + e]) * float(d_out[row * D + e]);
+  }
+  dot = simd_sum(dot);
+  if (lane == 0) delta[row] = dot - d_lse[row];
+}
+
+// dK, dV of 32 keys (8 per simdgroup, held as A-operand tiles in registers
+// with their accumulators) of one (batch, kv head). Query blocks of BQ rows
+// (Q, dO as float, lse and delta) are staged in threadgroup memory; the
+// loop runs over every query head of the group, so dK/dV sum over it.
+template <typename T, int D, int BQ, int MASK>
+[[kernel]] void attention_backward_dkdv(
+    const device T* k [[buffer(0)]],  // the keys and values it owns first,
+    const device T* v [[buffer(1)]],
+    const device T* q [[buffer(2)]],  // then the query rows it streams
+    const device T* d_out [[buffer(3)]],
+    const device float* lse [[buffer(4)]],
+    const device float* delta [[buffer(5)]],
+    device T* dk [[buffer(6)]],
+    device T* dv [[buffer(7)]],
+    constant AttentionParams& p [[buffer(8)]],
+    const device uchar* mask [[buffer(9)]],
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int NSG = 4;
+  constexpr int BK = 8 * NSG;
+  constexpr int THREADS = 32 * NSG;
+  constexpr int LD = D + 4;  // padded float row
+  threadgroup float q_tile[BQ * LD];
+  threadgroup float d_out_tile[BQ * LD];
+  threadgroup float lse_tile[BQ];
+  threadgroup float delta_tile[BQ];
+
+  const int b = int(group_id.z);
+  const int kv_head = int(group_id.y);
+  const int k0 = int(group_id.x) * BK;
+  const TileLane at = tile_lane(lane);
+  const int r = at.row;
+  const int c = at.col;
+  const int key = k0 + int(sg) * 8 + r;  // this lane's row of K, V, dK, dV
+
+  simdgroup_float8x8 k_rows[D / 8];
+  simdgroup_float8x8 v_rows[D / 8];
+  simdgroup_float8x8 dk_acc[D / 8];
+  simdgroup_float8x8 dv_acc[D / 8];
+  const long k_row = b * p.k_strides[0] + kv_head * p.k_strides[1] + key * p.k_strides[2];
+  const long v_row = b * p.v_strides[0] + kv_head * p.v_strides[1] + key * p.v_strides[2];
+  for (int d = 0; d < D / 8; ++d) {
+    for (int t = 0; t < 2; ++t) {
+      const int col = d * 8 + c + t;
+      k_rows[d].thread_elements()[t] = key < p.kv_len ? float(k[k_row + col * p.k_strides[3]]) : 0.0f;
+      v_rows[d].thread_elements()[t] = key < p.kv_len ? float(v[v_row + col * p.v_strides[3]]) : 0.0f;
+      dk_acc[d].thread_elements()[t] = 0.0f;
+      dv_acc[d].thread_elements()[t] = 0.0f;
+    }
+  }
+
+  // Query rows that can see a key of this block (as the CPU backward's).
+  const QueryRange queries = block_query_range(p, k0, min(k0 + BK, p.kv_len) - 1);
+  const int q_begin = queries.begin;
+  const int q_end = queries.end;
+
+  for (int g = 0; g < p.group; ++g) {
+    const int h = kv_head * p.group + g;
+    const long q_head = b * p.q_strides[0] + h * p.q_strides[1];
+    const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
+    for (int qs = q_begin; qs < q_end; qs += BQ) {
+      // stage Q, dO (float), lse and delta of rows qs ..; rows past q_end
+      // see none of this block's keys (causal / window): zeros
+      for (int e = int(tid); e < BQ * D; e += THREADS) {
+        const int i = e / D;
+        const int col = e % D;
+        const int qi = qs + i;
+        const bool inside = qi < q_end;
+        q_tile[i * LD + col] = inside ? float(q[q_head + qi * p.q_strides[2] + col * p.q_strides[3]]) : 0.0f;
+        d_out_tile[i * LD + col] = inside ? float(d_out[(head_rows + qi) * D + col]) : 0.0f;
+      }
+      for (int i = int(tid); i < BQ; i += THREADS) {
+        const bool inside = qs + i < q_end;
+        lse_tile[i] = inside ? lse[head_rows + qs + i] : 0.0f;
+        delta_tile[i] = inside ? delta[head_rows + qs + i] : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      for (int j = 0; j < BQ / 8; ++j) {
+        // S^T = K . Q^T and dP^T = V . dO^T: rows keys, columns queries j*8 ..
+        simdgroup_float8x8 s_t = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        simdgroup_float8x8 dp_t = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        for (int d = 0; d < D / 8; ++d) {
+          simdgroup_float8x8 q_t;  // row = dim d*8 + r, column = query j*8 + c
+          simdgroup_float8x8 d_out_t;
+          for (int t = 0; t < 2; ++t) {
+            q_t.thread_elements()[t] = q_tile[(j * 8 + c + t) * LD + d * 8 + r];
+            d_out_t.thread_elements()[t] = d_out_tile[(j * 8 + c + t) * LD + d * 8 + r];
+          }
+          simdgroup_multiply_accumulate(s_t, k_rows[d], q_t, s_t);
+          simdgroup_multiply_accumulate(dp_t, v_rows[d], d_out_t, dp_t);
+        }
+        // this simdgroup's 8 keys against queries qs + j*8 ..: interior
+        // tiles skip the per-element visibility tests
+        const int first_query = qs + j * 8;
+        const bool edge = block_needs_tests(p, k0 + int(sg) * 8, 8, p.kv_len, query_position(p, first_query),
+                                            query_position(p, first_query + 7), first_query + 8 > q_end);
+        const int i = j * 8 + c;
+        tile_gradients<T, MASK>(p, mask, s_t, dp_t, float2(lse_tile[i], lse_tile[i + 1]),
+                                float2(delta_tile[i], delta_tile[i + 1]), b, h, int2(qs + i, qs + i + 1),
+                                int2(key, key), edge);  // s_t: P^T, dp_t: dS^T
+        // dV += P^T . dO, dK += dS^T . Q (rows queries j*8 .., columns dims)
+        for (int d = 0; d < D / 8; ++d) {
+          simdgroup_float8x8 q_part;
+          simdgroup_float8x8 d_out_part;
+          for (int t = 0; t < 2; ++t) {
+            q_part.thread_elements()[t] = q_tile[(j * 8 + r) * LD + d * 8 + c + t];
+            d_out_part.thread_elements()[t] = d_out_tile[(j * 8 + r) * LD + d * 8 + c + t];
+          }
+          simdgroup_multiply_accumulate(dv_acc[d], s_t, d_out_part, dv_acc[d]);
+          simdgroup_multiply_accumulate(dk_acc[d], dp_t, q_part, dk_acc[d]);
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles
+    }
+  }
+
+  if (key < p.kv_len) {
+    const long row = (long(b) * p.kv_heads + kv_head) * p.kv_len + key;
+    for (int d = 0; d < D / 8; ++d) {
+      for (int t = 0; t < 2; ++t) {
+        dk[row * D + d * 8 + c + t] = T(dk_acc[d].thread_elements()[t] * p.scale);
+        dv[row * D + d * 8 + c + t] = T(dv_acc[d].thread_elements()[t]);
+      }
+    }
+  }
+}
+
+// dQ of 32 query rows (8 per simdgroup) of one (batch, query head), over the
+// key blocks its rows can see; K/V blocks of BK keys staged in threadgroup
+// memory in the input dtype, as the forward prefill kernel does.
+template <typename T, int D, int BK, int MASK>
+[[kernel]] void attention_backward_dq(
+    const device T* q [[buffer(0)]],
+    const device T* k [[buffer(1)]],
+    const device T* v [[buffer(2)]],
+    const device T* d_out [[buffer(3)]],
+    const device float* lse [[buffer(4)]],
+    const device float* delta [[buffer(5)]],
+    device T* dq [[buffer(6)]],
+    constant AttentionParams& p [[buffer(7)]],
+    const device uchar* mask [[buffer(8)]],
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int NSG = 4;
+  constexpr int BQ = 8 * NSG;
+  constexpr int THREADS = 32 * NSG;
+  using Tiles = KeyValueTiles<T, D, BK>;
+  constexpr int LD = Tiles::LD;
+  threadgroup Tiles tiles;
+
+  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
+  const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
+  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+
+  simdgroup_float8x8 q_rows[D / 8];
+  simdgroup_float8x8 d_out_rows[D / 8];
+  simdgroup_float8x8 dq_acc[D / 8];
+  const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
+  for (int d = 0; d < D / 8; ++d) {
+    for (int t = 0; t < 2; ++t) {
+      const int col = d * 8 + c + t;
+      q_rows[d].thread_elements()[t] = qi < p.q_len ? float(q[q_row + col * p.q_strides[3]]) : 0.0f;
+      d_out_rows[d].thread_elements()[t] = qi < p.q_len ? float(d_out[row * D + col]) : 0.0f;
+      dq_acc[d].thread_elements()[t] = 0.0f;
+    }
+  }
+  const float lse_row = qi < p.q_len ? lse[row] : 0.0f;
+  const float delta_row = qi < p.q_len ? delta[row] : 0.0f;
+
+  // the keys its rows can see (as the forward's)
+  const int kv_begin = rows.keys.begin;
+  const int kv_end = rows.keys.end;
+
+  const long k_head = b * p.k_strides[0] + rows.kv_head * p.k_strides[1];
+  const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
+  for (int kb = kv_begin; kb < kv_end; kb += BK) {
+    stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, false, tid, tiles);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // interior blocks skip the per-element visibility tests
+    const bool edge = key_block_on_edge(p, rows, kb, BK);
+
+    for (int j = 0; j < BK / 8; ++j) {
+      // S = Q . K^T and dP = dO . V^T: rows queries, columns keys kb + j*8 ..
+      simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      simdgroup_float8x8 dp = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int d = 0; d < D / 8; ++d) {
+        simdgroup_float8x8 k_t;  // row = dim d*8 + r, column = key j*8 + c
+        simdgroup_float8x8 v_t;
+        for (int t = 0; t < 2; ++t) {
+          k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * LD + d * 8 + r]);
+          v_t.thread_elements()[t] = float(tiles.v[(j * 8 + c + t) * LD + d * 8 + r]);
+        }
+        simdgroup_multiply_accumulate(s, q_rows[d], k_t, s);
+        simdgroup_multiply_accumulate(dp, d_out_rows[d], v_t, dp);
+      }
+      const int key = kb + j * 8 + c;
+      tile_gradients<T, MASK>(p, mask, s, dp, float2(lse_row), float2(delta_row), b, h, int2(qi), int2(key, key + 1),
+                              edge);  // dp: dS
+      // dQ += dS . K (rows keys j*8 .., columns dims)
+      for (int d = 0; d < D / 8; ++d) {
+        simdgroup_float8x8 k_part;
+        for (int t = 0; t < 2; ++t) {
+          k_part.thread_elements()[t] = float(tiles.k[(j * 8 + r) * LD + d * 8 + c + t]);
+        }
+        simdgroup_multiply_accumulate(dq_acc[d], dp, k_part, dq_acc[d]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles
+  }
+
+  if (qi < p.q_len) {
+    for (int d = 0; d < D / 8; ++d) {
+      for (int t = 0; t < 2; ++t) {
+        dq[row * D + d * 8 + c + t] = T(dq_acc[d].thread_elements()[t] * p.scale);
+      }
+    }
+  }
+}
+
+// d_sinks[h] = -sum over (batch, row) of exp(sink - lse) * delta: the sink's
+// probability, whose dP is 0. A sink that saturated gets no gradient. With a
+// sink every row's sum is positive: its lse is finite.
+template <typename T>
+[[kernel]] void attention_backward_sinks(
+    const device T* sinks [[buffer(0)]],
+    const device float* lse [[buffer(1)]],
+    const device float* delta [[buffer(2)]],
+    device T* d_sinks [[buffer(3)]],
+    constant AttentionParams& p [[buffer(4)]],
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const int h = int(group_id.x);
+  const float raw = float(sinks[h * p.sinks_stride]);
+  const float sink = saturate_logit(raw);
+  float sum = 0.0f;
+  for (int b = 0; b < p.batch; ++b) {
+    const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
+    for (int qi = int(lane); qi < p.q_len; qi += 32) {
+      sum -= exp2((sink - lse[head_rows + qi]) * MLX_ATTN_LOG2E) * delta[head_rows + qi];
+    }
+  }
+  sum = simd_sum(sum);
+  if (lane == 0) d_sinks[h] = T(sink == raw ? sum : 0.0f);
+}

@@ -1,0 +1,352 @@
+// Fused attention for decoding (few queries, long key/value length): the
+// kernel templates; metal/attention_decode.metal instantiates them for
+// contiguous K/V, metal/attention_quantized.metal for quantized K/V.
+//
+// attention_decode_partial: the key/value length is split across
+// threadgroups (grid.x = splits). A threadgroup serves up to R rows =
+// (query head of the GQA group) x (query position) of one KV head, so K/V are
+// read once for the whole group (grid.y = KV heads x row chunks; one chunk
+// unless rows > R). Its simdgroups take the split's keys in turn (key j:
+// simdgroup j % NSG) and read them straight from device memory into
+// registers: lane l holds D/32 dims of the key, the value, every row's query
+// and output, and a score is a simd_sum of lane partial dot products; no K/V
+// staging. Register budget: R x D/32 floats of q and of the output per lane
+// (MLX_ATTN_DECODE_ROW_FLOATS each).
+//
+// The K/V layout is an axis, not a kernel: a loader policy KV reads a key's
+// and a value's lane slices (ContiguousKV here, QuantizedKV in
+// metal/attention_quantized.h); everything else (rows, the logit step, the
+// online softmax, the simdgroup combine, the partials) is decode_partial,
+// written once. A loader policy provides
+//   SLICE, VEC             dims per lane (D / 32), dims per q load
+//   dim(lane, e)           the head dim of element e of lane's slice (q, the
+//                          partials and the merge use the same layout)
+//   select_head(p, b, h)   the K/V head the threadgroup reads
+//   load(key, lane, k, v)  this lane's slices of key `key` (uniform across
+//                          the simdgroup: a policy may use simd functions)
+//
+// The simdgroups' online-softmax states are combined once into one partial
+// (max, sum, output) per (row, split): simdgroups 1.. hand their live rows
+// (not the register budget's unused ones) to simdgroup 0 through threadgroup
+// memory, and simdgroup 0 adds them to its own registers (lane g reads the max
+// and sum of simdgroup g + 1 once; the other lanes get its weight by shuffle).
+// attention_decode_merge combines the splits: the same rescale, then sinks,
+// normalize and the row log-sum-exp.
+// Same step names and finite sentinels as metal/attention_prefill.h.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "metal/attention_steps.h"
+
+using namespace metal;
+
+// Dims per device load in decode: the largest of 4, 2, 1 that divides a lane's D/32.
+template <int D>
+struct DecodeLayout {
+  static constexpr int SLICE = D / 32;
+  static constexpr int VEC = SLICE % 4 == 0 ? 4 : (SLICE % 2 == 0 ? 2 : 1);
+  // the head dim of element e of `lane`'s slice: chunk c of VEC consecutive
+  // dims at c * 32 * VEC + lane * VEC, so consecutive lanes read consecutive
+  // vectors of a row (coalesced)
+  static inline int dim(uint lane, int e) { return e / VEC * 32 * VEC + int(lane) * VEC + e % VEC; }
+};
+
+// K/V rows of the input dtype read through their strides (VEC-wide loads when
+// params.vector_loads).
+template <typename T, int D>
+struct ContiguousKV {
+  static constexpr int SLICE = D / 32;
+  static constexpr int VEC = DecodeLayout<D>::VEC;
+  static inline int dim(uint lane, int e) { return DecodeLayout<D>::dim(lane, e); }
+
+  const device T* k;
+  const device T* v;
+  attn_int64 k_at;  // the selected head's first element
+  attn_int64 v_at;
+  attn_int64 k_key_stride;
+  attn_int64 v_key_stride;
+  attn_int64 k_dim_stride;
+  attn_int64 v_dim_stride;
+  bool vector_loads;
+
+  inline void select_head(constant AttentionParams& p, int b, int kv_head) {
+    k_at = b * p.k_strides[0] + kv_head * p.k_strides[1];
+    v_at = b * p.v_strides[0] + kv_head * p.v_strides[1];
+    k_key_stride = p.k_strides[2];
+    v_key_stride = p.v_strides[2];
+    k_dim_stride = p.k_strides[3];
+    v_dim_stride = p.v_strides[3];
+    vector_loads = p.vector_loads != 0;
+  }
+  inline void load(int key, uint lane, thread float* k_slice, thread float* v_slice) const {
+    const attn_int64 k_row = k_at + key * k_key_stride;
+    const attn_int64 v_row = v_at + key * v_key_stride;
+    for (int e = 0; e < SLICE; e += VEC) {
+      const int d = dim(lane, e);
+      RowLoad<T, VEC>::read(k, k_row + d * k_dim_stride, k_dim_stride, vector_loads, &k_slice[e]);
+      RowLoad<T, VEC>::read(v, v_row + d * v_dim_stride, v_dim_stride, vector_loads, &v_slice[e]);
+    }
+  }
+};
+
+// The rows of one decode threadgroup, in registers: each row's query and
+// output slices, running max and sum.
+template <int R, int SLICE>
+struct DecodeRows {
+  float q[R][SLICE];
+  float o[R][SLICE];
+  float m[R];
+  float l[R];
+};
+
+// One key of the split for every row: score, scale, mask, online max /
+// rescale, accumulate. EDGE: the causal / window rule may hide the key from
+// some row (attention_rules.h block_on_edge); interior keys skip the test.
+template <typename T, int R, int SLICE, int MASK, bool EDGE>
+inline void decode_key(
+    constant AttentionParams& p, const device uchar* mask, thread DecodeRows<R, SLICE>& rows, int key,
+    thread const float* k_slice, thread const float* v_slice, int b, int kv_head, int r0, int row_count) {
+  for (int i = 0; i < R; ++i) {
+    const int r = r0 + i;
+    if (r >= row_count) {
+      break;  // uniform across the simdgroup
+    }
+    const int h = kv_head * p.group + r / p.q_len;
+    const int qi = r % p.q_len;
+    // score
+    float dot = 0.0f;
+    for (int e = 0; e < SLICE; ++e) {
+      dot += rows.q[i][e] * k_slice[e];
+    }
+    // scale, mask
+    const float s = masked_logit<T, MASK, EDGE>(p, mask, simd_sum(dot) * p.scale, b, h, qi, key,
+                                                query_position(p, qi)).value;
+    if (logit_masked(s)) {
+      continue;  // same decision on every lane
+    }
+    // online max / rescale, accumulate
+    const float m_new = max(rows.m[i], s);
+    const float alpha = exp2((rows.m[i] - m_new) * MLX_ATTN_LOG2E);
+    const float prob = exp2((s - m_new) * MLX_ATTN_LOG2E);
+    rows.l[i] = rows.l[i] * alpha + prob;
+    rows.m[i] = m_new;
+    for (int e = 0; e < SLICE; ++e) {
+      rows.o[i][e] = rows.o[i][e] * alpha + prob * v_slice[e];
+    }
+  }
+}
+
+// The split's keys [kv_begin, kv_end), key j on simdgroup j % NSG.
+template <typename T, int R, typename KV, int MASK>
+inline void decode_keys(
+    constant AttentionParams& p, const device uchar* mask, const thread KV& kv, thread DecodeRows<R, KV::SLICE>& rows,
+    int kv_begin, int kv_end, int first_pos, int last_pos, int b, int kv_head, int r0, int row_count, uint sg,
+    uint lane) {
+  for (int key = kv_begin + int(sg); key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS) {
+    float k_slice[KV::SLICE];
+    float v_slice[KV::SLICE];
+    kv.load(key, lane, k_slice, v_slice);
+    if (block_on_edge(p, key, 1, first_pos, last_pos)) {
+      decode_key<T, R, KV::SLICE, MASK, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+    } else {
+      decode_key<T, R, KV::SLICE, MASK, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+    }
+  }
+}
+
+// The threadgroup memory of decode_partial: simdgroups 1..'s output, max and
+// sum per row (element e of a lane's slice at e * 32 + lane, so that the 32
+// lanes hit 32 different banks). Each kernel declares one (Metal declares
+// threadgroup variables in kernel scope).
+template <int D>
+struct DecodeStates {
+  static constexpr int ROWS = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32);  // rows per threadgroup
+  float out[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS * D];
+  float row_max[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS];
+  float row_sum[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS];
+};
+
+// The partial kernel's body for any K/V loader; `states`: the kernel's
+// threadgroup memory.
+template <typename T, int D, int MASK, typename KV>
+inline void decode_partial(
+    thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
+    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
+    uint3 groups, uint sg, uint lane) {
+  constexpr int NSG = MLX_ATTN_DECODE_SIMDGROUPS;
+  constexpr int SLICE = KV::SLICE;                       // head-dim elements per lane
+  constexpr int VEC = KV::VEC;
+  constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / SLICE;  // rows per threadgroup
+
+  const int split = int(group_id.x);
+  const int splits = int(groups.x);
+  const int row_count = p.group * p.q_len;
+  const int row_chunks = (row_count + R - 1) / R;
+  const int kv_head = int(group_id.y) / row_chunks;
+  const int r0 = (int(group_id.y) % row_chunks) * R;
+  const int b = int(group_id.z);
+
+  const bool vector_loads = p.vector_loads != 0;
+  DecodeRows<R, SLICE> rows;
+  int first_pos = p.kv_len;  // the chunk's query positions (every chunk has a row)
+  int last_pos = -p.q_len;
+  for (int i = 0; i < R; ++i) {
+    const int r = r0 + i;
+    const bool real = r < row_count;
+    const int h = kv_head * p.group + (real ? r / p.q_len : 0);
+    const int qi = real ? r % p.q_len : 0;
+    if (real) {
+      first_pos = min(first_pos, query_position(p, qi));
+      last_pos = max(last_pos, query_position(p, qi));
+    }
+    const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
+    for (int e = 0; e < SLICE; e += VEC) {
+      if (real) {
+        const long at = q_row + KV::dim(lane, e) * p.q_strides[3];
+        RowLoad<T, VEC>::read(q, at, p.q_strides[3], vector_loads, &rows.q[i][e]);
+      }
+    }
+    for (int e = 0; e < SLICE; ++e) {
+      rows.q[i][e] = real ? rows.q[i][e] : 0.0f;  // rows past the group: not read above
+      rows.o[i][e] = 0.0f;
+    }
+    rows.m[i] = MLX_ATTN_MASKED_LOGIT;
+    rows.l[i] = 0.0f;
+  }
+
+  // the split's keys, narrowed to those some row of the chunk can see
+  const int chunk = (p.kv_len + splits - 1) / splits;
+  const KeyRange visible = block_key_range(p, first_pos, last_pos);
+  const int kv_begin = max(split * chunk, visible.begin);
+  const int kv_end = min(min(p.kv_len, split * chunk + chunk), visible.end);
+
+  kv.select_head(p, b, kv_head);
+  decode_keys<T, R, KV, MASK>(p, mask, kv, rows, kv_begin, kv_end, first_pos, last_pos, b, kv_head, r0, row_count,
+                              sg, lane);
+
+  // combine the simdgroups' states into this split's partial, live rows only
+  const int live_rows = min(R, row_count - r0);
+  if (sg != 0) {
+    const int at = (int(sg) - 1) * R;
+    for (int i = 0; i < live_rows; ++i) {
+      for (int e = 0; e < SLICE; ++e) {
+        states.out[(at + i) * D + e * 32 + int(lane)] = rows.o[i][e];
+      }
+      if (lane == 0) {
+        states.row_max[at + i] = rows.m[i];
+        states.row_sum[at + i] = rows.l[i];
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg != 0) {
+    return;  // after the last barrier
+  }
+  const bool reads_stats = lane < uint(NSG - 1);  // lane g: simdgroup g + 1's max and sum
+  for (int i = 0; i < live_rows; ++i) {
+    const float their_max = reads_stats ? states.row_max[int(lane) * R + i] : MLX_ATTN_MASKED_LOGIT;
+    const float their_sum = reads_stats ? states.row_sum[int(lane) * R + i] : 0.0f;
+    const float m = max(rows.m[i], simd_max(their_max));
+    // rescale to the common max: lane g's weight is simdgroup g + 1's
+    const float own = exp2((rows.m[i] - m) * MLX_ATTN_LOG2E);
+    const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);
+    const float l = rows.l[i] * own + simd_sum(their_sum * their_weight);
+    float o[SLICE];
+    for (int e = 0; e < SLICE; ++e) {
+      o[e] = rows.o[i][e] * own;
+    }
+    for (int g = 0; g < NSG - 1; ++g) {
+      const float weight = simd_shuffle(their_weight, ushort(g));
+      for (int e = 0; e < SLICE; ++e) {
+        o[e] += states.out[(g * R + i) * D + e * 32 + int(lane)] * weight;
+      }
+    }
+    const long base = ((long(b) * p.kv_heads + kv_head) * splits + split) * row_count + r0 + i;
+    for (int e = 0; e < SLICE; ++e) {
+      partial_out[base * D + KV::dim(lane, e)] = o[e];
+    }
+    if (lane == 0) {
+      partial_stats[base * 2] = m;
+      partial_stats[base * 2 + 1] = l;
+    }
+  }
+}
+
+template <typename T, int D, int MASK>
+[[kernel]] void attention_decode_partial(
+    const device T* q [[buffer(0)]],
+    const device T* k [[buffer(1)]],
+    const device T* v [[buffer(2)]],
+    constant AttentionParams& p [[buffer(3)]],
+    const device uchar* mask [[buffer(4)]],
+    device float* partial_out [[buffer(5)]],    // [B, Hkv, splits, rows, D]
+    device float* partial_stats [[buffer(6)]],  // [B, Hkv, splits, rows, 2]: max, sum
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup DecodeStates<D> states;
+  ContiguousKV<T, D> kv;
+  kv.k = k;
+  kv.v = v;
+  decode_partial<T, D, MASK>(kv, q, p, mask, partial_out, partial_stats, states, group_id, groups, sg, lane);
+}
+
+// One simdgroup per (row, KV head, batch): merge the splits' partials.
+template <typename T, int D>
+[[kernel]] void attention_decode_merge(
+    const device float* partial_out [[buffer(0)]],
+    const device float* partial_stats [[buffer(1)]],
+    const device T* sinks [[buffer(2)]],
+    device T* out [[buffer(3)]],
+    constant AttentionParams& p [[buffer(4)]],
+    constant int& splits [[buffer(5)]],
+    device float* lse [[buffer(6)]],  // [B, Hq, Tq] when p.output_lse
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int SLICE = D / 32;
+  const int r = int(group_id.x);
+  const int kv_head = int(group_id.y);
+  const int b = int(group_id.z);
+  const int rows = p.group * p.q_len;
+  const int h = kv_head * p.group + r / p.q_len;
+  const int qi = r % p.q_len;
+
+  float m = MLX_ATTN_MASKED_LOGIT;
+  for (int s = 0; s < splits; ++s) {
+    const long base = ((long(b) * p.kv_heads + kv_head) * splits + s) * rows + r;
+    m = max(m, partial_stats[base * 2]);
+  }
+  float l = 0.0f;
+  float o[SLICE];
+  for (int e = 0; e < SLICE; ++e) {
+    o[e] = 0.0f;
+  }
+  for (int s = 0; s < splits; ++s) {
+    const long base = ((long(b) * p.kv_heads + kv_head) * splits + s) * rows + r;
+    const float weight = exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
+    l += partial_stats[base * 2 + 1] * weight;
+    for (int e = 0; e < SLICE; ++e) {
+      o[e] += partial_out[base * D + DecodeLayout<D>::dim(lane, e)] * weight;
+    }
+  }
+  // normalize: sinks join the sum; rows that saw nothing give zeros
+  float correction = 1.0f;
+  if (p.has_sinks != 0) {
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
+    const float m_final = max(m, sink);
+    correction = exp2((m - m_final) * MLX_ATTN_LOG2E);
+    l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    m = m_final;
+  }
+  const float factor = l > 0.0f ? correction / l : 0.0f;
+  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+  for (int e = 0; e < SLICE; ++e) {
+    out[row * D + DecodeLayout<D>::dim(lane, e)] = T(o[e] * factor);
+  }
+  if (p.output_lse != 0 && lane == 0) {
+    // a row that saw nothing: -inf, written as bits (fast math has no infinities)
+    lse[row] = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
+  }
+}

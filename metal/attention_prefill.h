@@ -1,0 +1,193 @@
+// Fused attention forward for prefill (FlashAttention-2 style, in registers):
+// the kernel template; metal/attention_prefill.metal instantiates it.
+//
+// One threadgroup of NSG = 4 simdgroups (128 threads) owns BQ = 32 query rows of one
+// (batch, query head); each simdgroup owns 8 rows, held as D/8 8x8 float
+// simdgroup matrices of Q and of the output accumulator O. Key/value blocks
+// of BK keys are staged in threadgroup memory in the input dtype (rows padded
+// by 16 bytes against bank conflicts) and read into float fragments:
+//   score      S = Q . K^T                              (8x8 MMAs)
+//   scale      S = saturate(scale * S)                 (natural-log units)
+//   mask       additive (saturated; -inf masks), causal / window / bool -> the sentinel
+//              (metal/attention_steps.h masked_logit; only edge blocks test
+//              causal / window / bounds, the mask kind is a template choice)
+//   online max / rescale   m_new = max(m, rowmax S); O *= exp(m - m_new)
+//   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
+//   normalize  sinks join l; O *= 1 / l (rows that saw nothing: 0)
+// S, P, the row max / sum and the rescale never leave registers: each lane
+// works on the two elements per 8x8 tile it owns (thread_elements(): row
+// (lane / 16) * 4 + (lane / 2) % 4, columns c, c + 1 with
+// c = ((lane / 8) % 2) * 4 + (lane % 2) * 2), and the 4 lanes sharing a row
+// combine with simd_shuffle_xor 1 and 8.
+// exp(x) = exp2(x * log2 e) of differences of saturated logits, which stay
+// finite (metal/attention_params.h). Finite sentinels instead of infinities:
+// Metal compiles with fast math.
+// K/V head = query head / group: keys and values are never repeated.
+// Device loads: W = 4-element vectors (Q: pairs) when params.vector_loads
+// says every row start is aligned (csrc/launch_plan.cpp), else per element.
+// Threadgroup memory: 2 * BK * (D + 16 / sizeof(T)) * sizeof(T) bytes
+// (csrc/launch_plan.cpp, docs/metal_kernels.md).
+#pragma once
+
+#include <metal_stdlib>
+
+#include "metal/attention_steps.h"
+
+using namespace metal;
+
+// scale and mask one block's scores in place (S tiles of this simdgroup's 8
+// rows x BK keys); returns this lane's part of the block's row max
+template <typename T, int BK, int MASK, bool EDGE>
+inline float prefill_logits(
+    constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8* s_tiles,
+    int b, int h, int qi, int pos, int kb, int c) {
+  float block_max = MLX_ATTN_MASKED_LOGIT;
+  for (int j = 0; j < BK / 8; ++j) {
+    for (int t = 0; t < 2; ++t) {
+      const int key = kb + j * 8 + c + t;
+      const float s = masked_logit<T, MASK, EDGE>(p, mask, s_tiles[j].thread_elements()[t] * p.scale, b, h, qi, key, pos).value;
+      s_tiles[j].thread_elements()[t] = s;
+      block_max = max(block_max, s);
+    }
+  }
+  return block_max;
+}
+
+// The variant for this block: edge or interior, of the kernel's mask kind.
+template <typename T, int BK, int MASK>
+inline float prefill_block_logits(
+    constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8* s_tiles,
+    int b, int h, int qi, int pos, int kb, int c, bool edge) {
+  return edge ? prefill_logits<T, BK, MASK, true>(p, mask, s_tiles, b, h, qi, pos, kb, c)
+              : prefill_logits<T, BK, MASK, false>(p, mask, s_tiles, b, h, qi, pos, kb, c);
+}
+
+template <typename T, int D, int BK, int MASK>
+[[kernel]] void attention_prefill(
+    const device T* q [[buffer(0)]],
+    const device T* k [[buffer(1)]],
+    const device T* v [[buffer(2)]],
+    device T* out [[buffer(3)]],
+    constant AttentionParams& p [[buffer(4)]],
+    const device uchar* mask [[buffer(5)]],
+    const device T* sinks [[buffer(6)]],
+    device float* lse [[buffer(7)]],  // [B, Hq, Tq] when p.output_lse
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
+  constexpr int BQ = 8 * NSG;
+  constexpr int THREADS = 32 * NSG;
+  using Tiles = KeyValueTiles<T, D, BK>;
+  constexpr int LD = Tiles::LD;
+  threadgroup Tiles tiles;
+
+  // this lane's rows and columns of the 8x8 tiles, the visible keys
+  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
+  const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
+
+  simdgroup_float8x8 q_tiles[D / 8];
+  simdgroup_float8x8 o_tiles[D / 8];
+  const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
+  const bool vector_loads = p.vector_loads != 0;
+  for (int d = 0; d < D / 8; ++d) {
+    float pair[2] = {0.0f, 0.0f};
+    if (qi < p.q_len) {
+      RowLoad<T, 2>::read(q, q_row + (d * 8 + c) * p.q_strides[3], p.q_strides[3], vector_loads, pair);
+    }
+    for (int t = 0; t < 2; ++t) {
+      q_tiles[d].thread_elements()[t] = pair[t];
+      o_tiles[d].thread_elements()[t] = 0.0f;
+    }
+  }
+  float m_row = MLX_ATTN_MASKED_LOGIT;
+  float l_row = 0.0f;
+
+  // skip key blocks no row of this threadgroup can see
+  const int kv_begin = rows.keys.begin;
+  const int kv_end = rows.keys.end;
+
+  const long k_head = b * p.k_strides[0] + rows.kv_head * p.k_strides[1];
+  const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
+  for (int kb = kv_begin; kb < kv_end; kb += BK) {
+    // stage K/V in the input dtype
+    stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // score: S[8 x BK] = Q . K^T, tile j holds keys kb + 8j ..
+    simdgroup_float8x8 s_tiles[BK / 8];
+    for (int j = 0; j < BK / 8; ++j) {
+      s_tiles[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int d = 0; d < D / 8; ++d) {
+        simdgroup_float8x8 k_t;  // K^T block: row = dim d*8 + r, column = key j*8 + c
+        for (int t = 0; t < 2; ++t) {
+          k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * LD + d * 8 + r]);
+        }
+        simdgroup_multiply_accumulate(s_tiles[j], q_tiles[d], k_t, s_tiles[j]);
+      }
+    }
+
+    // scale, mask (per-element visibility tests on edge blocks only), then
+    // online max / rescale
+    const bool edge = key_block_on_edge(p, rows, kb, BK);
+    float block_max = prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
+    // the 4 lanes of a row differ in lane bits 0 and 3
+    block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+    block_max = max(block_max, simd_shuffle_xor(block_max, 8));
+    const float m_new = max(m_row, block_max);
+    const float alpha = exp2((m_row - m_new) * MLX_ATTN_LOG2E);
+
+    // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
+    float p_sum = 0.0f;
+    for (int j = 0; j < BK / 8; ++j) {
+      for (int t = 0; t < 2; ++t) {
+        const float s = s_tiles[j].thread_elements()[t];
+        const float prob = s > 0.5f * MLX_ATTN_MASKED_LOGIT ? exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
+        s_tiles[j].thread_elements()[t] = prob;
+        p_sum += prob;
+      }
+    }
+    p_sum += simd_shuffle_xor(p_sum, 1);
+    p_sum += simd_shuffle_xor(p_sum, 8);
+    l_row = l_row * alpha + p_sum;
+    m_row = m_new;
+
+    // rescale O by alpha (its row's), then O += P . V
+    for (int d = 0; d < D / 8; ++d) {
+      o_tiles[d].thread_elements() *= alpha;
+      for (int j = 0; j < BK / 8; ++j) {
+        simdgroup_float8x8 v_part;  // row = key j*8 + r, column = dim d*8 + c
+        for (int t = 0; t < 2; ++t) {
+          v_part.thread_elements()[t] = float(tiles.v[(j * 8 + r) * LD + d * 8 + c + t]);
+        }
+        simdgroup_multiply_accumulate(o_tiles[d], s_tiles[j], v_part, o_tiles[d]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles
+  }
+
+  // normalize: sinks join the sum; rows that saw nothing give zeros
+  float correction = 1.0f;
+  float l_final = l_row;
+  float m_final = m_row;
+  if (p.has_sinks != 0) {
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
+    m_final = max(m_row, sink);
+    correction = exp2((m_row - m_final) * MLX_ATTN_LOG2E);
+    l_final = l_row * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
+  }
+  const float factor = l_final > 0.0f ? correction / l_final : 0.0f;
+  if (qi < p.q_len) {
+    const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+    for (int d = 0; d < D / 8; ++d) {
+      for (int t = 0; t < 2; ++t) {
+        out[row * D + d * 8 + c + t] = T(o_tiles[d].thread_elements()[t] * factor);
+      }
+    }
+    if (p.output_lse != 0 && c == 0) {
+      // a row that saw nothing: -inf, written as bits (fast math has no infinities)
+      lse[row] = l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
+    }
+  }
+}
