@@ -56,22 +56,6 @@ inline KeyRange block_key_range(ATTN_PARAMS p, int first_pos, int last_pos) {
   return range;
 }
 
-// Query rows [begin, end) that may see some key of [first_key, last_key]
-// (the backward's query blocks for a key block): block_key_range's rule
-// solved for the query row; empty when none can.
-struct QueryRange {
-  int begin;
-  int end;
-};
-inline QueryRange block_query_range(ATTN_PARAMS p, int first_key, int last_key) {
-  const int offset = p.kv_len - p.q_len;  // a row's key position minus its index
-  QueryRange rows = {p.causal != 0 && first_key > offset ? first_key - offset : 0, p.q_len};
-  const int past_window = last_key - offset + p.window_size;  // the first row whose window misses last_key
-  if (p.causal != 0 && p.window_size > 0 && past_window < rows.end) rows.end = past_window;
-  rows.end = rows.end < rows.begin ? rows.begin : rows.end;
-  return rows;
-}
-
 // Whether the key block [first_key, first_key + keys) holds a key that the
 // causal / window rule hides from one of the queries at [first_pos, last_pos]
 // (an edge block); interior blocks need no per-element visibility test.
