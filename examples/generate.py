@@ -9,7 +9,7 @@ Same options as `mlx-attn generate` (see `mlx-attn generate --help`).
 
 import sys
 
-from mlx_attn.lm.cli import main
+from mlx_attn.lm.__main__ import main  # the mlx-attn command: binds a system OpenBLAS first, as the CLI does
 
 if __name__ == "__main__":
     sys.exit(main(["generate", *sys.argv[1:]]))

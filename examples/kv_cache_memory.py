@@ -12,7 +12,11 @@ layout, and saves a plot.
 import argparse
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_attn
+
+mlx_attn.use_system_blas()  # before MLX is imported (Linux: MLX's float32 matmuls on a system OpenBLAS)
+
+import mlx.core as mx  # noqa: E402
 
 from mlx_attn.cache import kv_cache_bytes, kv_cache_bytes_per_token
 

@@ -5,9 +5,11 @@
 
 import time
 
-import mlx.core as mx
-
 import mlx_attn
+
+mlx_attn.use_system_blas()  # before MLX is imported (Linux: MLX's float32 matmuls on a system OpenBLAS)
+
+import mlx.core as mx  # noqa: E402
 
 batch, q_heads, kv_heads, length, head_dim = 1, 8, 2, 2048, 64  # GQA: 4 query heads per K/V head
 q = mx.random.normal((batch, q_heads, length, head_dim))

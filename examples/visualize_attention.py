@@ -15,7 +15,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_attn
+
+mlx_attn.use_system_blas()  # before MLX is imported (Linux: MLX's float32 matmuls on a system OpenBLAS)
+
+import mlx.core as mx  # noqa: E402
 import numpy as np
 
 from mlx_attn import MultiHeadAttention, RoPE

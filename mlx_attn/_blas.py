@@ -6,9 +6,14 @@ matmul is 20-40x slower than with an optimised BLAS, which makes training
 (``examples/train_shakespeare.py``) and any float32 model crawl. A system
 OpenBLAS (Debian/Ubuntu ``libopenblas0``) exports the same CBLAS/BLAS
 symbols; loaded into the process's global symbol scope *before* MLX's
-library, it is what MLX's calls bind to. Nothing changes on macOS (MLX uses
-Accelerate there) or when ``mlx.core`` was imported before ``mlx_attn``
-(the binding is already made; MLX keeps its bundled BLAS).
+library, it is what MLX's calls bind to.
+
+This rebinds the whole process's BLAS, so it happens only on request:
+:func:`use_system_blas` (``mlx_attn.use_system_blas()``), called before
+anything imports ``mlx.core``; the ``mlx-attn`` command, the examples and
+the training script call it. Nothing changes on macOS (MLX uses Accelerate
+there) or once ``mlx.core`` is imported (the binding is already made; MLX
+keeps its bundled BLAS).
 
 ``MLX_ATTN_BLAS``: ``auto`` (default: the system OpenBLAS when found),
 ``off``, or the path of a BLAS shared library exporting ``cblas_sgemm``.
@@ -38,7 +43,9 @@ class BlasChoice:
     reason: str  # why, in words
 
 
-_choice = BlasChoice(None, "not decided yet")
+_NOT_REQUESTED = BlasChoice(None, "not requested: MLX's bundled BLAS (mlx_attn.use_system_blas(), called before "
+                                  "mlx.core is imported, binds a system OpenBLAS)")
+_choice = _NOT_REQUESTED
 
 
 def _find_openblas() -> str | None:
@@ -49,11 +56,11 @@ def _find_openblas() -> str | None:
     return name
 
 
-def preload_fast_blas() -> BlasChoice:
+def use_system_blas() -> BlasChoice:
     """Load a fast BLAS into the global symbol scope if that can still take
     effect (see the module docstring); idempotent. Returns the choice."""
     global _choice
-    if _choice.reason != "not decided yet":
+    if _choice is not _NOT_REQUESTED:
         return _choice
     setting = os.environ.get(ENV, "auto").strip()
     if not sys.platform.startswith("linux"):
@@ -61,8 +68,8 @@ def preload_fast_blas() -> BlasChoice:
     elif setting.lower() == "off":
         _choice = BlasChoice(None, f"{ENV}=off: MLX's bundled BLAS")
     elif "mlx.core" in sys.modules:
-        _choice = BlasChoice(None, "mlx.core was imported before mlx_attn: MLX keeps its bundled BLAS "
-                                   "(import mlx_attn first to use a system OpenBLAS)")
+        _choice = BlasChoice(None, "mlx.core was imported before use_system_blas(): MLX keeps its bundled BLAS "
+                                   "(call it first to use a system OpenBLAS)")
     else:
         explicit = setting.lower() != "auto"
         library = setting if explicit else _find_openblas()
@@ -84,5 +91,6 @@ def preload_fast_blas() -> BlasChoice:
 
 
 def blas_choice() -> BlasChoice:
-    """What :func:`preload_fast_blas` decided for this process."""
+    """What :func:`use_system_blas` decided for this process (or that it
+    was not called)."""
     return _choice

@@ -77,7 +77,8 @@ def cpu_grid(variant: Variant) -> list[Case]:
 
 def _blas_row() -> str:
     choice = blas_choice()
-    return f"{choice.library}: {choice.reason}" if choice.library else choice.reason
+    return f"system BLAS active: {choice.library} ({choice.reason})" if choice.library else \
+        f"MLX's bundled BLAS: {choice.reason}"
 
 
 def _environment_rows(native) -> list[tuple[str, str]]:

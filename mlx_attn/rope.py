@@ -54,7 +54,8 @@ def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx
 class RoPE(nn.Module):
     """``RoPE(dims, base=10000.0, traditional=False, scale=1.0)``; call with
     ``x [..., T, features]`` and the position ``offset`` of its first step
-    (an int >= 0 or a scalar integer array; e.g. the KV cache's ``offset``).
+    (an int >= 0 or a scalar integer array; e.g. the KV cache's ``offset``),
+    or an integer array ``[T]`` giving each step's position.
 
     ``dims`` is a positive even int, ``base`` a finite positive number,
     ``scale`` a finite number; ``x`` is floating point. Anything else raises
@@ -70,11 +71,15 @@ class RoPE(nn.Module):
 
     def _positions(self, length: int, offset) -> mx.array:
         if isinstance(offset, mx.array):
-            if offset.ndim != 0 or not mx.issubdtype(offset.dtype, mx.integer):
+            if offset.ndim > 1 or (offset.ndim == 1 and offset.shape[0] != length) or not mx.issubdtype(
+                offset.dtype, mx.integer
+            ):
                 raise ValueError(
-                    f"RoPE offset must be an int or a scalar integer array, got shape "
-                    f"{tuple(offset.shape)} and dtype {offset.dtype}"
+                    f"RoPE offset must be an int, a scalar integer array or one integer position per step "
+                    f"([{length}]), got shape {tuple(offset.shape)} and dtype {offset.dtype}"
                 )
+            if offset.ndim == 1:  # one position per step (e.g. a packed batch of sequences)
+                return offset.astype(mx.int32)
             return mx.arange(length) + offset.astype(mx.int32)
         # positions are int32: the last one must fit
         offset = check_int("RoPE offset", offset, minimum=0, maximum=MAX_DIM - length)

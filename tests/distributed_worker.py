@@ -33,7 +33,7 @@ import mlx.core as mx
 
 import mlx_attn
 from mlx_attn import distributed as dist
-from mlx_attn._local_ranks import write_result
+from local_ranks import write_result
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

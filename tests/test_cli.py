@@ -2,16 +2,18 @@
 that must end with exit code 2 and one readable line on stderr, never a
 traceback."""
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
-from mlx_attn.cache import KVCache, save_cache
-from mlx_attn.lm import model_store
+from mlx_attn.cache import KVCache, QuantizedKVCache, load_cache, save_cache
+from mlx_attn.lm import load_model, model_store
 from mlx_attn.lm.cli import main as cli_main
 from model_fixtures import random_llama, smollm2, tiny_vocabulary, write_llama_gguf
 
@@ -132,6 +134,72 @@ def test_prompt_cache_mistakes(capsys, tmp_path):
                           "was not made by 'mlx-attn cache-prompt'")
 
 
+def tiny_gguf_head32(path: Path) -> str:
+    """A tiny Llama GGUF with head dimension 32 (a KV quantization group of
+    32 fits a head)."""
+    vocab = len(tiny_vocabulary()[0])
+    model = random_llama(rope_traditional=True, vocab_size=vocab, num_attention_heads=2, num_key_value_heads=1)
+    return str(write_llama_gguf(path, model=model, llama__vocab_size=vocab, llama__attention__head_count=2,
+                                llama__attention__head_count_kv=1))
+
+
+QUANTIZED = ["--kv-bits", "8", "--kv-group-size", "32"]
+
+
+def test_cache_prompt_with_kv_bits_saves_a_quantized_cache_that_continues_like_the_whole_prompt(capsys, tmp_path):
+    model = tiny_gguf_head32(tmp_path / "tiny.gguf")
+    cache_file = str(tmp_path / "prefix.safetensors")
+    prefix, rest = "the then in the ", "then in"
+    assert cli_main(["cache-prompt", "--model", model, "--prompt", prefix, "--prompt-cache-file", cache_file,
+                     "--ignore-chat-template", *QUANTIZED]) == 0
+    assert "8-bit quantized" in capsys.readouterr().err
+    caches, _ = load_cache(cache_file)
+    assert all(isinstance(c, QuantizedKVCache) and (c.bits, c.group_size) == (8, 32) for c in caches)
+    assert cli_main(["generate", "--model", model, "--prompt", prefix + rest, "-m", "6", "--quiet",
+                     "--ignore-chat-template", *QUANTIZED]) == 0
+    whole = capsys.readouterr().out
+    assert cli_main(["generate", "--prompt-cache-file", cache_file, "--prompt", rest, "-m", "6", "--quiet",
+                     "--ignore-chat-template", *QUANTIZED]) == 0
+    cached = capsys.readouterr()
+    assert cached.out.strip() and whole.endswith(cached.out) and cached.err == ""
+
+
+def test_a_prompt_cache_file_of_quantized_layers_generates(capsys, tmp_path):
+    """A valid save_cache file of a quantized cache, made with the library."""
+    model_path = tiny_gguf_head32(tmp_path / "tiny.gguf")
+    model, tokenizer = load_model(model_path)
+    ids = tokenizer.encode("the then in the ")
+    caches = model.make_cache()
+    model(mx.array([ids]), cache=caches)
+    caches = [c.to_quantized(group_size=32, bits=8) for c in caches]
+    cache_file = str(tmp_path / "quantized.safetensors")
+    save_cache(cache_file, caches, {"mlx_attn.model": str(Path(model_path).resolve()), "mlx_attn.prompt":
+                                    "the then in the ", "mlx_attn.token_ids": json.dumps(ids)})
+    assert cli_main(["generate", "--prompt-cache-file", cache_file, "--prompt", "then", "-m", "4",
+                     "--ignore-chat-template"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "Prompt: " in captured.err and "error" not in captured.err
+
+
+@pytest.mark.parametrize("command", ["generate", "cache-prompt"])
+def test_a_kv_group_size_that_does_not_divide_the_head_is_refused_before_any_output(capsys, tmp_path, command):
+    model = tiny_gguf(tmp_path / "tiny.gguf")  # head dimension 16
+    extra = ["--prompt-cache-file", str(tmp_path / "c.safetensors")] if command == "cache-prompt" else []
+    captured = assert_one_line_error(
+        capsys, [command, "--model", model, "--prompt", "the then", "--ignore-chat-template", *QUANTIZED, *extra],
+        "--kv-group-size (32) must divide the model's head dimension (16)")
+    assert captured.out == "" and not (tmp_path / "c.safetensors").exists()
+
+
+def test_an_encoder_name_is_not_offered_to_generate_and_is_refused_clearly(capsys):
+    from mlx_attn.lm.cli import build_parser
+
+    generate_help = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "smollm2-135m-instruct" in generate_help and "all-minilm-l6-v2" not in generate_help
+    assert_one_line_error(capsys, ["generate", "--model", "all-minilm-l6-v2", "x"],
+                          "'all-minilm-l6-v2' is a sentence encoder, not a text generator")
+
+
 def test_a_hub_name_says_there_is_no_hub(capsys):
     assert_one_line_error(capsys, ["generate", "--model", "mlx-community/SmolLM2-135M-Instruct-8bit", "x"],
                           "looks like a Hugging Face Hub name")
@@ -173,19 +241,19 @@ def assert_one_line_error(capsys, argv, message):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--seed", "-1"], "seed must be >= 0, got -1"),
-    (["--seed", str(2**64)], "seed must be <="),
-    (["--temp", "nan"], "temperature must be finite, got nan"),
-    (["--temp", "inf"], "temperature must be finite"),
-    (["--temp", "-1"], "temperature must be >= 0"),
-    (["--top-p", "2"], "top_p must be <= 1.0"),
-    (["--top-k", "-3"], "top_k must be >= 0"),
-    (["--min-p", "nan"], "min_p must be finite"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
-    (["--max-tokens", "-5"], "max_tokens must be >= 0, got -5"),
-    (["--prefill-chunk", "0"], "prefill_chunk must be >= 1"),
-    (["--prefill-step-size", "-1"], "prefill_chunk must be >= 1"),
-    (["--max-kv-size", "2"], "max_kv_size must be >= 5"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", str(2**64)], "--seed must be <="),
+    (["--temp", "nan"], "--temp must be finite, got nan"),
+    (["--temp", "inf"], "--temp must be finite"),
+    (["--temp", "-1"], "--temp must be >= 0"),
+    (["--top-p", "2"], "--top-p must be <= 1.0"),
+    (["--top-k", "-3"], "--top-k must be >= 0"),
+    (["--min-p", "nan"], "--min-p must be finite"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--max-tokens", "-5"], "--max-tokens must be >= 0, got -5"),
+    (["--prefill-chunk", "0"], "--prefill-step-size/--prefill-chunk must be >= 1"),
+    (["--prefill-step-size", "-1"], "--prefill-step-size/--prefill-chunk must be >= 1, got -1"),
+    (["--max-kv-size", "2"], "--max-kv-size must be at least 5, got 2: the rotating KV cache always keeps the first 4 tokens (attention sinks)"),
     (["--verbose", "maybe"], "argument --verbose: expected True or False"),
     (["--prompt", "Hi"], "either positionally or with --prompt"),
     (["--chat", "--ignore-chat-template"], "contradict each other"),

@@ -91,7 +91,7 @@ def test_zero_max_tokens_generates_nothing():
     ("stop_at_eos", "no", "stop_at_eos must be true or false"),
     ("logprobs", 1, "logprobs must be true or false"),
     ("pipelined", None, "pipelined must be true or false"),
-    ("max_kv_size", 4, "max_kv_size must be >= 5"),
+    ("max_kv_size", 4, r"max_kv_size must be at least 5, got 4: the rotating KV cache always keeps the first 4 tokens \(attention sinks\)"),
     ("max_kv_size", 8.0, "max_kv_size must be an integer"),
 ])
 def test_invalid_generation_config(field, value, message):
@@ -298,3 +298,12 @@ def test_generate_verbose_prints_as_mlx_lm(capsys):
     assert lines[5].startswith("Peak memory: ") and lines[5].endswith(" GB")
     with pytest.raises(ValueError, match="verbose must be true or false"):
         generate(model, tokenizer, "the", verbose="yes")
+
+
+def test_a_cache_that_is_not_a_list_of_layer_caches_is_a_clear_error():
+    model, tokenizer = random_llama(seed=1), tiny_tokenizer()
+    for cache, message in ((KVCache(), r"cache must be a list of 2 per-layer KV caches .*got KVCache"),
+                           ([KVCache()], "cache has 1 layers, the model 2"),
+                           ([KVCache(), "x"], r"cache\[1\] must be a KV cache")):
+        with pytest.raises(ValueError, match=message):
+            generate(model, tokenizer, "the then", cache=cache, max_tokens=2)

@@ -309,7 +309,7 @@ HF_CASES = {
     "odd_head_dim": (edit_config(head_dim=15), "head_dim must be even"),
     "rope_scaling": (edit_config(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling is not supported"),
     "hidden_act": (edit_config(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    "model_type": (edit_config(model_type="gpt2"), "model_type 'gpt2' is not a Llama-family decoder"),
+    "model_type": (edit_config(model_type="gpt2"), r"model_type 'gpt2' is not supported \(supported: llama, mistral\)"),
     "quantization_not_object": (edit_config(quantization=4), "quantization must be an object"),
     "group_size_unsupported": (edit_config(quantization={"group_size": 7, "bits": 4}), "group_size must be one of"),
     "scales_without_weight": (lambda d: (edit_config(quantization={"group_size": 32, "bits": 4})(d),
@@ -435,7 +435,7 @@ def test_convert_round_trips_a_float_gguf_and_refuses_a_used_target(tmp_path):
 
 
 def test_load_model_names_unknown_models_and_empty_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match="'no-such-model' not found.*registered name.*smollm2-135m-instruct"):
+    with pytest.raises(FileNotFoundError, match="'no-such-model' not found.*registered decoder name.*smollm2-135m-instruct"):
         load_model("no-such-model")
     with pytest.raises(ValueError, match="empty string"):
         load_model("")

@@ -70,4 +70,4 @@ def test_models_never_import_loading_or_the_application_entry_points():
 
 def test_console_script_points_at_the_application():
     text = (REPOSITORY / "pyproject.toml").read_text()
-    assert 'mlx-attn = "mlx_attn.lm.cli:main"' in text
+    assert 'mlx-attn = "mlx_attn.lm.__main__:main"' in text

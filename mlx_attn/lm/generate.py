@@ -15,8 +15,8 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from mlx_attn.lm.models.llama import ROTATING_CACHE_KEEP
-from mlx_attn.cache import QuantizedKVCache
+from mlx_attn.cache import QuantizedKVCache, RotatingKVCache
+from mlx_attn.lm.models.base import check_cache_list, check_max_kv_size
 from mlx_attn.lm.sampling import (
     apply_repetition_penalty,
     check_repetition_penalty,
@@ -24,11 +24,11 @@ from mlx_attn.lm.sampling import (
     make_sampler,
 )
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
-from mlx_attn.lm.validate import require_bool, require_int
+from mlx_attn.lm.validate import FieldError, require_bool, require_int
 from mlx_attn.quantized import check_quantization
 
 __all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
-           "generate", "format_statistics", "DEFAULT_PREFILL_CHUNK"]
+           "generate", "format_statistics", "check_kv_quantization", "prefill", "DEFAULT_PREFILL_CHUNK"]
 
 # prompt tokens per prefill step: mlx-lm's prefill_step_size (compare sizes with
 # benchmarks/bench_generate.py --prefill-chunks; results never depend on it)
@@ -68,7 +68,7 @@ class GenerationConfig:
             self.seed = require_int("seed", self.seed, 0, 2**64 - 1)  # MLX seeds are uint64
         self.prefill_chunk = require_int("prefill_chunk", self.prefill_chunk, 1)
         if self.max_kv_size is not None:
-            self.max_kv_size = require_int("max_kv_size", self.max_kv_size, ROTATING_CACHE_KEEP + 1)
+            self.max_kv_size = check_max_kv_size(self.max_kv_size)
         for field in ("stop_at_eos", "logprobs", "pipelined"):
             require_bool(field, getattr(self, field))
         if self.kv_bits is not None:
@@ -138,11 +138,35 @@ def _check_prompt(model, prompt, max_tokens: int, cached: int) -> list[int]:
 
 def _maybe_quantize(cache: list, config: GenerationConfig) -> None:
     """Swap the float caches (in place) for quantized ones once they hold
-    ``config.quantized_kv_start`` tokens, when ``config.kv_bits`` asks."""
-    if config.kv_bits is None or not cache or isinstance(cache[0], QuantizedKVCache):
+    ``config.quantized_kv_start`` tokens, when ``config.kv_bits`` asks (a
+    windowed layer's rotating cache stays float: it holds only the window)."""
+    if config.kv_bits is None or not cache or any(isinstance(c, QuantizedKVCache) for c in cache):
         return
     if cache[0].offset >= config.quantized_kv_start:
-        cache[:] = [c.to_quantized(config.kv_group_size, config.kv_bits) for c in cache]
+        cache[:] = [c if isinstance(c, RotatingKVCache) else c.to_quantized(config.kv_group_size, config.kv_bits)
+                    for c in cache]
+
+
+def check_kv_quantization(model, config: GenerationConfig) -> None:
+    """Before anything runs: ``kv_group_size`` must divide every layer's
+    head dimension (a quantization group never spans two heads)."""
+    if config.kv_bits is None or not hasattr(model, "attention_layers"):
+        return
+    for layer in model.attention_layers():
+        if layer.head_dim is not None and layer.head_dim % config.kv_group_size:
+            raise FieldError("kv_group_size", f"({config.kv_group_size}) must divide the model's head dimension "
+                             f"({layer.head_dim}): the KV cache is quantized in groups of that many features "
+                             "within each head")
+
+
+def _check_cache(model, cache) -> list:
+    layers = len(model.attention_layers()) if hasattr(model, "attention_layers") else None
+    if layers is None:
+        if not isinstance(cache, (list, tuple)):
+            raise ValueError(f"cache must be a list of per-layer KV caches (e.g. model.make_cache()), "
+                             f"got {type(cache).__name__}")
+        return cache
+    return check_cache_list(cache, layers)
 
 
 class TokenSampling:
@@ -166,6 +190,18 @@ class TokenSampling:
             self.recent = mx.concatenate([self.recent, token.astype(mx.uint32)])[-self.context:]
 
 
+def prefill(model, tokens: list[int], cache: list, config: GenerationConfig) -> None:
+    """Runs ``tokens`` into ``cache`` in chunks of ``config.prefill_chunk``,
+    switching to a quantized cache as ``config`` asks (in place); the
+    logits are never computed."""
+    ids = mx.array(tokens)[None]
+    for begin in range(0, len(tokens), config.prefill_chunk):
+        _maybe_quantize(cache, config)
+        model(ids[:, begin:begin + config.prefill_chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+    _maybe_quantize(cache, config)
+
+
 def generate_step(model, prompt: list[int], config: GenerationConfig, cache: list | None = None
                   ) -> Iterator[tuple[int, mx.array | None]]:
     """Yields ``(token id, log-probabilities or None)`` for up to
@@ -176,7 +212,8 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     read, as with mlx-lm."""
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
-    cache = cache if cache is not None else model.make_cache(config.max_kv_size)
+    cache = _check_cache(model, cache) if cache is not None else model.make_cache(config.max_kv_size)
+    check_kv_quantization(model, config)
     prompt = _check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
     if config.max_tokens == 0:
         return
@@ -193,11 +230,7 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     # prefill all but the last prompt token in chunks; the last one produces
     # the first logits
     tokens = mx.array(prompt)[None]
-    for begin in range(0, len(prompt) - 1, config.prefill_chunk):
-        end = min(begin + config.prefill_chunk, len(prompt) - 1)
-        _maybe_quantize(cache, config)
-        model(tokens[:, begin:end], cache=cache)
-        mx.eval([c.state for c in cache])
+    prefill(model, prompt[:-1], cache, config)
 
     def queue(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         queued = step(inputs)

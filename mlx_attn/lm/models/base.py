@@ -1,19 +1,250 @@
-"""What every model shares: renaming checkpoint tensors to module paths and
-checking a checkpoint against the shapes a config implies, before the model
-is built (so no untrusted number sizes an allocation)."""
+"""What every model shares: the decoder interface with its attention hook
+(:class:`Decoder`, :class:`AttentionHook`, :class:`LayerAttention` and the
+default hook :class:`CachedAttention`), renaming checkpoint tensors to module
+paths, and checking a checkpoint against the shapes a config implies before
+the model is built (so no untrusted number sizes an allocation)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import mlx.core as mx
+import mlx.nn as nn
 
-__all__ = ["rename_weights", "layer_indices", "check_layer_count", "check_weights"]
+from mlx_attn.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_attn.lm.validate import FieldError, require_int
+from mlx_attn.ops import scaled_dot_product_attention
+from mlx_attn.quantized import quantized_scaled_dot_product_attention
+from mlx_attn.reference import reference_attention
+
+__all__ = ["Decoder", "AttentionHook", "LayerAttention", "CachedAttention", "AttentionWeights",
+           "ROTATING_CACHE_KEEP", "check_cache_list", "check_max_kv_size", "rename_weights", "layer_indices",
+           "check_layer_count", "check_weights"]
+
+BACKENDS = ("auto", "fused", "reference")
+# first tokens a rotating cache of a full-attention layer never drops (the
+# attention sinks; mlx-lm keeps as many)
+ROTATING_CACHE_KEEP = 4
+
+
+# ---------------------------------------------------------------- the attention hook
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """The attention rule of one layer, as the model declares it (the hook
+    applies it). ``index``: the layer's place, the key of its KV store;
+    ``scale``: of the logits; ``window_size``: None for causal attention to
+    every earlier token, else each query sees only the ``window_size`` most
+    recent tokens (itself included)."""
+
+    index: int
+    scale: float
+    window_size: int | None = None
+    head_dim: int | None = None  # the query/key width (lets a caller check a KV quantization before running)
+
+
+class AttentionHook:
+    """How one forward pass of a :class:`Decoder` attends. Implementations:
+    :class:`CachedAttention` (the default), the ring attention of
+    ``mlx_attn.lm.distributed_generate``, :class:`AttentionWeights`.
+
+    ``positions(length)``: the positions of the pass's ``length`` new tokens,
+    used for RoPE: an int (the first position; the tokens are consecutive) or
+    an int32 array ``[length]`` (one position per token, e.g. a packed batch of
+    several sequences or a rank's shards of one).
+
+    ``hook(layer, queries, keys, values)``: ``queries [B, Hq, T, D]``,
+    ``keys``/``values [B, Hkv, T, D]`` of the new tokens (RoPE applied); the
+    hook stores the keys and values in its KV store for ``layer.index``,
+    attends each query to the keys it may see under ``layer``'s rule
+    (causal, window) and returns ``[B, Hq, T, Dv]``."""
+
+    def positions(self, length: int):
+        raise NotImplementedError
+
+    def __call__(self, layer: LayerAttention, queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        raise NotImplementedError
+
+
+def check_cache_list(cache, layers: int) -> list:
+    """``cache`` as a list of one KV cache per layer; anything else is a
+    ValueError naming ``cache``."""
+    if not isinstance(cache, (list, tuple)):
+        raise ValueError(f"cache must be a list of {layers} per-layer KV caches (e.g. model.make_cache()), "
+                         f"got {type(cache).__name__}")
+    if len(cache) != layers:
+        raise ValueError(f"cache has {len(cache)} layers, the model {layers}")
+    for i, layer_cache in enumerate(cache):
+        if not (hasattr(layer_cache, "update_and_fetch") and hasattr(layer_cache, "offset")):
+            raise ValueError(f"cache[{i}] must be a KV cache (update_and_fetch, offset), "
+                             f"got {type(layer_cache).__name__}")
+    return cache
+
+
+class CachedAttention(AttentionHook):
+    """The default hook: dense attention of a batch of sequences that share
+    their positions, through :func:`mlx_attn.scaled_dot_product_attention`
+    (or its quantized form for a ``QuantizedKVCache``), with one
+    ``mlx_attn.cache`` cache per layer, or, without ``cache``, among the
+    pass's own tokens. A ``RotatingKVCache`` brings its own window (its band
+    mask); on a windowed layer it may not keep more than the layer sees."""
+
+    def __init__(self, cache: list | None, layers: int, backend: str = "auto"):
+        self.cache = None if cache is None else check_cache_list(cache, layers)
+        self.backend = backend
+
+    def positions(self, length: int) -> int:
+        return self.cache[0].offset if self.cache else 0
+
+    def __call__(self, layer, queries, keys, values):
+        cache = self.cache[layer.index] if self.cache is not None else None
+        window = layer.window_size
+        mask = "causal" if queries.shape[2] > 1 else None
+        if cache is not None:
+            if isinstance(cache, RotatingKVCache):
+                if window is not None and (cache.keep or cache.max_size > window):
+                    raise ValueError(f"layer {layer.index} sees a window of {window} tokens, its RotatingKVCache "
+                                     f"keeps {cache.max_size} (keep={cache.keep}): it would see keys outside "
+                                     "its window")
+                window = None  # the cache's band mask is the window (its buffer is not in time order)
+            keys, values = cache.update_and_fetch(keys, values)
+            mask = cache.make_mask(queries.shape[2])
+        if isinstance(keys, tuple):  # a QuantizedKVCache returns mx.quantize triples
+            return quantized_scaled_dot_product_attention(
+                queries, keys, values, scale=layer.scale, mask=mask, window_size=window,
+                group_size=cache.group_size, bits=cache.bits, backend=self.backend)
+        return scaled_dot_product_attention(queries, keys, values, scale=layer.scale, mask=mask,
+                                            window_size=window, backend=self.backend)
+
+
+class AttentionWeights(AttentionHook):
+    """Records the attention weights ``[B, Hq, T, T]`` of one layer (through
+    the reference path) over a pass without cache; ``mask`` applies at that
+    layer (None: every token sees every other), causal elsewhere."""
+
+    def __init__(self, layer: int, mask="causal"):
+        self.layer, self.mask, self.weights = layer, mask, None
+
+    def positions(self, length: int) -> int:
+        return 0
+
+    def __call__(self, layer, queries, keys, values):
+        mask = self.mask if layer.index == self.layer else "causal"
+        window = layer.window_size if isinstance(mask, str) else None
+        out, weights = reference_attention(queries, keys, values, scale=layer.scale,
+                                           mask=mask if queries.shape[2] > 1 else None, window_size=window,
+                                           return_weights=True)
+        if layer.index == self.layer:
+            self.weights = weights
+        return out
+
+
+class Decoder(nn.Module):
+    """A decoder-only language model: ``model(tokens [B, T], cache=None) ->
+    logits [B, T, vocab]``.
+
+    **The attention hook.** The model owns its weights, projections, norms,
+    RoPE and the per-layer attention rule (:meth:`attention_layers`: scale
+    and sliding window of each layer). How attention runs is the caller's:
+    ``model(tokens, attention=hook)`` runs the model's own forward and, for
+    each layer, RoPE at ``hook.positions(T)`` then ``hook(layer, q, k, v)``
+    (see :class:`AttentionHook`). The hook owns the KV store per layer, the
+    token positions, how the layer's causal/window rule becomes a mask over
+    its keys, and the attention call itself. So one forward serves
+
+    - cached generation: ``model(tokens, cache=cache)`` is
+      ``model(tokens, attention=CachedAttention(cache, ...))``, with
+      :meth:`make_cache` giving each layer the cache its rule needs;
+    - distributed generation: a hook that runs ring attention over the
+      ranks' shards of the prompt and merges partial decodes;
+    - a serving engine: a hook holding paged KV blocks per sequence, fed a
+      packed ragged batch (``B = 1``, several sequences' tokens one after
+      the other, one position per token).
+
+    A subclass implements ``__init__(config, backend="auto")`` (calling
+    ``super().__init__(backend)``), :meth:`attention_layers` and
+    :meth:`forward`; its ``config`` has ``vocab_size`` and, if the model
+    has a context limit, ``max_position_embeddings``."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.set_backend(backend)
+
+    @property
+    def backend(self) -> str:
+        """The attention path of the default hook: auto, fused or reference."""
+        return self._backend
+
+    def set_backend(self, backend: str) -> None:
+        """Choose the attention path of the default hook: auto, fused or reference."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
+        self._backend = backend
+
+    def attention_layers(self) -> list[LayerAttention]:
+        """Each layer's attention rule, in order."""
+        raise NotImplementedError
+
+    def forward(self, tokens: mx.array, attention: AttentionHook) -> mx.array:
+        """Logits ``[B, T, vocab]``; attention through ``attention``."""
+        raise NotImplementedError
+
+    def __call__(self, tokens: mx.array, cache: list | None = None, *,
+                 attention: AttentionHook | None = None) -> mx.array:
+        if not isinstance(tokens, mx.array) or tokens.ndim != 2:
+            raise ValueError(f"tokens must be an array [batch, length], got shape {getattr(tokens, 'shape', None)}")
+        if attention is None:
+            attention = CachedAttention(cache, len(self.attention_layers()), self.backend)
+        elif cache is not None:
+            raise ValueError("pass cache or attention, not both (the hook owns the KV store)")
+        elif not isinstance(attention, AttentionHook):
+            raise ValueError(f"attention must be an AttentionHook, got {type(attention).__name__}")
+        return self.forward(tokens, attention)
+
+    def make_cache(self, max_kv_size: int | None = None) -> list:
+        """One cache per layer for the default hook: a ``KVCache`` for a
+        full-attention layer, a ``RotatingKVCache`` of the window for a
+        windowed one. With ``max_kv_size``, no layer keeps more than that
+        many tokens: a full-attention layer keeps its first
+        ``ROTATING_CACHE_KEEP`` tokens (attention sinks) and the most
+        recent ones, so ``max_kv_size`` must exceed ``ROTATING_CACHE_KEEP``."""
+        if max_kv_size is not None:
+            max_kv_size = check_max_kv_size(max_kv_size)
+        caches = []
+        for layer in self.attention_layers():
+            window = layer.window_size
+            if window is not None:  # the window's tokens, no sinks (the layer never sees them)
+                caches.append(RotatingKVCache(window if max_kv_size is None else min(window, max_kv_size), keep=0))
+            elif max_kv_size is not None:
+                caches.append(RotatingKVCache(max_kv_size, keep=ROTATING_CACHE_KEEP))
+            else:
+                caches.append(KVCache())
+        return caches
+
+    def attention_weights(self, tokens: mx.array, layer: int, mask="causal") -> mx.array:
+        """Attention weights ``[B, heads, T, T]`` of one layer on a sequence
+        (through the reference path), e.g. for visualisation; ``mask``
+        applies at that layer."""
+        layer = require_int("layer", layer, 0, len(self.attention_layers()) - 1)
+        hook = AttentionWeights(layer, mask)
+        self(tokens, attention=hook)
+        return hook.weights
+
+
+def check_max_kv_size(max_kv_size, name: str = "max_kv_size") -> int:
+    """A rotating cache's size: it keeps the first ``ROTATING_CACHE_KEEP``
+    tokens (attention sinks), so it must hold at least one more."""
+    value = require_int(name, max_kv_size)
+    if value <= ROTATING_CACHE_KEEP:
+        raise FieldError(name, f"must be at least {ROTATING_CACHE_KEEP + 1}, got {value}: the rotating KV cache "
+                         f"always keeps the first {ROTATING_CACHE_KEEP} tokens (attention sinks) and needs room "
+                         "for at least one recent token")
+    return value
 
 QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)  # what MLX's quantized matmul supports
 
 
-def rename_weights(weights: dict, patterns: list[tuple[str, str]], skip=lambda name: False, source="checkpoint") -> dict:
+def rename_weights(weights: dict, patterns: list[tuple[str, str]], skip=lambda name: False, source: str = "") -> dict:
     """Map checkpoint tensor names to module paths with the first matching
     (regex, replacement); names `skip` accepts are dropped, others are errors."""
     renamed = {}
@@ -26,22 +257,20 @@ def rename_weights(weights: dict, patterns: list[tuple[str, str]], skip=lambda n
                 renamed[new] = value
                 break
         else:
-            raise ValueError(f"{source}: unexpected tensor {name!r}")
+            raise ValueError(f"{source}: unexpected tensor {name!r}" if source else f"unexpected tensor {name!r}")
     return renamed
 
 
-_LAYER = re.compile(r"^layers\.(\d+)\.")
+def layer_indices(weights: dict, prefix: str = "layers") -> set[int]:
+    """Indices ``i`` of the ``{prefix}.i.*`` tensors present."""
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+    return {int(match.group(1)) for name in weights if (match := pattern.match(name))}
 
 
-def layer_indices(weights: dict) -> set[int]:
-    """Indices ``i`` of the ``layers.i.*`` tensors present."""
-    return {int(match.group(1)) for name in weights if (match := _LAYER.match(name))}
-
-
-def check_layer_count(weights: dict, n_layers: int, field: str, source: str) -> None:
-    """The config's layer count must be what the checkpoint holds: checked
-    before anything is built per layer."""
-    present = layer_indices(weights)
+def check_layer_count(weights: dict, n_layers: int, field: str, source: str, prefix: str = "layers") -> None:
+    """The config's layer count must be what the checkpoint holds (tensors
+    ``{prefix}.i.*``): checked before anything is built per layer."""
+    present = layer_indices(weights, prefix)
     # n distinct non-negative indices whose largest is n - 1 are exactly 0..n-1
     # (and nothing here is sized by the untrusted n_layers)
     if len(present) != n_layers or max(present, default=-1) != n_layers - 1:

@@ -1,6 +1,8 @@
-"""A Llama-family decoder built from mlx_attn's pieces: GQA attention
-(:class:`mlx_attn.MultiHeadAttention`), RoPE and KV caches, with RMSNorm, a
-SwiGLU MLP, tied or untied embeddings, and optionally quantized linear layers."""
+"""A Llama-family decoder (Llama, Mistral, SmolLM2): GQA attention through
+the attention hook of :class:`mlx_attn.lm.models.base.Decoder`, RoPE, RMSNorm,
+a SwiGLU MLP, tied or untied embeddings, optionally quantized linear layers.
+Registered as the ``llama`` architecture (GGUF ``llama``; HF ``llama``,
+``mistral``)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,15 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.attention import MultiHeadAttention
-from mlx_attn.cache import KVCache, RotatingKVCache
-from mlx_attn.lm.models.base import rename_weights
+from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention, rename_weights
+from mlx_attn.lm.models.registry import GGUF_TENSOR_NAMES, Architecture, register
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
 
-__all__ = ["LlamaConfig", "Llama", "config_from_gguf", "config_from_hf", "sanitize_gguf", "sanitize_hf",
-           "weight_shapes"]
+__all__ = ["LlamaConfig", "Llama", "ARCHITECTURE", "config_from_gguf", "config_from_hf", "sanitize_gguf",
+           "sanitize_hf", "weight_shapes", "hf_config"]
 
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
-ROTATING_CACHE_KEEP = 4  # first tokens a rotating cache never drops
 
 
 @dataclasses.dataclass
@@ -78,9 +78,11 @@ GGUF_CONFIG_KEYS = {
 _GGUF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def config_from_gguf(metadata: dict, tie_word_embeddings: bool) -> LlamaConfig:
+def config_from_gguf(metadata: dict) -> LlamaConfig:
     """GGUF metadata (plain Python values) -> LlamaConfig; a FieldError names
-    the GGUF key."""
+    the GGUF key. The embeddings are tied when the file has no
+    ``output.weight`` (its tensor names: ``metadata[GGUF_TENSOR_NAMES]``)."""
+    tie_word_embeddings = "output.weight" not in metadata.get(GGUF_TENSOR_NAMES, ())
     missing = [GGUF_CONFIG_KEYS[f] for f in _GGUF_REQUIRED if GGUF_CONFIG_KEYS[f] not in metadata]
     if missing:
         raise FieldError(missing[0], "is missing")
@@ -142,10 +144,10 @@ _GGUF_NAMES = [
 ]
 
 
-def sanitize_gguf(weights: dict, source: str = "GGUF file") -> dict:
+def sanitize_gguf(weights: dict, config: LlamaConfig) -> dict:
     """GGUF tensor names -> this model's module paths (llama.cpp's
     precomputed ``rope_freqs`` are dropped: RoPE computes its own)."""
-    return rename_weights(weights, _GGUF_NAMES, skip=lambda n: n.startswith("rope_freqs"), source=source)
+    return rename_weights(weights, _GGUF_NAMES, skip=lambda n: n.startswith("rope_freqs"))
 
 
 def sanitize_hf(weights: dict, config: LlamaConfig) -> dict:
@@ -180,6 +182,13 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hf_config(config: LlamaConfig) -> dict:
+    """The ``config.json`` mlx-lm's ``llama`` model loads (``rope_traditional``
+    says in which pair order the Q/K rows are)."""
+    return dict(dataclasses.asdict(config), model_type="llama", architectures=["LlamaForCausalLM"],
+                hidden_act="silu")
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -191,82 +200,81 @@ class SwiGLU(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: str):
+class Attention(nn.Module):
+    """Q/K/V projections (GQA: K/V at ``num_key_value_heads``), RoPE, the
+    hook's attention, the output projection."""
+
+    def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim=config.head_dim,
-            bias=config.attention_bias,
-            out_bias=False,
-            rope=RoPE(config.head_dim, base=config.rope_theta, traditional=config.rope_traditional),
-            backend=backend,
-        )
+        self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                        config.head_dim)
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
+        self.rope = RoPE(config.head_dim, base=config.rope_theta, traditional=config.rope_traditional)
+
+    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
+        b, t, _ = x.shape
+        heads = lambda a, n: a.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.rope(heads(self.q_proj(x), self.n_heads), offset=positions)
+        k = self.rope(heads(self.k_proj(x), self.n_kv_heads), offset=positions)
+        v = heads(self.v_proj(x), self.n_kv_heads)
+        out = attention(layer, q, k, v)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), mask=mask, cache=cache)
+    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
+        x = x + self.self_attn(self.input_layernorm(x), positions, layer, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Llama(nn.Module):
-    """``model(tokens [B, T], cache=None) -> logits [B, T, vocab]``."""
+class Llama(Decoder):
+    """``model(tokens [B, T], cache=None) -> logits [B, T, vocab]``; see
+    :class:`mlx_attn.lm.models.base.Decoder` for the attention hook."""
 
     def __init__(self, config: LlamaConfig, backend: str = "auto"):
-        super().__init__()
+        super().__init__(backend)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderBlock(config, backend) for _ in range(config.num_hidden_layers)]
+        self.layers = [DecoderBlock(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    @property
-    def backend(self) -> str:
-        return self.layers[0].self_attn.backend
+    def attention_layers(self) -> list[LayerAttention]:
+        scale = self.config.head_dim**-0.5
+        return [LayerAttention(i, scale, head_dim=self.config.head_dim) for i in range(len(self.layers))]
 
-    def set_backend(self, backend: str) -> None:
-        """Choose the attention path of every layer: auto, fused or reference."""
-        if backend not in ("auto", "fused", "reference"):
-            raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-        for layer in self.layers:
-            layer.self_attn.backend = backend
-
-    def make_cache(self, max_kv_size: int | None = None) -> list:
-        """One KV cache per layer; with ``max_kv_size`` a rotating window of
-        that many tokens that keeps the first ``ROTATING_CACHE_KEEP`` (the
-        attention sinks; mlx-lm keeps as many)."""
-        if max_kv_size is None:
-            return [KVCache() for _ in self.layers]
-        max_kv_size = require_int("max_kv_size", max_kv_size, ROTATING_CACHE_KEEP + 1)
-        return [RotatingKVCache(max_kv_size, keep=ROTATING_CACHE_KEEP) for _ in self.layers]
-
-    def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
-        if cache is not None and len(cache) != len(self.layers):
-            raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
+    def forward(self, tokens: mx.array, attention: AttentionHook) -> mx.array:
+        positions = attention.positions(tokens.shape[1])
         x = self.embed_tokens(tokens)
-        mask = "causal" if tokens.shape[1] > 1 else None
-        for i, layer in enumerate(self.layers):
-            x = layer(x, mask, cache[i] if cache is not None else None)
+        for layer, block in zip(self.attention_layers(), self.layers):
+            x = block(x, positions, layer, attention)
         x = self.norm(x)
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(x)
         return self.lm_head(x)
 
-    def attention_weights(self, tokens: mx.array, layer: int, mask="causal") -> mx.array:
-        """Attention weights ``[B, heads, T, T]`` of one layer on a sequence
-        (through the reference path), e.g. for visualisation."""
-        layer = require_int("layer", layer, 0, len(self.layers) - 1)
-        x = self.embed_tokens(tokens)
-        causal = "causal" if tokens.shape[1] > 1 else None
-        for block in self.layers[:layer]:
-            x = block(x, causal, None)
-        block = self.layers[layer]
-        _, weights = block.self_attn(block.input_layernorm(x), mask=mask, return_weights=True)
-        return weights
+
+ARCHITECTURE = register(Architecture(
+    name="llama",
+    gguf_architectures=("llama",),
+    hf_model_types=HF_MODEL_TYPES,
+    model_class=Llama,
+    config_from_gguf=config_from_gguf,
+    config_from_hf=config_from_hf,
+    sanitize_gguf=sanitize_gguf,
+    sanitize_hf=sanitize_hf,
+    weight_shapes=weight_shapes,
+    hf_config=hf_config,
+))

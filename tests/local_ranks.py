@@ -1,6 +1,8 @@
 """Several ranks on this machine: a program started by ``mlx.launch`` with
 the ring backend on 127.0.0.1, each rank writing its results as JSON. The
-one home of this launch for the distributed tests and benchmark."""
+one home of this launch for the distributed tests and
+benchmarks/bench_distributed.py (test infrastructure: it lives beside the
+tests, not in the package)."""
 
 from __future__ import annotations
 
