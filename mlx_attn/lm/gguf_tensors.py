@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["GGUFFile", "read_gguf", "dequantize", "QuantizationPolicy", "to_mlx_weights", "SOURCE_BITS"]
+__all__ = ["GGUFFile", "read_gguf", "dequantize", "QuantizationPolicy", "DEFAULT_POLICY", "to_mlx_weights",
+           "needs_gguf_package", "SOURCE_BITS"]
 
 MAX_ELEMENTS = 2**31 - 1  # MLX arrays index with 32-bit sizes
 
@@ -38,34 +40,84 @@ MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUP_SIZES = (32, 64, 128)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # ggml order: innermost first
+    type_name: str
+    data: np.ndarray  # the raw bytes (uint8), a view of the mapped file
+
+
 @dataclasses.dataclass
 class GGUFFile:
-    """Metadata as plain Python values, and the tensors (not yet read)."""
+    """Metadata as plain Python values, and the tensors (not yet decoded)."""
 
     path: Path
     metadata: dict
-    tensors: dict  # name -> gguf.ReaderTensor
+    tensors: dict  # name -> TensorInfo
 
     def type_name(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type_name
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Row-major shape (ggml lists dimensions innermost first)."""
-        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+        return tuple(reversed(self.tensors[name].dims))
 
 
-def _plain(value):
-    if isinstance(value, (np.generic,)):
-        return value.item()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+# GGUF value types -> struct format of one scalar (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+class _Cursor:
+    """Sequential little-endian reads; every read is bounds-checked (the
+    structure check ran first, this is the second line)."""
+
+    def __init__(self, data: memoryview, path: Path):
+        self.data, self.path, self.pos = data, path, 0
+
+    def take(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.data):
+            raise ValueError(f"{self.path} is truncated or corrupted (at byte {self.pos})")
+        values = struct.unpack_from("<" + fmt, self.data, self.pos)
+        self.pos += size
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        length = self.take("Q")
+        if self.pos + length > len(self.data):
+            raise ValueError(f"{self.path} is truncated or corrupted: a string runs past the end")
+        self.pos += length
+        try:
+            return bytes(self.data[self.pos - length:self.pos]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.path}: a metadata string is not UTF-8") from None
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            item_kind, count = self.take("IQ")
+            if count > len(self.data) - self.pos:
+                raise ValueError(f"{self.path} is truncated or corrupted: an array claims {count} items")
+            if item_kind in _SCALARS:
+                fmt = _SCALARS[item_kind]
+                size = struct.calcsize(fmt) * count
+                if self.pos + size > len(self.data):
+                    raise ValueError(f"{self.path} is truncated or corrupted: an array runs past the end")
+                values = np.frombuffer(self.data, dtype=np.dtype("<" + fmt), count=count, offset=self.pos)
+                self.pos += size
+                return values.tolist()
+            return [self.value(item_kind) for _ in range(count)]
+        raise ValueError(f"{self.path}: unknown metadata value type {kind}")
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open a GGUF file of any tensor types; a damaged file is a ValueError
-    naming it."""
-    import gguf
+    naming it. The file stays mapped while its tensors are alive."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from mlx_attn.lm.loading import check_gguf_structure
 
@@ -73,54 +125,56 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF model file not found: {path}")
     check_gguf_structure(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as error:  # the reader raises ValueError/IndexError/... on damage
-        raise ValueError(f"could not read {path} (truncated or corrupted GGUF?): {error}") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor = _Cursor(memoryview(data), path)
+    _magic, _version, tensor_count, kv_count = cursor.take("4sIQQ")
     metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = _plain(field.contents())
-        except Exception as error:  # noqa: BLE001 - a field the reader cannot decode
-            raise ValueError(f"{path}: metadata {key!r} cannot be read: {error}") from None
+    for _ in range(kv_count):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.take("I"))
+    alignment = metadata.get("general.alignment", 32)
+    raw = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        dims = tuple(cursor.take("Q") for _ in range(cursor.take("I")))
+        kind, offset = cursor.take("IQ")
+        raw.append((name, dims, kind, offset))
+    start = -(-cursor.pos // alignment) * alignment
     tensors = {}
-    for tensor in reader.tensors:
-        if tensor.name in tensors:
-            raise ValueError(f"{path}: tensor {tensor.name!r} appears twice")
-        _check_tensor(path, tensor)
-        tensors[tensor.name] = tensor
+    for name, dims, kind, offset in raw:
+        if name in tensors:
+            raise ValueError(f"{path}: tensor {name!r} appears twice")
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {kind}") from None
+        if not 1 <= len(dims) <= 4 or any(d < 1 for d in dims):
+            raise ValueError(f"{path}: tensor {name!r} has shape {list(dims)}")
+        elements = math.prod(dims)
+        if elements > MAX_ELEMENTS:
+            raise ValueError(f"{path}: tensor {name!r} has {elements} elements, more than MLX indexes")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise ValueError(f"{path}: tensor {name!r} rows of {dims[0]} are not whole {qtype.name} blocks of {block}")
+        size = elements // block * type_size
+        if start + offset + size > len(data):
+            raise ValueError(f"{path} is truncated or corrupted: tensor {name!r} runs past the end")
+        tensors[name] = TensorInfo(name, dims, qtype.name, data[start + offset:start + offset + size])
     return GGUFFile(path, metadata, tensors)
-
-
-def _check_tensor(path: Path, tensor) -> None:
-    from gguf.constants import GGML_QUANT_SIZES
-
-    dims = [int(d) for d in tensor.shape.tolist()]
-    if not 1 <= len(dims) <= 4 or any(d < 1 for d in dims):
-        raise ValueError(f"{path}: tensor {tensor.name!r} has shape {dims}")
-    elements = math.prod(dims)
-    if elements > MAX_ELEMENTS:
-        raise ValueError(f"{path}: tensor {tensor.name!r} has {elements} elements, more than MLX indexes")
-    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    if dims[0] % block:
-        raise ValueError(f"{path}: tensor {tensor.name!r} rows of {dims[0]} are not whole "
-                         f"{tensor.tensor_type.name} blocks of {block}")
-    if tensor.n_bytes != elements // block * type_size or tensor.data.nbytes != tensor.n_bytes:
-        raise ValueError(f"{path}: tensor {tensor.name!r} holds {tensor.data.nbytes} bytes, "
-                         f"{tensor.tensor_type.name} {dims} needs {elements // block * type_size}")
 
 
 def dequantize(file: GGUFFile, name: str) -> np.ndarray:
     """One tensor as float32, in row-major shape."""
     from gguf import quants
 
+    from gguf.constants import GGMLQuantizationType
+
     tensor = file.tensors[name]
+    rows = math.prod(tensor.dims[1:])
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = quants.dequantize(np.asarray(tensor.data).reshape(rows, -1), GGMLQuantizationType[tensor.type_name])
     except NotImplementedError:
-        raise ValueError(f"{file.path}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
+        raise ValueError(f"{file.path}: tensor {name!r} has type {tensor.type_name}, which the gguf "
                          "package cannot dequantize") from None
     values = np.asarray(values, dtype=np.float32).reshape(file.shape(name))
     if not np.isfinite(values).all():
@@ -130,11 +184,12 @@ def dequantize(file: GGUFFile, name: str) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationPolicy:
-    """How matrices are re-quantized for MLX: ``bits`` an MLX width, or
-    ``"source"`` for :data:`SOURCE_BITS` of each tensor's ggml type (float
-    tensors stay float), or None for no quantization at all (float32)."""
+    """How the file's quantized matrices are re-quantized for MLX: ``bits``
+    an MLX width, or ``"source"`` for :data:`SOURCE_BITS` of each tensor's
+    ggml type, or None for none at all (every tensor float32). Tensors the
+    file stores as floats stay float."""
 
-    bits: int | str | None = "source"
+    bits: int | str | None = 8
     group_size: int = 32
 
     def __post_init__(self):
@@ -144,31 +199,40 @@ class QuantizationPolicy:
             raise ValueError(f"group_size must be one of {MLX_GROUP_SIZES}, got {self.group_size!r}")
 
     def bits_for(self, type_name: str) -> int | None:
-        if self.bits is None:
+        if self.bits is None or type_name not in SOURCE_BITS:
             return None
-        if self.bits == "source":
-            return SOURCE_BITS.get(type_name)
-        return self.bits
+        return SOURCE_BITS[type_name] if self.bits == "source" else self.bits
 
 
-def to_mlx_weights(file: GGUFFile, names: dict[str, str], quantizable: set[str],
-                   policy: QuantizationPolicy = QuantizationPolicy()) -> dict[str, mx.array]:
-    """``names``: GGUF tensor name -> module parameter path (``...weight``).
-    Tensors whose path is in ``quantizable`` (2-D, the input width a multiple
-    of the group size) become ``.weight/.scales/.biases`` triples with the
-    policy's bits; all others float32."""
+# chosen by measured logit error against the dequantized float32 model
+# (docs/gemma3.md): 8 bits in groups of 32 for every quantized matrix
+DEFAULT_POLICY = QuantizationPolicy(bits=8, group_size=32)
+
+
+def to_mlx_weights(file: GGUFFile, policy: QuantizationPolicy | None = None) -> dict[str, mx.array]:
+    """Every tensor as MLX arrays under the names ``mx.load`` gives a GGUF:
+    a quantized 2-D ``x.weight`` whose rows are whole groups becomes the
+    affine triple ``x.weight`` (packed uint32), ``x.scales``, ``x.biases``;
+    every other tensor float32. ``policy``: :data:`DEFAULT_POLICY` if None."""
+    policy = DEFAULT_POLICY if policy is None else policy
     weights = {}
-    for gguf_name, path in names.items():
-        values = dequantize(file, gguf_name)
-        bits = policy.bits_for(file.type_name(gguf_name)) if path in quantizable else None
-        if bits is not None and (values.ndim != 2 or values.shape[1] % policy.group_size):
-            bits = None
-        array = mx.array(values)
-        if bits is None:
-            weights[path] = array
+    for name in file.tensors:
+        values = dequantize(file, name)
+        bits = policy.bits_for(file.type_name(name))
+        if bits is None or values.ndim != 2 or values.shape[1] % policy.group_size or not name.endswith(".weight"):
+            weights[name] = mx.array(values)
             continue
-        packed, scales, biases = mx.quantize(array, group_size=policy.group_size, bits=bits)
-        module = path.removesuffix(".weight")
+        packed, scales, biases = mx.quantize(mx.array(values), group_size=policy.group_size, bits=bits)
+        module = name.removesuffix(".weight")
         weights[f"{module}.weight"], weights[f"{module}.scales"], weights[f"{module}.biases"] = packed, scales, biases
-        mx.eval(packed, scales, biases)  # free the float copy before the next tensor
+        mx.eval(packed, scales, biases)  # one float copy alive at a time
     return weights
+
+
+# what mx.load reads of a GGUF (F32, F16, BF16 and, kept quantized, Q4_0, Q4_1, Q8_0)
+MLX_READABLE = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+
+
+def needs_gguf_package(file: GGUFFile) -> bool:
+    """Whether a tensor's type is one ``mx.load`` cannot read."""
+    return any(t.type_name not in MLX_READABLE for t in file.tensors.values())

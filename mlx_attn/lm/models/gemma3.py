@@ -31,17 +31,15 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.attention import MultiHeadAttention
-from mlx_attn.cache import KVCache, RotatingKVCache
-from mlx_attn.lm.models.base import rename_weights
+from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention, rename_weights
+from mlx_attn.lm.models.registry import Architecture, register
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
 
 __all__ = ["Gemma3Config", "Gemma3", "config_from_gguf", "config_from_hf", "sanitize_gguf", "sanitize_hf",
-           "weight_shapes", "hf_config", "GGUF_NAMES"]
+           "weight_shapes", "hf_config", "ARCHITECTURE"]
 
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
-ROTATING_CACHE_KEEP = 4  # global layers under max_kv_size keep the first tokens, as Llama's caches do
 
 
 @dataclasses.dataclass
@@ -194,10 +192,10 @@ def is_norm(path: str) -> bool:
     return path.endswith("norm.weight")
 
 
-def sanitize_gguf(weights: dict, source: str = "GGUF file") -> dict:
+def sanitize_gguf(weights: dict, config: Gemma3Config) -> dict:
     """GGUF names -> module paths; norm weights from ``1 + w`` (as llama.cpp
     stores them) back to ``w``."""
-    renamed = rename_weights(weights, GGUF_NAMES, source=source)
+    renamed = rename_weights(weights, GGUF_NAMES)
     return {name: (value - 1.0 if is_norm(name) else value) for name, value in renamed.items()}
 
 
@@ -248,32 +246,32 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class Gemma3Attention(MultiHeadAttention):
-    """mlx_attn's attention (GQA, RoPE, caches, fused kernels, window) with
-    Gemma's per-head q/k norms and its own scale."""
+class Attention(nn.Module):
+    """Q/K/V projections (GQA), per-head q/k RMSNorm, RoPE of the layer's
+    base, the hook's attention (the layer's scale and window), output."""
 
-    def __init__(self, config: Gemma3Config, layer: int, backend: str):
-        is_global = config.is_global(layer)
-        super().__init__(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim=config.head_dim,
-            rope=RoPE(config.head_dim, base=config.rope_theta if is_global else config.rope_local_base_freq),
-            backend=backend,
-            window_size=None if is_global else config.sliding_window,
-        )
-        self.scale = config.query_pre_attn_scalar**-0.5
+    def __init__(self, config: Gemma3Config, layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                        config.head_dim)
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        base = config.rope_theta if config.is_global(layer) else config.rope_local_base_freq
+        self.rope = RoPE(config.head_dim, base=base)  # rotate-half, in GGUF files too
 
-    def _per_head(self, norm: RMSNorm, x: mx.array) -> mx.array:
-        b, t, width = x.shape
-        return norm(x.reshape(b, t, width // self.head_dim, self.head_dim)).reshape(b, t, width)
-
-    def _project(self, x, kv):
-        q, k, v = super()._project(x, kv)
-        return self._per_head(self.q_norm, q), self._per_head(self.k_norm, k), v
+    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
+        b, t, _ = x.shape
+        heads = lambda a, n: a.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.rope(self.q_norm(heads(self.q_proj(x), self.n_heads)), offset=positions)
+        k = self.rope(self.k_norm(heads(self.k_proj(x), self.n_kv_heads)), offset=positions)
+        v = heads(self.v_proj(x), self.n_kv_heads)
+        out = attention(layer, q, k, v)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
 class GatedGELU(nn.Module):
@@ -288,9 +286,9 @@ class GatedGELU(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, config: Gemma3Config, layer: int, backend: str):
+    def __init__(self, config: Gemma3Config, layer: int):
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer, backend)
+        self.self_attn = Attention(config, layer)
         self.mlp = GatedGELU(config.hidden_size, config.intermediate_size)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
@@ -298,101 +296,58 @@ class DecoderBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def __call__(self, x, mask, cache):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask=mask, cache=cache))
+    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
+        h = self.self_attn(self.input_layernorm(x), positions, layer, attention)
+        x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3(nn.Module):
-    """``model(tokens [B, T], cache=None) -> logits [B, T, vocab]``."""
+class Gemma3(Decoder):
+    """``model(tokens [B, T], cache=None) -> logits [B, T, vocab]``; see
+    :class:`mlx_attn.lm.models.base.Decoder` for the attention hook. Its
+    ``make_cache`` gives local layers a rotating cache of the window and
+    global layers a full one (with ``max_kv_size``: rotating, with sinks)."""
 
     def __init__(self, config: Gemma3Config, backend: str = "auto"):
-        super().__init__()
+        super().__init__(backend)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderBlock(config, i, backend) for i in range(config.num_hidden_layers)]
+        self.layers = [DecoderBlock(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        scale = config.query_pre_attn_scalar**-0.5
+        self._attention_layers = [
+            LayerAttention(i, scale, window_size=None if config.is_global(i) else config.sliding_window,
+                           head_dim=config.head_dim)
+            for i in range(config.num_hidden_layers)
+        ]
 
-    @property
-    def backend(self) -> str:
-        return self.layers[0].self_attn.backend
+    def attention_layers(self) -> list[LayerAttention]:
+        return list(self._attention_layers)
 
-    def set_backend(self, backend: str) -> None:
-        """Choose the attention path of every layer: auto, fused or reference."""
-        if backend not in ("auto", "fused", "reference"):
-            raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-        for layer in self.layers:
-            layer.self_attn.backend = backend
-
-    def make_cache(self, max_kv_size: int | None = None) -> list:
-        """Local layers: a rotating cache of exactly the window (their
-        attention never reaches further, so this is exact at any length).
-        Global layers: a full cache, or with ``max_kv_size`` a rotating one
-        of that many tokens keeping the first ``ROTATING_CACHE_KEEP``."""
-        if max_kv_size is not None:
-            max_kv_size = require_int("max_kv_size", max_kv_size, ROTATING_CACHE_KEEP + 1)
-        caches = []
-        for i in range(self.config.num_hidden_layers):
-            if not self.config.is_global(i):
-                caches.append(RotatingKVCache(self.config.sliding_window, keep=0))
-            elif max_kv_size is None:
-                caches.append(KVCache())
-            else:
-                caches.append(RotatingKVCache(max_kv_size, keep=ROTATING_CACHE_KEEP))
-        return caches
-
-    def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
-        if cache is not None and len(cache) != len(self.layers):
-            raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
+    def forward(self, tokens: mx.array, attention: AttentionHook) -> mx.array:
+        positions = attention.positions(tokens.shape[1])
         x = self.embed_tokens(tokens)
+        # sqrt(hidden) in the activations' dtype, as Hugging Face scales
         x = x * mx.array(math.sqrt(self.config.hidden_size), dtype=x.dtype)
-        mask = "causal" if tokens.shape[1] > 1 else None
-        for i, layer in enumerate(self.layers):
-            x = layer(x, mask, cache[i] if cache is not None else None)
+        for layer, block in zip(self._attention_layers, self.layers):
+            x = block(x, positions, layer, attention)
         x = self.norm(x)
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(x)
         return self.lm_head(x)
 
 
-def quantizable_paths(config: Gemma3Config) -> set[str]:
-    """The parameters that are matrices MLX may quantize (projections and
-    the embedding, which is also the output layer)."""
-    return {name for name, shape in weight_shapes(config).items() if len(shape) == 2}
-
-
-def load_gemma3_gguf(path, backend: str = "auto", policy=None):
-    """A Gemma 3 GGUF file of any tensor types -> (model, tokenizer)."""
-    from mlx_attn.lm import loading
-    from mlx_attn.lm.gguf_tensors import QuantizationPolicy, read_gguf, to_mlx_weights
-    from mlx_attn.lm.models.base import check_layer_count
-    from mlx_attn.lm.tokenizer import tokenizer_from_gguf_metadata
-
-    policy = QuantizationPolicy() if policy is None else policy
-    file = read_gguf(path)
-    arch = file.metadata.get("general.architecture")
-    if arch != "gemma3":
-        raise ValueError(f"{file.path}: general.architecture {arch!r} is not 'gemma3'")
-    try:
-        config = config_from_gguf(file.metadata)
-        tokenizer = tokenizer_from_gguf_metadata(file.metadata)
-    except FieldError as error:
-        raise ValueError(f"{file.path}: GGUF metadata {error}") from None
-    names = rename_weights({name: name for name in file.tensors}, GGUF_NAMES, source=str(file.path))
-    check_layer_count(names, config.num_hidden_layers, GGUF_CONFIG_KEYS["num_hidden_layers"], str(file.path))
-    expected = weight_shapes(config)
-    for module_path, gguf_name in names.items():
-        # shapes before any tensor is read into memory
-        if module_path in expected and file.shape(gguf_name) != expected[module_path]:
-            raise ValueError(f"{file.path}: tensor {gguf_name!r} has shape {file.shape(gguf_name)}, "
-                             f"the config implies {expected[module_path]}")
-    weights = to_mlx_weights(file, {g: p for p, g in names.items()}, quantizable_paths(config), policy)
-    weights = {name: (value - 1.0 if is_norm(name) else value) for name, value in weights.items()}
-    quantized = any(name.endswith(".scales") for name in weights)
-    model = loading._build(Gemma3, config, weights, expected, policy.group_size if quantized else None,
-                           backend, str(file.path))
-    return model, tokenizer
+ARCHITECTURE = register(Architecture(
+    name="gemma3",
+    gguf_architectures=("gemma3",),
+    hf_model_types=HF_MODEL_TYPES,
+    model_class=Gemma3,
+    config_from_gguf=config_from_gguf,
+    config_from_hf=config_from_hf,
+    sanitize_gguf=sanitize_gguf,
+    sanitize_hf=sanitize_hf,
+    weight_shapes=weight_shapes,
+    hf_config=hf_config,
+))
