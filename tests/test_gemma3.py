@@ -215,3 +215,113 @@ def test_default_model_matches_transformers():
         check_logits(model, case, DEFAULT_TOLERANCE)
         config = GenerationConfig(max_tokens=len(case["greedy"]), temperature=0.0)
         assert list(generate_tokens(model, case["input_ids"], config)) == case["greedy"], case["prompt"]
+
+
+# ---------------------------------------------------------------- GGUF tensors of any type
+def write_gguf(path: Path, tensors: dict) -> None:
+    """A small GGUF written with the gguf package's writer (independent of
+    the reader under test): name -> (float32 values, ggml type name)."""
+    import gguf
+    from gguf import quants
+
+    writer = gguf.GGUFWriter(str(path), "test")
+    writer.add_string("test.text", "héllo")
+    writer.add_array("test.words", ["a", "b c", "ü"])
+    writer.add_array("test.numbers", [1.5, -2.0])
+    writer.add_uint32("test.count", 7)
+    for name, (values, kind) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# the worst element error of each type on N(0, 1) values (block scale / 2)
+TYPE_ERRORS = {"F32": 0.0, "F16": 2e-3, "Q8_0": 0.03, "Q5_0": 0.25, "Q4_0": 0.5}
+
+
+def sample_tensors():
+    rng = np.random.default_rng(0)
+    return {f"blk.0.{kind.lower()}.weight": (rng.normal(size=(8, 64)).astype(np.float32), kind)
+            for kind in TYPE_ERRORS} | {"norm.weight": (rng.normal(size=(64,)).astype(np.float32), "F32")}
+
+
+def test_gguf_tensors_of_any_type(tmp_path):
+    path = tmp_path / "m.gguf"
+    tensors = sample_tensors()
+    write_gguf(path, tensors)
+    file = gguf_tensors.read_gguf(path)
+    assert file.metadata["test.text"] == "héllo" and file.metadata["test.words"] == ["a", "b c", "ü"]
+    assert file.metadata["test.numbers"] == [1.5, -2.0] and file.metadata["test.count"] == 7
+    assert gguf_tensors.needs_gguf_package(file)  # Q5_0
+    for name, (values, kind) in tensors.items():
+        got = gguf_tensors.dequantize(file, name)
+        assert got.shape == values.shape and file.type_name(name) == kind
+        assert np.abs(got - values).max() <= TYPE_ERRORS[kind] + 1e-6, kind
+    weights = gguf_tensors.to_mlx_weights(file, gguf_tensors.QuantizationPolicy(bits=8, group_size=32))
+    for name, (values, kind) in tensors.items():
+        module = name.removesuffix(".weight")
+        if kind in ("F32", "F16"):  # stored as floats: kept float
+            assert f"{module}.scales" not in weights
+            np.testing.assert_allclose(np.array(weights[name]), values, atol=TYPE_ERRORS[kind] + 1e-6)
+        else:
+            packed, scales, biases = (weights[f"{module}.{part}"] for part in ("weight", "scales", "biases"))
+            assert packed.dtype == mx.uint32 and packed.shape == (8, 64 * 8 // 32) and scales.shape == (8, 2)
+            back = np.array(mx.dequantize(packed, scales, biases, group_size=32, bits=8))
+            assert np.abs(back - values).max() <= TYPE_ERRORS[kind] + 0.02, kind
+
+
+def test_loading_reads_what_mlx_cannot(tmp_path):
+    from mlx_attn.lm import loading
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, sample_tensors())
+    weights, metadata = loading.read_gguf(path)
+    assert metadata["test.count"] == 7
+    assert weights["blk.0.q5_0.weight"].dtype == mx.uint32 and "blk.0.q5_0.scales" in weights
+
+
+def test_damaged_gguf_files(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, sample_tensors())
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        gguf_tensors.read_gguf(truncated)
+    with pytest.raises(FileNotFoundError):
+        gguf_tensors.read_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match="bits"):
+        gguf_tensors.QuantizationPolicy(bits=7)
+    with pytest.raises(ValueError, match="group_size"):
+        gguf_tensors.QuantizationPolicy(group_size=16)
+
+
+def test_affine_types_carry_over_exactly(tmp_path):
+    """The default policy: Q4_0/Q5_0/Q8_0 blocks become MLX groups holding
+    exactly the values the gguf package dequantizes (its own code), at the
+    file's widths."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    path = tmp_path / "m.gguf"
+    tensors = sample_tensors()
+    write_gguf(path, tensors)
+    file = gguf_tensors.read_gguf(path)
+    weights = gguf_tensors.to_mlx_weights(file)
+    for name, (values, kind) in tensors.items():
+        if kind not in gguf_tensors.EXACT_BITS:
+            continue
+        raw = np.asarray(file.tensors[name].data).reshape(values.shape[0], -1)
+        expected = gguf_dequantize(raw, GGMLQuantizationType[kind])
+        module = name.removesuffix(".weight")
+        bits = gguf_tensors.EXACT_BITS[kind]
+        assert weights[name].shape == (8, 64 * bits // 32)
+        back = mx.dequantize(weights[name], weights[f"{module}.scales"], weights[f"{module}.biases"],
+                             group_size=32, bits=bits)
+        np.testing.assert_array_equal(np.array(back), expected)

@@ -28,9 +28,7 @@ __all__ = ["GGUFFile", "read_gguf", "dequantize", "QuantizationPolicy", "DEFAULT
 
 MAX_ELEMENTS = 2**31 - 1  # MLX arrays index with 32-bit sizes
 
-# ggml type name -> the MLX bit width that keeps its precision (no fewer bits
-# than the source spends on a weight; MLX has no 5-bit K-quant super-blocks,
-# so each is mapped to the next width MLX supports)
+# the quantized ggml types (name -> bits per weight, rounded up to an MLX width)
 SOURCE_BITS = {
     "Q2_K": 3, "Q3_K": 3, "IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3, "IQ3_XXS": 3, "IQ3_S": 3, "IQ1_S": 2,
     "IQ1_M": 2, "TQ1_0": 2, "TQ2_0": 2, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "MXFP4": 4,
@@ -184,29 +182,92 @@ def dequantize(file: GGUFFile, name: str) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationPolicy:
-    """How the file's quantized matrices are re-quantized for MLX: ``bits``
-    an MLX width, or ``"source"`` for :data:`SOURCE_BITS` of each tensor's
-    ggml type, or None for none at all (every tensor float32). Tensors the
-    file stores as floats stay float."""
+    """How the file's quantized matrices become MLX ones (groups of
+    ``group_size``): ``bits="exact"`` carries the types whose blocks are
+    affine groups of 32 over to MLX unchanged (:data:`EXACT_BITS`) and
+    re-quantizes the others at ``fallback_bits``; an int re-quantizes every
+    quantized matrix at that width; None keeps everything float32. Tensors
+    the file stores as floats stay float."""
 
-    bits: int | str | None = 8
+    bits: int | str | None = "exact"
     group_size: int = 32
+    fallback_bits: int = 8
 
     def __post_init__(self):
-        if self.bits is not None and self.bits != "source" and self.bits not in MLX_BITS:
-            raise ValueError(f"bits must be one of {MLX_BITS}, 'source' or None, got {self.bits!r}")
+        if self.bits is not None and self.bits != "exact" and self.bits not in MLX_BITS:
+            raise ValueError(f"bits must be one of {MLX_BITS}, 'exact' or None, got {self.bits!r}")
         if self.group_size not in MLX_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {MLX_GROUP_SIZES}, got {self.group_size!r}")
-
-    def bits_for(self, type_name: str) -> int | None:
-        if self.bits is None or type_name not in SOURCE_BITS:
-            return None
-        return SOURCE_BITS[type_name] if self.bits == "source" else self.bits
+        if self.fallback_bits not in MLX_BITS:
+            raise ValueError(f"fallback_bits must be one of {MLX_BITS}, got {self.fallback_bits!r}")
+        if self.bits == "exact" and self.group_size != 32:
+            raise ValueError("bits='exact' needs group_size 32 (the ggml block size)")
 
 
 # chosen by measured logit error against the dequantized float32 model
-# (docs/gemma3.md): 8 bits in groups of 32 for every quantized matrix
-DEFAULT_POLICY = QuantizationPolicy(bits=8, group_size=32)
+# (docs/gemma3.md): the affine types carried over exactly, the rest at 8 bits
+DEFAULT_POLICY = QuantizationPolicy()
+
+# ggml types whose blocks (or 32-element sub-blocks) are MLX affine groups:
+# value = scale * code + bias with integer codes of this many bits
+EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _group_affine(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per 32-element group: (scale, bias) such that every value of the
+    group is scale * code + bias for an integer code (ggml's block layouts)."""
+    if type_name in ("Q4_0", "Q5_0", "Q8_0"):  # d * (q - offset)
+        d = _f16(blocks, 0)
+        offset = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}[type_name]
+        return d, -offset * d
+    if type_name in ("Q4_1", "Q5_1"):  # d * q + m
+        return _f16(blocks, 0), _f16(blocks, 2)
+    from gguf.quants import Q4_K  # Q4_K and Q5_K pack their 6-bit sub-block scales alike
+
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    return (d[:, None] * sc.astype(np.float32)).reshape(-1), (-dmin[:, None] * m.astype(np.float32)).reshape(-1)
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [rows, n] -> MLX's packing: one little-endian bit stream per row
+    in uint32 words."""
+    if bits == 8:
+        return np.ascontiguousarray(codes).view(np.uint32)
+    if bits == 4:
+        return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.uint32)
+    bit_planes = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
+    stream = np.packbits(bit_planes.reshape(codes.shape[0], -1).astype(np.uint8), axis=1, bitorder="little")
+    return stream.view(np.uint32)
+
+
+def exact_affine(file: GGUFFile, name: str, values: np.ndarray):
+    """The MLX triple (packed, scales, biases) holding exactly ``values`` (the
+    tensor's dequantized values), or None when its type has no exact MLX form
+    or the result does not reproduce them."""
+    type_name = file.type_name(name)
+    bits = EXACT_BITS.get(type_name)
+    if bits is None or values.ndim != 2 or values.shape[1] % 32:
+        return None
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    blocks = np.asarray(file.tensors[name].data).reshape(-1, type_size)
+    scale, bias = _group_affine(type_name, blocks)
+    rows, groups = values.shape[0], values.shape[1] // 32
+    scale, bias = scale.reshape(rows, groups), bias.reshape(rows, groups)
+    grouped = values.reshape(rows, groups, 32)
+    safe = np.where(scale == 0, 1.0, scale)[..., None]
+    codes = np.clip(np.rint((grouped - bias[..., None]) / safe), 0, 2**bits - 1).astype(np.uint8)
+    rebuilt = scale[..., None] * codes + bias[..., None]
+    if not np.allclose(rebuilt, grouped, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(values).max()))):
+        return None
+    packed = mx.array(_pack(codes.reshape(rows, -1), bits))
+    return packed, mx.array(scale), mx.array(bias), bits
 
 
 def to_mlx_weights(file: GGUFFile, policy: QuantizationPolicy | None = None) -> dict[str, mx.array]:
@@ -218,11 +279,17 @@ def to_mlx_weights(file: GGUFFile, policy: QuantizationPolicy | None = None) -> 
     weights = {}
     for name in file.tensors:
         values = dequantize(file, name)
-        bits = policy.bits_for(file.type_name(name))
-        if bits is None or values.ndim != 2 or values.shape[1] % policy.group_size or not name.endswith(".weight"):
+        quantized = file.type_name(name) in SOURCE_BITS
+        if (policy.bits is None or not quantized or values.ndim != 2 or values.shape[1] % policy.group_size
+                or not name.endswith(".weight")):
             weights[name] = mx.array(values)
             continue
-        packed, scales, biases = mx.quantize(mx.array(values), group_size=policy.group_size, bits=bits)
+        exact = exact_affine(file, name, values) if policy.bits == "exact" else None
+        if exact is not None:
+            packed, scales, biases, _ = exact
+        else:
+            bits = policy.fallback_bits if policy.bits == "exact" else policy.bits
+            packed, scales, biases = mx.quantize(mx.array(values), group_size=policy.group_size, bits=bits)
         module = name.removesuffix(".weight")
         weights[f"{module}.weight"], weights[f"{module}.scales"], weights[f"{module}.biases"] = packed, scales, biases
         mx.eval(packed, scales, biases)  # one float copy alive at a time

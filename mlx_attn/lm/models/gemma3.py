@@ -164,6 +164,9 @@ def config_from_hf(config_json: dict) -> Gemma3Config:
 def hf_config(config: Gemma3Config) -> dict:
     """A ``config.json`` that mlx-lm's ``gemma3_text`` (and transformers) load."""
     values = dataclasses.asdict(config)
+    scalar = values["query_pre_attn_scalar"]
+    if scalar == int(scalar):  # transformers' config class insists on an int
+        values["query_pre_attn_scalar"] = int(scalar)
     return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
             "hidden_activation": "gelu_pytorch_tanh", **values}
 
