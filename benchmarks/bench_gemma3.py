@@ -1,7 +1,7 @@
 """Gemma 3 270M generation: mlx_attn against mlx-lm on the same weights.
 
-mlx_attn loads the GGUF (``load_model("gemma3-270m")``: the file's quantized
-matrices re-quantized to MLX 8-bit, groups of 32) and writes it as an mlx-lm
+mlx_attn loads the GGUF (``load_model("gemma3-270m")``: Q4_K/Q5_0/Q8_0
+carried over exactly, Q6_K at 8 bits, groups of 32) and writes it as an mlx-lm
 directory (``mlx_attn.lm.convert``); mlx-lm (``gemma3_text``, run in its own
 environment given by --mlx-lm-python, e.g. a venv with ``mlx-lm==0.32.2``)
 loads that directory, so both run exactly the same weights. For each context

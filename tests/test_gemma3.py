@@ -169,10 +169,11 @@ def test_config_checks():
 # ---------------------------------------------------------------- the real model
 REFERENCE = json.loads((FIXTURES / "gemma3_270m_reference.json").read_text())
 # the GGUF's dequantized values in float32 reproduce transformers (float32)
-# to rounding; MLX's 8-bit re-quantization of the file's quantized matrices
-# moves the top logits by up to ~0.25 (docs/gemma3.md)
+# to rounding; the default load keeps Q4_K/Q5_0/Q8_0 exact and re-quantizes
+# the Q6_K matrices at 8 bits, which moves the top logits by up to ~0.07
+# (docs/gemma3.md)
 FLOAT_TOLERANCE = 2e-3
-DEFAULT_TOLERANCE = 0.5
+DEFAULT_TOLERANCE = 0.15
 
 
 @functools.lru_cache(maxsize=2)
