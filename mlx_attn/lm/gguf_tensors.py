@@ -1,11 +1,14 @@
-"""GGUF tensors of any ggml type, read with the ``gguf`` package (llama.cpp's
-own Python reader) and dequantized with ``gguf.quants.dequantize``.
+"""GGUF tensors of any ggml type, dequantized with the ``gguf`` package
+(llama.cpp's own Python code, ``gguf.quants.dequantize``).
 
 ``mx.load`` reads only F32/F16/BF16/Q4_0/Q4_1/Q8_0 GGUF tensors; the K-quants
 (Q4_K, Q6_K, ...) and Q5_0 that most published GGUF files mix in fail there.
-This module dequantizes every tensor to float32 and, for the matrices a
-model multiplies by, re-quantizes it into MLX's affine format (packed uint32
-weights, a scale and a bias per group) with a bit width chosen per tensor.
+This module parses the file itself (``gguf.GGUFReader`` takes 15 s on a
+262k-token vocabulary), dequantizes every tensor to float32 and turns the
+quantized matrices into MLX's affine format (packed uint32 weights, a scale
+and a bias per group of 32): exactly, for the types whose blocks are affine
+groups (:data:`EXACT_BITS`), else re-quantized (:class:`QuantizationPolicy`;
+the choice is measured in docs/gemma3.md).
 
 Untrusted sizes are checked before anything is allocated: the file's
 structure first (every tensor inside the file, by
@@ -24,15 +27,15 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["GGUFFile", "read_gguf", "dequantize", "QuantizationPolicy", "DEFAULT_POLICY", "to_mlx_weights",
-           "needs_gguf_package", "SOURCE_BITS"]
+           "needs_gguf_package", "EXACT_BITS", "QUANTIZED_TYPES"]
 
 MAX_ELEMENTS = 2**31 - 1  # MLX arrays index with 32-bit sizes
 
-# the quantized ggml types (name -> bits per weight, rounded up to an MLX width)
-SOURCE_BITS = {
-    "Q2_K": 3, "Q3_K": 3, "IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3, "IQ3_XXS": 3, "IQ3_S": 3, "IQ1_S": 2,
-    "IQ1_M": 2, "TQ1_0": 2, "TQ2_0": 2, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "MXFP4": 4,
-    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8,
+# the ggml types that store matrices quantized (the others are float or integer)
+QUANTIZED_TYPES = {
+    "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "Q4_0",
+    "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "Q1_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1",
+    "Q8_K",
 }
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUP_SIZES = (32, 64, 128)
@@ -279,7 +282,7 @@ def to_mlx_weights(file: GGUFFile, policy: QuantizationPolicy | None = None) -> 
     weights = {}
     for name in file.tensors:
         values = dequantize(file, name)
-        quantized = file.type_name(name) in SOURCE_BITS
+        quantized = file.type_name(name) in QUANTIZED_TYPES
         if (policy.bits is None or not quantized or values.ndim != 2 or values.shape[1] % policy.group_size
                 or not name.endswith(".weight")):
             weights[name] = mx.array(values)
