@@ -354,3 +354,19 @@ def test_chunked_model_package(tmp_path):
         model_store.ModelPackage("m", "m==1", "0" * 64, {"m/NOTICE": "0" * 64}, "", parts=parts,
                                  joined=("../escape.bin", "0" * 64))
     assert model_store.MODELS["gemma3-270m"].joined[0] == model_store.MODELS["gemma3-270m"].main_file
+
+
+def test_prompt_cache_saved_and_reloaded(tmp_path):
+    """A prompt cache (rotating local windows that have slid, full global
+    caches) saved and loaded continues exactly like the unbroken run."""
+    from mlx_attn.cache import load_cache, save_cache
+
+    model = tiny_gemma(seed=3)
+    expected = numpy_forward(model, TOKENS)
+    cache = model.make_cache()
+    mx.eval(model(mx.array([TOKENS[:9]]), cache=cache))  # past the window of 5
+    save_cache(tmp_path / "prompt", cache)
+    loaded, _ = load_cache(tmp_path / "prompt", n_layers=7, n_kv_heads=1, head_dim=32)
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    rows = [np.array(model(mx.array([[t]]), cache=loaded)[0], dtype=np.float64) for t in TOKENS[9:]]
+    np.testing.assert_allclose(np.concatenate(rows), expected[9:], atol=2e-4, rtol=1e-4)
