@@ -1,5 +1,5 @@
 """Gemma 3 (text): local sliding-window layers and every Nth a global one,
-built from mlx_attn's attention module.
+built on mlx_attn's attention hook (mlx_attn.lm.models.base.Decoder).
 
 What the architecture defines (Hugging Face ``Gemma3TextConfig`` /
 ``modeling_gemma3``; mlx-lm's ``gemma3_text`` agrees) and this file follows:
