@@ -1,41 +1,60 @@
 #!/usr/bin/env bash
 # Installs mlx_attn with its test dependencies and runs the whole test suite.
-# On Linux it also installs the tools two test groups need (Debian/Ubuntu):
-# clang-19 for the MSL emulator (the Metal kernels type-checked and executed
-# on the CPU) and for the Mac host check (tests/test_mac_host.py), which also
-# needs llvm-19 (llvm-nm-19, llvm-cxxfilt-19) and cmake, and on x86-64
-# qemu-user plus an aarch64 C library for the arm64 kernel copy. Missing tools
-# skip those tests, except on CI (CI set), where they then fail.
+#
+# On Linux (Debian/Ubuntu) some test groups need system tools. Before
+# installing anything this script prints each missing package and why; it
+# installs them only when it runs as root with apt-get, with
+# --no-install-recommends, and registers nothing system-wide: qemu-user comes
+# without qemu-user-binfmt (the arm64 test calls qemu-aarch64 explicitly).
+# Missing tools skip those tests, except on CI (CI set), where they then fail.
+# MLX_ATTN_NO_APT=1: never install system packages (only say what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 if [ "$(uname -s)" = "Linux" ]; then
-  missing=()
-  for pair in clang-19:clang-19 llvm-nm-19:llvm-19 llvm-cxxfilt-19:llvm-19 cmake:cmake; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
-  done
-  # The arm64 NEON kernel copy runs under qemu-aarch64 (tests/test_cpu_kernel_arm64.py),
-  # cross-built with clang-19 against an aarch64 C library.
+  packages=()
+  reasons=()
+  need() {  # need PACKAGE REASON: when the check before it failed
+    packages+=("$1")
+    reasons+=("  $1: $2")
+  }
+  command -v clang-19 >/dev/null 2>&1 ||
+    need clang-19 "compiles the Metal kernels as C++ for the MSL emulator (tests/msl_emulator) and the Mac host check"
+  { command -v llvm-nm-19 >/dev/null 2>&1 && command -v llvm-cxxfilt-19 >/dev/null 2>&1; } ||
+    need llvm-19 "llvm-nm-19 and llvm-cxxfilt-19 read the Mac host check's object files (tests/test_mac_host.py)"
+  command -v cmake >/dev/null 2>&1 || need cmake "builds the Mac host check (tests/test_mac_host.py)"
   if [ "$(uname -m)" = "x86_64" ]; then
-    command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
-    [ -e /usr/aarch64-linux-gnu/lib/libc.a ] || missing+=(libc6-dev-arm64-cross gcc-aarch64-linux-gnu)
+    # The arm64 NEON kernel copies are cross-built with clang-19 and run
+    # under qemu-aarch64 (tests/test_cpu_kernel_arm64.py).
+    command -v qemu-aarch64 >/dev/null 2>&1 ||
+      need qemu-user "runs the arm64 kernel copies (called as qemu-aarch64; no binfmt registration)"
+    if [ ! -e /usr/aarch64-linux-gnu/lib/libc.a ]; then
+      need libc6-dev-arm64-cross "the aarch64 C library the arm64 test harness links statically"
+      need gcc-aarch64-linux-gnu "the aarch64 libgcc and start files for that static link"
+    fi
   fi
-  # MLX's Linux wheel bundles the reference BLAS; mlx_attn preloads a system
-  # OpenBLAS for MLX's float32 matmuls (mlx_attn/_blas.py, tests/test_blas.py).
-  [ -e "/usr/lib/$(uname -m)-linux-gnu/libopenblas.so.0" ] || missing+=(libopenblas0-pthread)
-  if [ ${#missing[@]} -gt 0 ]; then
-    packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
-    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
-      # shellcheck disable=SC2086  # one word per package
-      { apt-get update -qq && apt-get install -y -qq $packages >/dev/null; } ||
-        echo "note: could not install $packages; tests needing them will skip (fail on CI)" >&2
+  # MLX's Linux wheel bundles the reference BLAS; mlx_attn.use_system_blas()
+  # (the mlx-attn command, the examples) binds a system OpenBLAS instead
+  # (mlx_attn/_blas.py, tests/test_blas.py).
+  [ -e "/usr/lib/$(uname -m)-linux-gnu/libopenblas.so.0" ] ||
+    need libopenblas0-pthread "the system OpenBLAS that mlx_attn.use_system_blas() binds (tests/test_blas.py)"
+  if [ ${#packages[@]} -gt 0 ]; then
+    echo "scripts/test.sh: test groups need these Debian/Ubuntu packages:" >&2
+    printf '%s\n' "${reasons[@]}" >&2
+    if [ "${MLX_ATTN_NO_APT:-0}" != "1" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+      echo "scripts/test.sh: installing them: apt-get install --no-install-recommends ${packages[*]}" >&2
+      { apt-get update -qq &&
+        apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null; } ||
+        echo "note: could not install them; the tests needing them will skip (fail on CI)" >&2
     else
-      echo "note: $packages not installed; tests needing them will skip (fail on CI)" >&2
+      echo "note: not installing them (not root with apt-get, or MLX_ATTN_NO_APT=1); the tests needing them" \
+           "will skip (fail on CI)" >&2
     fi
   fi
 fi
 
+echo "scripts/test.sh: pip install .[test] (mlx_attn and its test dependencies, pyproject.toml)" >&2
 "$PYTHON" -m pip install --quiet ".[test]"
 # Run from outside the source tree so the installed package is what is tested.
 cd tests && exec "$PYTHON" -m pytest -q "$@"

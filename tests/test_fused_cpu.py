@@ -296,7 +296,10 @@ def _isa_in_fresh_process(env_isa=None):
     env = {k: v for k, v in os.environ.items() if k != "MLX_ATTN_CPU_ISA"}
     if env_isa is not None:
         env["MLX_ATTN_CPU_ISA"] = env_isa
-    script = "from mlx_attn import _ext; print(_ext.cpu_isa())"
+    # MLX first, as mlx_attn._native does (`import mlx_attn` no longer imports it;
+    # _ext finds libmlx through the loaded mlx.core when MLX sits in another
+    # site-packages, e.g. a --system-site-packages venv)
+    script = "import mlx.core; from mlx_attn import _ext; print(_ext.cpu_isa())"
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True).stdout.strip()
 

@@ -91,7 +91,8 @@ def test_zero_max_tokens_generates_nothing():
     ("stop_at_eos", "no", "stop_at_eos must be true or false"),
     ("logprobs", 1, "logprobs must be true or false"),
     ("pipelined", None, "pipelined must be true or false"),
-    ("max_kv_size", 4, r"max_kv_size must be at least 5, got 4: the rotating KV cache always keeps the first 4 tokens \(attention sinks\)"),
+    ("max_kv_size", 4,
+     r"max_kv_size must be at least 5, got 4: the rotating KV cache always keeps the first 4 tokens \(attention sinks\)"),
     ("max_kv_size", 8.0, "max_kv_size must be an integer"),
 ])
 def test_invalid_generation_config(field, value, message):

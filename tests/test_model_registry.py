@@ -345,3 +345,28 @@ def test_the_hook_argument_is_checked(weights):
     with pytest.raises(ValueError, match="attention must be an AttentionHook"):
         model(tokens, attention="dense")
     assert [tree_flatten(model.parameters())[0][0]] == ["embed.weight"]
+
+
+def test_make_cache_gives_each_layer_the_cache_its_rule_needs(weights):
+    from mlx_attn.cache import KVCache, RotatingKVCache
+
+    model = ToyLM(ToyConfig(vocab_size=weights["embed.weight"].shape[0], **CONFIG))
+    kinds = [(type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None)) for c in model.make_cache()]
+    assert kinds == [("KVCache", None, None), ("RotatingKVCache", 3, 0), ("KVCache", None, None)]
+    kinds = [(type(c).__name__, c.max_size, c.keep) for c in model.make_cache(max_kv_size=8)]
+    assert kinds == [("RotatingKVCache", 8, 4), ("RotatingKVCache", 3, 0), ("RotatingKVCache", 8, 4)]
+    # a rotating cache that keeps more than the windowed layer may see is refused
+    wrong = [KVCache(), RotatingKVCache(8, keep=4), KVCache()]
+    with pytest.raises(ValueError, match="layer 1 sees a window of 3 tokens, its RotatingKVCache keeps 8"):
+        model(mx.array([[1, 2, 3]]), cache=wrong)
+
+
+def test_windowed_layers_on_plain_kv_caches_apply_the_window_in_the_attention_call(tmp_path, weights):
+    from mlx_attn.cache import KVCache
+
+    model, tokenizer = load_model(write_toy_gguf(tmp_path / "toy.gguf", weights))
+    prompt = tokenizer.encode("the then in the")
+    cache = [KVCache() for _ in range(CONFIG["layers"])]  # every token kept: the window is the hook's mask
+    generated = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=6, stop_at_eos=False,
+                                                  prefill_chunk=3, cache=cache)]
+    assert_greedy_matches_numpy(weights, prompt, generated)

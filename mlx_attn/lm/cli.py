@@ -136,8 +136,8 @@ def _generation_config(args) -> GenerationConfig:
 # GenerationConfig field (as a FieldError names it) -> the flag that sets it
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
-         "prefill_chunk": "--prefill-step-size/--prefill-chunk", "max_kv_size": "--max-kv-size", "kv_bits": "--kv-bits",
-         "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+         "prefill_chunk": "--prefill-step-size/--prefill-chunk", "max_kv_size": "--max-kv-size",
+         "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
 
 
 # ---------------------------------------------------------------- prompts

@@ -6,10 +6,8 @@ tensor names; quantized layers keep MLX's ``weight``/``scales``/``biases``),
 and ``generation_config.json`` (every end token).
 
 The model's architecture (:mod:`mlx_attn.lm.models.registry`) gives the
-``config.json`` and mlx-lm's tensor names; e.g. a Llama from a GGUF file
-keeps llama.cpp's interleaved Q/K row order and says so with
-``rope_traditional: true``, which mlx-lm's Llama and this package's loader
-both honour."""
+``config.json`` (its ``hf_config``) and mlx-lm's tensor names
+(``mlx_lm_name``)."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def check_kv_quantization(model, config: GenerationConfig) -> None:
 def _check_cache(model, cache) -> list:
     layers = len(model.attention_layers()) if hasattr(model, "attention_layers") else None
     if layers is None:
-        if not isinstance(cache, (list, tuple)):
+        if not isinstance(cache, list):
             raise ValueError(f"cache must be a list of per-layer KV caches (e.g. model.make_cache()), "
                              f"got {type(cache).__name__}")
         return cache

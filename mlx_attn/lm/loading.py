@@ -370,7 +370,8 @@ def load_hf_directory(path: str | os.PathLike, backend: str = "auto") -> tuple[D
     except FieldError as error:
         raise ValueError(f"{config_path}: {error}") from None
     except ValueError as error:
-        hint = " (a sentence encoder: load it with load_sentence_encoder)" if config_json.get("model_type") == "bert" else ""
+        encoder = config_json.get("model_type") == "bert"
+        hint = " (a sentence encoder: load it with load_sentence_encoder)" if encoder else ""
         raise ValueError(f"{config_path}: {error}{hint}") from None
     group_size = _group_size(config_json, config_path)
     tokenizer = _hf_tokenizer(path)

@@ -12,7 +12,7 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_attn.cache import KVCache, RotatingKVCache
 from mlx_attn.lm.validate import FieldError, require_int
 from mlx_attn.ops import scaled_dot_product_attention
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
@@ -69,7 +69,7 @@ class AttentionHook:
 def check_cache_list(cache, layers: int) -> list:
     """``cache`` as a list of one KV cache per layer; anything else is a
     ValueError naming ``cache``."""
-    if not isinstance(cache, (list, tuple)):
+    if not isinstance(cache, list):  # a list: generation may swap its caches for quantized ones in place
         raise ValueError(f"cache must be a list of {layers} per-layer KV caches (e.g. model.make_cache()), "
                          f"got {type(cache).__name__}")
     if len(cache) != layers:
