@@ -160,7 +160,7 @@ GGUF_CASES = {
     "missing_tensor": ({}, ("blk.1.ffn_up.weight",), "layers.1.mlp.up_proj.weight' .* is missing"),
     "missing_layer": ({}, tuple(f"blk.1.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output",
                       "attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")), "holds tensors for 1 layers"),
-    "tokenizer_model": (dict(tokenizer__ggml__model="llama"), (), "tokenizer.ggml.model 'llama' is not supported"),
+    "tokenizer_model": (dict(tokenizer__ggml__model="bert"), (), "tokenizer.ggml.model 'bert' is not supported"),
     "tokens_not_a_list": (dict(tokenizer__ggml__tokens="abc"), (), "tokenizer.ggml.tokens must be a non-empty list"),
     "tokens_missing": (dict(tokenizer__ggml__tokens=MISSING), (), "tokenizer.ggml.tokens must be a non-empty list"),
     "merge_without_space": (dict(tokenizer__ggml__merges=["Ġt"]), (), r"merges\[0\] must be two known tokens"),

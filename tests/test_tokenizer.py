@@ -122,3 +122,10 @@ def test_named_chat_templates_and_broken_tokenizer_files(tmp_path):
 def test_decode_refuses_ids_outside_the_vocabulary(ids, message):
     with pytest.raises(ValueError, match=message):
         tiny().decode(ids)
+
+
+def test_bpe_metadata_without_merges_is_refused():
+    # without merges a byte-level BPE tokenizes byte by byte: silently wrong
+    metadata = {k: v for k, v in METADATA.items() if k != "tokenizer.ggml.merges"}
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
+        tokenizer_from_gguf_metadata(metadata)

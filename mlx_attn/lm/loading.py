@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_attn.lm import gguf_tensors
 from mlx_attn.lm.model_store import DEFAULT_DECODER, DEFAULT_ENCODER, MODELS, decoder_names, fetch_model
 from mlx_attn.lm.models import bert
 from mlx_attn.lm.models.base import Decoder, check_layer_count, check_weights
@@ -280,7 +281,11 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
     try:
         weights, raw_metadata = mx.load(str(path), return_metadata=True)
     except Exception as error:  # MLX raises plain RuntimeErrors/ValueErrors for damaged files
-        raise ValueError(f"could not read {path} (truncated or corrupted GGUF?): {error}") from None
+        # K-quants, Q5_0, ...: what MLX cannot read, the gguf package can
+        file = gguf_tensors.read_gguf(path)
+        if not gguf_tensors.needs_gguf_package(file):
+            raise ValueError(f"could not read {path} (truncated or corrupted GGUF?): {error}") from None
+        return gguf_tensors.to_mlx_weights(file), file.metadata
     return weights, {key: _plain(value) for key, value in raw_metadata.items()}
 
 

