@@ -49,8 +49,8 @@ MUTANTS = {
     # causal / window bounds
     "causal: comparison flipped": ("replace", "key <= pos &&", "key < pos &&"),
     "window: comparison off by one": ("replace", "key > pos - p.window_size", "key >= pos - p.window_size"),
-    "causal: dK/dV first query row off by one": ("replace", "first_key > offset ? first_key - offset : 0", "first_key + 1 > offset ? first_key - offset + 1 : 0"),
-    "window: dK/dV query range end off by one": ("replace", "const int past_window = last_key - offset + p.window_size;", "const int past_window = last_key - offset + p.window_size - 1;"),
+    "causal: dK/dV first query row off by one": ("replace", "first_key - offset > 0 ? first_key - offset : 0", "first_key - offset + 1 > 0 ? first_key - offset + 1 : 0"),
+    "window: dK/dV query range end off by one": ("replace", "const attn_int64 window_end = attn_int64(last_key) - offset + p.window_size;", "const attn_int64 window_end = attn_int64(last_key) - offset + p.window_size - 1;"),
     "causal: dQ key range end off by one": ("replace", "range.end = last_pos + 1 < p.kv_len ? last_pos + 1", "range.end = last_pos < p.kv_len ? last_pos"),
     "window: dQ key range start off by one": ("replace", "const int lo = first_pos - p.window_size + 1;", "const int lo = first_pos - p.window_size + 2;"),
     # the scale of dS in dK and dQ
