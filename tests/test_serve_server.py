@@ -1,0 +1,297 @@
+"""The OpenAI-compatible server (mlx_attn.serve.server), through the official
+``openai`` client and raw HTTP, against a server started here on 127.0.0.1 on
+a free port (uvicorn in a thread) over a tiny random Llama.
+
+Oracles: a dense greedy decode written here (the model's full forward, argmax,
+no cache) for the text; the same request served alone for batches; the
+scheduler's invariants and held pages for the page accounting, checked after
+every test."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from mlx_attn.serve.server import create_app, make_state  # noqa: E402
+
+from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary  # noqa: E402
+
+CONTEXT = 512
+MODEL_NAME = "tiny-test-model"
+API_KEY = "sk-test-key"
+DEADLINE = 60.0  # seconds any wait in these tests may take
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """uvicorn serving a fresh state in a thread, on 127.0.0.1."""
+
+    def __init__(self, model, tokenizer, api_key=None, **state_options):
+        self.state = make_state(model, tokenizer, MODEL_NAME, **state_options)
+        self.port = free_port()
+        config = uvicorn.Config(create_app(self.state, api_key=api_key), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + DEADLINE
+        while not self.server.started:
+            assert time.monotonic() < end and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key="unused"):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, timeout=DEADLINE, max_retries=0)
+
+    def wait_idle(self):
+        end = time.monotonic() + DEADLINE
+        while not self.state.idle:
+            assert time.monotonic() < end, "the server did not become idle"
+            time.sleep(0.02)
+
+    def check_pages(self):
+        """Nothing leaked: no page held once idle, the accounting consistent."""
+        self.wait_idle()
+        scheduler = self.state.engine.scheduler
+        self.state.call_blocking(scheduler.check_invariants)
+        assert self.state.call_blocking(lambda: scheduler.pool.held_pages) == 0
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(DEADLINE)
+        assert not self.thread.is_alive()
+
+
+def raw(server, method, path, body=None, headers=None):
+    """(status, parsed JSON or text) of one HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        text = response.read().decode()
+        try:
+            return response.status, json.loads(text)
+        except ValueError:
+            return response.status, text
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    vocab = len(tiny_vocabulary()[0])
+    model = random_llama(seed=3, vocab_size=vocab, max_position_embeddings=CONTEXT)
+    return model, tiny_tokenizer(eos_token_ids=())  # no end token: every request runs to max_tokens
+
+
+@pytest.fixture(scope="module")
+def server(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    running = RunningServer(model, tokenizer, kv_cache_tokens=1024, page_size=8, max_batch_tokens=64)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def pages_hold(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").check_pages()
+
+
+def dense_greedy(model, ids: list[int], n: int) -> list[int]:
+    """The oracle: full forward over all tokens each step, argmax."""
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        logits = model(mx.array([ids]))[0, -1]
+        out.append(int(mx.argmax(logits).item()))
+        ids.append(out[-1])
+    return out
+
+
+# ---------------------------------------------------------------- endpoints
+def test_health_and_models(server):
+    assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_completion_is_the_dense_greedy_text(server, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = "the then in the"
+    result = server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=7, temperature=0)
+    expected = tokenizer.decode(dense_greedy(model, tokenizer.encode(prompt), 7))
+    assert result.choices[0].text == expected
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert result.usage.completion_tokens == 7
+
+
+def test_chat_streaming_equals_non_streaming_and_the_dense_text(server, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    messages = [{"role": "user", "content": "in the then"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    expected = tokenizer.decode(dense_greedy(model, ids, 6))
+    client = server.client()
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.role == "assistant"
+    pieces, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected
+    assert finish == "length"
+    assert usage.completion_tokens == 6 and usage.prompt_tokens == len(ids)
+
+
+def test_concurrent_greedy_requests_each_equal_the_request_alone(server):
+    client = server.client()
+    shared = "the then in the then in "
+    prompts = [shared + "the", shared + "in in", "then", "in the " * 6, shared, "the"]
+    lengths = [5, 9, 3, 12, 7, 4]
+
+    def complete(i):
+        return client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=lengths[i]).choices[0].text
+
+    alone = [complete(i) for i in range(len(prompts))]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, range(len(prompts)), timeout=DEADLINE))
+    assert together == alone
+
+
+def test_usage_reports_prefix_cache_hits(server):
+    client = server.client()
+    prompt = "in then the " * 8  # > 2 pages of 8 tokens
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    page, n = 8, second.usage.prompt_tokens
+    # every full page of the prompt; the last prompt token always runs (its logits give the first new token)
+    assert cached == min(n // page * page, n - 1)
+    assert cached >= 2 * page
+
+
+def test_stop_string_ends_the_text_before_it(server):
+    client = server.client()
+    full = client.completions.create(model=MODEL_NAME, prompt="the in", max_tokens=10).choices[0].text
+    stop = full[3:5]
+    assert stop
+    result = client.completions.create(model=MODEL_NAME, prompt="the in", max_tokens=10, stop=[stop])
+    assert result.choices[0].text == full[: full.find(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "the", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "the", "stream": "yes"}, 400, "stream"),
+    ({"model": "no-such-model", "prompt": "the"}, 404, "model"),
+    ({"model": MODEL_NAME, "prompt": "the " * CONTEXT}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 10**12}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": True}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_style_json_errors(server, body, status, param):
+    got_status, got = raw(server, "POST", "/v1/completions", body)
+    assert got_status == status
+    assert isinstance(got["error"]["message"], str) and got["error"]["message"]
+    assert got["error"]["param"] == param
+
+
+def test_bad_chat_requests_through_the_client(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "the " * CONTEXT}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[])
+    assert raw(server, "GET", "/v1/nothing")[0] == 404
+
+
+# ---------------------------------------------------------------- disconnects
+def test_an_abandoned_stream_frees_its_pages(server):
+    cancelled = server.state.cancelled_requests
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    body = {"model": MODEL_NAME, "prompt": "the then " * 10, "max_tokens": CONTEXT - 60, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    first = response.readline()
+    assert first.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    conn.close()
+    server.wait_idle()
+    assert server.state.cancelled_requests == cancelled + 1  # cancelled, not run to max_tokens
+    assert server.state.call_blocking(lambda: server.state.engine.scheduler.pool.held_pages) == 0
+
+
+def test_an_abandoned_non_streaming_request_is_cancelled(server):
+    before, cancelled = server.state.generated_tokens, server.state.cancelled_requests
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    body = {"model": MODEL_NAME, "prompt": "in the " * 10, "max_tokens": CONTEXT - 60}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    end = time.monotonic() + DEADLINE
+    while server.state.generated_tokens == before:
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    server.wait_idle()
+    assert server.state.cancelled_requests == cancelled + 1
+    assert server.state.generated_tokens - before < CONTEXT - 60
+
+
+# ---------------------------------------------------------------- metrics, keys
+def test_metrics_are_prometheus_text(server):
+    server.client().completions.create(model=MODEL_NAME, prompt="the", max_tokens=2)
+    status, text = raw(server, "GET", "/metrics")
+    assert status == 200
+    values = dict(line.split(" ") for line in text.splitlines() if not line.startswith("#"))
+    for name in ("requests_running", "requests_waiting", "pages_used", "pages_free", "prefix_cache_hit_rate",
+                 "generated_tokens_per_second"):
+        assert f"mlx_attn_{name}" in values
+    assert float(values["mlx_attn_generated_tokens_total"]) >= 2
+    assert float(values["mlx_attn_pages_used"]) == 0
+
+
+def test_api_key_is_required_when_set(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    keyed = RunningServer(model, tokenizer, api_key=API_KEY, kv_cache_tokens=256, page_size=8)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            keyed.client("sk-wrong").models.list()
+        assert raw(keyed, "POST", "/v1/completions", {"prompt": "the"})[0] == 401
+        assert raw(keyed, "GET", "/health")[0] == 200  # liveness needs no key
+        result = keyed.client(API_KEY).completions.create(model=MODEL_NAME, prompt="the", max_tokens=2)
+        assert result.usage.completion_tokens == 2
+        keyed.check_pages()
+    finally:
+        keyed.stop()
