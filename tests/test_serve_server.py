@@ -12,9 +12,14 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import types
 
 import mlx.core as mx
 import pytest
@@ -22,9 +27,9 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from mlx_attn.serve.server import create_app, make_state  # noqa: E402
+from mlx_attn.serve.server import create_app, exposure_warning, make_state  # noqa: E402
 
-from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary  # noqa: E402
+from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary, write_llama_gguf  # noqa: E402
 
 CONTEXT = 512
 MODEL_NAME = "tiny-test-model"
@@ -295,3 +300,80 @@ def test_api_key_is_required_when_set(model_and_tokenizer):
         keyed.check_pages()
     finally:
         keyed.stop()
+
+
+def test_binding_beyond_loopback_without_a_key_warns():
+    assert exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert "without an API key" in exposure_warning("0.0.0.0", None)
+
+
+# ---------------------------------------------------------------- the command, SIGTERM
+def test_mlx_attn_serve_finishes_running_requests_on_sigterm_and_exits_0(tmp_path):
+    vocab = len(tiny_vocabulary()[0])
+    model = write_llama_gguf(tmp_path / "tiny.gguf", model=random_llama(rope_traditional=True, vocab_size=vocab),
+                             llama__vocab_size=vocab)
+    port = free_port()
+    command = [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--kv-cache-tokens", "512", "--page-size", "8", "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ATTN_API_KEY"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        probe = types.SimpleNamespace(port=port)
+        end = time.monotonic() + DEADLINE
+        while True:
+            assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < end, "the server did not start"
+            try:
+                if raw(probe, "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+        body = {"model": str(model), "prompt": "the then", "max_tokens": 40, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)  # mid-stream: the request still ends normally
+        rest = response.read().decode()
+        conn.close()
+        events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(DEADLINE) == 0
+        with pytest.raises(OSError):  # no longer accepting
+            raw(probe, "GET", "/health")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(DEADLINE)
+
+
+def test_many_connections_on_a_small_pool_complete_or_get_429(model_and_tokenizer):
+    """16 clients at once, a pool that fits 4 requests, at most 8 accepted at
+    once: each gets its alone-served text or a clean 429."""
+    model, tokenizer = model_and_tokenizer
+    small = RunningServer(model, tokenizer, kv_cache_tokens=64, page_size=8, max_batch_tokens=32, max_requests=8)
+    try:
+        prompts = [("the in then " * 3)[: 4 + i] for i in range(16)]
+        client = small.client()
+        alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8).choices[0].text
+                 for p in prompts]
+
+        def complete(i):
+            try:
+                return client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=8).choices[0].text
+            except openai.RateLimitError as error:
+                assert error.status_code == 429 and error.body["code"] == "rate_limit_exceeded"
+                return None
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(complete, range(16), timeout=DEADLINE))
+        served = [i for i, text in enumerate(results) if text is not None]
+        assert served, "no request was served"
+        assert [results[i] for i in served] == [alone[i] for i in served]
+        small.check_pages()
+    finally:
+        small.stop()

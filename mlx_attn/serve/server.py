@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Hashable
 
-__all__ = ["ServerState", "create_app", "build_parser", "main"]
+__all__ = ["ServerState", "create_app", "make_state", "build_parser", "exposure_warning", "main"]
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 MAX_BODY_BYTES = 1 << 20  # a request larger than this is refused (413)
@@ -64,13 +64,14 @@ class ServerState:
     """The engine, the worker thread that alone calls it, and the stepping task."""
 
     def __init__(self, make_engine, tokenizer, model_name: str, *, default_max_tokens: int = 512,
-                 default_temperature: float = 0.0):
+                 default_temperature: float = 0.0, max_requests: int = 256):
         """``make_engine()`` builds the engine on its own thread: MLX streams
         are per thread, so its arrays are made where they are used."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.default_temperature = default_temperature
+        self.max_requests = max_requests  # being served at once (running or waiting); more get 429
         self.created = int(time.time())
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-attn-engine")
         self.engine = self.call_blocking(make_engine)
@@ -109,6 +110,9 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def submit(self, prompt: list[int], max_tokens: int, sampling) -> tuple[Hashable, asyncio.Queue]:
+        if len(self._active) >= self.max_requests:
+            raise APIError(429, f"the server is serving its limit of {self.max_requests} requests; retry later",
+                           None, "rate_limit_exceeded")
         rid = f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -117,15 +121,19 @@ class ServerState:
                                sampling=sampling)
             return self.engine.scheduler._all[rid]  # noqa: SLF001  (its cached_tokens, read when it ends)
 
-        sequence = await self.call(submit)
-        self._active[rid] = _Active(queue, sequence)
+        active = self._active[rid] = _Active(queue, None)  # counts against the limit from now on
+        try:
+            active.sequence = await self.call(submit)
+        except BaseException:
+            self._active.pop(rid, None)
+            raise
         self.requests_total += 1
         self._wake.set()
         return rid, queue
 
     def cached_tokens(self, rid: Hashable) -> int:
         active = self._active.get(rid)
-        return (active.sequence.cached_tokens or 0) if active else 0
+        return (active.sequence.cached_tokens or 0) if active and active.sequence else 0
 
     def cancel(self, rid: Hashable) -> None:
         """Cancel from anywhere (also a cancelled task's cleanup): applied on
@@ -592,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--page-size", type=_positive, default=16, help="tokens per page")
     parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantized K/V pages")
     parser.add_argument("--max-batch-tokens", type=_positive, default=256, help="tokens per engine step")
+    parser.add_argument("--max-requests", type=_positive, default=256,
+                        help="requests served at once (running or waiting for pages); more are answered 429")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
@@ -601,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
-               temperature: float = 0.0) -> ServerState:
+               temperature: float = 0.0, max_requests: int = 256) -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -613,7 +623,15 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
                       max_batch_tokens=max_batch_tokens)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
-                       default_temperature=temperature)
+                       default_temperature=temperature, max_requests=max_requests)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to print when others than this machine may use the server freely."""
+    if host in LOOPBACK or api_key:
+        return None
+    return (f"mlx-attn serve: warning: listening on {host} without an API key: anyone who can reach this "
+            f"address may use the model (set --api-key or ${API_KEY_ENV})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,14 +642,38 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if args.host not in LOOPBACK and api_key is None:
-        print(f"mlx-attn serve: warning: listening on {args.host} without an API key: anyone who can reach "
-              f"this address may use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr)
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     model, tokenizer = load_model(args.model, backend=args.backend)
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
-                       max_tokens=args.max_tokens, temperature=args.temp)
+                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests)
     app = create_app(state, api_key=api_key)
-    # uvicorn on SIGTERM/SIGINT: stops accepting, lets running requests finish, exits 0
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    _graceful_server_class()(config).run()
     return 0
+
+
+def _graceful_server_class():
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM or SIGINT: stop accepting, let running requests finish,
+        then exit 0 (uvicorn itself re-raises the signal once shut down)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
