@@ -377,3 +377,24 @@ def test_many_connections_on_a_small_pool_complete_or_get_429(model_and_tokenize
         small.check_pages()
     finally:
         small.stop()
+
+
+def test_the_chat_page_and_its_files_are_served_with_a_strict_policy(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    try:
+        for path, kind in (("/", "text/html"), ("/static/chat.js", "text/javascript"),
+                           ("/static/chat.css", "text/css")):
+            conn.request("GET", path)
+            response = conn.getresponse()
+            body = response.read().decode()
+            assert response.status == 200 and response.getheader("content-type").startswith(kind)
+            policy = response.getheader("content-security-policy")
+            assert "script-src 'self'" in policy and "unsafe-inline" not in policy
+            if path == "/":
+                assert '<script src="/static/chat.js"></script>' in body
+            if path.endswith(".js"):  # output is set as text, never parsed as HTML
+                assert "textContent" in body and "innerHTML" not in body and "insertAdjacentHTML" not in body
+    finally:
+        conn.close()
+    assert raw(server, "GET", "/static/..%2Fserver.py")[0] == 404
+    assert raw(server, "GET", "/static/server.py")[0] == 404

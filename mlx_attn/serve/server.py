@@ -408,7 +408,7 @@ def create_app(state: ServerState, *, api_key: str | None = None):
     """The Starlette application serving ``state``."""
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     def error_response(error: APIError):
@@ -556,7 +556,19 @@ def create_app(state: ServerState, *, api_key: str | None = None):
         finally:
             await state.stop()
 
+    page_headers = {"Content-Security-Policy": CHAT_PAGE_POLICY, "X-Content-Type-Options": "nosniff"}
+    static = _static_files()
+
+    async def page(request: Request):
+        name = request.path_params.get("name", "index.html")
+        if name not in static:  # only the page's own files: nothing named by a request is read
+            raise APIError(404, f"no such file: {name}")
+        content, media_type = static[name]
+        return Response(content, media_type=media_type, headers=page_headers)
+
     routes = [
+        Route("/", guarded(page, auth=False), methods=["GET"]),
+        Route("/static/{name}", guarded(page, auth=False), methods=["GET"]),
         Route("/health", guarded(health, auth=False), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
@@ -570,6 +582,22 @@ def create_app(state: ServerState, *, api_key: str | None = None):
                                                f"{getattr(exc, 'detail', 'not found')}"))
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+
+
+# ---------------------------------------------------------------- the chat page
+# the page's own files only, scripts from this origin only: model output the
+# page shows is text (textContent), and the policy blocks inline script besides
+CHAT_PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+                    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+_STATIC_TYPES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
+                 "chat.css": "text/css; charset=utf-8"}
+
+
+def _static_files() -> dict[str, tuple[bytes, str]]:
+    from importlib.resources import files
+
+    folder = files("mlx_attn.serve").joinpath("static")
+    return {name: (folder.joinpath(name).read_bytes(), media) for name, media in _STATIC_TYPES.items()}
 
 
 # ---------------------------------------------------------------- the command
