@@ -222,6 +222,9 @@ def test_stop_string_ends_the_text_before_it(server):
     ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 10**12}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "the", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "the", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "the", "stop": ["a", 3]}, 400, "stop"),
+    ({"model": MODEL_NAME, "prompt": [1, 10**6]}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_style_json_errors(server, body, status, param):
     got_status, got = raw(server, "POST", "/v1/completions", body)
@@ -300,6 +303,18 @@ def test_api_key_is_required_when_set(model_and_tokenizer):
         keyed.check_pages()
     finally:
         keyed.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-bits", "3"], "--kv-bits"), (["--port", "x"], "--port"), (["--page-size", "0"], "--page-size"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_bad_serve_flags_are_one_line_errors(capsys, flags, message):
+    from mlx_attn.lm.cli import main as cli_main
+
+    assert cli_main(["serve", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
 
 
 def test_binding_beyond_loopback_without_a_key_warns():

@@ -263,6 +263,10 @@ class _Request:
         if model != state.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
                            "model", "model_not_found")
+        if _field(body, "n", int, 1) != 1:
+            raise APIError(400, "n must be 1 (one choice per request)", "n")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise APIError(400, "logprobs are not supported by this server yet", "logprobs")
         self.stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
         self.include_usage = bool(options.get("include_usage", False))
