@@ -667,7 +667,12 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as error:
+        raise RuntimeError(f"mlx-attn serve needs Starlette and uvicorn ({error}): "
+                           "pip install 'mlx_attn[serve]'") from None
 
     from mlx_attn.lm.loading import load_model
     from mlx_attn.lm.model_store import DEFAULT_DECODER
