@@ -171,18 +171,28 @@ def test_chat_streaming_equals_non_streaming_and_the_dense_text(server, model_an
     assert usage.completion_tokens == 6 and usage.prompt_tokens == len(ids)
 
 
-def test_concurrent_greedy_requests_each_equal_the_request_alone(server):
+def test_concurrent_requests_each_equal_the_request_alone(server):
+    """16 mixed-length requests at once (shared prefixes, chat and plain,
+    greedy and seeded sampling): each gets the text it gets alone."""
     client = server.client()
     shared = "the then in the then in "
-    prompts = [shared + "the", shared + "in in", "then", "in the " * 6, shared, "the"]
-    lengths = [5, 9, 3, 12, 7, 4]
+    words = ["the", "in in", "then", "in the " * 6, "", "the then the then then", "in", "then the in "]
+    requests = []
+    for i in range(16):
+        prompt = (shared if i % 2 else "") + words[i % len(words)] + " in" * (i % 3)
+        sampling = {"temperature": 0.9, "seed": 100 + i} if i % 4 == 3 else {}
+        requests.append((i % 5 == 0, prompt or "the", 2 + (i * 5) % 13, sampling))
 
     def complete(i):
-        return client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=lengths[i]).choices[0].text
+        chat, prompt, n, sampling = requests[i]
+        if chat:
+            return client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=n, **sampling).choices[0].message.content
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=n, **sampling).choices[0].text
 
-    alone = [complete(i) for i in range(len(prompts))]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(complete, range(len(prompts)), timeout=DEADLINE))
+    alone = [complete(i) for i in range(len(requests))]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(complete, range(len(requests)), timeout=DEADLINE))
     assert together == alone
 
 
