@@ -399,6 +399,9 @@ def test_many_connections_on_a_small_pool_complete_or_get_429(model_and_tokenize
         served = [i for i, text in enumerate(results) if text is not None]
         assert served, "no request was served"
         assert [results[i] for i in served] == [alone[i] for i in served]
+        # a request the pool (64 tokens) can never hold is refused, not queued forever
+        status, body = raw(small, "POST", "/v1/completions", {"prompt": "the " * 40, "max_tokens": 40})
+        assert status == 400 and "never fit" in body["error"]["message"]
         small.check_pages()
     finally:
         small.stop()
