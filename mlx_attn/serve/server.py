@@ -462,7 +462,8 @@ def create_app(state: ServerState, *, api_key: str | None = None):
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "mlx_attn"}]})
 
     async def metrics(request: Request):
-        return PlainTextResponse(state.metrics(), media_type="text/plain; version=0.0.4")
+        text = await state.call(state.metrics)  # on the engine's thread: counts from between two steps
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def wait_or_disconnect(request: Request, work):
         """Run ``work`` unless the client disconnects first (then it is cancelled)."""
