@@ -27,7 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from mlx_attn.serve.server import create_app, exposure_warning, make_state  # noqa: E402
+from mlx_attn.serve.server import ServerState, create_app, exposure_warning, make_state  # noqa: E402
 
 from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary, write_llama_gguf  # noqa: E402
 
@@ -46,8 +46,8 @@ def free_port() -> int:
 class RunningServer:
     """uvicorn serving a fresh state in a thread, on 127.0.0.1."""
 
-    def __init__(self, model, tokenizer, api_key=None, **state_options):
-        self.state = make_state(model, tokenizer, MODEL_NAME, **state_options)
+    def __init__(self, state, api_key=None):
+        self.state = state
         self.port = free_port()
         config = uvicorn.Config(create_app(self.state, api_key=api_key), host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="on")
@@ -82,6 +82,10 @@ class RunningServer:
         assert not self.thread.is_alive()
 
 
+def serve_model(model, tokenizer, api_key=None, **state_options) -> RunningServer:
+    return RunningServer(make_state(model, tokenizer, MODEL_NAME, **state_options), api_key)
+
+
 def raw(server, method, path, body=None, headers=None):
     """(status, parsed JSON or text) of one HTTP request."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
@@ -108,7 +112,7 @@ def model_and_tokenizer():
 @pytest.fixture(scope="module")
 def server(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    running = RunningServer(model, tokenizer, kv_cache_tokens=1024, page_size=8, max_batch_tokens=64)
+    running = serve_model(model, tokenizer, kv_cache_tokens=1024, page_size=8, max_batch_tokens=64)
     yield running
     running.stop()
 
@@ -302,7 +306,7 @@ def test_metrics_are_prometheus_text(server):
 
 def test_api_key_is_required_when_set(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    keyed = RunningServer(model, tokenizer, api_key=API_KEY, kv_cache_tokens=256, page_size=8)
+    keyed = serve_model(model, tokenizer, api_key=API_KEY, kv_cache_tokens=256, page_size=8)
     try:
         with pytest.raises(openai.AuthenticationError):
             keyed.client("sk-wrong").models.list()
@@ -380,7 +384,7 @@ def test_many_connections_on_a_small_pool_complete_or_get_429(model_and_tokenize
     """16 clients at once, a pool that fits 4 requests, at most 8 accepted at
     once: each gets its alone-served text or a clean 429."""
     model, tokenizer = model_and_tokenizer
-    small = RunningServer(model, tokenizer, kv_cache_tokens=64, page_size=8, max_batch_tokens=32, max_requests=8)
+    small = serve_model(model, tokenizer, kv_cache_tokens=64, page_size=8, max_batch_tokens=32, max_requests=8)
     try:
         prompts = [("the in then " * 3)[: 4 + i] for i in range(16)]
         client = small.client()
@@ -426,3 +430,112 @@ def test_the_chat_page_and_its_files_are_served_with_a_strict_policy(server):
         conn.close()
     assert raw(server, "GET", "/static/..%2Fserver.py")[0] == 404
     assert raw(server, "GET", "/static/server.py")[0] == 404
+
+
+# ---------------------------------------------------------------- the chat page in a browser
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script><b>bold?</b>'
+
+
+class ScriptedEngine:
+    """Stands in for the engine in the browser test: every request
+    'generates' the tokens of a fixed text, one per step (``delay`` seconds
+    each), so what the page receives is known."""
+
+    def __init__(self, script: list[int], delay: float = 0.0):
+        from mlx_attn.serve.engine import Output
+
+        self.output, self.script, self.delay = Output, script, delay
+        self.model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=CONTEXT,
+                                                                        vocab_size=1000))
+        self.requests: dict = {}
+        self.scheduler = self  # the server reads idle, _all, stats() from the scheduler
+
+    @property
+    def idle(self):
+        return not self.requests
+
+    @property
+    def _all(self):
+        return {rid: types.SimpleNamespace(cached_tokens=0) for rid in self.requests}
+
+    def submit(self, rid, prompt, max_tokens, stop_token_ids=(), sampling=None):
+        self.requests[rid] = [0, max_tokens]
+
+    def cancel(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def step(self):
+        time.sleep(self.delay)
+        outputs = []
+        for rid, progress in list(self.requests.items()):
+            done = progress[0] + 1 >= min(progress[1], len(self.script))
+            outputs.append(self.output(rid, self.script[progress[0] % len(self.script)], 0.0, done))
+            progress[0] += 1
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def stats(self):
+        return dict.fromkeys(["running", "waiting", "pages_total", "pages_held", "pages_cached", "pages_free",
+                              "preemptions", "prefix_hit_rate"], 0)
+
+
+def browser():
+    """A headless Chromium through its driver, or a skip (a failure on CI)."""
+    import shutil
+
+    missing = [tool for tool in ("chromium", "chromedriver") if shutil.which(tool) is None]
+    try:
+        from selenium import webdriver
+    except ImportError:
+        missing.append("selenium (pip)")
+    if missing:
+        message = f"the chat page's browser test needs {', '.join(missing)} (Debian: chromium chromium-driver)"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    return webdriver.Chrome(options=options, service=service)
+
+
+def test_the_chat_page_streams_model_output_as_text_and_stops(model_and_tokenizer):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, tokenizer = model_and_tokenizer
+    script = tokenizer.encode(HOSTILE)
+    assert tokenizer.decode(script) == HOSTILE
+    driver = browser()
+    state = ServerState(lambda: ScriptedEngine(script, delay=0.01), tokenizer, MODEL_NAME)
+    page = RunningServer(state)
+    try:
+        driver.set_page_load_timeout(DEADLINE)
+        driver.get(page.base + "/")
+        driver.find_element(By.ID, "input").send_keys("hello")
+        driver.find_element(By.ID, "send").click()
+        wait = WebDriverWait(driver, DEADLINE)
+        def reply(d):
+            replies = d.find_elements(By.CSS_SELECTOR, "#log .assistant")
+            return replies[-1].get_attribute("textContent") if replies else ""
+
+        # the whole reply arrived (the stop button is disabled again) and is shown as text, tags and all
+        wait.until(lambda d: reply(d) == HOSTILE and d.find_element(By.ID, "stop").get_attribute("disabled"))
+        assert driver.execute_script("return window.__pwned === undefined")  # nothing ran
+        assert not driver.find_elements(By.CSS_SELECTOR, "#log img, #log script, #log b")
+        assert "tokens/s" in driver.find_element(By.ID, "speed").text
+        # stop: a long reply, cut mid-way; the server cancels the request
+        state.engine.delay = 0.05
+        driver.find_element(By.ID, "max-tokens").clear()
+        driver.find_element(By.ID, "max-tokens").send_keys("300")
+        driver.find_element(By.ID, "input").send_keys("again")
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#log .assistant")) == 2 and len(reply(d)) > 3)
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: state.cancelled_requests == 1 and state.idle)
+        assert 3 < len(reply(driver)) < len(HOSTILE)  # cut mid-way
+        assert not driver.find_elements(By.CSS_SELECTOR, "#log .error")
+    finally:
+        driver.quit()
+        page.stop()
