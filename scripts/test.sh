@@ -24,6 +24,10 @@ if [ "$(uname -s)" = "Linux" ]; then
   { command -v llvm-nm-19 >/dev/null 2>&1 && command -v llvm-cxxfilt-19 >/dev/null 2>&1; } ||
     need llvm-19 "llvm-nm-19 and llvm-cxxfilt-19 read the Mac host check's object files (tests/test_mac_host.py)"
   command -v cmake >/dev/null 2>&1 || need cmake "builds the Mac host check (tests/test_mac_host.py)"
+  command -v chromium >/dev/null 2>&1 ||
+    need chromium "the headless browser the serving chat page is tested in (tests/test_serve_server.py)"
+  command -v chromedriver >/dev/null 2>&1 ||
+    need chromium-driver "drives that browser (selenium, tests/test_serve_server.py)"
   if [ "$(uname -m)" = "x86_64" ]; then
     # The arm64 NEON kernel copies are cross-built with clang-19 and run
     # under qemu-aarch64 (tests/test_cpu_kernel_arm64.py).

@@ -6,6 +6,7 @@
     mlx-attn cache-prompt --prompt "$(cat long.txt)" --prompt-cache-file long.safetensors
     mlx-attn generate --prompt-cache-file long.safetensors --prompt "Summarize it."
     mlx-attn convert --model model.gguf --mlx-path smollm2-mlx   # a directory mlx-lm loads
+    mlx-attn serve --model model.gguf --port 8080     # OpenAI-compatible server, many requests at once
     mlx-attn doctor > report.md                       # what this machine runs, checked
     mlx-attn generate --kv-bits 8 "..."              # quantized KV cache (4 or 8 bits)
     mlx.launch -n 2 --backend ring -- mlx-attn generate --distributed --prompt "$(cat long.txt)"
@@ -368,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-timings", action="store_true", help="skip the timing table")
     doctor.add_argument("--output", default=None, help="also write the report to this file")
     doctor.set_defaults(run=_doctor)
+
+    # listed for --help only: main hands "serve ..." to mlx_attn.serve.server before parsing
+    commands.add_parser("serve", add_help=False, help="an OpenAI-compatible server (mlx-attn serve --help)")
     return parser
 
 
@@ -392,7 +396,12 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["serve"]:
+            from mlx_attn.serve.server import main as serve_main  # lazily: mlx_attn.lm never imports serve
+
+            return serve_main(argv[1:])
         args = build_parser().parse_args(argv)
         try:
             return args.run(args)

@@ -1,0 +1,541 @@
+"""The OpenAI-compatible server (mlx_attn.serve.server), through the official
+``openai`` client and raw HTTP, against a server started here on 127.0.0.1 on
+a free port (uvicorn in a thread) over a tiny random Llama.
+
+Oracles: a dense greedy decode written here (the model's full forward, argmax,
+no cache) for the text; the same request served alone for batches; the
+scheduler's invariants and held pages for the page accounting, checked after
+every test."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import mlx.core as mx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from mlx_attn.serve.server import ServerState, create_app, exposure_warning, make_state  # noqa: E402
+
+from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary, write_llama_gguf  # noqa: E402
+
+CONTEXT = 512
+MODEL_NAME = "tiny-test-model"
+API_KEY = "sk-test-key"
+DEADLINE = 60.0  # seconds any wait in these tests may take
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """uvicorn serving a fresh state in a thread, on 127.0.0.1."""
+
+    def __init__(self, state, api_key=None):
+        self.state = state
+        self.port = free_port()
+        config = uvicorn.Config(create_app(self.state, api_key=api_key), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + DEADLINE
+        while not self.server.started:
+            assert time.monotonic() < end and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key="unused"):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, timeout=DEADLINE, max_retries=0)
+
+    def wait_idle(self):
+        end = time.monotonic() + DEADLINE
+        while not self.state.idle:
+            assert time.monotonic() < end, "the server did not become idle"
+            time.sleep(0.02)
+
+    def check_pages(self):
+        """Nothing leaked: no page held once idle, the accounting consistent."""
+        self.wait_idle()
+        scheduler = self.state.engine.scheduler
+        self.state.call_blocking(scheduler.check_invariants)
+        assert self.state.call_blocking(lambda: scheduler.pool.held_pages) == 0
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(DEADLINE)
+        assert not self.thread.is_alive()
+
+
+def serve_model(model, tokenizer, api_key=None, **state_options) -> RunningServer:
+    return RunningServer(make_state(model, tokenizer, MODEL_NAME, **state_options), api_key)
+
+
+def raw(server, method, path, body=None, headers=None):
+    """(status, parsed JSON or text) of one HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        text = response.read().decode()
+        try:
+            return response.status, json.loads(text)
+        except ValueError:
+            return response.status, text
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    vocab = len(tiny_vocabulary()[0])
+    model = random_llama(seed=3, vocab_size=vocab, max_position_embeddings=CONTEXT)
+    return model, tiny_tokenizer(eos_token_ids=())  # no end token: every request runs to max_tokens
+
+
+@pytest.fixture(scope="module")
+def server(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    running = serve_model(model, tokenizer, kv_cache_tokens=1024, page_size=8, max_batch_tokens=64)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def pages_hold(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").check_pages()
+
+
+def dense_greedy(model, ids: list[int], n: int) -> list[int]:
+    """The oracle: full forward over all tokens each step, argmax."""
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        logits = model(mx.array([ids]))[0, -1]
+        out.append(int(mx.argmax(logits).item()))
+        ids.append(out[-1])
+    return out
+
+
+# ---------------------------------------------------------------- endpoints
+def test_health_and_models(server):
+    assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_completion_is_the_dense_greedy_text(server, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = "the then in the"
+    result = server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=7, temperature=0)
+    expected = tokenizer.decode(dense_greedy(model, tokenizer.encode(prompt), 7))
+    assert result.choices[0].text == expected
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert result.usage.completion_tokens == 7
+
+
+def test_chat_streaming_equals_non_streaming_and_the_dense_text(server, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    messages = [{"role": "user", "content": "in the then"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    expected = tokenizer.decode(dense_greedy(model, ids, 6))
+    client = server.client()
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.role == "assistant"
+    pieces, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected
+    assert finish == "length"
+    assert usage.completion_tokens == 6 and usage.prompt_tokens == len(ids)
+
+
+def test_concurrent_requests_each_equal_the_request_alone(server):
+    """16 mixed-length requests at once (shared prefixes, chat and plain,
+    greedy and seeded sampling): each gets the text it gets alone."""
+    client = server.client()
+    shared = "the then in the then in "
+    words = ["the", "in in", "then", "in the " * 6, "", "the then the then then", "in", "then the in "]
+    requests = []
+    for i in range(16):
+        prompt = (shared if i % 2 else "") + words[i % len(words)] + " in" * (i % 3)
+        sampling = {"temperature": 0.9, "seed": 100 + i} if i % 4 == 3 else {}
+        requests.append((i % 5 == 0, prompt or "the", 2 + (i * 5) % 13, sampling))
+
+    def complete(i):
+        chat, prompt, n, sampling = requests[i]
+        if chat:
+            return client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=n, **sampling).choices[0].message.content
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=n, **sampling).choices[0].text
+
+    alone = [complete(i) for i in range(len(requests))]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(complete, range(len(requests)), timeout=DEADLINE))
+    assert together == alone
+
+
+def test_usage_reports_prefix_cache_hits(server):
+    client = server.client()
+    prompt = "in then the " * 8  # > 2 pages of 8 tokens
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    page, n = 8, second.usage.prompt_tokens
+    # every full page of the prompt; the last prompt token always runs (its logits give the first new token)
+    assert cached == min(n // page * page, n - 1)
+    assert cached >= 2 * page
+
+
+def test_stop_string_ends_the_text_before_it(server):
+    client = server.client()
+    full = client.completions.create(model=MODEL_NAME, prompt="the in", max_tokens=10).choices[0].text
+    stop = full[3:5]
+    assert stop
+    result = client.completions.create(model=MODEL_NAME, prompt="the in", max_tokens=10, stop=[stop])
+    assert result.choices[0].text == full[: full.find(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "the", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "the", "stream": "yes"}, 400, "stream"),
+    ({"model": "no-such-model", "prompt": "the"}, 404, "model"),
+    ({"model": MODEL_NAME, "prompt": "the " * CONTEXT}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 10**12}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "the", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "the", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "the", "stop": ["a", 3]}, 400, "stop"),
+    ({"model": MODEL_NAME, "prompt": [1, 10**6]}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_style_json_errors(server, body, status, param):
+    got_status, got = raw(server, "POST", "/v1/completions", body)
+    assert got_status == status
+    assert isinstance(got["error"]["message"], str) and got["error"]["message"]
+    assert got["error"]["param"] == param
+
+
+def test_bad_chat_requests_through_the_client(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "the " * CONTEXT}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[])
+    assert raw(server, "GET", "/v1/nothing")[0] == 404
+
+
+# ---------------------------------------------------------------- disconnects
+def test_an_abandoned_stream_frees_its_pages(server):
+    cancelled = server.state.cancelled_requests
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    body = {"model": MODEL_NAME, "prompt": "the then " * 10, "max_tokens": CONTEXT - 60, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    first = response.readline()
+    assert first.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    conn.close()
+    server.wait_idle()
+    assert server.state.cancelled_requests == cancelled + 1  # cancelled, not run to max_tokens
+    assert server.state.call_blocking(lambda: server.state.engine.scheduler.pool.held_pages) == 0
+
+
+def test_an_abandoned_non_streaming_request_is_cancelled(server):
+    before, cancelled = server.state.generated_tokens, server.state.cancelled_requests
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    body = {"model": MODEL_NAME, "prompt": "in the " * 10, "max_tokens": CONTEXT - 60}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    end = time.monotonic() + DEADLINE
+    while server.state.generated_tokens == before:
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    server.wait_idle()
+    assert server.state.cancelled_requests == cancelled + 1
+    assert server.state.generated_tokens - before < CONTEXT - 60
+
+
+# ---------------------------------------------------------------- metrics, keys
+def test_metrics_are_prometheus_text(server):
+    server.client().completions.create(model=MODEL_NAME, prompt="the", max_tokens=2)
+    status, text = raw(server, "GET", "/metrics")
+    assert status == 200
+    values = dict(line.split(" ") for line in text.splitlines() if not line.startswith("#"))
+    for name in ("requests_running", "requests_waiting", "pages_used", "pages_free", "prefix_cache_hit_rate",
+                 "generated_tokens_per_second"):
+        assert f"mlx_attn_{name}" in values
+    assert float(values["mlx_attn_generated_tokens_total"]) >= 2
+    assert float(values["mlx_attn_pages_used"]) == 0
+
+
+def test_api_key_is_required_when_set(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    keyed = serve_model(model, tokenizer, api_key=API_KEY, kv_cache_tokens=256, page_size=8)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            keyed.client("sk-wrong").models.list()
+        assert raw(keyed, "POST", "/v1/completions", {"prompt": "the"})[0] == 401
+        assert raw(keyed, "GET", "/health")[0] == 200  # liveness needs no key
+        result = keyed.client(API_KEY).completions.create(model=MODEL_NAME, prompt="the", max_tokens=2)
+        assert result.usage.completion_tokens == 2
+        keyed.check_pages()
+    finally:
+        keyed.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-bits", "3"], "--kv-bits"), (["--port", "x"], "--port"), (["--page-size", "0"], "--page-size"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_bad_serve_flags_are_one_line_errors(capsys, flags, message):
+    from mlx_attn.lm.cli import main as cli_main
+
+    assert cli_main(["serve", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_binding_beyond_loopback_without_a_key_warns():
+    assert exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert "without an API key" in exposure_warning("0.0.0.0", None)
+
+
+# ---------------------------------------------------------------- the command, SIGTERM
+def test_mlx_attn_serve_finishes_running_requests_on_sigterm_and_exits_0(tmp_path):
+    vocab = len(tiny_vocabulary()[0])
+    model = write_llama_gguf(tmp_path / "tiny.gguf", model=random_llama(rope_traditional=True, vocab_size=vocab),
+                             llama__vocab_size=vocab)
+    port = free_port()
+    command = [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--kv-cache-tokens", "512", "--page-size", "8", "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ATTN_API_KEY"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        probe = types.SimpleNamespace(port=port)
+        end = time.monotonic() + DEADLINE
+        while True:
+            assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < end, "the server did not start"
+            try:
+                if raw(probe, "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+        body = {"model": str(model), "prompt": "the then", "max_tokens": 40, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)  # mid-stream: the request still ends normally
+        rest = response.read().decode()
+        conn.close()
+        events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(DEADLINE) == 0
+        with pytest.raises(OSError):  # no longer accepting
+            raw(probe, "GET", "/health")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(DEADLINE)
+
+
+def test_many_connections_on_a_small_pool_complete_or_get_429(model_and_tokenizer):
+    """16 clients at once, a pool that fits 4 requests, at most 8 accepted at
+    once: each gets its alone-served text or a clean 429."""
+    model, tokenizer = model_and_tokenizer
+    small = serve_model(model, tokenizer, kv_cache_tokens=64, page_size=8, max_batch_tokens=32, max_requests=8)
+    try:
+        prompts = [("the in then " * 3)[: 4 + i] for i in range(16)]
+        client = small.client()
+        alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8).choices[0].text
+                 for p in prompts]
+
+        def complete(i):
+            try:
+                return client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=8).choices[0].text
+            except openai.RateLimitError as error:
+                assert error.status_code == 429 and error.body["code"] == "rate_limit_exceeded"
+                return None
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(complete, range(16), timeout=DEADLINE))
+        served = [i for i, text in enumerate(results) if text is not None]
+        assert served, "no request was served"
+        assert [results[i] for i in served] == [alone[i] for i in served]
+        # a request the pool (64 tokens) can never hold is refused, not queued forever
+        status, body = raw(small, "POST", "/v1/completions", {"prompt": "the " * 40, "max_tokens": 40})
+        assert status == 400 and "never fit" in body["error"]["message"]
+        small.check_pages()
+    finally:
+        small.stop()
+
+
+def test_the_chat_page_and_its_files_are_served_with_a_strict_policy(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    try:
+        for path, kind in (("/", "text/html"), ("/static/chat.js", "text/javascript"),
+                           ("/static/chat.css", "text/css")):
+            conn.request("GET", path)
+            response = conn.getresponse()
+            body = response.read().decode()
+            assert response.status == 200 and response.getheader("content-type").startswith(kind)
+            policy = response.getheader("content-security-policy")
+            assert "script-src 'self'" in policy and "unsafe-inline" not in policy
+            if path == "/":
+                assert '<script src="/static/chat.js"></script>' in body
+            if path.endswith(".js"):  # output is set as text, never parsed as HTML
+                assert "textContent" in body and "innerHTML" not in body and "insertAdjacentHTML" not in body
+    finally:
+        conn.close()
+    assert raw(server, "GET", "/static/..%2Fserver.py")[0] == 404
+    assert raw(server, "GET", "/static/server.py")[0] == 404
+
+
+# ---------------------------------------------------------------- the chat page in a browser
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script><b>bold?</b>'
+
+
+class ScriptedEngine:
+    """Stands in for the engine in the browser test: every request
+    'generates' the tokens of a fixed text, one per step (``delay`` seconds
+    each), so what the page receives is known."""
+
+    def __init__(self, script: list[int], delay: float = 0.0):
+        from mlx_attn.serve.engine import Output
+
+        self.output, self.script, self.delay = Output, script, delay
+        self.model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=CONTEXT,
+                                                                        vocab_size=1000))
+        self.requests: dict = {}
+        self.scheduler = self  # the server reads idle, _all, stats() from the scheduler
+
+    @property
+    def idle(self):
+        return not self.requests
+
+    @property
+    def _all(self):
+        return {rid: types.SimpleNamespace(cached_tokens=0) for rid in self.requests}
+
+    def submit(self, rid, prompt, max_tokens, stop_token_ids=(), sampling=None):
+        self.requests[rid] = [0, max_tokens]
+
+    def cancel(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def step(self):
+        time.sleep(self.delay)
+        outputs = []
+        for rid, progress in list(self.requests.items()):
+            done = progress[0] + 1 >= min(progress[1], len(self.script))
+            outputs.append(self.output(rid, self.script[progress[0] % len(self.script)], 0.0, done))
+            progress[0] += 1
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def stats(self):
+        return dict.fromkeys(["running", "waiting", "pages_total", "pages_held", "pages_cached", "pages_free",
+                              "preemptions", "prefix_hit_rate"], 0)
+
+
+def browser():
+    """A headless Chromium through its driver, or a skip (a failure on CI)."""
+    import shutil
+
+    missing = [tool for tool in ("chromium", "chromedriver") if shutil.which(tool) is None]
+    try:
+        from selenium import webdriver
+    except ImportError:
+        missing.append("selenium (pip)")
+    if missing:
+        message = f"the chat page's browser test needs {', '.join(missing)} (Debian: chromium chromium-driver)"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    return webdriver.Chrome(options=options, service=service)
+
+
+def test_the_chat_page_streams_model_output_as_text_and_stops(model_and_tokenizer):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, tokenizer = model_and_tokenizer
+    script = tokenizer.encode(HOSTILE)
+    assert tokenizer.decode(script) == HOSTILE
+    driver = browser()
+    state = ServerState(lambda: ScriptedEngine(script, delay=0.01), tokenizer, MODEL_NAME)
+    page = RunningServer(state)
+    try:
+        driver.set_page_load_timeout(DEADLINE)
+        driver.get(page.base + "/")
+        driver.find_element(By.ID, "input").send_keys("hello")
+        driver.find_element(By.ID, "send").click()
+        wait = WebDriverWait(driver, DEADLINE)
+        def reply(d):
+            replies = d.find_elements(By.CSS_SELECTOR, "#log .assistant")
+            return replies[-1].get_attribute("textContent") if replies else ""
+
+        # the whole reply arrived (the stop button is disabled again) and is shown as text, tags and all
+        wait.until(lambda d: reply(d) == HOSTILE and d.find_element(By.ID, "stop").get_attribute("disabled"))
+        assert driver.execute_script("return window.__pwned === undefined")  # nothing ran
+        assert not driver.find_elements(By.CSS_SELECTOR, "#log img, #log script, #log b")
+        assert "tokens/s" in driver.find_element(By.ID, "speed").text
+        # stop: a long reply, cut mid-way; the server cancels the request
+        state.engine.delay = 0.05
+        driver.find_element(By.ID, "max-tokens").clear()
+        driver.find_element(By.ID, "max-tokens").send_keys("300")
+        driver.find_element(By.ID, "input").send_keys("again")
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#log .assistant")) == 2 and len(reply(d)) > 3)
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: state.cancelled_requests == 1 and state.idle)
+        assert 3 < len(reply(driver)) < len(HOSTILE)  # cut mid-way
+        assert not driver.find_elements(By.CSS_SELECTOR, "#log .error")
+    finally:
+        driver.quit()
+        page.stop()
