@@ -16,6 +16,7 @@ import pytest
 
 import msl_emulator
 from metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal, emulated_backward
+from mutations import kernel_text
 from mlx_attn import self_check
 from mlx_attn.doctor import run_doctor
 from mlx_attn.reference import reference_attention
@@ -148,9 +149,10 @@ def test_self_check_disables_a_broken_emulated_variant(tmp_path):
     """A decode kernel that forgets to rescale the split partials when it
     merges them is wrong only on real data: the self-check must catch it."""
     decode = next(p for p in METAL_SOURCES if p.name == "attention_decode.metal")
-    source = decode.read_text()
-    broken = source.replace("exp2(", "(0.5f + 0.0f * ", 1)
-    assert broken != source
+    source = kernel_text(decode)  # the family's headers inlined
+    merge_rescale = "exp2((partial_stats[base * 2] - m)"
+    assert source.count(merge_rescale) == 1
+    broken = source.replace(merge_rescale, "(0.5f + 0.0f * (partial_stats[base * 2] - m)")
     mutated = tmp_path / decode.name
     mutated.write_text(broken)
     runner = EmulatedMetal(fast_math=True, sources=[p if p != decode else mutated for p in METAL_SOURCES])
@@ -458,13 +460,13 @@ def test_emulated_metal_backward_passes_its_self_check(dtype, head_dim):
 @needs_emulator
 @pytest.mark.parametrize("mutant", [
     ("gqa: dK/dV from the first query head only", "for (int g = 0; g < p.group; ++g)", "for (int g = 0; g < 1; ++g)"),
-    ("window: dQ key range start off by one", "first_pos - p.window_size + 1);", "first_pos - p.window_size + 2);"),
+    ("window: dQ key range start off by one", "first_pos - p.window_size + 1;", "first_pos - p.window_size + 2;"),
 ], ids=lambda m: m[0])
 def test_self_check_disables_a_broken_emulated_backward(tmp_path, mutant):
     """Faults of tests/test_metal_backward_mutations.py seeded into the
     backward's source: the canonical cases catch them, the gate says no."""
     _, old, new = mutant
-    source = BACKWARD.read_text()
+    source = kernel_text(BACKWARD)  # the family's headers inlined
     assert source.count(old) == 1
     mutated = tmp_path / BACKWARD.name
     mutated.write_text(source.replace(old, new))
