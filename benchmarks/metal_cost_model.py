@@ -140,20 +140,27 @@ def predict(kernel: Kernel, gpu: Gpu, exp_kind: str = "fast") -> dict:
     res = residency(kernel, gpu)
     per_core = math.ceil(kernel.threadgroups / gpu.cores)
     resident = min(res["threadgroups"], per_core)
-    rounds = math.ceil(per_core / resident)
     block_issue = issue_cycles(kernel.block.counts, exp_kind)
     spill = max(0, kernel.registers - gpu.register_budget)
     if spill:  # each spilled register is stored and reloaded once per block (threadgroup-memory speed)
         block_issue += 2 * spill * CYCLES["threadgroup_load"]
     latency = kernel.block.load_rounds * gpu.load_latency_cycles / max(1, kernel.prefetch)
     chain = latency + kernel.block.barriers * gpu.barrier_cycles + block_issue
-    sharing = resident * kernel.simdgroups / gpu.pipes  # simdgroups per pipe
-    pipe = max(1.0, sharing) * block_issue
-    tg_memory = resident * kernel.threadgroup_bytes_per_block / gpu.threadgroup_bytes_per_cycle
-    period = max(chain, pipe, tg_memory)
-    bound = {chain: "latency", pipe: "issue", tg_memory: "threadgroup memory"}[period]
+
+    def period(together: int) -> tuple[float, str]:
+        """Cycles per key block with `together` threadgroups on the core."""
+        pipe = max(1.0, together * kernel.simdgroups / gpu.pipes) * block_issue  # simdgroups share the pipes
+        tg_memory = together * kernel.threadgroup_bytes_per_block / gpu.threadgroup_bytes_per_cycle
+        parts = {"latency": chain, "issue": pipe, "threadgroup memory": tg_memory}
+        bound = max(parts, key=parts.get)
+        return parts[bound], bound
+
+    # full rounds of `resident` threadgroups, then the rest together
+    full, rest = divmod(per_core, resident)
+    full_period, bound = period(resident)
+    cycles = full * kernel.blocks * full_period + (kernel.blocks * period(rest)[0] if rest else 0.0)
     fixed = issue_cycles(kernel.fixed, exp_kind) + (gpu.load_latency_cycles if kernel.fixed else 0)
-    core_seconds = rounds * (kernel.blocks * period + fixed) / gpu.clock_hz
+    core_seconds = (cycles + (full + (1 if rest else 0)) * fixed) / gpu.clock_hz
     dram_seconds = kernel.dram_bytes / gpu.dram_bytes_per_s
     seconds = max(core_seconds, dram_seconds)
     if dram_seconds > core_seconds:

@@ -21,7 +21,9 @@ MTL::Library* kernel_library(mx::metal::Device& device, const std::string& kerne
 #endif
   const EmbeddedSource& source = source_for_kernel(kernel);
   // Safe math, as the prebuilt metallib (-fno-fast-math); the kernels use
-  // finite sentinels, so they are also correct under fast math.
+  // finite sentinels, so they are also correct under fast math. The softmax
+  // exps call fast::exp2 explicitly (as MLX's steel): under Safe math a bare
+  // exp2 would be the precise, slower sequence.
   mx::CompileOptions options;
   options.math_mode = mx::MathMode::Safe;
   return device.get_library(
