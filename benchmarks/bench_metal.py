@@ -205,9 +205,38 @@ def emulated_rows(args):
                          "per_work": {k: total[k] / work for k in COST_COLUMNS},
                          "modelled": modelled_seconds(total),
                          "max_abs_error": float(np.abs(out - expected).max()), "emulated_seconds": seconds}
+        row["model_check"] = model_count_check(row, ours_kernels)
         rows.append(row)
         print(markdown_row(row), flush=True)
     return rows
+
+
+def model_count_check(row: dict, ours_kernels: list) -> dict:
+    """The cost model's own counts (from the tiles) over the emulator's
+    counters for the same problem: MMAs (prefill) and device bytes as issued."""
+    import re
+
+    d, t, heads, kv_heads, causal = row["D"], row["T"], row["heads"], row["kv_heads"], row["causal"]
+    gpu = MODEL_GPU
+    if row["phase"] == "prefill":
+        bk = int(re.search(r"_bk(\d+)", ours_kernels[0]).group(1))
+        models = {"ours": [cm.prefill_kernel("ours", cm.our_prefill_tile(d, bk, "fast"), 1, heads, kv_heads, t, t,
+                                              causal, gpu)],
+                  "mlx": [cm.prefill_kernel("steel", cm.mlx_steel_tile(d), 1, heads, kv_heads, t, t, causal, gpu)]}
+    else:
+        models = {"mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
+                                                64 if heads // kv_heads >= 4 else 32)}
+    out = {}
+    for name, kernels in models.items():
+        counted = row[name]["counters"]
+        modelled_bytes = sum(k.device_bytes for k in kernels)
+        check = {"device_bytes": modelled_bytes / max(1, counted["device_bytes"])}
+        if row["phase"] == "prefill":
+            k = kernels[0]
+            modelled_mmas = k.block.counts["mma"] * k.blocks * k.simdgroups * k.threadgroups
+            check["mmas"] = modelled_mmas / max(1, counted["simdgroup_matrix_mmas"])
+        out[name] = check
+    return out
 
 
 def _cell(ours: float, theirs: float, scale: float = 1.0) -> str:
@@ -275,17 +304,25 @@ def costs_markdown(rows, command: str) -> str:
         f"threadgroup bytes / {GPU_MODEL['threadgroup_bytes_per_s'] / 1e9:.0f} GB/s (unmeasured), "
         f"({GPU_MODEL['flops_per_mma']}·MMAs + {GPU_MODEL['flops_per_exp']}·exps) / "
         f"{GPU_MODEL['flops'] / 1e12:.1f} TFLOP/s); the bound that decides is in parentheses.",
+        "This roofline cannot tell kernels with equal counts apart; the cost model after the tables",
+        "(\"Cost model\": registers, occupancy, latency, a cache model) predicts times that can.",
         "",
         f"Command: `{command}`",
         "",
         markdown_header(),
         *(markdown_row(r) for r in rows),
-        "",
-        "Kernels and accuracy (max |out - reference_attention|):",
-        "",
-        "| phase | D | GQA | causal | T | ours | MLX |",
-        "|---|---|---|---|---|---|---|",
     ]
+    lines += ["", "The cost model's own counts (from the kernels' tiles) over these counters: a check that the",
+              "model describes the kernels the emulator ran (MMAs, device bytes as issued; 1.00 = equal):", "",
+              "| phase | D | GQA | causal | T | ours MMAs | ours device bytes | MLX MMAs | MLX device bytes |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.get("model_check", {})
+        cells = [f"{c.get(n, {}).get(key, float('nan')):.2f}" for n in ("ours", "mlx") for key in ("mmas", "device_bytes")]
+        lines.append(f"| {r['phase']} | {r['D']} | {r.get('group', 1)} | {'yes' if r['causal'] else 'no'} | {r['T']} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Kernels and accuracy (max |out - reference_attention|):", "",
+              "| phase | D | GQA | causal | T | ours | MLX |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = f"{', '.join(r['ours']['kernels'])} ({r['ours']['max_abs_error']:.1e})"
         theirs = f"{', '.join(r['mlx']['kernels'])} ({r['mlx']['max_abs_error']:.1e})"
@@ -375,6 +412,25 @@ def plan_decode_splits(plan: dict) -> int:
         if "decode_partial" in dispatch["kernel"]:
             return int(dispatch["grid"][0])
     raise ValueError("no decode partial dispatch in the plan")
+
+
+def register_table() -> list:
+    """Estimated registers of every prefill and decode variant the plan can
+    pick (2-byte dtypes; BK of apple8 and apple9), against the budget."""
+    from mlx_attn import _ext
+
+    rows = []
+    table = {row["gpu_family"]: row for row in _ext.gpu_family_table()}
+    for d, (bk8, bk9) in ((d, (table["apple8"]["prefill_key_block"][d][0], table["apple9"]["prefill_key_block"][d][0]))
+                          for d in sorted(table["apple8"]["prefill_key_block"])):
+        for bk in sorted({bk8, bk9}):
+            regs = cm.steel_registers(cm.our_prefill_tile(d, bk, "fast"))
+            rows.append(("prefill", d, f"BK {bk}", regs))
+    for d in (64, 96, 128, 256):
+        r = 32 // (d // 32)
+        (partial, _) = cm.our_decode_kernels(1, r, 1, 1024, d, MODEL_GPU, 2, r)
+        rows.append(("decode", d, f"{r} rows", partial.registers))
+    return rows
 
 
 def split_rule_check() -> dict:
@@ -477,6 +533,13 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
               "| Hkv | GQA | T | one pass µs | two passes µs |", "|---|---|---|---|---|"]
     for r in decode_validation(gpu):
         lines.append(f"| {r['Hkv']} | {r['group']} | {r['T']} | {r['one_pass_us']:.1f} | {r['two_pass_us']:.1f} |")
+    budget = gpu.register_budget
+    lines += ["", f"Registers per thread of every variant the plan can pick (estimate; budget {budget}):", "",
+              "| kernel | D | tile | registers | within budget |", "|---|---|---|---|---|"]
+    for kind, d, tile, regs in register_table():
+        lines.append(f"| {kind} | {d} | {tile} | {regs} | {'yes' if regs <= budget else 'NO: spills'} |")
+    lines += ["", "(The backward kernels are not modelled; their dK/dV pass holds 128 floats per lane at D=128",
+              "by its own comment, at the budget before any other value.)"]
     rule = split_rule_check()
     lines += ["", "Decode split rule, predicted time over the best split count per problem (D 64/128, Hkv",
               f"1/2/8/32, GQA 1/4/8, Tkv 256-16384 on M2 and M2 Max; {rule['now']['problems']} problems): now "
