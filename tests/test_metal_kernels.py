@@ -150,9 +150,9 @@ def test_decode_split_kv(run, tq, hq, hkv):
         assert kernels == ["attention_decode_partial_float32_d64", "attention_decode_merge_float32_d64"]
         rows = hq // hkv * tq
         row_chunks = -(-rows // 16)
-        # splits of at least max(64, 64 per row) keys, at most what fills the
+        # splits of at least max(64, 16 per row) keys, at most what fills the
         # default target's 8 cores x 8 threadgroups (docs/metal_kernels.md)
-        assert run.last_plan["splits"] == min(-(-64 // (2 * hkv * row_chunks)), -(-600 // max(64, 64 * rows)))
+        assert run.last_plan["splits"] == min(-(-64 // (2 * hkv * row_chunks)), -(-600 // max(64, 16 * rows)))
     assert np.isfinite(got).all()
 
 
