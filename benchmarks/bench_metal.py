@@ -205,6 +205,7 @@ def emulated_rows(args):
                          "per_work": {k: total[k] / work for k in COST_COLUMNS},
                          "modelled": modelled_seconds(total),
                          "max_abs_error": float(np.abs(out - expected).max()), "emulated_seconds": seconds}
+        row["ours_splits"] = ours.last_plan.get("splits")
         row["model_check"] = model_count_check(row, ours_kernels)
         rows.append(row)
         print(markdown_row(row), flush=True)
@@ -224,7 +225,9 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
                                               causal, gpu)],
                   "mlx": [cm.prefill_kernel("steel", cm.mlx_steel_tile(d), 1, heads, kv_heads, t, t, causal, gpu)]}
     else:
-        models = {"mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
+        rows_per_tg = 32 // (d // 32)
+        models = {"ours": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, row["ours_splits"], rows_per_tg),
+                  "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
                                                 64 if heads // kv_heads >= 4 else 32)}
     out = {}
     for name, kernels in models.items():

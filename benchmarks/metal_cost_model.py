@@ -370,19 +370,21 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     kv_head_bytes = 2 * kv_len * d * elem_bytes
     partial_bytes = batch * heads * splits * (d * 4 + 8)
     tg_memory = (simdgroups - 1) * r * (per_lane * 32 + 2) * 4
-    partial = Kernel("attention_decode_partial", tgs, 32 * simdgroups, regs, tg_memory, keys,
-                     Block(key_counts, load_rounds=1), 0.0, batch * kv_heads * chunks * kv_head_bytes, 0.0,
-                     prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane},
-                     kv_reads=list(range(tgs)))
     out_bytes = batch * heads * d * elem_bytes
     merged = single_dispatch and splits == 1
+    q_bytes = simdgroups * splits * batch * heads * d * elem_bytes  # every simdgroup of a split reads its rows' queries
+    issued = batch * kv_heads * chunks * kv_head_bytes + q_bytes + (out_bytes if merged else partial_bytes)
+    partial = Kernel("attention_decode_partial", tgs, 32 * simdgroups, regs, tg_memory, keys,
+                     Block(key_counts, load_rounds=1), 0.0, issued, 0.0,
+                     prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane},
+                     kv_reads=list(range(tgs)))
     partial = _with_cache(partial, gpu, chunks * kv_head_bytes / splits / chunks,
-                          out_bytes if merged else partial_bytes)
-    if exp_kind != "precise":
-        pass
+                          q_bytes + (out_bytes if merged else partial_bytes))
     if merged:
         return [replace(partial, name="attention_decode_partial (writes out)")]
+    # the merge's lanes each read every split's max and sum
+    merge_bytes = batch * heads * splits * (d * 4 + 32 * 8) + out_bytes
     merge = Kernel("attention_decode_merge", batch * heads, 32, 24, 0, splits,
                    Block({"fma": 2 * per_lane + 4, "exp2": 1, "device_load": 2}), 0.0,
-                   partial_bytes + out_bytes, partial_bytes + out_bytes)
+                   merge_bytes, batch * heads * splits * (d * 4 + 8) + out_bytes)
     return [partial, merge]

@@ -117,7 +117,8 @@ namespace {
 // floor was 64 keys per row, which left large GPUs idle (B=1, Hkv=8, GQA 4,
 // T=1024: 32 threadgroups on a 38-core M2 Max); the cost model
 // (benchmarks/metal_cost_model.py, docs/emulator_costs.md) puts the new floor
-// at 0.85x the old rule's predicted time (geometric mean over its grid).
+// at 1.11x the best split count per problem where the old one was at 1.30x
+// (geometric means over the grid of bench_metal.py's split_rule_check).
 constexpr int kDecodeMinKeysPerSplit = 64;
 constexpr int kDecodeMinKeysPerRow = 16;
 }  // namespace
