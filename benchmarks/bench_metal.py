@@ -6,13 +6,19 @@ table, saves JSON and a PNG.
 
     python benchmarks/bench_metal.py                  # on a Mac with Metal
     python benchmarks/bench_metal.py --emulate        # anywhere with clang-19: modelled costs
+    python benchmarks/bench_metal.py --model-only     # the cost model's table alone (seconds)
 
 --emulate runs our kernels and MLX's own (steel_attention, sdpa_vector) on the
 same problems in counting builds of the MSL emulator (tests/msl_emulator/)
 and prints device/threadgroup bytes, simdgroup MMAs, simd ops, barriers and
 exp calls per useful FLOP (prefill) or per K/V byte (decode), ours next to
 MLX's; the table goes to docs/emulator_costs.md and JSON to
-benchmarks/results/. These are modelled costs, not timings.
+benchmarks/results/. These are modelled costs, not timings. After them, the
+cost model (benchmarks/metal_cost_model.py): registers per thread,
+occupancy, predicted time for our kernels (before / after each fix of issue
+#23) and MLX's on a 38-core M2 Max, its validation against MLX's own tile
+tuning and a public throughput figure, and a check of its counts against
+the emulator's counters.
 """
 
 from __future__ import annotations
