@@ -59,6 +59,11 @@ class AttentionHook:
     attends each query to the keys it may see under ``layer``'s rule
     (causal, window) and returns ``[B, Hq, T, Dv]``."""
 
+    #: None, or int32 ``[R]``: the forward returns the logits of these token
+    #: rows only (``[B, R, vocab]``; a serving engine samples from a few rows
+    #: of a long packed batch and skips the rest of the output projection)
+    logit_rows = None
+
     def positions(self, length: int):
         raise NotImplementedError
 

@@ -336,6 +336,8 @@ class Gemma3(Decoder):
         x = x * mx.array(math.sqrt(self.config.hidden_size), dtype=x.dtype)
         for layer, block in zip(self._attention_layers, self.layers):
             x = block(x, positions, layer, attention)
+        if attention.logit_rows is not None:
+            x = x[:, attention.logit_rows]
         x = self.norm(x)
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(x)

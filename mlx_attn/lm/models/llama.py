@@ -260,6 +260,8 @@ class Llama(Decoder):
         x = self.embed_tokens(tokens)
         for layer, block in zip(self.attention_layers(), self.layers):
             x = block(x, positions, layer, attention)
+        if attention.logit_rows is not None:
+            x = x[:, attention.logit_rows]
         x = self.norm(x)
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(x)
