@@ -174,6 +174,15 @@ class Engine:
         self._forget(request_id)
         return self.scheduler.cancel(request_id)
 
+    @property
+    def idle(self) -> bool:
+        """No request is queued or running."""
+        return self.scheduler.idle
+
+    def stats(self) -> dict[str, int | float]:
+        """Requests, pages, prefix-cache hits, preemptions (see :meth:`Scheduler.stats`)."""
+        return self.scheduler.stats()
+
     def cached_tokens(self, request_id: Hashable) -> int:
         """Prompt tokens a queued or running request found in the prefix
         cache when first admitted (0 before); each :class:`Output` carries it too."""
