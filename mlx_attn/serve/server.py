@@ -764,6 +764,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests served at once (running or waiting for pages); more are answered 429")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set)")
+    parser.add_argument("--weights", choices=["auto", "float32", "as-loaded"], default="auto",
+                        help="how the engine holds the weights: auto is float32 on MLX's CPU device (batched BLAS "
+                             "matmuls), as loaded on a GPU (quantized matmuls)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -771,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
-               temperature: float = 0.0, max_requests: int = 256) -> ServerState:
+               temperature: float = 0.0, max_requests: int = 256, weights: str = "auto") -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -780,7 +783,7 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens)
+                      max_batch_tokens=max_batch_tokens, weights=weights)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
@@ -813,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, backend=args.backend)
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
-                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests)
+                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
+                       weights=args.weights)
     app = create_app(state, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()
