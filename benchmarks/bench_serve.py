@@ -306,8 +306,13 @@ def main(argv=None) -> int:
     results = {"title": "", "mlx_attn": {}, "config": vars(args)}
     logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
 
-    def run_load(port):
-        return [load_phase(port, c, n, args.max_tokens) for c, n in zip(levels, args.requests)]
+    def run_load(port, name):
+        phases = []
+        for c, n in zip(levels, args.requests):
+            phases.append(load_phase(port, c, n, args.max_tokens))
+            print(f"{name} c{c}: {phases[-1]['tokens_per_s']:.1f} tokens/s, TTFT p50 {phases[-1]['ttft_p50']:.2f} s",
+                  flush=True)
+        return phases
 
     port = free_port()
     ours = Server("mlx-attn serve", [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir),
@@ -315,7 +320,7 @@ def main(argv=None) -> int:
                                      "--max-tokens", str(args.max_tokens), *args.serve_args.split()],
                   port, logs / "mlx_attn.log")
     try:
-        results["mlx_attn"]["load"] = run_load(port)
+        results["mlx_attn"]["load"] = run_load(port, "mlx-attn serve")
         results["mlx_attn"]["prefix"] = prefix_phase(port, system_text, *args.prefix_requests)
     finally:
         ours.stop()
@@ -331,7 +336,7 @@ def main(argv=None) -> int:
                                           "--max-tokens", str(args.max_tokens)],
                         port, logs / "mlx_lm.log")
         try:
-            results["mlx_lm"] = {"load": run_load(port)}
+            results["mlx_lm"] = {"load": run_load(port, "mlx_lm.server")}
         finally:
             theirs.stop()
     results["title"] = (f"{model_dir.name}, {os.cpu_count()} CPUs, blas: {mlx_attn.blas_choice().library}; "
