@@ -508,4 +508,7 @@ def test_prepare_weights_float32_is_the_dequantized_model():
     assert engine.store.dtype == mx.float32
     assert prepare_weights(model, "auto") == ("float32" if mx.default_device() == mx.cpu else "as-loaded")
     engine.submit("a", [3, 9, 27, 1, 44], 5)
+    assert engine.cached_tokens("a") == 0
     assert engine.run_until_idle()["a"] == greedy_alone(model, [3, 9, 27, 1, 44], 5)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.cached_tokens("a")  # finished: forgotten

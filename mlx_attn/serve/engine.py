@@ -186,7 +186,10 @@ class Engine:
     def cached_tokens(self, request_id: Hashable) -> int:
         """Prompt tokens a queued or running request found in the prefix
         cache when first admitted (0 before); each :class:`Output` carries it too."""
-        return self.scheduler.cached_tokens(request_id)
+        try:
+            return self.scheduler.cached_tokens(request_id)
+        except KeyError:
+            raise ValueError(f"request_id {request_id!r} is neither queued nor running") from None
 
     def _forget(self, request_id: Hashable) -> None:
         for table in (self.sampling, self.generated):
