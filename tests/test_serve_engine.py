@@ -512,3 +512,21 @@ def test_prepare_weights_float32_is_the_dequantized_model():
     assert engine.run_until_idle()["a"] == greedy_alone(model, [3, 9, 27, 1, 44], 5)
     with pytest.raises(ValueError, match="request_id"):
         engine.cached_tokens("a")  # finished: forgotten
+
+
+def test_engine_serves_gemma3_sliding_window_layers():
+    """A second architecture (sliding-window and global layers, the output
+    projection tied to the embedding): batched greedy tokens = dense alone."""
+    from test_gemma3 import tiny_gemma
+
+    from mlx_attn.serve import Engine
+
+    model = tiny_gemma(seed=4)
+    rng = np.random.default_rng(5)
+    prompts = {f"g{i}": rng.integers(0, 61, int(rng.integers(3, 14))).tolist() for i in range(4)}
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, dtype=mx.float32)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, 6)
+    got = engine.run_until_idle(max_steps=200)
+    for rid, prompt in prompts.items():
+        assert got[rid] == greedy_alone(model, prompt, 6), rid
