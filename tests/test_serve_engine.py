@@ -472,3 +472,61 @@ def test_nothing_below_serve_imports_it():
                              "print(any(m.startswith('mlx_attn.serve') for m in sys.modules))"],
                             capture_output=True, text=True, timeout=120)
     assert loaded.stdout.strip() == "False", loaded.stderr
+
+
+def test_prepare_weights_float32_is_the_dequantized_model():
+    import mlx.nn as nn
+
+    from mlx_attn.serve import Engine
+    from mlx_attn.serve.engine import prepare_weights
+
+    model = tiny_llama(seed=5, head_dim=32)
+    # the layers MLX can quantize in groups of 32 (input width 32), 4 bits; the embedding too
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % 32 == 0)
+    quantized = {path: m for path, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear,
+                                                                                 nn.QuantizedEmbedding))}
+    assert "embed_tokens" in quantized and "layers.0.self_attn.q_proj" in quantized
+    want = {path: mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits) for path, m in quantized.items()}
+    prompt = mx.array([[3, 9, 27, 1, 44]])
+    logits = model(prompt)
+    assert prepare_weights(model, "as-loaded") == "as-loaded"
+    assert isinstance(dict(model.named_modules())["embed_tokens"], nn.QuantizedEmbedding)
+    with pytest.raises(ValueError, match="weights"):
+        prepare_weights(model, "int3")
+    assert prepare_weights(model, "float32") == "float32"
+    modules = dict(model.named_modules())
+    for path, weight in want.items():
+        assert type(modules[path]) in (nn.Linear, nn.Embedding), path
+        np.testing.assert_array_equal(np.array(modules[path].weight), np.array(weight.astype(mx.float32)))
+    from mlx.utils import tree_flatten
+
+    assert all(a.dtype == mx.float32 for _, a in tree_flatten(model.parameters()))
+    np.testing.assert_allclose(np.array(model(prompt)), np.array(logits), atol=1e-4)
+    # the engine on it: pages in the activations' dtype, greedy tokens = the dense decode
+    engine = Engine(model, kv_tokens=64, page_size=4, weights="float32")
+    assert engine.store.dtype == mx.float32
+    assert prepare_weights(model, "auto") == ("float32" if mx.default_device() == mx.cpu else "as-loaded")
+    engine.submit("a", [3, 9, 27, 1, 44], 5)
+    assert engine.cached_tokens("a") == 0
+    assert engine.run_until_idle()["a"] == greedy_alone(model, [3, 9, 27, 1, 44], 5)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.cached_tokens("a")  # finished: forgotten
+
+
+def test_engine_serves_gemma3_sliding_window_layers():
+    """A second architecture (sliding-window and global layers, the output
+    projection tied to the embedding): batched greedy tokens = dense alone."""
+    from test_gemma3 import tiny_gemma
+
+    from mlx_attn.serve import Engine
+
+    model = tiny_gemma(seed=4)
+    rng = np.random.default_rng(5)
+    prompts = {f"g{i}": rng.integers(0, 61, int(rng.integers(3, 14))).tolist() for i in range(4)}
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, dtype=mx.float32)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, 6)
+    got = engine.run_until_idle(max_steps=200)
+    for rid, prompt in prompts.items():
+        assert got[rid] == greedy_alone(model, prompt, 6), rid

@@ -22,6 +22,7 @@ import time
 import types
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -223,6 +224,86 @@ def test_stop_string_ends_the_text_before_it(server):
     assert result.choices[0].finish_reason == "stop"
 
 
+# ---------------------------------------------------------------- logprobs and n
+def dense_logprobs(model, ids: list[int], generated: list[int]) -> np.ndarray:
+    """The oracle: float64 log-softmax of one full forward over the prompt
+    and the generated tokens; row i is the distribution of generated[i]."""
+    logits = model(mx.array([ids + generated[:-1]]))[0].astype(mx.float32)
+    rows = np.array(logits, dtype=np.float64)[len(ids) - 1:]
+    return rows - np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True)) - rows.max(-1, keepdims=True)
+
+
+def test_completion_logprobs_are_the_models(server, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = "then the in"
+    ids = tokenizer.encode(prompt)
+    result = server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, logprobs=3)
+    logprobs = result.choices[0].logprobs
+    generated = dense_greedy(model, ids, 5)
+    oracle = dense_logprobs(model, ids, generated)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in generated]
+    np.testing.assert_allclose(logprobs.token_logprobs, [oracle[i, t] for i, t in enumerate(generated)], atol=2e-3)
+    for i, top in enumerate(logprobs.top_logprobs):
+        # OpenAI's format maps text to logprob: tokens decoding alike (byte pieces) keep the last, as here
+        want = {tokenizer.decode([int(t)]): oracle[i, t] for t in np.argsort(-oracle[i])[:3]}
+        assert set(top) == set(want)
+        np.testing.assert_allclose([top[k] for k in want], list(want.values()), atol=2e-3)
+    assert logprobs.text_offset[0] == 0 and "".join(logprobs.tokens) == result.choices[0].text
+
+
+def test_chat_logprobs_streamed_and_whole(server, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    messages = [{"role": "user", "content": "in then"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    generated = dense_greedy(model, ids, 4)
+    oracle = dense_logprobs(model, ids, generated)
+    client = server.client()
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, logprobs=True,
+                                           top_logprobs=2).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2, stream=True)
+        for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    for entries in (whole, streamed):
+        assert [e.token for e in entries] == [tokenizer.decode([t]) for t in generated]
+        np.testing.assert_allclose([e.logprob for e in entries], [oracle[i, t] for i, t in enumerate(generated)],
+                                   atol=2e-3)
+        for i, entry in enumerate(entries):
+            best = np.argsort(-oracle[i])[:2]
+            assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([int(t)]) for t in best]
+            assert entry.bytes == list(entry.token.encode())
+
+
+def test_n_choices_share_the_prompt_and_match_single_requests(server):
+    client = server.client()
+    prompt = "the in then " * 6  # several full pages of 8 tokens
+    stats = lambda: server.state.call_blocking(server.state.engine.stats)  # noqa: E731
+    before = stats()["cached_prompt_tokens"]
+    result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, n=3, temperature=0.9, seed=7)
+    cached = stats()["cached_prompt_tokens"] - before
+    n_prompt = result.usage.prompt_tokens
+    # choices 1 and 2 found every full page of the prompt that choice 0 computed
+    assert cached >= 2 * min(n_prompt // 8 * 8, n_prompt - 1)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert result.usage.completion_tokens == 18
+    # choice i samples as a single request with seed + i
+    single = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0.9,
+                                        seed=7 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in result.choices] == single
+    assert len(set(single)) > 1
+    # streamed: the pieces of each index add up to that choice's text
+    texts = {}
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, n=3, temperature=0.9,
+                                           seed=7, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(3)] == single
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=3, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+
+
 # ---------------------------------------------------------------- errors
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
@@ -236,7 +317,10 @@ def test_stop_string_ends_the_text_before_it(server):
     ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "the", "max_tokens": 10**12}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "the", "max_tokens": True}, 400, "max_tokens"),
-    ({"model": MODEL_NAME, "prompt": "the", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "the", "n": 0}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "the", "n": 17}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "the", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "the", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": "the", "stop": ["a", 3]}, 400, "stop"),
     ({"model": MODEL_NAME, "prompt": [1, 10**6]}, 400, "prompt"),
 ])
@@ -255,6 +339,11 @@ def test_bad_chat_requests_through_the_client(server):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "the " * CONTEXT}])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[])
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                       top_logprobs=21)
     assert raw(server, "GET", "/v1/nothing")[0] == 404
 
 
@@ -448,15 +537,11 @@ class ScriptedEngine:
         self.model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=CONTEXT,
                                                                         vocab_size=1000))
         self.requests: dict = {}
-        self.scheduler = self  # the server reads idle, _all, stats() from the scheduler
+        self.scheduler = self  # the tests' page checks read the scheduler
 
     @property
     def idle(self):
         return not self.requests
-
-    @property
-    def _all(self):
-        return {rid: types.SimpleNamespace(cached_tokens=0) for rid in self.requests}
 
     def submit(self, rid, prompt, max_tokens, stop_token_ids=(), sampling=None):
         self.requests[rid] = [0, max_tokens]

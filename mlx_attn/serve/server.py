@@ -34,6 +34,8 @@ __all__ = ["ServerState", "create_app", "make_state", "build_parser", "exposure_
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 MAX_BODY_BYTES = 1 << 20  # a request larger than this is refused (413)
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_CHOICES = 16  # n: choices of one request, each an engine request
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -55,9 +57,9 @@ class APIError(Exception):
 class _Active:
     """A request the server is serving: its queue of engine outputs."""
 
-    def __init__(self, queue: asyncio.Queue, sequence):
+    def __init__(self, queue: asyncio.Queue):
         self.queue = queue
-        self.sequence = sequence  # the scheduler's record: its prefix-cache hit stays readable after it finishes
+        self.started = asyncio.Event()  # its first output (or an error) arrived: its prompt's pages are computed
 
 
 class ServerState:
@@ -109,21 +111,24 @@ class ServerState:
         """Run ``fn`` on the engine's thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def submit(self, prompt: list[int], max_tokens: int, sampling) -> tuple[Hashable, asyncio.Queue]:
-        if len(self._active) >= self.max_requests:
+    def check_room(self, count: int) -> None:
+        """429 unless ``count`` more requests fit under ``max_requests``."""
+        if len(self._active) + count > self.max_requests:
             raise APIError(429, f"the server is serving its limit of {self.max_requests} requests; retry later",
                            None, "rate_limit_exceeded")
+
+    async def submit(self, prompt: list[int], max_tokens: int, sampling) -> tuple[Hashable, asyncio.Queue]:
+        self.check_room(1)
         rid = f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
 
         def submit():
             self.engine.submit(rid, prompt, max_tokens, stop_token_ids=sorted(self.tokenizer.eos_token_ids),
                                sampling=sampling)
-            return self.engine.scheduler._all[rid]  # noqa: SLF001  (its cached_tokens, read when it ends)
 
-        active = self._active[rid] = _Active(queue, None)  # counts against the limit from now on
+        self._active[rid] = _Active(queue)  # counts against the limit from now on
         try:
-            active.sequence = await self.call(submit)
+            await self.call(submit)
         except BaseException:
             self._active.pop(rid, None)
             raise
@@ -131,9 +136,11 @@ class ServerState:
         self._wake.set()
         return rid, queue
 
-    def cached_tokens(self, rid: Hashable) -> int:
+    async def first_output(self, rid: Hashable) -> None:
+        """Wait for a request's first output (its prompt is in the pages)."""
         active = self._active.get(rid)
-        return (active.sequence.cached_tokens or 0) if active and active.sequence else 0
+        if active is not None:
+            await active.started.wait()
 
     def cancel(self, rid: Hashable) -> None:
         """Cancel from anywhere (also a cancelled task's cleanup): applied on
@@ -153,14 +160,14 @@ class ServerState:
             cancels, self._cancels = self._cancels, []
         for rid in cancels:
             self.cancelled_requests += self.engine.cancel(rid)
-        if self.engine.scheduler.idle:
+        if self.engine.idle:
             return [], False
-        return self.engine.step(), not self.engine.scheduler.idle
+        return self.engine.step(), not self.engine.idle
 
     @property
     def idle(self) -> bool:
         """No request is being served and the engine has nothing left."""
-        return not self._active and not self._cancels and self.engine.scheduler.idle
+        return not self._active and not self._cancels and self.engine.idle
 
     async def _run(self) -> None:
         while True:
@@ -173,6 +180,7 @@ class ServerState:
                 except Exception as error:  # noqa: BLE001  the model failed: fail its requests, keep serving
                     for rid in list(self._active):
                         self._active[rid].queue.put_nowait(error)
+                        self._active[rid].started.set()
                         self.cancel(rid)
                     break
                 for output in outputs:
@@ -180,11 +188,12 @@ class ServerState:
                     active = self._active.get(output.request_id)
                     if active is not None:
                         active.queue.put_nowait(output)
+                        active.started.set()
                 if self._cancels:
                     busy = True
 
     def metrics(self) -> str:
-        stats = self.engine.scheduler.stats()
+        stats = self.engine.stats()
         elapsed = max(time.monotonic() - self.started, 1e-9)
         lines = []
 
@@ -263,10 +272,18 @@ class _Request:
         if model != state.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
                            "model", "model_not_found")
-        if _field(body, "n", int, 1) != 1:
-            raise APIError(400, "n must be 1 (one choice per request)", "n")
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise APIError(400, "logprobs are not supported by this server yet", "logprobs")
+        self.n = _field(body, "n", int, 1, lambda n: 1 <= n <= MAX_CHOICES)
+        if chat:  # logprobs: true|false, top_logprobs: 0..20 (needs logprobs)
+            self.logprobs = _field(body, "logprobs", bool, False)
+            top = _field(body, "top_logprobs", int, None, lambda k: 0 <= k <= MAX_TOP_LOGPROBS)
+            if top is not None and not self.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            top = top or 0
+        else:  # logprobs: null or 0..20, the number of most likely tokens listed at each position
+            top = _field(body, "logprobs", int, None, lambda k: 0 <= k <= MAX_TOP_LOGPROBS)
+            self.logprobs = top is not None
+            top = top or 0
+        self.top_logprobs = top
         self.stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
         self.include_usage = bool(options.get("include_usage", False))
@@ -296,8 +313,12 @@ class _Request:
         penalty = _field(body, "repetition_penalty", (int, float), 1.0, lambda p: p > 0)
         seed = _field(body, "seed", int, None, lambda s: 0 <= s < 2**63)
         try:
-            self.sampling = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                                           min_p=float(min_p), repetition_penalty=float(penalty), seed=seed)
+            # choice i of n draws with seed + i: a seeded request is reproducible, its choices differ
+            self.sampling = [SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                                            min_p=float(min_p), repetition_penalty=float(penalty),
+                                            seed=None if seed is None else (seed + i) % 2**63,
+                                            logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+                             for i in range(self.n)]
         except ValueError as error:
             raise APIError(400, str(error)) from None
 
@@ -336,8 +357,9 @@ class _Request:
 
 # ---------------------------------------------------------------- generation
 class _TextStream:
-    """Engine outputs -> text pieces, honouring stop strings (text that could
-    still become a stop string is held back)."""
+    """Engine outputs of one choice -> text pieces, honouring stop strings
+    (text that could still become a stop string is held back); keeps the
+    outputs' log-probabilities until they are sent."""
 
     def __init__(self, tokenizer, stops: list[str]):
         from mlx_attn.lm.tokenizer import StreamingDetokenizer
@@ -350,10 +372,13 @@ class _TextStream:
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
         self.finish_reason: str | None = None
+        self.logprobs: list = []  # (token, logprob, top) of outputs not yet sent
 
     def add(self, output) -> str:
         """The text now safe to send; sets ``finish_reason`` when done."""
         self.tokens += 1
+        self.cached_tokens = output.cached_tokens
+        self.logprobs.append((output.token, output.logprob, output.top_logprobs))
         if output.token in self.eos:
             self.finish_reason = "stop"
             return self._flush()
@@ -378,6 +403,10 @@ class _TextStream:
         text, self.buffer = self.buffer, ""
         return text
 
+    def take_logprobs(self) -> list:
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
 
 async def _outputs(state: ServerState, rid: Hashable, queue: asyncio.Queue, text: _TextStream):
     """Text pieces of a request until it ends; cancels it in the engine when
@@ -395,17 +424,58 @@ async def _outputs(state: ServerState, rid: Hashable, queue: asyncio.Queue, text
             if ended:
                 break
     finally:
-        text.cached_tokens = state.cached_tokens(rid)
         if ended:
             state.finished(rid)
         else:
             state.cancel(rid)  # disconnect, error or stop string: free its pages now
 
 
-def _usage(request: _Request, text: _TextStream) -> dict:
-    return {"prompt_tokens": len(request.prompt), "completion_tokens": text.tokens,
-            "total_tokens": len(request.prompt) + text.tokens,
-            "prompt_tokens_details": {"cached_tokens": text.cached_tokens}}
+class _Logprobs:
+    """Log-probabilities in OpenAI's two formats (chat: ``content`` entries;
+    completions: parallel lists), token text decoded one token at a time."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # completions' text_offset: characters of the choice's tokens so far
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def format(self, entries: list) -> dict:
+        if self.chat:
+            def item(token, logprob):
+                text = self._text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in top]}
+                                for token, logprob, top in entries], "refusal": None}
+        tokens = [self._text(token) for token, _, _ in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [logprob for _, logprob, _ in entries],
+                "top_logprobs": [{self._text(t): lp for t, lp in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+
+class _Choice:
+    """One of a request's ``n`` choices: its engine request and its text."""
+
+    def __init__(self, index: int, rid: Hashable, queue: asyncio.Queue, text: _TextStream, logprobs):
+        self.index, self.rid, self.queue, self.text, self.logprobs = index, rid, queue, text, logprobs
+        self.content = ""
+
+    def take_logprobs(self) -> dict | None:
+        return self.logprobs.format(self.text.take_logprobs()) if self.logprobs else None
+
+
+def _usage(request: _Request, choices: list[_Choice]) -> dict:
+    completion = sum(c.text.tokens for c in choices)
+    return {"prompt_tokens": len(request.prompt), "completion_tokens": completion,
+            "total_tokens": len(request.prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": choices[0].text.cached_tokens if choices else 0}}
+
 
 
 def create_app(state: ServerState, *, api_key: str | None = None):
@@ -492,61 +562,118 @@ def create_app(state: ServerState, *, api_key: str | None = None):
         async def handler(request: Request):
             body = await read_json(request)
             parsed = _Request(state, body, chat)
-            try:
-                rid, queue = await state.submit(parsed.prompt, parsed.max_tokens, parsed.sampling)
-            except ValueError as error:  # can never fit the pool, or the model's own checks
-                raise APIError(400, str(error), "max_tokens") from None
-            text = _TextStream(state.tokenizer, parsed.stops)
+            state.check_room(parsed.n)
+            choices: list[_Choice] = []
+
+            async def submit(index: int) -> _Choice:
+                try:
+                    rid, queue = await state.submit(parsed.prompt, parsed.max_tokens, parsed.sampling[index])
+                except ValueError as error:  # can never fit the pool, or the model's own checks
+                    raise APIError(400, str(error), "max_tokens") from None
+                logprobs = _Logprobs(state.tokenizer, chat) if parsed.logprobs else None
+                choice = _Choice(index, rid, queue, _TextStream(state.tokenizer, parsed.stops), logprobs)
+                choices.append(choice)
+                return choice
+
+            async def submit_others() -> list[_Choice]:
+                # once choice 0's prompt is in the pages, the others find it in the prefix cache
+                if parsed.n > 1:
+                    await state.first_output(choices[0].rid)
+                return [await submit(i) for i in range(1, parsed.n)]
+
+            def cancel_all():  # no-op for requests that ended; frees the pages of the others
+                for c in choices:
+                    state.cancel(c.rid)
+
+            await submit(0)
             response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             created = int(time.time())
 
-            def choice(piece: str | None, finish: str | None, delta: bool) -> dict:
+            def choice_body(c: _Choice, piece: str | None, finish: str | None, delta: bool) -> dict:
+                logprobs = c.take_logprobs()
                 if not chat:
-                    return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+                    return {"index": c.index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
                 if delta:
-                    return {"index": 0, "delta": {"content": piece} if piece else {}, "logprobs": None,
+                    return {"index": c.index, "delta": {"content": piece} if piece else {}, "logprobs": logprobs,
                             "finish_reason": finish}
-                return {"index": 0, "message": {"role": "assistant", "content": piece}, "logprobs": None,
+                return {"index": c.index, "message": {"role": "assistant", "content": piece}, "logprobs": logprobs,
                         "finish_reason": finish}
 
-            def envelope(choices: list, usage: dict | None = None, chunk: bool = False) -> dict:
+            def envelope(choice_list: list, usage: dict | None = None, chunk: bool = False) -> dict:
                 out = {"id": response_id, "object": kind + (".chunk" if chunk and chat else ""), "created": created,
-                       "model": state.model_name, "choices": choices}
+                       "model": state.model_name, "choices": choice_list}
                 if usage is not None or not chunk:
                     out["usage"] = usage
                 return out
 
             if not parsed.stream:
-                async def collect():
-                    return "".join([piece async for piece in _outputs(state, rid, queue, text)])
+                async def collect(c: _Choice):
+                    c.content = "".join([piece async for piece in _outputs(state, c.rid, c.queue, c.text)])
+
+                async def collect_all():
+                    tasks = [asyncio.ensure_future(collect(choices[0]))]
+                    try:
+                        tasks += [asyncio.ensure_future(collect(c)) for c in await submit_others()]
+                        await asyncio.gather(*tasks)
+                    finally:
+                        for task in tasks:
+                            task.cancel()
+                    return True
 
                 try:
-                    content = await wait_or_disconnect(request, collect())
+                    done = await wait_or_disconnect(request, collect_all())
                 finally:
-                    state.cancel(rid)  # no-op when it ended; frees its pages when the client left
-                if content is None:
+                    cancel_all()
+                if done is None:
                     return PlainTextResponse("", status_code=499)
-                return JSONResponse(envelope([choice(content, text.finish_reason, False)],
-                                             _usage(parsed, text)))
+                return JSONResponse(envelope([choice_body(c, c.content, c.text.finish_reason, False)
+                                              for c in sorted(choices, key=lambda c: c.index)],
+                                             _usage(parsed, choices)))
 
             def sse(payload) -> str:
                 return f"data: {json.dumps(payload)}\n\n"
 
             async def events():
+                merged: asyncio.Queue = asyncio.Queue()
+
+                async def pump(c: _Choice):
+                    try:
+                        async for piece in _outputs(state, c.rid, c.queue, c.text):
+                            merged.put_nowait((c, piece))
+                        merged.put_nowait((c, None))
+                    except APIError as error:
+                        merged.put_nowait((c, error))
+
+                pumps = [asyncio.ensure_future(pump(choices[0]))]
                 try:
                     if chat:
                         yield sse(envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], chunk=True))
-                    async for piece in _outputs(state, rid, queue, text):
-                        yield sse(envelope([choice(piece, None, True)], chunk=True))
-                    yield sse(envelope([choice(None, text.finish_reason, True)], chunk=True))
+                    others = await submit_others()
+                    pumps += [asyncio.ensure_future(pump(c)) for c in others]
+                    for c in others:
+                        if chat:
+                            yield sse(envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}], chunk=True))
+                    running = len(choices)
+                    while running:
+                        c, piece = await merged.get()
+                        if isinstance(piece, APIError):
+                            raise piece
+                        if piece is None:
+                            running -= 1
+                            yield sse(envelope([choice_body(c, None, c.text.finish_reason, True)], chunk=True))
+                        else:
+                            yield sse(envelope([choice_body(c, piece, None, True)], chunk=True))
                     if parsed.include_usage:
-                        yield sse(envelope([], _usage(parsed, text), chunk=True))
+                        yield sse(envelope([], _usage(parsed, choices), chunk=True))
                     yield "data: [DONE]\n\n"
                 except APIError as error:
                     yield sse(error.body())
                 finally:
-                    state.cancel(rid)
+                    for task in pumps:
+                        task.cancel()
+                    cancel_all()
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -637,6 +764,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests served at once (running or waiting for pages); more are answered 429")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set)")
+    parser.add_argument("--weights", choices=["auto", "float32", "as-loaded"], default="auto",
+                        help="how the engine holds the weights: auto is float32 on MLX's CPU device (batched BLAS "
+                             "matmuls), as loaded on a GPU (quantized matmuls)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -644,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
-               temperature: float = 0.0, max_requests: int = 256) -> ServerState:
+               temperature: float = 0.0, max_requests: int = 256, weights: str = "auto") -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -653,7 +783,7 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens)
+                      max_batch_tokens=max_batch_tokens, weights=weights)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
@@ -686,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, backend=args.backend)
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
-                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests)
+                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
+                       weights=args.weights)
     app = create_app(state, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()

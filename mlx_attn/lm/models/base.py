@@ -59,6 +59,11 @@ class AttentionHook:
     attends each query to the keys it may see under ``layer``'s rule
     (causal, window) and returns ``[B, Hq, T, Dv]``."""
 
+    #: None, or int32 ``[R]``: the forward returns the logits of these token
+    #: rows only (``[B, R, vocab]``; a serving engine samples from a few rows
+    #: of a long packed batch and skips the rest of the output projection)
+    logit_rows = None
+
     def positions(self, length: int):
         raise NotImplementedError
 
@@ -189,10 +194,13 @@ class Decoder(nn.Module):
         """Logits ``[B, T, vocab]``; attention through ``attention``."""
         raise NotImplementedError
 
-    def output_logits(self, hidden: mx.array) -> mx.array:
-        """The vocabulary logits of the final hidden states: through the
+    def output_logits(self, hidden: mx.array, attention: AttentionHook) -> mx.array:
+        """The vocabulary logits of the final (normalized) hidden states, of
+        the hook's ``logit_rows`` only when it names some: through the
         embedding matrix (``embed_tokens``) when ``config.tie_word_embeddings``,
         through ``lm_head`` otherwise."""
+        if attention.logit_rows is not None:
+            hidden = hidden[:, attention.logit_rows]
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)

