@@ -29,11 +29,13 @@ FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 
 
 def only_float32(text: str) -> str:
-    """The float32, BK = 8 instantiations the cases use: 192/128 (three key
-    chunks, one value pass) and 256/256 (four key chunks, two value passes)."""
+    """The float32, BK = 8 instantiations the cases use (so each mutant
+    compiles quickly): 192/128 (three key chunks, one value pass; no mask and
+    bool) and 256/256 (four key chunks, two value passes; no mask)."""
     text = re.sub(r"^MLX_ATTN_PREFILL_SPLIT_(2BYTE_)?TYPES\(.*\)$", "", text, flags=re.M)
-    return text + ("\nMLX_ATTN_PREFILL_SPLIT(float32, float, 192, 128, 8)"
-                   "\nMLX_ATTN_PREFILL_SPLIT(float32, float, 256, 256, 8)\n")
+    return text + ('\nMLX_ATTN_PREFILL_SPLIT_MASK("", MLX_ATTN_MASK_NONE, float32, float, 192, 128, 8)'
+                   '\nMLX_ATTN_PREFILL_SPLIT_MASK("_mask_bool", MLX_ATTN_MASK_BOOL, float32, float, 192, 128, 8)'
+                   '\nMLX_ATTN_PREFILL_SPLIT_MASK("", MLX_ATTN_MASK_NONE, float32, float, 256, 256, 8)\n')
 
 
 MUTANTS = {
