@@ -105,8 +105,21 @@ int prefill_key_block(int head_dim, ElemType dtype, const GpuTarget& target) {
 }
 
 int decode_rows_per_threadgroup(int head_dim) {
-  if (head_dim % 32 != 0 || head_dim_index(head_dim) < 0) return 0;
+  const bool instantiated =
+      std::find(kDecodeHeadDims.begin(), kDecodeHeadDims.end(), head_dim) != kDecodeHeadDims.end();
+  if (head_dim % 32 != 0 || !instantiated) return 0;
   return MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32);
+}
+
+bool prefill_splits_head_dims(int head_dim, int value_dim) {
+  return head_dim > kRegisterPrefillMaxHeadDim || head_dim != value_dim;
+}
+
+int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const GpuTarget& target) {
+  for (const auto& dims : kSplitPrefillHeadDims) {
+    if (dims[0] == head_dim && dims[1] == value_dim) return prefill_key_block(256, dtype, target);
+  }
+  return 0;
 }
 
 namespace {
@@ -255,6 +268,20 @@ std::string kernel_name(const char* kind, const AttentionProblem& s) {
   return std::string(kind) + "_" + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
 }
 
+// "64, 80, 96, 128 (key = value), 192/128, 256/256, ...": the head dims the
+// Metal prefill kernels are instantiated for, for reasons.
+std::string supported_head_dims_text() {
+  std::string text;
+  for (int d : kHeadDims) {
+    if (d <= kRegisterPrefillMaxHeadDim) text += std::to_string(d) + ", ";
+  }
+  text.replace(text.size() - 2, 2, " (key = value head dim)");
+  for (const auto& dims : kSplitPrefillHeadDims) {
+    text += ", " + std::to_string(dims[0]) + "/" + std::to_string(dims[1]);
+  }
+  return text;
+}
+
 void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan& plan) {
   using R = BufferRole;
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
@@ -288,14 +315,14 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan&
 LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   LaunchPlan plan;
   plan.target = {target.family, gpu_cores(target)};
-  const int key_block = prefill_key_block(s.head_dim, s.dtype, target);
+  // Past the register budget (or with Dk != Dv) the D-split prefill kernel
+  // serves every query length (docs/metal_kernels.md, "Head dims").
+  const bool split = prefill_splits_head_dims(s.head_dim, s.value_dim);
+  const int key_block = split ? prefill_split_key_block(s.head_dim, s.value_dim, s.dtype, target)
+                              : prefill_key_block(s.head_dim, s.dtype, target);
   if (key_block == 0) {
-    plan.reason = "the Metal kernels support head dims 64, 80, 96, 128 and 256, got " + std::to_string(s.head_dim);
-    return plan;
-  }
-  if (s.value_dim != s.head_dim) {
-    plan.reason = "the Metal kernels need equal query/key and value head dims, got " + std::to_string(s.head_dim) +
-        " and " + std::to_string(s.value_dim);
+    plan.reason = "the Metal kernels support head dims (key/value) " + supported_head_dims_text() + ", got " +
+        std::to_string(s.head_dim) + "/" + std::to_string(s.value_dim);
     return plan;
   }
   if (s.kv_heads < 1 || s.q_heads % s.kv_heads != 0) {
@@ -307,7 +334,8 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   p.vector_loads = vector_loads_aligned(s) ? 1 : 0;
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
-  if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && decode_rows_per_threadgroup(s.head_dim) != 0) {
+  if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && s.head_dim == s.value_dim &&
+      decode_rows_per_threadgroup(s.head_dim) != 0) {
     plan_decode(s, target, plan);
     plan.supported = true;
     return plan;
@@ -316,16 +344,20 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   KernelDispatch prefill;
   const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
   const int query_block = 8 * simdgroups;  // BQ: 8 rows per simdgroup
-  prefill.kernel =
-      kernel_name("attention_prefill", s) + "_bk" + std::to_string(key_block) + mask_kernel_suffix(s.mask_kind);
+  prefill.kernel = split ? kernel_name("attention_prefill_split", s) + "_dv" + std::to_string(s.value_dim)
+                         : kernel_name("attention_prefill", s);
+  prefill.kernel += "_bk" + std::to_string(key_block) + mask_kernel_suffix(s.mask_kind);
   prefill.grid = {(s.q_len + query_block - 1) / query_block, s.q_heads, s.batch};
   prefill.threadgroup = {32 * simdgroups, 1, 1};
   using R = BufferRole;
   prefill.bindings =
       bind_roles(forward_layout(s), {R::q, R::k, R::v, R::out, R::params, R::mask, R::sinks, R::lse}, plan.scratch, 0);
-  // K and V tiles in the input dtype, rows padded by 16 bytes
+  // K and V tiles in the input dtype, rows padded by 16 bytes (split: V's
+  // tile holds one pass's MLX_ATTN_SPLIT_VALUE_CHUNK value dims)
   const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
-  prefill.threadgroup_memory_bytes = 2 * key_block * (s.head_dim * element_bytes + 16);
+  const int staged_value_dim = split ? std::min(s.value_dim, MLX_ATTN_SPLIT_VALUE_CHUNK) : s.value_dim;
+  prefill.threadgroup_memory_bytes =
+      key_block * (s.head_dim * element_bytes + 16) + key_block * (staged_value_dim * element_bytes + 16);
   if (prefill.threadgroup_memory_bytes > kThreadgroupMemoryLimit) {
     plan.reason = "threadgroup memory over 32 KB";
     return plan;

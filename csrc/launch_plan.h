@@ -31,6 +31,14 @@ struct GpuTarget {
 // One row of the per-family table (docs/metal_kernels.md, "GPU family
 // table"): every tile and split choice the plan makes for a family.
 inline constexpr std::array<int, 5> kHeadDims = {64, 80, 96, 128, 256};
+// Head dims the register-resident prefill kernel serves (Q and O in
+// registers, D/4 floats each per lane); past it, or with key dim != value
+// dim, the D-split prefill kernel (metal/attention_prefill_split.h) serves
+// these (key, value) pairs, with the BK of the D = 256 column.
+inline constexpr int kRegisterPrefillMaxHeadDim = 128;
+inline constexpr std::array<std::array<int, 2>, 4> kSplitPrefillHeadDims = {{{192, 128}, {256, 256}, {512, 512}, {576, 512}}};
+// Head dims the decode kernels are instantiated for (key = value).
+inline constexpr std::array<int, 5> kDecodeHeadDims = {64, 96, 128, 256, 512};
 struct GpuTuning {
   GpuFamily family;
   const char* name;
@@ -147,6 +155,10 @@ int gpu_cores(const GpuTarget& target);
 
 // Keys per staged block of the prefill kernel (0: unsupported head dim).
 int prefill_key_block(int head_dim, ElemType dtype, const GpuTarget& target = {});
+// Whether a problem's head dims take the D-split prefill kernel.
+bool prefill_splits_head_dims(int head_dim, int value_dim);
+// Keys per staged block of the D-split prefill kernel (0: unsupported pair).
+int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const GpuTarget& target = {});
 // Rows (query heads x positions) one decode threadgroup serves for a head dim
 // (its register budget, metal/attention_params.h); 0: D not a multiple of 32.
 int decode_rows_per_threadgroup(int head_dim);

@@ -41,7 +41,7 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
   const int slice = s.head_dim / 32;  // features per lane: one scale and bias each
   if (rows_per_threadgroup == 0 || qz.group_size <= 0 || qz.group_size % slice != 0) {
-    plan.reason = "the quantized Metal kernels need a head dim of 64, 128 or 256 that is a multiple of group_size, "
+    plan.reason = "the quantized Metal kernels need a head dim of 64, 128, 256 or 512 (key = value) that is a multiple of group_size, "
                   "got head dim " + std::to_string(s.head_dim) + " and group_size " + std::to_string(qz.group_size);
     return plan;
   }

@@ -54,6 +54,11 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 // Decode register budget: a lane holds rows x D/32 floats of q and as many of
 // the output; rows per threadgroup = this / (D / 32) (8 at D = 128).
 #define MLX_ATTN_DECODE_ROW_FLOATS 32
+// D-split prefill register budget (metal/attention_prefill_split.h): a lane
+// holds this / 4 floats of Q (one chunk of head dims at a time) and one pass's
+// value chunk of O (value dims per pass), the kernel's per-lane floats.
+#define MLX_ATTN_SPLIT_QUERY_CHUNK 64
+#define MLX_ATTN_SPLIT_VALUE_CHUNK 128
 // Elements per vector device load (half4 / bfloat4 / float4). The launch plan
 // sets AttentionParams::vector_loads only when every q/k/v row, head and batch
 // start is a multiple of it (strides and the buffer's element offset) and the

@@ -22,14 +22,13 @@
   MLX_ATTN_PREFILL(float32, float, d, bk)    \
   MLX_ATTN_PREFILL_2BYTE_TYPES(d, bk)
 
-// every family, every dtype (MLX steel_attention's BK)
+// every family, every dtype (MLX steel_attention's BK); past D = 128 the
+// D-split kernel serves (metal/attention_prefill_split.metal)
 MLX_ATTN_PREFILL_TYPES(64, 32)
 MLX_ATTN_PREFILL_TYPES(80, 16)
 MLX_ATTN_PREFILL_TYPES(96, 16)
 MLX_ATTN_PREFILL_TYPES(128, 16)
-MLX_ATTN_PREFILL_TYPES(256, 8)
 // apple9, 2-byte dtypes: twice the keys per block
 MLX_ATTN_PREFILL_2BYTE_TYPES(80, 32)
 MLX_ATTN_PREFILL_2BYTE_TYPES(96, 32)
 MLX_ATTN_PREFILL_2BYTE_TYPES(128, 32)
-MLX_ATTN_PREFILL_2BYTE_TYPES(256, 16)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -32,11 +32,19 @@ from mlx_attn.reference import reference_attention
 
 __all__ = [
     "scaled_dot_product_attention", "attention_path", "AttentionCall", "metal_kernel_runner",
-    "metal_backward_runner", "Backend", "Path",
+    "metal_backward_runner", "Backend", "Path", "PathChoice",
 ]
 
 Backend = Literal["auto", "fused", "reference"]
 Path = Literal["fused-cpu", "fused-metal", "mlx-fast", "reference"]
+
+
+class PathChoice(NamedTuple):
+    """``attention_path(..., explain=True)``: the path and, whenever it is not
+    a fused kernel, the human reason why not (None on a fused path)."""
+
+    path: Path
+    reason: str | None
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -312,6 +320,8 @@ class AttentionCall:
         if self.backend == "fused":
             raise ValueError(f"backend='fused' is not possible here: {reason}")
         path = "mlx-fast" if on_gpu and self._mlx_fast_computes() else "reference"
+        # every unfused route names its reason (attention_path(..., explain=True))
+        assert reason, "an unfused path without a reason"
         return dataclasses.replace(self, path=path, reason=reason)
 
     # -- running it ----------------------------------------------------------
@@ -352,10 +362,10 @@ class AttentionCall:
 
 def metal_variant(problem) -> self_check.Variant:
     """The kernel variant the Metal launch plan uses for a problem: what a
-    self-check vouches for (prefill or decode, dtype, head dim)."""
+    self-check vouches for (prefill or decode, dtype, head dims)."""
     first_kernel = _native.ext.metal_launch_plan(problem)["dispatches"][0]["kernel"]
     phase = "decode" if "decode" in first_kernel else "prefill"
-    return self_check.Variant(phase, problem.dtype, problem.head_dim)
+    return self_check.Variant(phase, problem.dtype, problem.head_dim, problem.value_dim)
 
 
 def _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream) -> AttentionCall:
@@ -420,12 +430,17 @@ def attention_path(
     backend: Backend = "auto",
     stream=None,
     return_lse: bool = False,
-) -> Path:
+    explain: bool = False,
+) -> Path | PathChoice:
     """Which implementation ``scaled_dot_product_attention`` uses for these
     arguments: ``"fused-cpu"``, ``"fused-metal"``, ``"mlx-fast"`` (GPU only)
-    or ``"reference"``."""
-    return AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
-                               backend=backend, stream=stream, return_lse=return_lse).path
+    or ``"reference"``. With ``explain=True`` a :class:`PathChoice`
+    ``(path, reason)``: ``reason`` is None on a fused path, else why the fused
+    kernel does not run the call (head dims, the GPU's kernels, a failed
+    self-check, a missing extension, ``backend='reference'``...)."""
+    call = AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
+                               backend=backend, stream=stream, return_lse=return_lse)
+    return PathChoice(call.path, call.reason) if explain else call.path
 
 
 def _reference_derivative(mode, primals, vectors, argnums, options, stream):

@@ -209,12 +209,14 @@ def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
 
 def quantized_attention_path(
     q, k_quant, v_quant, *, scale: float = 1.0, mask=None, group_size: int = 64, bits: int = 8,
-    sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto",
-) -> QuantizedPath:
+    sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto", explain: bool = False,
+) -> QuantizedPath | ops.PathChoice:
     """Which implementation :func:`quantized_scaled_dot_product_attention`
-    uses for these arguments: ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``."""
-    return _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend,
-                       stream).path
+    uses for these arguments: ``"fused-cpu"``, ``"fused-metal"`` or
+    ``"reference"``; with ``explain=True`` ``(path, reason)`` as
+    :func:`mlx_attn.attention_path` gives it."""
+    call = _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream)
+    return ops.PathChoice(call.path, call.reason) if explain else call.path
 
 
 def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=None, window_size=None, bits=8,

@@ -75,14 +75,18 @@ class Variant:
     phase: str  # "prefill" | "decode"
     dtype: str  # "float32" | "float16" | "bfloat16"
     head_dim: int
+    value_dim: int | None = None  # None: the head dim (the D-split kernel also runs Dk != Dv)
 
     def __post_init__(self):
         if self.phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be 'prefill' or 'decode', got {self.phase!r}")
         _check_dtype(self.dtype)
+        if self.value_dim is None:
+            object.__setattr__(self, "value_dim", self.head_dim)
 
     def __str__(self) -> str:
-        return f"{self.phase}/{self.dtype}/D={self.head_dim}"
+        value = f"/Dv={self.value_dim}" if self.value_dim != self.head_dim else ""
+        return f"{self.phase}/{self.dtype}/D={self.head_dim}{value}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_sinks_stride_is_in_the_params():
         assert plan["problem"].sinks_stride == stride
 
 
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256, 512])
 @pytest.mark.parametrize("tq", [9, 31, 32, 33, 1000])
 def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
     plan = plan_for(tq=tq, d=d)
@@ -92,11 +92,14 @@ def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
     assert step["threadgroup"] == [128, 1, 1]
     assert step["threadgroup_memory_bytes"] <= 32 * 1024
     # the conservative default target takes MLX steel_attention's BK for fp16
-    assert step["kernel"] == f"attention_prefill_float16_d{d}_bk{ {64: 32, 80: 16, 96: 16, 128: 16, 256: 8}[d] }"
+    # (past D = 128 the D-split kernel, metal/attention_prefill_split.h)
+    expected = {d: f"attention_prefill_float16_d{d}_bk{bk}" for d, bk in ((64, 32), (80, 16), (96, 16), (128, 16))}
+    expected |= {d: f"attention_prefill_split_float16_d{d}_dv{d}_bk8" for d in (256, 512)}
+    assert step["kernel"] == expected[d]
     assert roles(step) == ["q", "k", "v", "out", "params", "mask", "sinks", "lse"]
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256, 512])
 @pytest.mark.parametrize("tq,tkv", [(1, 1), (1, 150), (8, 4000), (4, 100000)])
 def test_decode_plan_for_few_queries(d, tq, tkv):
     plan = plan_for(b=2, hq=8, hkv=2, tq=tq, tkv=tkv, d=d)
@@ -209,9 +212,11 @@ def test_vector_loads_need_every_row_start_aligned(tq):
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(d=72), "head dims 64, 80, 96, 128 and 256"),
-    (dict(d=64, dv=32), "equal"),
+    (dict(d=72), "head dims (key/value) 64, 80, 96, 128 (key = value head dim), 192/128, 256/256, 512/512, "
+                 "576/512, got 72/72"),
+    (dict(d=64, dv=32), "got 64/32"),
     (dict(d=8), "head dims"),
+    (dict(d=576), "got 576/576"),
 ])
 def test_unsupported_problems_say_why(kwargs, reason):
     plan = plan_for(**kwargs)
@@ -234,7 +239,7 @@ def test_gpu_dispatch_falls_back_with_the_reason(d):
     computes the same (no window, no log-sum-exp, no row that may see no key),
     else the reference path; backend='fused' names the reason."""
     q = mx.zeros((1, 2, 4, d))
-    supported = _ext.has_metal() and d in (64, 80, 96, 128, 256)
+    supported = _ext.has_metal() and d in (64, 80, 96, 128, 256, 512)
     fallback = {
         "plain": (dict(), "mlx-fast"),
         "causal": (dict(mask="causal"), "mlx-fast"),
@@ -251,7 +256,7 @@ def test_gpu_dispatch_falls_back_with_the_reason(d):
     causal_cross = mlx_attn.attention_path(q, q[:, :, :2], q[:, :, :2], mask="causal", stream=mx.gpu)
     assert causal_cross == ("fused-metal" if supported else "reference")  # Tq > Tkv: rows that see nothing
     if not supported:
-        reason = "head dims 64, 80, 96, 128 and 256" if _ext.has_metal() else "no Metal kernels"
+        reason = "the Metal kernels support head dims" if _ext.has_metal() else "no Metal kernels"
         with pytest.raises(ValueError, match=reason):
             mlx_attn.attention_path(q, q, q, stream=mx.gpu, backend="fused")
 
@@ -320,9 +325,13 @@ def test_each_family_plans_its_tiles(family, dtype, d):
     bk = (bk32 if dtype == mx.float32 else bk16)[(64, 80, 96, 128, 256).index(d)]
     (step,) = plan["dispatches"]
     name = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}[dtype]
-    assert step["kernel"] == f"attention_prefill_{name}_d{d}_bk{bk}"
     size = 4 if dtype == mx.float32 else 2
-    assert step["threadgroup_memory_bytes"] == 2 * bk * (d * size + 16) <= 32 * 1024
+    if d <= 128:
+        assert step["kernel"] == f"attention_prefill_{name}_d{d}_bk{bk}"
+        assert step["threadgroup_memory_bytes"] == 2 * bk * (d * size + 16) <= 32 * 1024
+    else:  # the D-split kernel: K whole, V one 128-dim pass at a time
+        assert step["kernel"] == f"attention_prefill_split_{name}_d{d}_dv{d}_bk{bk}"
+        assert step["threadgroup_memory_bytes"] == bk * (d * size + 16) + bk * (128 * size + 16) <= 32 * 1024
     assert step["threadgroup"] == [128, 1, 1] and step["grid"] == [3, 8, 1]  # 4 simdgroups x 8 rows
 
 

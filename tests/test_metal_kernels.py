@@ -305,7 +305,7 @@ def test_every_planned_kernel_is_compiled(run):
     names = set()
     for family in FAMILIES:
         for dtype in DTYPES:
-            for d in (64, 80, 96, 128, 256):
+            for d in (64, 80, 96, 128, 256, 512):
                 for tq in (40, 1):
                     q, k, v = make(1, 4, 2, tq, 50, d, dtype)
                     for mask in (None, mx.ones((tq, 50), dtype=mx.bool_), mx.zeros((tq, 50), dtype=dtype)):

@@ -112,8 +112,8 @@ def with_(index, replacement):
 
 
 RAW_BAD_CALLS = [  # the C++ states the invariant (the public messages are ops.AttentionCall's)
-    ("head dims 1..256", arrays(d=300), {}),
-    ("head dims 1..256", arrays(dv=300), {}),
+    ("head dims 1..1024", arrays(d=1030), {}),
+    ("head dims 1..1024", arrays(dv=1030), {}),
     ("q.ndim == 4", with_(0, mx.zeros((4, 3, 8))), {}),
     ("v.ndim == 4", with_(2, mx.zeros((1, 1, 2, 5, 8))), {}),
     ("one batch size", with_(1, mx.zeros((2, 2, 5, 8))), {}),
@@ -157,7 +157,7 @@ def test_raw_extension_runs_empty_problems():
 
 
 def test_cpu_support_rule_comes_from_cpp():
-    for d, expected in ((256, None), (1, None), (257, "head dims 1..256"), (0, "head dims 1..256")):
+    for d, expected in ((1024, None), (1, None), (1025, "head dims 1..1024"), (0, "head dims 1..1024")):
         problem = _ext.describe_attention(*arrays(d=d, hq=2, hkv=2))
         reason = _ext.unsupported_reason(problem, device=mx.cpu)
         assert reason == expected if expected is None else expected in reason

@@ -234,8 +234,8 @@ def test_hostile_inputs_raise_clear_errors(name):
 def test_fused_backend_refused_with_reason_when_the_kernel_does_not_apply():
     """Head dims over the fused CPU kernel's limit take the reference path;
     backend='fused' says why it cannot."""
-    k, v = make_kv(7, t=4, d=512)
-    q = mx.ones((1, 2, 1, 512), dtype=mx.float16)
+    k, v = make_kv(7, t=4, d=1152)  # past 1..1024
+    q = mx.ones((1, 2, 1, 1152), dtype=mx.float16)
     kq, vq = quantize(k, 128), quantize(v, 128)
     assert mlx_attn.quantized_attention_path(q, kq, vq, group_size=128) == "reference"
     with pytest.raises(ValueError, match="backend='fused' is not possible here: .*head dims"):

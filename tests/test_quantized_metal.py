@@ -100,7 +100,7 @@ def run(request):
 AXES = {
     "bits": (4, 8),
     "group_size": (32, 64, 128),
-    "d": (64, 128),
+    "d": (64, 128, 512),
     "gqa": (1, 4),
     "mask": ("none", "causal", "bool", "additive", "window", "sinks"),
     "q_len": (1, 2, 3, 4, 40),  # decode (Tq 1..4) and a prefill shape
@@ -126,6 +126,7 @@ SAMPLE = [
     dict(bits=8, group_size=64, d=64, gqa=1, mask="window", q_len=40, dtype="bfloat16"),
     dict(bits=4, group_size=64, d=64, gqa=4, mask="sinks", q_len=40, dtype="float16"),
     dict(bits=8, group_size=32, d=64, gqa=4, mask="bool", q_len=40, dtype="float32"),
+    dict(bits=4, group_size=64, d=512, gqa=4, mask="causal", q_len=2, dtype="float16"),  # 2 rows per threadgroup
 ]
 POINTS = grid_points() if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else SAMPLE
 

@@ -78,13 +78,13 @@ def test_attention_path_is_observable():
     assert mlx_attn.attention_path(q, k, v, mask="causal") == "fused-cpu"
     assert mlx_attn.attention_path(q, k, v, backend="reference") == "reference"
     assert mlx_attn.attention_path(q, k, v, stream=mx.cpu) == "fused-cpu"
-    big = mx.zeros((1, 1, 3, 300))
+    big = mx.zeros((1, 1, 3, 1100))  # past the CPU kernel's head dims (1..1024)
     assert mlx_attn.attention_path(big, big, big) == "reference"
     with pytest.raises(ValueError, match="head dims"):
         sdpa(big, big, big, scale=1.0, backend="fused")
     # the reference path still answers for such head dims
     out = sdpa(big, big, big, scale=1.0)
-    assert out.shape == (1, 1, 3, 300)
+    assert out.shape == (1, 1, 3, 1100)
 
 
 def test_stream_argument_runs_on_that_stream():

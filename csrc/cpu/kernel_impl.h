@@ -90,17 +90,20 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
 // one from q.k below 2^-126, scale near float32's maximum) would all score 0.
 // Moves a power of two 2^e of the scale into the packed bf16 Q panel instead
 // (exact: bf16 has float32's exponents), as much as keeps every |q| below
-// 2^-9 (so no q.k of D <= 256 terms can overflow where it did not before) and
-// the rest of the scale >= 1; returns scale * 2^-e. Normal-range products are
-// scaled exactly, so every other logit is bit for bit unchanged.
-inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float scale) {
+// 2^-(1 + ceil(log2 D)) (|k| < 2^128, so no q.k of D terms can pass 2^127 and
+// overflow where it did not before) and the rest of the scale >= 1; returns
+// scale * 2^-e. Normal-range products are scaled exactly, so every other
+// logit is bit for bit unchanged.
+inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float scale, int head_dim) {
   float largest = 0.0f;
   for (int64_t i = 0; i < count; ++i) {
     const float x = fabsf(bfloat_to_float(panel[i]));
     largest = x > largest || x != x ? x : largest;
   }
   if (!(largest > 0.0f && largest < INFINITY) || !(fabsf(scale) >= 2.0f)) return scale;
-  const int room = -10 - ilogbf(largest);  // largest * 2^room < 2^-9
+  int log2_dim = 0;  // ceil(log2 D)
+  while ((1 << log2_dim) < head_dim) ++log2_dim;
+  const int room = -2 - log2_dim - ilogbf(largest);  // largest * 2^room < 2^-(1 + log2_dim)
   const int e = room < ilogbf(scale) ? room : ilogbf(scale);
   if (e <= 0) return scale;
   for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
@@ -258,7 +261,7 @@ void attention_work_item(
       }
     }
     if constexpr (T == ElemType::bfloat16) {
-      logit_scale = move_scale_into_bf16_panel(q_pairs, int64_t(pairs) * 2 * rp, p.scale);
+      logit_scale = move_scale_into_bf16_panel(q_pairs, int64_t(pairs) * 2 * rp, p.scale, D);
     }
   } else {
     for (int d = 0; d < D; ++d) {

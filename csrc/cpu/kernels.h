@@ -15,8 +15,11 @@ namespace mlx_attn::cpu {
 // packed once per group and reused by all its rows.
 inline constexpr int kKeyBlock = 64;
 inline constexpr int kMaxRows = 128;
-// Largest head dim (D and Dv) the kernel's row buffers hold.
-inline constexpr int kMaxHeadDim = 256;
+// Largest head dim (D and Dv) the kernel's row buffers hold: every tile is
+// sized from the problem's D and Dv (scratch_floats), only the per-row stack
+// buffers (elements.h load_row, the quantized row, the backward's rows) use
+// this bound; 1024 covers absorbed MLA (Dk 576 / Dv 512) with room.
+inline constexpr int kMaxHeadDim = 1024;
 
 struct KernelCall {
   AttentionProblem problem;
