@@ -23,21 +23,27 @@ TYPES = {"float32": "float", "float16": "half", "bfloat16": "bfloat"}
 
 
 def expected_variant(kernel: str) -> str:
-    match = re.fullmatch(r"attention_prefill_(float32|float16|bfloat16)_d(\d+)_bk(\d+)(_mask_bool|_mask_additive)?", kernel)
-    suffix = match.group(4) or ""
-    family = INSTANTIATION.sub("", _ext.metal_kernel_source("attention_prefill"))
-    return (family + f'MLX_ATTN_PREFILL_MASK("{suffix}", {MASKS[suffix]}, {match.group(1)}, '
-            f"{TYPES[match.group(1)]}, {match.group(2)}, {match.group(3)})\n")
+    match = re.fullmatch(r"attention_prefill_(split_)?(float32|float16|bfloat16)_d(\d+)(?:_dv(\d+))?_bk(\d+)"
+                         r"(_mask_bool|_mask_additive)?", kernel)
+    split, dtype, d, dv, bk, suffix = match.groups()
+    suffix = suffix or ""
+    family = "attention_prefill_split" if split else "attention_prefill"
+    macro = "MLX_ATTN_PREFILL_SPLIT_MASK" if split else "MLX_ATTN_PREFILL_MASK"
+    dims = f"{d}, {dv}" if split else d
+    text = INSTANTIATION.sub("", _ext.metal_kernel_source(family))
+    return text + f'{macro}("{suffix}", {MASKS[suffix]}, {dtype}, {TYPES[dtype]}, {dims}, {bk})\n'
 
 
 @pytest.mark.parametrize("kernel", [
     "attention_prefill_float16_d64_bk32", "attention_prefill_bfloat16_d128_bk32_mask_bool",
-    "attention_prefill_float32_d256_bk8_mask_additive"])
+    "attention_prefill_float32_d128_bk16_mask_additive", "attention_prefill_split_float32_d256_dv256_bk8",
+    "attention_prefill_split_float16_d576_dv512_bk16_mask_bool"])
 def test_prefill_variant_is_the_family_text_with_one_instantiation(kernel):
     text = _ext.metal_variant_source(kernel)
     assert text == expected_variant(kernel)
     assert len(INSTANTIATION.findall(text)) == 1
-    assert len(text) < len(_ext.metal_kernel_source("attention_prefill"))
+    family = "attention_prefill_split" if "_split_" in kernel else "attention_prefill"
+    assert len(text) < len(_ext.metal_kernel_source(family))
 
 
 @pytest.mark.parametrize("kernel", [
@@ -46,6 +52,8 @@ def test_prefill_variant_is_the_family_text_with_one_instantiation(kernel):
     "attention_prefill_float16_dxx_bk32",
     "attention_prefill_float16_d64",
     "attention_prefill",
+    "attention_prefill_split_float16_d256_bk8",  # the split family names its value dim
+    "attention_prefill_split_float16_d256_dvx_bk8",
 ])
 def test_other_names_compile_the_whole_family(kernel):
     assert _ext.metal_variant_source(kernel) == ""

@@ -51,11 +51,30 @@ bool instantiation_line(std::string_view line) {
 }
 }  // namespace
 
+// The families whose kernels compile one at a time: a kernel name is the
+// prefix, then <dtype>_d<D>[_dv<DV>]_bk<BK>[mask suffix]; `macro` is the
+// family's per-kernel instantiation macro in its .metal file (its host name
+// is the kernel name again). Longer prefixes first.
+struct VariantFamily {
+  std::string_view prefix, macro;
+  bool value_dim;  // the name carries _dv<DV>
+};
+constexpr VariantFamily kVariantFamilies[] = {
+    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", true},
+    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", false},
+};
+
 std::string variant_source(std::string_view kernel) {
-  constexpr std::string_view prefix = "attention_prefill_";
-  if (!kernel.starts_with(prefix)) return {};
-  std::string_view rest = kernel.substr(prefix.size());
-  // the mask suffix, then <dtype>_d<D>_bk<BK>
+  const VariantFamily* family = nullptr;
+  for (const auto& candidate : kVariantFamilies) {
+    if (kernel.starts_with(candidate.prefix)) {
+      family = &candidate;
+      break;
+    }
+  }
+  if (!family) return {};
+  std::string_view rest = kernel.substr(family->prefix.size());
+  // the mask suffix, then <dtype>_d<D>[_dv<DV>]_bk<BK>
   std::string_view mask_suffix, mask = "MLX_ATTN_MASK_NONE";
   for (auto [suffix, kind] : {std::pair<std::string_view, std::string_view>{"_mask_bool", "MLX_ATTN_MASK_BOOL"},
                               {"_mask_additive", "MLX_ATTN_MASK_ADDITIVE"}}) {
@@ -69,7 +88,14 @@ std::string variant_source(std::string_view kernel) {
   const size_t bk_at = rest.find("_bk");
   if (d_at == std::string_view::npos || bk_at == std::string_view::npos || bk_at < d_at) return {};
   const std::string_view dtype = rest.substr(0, d_at);
-  const std::string_view d = rest.substr(d_at + 2, bk_at - d_at - 2);
+  std::string_view d = rest.substr(d_at + 2, bk_at - d_at - 2), dv;
+  if (family->value_dim) {
+    const size_t dv_at = d.find("_dv");
+    if (dv_at == std::string_view::npos) return {};
+    dv = d.substr(dv_at + 3);
+    d = d.substr(0, dv_at);
+    if (!all_digits(dv)) return {};
+  }
   const std::string_view bk = rest.substr(bk_at + 3);
   if (msl_type(dtype).empty() || !all_digits(d) || !all_digits(bk)) return {};
 
@@ -84,10 +110,10 @@ std::string variant_source(std::string_view kernel) {
     at = end;
   }
   if (!out.empty() && out.back() != '\n') out += '\n';
-  // The family's own per-kernel macro (metal/attention_prefill.metal): the
-  // host name it builds is `kernel` again.
-  out += "MLX_ATTN_PREFILL_MASK(\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", " +
-      std::string(dtype) + ", " + std::string(msl_type(dtype)) + ", " + std::string(d) + ", " + std::string(bk) + ")\n";
+  // The family's own per-kernel macro: the host name it builds is `kernel` again.
+  out += std::string(family->macro) + "(\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", " +
+      std::string(dtype) + ", " + std::string(msl_type(dtype)) + ", " + std::string(d) + ", " +
+      (family->value_dim ? std::string(dv) + ", " : std::string()) + std::string(bk) + ")\n";
   return out;
 }
 
