@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_attn import quantized
-from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _device_type
+from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _as_softcap, _device_type
 from mlx_attn.reference import reference_attention
 
 __all__ = [
@@ -167,8 +167,9 @@ def _check_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens) 
     return _Layout(ql.tolist(), kv.tolist(), pages, heads, kv_heads, page_size, v_shape[3])
 
 
-def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream):
+def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap=None):
     scale = _as_scale(scale)
+    softcap = _as_softcap(softcap)
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if window_size is not None:
@@ -194,7 +195,7 @@ def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
     _device_type(stream)  # raises for a stream of the wrong type
-    return scale, bool(causal), window_size
+    return scale, bool(causal), window_size, softcap
 
 
 def _check_float(name: str, a, ndim: int, meaning: str) -> mx.array:
@@ -214,7 +215,7 @@ def gather_pages(pages: mx.array, page_ids, length: int) -> mx.array:
     return joined[:, :length]
 
 
-def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return_lse):
+def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return_lse, softcap=None):
     """The reference: per sequence, fetch its contiguous K/V and run the
     reference SDPA on its query rows. ``fetch(b) -> (k, v)``, ``[Hkv, T, D]``."""
     outs, lses = [], []
@@ -227,7 +228,7 @@ def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return
         start += q_len
         result = reference_attention(
             rows, k[None], v[None], scale=scale, mask="causal" if causal else None, sinks=sinks,
-            window_size=window_size, return_lse=return_lse,
+            window_size=window_size, return_lse=return_lse, softcap=softcap,
         )
         out, lse = result if return_lse else (result, None)
         outs.append(out[0].swapaxes(0, 1))  # [q_len, Hq, Dv]
@@ -267,24 +268,24 @@ def _stream_scope(stream):
 
 def paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0, causal=True,
                          window_size=None, sinks=None, backend="auto", return_lse=False,
-                         stream=None) -> PagedPath:
+                         stream=None, softcap=None) -> PagedPath:
     """Which implementation :func:`paged_attention` uses for these arguments
     (validated as the call does): today always ``"reference"``;
     ``backend="fused"`` raises ``ValueError``."""
     _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-             return_lse, stream)
+             return_lse, stream, softcap)
     return "reference"
 
 
 def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-             return_lse, stream):
+             return_lse, stream, softcap=None):
     _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
     _check_float("k_pages", k_pages, 4, "[num_pages, kv_heads, page_size, head_dim]")
     _check_float("v_pages", v_pages, 4, "[num_pages, kv_heads, page_size, value_dim]")
     dtype = mx.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
     layout = _check_layout(q, tuple(k_pages.shape), tuple(v_pages.shape), k_pages.shape[0], block_table,
                            kv_lens, q_lens)
-    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream)
+    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     return dtype, layout, options
 
 
@@ -303,6 +304,7 @@ def paged_attention(
     backend: str = "auto",
     return_lse: bool = False,
     stream: mx.Stream | mx.Device | None = None,
+    softcap: float | None = None,
 ) -> mx.array | tuple[mx.array, mx.array]:
     """Attention of packed, ragged query rows over paged K/V (see the module doc).
 
@@ -328,6 +330,8 @@ def paged_attention(
         return_lse: also return the row log-sum-exp, float32 ``[total_q, Hq]``
             (``-inf`` for a row that sees no key).
         stream: stream or device to run on.
+        softcap: a positive cap of the logits, ``softcap * tanh(logit /
+            softcap)`` before the mask (as in the dense op); None: none.
 
     Returns:
         ``[total_q, Hq, Dv]`` in the promoted dtype of ``q``, ``k_pages`` and
@@ -337,9 +341,9 @@ def paged_attention(
         ValueError: naming the offending argument (shapes, dtypes, lengths,
         block-table entries); also when a gradient is asked for.
     """
-    dtype, layout, (scale, causal, window_size) = _prepare(
+    dtype, layout, (scale, causal, window_size, softcap) = _prepare(
         q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-        return_lse, stream,
+        return_lse, stream, softcap,
     )
 
     def compute(q, k_pages, v_pages, *maybe_sinks):
@@ -350,7 +354,7 @@ def paged_attention(
             return gather_pages(k_pages, pages, length), gather_pages(v_pages, pages, length)
 
         return _attend(q, layout, fetch, scale, causal, window_size, maybe_sinks[0] if maybe_sinks else None,
-                       return_lse)
+                       return_lse, softcap)
 
     with _stream_scope(stream):
         outputs = _inference_only(compute, [q, k_pages, v_pages] + ([sinks] if sinks is not None else []))
@@ -380,6 +384,7 @@ def quantized_paged_attention(
     backend: str = "auto",
     return_lse: bool = False,
     stream: mx.Stream | mx.Device | None = None,
+    softcap: float | None = None,
 ) -> mx.array | tuple[mx.array, mx.array]:
     """:func:`paged_attention` over quantized pages.
 
@@ -403,8 +408,8 @@ def quantized_paged_attention(
     k_shape = (*k_pages[0].shape[:3], quantized.quantized_head_dim(k_pages[0], bits))
     v_shape = (*v_pages[0].shape[:3], quantized.quantized_head_dim(v_pages[0], bits))
     layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
-    scale, causal, window_size = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse,
-                                                stream)
+    scale, causal, window_size, softcap = _check_options(q, dtype, scale, causal, window_size, sinks, backend,
+                                                         return_lse, stream, softcap)
 
     def compute(q, *arrays):
         k_parts, v_parts, maybe_sinks = arrays[:3], arrays[3:6], arrays[6:]
@@ -420,7 +425,7 @@ def quantized_paged_attention(
             return k, v
 
         return _attend(q, layout, fetch, scale, causal, window_size, maybe_sinks[0] if maybe_sinks else None,
-                       return_lse)
+                       return_lse, softcap)
 
     with _stream_scope(stream):
         outputs = _inference_only(
