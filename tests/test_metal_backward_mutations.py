@@ -56,7 +56,7 @@ MUTANTS = {
     # the scale of dS in dK and dQ
     "scale: dK not scaled": ("replace", "T(dk_acc[d].thread_elements()[t] * p.scale)", "T(dk_acc[d].thread_elements()[t])"),
     "scale: dQ not scaled": ("replace", "T(dq_acc[d].thread_elements()[t] * p.scale)", "T(dq_acc[d].thread_elements()[t])"),
-    "scale: logits not scaled": ("replace", "masked_logit<T, MASK, EDGE>(p, mask, score * p.scale,", "masked_logit<T, MASK, EDGE>(p, mask, score,"),
+    "scale: logits not scaled": ("replace", "masked_logit<T, MASK, EDGE, SOFTCAP>(p, mask, score * p.scale,", "masked_logit<T, MASK, EDGE, SOFTCAP>(p, mask, score,"),
     # masks
     "mask: bool mask ignored": ("replace", "mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
     "mask: additive mask not added": ("replace", "const float sum = logit.value + added;", "const float sum = logit.value;"),
