@@ -107,6 +107,19 @@ MUTANTS = {
         source, "replace", "first_key <= last_pos - p.window_size;", "first_key < last_pos - p.window_size;") for source in (PREFILL, DECODE)},
     "prefill: interior shortcut: the block past the key range end taken as interior": (PREFILL, "replace", "first_key + keys > key_end ||", ""),
     "prefill: interior shortcut: rows past the query length taken as interior": (PREFILL, "replace", "return rows_past_end ||", "return"),
+    # the softcap: its rule (metal/attention_rules.h), its place before the
+    # mask (metal/attention_steps.h) and the per-block variant choice
+    "prefill: softcap divides by nothing": (PREFILL, "replace", "return cap * attn_tanh(s / cap);", "return cap * attn_tanh(s);"),
+    "prefill: softcap applied after the additive mask": (
+        PREFILL, "replace", "logit.value = additive_masked_logit(logit.value, added);",
+        "logit.value = SOFTCAP ? softcap_logit(additive_masked_logit(saturate_logit(raw), added), p.softcap)"
+        " : additive_masked_logit(logit.value, added);"),
+    **{f"{source.stem}: softcap variant never taken": (source, "replace", "if (p.softcap > 0.0f) {", "if (false) {")
+       for source in (PREFILL, DECODE)},
+    "prefill: softcap edge blocks taken as interior": (
+        PREFILL, "replace", "prefill_logits<T, BK, MASK, true, true>", "prefill_logits<T, BK, MASK, false, true>"),
+    "decode: softcap edge keys taken as interior": (
+        DECODE, "replace", "decode_key<T, R, KV::SLICE, MASK, true, true>", "decode_key<T, R, KV::SLICE, MASK, false, true>"),
 }
 
 
@@ -148,6 +161,10 @@ CASES = [
     # window edge (rows 32..39, window 39: key 0 hidden from position 39 only)
     dict(shape=(1, 2, 1, 40, 46), mask="causal"),
     dict(shape=(1, 2, 1, 48, 48), window_size=39),
+    # softcap (logits of about one unit: the tanh bends), an additive mask
+    # added after the cap, a window for edge blocks; prefill and decode
+    dict(shape=(1, 4, 2, 35, 60), mask="additive", window_size=20, softcap=0.8),
+    dict(shape=(1, 4, 2, 2, 90), mask="additive", window_size=40, softcap=0.8),
 ]
 
 
@@ -185,6 +202,8 @@ def case_options(case: dict, rng: np.random.Generator, q_heads: int, q_len: int,
         kw["mask"] = case["mask"]
     if case.get("window_size"):
         kw["window_size"] = case["window_size"]
+    if case.get("softcap"):
+        kw["softcap"] = case["softcap"]
     if case.get("sinks") == "strided":
         kw["sinks"] = View(mx.array(rng.standard_normal(2 * q_heads).astype(np.float32)), lambda a: a[::2])
     elif case.get("sinks"):  # some above every logit: the sink sets the row max
