@@ -137,8 +137,8 @@ def reference_lse(q, k, v, *, scale, mask=None, sinks=None, window_size=None, so
         pos = np.arange(tq)[:, None] + tkv - tq
         keys = np.arange(tkv)[None, :]
         visible = (keys <= pos) & ((keys > pos - window_size) if window_size else True)
-    elif isinstance(mask, mx.array) and mask.dtype == mx.bool_:
-        visible = np.array(mask)
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_:  # beside a window too
+        visible = visible & np.array(mask)
     elif isinstance(mask, mx.array):  # additive: -inf masks
         logits = logits + np.array(mask.astype(mx.float32), np.float64)
     logits = np.where(visible, logits, -np.inf)

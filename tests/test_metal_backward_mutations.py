@@ -5,6 +5,7 @@ tolerance, NaN, a deadlock, an out-of-bounds access or a compile error). A
 mutation whose target text is missing fails the test, so none can silently
 test nothing."""
 
+import os
 import re
 from pathlib import Path
 
@@ -88,7 +89,9 @@ MUTANTS = {
     "softcap: gradient without the tanh's slope": ("replace", "prob * (d_prob - delta) * logit.slope", "prob * (d_prob - delta)"),
     "softcap: slope of the uncapped logit": (
         "replace", "logit.slope = softcap_slope(logit.value, p.softcap);", "logit.slope = softcap_slope(raw, p.softcap);"),
-    "softcap: variant never taken": ("replace", "if (p.softcap > 0.0f) {", "if (false) {"),
+    # under MLX_ATTN_FULL_GRID=1 (CI time): caught like the float battery's
+    **({"softcap: variant never taken": ("replace", "if (p.softcap > 0.0f) {", "if (false) {")}
+       if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else {}),
 }
 
 
