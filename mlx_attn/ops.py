@@ -88,8 +88,8 @@ def _as_scale(scale) -> float:
 
 
 def _as_softcap(softcap) -> float | None:
-    """``softcap``: None, or a positive number finite in float32 (Python or
-    NumPy reals, not bools), as a float."""
+    """``softcap``: None, or a positive number, normal and finite in float32
+    (Python or NumPy reals, not bools), as a float."""
     if softcap is None:
         return None
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):

@@ -361,14 +361,21 @@ def assert_gradients(got, want, tolerance, what):
 @pytest.mark.parametrize("name", list(GRADIENT_CASES))
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_gradients_match_float64(name, backend):
-    """Fused CPU backward (through mx.vjp of the public op) and the reference
-    path's autodiff against the analytic float64 gradients."""
+    """Fused CPU backward (through mx.vjp of the public op; in each of this
+    CPU's kernel copies) and the reference path's autodiff against the
+    analytic float64 gradients."""
     (q, k, v), kw = case_inputs(GRADIENT_CASES[name], mx.float32, seed=2)
     d_out = mx.array(np.random.default_rng(9).standard_normal((*q.shape[:3], v.shape[3])).astype(np.float32))
     primals, attend = primals_and_fn(q, k, v, kw, 1.5, backend)
-    _, grads = mx.vjp(attend, primals, [d_out])
     want = numpy_gradients(q, k, v, d_out, softcap=1.5, **kw)
-    assert_gradients(grads, [w for w in want[:4] if w is not None], 1e-4, f"{name} ({backend})")
+    before = _ext.cpu_isa()
+    try:
+        for isa in _ext.supported_cpu_isas() if backend == "fused" else [before]:
+            _ext.set_cpu_isa(isa)
+            _, grads = mx.vjp(attend, primals, [d_out])
+            assert_gradients(grads, [w for w in want[:4] if w is not None], 1e-4, f"{name} ({backend}, {isa})")
+    finally:
+        _ext.set_cpu_isa(before)
 
 
 def test_gradients_with_an_lse_cotangent_and_bfloat16():
