@@ -100,8 +100,8 @@ struct DecodeRows {
   float l[R];
 };
 
-// One key of the split for every row: score, scale, mask, online max /
-// rescale, accumulate. EDGE: the causal / window rule may hide the key from
+// One key of the split for every row: score, scale, softcap (SOFTCAP), mask,
+// online max / rescale, accumulate. EDGE: the causal / window rule may hide the key from
 // some row (attention_rules.h block_on_edge); interior keys skip the test.
 template <typename T, int R, int SLICE, int MASK, bool EDGE, bool SOFTCAP>
 inline void decode_key(

@@ -1,9 +1,10 @@
 // The attention rules (metal/attention_rules.h: logit saturation, the
 // softcap, key visibility, the key and query ranges of a block, edge blocks,
-// the mask read and the masked sentinel) for one per-ISA copy of the CPU kernels. Included
-// inside the copy's anonymous namespace, so the rules' inline functions get
-// internal linkage like everything else compiled for a wide instruction set
-// (none can be picked by the linker for code that runs on an older CPU).
+// the mask read and the masked sentinel) for one per-ISA copy of the CPU
+// kernels. Included inside the copy's anonymous namespace, so the rules'
+// inline functions get internal linkage like everything else compiled for a
+// wide instruction set (none can be picked by the linker for code that runs
+// on an older CPU).
 #pragma once
 
 #include "csrc/cpu/kernels.h"  // AttentionParams, outside the namespace

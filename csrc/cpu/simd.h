@@ -1,6 +1,6 @@
 // Vector basics for one per-ISA copy of the CPU kernels: the float vector
-// type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation, a
-// vectorized exp2 and tanh. GCC/Clang vector extensions only (no STL, no intrinsics),
+// type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation, a vectorized
+// exp2 and tanh. GCC/Clang vector extensions only (no STL, no intrinsics),
 // everything in an anonymous namespace inside the copy's namespace
 // MLX_ATTN_ISA, so nothing compiled for a wide instruction set can be linked
 // into code that runs on an older CPU. Shared by the forward (kernel_impl.h)
