@@ -33,13 +33,17 @@ struct AttentionOptions {
   // (mlx_attn/ops.py, AttentionCall) and hands the answer here, so the vjp
   // never calls back into Python for it. Not read on the CPU.
   bool metal_backward_trusted = true;
+  // > 0: every logit becomes softcap * tanh(logit / softcap) before the mask
+  // (metal/attention_rules.h softcap_logit); 0: no softcap.
+  float softcap = 0.0f;
   bool operator==(const AttentionOptions&) const = default;
 };
 
 // Builds the problem description from the primitive's inputs (q, k, v, then
 // the mask and sinks when the options say so) and checks every invariant the
 // kernels rely on: ranks, dtypes, shapes that agree, GQA divisibility, a mask
-// that broadcasts to [B, Hq, Tq, Tkv], sinks [Hq], a finite scale. Throws
+// that broadcasts to [B, Hq, Tq, Tkv], sinks [Hq], a finite scale, a finite
+// softcap >= 0. Throws
 // std::invalid_argument naming the argument. Strides are the arrays' own (row
 // contiguous until evaluated); the mask's are those of its broadcast view.
 AttentionProblem describe_attention(

@@ -53,6 +53,7 @@ void bind_problem(nb::module_& m) {
       .def_ro("has_sinks", &AttentionProblem::has_sinks)
       .def_ro("sinks_stride", &AttentionProblem::sinks_stride)
       .def_ro("scale", &AttentionProblem::scale)
+      .def_ro("softcap", &AttentionProblem::softcap)
       .def_ro("output_lse", &AttentionProblem::output_lse);
 
   nb::class_<AttentionOptions>(m, "AttentionOptions", "Attributes of one fused attention call.")
@@ -63,21 +64,23 @@ void bind_problem(nb::module_& m) {
       .def_ro("has_sinks", &AttentionOptions::has_sinks)
       .def_ro("output_lse", &AttentionOptions::output_lse)
       .def_ro("lse_for_backward", &AttentionOptions::lse_for_backward)
-      .def_ro("metal_backward_trusted", &AttentionOptions::metal_backward_trusted);
+      .def_ro("metal_backward_trusted", &AttentionOptions::metal_backward_trusted)
+      .def_ro("softcap", &AttentionOptions::softcap);
 
   m.def(
       "describe_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
          int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
-         bool output_lse) {
+         bool output_lse, float softcap) {
         AttentionOptions options{scale, causal, window_size, mask.has_value(), sinks.has_value(), output_lse};
+        options.softcap = softcap;
         std::vector<mx::array> inputs = {q, k, v};
         if (mask) inputs.push_back(*mask);
         if (sinks) inputs.push_back(*sinks);
         return describe_attention(inputs, options);
       },
       "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
-      "mask"_a = nb::none(), "sinks"_a = nb::none(), "output_lse"_a = false,
+      "mask"_a = nb::none(), "sinks"_a = nb::none(), "output_lse"_a = false, "softcap"_a = 0.0f,
       "The problem description the primitive builds from these arrays (their current strides).");
 
   m.def(
@@ -109,9 +112,11 @@ NB_MODULE(_ext, m) {
          std::optional<mx::array> sinks,
          bool output_lse,
          bool metal_backward_trusted,
+         float softcap,
          mx::StreamOrDevice s) {
         mlx_attn::AttentionOptions options;
         options.scale = scale;
+        options.softcap = softcap;
         options.causal = causal;
         options.window_size = window_size;
         options.output_lse = output_lse;
@@ -120,9 +125,10 @@ NB_MODULE(_ext, m) {
       },
       "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
       "window_size"_a = 0, "mask"_a = nb::none(), "sinks"_a = nb::none(),
-      "output_lse"_a = false, "metal_backward_trusted"_a = true, "stream"_a = nb::none(),
+      "output_lse"_a = false, "metal_backward_trusted"_a = true, "softcap"_a = 0.0f, "stream"_a = nb::none(),
       "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input. "
-      "metal_backward_trusted: whether a vjp on the GPU may run the Metal backward (its self-check passed).");
+      "metal_backward_trusted: whether a vjp on the GPU may run the Metal backward (its self-check passed). "
+      "softcap > 0: logits become softcap * tanh(logit / softcap) before the mask.");
 
   m.def(
       "quantized_attention",
@@ -136,15 +142,18 @@ NB_MODULE(_ext, m) {
          std::optional<mx::array> sinks,
          int bits,
          int group_size,
+         float softcap,
          mx::StreamOrDevice s) {
         mlx_attn::AttentionOptions options;
         options.scale = scale;
+        options.softcap = softcap;
         options.causal = causal;
         options.window_size = window_size;
         return mlx_attn::quantized_attention(q, k_quant, v_quant, mask, sinks, options, {bits, group_size}, s)[0];
       },
       "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a, "causal"_a = false, "window_size"_a = 0,
-      "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "stream"_a = nb::none(),
+      "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "softcap"_a = 0.0f,
+      "stream"_a = nb::none(),
       "Fused attention over mx.quantize triples (CPU). Raises ValueError on any invalid input.");
 
   m.def(

@@ -127,12 +127,13 @@ void bind_launch_plan(nb::module_& m) {
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
          float scale, bool causal, int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
-         int bits, int group_size, bool output_lse) {
+         int bits, int group_size, bool output_lse, float softcap) {
         if (k_quant.size() != 3 || v_quant.size() != 3) {
           throw std::invalid_argument("k_quant and v_quant must be (packed, scales, biases) triples");
         }
-        const AttentionOptions options{
+        AttentionOptions options{
             scale, causal || window_size > 0, window_size, mask.has_value(), sinks.has_value(), output_lse};
+        options.softcap = softcap;
         std::vector<mx::array> inputs = {q};
         inputs.insert(inputs.end(), k_quant.begin(), k_quant.end());
         inputs.insert(inputs.end(), v_quant.begin(), v_quant.end());
@@ -145,6 +146,7 @@ void bind_launch_plan(nb::module_& m) {
       },
       "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
       "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "output_lse"_a = false,
+      "softcap"_a = 0.0f,
       "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
       "q's dtype), as metal_launch_plan, plus 'quantized_params' bytes and the 'problem'.");
   m.attr("QUANTIZED_ATTENTION_PARAMS_BYTES") = int(sizeof(QuantizedAttentionParams));

@@ -12,8 +12,8 @@
 //           forward prefill kernel: dQ of its rows
 //   sinks   (with sinks) one simdgroup per query head:
 //           d_sink = -sum over rows of exp(sink - lse) * delta
-// Logits are built exactly as the forward's (scale, saturate, mask): a logit
-// that saturated has no gradient, like the CPU backward (csrc/cpu/).
+// Logits are built exactly as the forward's (scale, saturate, softcap, mask):
+// a logit that saturated has no gradient, like the CPU backward (csrc/cpu/).
 // Every 8x8 tile is a simdgroup matrix; a lane owns row
 // r = (lane / 16) * 4 + (lane / 2) % 4, columns c, c + 1 with
 // c = ((lane / 8) % 2) * 4 + (lane % 2) * 2 (see attention_prefill.metal).
@@ -28,44 +28,52 @@ using namespace metal;
 
 // P and dS = P * (dP - delta) of one (query qi of head h, key) pair from its
 // raw score q.k and dP, rebuilding the forward's logit (scale, saturate,
-// mask: masked_logit, metal/attention_steps.h). dS is 0 where a logit
-// saturated (the clamp has no gradient); the caller multiplies dQ and dK by
+// softcap, mask: masked_logit, metal/attention_steps.h). dS is 0 where a logit
+// saturated (the clamp has no gradient) and carries the softcap's slope
+// 1 - tanh^2 (masked_logit's slope); the caller multiplies dQ and dK by
 // the scale once. A row that saw nothing (lse -inf, the forward's) has every
 // key masked, so its lse is never used. EDGE: the tile may hold a pair the
 // causal / window rule or the bounds hide (per-element tests).
-template <typename T, int MASK, bool EDGE>
+template <typename T, int MASK, bool EDGE, bool SOFTCAP>
 inline float2 probability_and_gradient(
     constant AttentionParams& p, const device uchar* mask, float score, float d_prob,
     float lse, float delta, int b, int h, int qi, int key) {
   const MaskedLogit logit =
-      masked_logit<T, MASK, EDGE>(p, mask, score * p.scale, b, h, qi, key, query_position(p, qi));
+      masked_logit<T, MASK, EDGE, SOFTCAP>(p, mask, score * p.scale, b, h, qi, key, query_position(p, qi));
   const float prob = logit_masked(logit.value) ? 0.0f : fast::exp2((logit.value - lse) * MLX_ATTN_LOG2E);
-  return float2(prob, logit.exact ? prob * (d_prob - delta) : 0.0f);
+  return float2(prob, logit.exact ? prob * (d_prob - delta) * logit.slope : 0.0f);
 }
 
 // P and dS of the two pairs this lane owns in an 8x8 tile, in place: `s`
 // (the raw scores) becomes P, `dp` becomes dS. Pair t is (query qi[t], key
 // key[t]) with that query's lse and delta.
-template <typename T, int MASK, bool EDGE>
+template <typename T, int MASK, bool EDGE, bool SOFTCAP>
 inline void pair_gradients(
     constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8& s,
     thread simdgroup_float8x8& dp, float2 lse, float2 delta, int b, int h, int2 qi, int2 key) {
   for (int t = 0; t < 2; ++t) {
-    const float2 grad = probability_and_gradient<T, MASK, EDGE>(
+    const float2 grad = probability_and_gradient<T, MASK, EDGE, SOFTCAP>(
         p, mask, s.thread_elements()[t], dp.thread_elements()[t], lse[t], delta[t], b, h, qi[t], key[t]);
     s.thread_elements()[t] = grad.x;
     dp.thread_elements()[t] = grad.y;
   }
 }
-// The variant for this tile: edge (per-element tests) or interior.
+// The variant for this tile: edge (per-element tests) or interior, with or
+// without the softcap.
 template <typename T, int MASK>
 inline void tile_gradients(
     constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8& s,
     thread simdgroup_float8x8& dp, float2 lse, float2 delta, int b, int h, int2 qi, int2 key, bool edge) {
-  if (edge) {
-    pair_gradients<T, MASK, true>(p, mask, s, dp, lse, delta, b, h, qi, key);
+  if (p.softcap > 0.0f) {
+    if (edge) {
+      pair_gradients<T, MASK, true, true>(p, mask, s, dp, lse, delta, b, h, qi, key);
+    } else {
+      pair_gradients<T, MASK, false, true>(p, mask, s, dp, lse, delta, b, h, qi, key);
+    }
+  } else if (edge) {
+    pair_gradients<T, MASK, true, false>(p, mask, s, dp, lse, delta, b, h, qi, key);
   } else {
-    pair_gradients<T, MASK, false>(p, mask, s, dp, lse, delta, b, h, qi, key);
+    pair_gradients<T, MASK, false, false>(p, mask, s, dp, lse, delta, b, h, qi, key);
   }
 }
 

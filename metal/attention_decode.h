@@ -100,10 +100,10 @@ struct DecodeRows {
   float l[R];
 };
 
-// One key of the split for every row: score, scale, mask, online max /
-// rescale, accumulate. EDGE: the causal / window rule may hide the key from
+// One key of the split for every row: score, scale, softcap (SOFTCAP), mask,
+// online max / rescale, accumulate. EDGE: the causal / window rule may hide the key from
 // some row (attention_rules.h block_on_edge); interior keys skip the test.
-template <typename T, int R, int SLICE, int MASK, bool EDGE>
+template <typename T, int R, int SLICE, int MASK, bool EDGE, bool SOFTCAP>
 inline void decode_key(
     constant AttentionParams& p, const device uchar* mask, thread DecodeRows<R, SLICE>& rows, int key,
     thread const float* k_slice, thread const float* v_slice, int b, int kv_head, int r0, int row_count) {
@@ -119,9 +119,9 @@ inline void decode_key(
     for (int e = 0; e < SLICE; ++e) {
       dot += rows.q[i][e] * k_slice[e];
     }
-    // scale, mask
-    const float s = masked_logit<T, MASK, EDGE>(p, mask, simd_sum(dot) * p.scale, b, h, qi, key,
-                                                query_position(p, qi)).value;
+    // scale, softcap, mask
+    const float s = masked_logit<T, MASK, EDGE, SOFTCAP>(p, mask, simd_sum(dot) * p.scale, b, h, qi, key,
+                                                         query_position(p, qi)).value;
     if (logit_masked(s)) {
       continue;  // same decision on every lane
     }
@@ -137,7 +137,8 @@ inline void decode_key(
   }
 }
 
-// The split's keys [kv_begin, kv_end), key j on simdgroup j % NSG.
+// The split's keys [kv_begin, kv_end), key j on simdgroup j % NSG; per key
+// the variant of decode_key (edge or interior, with or without the softcap).
 template <typename T, int R, typename KV, int MASK>
 inline void decode_keys(
     constant AttentionParams& p, const device uchar* mask, const thread KV& kv, thread DecodeRows<R, KV::SLICE>& rows,
@@ -147,10 +148,17 @@ inline void decode_keys(
     float k_slice[KV::SLICE];
     float v_slice[KV::SLICE];
     kv.load(key, lane, k_slice, v_slice);
-    if (block_on_edge(p, key, 1, first_pos, last_pos)) {
-      decode_key<T, R, KV::SLICE, MASK, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+    const bool edge = block_on_edge(p, key, 1, first_pos, last_pos);
+    if (p.softcap > 0.0f) {
+      if (edge) {
+        decode_key<T, R, KV::SLICE, MASK, true, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      } else {
+        decode_key<T, R, KV::SLICE, MASK, false, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      }
+    } else if (edge) {
+      decode_key<T, R, KV::SLICE, MASK, true, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
     } else {
-      decode_key<T, R, KV::SLICE, MASK, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      decode_key<T, R, KV::SLICE, MASK, false, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
     }
   }
 }

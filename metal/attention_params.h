@@ -87,11 +87,12 @@ struct AttentionParams {
   float scale;                 // multiplies q.k (natural-log units)
   attn_int32 output_lse;       // write the row log-sum-exp (float32 [B, Hq, Tq])
   attn_int32 vector_loads;     // q/k/v aligned to MLX_ATTN_VECTOR_WIDTH (prefill and decode read vectors)
+  float softcap;               // > 0: each logit becomes softcap * tanh(logit / softcap); 0: none
 };
 
 #ifndef __METAL_VERSION__
-// 13 four-byte members, then 4 bytes of tail padding to the 8-byte alignment
-static_assert(sizeof(AttentionParams) == 17 * 8 + 13 * 4 + 4, "AttentionParams layout");
+// 14 four-byte members: no tail padding
+static_assert(sizeof(AttentionParams) == 17 * 8 + 14 * 4, "AttentionParams layout");
 #endif
 
 #ifdef __METAL_VERSION__

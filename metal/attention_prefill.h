@@ -8,6 +8,7 @@
 // by 16 bytes against bank conflicts) and read into float fragments:
 //   score      S = Q . K^T                              (8x8 MMAs)
 //   scale      S = saturate(scale * S)                 (natural-log units)
+//   softcap    S = softcap * tanh(S / softcap)         (when params.softcap > 0)
 //   mask       additive (saturated; -inf masks), causal / window / bool -> the sentinel
 //              (metal/attention_steps.h masked_logit; only edge blocks test
 //              causal / window / bounds, the mask kind is a template choice)
@@ -35,9 +36,9 @@
 
 using namespace metal;
 
-// scale and mask one block's scores in place (S tiles of this simdgroup's 8
-// rows x BK keys); returns this lane's part of the block's row max
-template <typename T, int BK, int MASK, bool EDGE>
+// scale, softcap and mask one block's scores in place (S tiles of this
+// simdgroup's 8 rows x BK keys); returns this lane's part of the block's row max
+template <typename T, int BK, int MASK, bool EDGE, bool SOFTCAP>
 inline float prefill_logits(
     constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8* s_tiles,
     int b, int h, int qi, int pos, int kb, int c) {
@@ -45,7 +46,8 @@ inline float prefill_logits(
   for (int j = 0; j < BK / 8; ++j) {
     for (int t = 0; t < 2; ++t) {
       const int key = kb + j * 8 + c + t;
-      const float s = masked_logit<T, MASK, EDGE>(p, mask, s_tiles[j].thread_elements()[t] * p.scale, b, h, qi, key, pos).value;
+      const float s = masked_logit<T, MASK, EDGE, SOFTCAP>(
+          p, mask, s_tiles[j].thread_elements()[t] * p.scale, b, h, qi, key, pos).value;
       s_tiles[j].thread_elements()[t] = s;
       block_max = max(block_max, s);
     }
@@ -53,13 +55,18 @@ inline float prefill_logits(
   return block_max;
 }
 
-// The variant for this block: edge or interior, of the kernel's mask kind.
+// The variant for this block: edge or interior, with or without the
+// softcap, of the kernel's mask kind.
 template <typename T, int BK, int MASK>
 inline float prefill_block_logits(
     constant AttentionParams& p, const device uchar* mask, thread simdgroup_float8x8* s_tiles,
     int b, int h, int qi, int pos, int kb, int c, bool edge) {
-  return edge ? prefill_logits<T, BK, MASK, true>(p, mask, s_tiles, b, h, qi, pos, kb, c)
-              : prefill_logits<T, BK, MASK, false>(p, mask, s_tiles, b, h, qi, pos, kb, c);
+  if (p.softcap > 0.0f) {
+    return edge ? prefill_logits<T, BK, MASK, true, true>(p, mask, s_tiles, b, h, qi, pos, kb, c)
+                : prefill_logits<T, BK, MASK, false, true>(p, mask, s_tiles, b, h, qi, pos, kb, c);
+  }
+  return edge ? prefill_logits<T, BK, MASK, true, false>(p, mask, s_tiles, b, h, qi, pos, kb, c)
+              : prefill_logits<T, BK, MASK, false, false>(p, mask, s_tiles, b, h, qi, pos, kb, c);
 }
 
 template <typename T, int D, int BK, int MASK>

@@ -1,8 +1,9 @@
 // The rules every attention kernel applies between the score q.k and the
 // online softmax, written once for the Metal kernels (metal/*.metal) and the
-// CPU kernels (csrc/cpu/): logit saturation, key visibility (causal, sliding
-// window, bounds), the key range of a query block, whether a key block needs
-// per-element tests at all, the mask read and the masked sentinel. The
+// CPU kernels (csrc/cpu/): logit saturation, the softcap, key visibility
+// (causal, sliding window, bounds), the key range of a query block, whether
+// a key block needs per-element tests at all, the mask read and the masked
+// sentinel. The
 // reference path (mlx_attn/reference.py) states the same rules in MLX ops.
 //
 // Positions: query row i of a problem sits at key position
@@ -23,6 +24,30 @@
 // scale: every logit saturates to [-LIMIT, LIMIT]; NaN passes through.
 inline float saturate_logit(float x) {
   return x < -MLX_ATTN_LOGIT_LIMIT ? -MLX_ATTN_LOGIT_LIMIT : (x > MLX_ATTN_LOGIT_LIMIT ? MLX_ATTN_LOGIT_LIMIT : x);
+}
+
+// softcap (Gemma 2, Grok; AttentionParams::softcap > 0): the saturated
+// logit s becomes cap * tanh(s / cap), bounded by cap. It comes before any
+// mask, as in Hugging Face's eager attention (an additive mask is added to
+// the capped logit), so the log-sum-exp is over capped logits. attn_tanh
+// takes any argument (a quotient that overflowed to +-inf gives +-1):
+// metal::precise::tanh here, a vector tanh on the CPU (csrc/cpu/rules.h).
+// F: float, or the CPU kernels' float vector.
+#ifdef __METAL_VERSION__
+inline float attn_tanh(float x) {
+  return metal::precise::tanh(x);
+}
+#endif
+template <typename F>
+inline F softcap_logit(F s, float cap) {
+  return cap * attn_tanh(s / cap);
+}
+// d softcap_logit / ds, from the capped logit c: 1 - tanh^2 = 1 - (c / cap)^2
+// (the backward multiplies the capped logit's gradient by it).
+template <typename F>
+inline F softcap_slope(F capped, float cap) {
+  const F t = capped / cap;
+  return 1.0f - t * t;
 }
 
 // The key position of query row `query` (lower-right alignment).

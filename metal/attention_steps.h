@@ -5,12 +5,14 @@
 // key ranges, mask offsets, the sentinel) live in metal/attention_rules.h,
 // shared with the CPU kernels.
 //
-// Specialization: MASK (MLX_ATTN_MASK_NONE / _BOOL / _ADDITIVE) and EDGE are
-// template parameters. An interior block (attention_rules.h block_on_edge
-// false, every key and query in bounds) runs EDGE = false: no per-element
-// visibility test at all; only edge blocks test causal, window and bounds.
-// The kernels pick the variant once per block (a uniform branch), so the
-// per-element code never branches on the mask kind or the visibility rule.
+// Specialization: MASK (MLX_ATTN_MASK_NONE / _BOOL / _ADDITIVE), EDGE and
+// SOFTCAP are template parameters. An interior block (attention_rules.h
+// block_on_edge false, every key and query in bounds) runs EDGE = false: no
+// per-element visibility test at all; only edge blocks test causal, window
+// and bounds. SOFTCAP (AttentionParams::softcap > 0) adds the softcap step;
+// without it the logit step has none of its code. The kernels pick EDGE and
+// SOFTCAP once per block (uniform branches), so the per-element code never
+// branches on the mask kind, the visibility rule or the softcap.
 #pragma once
 
 #include <metal_stdlib>
@@ -42,19 +44,26 @@ inline float additive_mask_value(const device uchar* mask, attn_int64 at) {
 }
 
 // The logit of (query qi at key position pos, key) from its raw scaled score:
-// saturated, then hidden (the sentinel) when the visibility rule (EDGE only)
-// or the mask hides the key. `exact`: no saturation changed it (the backward
-// gives no gradient through a saturated logit).
+// saturated, softcapped (SOFTCAP: p.softcap > 0), then hidden (the sentinel)
+// when the visibility rule (EDGE only) or the mask hides the key. `exact`: no
+// saturation changed it (the backward gives no gradient through a saturated
+// logit); `slope`: d value / d saturated logit (the softcap's, else 1).
 struct MaskedLogit {
   float value;
   bool exact;
+  float slope;
 };
-template <typename T, int MASK, bool EDGE>
+template <typename T, int MASK, bool EDGE, bool SOFTCAP>
 inline MaskedLogit masked_logit(
     constant AttentionParams& p, const device uchar* mask, float raw, int b, int h, int qi, int key, int pos) {
   MaskedLogit logit;
   logit.value = saturate_logit(raw);
   logit.exact = logit.value == raw;
+  logit.slope = 1.0f;
+  if (SOFTCAP) {
+    logit.value = softcap_logit(logit.value, p.softcap);
+    logit.slope = softcap_slope(logit.value, p.softcap);
+  }
   if (EDGE && !(key < p.kv_len && qi < p.q_len && key_visible(p, key, pos))) {
     logit.value = MLX_ATTN_MASKED_LOGIT;
     return logit;

@@ -22,7 +22,7 @@ from mlx_attn._checks import (
     check_real,
 )
 from mlx_attn.cache import RotatingKVCache
-from mlx_attn.ops import AttentionCall, Backend, attention_path
+from mlx_attn.ops import AttentionCall, Backend, _as_softcap, attention_path
 from mlx_attn.quantized import dequantize, quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
@@ -62,6 +62,9 @@ class MultiHeadAttention(nn.Module):
             many most recent keys). Through a ``RotatingKVCache`` the window
             goes by key position (the cache's band mask), so a wrapped ring
             gives the full pass's answer.
+        softcap: cap the attention logits, ``softcap * tanh(logit /
+            softcap)`` before the mask (Gemma 2's ``attn_logit_softcapping``);
+            None: no cap.
 
     Every bad argument, at construction or call, raises ``ValueError``
     naming it; a call with a bad mask leaves an ``mlx_attn.cache`` cache
@@ -83,6 +86,7 @@ class MultiHeadAttention(nn.Module):
         rope: RoPE | None = None,
         backend: Backend = "auto",
         window_size: int | None = None,
+        softcap: float | None = None,
     ):
         super().__init__()
         d_model = check_int("d_model", d_model, minimum=1)
@@ -109,6 +113,7 @@ class MultiHeadAttention(nn.Module):
         if rope is not None and rope.dims > head_dim:
             raise ValueError(f"RoPE over {rope.dims} dims does not fit head_dim {head_dim}")
         window_size = check_optional_int("window_size", window_size, minimum=1)
+        softcap = _as_softcap(softcap)
         # the projection weights, checked before nn.Linear creates them
         q_width = check_int("n_heads * head_dim", n_heads * head_dim, maximum=MAX_DIM)
         kv_width = n_kv_heads * head_dim
@@ -124,6 +129,7 @@ class MultiHeadAttention(nn.Module):
         self.rope = rope
         self.backend = backend
         self.window_size = window_size
+        self.softcap = softcap
         self.fused_qkv = fused_qkv
         if fused_qkv:
             self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
@@ -170,7 +176,8 @@ class MultiHeadAttention(nn.Module):
             # lazy placeholders of the right shape: never evaluated, nothing allocated
             k = mx.zeros((*k.shape[:2], kv_len, k.shape[3]), k.dtype)
             v = mx.zeros((*v.shape[:2], kv_len, v.shape[3]), v.dtype)
-        attention_path(q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=backend)
+        attention_path(q, k, v, scale=self.scale, mask=mask, window_size=self.window_size, backend=backend,
+                       softcap=self.softcap)
 
     def __call__(
         self,
@@ -229,17 +236,17 @@ class MultiHeadAttention(nn.Module):
         if quantization is not None:
             out = quantized_scaled_dot_product_attention(
                 q, k, v, scale=self.scale, mask=mask, window_size=window, backend=self.backend,
-                **quantization,
+                softcap=self.softcap, **quantization,
             )
             weights = None
         elif needs_weights:
             out, weights = reference_attention(
                 q, k, v, scale=self.scale, mask=mask, window_size=window,
-                return_weights=True, dropout_p=dropout,
+                return_weights=True, dropout_p=dropout, softcap=self.softcap,
             )
         else:  # one validated call, built once (ValueError naming a bad argument)
             out = AttentionCall.build(q, k, v, scale=self.scale, mask=mask, window_size=window,
-                                      backend=self.backend).run()
+                                      backend=self.backend, softcap=self.softcap).run()
             weights = None
         b, h, t, dv = out.shape
         y = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dv))

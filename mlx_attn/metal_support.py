@@ -13,14 +13,15 @@ from mlx_attn._native import MISSING_REASON, ext
 
 
 def launch_plan(
-    q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, output_lse=False,
+    q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, output_lse=False, softcap=None,
     gpu_family: str = "unknown", gpu_cores: int = 0,
 ) -> dict:
     """The Metal launch plan for these arrays, as the Mac host would build it:
     strides are the arrays' own (evaluate views first: unevaluated arrays
     report row-contiguous strides); ``mask`` is ``"causal"`` or an array in
     its own (broadcastable) shape; ``sinks`` any ``[Hq]`` view; ``output_lse``
-    adds the float32 ``[B, Hq, Tq]`` log-sum-exp output. ``gpu_family``
+    adds the float32 ``[B, Hq, Tq]`` log-sum-exp output; ``softcap`` the
+    logit cap (None: none). ``gpu_family``
     (``"apple7"``, ``"apple8"``, ``"apple9"``, ``"apple10"`` or ``"unknown"``, the
     conservative default) and ``gpu_cores`` (0: the family's base part) pick
     the row of the plan's per-GPU-family table (docs/metal_kernels.md)."""
@@ -30,6 +31,7 @@ def launch_plan(
     problem = ext.describe_attention(
         q, k, v, scale=scale, causal=isinstance(mask, str) or window_size is not None, window_size=window_size or 0,
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, output_lse=output_lse,
+        softcap=softcap or 0.0,
     )
     plan = ext.metal_launch_plan(problem, gpu_family=gpu_family, gpu_cores=gpu_cores)
     plan["problem"] = problem

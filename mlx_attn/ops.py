@@ -3,9 +3,9 @@
 
 The contract is exactly that of ``mx.fast.scaled_dot_product_attention``
 (MLX 0.32), plus keyword-only extensions (``window_size``, ``backend``,
-``return_lse``). One documented difference: a query row that can see no key
-at all (fully masked) returns zeros, where MLX returns an average of the
-values.
+``return_lse``, ``softcap``). One documented difference: a query row that can
+see no key at all (fully masked) returns zeros, where MLX returns an average
+of the values.
 
 Paths, in order of preference: the fused kernel of the stream's device
 (``"fused-cpu"``; ``"fused-metal"`` once its variant passed the first-use
@@ -48,6 +48,7 @@ class PathChoice(NamedTuple):
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 # Windows beyond any position are plain causal attention; the kernels take int32.
 _WINDOW_LIMIT = 2**31 - 1
 
@@ -94,6 +95,26 @@ def _as_scale(scale) -> float:
     return value
 
 
+def _as_softcap(softcap) -> float | None:
+    """``softcap``: None, or a positive number, normal and finite in float32
+    (Python or NumPy reals, not bools), as a float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    try:
+        value = float(softcap)
+    except OverflowError:  # a Python int beyond any float
+        value = float("inf")
+    # normal in float32: a denormal cap would flush to 0 where kernels flush denormals
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(
+            f"softcap must be a positive number, normal and finite in float32 "
+            f"({FLOAT32_TINY:.8g} <= softcap <= {FLOAT32_MAX:.8g}), or None; got {softcap!r}"
+        )
+    return value
+
+
 def _flag(name: str, value) -> bool:
     """A bool flag: Python or NumPy bools, as a Python bool."""
     if not isinstance(value, (bool, np.bool_)):
@@ -101,11 +122,11 @@ def _flag(name: str, value) -> bool:
     return bool(value)
 
 
-def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse):
+def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse, softcap):
     """Checks the public contract (ValueError naming the argument; the C++
     describe_attention keeps only the invariants the kernels must not trust,
     without restating these messages). Returns the output dtype, the scale as
-    a float and return_lse as a bool."""
+    a float, return_lse as a bool and the softcap as a float or None."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, mx.array):
             raise ValueError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
@@ -176,8 +197,9 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_
     if not isinstance(backend, str) or backend not in ("auto", "fused", "reference"):
         raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
     return_lse = _flag("return_lse", return_lse)
+    softcap = _as_softcap(softcap)
     _device_type(stream)  # raises for a stream of the wrong type
-    return dtype, scale, return_lse
+    return dtype, scale, return_lse, softcap
 
 
 def _device_type(stream) -> mx.DeviceType:
@@ -210,6 +232,7 @@ class AttentionCall:
     ``mask="causal"`` and for any window (the one place where "a window
     implies causal" is decided); ``path`` is the implementation chosen and
     ``reason`` why the fused kernel does not run it (None when it does);
+    ``softcap`` the cap of the logits (None: none);
     ``metal_backward_trusted`` whether a gradient on the GPU may run the
     Metal backward (its variant's first-use self-check, resolved when the
     fused Metal forward is chosen: the C++ vjp never asks Python)."""
@@ -227,17 +250,19 @@ class AttentionCall:
     stream: object
     device: mx.DeviceType
     quantized: "mlx_attn.quantized.QuantizedKV | None" = None  # noqa: F821 (no import: quantized imports ops)
+    softcap: float | None = None
     path: Path = "reference"
     reason: str | None = None
     metal_backward_trusted: bool = True
 
     @classmethod
     def build(cls, q, k, v, *, scale, mask=None, sinks=None, window_size=None, backend: Backend = "auto",
-              stream=None, return_lse=False, quantized=None) -> "AttentionCall":
+              stream=None, return_lse=False, quantized=None, softcap=None) -> "AttentionCall":
         """Validates every argument (ValueError naming it), promotes dtypes
         and chooses the path. ``backend="fused"`` raises where the fused
         kernel cannot run the call."""
-        dtype, scale, return_lse = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse)
+        dtype, scale, return_lse, softcap = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream,
+                                                      return_lse, softcap)
         q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
         array_mask = mask if isinstance(mask, mx.array) else None
         if array_mask is not None and array_mask.dtype not in (mx.bool_, dtype):
@@ -247,7 +272,7 @@ class AttentionCall:
         if window_size is not None:
             window_size = min(int(window_size), _WINDOW_LIMIT)
         call = cls(q, k, v, scale, array_mask, isinstance(mask, str) or window_size is not None, window_size,
-                   sinks, return_lse, backend, stream, _device_type(stream), quantized)
+                   sinks, return_lse, backend, stream, _device_type(stream), quantized, softcap)
         return call._with_path()
 
     # -- the path ------------------------------------------------------------
@@ -266,7 +291,7 @@ class AttentionCall:
         for the support rules and the self-check variants."""
         return _native.ext.describe_attention(
             self.q, self.k, self.v, scale=self.scale, causal=self.causal, window_size=self.window_size or 0,
-            mask=self.mask, sinks=self.sinks, output_lse=self.return_lse,
+            mask=self.mask, sinks=self.sinks, output_lse=self.return_lse, softcap=self.softcap or 0.0,
         )
 
     def _fused_unsupported_reason(self) -> str | None:
@@ -288,10 +313,10 @@ class AttentionCall:
 
     def _mlx_fast_computes(self) -> bool:
         """Calls ``mx.fast`` computes under this package's contract: float
-        K/V, no window or log-sum-exp (it has neither) and no row that can
-        see no key (it does not return zeros for those; an array mask may
-        hide every key of a row)."""
-        if self.quantized is not None or self.window_size is not None or self.return_lse:
+        K/V, no window, log-sum-exp or softcap (it has none of them) and no
+        row that can see no key (it does not return zeros for those; an array
+        mask may hide every key of a row)."""
+        if self.quantized is not None or self.window_size is not None or self.return_lse or self.softcap:
             return False
         return self.mask is None and (not self.causal or self.q.shape[2] <= self.k.shape[2])
 
@@ -342,7 +367,7 @@ class AttentionCall:
             k, v = self.quantized.dequantized(self)
         return reference_attention(
             q, k, v, scale=self.scale, mask=self.mask_argument, sinks=self.sinks, window_size=self.window_size,
-            stream=self.stream, return_lse=self.return_lse,
+            stream=self.stream, return_lse=self.return_lse, softcap=self.softcap,
         )
 
     def run_fused(self, *, sinks=_SAME, metal_backward_trusted=None) -> list[mx.array]:
@@ -351,7 +376,7 @@ class AttentionCall:
         ``sinks`` replaces the call's (a traced copy, for a vjp)."""
         sinks = self.sinks if sinks is _SAME else sinks
         common = dict(scale=self.scale, causal=self.causal, window_size=self.window_size or 0, mask=self.mask,
-                      sinks=sinks, stream=self.stream)
+                      sinks=sinks, softcap=self.softcap or 0.0, stream=self.stream)
         if self.quantized is not None:
             return [self.quantized.run_fused(self.q, **common)]
         trusted = self.metal_backward_trusted if metal_backward_trusted is None else metal_backward_trusted
@@ -368,23 +393,23 @@ def metal_variant(problem) -> self_check.Variant:
     return self_check.Variant(phase, problem.dtype, problem.head_dim, problem.value_dim)
 
 
-def _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream) -> AttentionCall:
+def _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream, softcap=None) -> AttentionCall:
     """A validated call on ``stream`` pinned to the fused Metal kernels,
     without the path choice (so without any self-check): what runners use."""
     call = AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
-                               backend="reference", stream=stream)
+                               backend="reference", stream=stream, softcap=softcap)
     return dataclasses.replace(call, path="fused-metal", reason=None)
 
 
 def metal_kernel_runner(stream=None):
-    """``run(q, k, v, *, scale, mask=None, sinks=None, window_size=None)``:
-    the fused Metal kernels themselves on ``stream`` (default: the GPU),
-    evaluated, bypassing the self-check. What the self-check and
-    ``mlx-attn doctor`` test."""
+    """``run(q, k, v, *, scale, mask=None, sinks=None, window_size=None,
+    softcap=None)``: the fused Metal kernels themselves on ``stream``
+    (default: the GPU), evaluated, bypassing the self-check. What the
+    self-check and ``mlx-attn doctor`` test."""
     stream = mx.gpu if stream is None else stream
 
-    def run(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
-        out = _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream).run_fused()[0]
+    def run(q, k, v, *, scale, mask=None, sinks=None, window_size=None, softcap=None):
+        out = _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream, softcap).run_fused()[0]
         mx.eval(out)
         return out
 
@@ -397,14 +422,14 @@ def metal_backward_variant(problem) -> self_check.BackwardVariant:
 
 
 def metal_backward_runner(stream=None):
-    """``run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None)
-    -> [dq, dk, dv(, d_sinks)]``: the fused forward and the Metal backward on
-    ``stream`` (default: the GPU), evaluated, bypassing the self-check. What
-    the backward self-check and ``mlx-attn doctor`` test."""
+    """``run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None,
+    softcap=None) -> [dq, dk, dv(, d_sinks)]``: the fused forward and the
+    Metal backward on ``stream`` (default: the GPU), evaluated, bypassing the
+    self-check. What the backward self-check and ``mlx-attn doctor`` test."""
     stream = mx.gpu if stream is None else stream
 
-    def run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None):
-        call = _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream)
+    def run(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None, softcap=None):
+        call = _unchecked_call(q, k, v, scale, mask, sinks, window_size, stream, softcap)
 
         def attend(q, k, v, *maybe_sinks):
             traced = dataclasses.replace(call, q=q, k=k, v=v)
@@ -430,6 +455,7 @@ def attention_path(
     backend: Backend = "auto",
     stream=None,
     return_lse: bool = False,
+    softcap: float | None = None,
     explain: bool = False,
 ) -> Path | PathChoice:
     """Which implementation ``scaled_dot_product_attention`` uses for these
@@ -439,7 +465,7 @@ def attention_path(
     kernel does not run the call (head dims, the GPU's kernels, a failed
     self-check, a missing extension, ``backend='reference'``...)."""
     call = AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
-                               backend=backend, stream=stream, return_lse=return_lse)
+                               backend=backend, stream=stream, return_lse=return_lse, softcap=softcap)
     return PathChoice(call.path, call.reason) if explain else call.path
 
 
@@ -458,7 +484,7 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
         sinks = extras.pop(0) if options.has_sinks else None
         outputs = reference_attention(
             q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream,
-            return_lse=options.output_lse,
+            return_lse=options.output_lse, softcap=options.softcap or None,
         )
         return list(outputs) if options.output_lse else [outputs]
     argnums = list(argnums)
@@ -498,6 +524,7 @@ def scaled_dot_product_attention(
     window_size: int | None = None,
     backend: Backend = "auto",
     return_lse: bool = False,
+    softcap: float | None = None,
 ) -> mx.array | tuple[mx.array, mx.array]:
     """Scaled dot-product attention, a drop-in for ``mx.fast.scaled_dot_product_attention``.
 
@@ -527,6 +554,14 @@ def scaled_dot_product_attention(
             the natural log of each row's softmax denominator (sinks
             included; ``-inf`` for a row that sees no key). Partial results
             over disjoint key sets merge exactly through it.
+        softcap: a positive cap for the logits (Gemma 2's
+            ``attn_logit_softcapping``, Grok): each ``scale * q.k`` becomes
+            ``softcap * tanh(logit / softcap)`` before the mask is applied
+            (an additive mask is added to the capped logit, as in Hugging
+            Face's eager attention), then sinks join the softmax. The
+            log-sum-exp is over the capped logits; gradients go through the
+            tanh. ``None``: no cap (mx.fast has no such argument, so a
+            softcap call never takes the ``"mlx-fast"`` path).
 
     Returns:
         ``[B, Hq, Tq, Dv]`` in the promoted input dtype (and the
@@ -537,4 +572,4 @@ def scaled_dot_product_attention(
         ValueError: naming the offending argument, shape or dtype.
     """
     return AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
-                               backend=backend, stream=stream, return_lse=return_lse).run()
+                               backend=backend, stream=stream, return_lse=return_lse, softcap=softcap).run()

@@ -59,7 +59,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_attn import _native, quantized
-from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _device_type
+from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _as_softcap, _device_type
 from mlx_attn.reference import reference_attention
 
 __all__ = [
@@ -179,8 +179,9 @@ def _check_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens) 
     return _Layout(ql.tolist(), kv.tolist(), pages, heads, kv_heads, page_size, v_shape[3])
 
 
-def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream):
+def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap=None):
     scale = _as_scale(scale)
+    softcap = _as_softcap(softcap)
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if window_size is not None:
@@ -204,7 +205,7 @@ def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
     _device_type(stream)  # raises for a stream of the wrong type
-    return scale, bool(causal), window_size
+    return scale, bool(causal), window_size, softcap
 
 
 def _check_float(name: str, a, ndim: int, meaning: str) -> mx.array:
@@ -224,7 +225,7 @@ def gather_pages(pages: mx.array, page_ids, length: int) -> mx.array:
     return joined[:, :length]
 
 
-def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return_lse):
+def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return_lse, softcap=None):
     """The reference: per sequence, fetch its contiguous K/V and run the
     reference SDPA on its query rows. ``fetch(b) -> (k, v)``, ``[Hkv, T, D]``."""
     outs, lses = [], []
@@ -237,7 +238,7 @@ def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return
         start += q_len
         result = reference_attention(
             rows, k[None], v[None], scale=scale, mask="causal" if causal else None, sinks=sinks,
-            window_size=window_size, return_lse=return_lse,
+            window_size=window_size, return_lse=return_lse, softcap=softcap,
         )
         out, lse = result if return_lse else (result, None)
         outs.append(out[0].swapaxes(0, 1))  # [q_len, Hq, Dv]
@@ -298,11 +299,12 @@ class _PagedCall:
     backend: str
     bits: int = 0  # 0: float pages
     group_size: int = 0
+    softcap: float | None = None
 
     @classmethod
     def build(cls, q, k, v, dtype, layout, block_table, kv_lens, q_lens, sinks, options, backend, return_lse,
               stream, bits=0, group_size=0) -> "_PagedCall":
-        scale, causal, window_size = options
+        scale, causal, window_size, softcap = options
         cast = lambda a: a.astype(dtype) if a.dtype != dtype else a  # noqa: E731
         q = cast(q)
         # float pages, or the scales and biases of quantized ones (words stay)
@@ -311,7 +313,7 @@ class _PagedCall:
             q_lens = mx.ones((len(layout.kv_lens),), dtype=mx.int32)
         sinks = cast(sinks) if sinks is not None else None
         call = cls(q, k, v, block_table, kv_lens, q_lens, sinks, layout, scale, causal, window_size,
-                   bool(return_lse), stream, backend, bits, group_size)
+                   bool(return_lse), stream, backend, bits, group_size, softcap)
         call.path  # noqa: B018  (backend="fused" raises here, at the call)
         return call
 
@@ -325,6 +327,8 @@ class _PagedCall:
             return _native.MISSING_REASON
         if self.device not in _FUSED_PATHS:
             return f"no fused paged attention kernel for {self.device} in this build"
+        if self.softcap is not None:
+            return "softcap is not in the fused paged kernels (the reference path applies it)"
         return _native.ext.paged_unsupported_reason(
             self.q, list(self.k), list(self.v), self.block_table, self.kv_lens, self.q_lens, scale=self.scale,
             causal=self.causal, window_size=self.window_size or 0, sinks=self.sinks, output_lse=self.return_lse,
@@ -370,7 +374,8 @@ def _run_reference(call: _PagedCall, *arrays):
                                  call.bits).astype(q.dtype)
             for parts in (k_parts, v_parts))
 
-    return _attend(q, layout, fetch, call.scale, call.causal, call.window_size, sinks, call.return_lse)
+    return _attend(q, layout, fetch, call.scale, call.causal, call.window_size, sinks, call.return_lse,
+                   call.softcap)
 
 
 def _run_fused_cpu(call: _PagedCall, *arrays):
@@ -388,20 +393,20 @@ _RUNNERS = {"fused-cpu": _run_fused_cpu, "reference": _run_reference}
 
 
 def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-             return_lse, stream) -> _PagedCall:
+             return_lse, stream, softcap=None) -> _PagedCall:
     _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
     _check_float("k_pages", k_pages, 4, "[num_pages, kv_heads, page_size, head_dim]")
     _check_float("v_pages", v_pages, 4, "[num_pages, kv_heads, page_size, value_dim]")
     dtype = mx.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
     layout = _check_layout(q, tuple(k_pages.shape), tuple(v_pages.shape), k_pages.shape[0], block_table,
                            kv_lens, q_lens)
-    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream)
+    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     return _PagedCall.build(q, (k_pages,), (v_pages,), dtype, layout, block_table, kv_lens, q_lens, sinks, options,
                             backend, return_lse, stream)
 
 
 def _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
-                       window_size, sinks, backend, return_lse, stream) -> _PagedCall:
+                       window_size, sinks, backend, return_lse, stream, softcap=None) -> _PagedCall:
     group_size, bits = quantized.check_quantization(group_size, bits)
     k_pages = _check_quantized_pages("k_pages", k_pages, group_size, bits)
     v_pages = _check_quantized_pages("v_pages", v_pages, group_size, bits)
@@ -412,28 +417,28 @@ def _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale,
     k_shape = (*k_pages[0].shape[:3], quantized.quantized_head_dim(k_pages[0], bits))
     v_shape = (*v_pages[0].shape[:3], quantized.quantized_head_dim(v_pages[0], bits))
     layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
-    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream)
+    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     return _PagedCall.build(q, tuple(k_pages), tuple(v_pages), dtype, layout, block_table, kv_lens, q_lens, sinks,
                             options, backend, return_lse, stream, bits, group_size)
 
 
 def paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0, causal=True,
                          window_size=None, sinks=None, backend="auto", return_lse=False,
-                         stream=None) -> PagedPath:
+                         stream=None, softcap=None) -> PagedPath:
     """Which implementation :func:`paged_attention` uses for these arguments
     (validated as the call does): ``"fused-cpu"`` or ``"reference"``.
     ``backend="fused"`` raises ``ValueError`` where no fused kernel runs the
     call."""
     return _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-                    return_lse, stream).path
+                    return_lse, stream, softcap).path
 
 
 def quantized_paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0,
                                    group_size=64, bits=8, causal=True, window_size=None, sinks=None,
-                                   backend="auto", return_lse=False, stream=None) -> PagedPath:
+                                   backend="auto", return_lse=False, stream=None, softcap=None) -> PagedPath:
     """:func:`paged_attention_path` for :func:`quantized_paged_attention`."""
     return _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
-                              window_size, sinks, backend, return_lse, stream).path
+                              window_size, sinks, backend, return_lse, stream, softcap).path
 
 
 def paged_attention(
@@ -451,6 +456,7 @@ def paged_attention(
     backend: str = "auto",
     return_lse: bool = False,
     stream: mx.Stream | mx.Device | None = None,
+    softcap: float | None = None,
 ) -> mx.array | tuple[mx.array, mx.array]:
     """Attention of packed, ragged query rows over paged K/V (see the module doc).
 
@@ -477,6 +483,8 @@ def paged_attention(
         return_lse: also return the row log-sum-exp, float32 ``[total_q, Hq]``
             (``-inf`` for a row that sees no key).
         stream: stream or device to run on.
+        softcap: a positive cap of the logits, ``softcap * tanh(logit /
+            softcap)`` before the mask (as in the dense op); None: none.
 
     Returns:
         ``[total_q, Hq, Dv]`` in the promoted dtype of ``q``, ``k_pages`` and
@@ -487,7 +495,7 @@ def paged_attention(
         block-table entries); also when a gradient is asked for.
     """
     return _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-                    return_lse, stream).run()
+                    return_lse, stream, softcap).run()
 
 
 def _check_quantized_pages(name: str, pages, group_size: int, bits: int):
@@ -513,6 +521,7 @@ def quantized_paged_attention(
     backend: str = "auto",
     return_lse: bool = False,
     stream: mx.Stream | mx.Device | None = None,
+    softcap: float | None = None,
 ) -> mx.array | tuple[mx.array, mx.array]:
     """:func:`paged_attention` over quantized pages.
 
@@ -529,4 +538,4 @@ def quantized_paged_attention(
     :func:`paged_attention`.
     """
     return _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
-                              window_size, sinks, backend, return_lse, stream).run()
+                              window_size, sinks, backend, return_lse, stream, softcap).run()

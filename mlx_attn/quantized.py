@@ -140,7 +140,7 @@ class QuantizedKV:
             return "this build of mlx_attn has no Metal kernels (MLX without Metal)"
         plan = quantized_launch_plan(call.q, self.k, self.v, scale=call.scale, mask=call.mask_argument,
                                      sinks=call.sinks, window_size=call.window_size, bits=self.bits,
-                                     group_size=self.group_size)
+                                     group_size=self.group_size, softcap=call.softcap)
         if not plan["supported"]:
             return plan["reason"]
         variant = self_check.QuantizedVariant(str(call.q.dtype).removeprefix("mlx.core."), call.q.shape[-1],
@@ -166,7 +166,7 @@ def _stand_in(shape, dtype) -> mx.array:
 
 
 def _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend,
-                stream) -> ops.AttentionCall:
+                stream, softcap=None) -> ops.AttentionCall:
     """The validated call: the triples checked here, everything else by the
     float contract (:class:`mlx_attn.ops.AttentionCall`) on stand-ins for K
     and V of the shapes the triples hold."""
@@ -189,17 +189,18 @@ def _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size
 
     kv = QuantizedKV(in_dtype(k_quant), in_dtype(v_quant), group_size, bits)
     return ops.AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
-                                   backend=backend, stream=stream, quantized=kv)
+                                   backend=backend, stream=stream, quantized=kv, softcap=softcap)
 
 
 def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
     """``run(q, k_quant, v_quant, *, scale, mask=None, sinks=None,
-    window_size=None)``: the quantized Metal kernels themselves on ``stream``,
-    evaluated, bypassing the self-check (what the self-check runs)."""
+    window_size=None, softcap=None)``: the quantized Metal kernels themselves
+    on ``stream``, evaluated, bypassing the self-check (what the self-check
+    runs)."""
 
-    def run(q, k_quant, v_quant, *, scale, mask=None, sinks=None, window_size=None):
+    def run(q, k_quant, v_quant, *, scale, mask=None, sinks=None, window_size=None, softcap=None):
         call = _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, "reference",
-                           stream)
+                           stream, softcap)
         out = call.run_fused()[0]
         mx.eval(out)
         return out
@@ -209,18 +210,19 @@ def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
 
 def quantized_attention_path(
     q, k_quant, v_quant, *, scale: float = 1.0, mask=None, group_size: int = 64, bits: int = 8,
-    sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto", explain: bool = False,
+    sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto", softcap=None, explain: bool = False,
 ) -> QuantizedPath | ops.PathChoice:
     """Which implementation :func:`quantized_scaled_dot_product_attention`
     uses for these arguments: ``"fused-cpu"``, ``"fused-metal"`` or
     ``"reference"``; with ``explain=True`` ``(path, reason)`` as
     :func:`mlx_attn.attention_path` gives it."""
-    call = _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream)
+    call = _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream,
+                       softcap)
     return ops.PathChoice(call.path, call.reason) if explain else call.path
 
 
 def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=None, window_size=None, bits=8,
-                          group_size=64, output_lse=False) -> dict:
+                          group_size=64, output_lse=False, softcap=None) -> dict:
     """The Metal launch plan over quantized K/V for these arrays, as the Mac
     host builds it (csrc/quantized_launch_plan.cpp): strides are the arrays'
     own (evaluate views first); scales and biases in q's dtype; ``mask`` is
@@ -233,7 +235,7 @@ def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=No
         q, list(k_quant), list(v_quant), scale=scale, causal=isinstance(mask, str) or window_size is not None,
         window_size=window_size or 0,
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, bits=bits, group_size=group_size,
-        output_lse=output_lse,
+        output_lse=output_lse, softcap=softcap or 0.0,
     )
 
 
@@ -250,6 +252,7 @@ def quantized_scaled_dot_product_attention(
     window_size: int | None = None,
     stream: mx.Stream | mx.Device | None = None,
     backend: ops.Backend = "auto",
+    softcap: float | None = None,
 ) -> mx.array:
     """Scaled dot-product attention with quantized keys and values.
 
@@ -259,7 +262,7 @@ def quantized_scaled_dot_product_attention(
             ``(packed uint32, scales, biases)``; ``Hq % Hkv == 0``.
         v_quant: values likewise for ``[B, Hkv, Tkv, Dv]``; scales in the
             same dtype as the keys'.
-        scale, mask, sinks, window_size, stream, backend: as in
+        scale, mask, sinks, window_size, stream, backend, softcap: as in
             :func:`mlx_attn.scaled_dot_product_attention`.
         group_size, bits: the quantization of both triples (32/64/128; 4/8).
 
@@ -276,4 +279,4 @@ def quantized_scaled_dot_product_attention(
         ValueError: naming the offending argument, part of a triple, shape or dtype.
     """
     return _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend,
-                       stream).run()
+                       stream, softcap).run()

@@ -2,7 +2,7 @@
 
 This is the ground truth the fused CPU and Metal kernels are tested against.
 The steps carry the same names as in ``csrc/cpu/kernel_impl.h`` and
-``metal/``: score, scale, mask, softmax (max, exp, sum), aggregate,
+``metal/``: score, scale, softcap, mask, softmax (max, exp, sum), aggregate,
 normalize. Everything is computed in float32 and the result is cast back to
 the input dtype.
 
@@ -25,7 +25,7 @@ import contextlib
 
 import mlx.core as mx
 
-__all__ = ["reference_attention", "causal_visibility", "LOGIT_LIMIT", "MASKED_LOGIT"]
+__all__ = ["reference_attention", "causal_visibility", "softcap_logit", "LOGIT_LIMIT", "MASKED_LOGIT"]
 
 # Same values as MLX_ATTN_LOGIT_LIMIT / MLX_ATTN_MASKED_LOGIT in
 # metal/attention_params.h (tests/test_native.py checks).
@@ -35,6 +35,13 @@ MASKED_LOGIT = -(2.0**127)
 
 def _saturate(x: mx.array) -> mx.array:
     return mx.clip(x, -LOGIT_LIMIT, LOGIT_LIMIT)
+
+
+def softcap_logit(scores: mx.array, cap: float) -> mx.array:
+    """softcap: ``cap * tanh(scores / cap)``, every logit bounded by ``cap``
+    (Gemma 2, Grok); the step of the same name in metal/attention_rules.h.
+    Applied to the saturated scaled logits, before any mask."""
+    return cap * mx.tanh(scores / cap)
 
 
 def causal_visibility(q_len: int, kv_len: int, window_size: int | None = None) -> mx.array:
@@ -92,6 +99,7 @@ def reference_attention(
     dropout_p: float = 0.0,
     dropout_key: mx.array | None = None,
     stream: mx.Stream | mx.Device | None = None,
+    softcap: float | None = None,
 ):
     """Scaled dot-product attention in plain MLX operations.
 
@@ -102,7 +110,8 @@ def reference_attention(
     the softmax denominator, sinks included; ``-inf`` for a row that sees no
     key), last. ``dropout_p`` drops
     weights with that probability and rescales the rest by ``1/(1-p)``
-    (training only); ``dropout_key`` makes it reproducible.
+    (training only); ``dropout_key`` makes it reproducible. ``softcap``
+    caps the logits (:func:`softcap_logit`) before the mask.
     """
     with mx.stream(stream) if stream is not None else contextlib.nullcontext():
         out_dtype = q.dtype
@@ -120,6 +129,9 @@ def reference_attention(
 
         # score, scale
         scores = _saturate((qf @ kf.swapaxes(-1, -2)) * scale)  # [B,Hkv,G,Tq,Tkv]
+        # softcap (before the mask: an additive mask adds to the capped logit)
+        if softcap is not None:
+            scores = softcap_logit(scores, softcap)
 
         # mask: `visible` is False where a key may not be seen
         visible = None

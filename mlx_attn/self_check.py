@@ -12,7 +12,7 @@ path's autodiff, and a failed variant's gradients come from that autodiff.
 ``MLX_ATTN_SELF_CHECK=0`` turns the check off.
 
 The check is independent of how kernels are launched: it takes a
-``run_kernel(q, k, v, *, scale, mask, sinks, window_size)`` callable (the
+``run_kernel(q, k, v, *, scale, mask, sinks, window_size[, softcap])`` callable (the
 backward's: ``run_backward(q, k, v, d_out, ...) -> [dq, dk, dv(, d_sinks)]``).
 On a Mac that is the fused primitive on the GPU stream; the tests pass the
 MSL emulator, so this logic runs here too.
@@ -150,22 +150,23 @@ class Case:
     mask: str | None = None  # None | "causal" | "bool" | "additive"
     window_size: int | None = None
     sinks: bool = False
+    softcap: float | None = None  # the softcap variant of every logit step
 
 
 def canonical_cases(variant: Variant) -> list[Case]:
     """A few problems that together reach every branch of a variant's kernels:
-    GQA, causal and window block skipping, both mask kinds, sinks, partial
-    tiles and (decode) several key/value splits."""
+    GQA, causal and window block skipping, both mask kinds, sinks, the
+    softcap, partial tiles and (decode) several key/value splits."""
     if variant.phase == "prefill":
         return [
             Case("causal+sinks", 1, 4, 2, 40, 72, mask="causal", sinks=True),
-            Case("bool mask", 2, 2, 1, 37, 45, mask="bool"),
+            Case("bool mask+softcap", 2, 2, 1, 37, 45, mask="bool", softcap=1.5),
             Case("additive mask+window", 1, 3, 3, 33, 33, mask="additive", window_size=24),
         ]
     return [
         Case("one query", 1, 8, 2, 1, 300),
         Case("window+sinks", 2, 4, 1, 1, 257, mask="causal", window_size=100, sinks=True),
-        Case("bool mask, 3 queries", 1, 4, 4, 3, 150, mask="bool"),
+        Case("bool mask+softcap, 3 queries", 1, 4, 4, 3, 150, mask="bool", softcap=1.5),
     ]
 
 
@@ -175,7 +176,7 @@ def backward_cases(variant: BackwardVariant) -> list[Case]:
     sinks' gradient, several and partial query and key blocks."""
     return [
         Case("causal+sinks, GQA", 1, 4, 2, 40, 72, mask="causal", sinks=True),
-        Case("bool mask", 2, 2, 1, 37, 45, mask="bool"),
+        Case("bool mask+softcap", 2, 2, 1, 37, 45, mask="bool", softcap=1.5),
         Case("additive mask+window", 1, 3, 3, 33, 50, mask="additive", window_size=9),
     ]
 
@@ -209,6 +210,8 @@ def make_inputs(variant: AnyVariant, case: Case, seed: int = 0) -> tuple[tuple, 
         kwargs["mask"] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
     if case.sinks:
         kwargs["sinks"] = mx.array(rng.standard_normal(case.q_heads).astype(np.float32)).astype(dtype)
+    if case.softcap is not None:
+        kwargs["softcap"] = case.softcap
     return (q, k, v), kwargs
 
 
@@ -230,7 +233,7 @@ def quantized_cases(variant: QuantizedVariant) -> list[Case]:
     return [
         Case("one query", 1, 8, 2, 1, 300),
         Case("window+sinks", 2, 4, 1, 1, 257, mask="causal", window_size=100, sinks=True),
-        Case("prefill, bool mask", 1, 4, 2, 19, 40, mask="bool"),
+        Case("prefill, bool mask+softcap", 1, 4, 2, 19, 40, mask="bool", softcap=1.5),
     ]
 
 
@@ -253,7 +256,8 @@ def check_quantized_variant(variant: QuantizedVariant, run_kernel: RunKernel,
     return _compare(variant, cases, outputs)
 
 
-def reference_gradients(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None) -> list[mx.array]:
+def reference_gradients(q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None,
+                        softcap=None) -> list[mx.array]:
     """``[dq, dk, dv(, d_sinks)]`` of ``sum(out * d_out)``: ``mx.vjp`` of the
     reference path on the CPU, in float32 from the inputs' values."""
     with mx.stream(mx.cpu):
@@ -265,7 +269,7 @@ def reference_gradients(q, k, v, d_out, *, scale, mask=None, sinks=None, window_
 
         def attend(q, k, v, *maybe_sinks):
             return reference_attention(q, k, v, scale=scale, mask=mask, sinks=maybe_sinks[0] if maybe_sinks else None,
-                                       window_size=window_size)
+                                       window_size=window_size, softcap=softcap)
 
         _, grads = mx.vjp(attend, primals, [d_out.astype(mx.float32)])
         mx.eval(grads)

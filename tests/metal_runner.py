@@ -120,22 +120,25 @@ def with_mask_and_sinks(views: list[View], mask, sinks) -> tuple[list[View], dic
     return views, plan_kw
 
 
-def reference_lse(q, k, v, *, scale, mask=None, sinks=None, window_size=None):
+def reference_lse(q, k, v, *, scale, mask=None, sinks=None, window_size=None, softcap=None):
     """The row log-sum-exp float32 [B, Hq, Tq] the kernels should return,
     computed independently in float64 NumPy from the same logits as the
-    reference path (scale·q·k, plus an additive mask, masked keys -inf; the
-    sink joins the sum); -inf for a row that sees nothing."""
+    reference path (scale·q·k, capped by softcap·tanh(·/softcap), plus an
+    additive mask, masked keys -inf; the sink joins the sum); -inf for a row
+    that sees nothing."""
     q64, k64 = (np.array(x.astype(mx.float32), np.float64) for x in (q, k))
     group = q.shape[1] // k.shape[1]
     logits = scale * np.einsum("bhqd,bhkd->bhqk", q64, np.repeat(k64, group, axis=1))
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
     tq, tkv = q.shape[2], k.shape[2]
     visible = np.ones((tq, tkv), bool)
     if isinstance(mask, str) or window_size:
         pos = np.arange(tq)[:, None] + tkv - tq
         keys = np.arange(tkv)[None, :]
         visible = (keys <= pos) & ((keys > pos - window_size) if window_size else True)
-    elif isinstance(mask, mx.array) and mask.dtype == mx.bool_:
-        visible = np.array(mask)
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_:  # beside a window too
+        visible = visible & np.array(mask)
     elif isinstance(mask, mx.array):  # additive: -inf masks
         logits = logits + np.array(mask.astype(mx.float32), np.float64)
     logits = np.where(visible, logits, -np.inf)
@@ -159,7 +162,7 @@ class EmulatedMetal:
                                                     counters=counters)
 
     def __call__(self, q, k, v, *, scale, mask=None, sinks=None, window_size=None, layout=None, return_lse=False,
-                 gpu_target: dict | None = None):
+                 gpu_target: dict | None = None, softcap=None):
         """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
         a View; gpu_target: the plan's GPU ({"gpu_family": ..., "gpu_cores":
         ...}, default the conservative target); the result as an MLX array
@@ -168,7 +171,7 @@ class EmulatedMetal:
             [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)], mask, sinks)
         dtype = inputs[0].array.dtype
         plan = launch_plan(*(view.array for view in inputs[:3]), scale=scale, **plan_kw, window_size=window_size,
-                           output_lse=return_lse, **(gpu_target or {}))
+                           output_lse=return_lse, softcap=softcap, **(gpu_target or {}))
         assert plan["supported"], plan["reason"]
         # the offsets the host reads from MLX (bytes / itemsize) are the ones bound here
         problem = plan["problem"]
@@ -178,7 +181,7 @@ class EmulatedMetal:
         return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
 
     def quantized(self, q, k_quant, v_quant, *, scale, bits, group_size, mask=None, sinks=None, window_size=None,
-                  return_lse=False):
+                  return_lse=False, softcap=None):
         """The kernels over quantized K/V, launched from their plan
         (csrc/quantized_launch_plan.cpp): q and each part of the
         (packed, scales, biases) triples an array or a View, scales and
@@ -188,7 +191,7 @@ class EmulatedMetal:
         arrays = [view.array for view in inputs]
         plan = quantized_launch_plan(
             arrays[0], arrays[1:4], arrays[4:7], scale=scale, **plan_kw, window_size=window_size, bits=bits,
-            group_size=group_size, output_lse=return_lse,
+            group_size=group_size, output_lse=return_lse, softcap=softcap,
         )
         assert plan["supported"], plan["reason"]
         self.last_plan = plan
@@ -225,12 +228,13 @@ class RealMetal:
         return out
 
 
-def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None) -> dict:
+def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, softcap=None) -> dict:
     """The Metal backward's launch plan (csrc/backward_launch_plan.cpp) for
     the forward problem of these arrays, as the Mac host would build it."""
     problem = _ext.describe_attention(  # a window implies causal (as ops.AttentionCall says)
         q, k, v, scale=scale, causal=isinstance(mask, str) or window_size is not None,
         window_size=window_size or 0, mask=mask if isinstance(mask, mx.array) else None, sinks=sinks,
+        softcap=softcap or 0.0,
     )
     plan = _ext.metal_backward_launch_plan(problem)
     plan["problem"] = problem
@@ -279,7 +283,7 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
 
 
 def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None, *, scale, mask=None,
-                      sinks=None, window_size=None, layout=None):
+                      sinks=None, window_size=None, layout=None, softcap=None):
     """Gradients (dq, dk, dv, d_sinks or None) of the Metal backward kernels
     in the emulator, launched from the backward plan with the buffers of the
     backward primitive: q, k, v (stored in `layout`), mask, sinks, then the
@@ -289,7 +293,7 @@ def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None
         [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)], mask, sinks)
     dtype = views[0].array.dtype
     arrays = [view.array for view in views]
-    plan = backward_launch_plan(*arrays[:3], scale=scale, **plan_kw, window_size=window_size)
+    plan = backward_launch_plan(*arrays[:3], scale=scale, **plan_kw, window_size=window_size, softcap=softcap)
     assert plan["supported"], plan["reason"]
     metal.last_plan = plan
     problem = plan["problem"]

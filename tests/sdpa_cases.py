@@ -68,10 +68,11 @@ def as_float64(x) -> np.ndarray:
     return np.asarray(x, np.float64)
 
 
-def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None, return_lse=False):
+def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None, return_lse=False, softcap=None):
     """Attention in float64 NumPy, straight from the definition (no shared
-    code with mlx_attn): softmax over keys of scale * q.k (+ additive mask),
-    sinks as extra logits with no value, rows that see no key give zeros.
+    code with mlx_attn): softmax over keys of scale * q.k (capped to
+    softcap * tanh(. / softcap) with a softcap, then + additive mask), sinks
+    as extra logits with no value, rows that see no key give zeros.
     With ``return_lse`` also the log of each row's softmax denominator
     (``-inf`` where it is empty). q, k, v, sinks: MLX or NumPy arrays."""
     q64, k64, v64 = (as_float64(x) for x in (q, k, v))
@@ -81,6 +82,8 @@ def numpy_attention(q, k, v, *, scale, mask=None, sinks=None, window_size=None, 
     k64 = np.repeat(k64, group, axis=1)
     v64 = np.repeat(v64, group, axis=1)
     logits = scale * np.einsum("bhqd,bhkd->bhqk", q64, k64)
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
     visible = np.ones((b, hq, tq, tkv), bool)
     if isinstance(mask, str) or window_size is not None:
         pos = np.arange(tq)[:, None] + tkv - tq

@@ -14,8 +14,8 @@ from mlx_attn.metal_support import launch_plan
 
 
 # AttentionParams (metal/attention_params.h): 17 int64, 10 int32, the float
-# scale, output_lse, vector_loads, 4 bytes of tail padding
-PARAMS_FORMAT = "17q10ifii4x"
+# scale, output_lse, vector_loads, the float softcap
+PARAMS_FORMAT = "17q10ifiif"
 
 
 def roles(step) -> list[str]:
@@ -176,6 +176,7 @@ def test_params_bytes_encode_the_problem():
     assert (causal, window, mask_kind, sinks) == (1, 4, _ext.MASK_BOOL, 0)
     assert values[27] == 0.5
     assert values[29] == 1 and plan["vector_loads"]  # every row start a multiple of 4 elements
+    assert values[30] == 0.0  # no softcap
 
 
 def evaluated(x: mx.array) -> mx.array:

@@ -5,6 +5,7 @@ tolerance, NaN, a deadlock, an out-of-bounds access or a compile error). A
 mutation whose target text is missing fails the test, so none can silently
 test nothing."""
 
+import os
 import re
 from pathlib import Path
 
@@ -56,7 +57,7 @@ MUTANTS = {
     # the scale of dS in dK and dQ
     "scale: dK not scaled": ("replace", "T(dk_acc[d].thread_elements()[t] * p.scale)", "T(dk_acc[d].thread_elements()[t])"),
     "scale: dQ not scaled": ("replace", "T(dq_acc[d].thread_elements()[t] * p.scale)", "T(dq_acc[d].thread_elements()[t])"),
-    "scale: logits not scaled": ("replace", "masked_logit<T, MASK, EDGE>(p, mask, score * p.scale,", "masked_logit<T, MASK, EDGE>(p, mask, score,"),
+    "scale: logits not scaled": ("replace", "masked_logit<T, MASK, EDGE, SOFTCAP>(p, mask, score * p.scale,", "masked_logit<T, MASK, EDGE, SOFTCAP>(p, mask, score,"),
     # masks
     "mask: bool mask ignored": ("replace", "mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
     "mask: additive mask not added": ("replace", "const float sum = logit.value + added;", "const float sum = logit.value;"),
@@ -83,6 +84,14 @@ MUTANTS = {
     "dkdv: query tiles past the range end taken as interior": (
         "replace", "query_position(p, first_query + 7), first_query + 8 > q_end);",
         "query_position(p, first_query + 7), false);"),
+    # the softcap's gradient: 1 - tanh^2 of the capped logit, in the variant
+    # the tile picks
+    "softcap: gradient without the tanh's slope": ("replace", "prob * (d_prob - delta) * logit.slope", "prob * (d_prob - delta)"),
+    "softcap: slope of the uncapped logit": (
+        "replace", "logit.slope = softcap_slope(logit.value, p.softcap);", "logit.slope = softcap_slope(raw, p.softcap);"),
+    # under MLX_ATTN_FULL_GRID=1 (CI time): caught like the float battery's
+    **({"softcap: variant never taken": ("replace", "if (p.softcap > 0.0f) {", "if (false) {")}
+       if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else {}),
 }
 
 
@@ -105,6 +114,9 @@ def battery(metal) -> None:
     check(metal, *qkv(1, 2, 1, 48, 48, 64, mx.float32, seed=9), window_size=39)
     # a bool mask whose last key block passes Tkv in rows that fill their simdgroup
     check(metal, *qkv(1, 2, 1, 40, 70, 64, mx.float32, seed=10), mask=make_mask("bool", 40, 70, seed=10))
+    # softcap: logits of a few units (the tanh bends), an additive mask after the cap
+    q, k, v = qkv(1, 4, 2, 37, 53, 64, mx.float32, seed=11)
+    check(metal, q * 3, k, v, mask=make_mask("additive", 37, 53, seed=11), softcap=1.3)
 
 
 def caught(metal) -> bool:

@@ -4,6 +4,7 @@ a deadlock, a misaligned vector load, or a compile error). A mutation whose
 target text is missing fails the test, so it can never silently test nothing
 (the loop: tests/mutations.py)."""
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from sdpa_cases import TOLERANCE
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
 
+FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 PREFILL = REPO / "metal" / "attention_prefill.metal"
 DECODE = REPO / "metal" / "attention_decode.metal"
 
@@ -107,6 +109,21 @@ MUTANTS = {
         source, "replace", "first_key <= last_pos - p.window_size;", "first_key < last_pos - p.window_size;") for source in (PREFILL, DECODE)},
     "prefill: interior shortcut: the block past the key range end taken as interior": (PREFILL, "replace", "first_key + keys > key_end ||", ""),
     "prefill: interior shortcut: rows past the query length taken as interior": (PREFILL, "replace", "return rows_past_end ||", "return"),
+    # the softcap: its rule (metal/attention_rules.h), its place before the
+    # mask (metal/attention_steps.h) and the per-block variant choice
+    "prefill: softcap divides by nothing": (PREFILL, "replace", "return cap * attn_tanh(s / cap);", "return cap * attn_tanh(s);"),
+    "prefill: softcap applied after the additive mask": (
+        PREFILL, "replace", "logit.value = additive_masked_logit(logit.value, added);",
+        "logit.value = SOFTCAP ? softcap_logit(additive_masked_logit(saturate_logit(raw), added), p.softcap)"
+        " : additive_masked_logit(logit.value, added);"),
+    "decode: softcap variant never taken": (DECODE, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
+    "prefill: softcap edge blocks taken as interior": (
+        PREFILL, "replace", "prefill_logits<T, BK, MASK, true, true>", "prefill_logits<T, BK, MASK, false, true>"),
+    # the same kinds of faults in the other family: under MLX_ATTN_FULL_GRID=1 (CI time)
+    **({"prefill: softcap variant never taken": (PREFILL, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
+        "decode: softcap edge keys taken as interior": (
+            DECODE, "replace", "decode_key<T, R, KV::SLICE, MASK, true, true>",
+            "decode_key<T, R, KV::SLICE, MASK, false, true>")} if FULL_GRID else {}),
 }
 
 
@@ -148,6 +165,10 @@ CASES = [
     # window edge (rows 32..39, window 39: key 0 hidden from position 39 only)
     dict(shape=(1, 2, 1, 40, 46), mask="causal"),
     dict(shape=(1, 2, 1, 48, 48), window_size=39),
+    # softcap (logits of about one unit: the tanh bends), an additive mask
+    # added after the cap, a window for edge blocks; prefill and decode
+    dict(shape=(1, 4, 2, 35, 60), mask="additive", window_size=20, softcap=0.8),
+    dict(shape=(1, 4, 2, 2, 90), mask="additive", window_size=40, softcap=0.8),
 ]
 
 
@@ -185,6 +206,8 @@ def case_options(case: dict, rng: np.random.Generator, q_heads: int, q_len: int,
         kw["mask"] = case["mask"]
     if case.get("window_size"):
         kw["window_size"] = case["window_size"]
+    if case.get("softcap"):
+        kw["softcap"] = case["softcap"]
     if case.get("sinks") == "strided":
         kw["sinks"] = View(mx.array(rng.standard_normal(2 * q_heads).astype(np.float32)), lambda a: a[::2])
     elif case.get("sinks"):  # some above every logit: the sink sets the row max

@@ -98,6 +98,7 @@ MUTANTS = {
         "first_key + keys - 1 > first_pos;", "first_key + keys - 2 > first_pos;"),
     "interior shortcut: a key before the window taken as interior": replaced(
         "first_key <= last_pos - p.window_size;", "first_key < last_pos - p.window_size;"),
+    "softcap variant never taken": replaced("if (p.softcap > 0.0f) {", "if (false) {"),
 }
 
 
@@ -122,6 +123,7 @@ CASES = [
     dict(shape=(1, 4, 2, 20, 45, 64, 8, 64), mask="causal", layout="cache"),  # prefill rows, strided triples
     dict(shape=(1, 4, 2, 20, 60, 128, 4, 32), window_size=9),  # prefill: row chunks and the window
     dict(shape=(2, 8, 2, 3, 70, 64, 8, 32), sinks=True, layout="biases"),  # scales and biases strides differ
+    dict(shape=(1, 4, 2, 3, 70, 64, 8, 32), mask="additive", softcap=0.8),  # the softcap variant
 ]
 
 

@@ -58,6 +58,7 @@ def test_canonical_cases_cover_the_kernel_branches(phase):
     cases = self_check.canonical_cases(Variant(phase, "float16", 64))
     assert {c.mask for c in cases} >= {"causal", "bool"}
     assert any(c.sinks for c in cases) and any(c.window_size for c in cases)
+    assert any(c.softcap for c in cases)  # the kernels' SOFTCAP variant
     assert any(c.q_heads > c.kv_heads for c in cases)  # GQA
     if phase == "decode":
         assert all(c.q_len <= 8 for c in cases)
@@ -285,6 +286,7 @@ def test_quantized_cases_cover_decode_splits_window_sinks_and_prefill():
     assert any(c.q_len == 1 and c.kv_len > 256 for c in cases)
     assert any(c.window_size and c.sinks for c in cases)
     assert any(c.q_len > 8 for c in cases)  # a prefill shape: several row chunks
+    assert any(c.softcap for c in cases)
 
 
 @needs_emulator
@@ -338,8 +340,8 @@ class EmulatedBackward:
     def __init__(self, sources=None):
         self.metal = EmulatedMetal(fast_math=True, sources=sources or [BACKWARD])
 
-    def __call__(self, q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None):
-        kwargs = dict(scale=scale, mask=mask, sinks=sinks, window_size=window_size)
+    def __call__(self, q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None, softcap=None):
+        kwargs = dict(scale=scale, mask=mask, sinks=sinks, window_size=window_size, softcap=softcap)
         out, lse = reference_attention(q, k, v, return_lse=True, stream=mx.cpu, **kwargs)
         grads = emulated_backward(self.metal, q, k, v, out, lse, d_out, **kwargs)
         return [g for g in grads if g is not None]
@@ -385,6 +387,7 @@ def test_backward_variant_validates_and_names_itself():
 def test_backward_cases_cover_the_kernel_branches():
     cases = self_check.backward_cases(BackwardVariant("float32", 64))
     assert {c.mask for c in cases} >= {"causal", "bool", "additive"}
+    assert any(c.softcap for c in cases)
     assert any(c.sinks for c in cases) and any(c.window_size for c in cases)
     assert any(c.q_heads > c.kv_heads for c in cases)  # GQA: dK/dV sum over the group
     assert all(c.q_len > 32 and c.q_len % 32 and c.kv_len % 32 for c in cases)  # several blocks, partial last

@@ -5,7 +5,8 @@
 // basics (simd.h), element conversion (elements.h) and register-blocked
 // micro-kernel (micro_kernel.h), but none of the forward itself. Steps mirror
 // the forward's: score, scale (saturating: no gradient where a logit is
-// clamped), mask, then P = exp(S - lse) instead of the online softmax; the
+// clamped), softcap (the gradient times 1 - tanh^2), mask, then
+// P = exp(S - lse) instead of the online softmax; the
 // rules they apply are the ones every kernel shares (metal/attention_rules.h,
 // through csrc/cpu/rules.h).
 
@@ -97,9 +98,11 @@ void pack_keys(const BackwardCall& call, int b, int kv_head, int kb, int n, cons
   }
 }
 
-// One tile: P [rows][KB] = exp(S - lse) of the masked, saturated logits and
-// dS [rows][KB] = scale * P * (dO . V^T - delta), zero where a logit was
-// clamped (gate, only written when something clamped). Columns past n are 0.
+// One tile: P [rows][KB] = exp(S - lse) of the masked, saturated (and
+// softcapped) logits and dS [rows][KB] = scale * P * (dO . V^T - delta) *
+// gate: the gate holds the softcap's slope (softcap_slope) with a softcap,
+// and 0 where a logit was clamped; it is only written when one of them
+// applies. Columns past n are 0.
 template <ElemType T>
 void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, const Buffers& buf,
                     int ldq, int lddo) {
@@ -108,7 +111,9 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, 
   const vfloat limit = splat(kLogitLimit), scale = splat(p.scale);
   float* const probs = buf.probs;
   float* const d_scores = buf.d_scores;
-  bool gated = false;
+  // with a softcap every row writes its slopes into the gate before a clamp closes one
+  const bool capped = p.softcap > 0.0f;
+  bool gated = capped;
   auto close_gate = [&](int r, int j) {
     if (!gated) {
       for (int64_t i = 0; i < int64_t(rows) * KB; ++i) buf.gate[i] = 1.0f;
@@ -133,6 +138,14 @@ void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, 
       const vfloat x = load(s + c) * scale;
       clamped |= (x > limit) | (x < -limit);
       store(s + c, saturate(x));
+    }
+    // softcap: the capped logit, and its slope in the gate
+    if (capped) {
+      for (int c = 0; c < KB; c += kLanes) {
+        const vfloat y = softcap_logit(load(s + c), p.softcap);
+        store(s + c, y);
+        store(buf.gate + r * KB + c, softcap_slope(y, p.softcap));
+      }
     }
     bool any_clamped = false;
     for (int i = 0; i < kLanes; ++i) any_clamped |= clamped[i] != 0;

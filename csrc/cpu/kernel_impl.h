@@ -12,6 +12,7 @@
 // Algorithm steps (same names as mlx_attn/reference.py and metal/):
 //   score      S = Q . K^T for one key block
 //   scale      S = saturate(scale * S), logits in natural-log units
+//   softcap    (softcap > 0) S = softcap * tanh(S / softcap)
 //   mask       additive (saturated; values <= the masked sentinel, -inf
 //              included, mask the key), then boolean, then causal / sliding
 //              window on edge blocks only: masked logits become the sentinel
@@ -20,9 +21,9 @@
 //   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join the sum; O / l (zeros where nothing was attended)
 // exp(x) is exp2(x * log2 e) of a difference to the running max, which
-// saturation keeps finite (metal/attention_params.h). Saturation, visibility,
-// key ranges, edge blocks and the mask read are the rules every kernel shares
-// (metal/attention_rules.h, through csrc/cpu/rules.h).
+// saturation keeps finite (metal/attention_params.h). Saturation, softcap,
+// visibility, key ranges, edge blocks and the mask read are the rules every
+// kernel shares (metal/attention_rules.h, through csrc/cpu/rules.h).
 
 #include <math.h>
 #include <stdint.h>
@@ -379,10 +380,16 @@ void attention_work_item(
       }
     }
 
-    // scale
+    // scale, then softcap where the problem has one (one branch per block)
     const vfloat scale = splat(logit_scale);
-    for (int i = 0; i < n * rp; i += kLanes) {
-      store(scores_t + i, saturate(load(scores_t + i) * scale));
+    if (p.softcap > 0.0f) {
+      for (int i = 0; i < n * rp; i += kLanes) {
+        store(scores_t + i, softcap_logit(saturate(load(scores_t + i) * scale), p.softcap));
+      }
+    } else {
+      for (int i = 0; i < n * rp; i += kLanes) {
+        store(scores_t + i, saturate(load(scores_t + i) * scale));
+      }
     }
 
     // mask (explicit masks, then causal / window on edge blocks only)

@@ -1,12 +1,14 @@
-// The attention rules (metal/attention_rules.h: logit saturation, key
-// visibility, the key and query ranges of a block, edge blocks, the mask read
-// and the masked sentinel) for one per-ISA copy of the CPU kernels. Included
-// inside the copy's anonymous namespace, so the rules' inline functions get
-// internal linkage like everything else compiled for a wide instruction set
-// (none can be picked by the linker for code that runs on an older CPU).
+// The attention rules (metal/attention_rules.h: logit saturation, the
+// softcap, key visibility, the key and query ranges of a block, edge blocks,
+// the mask read and the masked sentinel) for one per-ISA copy of the CPU
+// kernels. Included inside the copy's anonymous namespace, so the rules'
+// inline functions get internal linkage like everything else compiled for a
+// wide instruction set (none can be picked by the linker for code that runs
+// on an older CPU).
 #pragma once
 
 #include "csrc/cpu/kernels.h"  // AttentionParams, outside the namespace
+#include "csrc/cpu/simd.h"     // vfloat, tanh_vec
 
 #if !defined(MLX_ATTN_ISA)
 #error "define MLX_ATTN_ISA before including rules.h"
@@ -17,6 +19,11 @@
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
+// The tanh softcap_logit applies to a vector of logits (declared before the
+// rules: the template finds it by ordinary lookup, vectors have no ADL).
+inline vfloat attn_tanh(vfloat x) {
+  return tanh_vec(x);
+}
 #include "metal/attention_rules.h"
 
 // Sets the logits s[j * stride] of keys kb + j (j < n) that the query at

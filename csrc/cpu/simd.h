@@ -1,6 +1,6 @@
 // Vector basics for one per-ISA copy of the CPU kernels: the float vector
-// type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation and a
-// vectorized exp2. GCC/Clang vector extensions only (no STL, no intrinsics),
+// type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation, a vectorized
+// exp2 and tanh. GCC/Clang vector extensions only (no STL, no intrinsics),
 // everything in an anonymous namespace inside the copy's namespace
 // MLX_ATTN_ISA, so nothing compiled for a wide instruction set can be linked
 // into code that runs on an older CPU. Shared by the forward (kernel_impl.h)
@@ -68,6 +68,28 @@ inline vfloat exp2_vec(vfloat x) {
   vint bits = (__builtin_convertvector(whole, vint) + 127) << 23;
   vfloat r = p * (vfloat)bits;
   return x < lo ? splat(0.0f) : r;
+}
+
+// tanh on a vector, for softcap_logit (metal/attention_rules.h through
+// csrc/cpu/rules.h); any x: +-inf give +-1, NaN stays NaN. Where |x| < 0.5
+// the odd Taylor series to x^15 (truncation < 1e-8 relative; no
+// cancellation near 0), else (1 - e) / (1 + e) with e = exp(-2|x|) <= 1/e
+// from exp2_vec (relative error ~3e-7).
+inline vfloat tanh_vec(vfloat x) {
+  const vfloat magnitude = x < 0.0f ? -x : x;
+  const vfloat e = exp2_vec(magnitude * (-2.0f * kLog2e));
+  vfloat far = (1.0f - e) / (1.0f + e);
+  far = x < 0.0f ? -far : far;
+  const vfloat x2 = x * x;
+  vfloat series = splat(-929569.0f / 638512875.0f);
+  series = series * x2 + 21844.0f / 6081075.0f;
+  series = series * x2 - 1382.0f / 155925.0f;
+  series = series * x2 + 62.0f / 2835.0f;
+  series = series * x2 - 17.0f / 315.0f;
+  series = series * x2 + 2.0f / 15.0f;
+  series = series * x2 - 1.0f / 3.0f;
+  const vfloat near = x + x * x2 * series;
+  return magnitude < 0.5f ? near : far;
 }
 
 }  // namespace
