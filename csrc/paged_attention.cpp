@@ -151,7 +151,9 @@ PagedDescription describe_paged_attention(
   if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
   if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
   if (options.window_size > 0 && !options.causal) invalid("window_size > 0 needs causal");
+  if (!(std::isfinite(options.softcap) && options.softcap >= 0.0f)) invalid("softcap must be finite and >= 0 (0: none)");
   p.scale = options.scale;
+  p.softcap = options.softcap;
   p.causal = options.causal;
   p.window_size = options.window_size;
   p.output_lse = options.output_lse;

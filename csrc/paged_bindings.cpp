@@ -15,9 +15,10 @@ using namespace nb::literals;
 namespace mlx_attn {
 namespace {
 
-AttentionOptions paged_options(float scale, bool causal, int window_size, bool output_lse) {
+AttentionOptions paged_options(float scale, bool causal, int window_size, bool output_lse, float softcap) {
   AttentionOptions options;
   options.scale = scale;
+  options.softcap = softcap;
   options.causal = causal;
   options.window_size = window_size;
   options.output_lse = output_lse;
@@ -43,14 +44,14 @@ void bind_paged(nb::module_& m) {
       "paged_attention",
       [](const mx::array& q, const std::vector<mx::array>& k_parts, const std::vector<mx::array>& v_parts,
          const mx::array& block_table, const mx::array& kv_lens, const mx::array& q_lens, float scale, bool causal,
-         int window_size, std::optional<mx::array> sinks, bool output_lse, int bits, int group_size,
+         int window_size, std::optional<mx::array> sinks, bool output_lse, int bits, int group_size, float softcap,
          mx::StreamOrDevice s) {
         return paged_attention(q, k_parts, v_parts, block_table, kv_lens, q_lens, sinks,
-                               paged_options(scale, causal, window_size, output_lse), {bits, group_size}, s);
+                               paged_options(scale, causal, window_size, output_lse, softcap), {bits, group_size}, s);
       },
       "q"_a, "k_parts"_a, "v_parts"_a, "block_table"_a, "kv_lens"_a, "q_lens"_a, nb::kw_only(), "scale"_a,
       "causal"_a = true, "window_size"_a = 0, "sinks"_a = nb::none(), "output_lse"_a = false, "bits"_a = 0,
-      "group_size"_a = 0, "stream"_a = nb::none(),
+      "group_size"_a = 0, "softcap"_a = 0.0f, "stream"_a = nb::none(),
       "Fused paged attention; k_parts / v_parts are [pages] (bits=0) or (packed, scales, biases). Returns [out] "
       "or [out, lse]. Raises ValueError on any invalid input.");
 
@@ -58,9 +59,9 @@ void bind_paged(nb::module_& m) {
       "paged_unsupported_reason",
       [](const mx::array& q, const std::vector<mx::array>& k_parts, const std::vector<mx::array>& v_parts,
          const mx::array& block_table, const mx::array& kv_lens, const mx::array& q_lens, float scale, bool causal,
-         int window_size, std::optional<mx::array> sinks, bool output_lse, int bits, int group_size,
+         int window_size, std::optional<mx::array> sinks, bool output_lse, int bits, int group_size, float softcap,
          mx::Device::DeviceType device) -> std::optional<std::string> {
-        AttentionOptions options = paged_options(scale, causal, window_size, output_lse);
+        AttentionOptions options = paged_options(scale, causal, window_size, output_lse, softcap);
         options.has_sinks = sinks.has_value();
         const auto description = describe_paged_attention(
             inputs_of(q, k_parts, v_parts, block_table, kv_lens, q_lens, sinks), options, {bits, group_size});
@@ -70,7 +71,7 @@ void bind_paged(nb::module_& m) {
       },
       "q"_a, "k_parts"_a, "v_parts"_a, "block_table"_a, "kv_lens"_a, "q_lens"_a, nb::kw_only(), "scale"_a = 1.0f,
       "causal"_a = true, "window_size"_a = 0, "sinks"_a = nb::none(), "output_lse"_a = false, "bits"_a = 0,
-      "group_size"_a = 0, "device"_a,
+      "group_size"_a = 0, "softcap"_a = 0.0f, "device"_a,
       "None when the fused paged kernels of `device` (mx.cpu or mx.gpu) handle the call, else why not.");
 }
 

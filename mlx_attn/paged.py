@@ -327,12 +327,10 @@ class _PagedCall:
             return _native.MISSING_REASON
         if self.device not in _FUSED_PATHS:
             return f"no fused paged attention kernel for {self.device} in this build"
-        if self.softcap is not None:
-            return "softcap is not in the fused paged kernels (the reference path applies it)"
         return _native.ext.paged_unsupported_reason(
             self.q, list(self.k), list(self.v), self.block_table, self.kv_lens, self.q_lens, scale=self.scale,
             causal=self.causal, window_size=self.window_size or 0, sinks=self.sinks, output_lse=self.return_lse,
-            bits=self.bits, group_size=self.group_size, device=self.device)
+            bits=self.bits, group_size=self.group_size, softcap=self.softcap or 0.0, device=self.device)
 
     @functools.cached_property
     def path(self) -> PagedPath:
@@ -383,7 +381,7 @@ def _run_fused_cpu(call: _PagedCall, *arrays):
     return _native.ext.paged_attention(
         q, list(k_parts), list(v_parts), call.block_table, call.kv_lens, call.q_lens, scale=call.scale,
         causal=call.causal, window_size=call.window_size or 0, sinks=sinks, output_lse=call.return_lse,
-        bits=call.bits, group_size=call.group_size, stream=call.stream)
+        bits=call.bits, group_size=call.group_size, softcap=call.softcap or 0.0, stream=call.stream)
 
 
 # The fused path of each device (the Metal kernels add mx.gpu: "fused-metal")

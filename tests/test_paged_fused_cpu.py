@@ -31,10 +31,11 @@ FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 TOLERANCE = {mx.float32: 3e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
 
-def oracle(q, k_pages, v_pages, table, kv_lens, q_lens, scale, causal=True, window=None, sinks=None):
+def oracle(q, k_pages, v_pages, table, kv_lens, q_lens, scale, causal=True, window=None, sinks=None, softcap=None):
     """float64 paged attention: per sequence, its keys gathered page by page
-    (key j is slot j % P of page table[b][j // P]), logits of every row,
-    visibility from positions kv_len - q_len + i, softmax with sinks."""
+    (key j is slot j % P of page table[b][j // P]), logits of every row
+    (capped as softcap * tanh(logit / softcap) with a softcap), visibility
+    from positions kv_len - q_len + i, softmax with sinks."""
     q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
     heads, kv_heads, page_size = q.shape[1], k_pages.shape[1], k_pages.shape[2]
     group = heads // kv_heads
@@ -52,6 +53,8 @@ def oracle(q, k_pages, v_pages, table, kv_lens, q_lens, scale, causal=True, wind
         values = np.repeat(values, group, axis=1)
         rows = q[row : row + q_len]  # [q_len, Hq, D]
         logits = scale * np.einsum("ihd,jhd->hij", rows, keys)
+        if softcap is not None:
+            logits = softcap * np.tanh(logits / softcap)
         position = kv_len - q_len + np.arange(q_len)[:, None]
         visible = np.ones((q_len, kv_len), bool)
         if causal:
@@ -106,15 +109,16 @@ def as64(a):
     return np.asarray(a.astype(mx.float32), np.float64)
 
 
-def check(case, *, dtype=mx.float32, scale=0.37, causal=True, window=None, sinks=None, lse=True, atol=None):
+def check(case, *, dtype=mx.float32, scale=0.37, causal=True, window=None, sinks=None, lse=True, atol=None,
+          softcap=None):
     q, k, v, table, kv_lens, q_lens, np_table, kv_list, q_list = case
     assert paged_attention_path(q, k, v, table, kv_lens, q_lens=q_lens, scale=scale, causal=causal,
-                                window_size=window, sinks=sinks, return_lse=lse) == "fused-cpu"
+                                window_size=window, sinks=sinks, return_lse=lse, softcap=softcap) == "fused-cpu"
     got = paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=scale, causal=causal, window_size=window,
-                          sinks=sinks, return_lse=lse, backend="fused")
+                          sinks=sinks, return_lse=lse, backend="fused", softcap=softcap)
     out, got_lse = got if lse else (got, None)
     want, want_lse = oracle(as64(q), as64(k), as64(v), np_table, kv_list, q_list, scale, causal, window,
-                            None if sinks is None else as64(sinks))
+                            None if sinks is None else as64(sinks), softcap)
     assert out.shape == (q.shape[0], q.shape[1], v.shape[3]) and out.dtype == dtype
     tol = atol or TOLERANCE[dtype]
     np.testing.assert_allclose(as64(out), want, atol=tol, rtol=tol)
@@ -223,6 +227,15 @@ def test_extreme_scale_stays_finite():
         assert np.isfinite(as64(out)).all()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_softcap_caps_the_logits_in_the_fused_kernel(dtype):
+    """Logits large enough that the cap (1.5) changes every softmax; with a
+    window and sinks, and ragged rows across several key blocks."""
+    case = make_case(np.random.default_rng(17), LONG, dim=32, page_size=7, dtype=dtype)
+    sinks = mx.array(np.linspace(-1, 1, 4).astype(np.float32)).astype(dtype)
+    check(case, dtype=dtype, scale=0.9, window=90, sinks=sinks, softcap=1.5)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_pages_match_the_oracle_on_dequantized_pages(bits):
     rng = np.random.default_rng(9)
@@ -258,9 +271,9 @@ def test_backends_and_paths():
     assert paged_attention_path(q, k, v, table, kv_lens, q_lens=q_lens) == "fused-cpu"
     assert paged_attention_path(q, k, v, table, kv_lens, q_lens=q_lens, backend="reference") == "reference"
     assert paged_attention_path(q, k, v, table, kv_lens, q_lens=q_lens, stream=mx.cpu) == "fused-cpu"
-    # head dims past the kernel's limit: auto falls back, fused says why
-    wide = [mx.zeros((a.shape[0], a.shape[1], 260)) for a in (q,)] + [
-        mx.zeros((*k.shape[:3], 260)), mx.zeros((*v.shape[:3], 260))]
+    # head dims past the kernel's limit (1024): auto falls back, fused says why
+    wide = [mx.zeros((a.shape[0], a.shape[1], 1030)) for a in (q,)] + [
+        mx.zeros((*k.shape[:3], 1030)), mx.zeros((*v.shape[:3], 1030))]
     assert paged_attention_path(wide[0], wide[1], wide[2], table, kv_lens, q_lens=q_lens) == "reference"
     with pytest.raises(ValueError, match="backend='fused' is not possible.*head dims"):
         paged_attention(wide[0], wide[1], wide[2], table, kv_lens, q_lens=q_lens, scale=1.0, backend="fused")
