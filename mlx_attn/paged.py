@@ -428,3 +428,78 @@ def quantized_paged_attention(
         )
     return tuple(outputs) if return_lse else outputs[0]
 
+
+
+# ---------------------------------------------------------------- fused Metal kernels
+# The Mac host side of the paged kernels (metal/attention_paged.h, plan
+# csrc/paged_launch_plan.cpp, primitive csrc/paged_attention_metal.h): what a
+# GPU-stream dispatch calls once the arguments are checked (_prepare /
+# _check_layout) and cast to the call's dtype.
+
+
+def _metal_inputs(q, k_parts, v_parts, block_table, sinks) -> list:
+    return [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
+
+
+def metal_paged_reason(q, k_parts, v_parts, block_table, layout: _Layout, *, window_size=None, sinks=None,
+                       return_lse=False, bits=0, group_size=0) -> str:
+    """Why the fused Metal paged kernels cannot run this checked call ("" when
+    they can): no Metal build, or what the launch plan refuses (head dims,
+    Dv != D, quantization). ``k_parts`` / ``v_parts``: ``[pages]`` or the
+    ``(packed, scales, biases)`` triples."""
+    from mlx_attn import _native
+
+    ext = _native.ext
+    if ext is None or not ext.has_metal():
+        return "this build of mlx_attn has no Metal kernels"
+    plan = ext.paged_metal_launch_plan(
+        _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens,
+        window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
+        group_size=group_size)
+    return "" if plan["supported"] else plan["reason"]
+
+
+def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: _Layout, *, scale, causal, window_size,
+                                sinks, return_lse, bits=0, group_size=0, stream=None) -> list:
+    """The fused Metal paged kernels on a GPU stream: ``[out]`` or
+    ``[out, lse]``. Arguments checked and in one dtype (scales and biases
+    too); ``block_table`` int32; lengths from ``layout``."""
+    from mlx_attn import _native
+
+    return _native.ext.metal_paged_attention(
+        _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens, scale=scale,
+        causal=causal, window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
+        group_size=group_size, stream=stream if stream is not None else mx.gpu)
+
+
+def metal_paged_runner(stream):
+    """``run(q, k_pages, v_pages, block_table, kv_lens, *, q_lens, scale,
+    causal, window_size, sinks, bits=0, group_size=0)`` on the fused Metal
+    paged kernels: the runner of :func:`mlx_attn.self_check.check_paged_variant`
+    and ``mlx-attn doctor``."""
+
+    def run(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale, causal=True, window_size=None,
+            sinks=None, bits=0, group_size=0):
+        k_parts = tuple(k_pages) if bits else (k_pages,)
+        v_parts = tuple(v_pages) if bits else (v_pages,)
+        if bits:
+            k_shape = (*k_parts[0].shape[:3], quantized.quantized_head_dim(k_parts[0], bits))
+            v_shape = (*v_parts[0].shape[:3], quantized.quantized_head_dim(v_parts[0], bits))
+        else:
+            k_shape, v_shape = tuple(k_pages.shape), tuple(v_pages.shape)
+        layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+        return fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout, scale=scale, causal=causal,
+                                           window_size=window_size, sinks=sinks, return_lse=False, bits=bits,
+                                           group_size=group_size, stream=stream)[0]
+
+    return run
+
+
+def metal_paged_trusted(dtype, head_dim: int, *, bits: int = 0, group_size: int = 0, stream=None) -> bool:
+    """Whether the paged kernel variant for this dtype and head dim passed its
+    first-use self-check (run now if it has not; a failure warns once and
+    disables the variant: calls then take the reference path)."""
+    from mlx_attn import self_check
+
+    variant = self_check.PagedVariant(str(dtype).split(".")[-1], head_dim, bits, group_size)
+    return self_check.trusted(variant, metal_paged_runner(stream if stream is not None else mx.gpu))

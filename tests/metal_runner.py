@@ -272,6 +272,8 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
                 bound[binding["index"]] = plan["params"]
             elif source == "quantized_params":
                 bound[binding["index"]] = plan["quantized_params"]
+            elif source == "sequences":  # a paged plan's PagedSequence array
+                bound[binding["index"]] = np.frombuffer(plan["sequences"], np.uint8).copy()
             else:
                 bound[binding["index"]] = struct.pack("i", plan["splits"])
         results.append(library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound))
