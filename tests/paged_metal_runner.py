@@ -10,7 +10,7 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from metal_runner import REPO, nan_filled, run_plan, to_numpy
+from metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 from mlx_attn import _native
 
 FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal"]
@@ -126,11 +126,17 @@ def paged_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_len
     return device_bytes(results) / live_kv_bytes(k_pages, kv_lens)
 
 
+def fresh(x: mx.array) -> mx.array:
+    """A copy of x in its own contiguous buffer (offset 0), as the dense
+    runner binds it."""
+    return from_numpy(np.ascontiguousarray(to_numpy(x)), x.dtype)
+
+
 def sequence_kv(pages: mx.array, table_row, length: int) -> mx.array:
     """One sequence's contiguous [1, Hkv, length, D] from its pages."""
     page_size = pages.shape[2]
     ids = mx.array(np.asarray(table_row)[: (length + page_size - 1) // page_size].astype(np.int32))
-    return mx.flatten(pages[ids].swapaxes(0, 1), 1, 2)[None, :, :length]
+    return fresh(mx.flatten(pages[ids].swapaxes(0, 1), 1, 2)[None, :, :length])
 
 
 def _dense_launch(library, q, k, v):
@@ -151,7 +157,7 @@ def dense_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_len
     total, start = 0, 0
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         if q_len:
-            rows = q[start:start + q_len].swapaxes(0, 1)[None]
+            rows = fresh(q[start:start + q_len].swapaxes(0, 1)[None])
             k, v = (sequence_kv(pages, table[b], kv_len) for pages in (k_pages, v_pages))
             total += device_bytes(_dense_launch(library, rows, k, v))
         start += q_len
@@ -172,7 +178,7 @@ def padded(q, k_pages, v_pages, block_table, q_lens, kv_lens):
             rows.append(mx.pad(x, [(0, 0), (0, 0), (0, longest - n), (0, 0)]))
         return mx.concatenate(rows)
 
-    return q[:, :, None, :], rectangle(k_pages), rectangle(v_pages)
+    return fresh(q[:, :, None, :]), rectangle(k_pages), rectangle(v_pages)
 
 
 def padded_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:

@@ -37,7 +37,10 @@ FLOAT_SAMPLE = [("float32", 64), ("float16", 128), ("bfloat16", 64)]
 QUANTIZED_SAMPLE = [("float16", 128, 4), ("float32", 64, 8)]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["precise", "fast-math"])
+# Precise math by default (the counting build below is fast math, as Metal
+# compiles); MLX_ATTN_FULL_GRID=1 runs every test under both.
+@pytest.fixture(scope="module", params=[False, True] if FULL_GRID else [False],
+                ids=["precise", "fast-math"] if FULL_GRID else ["precise"])
 def library(request, tmp_path_factory):
     if FULL_GRID:
         sources = QUANTIZED_SOURCES
@@ -65,7 +68,7 @@ def ragged_case(dtype, d, *, gqa=4, kv_heads=2, page_size=16, kv_lens=(37, 0, 13
     for b, n in enumerate(needed):
         table[b, :n] = pool[at:at + n]
         at += n
-    if shared and needed[0] and needed[2]:
+    if shared and len(needed) > 2 and needed[0] and needed[2]:
         prefix = min(needed[0], needed[2]) - 1 or 1
         table[2, :prefix] = table[0, :prefix]
     q = rng.standard_normal((sum(q_lens), heads, d)).astype(np.float32)
@@ -144,10 +147,9 @@ def test_long_sequences_split_over_many_page_windows(library):
     assert plan["splits"] >= 700 // (31 * 4)
 
 
-def test_rows_that_see_nothing_give_zeros_and_minus_infinity(library):
-    """A sliding window of 1 over a chunk whose first keys hold no page
-    data... every row sees exactly its own key; with no sinks and q_len 0
-    sequences the plan still launches only real rows."""
+def test_a_window_of_one_and_a_batch_without_rows(library):
+    """A window of 1 (each row sees only its own key: one split, one key);
+    a batch whose sequences have no query rows launches nothing."""
     check_float(library, "float32", 64, window_size=1, lse=True, kv_lens=(4, 9), q_lens=(4, 2), gqa=1)
     # no query rows at all: an empty launch
     q, k, v, table, q_lens, kv_lens = ragged_case("float32", 64, kv_lens=(5, 0), q_lens=(0, 0))
@@ -262,7 +264,8 @@ def test_page_indirection_costs_at_most_5_percent_of_device_bytes(counting):
     """Device bytes per live K/V byte of the paged decode (partial and merge)
     against the dense decode kernel run on each sequence's contiguous K/V
     (the same live keys): <= 1.05x (the issue's target)."""
-    case = ragged_case("float16", 128, page_size=16, kv_lens=(600, 77, 1500, 320), q_lens=(1, 1, 1, 1), seed=4)
+    case = ragged_case("float16", 128, page_size=16, kv_lens=(300, 77, 700, 150), q_lens=(1, 1, 1, 1), seed=4)
     paged = paged_decode_bytes(counting, *case)
     dense = dense_decode_bytes(counting, *case)
+    print(f"device bytes per live K/V byte: paged {paged:.4f}, dense on the same keys {dense:.4f}")
     assert paged <= 1.05 * dense, (paged, dense)
