@@ -16,7 +16,8 @@ from mlx_attn.metal_support import launch_plan
 from mlx_attn.quantized import quantized_launch_plan
 
 REPO = Path(__file__).resolve().parent.parent
-METAL_SOURCES = sorted((REPO / "metal").glob("*.metal"))
+# the dense plans' kernels (the paged families run from tests/paged_metal_runner.py)
+METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal") if not p.name.startswith("attention_paged"))
 REAL_METAL = mx.metal.is_available() and _ext.has_metal()
 
 

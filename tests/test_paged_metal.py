@@ -32,24 +32,17 @@ pytestmark = [needs_ext, needs_clang]
 
 FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 DTYPES = {"float32": (mx.float32, "float"), "float16": (mx.float16, "half"), "bfloat16": (mx.bfloat16, "bfloat")}
-# (dtype, D) instantiated in the default build; the quantized ones add bits
+# the (dtype, D) of the default sample
 FLOAT_SAMPLE = [("float32", 64), ("float16", 128), ("bfloat16", 64)]
-QUANTIZED_SAMPLE = [("float16", 128, 4), ("float32", 64, 8)]
 
 
-# Precise math by default (the counting build below is fast math, as Metal
-# compiles); MLX_ATTN_FULL_GRID=1 runs every test under both.
-@pytest.fixture(scope="module", params=[False, True] if FULL_GRID else [False],
-                ids=["precise", "fast-math"] if FULL_GRID else ["precise"])
-def library(request, tmp_path_factory):
-    if FULL_GRID:
-        sources = QUANTIZED_SOURCES
-    else:
-        sources = trimmed_sources(
-            tmp_path_factory.mktemp("paged"),
-            [f"{t}, {DTYPES[t][1]}, {d}" for t, d in FLOAT_SAMPLE],
-            [f"{t}, {DTYPES[t][1]}, {d}, {b}" for t, d, b in QUANTIZED_SAMPLE])
-    return msl_emulator.compile_library(sources, include_dirs=[REPO], fast_math=request.param)
+# Fast math by default, as Metal compiles: the whole sources, the build
+# test_metal_kernels.py's family-table test compiles too (one cached build);
+# MLX_ATTN_FULL_GRID=1 adds precise math.
+@pytest.fixture(scope="module", params=[True, False] if FULL_GRID else [True],
+                ids=["fast-math", "precise"] if FULL_GRID else ["fast-math"])
+def library(request):
+    return msl_emulator.compile_library(QUANTIZED_SOURCES, include_dirs=[REPO], fast_math=request.param)
 
 
 def ragged_case(dtype, d, *, gqa=4, kv_heads=2, page_size=16, kv_lens=(37, 0, 130, 5, 64), q_lens=(1, 0, 13, 5, 1),
@@ -253,7 +246,7 @@ def counting(tmp_path_factory):
     """Counting builds (every device access checked against its buffer) of
     the paged kernels and the dense decode at float16, D = 128."""
     directory = tmp_path_factory.mktemp("paged-counting")
-    sources = trimmed_sources(directory, ["float16, half, 128"], ["float16, half, 128, 4"])
+    sources = trimmed_sources(directory, ["float16, half, 128"])
     decode = directory / "attention_decode.metal"
     text = (REPO / "metal" / "attention_decode.metal").read_text()
     decode.write_text(text[: text.index("MLX_ATTN_DECODE_TYPES(64)")] + "MLX_ATTN_DECODE(float16, half, 128)\n")
