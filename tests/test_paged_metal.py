@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from mlx_attn import _native
+from mlx_attn import _native, self_check
 from paged_metal_runner import (QUANTIZED_SOURCES, as_float, dense_decode_bytes, oracle, paged_decode_bytes,
                                 paged_plan, run_paged, trimmed_sources)
 from metal_runner import REPO
@@ -262,3 +262,40 @@ def test_page_indirection_costs_at_most_5_percent_of_device_bytes(counting):
     dense = dense_decode_bytes(counting, *case)
     print(f"device bytes per live K/V byte: paged {paged:.4f}, dense on the same keys {dense:.4f}")
     assert paged <= 1.05 * dense, (paged, dense)
+
+
+# ---------------------------------------------------------------- first-use self-check and doctor
+
+def emulated_runner(library):
+    """The self-check's run_kernel over the emulated paged kernels."""
+
+    def run(q, k_pages, v_pages, block_table, kv_lens, *, q_lens, scale, causal=True, window_size=None, sinks=None,
+            bits=0, group_size=0):
+        k_parts, v_parts = (list(x) if bits else [x] for x in (k_pages, v_pages))
+        out, *_ = run_paged(library, q, k_parts, v_parts, block_table, np.array(q_lens).tolist(),
+                            np.array(kv_lens).tolist(), scale=scale, causal=causal, window_size=window_size,
+                            sinks=sinks, bits=bits, group_size=group_size)
+        return mx.array(as_float(out, q.dtype).astype(np.float32)).astype(q.dtype)
+
+    return run
+
+
+@pytest.mark.parametrize("variant", [self_check.PagedVariant("float16", 128),
+                                     self_check.PagedVariant("bfloat16", 64, 8, 32)], ids=str)
+def test_self_check_passes_the_emulated_kernels_and_fails_a_broken_one(library, variant):
+    run = emulated_runner(library)
+    result = self_check.check_paged_variant(variant, run)
+    assert result.passed and result.cases == len(self_check.paged_cases(variant)), result.error
+
+    failed = self_check.check_paged_variant(variant, lambda *a, **kw: run(*a, **kw) * 1.05)
+    assert not failed.passed and "max abs error" in failed.error
+
+
+def test_doctor_lists_the_paged_variants(library):
+    from mlx_attn.doctor import run_doctor
+
+    report = run_doctor(metal_paged=emulated_runner(library), paged_variants=[self_check.PagedVariant("float32", 64)],
+                        timings=False, variants=[], backward_variants=[], metal_runner=None)
+    assert "## Paged Metal kernels against the paged reference path" in report.markdown
+    assert "| paged/float32/D=64 | 3 |" in report.markdown
+    assert [r.passed for r in report.paged_results] == [True]
