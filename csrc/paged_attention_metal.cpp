@@ -37,6 +37,12 @@ PagedProblem describe_paged_attention(
   const mx::array& table = inputs[pages_end];
   if (q.ndim() != 3 || k.ndim() != 4 || v.ndim() != 4 || table.ndim() != 2) invalid("input ranks");
   if (table.dtype() != mx::int32) invalid("block_table int32");
+  for (size_t i = 1; i < pages_end; ++i) {
+    const bool packed = quantized && (i == 1 || i == 4);
+    if (inputs[i].ndim() != 4 || inputs[i].dtype() != (packed ? mx::uint32 : q.dtype())) {
+      invalid("pages of rank 4 in q's dtype (quantized: uint32 words, scales and biases in q's dtype)");
+    }
+  }
   if (int(q_lens.size()) != table.shape(0) || kv_lens.size() != q_lens.size()) invalid("one length per sequence");
   int64_t total_q = 0;
   for (size_t b = 0; b < q_lens.size(); ++b) {

@@ -299,3 +299,22 @@ def test_doctor_lists_the_paged_variants(library):
     assert "## Paged Metal kernels against the paged reference path" in report.markdown
     assert "| paged/float32/D=64 | 3 |" in report.markdown
     assert [r.passed for r in report.paged_results] == [True]
+
+
+def test_the_python_dispatch_names_why_the_kernels_cannot_run_here():
+    """mlx_attn.paged.metal_paged_reason: without a Metal build it says so
+    (before asking the plan); the plan's own reasons otherwise."""
+    from mlx_attn import paged
+
+    q, k, v, table, q_lens, kv_lens = ragged_case("float32", 64)
+    layout = paged._check_layout(q, tuple(k.shape), tuple(v.shape), k.shape[0], table, mx.array(kv_lens, mx.int32),
+                                 mx.array(q_lens, mx.int32))
+    reason = paged.metal_paged_reason(q, [k], [v], table, layout)
+    if _native.ext.has_metal():
+        assert reason == ""
+    else:
+        assert reason == "this build of mlx_attn has no Metal kernels"
+    plan = paged_plan([q, k, v, table], q_lens, kv_lens, scale=0.1)
+    assert plan["supported"] and layout.q_lens == q_lens and layout.kv_lens == kv_lens
+    with pytest.raises(ValueError, match="pages of rank 4"):
+        paged_plan([q, k, v.astype(mx.float16), table], q_lens, kv_lens, scale=0.1)
