@@ -21,7 +21,7 @@ namespace mx = mlx::core;
 namespace mlx_attn {
 void bind_launch_plan(nb::module_& m);  // csrc/launch_plan_bindings.cpp
 void bind_metal_sources(nb::module_& m);  // csrc/metal/metal_source_bindings.cpp
-void bind_paged_metal(nb::module_& m);  // csrc/paged_bindings.cpp
+void bind_paged_metal(nb::module_& m);  // csrc/paged_metal_bindings.cpp
 
 namespace {
 
