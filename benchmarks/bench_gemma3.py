@@ -63,6 +63,9 @@ def worker(which: str, path: str, context: int, decode: int) -> dict:
 
         model, _ = load(path)
     else:
+        import mlx_attn
+
+        mlx_attn.use_system_blas()  # as the mlx-attn command does (before MLX is imported)
         from mlx_attn.lm import load_model
 
         model, _ = load_model(path)

@@ -13,11 +13,15 @@ constexpr int kThreadgroupMemoryLimit = 32 * 1024;
 // D = 128); apple9's larger BK for 2-byte dtypes and every core count and
 // threadgroups-per-core figure are UNMEASURED (no Apple GPU here).
 constexpr std::array<int, 5> kSteelKeyBlocks = {32, 16, 16, 16, 8};
+constexpr std::array<int, 5> kApple9KeyBlocks = {32, 32, 32, 32, 16};
 constexpr GpuTuning kGpuTable[] = {
     {GpuFamily::unknown, "unknown", 8, 4, kSteelKeyBlocks, kSteelKeyBlocks, 8},
     {GpuFamily::apple7, "apple7", 8, 4, kSteelKeyBlocks, kSteelKeyBlocks, 8},
     {GpuFamily::apple8, "apple8", 8, 4, kSteelKeyBlocks, kSteelKeyBlocks, 8},
-    {GpuFamily::apple9, "apple9", 8, 4, {32, 32, 32, 32, 16}, kSteelKeyBlocks, 8},
+    {GpuFamily::apple9, "apple9", 8, 4, kApple9KeyBlocks, kSteelKeyBlocks, 8},
+    // M5: apple9's tiles (its SIMD pipes run them the same way); the matrix
+    // units are not used (docs/metal_kernels.md, "M5 and matrix units").
+    {GpuFamily::apple10, "apple10", 8, 4, kApple9KeyBlocks, kSteelKeyBlocks, 8},
 };
 // The prefill kernel is compiled for this many simdgroups per threadgroup.
 constexpr bool table_matches_kernels() {
@@ -57,8 +61,10 @@ bool gpu_family_from_name(std::string_view name, GpuFamily& family) {
 
 GpuTarget gpu_target_from_architecture(std::string_view architecture) {
   // "applegpu_g13g": generation 13 (M1), tier g (base). Generations follow
-  // Apple's G13 = M1, G14 = M2, G15 = M3, G16 = M4; tiers p (iPhone/iPad),
-  // g (base), s (Pro), c (Max), d (Ultra), with the tier's smallest core count.
+  // Apple's G13 = M1, G14 = M2, G15 = M3, G16 = M4, G17 = M5; tiers p
+  // (iPhone/iPad), g (base), s (Pro), c (Max), d (Ultra), with the tier's
+  // smallest core count. A generation after 17 is not known yet: the
+  // conservative family (its cores still follow the tier).
   constexpr std::string_view prefix = "applegpu_g";
   GpuTarget target;
   if (architecture.substr(0, prefix.size()) != prefix) return target;
@@ -72,7 +78,8 @@ GpuTarget gpu_target_from_architecture(std::string_view architecture) {
   if (digits == 0) return target;
   if (generation == 13) target.family = GpuFamily::apple7;
   else if (generation == 14) target.family = GpuFamily::apple8;
-  else if (generation >= 15) target.family = GpuFamily::apple9;
+  else if (generation == 15 || generation == 16) target.family = GpuFamily::apple9;
+  else if (generation == 17) target.family = GpuFamily::apple10;
   if (rest.size() == digits + 1) {
     switch (rest[digits]) {
       case 'p': target.gpu_cores = 4; break;
@@ -105,10 +112,15 @@ int decode_rows_per_threadgroup(int head_dim) {
 namespace {
 // A split costs, next to its K/V (4·keys·D bytes at fp16), about 2·rows·D·4
 // bytes of partials in device memory and 6·rows·D·4 bytes of simdgroup
-// combine in threadgroup memory: at least 64 keys per row keeps them at 1/32
-// and 3/32 of the K/V bytes; at least 64 keys gives each simdgroup 16.
+// combine in threadgroup memory: at least 16 keys per row keeps them at 1/8
+// and 3/8 of the K/V bytes; at least 64 keys gives each simdgroup 16. The
+// floor was 64 keys per row, which left large GPUs idle (B=1, Hkv=8, GQA 4,
+// T=1024: 32 threadgroups on a 38-core M2 Max); the cost model
+// (benchmarks/metal_cost_model.py, docs/emulator_costs.md) puts the new floor
+// at 1.11x the best split count per problem where the old one was at 1.30x
+// (geometric means over the grid of bench_metal.py's split_rule_check).
 constexpr int kDecodeMinKeysPerSplit = 64;
-constexpr int kDecodeMinKeysPerRow = 64;
+constexpr int kDecodeMinKeysPerRow = 16;
 }  // namespace
 
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target) {

@@ -17,8 +17,9 @@
 namespace mlx_attn {
 
 // Apple GPU families of Metal's feature set tables: apple7 = M1 (A14),
-// apple8 = M2 (A15, A16), apple9 = M3, M4 and later (A17 Pro, A18).
-enum class GpuFamily : int32_t { unknown = 0, apple7 = 7, apple8 = 8, apple9 = 9 };
+// apple8 = M2 (A15, A16), apple9 = M3, M4 (A17 Pro, A18), apple10 = M5 (A19;
+// matrix units, which these kernels do not use: docs/metal_kernels.md).
+enum class GpuFamily : int32_t { unknown = 0, apple7 = 7, apple8 = 8, apple9 = 9, apple10 = 10 };
 
 // The GPU a plan is made for. The default is the conservative target: an
 // unknown family (tiled as apple7) with the cores of a base M1.
@@ -141,7 +142,7 @@ inline constexpr int kDecodeMaxRows = 32;
 
 const GpuTuning& gpu_tuning(GpuFamily family);
 const char* gpu_family_name(GpuFamily family);
-// Name -> family ("apple7", "apple8", "apple9", "unknown"); false if unknown name.
+// Name -> family ("apple7", "apple8", "apple9", "apple10", "unknown"); false if unknown name.
 bool gpu_family_from_name(std::string_view name, GpuFamily& family);
 // MLX's Device::get_architecture() ("applegpu_g<generation><tier>", e.g.
 // "applegpu_g14g" = M2) -> family and the tier's smallest core count.

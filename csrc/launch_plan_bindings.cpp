@@ -75,7 +75,7 @@ void bind_launch_plan(nb::module_& m) {
       [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores) {
         GpuTarget target;
         if (!gpu_family_from_name(gpu_family, target.family)) {
-          throw nb::value_error(("gpu_family must be one of apple7, apple8, apple9, unknown; got '" + gpu_family + "'").c_str());
+          throw nb::value_error(("gpu_family must be one of apple7, apple8, apple9, apple10, unknown; got '" + gpu_family + "'").c_str());
         }
         if (gpu_cores < 0) {
           throw nb::value_error(("gpu_cores must be >= 0 (0: the family's base part), got " + std::to_string(gpu_cores)).c_str());
@@ -89,7 +89,7 @@ void bind_launch_plan(nb::module_& m) {
       },
       "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
       "The Metal launch plan for a problem (_ext.describe_attention) on a GPU family (apple7, apple8, "
-      "apple9, unknown = the conservative default) with gpu_cores cores (0: the family's base part): "
+      "apple9, apple10, unknown = the conservative default) with gpu_cores cores (0: the family's base part): "
       "kernels, grids, threadgroups, params bytes, and per dispatch its bindings (index, role, access, "
       "source, source_index) exactly as the Mac host encodes them.");
   m.def(
@@ -108,7 +108,8 @@ void bind_launch_plan(nb::module_& m) {
       "gpu_family_table",
       [] {
         nb::list rows;
-        for (GpuFamily family : {GpuFamily::unknown, GpuFamily::apple7, GpuFamily::apple8, GpuFamily::apple9}) {
+        for (GpuFamily family : {GpuFamily::unknown, GpuFamily::apple7, GpuFamily::apple8, GpuFamily::apple9,
+                                  GpuFamily::apple10}) {
           const GpuTuning& row = gpu_tuning(family);
           nb::dict entry;
           entry["gpu_family"] = row.name;

@@ -39,7 +39,7 @@ inline float2 probability_and_gradient(
     float lse, float delta, int b, int h, int qi, int key) {
   const MaskedLogit logit =
       masked_logit<T, MASK, EDGE>(p, mask, score * p.scale, b, h, qi, key, query_position(p, qi));
-  const float prob = logit_masked(logit.value) ? 0.0f : exp2((logit.value - lse) * MLX_ATTN_LOG2E);
+  const float prob = logit_masked(logit.value) ? 0.0f : fast::exp2((logit.value - lse) * MLX_ATTN_LOG2E);
   return float2(prob, logit.exact ? prob * (d_prob - delta) : 0.0f);
 }
 
@@ -335,7 +335,7 @@ template <typename T>
   for (int b = 0; b < p.batch; ++b) {
     const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
     for (int qi = int(lane); qi < p.q_len; qi += 32) {
-      sum -= exp2((sink - lse[head_rows + qi]) * MLX_ATTN_LOG2E) * delta[head_rows + qi];
+      sum -= fast::exp2((sink - lse[head_rows + qi]) * MLX_ATTN_LOG2E) * delta[head_rows + qi];
     }
   }
   sum = simd_sum(sum);

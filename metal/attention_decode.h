@@ -127,8 +127,8 @@ inline void decode_key(
     }
     // online max / rescale, accumulate
     const float m_new = max(rows.m[i], s);
-    const float alpha = exp2((rows.m[i] - m_new) * MLX_ATTN_LOG2E);
-    const float prob = exp2((s - m_new) * MLX_ATTN_LOG2E);
+    const float alpha = fast::exp2((rows.m[i] - m_new) * MLX_ATTN_LOG2E);
+    const float prob = fast::exp2((s - m_new) * MLX_ATTN_LOG2E);
     rows.l[i] = rows.l[i] * alpha + prob;
     rows.m[i] = m_new;
     for (int e = 0; e < SLICE; ++e) {
@@ -249,8 +249,8 @@ inline void decode_partial(
     const float their_sum = reads_stats ? states.row_sum[int(lane) * R + i] : 0.0f;
     const float m = max(rows.m[i], simd_max(their_max));
     // rescale to the common max: lane g's weight is simdgroup g + 1's
-    const float own = exp2((rows.m[i] - m) * MLX_ATTN_LOG2E);
-    const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);
+    const float own = fast::exp2((rows.m[i] - m) * MLX_ATTN_LOG2E);
+    const float their_weight = fast::exp2((their_max - m) * MLX_ATTN_LOG2E);
     const float l = rows.l[i] * own + simd_sum(their_sum * their_weight);
     float o[SLICE];
     for (int e = 0; e < SLICE; ++e) {
@@ -313,7 +313,7 @@ inline void merge_splits(
   }
   for (int s = 0; s < splits; ++s) {
     const long base = first + s * stride;
-    const float weight = exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
+    const float weight = fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
     l += partial_stats[base * 2 + 1] * weight;
     for (int e = 0; e < SLICE; ++e) {
       o[e] += partial_out[base * D + DecodeLayout<D>::dim(lane, e)] * weight;
@@ -324,8 +324,8 @@ inline void merge_splits(
   if (p.has_sinks != 0) {
     const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
     const float m_final = max(m, sink);
-    correction = exp2((m - m_final) * MLX_ATTN_LOG2E);
-    l = l * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    correction = fast::exp2((m - m_final) * MLX_ATTN_LOG2E);
+    l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
     m = m_final;
   }
   const float factor = l > 0.0f ? correction / l : 0.0f;

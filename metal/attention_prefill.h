@@ -136,14 +136,14 @@ template <typename T, int D, int BK, int MASK>
     block_max = max(block_max, simd_shuffle_xor(block_max, 1));
     block_max = max(block_max, simd_shuffle_xor(block_max, 8));
     const float m_new = max(m_row, block_max);
-    const float alpha = exp2((m_row - m_new) * MLX_ATTN_LOG2E);
+    const float alpha = fast::exp2((m_row - m_new) * MLX_ATTN_LOG2E);
 
     // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
     float p_sum = 0.0f;
     for (int j = 0; j < BK / 8; ++j) {
       for (int t = 0; t < 2; ++t) {
         const float s = s_tiles[j].thread_elements()[t];
-        const float prob = s > 0.5f * MLX_ATTN_MASKED_LOGIT ? exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
+        const float prob = s > 0.5f * MLX_ATTN_MASKED_LOGIT ? fast::exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
         s_tiles[j].thread_elements()[t] = prob;
         p_sum += prob;
       }
@@ -174,8 +174,8 @@ template <typename T, int D, int BK, int MASK>
   if (p.has_sinks != 0) {
     const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
     m_final = max(m_row, sink);
-    correction = exp2((m_row - m_final) * MLX_ATTN_LOG2E);
-    l_final = l_row * correction + exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    correction = fast::exp2((m_row - m_final) * MLX_ATTN_LOG2E);
+    l_final = l_row * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
   }
   const float factor = l_final > 0.0f ? correction / l_final : 0.0f;
   if (qi < p.q_len) {

@@ -21,7 +21,7 @@ def launch_plan(
     report row-contiguous strides); ``mask`` is ``"causal"`` or an array in
     its own (broadcastable) shape; ``sinks`` any ``[Hq]`` view; ``output_lse``
     adds the float32 ``[B, Hq, Tq]`` log-sum-exp output. ``gpu_family``
-    (``"apple7"``, ``"apple8"``, ``"apple9"`` or ``"unknown"``, the
+    (``"apple7"``, ``"apple8"``, ``"apple9"``, ``"apple10"`` or ``"unknown"``, the
     conservative default) and ``gpu_cores`` (0: the family's base part) pick
     the row of the plan's per-GPU-family table (docs/metal_kernels.md)."""
     if ext is None:

@@ -61,4 +61,7 @@ fi
 echo "scripts/test.sh: pip install .[test] (mlx_attn and its test dependencies, pyproject.toml)" >&2
 "$PYTHON" -m pip install --quiet ".[test]"
 # Run from outside the source tree so the installed package is what is tested.
-cd tests && exec "$PYTHON" -m pytest -q "$@"
+# pytest-xdist runs one worker per core (MLX_ATTN_TEST_WORKERS overrides;
+# 0 runs in this process), a test file per worker at a time, so each Metal
+# emulator library is compiled once; --durations names the slowest tests.
+cd tests && exec "$PYTHON" -m pytest -q -n "${MLX_ATTN_TEST_WORKERS:-auto}" --dist loadfile --durations=25 "$@"

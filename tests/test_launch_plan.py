@@ -106,8 +106,8 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     # registers: a lane holds 32 floats of q (D/32 per row), so 32 / (D/32) rows per threadgroup
     row_chunks = -(-rows // (32 // (d // 32)))
     splits = plan["splits"]
-    # enough threadgroups to fill the default target (8 cores x 8), but at least max(64, 64 x rows) keys each
-    assert splits == max(1, min(-(-64 // (2 * 2 * row_chunks)), -(-tkv // max(64, 64 * rows))))
+    # enough threadgroups to fill the default target (8 cores x 8), but at least max(64, 16 x rows) keys each
+    assert splits == max(1, min(-(-64 // (2 * 2 * row_chunks)), -(-tkv // max(64, 16 * rows))))
     assert partial["kernel"] == f"attention_decode_partial_float16_d{d}"
     assert partial["grid"] == [splits, 2 * row_chunks, 2] and partial["threadgroup"] == [128, 1, 1]
     assert partial["threadgroup_memory_bytes"] <= 32 * 1024
@@ -126,11 +126,13 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
 
 
 @pytest.mark.parametrize("tkv,hkv,target,expected", [
-    (8192, 1, {}, 32),  # 256 keys per split (64 per row) bind before the 64 threadgroups of 8 cores
+    (8192, 1, {}, 64),  # the 64 threadgroups of 8 cores x 8 bind before 64 keys per split (16 per row)
+    (2048, 1, {}, 32),  # 64 keys per split bind before the 64 threadgroups
     (8192, 8, {}, 8),  # 8 KV heads x 8 splits fill the default 8 cores x 8
-    (4096, 1, {}, 16),
-    (300, 1, {}, 2),
-    (100, 16, {}, 1),
+    (4096, 1, {}, 64),
+    (300, 1, {}, 5),
+    (100, 16, {}, 2),
+    (1024, 8, dict(gpu_family="apple8", gpu_cores=38), 16),  # issue 23's M2 Max case: 128 threadgroups, not 32
     (100000, 64, {}, 1),
     (8192, 8, dict(gpu_family="apple9", gpu_cores=24), 24),  # 24 cores x 8 / 8 KV heads
     (8192, 8, dict(gpu_family="apple8", gpu_cores=10), 10),
@@ -262,6 +264,7 @@ DOCUMENTED_KEY_BLOCKS = {
     "apple7": (STEEL_BK, STEEL_BK),
     "apple8": (STEEL_BK, STEEL_BK),
     "apple9": ((32, 32, 32, 32, 16), STEEL_BK),
+    "apple10": ((32, 32, 32, 32, 16), STEEL_BK),
 }
 
 
@@ -272,7 +275,10 @@ DOCUMENTED_KEY_BLOCKS = {
     ("applegpu_g14d", "apple8", 48),  # M2 Ultra
     ("applegpu_g15g", "apple9", 8),  # M3
     ("applegpu_g16s", "apple9", 14),  # M4 Pro
-    ("applegpu_g17p", "apple9", 4),  # a later phone part
+    ("applegpu_g16g", "apple9", 8),  # M4
+    ("applegpu_g17g", "apple10", 8),  # M5
+    ("applegpu_g17p", "apple10", 4),  # A19
+    ("applegpu_g18s", "unknown", 14),  # not known yet: the conservative family, the tier's cores
     ("applegpu_g14", "apple8", 0),  # no tier: the family's base part
     ("applegpu_g14x", "apple8", 0),
     ("applegpu_g12g", "unknown", 8),  # older than the table

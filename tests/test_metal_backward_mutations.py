@@ -61,7 +61,7 @@ MUTANTS = {
     "mask: bool mask ignored": ("replace", "mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
     "mask: additive mask not added": ("replace", "const float sum = logit.value + added;", "const float sum = logit.value;"),
     # sinks
-    "sinks: gradient sign flipped": ("replace", "sum -= exp2((sink - lse[", "sum += exp2((sink - lse["),
+    "sinks: gradient sign flipped": ("replace", "sum -= fast::exp2((sink - lse[", "sum += fast::exp2((sink - lse["),
     "sinks: stride assumed contiguous": ("replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
     "sinks: one batch only": ("replace", "for (int b = 0; b < p.batch; ++b) {\n    const long head_rows", "for (int b = 0; b < 1; ++b) {\n    const long head_rows"),
     # staging, fragments and stores

@@ -150,9 +150,9 @@ def test_decode_split_kv(run, tq, hq, hkv):
         assert kernels == ["attention_decode_partial_float32_d64", "attention_decode_merge_float32_d64"]
         rows = hq // hkv * tq
         row_chunks = -(-rows // 16)
-        # splits of at least max(64, 64 per row) keys, at most what fills the
+        # splits of at least max(64, 16 per row) keys, at most what fills the
         # default target's 8 cores x 8 threadgroups (docs/metal_kernels.md)
-        assert run.last_plan["splits"] == min(-(-64 // (2 * hkv * row_chunks)), -(-600 // max(64, 64 * rows)))
+        assert run.last_plan["splits"] == min(-(-64 // (2 * hkv * row_chunks)), -(-600 // max(64, 16 * rows)))
     assert np.isfinite(got).all()
 
 
@@ -282,7 +282,7 @@ def test_each_gpu_family_plan_runs_correctly(run, family, cores):
     check(run, q, k, v, mask=mx.array(visible), gpu_target=None if REAL_METAL else target)
     if not REAL_METAL:
         assert (run.last_plan["gpu_family"], run.last_plan["gpu_cores"]) == (family, cores or 8)
-        assert run.last_plan["splits"] == 3  # ceil(700 / (64 keys x 4 rows)): fewer than any target fills
+        assert run.last_plan["splits"] == 11  # ceil(700 / max(64, 16 keys x 4 rows)): fewer than any target fills
     q, k, v = make(1, 2, 2, 35, 50, 256, mx.float16, seed=3)
     check(run, q, k, v, window_size=9, gpu_target=None if REAL_METAL else target)
 

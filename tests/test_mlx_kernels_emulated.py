@@ -209,7 +209,15 @@ def test_bench_metal_emulate_smoke_run(tmp_path):
     assert rows[0]["mlx"]["counters"]["simdgroup_matrix_mmas"] > 0 and rows[0]["ours"]["counters"]["simdgroup_matrix_mmas"] > 0
     text = doc.read_text()
     assert "modelled costs" in text and "not GPU timings" in text
-    assert text.count("| prefill |") == 4 and text.count("| decode |") == 2  # cost table and kernel table
+    counters, model = text.split(bench.MODEL_BEGIN)
+    # cost table, the cost model's count check and kernel table
+    assert counters.count("| prefill |") == 6 and counters.count("| decode |") == 3
+    # the cost model describes the kernels the emulator ran: its MMAs and bytes are the counted ones
+    for impl in ("ours", "mlx"):
+        assert rows[0]["model_check"][impl]["mmas"] == pytest.approx(1.0, rel=0.02)
+        assert rows[0]["model_check"][impl]["device_bytes"] == pytest.approx(1.0, rel=0.05)
+    assert rows[2]["model_check"]["ours"]["device_bytes"] == pytest.approx(1.0, rel=0.1)
+    assert "| registers |" in model and "predicted µs" in model and "Validation against MLX's own tuning" in model
     assert json.loads((tmp_path / "bench_metal_emulated.json").read_text()) == json.loads(json.dumps(rows))
     assert bench.visible_pairs(4, 6, causal=True) == 3 + 4 + 5 + 6
     assert bench.visible_pairs(4, 6, causal=False) == 24

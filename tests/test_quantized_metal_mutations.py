@@ -82,7 +82,7 @@ MUTANTS = {
     # online softmax and the merges
     "accumulator rescale dropped": replaced("rows.o[i][e] * alpha + prob", "rows.o[i][e] + prob"),
     "simdgroup combine rescale dropped": replaced(
-        "const float their_weight = exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
+        "const float their_weight = fast::exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
     "simdgroup combine leaves one out": replaced(
         "for (int g = 0; g < NSG - 1; ++g) {\n      const float weight",
         "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),

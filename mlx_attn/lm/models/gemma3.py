@@ -31,7 +31,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention, rename_weights
+from mlx_attn.lm.models.base import (AttentionHook, Decoder, LayerAttention, decoder_weight_shapes,
+                                     projection_shapes, rename_weights)
 from mlx_attn.lm.models.registry import Architecture, register
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
@@ -219,22 +220,12 @@ def sanitize_hf(weights: dict, config: Gemma3Config) -> dict:
 
 def weight_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
     """Every parameter of ``Gemma3(config)`` with its (unquantized) shape."""
-    hidden, head_dim, inner = config.hidden_size, config.head_dim, config.intermediate_size
-    q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_hidden_layers):
-        layer = f"layers.{i}"
-        for name, shape in (("self_attn.q_proj", (q_width, hidden)), ("self_attn.k_proj", (kv_width, hidden)),
-                            ("self_attn.v_proj", (kv_width, hidden)), ("self_attn.o_proj", (hidden, q_width)),
-                            ("self_attn.q_norm", (head_dim,)), ("self_attn.k_norm", (head_dim,)),
-                            ("mlp.gate_proj", (inner, hidden)), ("mlp.up_proj", (inner, hidden)),
-                            ("mlp.down_proj", (hidden, inner)), ("input_layernorm", (hidden,)),
-                            ("post_attention_layernorm", (hidden,)), ("pre_feedforward_layernorm", (hidden,)),
-                            ("post_feedforward_layernorm", (hidden,))):
-            shapes[f"{layer}.{name}.weight"] = shape
-    return shapes
+    layer = projection_shapes(config)
+    head, hidden = (config.head_dim,), (config.hidden_size,)
+    layer.update({"self_attn.q_norm.weight": head, "self_attn.k_norm.weight": head})
+    layer.update({f"{norm}.weight": hidden for norm in ("input_layernorm", "post_attention_layernorm",
+                                                        "pre_feedforward_layernorm", "post_feedforward_layernorm")})
+    return decoder_weight_shapes(config, layer)
 
 
 class RMSNorm(nn.Module):
@@ -336,10 +327,7 @@ class Gemma3(Decoder):
         x = x * mx.array(math.sqrt(self.config.hidden_size), dtype=x.dtype)
         for layer, block in zip(self._attention_layers, self.layers):
             x = block(x, positions, layer, attention)
-        x = self.norm(x)
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.as_linear(x)
-        return self.lm_head(x)
+        return self.output_logits(self.norm(x))
 
 
 ARCHITECTURE = register(Architecture(

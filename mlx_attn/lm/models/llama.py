@@ -11,7 +11,8 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention, rename_weights
+from mlx_attn.lm.models.base import (AttentionHook, Decoder, LayerAttention, decoder_weight_shapes,
+                                     projection_shapes, rename_weights)
 from mlx_attn.lm.models.registry import GGUF_TENSOR_NAMES, Architecture, register
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
@@ -163,23 +164,13 @@ def sanitize_hf(weights: dict, config: LlamaConfig) -> dict:
 def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of ``Llama(config)`` with its (unquantized) shape;
     call only once the layer count is known to match the checkpoint."""
-    hidden, head_dim, inner = config.hidden_size, config.head_dim, config.intermediate_size
-    q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {"embed_tokens.weight": (config.vocab_size, hidden), "norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_hidden_layers):
-        layer = f"layers.{i}"
-        for name, shape in (("self_attn.q_proj", (q_width, hidden)), ("self_attn.k_proj", (kv_width, hidden)),
-                            ("self_attn.v_proj", (kv_width, hidden)), ("self_attn.o_proj", (hidden, q_width)),
-                            ("mlp.gate_proj", (inner, hidden)), ("mlp.up_proj", (inner, hidden)),
-                            ("mlp.down_proj", (hidden, inner))):
-            shapes[f"{layer}.{name}.weight"] = shape
-            if config.attention_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                shapes[f"{layer}.{name}.bias"] = shape[:1]
-        shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
-    return shapes
+    layer = projection_shapes(config)
+    if config.attention_bias:
+        layer.update({name.replace(".weight", ".bias"): shape[:1] for name, shape in layer.items()
+                      if name.split(".")[1] in ("q_proj", "k_proj", "v_proj")})
+    hidden = (config.hidden_size,)
+    layer.update({"input_layernorm.weight": hidden, "post_attention_layernorm.weight": hidden})
+    return decoder_weight_shapes(config, layer)
 
 
 def hf_config(config: LlamaConfig) -> dict:
@@ -260,10 +251,7 @@ class Llama(Decoder):
         x = self.embed_tokens(tokens)
         for layer, block in zip(self.attention_layers(), self.layers):
             x = block(x, positions, layer, attention)
-        x = self.norm(x)
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.as_linear(x)
-        return self.lm_head(x)
+        return self.output_logits(self.norm(x))
 
 
 ARCHITECTURE = register(Architecture(

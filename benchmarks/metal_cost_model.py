@@ -1,0 +1,390 @@
+"""A cost model of attention kernels on Apple GPUs: registers, occupancy,
+instruction mix, a cache model and load latency -> predicted time.
+
+The emulator (tests/msl_emulator) counts what the kernels do; it cannot say
+how fast a GPU does it. This module predicts a time from each kernel's
+structure (its tile sizes and loop, read from the kernel source, and checked
+against the emulator's counters by benchmarks/bench_metal.py --emulate) and a
+few published or stated figures of the GPU. Every number that is not
+published is marked ASSUMED below and in docs/emulator_costs.md; nothing here
+was measured on an Apple GPU (this project has none).
+
+The model, per kernel (one dispatch):
+
+* registers per thread: the live values of the kernel's inner loop, counted
+  from its tiles (``*_registers`` below), in 32-bit registers; a 2-byte value
+  takes half of one. Above ``Gpu.register_budget`` the kernel spills.
+* occupancy: threadgroups resident per core = the smallest of what the
+  register file, the threadgroup memory and the thread limit of a core allow.
+* instruction classes per key block per simdgroup (``Block``): MMAs, FMA-class
+  ALU, exp2 (fast or precise), simd shuffles/reductions, threadgroup loads,
+  device load instructions; their pipe cycles (``CYCLES``) give a block's
+  issue time on one SIMD pipe.
+* latency: a block waits for its device loads (``Gpu.load_latency_cycles``,
+  one round per ``Block.load_rounds``, overlapped ``prefetch`` deep) and its
+  barriers. A core runs its resident threadgroups side by side: a block
+  period is the longer of one threadgroup's chain (latency + issue) and the
+  issue time of every resident simdgroup sharing the core's 4 pipes.
+* cache model: threadgroups resident at the same time (a wave) that read the
+  same K/V head read it from DRAM once (L2/SLC hits after the first); DRAM
+  bytes = unique bytes per wave, summed over waves.
+* time = max(per-core time, DRAM bytes / bandwidth, threadgroup bytes per core /
+  threadgroup bandwidth) + a fixed cost per dispatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+
+# ---------------------------------------------------------------- the GPU
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    family: str                      # the launch plan's family for this GPU
+    cores: int
+    clock_hz: float
+    dram_bytes_per_s: float
+    pipes: int = 4                   # SIMD pipes (schedulers) per core, 32 lanes each (Turner: 128 ALUs per core)
+    register_file_bytes: int = 208 * 1024   # per core: Turner's metal-benchmarks figure for Apple7/8
+    register_budget: int = 128       # ASSUMED: 32-bit registers a thread may hold before the compiler spills
+    threadgroup_memory_per_core: int = 64 * 1024  # Turner (Apple7/8): 64 KB shared memory per core
+    max_threads_per_core: int = 3072  # Turner: 384-3072 resident threads per core
+    max_threads_per_threadgroup: int = 1024  # Apple's Metal feature set tables
+    max_threadgroup_memory: int = 32 * 1024  # per threadgroup, Apple's feature set tables
+    threadgroup_bytes_per_cycle: int = 128   # ASSUMED per core (not published)
+    load_latency_cycles: int = 300   # ASSUMED: a device load that hits L2/SLC (DRAM misses are bandwidth-bound)
+    barrier_cycles: int = 30         # ASSUMED: a threadgroup barrier's release latency
+    dispatch_seconds: float = 4e-6   # ASSUMED: one more dispatch (encode, launch, drain) in a command buffer
+
+    @property
+    def peak_flops(self) -> float:
+        return self.cores * self.pipes * 32 * 2 * self.clock_hz  # FMA = 2 FLOP, FP16 at the FP32 rate
+
+
+# Published figures: core counts and bandwidth (Apple); clock (Turner's
+# metal-benchmarks GPU table: 1.398 GHz for M2 and M3 generation parts).
+M2 = Gpu("Apple M2, 10-core GPU", "apple8", 10, 1.398e9, 100e9)
+M2_MAX = Gpu("Apple M2 Max, 38-core GPU", "apple8", 38, 1.398e9, 400e9)
+M3_MAX = Gpu("Apple M3 Max, 40-core GPU", "apple9", 40, 1.398e9, 400e9)
+GPUS = {"m2": M2, "m2max": M2_MAX, "m3max": M3_MAX}
+
+# Pipe cycles per simdgroup instruction (one SIMD pipe, 32 lanes).
+CYCLES = {
+    "mma": 16,            # an 8x8x8 multiply-accumulate: 512 FMAs over 32 lanes at one FMA per lane per cycle
+    "fma": 1,             # FMA-class float/int op (Turner: 1 cycle throughput)
+    "exp2_fast": 4,       # ASSUMED: fast::exp2, one transcendental at quarter rate
+    "exp2_precise": 12,   # ASSUMED: precise exp2 (Safe math): range reduction + polynomial, ~8 more ALU ops
+    "simd_shuffle": 2,    # ASSUMED
+    "threadgroup_load": 2,  # ASSUMED: a lane's 8-16 B threadgroup read (an 8x8 fragment load)
+    "device_load": 1,     # issue only; the latency is the load term
+}
+
+
+# ---------------------------------------------------------------- a kernel
+@dataclass(frozen=True)
+class Block:
+    """One key block (or key) of one simdgroup's loop: instruction counts by
+    class (simdgroup instructions), dependent device-load rounds, barriers."""
+
+    counts: dict
+    load_rounds: float = 1.0
+    barriers: int = 0
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    threadgroups: int
+    threads: int                    # per threadgroup
+    registers: int                  # per thread, 32-bit
+    threadgroup_memory: int         # per threadgroup, bytes
+    blocks: int                     # loop iterations per simdgroup (the longest threadgroup's)
+    block: Block
+    threadgroup_bytes_per_block: float  # whole threadgroup, threadgroup memory read + written
+    device_bytes: float             # as issued (every threadgroup's reads + writes)
+    dram_bytes: float               # after the cache model
+    prefetch: int = 1               # device loads in flight per simdgroup (1: none ahead)
+    fixed: dict = field(default_factory=dict)  # per simdgroup, outside the loop (prologue / epilogue)
+    kv_reads: list = field(default_factory=list)  # (threadgroup index order -> KV head) for the cache model
+
+    @property
+    def simdgroups(self) -> int:
+        return max(1, self.threads // 32)
+
+
+def issue_cycles(counts: dict, exp_kind: str = "fast") -> float:
+    total = 0.0
+    for key, n in counts.items():
+        cost = CYCLES["exp2_" + exp_kind] if key == "exp2" else CYCLES[key]
+        total += cost * n
+    return total
+
+
+def residency(kernel: Kernel, gpu: Gpu) -> dict:
+    """Threadgroups resident per core and what limits them."""
+    regs = min(kernel.registers, gpu.register_budget)  # a spilling kernel holds the budget
+    limits = {
+        "registers": gpu.register_file_bytes // max(1, regs * 4 * kernel.threads),
+        "threadgroup memory": (gpu.threadgroup_memory_per_core // kernel.threadgroup_memory
+                               if kernel.threadgroup_memory else 10**9),
+        "threads": gpu.max_threads_per_core // kernel.threads,
+    }
+    bound = min(limits, key=limits.get)
+    return {"threadgroups": max(1, limits[bound]), "limit": bound}
+
+
+def predict(kernel: Kernel, gpu: Gpu, exp_kind: str = "fast") -> dict:
+    """Predicted seconds for one dispatch, with its parts."""
+    res = residency(kernel, gpu)
+    per_core = math.ceil(kernel.threadgroups / gpu.cores)
+    resident = min(res["threadgroups"], per_core)
+    block_issue = issue_cycles(kernel.block.counts, exp_kind)
+    spill = max(0, kernel.registers - gpu.register_budget)
+    if spill:  # each spilled register is stored and reloaded once per block (threadgroup-memory speed)
+        block_issue += 2 * spill * CYCLES["threadgroup_load"]
+    latency = kernel.block.load_rounds * gpu.load_latency_cycles / max(1, kernel.prefetch)
+    chain = latency + kernel.block.barriers * gpu.barrier_cycles + block_issue
+
+    def period(together: int) -> tuple[float, str]:
+        """Cycles per key block with `together` threadgroups on the core."""
+        pipe = max(1.0, together * kernel.simdgroups / gpu.pipes) * block_issue  # simdgroups share the pipes
+        tg_memory = together * kernel.threadgroup_bytes_per_block / gpu.threadgroup_bytes_per_cycle
+        parts = {"latency": chain, "issue": pipe, "threadgroup memory": tg_memory}
+        bound = max(parts, key=parts.get)
+        return parts[bound], bound
+
+    # full rounds of `resident` threadgroups, then the rest together
+    full, rest = divmod(per_core, resident)
+    full_period, bound = period(resident)
+    cycles = full * kernel.blocks * full_period + (kernel.blocks * period(rest)[0] if rest else 0.0)
+    fixed = issue_cycles(kernel.fixed, exp_kind) + (gpu.load_latency_cycles if kernel.fixed else 0)
+    core_seconds = (cycles + (full + (1 if rest else 0)) * fixed) / gpu.clock_hz
+    dram_seconds = kernel.dram_bytes / gpu.dram_bytes_per_s
+    seconds = max(core_seconds, dram_seconds)
+    if dram_seconds > core_seconds:
+        bound = "DRAM"
+    return {"seconds": seconds + gpu.dispatch_seconds, "bound": bound, "registers": kernel.registers,
+            "spills": spill > 0, "resident_threadgroups": resident, "occupancy_limit": res["limit"],
+            "occupancy": resident * kernel.threads / gpu.max_threads_per_core,
+            "core_seconds": core_seconds, "dram_seconds": dram_seconds, "dram_bytes": kernel.dram_bytes}
+
+
+def predict_all(kernels: list, gpu: Gpu, exp_kind: str = "fast") -> dict:
+    """A problem's dispatches run one after another."""
+    parts = [predict(k, gpu, exp_kind) for k in kernels]
+    first = max(parts, key=lambda p: p["seconds"])
+    return {**first, "seconds": sum(p["seconds"] for p in parts), "dispatches": len(parts),
+            "registers": max(p["registers"] for p in parts), "spills": any(p["spills"] for p in parts)}
+
+
+# ---------------------------------------------------------------- the cache model
+def unique_bytes_per_wave(order: list, bytes_per_head: float, resident_per_core: int, gpu: Gpu) -> float:
+    """K/V bytes from DRAM when threadgroups run in `order` (each entry the
+    K/V head, or any key, that threadgroup reads in full) and a wave of
+    cores x resident threadgroups runs together: a head read by several
+    threadgroups of one wave comes from DRAM once (the others hit L2/SLC)."""
+    wave = max(1, gpu.cores * resident_per_core)
+    total = 0
+    for start in range(0, len(order), wave):
+        total += len(set(order[start:start + wave]))
+    return total * bytes_per_head
+
+
+def _with_cache(kernel: Kernel, gpu: Gpu, bytes_per_head: float, other_bytes: float) -> Kernel:
+    resident = min(residency(kernel, gpu)["threadgroups"], math.ceil(kernel.threadgroups / gpu.cores))
+    dram = unique_bytes_per_wave(kernel.kv_reads, bytes_per_head, resident, gpu) + other_bytes
+    return replace(kernel, dram_bytes=dram)
+
+
+# ---------------------------------------------------------------- prefill (steel structure)
+@dataclass(frozen=True)
+class PrefillTile:
+    """A steel-structured prefill tile: BQ query rows over WM simdgroups (8
+    rows each), BK keys per block, head dim D (WN = 2 splits D over 2
+    simdgroups per row group, as MLX's steel allows)."""
+
+    bq: int
+    bk: int
+    d: int
+    wm: int
+    wn: int = 1
+    q_in_registers: bool = False   # ours: Q fragments stay in registers; MLX: in threadgroup memory
+    stage_kv_together: bool = False  # ours: K and V blocks both staged (2 barriers a block); MLX: one buffer
+    exp_kind: str = "fast"
+
+
+def steel_registers(tile: PrefillTile, elem_bytes: int = 2) -> int:
+    """Live 32-bit registers per thread in the key-block loop (float
+    fragments: 2 elements of each 8x8 tile per lane):
+    O (BQ/8/WM x D/8/WN tiles) + S (BK/8 tiles) + the K fragments of one
+    QK^T step (BK/8) + one Q and one V fragment (+ Q's D/8/WN tiles when Q
+    stays in registers) + the block loader's staged elements (BK x D / threads
+    values in flight, 2-byte values two to a register) + row max/sum/factor
+    + 20 for addresses, strides, indices and loop state (ASSUMED)."""
+    tq = tile.bq // (8 * tile.wm)
+    td = tile.d // 8 // tile.wn
+    threads = 32 * tile.wm * tile.wn
+    o = 2 * tq * td
+    s = 2 * tq * (tile.bk // 8)
+    k = 2 * (tile.bk // 8)
+    q = 2 * td * tq if tile.q_in_registers else 2
+    v = 2
+    staged = math.ceil(tile.bk * tile.d * elem_bytes / 4 / threads)
+    rows = 3 * tq
+    return o + s + k + q + v + staged + rows + 20
+
+
+def steel_threadgroup_memory(tile: PrefillTile, elem_bytes: int = 2) -> int:
+    pad = 16 // elem_bytes
+    if tile.stage_kv_together:  # ours: K and V blocks side by side, rows padded by 16 bytes
+        return 2 * tile.bk * (tile.d + pad) * elem_bytes
+    q = 0 if tile.q_in_registers else tile.bq * (tile.d + pad)
+    kv = max((tile.bk + pad) * tile.d, tile.bk * (tile.d + pad))
+    return (q + kv) * elem_bytes
+
+
+def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
+                   causal: bool, gpu: Gpu, elem_bytes: int = 2, prefetch: int = 1) -> Kernel:
+    nq = math.ceil(q_len / tile.bq)
+    threads = 32 * tile.wm * tile.wn
+    tq = tile.bq // (8 * tile.wm)
+    tk, td = tile.bk // 8, tile.d // 8 // tile.wn
+    # per simdgroup, one key block
+    mma = tq * tk * td * 2                      # S = Q K^T and O += P V over this simdgroup's D share
+    elems = 2 * tq * tk                         # S elements per lane
+    if tile.wn == 2:
+        mma += 0  # the partial S is exchanged through threadgroup memory (below)
+    loads_per_thread = math.ceil(2 * tile.bk * tile.d * elem_bytes / 16 / threads)  # 16-byte vector loads
+    counts = {
+        "mma": mma,
+        "fma": elems * 4 + 2 * tq * td + 6 * tq + loads_per_thread,  # scale, max, sub, sum; O rescale; row stats; stores
+        "exp2": elems + tq,
+        "simd_shuffle": 4 * tq,                 # row max and row sum over the 4 lanes of a row
+        "threadgroup_load": tq * tk * td * (1 if tile.q_in_registers else 2) + tq * tk * td,
+        "device_load": loads_per_thread,
+    }
+    if tile.wn == 2:
+        counts["threadgroup_load"] += elems
+    barriers = 2 if tile.stage_kv_together else 4
+    block = Block(counts, load_rounds=1 if tile.stage_kv_together else 2, barriers=barriers)
+    # key blocks per threadgroup (causal: the longest row block's; half on average)
+    full_blocks = math.ceil(kv_len / tile.bk)
+    blocks = full_blocks
+    avg_fraction = 1.0
+    if causal:
+        avg_fraction = sum(min(kv_len, kv_len - q_len + (i + 1) * tile.bq) for i in range(nq)) / (nq * kv_len)
+    tg_bytes = (2 * tile.bk * tile.d * elem_bytes                         # stores of K and V
+                + tile.wm * tile.wn * counts["threadgroup_load"] * 32 * 8)  # fragment reads (8 B per lane)
+    threadgroups = nq * heads * batch
+    kv_head_bytes = 2 * kv_len * tile.d * elem_bytes
+    device = threadgroups * kv_head_bytes * avg_fraction + 2 * batch * heads * q_len * tile.d * elem_bytes
+    # threadgroups in dispatch order: x = query block fastest, then heads
+    order = [(b, h * kv_heads // heads) for b in range(batch) for h in range(heads) for _ in range(nq)]
+    regs = steel_registers(tile, elem_bytes)
+    kernel = Kernel(
+        name, threadgroups, threads, regs, steel_threadgroup_memory(tile, elem_bytes),
+        # causal: the average block count stands for the total work (threadgroups overlap on the cores)
+        max(1, round(blocks * avg_fraction)), block, tg_bytes, device, device, prefetch,
+        fixed={"device_load": 2 * tile.bq * tile.d * elem_bytes / 16 / threads, "fma": 4 * tq * td}, kv_reads=order)
+    return _with_cache(kernel, gpu, kv_head_bytes * avg_fraction, 2 * batch * heads * q_len * tile.d * elem_bytes)
+
+
+def mlx_steel_tile(d: int) -> PrefillTile:
+    """MLX 0.32.4's choice (scaled_dot_product_attention.cpp, no NAX): BQ 32,
+    BK 32 below D = 128 else 16, WM 4, WN 1."""
+    return PrefillTile(32, 32 if d < 128 else 16, d, 4, 1)
+
+
+def steel_alternatives(d: int, elem_bytes: int = 2, gpu: Gpu = M2_MAX) -> list:
+    """The tiles MLX's steel kernel compiles for (TQ = 1: BQ = 8 WM; WN 1 or
+    2) that fit a threadgroup's 32 KB."""
+    tiles = []
+    for wm in (2, 4, 8):
+        for bk in (8, 16, 32, 64):
+            for wn in (1, 2):
+                tile = PrefillTile(8 * wm, bk, d, wm, wn, q_in_registers=(wn == 2 and (bk == 32 or elem_bytes == 4)))
+                if steel_threadgroup_memory(tile, elem_bytes) <= gpu.max_threadgroup_memory:
+                    tiles.append(tile)
+    return tiles
+
+
+def our_prefill_tile(d: int, bk: int, exp_kind: str) -> PrefillTile:
+    """metal/attention_prefill.h: BQ 32, 4 simdgroups, Q and O as float
+    fragments in registers, K and V staged together (2 barriers a block)."""
+    return PrefillTile(32, bk, d, 4, 1, q_in_registers=True, stage_kv_together=True, exp_kind=exp_kind)
+
+
+# ---------------------------------------------------------------- decode
+def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu,
+                        two_pass: bool, blocks: int = 32, elem_bytes: int = 2) -> list:
+    """MLX's sdpa_vector: one pass = one threadgroup of 32 simdgroups per
+    query head, simdgroup j takes keys j, j + 32, ...; two passes = a
+    threadgroup of 32 x group lanes per (KV head, block), then a combine
+    over the blocks. Lanes hold D/32 elements of q and o."""
+    per_lane = d // 32
+    group = heads // kv_heads
+    key_counts = {"fma": 2 * per_lane + 6, "exp2": 2, "simd_shuffle": 5, "device_load": 2}
+    kv_head_bytes = 2 * kv_len * d * elem_bytes
+    regs = 2 * per_lane + 2 * per_lane + 20  # q, o, k and v slices in float + state
+    if not two_pass:
+        threads, tgs = 1024, batch * heads
+        keys = math.ceil(kv_len / 32)
+        order = [(b, h // group) for b in range(batch) for h in range(heads)]
+        kernel = Kernel("sdpa_vector", tgs, threads, regs, 32 * 2 * 4 + 32 * per_lane * 4 * 0 + 32 * 32 * 4,
+                        keys, Block(key_counts, load_rounds=1), 0.0, tgs * kv_head_bytes, 0.0, prefetch=2,
+                        fixed={"fma": 4 * per_lane, "simd_shuffle": 10, "threadgroup_load": 2 * per_lane},
+                        kv_reads=order)
+        return [_with_cache(kernel, gpu, kv_head_bytes, 2 * batch * heads * d * elem_bytes)]
+    threads, tgs = 32 * group, batch * kv_heads * blocks
+    keys = math.ceil(kv_len / blocks)
+    order = list(range(tgs))  # each threadgroup its own slice
+    first = Kernel("sdpa_vector_2pass_1", tgs, threads, regs, 0, keys, Block(key_counts, load_rounds=1),
+                   0.0, batch * kv_heads * kv_head_bytes, 0.0, prefetch=2, fixed={"fma": 4 * per_lane},
+                   kv_reads=order)
+    first = _with_cache(first, gpu, kv_head_bytes / blocks, batch * heads * blocks * (d * elem_bytes + 8))
+    partial = batch * heads * blocks * (d * elem_bytes + 8)
+    second = Kernel("sdpa_vector_2pass_2", batch * heads, 1024, 24, 32 * 32 * 4 * 2, 1,
+                    Block({"fma": 4 * per_lane + 8, "exp2": 2, "simd_shuffle": 10, "device_load": 2}),
+                    0.0, partial, partial, fixed={})
+    return [first, second]
+
+
+def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
+                       rows_per_threadgroup: int, simdgroups: int = 4, elem_bytes: int = 2,
+                       prefetch: int = 1, single_dispatch: bool = False, exp_kind: str = "precise") -> list:
+    """metal/attention_decode.h: a threadgroup of `simdgroups` simdgroups per
+    (split, KV head, row chunk) serves up to R rows of the GQA group; key j
+    of the split on simdgroup j % NSG; then attention_decode_merge over the
+    splits (none with `single_dispatch` and one split)."""
+    per_lane = d // 32
+    rows = heads // kv_heads
+    r = min(rows, rows_per_threadgroup)
+    chunks = math.ceil(rows / rows_per_threadgroup)
+    tgs = splits * batch * kv_heads * chunks
+    keys = math.ceil(kv_len / splits / simdgroups)
+    key_counts = {"fma": r * (2 * per_lane + 6) + 2, "exp2": 2 * r, "simd_shuffle": 5 * r,
+                  "device_load": 2 * math.ceil(per_lane / 4)}
+    regs = 2 * r * per_lane + 2 * r + 2 * per_lane + 20  # q and o rows, m and l, the key's k and v slices, state
+    kv_head_bytes = 2 * kv_len * d * elem_bytes
+    partial_bytes = batch * heads * splits * (d * 4 + 8)
+    tg_memory = (simdgroups - 1) * r * (per_lane * 32 + 2) * 4
+    out_bytes = batch * heads * d * elem_bytes
+    merged = single_dispatch and splits == 1
+    q_bytes = simdgroups * splits * batch * heads * d * elem_bytes  # every simdgroup of a split reads its rows' queries
+    issued = batch * kv_heads * chunks * kv_head_bytes + q_bytes + (out_bytes if merged else partial_bytes)
+    partial = Kernel("attention_decode_partial", tgs, 32 * simdgroups, regs, tg_memory, keys,
+                     Block(key_counts, load_rounds=1), 0.0, issued, 0.0,
+                     prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane},
+                     kv_reads=list(range(tgs)))
+    partial = _with_cache(partial, gpu, chunks * kv_head_bytes / splits / chunks,
+                          q_bytes + (out_bytes if merged else partial_bytes))
+    if merged:
+        return [replace(partial, name="attention_decode_partial (writes out)")]
+    # the merge's lanes each read every split's max and sum
+    merge_bytes = batch * heads * splits * (d * 4 + 32 * 8) + out_bytes
+    merge = Kernel("attention_decode_merge", batch * heads, 32, 24, 0, splits,
+                   Block({"fma": 2 * per_lane + 4, "exp2": 1, "device_load": 2}), 0.0,
+                   merge_bytes, batch * heads * splits * (d * 4 + 8) + out_bytes)
+    return [partial, merge]

@@ -1,0 +1,65 @@
+"""Mutants of the cost model (benchmarks/metal_cost_model.py): each seeds one
+fault into a copy of the module, and test_cost_model.py's checks, run
+against the copy, must fail. A mutant whose target text is missing fails,
+so none can silently test nothing. Pure Python, under a second."""
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+import test_cost_model
+
+SOURCE = Path(__file__).resolve().parent.parent / "benchmarks" / "metal_cost_model.py"
+
+MUTANTS = {
+    "cache model: every read from DRAM": (
+        "total += len(set(order[start:start + wave]))", "total += len(order[start:start + wave])"),
+    "latency: prefetch ignored": (
+        "latency = kernel.block.load_rounds * gpu.load_latency_cycles / max(1, kernel.prefetch)",
+        "latency = kernel.block.load_rounds * gpu.load_latency_cycles"),
+    "occupancy: registers never limit": (
+        '"registers": gpu.register_file_bytes // max(1, regs * 4 * kernel.threads)', '"registers": 10**9'),
+    "spills cost nothing": ('block_issue += 2 * spill * CYCLES["threadgroup_load"]', "block_issue += 0"),
+    "precise exp2 as cheap as fast": ('"exp2_precise": 12', '"exp2_precise": 4'),
+    "decode: always a merge dispatch": ("merged = single_dispatch and splits == 1", "merged = False"),
+    "prefill: P V MMAs not counted": ("mma = tq * tk * td * 2 ", "mma = tq * tk * td "),
+    "registers: O not counted": ("return o + s + k + q + v + staged + rows + 20", "return s + k + q + v + staged + rows + 20"),
+}
+
+
+def mutant_module(find: str, replace: str):
+    text = SOURCE.read_text()
+    assert text.count(find) == 1, f"mutation target not found exactly once: {find!r}"
+    spec = importlib.util.spec_from_loader("metal_cost_model_mutant", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    exec(compile(text.replace(find, replace), str(SOURCE), "exec"), module.__dict__)
+    return module
+
+
+def checks():
+    for name, fn in inspect.getmembers(test_cost_model, inspect.isfunction):
+        if name.startswith("test_"):
+            marks = getattr(fn, "pytestmark", [])
+            params = [m for m in marks if m.name == "parametrize"]
+            if params:
+                argname, values = params[0].args
+                for value in values:
+                    yield name, (lambda fn=fn, argname=argname, value=value: fn(**{argname: value}))
+            else:
+                yield name, fn
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_cost_model_checks_kill_the_mutant(mutant, monkeypatch):
+    monkeypatch.setattr(test_cost_model, "cm", mutant_module(*MUTANTS[mutant]))
+    failed = []
+    for name, check in checks():
+        try:
+            check()
+        except AssertionError:
+            failed.append(name)
+    assert failed, f"mutant survived: {mutant}"
