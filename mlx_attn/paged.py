@@ -30,23 +30,35 @@ arguments' values (one small device-to-host read of ``block_table``,
 :func:`quantized_paged_attention` is the sibling for pages stored in the
 ``QuantizedKVCache`` format (``mx.quantize`` triples per page, 4 or 8 bits).
 
-Implementations: today only the reference (``backend="reference"``, what
-``"auto"`` picks): gather each sequence's pages into contiguous K/V and run
-:func:`mlx_attn.reference.reference_attention` per sequence. No fused paged
-kernel exists yet (``backend="fused"`` raises). Inference only: asking for a
-gradient raises ``ValueError``.
+Implementations (:func:`paged_attention_path` says which one a call takes):
+
+- ``"fused-cpu"``: the fused CPU kernel (``csrc/cpu/``): the dense kernel's
+  tile loop with a paged K/V loader (page-table-aware key blocks, work split
+  over (sequence, kv head, query block) with dynamic scheduling, the GQA
+  group sharing each page read, pages dequantized in the tile for
+  :func:`quantized_paged_attention`). Extra memory: per-thread tiles and a
+  work list, O(rows x D), never O(total K/V) (when q and the pages share one
+  dtype: otherwise the promotion casts them first).
+- ``"reference"``: gather each sequence's pages into contiguous K/V and run
+  :func:`mlx_attn.reference.reference_attention` per sequence.
+
+``backend="auto"`` takes the fused kernel of the stream's device where one
+exists and handles the call (head dims 1..256), else the reference;
+``"fused"`` raises ``ValueError`` where it cannot; ``"reference"`` forces the
+reference. Inference only: asking for a gradient raises ``ValueError``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_attn import quantized
+from mlx_attn import _native, quantized
 from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _device_type
 from mlx_attn.reference import reference_attention
 
@@ -54,13 +66,13 @@ __all__ = [
     "paged_attention",
     "quantized_paged_attention",
     "paged_attention_path",
+    "quantized_paged_attention_path",
     "gather_pages",
     "PagedPath",
 ]
 
-PagedPath = Literal["reference"]
+PagedPath = Literal["fused-cpu", "reference"]
 _BACKENDS = ("auto", "fused", "reference")
-_NO_FUSED = "no fused paged attention kernel exists yet; use backend='auto' or 'reference'"
 _INFERENCE_ONLY = (
     "paged_attention is inference only: it has no gradient (use mlx_attn.scaled_dot_product_attention "
     "on contiguous K/V to train)"
@@ -189,8 +201,6 @@ def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_
             raise ValueError(f"sinks dtype {sinks.dtype} must promote to the output dtype {dtype}")
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    if backend == "fused":
-        raise ValueError(f"backend='fused' is not possible: {_NO_FUSED}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
     _device_type(stream)  # raises for a stream of the wrong type
@@ -244,7 +254,7 @@ def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return
 
 def _inference_only(compute, arrays: list[mx.array]):
     """``compute(*arrays)`` whose gradient raises a clear error (the reference
-    would differentiate, but no fused kernel will: one contract for both)."""
+    would differentiate, the fused kernels do not: one contract for both)."""
 
     @mx.custom_function
     def run(*arrays):
@@ -265,19 +275,120 @@ def _stream_scope(stream):
     return mx.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0, causal=True,
-                         window_size=None, sinks=None, backend="auto", return_lse=False,
-                         stream=None) -> PagedPath:
-    """Which implementation :func:`paged_attention` uses for these arguments
-    (validated as the call does): today always ``"reference"``;
-    ``backend="fused"`` raises ``ValueError``."""
-    _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-             return_lse, stream)
-    return "reference"
+@dataclass(frozen=True, eq=False)  # arrays do not compare as values
+class _PagedCall:
+    """One validated paged call: arrays in the output dtype (q, the float
+    pages or the quantized triples' scales and biases, sinks), the integer
+    arguments (``q_lens`` filled in for decode), the host-side layout, the
+    options, and the path chosen for it."""
+
+    q: mx.array
+    k: tuple[mx.array, ...]  # (pages,) or (packed, scales, biases)
+    v: tuple[mx.array, ...]
+    block_table: mx.array
+    kv_lens: mx.array
+    q_lens: mx.array
+    sinks: mx.array | None
+    layout: _Layout
+    scale: float
+    causal: bool
+    window_size: int | None
+    return_lse: bool
+    stream: object
+    backend: str
+    bits: int = 0  # 0: float pages
+    group_size: int = 0
+
+    @classmethod
+    def build(cls, q, k, v, dtype, layout, block_table, kv_lens, q_lens, sinks, options, backend, return_lse,
+              stream, bits=0, group_size=0) -> "_PagedCall":
+        scale, causal, window_size = options
+        cast = lambda a: a.astype(dtype) if a.dtype != dtype else a  # noqa: E731
+        q = cast(q)
+        # float pages, or the scales and biases of quantized ones (words stay)
+        k, v = (tuple(cast(a) if i or not bits else a for i, a in enumerate(parts)) for parts in (k, v))
+        if q_lens is None:
+            q_lens = mx.ones((len(layout.kv_lens),), dtype=mx.int32)
+        sinks = cast(sinks) if sinks is not None else None
+        call = cls(q, k, v, block_table, kv_lens, q_lens, sinks, layout, scale, causal, window_size,
+                   bool(return_lse), stream, backend, bits, group_size)
+        call.path  # noqa: B018  (backend="fused" raises here, at the call)
+        return call
+
+    @property
+    def device(self) -> mx.DeviceType:
+        return _device_type(self.stream)
+
+    def fused_unsupported_reason(self) -> str | None:
+        """None when the fused kernel of the call's device runs it, else why not."""
+        if _native.ext is None:
+            return _native.MISSING_REASON
+        if self.device not in _FUSED_PATHS:
+            return f"no fused paged attention kernel for {self.device} in this build"
+        return _native.ext.paged_unsupported_reason(
+            self.q, list(self.k), list(self.v), self.block_table, self.kv_lens, self.q_lens, scale=self.scale,
+            causal=self.causal, window_size=self.window_size or 0, sinks=self.sinks, output_lse=self.return_lse,
+            bits=self.bits, group_size=self.group_size, device=self.device)
+
+    @functools.cached_property
+    def path(self) -> PagedPath:
+        if self.backend == "reference":
+            return "reference"
+        reason = self.fused_unsupported_reason()
+        if reason is None:
+            return _FUSED_PATHS[self.device]
+        if self.backend == "fused":
+            raise ValueError(f"backend='fused' is not possible: {reason}")
+        return "reference"
+
+    def run(self):
+        arrays = [self.q, *self.k, *self.v] + ([self.sinks] if self.sinks is not None else [])
+        runner = _RUNNERS[self.path]
+        with _stream_scope(self.stream):
+            outputs = _inference_only(lambda *a: runner(self, *a), arrays)
+        return tuple(outputs) if self.return_lse else outputs[0]
+
+    def split(self, arrays):
+        """``(q, k parts, v parts, sinks)`` of the flat array list ``run`` passes."""
+        parts = len(self.k)
+        sinks = arrays[1 + 2 * parts] if self.sinks is not None else None
+        return arrays[0], arrays[1 : 1 + parts], arrays[1 + parts : 1 + 2 * parts], sinks
+
+
+# -- the paths: one runner each (runner(call, *arrays) -> [out] or [out, lse]) --
+
+def _run_reference(call: _PagedCall, *arrays):
+    q, k_parts, v_parts, sinks = call.split(arrays)
+    layout = call.layout
+
+    def fetch(b):
+        pages, length = layout.pages[b], layout.kv_lens[b]
+        if not call.bits:
+            return gather_pages(k_parts[0], pages, length), gather_pages(v_parts[0], pages, length)
+        return tuple(
+            quantized.dequantize(tuple(gather_pages(part, pages, length) for part in parts), call.group_size,
+                                 call.bits).astype(q.dtype)
+            for parts in (k_parts, v_parts))
+
+    return _attend(q, layout, fetch, call.scale, call.causal, call.window_size, sinks, call.return_lse)
+
+
+def _run_fused_cpu(call: _PagedCall, *arrays):
+    q, k_parts, v_parts, sinks = call.split(arrays)
+    return _native.ext.paged_attention(
+        q, list(k_parts), list(v_parts), call.block_table, call.kv_lens, call.q_lens, scale=call.scale,
+        causal=call.causal, window_size=call.window_size or 0, sinks=sinks, output_lse=call.return_lse,
+        bits=call.bits, group_size=call.group_size, stream=call.stream)
+
+
+# The fused path of each device (the Metal kernels add mx.gpu: "fused-metal")
+# and the runner of every path.
+_FUSED_PATHS: dict[mx.DeviceType, str] = {mx.cpu: "fused-cpu"}
+_RUNNERS = {"fused-cpu": _run_fused_cpu, "reference": _run_reference}
 
 
 def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-             return_lse, stream):
+             return_lse, stream) -> _PagedCall:
     _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
     _check_float("k_pages", k_pages, 4, "[num_pages, kv_heads, page_size, head_dim]")
     _check_float("v_pages", v_pages, 4, "[num_pages, kv_heads, page_size, value_dim]")
@@ -285,7 +396,44 @@ def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, w
     layout = _check_layout(q, tuple(k_pages.shape), tuple(v_pages.shape), k_pages.shape[0], block_table,
                            kv_lens, q_lens)
     options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream)
-    return dtype, layout, options
+    return _PagedCall.build(q, (k_pages,), (v_pages,), dtype, layout, block_table, kv_lens, q_lens, sinks, options,
+                            backend, return_lse, stream)
+
+
+def _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
+                       window_size, sinks, backend, return_lse, stream) -> _PagedCall:
+    group_size, bits = quantized.check_quantization(group_size, bits)
+    k_pages = _check_quantized_pages("k_pages", k_pages, group_size, bits)
+    v_pages = _check_quantized_pages("v_pages", v_pages, group_size, bits)
+    _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
+    if k_pages[1].dtype != v_pages[1].dtype:
+        raise ValueError(f"k_pages and v_pages scales need one dtype, got {k_pages[1].dtype} and {v_pages[1].dtype}")
+    dtype = mx.result_type(q.dtype, k_pages[1].dtype)
+    k_shape = (*k_pages[0].shape[:3], quantized.quantized_head_dim(k_pages[0], bits))
+    v_shape = (*v_pages[0].shape[:3], quantized.quantized_head_dim(v_pages[0], bits))
+    layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream)
+    return _PagedCall.build(q, tuple(k_pages), tuple(v_pages), dtype, layout, block_table, kv_lens, q_lens, sinks,
+                            options, backend, return_lse, stream, bits, group_size)
+
+
+def paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0, causal=True,
+                         window_size=None, sinks=None, backend="auto", return_lse=False,
+                         stream=None) -> PagedPath:
+    """Which implementation :func:`paged_attention` uses for these arguments
+    (validated as the call does): ``"fused-cpu"`` or ``"reference"``.
+    ``backend="fused"`` raises ``ValueError`` where no fused kernel runs the
+    call."""
+    return _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
+                    return_lse, stream).path
+
+
+def quantized_paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale=1.0,
+                                   group_size=64, bits=8, causal=True, window_size=None, sinks=None,
+                                   backend="auto", return_lse=False, stream=None) -> PagedPath:
+    """:func:`paged_attention_path` for :func:`quantized_paged_attention`."""
+    return _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
+                              window_size, sinks, backend, return_lse, stream).path
 
 
 def paged_attention(
@@ -323,8 +471,9 @@ def paged_attention(
         window_size: each row sees at most this many most recent keys
             (itself included); needs ``causal=True``.
         sinks: optional ``[Hq]`` logits joining each head's softmax.
-        backend: ``"auto"`` or ``"reference"`` (``"fused"`` raises: no fused
-            paged kernel exists yet).
+        backend: ``"auto"`` (the fused kernel of the stream's device where it
+            runs the call, else the reference), ``"fused"`` (raises where it
+            cannot) or ``"reference"``.
         return_lse: also return the row log-sum-exp, float32 ``[total_q, Hq]``
             (``-inf`` for a row that sees no key).
         stream: stream or device to run on.
@@ -337,24 +486,8 @@ def paged_attention(
         ValueError: naming the offending argument (shapes, dtypes, lengths,
         block-table entries); also when a gradient is asked for.
     """
-    dtype, layout, (scale, causal, window_size) = _prepare(
-        q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
-        return_lse, stream,
-    )
-
-    def compute(q, k_pages, v_pages, *maybe_sinks):
-        q, k_pages, v_pages = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k_pages, v_pages))
-
-        def fetch(b):
-            pages, length = layout.pages[b], layout.kv_lens[b]
-            return gather_pages(k_pages, pages, length), gather_pages(v_pages, pages, length)
-
-        return _attend(q, layout, fetch, scale, causal, window_size, maybe_sinks[0] if maybe_sinks else None,
-                       return_lse)
-
-    with _stream_scope(stream):
-        outputs = _inference_only(compute, [q, k_pages, v_pages] + ([sinks] if sinks is not None else []))
-    return tuple(outputs) if return_lse else outputs[0]
+    return _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
+                    return_lse, stream).run()
 
 
 def _check_quantized_pages(name: str, pages, group_size: int, bits: int):
@@ -389,45 +522,14 @@ def quantized_paged_attention(
     one scale and bias per ``group_size`` features of each token): packed
     uint32 ``[num_pages, Hkv, page_size, D * bits / 32]``, scales and biases
     ``[num_pages, Hkv, page_size, D / group_size]`` in one float dtype.
-    ``bits`` 4 or 8, ``group_size`` 32/64/128. The reference dequantizes
-    each sequence's gathered pages, then attends in the dtype ``q`` and the
-    scales promote to. Everything else as :func:`paged_attention`.
+    ``bits`` 4 or 8, ``group_size`` 32/64/128. The fused kernel dequantizes
+    each key block inside its tile (no dequantized copy of the pages); the
+    reference dequantizes each sequence's gathered pages. Both attend in the
+    dtype ``q`` and the scales promote to. Everything else as
+    :func:`paged_attention`.
     """
-    group_size, bits = quantized.check_quantization(group_size, bits)
-    k_pages = _check_quantized_pages("k_pages", k_pages, group_size, bits)
-    v_pages = _check_quantized_pages("v_pages", v_pages, group_size, bits)
-    _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
-    if k_pages[1].dtype != v_pages[1].dtype:
-        raise ValueError(f"k_pages and v_pages scales need one dtype, got {k_pages[1].dtype} and {v_pages[1].dtype}")
-    dtype = mx.result_type(q.dtype, k_pages[1].dtype)
-    k_shape = (*k_pages[0].shape[:3], quantized.quantized_head_dim(k_pages[0], bits))
-    v_shape = (*v_pages[0].shape[:3], quantized.quantized_head_dim(v_pages[0], bits))
-    layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
-    scale, causal, window_size = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse,
-                                                stream)
-
-    def compute(q, *arrays):
-        k_parts, v_parts, maybe_sinks = arrays[:3], arrays[3:6], arrays[6:]
-        q = q.astype(dtype)
-
-        def fetch(b):
-            pages, length = layout.pages[b], layout.kv_lens[b]
-            k, v = (
-                quantized.dequantize(tuple(gather_pages(part, pages, length) for part in parts), group_size, bits)
-                .astype(dtype)
-                for parts in (k_parts, v_parts)
-            )
-            return k, v
-
-        return _attend(q, layout, fetch, scale, causal, window_size, maybe_sinks[0] if maybe_sinks else None,
-                       return_lse)
-
-    with _stream_scope(stream):
-        outputs = _inference_only(
-            compute, [q, *k_pages, *v_pages] + ([sinks] if sinks is not None else [])
-        )
-    return tuple(outputs) if return_lse else outputs[0]
-
+    return _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
+                              window_size, sinks, backend, return_lse, stream).run()
 
 
 # ---------------------------------------------------------------- fused Metal kernels

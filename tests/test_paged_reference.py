@@ -1,4 +1,4 @@
-"""mlx_attn.paged: paged, ragged attention against a float64 NumPy oracle
+"""mlx_attn.paged, the reference path (backend="reference"): paged, ragged attention against a float64 NumPy oracle
 written here (key by key through the block table, not by the code under test)."""
 
 from __future__ import annotations
@@ -80,10 +80,11 @@ def as64(a):
     return np.asarray(a.astype(mx.float32), np.float64)
 
 
-def check(case, *, dtype=mx.float32, scale=0.37, causal=True, window=None, sinks=None, lse=True):
+def check(case, *, dtype=mx.float32, scale=0.37, causal=True, window=None, sinks=None, lse=True,
+          backend="reference"):
     q, k, v, table, kv_lens, q_lens, np_table, kv_list, q_list = case
     got = paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=scale, causal=causal, window_size=window,
-                          sinks=sinks, return_lse=lse)
+                          sinks=sinks, return_lse=lse, backend=backend)
     out, got_lse = got if lse else (got, None)
     want, want_lse = oracle(as64(q), as64(k), as64(v), np_table, kv_list, q_list, scale, causal, window,
                             None if sinks is None else as64(sinks))
@@ -125,7 +126,7 @@ def test_window_sinks_not_causal_and_value_dim():
 def test_default_q_lens_is_decode():
     rng = np.random.default_rng(3)
     q, k, v, table, kv_lens, _, np_table, kv_list, _ = make_case(rng, [(1, 6), (1, 3), (1, 11)])
-    out = paged_attention(q, k, v, table, kv_lens, scale=0.5)
+    out = paged_attention(q, k, v, table, kv_lens, scale=0.5, backend="reference")
     want, _ = oracle(as64(q), as64(k), as64(v), np_table, kv_list, [1, 1, 1], 0.5)
     np.testing.assert_allclose(as64(out), want, atol=2e-5)
 
@@ -135,7 +136,8 @@ def test_empty_sequences_and_empty_batch():
     # q_lens 0 (a sequence waiting this step), kv_lens 0 (nothing yet), a full row
     check(make_case(rng, [(0, 5), (0, 0), (3, 6), (0, 0)], share=False))
     q, k, v, table, kv_lens, q_lens, *_ = make_case(rng, [(0, 0), (0, 3)], share=False)
-    out, lse = paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0, return_lse=True)
+    out, lse = paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0, return_lse=True,
+                               backend="reference")
     assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
 
 
@@ -145,7 +147,7 @@ def test_extreme_scale_stays_finite():
     rng = np.random.default_rng(5)
     q, k, v, table, kv_lens, q_lens, *_ = make_case(rng, [(2, 5), (1, 3)])
     for scale in (3e38, -3e38, 0.0):
-        out = paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=scale)
+        out = paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=scale, backend="reference")
         assert np.isfinite(as64(out)).all()
 
 
@@ -156,7 +158,7 @@ def test_quantized_pages_match_the_oracle_on_dequantized_pages():
         kq, vq = mx.quantize(k, group_size=32, bits=bits), mx.quantize(v, group_size=32, bits=bits)
         k_deq, v_deq = mx.dequantize(*kq, group_size=32, bits=bits), mx.dequantize(*vq, group_size=32, bits=bits)
         out = quantized_paged_attention(q, kq, vq, table, kv_lens, q_lens=q_lens, scale=0.2, group_size=32,
-                                        bits=bits, window_size=6)
+                                        bits=bits, window_size=6, backend="reference")
         want, _ = oracle(as64(q), as64(k_deq), as64(v_deq), np_table, kv_list, q_list, 0.2, window=6)
         np.testing.assert_allclose(as64(out), want, atol=1e-4, rtol=1e-4)
         # and quantization error stays small against the float pages
@@ -169,20 +171,19 @@ def test_gradients_raise():
     q, k, v, table, kv_lens, q_lens, *_ = make_case(rng, MIXED)
 
     def loss(q, k):
-        return paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0).sum()
+        return paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0, backend="reference").sum()
 
     with pytest.raises(ValueError, match="inference only"):
         mx.grad(loss)(q, k)
     with pytest.raises(ValueError, match="inference only"):
-        mx.jvp(lambda q: paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0), [q], [q])
+        mx.jvp(lambda q: paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0, backend="reference"),
+               [q], [q])
 
 
-def test_path_and_fused_backend():
+def test_path_reference_backend():
     rng = np.random.default_rng(8)
     q, k, v, table, kv_lens, q_lens, *_ = make_case(rng, MIXED)
-    assert paged_attention_path(q, k, v, table, kv_lens, q_lens=q_lens) == "reference"
-    with pytest.raises(ValueError, match="no fused paged"):
-        paged_attention(q, k, v, table, kv_lens, q_lens=q_lens, scale=1.0, backend="fused")
+    assert paged_attention_path(q, k, v, table, kv_lens, q_lens=q_lens, backend="reference") == "reference"
 
 
 def _bad_calls(q, k, v, table, kv_lens, q_lens):
@@ -229,7 +230,7 @@ def test_entries_past_the_used_pages_are_never_read():
     rng = np.random.default_rng(10)
     q, k, v, table, kv_lens, q_lens, np_table, kv_list, q_list = make_case(rng, [(1, 4), (2, 9)])
     padded = np.concatenate([np_table, np.full((2, 3), 12345, np.int32)], axis=1)
-    out = paged_attention(q, k, v, mx.array(padded), kv_lens, q_lens=q_lens, scale=0.5)
+    out = paged_attention(q, k, v, mx.array(padded), kv_lens, q_lens=q_lens, scale=0.5, backend="reference")
     want, _ = oracle(as64(q), as64(k), as64(v), np_table, kv_list, q_list, 0.5)
     np.testing.assert_allclose(as64(out), want, atol=2e-5)
 

@@ -107,6 +107,76 @@ inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float sc
   return ldexpf(scale, -e);
 }
 
+// ------------------------------------------------------------- K/V layouts
+// The tile loop (attention_work_item) is written once; where a work item's
+// query rows, keys, values and outputs live is its layout's business (K/V
+// layout is an axis, not a kernel):
+//   DenseLayout  q [B, Hq, Tq, D], k / v [B, Hkv, Tkv, D], any strides
+//   PagedLayout  packed q rows [total_q, Hq, D], K/V pages through a block
+//                table (csrc/cpu/paged_kv.h), one sequence per item
+// Quantized K/V (Bits) combine with either. A layout gives an item's Tile and
+// the place of key t of the tile's sequence: (outer, slot), whose elements
+// sit at outer * s[0] + kv_head * s[1] + slot * s[2] in k, v and in the
+// quantized scales and biases alike; keys t + 1 .. t + run - 1 follow at
+// slots slot + 1, ... of the same outer (one page, or the whole dense row).
+struct Tile {
+  AttentionParams seq;  // the problem as the rules see this item's sequence (its q_len, kv_len)
+  int b, kv_head, q_start, qb;
+  int64_t q_begin;  // the sequence's first packed row in q (paged; 0 dense)
+};
+
+struct KeyPlace {
+  int64_t outer;
+  int slot, run;
+};
+
+struct DenseLayout {
+  // Heaviest query blocks (the last ones, under a causal mask) come first.
+  static Tile tile(const KernelCall& call, int64_t item) {
+    const AttentionProblem& p = call.problem;
+    const int64_t per_block = int64_t(p.batch) * p.kv_heads;
+    Tile t;
+    t.seq = p;
+    t.b = int((item % per_block) / p.kv_heads);
+    t.kv_head = int(item % p.kv_heads);
+    t.q_start = (call.query_blocks() - 1 - int(item / per_block)) * call.query_block;
+    t.qb = (p.q_len - t.q_start) < call.query_block ? (p.q_len - t.q_start) : call.query_block;
+    t.q_begin = 0;
+    return t;
+  }
+  static int64_t out_row(const KernelCall& call, const Tile& t, int h, int qi) {
+    return (int64_t(t.b) * call.problem.q_heads + h) * call.problem.q_len + qi;
+  }
+  static KeyPlace key(const KernelCall&, const Tile& t, int key) {
+    return {t.b, key, 1 << 30};
+  }
+};
+
+struct PagedLayout {
+  // Items come planned, heaviest first (csrc/cpu/paged_dispatch.cpp).
+  static Tile tile(const KernelCall& call, int64_t item) {
+    const AttentionProblem& p = call.problem;
+    const PagedItem& it = call.paged.items[item / p.kv_heads];
+    Tile t;
+    t.seq = p;
+    t.seq.q_len = it.q_len;
+    t.seq.kv_len = it.kv_len;
+    t.b = it.sequence;
+    t.kv_head = int(item % p.kv_heads);
+    t.q_start = it.q_start;
+    t.qb = (it.q_len - it.q_start) < call.query_block ? (it.q_len - it.q_start) : call.query_block;
+    t.q_begin = it.q_begin;
+    return t;
+  }
+  static int64_t out_row(const KernelCall& call, const Tile& t, int h, int qi) {
+    return (t.q_begin + qi) * call.problem.q_heads + h;
+  }
+  static KeyPlace key(const KernelCall& call, const Tile& t, int key) {
+    const int slot = key % call.paged.page_size;
+    return {call.paged.page_of(t.b, key), slot, call.paged.page_size - slot};
+  }
+};
+
 // ---------------------------------------------------------------- work item
 // Scores are held transposed, S^T[key][row]: the score product is
 // K[keys][D] . Q^T[D][rows], so K rows are the micro-kernel's broadcast
@@ -114,40 +184,31 @@ inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float sc
 // packed Q^T panel (once per item) is its streamed operand, and the online
 // softmax runs down the key axis with whole vectors of rows (no horizontal
 // reductions). O += P . V then reads P^T as a transposed A operand.
-struct Layout {
-  int group, query_block, query_blocks, value_dim_padded;
-};
+//
+// A key block is up to kKeyBlock keys for the softmax; its keys come in
+// segments of consecutive rows (one for dense K/V; one per page touched for
+// paged K/V, so page_size need not divide the block). K/V read in place are
+// multiplied segment by segment; packed K/V are packed across segments.
 
-inline Layout layout_of(const KernelCall& call) {
-  const AttentionProblem& p = call.problem;
-  Layout l;
-  l.group = p.group_size();
-  l.query_block = call.query_block;
-  l.query_blocks = call.query_blocks();
-  l.value_dim_padded = int(round_up(p.value_dim, kLanes));
-  return l;
-}
+// Keys per segment, on average, below which a block is packed rather than
+// read in place (tiny pages: many short products cost more than a copy).
+inline constexpr int kMinInPlaceRun = 16;
 
 // Bits: 0 for float K/V, else their quantization (4 or 8).
-template <ElemType T, int Bits>
+template <ElemType T, int Bits, class KVLayout>
 void attention_work_item(
     const KernelCall& call,
     int64_t item,
     float* scratch) {
   const AttentionProblem& p = call.problem;
-  const Layout lay = layout_of(call);
-  const int D = p.head_dim, Dv = p.value_dim, Dvp = lay.value_dim_padded;
+  const Tile tile = KVLayout::tile(call, item);
+  const AttentionParams& seq = tile.seq;
+  const int group = p.group_size();
+  const int D = p.head_dim, Dv = p.value_dim, Dvp = int(round_up(Dv, kLanes));
   const int KB = kKeyBlock;
-
-  // Heaviest query blocks (the last ones, under a causal mask) come first.
-  const int64_t per_block = int64_t(p.batch) * p.kv_heads;
-  const int qblock = lay.query_blocks - 1 - int(item / per_block);
-  const int b = int((item % per_block) / p.kv_heads);
-  const int kv_head = int(item % p.kv_heads);
-  const int q_start = qblock * lay.query_block;
-  const int qb = (p.q_len - q_start) < lay.query_block ? (p.q_len - q_start)
-                                                      : lay.query_block;
-  const int rows = lay.group * qb;
+  const int b = tile.b, kv_head = tile.kv_head, q_start = tile.q_start, qb = tile.qb;
+  if (qb <= 0) return;
+  const int rows = group * qb;
   const int rp = int(round_up(rows, kLanes));  // rows padded to whole vectors
 
   float* q_t = scratch;                            // [D][rp]   Q^T
@@ -169,10 +230,11 @@ void attention_work_item(
   uint16_t* q_pairs = reinterpret_cast<uint16_t*>(q_t);
   uint16_t* k_pairs = reinterpret_cast<uint16_t*>(k_rows);  // [KB][2 pairs]
 
-  // Rows are (head in group, query position): row = g * qb + i.
+  // Rows are (head in group, query position): row = g * qb + i. A packed
+  // (paged) q is seen as [1, Hq, total_q, D]: its rows start at q_begin.
   for (int r = 0; r < rows; ++r) {
-    const int h = kv_head * lay.group + r / qb;
-    const int qi = q_start + r % qb;
+    const int h = kv_head * group + r / qb;
+    const int64_t qi = tile.q_begin + q_start + r % qb;
     int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
     if constexpr (kPairScore) {
       using Product = typename Native::Product;
@@ -210,78 +272,108 @@ void attention_work_item(
   memset(acc, 0, sizeof(float) * rows * Dvp);
 
   // Float32 K rows and V rows (of a whole number of vectors) with unit
-  // feature stride are read in place; anything else is converted per block.
+  // feature stride can be read in place; anything else is converted per block.
   // 16-bit K for a native score product: in place when its pairs are whole.
-  const bool k_in_place = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
+  const bool k_can_stay = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
       (kPairScore && p.k_strides[3] == 1 && D % 2 == 0);
-  const bool v_in_place = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
-  const int64_t k_head = b * p.k_strides[0] + kv_head * p.k_strides[1];
-  const int64_t v_head = b * p.v_strides[0] + kv_head * p.v_strides[1];
+  const bool v_can_stay = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
+  // Element offset of (outer, slot) rows for this kv head.
+  auto k_at = [&](int64_t outer, int slot) {
+    return outer * p.k_strides[0] + kv_head * p.k_strides[1] + slot * p.k_strides[2];
+  };
+  auto v_at = [&](int64_t outer, int slot) {
+    return outer * p.v_strides[0] + kv_head * p.v_strides[1] + slot * p.v_strides[2];
+  };
 
   // Keys any row of this block can see.
-  const int first_pos = query_position(p, q_start);
-  const int last_pos = query_position(p, q_start + qb - 1);
-  const KeyRange keys = block_key_range(p, first_pos, last_pos);
+  const int first_pos = query_position(seq, q_start);
+  const int last_pos = query_position(seq, q_start + qb - 1);
+  const KeyRange keys = block_key_range(seq, first_pos, last_pos);
+
+  struct Segment {
+    int64_t outer;
+    int slot, first, n;  // keys first .. first + n - 1 of the block
+  };
+  Segment segments[kKeyBlock];
 
   for (int kb = keys.begin; kb < keys.end; kb += KB) {
     const int n = (keys.end - kb) < KB ? (keys.end - kb) : KB;
 
-    const float* v_block;
-    int64_t ldv;
-    if (v_in_place) {
-      v_block = static_cast<const float*>(call.v) + v_head + int64_t(kb) * p.v_strides[2];
-      ldv = p.v_strides[2];
-    } else {
-      v_block = v_packed;
-      ldv = Dvp;
+    // fetch: the block's segments, then K/V in place or packed
+    int segment_count = 0;
+    for (int j = 0; j < n;) {
+      const KeyPlace at = KVLayout::key(call, tile, kb + j);
+      const int len = at.run < n - j ? at.run : n - j;
+      segments[segment_count++] = {at.outer, at.slot, j, len};
+      j += len;
     }
-    for (int j = 0; j < n && !(k_in_place && v_in_place); ++j) {
-      const int64_t koff = k_head + int64_t(kb + j) * p.k_strides[2];
-      const int64_t voff = v_head + int64_t(kb + j) * p.v_strides[2];
-      float* vrow = v_packed + j * Dvp;
-      if constexpr (kPairScore) {
-        if (!k_in_place) {
-          const uint16_t* k = static_cast<const uint16_t*>(call.k) + koff;
-          for (int d = 0; d < D; ++d) k_pairs[j * 2 * pairs + d] = k[d * p.k_strides[3]];
-          if (D % 2) k_pairs[j * 2 * pairs + D] = 0;
+    const bool long_runs = segment_count == 1 || n >= kMinInPlaceRun * segment_count;
+    const bool k_in_place = k_can_stay && long_runs;
+    const bool v_in_place = v_can_stay && long_runs;
+    for (int s = 0; s < segment_count && !(k_in_place && v_in_place); ++s) {
+      const Segment& seg = segments[s];
+      for (int i = 0; i < seg.n; ++i) {
+        const int j = seg.first + i;
+        const int64_t koff = k_at(seg.outer, seg.slot + i);
+        const int64_t voff = v_at(seg.outer, seg.slot + i);
+        float* vrow = v_packed + j * Dvp;
+        if constexpr (kPairScore) {
+          if (!k_in_place) {
+            const uint16_t* k = static_cast<const uint16_t*>(call.k) + koff;
+            for (int d = 0; d < D; ++d) k_pairs[j * 2 * pairs + d] = k[d * p.k_strides[3]];
+            if (D % 2) k_pairs[j * 2 * pairs + D] = 0;
+          }
+          if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+        } else if constexpr (Bits == 0) {
+          if (!k_in_place) load_row<T>(k_rows + j * D, 1, call.k, koff, p.k_strides[3], D, 1.0f);
+          if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
+        } else {  // dequantize in the tile: no dequantized copy of K/V exists
+          const QuantizedKV& qkv = call.quantized;
+          const int t = seg.slot + i;
+          const QuantizedRow key = {
+              static_cast<const uint32_t*>(call.k) + koff, p.k_strides[3],
+              qkv.k_scales, QuantizedKV::row_offset(qkv.k_scale_strides, seg.outer, kv_head, t),
+              qkv.k_scale_strides[3],
+              qkv.k_biases, QuantizedKV::row_offset(qkv.k_bias_strides, seg.outer, kv_head, t),
+              qkv.k_bias_strides[3]};
+          const QuantizedRow value = {
+              static_cast<const uint32_t*>(call.v) + voff, p.v_strides[3],
+              qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, seg.outer, kv_head, t),
+              qkv.v_scale_strides[3],
+              qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, seg.outer, kv_head, t),
+              qkv.v_bias_strides[3]};
+          load_quantized_row<T, Bits>(k_rows + j * D, 1, key, qkv.group_size, D);
+          load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, Dv);
         }
-        if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
-      } else if constexpr (Bits == 0) {
-        if (!k_in_place) load_row<T>(k_rows + j * D, 1, call.k, koff, p.k_strides[3], D, 1.0f);
-        if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
-      } else {  // dequantize in the tile: no dequantized copy of K/V exists
-        const QuantizedKV& qkv = call.quantized;
-        const int64_t t = kb + j;
-        const QuantizedRow key = {
-            static_cast<const uint32_t*>(call.k) + koff, p.k_strides[3],
-            qkv.k_scales, QuantizedKV::row_offset(qkv.k_scale_strides, b, kv_head, t), qkv.k_scale_strides[3],
-            qkv.k_biases, QuantizedKV::row_offset(qkv.k_bias_strides, b, kv_head, t), qkv.k_bias_strides[3]};
-        const QuantizedRow value = {
-            static_cast<const uint32_t*>(call.v) + voff, p.v_strides[3],
-            qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, b, kv_head, t), qkv.v_scale_strides[3],
-            qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, b, kv_head, t), qkv.v_bias_strides[3]};
-        load_quantized_row<T, Bits>(k_rows + j * D, 1, key, qkv.group_size, D);
-        load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, Dv);
-      }
-      if (!v_in_place) {
-        for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
+        if (!v_in_place) {
+          for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
+        }
       }
     }
 
-    // score: S^T[n][rp] = K[n][D] . Q^T[D][rp]
+    // score: S^T[n][rp] = K[n][D] . Q^T[D][rp], segment by segment in place
     if constexpr (kPairScore) {
-      const uint16_t* k_block_pairs = k_in_place
-          ? static_cast<const uint16_t*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
-          : k_pairs;
-      const int64_t ldk_pairs = k_in_place ? p.k_strides[2] : 2 * pairs;
-      matmul_overwrite_pairs<typename Native::Product>(
-          k_block_pairs, ldk_pairs, q_pairs, 2 * rp, scores_t, rp, n, pairs, rp);
+      if (k_in_place) {
+        for (int s = 0; s < segment_count; ++s) {
+          const Segment& seg = segments[s];
+          matmul_overwrite_pairs<typename Native::Product>(
+              static_cast<const uint16_t*>(call.k) + k_at(seg.outer, seg.slot), p.k_strides[2], q_pairs, 2 * rp,
+              scores_t + seg.first * rp, rp, seg.n, pairs, rp);
+        }
+      } else {
+        matmul_overwrite_pairs<typename Native::Product>(k_pairs, 2 * pairs, q_pairs, 2 * rp, scores_t, rp, n,
+                                                         pairs, rp);
+      }
     } else {
-      const float* k_block = k_in_place
-          ? static_cast<const float*>(call.k) + k_head + int64_t(kb) * p.k_strides[2]
-          : k_rows;
-      const int64_t ldk = k_in_place ? p.k_strides[2] : D;
-      matmul_overwrite(k_block, ldk, q_t, rp, scores_t, rp, n, D, rp);
+      if (k_in_place) {
+        for (int s = 0; s < segment_count; ++s) {
+          const Segment& seg = segments[s];
+          matmul_overwrite(static_cast<const float*>(call.k) + k_at(seg.outer, seg.slot), p.k_strides[2], q_t, rp,
+                           scores_t + seg.first * rp, rp, seg.n, D, rp);
+        }
+      } else {
+        matmul_overwrite(k_rows, D, q_t, rp, scores_t, rp, n, D, rp);
+      }
     }
 
     // scale
@@ -294,7 +386,7 @@ void attention_work_item(
     if (p.mask_kind != MaskKind::none) {
       const int64_t ms = p.mask_strides[3];
       for (int r = 0; r < rows; ++r) {
-        const int64_t moff = mask_offset(p, b, kv_head * lay.group + r / qb, q_start + r % qb, kb);
+        const int64_t moff = mask_offset(seq, b, kv_head * group + r / qb, q_start + r % qb, kb);
         float* s = scores_t + r;
         if (p.mask_kind == MaskKind::boolean) {
           const bool* m = static_cast<const bool*>(call.mask) + moff;
@@ -306,9 +398,9 @@ void attention_work_item(
         }
       }
     }
-    if (block_on_edge(p, kb, n, first_pos, last_pos)) {
+    if (block_on_edge(seq, kb, n, first_pos, last_pos)) {
       for (int r = 0; r < rows; ++r) {
-        mask_hidden_keys(p, query_position(p, q_start + r % qb), kb, n, scores_t + r, rp);
+        mask_hidden_keys(seq, query_position(seq, q_start + r % qb), kb, n, scores_t + r, rp);
       }
     }
 
@@ -342,12 +434,21 @@ void attention_work_item(
     }
 
     // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
-    matmul_accumulate_transposed_a(scores_t, rp, v_block, ldv, acc, Dvp, rows, n, Dvp);
+    if (v_in_place) {
+      for (int s = 0; s < segment_count; ++s) {
+        const Segment& seg = segments[s];
+        matmul_accumulate_transposed_a(scores_t + seg.first * rp, rp,
+                                       static_cast<const float*>(call.v) + v_at(seg.outer, seg.slot),
+                                       p.v_strides[2], acc, Dvp, rows, seg.n, Dvp);
+      }
+    } else {
+      matmul_accumulate_transposed_a(scores_t, rp, v_packed, Dvp, acc, Dvp, rows, n, Dvp);
+    }
   }
 
   // normalize
   for (int r = 0; r < rows; ++r) {
-    const int h = kv_head * lay.group + r / qb;
+    const int h = kv_head * group + r / qb;
     const int qi = q_start + r % qb;
     float m = row_max[r];
     float l = row_sum[r];
@@ -361,7 +462,7 @@ void attention_work_item(
     }
     // l == 0: the row saw nothing (zeros); a NaN sum (NaN data) stays NaN
     const float factor = l == 0.0f ? 0.0f : correction / l;
-    const int64_t row_index = (int64_t(b) * p.q_heads + h) * p.q_len + qi;
+    const int64_t row_index = KVLayout::out_row(call, tile, h, qi);
     const float* o = acc + r * Dvp;
     for (int e = 0; e < Dv; ++e) {
       store_elem<T>(call.out, row_index * Dv + e, o[e] * factor);
@@ -379,13 +480,19 @@ int vector_lanes() {
 }
 
 namespace {
+template <ElemType T, class KVLayout>
+void work_item_of_layout(const KernelCall& call, int64_t item, float* scratch) {
+  switch (call.quantized.bits) {
+    case 8: return attention_work_item<T, 8, KVLayout>(call, item, scratch);
+    case 4: return attention_work_item<T, 4, KVLayout>(call, item, scratch);
+    default: return attention_work_item<T, 0, KVLayout>(call, item, scratch);
+  }
+}
+// The K/V layout axis: dense or paged, each with float or quantized K/V.
 template <ElemType T>
 void work_item_of_type(const KernelCall& call, int64_t item, float* scratch) {
-  switch (call.quantized.bits) {
-    case 8: return attention_work_item<T, 8>(call, item, scratch);
-    case 4: return attention_work_item<T, 4>(call, item, scratch);
-    default: return attention_work_item<T, 0>(call, item, scratch);
-  }
+  if (call.paged.active()) return work_item_of_layout<T, PagedLayout>(call, item, scratch);
+  return work_item_of_layout<T, DenseLayout>(call, item, scratch);
 }
 }  // namespace
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "csrc/attention_problem.h"
+#include "csrc/cpu/paged_kv.h"
 #include "csrc/cpu/quantized_kv.h"
 
 namespace mlx_attn::cpu {
@@ -27,12 +28,14 @@ struct KernelCall {
   void* out;          // row-contiguous [B, Hq, Tq, Dv]
   float* lse;         // row-contiguous [B, Hq, Tq] natural-log log-sum-exp, or null
   QuantizedKV quantized;  // bits > 0: k and v are packed words (csrc/cpu/quantized_kv.h)
+  PagedKV paged;          // active(): k and v are pages, q / out packed rows (csrc/cpu/paged_kv.h)
   // Query positions per work item (csrc/cpu/dispatch.cpp, plan_work); rows per
   // item = group size x query_block.
   int query_block;
 
   int query_blocks() const { return (problem.q_len + query_block - 1) / query_block; }
   int64_t work_items() const {
+    if (paged.active()) return paged.item_count * problem.kv_heads;
     return int64_t(problem.batch) * problem.kv_heads * query_blocks();
   }
 };
