@@ -40,6 +40,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -214,9 +215,22 @@ def measure(case, dtype, head_dim, repeats, quick, seed):
 # Hook for the Metal paged kernels (filled in by the Metal work): rows of the
 # same shape as measure()'s, from the MSL emulator's counters next to MLX's
 # kernels on the padded problem. The CPU run leaves it empty.
-def metal_rows(quick: bool = False) -> list[dict]:
-    """The Metal rows of the table (none yet)."""
-    return []
+def metal_rows(quick: bool = False, metal: bool = False) -> list[dict]:
+    """With ``metal``, the Metal rows (benchmarks/paged_metal_rows.py: modelled
+    device bytes per live K/V byte of the paged decode kernels in the MSL
+    emulator's counting builds, against our dense decode kernel on the same
+    keys and MLX's on the padded problem; needs clang-19 and the mlx-metal
+    wheel, minutes per row); none without."""
+    if not metal:
+        return []
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paged_metal_rows
+
+    rows = paged_metal_rows.metal_rows(quick)
+    print()
+    print("Metal, device bytes per live K/V byte (modelled, MSL emulator counting builds):")
+    print(paged_metal_rows.metal_table(rows))
+    return rows
 
 
 def summary_table(rows) -> str:
@@ -263,6 +277,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    p.add_argument("--metal", action="store_true", help="also the Metal rows (MSL emulator; slow)")
     args = p.parse_args(argv)
     if _native.ext is None:
         raise SystemExit("bench_paged needs the native extension mlx_attn._ext")
@@ -281,8 +296,9 @@ def main(argv=None):
     table = summary_table(rows)
     print()
     print(table)
-    metal = metal_rows(args.quick)
-    result = {"command": "python benchmarks/bench_paged.py" + (" --quick" if args.quick else ""),
+    metal = metal_rows(args.quick, args.metal)
+    result = {"command": "python benchmarks/bench_paged.py" + (" --quick" if args.quick else "")
+              + (" --metal" if args.metal else ""),
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "cpu_isa": _native.ext.cpu_isa(), "kv_heads": KV_HEADS, "gqa": GQA, "page_size": PAGE_SIZE,
               "repeats": repeats, "rows": rows, "metal_rows": metal}

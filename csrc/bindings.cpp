@@ -21,6 +21,7 @@ namespace mx = mlx::core;
 namespace mlx_attn {
 void bind_launch_plan(nb::module_& m);  // csrc/launch_plan_bindings.cpp
 void bind_metal_sources(nb::module_& m);  // csrc/metal/metal_source_bindings.cpp
+void bind_paged_metal(nb::module_& m);  // csrc/paged_metal_bindings.cpp
 void bind_paged(nb::module_& m);  // csrc/paged_bindings.cpp
 
 namespace {
@@ -191,5 +192,6 @@ NB_MODULE(_ext, m) {
   mlx_attn::bind_problem(m);
   mlx_attn::bind_launch_plan(m);
   mlx_attn::bind_metal_sources(m);
+  mlx_attn::bind_paged_metal(m);
   mlx_attn::bind_paged(m);
 }

@@ -173,6 +173,8 @@ const char* role_name(BufferRole role) {
     case BufferRole::dv: return "dv";
     case BufferRole::d_sinks: return "d_sinks";
     case BufferRole::delta: return "delta";
+    case BufferRole::block_table: return "block_table";
+    case BufferRole::sequences: return "sequences";
   }
   return "?";
 }
@@ -185,6 +187,7 @@ const char* source_name(Source source) {
     case Source::params: return "params";
     case Source::splits: return "splits";
     case Source::quantized_params: return "quantized_params";
+    case Source::sequences: return "sequences";
   }
   return "?";
 }
@@ -232,6 +235,8 @@ std::vector<Binding> bind_roles(
       b.source = Source::splits;
     } else if (b.role == BufferRole::quantized_params) {
       b.source = Source::quantized_params;
+    } else if (b.role == BufferRole::sequences) {
+      b.source = Source::sequences;
     } else if (std::any_of(scratch.begin(), scratch.end(), [&](const ScratchBuffer& x) { return x.role == b.role; })) {
       for (int j = 0; j < int(scratch.size()); ++j) {
         if (scratch[j].role == b.role) {

@@ -58,6 +58,8 @@ enum class BufferRole : int32_t {
   k_scales, k_biases, v_scales, v_biases, quantized_params,
   // the backward's (csrc/backward_launch_plan.h)
   d_out, d_lse, dq, dk, dv, d_sinks, delta,
+  // the paged kernels' (csrc/paged_launch_plan.h)
+  block_table, sequences,
 };
 enum class Access : int32_t { read, write };
 // Where the bound memory comes from.
@@ -68,6 +70,7 @@ enum class Source : int32_t {
   params,   // LaunchPlan::params, as bytes
   splits,   // LaunchPlan::splits (int32), as bytes
   quantized_params,  // LaunchPlan::quantized_params, as bytes
+  sequences,  // LaunchPlan::sequences, as a buffer (may exceed setBytes' 4 KB)
 };
 
 struct Binding {
@@ -106,12 +109,14 @@ struct LaunchPlan {
   // QuantizedAttentionParams (metal/attention_quantized_params.h) of a plan
   // over quantized K/V; empty otherwise
   std::vector<uint8_t> quantized_params;
+  // the PagedSequence array (metal/attention_paged_params.h) of a paged plan
+  std::vector<uint8_t> sequences;
 };
 
 const char* role_name(BufferRole role);
 const char* source_name(Source source);
 // Every BufferRole, in declaration order (for role_names() and the doc check).
-inline constexpr int kBufferRoleCount = int(BufferRole::delta) + 1;
+inline constexpr int kBufferRoleCount = int(BufferRole::sequences) + 1;
 
 // The primitive's inputs and outputs by role, in order: what a binding's
 // source_index points at. One table drives the bindings of every plan

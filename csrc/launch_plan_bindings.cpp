@@ -61,10 +61,13 @@ nb::dict plan_dict(const LaunchPlan& plan) {
   out["scratch"] = scratch;
   out["quantized_params"] = nb::bytes(reinterpret_cast<const char*>(plan.quantized_params.data()),
                                     plan.quantized_params.size());
+  out["sequences"] = nb::bytes(reinterpret_cast<const char*>(plan.sequences.data()), plan.sequences.size());
   return out;
 }
 
 }  // namespace
+
+nb::dict launch_plan_dict(const LaunchPlan& plan) { return plan_dict(plan); }
 
 void bind_launch_plan(nb::module_& m) {
   m.def(

@@ -301,30 +301,18 @@ template <typename T, int D, int MASK>
   decode_partial<T, D, MASK>(kv, q, p, mask, partial_out, partial_stats, states, group_id, groups, sg, lane);
 }
 
-// One simdgroup per (row, KV head, batch): merge the splits' partials.
+// Merges one row's split partials (split s at partial row first + s * stride)
+// into its output row `out_row` and, when lse_row is not null, its row
+// log-sum-exp: rescale to the common max, sinks join the sum, normalize
+// (rows that saw nothing give zeros). One simdgroup per row; query head h.
 template <typename T, int D>
-[[kernel]] void attention_decode_merge(
-    const device float* partial_out [[buffer(0)]],
-    const device float* partial_stats [[buffer(1)]],
-    const device T* sinks [[buffer(2)]],
-    device T* out [[buffer(3)]],
-    constant AttentionParams& p [[buffer(4)]],
-    constant int& splits [[buffer(5)]],
-    device float* lse [[buffer(6)]],  // [B, Hq, Tq] when p.output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint lane [[thread_index_in_simdgroup]]) {
+inline void merge_splits(
+    const device float* partial_out, const device float* partial_stats, long first, long stride, int splits,
+    const device T* sinks, constant AttentionParams& p, int h, device T* out_row, device float* lse_row, uint lane) {
   constexpr int SLICE = D / 32;
-  const int r = int(group_id.x);
-  const int kv_head = int(group_id.y);
-  const int b = int(group_id.z);
-  const int rows = p.group * p.q_len;
-  const int h = kv_head * p.group + r / p.q_len;
-  const int qi = r % p.q_len;
-
   float m = MLX_ATTN_MASKED_LOGIT;
   for (int s = 0; s < splits; ++s) {
-    const long base = ((long(b) * p.kv_heads + kv_head) * splits + s) * rows + r;
-    m = max(m, partial_stats[base * 2]);
+    m = max(m, partial_stats[(first + s * stride) * 2]);
   }
   float l = 0.0f;
   float o[SLICE];
@@ -332,7 +320,7 @@ template <typename T, int D>
     o[e] = 0.0f;
   }
   for (int s = 0; s < splits; ++s) {
-    const long base = ((long(b) * p.kv_heads + kv_head) * splits + s) * rows + r;
+    const long base = first + s * stride;
     const float weight = fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
     l += partial_stats[base * 2 + 1] * weight;
     for (int e = 0; e < SLICE; ++e) {
@@ -349,12 +337,34 @@ template <typename T, int D>
     m = m_final;
   }
   const float factor = l > 0.0f ? correction / l : 0.0f;
-  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
   for (int e = 0; e < SLICE; ++e) {
-    out[row * D + DecodeLayout<D>::dim(lane, e)] = T(o[e] * factor);
+    out_row[DecodeLayout<D>::dim(lane, e)] = T(o[e] * factor);
   }
-  if (p.output_lse != 0 && lane == 0) {
+  if (lse_row != nullptr && lane == 0) {
     // a row that saw nothing: -inf, written as bits (fast math has no infinities)
-    lse[row] = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
+    *lse_row = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
   }
+}
+
+// One simdgroup per (row, KV head, batch): merge the splits' partials.
+template <typename T, int D>
+[[kernel]] void attention_decode_merge(
+    const device float* partial_out [[buffer(0)]],
+    const device float* partial_stats [[buffer(1)]],
+    const device T* sinks [[buffer(2)]],
+    device T* out [[buffer(3)]],
+    constant AttentionParams& p [[buffer(4)]],
+    constant int& splits [[buffer(5)]],
+    device float* lse [[buffer(6)]],  // [B, Hq, Tq] when p.output_lse
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const int r = int(group_id.x);
+  const int kv_head = int(group_id.y);
+  const int b = int(group_id.z);
+  const int rows = p.group * p.q_len;
+  const int h = kv_head * p.group + r / p.q_len;
+  const int qi = r % p.q_len;
+  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+  merge_splits<T, D>(partial_out, partial_stats, (long(b) * p.kv_heads + kv_head) * splits * rows + r, rows, splits,
+                     sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, lane);
 }

@@ -23,13 +23,14 @@ from mlx_attn import _native, self_check
 from mlx_attn._blas import blas_choice
 from mlx_attn._timing import median_seconds
 from mlx_attn.ops import metal_backward_runner, metal_kernel_runner
-from mlx_attn.self_check import BackwardVariant, Case, CheckResult, Variant
+from mlx_attn.self_check import BackwardVariant, Case, CheckResult, PagedVariant, Variant
 
 __all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid", "backward_grid"]
 
 METAL_HEAD_DIMS = (64, 80, 96, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 80, 96, 128)  # the Metal backward's (csrc/backward_launch_plan.cpp)
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
+PAGED_HEAD_DIMS = (64, 96, 128, 256)  # the paged kernels' (csrc/paged_launch_plan.cpp)
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class DoctorReport:
     cpu_results: list[CheckResult]
     metal_results: list[CheckResult]
     backward_results: list[CheckResult] = dataclasses.field(default_factory=list)
+    paged_results: list[CheckResult] = dataclasses.field(default_factory=list)
 
 
 def _extra_cases(variant: Variant) -> list[Case]:
@@ -161,6 +163,8 @@ def run_doctor(
     variants: list[Variant] | None = None,
     metal_backward: Callable | None = None,
     backward_variants: list[BackwardVariant] | None = None,
+    metal_paged: Callable | None = None,
+    paged_variants: list[PagedVariant] | None = None,
     timings: bool = True,
     lengths: tuple[int, ...] = (256, 1024),
     repeats: int = 3,
@@ -174,6 +178,10 @@ def run_doctor(
     if native is not None and mx.metal.is_available() and native.has_metal():
         metal_runner = metal_kernel_runner(mx.gpu) if metal_runner is None else metal_runner
         metal_backward = metal_backward_runner(mx.gpu) if metal_backward is None else metal_backward
+        if metal_paged is None:
+            from mlx_attn.paged import metal_paged_runner
+
+            metal_paged = metal_paged_runner(mx.gpu)
     lines = ["# mlx_attn doctor report", "", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in _environment_rows(native)]
     ok = native is not None
@@ -220,7 +228,18 @@ def run_doctor(
         ]
         lines += _check_rows(backward_results, error="max error / largest gradient")
         ok &= all(r.passed for r in backward_results)
-    failed = [str(r.variant) for r in metal_results + backward_results if not r.passed]
+    lines += ["", "## Paged Metal kernels against the paged reference path", ""]
+    paged_results: list[CheckResult] = []
+    if metal_paged is None:
+        lines.append(no_metal)
+    else:
+        if paged_variants is None:
+            paged_variants = [PagedVariant(dt, d) for dt in DTYPE_NAMES for d in PAGED_HEAD_DIMS]
+            paged_variants += [PagedVariant(dt, d, bits, 64) for dt in DTYPE_NAMES for d in (64, 128) for bits in (4, 8)]
+        paged_results = [self_check.check_paged_variant(v, metal_paged) for v in paged_variants]
+        lines += _check_rows(paged_results)
+        ok &= all(r.passed for r in paged_results)
+    failed = [str(r.variant) for r in metal_results + backward_results + paged_results if not r.passed]
     if failed:
         lines += ["", f"Variants that would be disabled by the first-use self-check: {', '.join(failed)}."]
 
@@ -232,4 +251,4 @@ def run_doctor(
         lines += _timing_lines(mx.gpu if on_gpu else mx.cpu, dtype, lengths, repeats)
 
     lines += ["", f"**Result: {'all checks passed' if ok else 'MISMATCHES FOUND (see above)'}**", ""]
-    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results, backward_results)
+    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results, backward_results, paged_results)

@@ -39,11 +39,14 @@ Implementations (:func:`paged_attention_path` says which one a call takes):
   :func:`quantized_paged_attention`). Extra memory: per-thread tiles and a
   work list, O(rows x D), never O(total K/V) (when q and the pages share one
   dtype: otherwise the promotion casts them first).
+- ``"fused-metal"``: the Metal paged decode kernels (``metal/attention_paged.h``:
+  the decode kernel's split-K loop over a paged K/V loader; chunked-prefill
+  rows run on them too), once their variant passed its first-use self-check.
 - ``"reference"``: gather each sequence's pages into contiguous K/V and run
   :func:`mlx_attn.reference.reference_attention` per sequence.
 
 ``backend="auto"`` takes the fused kernel of the stream's device where one
-exists and handles the call (head dims 1..256), else the reference;
+exists and handles the call, else the reference;
 ``"fused"`` raises ``ValueError`` where it cannot; ``"reference"`` forces the
 reference. Inference only: asking for a gradient raises ``ValueError``.
 """
@@ -71,7 +74,7 @@ __all__ = [
     "PagedPath",
 ]
 
-PagedPath = Literal["fused-cpu", "reference"]
+PagedPath = Literal["fused-cpu", "fused-metal", "reference"]
 _BACKENDS = ("auto", "fused", "reference")
 _INFERENCE_ONLY = (
     "paged_attention is inference only: it has no gradient (use mlx_attn.scaled_dot_product_attention "
@@ -327,10 +330,25 @@ class _PagedCall:
             return _native.MISSING_REASON
         if self.device not in _FUSED_PATHS:
             return f"no fused paged attention kernel for {self.device} in this build"
+        if self.device == mx.gpu:
+            return self._metal_unsupported_reason()
         return _native.ext.paged_unsupported_reason(
             self.q, list(self.k), list(self.v), self.block_table, self.kv_lens, self.q_lens, scale=self.scale,
             causal=self.causal, window_size=self.window_size or 0, sinks=self.sinks, output_lse=self.return_lse,
             bits=self.bits, group_size=self.group_size, softcap=self.softcap or 0.0, device=self.device)
+
+    def _metal_unsupported_reason(self) -> str | None:
+        if self.softcap is not None:
+            return "softcap is not in the Metal paged kernels (the CPU paged kernel has it)"
+        reason = metal_paged_reason(self.q, self.k, self.v, self.block_table, self.layout,
+                                    window_size=self.window_size, sinks=self.sinks, return_lse=self.return_lse,
+                                    bits=self.bits, group_size=self.group_size)
+        if reason:
+            return reason
+        if not metal_paged_trusted(self.q.dtype, self.q.shape[-1], bits=self.bits, group_size=self.group_size,
+                                   stream=self.stream):
+            return "the Metal paged kernel variant failed its self-check on this GPU (see the warning)"
+        return None
 
     @functools.cached_property
     def path(self) -> PagedPath:
@@ -384,10 +402,17 @@ def _run_fused_cpu(call: _PagedCall, *arrays):
         bits=call.bits, group_size=call.group_size, softcap=call.softcap or 0.0, stream=call.stream)
 
 
-# The fused path of each device (the Metal kernels add mx.gpu: "fused-metal")
-# and the runner of every path.
-_FUSED_PATHS: dict[mx.DeviceType, str] = {mx.cpu: "fused-cpu"}
-_RUNNERS = {"fused-cpu": _run_fused_cpu, "reference": _run_reference}
+def _run_fused_metal(call: _PagedCall, *arrays):
+    q, k_parts, v_parts, sinks = call.split(arrays)
+    return fused_metal_paged_attention(
+        q, k_parts, v_parts, call.block_table, call.layout, scale=call.scale, causal=call.causal,
+        window_size=call.window_size, sinks=sinks, return_lse=call.return_lse, bits=call.bits,
+        group_size=call.group_size, stream=call.stream)
+
+
+# The fused path of each device and the runner of every path.
+_FUSED_PATHS: dict[mx.DeviceType, str] = {mx.cpu: "fused-cpu", mx.gpu: "fused-metal"}
+_RUNNERS = {"fused-cpu": _run_fused_cpu, "fused-metal": _run_fused_metal, "reference": _run_reference}
 
 
 def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
@@ -424,7 +449,7 @@ def paged_attention_path(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=No
                          window_size=None, sinks=None, backend="auto", return_lse=False,
                          stream=None, softcap=None) -> PagedPath:
     """Which implementation :func:`paged_attention` uses for these arguments
-    (validated as the call does): ``"fused-cpu"`` or ``"reference"``.
+    (validated as the call does): ``"fused-cpu"``, ``"fused-metal"`` or ``"reference"``.
     ``backend="fused"`` raises ``ValueError`` where no fused kernel runs the
     call."""
     return _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
@@ -537,3 +562,78 @@ def quantized_paged_attention(
     """
     return _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
                               window_size, sinks, backend, return_lse, stream, softcap).run()
+
+
+# ---------------------------------------------------------------- fused Metal kernels
+# The Mac host side of the paged kernels (metal/attention_paged.h, plan
+# csrc/paged_launch_plan.cpp, primitive csrc/paged_attention_metal.h): what a
+# GPU-stream dispatch calls once the arguments are checked (_prepare /
+# _check_layout) and cast to the call's dtype.
+
+
+def _metal_inputs(q, k_parts, v_parts, block_table, sinks) -> list:
+    return [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
+
+
+def metal_paged_reason(q, k_parts, v_parts, block_table, layout: _Layout, *, window_size=None, sinks=None,
+                       return_lse=False, bits=0, group_size=0) -> str:
+    """Why the fused Metal paged kernels cannot run this checked call ("" when
+    they can): no Metal build, or what the launch plan refuses (head dims,
+    Dv != D, quantization). ``k_parts`` / ``v_parts``: ``[pages]`` or the
+    ``(packed, scales, biases)`` triples."""
+    from mlx_attn import _native
+
+    ext = _native.ext
+    if ext is None or not ext.has_metal():
+        return "this build of mlx_attn has no Metal kernels"
+    plan = ext.paged_metal_launch_plan(
+        _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens,
+        window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
+        group_size=group_size)
+    return "" if plan["supported"] else plan["reason"]
+
+
+def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: _Layout, *, scale, causal, window_size,
+                                sinks, return_lse, bits=0, group_size=0, stream=None) -> list:
+    """The fused Metal paged kernels on a GPU stream: ``[out]`` or
+    ``[out, lse]``. Arguments checked and in one dtype (scales and biases
+    too); ``block_table`` int32; lengths from ``layout``."""
+    from mlx_attn import _native
+
+    return _native.ext.metal_paged_attention(
+        _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens, scale=scale,
+        causal=causal, window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
+        group_size=group_size, stream=stream if stream is not None else mx.gpu)
+
+
+def metal_paged_runner(stream):
+    """``run(q, k_pages, v_pages, block_table, kv_lens, *, q_lens, scale,
+    causal, window_size, sinks, bits=0, group_size=0)`` on the fused Metal
+    paged kernels: the runner of :func:`mlx_attn.self_check.check_paged_variant`
+    and ``mlx-attn doctor``."""
+
+    def run(q, k_pages, v_pages, block_table, kv_lens, *, q_lens=None, scale, causal=True, window_size=None,
+            sinks=None, bits=0, group_size=0):
+        k_parts = tuple(k_pages) if bits else (k_pages,)
+        v_parts = tuple(v_pages) if bits else (v_pages,)
+        if bits:
+            k_shape = (*k_parts[0].shape[:3], quantized.quantized_head_dim(k_parts[0], bits))
+            v_shape = (*v_parts[0].shape[:3], quantized.quantized_head_dim(v_parts[0], bits))
+        else:
+            k_shape, v_shape = tuple(k_pages.shape), tuple(v_pages.shape)
+        layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+        return fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout, scale=scale, causal=causal,
+                                           window_size=window_size, sinks=sinks, return_lse=False, bits=bits,
+                                           group_size=group_size, stream=stream)[0]
+
+    return run
+
+
+def metal_paged_trusted(dtype, head_dim: int, *, bits: int = 0, group_size: int = 0, stream=None) -> bool:
+    """Whether the paged kernel variant for this dtype and head dim passed its
+    first-use self-check (run now if it has not; a failure warns once and
+    disables the variant: calls then take the reference path)."""
+    from mlx_attn import self_check
+
+    variant = self_check.PagedVariant(str(dtype).split(".")[-1], head_dim, bits, group_size)
+    return self_check.trusted(variant, metal_paged_runner(stream if stream is not None else mx.gpu))

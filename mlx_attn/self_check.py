@@ -37,6 +37,9 @@ __all__ = [
     "Variant",
     "QuantizedVariant",
     "BackwardVariant",
+    "PagedVariant",
+    "check_paged_variant",
+    "paged_cases",
     "check_quantized_variant",
     "check_backward_variant",
     "backward_cases",
@@ -124,7 +127,26 @@ class BackwardVariant:
         return f"backward/{self.dtype}/D={self.head_dim}{value}"
 
 
-AnyVariant = Variant | QuantizedVariant | BackwardVariant
+@dataclasses.dataclass(frozen=True)
+class PagedVariant:
+    """The paged kernels (metal/attention_paged.metal, and
+    metal/attention_paged_quantized.metal when bits > 0) of one element type
+    and head dim."""
+
+    dtype: str  # q's: "float32" | "float16" | "bfloat16"
+    head_dim: int
+    bits: int = 0  # 0: float pages; 4 or 8: quantized pages
+    group_size: int = 0
+
+    def __post_init__(self):
+        _check_dtype(self.dtype)
+
+    def __str__(self) -> str:
+        pages = f"/{self.bits}-bit/group {self.group_size}" if self.bits else ""
+        return f"paged/{self.dtype}/D={self.head_dim}{pages}"
+
+
+AnyVariant = Variant | QuantizedVariant | BackwardVariant | PagedVariant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +314,85 @@ def check_backward_variant(variant: BackwardVariant, run_backward: RunKernel,
     return _compare(variant, cases, outputs)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    """A small ragged batch: per-sequence lengths over pages of page_size."""
+
+    name: str
+    q_lens: tuple
+    kv_lens: tuple
+    page_size: int
+    q_heads: int = 8
+    kv_heads: int = 2
+    causal: bool = True
+    window_size: int | None = None
+    sinks: bool = False
+
+
+def paged_cases(variant: PagedVariant) -> list[PagedCase]:
+    """Decode rows and a chunked prefill in one batch with an empty sequence
+    and shared pages, several splits and page windows; window and sinks."""
+    return [
+        PagedCase("ragged decode + prefill chunk", (1, 0, 9, 1), (37, 0, 300, 5), 16),
+        PagedCase("window+sinks, pages of 5", (1, 4), (1200, 4), 5, window_size=100, sinks=True),
+        PagedCase("not causal, MQA", (2, 1), (20, 70), 8, q_heads=4, kv_heads=1, causal=False),
+    ]
+
+
+def make_paged_inputs(variant: PagedVariant, case: PagedCase, seed: int = 0) -> tuple[tuple, dict]:
+    """``(q, k_pages, v_pages, block_table, kv_lens), kwargs`` for a case:
+    pages in a shuffled pool, the first sequence's first page shared with
+    every other sequence that has keys (a common prefix), unused entries -1."""
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[variant.dtype]
+    needed = [(n + case.page_size - 1) // case.page_size for n in case.kv_lens]
+    pool = rng.permutation(sum(needed) + 1)
+    table = np.full((len(needed), max(needed) + 1), -1, np.int32)
+    at = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = pool[at:at + n]
+        at += n
+    for b in range(1, len(needed)):
+        if needed[b] and needed[0]:
+            table[b, 0] = table[0, 0]
+    shape = (len(pool), case.kv_heads, case.page_size, variant.head_dim)
+    q = _normal(rng, (sum(case.q_lens), case.q_heads, variant.head_dim), dtype)
+    k_pages, v_pages = _normal(rng, shape, dtype), _normal(rng, shape, dtype)
+    kwargs: dict = {"scale": variant.head_dim**-0.5, "causal": case.causal, "window_size": case.window_size,
+                    "q_lens": mx.array(np.array(case.q_lens, np.int32))}
+    if case.sinks:
+        kwargs["sinks"] = _normal(rng, (case.q_heads,), dtype)
+    return (q, k_pages, v_pages, mx.array(table), mx.array(np.array(case.kv_lens, np.int32))), kwargs
+
+
+def check_paged_variant(variant: PagedVariant, run_kernel: RunKernel,
+                        cases: list[PagedCase] | None = None) -> CheckResult:
+    """Runs ``cases`` (default: :func:`paged_cases`) through
+    ``run_kernel(q, k_pages, v_pages, block_table, kv_lens, **kwargs)``
+    (quantized variants: the pages as ``mx.quantize`` triples, and
+    ``bits`` / ``group_size`` keywords) and compares
+    each with the paged reference path on the CPU (gather + reference)."""
+    from mlx_attn import paged
+
+    cases = paged_cases(variant) if cases is None else cases
+
+    def outputs(index, case):
+        (q, k_pages, v_pages, table, kv_lens), kwargs = make_paged_inputs(variant, case, seed=index)
+        if not variant.bits:
+            return (lambda: run_kernel(q, k_pages, v_pages, table, kv_lens, **kwargs),
+                    lambda: paged.paged_attention(q, k_pages, v_pages, table, kv_lens, backend="reference",
+                                                  stream=mx.cpu, **kwargs))
+        quantization = {"group_size": variant.group_size, "bits": variant.bits}
+        k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
+                                  for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
+                            for x in (k_pages, v_pages))
+        return (lambda: run_kernel(q, k_quant, v_quant, table, kv_lens, **quantization, **kwargs),
+                lambda: paged.quantized_paged_attention(q, k_quant, v_quant, table, kv_lens, backend="reference",
+                                                        stream=mx.cpu, **quantization, **kwargs))
+
+    return _compare(variant, cases, outputs)
+
+
 GRADIENT_NAMES = ("dq", "dk", "dv", "d_sinks")
 
 
@@ -340,11 +441,13 @@ _results: dict[AnyVariant, CheckResult] = {}
 _lock = threading.RLock()  # re-entrant: a check's kernel calls may ask about a variant again
 _thread = threading.local()
 
-_CHECKS = {Variant: check_variant, QuantizedVariant: check_quantized_variant, BackwardVariant: check_backward_variant}
+_CHECKS = {Variant: check_variant, QuantizedVariant: check_quantized_variant, BackwardVariant: check_backward_variant,
+           PagedVariant: check_paged_variant}
 _FALLBACKS = {
     Variant: "calls fall back to mx.fast or the reference path",
     QuantizedVariant: "calls fall back to the reference path",
     BackwardVariant: "gradients come from the reference path's autodiff",
+    PagedVariant: "calls fall back to the paged reference path",
 }
 
 

@@ -16,7 +16,8 @@ from mlx_attn.metal_support import launch_plan
 from mlx_attn.quantized import quantized_launch_plan
 
 REPO = Path(__file__).resolve().parent.parent
-METAL_SOURCES = sorted((REPO / "metal").glob("*.metal"))
+# the dense plans' kernels (the paged families run from tests/paged_metal_runner.py)
+METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal") if not p.name.startswith("attention_paged"))
 REAL_METAL = mx.metal.is_available() and _ext.has_metal()
 
 
@@ -276,6 +277,8 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
                 bound[binding["index"]] = plan["params"]
             elif source == "quantized_params":
                 bound[binding["index"]] = plan["quantized_params"]
+            elif source == "sequences":  # a paged plan's PagedSequence array
+                bound[binding["index"]] = np.frombuffer(plan["sequences"], np.uint8).copy()
             else:
                 bound[binding["index"]] = struct.pack("i", plan["splits"])
         results.append(library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound))

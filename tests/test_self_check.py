@@ -588,3 +588,53 @@ def test_gpu_gradients_fall_back_when_the_backward_is_not_trusted(monkeypatch):
     assert asked and set(asked) == {64}
     assert np.all(np.array(got)[:, :, 3] == 0)
     assert mx.allclose(got, mx.grad(loss("reference"))(q), atol=1e-4).item()
+
+
+def _paged_runner(kernel_correct: bool):
+    """The paged reference path on the CPU as the Metal paged kernels would
+    answer (plus one everywhere when the 'kernel' is broken)."""
+    from mlx_attn import paged
+
+    def run(q, k_pages, v_pages, block_table, kv_lens, *, bits=0, group_size=0, **kwargs):
+        if bits:
+            out = paged.quantized_paged_attention(q, k_pages, v_pages, block_table, kv_lens, bits=bits,
+                                                  group_size=group_size, backend="reference", stream=mx.cpu, **kwargs)
+        else:
+            out = paged.paged_attention(q, k_pages, v_pages, block_table, kv_lens, backend="reference",
+                                        stream=mx.cpu, **kwargs)
+        return out if kernel_correct else out + 1
+
+    return run
+
+
+@pytest.mark.parametrize("kernel_correct", [True, False], ids=["passes", "fails"])
+def test_paged_gpu_path_follows_the_self_check(monkeypatch, kernel_correct):
+    """On a Metal build a GPU paged call takes fused-metal once its variant
+    passed the paged self-check; a failed check disables it (auto: the
+    reference, fused: an error naming the check); softcap and head dims the
+    paged kernels lack take the reference with their reason."""
+    from mlx_attn import _native, paged
+
+    monkeypatch.setattr(_native, "ext", MetalBuild(_native.ext))
+    monkeypatch.setattr(paged, "metal_paged_runner", lambda stream=None: _paged_runner(kernel_correct))
+    q = mx.zeros((3, 4, 64), mx.float16)
+    pages = mx.zeros((8, 2, 16, 64), mx.float16)
+    table = mx.array([[0, 1], [2, 3], [4, 5]], dtype=mx.int32)
+    kv_lens = mx.array([20, 5, 17], dtype=mx.int32)
+
+    def path(q=q, pages=pages, **kwargs):
+        return paged.paged_attention_path(q, pages, pages, table, kv_lens, scale=0.125, stream=mx.gpu, **kwargs)
+
+    with pytest.raises(ValueError, match="softcap is not in the Metal paged kernels"):
+        path(softcap=5.0, backend="fused")
+    with pytest.raises(ValueError, match="backend='fused' is not possible"):  # no paged kernel at D = 80
+        path(q=mx.zeros((3, 4, 80), mx.float16), pages=mx.zeros((8, 2, 16, 80), mx.float16), backend="fused")
+    if kernel_correct:
+        assert path() == "fused-metal"
+        assert self_check.results()[self_check.PagedVariant("float16", 64)].passed
+        assert path(softcap=5.0) == "reference"
+        return
+    with pytest.warns(RuntimeWarning, match="float16"):
+        assert path() == "reference"
+    with pytest.raises(ValueError, match="failed its self-check"):
+        path(backend="fused")

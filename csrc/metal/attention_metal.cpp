@@ -7,6 +7,7 @@
 
 #include <dlfcn.h>
 
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 
@@ -44,6 +45,12 @@ void encode_launch_plan(
     scratch.emplace_back(mx::Shape{int(buffer.elements)}, mx::float32, nullptr, std::vector<mx::array>{});
     scratch.back().set_data(mx::allocator::malloc(scratch.back().nbytes()));
   }
+  // a paged plan's per-sequence parameters: a buffer (setBytes stops at 4 KB)
+  mx::array sequences(mx::Shape{int(plan.sequences.size())}, mx::uint8, nullptr, std::vector<mx::array>{});
+  if (!plan.sequences.empty()) {
+    sequences.set_data(mx::allocator::malloc(sequences.nbytes()));
+    std::memcpy(sequences.data<uint8_t>(), plan.sequences.data(), plan.sequences.size());
+  }
 
   auto& device = mx::metal::device(stream.device);
   auto& encoder = mx::metal::get_command_encoder(stream);
@@ -63,6 +70,7 @@ void encode_launch_plan(
         case Source::quantized_params:
           encoder.set_bytes(plan.quantized_params.data(), int(plan.quantized_params.size()), b.index);
           break;
+        case Source::sequences: encoder.set_input_array(sequences, b.index); break;
       }
     }
     encoder.dispatch_threadgroups(
@@ -70,6 +78,7 @@ void encode_launch_plan(
         MTL::Size(dispatch.threadgroup[0], dispatch.threadgroup[1], dispatch.threadgroup[2]));
   }
   for (auto& buffer : scratch) encoder.add_temporary(std::move(buffer));
+  if (!plan.sequences.empty()) encoder.add_temporary(std::move(sequences));
 }
 
 void eval_attention_backward(

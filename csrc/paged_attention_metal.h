@@ -1,0 +1,58 @@
+// The fused Metal paged attention (mlx_attn.paged_attention on a GPU stream):
+// describe_paged_attention turns the primitive's inputs into the
+// PagedProblem of csrc/paged_launch_plan.h, and MetalPagedAttention's
+// eval_gpu encodes that plan (csrc/metal/attention_metal.h). Lengths are
+// host values the caller (mlx_attn/paged.py) has checked; they are
+// attributes of the primitive, not inputs.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "csrc/attention.h"
+#include "csrc/paged_launch_plan.h"
+
+namespace mlx_attn {
+
+struct PagedOptions {
+  float scale = 1.0f;
+  bool causal = true;
+  int window_size = 0;     // > 0: sliding window (with causal)
+  bool has_sinks = false;  // last input: sinks [Hq] in q's dtype
+  bool output_lse = false; // second output: float32 [total_q, Hq]
+  int bits = 0;            // 0: float pages; 4 or 8: (packed, scales, biases) triples
+  int group_size = 0;
+  bool operator==(const PagedOptions&) const = default;
+};
+
+// inputs: q [total_q, Hq, D], k and v pages [num_pages, Hkv, page_size, D]
+// (quantized: the six packed / scales / biases arrays), block_table int32
+// [B, max_pages], then sinks. Throws std::invalid_argument for inputs that
+// break the kernels' invariants (shapes, dtypes, lengths).
+PagedProblem describe_paged_attention(
+    const std::vector<mx::array>& inputs, const PagedOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<int32_t>& kv_lens);
+
+class MetalPagedAttention : public mx::Primitive {
+ public:
+  MetalPagedAttention(mx::Stream stream, PagedOptions options, std::vector<int32_t> q_lens,
+                      std::vector<int32_t> kv_lens)
+      : mx::Primitive(stream), options_(options), q_lens_(std::move(q_lens)), kv_lens_(std::move(kv_lens)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MetalPagedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  PagedOptions options_;
+  std::vector<int32_t> q_lens_, kv_lens_;
+};
+
+// out [total_q, Hq, D] (and lse float32 [total_q, Hq] with output_lse) on a
+// GPU stream; inputs as describe_paged_attention.
+std::vector<mx::array> metal_paged_attention(
+    const std::vector<mx::array>& inputs, const PagedOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<int32_t>& kv_lens, mx::StreamOrDevice s = {});
+
+}  // namespace mlx_attn

@@ -1,0 +1,166 @@
+#include "csrc/paged_launch_plan.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "metal/attention_paged_params.h"
+#include "metal/attention_quantized_params.h"
+
+namespace mlx_attn {
+
+namespace {
+
+bool aligned_to_vectors(const int64_t (&strides)[4], int64_t offset, int dim) {
+  constexpr int64_t width = MLX_ATTN_VECTOR_WIDTH;
+  return strides[3] == 1 && dim % width == 0 && offset % width == 0 && strides[0] % width == 0 &&
+      strides[1] % width == 0 && strides[2] % width == 0;
+}
+
+// Why the paged kernels cannot run this problem ("" when they can).
+std::string unsupported_reason(const PagedProblem& s) {
+  const AttentionProblem& a = s.attention;
+  const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
+  if (rows_per_threadgroup == 0 || a.head_dim == 80) {
+    return "the paged Metal kernels support head dims 64, 96, 128 and 256, got " + std::to_string(a.head_dim);
+  }
+  if (a.value_dim != a.head_dim) {
+    return "the paged Metal kernels need equal key and value head dims, got " + std::to_string(a.head_dim) + " and " +
+        std::to_string(a.value_dim);
+  }
+  if (a.kv_heads < 1 || a.q_heads % a.kv_heads != 0) return "q_heads must be a multiple of kv_heads";
+  if (s.page_size < 1) return "page_size must be >= 1";
+  if (s.q_lens.size() != s.kv_lens.size()) return "q_lens and kv_lens need one entry per sequence";
+  for (size_t b = 0; b < s.q_lens.size(); ++b) {
+    if (s.q_lens[b] < 0 || s.q_lens[b] > s.kv_lens[b]) return "need 0 <= q_lens[b] <= kv_lens[b]";
+  }
+  if (s.quantized.bits != 0) {
+    const int slice = a.head_dim / 32;
+    if (s.quantized.bits != 4 && s.quantized.bits != 8) {
+      return "the quantized paged kernels read 4- or 8-bit codes, got bits=" + std::to_string(s.quantized.bits);
+    }
+    if (a.head_dim == 96 || s.quantized.group_size <= 0 || s.quantized.group_size % slice != 0) {
+      return "the quantized paged kernels need a head dim of 64, 128 or 256 that is a multiple of group_size";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+int paged_keys_per_split(const PagedProblem& s, const GpuTarget& target) {
+  const AttentionProblem& a = s.attention;
+  int longest = 0, max_rows = 0;
+  for (size_t b = 0; b < s.kv_lens.size(); ++b) {
+    longest = std::max(longest, s.kv_lens[b]);
+    max_rows = std::max(max_rows, a.group_size() * s.q_lens[b]);
+  }
+  const int sequences = std::max<int>(1, int(s.kv_lens.size()));
+  const int splits = decode_splits(sequences, a.kv_heads, std::max(1, max_rows), longest, a.head_dim, target);
+  const int64_t wanted = (int64_t(longest) + splits - 1) / splits;
+  const int64_t pages = std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, kPagedMaxPagesPerSplit);
+  return int(pages * s.page_size);
+}
+
+LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) {
+  LaunchPlan plan;
+  plan.target = {target.family, gpu_cores(target)};
+  plan.reason = unsupported_reason(s);
+  if (!plan.reason.empty()) return plan;
+  const AttentionProblem& a = s.attention;
+  const int sequences = int(s.q_lens.size());
+  const int group = a.group_size();
+  const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
+  const int keys_per_split = paged_keys_per_split(s, target);
+
+  // the batch's shared parameters; each sequence gets a copy with its lengths
+  AttentionParams shared = a;
+  shared.batch = 1;
+  shared.mask_kind = MaskKind::none;
+  shared.group = group;
+  const bool float_pages = s.quantized.bits == 0;
+  shared.vector_loads = aligned_to_vectors(a.q_strides, a.q_offset, a.head_dim) &&
+                                (!float_pages || (aligned_to_vectors(a.k_strides, a.k_offset, a.head_dim) &&
+                                                  aligned_to_vectors(a.v_strides, a.v_offset, a.value_dim)))
+                            ? 1
+                            : 0;
+  plan.params = shared;
+
+  std::vector<PagedSequence> table(sequences);
+  int64_t q_start = 0, partials = 0;
+  int max_splits = 0, max_rows = 0;
+  for (int b = 0; b < sequences; ++b) {
+    PagedSequence& seq = table[b];
+    seq = {};
+    seq.attn = shared;
+    seq.attn.q_len = s.q_lens[b];
+    seq.attn.kv_len = s.kv_lens[b];
+    const int rows = group * s.q_lens[b];
+    seq.q_start = q_start;
+    seq.table_start = int64_t(b) * s.table_stride;
+    seq.partial_start = partials;
+    seq.splits = rows == 0 ? 0 : (s.kv_lens[b] + keys_per_split - 1) / keys_per_split;
+    seq.page_size = s.page_size;
+    q_start += s.q_lens[b];
+    partials += int64_t(a.kv_heads) * seq.splits * rows;
+    max_splits = std::max(max_splits, seq.splits);
+    max_rows = std::max(max_rows, rows);
+  }
+  plan.sequences.resize(table.size() * sizeof(PagedSequence));
+  if (!table.empty()) std::memcpy(plan.sequences.data(), table.data(), plan.sequences.size());
+  plan.supported = true;
+  if (max_rows == 0) return plan;  // no query rows: nothing to launch
+
+  using R = BufferRole;
+  PrimitiveLayout layout;
+  layout.inputs = float_pages ? std::vector<R>{R::q, R::k, R::v, R::block_table}
+                              : std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
+                                               R::block_table};
+  if (a.has_sinks) layout.inputs.push_back(R::sinks);
+  layout.outputs = {R::out};
+  if (a.output_lse) layout.outputs.push_back(R::lse);
+  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
+  plan.scratch = {{R::partial_out, std::max<int64_t>(1, partials) * a.head_dim, 0, 1},
+                  {R::partial_stats, std::max<int64_t>(1, partials) * 2, 0, 1}};
+  plan.splits = max_splits;
+  const std::string suffix = std::string("_") + elem_type_name(a.dtype) + "_d" + std::to_string(a.head_dim);
+
+  KernelDispatch partial;
+  const int max_chunks = (max_rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
+  partial.grid = {max_splits, a.kv_heads * max_chunks, sequences};
+  partial.threadgroup = {32 * MLX_ATTN_DECODE_SIMDGROUPS, 1, 1};
+  if (float_pages) {
+    partial.kernel = "attention_paged_decode_partial" + suffix;
+    partial.bindings = bind_roles(
+        layout, {R::q, R::k, R::v, R::block_table, R::sequences, R::partial_out, R::partial_stats}, plan.scratch, 0);
+  } else {
+    partial.kernel = "attention_paged_quantized_decode_partial" + suffix + "_b" + std::to_string(s.quantized.bits);
+    partial.bindings = bind_roles(layout,
+                                  {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::block_table,
+                                   R::sequences, R::quantized_params, R::partial_out, R::partial_stats},
+                                  plan.scratch, 0);
+    QuantizedAttentionParams qp{};
+    for (int i = 0; i < 4; ++i) {
+      qp.k_scale_strides[i] = s.quantized.k_scale_strides[i];
+      qp.k_bias_strides[i] = s.quantized.k_bias_strides[i];
+      qp.v_scale_strides[i] = s.quantized.v_scale_strides[i];
+      qp.v_bias_strides[i] = s.quantized.v_bias_strides[i];
+    }
+    qp.group_size = s.quantized.group_size;
+    plan.quantized_params.resize(sizeof(qp));
+    std::memcpy(plan.quantized_params.data(), &qp, sizeof(qp));
+  }
+  // simdgroups 1.. hand their output, max and sum per row to simdgroup 0 (decode_partial)
+  partial.threadgroup_memory_bytes = (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (a.head_dim + 2) * 4;
+
+  KernelDispatch merge;
+  merge.kernel = "attention_paged_decode_merge" + suffix;
+  merge.grid = {max_rows, a.kv_heads, sequences};
+  merge.threadgroup = {32, 1, 1};
+  merge.bindings =
+      bind_roles(layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::sequences, R::lse}, plan.scratch, 1);
+  plan.dispatches = {partial, merge};
+  return plan;
+}
+
+}  // namespace mlx_attn

@@ -1,0 +1,50 @@
+// Launch plan of the paged, ragged attention kernels (metal/attention_paged.h,
+// mlx_attn.paged_attention): one PagedSequence (metal/attention_paged_params.h)
+// per sequence with its own lengths, a split-K partial dispatch sized for the
+// largest sequence and the paged merge. Same plan types as csrc/launch_plan.h:
+// the Mac host encodes it with the same loop (the sequences as one more
+// buffer) and the emulator tests launch it unchanged.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "csrc/cpu/quantized_kv.h"
+#include "csrc/launch_plan.h"
+
+namespace mlx_attn {
+
+// A paged call as the kernels see it. `attention` holds what all sequences
+// share: q [total_q, Hq, D] seen as [1, Hq, total_q, D] (q_strides[1] head,
+// [2] row, [3] dim), k/v pages [num_pages, Hkv, page_size, D] with strides
+// [page, head, slot, dim] (quantized: packed uint32 words), heads, dims,
+// dtype, scale, causal / window, sinks, lse; its batch, q_len and kv_len are
+// unused (each sequence has its own). Lengths are host values, checked by
+// the caller (mlx_attn/paged.py): q_lens[b] <= kv_lens[b], block-table
+// entries in range.
+struct PagedProblem {
+  AttentionProblem attention{};
+  std::vector<int32_t> q_lens;
+  std::vector<int32_t> kv_lens;
+  int page_size = 0;
+  int64_t table_stride = 0;  // elements between block-table rows
+  cpu::QuantizedKV quantized;  // bits 0: float pages; else strides of scales / biases [page, head, slot, group]
+};
+
+// Most pages one decode split covers, plus one partial page: a simdgroup's
+// lanes hold the split's block-table entries (PageWindow).
+inline constexpr int kPagedMaxPagesPerSplit = 31;
+
+// Keys per decode split for pages of `page_size`: enough threadgroups for the
+// target (decode_splits on the longest sequence), at most
+// kPagedMaxPagesPerSplit pages, whole pages. For a problem the plan supports.
+int paged_keys_per_split(const PagedProblem& problem, const GpuTarget& target = {});
+
+// Inputs are bound in the paged primitive's order: q, k, v (quantized: q,
+// k packed, k scales, k biases, v packed, v scales, v biases), block_table,
+// then sinks when present; outputs out [total_q, Hq, D], then lse
+// [total_q, Hq] when asked. LaunchPlan::sequences holds the PagedSequence
+// array.
+LaunchPlan plan_paged_attention(const PagedProblem& problem, const GpuTarget& target = {});
+
+}  // namespace mlx_attn

@@ -1,0 +1,145 @@
+// Paged, ragged attention (mlx_attn.paged_attention): the kernel templates;
+// metal/attention_paged.metal and metal/attention_paged_quantized.metal
+// instantiate them.
+//
+// The K/V layout is an axis, not a kernel: PagedKV<KV> wraps any decode
+// loader policy (ContiguousKV, metal/attention_decode.h; QuantizedKV,
+// metal/attention_quantized.h) and reads key j of a sequence as slot
+// j % page_size of its page block_table[j / page_size], the page taking the
+// place of the batch entry (PagedSequence::attn k/v strides[0] = page
+// stride). The attention loop is decode_partial, written once: split-K over
+// the sequence's keys (grid.x), a threadgroup serving R rows = (query head of
+// the GQA group) x (query position) of one KV head, so each page is read once
+// for the whole group (grid.y = KV heads x row chunks), one sequence per
+// grid.z, each with its own AttentionParams (its lengths: the causal, window
+// and key-range rules apply as written). The plan (csrc/paged_launch_plan.cpp)
+// sizes the grid for the largest sequence; threadgroups past a sequence's
+// splits or rows return at once.
+//
+// Block-table reads: each split covers at most 31 pages plus a partial one
+// (the plan's keys per split), so lane l of every simdgroup reads the split's
+// page l once and a key's page is a simd_shuffle: 4 bytes per page, not per
+// key and lane.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "metal/attention_decode.h"
+#include "metal/attention_paged_params.h"
+
+using namespace metal;
+
+// The pages of one split, one per lane: lane l holds page first_page + l of
+// the sequence (only the pages its keys occupy are read).
+struct PageWindow {
+  int page;
+  int first_page;
+  int page_size;
+
+  inline void select(const device int* table_row, int first_key, int kv_len, int size, uint lane) {
+    page_size = size;
+    first_page = first_key / size;
+    const int pages = (kv_len + size - 1) / size;
+    const int mine = first_page + int(lane);
+    page = mine < pages ? table_row[mine] : 0;
+  }
+  // the page of `key` (uniform across the simdgroup)
+  inline int page_of(int key) const { return simd_shuffle(page, ushort(key / page_size - first_page)); }
+};
+
+// Any decode loader policy over pages: the page is its batch entry.
+template <typename KV>
+struct PagedKV {
+  static constexpr int SLICE = KV::SLICE;
+  static constexpr int VEC = KV::VEC;
+  static inline int dim(uint lane, int e) { return KV::dim(lane, e); }
+
+  KV rows;  // the policy reading one page's slots
+  PageWindow pages;
+  constant AttentionParams* p;
+  int kv_head;
+
+  inline void select_head(constant AttentionParams& params, int, int head) {
+    p = &params;
+    kv_head = head;
+  }
+  inline void load(int key, uint lane, thread float* k_slice, thread float* v_slice) const {
+    KV at = rows;
+    at.select_head(*p, pages.page_of(key), kv_head);
+    at.load(key % pages.page_size, lane, k_slice, v_slice);
+  }
+};
+
+// The partial kernel's body for one (split, KV head x row chunk, sequence):
+// the sequence's split of keys through decode_partial.
+template <typename T, int D, typename KV>
+inline void paged_decode_partial(
+    thread PagedKV<KV>& kv, const device T* q, const device int* block_table, constant PagedSequence* sequences,
+    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
+    uint3 groups, uint sg, uint lane) {
+  constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32);
+  constant PagedSequence& seq = sequences[group_id.z];
+  constant AttentionParams& p = seq.attn;
+  const int rows = p.group * p.q_len;
+  const int chunks = (rows + R - 1) / R;
+  const int max_chunks = int(groups.y) / p.kv_heads;
+  const int kv_head = int(group_id.y) / max_chunks;
+  const int chunk = int(group_id.y) % max_chunks;
+  const int split = int(group_id.x);
+  if (split >= seq.splits || chunk >= chunks) {
+    return;  // the whole threadgroup: past this sequence's keys or rows
+  }
+  const int keys_per_split = (p.kv_len + seq.splits - 1) / seq.splits;  // decode_partial's split
+  kv.pages.select(block_table + seq.table_start, split * keys_per_split, p.kv_len, seq.page_size, lane);
+  decode_partial<T, D, MLX_ATTN_MASK_NONE>(
+      kv, q + seq.q_start * p.q_strides[2], p, (const device uchar*)q, partial_out + seq.partial_start * D,
+      partial_stats + seq.partial_start * 2, states, uint3(uint(split), uint(kv_head * chunks + chunk), 0u),
+      uint3(uint(seq.splits), 1u, 1u), sg, lane);
+}
+
+template <typename T, int D>
+[[kernel]] void attention_paged_decode_partial(
+    const device T* q [[buffer(0)]],              // [total_q, Hq, D]
+    const device T* k_pages [[buffer(1)]],        // [num_pages, Hkv, page_size, D]
+    const device T* v_pages [[buffer(2)]],
+    const device int* block_table [[buffer(3)]],  // [B, max_pages]
+    constant PagedSequence* sequences [[buffer(4)]],
+    device float* partial_out [[buffer(5)]],      // per sequence [Hkv, splits, rows, D]
+    device float* partial_stats [[buffer(6)]],    // per sequence [Hkv, splits, rows, 2]: max, sum
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup DecodeStates<D> states;
+  PagedKV<ContiguousKV<T, D>> kv;
+  kv.rows.k = k_pages;
+  kv.rows.v = v_pages;
+  paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, states, group_id, groups, sg,
+                             lane);
+}
+
+// One simdgroup per (row, KV head, sequence): merge the sequence's splits
+// into its packed output row [total_q, Hq, D] (and log-sum-exp [total_q, Hq]).
+template <typename T, int D>
+[[kernel]] void attention_paged_decode_merge(
+    const device float* partial_out [[buffer(0)]],
+    const device float* partial_stats [[buffer(1)]],
+    const device T* sinks [[buffer(2)]],
+    device T* out [[buffer(3)]],
+    constant PagedSequence* sequences [[buffer(4)]],
+    device float* lse [[buffer(5)]],
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constant PagedSequence& seq = sequences[group_id.z];
+  constant AttentionParams& p = seq.attn;
+  const int rows = p.group * p.q_len;
+  const int r = int(group_id.x);
+  if (r >= rows) {
+    return;
+  }
+  const int kv_head = int(group_id.y);
+  const int h = kv_head * p.group + r / p.q_len;
+  const long row = (seq.q_start + r % p.q_len) * p.q_heads + h;
+  merge_splits<T, D>(partial_out, partial_stats, seq.partial_start + long(kv_head) * seq.splits * rows + r, rows,
+                     seq.splits, sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, lane);
+}

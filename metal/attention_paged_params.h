@@ -1,0 +1,25 @@
+// Parameters of the paged attention kernels (metal/attention_paged.metal),
+// shared with their launch plan (csrc/paged_launch_plan.cpp) so the layout
+// cannot drift. One PagedSequence per sequence of the batch, in a constant
+// buffer: its own AttentionParams (q_len / kv_len are the sequence's, so
+// every rule of metal/attention_rules.h applies unchanged) and where its rows,
+// block-table row and split partials are.
+#pragma once
+
+#include "metal/attention_params.h"
+
+struct PagedSequence {
+  // batch 1; q strides of the packed rows [total_q, Hq, D] ([0] unused);
+  // k/v strides of the pages [num_pages, Hkv, page_size, D]: [0] is the page
+  // stride, so a loader policy reads a page as it reads a batch entry
+  AttentionParams attn;
+  attn_int64 q_start;        // first row of packed q, of the output and of the log-sum-exp
+  attn_int64 table_start;    // its block-table row, in int32 elements
+  attn_int64 partial_start;  // its first partial row: [Hkv, splits, rows] of them
+  attn_int32 splits;         // decode threadgroups along its keys (each covers at most 31 pages)
+  attn_int32 page_size;
+};
+
+#ifndef __METAL_VERSION__
+static_assert(sizeof(PagedSequence) == sizeof(AttentionParams) + 3 * 8 + 2 * 4, "PagedSequence layout");
+#endif

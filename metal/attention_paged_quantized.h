@@ -1,0 +1,42 @@
+// Paged, ragged attention over pages quantized by mx.quantize (the
+// QuantizedKVCache format): the kernel template;
+// metal/attention_paged_quantized.metal instantiates it. The float paged
+// kernel's body (paged_decode_partial, metal/attention_paged.h) with
+// PagedKV<QuantizedKV>: the quantized loader reads a page as its batch entry
+// (packed words, scales and biases strides[0] = their page strides). The
+// partials have the float layout: attention_paged_decode_merge combines them.
+#pragma once
+
+#include "metal/attention_paged.h"
+#include "metal/attention_quantized.h"
+
+template <typename T, int D, int BITS>
+[[kernel]] void attention_paged_quantized_decode_partial(
+    const device T* q [[buffer(0)]],
+    const device uint* k_pages [[buffer(1)]],  // packed [num_pages, Hkv, page_size, D * BITS / 32]
+    const device T* k_scales [[buffer(2)]],    // [num_pages, Hkv, page_size, D / group_size]
+    const device T* k_biases [[buffer(3)]],
+    const device uint* v_pages [[buffer(4)]],
+    const device T* v_scales [[buffer(5)]],
+    const device T* v_biases [[buffer(6)]],
+    const device int* block_table [[buffer(7)]],
+    constant PagedSequence* sequences [[buffer(8)]],
+    constant QuantizedAttentionParams& qp [[buffer(9)]],
+    device float* partial_out [[buffer(10)]],
+    device float* partial_stats [[buffer(11)]],
+    uint3 group_id [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup DecodeStates<D> states;
+  PagedKV<QuantizedKV<T, D, BITS>> kv;
+  kv.rows.k = k_pages;
+  kv.rows.k_scales = k_scales;
+  kv.rows.k_biases = k_biases;
+  kv.rows.v = v_pages;
+  kv.rows.v_scales = v_scales;
+  kv.rows.v_biases = v_biases;
+  kv.rows.qp = &qp;
+  paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, states, group_id, groups, sg,
+                             lane);
+}

@@ -1,0 +1,187 @@
+"""Run the fused Metal paged attention the way the Mac host does: from the C++
+launch plan (csrc/paged_launch_plan.cpp, _ext.paged_metal_launch_plan), every
+dispatch in the MSL emulator with the bindings the plan names; and a float64
+NumPy oracle of paged attention that shares no code with mlx_attn."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+
+from metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
+from mlx_attn import _native
+
+FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal"]
+QUANTIZED_SOURCES = FLOAT_SOURCES + [REPO / "metal" / "attention_paged_quantized.metal"]
+
+
+def trimmed_sources(directory, float_instances, quantized_instances=()) -> list:
+    """The paged .metal sources with only these instantiations (quick builds):
+    float_instances "tname, type, d" (MLX_ATTN_PAGED), quantized_instances
+    "tname, type, d, bits" (MLX_ATTN_PAGED_QUANTIZED)."""
+    paths = []
+    for source, macro, instances in ((FLOAT_SOURCES[0], "MLX_ATTN_PAGED", float_instances),
+                                     (QUANTIZED_SOURCES[1], "MLX_ATTN_PAGED_QUANTIZED", quantized_instances)):
+        if not instances:
+            continue
+        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED)?_(TYPES|BITS)\(.*\)$", "", source.read_text(), flags=re.M)
+        path = directory / source.name
+        path.write_text(text + "\n" + "\n".join(f"{macro}({i})" for i in instances) + "\n")
+        paths.append(path)
+    return paths
+
+
+def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size=None, has_sinks=False,
+               return_lse=False, bits=0, group_size=0, gpu_target: dict | None = None) -> dict:
+    return _native.ext.paged_metal_launch_plan(
+        arrays, [int(x) for x in q_lens], [int(x) for x in kv_lens], scale=scale, causal=causal,
+        window_size=window_size or 0, has_sinks=has_sinks, output_lse=return_lse, bits=bits, group_size=group_size,
+        **(gpu_target or {}))
+
+
+def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None,
+              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None):
+    """Launches the plan of these (contiguous) arrays in `library`: k_parts /
+    v_parts are [pages] or the (packed, scales, biases) triples. Returns
+    (out, lse or None, plan, per-dispatch results); out and lse are NumPy
+    (bfloat16 as uint16 bits), NaN wherever no kernel wrote."""
+    arrays = [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
+    plan = paged_plan(arrays, q_lens, kv_lens, scale=scale, causal=causal, window_size=window_size,
+                      has_sinks=sinks is not None, return_lse=return_lse, bits=bits, group_size=group_size,
+                      gpu_target=gpu_target)
+    assert plan["supported"], plan["reason"]
+    memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]
+    total_q, heads, d = q.shape
+    out = nan_filled((total_q, heads, d), memory[0].dtype)
+    lse = np.full((total_q, heads), np.nan, np.float32)
+    results = run_plan(library, plan, memory, [out, lse] if return_lse else [out])
+    return out, (lse if return_lse else None), plan, results
+
+
+def as_float(x: np.ndarray, dtype) -> np.ndarray:
+    """A kernel output in float64 (bfloat16 comes back as its uint16 bits)."""
+    if dtype == mx.bfloat16:
+        return np.array(mx.array(x).view(mx.bfloat16).astype(mx.float32), np.float64)
+    return x.astype(np.float64)
+
+
+def oracle(q, k_pages, v_pages, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None, sinks=None):
+    """Paged attention in float64 NumPy, key by key from the block table:
+    (out [total_q, Hq, Dv], lse [total_q, Hq]); rows that see no key give
+    zeros (and -inf, or the sink's logit, as lse)."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    table = np.asarray(block_table)
+    total_q, heads, _ = q.shape
+    kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
+    group = heads // kv_heads
+    out = np.zeros((total_q, heads, v_pages.shape[3]))
+    lse = np.full((total_q, heads), -np.inf)
+    start = 0
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        keys = np.arange(kv_len)
+        pages = table[b, keys // page_size]
+        for i in range(q_len):
+            pos = kv_len - q_len + i
+            visible = np.ones(kv_len, bool)
+            if causal or window_size:
+                visible &= keys <= pos
+            if window_size:
+                visible &= keys > pos - window_size
+            for h in range(heads):
+                k = k_pages[pages, h // group, keys % page_size]
+                v = v_pages[pages, h // group, keys % page_size]
+                logits = np.where(visible, scale * (k @ q[start + i, h]), -np.inf)
+                if sinks is not None:
+                    logits = np.append(logits, float(sinks[h]))
+                top = logits.max(initial=-np.inf)
+                if np.isneginf(top):
+                    continue
+                weights = np.exp(logits - top)
+                total = weights.sum()
+                lse[start + i, h] = top + np.log(total)
+                out[start + i, h] = (weights[:kv_len] @ v) / total
+        start += q_len
+    return out, lse
+
+
+def device_bytes(counters: list) -> int:
+    """Device bytes read and written by a launch's dispatches."""
+    return sum(c.device_bytes_read + c.device_bytes_written for c in counters)
+
+
+def live_kv_bytes(k_pages, kv_lens, *, v_pages=None) -> int:
+    """Bytes of the keys and values the sequences hold (each once, shared
+    pages counted per sequence as a dense copy would hold them)."""
+    _, kv_heads, _, d = k_pages.shape
+    dv = d if v_pages is None else v_pages.shape[3]
+    return sum(kv_lens) * kv_heads * (d + dv) * k_pages.itemsize
+
+
+def paged_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
+    """Device bytes of the paged kernels (partial and merge) per live K/V byte,
+    from a counting build."""
+    *_, results = run_paged(library, q, [k_pages], [v_pages], block_table, q_lens, kv_lens, scale=0.1, causal=True)
+    return device_bytes(results) / live_kv_bytes(k_pages, kv_lens)
+
+
+def fresh(x: mx.array) -> mx.array:
+    """A copy of x in its own contiguous buffer (offset 0), as the dense
+    runner binds it."""
+    return from_numpy(np.ascontiguousarray(to_numpy(x)), x.dtype)
+
+
+def sequence_kv(pages: mx.array, table_row, length: int) -> mx.array:
+    """One sequence's contiguous [1, Hkv, length, D] from its pages."""
+    page_size = pages.shape[2]
+    ids = mx.array(np.asarray(table_row)[: (length + page_size - 1) // page_size].astype(np.int32))
+    return fresh(mx.flatten(pages[ids].swapaxes(0, 1), 1, 2)[None, :, :length])
+
+
+def _dense_launch(library, q, k, v):
+    """Our dense kernels from their launch plan (tests/metal_runner.py), counters per dispatch."""
+    from metal_runner import EmulatedMetal
+
+    metal = EmulatedMetal.__new__(EmulatedMetal)
+    metal.library, metal.fast_math = library, True
+    metal(q, k, v, scale=0.1, mask="causal")
+    return metal.last_counters
+
+
+def dense_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
+    """Device bytes per live K/V byte of our dense decode kernels run on each
+    sequence's contiguous K/V (the same live keys, no padding): one launch
+    per sequence."""
+    table = np.asarray(block_table)
+    total, start = 0, 0
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len:
+            rows = fresh(q[start:start + q_len].swapaxes(0, 1)[None])
+            k, v = (sequence_kv(pages, table[b], kv_len) for pages in (k_pages, v_pages))
+            total += device_bytes(_dense_launch(library, rows, k, v))
+        start += q_len
+    return total / live_kv_bytes(k_pages, kv_lens)
+
+
+def padded(q, k_pages, v_pages, block_table, q_lens, kv_lens):
+    """The batch padded to a rectangle (decode rows: q_lens all 1):
+    q [B, Hq, 1, D], K/V [B, Hkv, max(kv_lens), D] (zeros past each length)."""
+    assert all(n == 1 for n in q_lens), "padding is modelled for decode batches"
+    longest = max(kv_lens)
+    table = np.asarray(block_table)
+
+    def rectangle(pages):
+        rows = []
+        for b, n in enumerate(kv_lens):
+            x = sequence_kv(pages, table[b], n)
+            rows.append(mx.pad(x, [(0, 0), (0, 0), (0, longest - n), (0, 0)]))
+        return mx.concatenate(rows)
+
+    return fresh(q[:, :, None, :]), rectangle(k_pages), rectangle(v_pages)
+
+
+def padded_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
+    """Our dense decode on the padded rectangle, per live K/V byte."""
+    qp, kp, vp = padded(q, k_pages, v_pages, block_table, q_lens, kv_lens)
+    return device_bytes(_dense_launch(library, qp, kp, vp)) / live_kv_bytes(k_pages, kv_lens)

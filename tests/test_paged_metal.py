@@ -1,0 +1,320 @@
+"""The fused Metal paged attention kernels (metal/attention_paged.h,
+metal/attention_paged_quantized.h), launched from their C++ plan
+(csrc/paged_launch_plan.cpp) in the MSL emulator against a float64 NumPy
+oracle that reads the pages key by key: ragged batches with shared pages,
+page sizes that divide no length, empty sequences, decode rows mixed with
+chunked-prefill rows, GQA, causal / window / sinks, the log-sum-exp, and
+quantized pages. Block-table columns past a sequence's pages hold -1 and
+the page buffers end right after the last page: the emulator's guard pages
+fail any read outside a buffer. A representative sample runs by default;
+MLX_ATTN_FULL_GRID=1 runs the whole grid with every instantiation."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import msl_emulator
+from mlx_attn import _native, self_check
+from paged_metal_runner import (QUANTIZED_SOURCES, as_float, dense_decode_bytes, oracle, paged_decode_bytes,
+                                paged_plan, run_paged, trimmed_sources)
+from metal_runner import REPO
+from sdpa_cases import TOLERANCE
+
+needs_ext = pytest.mark.skipif(_native.ext is None, reason="the native extension is not built")
+needs_clang = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
+pytestmark = [needs_ext, needs_clang]
+
+FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
+DTYPES = {"float32": (mx.float32, "float"), "float16": (mx.float16, "half"), "bfloat16": (mx.bfloat16, "bfloat")}
+# the (dtype, D) of the default sample
+FLOAT_SAMPLE = [("float32", 64), ("float16", 128), ("bfloat16", 64)]
+
+
+# Fast math by default, as Metal compiles: the whole sources, the build
+# test_metal_kernels.py's family-table test compiles too (one cached build);
+# MLX_ATTN_FULL_GRID=1 adds precise math.
+@pytest.fixture(scope="module", params=[True, False] if FULL_GRID else [True],
+                ids=["fast-math", "precise"] if FULL_GRID else ["fast-math"])
+def library(request):
+    return msl_emulator.compile_library(QUANTIZED_SOURCES, include_dirs=[REPO], fast_math=request.param)
+
+
+def ragged_case(dtype, d, *, gqa=4, kv_heads=2, page_size=16, kv_lens=(37, 0, 130, 5, 64), q_lens=(1, 0, 13, 5, 1),
+                shared=True, seed=0):
+    """q, k_pages, v_pages, block_table and the lengths of a ragged batch:
+    pages in a shuffled pool, sequences 0 and 2 sharing their first pages
+    (a common prefix) when `shared`, unused table entries -1."""
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * gqa
+    needed = [(n + page_size - 1) // page_size for n in kv_lens]
+    max_pages = max(needed) + 1
+    num_pages = sum(needed) + 2
+    pool = rng.permutation(num_pages)
+    table = np.full((len(kv_lens), max_pages), -1, np.int32)
+    at = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = pool[at:at + n]
+        at += n
+    if shared and len(needed) > 2 and needed[0] and needed[2]:
+        prefix = min(needed[0], needed[2]) - 1 or 1
+        table[2, :prefix] = table[0, :prefix]
+    q = rng.standard_normal((sum(q_lens), heads, d)).astype(np.float32)
+    k = rng.standard_normal((num_pages, kv_heads, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((num_pages, kv_heads, page_size, d)).astype(np.float32)
+    cast = DTYPES[dtype][0]
+    return (mx.array(q).astype(cast), mx.array(k).astype(cast), mx.array(v).astype(cast), mx.array(table),
+            list(q_lens), list(kv_lens))
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32), np.float64)
+
+
+def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None, sinks=False, lse=False, **case):
+    q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, **case)
+    scale = d**-0.5 if scale is None else scale
+    sink_array = None
+    if sinks:  # some above every logit: the sink sets the row max
+        sink_array = mx.array((np.random.default_rng(7).standard_normal(q.shape[1]) * 4).astype(np.float32))
+        sink_array = sink_array.astype(q.dtype)
+    out, got_lse, plan, _ = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=scale, causal=causal,
+                                      window_size=window_size, sinks=sink_array, return_lse=lse)
+    want, want_lse = oracle(f64(q), f64(k), f64(v), np.array(table), q_lens, kv_lens, scale=scale, causal=causal,
+                            window_size=window_size, sinks=None if sink_array is None else f64(sink_array))
+    got = as_float(out, q.dtype)
+    assert np.isfinite(got).all(), "a row no kernel wrote, or a NaN"
+    err = np.abs(got - want).max(initial=0.0)
+    assert err <= TOLERANCE[q.dtype], f"max error {err} ({dtype})"
+    if lse:
+        assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+        finite = np.isfinite(want_lse)
+        assert np.allclose(got_lse[finite], want_lse[finite], rtol=1e-5, atol=1e-4)
+    return plan
+
+
+MASKS = {"causal": {}, "none": {"causal": False}, "window": {"window_size": 9}, "sinks": {"sinks": True}}
+AXES = {"dtype_d": FLOAT_SAMPLE if not FULL_GRID else [(t, d) for t in DTYPES for d in (64, 96, 128, 256)],
+        "gqa": (1, 4), "mask": tuple(MASKS), "page_size": (1, 16, 5)}
+SAMPLE = [
+    dict(dtype_d=("float32", 64), gqa=4, mask="causal", page_size=16),
+    dict(dtype_d=("float16", 128), gqa=1, mask="none", page_size=5),
+    dict(dtype_d=("bfloat16", 64), gqa=4, mask="window", page_size=16),
+    dict(dtype_d=("float32", 64), gqa=1, mask="sinks", page_size=1),
+    dict(dtype_d=("float16", 128), gqa=4, mask="sinks", page_size=16),
+]
+POINTS = [dict(zip(AXES, values)) for values in itertools.product(*AXES.values())] if FULL_GRID else SAMPLE
+
+
+def point_id(p):
+    return f"{p['dtype_d'][0]}-d{p['dtype_d'][1]}-gqa{p['gqa']}-{p['mask']}-page{p['page_size']}"
+
+
+@pytest.mark.parametrize("point", POINTS, ids=point_id)
+def test_ragged_batch_matches_the_float64_oracle(library, point):
+    """Decode rows (q_len 1), a chunked prefill (13 rows), a sequence whose
+    every key is a query (q_len == kv_len), an empty sequence; pages shared."""
+    dtype, d = point["dtype_d"]
+    check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
+                **MASKS[point["mask"]])
+
+
+def test_sample_covers_every_axis_value():
+    for axis in ("gqa", "mask", "page_size"):
+        assert {p[axis] for p in SAMPLE} == set(AXES[axis]), axis
+    assert {p["dtype_d"] for p in SAMPLE} == set(FLOAT_SAMPLE)
+
+
+def test_long_sequences_split_over_many_page_windows(library):
+    """More keys than one split covers (31 pages): several splits per
+    sequence, each with its own window of block-table entries, and a query
+    block of 40 rows (several row chunks)."""
+    plan = check_float(library, "float16", 128, page_size=4, kv_lens=(700, 3, 260), q_lens=(1, 3, 40), gqa=4,
+                       lse=False, window_size=200)
+    assert plan["keys_per_split"] <= 31 * 4
+    assert plan["splits"] >= 700 // (31 * 4)
+
+
+def test_a_window_of_one_and_a_batch_without_rows(library):
+    """A window of 1 (each row sees only its own key: one split, one key);
+    a batch whose sequences have no query rows launches nothing."""
+    check_float(library, "float32", 64, window_size=1, lse=True, kv_lens=(4, 9), q_lens=(4, 2), gqa=1)
+    # no query rows at all: an empty launch
+    q, k, v, table, q_lens, kv_lens = ragged_case("float32", 64, kv_lens=(5, 0), q_lens=(0, 0))
+    out, _, plan, results = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=0.1)
+    assert out.shape == (0, 8, 64) and plan["dispatches"] == [] and results == []
+
+
+# ---------------------------------------------------------------- quantized pages
+
+def quantize(x: mx.array, group_size: int, bits: int, dtype) -> tuple:
+    packed, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    return packed, scales.astype(dtype), biases.astype(dtype)
+
+
+def dequantized(triple, group_size, bits) -> np.ndarray:
+    packed, scales, biases = triple
+    return np.array(mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
+                                  group_size=group_size, bits=bits), np.float64)
+
+
+QUANTIZED_POINTS = ([(t, d, b, g) for t in DTYPES for d in (64, 128, 256) for b in (4, 8) for g in (32, 64, 128)
+                     if d % g == 0] if FULL_GRID else
+                    [("float16", 128, 4, 32), ("float32", 64, 8, 64)])
+
+
+@pytest.mark.parametrize("dtype,d,bits,group_size", QUANTIZED_POINTS)
+def test_quantized_pages_match_dequantize_then_oracle(library, dtype, d, bits, group_size):
+    q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, page_size=8, seed=3)
+    kq, vq = (quantize(x.astype(mx.float32), group_size, bits, q.dtype) for x in (k, v))
+    sinks = mx.array(np.linspace(-2, 3, q.shape[1]).astype(np.float32)).astype(q.dtype)
+    out, lse, _, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=d**-0.5, window_size=50, sinks=sinks,
+                               return_lse=True, bits=bits, group_size=group_size)
+    want, want_lse = oracle(f64(q), dequantized(kq, group_size, bits), dequantized(vq, group_size, bits),
+                            np.array(table), q_lens, kv_lens, scale=d**-0.5, window_size=50, sinks=f64(sinks))
+    got = as_float(out, q.dtype)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= TOLERANCE[q.dtype]
+    assert np.allclose(lse, want_lse, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the plan
+
+def plan_for(kv_lens, q_lens, *, page_size=16, d=128, heads=8, kv_heads=2, dtype=mx.float16, **kw):
+    pages = sum((n + page_size - 1) // page_size for n in kv_lens) + 1
+    q = mx.zeros((sum(q_lens), heads, d), dtype)
+    k = mx.zeros((pages, kv_heads, page_size, d), dtype)
+    table = mx.zeros((len(kv_lens), max(1, max((n + page_size - 1) // page_size for n in kv_lens))), mx.int32)
+    return paged_plan([q, k, k, table], q_lens, kv_lens, scale=0.1, **kw)
+
+
+def sequences(plan) -> list[dict]:
+    """The PagedSequence array: the fields after AttentionParams."""
+    size = _native.ext.PAGED_SEQUENCE_BYTES
+    params = _native.ext.ATTENTION_PARAMS_BYTES
+    data = plan["sequences"]
+    fields = ("q_start", "table_start", "partial_start", "splits", "page_size")
+    rows = []
+    for at in range(0, len(data), size):
+        rows.append(dict(zip(fields, struct.unpack_from("<qqqii", data, at + params))))
+    return rows
+
+
+def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
+    kv_lens, q_lens = [5000, 0, 17, 300], [1, 0, 17, 4]
+    plan = plan_for(kv_lens, q_lens, page_size=16)
+    per = plan["keys_per_split"]
+    assert per % 16 == 0 and 16 <= per <= 31 * 16
+    seqs = sequences(plan)
+    assert [s["q_start"] for s in seqs] == [0, 1, 1, 18]
+    assert [s["splits"] for s in seqs] == [(n + per - 1) // per if q else 0 for n, q in zip(kv_lens, q_lens)]
+    partial, scratch = plan["dispatches"]
+    rows = [4 * q for q in q_lens]
+    # partials laid out sequence after sequence: [Hkv, splits, rows] each
+    starts = np.cumsum([0] + [2 * s["splits"] * r for s, r in zip(seqs, rows)])
+    assert [s["partial_start"] for s in seqs] == list(starts[:-1])
+    assert plan["scratch"][0]["elements"] == starts[-1] * 128
+    assert partial["grid"] == [max(s["splits"] for s in seqs), 2 * 9, 4]  # 68 rows, 8 per threadgroup at D = 128
+    assert scratch["grid"] == [68, 2, 4]
+    assert [b["role"] for b in partial["bindings"]] == [
+        "q", "k", "v", "block_table", "sequences", "partial_out", "partial_stats"]
+    assert {b["source"] for b in partial["bindings"] if b["role"] == "sequences"} == {"sequences"}
+
+
+def test_plan_refuses_what_the_kernels_cannot_run():
+    assert "head dims" in plan_for([10], [1], d=80)["reason"]
+    q = mx.zeros((1, 4, 64), mx.float16)
+    k = mx.zeros((2, 2, 16, 64), mx.float16)
+    v = mx.zeros((2, 2, 16, 32), mx.float16)
+    plan = paged_plan([q, k, v, mx.zeros((1, 1), mx.int32)], [1], [10], scale=0.1)
+    assert not plan["supported"] and "value head dims" in plan["reason"]
+    with pytest.raises(ValueError, match="q_lens"):
+        paged_plan([q, k, k, mx.zeros((1, 1), mx.int32)], [2], [1], scale=0.1)
+    with pytest.raises(ValueError, match="block table"):
+        paged_plan([q, k, k, mx.zeros((1, 1), mx.int32)], [1], [17], scale=0.1)
+
+
+# ---------------------------------------------------------------- modelled traffic
+
+@pytest.fixture(scope="module")
+def counting(tmp_path_factory):
+    """Counting builds (every device access checked against its buffer) of
+    the paged kernels and the dense decode at float16, D = 128."""
+    directory = tmp_path_factory.mktemp("paged-counting")
+    sources = trimmed_sources(directory, ["float16, half, 128"])
+    decode = directory / "attention_decode.metal"
+    text = (REPO / "metal" / "attention_decode.metal").read_text()
+    decode.write_text(text[: text.index("MLX_ATTN_DECODE_TYPES(64)")] + "MLX_ATTN_DECODE(float16, half, 128)\n")
+    return msl_emulator.compile_library(sources + [decode], include_dirs=[REPO], fast_math=True, counters=True)
+
+
+def test_page_indirection_costs_at_most_5_percent_of_device_bytes(counting):
+    """Device bytes per live K/V byte of the paged decode (partial and merge)
+    against the dense decode kernel run on each sequence's contiguous K/V
+    (the same live keys): <= 1.05x (the issue's target)."""
+    case = ragged_case("float16", 128, page_size=16, kv_lens=(300, 77, 700, 150), q_lens=(1, 1, 1, 1), seed=4)
+    paged = paged_decode_bytes(counting, *case)
+    dense = dense_decode_bytes(counting, *case)
+    print(f"device bytes per live K/V byte: paged {paged:.4f}, dense on the same keys {dense:.4f}")
+    assert paged <= 1.05 * dense, (paged, dense)
+
+
+# ---------------------------------------------------------------- first-use self-check and doctor
+
+def emulated_runner(library):
+    """The self-check's run_kernel over the emulated paged kernels."""
+
+    def run(q, k_pages, v_pages, block_table, kv_lens, *, q_lens, scale, causal=True, window_size=None, sinks=None,
+            bits=0, group_size=0):
+        k_parts, v_parts = (list(x) if bits else [x] for x in (k_pages, v_pages))
+        out, *_ = run_paged(library, q, k_parts, v_parts, block_table, np.array(q_lens).tolist(),
+                            np.array(kv_lens).tolist(), scale=scale, causal=causal, window_size=window_size,
+                            sinks=sinks, bits=bits, group_size=group_size)
+        return mx.array(as_float(out, q.dtype).astype(np.float32)).astype(q.dtype)
+
+    return run
+
+
+@pytest.mark.parametrize("variant", [self_check.PagedVariant("float16", 128),
+                                     self_check.PagedVariant("bfloat16", 64, 8, 32)], ids=str)
+def test_self_check_passes_the_emulated_kernels_and_fails_a_broken_one(library, variant):
+    run = emulated_runner(library)
+    result = self_check.check_paged_variant(variant, run)
+    assert result.passed and result.cases == len(self_check.paged_cases(variant)), result.error
+
+    failed = self_check.check_paged_variant(variant, lambda *a, **kw: run(*a, **kw) * 1.05)
+    assert not failed.passed and "max abs error" in failed.error
+
+
+def test_doctor_lists_the_paged_variants(library):
+    from mlx_attn.doctor import run_doctor
+
+    report = run_doctor(metal_paged=emulated_runner(library), paged_variants=[self_check.PagedVariant("float32", 64)],
+                        timings=False, variants=[], backward_variants=[], metal_runner=None)
+    assert "## Paged Metal kernels against the paged reference path" in report.markdown
+    assert "| paged/float32/D=64 | 3 |" in report.markdown
+    assert [r.passed for r in report.paged_results] == [True]
+
+
+def test_the_python_dispatch_names_why_the_kernels_cannot_run_here():
+    """mlx_attn.paged.metal_paged_reason: without a Metal build it says so
+    (before asking the plan); the plan's own reasons otherwise."""
+    from mlx_attn import paged
+
+    q, k, v, table, q_lens, kv_lens = ragged_case("float32", 64)
+    layout = paged._check_layout(q, tuple(k.shape), tuple(v.shape), k.shape[0], table, mx.array(kv_lens, mx.int32),
+                                 mx.array(q_lens, mx.int32))
+    reason = paged.metal_paged_reason(q, [k], [v], table, layout)
+    if _native.ext.has_metal():
+        assert reason == ""
+    else:
+        assert reason == "this build of mlx_attn has no Metal kernels"
+    plan = paged_plan([q, k, v, table], q_lens, kv_lens, scale=0.1)
+    assert plan["supported"] and layout.q_lens == q_lens and layout.kv_lens == kv_lens
+    with pytest.raises(ValueError, match="pages of rank 4"):
+        paged_plan([q, k, v.astype(mx.float16), table], q_lens, kv_lens, scale=0.1)

@@ -1,0 +1,132 @@
+"""Mutation test of the paged Metal kernels' emulator tests: faults seeded into
+copies of metal/attention_paged.metal (its header and the headers it includes
+inlined: the page window, the slot of a key, each sequence's rows, block-table
+row and partials, the split and row-chunk bounds, the packed output layout)
+must each be caught: wrong results beyond tolerance, NaN, a read outside a
+buffer (the emulator's guard pages), a deadlock or a compile error. A
+mutation whose target text is missing fails the test (tests/mutations.py).
+The default suite compiles a representative few mutants;
+MLX_ATTN_FULL_GRID=1 compiles them all."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import msl_emulator
+from metal_runner import REPO, EmulatedMetal
+from mlx_attn import _native
+from mutations import assert_caught, kernel_text, mutated, write
+from paged_metal_runner import as_float, oracle, run_paged
+from sdpa_cases import TOLERANCE
+
+pytestmark = [pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed"),
+              pytest.mark.skipif(_native.ext is None, reason="the native extension is not built")]
+
+PAGED = REPO / "metal" / "attention_paged.metal"
+
+
+def only_float32_d64(text: str) -> str:
+    """Keep the one instantiation the cases use, so each mutant compiles quickly."""
+    text = re.sub(r"^MLX_ATTN_PAGED_TYPES\(.*\)$", "", text, flags=re.M)
+    return text + "\nMLX_ATTN_PAGED(float32, float, 64)\n"
+
+
+def replaced(a: str, b: str) -> tuple:
+    return ("replace", a, b)
+
+
+MUTANTS = {
+    "slot ignored: a key read as its own slot": replaced(
+        "at.load(key % pages.page_size, lane", "at.load(key, lane"),
+    "page window one page late": replaced("first_page = first_key / size;", "first_page = first_key / size + 1;"),
+    "page taken from the lane of the absolute page": replaced(
+        "ushort(key / page_size - first_page)", "ushort(key / page_size)"),
+    "every sequence reads the first block-table row": replaced(
+        "kv.pages.select(block_table + seq.table_start,", "kv.pages.select(block_table,"),
+    "every sequence reads the first sequence's query rows": replaced(
+        "kv, q + seq.q_start * p.q_strides[2], p,", "kv, q, p,"),
+    "every sequence writes the first sequence's partials": replaced(
+        "partial_out + seq.partial_start * D,", "partial_out,"),
+    "split bound off by one": replaced("if (split >= seq.splits || chunk >= chunks)",
+                                       "if (split > seq.splits || chunk >= chunks)"),
+    "row-chunk bound off by one": replaced("if (split >= seq.splits || chunk >= chunks)",
+                                           "if (split >= seq.splits || chunk > chunks)"),
+    "page window misses a partial last page": replaced(
+        "const int pages = (kv_len + size - 1) / size;", "const int pages = kv_len / size;"),
+    "merge: output rows head-major": replaced(
+        "const long row = (seq.q_start + r % p.q_len) * p.q_heads + h;",
+        "const long row = seq.q_start * p.q_heads + h * p.q_len + r % p.q_len;"),
+    "merge: GQA rows share one query head": replaced(
+        "const int h = kv_head * p.group + r / p.q_len;\n  const long row = (seq.q_start",
+        "const int h = kv_head * p.group;\n  const long row = (seq.q_start"),
+    "merge: partials of the first split only": replaced(
+        "rows,\n                     seq.splits, sinks, p, h,", "rows,\n                     1, sinks, p, h,"),
+}
+DEFAULT = ["slot ignored: a key read as its own slot", "page window one page late",
+           "every sequence reads the first block-table row"]
+NAMES = list(MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else DEFAULT
+
+# (q_lens, kv_lens, page_size, heads, kv_heads, options): ragged decode and
+# chunked prefill, several splits and page windows, window and sinks
+CASES = [
+    ((1, 0, 13, 5, 1), (37, 0, 290, 5, 64), 4, 8, 2, {}),
+    ((3, 1), (150, 400), 5, 4, 1, {"window_size": 60, "sinks": True}),
+]
+
+
+def caught(run) -> bool:
+    for n, (q_lens, kv_lens, page_size, heads, kv_heads, options) in enumerate(CASES):
+        rng = np.random.default_rng(n)
+        needed = [(t + page_size - 1) // page_size for t in kv_lens]
+        table = np.full((len(needed), max(needed) + 2), -1, np.int32)
+        pool = rng.permutation(sum(needed))
+        at = 0
+        for b, count in enumerate(needed):
+            table[b, :count] = pool[at:at + count]
+            at += count
+        q = mx.array(rng.standard_normal((sum(q_lens), heads, 64)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((len(pool), kv_heads, page_size, 64)).astype(np.float32))
+                for _ in range(2))
+        sinks = mx.array(rng.standard_normal(heads).astype(np.float32)) if options.get("sinks") else None
+        window = options.get("window_size")
+        try:
+            out, lse, _, _ = run_paged(run.library, q, [k], [v], mx.array(table), q_lens, kv_lens, scale=0.125,
+                                       window_size=window, sinks=sinks, return_lse=True)
+        except msl_emulator.EmulatorError:
+            return True  # a read outside a buffer, a deadlock
+        want, want_lse = oracle(np.array(q), np.array(k), np.array(v), table, q_lens, kv_lens, scale=0.125,
+                                window_size=window, sinks=None if sinks is None else np.array(sinks))
+        got = as_float(out, mx.float32)
+        if not np.isfinite(got).all() or np.abs(got - want).max() > TOLERANCE[mx.float32]:
+            return True
+        if not np.allclose(lse, want_lse, rtol=1e-5, atol=1e-4):
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("paged_mutants")
+
+
+def test_unmutated_kernel_passes_the_battery(workdir):
+    original = write(workdir, only_float32_d64(kernel_text(PAGED)), "original attention_paged")
+    assert not caught(EmulatedMetal(fast_math=True, sources=[original]))
+
+
+def test_every_mutation_target_exists():
+    text = kernel_text(PAGED)
+    for name, mutation in MUTANTS.items():
+        mutated(text, *mutation)  # asserts the target occurs exactly once
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mutant_is_caught(workdir, name):
+    mutant = write(workdir, only_float32_d64(mutated(kernel_text(PAGED), *MUTANTS[name])), f"paged {name}")
+    assert_caught(name, [mutant], caught)
