@@ -80,6 +80,8 @@ PagedProblem describe_paged_attention(
   a.scale = options.scale;
   a.causal = options.causal || options.window_size > 0;
   a.window_size = options.window_size;
+  if (!(std::isfinite(options.softcap) && options.softcap >= 0.0f)) invalid("softcap finite and >= 0 (0: none)");
+  a.softcap = options.softcap;
   a.output_lse = options.output_lse;
   a.mask_kind = MaskKind::none;
   if (options.has_sinks) {

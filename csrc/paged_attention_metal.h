@@ -22,6 +22,7 @@ struct PagedOptions {
   bool output_lse = false; // second output: float32 [total_q, Hq]
   int bits = 0;            // 0: float pages; 4 or 8: (packed, scales, biases) triples
   int group_size = 0;
+  float softcap = 0.0f;    // > 0: logits capped as softcap * tanh(logit / softcap)
   bool operator==(const PagedOptions&) const = default;
 };
 

@@ -19,7 +19,7 @@ nb::dict launch_plan_dict(const LaunchPlan& plan);  // csrc/launch_plan_bindings
 namespace {
 
 PagedOptions paged_options(float scale, bool causal, int window_size, bool has_sinks, bool output_lse, int bits,
-                           int group_size) {
+                           int group_size, float softcap) {
   PagedOptions options;
   options.scale = scale;
   options.causal = causal || window_size > 0;
@@ -28,6 +28,7 @@ PagedOptions paged_options(float scale, bool causal, int window_size, bool has_s
   options.output_lse = output_lse;
   options.bits = bits;
   options.group_size = group_size;
+  options.softcap = softcap;
   return options;
 }
 
@@ -38,14 +39,14 @@ void bind_paged_metal(nb::module_& m) {
       "paged_metal_launch_plan",
       [](const std::vector<mx::array>& inputs, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens,
          float scale, bool causal, int window_size, bool has_sinks, bool output_lse, int bits, int group_size,
-         const std::string& gpu_family, int gpu_cores) {
+         float softcap, const std::string& gpu_family, int gpu_cores) {
         GpuTarget target;
         if (!gpu_family_from_name(gpu_family, target.family)) {
           throw nb::value_error(("unknown gpu_family '" + gpu_family + "'").c_str());
         }
         target.gpu_cores = gpu_cores;
         const PagedOptions options =
-            paged_options(scale, causal, window_size, has_sinks, output_lse, bits, group_size);
+            paged_options(scale, causal, window_size, has_sinks, output_lse, bits, group_size, softcap);
         const PagedProblem problem = describe_paged_attention(inputs, options, q_lens, kv_lens);
         const LaunchPlan plan = plan_paged_attention(problem, target);
         nb::dict out = launch_plan_dict(plan);
@@ -56,7 +57,8 @@ void bind_paged_metal(nb::module_& m) {
         return out;
       },
       "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = true, "window_size"_a = 0,
-      "has_sinks"_a = false, "output_lse"_a = false, "bits"_a = 0, "group_size"_a = 0, "gpu_family"_a = "unknown",
+      "has_sinks"_a = false, "output_lse"_a = false, "bits"_a = 0, "group_size"_a = 0, "softcap"_a = 0.0f,
+      "gpu_family"_a = "unknown",
       "gpu_cores"_a = 0,
       "The Metal launch plan of paged attention for the primitive's inputs (q, k pages, v pages or the two "
       "quantized triples, block_table, [sinks]) and host lengths, in metal_launch_plan's format plus "
@@ -65,13 +67,14 @@ void bind_paged_metal(nb::module_& m) {
       "metal_paged_attention",
       [](const std::vector<mx::array>& inputs, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens,
          float scale, bool causal, int window_size, bool has_sinks, bool output_lse, int bits, int group_size,
-         mx::StreamOrDevice s) {
+         float softcap, mx::StreamOrDevice s) {
         const PagedOptions options =
-            paged_options(scale, causal, window_size, has_sinks, output_lse, bits, group_size);
+            paged_options(scale, causal, window_size, has_sinks, output_lse, bits, group_size, softcap);
         return metal_paged_attention(inputs, options, q_lens, kv_lens, s);
       },
       "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "scale"_a, "causal"_a = true, "window_size"_a = 0,
-      "has_sinks"_a = false, "output_lse"_a = false, "bits"_a = 0, "group_size"_a = 0, "stream"_a = nb::none(),
+      "has_sinks"_a = false, "output_lse"_a = false, "bits"_a = 0, "group_size"_a = 0, "softcap"_a = 0.0f,
+      "stream"_a = nb::none(),
       "The fused Metal paged attention (GPU streams): [out] or [out, lse]. mlx_attn.paged_attention validates "
       "the arguments; this raises ValueError for broken invariants.");
   m.attr("PAGED_SEQUENCE_BYTES") = int(sizeof(PagedSequence));

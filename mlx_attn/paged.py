@@ -338,11 +338,9 @@ class _PagedCall:
             bits=self.bits, group_size=self.group_size, softcap=self.softcap or 0.0, device=self.device)
 
     def _metal_unsupported_reason(self) -> str | None:
-        if self.softcap is not None:
-            return "softcap is not in the Metal paged kernels (the CPU paged kernel has it)"
         reason = metal_paged_reason(self.q, self.k, self.v, self.block_table, self.layout,
                                     window_size=self.window_size, sinks=self.sinks, return_lse=self.return_lse,
-                                    bits=self.bits, group_size=self.group_size)
+                                    bits=self.bits, group_size=self.group_size, softcap=self.softcap)
         if reason:
             return reason
         if not metal_paged_trusted(self.q.dtype, self.q.shape[-1], bits=self.bits, group_size=self.group_size,
@@ -407,7 +405,7 @@ def _run_fused_metal(call: _PagedCall, *arrays):
     return fused_metal_paged_attention(
         q, k_parts, v_parts, call.block_table, call.layout, scale=call.scale, causal=call.causal,
         window_size=call.window_size, sinks=sinks, return_lse=call.return_lse, bits=call.bits,
-        group_size=call.group_size, stream=call.stream)
+        group_size=call.group_size, softcap=call.softcap, stream=call.stream)
 
 
 # The fused path of each device and the runner of every path.
@@ -576,7 +574,7 @@ def _metal_inputs(q, k_parts, v_parts, block_table, sinks) -> list:
 
 
 def metal_paged_reason(q, k_parts, v_parts, block_table, layout: _Layout, *, window_size=None, sinks=None,
-                       return_lse=False, bits=0, group_size=0) -> str:
+                       return_lse=False, bits=0, group_size=0, softcap=None) -> str:
     """Why the fused Metal paged kernels cannot run this checked call ("" when
     they can): no Metal build, or what the launch plan refuses (head dims,
     Dv != D, quantization). ``k_parts`` / ``v_parts``: ``[pages]`` or the
@@ -589,12 +587,12 @@ def metal_paged_reason(q, k_parts, v_parts, block_table, layout: _Layout, *, win
     plan = ext.paged_metal_launch_plan(
         _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens,
         window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
-        group_size=group_size)
+        group_size=group_size, softcap=softcap or 0.0)
     return "" if plan["supported"] else plan["reason"]
 
 
 def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: _Layout, *, scale, causal, window_size,
-                                sinks, return_lse, bits=0, group_size=0, stream=None) -> list:
+                                sinks, return_lse, bits=0, group_size=0, softcap=None, stream=None) -> list:
     """The fused Metal paged kernels on a GPU stream: ``[out]`` or
     ``[out, lse]``. Arguments checked and in one dtype (scales and biases
     too); ``block_table`` int32; lengths from ``layout``."""
@@ -603,7 +601,7 @@ def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: _Layou
     return _native.ext.metal_paged_attention(
         _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens, scale=scale,
         causal=causal, window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
-        group_size=group_size, stream=stream if stream is not None else mx.gpu)
+        group_size=group_size, softcap=softcap or 0.0, stream=stream if stream is not None else mx.gpu)
 
 
 def metal_paged_runner(stream):

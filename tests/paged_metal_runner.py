@@ -34,15 +34,15 @@ def trimmed_sources(directory, float_instances, quantized_instances=()) -> list:
 
 
 def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size=None, has_sinks=False,
-               return_lse=False, bits=0, group_size=0, gpu_target: dict | None = None) -> dict:
+               return_lse=False, bits=0, group_size=0, gpu_target: dict | None = None, softcap=None) -> dict:
     return _native.ext.paged_metal_launch_plan(
         arrays, [int(x) for x in q_lens], [int(x) for x in kv_lens], scale=scale, causal=causal,
         window_size=window_size or 0, has_sinks=has_sinks, output_lse=return_lse, bits=bits, group_size=group_size,
-        **(gpu_target or {}))
+        softcap=softcap or 0.0, **(gpu_target or {}))
 
 
 def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None,
-              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None):
+              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None):
     """Launches the plan of these (contiguous) arrays in `library`: k_parts /
     v_parts are [pages] or the (packed, scales, biases) triples. Returns
     (out, lse or None, plan, per-dispatch results); out and lse are NumPy
@@ -50,7 +50,7 @@ def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, sca
     arrays = [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
     plan = paged_plan(arrays, q_lens, kv_lens, scale=scale, causal=causal, window_size=window_size,
                       has_sinks=sinks is not None, return_lse=return_lse, bits=bits, group_size=group_size,
-                      gpu_target=gpu_target)
+                      gpu_target=gpu_target, softcap=softcap)
     assert plan["supported"], plan["reason"]
     memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]
     total_q, heads, d = q.shape
@@ -67,8 +67,10 @@ def as_float(x: np.ndarray, dtype) -> np.ndarray:
     return x.astype(np.float64)
 
 
-def oracle(q, k_pages, v_pages, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None, sinks=None):
-    """Paged attention in float64 NumPy, key by key from the block table:
+def oracle(q, k_pages, v_pages, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None, sinks=None,
+           softcap=None):
+    """Paged attention in float64 NumPy, key by key from the block table
+    (logits capped as softcap * tanh(logit / softcap) with a softcap):
     (out [total_q, Hq, Dv], lse [total_q, Hq]); rows that see no key give
     zeros (and -inf, or the sink's logit, as lse)."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
@@ -92,7 +94,10 @@ def oracle(q, k_pages, v_pages, block_table, q_lens, kv_lens, *, scale, causal=T
             for h in range(heads):
                 k = k_pages[pages, h // group, keys % page_size]
                 v = v_pages[pages, h // group, keys % page_size]
-                logits = np.where(visible, scale * (k @ q[start + i, h]), -np.inf)
+                logits = scale * (k @ q[start + i, h])
+                if softcap is not None:
+                    logits = softcap * np.tanh(logits / softcap)
+                logits = np.where(visible, logits, -np.inf)
                 if sinks is not None:
                     logits = np.append(logits, float(sinks[h]))
                 top = logits.max(initial=-np.inf)

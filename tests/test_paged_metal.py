@@ -76,7 +76,8 @@ def f64(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32), np.float64)
 
 
-def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None, sinks=False, lse=False, **case):
+def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None, sinks=False, lse=False, softcap=None,
+                **case):
     q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, **case)
     scale = d**-0.5 if scale is None else scale
     sink_array = None
@@ -84,9 +85,10 @@ def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None,
         sink_array = mx.array((np.random.default_rng(7).standard_normal(q.shape[1]) * 4).astype(np.float32))
         sink_array = sink_array.astype(q.dtype)
     out, got_lse, plan, _ = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=scale, causal=causal,
-                                      window_size=window_size, sinks=sink_array, return_lse=lse)
+                                      window_size=window_size, sinks=sink_array, return_lse=lse, softcap=softcap)
     want, want_lse = oracle(f64(q), f64(k), f64(v), np.array(table), q_lens, kv_lens, scale=scale, causal=causal,
-                            window_size=window_size, sinks=None if sink_array is None else f64(sink_array))
+                            window_size=window_size, sinks=None if sink_array is None else f64(sink_array),
+                            softcap=softcap)
     got = as_float(out, q.dtype)
     assert np.isfinite(got).all(), "a row no kernel wrote, or a NaN"
     err = np.abs(got - want).max(initial=0.0)
@@ -138,6 +140,12 @@ def test_long_sequences_split_over_many_page_windows(library):
                        lse=False, window_size=200)
     assert plan["keys_per_split"] <= 31 * 4
     assert plan["splits"] >= 700 // (31 * 4)
+
+
+def test_softcap_caps_the_logits_of_every_sequence(library):
+    """softcap (1.25, with a scale that makes the cap bind on most logits)
+    through the per-sequence params: the decode loop's softcap step."""
+    check_float(library, "float32", 64, scale=0.6, softcap=1.25, sinks=True, lse=True)
 
 
 def test_a_window_of_one_and_a_batch_without_rows(library):

@@ -611,8 +611,8 @@ def _paged_runner(kernel_correct: bool):
 def test_paged_gpu_path_follows_the_self_check(monkeypatch, kernel_correct):
     """On a Metal build a GPU paged call takes fused-metal once its variant
     passed the paged self-check; a failed check disables it (auto: the
-    reference, fused: an error naming the check); softcap and head dims the
-    paged kernels lack take the reference with their reason."""
+    reference, fused: an error naming the check); head dims the paged
+    kernels lack take the reference with their reason."""
     from mlx_attn import _native, paged
 
     monkeypatch.setattr(_native, "ext", MetalBuild(_native.ext))
@@ -625,14 +625,12 @@ def test_paged_gpu_path_follows_the_self_check(monkeypatch, kernel_correct):
     def path(q=q, pages=pages, **kwargs):
         return paged.paged_attention_path(q, pages, pages, table, kv_lens, scale=0.125, stream=mx.gpu, **kwargs)
 
-    with pytest.raises(ValueError, match="softcap is not in the Metal paged kernels"):
-        path(softcap=5.0, backend="fused")
     with pytest.raises(ValueError, match="backend='fused' is not possible"):  # no paged kernel at D = 80
         path(q=mx.zeros((3, 4, 80), mx.float16), pages=mx.zeros((8, 2, 16, 80), mx.float16), backend="fused")
     if kernel_correct:
         assert path() == "fused-metal"
         assert self_check.results()[self_check.PagedVariant("float16", 64)].passed
-        assert path(softcap=5.0) == "reference"
+        assert path(softcap=5.0, window_size=30, return_lse=True) == "fused-metal"
         return
     with pytest.warns(RuntimeWarning, match="float16"):
         assert path() == "reference"
