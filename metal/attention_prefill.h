@@ -69,6 +69,60 @@ inline float prefill_block_logits(
               : prefill_logits<T, BK, MASK, false, false>(p, mask, s_tiles, b, h, qi, pos, kb, c);
 }
 
+// online max / rescale and accumulate, one key block of this simdgroup's
+// rows (S tiles through the logit step; `block_max` this lane's part of their
+// row max): m_new = max(m, rowmax S); S becomes P = exp(S - m_new) in place;
+// l = l * alpha + rowsum P; m = m_new. Returns alpha = exp(m - m_new), the
+// factor the caller rescales its O rows by. Shared by the register-resident
+// and the D-split prefill kernels.
+template <int BK>
+inline float prefill_online_softmax(thread simdgroup_float8x8* s_tiles, float block_max, thread float& m_row,
+                                    thread float& l_row) {
+  // the 4 lanes of a row differ in lane bits 0 and 3
+  block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+  block_max = max(block_max, simd_shuffle_xor(block_max, 8));
+  const float m_new = max(m_row, block_max);
+  const float alpha = fast::exp2((m_row - m_new) * MLX_ATTN_LOG2E);
+  float p_sum = 0.0f;
+  for (int j = 0; j < BK / 8; ++j) {
+    for (int t = 0; t < 2; ++t) {
+      const float s = s_tiles[j].thread_elements()[t];
+      const float prob = s > 0.5f * MLX_ATTN_MASKED_LOGIT ? fast::exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
+      s_tiles[j].thread_elements()[t] = prob;
+      p_sum += prob;
+    }
+  }
+  p_sum += simd_shuffle_xor(p_sum, 1);
+  p_sum += simd_shuffle_xor(p_sum, 8);
+  l_row = l_row * alpha + p_sum;
+  m_row = m_new;
+  return alpha;
+}
+
+// normalize: the head's sink joins the row's max and sum, so (m, l) become
+// the final ones (the log-sum-exp's); returns the factor that scales the O
+// row (0 for a row that saw nothing).
+template <typename T>
+inline float prefill_normalizer(constant AttentionParams& p, const device T* sinks, int h, thread float& m_row,
+                                thread float& l_row) {
+  float correction = 1.0f;
+  if (p.has_sinks != 0) {
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
+    const float m_final = max(m_row, sink);
+    correction = fast::exp2((m_row - m_final) * MLX_ATTN_LOG2E);
+    l_row = l_row * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    m_row = m_final;
+  }
+  return l_row > 0.0f ? correction / l_row : 0.0f;
+}
+
+// a row's log-sum-exp from its final max and sum: -inf for a row that saw
+// nothing, written as bits (fast math has no infinities)
+inline float prefill_row_lse(float m_final, float l_final) {
+  return l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
+}
+
+
 template <typename T, int D, int BK, int MASK>
 [[kernel]] void attention_prefill(
     const device T* q [[buffer(0)]],
@@ -138,27 +192,9 @@ template <typename T, int D, int BK, int MASK>
     // scale, mask (per-element visibility tests on edge blocks only), then
     // online max / rescale
     const bool edge = key_block_on_edge(p, rows, kb, BK);
-    float block_max = prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
-    // the 4 lanes of a row differ in lane bits 0 and 3
-    block_max = max(block_max, simd_shuffle_xor(block_max, 1));
-    block_max = max(block_max, simd_shuffle_xor(block_max, 8));
-    const float m_new = max(m_row, block_max);
-    const float alpha = fast::exp2((m_row - m_new) * MLX_ATTN_LOG2E);
-
+    const float block_max = prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
     // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
-    float p_sum = 0.0f;
-    for (int j = 0; j < BK / 8; ++j) {
-      for (int t = 0; t < 2; ++t) {
-        const float s = s_tiles[j].thread_elements()[t];
-        const float prob = s > 0.5f * MLX_ATTN_MASKED_LOGIT ? fast::exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
-        s_tiles[j].thread_elements()[t] = prob;
-        p_sum += prob;
-      }
-    }
-    p_sum += simd_shuffle_xor(p_sum, 1);
-    p_sum += simd_shuffle_xor(p_sum, 8);
-    l_row = l_row * alpha + p_sum;
-    m_row = m_new;
+    const float alpha = prefill_online_softmax<BK>(s_tiles, block_max, m_row, l_row);
 
     // rescale O by alpha (its row's), then O += P . V
     for (int d = 0; d < D / 8; ++d) {
@@ -175,16 +211,7 @@ template <typename T, int D, int BK, int MASK>
   }
 
   // normalize: sinks join the sum; rows that saw nothing give zeros
-  float correction = 1.0f;
-  float l_final = l_row;
-  float m_final = m_row;
-  if (p.has_sinks != 0) {
-    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-    m_final = max(m_row, sink);
-    correction = fast::exp2((m_row - m_final) * MLX_ATTN_LOG2E);
-    l_final = l_row * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
-  }
-  const float factor = l_final > 0.0f ? correction / l_final : 0.0f;
+  const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
   if (qi < p.q_len) {
     const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
     for (int d = 0; d < D / 8; ++d) {
@@ -193,8 +220,7 @@ template <typename T, int D, int BK, int MASK>
       }
     }
     if (p.output_lse != 0 && c == 0) {
-      // a row that saw nothing: -inf, written as bits (fast math has no infinities)
-      lse[row] = l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
+      lse[row] = prefill_row_lse(m_row, l_row);
     }
   }
 }

@@ -153,26 +153,10 @@ template <typename T, int D, int DV, int BK, int MASK>
 
       // scale, mask, online max / rescale (as the register-resident kernel)
       const bool edge = key_block_on_edge(p, rows, kb, BK);
-      float block_max = prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
-      block_max = max(block_max, simd_shuffle_xor(block_max, 1));
-      block_max = max(block_max, simd_shuffle_xor(block_max, 8));
-      const float m_new = max(m_row, block_max);
-      const float alpha = fast::exp2((m_row - m_new) * MLX_ATTN_LOG2E);
-
+      const float block_max =
+          prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
       // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
-      float p_sum = 0.0f;
-      for (int j = 0; j < BK / 8; ++j) {
-        for (int t = 0; t < 2; ++t) {
-          const float s = s_tiles[j].thread_elements()[t];
-          const float prob = s > 0.5f * MLX_ATTN_MASKED_LOGIT ? fast::exp2((s - m_new) * MLX_ATTN_LOG2E) : 0.0f;
-          s_tiles[j].thread_elements()[t] = prob;
-          p_sum += prob;
-        }
-      }
-      p_sum += simd_shuffle_xor(p_sum, 1);
-      p_sum += simd_shuffle_xor(p_sum, 8);
-      l_row = l_row * alpha + p_sum;
-      m_row = m_new;
+      const float alpha = prefill_online_softmax<BK>(s_tiles, block_max, m_row, l_row);
 
       // rescale this pass's O slice by alpha, then O += P . V[:, v0 .. v0 + VC)
       for (int d = 0; d < VC / 8; ++d) {
@@ -189,16 +173,7 @@ template <typename T, int D, int DV, int BK, int MASK>
     }
 
     // normalize this pass's slice: sinks join the sum; rows that saw nothing give zeros
-    float correction = 1.0f;
-    float l_final = l_row;
-    float m_final = m_row;
-    if (p.has_sinks != 0) {
-      const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-      m_final = max(m_row, sink);
-      correction = fast::exp2((m_row - m_final) * MLX_ATTN_LOG2E);
-      l_final = l_row * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
-    }
-    const float factor = l_final > 0.0f ? correction / l_final : 0.0f;
+    const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
     if (qi < p.q_len) {
       for (int d = 0; d < VC / 8; ++d) {
         for (int t = 0; t < 2; ++t) {
@@ -206,8 +181,7 @@ template <typename T, int D, int DV, int BK, int MASK>
         }
       }
       if (p.output_lse != 0 && c == 0 && v0 == 0) {
-        // a row that saw nothing: -inf, written as bits (fast math has no infinities)
-        lse[row] = l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
+        lse[row] = prefill_row_lse(m_row, l_row);
       }
     }
   }
