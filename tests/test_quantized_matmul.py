@@ -102,3 +102,23 @@ def test_loaded_quantized_models_use_the_row_adaptive_layers(tmp_path):
     assert kinds and kinds <= {RowAdaptiveQuantizedLinear, RowAdaptiveQuantizedEmbedding}
     tokens = mx.array([[1, 5, 9, 200, 42, 7, 7, 8, 100, 3, 2, 1]])
     np.testing.assert_allclose(np.array(loaded(tokens)), np.array(model(tokens)), rtol=1e-4, atol=1e-4)
+
+
+def test_half_precision_scales_dequantize_in_float32():
+    """A float16 model's scales and biases: the many-row product uses
+    scale * code + bias in float32, as the one-row quantized kernel does (in
+    float16 every weight would be rounded once more, ~1e-3 relative)."""
+    mx.random.seed(11)
+    model = nn.Sequential(nn.Linear(256, 64, bias=False))
+    model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=32, bits=8)
+    layer = use_row_adaptive_matmuls(model).layers[0]
+    assert layer["scales"].dtype == mx.float16
+    x = mx.random.normal((16, 256), key=mx.random.key(11))
+    scales, biases = (np.array(layer[n].astype(mx.float32), dtype=np.float64) for n in ("scales", "biases"))
+    codes = np.array(mx.dequantize(layer["weight"], mx.ones_like(layer["scales"]).astype(mx.float32),
+                                   mx.zeros_like(layer["biases"]).astype(mx.float32), group_size=32, bits=8),
+                     dtype=np.float64)
+    weight = codes * np.repeat(scales, 32, axis=1) + np.repeat(biases, 32, axis=1)
+    expected = np.array(x, dtype=np.float64) @ weight.T
+    np.testing.assert_allclose(np.array(layer(x)), expected, rtol=1e-5, atol=1e-5)

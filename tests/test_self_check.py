@@ -151,7 +151,7 @@ def test_self_check_disables_a_broken_emulated_variant(tmp_path):
     merges them is wrong only on real data: the self-check must catch it."""
     decode = next(p for p in METAL_SOURCES if p.name == "attention_decode.metal")
     source = kernel_text(decode)  # the family's headers inlined
-    merge_rescale = "exp2((partial_stats[base * 2] - m)"
+    merge_rescale = "fast::exp2((partial_stats[base * 2] - m)"
     assert source.count(merge_rescale) == 1
     broken = source.replace(merge_rescale, "(0.5f + 0.0f * (partial_stats[base * 2] - m)")
     mutated = tmp_path / decode.name

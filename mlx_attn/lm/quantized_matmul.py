@@ -48,9 +48,12 @@ def dequantized_matmul(x: mx.array, layer) -> mx.array:
     outputs = []
     for begin in range(0, weight.shape[0], DEQUANTIZED_SLICE_ROWS):
         end = begin + DEQUANTIZED_SLICE_ROWS
-        w = mx.dequantize(weight[begin:end], scales[begin:end], None if biases is None else biases[begin:end],
+        # scale * code + bias in float32, as MLX's quantized kernel computes it: dequantizing in the
+        # scales' own (half) dtype would round every weight once more
+        w = mx.dequantize(weight[begin:end], scales[begin:end].astype(mx.float32),
+                          None if biases is None else biases[begin:end].astype(mx.float32),
                           group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-        outputs.append(x32 @ w.astype(mx.float32).T)
+        outputs.append(x32 @ w.T)
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
     return out.astype(x.dtype)
 
