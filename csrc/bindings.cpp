@@ -12,6 +12,7 @@
 #include "csrc/attention.h"
 #include "csrc/cpu/host.h"
 #include "csrc/quantized_attention.h"
+#include "mlx/compile_impl.h"
 #include "mlx/version.h"
 
 namespace nb = nanobind;
@@ -185,6 +186,15 @@ NB_MODULE(_ext, m) {
         return false;
 #endif
       }, "Whether this build contains the Metal kernels.");
+
+  m.def("forget_thread_compile_cache", [] {
+        mx::detail::compile_clear_cache(mx::detail::compile_cache());
+      },
+      "Empty MLX's compile cache of the calling thread. Its entries hold Python "
+      "objects; left to the thread's exit they are freed from a C++ thread-local "
+      "destructor that takes the GIL, which aborts the process if the interpreter "
+      "is already finalizing. A worker thread that ran compiled functions calls "
+      "this as its last MLX step.");
 
   m.attr("LOG2E") = mlx_attn::kLog2e;
   m.attr("LOGIT_LIMIT") = mlx_attn::kLogitLimit;

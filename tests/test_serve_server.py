@@ -460,13 +460,41 @@ def test_mlx_attn_serve_finishes_running_requests_on_sigterm_and_exits_0(tmp_pat
         events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-        assert process.wait(DEADLINE) == 0
+        code = process.wait(DEADLINE)
+        assert code == 0, process.communicate()[1].decode()[-4000:]
         with pytest.raises(OSError):  # no longer accepting
             raw(probe, "GET", "/health")
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(DEADLINE)
+
+
+# A model whose forward runs an mx.compile'd function on the engine thread (as
+# mlx.nn's activations are): MLX frees that thread's compile cache at its exit,
+# taking the GIL from a C++ destructor; an interpreter already finalizing then
+# aborts the process ("terminate called without an active exception").
+STOPPED_STATE_SCRIPT = """
+import asyncio
+import mlx.core as mx
+from mlx_attn.serve.server import ServerState
+
+@mx.compile
+def activation(x):
+    return x * mx.sigmoid(x)
+
+state = ServerState(lambda: mx.eval(activation(mx.ones(8))), None, "compiled-on-the-engine-thread")
+asyncio.new_event_loop().run_until_complete(state.stop())  # and exit at once, as uvicorn does
+"""
+
+
+def test_a_stopped_state_lets_the_process_exit_cleanly():
+    """Without the engine thread's compile cache emptied in ``stop()``, about
+    one run in three aborted here; eight clean exits in a row."""
+    for _ in range(8):
+        result = subprocess.run([sys.executable, "-c", STOPPED_STATE_SCRIPT], capture_output=True, text=True,
+                                timeout=DEADLINE)
+        assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_many_connections_on_a_small_pool_complete_or_get_429(model_and_tokenizer):

@@ -101,6 +101,12 @@ class ServerState:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        from mlx_attn import _ext
+
+        # Empty the engine thread's compile cache while Python can still free
+        # its entries (freed at the thread's exit, they abort a process that
+        # is already shutting down).
+        await self.call(_ext.forget_thread_compile_cache)
         self._executor.shutdown(wait=True)
 
     def call_blocking(self, fn, *args, timeout: float = 60.0):
