@@ -1,4 +1,5 @@
 #include "csrc/quantized_matvec.h"
+#include "csrc/argument_checks.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -14,20 +15,13 @@ namespace mlx_attn {
 namespace {
 
 [[noreturn]] void invalid(const std::string& message) {
-  throw std::invalid_argument("[mlx_attn.quantized_matvec] " + message);
-}
-
-std::string shape_string(const mx::array& a) {
-  std::string s = "(";
-  for (int i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + ")";
+  throw_invalid("mlx_attn.quantized_matvec", message);
 }
 
 ElemType scale_type(mx::Dtype t) {
-  if (t == mx::float32) return ElemType::float32;
-  if (t == mx::float16) return ElemType::float16;
-  if (t == mx::bfloat16) return ElemType::bfloat16;
-  invalid("scales must be float32, float16 or bfloat16");
+  const std::optional<ElemType> type = float_elem_type(t);
+  if (!type) invalid("scales must be float32, float16 or bfloat16, got " + dtype_string(t));
+  return *type;
 }
 
 // Output features per thread-pool task: small enough to balance two to
