@@ -254,8 +254,6 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
     # per simdgroup, one key block
     mma = tq * tk * td * 2                      # S = Q K^T and O += P V over this simdgroup's D share
     elems = 2 * tq * tk                         # S elements per lane
-    if tile.wn == 2:
-        mma += 0  # the partial S is exchanged through threadgroup memory (below)
     loads_per_thread = math.ceil(2 * tile.bk * tile.d * elem_bytes / 16 / threads)  # 16-byte vector loads
     counts = {
         "mma": mma,
@@ -265,9 +263,15 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
         "threadgroup_load": tq * tk * td * (1 if tile.q_in_registers else 2) + tq * tk * td,
         "device_load": loads_per_thread,
     }
-    if tile.wn == 2:
-        counts["threadgroup_load"] += elems
     barriers = 2 if tile.stage_kv_together else 4
+    if tile.wn == 2:
+        # Each of the two simdgroups of a row group holds S over half of D:
+        # steel (steel_attention.h, MLX 0.32.4, `if constexpr (WN == 2)`)
+        # stores its partial S to threadgroup memory, waits, adds its peer's:
+        # S stored and read once per block (threadgroup accesses, priced as
+        # loads), behind two more threadgroup barriers.
+        counts["threadgroup_load"] += 2 * elems
+        barriers += 2
     block = Block(counts, load_rounds=1 if tile.stage_kv_together else 2, barriers=barriers)
     # key blocks per threadgroup (causal: the longest row block's; half on average)
     full_blocks = math.ceil(kv_len / tile.bk)

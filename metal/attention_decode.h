@@ -137,28 +137,62 @@ inline void decode_key(
   }
 }
 
+// Whether decode_keys holds the next key's K/V slices while it computes the
+// current key's (loads one key ahead). It costs 2 x D/32 floats per lane
+// more: q and o (2 x MLX_ATTN_DECODE_ROW_FLOATS = 64), the rows' max and sum
+// (2 R), the current and next key's slices (4 x D/32) and ~20 registers of
+// addresses and loop state stay within 128 registers per lane up to D = 256
+// (D = 64: 112, 128: 116, 256: 124); at D = 512 they would take 152, so it
+// loads the key it computes (120).
+template <int SLICE>
+struct DecodePrefetch {
+  static constexpr bool ENABLED = SLICE <= 8;
+};
+
 // The split's keys [kv_begin, kv_end), key j on simdgroup j % NSG; per key
 // the variant of decode_key (edge or interior, with or without the softcap).
+// With DecodePrefetch, key j + NSG's loads are issued before key j's math, so
+// they are in flight while it runs (the loop bound is uniform across the
+// simdgroup: a loader may use simd functions).
 template <typename T, int R, typename KV, int MASK>
 inline void decode_keys(
     constant AttentionParams& p, const device uchar* mask, const thread KV& kv, thread DecodeRows<R, KV::SLICE>& rows,
     int kv_begin, int kv_end, int first_pos, int last_pos, int b, int kv_head, int r0, int row_count, uint sg,
     uint lane) {
-  for (int key = kv_begin + int(sg); key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS) {
-    float k_slice[KV::SLICE];
-    float v_slice[KV::SLICE];
-    kv.load(key, lane, k_slice, v_slice);
+  constexpr int SLICE = KV::SLICE;
+  constexpr bool PREFETCH = DecodePrefetch<SLICE>::ENABLED;
+  float k_next[SLICE];
+  float v_next[SLICE];
+  int key = kv_begin + int(sg);
+  if (PREFETCH && key < kv_end) {
+    kv.load(key, lane, k_next, v_next);
+  }
+  for (; key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS) {
+    float k_slice[SLICE];
+    float v_slice[SLICE];
+    if (PREFETCH) {
+      for (int e = 0; e < SLICE; ++e) {
+        k_slice[e] = k_next[e];
+        v_slice[e] = v_next[e];
+      }
+      const int next = key + MLX_ATTN_DECODE_SIMDGROUPS;
+      if (next < kv_end) {
+        kv.load(next, lane, k_next, v_next);  // in flight during this key's math
+      }
+    } else {
+      kv.load(key, lane, k_slice, v_slice);
+    }
     const bool edge = block_on_edge(p, key, 1, first_pos, last_pos);
     if (p.softcap > 0.0f) {
       if (edge) {
-        decode_key<T, R, KV::SLICE, MASK, true, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+        decode_key<T, R, SLICE, MASK, true, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
       } else {
-        decode_key<T, R, KV::SLICE, MASK, false, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+        decode_key<T, R, SLICE, MASK, false, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
       }
     } else if (edge) {
-      decode_key<T, R, KV::SLICE, MASK, true, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      decode_key<T, R, SLICE, MASK, true, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
     } else {
-      decode_key<T, R, KV::SLICE, MASK, false, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      decode_key<T, R, SLICE, MASK, false, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
     }
   }
 }
@@ -175,13 +209,54 @@ struct DecodeStates {
   float row_sum[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS];
 };
 
+// A row's final step, once its splits are combined (running max m, sum l and
+// this lane's output slice o, element e at head dim Layout::dim(lane, e)):
+// sinks join the sum, normalize (rows that saw nothing give zeros), write
+// the output row and, when lse_row is not null, the row log-sum-exp. Query
+// head h. Shared by the merge and the one-split partial.
+template <typename T, int SLICE, typename Layout>
+inline void decode_write_row(
+    float m, float l, thread const float* o, const device T* sinks, constant AttentionParams& p, int h,
+    device T* out_row, device float* lse_row, uint lane) {
+  float correction = 1.0f;
+  if (p.has_sinks != 0) {
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
+    const float m_final = max(m, sink);
+    correction = fast::exp2((m - m_final) * MLX_ATTN_LOG2E);
+    l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    m = m_final;
+  }
+  const float factor = l > 0.0f ? correction / l : 0.0f;
+  for (int e = 0; e < SLICE; ++e) {
+    out_row[Layout::dim(lane, e)] = T(o[e] * factor);
+  }
+  if (lse_row != nullptr && lane == 0) {
+    // a row that saw nothing: -inf, written as bits (fast math has no infinities)
+    *lse_row = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
+  }
+}
+
+// Where decode_partial puts each row's combined state: the split's partial
+// (partial_out / partial_stats, merged by a second dispatch), or, when the
+// launch has one split (`direct`), the normalized output row itself
+// (decode_write_row: sinks, out, lse), with no merge dispatch.
+template <typename T>
+struct DecodeOutputs {
+  device float* partial_out;
+  device float* partial_stats;
+  bool direct;
+  const device T* sinks;
+  device T* out;    // [B, Hq, Tq, D]
+  device float* lse;  // [B, Hq, Tq] when p.output_lse
+};
+
 // The partial kernel's body for any K/V loader; `states`: the kernel's
 // threadgroup memory.
 template <typename T, int D, int MASK, typename KV>
-inline void decode_partial(
+inline void decode_split(
     thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
-    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
-    uint3 groups, uint sg, uint lane) {
+    thread const DecodeOutputs<T>& outputs, threadgroup DecodeStates<D>& states, uint3 group_id, uint3 groups,
+    uint sg, uint lane) {
   constexpr int NSG = MLX_ATTN_DECODE_SIMDGROUPS;
   constexpr int SLICE = KV::SLICE;                       // head-dim elements per lane
   constexpr int VEC = KV::VEC;
@@ -270,15 +345,33 @@ inline void decode_partial(
         o[e] += states.out[(g * R + i) * D + e * 32 + int(lane)] * weight;
       }
     }
+    if (outputs.direct) {  // one split: this is the row's whole state
+      const int h = kv_head * p.group + (r0 + i) / p.q_len;
+      const long row = (long(b) * p.q_heads + h) * p.q_len + (r0 + i) % p.q_len;
+      decode_write_row<T, SLICE, KV>(m, l, o, outputs.sinks, p, h, outputs.out + row * D,
+                                     p.output_lse != 0 ? outputs.lse + row : nullptr, lane);
+      continue;
+    }
     const long base = ((long(b) * p.kv_heads + kv_head) * splits + split) * row_count + r0 + i;
     for (int e = 0; e < SLICE; ++e) {
-      partial_out[base * D + KV::dim(lane, e)] = o[e];
+      outputs.partial_out[base * D + KV::dim(lane, e)] = o[e];
     }
     if (lane == 0) {
-      partial_stats[base * 2] = m;
-      partial_stats[base * 2 + 1] = l;
+      outputs.partial_stats[base * 2] = m;
+      outputs.partial_stats[base * 2 + 1] = l;
     }
   }
+}
+
+// decode_split writing the split's partial (the paged and quantized kernels,
+// merged by their merge dispatch).
+template <typename T, int D, int MASK, typename KV>
+inline void decode_partial(
+    thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
+    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
+    uint3 groups, uint sg, uint lane) {
+  const DecodeOutputs<T> outputs = {partial_out, partial_stats, false, nullptr, nullptr, nullptr};
+  decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 
 template <typename T, int D, int MASK>
@@ -290,6 +383,9 @@ template <typename T, int D, int MASK>
     const device uchar* mask [[buffer(4)]],
     device float* partial_out [[buffer(5)]],    // [B, Hkv, splits, rows, D]
     device float* partial_stats [[buffer(6)]],  // [B, Hkv, splits, rows, 2]: max, sum
+    const device T* sinks [[buffer(7)]],
+    device T* out [[buffer(8)]],                // one split: written here, no merge
+    device float* lse [[buffer(9)]],
     uint3 group_id [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -298,7 +394,9 @@ template <typename T, int D, int MASK>
   ContiguousKV<T, D> kv;
   kv.k = k;
   kv.v = v;
-  decode_partial<T, D, MASK>(kv, q, p, mask, partial_out, partial_stats, states, group_id, groups, sg, lane);
+  // the launch plan dispatches no merge when it picks one split
+  const DecodeOutputs<T> outputs = {partial_out, partial_stats, groups.x == 1, sinks, out, lse};
+  decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 
 // Merges one row's split partials (split s at partial row first + s * stride)
@@ -327,23 +425,7 @@ inline void merge_splits(
       o[e] += partial_out[base * D + DecodeLayout<D>::dim(lane, e)] * weight;
     }
   }
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  float correction = 1.0f;
-  if (p.has_sinks != 0) {
-    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-    const float m_final = max(m, sink);
-    correction = fast::exp2((m - m_final) * MLX_ATTN_LOG2E);
-    l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
-    m = m_final;
-  }
-  const float factor = l > 0.0f ? correction / l : 0.0f;
-  for (int e = 0; e < SLICE; ++e) {
-    out_row[DecodeLayout<D>::dim(lane, e)] = T(o[e] * factor);
-  }
-  if (lse_row != nullptr && lane == 0) {
-    // a row that saw nothing: -inf, written as bits (fast math has no infinities)
-    *lse_row = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
-  }
+  decode_write_row<T, SLICE, DecodeLayout<D>>(m, l, o, sinks, p, h, out_row, lse_row, lane);
 }
 
 // One simdgroup per (row, KV head, batch): merge the splits' partials.
