@@ -357,33 +357,46 @@ def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: i
 
 def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
                        rows_per_threadgroup: int, simdgroups: int = 4, elem_bytes: int = 2,
-                       prefetch: int = 1, single_dispatch: bool = False, exp_kind: str = "precise") -> list:
+                       prefetch: int = 1, single_dispatch: bool = False) -> list:
     """metal/attention_decode.h: a threadgroup of `simdgroups` simdgroups per
     (split, KV head, row chunk) serves up to R rows of the GQA group; key j
     of the split on simdgroup j % NSG; then attention_decode_merge over the
-    splits (none with `single_dispatch` and one split)."""
+    splits (none with `single_dispatch` and one split). `prefetch` 2: the
+    kernel loads key j + NSG's K/V before key j's math (DecodePrefetch)."""
     per_lane = d // 32
     rows = heads // kv_heads
-    r = min(rows, rows_per_threadgroup)
-    chunks = math.ceil(rows / rows_per_threadgroup)
+    big_r = rows_per_threadgroup
+    r = min(rows, big_r)  # live rows: the work per key
+    chunks = math.ceil(rows / big_r)
     tgs = splits * batch * kv_heads * chunks
     keys = math.ceil(kv_len / splits / simdgroups)
     key_counts = {"fma": r * (2 * per_lane + 6) + 2, "exp2": 2 * r, "simd_shuffle": 5 * r,
                   "device_load": 2 * math.ceil(per_lane / 4)}
-    regs = 2 * r * per_lane + 2 * r + 2 * per_lane + 20  # q and o rows, m and l, the key's k and v slices, state
+    # Registers are allocated for the kernel's compile-time R rows
+    # (DecodeRows<R, SLICE>: q[R][D/32], o[R][D/32], m[R], l[R]), whatever
+    # the live rows: q and o, m and l, the key's k and v slices (twice with
+    # the prefetch), ~20 of addresses and loop state.
+    regs = 2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch > 1 else 1) + 20
     kv_head_bytes = 2 * kv_len * d * elem_bytes
     partial_bytes = batch * heads * splits * (d * 4 + 8)
-    tg_memory = (simdgroups - 1) * r * (per_lane * 32 + 2) * 4
+    tg_memory = (simdgroups - 1) * big_r * (per_lane * 32 + 2) * 4  # DecodeStates<D>, sized by R
     out_bytes = batch * heads * d * elem_bytes
     merged = single_dispatch and splits == 1
     q_bytes = simdgroups * splits * batch * heads * d * elem_bytes  # every simdgroup of a split reads its rows' queries
     issued = batch * kv_heads * chunks * kv_head_bytes + q_bytes + (out_bytes if merged else partial_bytes)
+    # Threadgroups in dispatch order (x = split fastest, then KV head x row
+    # chunk): the row chunks of one KV head read the same split of its K/V,
+    # and every split the same query rows; resident together they read them
+    # from DRAM once (the cache model, as for sdpa_vector's same-head reads).
+    order = [(b, y // chunks, x) for b in range(batch) for y in range(kv_heads * chunks) for x in range(splits)]
+    q_order = [(b, y) for b in range(batch) for y in range(kv_heads * chunks) for _ in range(splits)]
     partial = Kernel("attention_decode_partial", tgs, 32 * simdgroups, regs, tg_memory, keys,
                      Block(key_counts, load_rounds=1), 0.0, issued, 0.0,
                      prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane},
-                     kv_reads=list(range(tgs)))
-    partial = _with_cache(partial, gpu, chunks * kv_head_bytes / splits / chunks,
-                          q_bytes + (out_bytes if merged else partial_bytes))
+                     kv_reads=order)
+    resident = min(residency(partial, gpu)["threadgroups"], math.ceil(tgs / gpu.cores))
+    q_dram = unique_bytes_per_wave(q_order, r * d * elem_bytes, resident, gpu)
+    partial = _with_cache(partial, gpu, kv_head_bytes / splits, q_dram + (out_bytes if merged else partial_bytes))
     if merged:
         return [replace(partial, name="attention_decode_partial (writes out)")]
     # the merge's lanes each read every split's max and sum

@@ -116,14 +116,24 @@ MUTANTS = {
         PREFILL, "replace", "logit.value = additive_masked_logit(logit.value, added);",
         "logit.value = SOFTCAP ? softcap_logit(additive_masked_logit(saturate_logit(raw), added), p.softcap)"
         " : additive_masked_logit(logit.value, added);"),
+    # one split: the partial kernel writes the normalized output itself
+    "decode: one split writes partials nobody merges": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, false, sinks"),
+    "decode: every split writes the output directly": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, true, sinks"),
+    "decode: one split writes every position's output to the first": (DECODE, "replace", "* p.q_len + (r0 + i) % p.q_len;", "* p.q_len;"),
+    "decode: one split takes the group's first query head": (DECODE, "replace", "const int h = kv_head * p.group + (r0 + i) / p.q_len;", "const int h = kv_head * p.group;"),
+    "decode: one split writes no lse": (DECODE, "replace", "p.output_lse != 0 ? outputs.lse + row : nullptr", "nullptr"),
+    # prefetch: the next key's K/V loaded during the current key's math
+    "decode: first key not prefetched": (DECODE, "replace", "if (PREFETCH && key < kv_end) {", "if (false) {"),
+    "decode: prefetch reloads the current key": (DECODE, "replace", "kv.load(next, lane, k_next, v_next);", "kv.load(key, lane, k_next, v_next);"),
+    "decode: prefetch skips the last key": (DECODE, "replace", "if (next < kv_end) {", "if (next < kv_end - 1) {"),
     "decode: softcap variant never taken": (DECODE, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
     "prefill: softcap edge blocks taken as interior": (
         PREFILL, "replace", "prefill_logits<T, BK, MASK, true, true>", "prefill_logits<T, BK, MASK, false, true>"),
     # the same kinds of faults in the other family: under MLX_ATTN_FULL_GRID=1 (CI time)
     **({"prefill: softcap variant never taken": (PREFILL, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
         "decode: softcap edge keys taken as interior": (
-            DECODE, "replace", "decode_key<T, R, KV::SLICE, MASK, true, true>",
-            "decode_key<T, R, KV::SLICE, MASK, false, true>")} if FULL_GRID else {}),
+            DECODE, "replace", "decode_key<T, R, SLICE, MASK, true, true>",
+            "decode_key<T, R, SLICE, MASK, false, true>")} if FULL_GRID else {}),
 }
 
 
