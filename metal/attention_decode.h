@@ -31,7 +31,10 @@
 // memory, and simdgroup 0 adds them to its own registers (lane g reads the max
 // and sum of simdgroup g + 1 once; the other lanes get its weight by shuffle).
 // attention_decode_merge combines the splits: the same rescale, then sinks,
-// normalize and the row log-sum-exp.
+// normalize and the row log-sum-exp (decode_write_row). With one split the
+// launch has no merge: the partial kernel ends with decode_write_row itself
+// (DecodeOutputs). Each simdgroup loads its next key's K/V while the current
+// key's math runs (DecodePrefetch, up to D = 256).
 // Same step names and finite sentinels as metal/attention_prefill.h.
 #pragma once
 
@@ -142,7 +145,7 @@ inline void decode_key(
 // more: q and o (2 x MLX_ATTN_DECODE_ROW_FLOATS = 64), the rows' max and sum
 // (2 R), the current and next key's slices (4 x D/32) and ~20 registers of
 // addresses and loop state stay within 128 registers per lane up to D = 256
-// (D = 64: 112, 128: 116, 256: 124); at D = 512 they would take 152, so it
+// (D = 64: 124, 96: 112, 128: 116, 256: 124); at D = 512 they would take 152, so it
 // loads the key it computes (120).
 template <int SLICE>
 struct DecodePrefetch {
@@ -399,30 +402,56 @@ template <typename T, int D, int MASK>
   decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 
+// Split s's weight at the common max m: its partial rescaled (base: its
+// partial row).
+inline float split_weight(const device float* partial_stats, long base, float m) {
+  return fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);
+}
+
 // Merges one row's split partials (split s at partial row first + s * stride)
 // into its output row `out_row` and, when lse_row is not null, its row
-// log-sum-exp: rescale to the common max, sinks join the sum, normalize
-// (rows that saw nothing give zeros). One simdgroup per row; query head h.
+// log-sum-exp: rescale to the common max, then decode_write_row (sinks,
+// normalize). One simdgroup per row; query head h. The splits' max and sum
+// are read across the lanes (lane j: splits j, j + 32, ...: one load round
+// for up to 32 splits) and reduced with simd_max / simd_sum; the output
+// slices split by split, the next split's loaded before this split's FMAs
+// (loads in flight, as decode_keys' prefetch).
 template <typename T, int D>
 inline void merge_splits(
     const device float* partial_out, const device float* partial_stats, long first, long stride, int splits,
     const device T* sinks, constant AttentionParams& p, int h, device T* out_row, device float* lse_row, uint lane) {
   constexpr int SLICE = D / 32;
-  float m = MLX_ATTN_MASKED_LOGIT;
-  for (int s = 0; s < splits; ++s) {
-    m = max(m, partial_stats[(first + s * stride) * 2]);
+  float lane_max = MLX_ATTN_MASKED_LOGIT;
+  for (int s = int(lane); s < splits; s += 32) {
+    lane_max = max(lane_max, partial_stats[(first + s * stride) * 2]);
   }
-  float l = 0.0f;
+  const float m = simd_max(lane_max);
+  float lane_sum = 0.0f;
+  for (int s = int(lane); s < splits; s += 32) {
+    const long base = first + s * stride;
+    lane_sum += partial_stats[base * 2 + 1] * split_weight(partial_stats, base, m);  // rescale to the common max
+  }
+  const float l = simd_sum(lane_sum);
   float o[SLICE];
+  float next[SLICE];
   for (int e = 0; e < SLICE; ++e) {
     o[e] = 0.0f;
+    next[e] = splits > 0 ? partial_out[first * D + DecodeLayout<D>::dim(lane, e)] : 0.0f;
   }
   for (int s = 0; s < splits; ++s) {
     const long base = first + s * stride;
-    const float weight = fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
-    l += partial_stats[base * 2 + 1] * weight;
+    float slice[SLICE];
     for (int e = 0; e < SLICE; ++e) {
-      o[e] += partial_out[base * D + DecodeLayout<D>::dim(lane, e)] * weight;
+      slice[e] = next[e];
+    }
+    if (s + 1 < splits) {
+      for (int e = 0; e < SLICE; ++e) {
+        next[e] = partial_out[(base + stride) * D + DecodeLayout<D>::dim(lane, e)];
+      }
+    }
+    const float weight = split_weight(partial_stats, base, m);
+    for (int e = 0; e < SLICE; ++e) {
+      o[e] += slice[e] * weight;
     }
   }
   decode_write_row<T, SLICE, DecodeLayout<D>>(m, l, o, sinks, p, h, out_row, lse_row, lane);
