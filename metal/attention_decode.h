@@ -16,7 +16,7 @@
 // The K/V layout is an axis, not a kernel: a loader policy KV reads a key's
 // and a value's lane slices (ContiguousKV here, QuantizedKV in
 // metal/attention_quantized.h); everything else (rows, the logit step, the
-// online softmax, the simdgroup combine, the partials) is decode_partial,
+// online softmax, the simdgroup combine, the partials) is decode_split,
 // written once. A loader policy provides
 //   SLICE, VEC             dims per lane (D / 32), dims per q load
 //   dim(lane, e)           the head dim of element e of lane's slice (q, the
@@ -200,7 +200,7 @@ inline void decode_keys(
   }
 }
 
-// The threadgroup memory of decode_partial: simdgroups 1..'s output, max and
+// The threadgroup memory of decode_split: simdgroups 1..'s output, max and
 // sum per row (element e of a lane's slice at e * 32 + lane, so that the 32
 // lanes hit 32 different banks). Each kernel declares one (Metal declares
 // threadgroup variables in kernel scope).
@@ -239,7 +239,7 @@ inline void decode_write_row(
   }
 }
 
-// Where decode_partial puts each row's combined state: the split's partial
+// Where decode_split puts each row's combined state: the split's partial
 // (partial_out / partial_stats, merged by a second dispatch), or, when the
 // launch has one split (`direct`), the normalized output row itself
 // (decode_write_row: sinks, out, lse), with no merge dispatch.
