@@ -20,9 +20,8 @@ MTL::Library* kernel_library(mx::metal::Device& device, const std::string& kerne
   if (prebuilt_installed) return device.get_library("mlx_attn", binary_dir());
 #endif
   const EmbeddedSource& source = source_for_kernel(kernel);
-  // One variant alone where its family has the rule (prefill ~0.1x, decode
-  // ~0.06x, quantized decode ~0.2x the whole file's compile by proxy,
-  // benchmarks/bench_metal_compile.py),
+  // One variant alone where its family has the rule (prefill: ~0.1x the
+  // whole file's compile by proxy, benchmarks/bench_metal_compile.py),
   // cached by MLX under the kernel's own name; else the whole family.
   std::string variant = variant_source(kernel);
   // Safe math, as the prebuilt metallib (-fno-fast-math); the kernels use
