@@ -53,8 +53,8 @@ PrimitiveLayout backward_layout(const AttentionProblem& s) {
 int backward_query_block(int head_dim) {
   switch (head_dim) {
     case 64: return 32;
-    case 80: case 96: case 128: return 16;
-    default: return 0;
+    case 80: case 96: return 16;
+    default: return 0;  // D = 128 included: backward_splits_key_gradients
   }
 }
 
@@ -90,7 +90,10 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   plan.dispatches.clear();
   const bool split_keys = backward_splits_key_gradients(s.head_dim, s.value_dim);
   const bool split_queries = backward_splits_query_gradients(s.head_dim, s.value_dim);
-  if (!split_queries && (s.head_dim != s.value_dim || backward_query_block(s.head_dim) == 0)) {
+  const bool equal_dims = s.head_dim == s.value_dim;
+  const bool keys_served = split_keys || (equal_dims && backward_query_block(s.head_dim) != 0);
+  const bool queries_served = split_queries || (equal_dims && backward_key_block(s.head_dim) != 0);
+  if (!keys_served || !queries_served) {
     plan.reason = "the Metal backward supports head dims (key/value) " + backward_head_dims_text() + ", got " +
         std::to_string(s.head_dim) + "/" + std::to_string(s.value_dim);
     return plan;
@@ -103,8 +106,8 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   // the D-split kernels' names carry both head dims
   const std::string split_dims = "_d" + std::to_string(s.head_dim) + "_dv" + std::to_string(s.value_dim);
   auto split_kernel = [&](const char* pass) {
-    return "attention_backward_split_" + std::string(pass) + "_" + elem_type_name(s.dtype) + split_dims +
-        mask_kernel_suffix(s.mask_kind);
+    return "attention_backward_split_" + std::string(pass) + "_" + elem_type_name(s.dtype) + split_dims + "_bk" +
+        std::to_string(kSplitStreamRows) + mask_kernel_suffix(s.mask_kind);
   };
 
   KernelDispatch delta;  // rows of out and dO: the value head dim

@@ -13,9 +13,10 @@
 
 namespace mlx_attn {
 
-// Query rows per staged block of the dK/dV kernel for a head dim (0:
-// unsupported): its float32 Q and dO tiles, 2 * BQ * (D + 4) * 4 bytes,
-// stay under 18 KB.
+// Query rows per staged block of the register-resident dK/dV kernel for a
+// head dim (0: not instantiated; from D = 128 on the D-split kernel serves
+// dK/dV): its float32 Q and dO tiles, 2 * BQ * (D + 4) * 4 bytes, stay
+// under 18 KB.
 int backward_query_block(int head_dim);
 // Keys per staged K/V block of the dQ kernel for a head dim (0: unsupported).
 int backward_key_block(int head_dim);

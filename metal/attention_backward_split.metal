@@ -4,17 +4,21 @@
 // register-resident family's (metal/attention_backward.metal).
 #include "metal/attention_backward_split.h"
 
-#define MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK(mname, mask, tname, type, d, dv, c, bq)                            \
-  template [[host_name("attention_backward_split_dkdv_" #tname "_d" #d "_dv" #dv mname)]] [[kernel]]         \
-  decltype(attention_backward_split_dkdv<type, d, dv, c, bq, mask>) attention_backward_split_dkdv<type, d, dv, c, bq, mask>;
-#define MLX_ATTN_BACKWARD_SPLIT_DQ_MASK(mname, mask, tname, type, d, dv, c, bk)                              \
-  template [[host_name("attention_backward_split_dq_" #tname "_d" #d "_dv" #dv mname)]] [[kernel]]           \
-  decltype(attention_backward_split_dq<type, d, dv, c, bk, mask>) attention_backward_split_dq<type, d, dv, c, bk, mask>;
+// One kernel each, named <pass>_<dtype>_d<D>_dv<DV>_bk<rows per streamed
+// block>[mask suffix] (the per-variant compile rule of
+// csrc/metal/metal_sources.cpp kVariantFamilies); C = 64 columns per chunk.
+#define MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK(mname, mask, tname, type, d, dv, bq)                                 \
+  template [[host_name("attention_backward_split_dkdv_" #tname "_d" #d "_dv" #dv "_bk" #bq mname)]] [[kernel]] \
+  decltype(attention_backward_split_dkdv<type, d, dv, 64, bq, mask>)                                           \
+      attention_backward_split_dkdv<type, d, dv, 64, bq, mask>;
+#define MLX_ATTN_BACKWARD_SPLIT_DQ_MASK(mname, mask, tname, type, d, dv, bk)                                 \
+  template [[host_name("attention_backward_split_dq_" #tname "_d" #d "_dv" #dv "_bk" #bk mname)]] [[kernel]] \
+  decltype(attention_backward_split_dq<type, d, dv, 64, bk, mask>) attention_backward_split_dq<type, d, dv, 64, bk, mask>;
 #define MLX_ATTN_BACKWARD_SPLIT_DKDV(tname, type, d, dv) \
-  MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK, tname, type, d, dv, 64, 32)
+  MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK, tname, type, d, dv, 32)
 #define MLX_ATTN_BACKWARD_SPLIT(tname, type, d, dv)    \
   MLX_ATTN_BACKWARD_SPLIT_DKDV(tname, type, d, dv)     \
-  MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_BACKWARD_SPLIT_DQ_MASK, tname, type, d, dv, 64, 32)
+  MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_BACKWARD_SPLIT_DQ_MASK, tname, type, d, dv, 32)
 
 // C = 64 columns per chunk, BQ = BK = 32 rows per streamed block: the plan's
 // kBackwardChunk and kSplitStreamRows (csrc/backward_launch_plan.cpp).

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clan
 
 def only_float32_d64(text: str) -> str:
     """Keep one instantiation so each mutant compiles quickly."""
-    text = re.sub(r"^MLX_ATTN_BACKWARD_((DELTA_)?TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
+    text = re.sub(r"^MLX_ATTN_BACKWARD_((DELTA_|DQ_)?TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
     return text + "\nMLX_ATTN_BACKWARD(float32, float, 64, 32, 32)\nMLX_ATTN_BACKWARD_SINKS(float32, float)\n"
 
 
@@ -149,7 +149,7 @@ def test_mutant_is_caught(workdir, name):
 def only_delta_float32_d128(text: str) -> str:
     """The register-resident family's delta (value dim 128) and sinks kernels,
     float32: the dispatches the split plan borrows."""
-    text = re.sub(r"^MLX_ATTN_BACKWARD_((DELTA_)?TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
+    text = re.sub(r"^MLX_ATTN_BACKWARD_((DELTA_|DQ_)?TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
     return text + "\nMLX_ATTN_BACKWARD_DELTA(float32, float, 128)\nMLX_ATTN_BACKWARD_SINKS(float32, float)\n"
 
 

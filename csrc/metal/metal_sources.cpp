@@ -62,6 +62,9 @@ struct VariantFamily {
 constexpr VariantFamily kVariantFamilies[] = {
     {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", true},
     {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", false},
+    // the D-split backward (its _bk: rows per streamed block)
+    {"attention_backward_split_dkdv_", "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK", true},
+    {"attention_backward_split_dq_", "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK", true},
 };
 
 std::string variant_source(std::string_view kernel) {
