@@ -8,6 +8,7 @@ including deliberately broken kernel variants that the check must disable.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ from mlx_attn import self_check
 from mlx_attn.doctor import run_doctor
 from mlx_attn.reference import reference_attention
 from mlx_attn.self_check import BackwardVariant, Variant
-from test_metal_backward import BACKWARD, SPLIT
+from test_metal_backward import BACKWARD, SPLIT, split_only
 
 needs_emulator = pytest.mark.skipif(
     REAL_METAL or not msl_emulator.clang_available(), reason="runs the Metal kernels in the MSL emulator"
@@ -482,6 +483,24 @@ def test_self_check_disables_a_broken_emulated_backward(tmp_path, mutant):
     assert "max relative error" in self_check.results()[variant].error
     dx, dy = dk_dv_swapped(EmulatedBackward()), EmulatedBackward()
     assert not self_check.check_backward_variant(variant, dx).passed and self_check.check_backward_variant(variant, dy).passed
+
+
+@needs_emulator
+@pytest.mark.skipif(os.environ.get("MLX_ATTN_FULL_GRID") != "1",
+                    reason="one more emulator compile: runs under MLX_ATTN_FULL_GRID=1")
+def test_self_check_disables_a_broken_emulated_split_backward(tmp_path):
+    """A fault of the D-split family (tests/test_metal_backward_mutations.py:
+    its own chunk staged first, so the gradient products read another
+    chunk's columns): the canonical cases catch it at 192/128."""
+    old, new = "return (own + 1 + i) % chunks;", "return (own + i) % chunks;"
+    source = kernel_text(SPLIT)
+    assert source.count(old) == 1
+    mutated = tmp_path / SPLIT.name
+    mutated.write_text(split_only(source.replace(old, new), "MLX_ATTN_BACKWARD_SPLIT(float32, float, 192, 128)"))
+    variant = BackwardVariant("float32", 192, 128)
+    with pytest.warns(RuntimeWarning, match="backward/float32/D=192/Dv=128"):
+        assert not self_check.trusted(variant, EmulatedBackward(sources=[BACKWARD, mutated]))
+    assert "max relative error" in self_check.results()[variant].error
 
 
 def metal_call(dtype=mx.float16, head_dim=64, **kwargs):
