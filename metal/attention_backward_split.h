@@ -16,9 +16,10 @@
 //         (the threadgroup's own rows: cached) into 2 + 2 floats and dropped.
 //   dq    chunk g of dQ of its 32 rows: 16 floats of accumulators; S = Q . K^T
 //         and dP = dO . V^T of a key block (BK = 32: 16 floats) summed the
-//         same way over Q and dO fragments.
-// So about 52 (dkdv) and 36 (dq) floats of tiles per lane at every head dim,
-// against 128 / 96 (D = 128) and 256 / 192 (D = 256) register-resident. The
+//         same way over Q and dO fragments (2 floats).
+// So 52 (dkdv) and 34 (dq) floats of tiles per lane at every head dim (the
+// emulator's per-thread arrays: 208 and 136 bytes), against 128 / 96
+// (D = 128) and 256 / 192 (D = 256) register-resident. The
 // price: each of the max(D, DV) / C threadgroups of a block recomputes S and
 // dP over the whole head dims (dkdv at D = 128: 6 tile products per 8 x 8
 // output column instead of 4).
