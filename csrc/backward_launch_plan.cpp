@@ -1,5 +1,6 @@
 #include "csrc/backward_launch_plan.h"
 
+#include <algorithm>
 #include <string>
 
 namespace mlx_attn {
@@ -8,9 +9,28 @@ namespace {
 constexpr int kThreads = 128;          // 4 simdgroups
 constexpr int kRowsPerThreadgroup = 32;  // dkdv: keys, dq: query rows (8 per simdgroup)
 constexpr int kDeltaRowsPerThreadgroup = 4;  // one simdgroup per row
-// dK/dV keeps K, V, dK and dV fragments in registers: 4 * D / 4 floats per
-// lane, 128 at D = 128; D = 256 would spill.
-constexpr int kMaxHeadDim = 128;
+// The D-split kernels (metal/attention_backward_split.metal): columns per
+// chunk of a gradient (one threadgroup each), rows per streamed block (query
+// rows of dkdv, keys of dq); both follow the instantiations there.
+constexpr int kBackwardChunk = 64;
+constexpr int kSplitStreamRows = 32;
+
+bool forward_split_pair(int head_dim, int value_dim) {
+  for (const auto& dims : kSplitPrefillHeadDims) {
+    if (dims[0] == head_dim && dims[1] == value_dim) return true;
+  }
+  return false;
+}
+
+// "64, 80, 96 (key = value head dim), 128, 192/128, ...": the head dims the
+// backward kernels are instantiated for, for reasons.
+std::string backward_head_dims_text() {
+  std::string text = "64, 80, 96, 128 (key = value head dim)";
+  for (const auto& dims : kSplitPrefillHeadDims) {
+    text += ", " + std::to_string(dims[0]) + "/" + std::to_string(dims[1]);
+  }
+  return text;
+}
 
 std::string kernel_name(const char* kind, const AttentionProblem& s, bool with_head_dim = true) {
   std::string name = std::string(kind) + "_" + elem_type_name(s.dtype);
@@ -33,8 +53,8 @@ PrimitiveLayout backward_layout(const AttentionProblem& s) {
 int backward_query_block(int head_dim) {
   switch (head_dim) {
     case 64: return 32;
-    case 80: case 96: case 128: return 16;
-    default: return 0;
+    case 80: case 96: return 16;
+    default: return 0;  // D = 128 included: backward_splits_key_gradients
   }
 }
 
@@ -44,6 +64,14 @@ int backward_key_block(int head_dim) {
     case 80: case 96: case 128: return 16;
     default: return 0;
   }
+}
+
+bool backward_splits_key_gradients(int head_dim, int value_dim) {
+  return forward_split_pair(head_dim, value_dim) || (head_dim == 128 && value_dim == 128);
+}
+
+bool backward_splits_query_gradients(int head_dim, int value_dim) {
+  return forward_split_pair(head_dim, value_dim);
 }
 
 LaunchPlan plan_attention_backward(const AttentionProblem& s) {
@@ -60,10 +88,14 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   plan.splits = 1;
   plan.scratch.clear();
   plan.dispatches.clear();
-  const int query_block = backward_query_block(s.head_dim);
-  if (query_block == 0) {
-    plan.reason = "the Metal backward supports head dims 64, 80, 96 and 128 (register budget), got " +
-        std::to_string(s.head_dim);
+  const bool split_keys = backward_splits_key_gradients(s.head_dim, s.value_dim);
+  const bool split_queries = backward_splits_query_gradients(s.head_dim, s.value_dim);
+  const bool equal_dims = s.head_dim == s.value_dim;
+  const bool keys_served = split_keys || (equal_dims && backward_query_block(s.head_dim) != 0);
+  const bool queries_served = split_queries || (equal_dims && backward_key_block(s.head_dim) != 0);
+  if (!keys_served || !queries_served) {
+    plan.reason = "the Metal backward supports head dims (key/value) " + backward_head_dims_text() + ", got " +
+        std::to_string(s.head_dim) + "/" + std::to_string(s.value_dim);
     return plan;
   }
   using R = BufferRole;
@@ -71,30 +103,55 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   const int last = s.has_sinks ? 3 : 2;
   plan.scratch = {{R::delta, rows, 0, last}};
 
-  KernelDispatch delta;
-  delta.kernel = kernel_name("attention_backward_delta", s);
+  // the D-split kernels' names carry both head dims
+  const std::string split_dims = "_d" + std::to_string(s.head_dim) + "_dv" + std::to_string(s.value_dim);
+  auto split_kernel = [&](const char* pass) {
+    return "attention_backward_split_" + std::string(pass) + "_" + elem_type_name(s.dtype) + split_dims + "_bk" +
+        std::to_string(kSplitStreamRows) + mask_kernel_suffix(s.mask_kind);
+  };
+
+  KernelDispatch delta;  // rows of out and dO: the value head dim
+  delta.kernel = kernel_name("attention_backward_delta", s, false) + "_d" + std::to_string(s.value_dim);
   delta.grid = {int((rows + kDeltaRowsPerThreadgroup - 1) / kDeltaRowsPerThreadgroup), 1, 1};
   delta.threadgroup = {32 * kDeltaRowsPerThreadgroup, 1, 1};
   delta.bindings = bind_roles(layout, {R::out, R::d_out, R::d_lse, R::delta, R::params}, plan.scratch, 0);
 
+  const int key_blocks = (s.kv_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup;
+  const int query_blocks = (s.q_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup;
   KernelDispatch dkdv;
-  dkdv.kernel = kernel_name("attention_backward_dkdv", s) + mask_kernel_suffix(s.mask_kind);
-  dkdv.grid = {(s.kv_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.kv_heads, s.batch};
   dkdv.threadgroup = {kThreads, 1, 1};
   dkdv.bindings = bind_roles(
       layout, {R::k, R::v, R::q, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
-  // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
-  dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
+  if (split_keys) {  // one threadgroup per (key block, chunk of dK and dV columns)
+    const int chunks = std::max(s.head_dim, s.value_dim) / kBackwardChunk;
+    dkdv.kernel = split_kernel("dkdv");
+    dkdv.grid = {key_blocks * chunks, s.kv_heads, s.batch};
+    // float32 chunks of Q and dO (rows padded by 16 bytes), lse and delta per row
+    dkdv.threadgroup_memory_bytes = (2 * kSplitStreamRows * (kBackwardChunk + 4) + 2 * kSplitStreamRows) * 4;
+  } else {
+    const int query_block = backward_query_block(s.head_dim);
+    dkdv.kernel = kernel_name("attention_backward_dkdv", s) + mask_kernel_suffix(s.mask_kind);
+    dkdv.grid = {key_blocks, s.kv_heads, s.batch};
+    // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
+    dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
+  }
 
   KernelDispatch dq;
-  dq.kernel = kernel_name("attention_backward_dq", s) + mask_kernel_suffix(s.mask_kind);
-  dq.grid = {(s.q_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup, s.q_heads, s.batch};
   dq.threadgroup = {kThreads, 1, 1};
   dq.bindings = bind_roles(
       layout, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, plan.scratch, 2);
-  // K and V tiles in the input dtype, as the forward prefill's
-  const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
-  dq.threadgroup_memory_bytes = 2 * backward_key_block(s.head_dim) * (s.head_dim * element_bytes + 16);
+  if (split_queries) {  // one threadgroup per (row block, chunk of dQ columns)
+    dq.kernel = split_kernel("dq");
+    dq.grid = {query_blocks * (s.head_dim / kBackwardChunk), s.q_heads, s.batch};
+    // float32 chunks of K and V (rows padded by 16 bytes)
+    dq.threadgroup_memory_bytes = 2 * kSplitStreamRows * (kBackwardChunk + 4) * 4;
+  } else {
+    dq.kernel = kernel_name("attention_backward_dq", s) + mask_kernel_suffix(s.mask_kind);
+    dq.grid = {query_blocks, s.q_heads, s.batch};
+    // K and V tiles in the input dtype, as the forward prefill's
+    const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
+    dq.threadgroup_memory_bytes = 2 * backward_key_block(s.head_dim) * (s.head_dim * element_bytes + 16);
+  }
 
   plan.dispatches = {delta, dkdv, dq};
   if (s.has_sinks) {

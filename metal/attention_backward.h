@@ -77,6 +77,27 @@ inline void tile_gradients(
   }
 }
 
+// Whether the dK/dV tile of the 8 keys from first_key against the 8 queries
+// from first_query needs the per-element visibility tests (queries at or
+// past q_end are outside the keys' query range).
+inline bool key_tile_needs_tests(constant AttentionParams& p, int first_key, int first_query, int q_end) {
+  return block_needs_tests(p, first_key, 8, p.kv_len, query_position(p, first_query),
+                           query_position(p, first_query + 7), first_query + 8 > q_end);
+}
+
+// Stages lse and delta of the query rows qs .. qs + BQ of one head (rows
+// head_rows ..) for the dK/dV kernels; rows at or past q_end are zeros.
+template <int BQ, int THREADS>
+inline void stage_row_statistics(
+    const device float* lse, const device float* delta, long head_rows, int qs, int q_end, uint tid,
+    threadgroup float* lse_tile, threadgroup float* delta_tile) {
+  for (int i = int(tid); i < BQ; i += THREADS) {
+    const bool inside = qs + i < q_end;
+    lse_tile[i] = inside ? lse[head_rows + qs + i] : 0.0f;
+    delta_tile[i] = inside ? delta[head_rows + qs + i] : 0.0f;
+  }
+}
+
 // delta[row] = rowsum(dO * O) - dlse[row]; out, d_out, d_lse row-contiguous
 // (the host makes them so). One simdgroup per row.
 template <typename T, int D>
@@ -173,11 +194,7 @@ template <typename T, int D, int BQ, int MASK>
         q_tile[i * LD + col] = inside ? float(q[q_head + qi * p.q_strides[2] + col * p.q_strides[3]]) : 0.0f;
         d_out_tile[i * LD + col] = inside ? float(d_out[(head_rows + qi) * D + col]) : 0.0f;
       }
-      for (int i = int(tid); i < BQ; i += THREADS) {
-        const bool inside = qs + i < q_end;
-        lse_tile[i] = inside ? lse[head_rows + qs + i] : 0.0f;
-        delta_tile[i] = inside ? delta[head_rows + qs + i] : 0.0f;
-      }
+      stage_row_statistics<BQ, THREADS>(lse, delta, head_rows, qs, q_end, tid, lse_tile, delta_tile);
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
       for (int j = 0; j < BQ / 8; ++j) {
@@ -197,8 +214,7 @@ template <typename T, int D, int BQ, int MASK>
         // this simdgroup's 8 keys against queries qs + j*8 ..: interior
         // tiles skip the per-element visibility tests
         const int first_query = qs + j * 8;
-        const bool edge = block_needs_tests(p, k0 + int(sg) * 8, 8, p.kv_len, query_position(p, first_query),
-                                            query_position(p, first_query + 7), first_query + 8 > q_end);
+        const bool edge = key_tile_needs_tests(p, k0 + int(sg) * 8, first_query, q_end);
         const int i = j * 8 + c;
         tile_gradients<T, MASK>(p, mask, s_t, dp_t, float2(lse_tile[i], lse_tile[i + 1]),
                                 float2(delta_tile[i], delta_tile[i + 1]), b, h, int2(qs + i, qs + i + 1),

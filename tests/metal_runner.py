@@ -16,8 +16,11 @@ from mlx_attn.metal_support import launch_plan
 from mlx_attn.quantized import quantized_launch_plan
 
 REPO = Path(__file__).resolve().parent.parent
-# the dense plans' kernels (the paged families run from tests/paged_metal_runner.py)
-METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal") if not p.name.startswith("attention_paged"))
+# the dense forward plans' kernels (the paged families run from
+# tests/paged_metal_runner.py, the backward families from their own builds:
+# tests/test_metal_backward*.py)
+METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal")
+                       if not p.name.startswith(("attention_paged", "attention_backward")))
 REAL_METAL = mx.metal.is_available() and _ext.has_metal()
 
 

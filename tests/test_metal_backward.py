@@ -6,6 +6,7 @@ MLX_ATTN_FULL_GRID=1 runs every dtype x head dim x mask x GQA combination."""
 
 import itertools
 import os
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -17,17 +18,30 @@ from mlx_attn.reference import reference_attention
 
 FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 BACKWARD = REPO / "metal" / "attention_backward.metal"
+# the D-split family (the dK/dV pass at D = 128, every pass past it):
+# tests/test_metal_backward_split.py
+SPLIT = REPO / "metal" / "attention_backward_split.metal"
 # Max abs gradient error relative to the largest reference gradient (as
 # tests/test_backward.py): float32 accumulation order; float16/bfloat16
 # inputs, output and cotangent rounded once each.
 GRAD_TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 6e-2}
 
 
+def split_only(text: str, instantiations: str) -> str:
+    """The D-split family's source `text` with only `instantiations` (lines
+    of its macros): a smaller emulator build."""
+    return re.sub(r"^MLX_ATTN_BACKWARD_SPLIT(_DKDV)?_TYPES\(.*\)$", "", text, flags=re.M) + "\n" + instantiations + "\n"
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["precise", "fast-math"])
-def metal(request):
+def metal(request, tmp_path_factory):
     if not msl_emulator.clang_available():
         pytest.skip("the MSL emulator needs clang-19")
-    return EmulatedMetal(fast_math=request.param, sources=[BACKWARD])
+    split = SPLIT  # fast math: the whole family (the build tests/test_metal_backward_split.py shares)
+    if not request.param:  # precise: the D = 128 dK/dV pass these tests reach
+        split = tmp_path_factory.mktemp("precise_split") / SPLIT.name
+        split.write_text(split_only(SPLIT.read_text(), "MLX_ATTN_BACKWARD_SPLIT_DKDV_TYPES(128, 128)"))
+    return EmulatedMetal(fast_math=request.param, sources=[BACKWARD, split])
 
 
 def random(shape, seed, scale=1.0):
@@ -229,7 +243,7 @@ def test_plan_threadgroup_memory_fits(d, dtype):
 
 
 def test_plan_refuses_with_a_reason():
-    assert "head dims 64, 80, 96 and 128" in plan_for(d=256)["reason"]
+    assert plan_for(d=256)["supported"]  # the D-split family's (tests/test_metal_backward_split.py)
     assert not plan_for(d=32)["supported"] and "32" in plan_for(d=32)["reason"]
     assert "empty" in plan_for(tq=0)["reason"]
     q, k = qkv(1, 2, 2, 8, 8, 64, mx.float32)[:2]

@@ -16,14 +16,14 @@ import pytest
 import msl_emulator
 from metal_runner import EmulatedMetal, View
 from mutations import kernel_text, assert_caught, mutated, write
-from test_metal_backward import BACKWARD, check, make_mask, qkv, random
+from test_metal_backward import BACKWARD, SPLIT, check, make_mask, qkv, random, split_only
 
 pytestmark = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 runs the MSL emulator")
 
 
 def only_float32_d64(text: str) -> str:
     """Keep one instantiation so each mutant compiles quickly."""
-    text = re.sub(r"^MLX_ATTN_BACKWARD_(TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
+    text = re.sub(r"^MLX_ATTN_BACKWARD_((DELTA_|DQ_)?TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
     return text + "\nMLX_ATTN_BACKWARD(float32, float, 64, 32, 32)\nMLX_ATTN_BACKWARD_SINKS(float32, float)\n"
 
 
@@ -140,3 +140,90 @@ def test_unmutated_kernels_pass_the_battery(workdir):
 def test_mutant_is_caught(workdir, name):
     mutant = write(workdir, only_float32_d64(mutated(kernel_text(BACKWARD), *MUTANTS[name])), name)
     assert_caught(name, [mutant], caught)
+
+
+# ------------------------------------------------ the D-split family
+# (metal/attention_backward_split.h). Each mutant is one emulator compile, so
+# two run by default and every one under MLX_ATTN_FULL_GRID=1.
+
+def only_delta_float32_d128(text: str) -> str:
+    """The register-resident family's delta (value dim 128) and sinks kernels,
+    float32: the dispatches the split plan borrows."""
+    text = re.sub(r"^MLX_ATTN_BACKWARD_((DELTA_|DQ_)?TYPES\(.*\)|SINKS\(.*\)|SINKS_BFLOAT16)$", "", text, flags=re.M)
+    return text + "\nMLX_ATTN_BACKWARD_DELTA(float32, float, 128)\nMLX_ATTN_BACKWARD_SINKS(float32, float)\n"
+
+
+def only_float32_192(text: str) -> str:
+    """192/128 float32: three dK and dQ chunks, two dV chunks (a chunk with no
+    dV columns), every mask kind."""
+    return split_only(text, "MLX_ATTN_BACKWARD_SPLIT(float32, float, 192, 128)")
+
+
+SPLIT_MUTANTS = {
+    # the chunk loop: every chunk once, the own one last (its columns stay staged)
+    "split: own chunk staged first, not last": ("replace", "return (own + 1 + i) % chunks;", "return (own + i) % chunks;"),
+    "split dkdv: the last chunk of S^T left out": (
+        "replace", "if (i < KC) {\n          accumulate_chunk_scores<T, C, BQ, LD>(s_t,",
+        "if (i < KC - 1) {\n          accumulate_chunk_scores<T, C, BQ, LD>(s_t,"),
+    "split dq: dO rows read at the key head dim": (
+        "replace", "accumulate_chunk_scores<T, C, BK, LD>(dp, d_out, row * DV,",
+        "accumulate_chunk_scores<T, C, BK, LD>(dp, d_out, row * D,"),
+    "split dkdv: dV written by the chunks past DV": ("replace", "if (own < VC) dv[row * DV + col]", "dv[row * DV + col]"),
+    "split dkdv: dK not scaled": (
+        "replace", "dk[row * D + col] = T(dk_acc[d].thread_elements()[t] * p.scale);",
+        "dk[row * D + col] = T(dk_acc[d].thread_elements()[t]);"),
+    "split dq: rows of the chunk index's block": (
+        "replace", "query_rows<BQ>(p, uint3(group_id.x / KC,", "query_rows<BQ>(p, uint3(group_id.x % KC,"),
+    "split: streamed rows assumed contiguous": (
+        "replace", "src[base + row * row_stride + (d0 + col) * col_stride]", "src[base + row * C + (d0 + col) * col_stride]"),
+    "split: barrier before the next chunk removed": (
+        "remove", "threadgroup_barrier(mem_flags::mem_threadgroup);  // the next chunk", 0),
+    "split dkdv: lse and delta staged for rows past the range": (
+        "replace", "for (int i = int(tid); i < BQ; i += THREADS) {\n    const bool inside = qs + i < q_end;",
+        "for (int i = int(tid); i < BQ; i += THREADS) {\n    const bool inside = true;"),
+}
+DEFAULT_SPLIT_MUTANTS = ["split: own chunk staged first, not last", "split dq: dO rows read at the key head dim"]
+
+
+def split_battery(metal) -> None:
+    """Gradient checks (float32, 192/128) reaching every chunk of both passes:
+    GQA with a lse cotangent, [B, T, H, D] strides with a window, a bool mask
+    with sinks (a row that sees nothing), a softcap."""
+    def dims(b, hq, hkv, tq, tkv, seed):
+        q, k, _ = qkv(b, hq, hkv, tq, tkv, 192, mx.float32, seed)
+        return q, k, random((b, hkv, tkv, 128), seed + 7)
+
+    check(metal, *dims(1, 4, 2, 36, 40, 1), mask="causal", d_lse=random((1, 4, 36), 2))
+    check(metal, *dims(2, 2, 1, 34, 40, 3), window_size=7, layout="seq_major")
+    check(metal, *dims(1, 2, 2, 33, 40, 4), mask=make_mask("bool", 33, 40, seed=4, empty_rows=(0,)),
+          sinks=mx.array([0.5, 2.0]))
+    q, k, v = dims(1, 2, 1, 20, 36, 5)
+    check(metal, q * 3, k, v, mask=make_mask("additive", 20, 36, seed=5), softcap=1.3)
+
+
+def split_caught(metal) -> bool:
+    try:
+        split_battery(metal)
+    except (AssertionError, msl_emulator.EmulatorError):
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def split_workdir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("backward_split_mutants")
+    (directory / "delta").mkdir()
+    write(directory / "delta", only_delta_float32_d128(kernel_text(BACKWARD)), "attention_backward")
+    return directory
+
+
+def test_unmutated_split_kernels_pass_the_battery(split_workdir):
+    split = write(split_workdir, only_float32_192(kernel_text(SPLIT)), "original")
+    split_battery(EmulatedMetal(fast_math=True, sources=[split_workdir / "delta" / "attention_backward.metal", split]))
+
+
+@pytest.mark.parametrize("name", list(SPLIT_MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1"
+                         else DEFAULT_SPLIT_MUTANTS)
+def test_split_mutant_is_caught(split_workdir, name):
+    mutant = write(split_workdir, only_float32_192(mutated(kernel_text(SPLIT), *SPLIT_MUTANTS[name])), name)
+    assert_caught(name, [split_workdir / "delta" / "attention_backward.metal", mutant], split_caught)

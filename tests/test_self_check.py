@@ -8,6 +8,7 @@ including deliberately broken kernel variants that the check must disable.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ from mlx_attn import self_check
 from mlx_attn.doctor import run_doctor
 from mlx_attn.reference import reference_attention
 from mlx_attn.self_check import BackwardVariant, Variant
-from test_metal_backward import BACKWARD
+from test_metal_backward import BACKWARD, SPLIT, split_only
 
 needs_emulator = pytest.mark.skipif(
     REAL_METAL or not msl_emulator.clang_available(), reason="runs the Metal kernels in the MSL emulator"
@@ -338,7 +339,7 @@ class EmulatedBackward:
     from the out and lse the fused forward returns (the reference path's)."""
 
     def __init__(self, sources=None):
-        self.metal = EmulatedMetal(fast_math=True, sources=sources or [BACKWARD])
+        self.metal = EmulatedMetal(fast_math=True, sources=sources or [BACKWARD, SPLIT])
 
     def __call__(self, q, k, v, d_out, *, scale, mask=None, sinks=None, window_size=None, softcap=None):
         kwargs = dict(scale=scale, mask=mask, sinks=sinks, window_size=window_size, softcap=softcap)
@@ -450,9 +451,12 @@ def test_backward_check_can_be_turned_off(monkeypatch):
 
 
 @needs_emulator
-@pytest.mark.parametrize("dtype, head_dim", [("float32", 64), ("float16", 128), ("bfloat16", 80)])
-def test_emulated_metal_backward_passes_its_self_check(dtype, head_dim):
-    variant = BackwardVariant(dtype, head_dim)
+@pytest.mark.parametrize("dtype, head_dim, value_dim", [
+    ("float32", 64, 64), ("float16", 128, 128), ("bfloat16", 80, 80),
+    ("float32", 192, 128),  # the D-split family (metal/attention_backward_split.h)
+])
+def test_emulated_metal_backward_passes_its_self_check(dtype, head_dim, value_dim):
+    variant = BackwardVariant(dtype, head_dim, value_dim)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert self_check.trusted(variant, EmulatedBackward())
@@ -479,6 +483,24 @@ def test_self_check_disables_a_broken_emulated_backward(tmp_path, mutant):
     assert "max relative error" in self_check.results()[variant].error
     dx, dy = dk_dv_swapped(EmulatedBackward()), EmulatedBackward()
     assert not self_check.check_backward_variant(variant, dx).passed and self_check.check_backward_variant(variant, dy).passed
+
+
+@needs_emulator
+@pytest.mark.skipif(os.environ.get("MLX_ATTN_FULL_GRID") != "1",
+                    reason="one more emulator compile: runs under MLX_ATTN_FULL_GRID=1")
+def test_self_check_disables_a_broken_emulated_split_backward(tmp_path):
+    """A fault of the D-split family (tests/test_metal_backward_mutations.py:
+    its own chunk staged first, so the gradient products read another
+    chunk's columns): the canonical cases catch it at 192/128."""
+    old, new = "return (own + 1 + i) % chunks;", "return (own + i) % chunks;"
+    source = kernel_text(SPLIT)
+    assert source.count(old) == 1
+    mutated = tmp_path / SPLIT.name
+    mutated.write_text(split_only(source.replace(old, new), "MLX_ATTN_BACKWARD_SPLIT(float32, float, 192, 128)"))
+    variant = BackwardVariant("float32", 192, 128)
+    with pytest.warns(RuntimeWarning, match="backward/float32/D=192/Dv=128"):
+        assert not self_check.trusted(variant, EmulatedBackward(sources=[BACKWARD, mutated]))
+    assert "max relative error" in self_check.results()[variant].error
 
 
 def metal_call(dtype=mx.float16, head_dim=64, **kwargs):
@@ -516,9 +538,16 @@ def test_fused_metal_call_resolves_the_backward_variants_trust(monkeypatch, kern
     assert [str(w.message).count("backward/float32/D=128") for w in caught] == ([] if kernel_correct else [1])
     backward = {v for v in self_check.results() if isinstance(v, BackwardVariant)}
     assert backward == {BackwardVariant("float16", 64), BackwardVariant("float32", 128)}
+    # the D-split family's variants (D = 256 here) are checked the same way
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert metal_call(mx.float16, 256).metal_backward_trusted == kernel_correct
+    assert BackwardVariant("float16", 256) in self_check.results()
     # a problem the backward plan does not take is not checked (its gradients use the reference path)
-    assert metal_call(mx.float16, 256).metal_backward_trusted
-    assert BackwardVariant("float16", 256) not in self_check.results()
+    monkeypatch.setattr(_native.ext, "metal_backward_launch_plan",
+                        lambda problem: {"supported": False, "reason": "not taken"}, raising=False)
+    assert metal_call(mx.float32, 256).metal_backward_trusted
+    assert BackwardVariant("float32", 256) not in self_check.results()
 
 
 def test_the_backward_runner_and_the_cpu_need_no_trust(monkeypatch):
