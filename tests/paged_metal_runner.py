@@ -13,20 +13,24 @@ import numpy as np
 from metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 from mlx_attn import _native
 
-FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal"]
+# the decode kernels (and their merge), the prefill kernel, the quantized decode
+FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "attention_paged_prefill.metal"]
 QUANTIZED_SOURCES = FLOAT_SOURCES + [REPO / "metal" / "attention_paged_quantized.metal"]
 
 
-def trimmed_sources(directory, float_instances, quantized_instances=()) -> list:
+def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_instances=()) -> list:
     """The paged .metal sources with only these instantiations (quick builds):
     float_instances "tname, type, d" (MLX_ATTN_PAGED), quantized_instances
-    "tname, type, d, bits" (MLX_ATTN_PAGED_QUANTIZED)."""
+    "tname, type, d, bits" (MLX_ATTN_PAGED_QUANTIZED), prefill_instances
+    "tname, type, d, bk" (MLX_ATTN_PAGED_PREFILL)."""
     paths = []
     for source, macro, instances in ((FLOAT_SOURCES[0], "MLX_ATTN_PAGED", float_instances),
-                                     (QUANTIZED_SOURCES[1], "MLX_ATTN_PAGED_QUANTIZED", quantized_instances)):
+                                     (FLOAT_SOURCES[1], "MLX_ATTN_PAGED_PREFILL", prefill_instances),
+                                     (QUANTIZED_SOURCES[2], "MLX_ATTN_PAGED_QUANTIZED", quantized_instances)):
         if not instances:
             continue
-        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED)?_(TYPES|BITS)\(.*\)$", "", source.read_text(), flags=re.M)
+        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED|_PREFILL)?_(TYPES|BITS|2BYTE_TYPES)\(.*\)$", "",
+                      source.read_text(), flags=re.M)
         path = directory / source.name
         path.write_text(text + "\n" + "\n".join(f"{macro}({i})" for i in instances) + "\n")
         paths.append(path)

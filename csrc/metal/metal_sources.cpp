@@ -57,11 +57,13 @@ bool instantiation_line(std::string_view line) {
 // is the kernel name again). Longer prefixes first.
 struct VariantFamily {
   std::string_view prefix, macro;
-  bool value_dim;  // the name carries _dv<DV>
+  bool value_dim;   // the name carries _dv<DV>
+  bool mask_kinds;  // instantiated per mask kind: the macro takes (suffix, kind, ...) first
 };
 constexpr VariantFamily kVariantFamilies[] = {
-    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", true},
-    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", false},
+    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", true, true},
+    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", false, true},
+    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", false, false},
 };
 
 std::string variant_source(std::string_view kernel) {
@@ -79,6 +81,7 @@ std::string variant_source(std::string_view kernel) {
   for (auto [suffix, kind] : {std::pair<std::string_view, std::string_view>{"_mask_bool", "MLX_ATTN_MASK_BOOL"},
                               {"_mask_additive", "MLX_ATTN_MASK_ADDITIVE"}}) {
     if (rest.ends_with(suffix)) {
+      if (!family->mask_kinds) return {};
       mask_suffix = suffix;
       mask = kind;
       rest.remove_suffix(suffix.size());
@@ -111,7 +114,8 @@ std::string variant_source(std::string_view kernel) {
   }
   if (!out.empty() && out.back() != '\n') out += '\n';
   // The family's own per-kernel macro: the host name it builds is `kernel` again.
-  out += std::string(family->macro) + "(\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", " +
+  out += std::string(family->macro) + "(" +
+      (family->mask_kinds ? "\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", " : std::string()) +
       std::string(dtype) + ", " + std::string(msl_type(dtype)) + ", " + std::string(d) + ", " +
       (family->value_dim ? std::string(dv) + ", " : std::string()) + std::string(bk) + ")\n";
   return out;
