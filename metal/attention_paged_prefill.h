@@ -51,9 +51,9 @@ inline void locate_paged_keys(constant AttentionParams& p, const device int* tab
   }
   PageWindow window;
   window.select(table_row, kb, end, page_size, lane);
-  const int key = min(kb + int(lane), end - 1);
+  const int key = min(kb + int(lane), end - 1);  // lanes past the block: a shuffle in range, nothing written
   const int page = window.page_of(key);
-  if (int(lane) < BK) {
+  if (kb + int(lane) < end) {
     const int slot = key % page_size;
     rows.k[lane] = page * p.k_strides[0] + kv_head * p.k_strides[1] + slot * p.k_strides[2];
     rows.v[lane] = page * p.v_strides[0] + kv_head * p.v_strides[1] + slot * p.v_strides[2];
