@@ -129,8 +129,9 @@ def live_kv_bytes(k_pages, kv_lens, *, v_pages=None) -> int:
 
 
 def paged_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
-    """Device bytes of the paged kernels (partial and merge) per live K/V byte,
-    from a counting build."""
+    """Device bytes of the paged kernels (decode partial and merge, and the
+    prefill kernel for chunks it takes) per live K/V byte, from a counting
+    build."""
     *_, results = run_paged(library, q, [k_pages], [v_pages], block_table, q_lens, kv_lens, scale=0.1, causal=True)
     return device_bytes(results) / live_kv_bytes(k_pages, kv_lens)
 
@@ -159,9 +160,10 @@ def _dense_launch(library, q, k, v):
 
 
 def dense_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
-    """Device bytes per live K/V byte of our dense decode kernels run on each
+    """Device bytes per live K/V byte of our dense kernels run on each
     sequence's contiguous K/V (the same live keys, no padding): one launch
-    per sequence."""
+    per sequence, decode rows on the dense decode kernel and long chunks on
+    the dense prefill kernel, as the dense plan picks."""
     table = np.asarray(block_table)
     total, start = 0, 0
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
