@@ -407,3 +407,24 @@ def test_the_python_dispatch_names_why_the_kernels_cannot_run_here():
     assert plan["supported"] and layout.q_lens == q_lens and layout.kv_lens == kv_lens
     with pytest.raises(ValueError, match="pages of rank 4"):
         paged_plan([q, k, v.astype(mx.float16), table], q_lens, kv_lens, scale=0.1)
+
+
+def test_prefill_kernels_compile_one_at_a_time(tmp_path):
+    """The Mac compiles a paged prefill kernel alone at first use
+    (csrc/metal/metal_sources.cpp variant_source): the family's text without
+    its instantiation lines, plus the one MLX_ATTN_PAGED_PREFILL line (no mask
+    kinds: a mask suffix names no kernel of this family). The full grid also
+    compiles that text alone in the emulator."""
+    import re
+
+    kernel = "attention_paged_prefill_bfloat16_d96_bk32"
+    text = _native.ext.metal_variant_source(kernel)
+    family = _native.ext.metal_kernel_source(kernel)
+    instantiation = re.compile(r"^MLX_ATTN_[A-Z0-9_]+\([^()]*\)[ \t]*\n?", re.M)
+    assert text == instantiation.sub("", family) + "MLX_ATTN_PAGED_PREFILL(bfloat16, bfloat, 96, 32)\n"
+    assert _native.ext.metal_variant_source(kernel + "_mask_bool") == ""
+    assert _native.ext.metal_variant_source("attention_paged_prefill_float16_d96") == ""
+    if FULL_GRID:
+        path = tmp_path / f"{kernel}.metal"
+        path.write_text(text)
+        assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
