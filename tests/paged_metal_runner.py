@@ -45,10 +45,26 @@ def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size
         softcap=softcap or 0.0, **(gpu_target or {}))
 
 
+# byte offset of AttentionParams::vector_loads (metal/attention_params.h: 17
+# int64 fields, then int32 fields; vector_loads is the 13th)
+VECTOR_LOADS_OFFSET = 17 * 8 + 12 * 4
+
+
+def scalar_loads(plan: dict) -> dict:
+    """The plan with every sequence's vector_loads cleared: the kernels' element
+    by element path (what unaligned or strided pages take) on the same arrays."""
+    data = bytearray(plan["sequences"])
+    size = _native.ext.PAGED_SEQUENCE_BYTES
+    for at in range(0, len(data), size):
+        data[at + VECTOR_LOADS_OFFSET:at + VECTOR_LOADS_OFFSET + 4] = (0).to_bytes(4, "little")
+    return {**plan, "sequences": bytes(data)}
+
+
 def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None,
-              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None):
+              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None, vector_loads=True):
     """Launches the plan of these (contiguous) arrays in `library`: k_parts /
-    v_parts are [pages] or the (packed, scales, biases) triples. Returns
+    v_parts are [pages] or the (packed, scales, biases) triples;
+    vector_loads=False takes the element by element path. Returns
     (out, lse or None, plan, per-dispatch results); out and lse are NumPy
     (bfloat16 as uint16 bits), NaN wherever no kernel wrote."""
     arrays = [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
@@ -56,6 +72,8 @@ def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, sca
                       has_sinks=sinks is not None, return_lse=return_lse, bits=bits, group_size=group_size,
                       gpu_target=gpu_target, softcap=softcap)
     assert plan["supported"], plan["reason"]
+    if not vector_loads:
+        plan = scalar_loads(plan)
     memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]
     total_q, heads, d = q.shape
     out = nan_filled((total_q, heads, d), memory[0].dtype)

@@ -77,7 +77,7 @@ def f64(a: mx.array) -> np.ndarray:
 
 
 def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None, sinks=False, lse=False, softcap=None,
-                gpu_target=None, **case):
+                gpu_target=None, vector_loads=True, **case):
     q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, **case)
     scale = d**-0.5 if scale is None else scale
     sink_array = None
@@ -86,7 +86,7 @@ def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None,
         sink_array = sink_array.astype(q.dtype)
     out, got_lse, plan, _ = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=scale, causal=causal,
                                       window_size=window_size, sinks=sink_array, return_lse=lse, softcap=softcap,
-                                      gpu_target=gpu_target)
+                                      gpu_target=gpu_target, vector_loads=vector_loads)
     want, want_lse = oracle(f64(q), f64(k), f64(v), np.array(table), q_lens, kv_lens, scale=scale, causal=causal,
                             window_size=window_size, sinks=None if sink_array is None else f64(sink_array),
                             softcap=softcap)
@@ -199,6 +199,16 @@ def test_prefill_chunks_match_the_float64_oracle(library, point):
 def test_prefill_sample_covers_every_axis_value():
     for axis in ("gqa", "mask", "page_size"):
         assert {p[axis] for p in PREFILL_SAMPLE} == set(PREFILL_AXES[axis]), axis
+
+
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 128)] + ([("float32", 96), ("float16", 64)] if FULL_GRID else []))
+def test_element_by_element_loads(library, dtype, d):
+    """The path unaligned or strided inputs take (vector_loads cleared in
+    every sequence's params): the prefill loader's and the decode loader's
+    scalar reads, with the decode rows and chunks of the prefill batch."""
+    plan = check_float(library, dtype, d, gqa=4, page_size=5, lse=True, window_size=30, vector_loads=False,
+                       **PREFILL_BATCH)
+    assert routed_to_prefill(plan)
 
 
 @pytest.mark.parametrize("family", ["apple9"] + (["apple7"] if FULL_GRID else []))

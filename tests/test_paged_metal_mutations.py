@@ -106,6 +106,8 @@ PREFILL_MUTANTS = {
         "rows.k[lane] = page * p.k_strides[0] + kv_head * p.k_strides[1]", "rows.k[lane] = page * p.k_strides[0]"),
     "prefill: every key staged from the block's first row": replaced(
         "(k + at.k[j] + col)", "(k + at.k[0] + col)"),
+    "prefill: element by element staging reads every value from the block's first row": replaced(
+        "v[at.v[j] + col * p.v_strides[3]]", "v[at.v[0] + col * p.v_strides[3]]"),
 }
 PREFILL_DEFAULT = ["prefill: a key's slot taken as the key", "prefill: keys located for the block being staged, not the next"]
 PREFILL_NAMES = list(PREFILL_MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else PREFILL_DEFAULT
@@ -118,7 +120,9 @@ CASES = [
     # prefill chunks (40 and 33 rows: two query blocks; 9 == kv_len) after
     # cached keys, pages of 3 cutting every key block, a window
     ((40, 1, 9, 33), (100, 50, 9, 64), 3, 4, 2, {"window_size": 30, "sinks": True}),
-]
+] + ([  # the full grid: the same element by element (the path unaligned pages take)
+    ((40, 1, 9, 33), (100, 50, 9, 64), 3, 4, 2, {"window_size": 30, "vector_loads": False}),
+] if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else [])
 
 
 def caught(run) -> bool:
@@ -138,7 +142,8 @@ def caught(run) -> bool:
         window = options.get("window_size")
         try:
             out, lse, _, _ = run_paged(run.library, q, [k], [v], mx.array(table), q_lens, kv_lens, scale=0.125,
-                                       window_size=window, sinks=sinks, return_lse=True)
+                                       window_size=window, sinks=sinks, return_lse=True,
+                                       vector_loads=options.get("vector_loads", True))
         except msl_emulator.EmulatorError:
             return True  # a read outside a buffer, a deadlock
         want, want_lse = oracle(np.array(q), np.array(k), np.array(v), table, q_lens, kv_lens, scale=0.125,
