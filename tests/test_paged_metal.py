@@ -301,6 +301,13 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     # D = 256 (no register-resident prefill) and quantized pages: the decode kernel serves every row
     assert [d["kernel"] for d in plan_for([100], [40], d=256)["dispatches"]] == [
         "attention_paged_decode_partial_float16_d256", "attention_paged_decode_merge_float16_d256"]
+    q = mx.zeros((40, 8, 128), mx.float16)
+    packed = mx.zeros((8, 2, 16, 128 * 4 // 32), mx.uint32)
+    scales = mx.zeros((8, 2, 16, 128 // 64), mx.float16)
+    quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [40],
+                           [100], scale=0.1, bits=4, group_size=64)
+    assert [d["kernel"] for d in quantized["dispatches"]] == [
+        "attention_paged_quantized_decode_partial_float16_d128_b4", "attention_paged_decode_merge_float16_d128"]
 
 
 def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
