@@ -232,7 +232,8 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
                   "mlx": [cm.prefill_kernel("steel", cm.mlx_steel_tile(d), 1, heads, kv_heads, t, t, causal, gpu)]}
     else:
         rows_per_tg = 32 // (d // 32)
-        models = {"ours": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, row["ours_splits"], rows_per_tg),
+        models = {"ours": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, row["ours_splits"], rows_per_tg,
+                                                prefetch=decode_prefetch(d), single_dispatch=True, lane_merge=True),
                   "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
                                                 64 if heads // kv_heads >= 4 else 32)}
     out = {}
@@ -397,15 +398,19 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
         chunks = -(-group // rows_per_tg)
         before = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
         two_pass = kv_heads < heads and t >= 4096  # MLX on a base GPU (tests/mlx_kernel_runner.py)
+        prefetch = decode_prefetch(d)
         variants = {
             "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, two_pass, 64 if group >= 4 else 32),
-            f"ours, {before} splits (before)": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, before, rows_per_tg),
-            f"ours, {splits} splits (now)": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, rows_per_tg),
-            f"ours, {splits} splits + 2-deep prefetch, 1 dispatch at 1 split (modelled, not built)":
-                cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=2,
-                                      single_dispatch=True),
+            f"ours, {before} splits (before: 64 keys per row)": cm.our_decode_kernels(
+                1, heads, kv_heads, t, d, gpu, before, rows_per_tg),
+            f"ours, {splits} splits, merge always, no prefetch (before)": cm.our_decode_kernels(
+                1, heads, kv_heads, t, d, gpu, splits, rows_per_tg),
+            f"ours, {splits} splits, prefetch{'' if prefetch > 1 else ' (off at this D)'}, "
+            f"{'1 dispatch' if splits == 1 else 'lane merge'} (now)": cm.our_decode_kernels(
+                1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
+                lane_merge=True),
         }
-        exp_kinds = {name: "fast" if name == "mlx" else "precise" for name in variants}
+        exp_kinds = {name: "fast" for name in variants}  # decode_key and the merges call fast::exp2
     out = {}
     for name, kernels in variants.items():
         p = cm.predict_all(kernels, gpu, exp_kinds[name])
@@ -413,6 +418,13 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
                      "occupancy": p["occupancy"], "bound": p["bound"], "dispatches": p["dispatches"],
                      "resident": p["resident_threadgroups"], "limit": p["occupancy_limit"]}
     return out
+
+
+def decode_prefetch(d: int) -> int:
+    """Keys in flight per simdgroup in our decode kernel: 2 (DecodePrefetch in
+    metal/attention_decode.h: the next key's K/V while the current key's
+    math runs) up to D = 256, where the registers allow it."""
+    return 2 if d // 32 <= 8 else 1
 
 
 def plan_decode_splits(plan: dict) -> int:
@@ -435,10 +447,10 @@ def register_table() -> list:
         for bk in sorted({bk8, bk9}):
             regs = cm.steel_registers(cm.our_prefill_tile(d, bk, "fast"))
             rows.append(("prefill", d, f"BK {bk}", regs))
-    for d in (64, 96, 128, 256):
+    for d in (64, 96, 128, 256, 512):
         r = 32 // (d // 32)
-        (partial, _) = cm.our_decode_kernels(1, r, 1, 1024, d, MODEL_GPU, 2, r)
-        rows.append(("decode", d, f"{r} rows", partial.registers))
+        (partial, _) = cm.our_decode_kernels(1, r, 1, 1024, d, MODEL_GPU, 2, r, prefetch=decode_prefetch(d))
+        rows.append(("decode", d, f"{r} rows{', prefetch' if decode_prefetch(d) > 1 else ''}", partial.registers))
     return rows
 
 
@@ -456,7 +468,9 @@ def split_rule_check() -> dict:
                         heads = kv_heads * group
 
                         def seconds(splits):
-                            kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, rows_per_tg)
+                            kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, rows_per_tg,
+                                                            prefetch=decode_prefetch(d), single_dispatch=True,
+                                                            lane_merge=True)
                             return cm.predict_all(kernels, gpu)["seconds"]
 
                         best = min(seconds(s) for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
@@ -573,7 +587,9 @@ def model_assumptions(gpu) -> list:
         "exp2, simd shuffles, threadgroup and device loads) give its issue cycles on one of the core's",
         "SIMD pipes; a block waits for its device loads and barriers (the latency term, overlapped by",
         "`prefetch` loads in flight); a core's block period is the longest of one threadgroup's chain",
-        "(latency + issue), the issue of every resident simdgroup sharing the pipes, and the threadgroup",
+        "(latency + the block's dependent issue: a simdgroup alone waits ~11 cycles between dependent",
+        "ALU instructions, divided by its independent chains, Turner's M1 measurements; MMA steps have",
+        "independent accumulators), the issue of every resident simdgroup sharing the pipes, and the threadgroup",
         "memory traffic; DRAM bytes come from the cache model (threadgroups resident together that read",
         "one K/V head read it from DRAM once). Time = max(cores' time, DRAM bytes / bandwidth) + a fixed",
         "cost per dispatch.", "",
@@ -596,18 +612,23 @@ def model_assumptions(gpu) -> list:
         "What the model cannot see: the Apple compiler's register allocation (the estimate counts live",
         "values, it does not allocate them), instruction scheduling within a block, bank conflicts, the",
         "real cache hierarchy (one level, unbounded within a wave), and dynamic caching on M3 and later",
-        "(registers and threadgroup memory allocated per use). Steel's tiles are compute-bound and",
-        "differ in per-block overheads and occupancy only, so the model ranks them within a few percent",
-        "of each other and does not single out MLX's choices (the validation table gives their ranks,",
-        "not first); it prefers larger key blocks where occupancy allows. tests/test_cost_model.py",
-        "requires MLX's choice within 10% of the model's best, and the worst tile clearly slower.",
+        "(registers and threadgroup memory allocated per use). Steel's tiles are compute-bound on the",
+        "same MMAs per useful FLOP and differ in per-block overheads and occupancy only: the model ranks",
+        "them within a few percent of each other. Why MLX's choices are not first (issue #23's review):",
+        "two terms were physically wrong and are fixed (the WN = 2 tiles' score exchange through",
+        "threadgroup memory, two barriers and a store and load of S a block, was not counted; a simdgroup",
+        "alone was assumed to issue every cycle); what remains is the amortization of per-block work",
+        "(O rescale, row statistics, barriers) over larger key blocks, which the model credits and",
+        "nothing in it charges back: register-cache pressure and bank conflicts of larger tiles, and the",
+        "compiler's scheduling, are not modelled. tests/test_cost_model.py requires MLX's choice within",
+        "10% of the model's best, and the worst tile clearly slower.",
     ]
 
 
 def model_problems(args) -> list:
     problems = [("prefill", d, causal, t, 1) for d in args.head_dims for causal in (False, True) for t in args.lengths]
     problems += [("decode", d, False, t, g) for d in args.decode_head_dims for g in args.decode_groups
-                 for t in sorted({1024, *args.decode_lengths})]  # 1024: issue #23's under-filled case
+                 for t in sorted({128, 1024, *args.decode_lengths})]  # 1024: issue #23's under-filled case; 128: one split
     return problems
 
 

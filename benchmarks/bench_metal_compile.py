@@ -9,7 +9,7 @@ uncached. Metal's compiler is a different compiler; the ratio of the two
 times, not their values, is what carries over (a compile's cost grows with
 the instantiated kernel bodies in both).
 
-    python benchmarks/bench_metal_compile.py            # prefill and decode, float16
+    python benchmarks/bench_metal_compile.py            # prefill, decode, quantized; float16
 """
 
 from __future__ import annotations
@@ -29,19 +29,23 @@ sys.path.insert(0, str(ROOT / "tests"))
 # `MLX_ATTN_PREFILL_TYPES(64, 32)`: what a one-variant source drops.
 INSTANTIATION_LINE = re.compile(r"^MLX_ATTN_[A-Z0-9_]+\([^()]*\)[ \t]*$", re.M)
 
-# One variant per family: the instantiation macro and its arguments.
+# Variants per family (csrc/metal/metal_sources.cpp kVariantFamilies): the
+# per-kernel instantiation macro and its arguments, one per kernel kind.
 VARIANTS = {
-    "attention_prefill": 'MLX_ATTN_PREFILL_MASK("", MLX_ATTN_MASK_NONE, float16, half, 64, 32)',
-    "attention_decode": 'MLX_ATTN_DECODE_PARTIAL("", MLX_ATTN_MASK_NONE, float16, half, 128)',
+    "attention_prefill": {"prefill": 'MLX_ATTN_PREFILL_MASK("", MLX_ATTN_MASK_NONE, float16, half, 64, 32)'},
+    "attention_decode": {"decode partial": 'MLX_ATTN_DECODE_PARTIAL("", MLX_ATTN_MASK_NONE, float16, half, 128)',
+                         "decode merge": "MLX_ATTN_DECODE_MERGE(float16, half, 128)"},
+    "attention_quantized": {
+        "quantized decode partial": 'MLX_ATTN_QUANTIZED_DECODE_MASK("", MLX_ATTN_MASK_NONE, float16, half, 128, 4)'},
 }
 
 
-def one_variant_source(family: str) -> str:
+def one_variant_source(family: str, kind: str) -> str:
     text = (ROOT / "metal" / f"{family}.metal").read_text()
     kept = INSTANTIATION_LINE.sub("", text)
     if kept == text:
         raise ValueError(f"metal/{family}.metal has no instantiation lines to drop")
-    return kept + "\n" + VARIANTS[family] + "\n"
+    return kept + "\n" + VARIANTS[family][kind] + "\n"
 
 
 def timed_build(source: Path) -> tuple[float, int]:
@@ -56,20 +60,24 @@ def timed_build(source: Path) -> tuple[float, int]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants-only", action="store_true",
+                   help="time the one-variant builds alone (the whole files take minutes each)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["MSL_EMULATOR_CACHE"] = cache  # uncached: every build compiles
-        print("| family | whole file: kernels, s | one variant: kernels, s | one / whole |")
-        print("|---|---|---|---|")
+        print("| family | whole file: kernels, s | variant | one variant: kernels, s | one / whole |")
+        print("|---|---|---|---|---|")
         rows = []
         for family in args.families:
-            whole_seconds, whole_kernels = timed_build(ROOT / "metal" / f"{family}.metal")
-            variant = Path(cache) / f"{family}_one_variant.metal"
-            variant.write_text(one_variant_source(family))
-            one_seconds, one_kernels = timed_build(variant)
-            rows.append((family, whole_kernels, whole_seconds, one_kernels, one_seconds))
-            print(f"| {family} | {whole_kernels}, {whole_seconds:.1f} | {one_kernels}, {one_seconds:.1f} | "
-                  f"{one_seconds / whole_seconds:.2f}x |", flush=True)
+            whole_seconds, whole_kernels = (float("nan"), 0) if args.variants_only else timed_build(
+                ROOT / "metal" / f"{family}.metal")
+            for kind in VARIANTS[family]:
+                variant = Path(cache) / f"{family}_{kind.replace(' ', '_')}.metal"
+                variant.write_text(one_variant_source(family, kind))
+                one_seconds, one_kernels = timed_build(variant)
+                rows.append((family, whole_kernels, whole_seconds, kind, one_kernels, one_seconds))
+                print(f"| {family} | {whole_kernels}, {whole_seconds:.1f} | {kind} | {one_kernels}, {one_seconds:.1f} | "
+                      f"{one_seconds / whole_seconds:.2f}x |", flush=True)
     return rows
 
 

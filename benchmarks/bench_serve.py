@@ -16,7 +16,9 @@ servers load that directory. Measured, in one run:
   pages) with float16, 8-bit and 4-bit pages, from the page store's own sizes.
 
 mlx_lm.server runs only with ``--mlx-lm-python`` (a Python that has mlx-lm;
-it is kept apart from this project's environment):
+it is kept apart from this project's environment). Both servers are up at
+once and each load level runs on one, then on the other, so a drift in a
+shared machine's load falls on both sides of a ratio alike:
 
     python -m venv /work/mlxlm-venv
     /work/mlxlm-venv/bin/pip install mlx==0.32.4 mlx-cpu==0.32.4 transformers jinja2
@@ -306,39 +308,36 @@ def main(argv=None) -> int:
     results = {"title": "", "mlx_attn": {}, "config": vars(args)}
     logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
 
-    def run_load(port, name):
-        phases = []
-        for c, n in zip(levels, args.requests):
-            phases.append(load_phase(port, c, n, args.max_tokens))
-            print(f"{name} c{c}: {phases[-1]['tokens_per_s']:.1f} tokens/s, TTFT p50 {phases[-1]['ttft_p50']:.2f} s",
-                  flush=True)
-        return phases
-
-    port = free_port()
-    ours = Server("mlx-attn serve", [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir),
-                                     "--port", str(port), "--log-level", "warning",
-                                     "--max-tokens", str(args.max_tokens), *args.serve_args.split()],
-                  port, logs / "mlx_attn.log")
+    servers = {"mlx_attn": ("mlx-attn serve", [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir),
+                                               "--log-level", "warning", "--max-tokens", str(args.max_tokens),
+                                               *args.serve_args.split()])}
+    if args.mlx_lm_python:
+        servers["mlx_lm"] = ("mlx_lm.server", [args.mlx_lm_python, "-m", "mlx_lm", "server", "--model", str(model_dir),
+                                               "--host", "127.0.0.1", "--log-level", "WARNING",
+                                               "--max-tokens", str(args.max_tokens)])
+    running = {}
     try:
-        results["mlx_attn"]["load"] = run_load(port, "mlx-attn serve")
-        results["mlx_attn"]["prefix"] = prefix_phase(port, system_text, *args.prefix_requests)
+        for key, (name, command) in servers.items():
+            port = free_port()
+            running[key] = (port, Server(name, [*command, "--port", str(port)], port, logs / f"{key}.log"))
+            results.setdefault(key, {})["load"] = []
+        # each load level runs on one server, then on the other (the idle one uses no CPU): a drift in
+        # this shared machine's load lands on both sides of a ratio alike
+        for c, n in zip(levels, args.requests):
+            for key, (port, _) in running.items():
+                phase = load_phase(port, c, n, args.max_tokens)
+                results[key]["load"].append(phase)
+                print(f"{servers[key][0]} c{c}: {phase['tokens_per_s']:.1f} tokens/s, "
+                      f"TTFT p50 {phase['ttft_p50']:.2f} s", flush=True)
+        results["mlx_attn"]["prefix"] = prefix_phase(running["mlx_attn"][0], system_text, *args.prefix_requests)
     finally:
-        ours.stop()
+        for _, server in running.values():
+            server.stop()
     results["mlx_attn"]["system_tokens"] = len(tokenizer.encode(system_text))
     tokens_per_request = max(len(tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": q}], add_generation_prompt=True))) for q in QUESTIONS) + args.max_tokens
     results["mlx_attn"]["memory"] = memory_per_request(model_dir, tokens_per_request, 16)
     results["mlx_attn"]["memory_tokens_per_request"] = tokens_per_request
-    if args.mlx_lm_python:
-        port = free_port()
-        theirs = Server("mlx_lm.server", [args.mlx_lm_python, "-m", "mlx_lm", "server", "--model", str(model_dir),
-                                          "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
-                                          "--max-tokens", str(args.max_tokens)],
-                        port, logs / "mlx_lm.log")
-        try:
-            results["mlx_lm"] = {"load": run_load(port, "mlx_lm.server")}
-        finally:
-            theirs.stop()
     results["title"] = (f"{model_dir.name}, {os.cpu_count()} CPUs, blas: {mlx_attn.blas_choice().library}; "
                         f"streamed greedy chat requests of {args.max_tokens} tokens")
     out = Path(args.out)

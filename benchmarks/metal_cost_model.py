@@ -91,6 +91,7 @@ class Block:
     counts: dict
     load_rounds: float = 1.0
     barriers: int = 0
+    ilp: float = 2.0  # independent chains of its ALU instructions (dependent_issue_cycles)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Kernel:
     dram_bytes: float               # after the cache model
     prefetch: int = 1               # device loads in flight per simdgroup (1: none ahead)
     fixed: dict = field(default_factory=dict)  # per simdgroup, outside the loop (prologue / epilogue)
+    fixed_load_rounds: int = 1      # dependent device-load rounds of `fixed`
     kv_reads: list = field(default_factory=list)  # (threadgroup index order -> KV head) for the cache model
 
     @property
@@ -120,6 +122,31 @@ def issue_cycles(counts: dict, exp_kind: str = "fast") -> float:
         cost = CYCLES["exp2_" + exp_kind] if key == "exp2" else CYCLES[key]
         total += cost * n
     return total
+
+
+# A simdgroup alone on a scheduler cannot issue every cycle: an instruction
+# waits for the one it depends on. Turner's metal-benchmarks (README, "ALU
+# Bottlenecks", M1): FFMA32 at ILP 1 and one simdgroup per scheduler (4 per
+# core) issues once per 11.34 cycles, at ILP 4 once per 2.75, and "ALU
+# utilization maxes out at 24 simds/core" (6 per scheduler); an 8x8 simdgroup
+# MMA has a throughput of ~17 cycles and a latency of ~34 ("Intra-simd
+# communication", MATMUL<8x8xF16>). So one simdgroup's block takes its issue
+# cycles times latency / (throughput x independent instruction chains,
+# Block.ilp): the ALU classes' ~11 cycles over the block's chains (2 by
+# default, ASSUMED: 11 / 2 ~ 24 simds/core / 4 schedulers; a decode
+# threadgroup's rows are independent chains), the MMAs' 34 / 17 over the
+# >= 2 independent accumulator tiles every attention MMA step has (S tiles
+# along the keys, O tiles along D): no stall. Other simdgroups on the
+# scheduler fill the gaps (predict's period: the longer of this chain and
+# the shared issue).
+ALU_DEPENDENT_LATENCY = 11.34
+MMA_DEPENDENT_LATENCY = 1.0
+
+
+def dependent_issue_cycles(block: "Block", exp_kind: str, block_issue: float) -> float:
+    """Cycles one simdgroup alone needs for a block's instructions."""
+    mma = CYCLES["mma"] * block.counts.get("mma", 0)
+    return mma * MMA_DEPENDENT_LATENCY + (block_issue - mma) * max(1.0, ALU_DEPENDENT_LATENCY / block.ilp)
 
 
 def residency(kernel: Kernel, gpu: Gpu) -> dict:
@@ -145,7 +172,8 @@ def predict(kernel: Kernel, gpu: Gpu, exp_kind: str = "fast") -> dict:
     if spill:  # each spilled register is stored and reloaded once per block (threadgroup-memory speed)
         block_issue += 2 * spill * CYCLES["threadgroup_load"]
     latency = kernel.block.load_rounds * gpu.load_latency_cycles / max(1, kernel.prefetch)
-    chain = latency + kernel.block.barriers * gpu.barrier_cycles + block_issue
+    chain = latency + kernel.block.barriers * gpu.barrier_cycles + dependent_issue_cycles(kernel.block, exp_kind,
+                                                                                        block_issue)
 
     def period(together: int) -> tuple[float, str]:
         """Cycles per key block with `together` threadgroups on the core."""
@@ -159,7 +187,7 @@ def predict(kernel: Kernel, gpu: Gpu, exp_kind: str = "fast") -> dict:
     full, rest = divmod(per_core, resident)
     full_period, bound = period(resident)
     cycles = full * kernel.blocks * full_period + (kernel.blocks * period(rest)[0] if rest else 0.0)
-    fixed = issue_cycles(kernel.fixed, exp_kind) + (gpu.load_latency_cycles if kernel.fixed else 0)
+    fixed = issue_cycles(kernel.fixed, exp_kind) + (kernel.fixed_load_rounds * gpu.load_latency_cycles if kernel.fixed else 0)
     core_seconds = (cycles + (full + (1 if rest else 0)) * fixed) / gpu.clock_hz
     dram_seconds = kernel.dram_bytes / gpu.dram_bytes_per_s
     seconds = max(core_seconds, dram_seconds)
@@ -254,8 +282,6 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
     # per simdgroup, one key block
     mma = tq * tk * td * 2                      # S = Q K^T and O += P V over this simdgroup's D share
     elems = 2 * tq * tk                         # S elements per lane
-    if tile.wn == 2:
-        mma += 0  # the partial S is exchanged through threadgroup memory (below)
     loads_per_thread = math.ceil(2 * tile.bk * tile.d * elem_bytes / 16 / threads)  # 16-byte vector loads
     counts = {
         "mma": mma,
@@ -265,9 +291,15 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
         "threadgroup_load": tq * tk * td * (1 if tile.q_in_registers else 2) + tq * tk * td,
         "device_load": loads_per_thread,
     }
-    if tile.wn == 2:
-        counts["threadgroup_load"] += elems
     barriers = 2 if tile.stage_kv_together else 4
+    if tile.wn == 2:
+        # Each of the two simdgroups of a row group holds S over half of D:
+        # steel (steel_attention.h, MLX 0.32.4, `if constexpr (WN == 2)`)
+        # stores its partial S to threadgroup memory, waits, adds its peer's:
+        # S stored and read once per block (threadgroup accesses, priced as
+        # loads), behind two more threadgroup barriers.
+        counts["threadgroup_load"] += 2 * elems
+        barriers += 2
     block = Block(counts, load_rounds=1 if tile.stage_kv_together else 2, barriers=barriers)
     # key blocks per threadgroup (causal: the longest row block's; half on average)
     full_blocks = math.ceil(kv_len / tile.bk)
@@ -353,38 +385,66 @@ def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: i
 
 def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
                        rows_per_threadgroup: int, simdgroups: int = 4, elem_bytes: int = 2,
-                       prefetch: int = 1, single_dispatch: bool = False, exp_kind: str = "precise") -> list:
+                       prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = False) -> list:
     """metal/attention_decode.h: a threadgroup of `simdgroups` simdgroups per
     (split, KV head, row chunk) serves up to R rows of the GQA group; key j
     of the split on simdgroup j % NSG; then attention_decode_merge over the
-    splits (none with `single_dispatch` and one split)."""
+    splits (none with `single_dispatch` and one split). `prefetch` 2: the
+    kernel loads key j + NSG's K/V before key j's math (DecodePrefetch);
+    `lane_merge`: merge_splits as it is now (below), else as before."""
     per_lane = d // 32
     rows = heads // kv_heads
-    r = min(rows, rows_per_threadgroup)
-    chunks = math.ceil(rows / rows_per_threadgroup)
+    big_r = rows_per_threadgroup
+    r = min(rows, big_r)  # live rows: the work per key
+    chunks = math.ceil(rows / big_r)
     tgs = splits * batch * kv_heads * chunks
     keys = math.ceil(kv_len / splits / simdgroups)
     key_counts = {"fma": r * (2 * per_lane + 6) + 2, "exp2": 2 * r, "simd_shuffle": 5 * r,
                   "device_load": 2 * math.ceil(per_lane / 4)}
-    regs = 2 * r * per_lane + 2 * r + 2 * per_lane + 20  # q and o rows, m and l, the key's k and v slices, state
+    # Registers are allocated for the kernel's compile-time R rows
+    # (DecodeRows<R, SLICE>: q[R][D/32], o[R][D/32], m[R], l[R]), whatever
+    # the live rows: q and o, m and l, the key's k and v slices (twice with
+    # the prefetch), ~20 of addresses and loop state.
+    regs = 2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch > 1 else 1) + 20
     kv_head_bytes = 2 * kv_len * d * elem_bytes
     partial_bytes = batch * heads * splits * (d * 4 + 8)
-    tg_memory = (simdgroups - 1) * r * (per_lane * 32 + 2) * 4
+    tg_memory = (simdgroups - 1) * big_r * (per_lane * 32 + 2) * 4  # DecodeStates<D>, sized by R
     out_bytes = batch * heads * d * elem_bytes
     merged = single_dispatch and splits == 1
     q_bytes = simdgroups * splits * batch * heads * d * elem_bytes  # every simdgroup of a split reads its rows' queries
     issued = batch * kv_heads * chunks * kv_head_bytes + q_bytes + (out_bytes if merged else partial_bytes)
+    # Threadgroups in dispatch order (x = split fastest, then KV head x row
+    # chunk): the row chunks of one KV head read the same split of its K/V,
+    # and every split the same query rows; resident together they read them
+    # from DRAM once (the cache model, as for sdpa_vector's same-head reads).
+    order = [(b, y // chunks, x) for b in range(batch) for y in range(kv_heads * chunks) for x in range(splits)]
+    q_order = [(b, y) for b in range(batch) for y in range(kv_heads * chunks) for _ in range(splits)]
     partial = Kernel("attention_decode_partial", tgs, 32 * simdgroups, regs, tg_memory, keys,
-                     Block(key_counts, load_rounds=1), 0.0, issued, 0.0,
+                     Block(key_counts, load_rounds=1, ilp=max(2, r)), 0.0, issued, 0.0,  # r rows: r chains
                      prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane},
-                     kv_reads=list(range(tgs)))
-    partial = _with_cache(partial, gpu, chunks * kv_head_bytes / splits / chunks,
-                          q_bytes + (out_bytes if merged else partial_bytes))
+                     kv_reads=order)
+    resident = min(residency(partial, gpu)["threadgroups"], math.ceil(tgs / gpu.cores))
+    q_dram = unique_bytes_per_wave(q_order, r * d * elem_bytes, resident, gpu)
+    partial = _with_cache(partial, gpu, kv_head_bytes / splits, q_dram + (out_bytes if merged else partial_bytes))
     if merged:
         return [replace(partial, name="attention_decode_partial (writes out)")]
-    # the merge's lanes each read every split's max and sum
-    merge_bytes = batch * heads * splits * (d * 4 + 32 * 8) + out_bytes
+    if not lane_merge:
+        # the merge before: every lane read every split's max and sum, and each
+        # split's loads waited for the previous split's (one round per split)
+        merge_bytes = batch * heads * splits * (d * 4 + 32 * 8) + out_bytes
+        merge = Kernel("attention_decode_merge", batch * heads, 32, 24, 0, splits,
+                       Block({"fma": 2 * per_lane + 4, "exp2": 1, "device_load": 2}), 0.0,
+                       merge_bytes, batch * heads * splits * (d * 4 + 8) + out_bytes)
+        return [partial, merge]
+    # merge_splits now: lane j reads splits j, j + 32, ...'s max and sum (one
+    # round per 32 splits, twice: max, then rescaled sums; simd_max / simd_sum),
+    # then the output slices split by split, the next split's loaded ahead
+    merge_bytes = batch * heads * splits * (d * 4 + 8) + out_bytes
+    stat_rounds = 2 * math.ceil(splits / 32)
     merge = Kernel("attention_decode_merge", batch * heads, 32, 24, 0, splits,
                    Block({"fma": 2 * per_lane + 4, "exp2": 1, "device_load": 2}), 0.0,
-                   merge_bytes, batch * heads * splits * (d * 4 + 8) + out_bytes)
+                   merge_bytes, merge_bytes, prefetch=2,
+                   fixed={"fma": 4 * stat_rounds, "exp2": stat_rounds // 2, "simd_shuffle": 10,
+                          "device_load": 2 * stat_rounds})
+    merge = replace(merge, fixed_load_rounds=stat_rounds)
     return [partial, merge]

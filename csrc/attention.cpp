@@ -1,4 +1,5 @@
 #include "csrc/attention.h"
+#include "csrc/argument_checks.h"
 
 #include <cmath>
 #include <cstring>
@@ -19,16 +20,8 @@ namespace mlx_attn {
 
 namespace {
 
-std::string shape_string(const mx::array& a) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < a.ndim(); ++i) out << (i ? ", " : "") << a.shape(int(i));
-  out << ")";
-  return out.str();
-}
-
 [[noreturn]] void invalid(const std::string& message) {
-  throw std::invalid_argument("[mlx_attn.fused_attention] " + message);
+  throw_invalid("mlx_attn.fused_attention", message);
 }
 
 // An invariant the kernels rely on: a terse statement of it, not a message
@@ -41,13 +34,9 @@ void require(bool holds, const std::string& invariant, const std::string& detail
 }
 
 ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float32) return ElemType::float32;
-  if (t == mx::float16) return ElemType::float16;
-  if (t == mx::bfloat16) return ElemType::bfloat16;
-  std::ostringstream dtype;
-  dtype << t;
-  require(false, "q.dtype in {float32, float16, bfloat16}", dtype.str());
-  return ElemType::float32;  // not reached
+  const std::optional<ElemType> type = float_elem_type(t);
+  require(type.has_value(), "q.dtype in {float32, float16, bfloat16}", dtype_string(t));
+  return *type;
 }
 
 void copy_strides(const mx::array& a, int64_t* out) {

@@ -12,6 +12,7 @@
 #include "csrc/attention.h"
 #include "csrc/cpu/host.h"
 #include "csrc/quantized_attention.h"
+#include "csrc/quantized_matvec.h"
 #include "mlx/compile_impl.h"
 #include "mlx/version.h"
 
@@ -187,6 +188,10 @@ NB_MODULE(_ext, m) {
 #endif
       }, "Whether this build contains the Metal kernels.");
 
+  m.def("quantized_matvec", &mlx_attn::quantized_matvec, "x"_a, "codes"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ dequantize(codes, scales, biases).T on the CPU for a few float32 rows x [rows, k] and a 4- "
+        "or 8-bit MLX affine weight: float32 [rows, n], each weight read once for all rows.");
   m.def("forget_thread_compile_cache", [] {
         mx::detail::compile_clear_cache(mx::detail::compile_cache());
       },

@@ -295,25 +295,35 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan&
   const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
   const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
   plan.splits = splits;
-  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
-  plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
+  // One split: the partial kernel normalizes and writes the output itself
+  // (grid.x == 1, metal/attention_decode.h DecodeOutputs), no scratch and no
+  // merge dispatch. Several: dispatch 0 (partial) writes the partials,
+  // dispatch 1 (merge) reads them.
+  const bool one_split = splits == 1;
+  if (!one_split) {
+    plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
+  }
   KernelDispatch partial;
   partial.kernel = kernel_name("attention_decode_partial", s) + mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {kDecodeThreads, 1, 1};
   const PrimitiveLayout layout = forward_layout(s);
-  partial.bindings =
-      bind_roles(layout, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats}, plan.scratch, 0);
+  // one split: partial_out / partial_stats are placeholders (not scratch)
+  partial.bindings = bind_roles(
+      layout, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats, R::sinks, R::out, R::lse},
+      plan.scratch, 0);
   // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
   partial.threadgroup_memory_bytes =
       (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
+  plan.dispatches = {partial};
+  if (one_split) return;
   KernelDispatch merge;
   merge.kernel = kernel_name("attention_decode_merge", s);
   merge.grid = {rows, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
   merge.bindings = bind_roles(
       layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
-  plan.dispatches = {partial, merge};
+  plan.dispatches.push_back(merge);
 }
 }  // namespace
 

@@ -1,4 +1,5 @@
 #include "csrc/paged_attention.h"
+#include "csrc/argument_checks.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -12,22 +13,7 @@ namespace mlx_attn {
 namespace {
 
 [[noreturn]] void invalid(const std::string& message) {
-  throw std::invalid_argument("[mlx_attn.paged_attention] " + message);
-}
-
-std::string shape_string(const mx::array& a) {
-  std::string out = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) out += (i ? ", " : "") + std::to_string(a.shape(int(i)));
-  return out + ")";
-}
-
-std::string dtype_string(mx::Dtype t) {
-  if (t == mx::float32) return "float32";
-  if (t == mx::float16) return "float16";
-  if (t == mx::bfloat16) return "bfloat16";
-  if (t == mx::int32) return "int32";
-  if (t == mx::uint32) return "uint32";
-  return "another dtype";
+  throw_invalid("mlx_attn.paged_attention", message);
 }
 
 void require_rank(const char* name, const mx::array& a, int rank, const char* meaning) {

@@ -1,4 +1,5 @@
 #include "csrc/quantized_attention.h"
+#include "csrc/argument_checks.h"
 
 #include <stdexcept>
 #include <string>
@@ -10,13 +11,7 @@ namespace mlx_attn {
 namespace {
 
 [[noreturn]] void invalid(const std::string& message) {
-  throw std::invalid_argument("[mlx_attn.quantized_attention] " + message);
-}
-
-std::string shape_string(const mx::array& a) {
-  std::string out = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) out += (i ? ", " : "") + std::to_string(a.shape(int(i)));
-  return out + ")";
+  throw_invalid("mlx_attn.quantized_attention", message);
 }
 
 // The features one (packed, scales, biases) triple holds, after checking it.

@@ -16,7 +16,7 @@
 // The K/V layout is an axis, not a kernel: a loader policy KV reads a key's
 // and a value's lane slices (ContiguousKV here, QuantizedKV in
 // metal/attention_quantized.h); everything else (rows, the logit step, the
-// online softmax, the simdgroup combine, the partials) is decode_partial,
+// online softmax, the simdgroup combine, the partials) is decode_split,
 // written once. A loader policy provides
 //   SLICE, VEC             dims per lane (D / 32), dims per q load
 //   dim(lane, e)           the head dim of element e of lane's slice (q, the
@@ -31,7 +31,10 @@
 // memory, and simdgroup 0 adds them to its own registers (lane g reads the max
 // and sum of simdgroup g + 1 once; the other lanes get its weight by shuffle).
 // attention_decode_merge combines the splits: the same rescale, then sinks,
-// normalize and the row log-sum-exp.
+// normalize and the row log-sum-exp (decode_write_row). With one split the
+// launch has no merge: the partial kernel ends with decode_write_row itself
+// (DecodeOutputs). Each simdgroup loads its next key's K/V while the current
+// key's math runs (DecodePrefetch, up to D = 256).
 // Same step names and finite sentinels as metal/attention_prefill.h.
 #pragma once
 
@@ -137,33 +140,67 @@ inline void decode_key(
   }
 }
 
+// Whether decode_keys holds the next key's K/V slices while it computes the
+// current key's (loads one key ahead). It costs 2 x D/32 floats per lane
+// more: q and o (2 x MLX_ATTN_DECODE_ROW_FLOATS = 64), the rows' max and sum
+// (2 R), the current and next key's slices (4 x D/32) and ~20 registers of
+// addresses and loop state stay within 128 registers per lane up to D = 256
+// (D = 64: 124, 96: 112, 128: 116, 256: 124); at D = 512 they would take 152, so it
+// loads the key it computes (120).
+template <int SLICE>
+struct DecodePrefetch {
+  static constexpr bool ENABLED = SLICE <= 8;
+};
+
 // The split's keys [kv_begin, kv_end), key j on simdgroup j % NSG; per key
 // the variant of decode_key (edge or interior, with or without the softcap).
+// With DecodePrefetch, key j + NSG's loads are issued before key j's math, so
+// they are in flight while it runs (the loop bound is uniform across the
+// simdgroup: a loader may use simd functions).
 template <typename T, int R, typename KV, int MASK>
 inline void decode_keys(
     constant AttentionParams& p, const device uchar* mask, const thread KV& kv, thread DecodeRows<R, KV::SLICE>& rows,
     int kv_begin, int kv_end, int first_pos, int last_pos, int b, int kv_head, int r0, int row_count, uint sg,
     uint lane) {
-  for (int key = kv_begin + int(sg); key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS) {
-    float k_slice[KV::SLICE];
-    float v_slice[KV::SLICE];
-    kv.load(key, lane, k_slice, v_slice);
+  constexpr int SLICE = KV::SLICE;
+  constexpr bool PREFETCH = DecodePrefetch<SLICE>::ENABLED;
+  float k_next[SLICE];
+  float v_next[SLICE];
+  int key = kv_begin + int(sg);
+  if (PREFETCH && key < kv_end) {
+    kv.load(key, lane, k_next, v_next);
+  }
+  for (; key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS) {
+    float k_slice[SLICE];
+    float v_slice[SLICE];
+    if (PREFETCH) {
+      for (int e = 0; e < SLICE; ++e) {
+        k_slice[e] = k_next[e];
+        v_slice[e] = v_next[e];
+      }
+      const int next = key + MLX_ATTN_DECODE_SIMDGROUPS;
+      if (next < kv_end) {
+        kv.load(next, lane, k_next, v_next);  // in flight during this key's math
+      }
+    } else {
+      kv.load(key, lane, k_slice, v_slice);
+    }
     const bool edge = block_on_edge(p, key, 1, first_pos, last_pos);
     if (p.softcap > 0.0f) {
       if (edge) {
-        decode_key<T, R, KV::SLICE, MASK, true, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+        decode_key<T, R, SLICE, MASK, true, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
       } else {
-        decode_key<T, R, KV::SLICE, MASK, false, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+        decode_key<T, R, SLICE, MASK, false, true>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
       }
     } else if (edge) {
-      decode_key<T, R, KV::SLICE, MASK, true, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      decode_key<T, R, SLICE, MASK, true, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
     } else {
-      decode_key<T, R, KV::SLICE, MASK, false, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
+      decode_key<T, R, SLICE, MASK, false, false>(p, mask, rows, key, k_slice, v_slice, b, kv_head, r0, row_count);
     }
   }
 }
 
-// The threadgroup memory of decode_partial: simdgroups 1..'s output, max and
+// The threadgroup memory of decode_split: simdgroups 1..'s output, max and
 // sum per row (element e of a lane's slice at e * 32 + lane, so that the 32
 // lanes hit 32 different banks). Each kernel declares one (Metal declares
 // threadgroup variables in kernel scope).
@@ -175,13 +212,54 @@ struct DecodeStates {
   float row_sum[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS];
 };
 
+// A row's final step, once its splits are combined (running max m, sum l and
+// this lane's output slice o, element e at head dim Layout::dim(lane, e)):
+// sinks join the sum, normalize (rows that saw nothing give zeros), write
+// the output row and, when lse_row is not null, the row log-sum-exp. Query
+// head h. Shared by the merge and the one-split partial.
+template <typename T, int SLICE, typename Layout>
+inline void decode_write_row(
+    float m, float l, thread const float* o, const device T* sinks, constant AttentionParams& p, int h,
+    device T* out_row, device float* lse_row, uint lane) {
+  float correction = 1.0f;
+  if (p.has_sinks != 0) {
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
+    const float m_final = max(m, sink);
+    correction = fast::exp2((m - m_final) * MLX_ATTN_LOG2E);
+    l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    m = m_final;
+  }
+  const float factor = l > 0.0f ? correction / l : 0.0f;
+  for (int e = 0; e < SLICE; ++e) {
+    out_row[Layout::dim(lane, e)] = T(o[e] * factor);
+  }
+  if (lse_row != nullptr && lane == 0) {
+    // a row that saw nothing: -inf, written as bits (fast math has no infinities)
+    *lse_row = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
+  }
+}
+
+// Where decode_split puts each row's combined state: the split's partial
+// (partial_out / partial_stats, merged by a second dispatch), or, when the
+// launch has one split (`direct`), the normalized output row itself
+// (decode_write_row: sinks, out, lse), with no merge dispatch.
+template <typename T>
+struct DecodeOutputs {
+  device float* partial_out;
+  device float* partial_stats;
+  bool direct;
+  const device T* sinks;
+  device T* out;    // [B, Hq, Tq, D]
+  device float* lse;  // [B, Hq, Tq] when p.output_lse
+};
+
 // The partial kernel's body for any K/V loader; `states`: the kernel's
 // threadgroup memory.
 template <typename T, int D, int MASK, typename KV>
-inline void decode_partial(
+inline void decode_split(
     thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
-    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
-    uint3 groups, uint sg, uint lane) {
+    thread const DecodeOutputs<T>& outputs, threadgroup DecodeStates<D>& states, uint3 group_id, uint3 groups,
+    uint sg, uint lane) {
   constexpr int NSG = MLX_ATTN_DECODE_SIMDGROUPS;
   constexpr int SLICE = KV::SLICE;                       // head-dim elements per lane
   constexpr int VEC = KV::VEC;
@@ -270,15 +348,33 @@ inline void decode_partial(
         o[e] += states.out[(g * R + i) * D + e * 32 + int(lane)] * weight;
       }
     }
+    if (outputs.direct) {  // one split: this is the row's whole state
+      const int h = kv_head * p.group + (r0 + i) / p.q_len;
+      const long row = (long(b) * p.q_heads + h) * p.q_len + (r0 + i) % p.q_len;
+      decode_write_row<T, SLICE, KV>(m, l, o, outputs.sinks, p, h, outputs.out + row * D,
+                                     p.output_lse != 0 ? outputs.lse + row : nullptr, lane);
+      continue;
+    }
     const long base = ((long(b) * p.kv_heads + kv_head) * splits + split) * row_count + r0 + i;
     for (int e = 0; e < SLICE; ++e) {
-      partial_out[base * D + KV::dim(lane, e)] = o[e];
+      outputs.partial_out[base * D + KV::dim(lane, e)] = o[e];
     }
     if (lane == 0) {
-      partial_stats[base * 2] = m;
-      partial_stats[base * 2 + 1] = l;
+      outputs.partial_stats[base * 2] = m;
+      outputs.partial_stats[base * 2 + 1] = l;
     }
   }
+}
+
+// decode_split writing the split's partial (the paged and quantized kernels,
+// merged by their merge dispatch).
+template <typename T, int D, int MASK, typename KV>
+inline void decode_partial(
+    thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
+    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
+    uint3 groups, uint sg, uint lane) {
+  const DecodeOutputs<T> outputs = {partial_out, partial_stats, false, nullptr, nullptr, nullptr};
+  decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 
 template <typename T, int D, int MASK>
@@ -290,6 +386,9 @@ template <typename T, int D, int MASK>
     const device uchar* mask [[buffer(4)]],
     device float* partial_out [[buffer(5)]],    // [B, Hkv, splits, rows, D]
     device float* partial_stats [[buffer(6)]],  // [B, Hkv, splits, rows, 2]: max, sum
+    const device T* sinks [[buffer(7)]],
+    device T* out [[buffer(8)]],                // one split: written here, no merge
+    device float* lse [[buffer(9)]],
     uint3 group_id [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -298,52 +397,64 @@ template <typename T, int D, int MASK>
   ContiguousKV<T, D> kv;
   kv.k = k;
   kv.v = v;
-  decode_partial<T, D, MASK>(kv, q, p, mask, partial_out, partial_stats, states, group_id, groups, sg, lane);
+  // the launch plan dispatches no merge when it picks one split
+  const DecodeOutputs<T> outputs = {partial_out, partial_stats, groups.x == 1, sinks, out, lse};
+  decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
+}
+
+// Split s's weight at the common max m: its partial rescaled (base: its
+// partial row).
+inline float split_weight(const device float* partial_stats, long base, float m) {
+  return fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);
 }
 
 // Merges one row's split partials (split s at partial row first + s * stride)
 // into its output row `out_row` and, when lse_row is not null, its row
-// log-sum-exp: rescale to the common max, sinks join the sum, normalize
-// (rows that saw nothing give zeros). One simdgroup per row; query head h.
+// log-sum-exp: rescale to the common max, then decode_write_row (sinks,
+// normalize). One simdgroup per row; query head h. The splits' max and sum
+// are read across the lanes (lane j: splits j, j + 32, ...: one load round
+// for up to 32 splits) and reduced with simd_max / simd_sum; the output
+// slices split by split, the next split's loaded before this split's FMAs
+// (loads in flight, as decode_keys' prefetch).
 template <typename T, int D>
 inline void merge_splits(
     const device float* partial_out, const device float* partial_stats, long first, long stride, int splits,
     const device T* sinks, constant AttentionParams& p, int h, device T* out_row, device float* lse_row, uint lane) {
   constexpr int SLICE = D / 32;
-  float m = MLX_ATTN_MASKED_LOGIT;
-  for (int s = 0; s < splits; ++s) {
-    m = max(m, partial_stats[(first + s * stride) * 2]);
+  float lane_max = MLX_ATTN_MASKED_LOGIT;
+  for (int s = int(lane); s < splits; s += 32) {
+    lane_max = max(lane_max, partial_stats[(first + s * stride) * 2]);
   }
-  float l = 0.0f;
+  const float m = simd_max(lane_max);
+  float lane_sum = 0.0f;
+  for (int s = int(lane); s < splits; s += 32) {
+    const long base = first + s * stride;
+    lane_sum += partial_stats[base * 2 + 1] * split_weight(partial_stats, base, m);  // rescale to the common max
+  }
+  const float l = simd_sum(lane_sum);
   float o[SLICE];
+  float next[SLICE];
   for (int e = 0; e < SLICE; ++e) {
     o[e] = 0.0f;
+    next[e] = splits > 0 ? partial_out[first * D + DecodeLayout<D>::dim(lane, e)] : 0.0f;
   }
   for (int s = 0; s < splits; ++s) {
     const long base = first + s * stride;
-    const float weight = fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);  // rescale to the common max
-    l += partial_stats[base * 2 + 1] * weight;
+    float slice[SLICE];
     for (int e = 0; e < SLICE; ++e) {
-      o[e] += partial_out[base * D + DecodeLayout<D>::dim(lane, e)] * weight;
+      slice[e] = next[e];
+    }
+    if (s + 1 < splits) {
+      for (int e = 0; e < SLICE; ++e) {
+        next[e] = partial_out[(base + stride) * D + DecodeLayout<D>::dim(lane, e)];
+      }
+    }
+    const float weight = split_weight(partial_stats, base, m);
+    for (int e = 0; e < SLICE; ++e) {
+      o[e] += slice[e] * weight;
     }
   }
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  float correction = 1.0f;
-  if (p.has_sinks != 0) {
-    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-    const float m_final = max(m, sink);
-    correction = fast::exp2((m - m_final) * MLX_ATTN_LOG2E);
-    l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
-    m = m_final;
-  }
-  const float factor = l > 0.0f ? correction / l : 0.0f;
-  for (int e = 0; e < SLICE; ++e) {
-    out_row[DecodeLayout<D>::dim(lane, e)] = T(o[e] * factor);
-  }
-  if (lse_row != nullptr && lane == 0) {
-    // a row that saw nothing: -inf, written as bits (fast math has no infinities)
-    *lse_row = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
-  }
+  decode_write_row<T, SLICE, DecodeLayout<D>>(m, l, o, sinks, p, h, out_row, lse_row, lane);
 }
 
 // One simdgroup per (row, KV head, batch): merge the splits' partials.

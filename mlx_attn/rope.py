@@ -51,6 +51,11 @@ def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx
     return (scale * positions.astype(mx.float32))[:, None] * inv_freq[None, :]
 
 
+# (dims, base, scale) -> (positions array, cos, sin) of the last per-step
+# positions rotated: one entry per parameter set, so it stays small
+_LAST_ROTATION: dict[tuple, tuple[mx.array, mx.array, mx.array]] = {}
+
+
 class RoPE(nn.Module):
     """``RoPE(dims, base=10000.0, traditional=False, scale=1.0)``; call with
     ``x [..., T, features]`` and the position ``offset`` of its first step
@@ -85,15 +90,29 @@ class RoPE(nn.Module):
         offset = check_int("RoPE offset", offset, minimum=0, maximum=MAX_DIM - length)
         return mx.arange(length) + offset
 
+    def _rotation(self, length: int, offset) -> tuple[mx.array, mx.array]:
+        """cos and sin of the angles; a position array met again (a step's
+        packed positions, passed to every layer's queries and keys) reuses the
+        graph of its last rotation with the same parameters."""
+        key = (self.dims, self.base, self.scale)
+        if isinstance(offset, mx.array) and offset.ndim == 1:
+            last = _LAST_ROTATION.get(key)
+            if last is not None and last[0] is offset and offset.shape[0] == length:
+                return last[1], last[2]
+        positions = self._positions(length, offset)
+        angles = rope_angles(positions, self.dims, self.base, self.scale)
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        if isinstance(offset, mx.array) and offset.ndim == 1:
+            _LAST_ROTATION[key] = (offset, cos, sin)  # holds offset: its id cannot be reused meanwhile
+        return cos, sin
+
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         check_array("RoPE input x", x, floating=True)
         if x.ndim < 2:
             raise ValueError(f"RoPE expects [..., T, features], got shape {x.shape}")
         if x.shape[-1] < self.dims:
             raise ValueError(f"RoPE over {self.dims} dims but x has only {x.shape[-1]} features")
-        positions = self._positions(x.shape[-2], offset)
-        angles = rope_angles(positions, self.dims, self.base, self.scale)
-        cos, sin = mx.cos(angles), mx.sin(angles)  # [T, dims/2]
+        cos, sin = self._rotation(x.shape[-2], offset)  # [T, dims/2]
 
         rotated, rest = x[..., : self.dims], x[..., self.dims :]
         rotated = rotated.astype(mx.float32)

@@ -116,3 +116,68 @@ def test_register_estimate_follows_the_tiles():
     assert wide - small == 2 * 2 * (128 - 64) // 8 + math.ceil(32 * 64 * 2 / 4 / 128)
     # the issue's D = 256 case: Q and O alone are 128 floats per lane, over the budget
     assert cm.steel_registers(cm.our_prefill_tile(256, 8, "fast")) > cm.M2_MAX.register_budget
+
+
+def test_a_lone_simdgroup_waits_for_its_dependent_instructions():
+    """Turner's measurements: one simdgroup per scheduler issues FFMA32 once
+    per ~11 cycles at ILP 1, so an ALU block of few simdgroups is bound by
+    its dependency chains; independent chains (ILP) or more simdgroups on
+    the core hide them. MMA steps have independent accumulators: no stall."""
+    gpu = cm.M2_MAX
+    alu = cm.Kernel("k", gpu.cores, 128, 32, 0, 100, cm.Block({"fma": 100}, load_rounds=0), 0.0, 0.0, 0.0)
+    lone = cm.predict(alu, gpu)
+    assert lone["bound"] == "latency"
+    # 100 blocks of 100 FMAs, each 11.34 / 2 cycles apart (ILP 2), against 100 cycles of issue a block
+    assert lone["core_seconds"] * gpu.clock_hz == pytest.approx(100 * 100 * 11.34 / 2, rel=0.01)
+    wide = cm.predict(cm.replace(alu, block=cm.Block({"fma": 100}, load_rounds=0, ilp=8)), gpu)
+    assert wide["seconds"] < lone["seconds"]
+    crowded = cm.predict(cm.replace(alu, threads=1024, threadgroups=3 * gpu.cores), gpu)  # 96 simdgroups per core
+    assert crowded["bound"] == "issue"
+    mma = cm.predict(cm.replace(alu, block=cm.Block({"mma": 100}, load_rounds=0)), gpu)
+    assert mma["core_seconds"] * gpu.clock_hz == pytest.approx(100 * 100 * cm.CYCLES["mma"], rel=0.01)
+
+
+def test_steel_wn2_pays_the_score_exchange():
+    """steel_attention.h with WN = 2: each simdgroup stores its half-D
+    partial S and reads its peer's, behind two more barriers a block."""
+    gpu = cm.M2_MAX
+    one = cm.prefill_kernel("s", cm.PrefillTile(32, 32, 128, 4, 1), 1, 8, 8, 1024, 1024, False, gpu)
+    two = cm.prefill_kernel("s", cm.PrefillTile(64, 32, 128, 8, 2), 1, 8, 8, 1024, 1024, False, gpu)
+    assert (one.block.barriers, two.block.barriers) == (4, 6)
+    elems = 2 * 1 * 4  # S elements per lane: TQ = 1, BK / 8 = 4 tiles of 2
+    half_d = 1 * 4 * 8  # TQ x TK x TD/2 fragments of Q (threadgroup) and K, and V
+    assert two.block.counts["threadgroup_load"] == 2 * half_d + half_d + 2 * elems
+
+
+def test_decode_registers_are_the_compiled_rows_and_prefetch_adds_a_key():
+    """DecodeRows<R, SLICE> holds R rows whatever the GQA group: D = 128,
+    R = 8, a group of 4 takes the registers of 8 rows; the prefetch holds a
+    second key's K/V slices (2 x D/32)."""
+    gpu = cm.M2_MAX
+    (four, _) = cm.our_decode_kernels(1, 4, 1, 4096, 128, gpu, 4, 8)
+    (eight, _) = cm.our_decode_kernels(1, 8, 1, 4096, 128, gpu, 4, 8)
+    (ahead, _) = cm.our_decode_kernels(1, 8, 1, 4096, 128, gpu, 4, 8, prefetch=2)
+    assert four.registers == eight.registers == 2 * 8 * 4 + 2 * 8 + 2 * 4 + 20
+    assert ahead.registers == eight.registers + 2 * 4
+    assert four.threadgroup_memory == eight.threadgroup_memory == 3 * 8 * (128 + 2) * 4
+
+
+def test_decode_row_chunks_of_a_head_share_its_kv_in_the_cache():
+    """GQA 32 at D = 128: 4 row chunks per KV head read the same split of
+    its K/V, resident together: DRAM reads it about once."""
+    gpu = cm.M2_MAX
+    (partial, _) = cm.our_decode_kernels(1, 32, 1, 4096, 128, gpu, 8, 8)
+    kv_bytes = 2 * 4096 * 128 * 2
+    assert partial.device_bytes > 4 * kv_bytes
+    assert kv_bytes <= partial.dram_bytes < 1.2 * kv_bytes
+
+
+def test_the_lane_merge_reads_splits_in_parallel():
+    """merge_splits now reads the splits' max and sum across the lanes and
+    loads the next split's slice ahead: with many splits it is faster than
+    the merge that waited for each split in turn."""
+    gpu = cm.M2_MAX
+    old = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8)[1]
+    new = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8, lane_merge=True)[1]
+    assert new.prefetch == 2 and new.fixed_load_rounds == 2 * 2  # max and sum, 2 rounds of 32 splits
+    assert cm.predict(new, gpu)["seconds"] < cm.predict(old, gpu)["seconds"]

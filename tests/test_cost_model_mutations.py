@@ -27,6 +27,16 @@ MUTANTS = {
     "decode: always a merge dispatch": ("merged = single_dispatch and splits == 1", "merged = False"),
     "prefill: P V MMAs not counted": ("mma = tq * tk * td * 2 ", "mma = tq * tk * td "),
     "registers: O not counted": ("return o + s + k + q + v + staged + rows + 20", "return s + k + q + v + staged + rows + 20"),
+    "a lone simdgroup issues every cycle": (
+        "return mma * MMA_DEPENDENT_LATENCY + (block_issue - mma) * max(1.0, ALU_DEPENDENT_LATENCY / block.ilp)",
+        "return block_issue"),
+    "independent chains ignored": ("max(1.0, ALU_DEPENDENT_LATENCY / block.ilp)", "ALU_DEPENDENT_LATENCY / 2"),
+    "steel WN=2: exchange barriers not counted": ("        barriers += 2\n", "        barriers += 0\n"),
+    "decode: registers of the live rows only": (
+        "regs = 2 * big_r * per_lane + 2 * big_r +", "regs = 2 * r * per_lane + 2 * r +"),
+    "decode: prefetch holds no second key": ("2 * per_lane * (2 if prefetch > 1 else 1)", "2 * per_lane"),
+    "decode: row chunks read K/V from DRAM each": ("order = [(b, y // chunks, x)", "order = [(b, y, x)"),
+    "merge: split stats read one split at a time": ("stat_rounds = 2 * math.ceil(splits / 32)", "stat_rounds = 2 * splits"),
 }
 
 

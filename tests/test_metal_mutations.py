@@ -61,7 +61,7 @@ MUTANTS = {
     "decode: causal comparison flipped": (DECODE, "replace", "key <= pos &&", "key < pos &&"),
     "decode: accumulator rescale dropped": (DECODE, "replace", "rows.o[i][e] * alpha + prob", "rows.o[i][e] + prob"),
     "decode: split range off by one": (DECODE, "replace", "split * chunk + chunk)", "split * chunk + chunk - 1)"),
-    "decode: merge rescale dropped": (DECODE, "replace", "const float weight = fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);", "const float weight = 1.0f;"),
+    "decode: merge rescale dropped": (DECODE, "replace", "return fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);", "return 1.0f;"),
     "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end; key += 1"),
     "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end - 1; key += MLX_ATTN_DECODE_SIMDGROUPS"),
     "decode: simdgroup combine rescale dropped": (DECODE, "replace", "const float their_weight = fast::exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
@@ -116,14 +116,29 @@ MUTANTS = {
         PREFILL, "replace", "logit.value = additive_masked_logit(logit.value, added);",
         "logit.value = SOFTCAP ? softcap_logit(additive_masked_logit(saturate_logit(raw), added), p.softcap)"
         " : additive_masked_logit(logit.value, added);"),
+    # one split: the partial kernel writes the normalized output itself
+    "decode: one split writes partials nobody merges": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, false, sinks"),
+    "decode: one split writes every position's output to the first": (DECODE, "replace", "* p.q_len + (r0 + i) % p.q_len;", "* p.q_len;"),
+    # prefetch: the next key's K/V loaded during the current key's math
+    "decode: prefetch reloads the current key": (DECODE, "replace", "kv.load(next, lane, k_next, v_next);", "kv.load(key, lane, k_next, v_next);"),
+    # the rest of the one-split, prefetch and lane-merge mutants: the full grid (CI budget)
+    **({"decode: every split writes the output directly": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, true, sinks"),
+        "decode: one split takes the group's first query head": (DECODE, "replace", "const int h = kv_head * p.group + (r0 + i) / p.q_len;", "const int h = kv_head * p.group;"),
+        "decode: one split writes no lse": (DECODE, "replace", "p.output_lse != 0 ? outputs.lse + row : nullptr", "nullptr"),
+        "decode: first key not prefetched": (DECODE, "replace", "if (PREFETCH && key < kv_end) {", "if (false) {"),
+        "decode: prefetch skips the last key": (DECODE, "replace", "if (next < kv_end) {", "if (next < kv_end - 1) {"),
+        "decode: merge max taken from one lane": (DECODE, "replace", "const float m = simd_max(lane_max);", "const float m = lane_max;"),
+        "decode: merge sums not added across lanes": (DECODE, "replace", "const float l = simd_sum(lane_sum);", "const float l = lane_sum;"),
+        "decode: merge loads the current split again, not the next": (DECODE, "replace", "partial_out[(base + stride) * D", "partial_out[base * D"),
+        } if FULL_GRID else {}),
     "decode: softcap variant never taken": (DECODE, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
     "prefill: softcap edge blocks taken as interior": (
         PREFILL, "replace", "prefill_logits<T, BK, MASK, true, true>", "prefill_logits<T, BK, MASK, false, true>"),
     # the same kinds of faults in the other family: under MLX_ATTN_FULL_GRID=1 (CI time)
     **({"prefill: softcap variant never taken": (PREFILL, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
         "decode: softcap edge keys taken as interior": (
-            DECODE, "replace", "decode_key<T, R, KV::SLICE, MASK, true, true>",
-            "decode_key<T, R, KV::SLICE, MASK, false, true>")} if FULL_GRID else {}),
+            DECODE, "replace", "decode_key<T, R, SLICE, MASK, true, true>",
+            "decode_key<T, R, SLICE, MASK, false, true>")} if FULL_GRID else {}),
 }
 
 

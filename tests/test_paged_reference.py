@@ -1,9 +1,8 @@
-"""mlx_attn.paged, the reference path (backend="reference"): paged, ragged attention against a float64 NumPy oracle
-written here (key by key through the block table, not by the code under test)."""
+"""mlx_attn.paged, the reference path (backend="reference"): paged, ragged attention against the float64 NumPy
+oracle of tests/paged_cases.py (through the block table, not by the code under test)."""
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -12,72 +11,9 @@ from hypothesis import given, settings, HealthCheck
 from hypothesis import strategies as st
 
 from mlx_attn.paged import paged_attention, paged_attention_path, quantized_paged_attention
+from paged_cases import MIXED, as64, make_case, oracle
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
-
-
-def oracle(q, k_pages, v_pages, table, kv_lens, q_lens, scale, causal=True, window=None, sinks=None):
-    """float64 paged attention, one row at a time: the key at position j of
-    sequence b is slot j % P of page table[b, j // P]."""
-    q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
-    heads, kv_heads, page_size = q.shape[1], k_pages.shape[1], k_pages.shape[2]
-    group = heads // kv_heads
-    out = np.zeros((q.shape[0], heads, v_pages.shape[3]))
-    lse = np.full((q.shape[0], heads), -np.inf)
-    row = 0
-    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        keys = np.stack([k_pages[table[b][j // page_size], :, j % page_size] for j in range(kv_len)]) if kv_len else None
-        values = np.stack([v_pages[table[b][j // page_size], :, j % page_size] for j in range(kv_len)]) if kv_len else None
-        for i in range(q_len):
-            position = kv_len - q_len + i
-            visible = [j for j in range(kv_len)
-                       if (not causal or j <= position) and (window is None or j > position - window)]
-            for h in range(heads):
-                logits = [scale * q[row, h] @ keys[j, h // group] for j in visible]
-                extra = [] if sinks is None else [float(sinks[h])]
-                everything = np.array(logits + extra)
-                if len(logits) == 0:
-                    if extra:
-                        lse[row, h] = extra[0]
-                    continue
-                top = everything.max()
-                weights = np.exp(everything - top)
-                total = weights.sum()
-                lse[row, h] = top + np.log(total)
-                out[row, h] = sum(w * values[j, h // group] for w, j in zip(weights[: len(visible)], visible)) / total
-            row += 1
-    return out, lse
-
-
-def make_case(rng, seqs, *, heads=4, kv_heads=2, dim=16, value_dim=None, page_size=4, dtype=mx.float32,
-              spare_pages=2, share=True):
-    """Random pages and a block table for ``seqs = [(q_len, kv_len), ...]``;
-    with ``share`` every sequence reads the first page of the first one."""
-    value_dim = value_dim or dim
-    q_lens = [s[0] for s in seqs]
-    kv_lens = [s[1] for s in seqs]
-    needed = [math.ceil(kv / page_size) for kv in kv_lens]
-    num_pages = sum(needed) + spare_pages
-    order = rng.permutation(num_pages).tolist()  # pages scattered in the pool
-    max_pages = max(needed + [1])
-    table = np.full((len(seqs), max_pages), -1, np.int32)
-    for b, n in enumerate(needed):
-        for j in range(n):
-            table[b, j] = order.pop()
-    if share and len(seqs) > 1 and needed[0]:
-        for b in range(1, len(seqs)):
-            if needed[b]:
-                table[b, 0] = table[0, 0]
-    as_dtype = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
-    q = as_dtype(rng.standard_normal((sum(q_lens), heads, dim)))
-    k = as_dtype(rng.standard_normal((num_pages, kv_heads, page_size, dim)))
-    v = as_dtype(rng.standard_normal((num_pages, kv_heads, page_size, value_dim)))
-    ints = lambda a: mx.array(np.asarray(a, np.int32))  # noqa: E731
-    return q, k, v, ints(table), ints(kv_lens), ints(q_lens), table, kv_lens, q_lens
-
-
-def as64(a):
-    return np.asarray(a.astype(mx.float32), np.float64)
 
 
 def check(case, *, dtype=mx.float32, scale=0.37, causal=True, window=None, sinks=None, lse=True,
@@ -93,11 +29,6 @@ def check(case, *, dtype=mx.float32, scale=0.37, causal=True, window=None, sinks
     if lse:
         assert got_lse.dtype == mx.float32 and got_lse.shape == q.shape[:2]
         np.testing.assert_allclose(np.asarray(got_lse), want_lse, atol=1e-4, rtol=1e-4)
-
-
-# mixed: decode rows, a chunked-prefill chunk in the middle of a sequence, a
-# whole prompt, lengths that page_size 4 does not divide
-MIXED = [(1, 9), (5, 13), (1, 1), (7, 7), (1, 4)]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

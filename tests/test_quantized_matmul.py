@@ -1,7 +1,8 @@
 """Row-adaptive quantized layers (mlx_attn/lm/quantized_matmul.py): on the CPU
-many rows multiply a dequantized float32 weight, one row keeps MLX's quantized
-kernel; both give x @ W.T for the dequantized W (a float64 NumPy product is
-the oracle)."""
+many rows multiply a dequantized float32 weight, a few rows go through the
+fused matrix-vector product (``_ext.quantized_matvec``); both give x @ W.T
+for the dequantized W (a float64 NumPy product of codes, scales and biases
+is the oracle)."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,16 +43,18 @@ def test_quantized_linear_matches_the_dequantized_product(bits, rows, bias):
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
 
 
-def test_many_rows_take_the_dequantized_product_and_one_row_the_quantized_kernel(monkeypatch):
+def test_many_rows_take_the_dequantized_product_and_few_rows_the_fused_matvec(monkeypatch):
     layer = _quantized_linear(64, 64, 4)
     calls = []
-    monkeypatch.setattr(quantized_matmul, "dequantized_matmul",
-                        lambda x, lay: calls.append(x.shape) or mx.zeros((*x.shape[:-1], 64)))
+    for name in ("dequantized_matmul", "fused_matvec"):
+        monkeypatch.setattr(quantized_matmul, name,
+                            lambda x, lay, name=name: calls.append((name, x.shape)) or mx.zeros((*x.shape[:-1], 64)))
     layer(mx.ones((1, 1, 64)))
     layer(mx.ones((1, quantized_matmul.DEQUANTIZED_MATMUL_ROWS - 1, 64)))
-    assert calls == []
+    assert calls == [("fused_matvec", (1, 1, 64)), ("fused_matvec", (1, quantized_matmul.DEQUANTIZED_MATMUL_ROWS - 1, 64))]
+    calls.clear()
     layer(mx.ones((2, quantized_matmul.DEQUANTIZED_MATMUL_ROWS // 2, 64)))
-    assert calls == [(2, quantized_matmul.DEQUANTIZED_MATMUL_ROWS // 2, 64)]
+    assert calls == [("dequantized_matmul", (2, quantized_matmul.DEQUANTIZED_MATMUL_ROWS // 2, 64))]
 
 
 def test_output_rows_are_dequantized_in_slices(monkeypatch):
@@ -122,3 +125,93 @@ def test_half_precision_scales_dequantize_in_float32():
     weight = codes * np.repeat(scales, 32, axis=1) + np.repeat(biases, 32, axis=1)
     expected = np.array(x, dtype=np.float64) @ weight.T
     np.testing.assert_allclose(np.array(layer(x)), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the fused matrix-vector product
+def _codes_oracle(codes: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> np.ndarray:
+    """W in float64 from the packed words unpacked in NumPy (little-endian
+    fields of ``bits`` bits), independent of mx.dequantize."""
+    words = np.array(codes).astype(np.uint64)
+    per_word = 32 // bits
+    fields = (words[:, :, None] >> (bits * np.arange(per_word, dtype=np.uint64))) & ((1 << bits) - 1)
+    q = fields.reshape(words.shape[0], -1).astype(np.float64)
+    s = np.repeat(np.array(scales.astype(mx.float32), dtype=np.float64), group_size, axis=1)
+    b = np.repeat(np.array(biases.astype(mx.float32), dtype=np.float64), group_size, axis=1)
+    return q * s + b
+
+
+@pytest.mark.parametrize("isa", ["generic", "widest"])
+@pytest.mark.parametrize("bits,group_size,scale_dtype", [(4, 32, mx.float16), (8, 32, mx.bfloat16),
+                                                         (4, 64, mx.float32), (8, 128, mx.float16),
+                                                         (4, 128, mx.bfloat16)])
+def test_fused_matvec_matches_the_float64_product_of_the_codes(isa, bits, group_size, scale_dtype):
+    """Each compiled copy (the generic one and the widest this CPU runs),
+    rows 1 to 11 (past one pass of 8), an output count no task multiple."""
+    from mlx_attn import _ext
+
+    previous = _ext.cpu_isa()
+    _ext.set_cpu_isa("generic" if isa == "generic" else _ext.supported_cpu_isas()[0])
+    try:
+        n, k = 97, 2 * group_size + 128 if group_size < 128 else 256
+        w = mx.random.normal((n, k), key=mx.random.key(bits * group_size)).astype(scale_dtype)
+        codes, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        weight = _codes_oracle(codes, scales, biases, group_size, bits)
+        for rows in (1, 3, 8, 11):
+            x = mx.random.normal((rows, k), key=mx.random.key(rows))
+            got = _ext.quantized_matvec(x, codes, scales, biases, group_size, bits)
+            assert got.dtype == mx.float32 and got.shape == (rows, n)
+            np.testing.assert_allclose(np.array(got), np.array(x, dtype=np.float64) @ weight.T, rtol=1e-5, atol=1e-4)
+    finally:
+        _ext.set_cpu_isa(previous)
+
+
+def test_fused_matvec_gradient_reaches_x():
+    from mlx_attn import _ext
+
+    w = mx.random.normal((40, 64), key=mx.random.key(2))
+    codes, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    weight = _codes_oracle(codes, scales, biases, 32, 4)
+    x = mx.random.normal((2, 64), key=mx.random.key(3))
+    cotangent = np.array(mx.random.normal((2, 40), key=mx.random.key(4)), dtype=np.float64)
+    grad = mx.grad(lambda v: (_ext.quantized_matvec(v, codes, scales, biases, 32, 4) * mx.array(cotangent)).sum())(x)
+    np.testing.assert_allclose(np.array(grad), cotangent @ weight, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(bits=3), "bits must be 4 or 8"),
+    (dict(group_size=16), "group_size must be 32, 64 or 128"),
+    (dict(x=mx.ones((2, 64), dtype=mx.float16)), "x must be float32"),
+    (dict(x=mx.ones((2, 96))), "do not hold 96 columns"),
+    (dict(x=mx.ones((64,))), "x must be \\[rows, k\\]"),
+    (dict(scales=mx.ones((8, 3))), "scales must be \\[8, 2\\]"),
+    (dict(biases=mx.ones((8, 2), dtype=mx.float16)), "biases must have the scales' dtype"),
+    (dict(codes=mx.ones((8, 8), dtype=mx.int32)), "codes must be uint32"),
+])
+def test_fused_matvec_names_what_is_wrong(change, message):
+    from mlx_attn import _ext
+
+    codes, scales, biases = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)
+    args = dict(x=mx.ones((2, 64)), codes=codes, scales=scales, biases=biases, group_size=32, bits=4) | change
+    with pytest.raises(ValueError, match=message):
+        _ext.quantized_matvec(args["x"], args["codes"], args["scales"], args["biases"], args["group_size"],
+                              args["bits"])
+
+
+def test_held_float32_weights_serve_many_rows_and_the_codes_few():
+    """hold_float32_weights: many rows multiply the held weight (no
+    dequantization per call), few rows still read the packed codes; both
+    the float64 product."""
+    from mlx_attn.lm.quantized_matmul import float32_weight, hold_float32_weights
+
+    mx.random.seed(13)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=32, bits=4)
+    hold_float32_weights(model)
+    layer = model.layers[0]
+    weight = _codes_oracle(layer["weight"], layer["scales"], layer["biases"], 32, 4)
+    np.testing.assert_array_equal(np.array(float32_weight(layer), dtype=np.float64), weight.astype(np.float32))
+    assert "_float32_weight" not in dict(layer.parameters())  # held beside the parameters, not saved with them
+    for rows in (2, 16):
+        x = mx.random.normal((rows, 64), key=mx.random.key(rows))
+        np.testing.assert_allclose(np.array(layer(x)), np.array(x, dtype=np.float64) @ weight.T, rtol=1e-5, atol=1e-4)

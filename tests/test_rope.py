@@ -64,3 +64,18 @@ def test_invalid(dims):
         RoPE(dims)
     with pytest.raises(ValueError, match="features"):
         RoPE(8)(mx.zeros((1, 4, 6)))
+
+
+def test_a_position_array_met_again_rotates_as_a_fresh_one():
+    """The per-step positions reused by every layer share one rotation; a
+    new array of other positions (the next step) is rotated anew."""
+    rope = RoPE(16, base=500.0)
+    x = mx.random.normal((1, 2, 3, 16), key=mx.random.key(0))
+    first = mx.array([4, 0, 9], dtype=mx.int32)
+    a = rope(x, first)
+    b = RoPE(16, base=500.0)(x, first)  # another layer's module, same step
+    second = mx.array([5, 1, 10], dtype=mx.int32)
+    c = rope(x, second)
+    for got, positions in ((a, [4, 0, 9]), (b, [4, 0, 9]), (c, [5, 1, 10])):
+        want = mx.concatenate([rope(x[:, :, i:i + 1], positions[i]) for i in range(3)], axis=2)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)

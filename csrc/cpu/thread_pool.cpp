@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <exception>
+#include <stdexcept>
 
 namespace mlx_attn::cpu {
 
@@ -20,21 +21,41 @@ ThreadPool::~ThreadPool() {
   for (auto& w : workers_) w.join();
 }
 
+bool ThreadPool::claim(uint32_t generation, int64_t total, int64_t* index) {
+  uint64_t current = next_.load();
+  while (true) {
+    if (uint32_t(current >> 32) != generation) return false;
+    const int64_t i = int64_t(current & 0xffffffffu);
+    if (i >= total) return false;
+    if (next_.compare_exchange_weak(current, current + 1)) {
+      *index = i;
+      return true;
+    }
+  }
+}
+
+void ThreadPool::finished_one() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (++done_count_ == total_) done_.notify_all();
+}
+
 void ThreadPool::worker_loop(int slot) {
-  uint64_t seen = 0;
+  uint32_t seen = 0;
   while (true) {
     const std::function<void(int64_t, int)>* body;
+    int64_t total;
+    uint32_t generation;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
-      seen = generation_;
+      seen = generation = generation_;
       body = body_;
+      total = total_;
     }
-    for (int64_t i; (i = next_.fetch_add(1)) < total_;) (*body)(i, slot);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--busy_ == 0) done_.notify_all();
+    for (int64_t i; claim(generation, total, &i);) {
+      (*body)(i, slot);
+      finished_one();
     }
   }
 }
@@ -48,18 +69,25 @@ void ThreadPool::parallel_for(
     for (int64_t i = 0; i < n; ++i) body(i, 0);
     return;
   }
+  if (n > int64_t(0xffffffffu)) {
+    throw std::invalid_argument("parallel_for over more than 2^32 - 1 indices");
+  }
+  uint32_t generation;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     body_ = &body;
     total_ = n;
-    next_ = 0;
-    busy_ = int(workers_.size());
-    ++generation_;
+    done_count_ = 0;
+    generation = ++generation_;
+    next_ = uint64_t(generation) << 32;
   }
   wake_.notify_all();
-  for (int64_t i; (i = next_.fetch_add(1)) < n;) body(i, 0);
+  for (int64_t i; claim(generation, n, &i);) {
+    body(i, 0);
+    finished_one();
+  }
   std::unique_lock<std::mutex> lock(mutex_);
-  done_.wait(lock, [&] { return busy_ == 0; });
+  done_.wait(lock, [&] { return done_count_ == n; });
 }
 
 ThreadPool& thread_pool() {

@@ -1,5 +1,7 @@
 #include "csrc/metal/metal_sources.h"
 
+#include <algorithm>
+#include <array>
 #include <stdexcept>
 #include <string>
 
@@ -52,18 +54,24 @@ bool instantiation_line(std::string_view line) {
 }  // namespace
 
 // The families whose kernels compile one at a time: a kernel name is the
-// prefix, then <dtype>_d<D>[_dv<DV>]_bk<BK>[mask suffix]; `macro` is the
-// family's per-kernel instantiation macro in its .metal file (its host name
-// is the kernel name again). Longer prefixes first.
+// prefix, then <dtype>, then the family's fields in order (`_<tag><digits>`
+// each: _d<D>, _dv<DV>, _bk<BK>, _b<BITS>), then, for a family instantiated
+// per mask kind, the mask suffix; `macro` is the family's per-kernel
+// instantiation macro in its .metal file, called with ("<mask suffix>",
+// <mask kind>,) <dtype>, <MSL type>, <fields...> (its host name is the kernel
+// name again). Longer prefixes first.
 struct VariantFamily {
   std::string_view prefix, macro;
-  bool value_dim;   // the name carries _dv<DV>
-  bool mask_kinds;  // instantiated per mask kind: the macro takes (suffix, kind, ...) first
+  std::array<std::string_view, 3> fields;  // tags, "" past the last
+  bool masked;                             // instantiated per mask kind
 };
 constexpr VariantFamily kVariantFamilies[] = {
-    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", true, true},
-    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", false, true},
-    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", false, false},
+    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", {"d", "dv", "bk"}, true},
+    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", {"d", "bk", ""}, true},
+    {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "", ""}, true},
+    {"attention_decode_merge_", "MLX_ATTN_DECODE_MERGE", {"d", "", ""}, false},
+    {"attention_quantized_decode_partial_", "MLX_ATTN_QUANTIZED_DECODE_MASK", {"d", "b", ""}, true},
+    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", {"d", "bk", ""}, false},
 };
 
 std::string variant_source(std::string_view kernel) {
@@ -76,31 +84,36 @@ std::string variant_source(std::string_view kernel) {
   }
   if (!family) return {};
   std::string_view rest = kernel.substr(family->prefix.size());
-  // the mask suffix, then <dtype>_d<D>[_dv<DV>]_bk<BK>
+  // the mask suffix, then <dtype>_<tag><digits>...
   std::string_view mask_suffix, mask = "MLX_ATTN_MASK_NONE";
-  for (auto [suffix, kind] : {std::pair<std::string_view, std::string_view>{"_mask_bool", "MLX_ATTN_MASK_BOOL"},
-                              {"_mask_additive", "MLX_ATTN_MASK_ADDITIVE"}}) {
-    if (rest.ends_with(suffix)) {
-      if (!family->mask_kinds) return {};
-      mask_suffix = suffix;
-      mask = kind;
-      rest.remove_suffix(suffix.size());
+  if (family->masked) {
+    for (auto [suffix, kind] : {std::pair<std::string_view, std::string_view>{"_mask_bool", "MLX_ATTN_MASK_BOOL"},
+                                {"_mask_additive", "MLX_ATTN_MASK_ADDITIVE"}}) {
+      if (rest.ends_with(suffix)) {
+        mask_suffix = suffix;
+        mask = kind;
+        rest.remove_suffix(suffix.size());
+      }
     }
   }
-  const size_t d_at = rest.find("_d");
-  const size_t bk_at = rest.find("_bk");
-  if (d_at == std::string_view::npos || bk_at == std::string_view::npos || bk_at < d_at) return {};
-  const std::string_view dtype = rest.substr(0, d_at);
-  std::string_view d = rest.substr(d_at + 2, bk_at - d_at - 2), dv;
-  if (family->value_dim) {
-    const size_t dv_at = d.find("_dv");
-    if (dv_at == std::string_view::npos) return {};
-    dv = d.substr(dv_at + 3);
-    d = d.substr(0, dv_at);
-    if (!all_digits(dv)) return {};
+  const size_t dtype_end = rest.find('_');
+  if (dtype_end == std::string_view::npos) return {};
+  const std::string_view dtype = rest.substr(0, dtype_end);
+  if (msl_type(dtype).empty()) return {};
+  rest.remove_prefix(dtype_end);
+  std::string arguments;
+  for (std::string_view tag : family->fields) {
+    if (tag.empty()) break;
+    // "_<tag><digits>", up to the next '_'
+    if (!rest.starts_with('_') || !rest.substr(1).starts_with(tag)) return {};
+    rest.remove_prefix(1 + tag.size());
+    const size_t end = std::min(rest.find('_'), rest.size());
+    const std::string_view value = rest.substr(0, end);
+    if (!all_digits(value)) return {};
+    arguments += ", " + std::string(value);
+    rest.remove_prefix(end);
   }
-  const std::string_view bk = rest.substr(bk_at + 3);
-  if (msl_type(dtype).empty() || !all_digits(d) || !all_digits(bk)) return {};
+  if (!rest.empty()) return {};
 
   const std::string_view text = source_for_kernel(kernel).text;
   std::string out;
@@ -114,10 +127,9 @@ std::string variant_source(std::string_view kernel) {
   }
   if (!out.empty() && out.back() != '\n') out += '\n';
   // The family's own per-kernel macro: the host name it builds is `kernel` again.
-  out += std::string(family->macro) + "(" +
-      (family->mask_kinds ? "\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", " : std::string()) +
-      std::string(dtype) + ", " + std::string(msl_type(dtype)) + ", " + std::string(d) + ", " +
-      (family->value_dim ? std::string(dv) + ", " : std::string()) + std::string(bk) + ")\n";
+  out += std::string(family->macro) + "(";
+  if (family->masked) out += "\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", ";
+  out += std::string(dtype) + ", " + std::string(msl_type(dtype)) + arguments + ")\n";
   return out;
 }
 

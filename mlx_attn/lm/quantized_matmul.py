@@ -7,10 +7,17 @@ So on the CPU, from ``DEQUANTIZED_MATMUL_ROWS`` rows on, a quantized layer
 dequantizes its weight (a transient the size of one layer, in slices of at
 most ``DEQUANTIZED_SLICE_ROWS`` output rows) and multiplies in float32:
 measured here with the system OpenBLAS (``mlx_attn.use_system_blas()``),
-20x faster at 512 rows, 4x at 16, slower below ~8. One row (decode) keeps
-MLX's quantized kernel, which reads 4 or 8 bits per weight instead of 32.
-On a GPU MLX's quantized kernels are the fast path at every row count, so
-nothing changes there. The stored weights stay quantized either way.
+20x faster at 512 rows, 4x at 16, slower below ~8. Fewer rows (decode)
+go through mlx_attn's fused CPU matrix-vector product
+(``_ext.quantized_matvec``, csrc/cpu/matvec_impl.h): it reads the packed
+4 or 8 bits per weight once for all rows and dequantizes in registers,
+where MLX's CPU quantized kernel costs about what a float32 product does.
+Both CPU paths compute with the same float32 weights, ``scale * code +
+bias``. Other bit widths and modes keep MLX's kernel. On a GPU MLX's
+quantized kernels are the fast path at every row count, so nothing changes
+there. The stored weights stay quantized either way; a caller that decodes
+many rows often (the serving engine) may also hold each layer's float32
+weight (:func:`hold_float32_weights`) instead of dequantizing it per call.
 
 ``benchmarks/bench_generate.py`` and ``benchmarks/bench_gemma3.py`` measure
 the effect on prompt speed.
@@ -21,14 +28,20 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "RowAdaptiveQuantizedLinear",
-           "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls"]
+__all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
+           "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
+           "hold_float32_weights", "float32_weight"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 8
 # output rows of a weight dequantized at once: bounds the transient (an output head of 262,144 x 640
 # would otherwise be 671 MB of float32 at once)
 DEQUANTIZED_SLICE_ROWS = 16384
+
+
+# weights the fused CPU matrix-vector product reads (affine mode)
+FUSED_MATVEC_BITS = (4, 8)
+FUSED_MATVEC_GROUP_SIZES = (32, 64, 128)
 
 
 def _rows(x: mx.array) -> int:
@@ -39,21 +52,58 @@ def _dequantized_rows(x: mx.array) -> bool:
     return _rows(x) >= DEQUANTIZED_MATMUL_ROWS and mx.default_device() == mx.cpu
 
 
+def _fused_matvec_rows(x: mx.array, layer) -> bool:
+    return (mx.default_device() == mx.cpu and 0 < _rows(x) < DEQUANTIZED_MATMUL_ROWS
+            and getattr(layer, "mode", "affine") == "affine" and layer.bits in FUSED_MATVEC_BITS
+            and layer.group_size in FUSED_MATVEC_GROUP_SIZES and layer.get("biases") is not None)
+
+
+def fused_matvec(x: mx.array, layer) -> mx.array:
+    """``x @ W.T`` for a few rows through ``_ext.quantized_matvec``, in
+    ``x``'s dtype."""
+    from mlx_attn import _ext
+
+    rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    out = _ext.quantized_matvec(rows, layer["weight"], layer["scales"], layer["biases"], layer.group_size,
+                                layer.bits)
+    return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+
+
+class _Held:
+    """An array kept beside a module's parameters, not among them (not saved,
+    not trained)."""
+
+    def __init__(self, array: mx.array):
+        self.array = array
+
+
+def _dequantized(layer, begin: int = 0, end: int | None = None) -> mx.array:
+    """Output rows [begin, end) of ``layer``'s weight in float32: scale * code
+    + bias in float32, as MLX's quantized kernel computes it (dequantizing in
+    the scales' own half dtype would round every weight once more)."""
+    weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    end = weight.shape[0] if end is None else end
+    return mx.dequantize(weight[begin:end], scales[begin:end].astype(mx.float32),
+                         None if biases is None else biases[begin:end].astype(mx.float32),
+                         group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+
+
+def float32_weight(layer) -> mx.array | None:
+    """The float32 weight ``hold_float32_weights`` gave ``layer``, if any."""
+    held = getattr(layer, "_float32_weight", None)
+    return None if held is None else held.array
+
+
 def dequantized_matmul(x: mx.array, layer) -> mx.array:
     """``x @ W.T`` for the quantized weight of ``layer`` (a quantized linear or
     embedding), through float32 slices of at most ``DEQUANTIZED_SLICE_ROWS``
     output rows, in ``x``'s dtype."""
-    weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     x32 = x.astype(mx.float32)
-    outputs = []
-    for begin in range(0, weight.shape[0], DEQUANTIZED_SLICE_ROWS):
-        end = begin + DEQUANTIZED_SLICE_ROWS
-        # scale * code + bias in float32, as MLX's quantized kernel computes it: dequantizing in the
-        # scales' own (half) dtype would round every weight once more
-        w = mx.dequantize(weight[begin:end], scales[begin:end].astype(mx.float32),
-                          None if biases is None else biases[begin:end].astype(mx.float32),
-                          group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-        outputs.append(x32 @ w.T)
+    held = float32_weight(layer)
+    if held is not None:
+        return (x32 @ held.T).astype(x.dtype)
+    outputs = [x32 @ _dequantized(layer, begin, begin + DEQUANTIZED_SLICE_ROWS).T
+               for begin in range(0, layer["weight"].shape[0], DEQUANTIZED_SLICE_ROWS)]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
     return out.astype(x.dtype)
 
@@ -63,9 +113,12 @@ class RowAdaptiveQuantizedLinear(nn.QuantizedLinear):
     dequantized float32 weight (see the module)."""
 
     def __call__(self, x):
-        if not _dequantized_rows(x):
+        if _dequantized_rows(x):
+            y = dequantized_matmul(x, self)
+        elif _fused_matvec_rows(x, self):
+            y = fused_matvec(x, self)
+        else:
             return super().__call__(x)
-        y = dequantized_matmul(x, self)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -74,7 +127,11 @@ class RowAdaptiveQuantizedEmbedding(nn.QuantizedEmbedding):
     multiplies many rows on the CPU through dequantized float32 slices."""
 
     def as_linear(self, x):
-        return dequantized_matmul(x, self) if _dequantized_rows(x) else super().as_linear(x)
+        if _dequantized_rows(x):
+            return dequantized_matmul(x, self)
+        if _fused_matvec_rows(x, self):
+            return fused_matvec(x, self)
+        return super().as_linear(x)
 
 
 _ROW_ADAPTIVE = {nn.QuantizedLinear: RowAdaptiveQuantizedLinear, nn.QuantizedEmbedding: RowAdaptiveQuantizedEmbedding}
@@ -87,4 +144,17 @@ def use_row_adaptive_matmuls(model: nn.Module) -> nn.Module:
         adaptive = _ROW_ADAPTIVE.get(type(module))
         if adaptive is not None:
             module.__class__ = adaptive
+    return model
+
+
+def hold_float32_weights(model: nn.Module) -> nn.Module:
+    """Make every quantized layer of ``model`` row-adaptive and hold its
+    float32 weight beside the quantized one (in place): many rows then
+    multiply the held weight (no dequantization per call), few rows still
+    read the packed weight. Costs 32 bits per weight of memory more."""
+    use_row_adaptive_matmuls(model)
+    for _, module in model.named_modules():
+        if isinstance(module, tuple(_ROW_ADAPTIVE.values())):
+            module._float32_weight = _Held(_dequantized(module))
+            mx.eval(module._float32_weight.array)
     return model

@@ -9,10 +9,11 @@ block table. The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
-(:func:`prepare_weights`): on MLX's CPU device quantized layers become float32
-layers, whose batched matmuls go through the BLAS (a system OpenBLAS with
-:func:`mlx_attn.use_system_blas`), where MLX's CPU quantized matmul gains
-nothing from a batch; on a GPU (a Mac's Metal device) the weights stay as
+(:func:`prepare_weights`): on MLX's CPU device quantized layers also hold
+their float32 weight, whose batched matmuls go through the BLAS (a system
+OpenBLAS with :func:`mlx_attn.use_system_blas`), where MLX's CPU quantized
+matmul gains nothing from a batch, while a step of a few rows reads the
+packed weight through mlx_attn's fused matrix-vector product; on a GPU (a Mac's Metal device) the weights stay as
 loaded: MLX's quantized GPU matmuls read 4 to 8 times fewer bytes.
 """
 
@@ -22,11 +23,11 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
 from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
+from mlx_attn.lm.quantized_matmul import hold_float32_weights
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
 from mlx_attn.serve.sampling import SamplingParams, sample_rows
@@ -49,43 +50,28 @@ class Output:
     cached_tokens: int = 0  # prompt tokens the request found in the prefix cache when first admitted
 
 
-def _float32_layer(module: nn.Module) -> nn.Module:
-    """A quantized layer as the float32 layer it stands for; others as they are."""
-    if isinstance(module, nn.QuantizedLinear):
-        weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
-        out_dim, in_dim = weight.shape
-        layer = nn.Linear(in_dim, out_dim, bias="bias" in module)
-        layer.weight = weight.astype(mx.float32)
-        if "bias" in module:
-            layer.bias = module.bias.astype(mx.float32)
-        return layer
-    if isinstance(module, nn.QuantizedEmbedding):
-        weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
-        layer = nn.Embedding(*weight.shape)
-        layer.weight = weight.astype(mx.float32)
-        return layer
-    return module
-
-
 def prepare_weights(model: Decoder, weights: str = "auto") -> str:
     """Hold ``model``'s weights (in place) the way the engine's matmuls run
     fastest on this device; returns the choice made.
 
-    ``"float32"``: quantized layers dequantized and every float weight cast
-    to float32 (batched matmuls through the BLAS: what MLX's CPU device
-    does well). ``"as-loaded"``: untouched (quantized matmuls: what MLX's GPU
-    does well). ``"auto"``: ``"float32"`` when MLX's default device is the
-    CPU, else ``"as-loaded"``."""
+    ``"float32"``: every float weight cast to float32 and every quantized
+    layer holding its float32 weight beside its packed one
+    (:func:`mlx_attn.lm.quantized_matmul.hold_float32_weights`): batched
+    rows multiply the float32 weight through the BLAS (what MLX's CPU device
+    does well), a step of fewer rows (one request decoding) reads the packed
+    weight through the fused CPU matrix-vector product, both with the same
+    float32 weight values. ``"as-loaded"``: untouched (quantized matmuls:
+    what MLX's GPU does well). ``"auto"``: ``"float32"`` when MLX's default
+    device is the CPU, else ``"as-loaded"``."""
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
     if weights == "auto":
         weights = "float32" if mx.default_device() == mx.cpu else "as-loaded"
     if weights == "float32":
-        leaves = tree_map_with_path(lambda _, m: _float32_layer(m), model.leaf_modules(), is_leaf=nn.Module.is_module)
-        model.update_modules(leaves)
         model.update(tree_map_with_path(
             lambda _, a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
         mx.eval(model.parameters())
+        hold_float32_weights(model)
     return weights
 
 
@@ -131,8 +117,10 @@ class Engine:
         self.model = model
         self.weights = prepare_weights(model, weights)
         if dtype is None:  # the activations' dtype: attention then never converts the whole pool
-            dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else mx.float16
-            dtype = dtype if mx.issubdtype(dtype, mx.floating) else mx.float16
+            embedding = getattr(model, "embed_tokens", None)
+            # a quantized embedding looks up rows in its scales' dtype
+            dtype = None if embedding is None else embedding.get("scales", embedding.weight).dtype
+            dtype = dtype if dtype is not None and mx.issubdtype(dtype, mx.floating) else mx.float16
         layers = model.attention_layers()
         config = model.config
         kv_heads = getattr(config, "num_key_value_heads", None)

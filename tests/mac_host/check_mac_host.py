@@ -45,9 +45,11 @@ TARGET = "arm64-apple-macos14"
 WHEEL_PLATFORM = "macosx_14_0_arm64"  # the tag of the MLX wheel a Mac installs
 ZIGLANG_VERSION = "0.17.0"
 CLANG, NM, CXXFILT, CMAKE = "clang-19", "llvm-nm-19", "llvm-cxxfilt-19", "cmake"
-# Compiled only on x86-64 (CMakeLists.txt): not part of an arm64 Mac build.
-X86_ONLY_UNITS = {"csrc/cpu/kernel_avx2.cpp", "csrc/cpu/kernel_avx512.cpp", "csrc/cpu/kernel_avx512bf16.cpp",
-                  "csrc/cpu/backward_avx2.cpp", "csrc/cpu/backward_avx512.cpp"}
+# Compiled only on x86-64: the kernel copies CMakeLists.txt adds in its
+# x86-64 branch, not part of an arm64 Mac build.
+X86_ONLY_UNITS = set(re.findall(r"csrc/[\w/]+\.cpp", re.search(
+    r'if\(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64\|AMD64\|amd64"\)\s+target_sources\(mlx_attn_cpu_kernels PRIVATE'
+    r"([^)]*)\)", (REPO / "CMakeLists.txt").read_text()).group(1)))
 # Per-unit compile options (the arm64 kernel copies' -march, e.g. +bf16):
 # `set_source_files_properties(<units> PROPERTIES COMPILE_OPTIONS "<a;b>")`.
 UNIT_OPTIONS = re.compile(r"set_source_files_properties\(([^)]*?) PROPERTIES\s+COMPILE_OPTIONS \"([^\"]*)\"")

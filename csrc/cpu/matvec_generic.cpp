@@ -1,0 +1,5 @@
+// The quantized matrix-vector product compiled for the generic instruction set;
+// see matvec_impl.h.
+#define MLX_ATTN_ISA generic
+#include "csrc/cpu/isa_generic.h"
+#include "csrc/cpu/matvec_impl.h"

@@ -1,0 +1,43 @@
+// mlx_attn._ext.quantized_matvec: x @ dequantize(W).T for a few rows of
+// float32 activations and an MLX affine-quantized weight (4 or 8 bits), on
+// the CPU, reading the packed codes once for all rows (csrc/cpu/matvec_impl.h).
+// MLX's CPU quantized matmul costs several times the weight's bytes; this
+// is what a decode step's matmuls are bound by. Python routes rows here
+// (mlx_attn/lm/quantized_matmul.py); the GPU keeps MLX's kernels.
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mlx_attn {
+
+namespace mx = mlx::core;
+
+// x [rows, k] float32; codes uint32 [n, k * bits / 32]; scales, biases
+// [n, k / group_size] in one float dtype. Returns float32 [rows, n].
+// Throws std::invalid_argument naming the argument.
+mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
+
+class QuantizedMatvec : public mx::Primitive {
+ public:
+  QuantizedMatvec(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // Gradients flow to x only (the weight is not trained through this op).
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override {
+    return "QuantizedMatvec";
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+}  // namespace mlx_attn
