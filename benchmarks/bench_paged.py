@@ -217,10 +217,12 @@ def measure(case, dtype, head_dim, repeats, quick, seed):
 # kernels on the padded problem. The CPU run leaves it empty.
 def metal_rows(quick: bool = False, metal: bool = False) -> list[dict]:
     """With ``metal``, the Metal rows (benchmarks/paged_metal_rows.py: modelled
-    device bytes per live K/V byte of the paged decode kernels in the MSL
-    emulator's counting builds, against our dense decode kernel on the same
-    keys and MLX's on the padded problem; needs clang-19 and the mlx-metal
-    wheel, minutes per row); none without."""
+    device bytes per live K/V byte of the paged kernels in the MSL emulator's
+    counting builds, against our dense kernels on the same keys and MLX's on
+    the padded problem: the ragged decode batch, and the mixed batch, whose
+    decode rows take the paged decode kernel and whose 512-row chunk the paged
+    prefill kernel, in one call; needs clang-19 and the mlx-metal wheel,
+    minutes per row); none without."""
     if not metal:
         return []
     sys.path.insert(0, str(Path(__file__).resolve().parent))

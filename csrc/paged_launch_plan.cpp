@@ -46,79 +46,15 @@ std::string unsupported_reason(const PagedProblem& s) {
   return "";
 }
 
-}  // namespace
-
-int paged_keys_per_split(const PagedProblem& s, const GpuTarget& target) {
-  const AttentionProblem& a = s.attention;
-  int longest = 0, max_rows = 0;
-  for (size_t b = 0; b < s.kv_lens.size(); ++b) {
-    longest = std::max(longest, s.kv_lens[b]);
-    max_rows = std::max(max_rows, a.group_size() * s.q_lens[b]);
-  }
-  const int sequences = std::max<int>(1, int(s.kv_lens.size()));
-  const int splits = decode_splits(sequences, a.kv_heads, std::max(1, max_rows), longest, a.head_dim, target);
-  const int64_t wanted = (int64_t(longest) + splits - 1) / splits;
-  const int64_t pages = std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, kPagedMaxPagesPerSplit);
-  return int(pages * s.page_size);
-}
-
-LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) {
-  LaunchPlan plan;
-  plan.target = {target.family, gpu_cores(target)};
-  plan.reason = unsupported_reason(s);
-  if (!plan.reason.empty()) return plan;
-  const AttentionProblem& a = s.attention;
-  const int sequences = int(s.q_lens.size());
-  const int group = a.group_size();
-  const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
-  const int keys_per_split = paged_keys_per_split(s, target);
-
-  // the batch's shared parameters; each sequence gets a copy with its lengths
-  AttentionParams shared = a;
-  shared.batch = 1;
-  shared.mask_kind = MaskKind::none;
-  shared.group = group;
-  const bool float_pages = s.quantized.bits == 0;
-  shared.vector_loads = aligned_to_vectors(a.q_strides, a.q_offset, a.head_dim) &&
-                                (!float_pages || (aligned_to_vectors(a.k_strides, a.k_offset, a.head_dim) &&
-                                                  aligned_to_vectors(a.v_strides, a.v_offset, a.value_dim)))
-                            ? 1
-                            : 0;
-  plan.params = shared;
-
-  std::vector<PagedSequence> table(sequences);
-  int64_t q_start = 0, partials = 0;
-  int max_splits = 0, max_rows = 0;
-  for (int b = 0; b < sequences; ++b) {
-    PagedSequence& seq = table[b];
-    seq = {};
-    seq.attn = shared;
-    seq.attn.q_len = s.q_lens[b];
-    seq.attn.kv_len = s.kv_lens[b];
-    const int rows = group * s.q_lens[b];
-    seq.q_start = q_start;
-    seq.table_start = int64_t(b) * s.table_stride;
-    seq.partial_start = partials;
-    seq.splits = rows == 0 ? 0 : (s.kv_lens[b] + keys_per_split - 1) / keys_per_split;
-    seq.page_size = s.page_size;
-    q_start += s.q_lens[b];
-    partials += int64_t(a.kv_heads) * seq.splits * rows;
-    max_splits = std::max(max_splits, seq.splits);
-    max_rows = std::max(max_rows, rows);
-  }
-  plan.sequences.resize(table.size() * sizeof(PagedSequence));
-  if (!table.empty()) std::memcpy(plan.sequences.data(), table.data(), plan.sequences.size());
-  plan.supported = true;
-  if (max_rows == 0) return plan;  // no query rows: nothing to launch
-
+// The decode kernel's dispatches (partial, then merge) over the sequences it
+// serves: the grid sized for the largest of them.
+void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int max_rows, int max_splits,
+                       int64_t partials, LaunchPlan& plan) {
   using R = BufferRole;
-  PrimitiveLayout layout;
-  layout.inputs = float_pages ? std::vector<R>{R::q, R::k, R::v, R::block_table}
-                              : std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
-                                               R::block_table};
-  if (a.has_sinks) layout.inputs.push_back(R::sinks);
-  layout.outputs = {R::out};
-  if (a.output_lse) layout.outputs.push_back(R::lse);
+  const AttentionProblem& a = s.attention;
+  const bool float_pages = s.quantized.bits == 0;
+  const int sequences = int(s.q_lens.size());
+  const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
   plan.scratch = {{R::partial_out, std::max<int64_t>(1, partials) * a.head_dim, 0, 1},
                   {R::partial_stats, std::max<int64_t>(1, partials) * 2, 0, 1}};
@@ -160,6 +96,121 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) 
   merge.bindings =
       bind_roles(layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::sequences, R::lse}, plan.scratch, 1);
   plan.dispatches = {partial, merge};
+}
+
+// The prefill kernel's dispatch over the query blocks of the sequences it
+// serves (PagedSequence::query_block_start / query_blocks), after the decode
+// dispatches.
+void plan_paged_prefill(const PagedProblem& s, const GpuTarget& target, const PrimitiveLayout& layout,
+                        int query_blocks, LaunchPlan& plan) {
+  using R = BufferRole;
+  const AttentionProblem& a = s.attention;
+  const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
+  const int key_block = prefill_key_block(a.head_dim, a.dtype, target);
+  KernelDispatch prefill;
+  prefill.kernel = std::string("attention_paged_prefill_") + elem_type_name(a.dtype) + "_d" +
+      std::to_string(a.head_dim) + "_bk" + std::to_string(key_block);
+  prefill.grid = {query_blocks, a.q_heads, 1};
+  prefill.threadgroup = {32 * simdgroups, 1, 1};
+  prefill.bindings = bind_roles(layout, {R::q, R::k, R::v, R::block_table, R::sequences, R::sinks, R::out, R::lse},
+                                plan.scratch, int(plan.dispatches.size()));
+  // K and V tiles in the input dtype, rows padded by 16 bytes (as the dense
+  // prefill), and two blocks' K and V row offsets (PagedKeyRows)
+  const int element_bytes = a.dtype == ElemType::float32 ? 4 : 2;
+  prefill.threadgroup_memory_bytes = 2 * key_block * (a.head_dim * element_bytes + 16) + 2 * 2 * key_block * 8;
+  plan.dispatches.push_back(prefill);
+}
+
+}  // namespace
+
+bool paged_rows_take_prefill(const PagedProblem& s, int q_len) {
+  const AttentionProblem& a = s.attention;
+  const bool long_chunk = q_len > kDecodeMaxQueries || a.group_size() * q_len > kDecodeMaxRows;
+  const bool instantiated = a.head_dim <= kRegisterPrefillMaxHeadDim && a.head_dim == a.value_dim &&
+      prefill_key_block(a.head_dim, a.dtype) != 0 && decode_rows_per_threadgroup(a.head_dim) != 0;
+  return long_chunk && instantiated && s.quantized.bits == 0;
+}
+
+int paged_keys_per_split(const PagedProblem& s, const GpuTarget& target) {
+  const AttentionProblem& a = s.attention;
+  int longest = 0, max_rows = 0;
+  for (size_t b = 0; b < s.kv_lens.size(); ++b) {
+    if (paged_rows_take_prefill(s, s.q_lens[b])) continue;  // not the decode kernel's
+    longest = std::max(longest, s.kv_lens[b]);
+    max_rows = std::max(max_rows, a.group_size() * s.q_lens[b]);
+  }
+  const int sequences = std::max<int>(1, int(s.kv_lens.size()));
+  const int splits = decode_splits(sequences, a.kv_heads, std::max(1, max_rows), longest, a.head_dim, target);
+  const int64_t wanted = (int64_t(longest) + splits - 1) / splits;
+  const int64_t pages = std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, kPagedMaxPagesPerSplit);
+  return int(pages * s.page_size);
+}
+
+LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) {
+  LaunchPlan plan;
+  plan.target = {target.family, gpu_cores(target)};
+  plan.reason = unsupported_reason(s);
+  if (!plan.reason.empty()) return plan;
+  const AttentionProblem& a = s.attention;
+  const int sequences = int(s.q_lens.size());
+  const int group = a.group_size();
+  const int keys_per_split = paged_keys_per_split(s, target);
+
+  // the batch's shared parameters; each sequence gets a copy with its lengths
+  AttentionParams shared = a;
+  shared.batch = 1;
+  shared.mask_kind = MaskKind::none;
+  shared.group = group;
+  const bool float_pages = s.quantized.bits == 0;
+  shared.vector_loads = aligned_to_vectors(a.q_strides, a.q_offset, a.head_dim) &&
+                                (!float_pages || (aligned_to_vectors(a.k_strides, a.k_offset, a.head_dim) &&
+                                                  aligned_to_vectors(a.v_strides, a.v_offset, a.value_dim)))
+                            ? 1
+                            : 0;
+  plan.params = shared;
+
+  const int query_block = 8 * gpu_tuning(target.family).prefill_simdgroups;  // BQ of the prefill kernel
+  std::vector<PagedSequence> table(sequences);
+  int64_t q_start = 0, partials = 0;
+  int max_splits = 0, max_rows = 0, query_blocks = 0;
+  for (int b = 0; b < sequences; ++b) {
+    PagedSequence& seq = table[b];
+    seq = {};
+    seq.attn = shared;
+    seq.attn.q_len = s.q_lens[b];
+    seq.attn.kv_len = s.kv_lens[b];
+    seq.q_start = q_start;
+    seq.table_start = int64_t(b) * s.table_stride;
+    seq.partial_start = partials;
+    seq.page_size = s.page_size;
+    seq.query_block_start = query_blocks;
+    q_start += s.q_lens[b];
+    if (paged_rows_take_prefill(s, s.q_lens[b])) {
+      seq.query_blocks = (s.q_lens[b] + query_block - 1) / query_block;
+      query_blocks += seq.query_blocks;
+      continue;  // splits 0: the decode kernels skip it
+    }
+    const int rows = group * s.q_lens[b];
+    seq.splits = rows == 0 ? 0 : (s.kv_lens[b] + keys_per_split - 1) / keys_per_split;
+    partials += int64_t(a.kv_heads) * seq.splits * rows;
+    max_splits = std::max(max_splits, seq.splits);
+    max_rows = std::max(max_rows, rows);
+  }
+  plan.sequences.resize(table.size() * sizeof(PagedSequence));
+  if (!table.empty()) std::memcpy(plan.sequences.data(), table.data(), plan.sequences.size());
+  plan.supported = true;
+  if (max_rows == 0 && query_blocks == 0) return plan;  // no query rows: nothing to launch
+
+  using R = BufferRole;
+  PrimitiveLayout layout;
+  layout.inputs = float_pages ? std::vector<R>{R::q, R::k, R::v, R::block_table}
+                              : std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
+                                               R::block_table};
+  if (a.has_sinks) layout.inputs.push_back(R::sinks);
+  layout.outputs = {R::out};
+  if (a.output_lse) layout.outputs.push_back(R::lse);
+  if (max_rows > 0) plan_paged_decode(s, layout, max_rows, max_splits, partials, plan);
+  if (query_blocks > 0) plan_paged_prefill(s, target, layout, query_blocks, plan);
   return plan;
 }
 

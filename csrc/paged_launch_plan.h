@@ -1,7 +1,10 @@
 // Launch plan of the paged, ragged attention kernels (metal/attention_paged.h,
-// mlx_attn.paged_attention): one PagedSequence (metal/attention_paged_params.h)
-// per sequence with its own lengths, a split-K partial dispatch sized for the
-// largest sequence and the paged merge. Same plan types as csrc/launch_plan.h:
+// metal/attention_paged_prefill.h, mlx_attn.paged_attention): one
+// PagedSequence (metal/attention_paged_params.h) per sequence with its own
+// lengths; the decode kernel's split-K partial dispatch sized for the largest
+// sequence it serves and the paged merge, and the paged prefill kernel's
+// dispatch over the query blocks of the sequences it serves
+// (paged_rows_take_prefill). Same plan types as csrc/launch_plan.h:
 // the Mac host encodes it with the same loop (the sequences as one more
 // buffer) and the emulator tests launch it unchanged.
 #pragma once
@@ -40,11 +43,21 @@ inline constexpr int kPagedMaxPagesPerSplit = 31;
 // kPagedMaxPagesPerSplit pages, whole pages. For a problem the plan supports.
 int paged_keys_per_split(const PagedProblem& problem, const GpuTarget& target = {});
 
+// Which kernel serves a sequence's query rows, the one routing rule: the paged
+// prefill kernel (MMA tiles over blocks of BQ query rows) for a chunk longer
+// than the decode kernel serves well, by the dense plan's decode limits (more
+// than kDecodeMaxQueries positions or kDecodeMaxRows rows = GQA group x
+// positions), on float pages of a head dim it is instantiated for (64, 96,
+// 128); the decode kernel (split-K over pages, the GQA group sharing each page
+// read) otherwise: decode rows, short chunks, quantized pages, D = 256.
+bool paged_rows_take_prefill(const PagedProblem& problem, int q_len);
+
 // Inputs are bound in the paged primitive's order: q, k, v (quantized: q,
 // k packed, k scales, k biases, v packed, v scales, v biases), block_table,
 // then sinks when present; outputs out [total_q, Hq, D], then lse
 // [total_q, Hq] when asked. LaunchPlan::sequences holds the PagedSequence
-// array.
+// array. Dispatches: the decode partial and merge when some sequence's rows
+// take the decode kernel, then the prefill when some take it.
 LaunchPlan plan_paged_attention(const PagedProblem& problem, const GpuTarget& target = {});
 
 }  // namespace mlx_attn

@@ -29,17 +29,18 @@
 
 using namespace metal;
 
-// The pages of one split, one per lane: lane l holds page first_page + l of
-// the sequence (only the pages its keys occupy are read).
+// The pages of one split (decode) or key block (prefill), one per lane: lane
+// l holds page first_page + l of the sequence (only the pages of keys before
+// key_end are read).
 struct PageWindow {
   int page;
   int first_page;
   int page_size;
 
-  inline void select(const device int* table_row, int first_key, int kv_len, int size, uint lane) {
+  inline void select(const device int* table_row, int first_key, int key_end, int size, uint lane) {
     page_size = size;
     first_page = first_key / size;
-    const int pages = (kv_len + size - 1) / size;
+    const int pages = (key_end + size - 1) / size;
     const int mine = first_page + int(lane);
     page = mine < pages ? table_row[mine] : 0;
   }
@@ -134,8 +135,8 @@ template <typename T, int D>
   constant AttentionParams& p = seq.attn;
   const int rows = p.group * p.q_len;
   const int r = int(group_id.x);
-  if (r >= rows) {
-    return;
+  if (r >= rows || seq.splits == 0) {
+    return;  // past its rows, or the paged prefill kernel serves them
   }
   const int kv_head = int(group_id.y);
   const int h = kv_head * p.group + r / p.q_len;

@@ -3,7 +3,7 @@
 // cannot drift. One PagedSequence per sequence of the batch, in a constant
 // buffer: its own AttentionParams (q_len / kv_len are the sequence's, so
 // every rule of metal/attention_rules.h applies unchanged) and where its rows,
-// block-table row and split partials are.
+// block-table row, split partials and prefill query blocks are.
 #pragma once
 
 #include "metal/attention_params.h"
@@ -16,10 +16,15 @@ struct PagedSequence {
   attn_int64 q_start;        // first row of packed q, of the output and of the log-sum-exp
   attn_int64 table_start;    // its block-table row, in int32 elements
   attn_int64 partial_start;  // its first partial row: [Hkv, splits, rows] of them
-  attn_int32 splits;         // decode threadgroups along its keys (each covers at most 31 pages)
+  attn_int32 splits;         // decode threadgroups along its keys (each covers at most 31 pages); 0: none
   attn_int32 page_size;
+  // the paged prefill kernel's query blocks of this sequence: blocks
+  // [query_block_start, + query_blocks) of its grid (0 blocks: the decode
+  // kernel serves its rows; csrc/paged_launch_plan.h paged_rows_take_prefill)
+  attn_int32 query_block_start;
+  attn_int32 query_blocks;
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(PagedSequence) == sizeof(AttentionParams) + 3 * 8 + 2 * 4, "PagedSequence layout");
+static_assert(sizeof(PagedSequence) == sizeof(AttentionParams) + 3 * 8 + 4 * 4, "PagedSequence layout");
 #endif

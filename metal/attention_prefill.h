@@ -123,6 +123,80 @@ inline float prefill_row_lse(float m_final, float l_final) {
 }
 
 
+
+// Q rows of this lane (query row rows.qi, element `q_row` on) into the 8x8
+// tiles, zeros past q_len; the output accumulator O zeroed.
+template <typename T, int D>
+inline void prefill_load_queries(constant AttentionParams& p, const device T* q, attn_int64 q_row,
+                                 thread const QueryRows& rows, bool vector_loads, thread simdgroup_float8x8* q_tiles,
+                                 thread simdgroup_float8x8* o_tiles) {
+  for (int d = 0; d < D / 8; ++d) {
+    float pair[2] = {0.0f, 0.0f};
+    if (rows.qi < p.q_len) {
+      RowLoad<T, 2>::read(q, q_row + (d * 8 + rows.c) * p.q_strides[3], p.q_strides[3], vector_loads, pair);
+    }
+    for (int t = 0; t < 2; ++t) {
+      q_tiles[d].thread_elements()[t] = pair[t];
+      o_tiles[d].thread_elements()[t] = 0.0f;
+    }
+  }
+}
+
+// One staged key block [kb, kb + BK) for this simdgroup's rows: score
+// S = Q . K^T from the tiles, the logit step, the online softmax, then
+// O = O * alpha + P . V. Shared by the dense prefill kernel and the paged one
+// (metal/attention_paged_prefill.h): they differ only in how the tiles are
+// staged.
+template <typename T, int D, int BK, int MASK>
+inline void prefill_attend_block(constant AttentionParams& p, const device uchar* mask,
+                                 threadgroup KeyValueTiles<T, D, BK>& tiles, thread const QueryRows& rows, int kb,
+                                 thread simdgroup_float8x8* q_tiles, thread simdgroup_float8x8* o_tiles,
+                                 thread float& m_row, thread float& l_row) {
+  constexpr int LD = KeyValueTiles<T, D, BK>::LD;
+  const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
+  // score: S[8 x BK] = Q . K^T, tile j holds keys kb + 8j ..
+  simdgroup_float8x8 s_tiles[BK / 8];
+  for (int j = 0; j < BK / 8; ++j) {
+    s_tiles[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int d = 0; d < D / 8; ++d) {
+      simdgroup_float8x8 k_t;  // K^T block: row = dim d*8 + r, column = key j*8 + c
+      for (int t = 0; t < 2; ++t) {
+        k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * LD + d * 8 + r]);
+      }
+      simdgroup_multiply_accumulate(s_tiles[j], q_tiles[d], k_t, s_tiles[j]);
+    }
+  }
+
+  // scale, mask (per-element visibility tests on edge blocks only), then
+  // online max / rescale
+  const bool edge = key_block_on_edge(p, rows, kb, BK);
+  const float block_max = prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
+  // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
+  const float alpha = prefill_online_softmax<BK>(s_tiles, block_max, m_row, l_row);
+
+  // rescale O by alpha (its row's), then O += P . V
+  for (int d = 0; d < D / 8; ++d) {
+    o_tiles[d].thread_elements() *= alpha;
+    for (int j = 0; j < BK / 8; ++j) {
+      simdgroup_float8x8 v_part;  // row = key j*8 + r, column = dim d*8 + c
+      for (int t = 0; t < 2; ++t) {
+        v_part.thread_elements()[t] = float(tiles.v[(j * 8 + r) * LD + d * 8 + c + t]);
+      }
+      simdgroup_multiply_accumulate(o_tiles[d], s_tiles[j], v_part, o_tiles[d]);
+    }
+  }
+}
+
+// One output row of this lane's columns, O scaled by the normalizer's factor.
+template <typename T, int D>
+inline void prefill_store_row(device T* out_row, thread simdgroup_float8x8* o_tiles, float factor, int c) {
+  for (int d = 0; d < D / 8; ++d) {
+    for (int t = 0; t < 2; ++t) {
+      out_row[d * 8 + c + t] = T(o_tiles[d].thread_elements()[t] * factor);
+    }
+  }
+}
+
 template <typename T, int D, int BK, int MASK>
 [[kernel]] void attention_prefill(
     const device T* q [[buffer(0)]],
@@ -141,27 +215,17 @@ template <typename T, int D, int BK, int MASK>
   constexpr int BQ = 8 * NSG;
   constexpr int THREADS = 32 * NSG;
   using Tiles = KeyValueTiles<T, D, BK>;
-  constexpr int LD = Tiles::LD;
   threadgroup Tiles tiles;
 
   // this lane's rows and columns of the 8x8 tiles, the visible keys
   const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
-  const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
+  const int b = rows.b, h = rows.h, c = rows.c, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
   const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
   const bool vector_loads = p.vector_loads != 0;
-  for (int d = 0; d < D / 8; ++d) {
-    float pair[2] = {0.0f, 0.0f};
-    if (qi < p.q_len) {
-      RowLoad<T, 2>::read(q, q_row + (d * 8 + c) * p.q_strides[3], p.q_strides[3], vector_loads, pair);
-    }
-    for (int t = 0; t < 2; ++t) {
-      q_tiles[d].thread_elements()[t] = pair[t];
-      o_tiles[d].thread_elements()[t] = 0.0f;
-    }
-  }
+  prefill_load_queries<T, D>(p, q, q_row, rows, vector_loads, q_tiles, o_tiles);
   float m_row = MLX_ATTN_MASKED_LOGIT;
   float l_row = 0.0f;
 
@@ -175,38 +239,7 @@ template <typename T, int D, int BK, int MASK>
     // stage K/V in the input dtype
     stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // score: S[8 x BK] = Q . K^T, tile j holds keys kb + 8j ..
-    simdgroup_float8x8 s_tiles[BK / 8];
-    for (int j = 0; j < BK / 8; ++j) {
-      s_tiles[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      for (int d = 0; d < D / 8; ++d) {
-        simdgroup_float8x8 k_t;  // K^T block: row = dim d*8 + r, column = key j*8 + c
-        for (int t = 0; t < 2; ++t) {
-          k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * LD + d * 8 + r]);
-        }
-        simdgroup_multiply_accumulate(s_tiles[j], q_tiles[d], k_t, s_tiles[j]);
-      }
-    }
-
-    // scale, mask (per-element visibility tests on edge blocks only), then
-    // online max / rescale
-    const bool edge = key_block_on_edge(p, rows, kb, BK);
-    const float block_max = prefill_block_logits<T, BK, MASK>(p, mask, s_tiles, b, h, qi, rows.pos, kb, c, edge);
-    // accumulate: P = exp2(S - m_new), l = l * alpha + rowsum P
-    const float alpha = prefill_online_softmax<BK>(s_tiles, block_max, m_row, l_row);
-
-    // rescale O by alpha (its row's), then O += P . V
-    for (int d = 0; d < D / 8; ++d) {
-      o_tiles[d].thread_elements() *= alpha;
-      for (int j = 0; j < BK / 8; ++j) {
-        simdgroup_float8x8 v_part;  // row = key j*8 + r, column = dim d*8 + c
-        for (int t = 0; t < 2; ++t) {
-          v_part.thread_elements()[t] = float(tiles.v[(j * 8 + r) * LD + d * 8 + c + t]);
-        }
-        simdgroup_multiply_accumulate(o_tiles[d], s_tiles[j], v_part, o_tiles[d]);
-      }
-    }
+    prefill_attend_block<T, D, BK, MASK>(p, mask, tiles, rows, kb, q_tiles, o_tiles, m_row, l_row);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles
   }
 
@@ -214,11 +247,7 @@ template <typename T, int D, int BK, int MASK>
   const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
   if (qi < p.q_len) {
     const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
-    for (int d = 0; d < D / 8; ++d) {
-      for (int t = 0; t < 2; ++t) {
-        out[row * D + d * 8 + c + t] = T(o_tiles[d].thread_elements()[t] * factor);
-      }
-    }
+    prefill_store_row<T, D>(out + row * D, o_tiles, factor, c);
     if (p.output_lse != 0 && c == 0) {
       lse[row] = prefill_row_lse(m_row, l_row);
     }

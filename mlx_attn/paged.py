@@ -39,9 +39,12 @@ Implementations (:func:`paged_attention_path` says which one a call takes):
   :func:`quantized_paged_attention`). Extra memory: per-thread tiles and a
   work list, O(rows x D), never O(total K/V) (when q and the pages share one
   dtype: otherwise the promotion casts them first).
-- ``"fused-metal"``: the Metal paged decode kernels (``metal/attention_paged.h``:
-  the decode kernel's split-K loop over a paged K/V loader; chunked-prefill
-  rows run on them too), once their variant passed its first-use self-check.
+- ``"fused-metal"``: the Metal paged kernels, once their variant passed its
+  first-use self-check: decode rows and short chunks on the decode kernel's
+  split-K loop over a paged K/V loader (``metal/attention_paged.h``), long
+  chunks on the prefill kernel's MMA tiles with K/V staged page by page
+  (``metal/attention_paged_prefill.h``); the launch plan routes each sequence
+  (``paged_rows_take_prefill`` in ``csrc/paged_launch_plan.h``).
 - ``"reference"``: gather each sequence's pages into contiguous K/V and run
   :func:`mlx_attn.reference.reference_attention` per sequence.
 

@@ -13,20 +13,24 @@ import numpy as np
 from metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 from mlx_attn import _native
 
-FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal"]
+# the decode kernels (and their merge), the prefill kernel, the quantized decode
+FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "attention_paged_prefill.metal"]
 QUANTIZED_SOURCES = FLOAT_SOURCES + [REPO / "metal" / "attention_paged_quantized.metal"]
 
 
-def trimmed_sources(directory, float_instances, quantized_instances=()) -> list:
+def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_instances=()) -> list:
     """The paged .metal sources with only these instantiations (quick builds):
     float_instances "tname, type, d" (MLX_ATTN_PAGED), quantized_instances
-    "tname, type, d, bits" (MLX_ATTN_PAGED_QUANTIZED)."""
+    "tname, type, d, bits" (MLX_ATTN_PAGED_QUANTIZED), prefill_instances
+    "tname, type, d, bk" (MLX_ATTN_PAGED_PREFILL)."""
     paths = []
     for source, macro, instances in ((FLOAT_SOURCES[0], "MLX_ATTN_PAGED", float_instances),
-                                     (QUANTIZED_SOURCES[1], "MLX_ATTN_PAGED_QUANTIZED", quantized_instances)):
+                                     (FLOAT_SOURCES[1], "MLX_ATTN_PAGED_PREFILL", prefill_instances),
+                                     (QUANTIZED_SOURCES[2], "MLX_ATTN_PAGED_QUANTIZED", quantized_instances)):
         if not instances:
             continue
-        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED)?_(TYPES|BITS)\(.*\)$", "", source.read_text(), flags=re.M)
+        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED|_PREFILL)?_(TYPES|BITS|2BYTE_TYPES)\(.*\)$", "",
+                      source.read_text(), flags=re.M)
         path = directory / source.name
         path.write_text(text + "\n" + "\n".join(f"{macro}({i})" for i in instances) + "\n")
         paths.append(path)
@@ -41,10 +45,26 @@ def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size
         softcap=softcap or 0.0, **(gpu_target or {}))
 
 
+# byte offset of AttentionParams::vector_loads (metal/attention_params.h: 17
+# int64 fields, then int32 fields; vector_loads is the 13th)
+VECTOR_LOADS_OFFSET = 17 * 8 + 12 * 4
+
+
+def scalar_loads(plan: dict) -> dict:
+    """The plan with every sequence's vector_loads cleared: the kernels' element
+    by element path (what unaligned or strided pages take) on the same arrays."""
+    data = bytearray(plan["sequences"])
+    size = _native.ext.PAGED_SEQUENCE_BYTES
+    for at in range(0, len(data), size):
+        data[at + VECTOR_LOADS_OFFSET:at + VECTOR_LOADS_OFFSET + 4] = (0).to_bytes(4, "little")
+    return {**plan, "sequences": bytes(data)}
+
+
 def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None,
-              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None):
+              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None, vector_loads=True):
     """Launches the plan of these (contiguous) arrays in `library`: k_parts /
-    v_parts are [pages] or the (packed, scales, biases) triples. Returns
+    v_parts are [pages] or the (packed, scales, biases) triples;
+    vector_loads=False takes the element by element path. Returns
     (out, lse or None, plan, per-dispatch results); out and lse are NumPy
     (bfloat16 as uint16 bits), NaN wherever no kernel wrote."""
     arrays = [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
@@ -52,6 +72,8 @@ def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, sca
                       has_sinks=sinks is not None, return_lse=return_lse, bits=bits, group_size=group_size,
                       gpu_target=gpu_target, softcap=softcap)
     assert plan["supported"], plan["reason"]
+    if not vector_loads:
+        plan = scalar_loads(plan)
     memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]
     total_q, heads, d = q.shape
     out = nan_filled((total_q, heads, d), memory[0].dtype)
@@ -125,8 +147,9 @@ def live_kv_bytes(k_pages, kv_lens, *, v_pages=None) -> int:
 
 
 def paged_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
-    """Device bytes of the paged kernels (partial and merge) per live K/V byte,
-    from a counting build."""
+    """Device bytes of the paged kernels (decode partial and merge, and the
+    prefill kernel for chunks it takes) per live K/V byte, from a counting
+    build."""
     *_, results = run_paged(library, q, [k_pages], [v_pages], block_table, q_lens, kv_lens, scale=0.1, causal=True)
     return device_bytes(results) / live_kv_bytes(k_pages, kv_lens)
 
@@ -155,9 +178,10 @@ def _dense_launch(library, q, k, v):
 
 
 def dense_decode_bytes(library, q, k_pages, v_pages, block_table, q_lens, kv_lens) -> float:
-    """Device bytes per live K/V byte of our dense decode kernels run on each
+    """Device bytes per live K/V byte of our dense kernels run on each
     sequence's contiguous K/V (the same live keys, no padding): one launch
-    per sequence."""
+    per sequence, decode rows on the dense decode kernel and long chunks on
+    the dense prefill kernel, as the dense plan picks."""
     table = np.asarray(block_table)
     total, start = 0, 0
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):

@@ -77,7 +77,7 @@ def f64(a: mx.array) -> np.ndarray:
 
 
 def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None, sinks=False, lse=False, softcap=None,
-                **case):
+                gpu_target=None, vector_loads=True, **case):
     q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, **case)
     scale = d**-0.5 if scale is None else scale
     sink_array = None
@@ -85,7 +85,8 @@ def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None,
         sink_array = mx.array((np.random.default_rng(7).standard_normal(q.shape[1]) * 4).astype(np.float32))
         sink_array = sink_array.astype(q.dtype)
     out, got_lse, plan, _ = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=scale, causal=causal,
-                                      window_size=window_size, sinks=sink_array, return_lse=lse, softcap=softcap)
+                                      window_size=window_size, sinks=sink_array, return_lse=lse, softcap=softcap,
+                                      gpu_target=gpu_target, vector_loads=vector_loads)
     want, want_lse = oracle(f64(q), f64(k), f64(v), np.array(table), q_lens, kv_lens, scale=scale, causal=causal,
                             window_size=window_size, sinks=None if sink_array is None else f64(sink_array),
                             softcap=softcap)
@@ -158,6 +159,68 @@ def test_a_window_of_one_and_a_batch_without_rows(library):
     assert out.shape == (0, 8, 64) and plan["dispatches"] == [] and results == []
 
 
+# ---------------------------------------------------------------- chunked prefill on MMA tiles
+
+# Sequences whose chunks the prefill kernel takes (33, 40 and 9 rows next to
+# decode rows and an empty sequence): more query rows than one block of 32,
+# a chunk that is the whole sequence (9 == kv_len), chunks after cached keys
+# (positions offset by kv_len - q_len), key blocks of 16 or 32 keys cut by
+# pages of 1, 5 or 16 keys, pages shared between sequences.
+PREFILL_BATCH = dict(q_lens=(1, 40, 0, 9, 33, 3), kv_lens=(37, 100, 0, 9, 70, 200))
+PREFILL_MASKS = {**MASKS, "softcap": {"softcap": 1.5, "scale": 0.5, "sinks": True}}
+PREFILL_AXES = {"dtype_d": [(t, d) for t in DTYPES for d in (64, 96, 128)] if FULL_GRID else FLOAT_SAMPLE,
+                "gqa": (1, 4), "mask": tuple(PREFILL_MASKS), "page_size": (1, 5, 16)}
+PREFILL_SAMPLE = [
+    dict(dtype_d=("float32", 64), gqa=4, mask="causal", page_size=5),
+    dict(dtype_d=("float16", 128), gqa=1, mask="window", page_size=16),
+    dict(dtype_d=("bfloat16", 64), gqa=4, mask="softcap", page_size=1),
+    dict(dtype_d=("float32", 64), gqa=1, mask="none", page_size=16),
+    dict(dtype_d=("float16", 128), gqa=4, mask="sinks", page_size=5),
+]
+PREFILL_POINTS = ([dict(zip(PREFILL_AXES, values)) for values in itertools.product(*PREFILL_AXES.values())]
+                  if FULL_GRID else PREFILL_SAMPLE)
+
+
+def routed_to_prefill(plan) -> bool:
+    return any(d["kernel"].startswith("attention_paged_prefill_") for d in plan["dispatches"])
+
+
+@pytest.mark.parametrize("point", PREFILL_POINTS, ids=point_id)
+def test_prefill_chunks_match_the_float64_oracle(library, point):
+    dtype, d = point["dtype_d"]
+    options = dict(PREFILL_MASKS[point["mask"]])
+    if point["mask"] == "window":
+        options["window_size"] = 20  # shorter than the chunks: key blocks before the window skipped
+    plan = check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
+                       **options, **PREFILL_BATCH)
+    assert routed_to_prefill(plan) and len(plan["dispatches"]) == 3
+
+
+def test_prefill_sample_covers_every_axis_value():
+    for axis in ("gqa", "mask", "page_size"):
+        assert {p[axis] for p in PREFILL_SAMPLE} == set(PREFILL_AXES[axis]), axis
+
+
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 128)] + ([("float32", 96), ("float16", 64)] if FULL_GRID else []))
+def test_element_by_element_loads(library, dtype, d):
+    """The path unaligned or strided inputs take (vector_loads cleared in
+    every sequence's params): the prefill loader's and the decode loader's
+    scalar reads, with the decode rows and chunks of the prefill batch."""
+    plan = check_float(library, dtype, d, gqa=4, page_size=5, lse=True, window_size=30, vector_loads=False,
+                       **PREFILL_BATCH)
+    assert routed_to_prefill(plan)
+
+
+@pytest.mark.parametrize("family", ["apple9"] + (["apple7"] if FULL_GRID else []))
+def test_prefill_alone_with_the_apple9_key_blocks(library, family):
+    """Only prefill chunks (no decode dispatch), 2-byte K/V: apple9's 32-key
+    blocks at D = 128 (the default target's are 16 keys)."""
+    plan = check_float(library, "float16", 128, gqa=2, page_size=16, q_lens=(64, 12), kv_lens=(90, 12),
+                       window_size=50, lse=True, gpu_target={"gpu_family": family, "gpu_cores": 10})
+    bk = 32 if family == "apple9" else 16
+    assert [d["kernel"] for d in plan["dispatches"]] == [f"attention_paged_prefill_float16_d128_bk{bk}"]
+
+
 # ---------------------------------------------------------------- quantized pages
 
 def quantize(x: mx.array, group_size: int, bits: int, dtype) -> tuple:
@@ -206,29 +269,64 @@ def sequences(plan) -> list[dict]:
     size = _native.ext.PAGED_SEQUENCE_BYTES
     params = _native.ext.ATTENTION_PARAMS_BYTES
     data = plan["sequences"]
-    fields = ("q_start", "table_start", "partial_start", "splits", "page_size")
+    fields = ("q_start", "table_start", "partial_start", "splits", "page_size", "query_block_start", "query_blocks")
     rows = []
     for at in range(0, len(data), size):
-        rows.append(dict(zip(fields, struct.unpack_from("<qqqii", data, at + params))))
+        rows.append(dict(zip(fields, struct.unpack_from("<qqqiiii", data, at + params))))
     return rows
 
 
+def test_plan_routes_long_chunks_to_the_prefill_kernel():
+    """The routing rule (csrc/paged_launch_plan.h paged_rows_take_prefill):
+    more than 8 positions, or more than 32 rows (GQA group x positions), go to
+    the prefill kernel's query blocks of 32 rows, packed in batch order; the
+    rest to the decode kernel, whose grid is sized for its own sequences."""
+    kv_lens, q_lens = [300, 20, 8, 100, 0, 64], [1, 9, 8, 40, 0, 33]
+    plan = plan_for(kv_lens, q_lens, page_size=16, heads=8, kv_heads=2)  # GQA 4: q_len 8 is 32 rows
+    seqs = sequences(plan)
+    assert [s["query_blocks"] for s in seqs] == [0, 1, 0, 2, 0, 2]
+    assert [s["query_block_start"] for s in seqs] == [0, 0, 1, 1, 3, 3]
+    assert [s["splits"] > 0 for s in seqs] == [True, False, True, False, False, False]
+    partial, merge, prefill = plan["dispatches"]
+    assert partial["kernel"] == "attention_paged_decode_partial_float16_d128"
+    assert prefill["kernel"] == "attention_paged_prefill_float16_d128_bk16"
+    assert prefill["grid"] == [5, 8, 1] and prefill["threadgroup"] == [128, 1, 1]
+    assert merge["grid"][0] == 32  # the decode rows' largest sequence: 8 x 4
+    assert [b["role"] for b in prefill["bindings"]] == [
+        "q", "k", "v", "block_table", "sequences", "sinks", "out", "lse"]
+    # GQA 8: 5 positions are 40 rows; apple9 stages 32 keys per block at 2 bytes
+    assert [s["query_blocks"] for s in sequences(plan_for([10], [5], heads=16, kv_heads=2))] == [1]
+    apple9 = plan_for([100], [40], gpu_target={"gpu_family": "apple9", "gpu_cores": 10})
+    assert [d["kernel"] for d in apple9["dispatches"]] == ["attention_paged_prefill_float16_d128_bk32"]
+    # D = 256 (no register-resident prefill) and quantized pages: the decode kernel serves every row
+    assert [d["kernel"] for d in plan_for([100], [40], d=256)["dispatches"]] == [
+        "attention_paged_decode_partial_float16_d256", "attention_paged_decode_merge_float16_d256"]
+    q = mx.zeros((40, 8, 128), mx.float16)
+    packed = mx.zeros((8, 2, 16, 128 * 4 // 32), mx.uint32)
+    scales = mx.zeros((8, 2, 16, 128 // 64), mx.float16)
+    quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [40],
+                           [100], scale=0.1, bits=4, group_size=64)
+    assert [d["kernel"] for d in quantized["dispatches"]] == [
+        "attention_paged_quantized_decode_partial_float16_d128_b4", "attention_paged_decode_merge_float16_d128"]
+
+
 def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
-    kv_lens, q_lens = [5000, 0, 17, 300], [1, 0, 17, 4]
+    kv_lens, q_lens = [5000, 0, 17, 300], [1, 0, 7, 4]  # every row the decode kernel's (7 x GQA 4 = 28 rows)
     plan = plan_for(kv_lens, q_lens, page_size=16)
     per = plan["keys_per_split"]
     assert per % 16 == 0 and 16 <= per <= 31 * 16
     seqs = sequences(plan)
-    assert [s["q_start"] for s in seqs] == [0, 1, 1, 18]
+    assert [s["q_start"] for s in seqs] == [0, 1, 1, 8]
     assert [s["splits"] for s in seqs] == [(n + per - 1) // per if q else 0 for n, q in zip(kv_lens, q_lens)]
+    assert [s["query_blocks"] for s in seqs] == [0, 0, 0, 0]
     partial, scratch = plan["dispatches"]
     rows = [4 * q for q in q_lens]
     # partials laid out sequence after sequence: [Hkv, splits, rows] each
     starts = np.cumsum([0] + [2 * s["splits"] * r for s, r in zip(seqs, rows)])
     assert [s["partial_start"] for s in seqs] == list(starts[:-1])
     assert plan["scratch"][0]["elements"] == starts[-1] * 128
-    assert partial["grid"] == [max(s["splits"] for s in seqs), 2 * 9, 4]  # 68 rows, 8 per threadgroup at D = 128
-    assert scratch["grid"] == [68, 2, 4]
+    assert partial["grid"] == [max(s["splits"] for s in seqs), 2 * 4, 4]  # 28 rows, 8 per threadgroup at D = 128
+    assert scratch["grid"] == [28, 2, 4]
     assert [b["role"] for b in partial["bindings"]] == [
         "q", "k", "v", "block_table", "sequences", "partial_out", "partial_stats"]
     assert {b["source"] for b in partial["bindings"] if b["role"] == "sequences"} == {"sequences"}
@@ -326,3 +424,24 @@ def test_the_python_dispatch_names_why_the_kernels_cannot_run_here():
     assert plan["supported"] and layout.q_lens == q_lens and layout.kv_lens == kv_lens
     with pytest.raises(ValueError, match="pages of rank 4"):
         paged_plan([q, k, v.astype(mx.float16), table], q_lens, kv_lens, scale=0.1)
+
+
+def test_prefill_kernels_compile_one_at_a_time(tmp_path):
+    """The Mac compiles a paged prefill kernel alone at first use
+    (csrc/metal/metal_sources.cpp variant_source): the family's text without
+    its instantiation lines, plus the one MLX_ATTN_PAGED_PREFILL line (no mask
+    kinds: a mask suffix names no kernel of this family). The full grid also
+    compiles that text alone in the emulator."""
+    import re
+
+    kernel = "attention_paged_prefill_bfloat16_d96_bk32"
+    text = _native.ext.metal_variant_source(kernel)
+    family = _native.ext.metal_kernel_source(kernel)
+    instantiation = re.compile(r"^MLX_ATTN_[A-Z0-9_]+\([^()]*\)[ \t]*\n?", re.M)
+    assert text == instantiation.sub("", family) + "MLX_ATTN_PAGED_PREFILL(bfloat16, bfloat, 96, 32)\n"
+    assert _native.ext.metal_variant_source(kernel + "_mask_bool") == ""
+    assert _native.ext.metal_variant_source("attention_paged_prefill_float16_d96") == ""
+    if FULL_GRID:
+        path = tmp_path / f"{kernel}.metal"
+        path.write_text(text)
+        assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]

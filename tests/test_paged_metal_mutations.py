@@ -2,7 +2,9 @@
 copies of metal/attention_paged.metal (its header and the headers it includes
 inlined: the page window, the slot of a key, each sequence's rows, block-table
 row and partials, the split and row-chunk bounds, the packed output layout)
-must each be caught: wrong results beyond tolerance, NaN, a read outside a
+and of metal/attention_paged_prefill.metal (the paged tile loader: key rows
+located page by page, double-buffered; each query block's sequence, rows and
+positions) must each be caught: wrong results beyond tolerance, NaN, a read outside a
 buffer (the emulator's guard pages), a deadlock or a compile error. A
 mutation whose target text is missing fails the test (tests/mutations.py).
 The default suite compiles a representative few mutants;
@@ -29,10 +31,14 @@ pytestmark = [pytest.mark.skipif(not msl_emulator.clang_available(), reason="cla
               pytest.mark.skipif(_native.ext is None, reason="the native extension is not built")]
 
 PAGED = REPO / "metal" / "attention_paged.metal"
+PREFILL = REPO / "metal" / "attention_paged_prefill.metal"
 
 
 def only_float32_d64(text: str) -> str:
     """Keep the one instantiation the cases use, so each mutant compiles quickly."""
+    if "attention_paged_prefill<" in text:
+        text = re.sub(r"^MLX_ATTN_PAGED_PREFILL_(2BYTE_)?TYPES\(.*\)$", "", text, flags=re.M)
+        return text + "\nMLX_ATTN_PAGED_PREFILL(float32, float, 64, 32)\n"
     text = re.sub(r"^MLX_ATTN_PAGED_TYPES\(.*\)$", "", text, flags=re.M)
     return text + "\nMLX_ATTN_PAGED(float32, float, 64)\n"
 
@@ -58,7 +64,7 @@ MUTANTS = {
     "row-chunk bound off by one": replaced("if (split >= seq.splits || chunk >= chunks)",
                                            "if (split >= seq.splits || chunk > chunks)"),
     "page window misses a partial last page": replaced(
-        "const int pages = (kv_len + size - 1) / size;", "const int pages = kv_len / size;"),
+        "const int pages = (key_end + size - 1) / size;", "const int pages = key_end / size;"),
     "merge: output rows head-major": replaced(
         "const long row = (seq.q_start + r % p.q_len) * p.q_heads + h;",
         "const long row = seq.q_start * p.q_heads + h * p.q_len + r % p.q_len;"),
@@ -72,12 +78,51 @@ DEFAULT = ["slot ignored: a key read as its own slot", "page window one page lat
            "every sequence reads the first block-table row"]
 NAMES = list(MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else DEFAULT
 
+# the paged prefill kernel (metal/attention_paged_prefill.h)
+PREFILL_MUTANTS = {
+    "prefill: a key's slot taken as the key": replaced("const int slot = key % page_size;", "const int slot = key;"),
+    "prefill: keys located for the block being staged, not the next": replaced(
+        "kb + BK, kv_end, lane, key_rows[1 - buffer]", "kb, kv_end, lane, key_rows[1 - buffer]"),
+    "prefill: row-offset buffers never swapped": replaced("buffer = 1 - buffer;", ""),
+    "prefill: chunk positions not offset by the cached keys": replaced(
+        "return query + p.kv_len - p.q_len;", "return query;"),
+    "prefill: every query block taken as the first sequence's": replaced(
+        "while (sequences[b].query_block_start + sequences[b].query_blocks <= block) {", "while (false) {"),
+    "prefill: query block not counted from its sequence's first": replaced(
+        "uint(block - seq.query_block_start)", "uint(block)"),
+    "prefill: queries read from the first sequence's rows": replaced(
+        "(seq.q_start + qi) * p.q_strides[2]", "qi * p.q_strides[2]"),
+    "prefill: outputs written at the first sequence's rows": replaced(
+        "const long row = (seq.q_start + qi) * p.q_heads + h;", "const long row = qi * p.q_heads + h;"),
+    "prefill: every sequence reads the first block-table row": replaced(
+        "block_table + seq.table_start;", "block_table;"),
+    "prefill: page window from the sequence's first page": replaced(
+        "window.select(table_row, kb, end,", "window.select(table_row, 0, end,"),
+    "prefill: a block's last key not located": replaced(
+        "const int end = min(kb + BK, kv_end);", "const int end = min(kb + BK, kv_end) - 1;"),
+    "prefill: keys past the range staged": replaced(
+        "const bool inside = kb + j < kv_end;", "const bool inside = true;"),
+    "prefill: K/V head not selected": replaced(
+        "rows.k[lane] = page * p.k_strides[0] + kv_head * p.k_strides[1]", "rows.k[lane] = page * p.k_strides[0]"),
+    "prefill: every key staged from the block's first row": replaced(
+        "(k + at.k[j] + col)", "(k + at.k[0] + col)"),
+    "prefill: element by element staging reads every value from the block's first row": replaced(
+        "v[at.v[j] + col * p.v_strides[3]]", "v[at.v[0] + col * p.v_strides[3]]"),
+}
+PREFILL_DEFAULT = ["prefill: a key's slot taken as the key", "prefill: keys located for the block being staged, not the next"]
+PREFILL_NAMES = list(PREFILL_MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else PREFILL_DEFAULT
+
 # (q_lens, kv_lens, page_size, heads, kv_heads, options): ragged decode and
 # chunked prefill, several splits and page windows, window and sinks
 CASES = [
     ((1, 0, 13, 5, 1), (37, 0, 290, 5, 64), 4, 8, 2, {}),
     ((3, 1), (150, 400), 5, 4, 1, {"window_size": 60, "sinks": True}),
-]
+    # prefill chunks (40 and 33 rows: two query blocks; 9 == kv_len) after
+    # cached keys, pages of 3 cutting every key block, a window
+    ((40, 1, 9, 33), (100, 50, 9, 64), 3, 4, 2, {"window_size": 30, "sinks": True}),
+] + ([  # the full grid: the same element by element (the path unaligned pages take)
+    ((40, 1, 9, 33), (100, 50, 9, 64), 3, 4, 2, {"window_size": 30, "vector_loads": False}),
+] if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else [])
 
 
 def caught(run) -> bool:
@@ -97,7 +142,8 @@ def caught(run) -> bool:
         window = options.get("window_size")
         try:
             out, lse, _, _ = run_paged(run.library, q, [k], [v], mx.array(table), q_lens, kv_lens, scale=0.125,
-                                       window_size=window, sinks=sinks, return_lse=True)
+                                       window_size=window, sinks=sinks, return_lse=True,
+                                       vector_loads=options.get("vector_loads", True))
         except msl_emulator.EmulatorError:
             return True  # a read outside a buffer, a deadlock
         want, want_lse = oracle(np.array(q), np.array(k), np.array(v), table, q_lens, kv_lens, scale=0.125,
@@ -115,18 +161,29 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("paged_mutants")
 
 
+def originals(workdir) -> tuple:
+    return (write(workdir, only_float32_d64(kernel_text(PAGED)), "original attention_paged"),
+            write(workdir, only_float32_d64(kernel_text(PREFILL)), "original attention_paged_prefill"))
+
+
 def test_unmutated_kernel_passes_the_battery(workdir):
-    original = write(workdir, only_float32_d64(kernel_text(PAGED)), "original attention_paged")
-    assert not caught(EmulatedMetal(fast_math=True, sources=[original]))
+    assert not caught(EmulatedMetal(fast_math=True, sources=list(originals(workdir))))
 
 
 def test_every_mutation_target_exists():
-    text = kernel_text(PAGED)
-    for name, mutation in MUTANTS.items():
-        mutated(text, *mutation)  # asserts the target occurs exactly once
+    for source, mutants in ((PAGED, MUTANTS), (PREFILL, PREFILL_MUTANTS)):
+        text = kernel_text(source)
+        for name, mutation in mutants.items():
+            mutated(text, *mutation)  # asserts the target occurs exactly once
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mutant_is_caught(workdir, name):
     mutant = write(workdir, only_float32_d64(mutated(kernel_text(PAGED), *MUTANTS[name])), f"paged {name}")
-    assert_caught(name, [mutant], caught)
+    assert_caught(name, [mutant, originals(workdir)[1]], caught)
+
+
+@pytest.mark.parametrize("name", PREFILL_NAMES)
+def test_prefill_mutant_is_caught(workdir, name):
+    mutant = write(workdir, only_float32_d64(mutated(kernel_text(PREFILL), *PREFILL_MUTANTS[name])), f"paged {name}")
+    assert_caught(name, [originals(workdir)[0], mutant], caught)

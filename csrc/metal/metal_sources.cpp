@@ -74,6 +74,7 @@ constexpr VariantFamily kVariantFamilies[] = {
     // the D-split backward (its _bk: rows per streamed block)
     {"attention_backward_split_dkdv_", "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK", {"d", "dv", "bk"}, true},
     {"attention_backward_split_dq_", "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK", {"d", "dv", "bk"}, true},
+    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", {"d", "bk", ""}, false},
 };
 
 std::string variant_source(std::string_view kernel) {
