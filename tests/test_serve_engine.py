@@ -474,6 +474,29 @@ def test_nothing_below_serve_imports_it():
     assert loaded.stdout.strip() == "False", loaded.stderr
 
 
+def test_quantized_model_batch_greedy_equals_each_request_alone():
+    """4-bit weights (as the default model's): steps of one row and of many
+    read the packed codes or the held float32 weights, with the same weight
+    values; each request's greedy tokens in a batch equal it served alone."""
+    import mlx.nn as nn
+
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama(seed=9, head_dim=32)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % 32 == 0)
+    rng = np.random.default_rng(4)
+    prompts = {f"r{i}": rng.integers(0, 64, int(rng.integers(1, 30))).tolist() for i in range(6)}
+    engine = Engine(model, kv_tokens=256, page_size=4, max_batch_tokens=64)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, 6)
+    got = engine.run_until_idle(max_steps=400)
+    for rid, prompt in prompts.items():
+        solo = Engine(model, kv_tokens=256, page_size=4, max_batch_tokens=64)
+        solo.submit(rid, prompt, 6)
+        assert got[rid] == solo.run_until_idle()[rid], rid
+
+
 def test_prepare_weights_float32_is_the_dequantized_model():
     import mlx.nn as nn
 
