@@ -28,7 +28,9 @@ from mlx_attn.self_check import BackwardVariant, Case, CheckResult, PagedVariant
 __all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid", "backward_grid"]
 
 METAL_HEAD_DIMS = (64, 80, 96, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 80, 96, 128)  # the Metal backward's (csrc/backward_launch_plan.cpp)
+# the Metal backward's (D, Dv) (csrc/backward_launch_plan.cpp): the register-resident kernels, then the
+# D-split family (metal/attention_backward_split.h)
+BACKWARD_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 PAGED_HEAD_DIMS = (64, 96, 128, 256)  # the paged kernels' (csrc/paged_launch_plan.cpp)
 
@@ -222,7 +224,7 @@ def run_doctor(
         lines.append(no_metal)
     else:
         if backward_variants is None:
-            backward_variants = [BackwardVariant(dt, d) for dt in DTYPE_NAMES for d in BACKWARD_HEAD_DIMS]
+            backward_variants = [BackwardVariant(dt, d, dv) for dt in DTYPE_NAMES for d, dv in BACKWARD_HEAD_DIMS]
         backward_results = [
             self_check.check_backward_variant(v, metal_backward, backward_grid(v)) for v in backward_variants
         ]
