@@ -525,6 +525,64 @@ def throughput_check(gpu=cm.M3_MAX, t: int = 4096, heads: int = 32) -> dict:
             "ratio": tflops / PUBLIC_PREFILL_TFLOPS, "peak_tflops": gpu.peak_flops / 1e12}
 
 
+QUANTIZED_PREFILL_TARGET = 1.2  # issue #23: quantized prefill <= 1.2x dequantize-then-steel (modelled)
+
+
+def quantized_prefill_key_block(d: int, bits: int, group_size: int, gpu=MODEL_GPU, t: int = 2048) -> int:
+    """BK of the quantized prefill kernel our plan picks for the GPU
+    (csrc/quantized_launch_plan.cpp, through the extension)."""
+    from mlx_attn import _ext
+
+    q = mx.zeros((1, 1, t, d), mx.float16)
+    k = mx.zeros((1, 1, t, d), mx.float16)
+    kq = [a.astype(mx.float16) if a.dtype != mx.uint32 else a for a in mx.quantize(k, group_size=group_size, bits=bits)]
+    plan = _ext.quantized_metal_launch_plan(q, kq, kq, bits=bits, group_size=group_size, gpu_family=gpu.family)
+    return _plan_number(plan, r"attention_quantized_prefill_\w+_bk(\d+)")
+
+
+def quantized_prefill_rows(gpu=MODEL_GPU, t: int = 2048, heads: int = 32, kv_heads: int = 8,
+                           group_size: int = 64) -> list:
+    """Quantized K/V prefill, predicted: our quantized prefill kernel (now),
+    the quantized decode structure it replaces on prefill rows (before), and
+    MLX's dequantize-then-steel (two mx.dequantize dispatches writing fp16
+    K/V, then steel_attention), fp16, D 64/128, 4 and 8 bits."""
+    rows = []
+    for d in (64, 128):
+        for bits in (4, 8):
+            bk = quantized_prefill_key_block(d, bits, group_size, gpu, t)
+            for causal in (False, True):
+                problem = (1, heads, kv_heads, t, t, causal, gpu)
+                base = cm.predict_all(cm.dequantize_then_steel_kernels(d, bits, group_size, *problem), gpu)
+                variants = {
+                    "dequantize-then-steel (MLX)": base,
+                    "quantized decode structure (before)": cm.predict_all(cm.quantized_decode_structure_kernels(
+                        1, heads, kv_heads, t, t, d, bits, group_size, causal, gpu), gpu),
+                    f"quantized prefill, BK {bk} (now)": cm.predict_all([cm.quantized_prefill_kernel(
+                        "attention_quantized_prefill", d, bk, bits, group_size, *problem)], gpu),
+                }
+                for name, r in variants.items():
+                    rows.append({"D": d, "bits": bits, "causal": causal, "T": t, "kernels": name,
+                                 "seconds": r["seconds"], "ratio": r["seconds"] / base["seconds"],
+                                 "registers": r["registers"], "spills": r["spills"], "dispatches": r["dispatches"],
+                                 "bound": r["bound"]})
+    return rows
+
+
+def quantized_prefill_lines(gpu=MODEL_GPU, t: int = 2048, heads: int = 32, kv_heads: int = 8,
+                            group_size: int = 64) -> list:
+    """The quantized prefill table (markdown lines) for the model's section."""
+    lines = ["", f"### Quantized K/V prefill (T={t}, H={heads}, Hkv={kv_heads}, fp16, group {group_size}; target "
+             f"<= {QUANTIZED_PREFILL_TARGET}x dequantize-then-steel)", "",
+             "| D | bits | causal | kernels | registers | dispatches | predicted µs | / dequantize-then-steel | bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in quantized_prefill_rows(gpu, t, heads, kv_heads, group_size):
+        spill = " SPILLS" if r["spills"] else ""
+        lines.append(f"| {r['D']} | {r['bits']} | {'yes' if r['causal'] else 'no'} | {r['kernels']} | "
+                     f"{r['registers']}{spill} | {r['dispatches']} | {r['seconds'] * 1e6:.1f} | {r['ratio']:.2f}x | "
+                     f"{r['bound']} |")
+    return lines
+
+
 def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
     """The cost model's table: registers, occupancy, predicted time, ours
     (before / after each fix) next to MLX's, and the validation."""
@@ -568,6 +626,7 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
               f"1/2/8/32, GQA 1/4/8, Tkv 256-16384 on M2 and M2 Max; {rule['now']['problems']} problems): now "
               f"{rule['now']['geomean']:.2f}x (geometric mean; worst {rule['now']['max']:.2f}x), before (64 keys per row) "
               f"{rule['before']['geomean']:.2f}x (worst {rule['before']['max']:.2f}x)."]
+    lines += quantized_prefill_lines(gpu)
     check = throughput_check()
     lines += ["", f"Throughput: MLX's steel prefill, D=64 fp16, T={check['T']}, H={check['heads']} on {check['gpu']}: "
               f"predicted {check['predicted_tflops']:.1f} TFLOP/s (peak {check['peak_tflops']:.1f}); public figure "

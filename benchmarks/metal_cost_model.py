@@ -448,3 +448,116 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
                           "device_load": 2 * stat_rounds})
     merge = replace(merge, fixed_load_rounds=stat_rounds)
     return [partial, merge]
+
+
+# ---------------------------------------------------------------- quantized K/V prefill
+# FMA-class instructions per element a loader dequantizes: shift, mask,
+# int -> float, scale * code + bias, float -> the staged dtype (ASSUMED: one
+# issue slot each, as "fma").
+DEQUANTIZE_OPS_PER_ELEMENT = 5
+
+
+def quantized_kv_bytes_per_element(bits: int, group_size: int, elem_bytes: int = 2) -> float:
+    """Device bytes of one K or V element quantized by mx.quantize: its code
+    and its share of the group's scale and bias (q's dtype)."""
+    return bits / 8 + 2 * elem_bytes / group_size
+
+
+def quantized_prefill_kernel(name: str, d: int, bk: int, bits: int, group_size: int, batch: int, heads: int,
+                             kv_heads: int, q_len: int, kv_len: int, causal: bool, gpu: Gpu,
+                             elem_bytes: int = 2) -> Kernel:
+    """metal/attention_quantized_prefill.h: our prefill tile (our_prefill_tile,
+    fast exp2) whose block loader reads packed codes and per-group scales and
+    biases and stages scale * code + bias in q's dtype. Against the float
+    loader: a thread stages runs of 32 features (BITS word loads, one scale
+    and one bias each) instead of 16-byte vectors, DEQUANTIZE_OPS_PER_ELEMENT
+    ALU per staged element, the words of one run and its scale and bias live
+    instead of the staged vector; device bytes are the packed K/V (the cache
+    model: each group's scale and bias from DRAM once), issued as one scale
+    and bias per run."""
+    base = prefill_kernel(name, our_prefill_tile(d, bk, "fast"), batch, heads, kv_heads, q_len, kv_len, causal, gpu,
+                          elem_bytes)
+    threads = base.threads
+    float_loads = math.ceil(2 * bk * d * elem_bytes / 16 / threads)  # the float loader's (prefill_kernel)
+    runs = math.ceil(2 * bk * d / 32 / threads)                      # per thread per block
+    elements = 2 * bk * d / threads
+    counts = dict(base.block.counts)
+    counts["fma"] += -float_loads + elements * DEQUANTIZE_OPS_PER_ELEMENT + 6 * runs  # + a run's addresses
+    counts["device_load"] = runs * (bits + 2)
+    float_staged = math.ceil(bk * d * elem_bytes / 4 / threads)      # steel_registers' staged values
+    registers = base.registers - float_staged + bits + 2
+    # the float kernel's K/V bytes per threadgroup -> the share of keys it reads (causal: about half)
+    other = 2 * batch * heads * q_len * d * elem_bytes               # q read, out written
+    float_head = 2 * kv_len * d * elem_bytes
+    fraction = (base.device_bytes - other) / (base.threadgroups * float_head)
+    issued_head = 2 * kv_len * d * (bits / 8 + 2 * elem_bytes / 32)  # one scale and bias per run of 32
+    dram_head = 2 * kv_len * d * quantized_kv_bytes_per_element(bits, group_size, elem_bytes)
+    kernel = replace(base, name=name, block=replace(base.block, counts=counts), registers=registers,
+                     device_bytes=base.threadgroups * issued_head * fraction + other)
+    return _with_cache(kernel, gpu, dram_head * fraction, other)
+
+
+def quantized_decode_structure_kernels(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, d: int,
+                                       bits: int, group_size: int, causal: bool, gpu: Gpu,
+                                       elem_bytes: int = 2) -> list:
+    """The quantized decode kernel on prefill rows (metal/attention_quantized.h,
+    what served them before the quantized prefill kernel): our_decode_kernels
+    with group x q_len rows in chunks of R (csrc/launch_plan.cpp
+    decode_splits), each chunk re-reading and re-dequantizing its key range
+    (dequantize_slice: per key and lane D / 32 features of K and of V, 3
+    shuffles each for the shared word, scale and bias); causal: a chunk's
+    range ends at its last position (about half the keys on average). Then
+    the merge (one split included: the plan's merge dispatch)."""
+    rows = heads // kv_heads * q_len
+    r = 32 // (d // 32)
+    chunks = math.ceil(rows / r)
+    threadgroups = batch * kv_heads * chunks
+    for_occupancy = math.ceil(gpu.cores * 8 / threadgroups)
+    splits = max(1, min(for_occupancy, math.ceil(kv_len / max(64, 16 * rows))))
+    prefetch = 2 if d // 32 <= 8 else 1
+    partial, merge = our_decode_kernels(batch, kv_heads * rows, kv_heads, kv_len, d, gpu, splits, r,
+                                        prefetch=prefetch, lane_merge=True, elem_bytes=elem_bytes)
+    per_lane = d // 32
+    counts = dict(partial.block.counts)
+    counts["fma"] += 2 * per_lane * 3  # per key: shift, mask, scale * code + bias per feature of K and V
+    counts["simd_shuffle"] += 2 * 3
+    counts["device_load"] = 2 * 3                         # a word (or a share of one), a scale, a bias
+    fraction = 1.0
+    if causal:  # rows head-major, position fastest: a chunk's keys end after its last position
+        ends = [min(kv_len, kv_len - q_len + max(i % q_len for i in range(c * r, min(rows, (c + 1) * r))) + 1)
+                for c in range(chunks)]
+        fraction = sum(ends) / (chunks * kv_len)
+    scale = quantized_kv_bytes_per_element(bits, group_size, elem_bytes) / elem_bytes
+    kv_issued = batch * kv_heads * chunks * 2 * kv_len * d * elem_bytes
+    resident = min(residency(partial, gpu)["threadgroups"], math.ceil(partial.threadgroups / gpu.cores))
+    kv_dram = unique_bytes_per_wave(partial.kv_reads, 2 * kv_len * d * elem_bytes / splits, resident, gpu)
+    partial = replace(partial, name="attention_quantized_decode_partial", block=replace(partial.block, counts=counts),
+                      blocks=max(1, round(partial.blocks * fraction)),
+                      device_bytes=partial.device_bytes - kv_issued + kv_issued * scale * fraction,
+                      dram_bytes=partial.dram_bytes - kv_dram + kv_dram * scale * fraction)
+    return [partial, merge]
+
+
+def mlx_dequantize_kernel(name: str, elements: int, bits: int, group_size: int, gpu: Gpu,
+                          elem_bytes: int = 2) -> Kernel:
+    """mx.dequantize's dispatch (MLX's affine_dequantize) over one quantized
+    array, modelled as DRAM-bound: reads codes, scales and biases, writes the
+    elements in q's dtype; a thread dequantizes one 32-bit word's codes."""
+    per_thread = 32 // bits
+    threads = 256
+    threadgroups = math.ceil(elements / per_thread / threads)
+    moved = elements * (quantized_kv_bytes_per_element(bits, group_size, elem_bytes) + elem_bytes)
+    block = Block({"fma": per_thread * DEQUANTIZE_OPS_PER_ELEMENT + 4, "device_load": 3})
+    return Kernel(name, threadgroups, threads, 24, 0, 1, block, 0.0, moved, moved)
+
+
+def dequantize_then_steel_kernels(d: int, bits: int, group_size: int, batch: int, heads: int, kv_heads: int,
+                                  q_len: int, kv_len: int, causal: bool, gpu: Gpu, elem_bytes: int = 2) -> list:
+    """The unfused path MLX offers for quantized K/V prefill: mx.dequantize
+    of K, then of V (each writing fp16 K/V to DRAM), then steel_attention
+    (mlx_steel_tile) reading them."""
+    elements = batch * kv_heads * kv_len * d
+    return [mlx_dequantize_kernel("dequantize K", elements, bits, group_size, gpu, elem_bytes),
+            mlx_dequantize_kernel("dequantize V", elements, bits, group_size, gpu, elem_bytes),
+            prefill_kernel("steel_attention", mlx_steel_tile(d), batch, heads, kv_heads, q_len, kv_len, causal, gpu,
+                           elem_bytes)]
