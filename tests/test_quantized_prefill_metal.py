@@ -262,16 +262,23 @@ def test_apple9_stages_twice_the_keys_of_two_byte_dtypes():
 
 
 @needs_ext
-def test_prefill_kernels_compile_one_at_a_time():
+def test_prefill_kernels_compile_one_at_a_time(tmp_path):
     """The Mac compiles a quantized prefill kernel alone at first use
-    (csrc/metal/metal_sources.cpp variant_source): the family's text with its
-    one instantiation, which defines exactly that kernel."""
+    (csrc/metal/metal_sources.cpp variant_source): the family's text without
+    its instantiation lines, plus the one per-mask instantiation. The full
+    grid also compiles that text alone in the emulator."""
     kernel = "attention_quantized_prefill_bfloat16_d128_b4_bk32_mask_additive"
     text = _native.ext.metal_variant_source(kernel)
-    assert text.rstrip().endswith(
-        'MLX_ATTN_QUANTIZED_PREFILL_MASK("_mask_additive", MLX_ATTN_MASK_ADDITIVE, bfloat16, bfloat, 128, 4, 32)')
-    assert "MLX_ATTN_QUANTIZED_PREFILL_TYPES(64, 4, 32)" not in text
+    family = _native.ext.metal_kernel_source(kernel)
+    instantiation = re.compile(r"^MLX_ATTN_[A-Z0-9_]+\([^()]*\)[ \t]*\n?", re.M)
+    assert text == instantiation.sub("", family) + (
+        'MLX_ATTN_QUANTIZED_PREFILL_MASK("_mask_additive", MLX_ATTN_MASK_ADDITIVE, bfloat16, bfloat, 128, 4, 32)\n')
+    assert "attention_quantized_prefill<" in family  # its own family, not the quantized decode's
     assert _native.ext.metal_variant_source("attention_quantized_prefill_float16_d128_b4") == ""
+    if FULL_GRID:
+        path = tmp_path / f"{kernel}.metal"
+        path.write_text(text)
+        assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
 
 
 # ---------------------------------------------------------------- the cost model
