@@ -28,6 +28,19 @@ using namespace metal;
 // scale and one bias and BITS consecutive words.
 constant constexpr int MLX_ATTN_QUANTIZED_STAGE_RUN = 32;
 
+// Where one key's row of a triple is: its packed words, scale and bias
+// offsets and strides (QuantizedKV::at rows FIRST .. FIRST + 2: 0 the key
+// triple, 3 the value's; constant indices, so `at` stays in registers).
+struct QuantizedRowAt {
+  attn_int64 words, word_stride, scales, scale_stride, biases, bias_stride;
+};
+template <int FIRST, typename KV>
+inline QuantizedRowAt quantized_row_at(thread const KV& kv, int key) {
+  return {kv.at[FIRST][0] + key * kv.at[FIRST][1],         kv.at[FIRST][2],
+          kv.at[FIRST + 1][0] + key * kv.at[FIRST + 1][1], kv.at[FIRST + 1][2],
+          kv.at[FIRST + 2][0] + key * kv.at[FIRST + 2][1], kv.at[FIRST + 2][2]};
+}
+
 // Stages keys [kb, kb + BK) of the head `kv` selected into `tiles`,
 // dequantized: the block's K runs then its V runs are dealt out to the
 // threads (BK * D / 32 runs each; K and V split between simdgroups when that
@@ -56,17 +69,15 @@ inline void stage_quantized_key_block(thread const QuantizedKV<T, D, BITS>& kv, 
       }
       continue;
     }
-    // kv.at rows: 0..2 the key triple (packed, scales, biases), 3..5 the value's
-    const int side = value ? 3 : 0;
+    const QuantizedRowAt at = value ? quantized_row_at<3>(kv, key) : quantized_row_at<0>(kv, key);
     const device uint* packed = value ? kv.v : kv.k;
     const device T* scales = value ? kv.v_scales : kv.k_scales;
     const device T* biases = value ? kv.v_biases : kv.k_biases;
     const int group = col / kv.group_size;
-    const float scale = float(scales[kv.at[side + 1][0] + key * kv.at[side + 1][1] + group * kv.at[side + 1][2]]);
-    const float bias = float(biases[kv.at[side + 2][0] + key * kv.at[side + 2][1] + group * kv.at[side + 2][2]]);
-    const attn_int64 words = kv.at[side][0] + key * kv.at[side][1];
+    const float scale = float(scales[at.scales + group * at.scale_stride]);
+    const float bias = float(biases[at.biases + group * at.bias_stride]);
     for (int w = 0; w < RUN_WORDS; ++w) {
-      const uint word = packed[words + (col / CODES_PER_WORD + w) * kv.at[side][2]];
+      const uint word = packed[at.words + (col / CODES_PER_WORD + w) * at.word_stride];
       for (int c = 0; c < CODES_PER_WORD; ++c) {
         row[w * CODES_PER_WORD + c] = T(scale * float((word >> (c * BITS)) & CODE_MASK) + bias);
       }

@@ -40,18 +40,19 @@ MUTANTS = {
         "constexpr uint CODE_MASK = (1u << (BITS - 1)) - 1u;\n  static_assert(D % RUN"),
     "scale and bias swapped": replaced(DEQUANTIZE, DEQUANTIZE.replace("T(scale * float", "T(bias * float")
                                        .replace("+ bias)", "+ scale)")),
-    "a run's second word skipped": replaced("(col / CODES_PER_WORD + w) * kv.at[side][2]",
-                                            "(col / CODES_PER_WORD) * kv.at[side][2]"),
-    "values read through the key strides": replaced("const int side = value ? 3 : 0;", "const int side = 0;"),
+    "a run's second word skipped": replaced("(col / CODES_PER_WORD + w) * at.word_stride",
+                                            "(col / CODES_PER_WORD) * at.word_stride"),
+    "values read through the key strides": replaced(
+        "value ? quantized_row_at<3>(kv, key) : quantized_row_at<0>(kv, key)", "quantized_row_at<0>(kv, key)"),
     "values' codes read from the keys": replaced("const device uint* packed = value ? kv.v : kv.k;",
                                                  "const device uint* packed = kv.k;"),
     "value runs never staged": replaced("u < 2 * TILE_RUNS; u += THREADS", "u < TILE_RUNS; u += THREADS"),
     "run staged into the wrong key row": replaced("const int j = run / ROW_RUNS;", "const int j = run % BK;"),
     "keys past the range read, not zeroed": replaced("if (key >= kv_end) {", "if (false) {"),
-    "key position stride ignored": replaced("kv.at[side][0] + key * kv.at[side][1];", "kv.at[side][0] + key;"),
+    "key position stride ignored": replaced(
+        "return {kv.at[FIRST][0] + key * kv.at[FIRST][1],", "return {kv.at[FIRST][0] + key,"),
     "scale read through the bias strides": replaced(
-        "kv.at[side + 1][0] + key * kv.at[side + 1][1] + group * kv.at[side + 1][2]",
-        "kv.at[side + 2][0] + key * kv.at[side + 2][1] + group * kv.at[side + 2][2]"),
+        "scales[at.scales + group * at.scale_stride]", "scales[at.biases + group * at.bias_stride]"),
     "K/V head not selected": replaced(
         "at[i][0] = b * strides[i][0] + kv_head * strides[i][1];", "at[i][0] = b * strides[i][0];"),
     "barrier after staging removed": replaced(
