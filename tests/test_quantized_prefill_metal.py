@@ -259,6 +259,10 @@ def test_apple9_stages_twice_the_keys_of_two_byte_dtypes():
     plan = _native.ext.quantized_metal_launch_plan(q, list(kq), list(kq), bits=8, group_size=64, gpu_family="apple9")
     assert plan["supported"], plan["reason"]
     assert [d["kernel"] for d in plan["dispatches"]] == ["attention_quantized_prefill_float16_d128_b8_bk32"]
+    with pytest.raises(ValueError, match="gpu_family"):
+        _native.ext.quantized_metal_launch_plan(q, list(kq), list(kq), bits=8, group_size=64, gpu_family="apple99")
+    with pytest.raises(ValueError, match="gpu_cores"):
+        _native.ext.quantized_metal_launch_plan(q, list(kq), list(kq), bits=8, group_size=64, gpu_cores=-1)
 
 
 @needs_ext
