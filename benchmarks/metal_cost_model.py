@@ -603,10 +603,10 @@ def backward_kernels(d: int, dv: int, q_len: int, kv_len: int, heads: int, kv_he
 DEQUANTIZE_OPS_PER_ELEMENT = 5
 
 
-def quantized_kv_bytes_per_element(bits: int, group_size: int, elem_bytes: int = 2) -> float:
+def quantized_kv_bytes_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     """Device bytes of one K or V element quantized by mx.quantize: its code
     and its share of the group's scale and bias (q's dtype)."""
-    return bits / 8 + 2 * elem_bytes / group_size
+    return bits / 8 + 2 * scale_bytes / group_size
 
 
 def quantized_prefill_kernel(name: str, d: int, bk: int, bits: int, group_size: int, batch: int, heads: int,
