@@ -192,6 +192,10 @@ NB_MODULE(_ext, m) {
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(codes, scales, biases).T on the CPU for a few float32 rows x [rows, k] and a 4- "
         "or 8-bit MLX affine weight: float32 [rows, n], each weight read once for all rows.");
+  m.def("dequantize_affine", &mlx_attn::dequantize_affine, "codes"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "The float32 weight [n, k] of an MLX affine-quantized one (2, 3, 4, 5, 6 or 8 bits), "
+        "fma(scale, code, bias) per weight, on the CPU, in one pass that writes only the output.");
   m.def("forget_thread_compile_cache", [] {
         mx::detail::compile_clear_cache(mx::detail::compile_cache());
       },

@@ -2,6 +2,7 @@
 #include "csrc/argument_checks.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -52,7 +53,142 @@ void run(const cpu::MatvecCall& call) {
   });
 }
 
+// Rows of a weight per thread-pool task when dequantizing.
+constexpr int64_t kRowsPerTask = 16;
+
+struct DequantizeCall {
+  const uint8_t* codes;
+  const void* scales;
+  const void* biases;
+  float* out;
+  int64_t n, k, row_bytes;
+  int group_size, bits;
+};
+
+// One row: code i is the `bits` bits at bit i * bits of the row's bytes,
+// least significant first (a 16-bit window from the code's first byte holds
+// it: bits <= 8, offset within the byte < 8).
+template <ElemType S>
+float scale_at(const void* p, int64_t i) {
+  if constexpr (S == ElemType::float32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (S == ElemType::float16) {
+    return float(static_cast<const mx::float16_t*>(p)[i]);
+  } else {
+    return float(static_cast<const mx::bfloat16_t*>(p)[i]);
+  }
+}
+
+template <ElemType S>
+void dequantize_rows(const DequantizeCall& c, int64_t begin, int64_t end) {
+  const uint32_t mask = (1u << c.bits) - 1u;
+  const int64_t groups = c.k / c.group_size;
+  for (int64_t row = begin; row < end; ++row) {
+    const uint8_t* bytes = c.codes + row * c.row_bytes;
+    float* out = c.out + row * c.k;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = scale_at<S>(c.scales, row * groups + g);
+      const float bias = scale_at<S>(c.biases, row * groups + g);
+      for (int64_t i = g * c.group_size; i < (g + 1) * c.group_size; ++i) {
+        const int64_t bit = i * c.bits;
+        const int64_t at = bit >> 3;
+        const uint32_t window = bytes[at] | (at + 1 < c.row_bytes ? uint32_t(bytes[at + 1]) << 8 : 0u);
+        out[i] = std::fma(scale, float((window >> (bit & 7)) & mask), bias);
+      }
+    }
+  }
+}
+
+void run_dequantize(const DequantizeCall& c, ElemType scale_type) {
+  const int64_t tasks = (c.n + kRowsPerTask - 1) / kRowsPerTask;
+  cpu::thread_pool().parallel_for(tasks, [&](int64_t task, int) {
+    const int64_t begin = task * kRowsPerTask;
+    const int64_t end = std::min(c.n, begin + kRowsPerTask);
+    switch (scale_type) {
+      case ElemType::float32: dequantize_rows<ElemType::float32>(c, begin, end); break;
+      case ElemType::float16: dequantize_rows<ElemType::float16>(c, begin, end); break;
+      case ElemType::bfloat16: dequantize_rows<ElemType::bfloat16>(c, begin, end); break;
+    }
+  });
+}
+
+void check_scales(const char* op, const mx::array& scales, const mx::array& biases, int64_t n, int64_t groups) {
+  for (const auto& [name, a] : {std::pair<const char*, const mx::array&>{"scales", scales}, {"biases", biases}}) {
+    if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != groups) {
+      throw_invalid(op, std::string(name) + " must be [" + std::to_string(n) + ", " + std::to_string(groups) +
+                            "], got " + shape_string(a));
+    }
+  }
+  if (biases.dtype() != scales.dtype()) throw_invalid(op, "biases must have the scales' dtype");
+  if (!float_elem_type(scales.dtype())) {
+    throw_invalid(op, "scales must be float32, float16 or bfloat16, got " + dtype_string(scales.dtype()));
+  }
+}
+
 }  // namespace
+
+mx::array dequantize_affine(const mx::array& codes, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, mx::StreamOrDevice s) {
+  constexpr const char* op = "mlx_attn.dequantize_affine";
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw_invalid(op, "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw_invalid(op, "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (codes.ndim() != 2 || codes.dtype() != mx::uint32) {
+    throw_invalid(op, "codes must be uint32 [n, k * bits / 32], got " + shape_string(codes) + " " +
+                          dtype_string(codes.dtype()));
+  }
+  const int64_t n = codes.shape(0);
+  const int64_t packed_bits = int64_t(codes.shape(1)) * 32;
+  if (packed_bits % bits != 0 || (packed_bits / bits) % group_size != 0) {
+    throw_invalid(op, "codes " + shape_string(codes) + " do not hold whole groups of " + std::to_string(group_size) +
+                          " " + std::to_string(bits) + "-bit columns");
+  }
+  const int64_t k = packed_bits / bits;
+  check_scales(op, scales, biases, n, k / group_size);
+  auto stream = mx::to_stream(s);
+  if (stream.device.type != mx::Device::cpu) throw_invalid(op, "runs on the CPU only (the GPU has mx.dequantize)");
+  std::vector<mx::array> inputs = {mx::contiguous(codes, false, stream), mx::contiguous(scales, false, stream),
+                                   mx::contiguous(biases, false, stream)};
+  return mx::array(mx::Shape{int(n), int(k)}, mx::float32, std::make_shared<DequantizeAffine>(stream, group_size, bits),
+                   std::move(inputs));
+}
+
+std::vector<mx::Shape> DequantizeAffine::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), int(int64_t(inputs[0].shape(1)) * 32 / bits_)}};
+}
+
+bool DequantizeAffine::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DequantizeAffine&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+void DequantizeAffine::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  DequantizeCall call{};
+  call.n = out.shape(0);
+  call.k = out.shape(1);
+  call.row_bytes = int64_t(inputs[0].shape(1)) * 4;
+  call.group_size = group_size_;
+  call.bits = bits_;
+  const ElemType scale_type = *float_elem_type(inputs[1].dtype());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  call.codes = inputs[0].data<uint8_t>();
+  call.scales = inputs[1].data<void>();
+  call.biases = inputs[2].data<void>();
+  call.out = out.data<float>();
+  encoder.dispatch([call, scale_type]() { run_dequantize(call, scale_type); });
+}
+
+void DequantizeAffine::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlx_attn.dequantize_affine] runs on the CPU only");
+}
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
@@ -69,14 +205,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx:
     invalid("codes " + shape_string(codes) + " do not hold " + std::to_string(k) + " columns of " +
             std::to_string(bits) + " bits in groups of " + std::to_string(group_size));
   }
-  for (const auto& [name, a] : {std::pair<const char*, const mx::array&>{"scales", scales}, {"biases", biases}}) {
-    if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != k / group_size) {
-      invalid(std::string(name) + " must be [" + std::to_string(n) + ", " + std::to_string(k / group_size) +
-              "], got " + shape_string(a));
-    }
-  }
-  if (biases.dtype() != scales.dtype()) invalid("biases must have the scales' dtype");
-  scale_type(scales.dtype());
+  check_scales("mlx_attn.quantized_matvec", scales, biases, n, k / group_size);
   auto stream = mx::to_stream(s);
   if (stream.device.type != mx::Device::cpu) invalid("runs on the CPU only (the GPU has MLX's quantized kernels)");
   // 4 bits: a byte holds an even and an odd column, so x goes even columns first

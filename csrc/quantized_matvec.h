@@ -19,6 +19,33 @@ namespace mx = mlx::core;
 mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
 
+// codes uint32 [n, k * bits / 32] (bits 2, 3, 4, 5, 6 or 8: code i of a row
+// at bit i * bits of its little-endian bit stream, MLX's affine packing);
+// scales, biases [n, k / group_size] in one float dtype. Returns the float32
+// weight [n, k], fma(scale, code, bias) each, on the CPU: one pass that
+// writes only the output (MLX's CPU dequantize of 3, 5 and 6 bits builds
+// intermediates several times the weight's float32 size).
+mx::array dequantize_affine(const mx::array& codes, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, mx::StreamOrDevice s = {});
+
+class DequantizeAffine : public mx::Primitive {
+ public:
+  DequantizeAffine(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override {
+    return "DequantizeAffine";
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
 class QuantizedMatvec : public mx::Primitive {
  public:
   QuantizedMatvec(mx::Stream stream, int group_size, int bits)

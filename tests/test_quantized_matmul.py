@@ -197,6 +197,81 @@ def test_fused_matvec_names_what_is_wrong(change, message):
                               args["bits"])
 
 
+# ---------------------------------------------------------------- the one-pass dequantization
+def _bitstream_oracle(codes: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> np.ndarray:
+    """W in float64 from each row's bytes as one little-endian bit stream
+    (code i at bit i * bits; any bit width), unpacked by NumPy."""
+    row_bytes = np.array(codes).view(np.uint8).reshape(codes.shape[0], -1)
+    stream = np.unpackbits(row_bytes, axis=1, bitorder="little")
+    k = stream.shape[1] // bits
+    fields = stream[:, :k * bits].reshape(codes.shape[0], k, bits).astype(np.int64)
+    q = (fields << np.arange(bits)).sum(axis=2).astype(np.float64)
+    s = np.repeat(np.array(scales.astype(mx.float32), dtype=np.float64), group_size, axis=1)
+    b = np.repeat(np.array(biases.astype(mx.float32), dtype=np.float64), group_size, axis=1)
+    return q * s + b
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size,scale_dtype", [(32, mx.float32), (64, mx.float16), (128, mx.bfloat16)])
+def test_dequantize_affine_matches_the_bit_stream_and_mlx(bits, group_size, scale_dtype):
+    """Against a NumPy unpacking of the bit stream (float64) and against
+    mx.dequantize with float32 scales: equal up to the one rounding of the
+    fused multiply-add (exactly equal with half-precision scales, whose
+    products with a code are exact in float32)."""
+    from mlx_attn import _ext
+
+    n, k = 37, 3 * 128
+    w = mx.random.normal((n, k), key=mx.random.key(bits + group_size)).astype(scale_dtype)
+    codes, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    got = _ext.dequantize_affine(codes, scales, biases, group_size, bits)
+    assert got.dtype == mx.float32 and got.shape == (n, k)
+    np.testing.assert_allclose(np.array(got), _bitstream_oracle(codes, scales, biases, group_size, bits),
+                               rtol=1e-6, atol=1e-6)
+    mlx = mx.dequantize(codes, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+    if scale_dtype == mx.float32:
+        np.testing.assert_allclose(np.array(got), np.array(mlx), rtol=0, atol=1e-6)  # one rounding of s * q
+    else:
+        assert np.array_equal(np.array(got), np.array(mlx))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(bits=7), "bits must be 2, 3, 4, 5, 6 or 8"),
+    (dict(group_size=16), "group_size must be 32, 64 or 128"),
+    (dict(codes=mx.ones((8, 8), dtype=mx.int32)), "codes must be uint32"),
+    (dict(codes=mx.ones((8, 5), dtype=mx.uint32)), "do not hold whole groups"),
+    (dict(scales=mx.ones((8, 3))), "scales must be \\[8, 2\\]"),
+    (dict(biases=mx.ones((8, 2), dtype=mx.float16)), "biases must have the scales' dtype"),
+    (dict(scales=mx.ones((8, 2), dtype=mx.int32), biases=mx.ones((8, 2), dtype=mx.int32)), "scales must be float32"),
+])
+def test_dequantize_affine_names_what_is_wrong(change, message):
+    from mlx_attn import _ext
+
+    codes, scales, biases = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)
+    args = dict(codes=codes, scales=scales, biases=biases, group_size=32, bits=4) | change
+    with pytest.raises(ValueError, match=message):
+        _ext.dequantize_affine(args["codes"], args["scales"], args["biases"], args["group_size"], args["bits"])
+
+
+def test_dequantized_layers_use_the_one_pass_dequantization(monkeypatch):
+    """Many rows on the CPU: the layer's float32 weight comes from
+    _ext.dequantize_affine (5 bits here: MLX's own dequantize of 5 bits
+    builds intermediates five times the weight), and the product matches
+    the float64 one of the bit stream."""
+    from mlx_attn import _ext
+
+    calls = []
+    real = _ext.dequantize_affine
+    monkeypatch.setattr(_ext, "dequantize_affine", lambda *a, **kw: calls.append(a[3:5]) or real(*a, **kw))
+    model = nn.Sequential(nn.Linear(128, 48, bias=False))
+    nn.quantize(model, group_size=32, bits=5)
+    layer = use_row_adaptive_matmuls(model).layers[0]
+    x = mx.random.normal((quantized_matmul.DEQUANTIZED_MATMUL_ROWS + 3, 128), key=mx.random.key(5))
+    got = layer(x)
+    assert calls == [(32, 5)]
+    weight = _bitstream_oracle(layer["weight"], layer["scales"], layer["biases"], 32, 5)
+    np.testing.assert_allclose(np.array(got), np.array(x, dtype=np.float64) @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_held_float32_weights_serve_many_rows_and_the_codes_few():
     """hold_float32_weights: many rows multiply the held weight (no
     dequantization per call), few rows still read the packed codes; both
