@@ -454,6 +454,19 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
     if m := match(r"attention_prefill_(?:float16|bfloat16|float32)_d(\d+)_bk(\d+)"):
         d, bk = map(int, m.groups())
         return "prefill", f"BK {bk}", cm.steel_registers(cm.our_prefill_tile(d, bk, "fast"))
+    if m := match(r"attention_quantized_prefill_\w+?_d(\d+)_b(\d+)_bk(\d+)"):
+        d, bits, bk = map(int, m.groups())
+        return f"quantized prefill ({bits}-bit)", f"BK {bk}", cm.steel_registers(
+            cm.our_prefill_tile(d, bk, "fast"), staging_registers=bits + 4)
+    if m := match(r"attention_quantized_decode_partial_\w+?_d(\d+)_b(\d+)"):
+        d, bits = map(int, m.groups())
+        (_, tile, regs) = kernel_registers(f"attention_decode_partial_float16_d{d}")
+        # The QuantizedKV loader dequantizes into the float decode's slices; while it
+        # loads, a lane's code word, scale and bias are live (3). Its head offsets and
+        # strides are uniform across the simdgroup (from the threadgroup's indices and
+        # constant buffers): Apple GPUs keep such values in uniform registers (Dougall
+        # Johnson's G13 architecture reference), not in the per-thread file counted here.
+        return f"quantized decode ({bits}-bit)", tile, regs + 3
     if m := match(r"attention_decode_partial_\w+?_d(\d+)"):
         d = int(m.group(1))
         r = 32 // (d // 32)
@@ -472,7 +485,10 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
 
 def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
     """The kernels our plans pick for one head-dim pair and dtype: decode
-    (Tq = 1), prefill (Tq = 512, causal) and the backward of the prefill."""
+    (Tq = 1), prefill (Tq = 512, causal), the backward of the prefill, and
+    both over quantized K/V. (The paged kernels are these bodies with a
+    page-table loader: the decode's reads one block-table entry per key, the
+    prefill's keeps its key offsets in threadgroup memory.)"""
     from mlx_attn import _ext
 
     names = []
@@ -487,6 +503,15 @@ def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
         if q_len > 1:
             backward = _ext.metal_backward_launch_plan(problem)
             names += [dispatch["kernel"] for dispatch in backward["dispatches"]]
+        if d == dv and d % 64 == 0 and d <= 512:  # over 4- and 8-bit K/V (mx.quantize triples, groups of 64)
+            from mlx_attn.quantized import quantized_launch_plan
+
+            for bits in (4, 8):
+                kq = mx.quantize(mx.zeros((1, 1, 512, d), mx.float32), group_size=64, bits=bits)
+                kq = (kq[0], kq[1].astype(dtype), kq[2].astype(dtype))
+                plan = quantized_launch_plan(q, kq, kq, scale=d**-0.5, mask="causal", bits=bits, group_size=64)
+                if plan["supported"]:
+                    names += [dispatch["kernel"] for dispatch in plan["dispatches"]]
     return names
 
 
