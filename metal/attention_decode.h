@@ -253,6 +253,16 @@ struct DecodeOutputs {
   device float* lse;  // [B, Hq, Tq] when p.output_lse
 };
 
+// The outputs of a launch of `groups` partial threadgroups: direct when the
+// launch plan picks one split (it then dispatches no merge). The float and
+// quantized decode kernels take their outputs from here.
+template <typename T>
+inline DecodeOutputs<T> decode_launch_outputs(
+    device float* partial_out, device float* partial_stats, const device T* sinks, device T* out, device float* lse,
+    uint3 groups) {
+  return {partial_out, partial_stats, groups.x == 1, sinks, out, lse};
+}
+
 // The partial kernel's body for any K/V loader; `states`: the kernel's
 // threadgroup memory.
 template <typename T, int D, int MASK, typename KV>
@@ -366,8 +376,8 @@ inline void decode_split(
   }
 }
 
-// decode_split writing the split's partial (the paged and quantized kernels,
-// merged by their merge dispatch).
+// decode_split writing the split's partial (the paged kernels, merged by
+// their merge dispatch).
 template <typename T, int D, int MASK, typename KV>
 inline void decode_partial(
     thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
@@ -397,8 +407,7 @@ template <typename T, int D, int MASK>
   ContiguousKV<T, D> kv;
   kv.k = k;
   kv.v = v;
-  // the launch plan dispatches no merge when it picks one split
-  const DecodeOutputs<T> outputs = {partial_out, partial_stats, groups.x == 1, sinks, out, lse};
+  const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, groups);
   decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 
