@@ -199,6 +199,23 @@ def test_sinks_and_lse_with_one_split_and_with_several(run, q_len, splits):
     assert len(run.last_plan["dispatches"]) == (1 if splits == 1 else 2)
 
 
+@needs_ext
+@needs_clang
+def test_one_split_runs_from_its_variant_source_alone(tmp_path):
+    """With one split the plan's only kernel is the quantized partial: its
+    per-variant source (csrc/metal/metal_sources.cpp, the Mac's first-use
+    compile) stands alone, with no include dirs and no merge, and computes
+    out, sinks and lse."""
+    kernel = "attention_quantized_decode_partial_float32_d64_b4"
+    path = tmp_path / f"{kernel}.metal"
+    path.write_bytes(_native.ext.metal_variant_source(kernel).encode())
+    assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
+    q, kq, vq, kw = make_case(4, 64, 64, 4, "sinks", 4, "float32", seed=4)  # 16 rows: one split
+    run = EmulatedMetal(fast_math=True, sources=[path])
+    check(run, q, kq, vq, bits=4, group_size=64, lse=True, **kw)
+    assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel]
+
+
 # ---------------------------------------------------------------- the plan
 
 def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtype=mx.float16, mask=None,
