@@ -140,6 +140,6 @@ template <typename T, int D, int BITS, int MASK>
   kv.v_scales = v_scales;
   kv.v_biases = v_biases;
   kv.qp = &qp;
-  const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, groups);
+  const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, p, groups);
   decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
