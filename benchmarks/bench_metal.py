@@ -435,22 +435,102 @@ def plan_decode_splits(plan: dict) -> int:
     raise ValueError("no decode partial dispatch in the plan")
 
 
+# Every head-dim pair the forward plans take (key = value, then the D-split pairs).
+PLANNED_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
+
+
+def kernel_registers(kernel: str) -> tuple[str, str, int]:
+    """(family, tile, estimated registers) of a kernel a launch plan names;
+    a kernel the cost model does not describe is an error, so a new kernel
+    cannot slip past the register check."""
+    import re
+
+    def match(pattern):
+        return re.match(pattern, kernel)
+
+    if m := match(r"attention_prefill_split_\w+?_d(\d+)_dv(\d+)_bk(\d+)"):
+        d, dv, bk = map(int, m.groups())
+        return "prefill (D-split)", f"BK {bk}", cm.split_prefill_registers(d, dv, bk)
+    if m := match(r"attention_prefill_(?:float16|bfloat16|float32)_d(\d+)_bk(\d+)"):
+        d, bk = map(int, m.groups())
+        return "prefill", f"BK {bk}", cm.steel_registers(cm.our_prefill_tile(d, bk, "fast"))
+    if m := match(r"attention_decode_partial_\w+?_d(\d+)"):
+        d = int(m.group(1))
+        r = 32 // (d // 32)
+        (partial, _) = cm.our_decode_kernels(1, r, 1, 1024, d, MODEL_GPU, 2, r, prefetch=decode_prefetch(d))
+        return "decode", f"{r} rows{', prefetch' if decode_prefetch(d) > 1 else ''}", partial.registers
+    if m := match(r"attention_backward_split_(dkdv|dq)_"):
+        return f"backward {m.group(1)} (D-split)", "C 64", cm.backward_split_registers(m.group(1))
+    if m := match(r"attention_backward_(dkdv|dq)_\w+?_d(\d+)"):
+        pass_name, d = m.group(1), int(m.group(2))
+        regs = cm.backward_dkdv_registers(d) if pass_name == "dkdv" else cm.backward_dq_registers(d)
+        return f"backward {pass_name}", "rows in registers", regs
+    if match(r"attention_(decode_merge|backward_delta|backward_sinks)_"):
+        return kernel.split("_float")[0].split("_bfloat")[0].removeprefix("attention_"), "-", 24
+    raise ValueError(f"the cost model has no register estimate for {kernel}")
+
+
+def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
+    """The kernels our plans pick for one head-dim pair and dtype: decode
+    (Tq = 1), prefill (Tq = 512, causal) and the backward of the prefill."""
+    from mlx_attn import _ext
+
+    names = []
+    for q_len in (1, 512):
+        q = mx.zeros((1, 4, q_len, d), dtype)
+        k = mx.zeros((1, 1, 512, d), dtype)
+        v = mx.zeros((1, 1, 512, dv), dtype)
+        problem = _ext.describe_attention(q, k, v, scale=d**-0.5, causal=True, window_size=0, mask=None, sinks=None,
+                                          output_lse=False, softcap=0.0)
+        plan = _ext.metal_launch_plan(problem, gpu_family=family, gpu_cores=0)
+        names += [dispatch["kernel"] for dispatch in plan["dispatches"]]
+        if q_len > 1:
+            backward = _ext.metal_backward_launch_plan(problem)
+            names += [dispatch["kernel"] for dispatch in backward["dispatches"]]
+    return names
+
+
 def register_table() -> list:
-    """Estimated registers of every prefill and decode variant the plan can
-    pick (2-byte dtypes; BK of apple8 and apple9), against the budget."""
+    """Estimated registers of every kernel the plans pick (forward decode
+    and prefill, backward) at every head-dim pair, fp16 and fp32, on apple8
+    and apple9 (their key blocks differ), against the budget."""
+    rows = {}
+    for d, dv in PLANNED_HEAD_DIMS:
+        for dtype in (mx.float16, mx.float32):
+            for family in ("apple8", "apple9"):
+                for kernel in planned_kernels(d, dv, dtype, family):
+                    kind, tile, regs = kernel_registers(kernel)
+                    rows[(kind, f"{d}/{dv}" if dv != d else str(d), tile)] = regs
+    return [(kind, dims, tile, regs) for (kind, dims, tile), regs in rows.items()]
+
+
+def backward_model_rows(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
+    """The backward's dispatches by the model (T = Tq = Tkv, H = Hkv, fp16):
+    the plan's routing (now); at D = 128 also the register-resident dK/dV
+    it replaced and a D-split dQ (the model's alternative, not built)."""
     from mlx_attn import _ext
 
     rows = []
-    table = {row["gpu_family"]: row for row in _ext.gpu_family_table()}
-    for d, (bk8, bk9) in ((d, (table["apple8"]["prefill_key_block"][d][0], table["apple9"]["prefill_key_block"][d][0]))
-                          for d in sorted(table["apple8"]["prefill_key_block"])):
-        for bk in sorted({bk8, bk9}):
-            regs = cm.steel_registers(cm.our_prefill_tile(d, bk, "fast"))
-            rows.append(("prefill", d, f"BK {bk}", regs))
-    for d in (64, 96, 128, 256, 512):
-        r = 32 // (d // 32)
-        (partial, _) = cm.our_decode_kernels(1, r, 1, 1024, d, MODEL_GPU, 2, r, prefetch=decode_prefetch(d))
-        rows.append(("decode", d, f"{r} rows{', prefetch' if decode_prefetch(d) > 1 else ''}", partial.registers))
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            q = mx.zeros((1, heads, t, d), mx.float16)
+            problem = _ext.describe_attention(q, q, q, scale=d**-0.5, causal=causal, window_size=0, mask=None,
+                                              sinks=None, output_lse=False, softcap=0.0)
+            kernels = [k["kernel"] for k in _ext.metal_backward_launch_plan(problem)["dispatches"]]
+            split_keys = any("split_dkdv" in k for k in kernels)
+            split_queries = any("split_dq" in k for k in kernels)
+            variants = {"plan (now)": (split_keys, split_queries)}
+            if d == 128:  # the routing before the D-split dK/dV, and a D-split dQ (modelled, not instantiated)
+                variants["dK/dV in registers (before)"] = (False, split_queries)
+                variants["dQ D-split (model only)"] = (split_keys, True)
+            for name, (sk, sq) in variants.items():
+                dispatches = cm.backward_kernels(d, d, t, t, heads, heads, causal, gpu, sk, sq)
+                parts = [cm.predict(k, gpu) for k in dispatches]
+                rows.append({"D": d, "causal": causal, "variant": name,
+                             "dkdv": "D-split" if sk else "registers", "dq": "D-split" if sq else "registers",
+                             "registers": [k.registers for k in dispatches[1:]],
+                             "us": [p["seconds"] * 1e6 for p in parts[1:]],
+                             "total_us": sum(p["seconds"] for p in parts) * 1e6})
     return rows
 
 
@@ -525,6 +605,64 @@ def throughput_check(gpu=cm.M3_MAX, t: int = 4096, heads: int = 32) -> dict:
             "ratio": tflops / PUBLIC_PREFILL_TFLOPS, "peak_tflops": gpu.peak_flops / 1e12}
 
 
+QUANTIZED_PREFILL_TARGET = 1.2  # issue #23: quantized prefill <= 1.2x dequantize-then-steel (modelled)
+
+
+def quantized_prefill_key_block(d: int, bits: int, group_size: int, gpu=MODEL_GPU, t: int = 2048) -> int:
+    """BK of the quantized prefill kernel our plan picks for the GPU
+    (csrc/quantized_launch_plan.cpp, through the extension)."""
+    from mlx_attn import _ext
+
+    q = mx.zeros((1, 1, t, d), mx.float16)
+    k = mx.zeros((1, 1, t, d), mx.float16)
+    kq = [a.astype(mx.float16) if a.dtype != mx.uint32 else a for a in mx.quantize(k, group_size=group_size, bits=bits)]
+    plan = _ext.quantized_metal_launch_plan(q, kq, kq, bits=bits, group_size=group_size, gpu_family=gpu.family)
+    return _plan_number(plan, r"attention_quantized_prefill_\w+_bk(\d+)")
+
+
+def quantized_prefill_rows(gpu=MODEL_GPU, t: int = 2048, heads: int = 32, kv_heads: int = 8,
+                           group_size: int = 64) -> list:
+    """Quantized K/V prefill, predicted: our quantized prefill kernel (now),
+    the quantized decode structure it replaces on prefill rows (before), and
+    MLX's dequantize-then-steel (two mx.dequantize dispatches writing fp16
+    K/V, then steel_attention), fp16, D 64/128, 4 and 8 bits."""
+    rows = []
+    for d in (64, 128):
+        for bits in (4, 8):
+            bk = quantized_prefill_key_block(d, bits, group_size, gpu, t)
+            for causal in (False, True):
+                problem = (1, heads, kv_heads, t, t, causal, gpu)
+                base = cm.predict_all(cm.dequantize_then_steel_kernels(d, bits, group_size, *problem), gpu)
+                variants = {
+                    "dequantize-then-steel (MLX)": base,
+                    "quantized decode structure (before)": cm.predict_all(cm.quantized_decode_structure_kernels(
+                        1, heads, kv_heads, t, t, d, bits, group_size, causal, gpu), gpu),
+                    f"quantized prefill, BK {bk} (now)": cm.predict_all([cm.quantized_prefill_kernel(
+                        "attention_quantized_prefill", d, bk, bits, group_size, *problem)], gpu),
+                }
+                for name, r in variants.items():
+                    rows.append({"D": d, "bits": bits, "causal": causal, "T": t, "kernels": name,
+                                 "seconds": r["seconds"], "ratio": r["seconds"] / base["seconds"],
+                                 "registers": r["registers"], "spills": r["spills"], "dispatches": r["dispatches"],
+                                 "bound": r["bound"]})
+    return rows
+
+
+def quantized_prefill_lines(gpu=MODEL_GPU, t: int = 2048, heads: int = 32, kv_heads: int = 8,
+                            group_size: int = 64) -> list:
+    """The quantized prefill table (markdown lines) for the model's section."""
+    lines = ["", f"### Quantized K/V prefill (T={t}, H={heads}, Hkv={kv_heads}, fp16, group {group_size}; target "
+             f"<= {QUANTIZED_PREFILL_TARGET}x dequantize-then-steel)", "",
+             "| D | bits | causal | kernels | registers | dispatches | predicted µs | / dequantize-then-steel | bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in quantized_prefill_rows(gpu, t, heads, kv_heads, group_size):
+        spill = " SPILLS" if r["spills"] else ""
+        lines.append(f"| {r['D']} | {r['bits']} | {'yes' if r['causal'] else 'no'} | {r['kernels']} | "
+                     f"{r['registers']}{spill} | {r['dispatches']} | {r['seconds'] * 1e6:.1f} | {r['ratio']:.2f}x | "
+                     f"{r['bound']} |")
+    return lines
+
+
 def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
     """The cost model's table: registers, occupancy, predicted time, ours
     (before / after each fix) next to MLX's, and the validation."""
@@ -561,13 +699,22 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
               "| kernel | D | tile | registers | within budget |", "|---|---|---|---|---|"]
     for kind, d, tile, regs in register_table():
         lines.append(f"| {kind} | {d} | {tile} | {regs} | {'yes' if regs <= budget else 'NO: spills'} |")
-    lines += ["", "(The backward kernels are not modelled; their dK/dV pass holds 128 floats per lane at D=128",
-              "by its own comment, at the budget before any other value.)"]
+    lines += ["", f"The backward by the model (T=2048, H=Hkv=32, fp16; no MLX row: MLX has no fused backward",
+              "kernel, its gradient is the unfused graph's): registers and predicted µs of the dK/dV and dQ",
+              "dispatches, the plan's routing and, at D=128, the alternatives of each pass:", "",
+              "| D | causal | variant | dK/dV kernel | dQ kernel | registers (dK/dV, dQ) | dK/dV µs | dQ µs | total µs |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in backward_model_rows(gpu):
+        spill = ["" if x <= budget else " SPILLS" for x in r["registers"]]
+        lines.append(f"| {r['D']} | {'yes' if r['causal'] else 'no'} | {r['variant']} | {r['dkdv']} | {r['dq']} | "
+                     f"{r['registers'][0]}{spill[0]}, {r['registers'][1]}{spill[1]} | {r['us'][0]:.0f} | "
+                     f"{r['us'][1]:.0f} | {r['total_us']:.0f} |")
     rule = split_rule_check()
     lines += ["", "Decode split rule, predicted time over the best split count per problem (D 64/128, Hkv",
               f"1/2/8/32, GQA 1/4/8, Tkv 256-16384 on M2 and M2 Max; {rule['now']['problems']} problems): now "
               f"{rule['now']['geomean']:.2f}x (geometric mean; worst {rule['now']['max']:.2f}x), before (64 keys per row) "
               f"{rule['before']['geomean']:.2f}x (worst {rule['before']['max']:.2f}x)."]
+    lines += quantized_prefill_lines(gpu)
     lines += quantized_decode_lines(gpu)
     check = throughput_check()
     lines += ["", f"Throughput: MLX's steel prefill, D=64 fp16, T={check['T']}, H={check['heads']} on {check['gpu']}: "
@@ -634,9 +781,11 @@ def model_assumptions(gpu) -> list:
     """The model's figures as the code holds them, published or assumed."""
     return [
         "### The model and its assumptions", "",
-        "Per dispatch: registers per thread (live values of the key-block loop counted from the kernel's",
-        "tiles: O, S, the K/Q/V fragments of one MMA step, the block loader's staged values, row state,",
-        "and 20 registers of addresses and loop state, ASSUMED) give threadgroups resident per core with",
+        "Per dispatch: registers per thread (the peak of live values in the key-block loop, counted from",
+        "the kernel's tiles: what the loop holds throughout (O, Q or the owned rows where they stay in",
+        "registers, row state, 20 of addresses and loop state, ASSUMED) plus its largest phase: staging",
+        "(one loader iteration, 16 bytes per operand), S = Q K^T with its fragments, O += P V) give",
+        "threadgroups resident per core with",
         "the threadgroup memory and thread limits; a key block's instructions by class (MMA, FMA-class,",
         "exp2, simd shuffles, threadgroup and device loads) give its issue cycles on one of the core's",
         "SIMD pipes; a block waits for its device loads and barriers (the latency term, overlapped by",

@@ -243,25 +243,38 @@ class PrefillTile:
     exp_kind: str = "fast"
 
 
-def steel_registers(tile: PrefillTile, elem_bytes: int = 2) -> int:
-    """Live 32-bit registers per thread in the key-block loop (float
-    fragments: 2 elements of each 8x8 tile per lane):
-    O (BQ/8/WM x D/8/WN tiles) + S (BK/8 tiles) + the K fragments of one
-    QK^T step (BK/8) + one Q and one V fragment (+ Q's D/8/WN tiles when Q
-    stays in registers) + the block loader's staged elements (BK x D / threads
-    values in flight, 2-byte values two to a register) + row max/sum/factor
-    + 20 for addresses, strides, indices and loop state (ASSUMED)."""
+# A loader loop copies device memory to threadgroup memory one vector (16
+# bytes, 4 registers) per staged operand and iteration: its loop bound
+# depends on the thread's index and each value is stored as soon as it
+# arrives, so one iteration's values are live at a time (more loads in
+# flight are the scheduler's choice where registers are free; the latency
+# term, not the register count, charges for them).
+LOADER_REGISTERS_PER_OPERAND = 4
+FIXED_REGISTERS = 20  # ASSUMED: addresses, strides, indices and loop state
+
+
+def steel_registers(tile: PrefillTile, elem_bytes: int = 2, staging_registers: int | None = None) -> int:
+    """Peak live 32-bit registers per thread in the key-block loop: the
+    values held across the loop (O, BQ/8/WM x D/8/WN float fragments of 2
+    elements per lane; Q's D/8/WN fragments when Q stays in registers; row
+    max/sum/factor; FIXED_REGISTERS) plus the largest of its phases: staging
+    (one loader iteration per staged operand; steel stages V while P is
+    live), S = Q K^T (S, BK/8 tiles, and the step's K fragments, + one Q
+    fragment read from threadgroup memory) and O += P V (S and a V
+    fragment). `staging_registers`: another loader's staging phase (the
+    quantized prefill's)."""
     tq = tile.bq // (8 * tile.wm)
     td = tile.d // 8 // tile.wn
-    threads = 32 * tile.wm * tile.wn
     o = 2 * tq * td
     s = 2 * tq * (tile.bk // 8)
     k = 2 * (tile.bk // 8)
-    q = 2 * td * tq if tile.q_in_registers else 2
-    v = 2
-    staged = math.ceil(tile.bk * tile.d * elem_bytes / 4 / threads)
+    q_held = 2 * td * tq if tile.q_in_registers else 0
     rows = 3 * tq
-    return o + s + k + q + v + staged + rows + 20
+    staging = (LOADER_REGISTERS_PER_OPERAND * (2 if tile.stage_kv_together else 1)
+               + (0 if tile.stage_kv_together else s)) if staging_registers is None else staging_registers
+    scores = s + k + (0 if tile.q_in_registers else 2)
+    values = s + 2
+    return o + q_held + rows + FIXED_REGISTERS + max(staging, scores, values)
 
 
 def steel_threadgroup_memory(tile: PrefillTile, elem_bytes: int = 2) -> int:
@@ -359,7 +372,7 @@ def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: i
     group = heads // kv_heads
     key_counts = {"fma": 2 * per_lane + 6, "exp2": 2, "simd_shuffle": 5, "device_load": 2}
     kv_head_bytes = 2 * kv_len * d * elem_bytes
-    regs = 2 * per_lane + 2 * per_lane + 20  # q, o, k and v slices in float + state
+    regs = 2 * per_lane + 2 * per_lane + FIXED_REGISTERS  # q, o, k and v slices in float + state
     if not two_pass:
         threads, tgs = 1024, batch * heads
         keys = math.ceil(kv_len / 32)
@@ -405,7 +418,7 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     # (DecodeRows<R, SLICE>: q[R][D/32], o[R][D/32], m[R], l[R]), whatever
     # the live rows: q and o, m and l, the key's k and v slices (twice with
     # the prefetch), ~20 of addresses and loop state.
-    regs = 2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch > 1 else 1) + 20
+    regs = 2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch > 1 else 1) + FIXED_REGISTERS
     kv_head_bytes = 2 * kv_len * d * elem_bytes
     partial_bytes = batch * heads * splits * (d * 4 + 8)
     tg_memory = (simdgroups - 1) * big_r * (per_lane * 32 + 2) * 4  # DecodeStates<D>, sized by R
@@ -450,13 +463,252 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     return [partial, merge]
 
 
-# ---------------------------------------------------------------- decode over quantized K/V
+# ---------------------------------------------------------------- prefill, D-split
+def split_prefill_registers(d: int, dv: int, bk: int, query_chunk: int = 64, value_chunk: int = 128) -> int:
+    """metal/attention_prefill_split.h (D > 128 or Dk != Dv), as
+    steel_registers counts: held across a pass's key-block loop, the pass's
+    O slice (VC/8 float fragments) and the row state; the largest phase is
+    the score's (S, BK/8 fragments, one query chunk's QC/8 fragments and a K
+    fragment; staging, one loader iteration, and O += P V, S and a V
+    fragment, are smaller)."""
+    vc = min(dv, value_chunk)
+    s = bk // 4
+    staging = LOADER_REGISTERS_PER_OPERAND
+    scores = s + query_chunk // 4 + 2
+    values = s + 2
+    return vc // 4 + 3 + FIXED_REGISTERS + max(staging, scores, values)
+
+
+# ---------------------------------------------------------------- backward
+# metal/attention_backward.h (register-resident: K, V, dK, dV or Q, dO, dQ
+# rows held as float fragments) and metal/attention_backward_split.h (one
+# chunk of C = 64 gradient columns per threadgroup). 4 simdgroups, 32 owned
+# rows (keys for dK/dV, queries for dQ) per threadgroup, 8 per simdgroup.
+BACKWARD_CHUNK = 64
+BACKWARD_THREADS = 128
+
+
+def backward_dkdv_registers(d: int) -> int:
+    """attention_backward_dkdv, as steel_registers counts: held, the K, V,
+    dK and dV rows (4 x D/8 fragments of 2 floats = D floats); phases:
+    staging Q and dO (one element each per iteration: 2), S^T and dP^T of an
+    8x8 step with a Q and a dO fragment (8), the step's gradients (S^T, dP^T
+    and the lse and delta pairs: 8), the products (S^T, dP^T, two
+    fragments: 8)."""
+    return d + FIXED_REGISTERS + max(2, 8, 8, 8)
+
+
+def backward_dq_registers(d: int) -> int:
+    """attention_backward_dq: held, the Q, dO and dQ rows (3 x D/8
+    fragments = 3D/4) and the row's lse and delta (2); phases: staging K
+    and V (scalar: 2), S and dP of an 8x8 step with a K and a V fragment (8),
+    the gradients (S, dP: 4), dQ += dS K (dS and a K fragment: 4)."""
+    return 3 * d // 4 + 2 + FIXED_REGISTERS + max(2, 8, 4, 4)
+
+
+def backward_split_registers(pass_name: str, streamed_rows: int = 32, chunk: int = BACKWARD_CHUNK) -> int:
+    """attention_backward_split_{dkdv,dq}: held, the chunk's accumulators
+    (dkdv: dK and dV, 2 x C/8 fragments; dq: dQ, C/8) and S and dP over the
+    streamed block (2 x N/8 fragments: the header's 52 and 34 floats of
+    tiles); the largest phase adds the own row's fragment read from device
+    memory (2) and a streamed one (2), or the row statistics (dkdv: the
+    lse and delta pairs, 4; dq: the row's 2)."""
+    accumulators = (2 if pass_name == "dkdv" else 1) * chunk // 4
+    scores = 2 * streamed_rows // 4
+    return accumulators + scores + FIXED_REGISTERS + max(4, 4 if pass_name == "dkdv" else 2)
+
+
+def _backward_pass(name: str, owned: int, streamed: int, d: int, dv: int, heads: int, kv_heads: int, batch: int,
+                   q_len: int, kv_len: int, causal: bool, gpu: Gpu, split: bool, elem_bytes: int,
+                   streamed_rows: int) -> Kernel:
+    """One gradient pass: `owned` rows per threadgroup (32), blocks of
+    `streamed_rows` streamed rows; dkdv streams Q and dO of every query head
+    of the group, dq streams K and V. Register-resident: S, dP and the two
+    gradient products over D (dkdv: 4 MMA per 8x8 step and dim tile, dq: 3);
+    split: S and dP over all of D and DV, the products over one chunk."""
+    keys_pass = name == "dkdv"
+    group = heads // kv_heads
+    own_len, stream_len = (kv_len, q_len) if keys_pass else (q_len, kv_len)
+    steps = streamed_rows // 8                 # 8x8 steps along the streamed block
+    dt, dvt, ct = d // 8, dv // 8, BACKWARD_CHUNK // 8
+    chunks = max(d, dv) // BACKWARD_CHUNK if split else 1
+    if split:
+        gradient_tiles = (ct + ct) if keys_pass else ct  # dkdv: a dK and a dV chunk; dq: a dQ chunk
+        mma = steps * (dt + dvt + gradient_tiles)
+        tg_fragments = steps * (dt + dvt + gradient_tiles)
+        device_fragments = dt + dvt                  # the own rows' fragments, re-read per block (cached)
+        registers = backward_split_registers(name, streamed_rows)
+        staged_cols = d + dv                         # every chunk of the streamed rows, as float
+        tg_memory = 2 * streamed_rows * (BACKWARD_CHUNK + 4) * 4 + 2 * streamed_rows * 4
+        barriers = 2 * chunks
+    else:
+        mma = steps * dt * (4 if keys_pass else 3)
+        tg_fragments = mma
+        device_fragments = 0
+        registers = backward_dkdv_registers(d) if keys_pass else backward_dq_registers(d)
+        staged_cols = 2 * d
+        tg_memory = (2 * streamed_rows * (d + 4) * 4 + 2 * streamed_rows * 4 if keys_pass
+                     else 2 * streamed_rows * (d + 16 // elem_bytes) * elem_bytes)
+        barriers = 2
+    loads_per_thread = math.ceil(streamed_rows * staged_cols / BACKWARD_THREADS)  # element loads (scalar)
+    counts = {
+        "mma": mma,
+        "fma": steps * 2 * 14 + 2 * loads_per_thread,  # per pair: logit, mask, exp, dS (~14); staging converts and stores
+        "exp2": steps * 2,
+        "threadgroup_load": tg_fragments + (2 * steps if keys_pass else 0),
+        "device_load": loads_per_thread + device_fragments,
+    }
+    block = Block(counts, load_rounds=1 + (1 if device_fragments else 0), barriers=barriers)
+    threadgroups = math.ceil(own_len / owned) * chunks * (kv_heads if keys_pass else heads) * batch
+    visible = 1.0
+    if causal:
+        visible = sum(min(kv_len, kv_len - q_len + i + 1) for i in range(q_len)) / (q_len * kv_len)
+    streamed_per_tg = math.ceil(stream_len * visible / streamed_rows) * (group if keys_pass else 1)
+    stream_bytes = (d + dv) * elem_bytes          # one streamed row (Q and dO, or K and V)
+    head_bytes = stream_len * stream_bytes * visible * (group if keys_pass else 1)
+    own_bytes = (own_len * (d + dv) * elem_bytes * 2 * (kv_heads if keys_pass else heads) * batch)  # read + write
+    device = threadgroups * head_bytes + own_bytes
+    tg_bytes = 4 * tg_fragments * 32 * 8 + streamed_rows * staged_cols * 4
+    order = [(b, h) for b in range(batch) for h in range(kv_heads if keys_pass else heads)
+             for _ in range(math.ceil(own_len / owned) * chunks)]
+    if not keys_pass:
+        order = [(b, h * kv_heads // heads) for (b, h) in order]
+    kernel = Kernel(f"attention_backward{'_split' if split else ''}_{name}", threadgroups, BACKWARD_THREADS, registers,
+                    tg_memory, max(1, streamed_per_tg), block, tg_bytes, device, device,
+                    fixed={"device_load": (0 if split else 2 * d // 8), "fma": 4 * dt}, kv_reads=order)
+    return _with_cache(kernel, gpu, head_bytes, own_bytes)
+
+
+def backward_kernels(d: int, dv: int, q_len: int, kv_len: int, heads: int, kv_heads: int, causal: bool, gpu: Gpu,
+                     split_keys: bool, split_queries: bool, batch: int = 1, elem_bytes: int = 2) -> list:
+    """The backward's dispatches (csrc/backward_launch_plan.cpp): delta (a
+    simdgroup per row: rowsum(dO * O), DRAM-bound), dK/dV, dQ."""
+    rows = batch * heads * q_len
+    delta_bytes = rows * (2 * dv * elem_bytes + 8)
+    delta = Kernel("attention_backward_delta", math.ceil(rows / 4), 128, 24, 0, 1,
+                   Block({"fma": 2 * dv // 32, "simd_shuffle": 5, "device_load": 2 * dv // 32}), 0.0,
+                   delta_bytes, delta_bytes)
+    dkdv = _backward_pass("dkdv", 32, 16 if d in (80, 96) else 32, d, dv, heads, kv_heads, batch, q_len, kv_len,
+                          causal, gpu, split_keys, elem_bytes, 32 if split_keys else (16 if d in (80, 96) else 32))
+    dq_block = 32 if split_queries else (32 if d == 64 else 16)
+    dq = _backward_pass("dq", 32, dq_block, d, dv, heads, kv_heads, batch, q_len, kv_len, causal, gpu, split_queries,
+                        elem_bytes, dq_block)
+    return [delta, dkdv, dq]
+
+
+# ---------------------------------------------------------------- quantized K/V prefill
+# FMA-class instructions per element a loader dequantizes: shift, mask,
+# int -> float, scale * code + bias, float -> the staged dtype (ASSUMED: one
+# issue slot each, as "fma").
+DEQUANTIZE_OPS_PER_ELEMENT = 5
+
+
 def quantized_kv_bytes_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
-    """Device bytes per K/V element of mx.quantize's triple: the code, and a
-    scale and a bias per group (in the query dtype)."""
+    """Device bytes of one K or V element quantized by mx.quantize: its code
+    and its share of the group's scale and bias (q's dtype)."""
     return bits / 8 + 2 * scale_bytes / group_size
 
 
+def quantized_prefill_kernel(name: str, d: int, bk: int, bits: int, group_size: int, batch: int, heads: int,
+                             kv_heads: int, q_len: int, kv_len: int, causal: bool, gpu: Gpu,
+                             elem_bytes: int = 2) -> Kernel:
+    """metal/attention_quantized_prefill.h: our prefill tile (our_prefill_tile,
+    fast exp2) whose block loader reads packed codes and per-group scales and
+    biases and stages scale * code + bias in q's dtype. Against the float
+    loader: a thread stages runs of 32 features (BITS word loads, one scale
+    and one bias each) instead of 16-byte vectors, DEQUANTIZE_OPS_PER_ELEMENT
+    ALU per staged element, the words of one run, its scale, bias and two
+    addresses live in the staging phase (steel_registers); device bytes are the packed K/V (the cache
+    model: each group's scale and bias from DRAM once), issued as one scale
+    and bias per run."""
+    base = prefill_kernel(name, our_prefill_tile(d, bk, "fast"), batch, heads, kv_heads, q_len, kv_len, causal, gpu,
+                          elem_bytes)
+    threads = base.threads
+    float_loads = math.ceil(2 * bk * d * elem_bytes / 16 / threads)  # the float loader's (prefill_kernel)
+    runs = math.ceil(2 * bk * d / 32 / threads)                      # per thread per block
+    elements = 2 * bk * d / threads
+    counts = dict(base.block.counts)
+    counts["fma"] += -float_loads + elements * DEQUANTIZE_OPS_PER_ELEMENT + 6 * runs  # + a run's addresses
+    counts["device_load"] = runs * (bits + 2)
+    registers = steel_registers(our_prefill_tile(d, bk, "fast"), elem_bytes, staging_registers=bits + 4)
+    # the float kernel's K/V bytes per threadgroup -> the share of keys it reads (causal: about half)
+    other = 2 * batch * heads * q_len * d * elem_bytes               # q read, out written
+    float_head = 2 * kv_len * d * elem_bytes
+    fraction = (base.device_bytes - other) / (base.threadgroups * float_head)
+    issued_head = 2 * kv_len * d * (bits / 8 + 2 * elem_bytes / 32)  # one scale and bias per run of 32
+    dram_head = 2 * kv_len * d * quantized_kv_bytes_per_element(bits, group_size, elem_bytes)
+    kernel = replace(base, name=name, block=replace(base.block, counts=counts), registers=registers,
+                     device_bytes=base.threadgroups * issued_head * fraction + other)
+    return _with_cache(kernel, gpu, dram_head * fraction, other)
+
+
+def quantized_decode_structure_kernels(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, d: int,
+                                       bits: int, group_size: int, causal: bool, gpu: Gpu,
+                                       elem_bytes: int = 2) -> list:
+    """The quantized decode kernel on prefill rows (metal/attention_quantized.h,
+    what served them before the quantized prefill kernel): our_decode_kernels
+    with group x q_len rows in chunks of R (csrc/launch_plan.cpp
+    decode_splits), each chunk re-reading and re-dequantizing its key range
+    (dequantize_slice: per key and lane D / 32 features of K and of V, 3
+    shuffles each for the shared word, scale and bias); causal: a chunk's
+    range ends at its last position (about half the keys on average). Then
+    the merge (one split included: the plan's merge dispatch)."""
+    rows = heads // kv_heads * q_len
+    r = 32 // (d // 32)
+    chunks = math.ceil(rows / r)
+    threadgroups = batch * kv_heads * chunks
+    for_occupancy = math.ceil(gpu.cores * 8 / threadgroups)
+    splits = max(1, min(for_occupancy, math.ceil(kv_len / max(64, 16 * rows))))
+    prefetch = 2 if d // 32 <= 8 else 1
+    partial, merge = our_decode_kernels(batch, kv_heads * rows, kv_heads, kv_len, d, gpu, splits, r,
+                                        prefetch=prefetch, lane_merge=True, elem_bytes=elem_bytes)
+    per_lane = d // 32
+    counts = dict(partial.block.counts)
+    counts["fma"] += 2 * per_lane * 3  # per key: shift, mask, scale * code + bias per feature of K and V
+    counts["simd_shuffle"] += 2 * 3
+    counts["device_load"] = 2 * 3                         # a word (or a share of one), a scale, a bias
+    fraction = 1.0
+    if causal:  # rows head-major, position fastest: a chunk's keys end after its last position
+        ends = [min(kv_len, kv_len - q_len + max(i % q_len for i in range(c * r, min(rows, (c + 1) * r))) + 1)
+                for c in range(chunks)]
+        fraction = sum(ends) / (chunks * kv_len)
+    scale = quantized_kv_bytes_per_element(bits, group_size, elem_bytes) / elem_bytes
+    kv_issued = batch * kv_heads * chunks * 2 * kv_len * d * elem_bytes
+    resident = min(residency(partial, gpu)["threadgroups"], math.ceil(partial.threadgroups / gpu.cores))
+    kv_dram = unique_bytes_per_wave(partial.kv_reads, 2 * kv_len * d * elem_bytes / splits, resident, gpu)
+    partial = replace(partial, name="attention_quantized_decode_partial", block=replace(partial.block, counts=counts),
+                      blocks=max(1, round(partial.blocks * fraction)),
+                      device_bytes=partial.device_bytes - kv_issued + kv_issued * scale * fraction,
+                      dram_bytes=partial.dram_bytes - kv_dram + kv_dram * scale * fraction)
+    return [partial, merge]
+
+
+def mlx_dequantize_kernel(name: str, elements: int, bits: int, group_size: int, gpu: Gpu,
+                          elem_bytes: int = 2) -> Kernel:
+    """mx.dequantize's dispatch (MLX's affine_dequantize) over one quantized
+    array, modelled as DRAM-bound: reads codes, scales and biases, writes the
+    elements in q's dtype; a thread dequantizes one 32-bit word's codes."""
+    per_thread = 32 // bits
+    threads = 256
+    threadgroups = math.ceil(elements / per_thread / threads)
+    moved = elements * (quantized_kv_bytes_per_element(bits, group_size, elem_bytes) + elem_bytes)
+    block = Block({"fma": per_thread * DEQUANTIZE_OPS_PER_ELEMENT + 4, "device_load": 3})
+    return Kernel(name, threadgroups, threads, 24, 0, 1, block, 0.0, moved, moved)
+
+
+def dequantize_then_steel_kernels(d: int, bits: int, group_size: int, batch: int, heads: int, kv_heads: int,
+                                  q_len: int, kv_len: int, causal: bool, gpu: Gpu, elem_bytes: int = 2) -> list:
+    """The unfused path MLX offers for quantized K/V prefill: mx.dequantize
+    of K, then of V (each writing fp16 K/V to DRAM), then steel_attention
+    (mlx_steel_tile) reading them."""
+    elements = batch * kv_heads * kv_len * d
+    return [mlx_dequantize_kernel("dequantize K", elements, bits, group_size, gpu, elem_bytes),
+            mlx_dequantize_kernel("dequantize V", elements, bits, group_size, gpu, elem_bytes),
+            prefill_kernel("steel_attention", mlx_steel_tile(d), batch, heads, kv_heads, q_len, kv_len, causal, gpu,
+                           elem_bytes)]
+
+
+# ---------------------------------------------------------------- decode over quantized K/V
 # Per-thread registers the quantized loader holds beyond the float one:
 # ASSUMED 4 (a key's packed word, scale and bias of the triple it is
 # dequantizing, transient); its pointers, strides and row bases are uniform
@@ -472,8 +724,8 @@ def our_quantized_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: 
     triple instead of float K/V: per key and simdgroup, for K and for V,
     the row's packed words, scales and biases once (dequantize_slice: a
     lane reads its scale, bias and word(s); the lanes of a group, and of a
-    shared word, take them by simd_shuffle), and 4 ALU ops per feature
-    (shift, mask, convert, scale-and-bias FMA). Device and DRAM bytes from
+    shared word, take them by simd_shuffle), and DEQUANTIZE_OPS_PER_ELEMENT - 1
+    ALU ops per feature (no store in a staged dtype: dequantized in registers). Device and DRAM bytes from
     quantized_kv_bytes_per_element; the queries, outputs and partials as the
     float decode's."""
     kernels = our_decode_kernels(batch, heads, kv_heads, kv_len, d, gpu, splits, rows_per_threadgroup,
@@ -486,7 +738,8 @@ def our_quantized_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: 
     counts = dict(partial.block.counts)
     counts["device_load"] = 2 * (2 + words)  # K and V: scale, bias, word(s)
     counts["simd_shuffle"] = counts.get("simd_shuffle", 0) + 2 * (2 + shared_word)
-    counts["fma"] = counts.get("fma", 0) + 2 * 4 * per_lane + 6  # + three row addresses each for K and V
+    # per feature of K and V: the prefill loader's ops but the store in the staged dtype; three row addresses each
+    counts["fma"] = counts.get("fma", 0) + 2 * (DEQUANTIZE_OPS_PER_ELEMENT - 1) * per_lane + 6
     float_head = 2 * kv_len * d * elem_bytes
     quantized_head = 2 * kv_len * d * quantized_kv_bytes_per_element(bits, group_size, elem_bytes)
     chunks = math.ceil((heads // kv_heads) / rows_per_threadgroup)

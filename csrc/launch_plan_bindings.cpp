@@ -65,6 +65,19 @@ nb::dict plan_dict(const LaunchPlan& plan) {
   return out;
 }
 
+// The GPU a plan is for, from the bindings' gpu_family / gpu_cores arguments.
+GpuTarget gpu_target_argument(const std::string& gpu_family, int gpu_cores) {
+  GpuTarget target;
+  if (!gpu_family_from_name(gpu_family, target.family)) {
+    throw nb::value_error(("gpu_family must be one of apple7, apple8, apple9, apple10, unknown; got '" + gpu_family + "'").c_str());
+  }
+  if (gpu_cores < 0) {
+    throw nb::value_error(("gpu_cores must be >= 0 (0: the family's base part), got " + std::to_string(gpu_cores)).c_str());
+  }
+  target.gpu_cores = gpu_cores;
+  return target;
+}
+
 }  // namespace
 
 nb::dict launch_plan_dict(const LaunchPlan& plan) { return plan_dict(plan); }
@@ -73,15 +86,7 @@ void bind_launch_plan(nb::module_& m) {
   m.def(
       "metal_launch_plan",
       [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores) {
-        GpuTarget target;
-        if (!gpu_family_from_name(gpu_family, target.family)) {
-          throw nb::value_error(("gpu_family must be one of apple7, apple8, apple9, apple10, unknown; got '" + gpu_family + "'").c_str());
-        }
-        if (gpu_cores < 0) {
-          throw nb::value_error(("gpu_cores must be >= 0 (0: the family's base part), got " + std::to_string(gpu_cores)).c_str());
-        }
-        target.gpu_cores = gpu_cores;
-        const LaunchPlan plan = plan_attention(problem, target);
+        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores));
         nb::dict out = plan_dict(plan);
         out["gpu_family"] = gpu_family_name(plan.target.family);
         out["gpu_cores"] = plan.target.gpu_cores;
@@ -130,7 +135,8 @@ void bind_launch_plan(nb::module_& m) {
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
          float scale, bool causal, int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
-         int bits, int group_size, bool output_lse, float softcap) {
+         int bits, int group_size, bool output_lse, float softcap, const std::string& gpu_family, int gpu_cores) {
+        const GpuTarget target = gpu_target_argument(gpu_family, gpu_cores);
         if (k_quant.size() != 3 || v_quant.size() != 3) {
           throw std::invalid_argument("k_quant and v_quant must be (packed, scales, biases) triples");
         }
@@ -143,15 +149,16 @@ void bind_launch_plan(nb::module_& m) {
         if (mask) inputs.push_back(*mask);
         if (sinks) inputs.push_back(*sinks);
         const auto [problem, kv] = describe_quantized_attention(inputs, options, {bits, group_size});
-        nb::dict out = plan_dict(plan_quantized_attention(problem, kv));
+        nb::dict out = plan_dict(plan_quantized_attention(problem, kv, target));
         out["problem"] = nb::cast(problem);
         return out;
       },
       "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
       "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "output_lse"_a = false,
-      "softcap"_a = 0.0f,
+      "softcap"_a = 0.0f, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
       "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
-      "q's dtype), as metal_launch_plan, plus 'quantized_params' bytes and the 'problem'.");
+      "q's dtype), as metal_launch_plan (for the gpu_family's tiles), plus 'quantized_params' bytes and the "
+      "'problem'.");
   m.attr("QUANTIZED_ATTENTION_PARAMS_BYTES") = int(sizeof(QuantizedAttentionParams));
   m.def(
       "metal_backward_launch_plan",

@@ -20,7 +20,43 @@ QuantizedAttentionParams quantized_params(const cpu::QuantizedKV& qz) {
   return qp;
 }
 
+// ---- the quantized prefill branch (quantized_rows_take_prefill) ----
+// One dispatch of the quantized prefill kernel: the dense prefill's grid
+// (query blocks of BQ rows x query heads x batch), its key block and its
+// tiles in q's dtype (csrc/launch_plan.cpp plan_attention).
+void plan_quantized_prefill(const AttentionProblem& s, const cpu::QuantizedKV& qz, const GpuTarget& target,
+                            LaunchPlan& plan) {
+  using R = BufferRole;
+  const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
+  const int query_block = 8 * simdgroups;  // BQ: 8 rows per simdgroup
+  const int key_block = prefill_key_block(s.head_dim, s.dtype, target);
+  KernelDispatch prefill;
+  prefill.kernel = std::string("attention_quantized_prefill_") + elem_type_name(s.dtype) + "_d" +
+      std::to_string(s.head_dim) + "_b" + std::to_string(qz.bits) + "_bk" + std::to_string(key_block) +
+      mask_kernel_suffix(s.mask_kind);
+  prefill.grid = {(s.q_len + query_block - 1) / query_block, s.q_heads, s.batch};
+  prefill.threadgroup = {32 * simdgroups, 1, 1};
+  prefill.bindings = bind_roles(forward_layout(s, /*quantized=*/true),
+                                {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::out,
+                                 R::params, R::quantized_params, R::mask, R::sinks, R::lse},
+                                plan.scratch, 0);
+  // K and V tiles of the dequantized block in q's dtype, rows padded by 16 bytes
+  const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
+  prefill.threadgroup_memory_bytes = 2 * key_block * (s.head_dim * element_bytes + 16);
+  plan.dispatches = {prefill};
+  plan.splits = 1;
+}
+// ---- end of the quantized prefill branch ----
+
 }  // namespace
+
+bool quantized_rows_take_prefill(const AttentionProblem& s, const cpu::QuantizedKV& qz) {
+  const bool prefill_rows = s.q_len > kDecodeMaxQueries || s.group_size() * s.q_len > kDecodeMaxRows;
+  const bool instantiated = s.head_dim <= kRegisterPrefillMaxHeadDim && s.head_dim == s.value_dim &&
+      prefill_key_block(s.head_dim, s.dtype) != 0 && decode_rows_per_threadgroup(s.head_dim) != 0;
+  // a staged run of 32 features reads one scale and bias (stage_quantized_key_block)
+  return prefill_rows && instantiated && (qz.bits == 4 || qz.bits == 8) && qz.group_size % 32 == 0;
+}
 
 LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::QuantizedKV& qz, const GpuTarget& target) {
   if (int64_t(s.batch) * s.q_heads * s.q_len == 0) {
@@ -45,6 +81,17 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
                   "got head dim " + std::to_string(s.head_dim) + " and group_size " + std::to_string(qz.group_size);
     return plan;
   }
+
+  // ---- prefill rows: the quantized prefill kernel (its own branch; the decode structure below) ----
+  if (quantized_rows_take_prefill(s, qz)) {
+    plan_quantized_prefill(s, qz, target, plan);
+    const QuantizedAttentionParams qp = quantized_params(qz);
+    plan.quantized_params.resize(sizeof(qp));
+    std::memcpy(plan.quantized_params.data(), &qp, sizeof(qp));
+    plan.supported = true;
+    return plan;
+  }
+  // ---- end of the prefill rows ----
 
   using R = BufferRole;
   const int rows = s.group_size() * s.q_len;

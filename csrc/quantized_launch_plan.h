@@ -1,7 +1,9 @@
 // Launch plan of the Metal kernels over quantized K/V
 // (metal/attention_quantized.metal): the float decode's split-K structure
 // with a partial kernel that dequantizes packed K/V in registers, merged by
-// the float decode's merge kernel (same partial layout). Same plan types as
+// the float decode's merge kernel (same partial layout); prefill-sized
+// problems take the quantized prefill kernel
+// (metal/attention_quantized_prefill.metal) instead. Same plan types as
 // csrc/launch_plan.h: the Mac host encodes it with the same loop and the
 // emulator tests launch it unchanged.
 #pragma once
@@ -11,11 +13,25 @@
 
 namespace mlx_attn {
 
+// Which kernel serves a quantized call's query rows, the one routing rule:
+// the quantized prefill kernel (metal/attention_quantized_prefill.h, the
+// dense prefill kernel's MMA tiles with a loader that dequantizes while
+// staging) for more rows than the decode kernel serves well, by the dense
+// plan's decode limits (more than kDecodeMaxQueries positions or
+// kDecodeMaxRows rows = GQA group x positions, as paged_rows_take_prefill),
+// at the head dims it is instantiated for (64, 128: both the register-resident
+// prefill and the quantized decode take them); the quantized decode kernel
+// otherwise: decode rows, short chunks, and D = 256 / 512, whose dense prefill
+// is the D-split kernel (a register-resident tile there would exceed the
+// register budget).
+bool quantized_rows_take_prefill(const AttentionProblem& problem, const cpu::QuantizedKV& quantized);
+
 // `problem` as describe_quantized_attention builds it (k/v strides in packed
 // uint32 words), `quantized` its bits, group size and scales/biases strides
 // (buffer pointers unused). Inputs are bound in the QuantizedAttention
 // primitive's order: q, k packed, k scales, k biases, v packed, v scales,
-// v biases, then the mask and sinks when present. Any number of query rows.
+// v biases, then the mask and sinks when present. Any number of query rows:
+// quantized_rows_take_prefill picks the kernel.
 LaunchPlan plan_quantized_attention(
     const AttentionProblem& problem, const cpu::QuantizedKV& quantized, const GpuTarget& target = {});
 

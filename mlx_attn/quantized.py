@@ -13,8 +13,10 @@ without repeating K/V, lower-right causal) with ``k`` and ``v`` given as such
 triples. On CPU streams it runs the fused CPU kernel, which dequantizes each
 key/value block inside its tile (``csrc/cpu/kernel_impl.h``,
 ``load_quantized_row``); on GPU streams the Metal kernels of
-``metal/attention_quantized.metal``, which dequantize packed K/V in registers
-(launch plan: ``csrc/quantized_launch_plan.cpp``, :func:`quantized_launch_plan`).
+``metal/attention_quantized.metal``, which dequantize packed K/V in registers,
+and for long prompts at D = 64 / 128 ``metal/attention_quantized_prefill.metal``
+(the prefill kernel's MMA tiles, K/V dequantized as they are staged; launch
+plan: ``csrc/quantized_launch_plan.cpp``, :func:`quantized_launch_plan`).
 Its reference path dequantizes and runs the reference SDPA.
 """
 

@@ -18,9 +18,11 @@ from mlx_attn.quantized import quantized_launch_plan
 REPO = Path(__file__).resolve().parent.parent
 # the dense forward plans' kernels (the paged families run from
 # tests/paged_metal_runner.py, the backward families from their own builds:
-# tests/test_metal_backward*.py)
+# tests/test_metal_backward*.py, the quantized prefill from a build trimmed to
+# the instantiations a test uses: tests/test_quantized_prefill_metal.py)
 METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal")
-                       if not p.name.startswith(("attention_paged", "attention_backward")))
+                       if not p.name.startswith(("attention_paged", "attention_backward",
+                                                 "attention_quantized_prefill")))
 REAL_METAL = mx.metal.is_available() and _ext.has_metal()
 
 

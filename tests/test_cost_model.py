@@ -110,12 +110,57 @@ def test_steel_throughput_lands_near_the_public_figure():
 
 
 def test_register_estimate_follows_the_tiles():
-    """Live float fragments: O and Q (in registers) grow with D, S and K with BK."""
+    """Peak live values: O and Q (held in registers) grow with D, S and the
+    step's K fragments with BK; the phases' values are not summed."""
     small = cm.steel_registers(cm.our_prefill_tile(64, 32, "fast"))
     wide = cm.steel_registers(cm.our_prefill_tile(128, 32, "fast"))
-    assert wide - small == 2 * 2 * (128 - 64) // 8 + math.ceil(32 * 64 * 2 / 4 / 128)
+    assert wide - small == 2 * 2 * (128 - 64) // 8  # O and Q: 8 more float fragments of 2
+    deep = cm.steel_registers(cm.our_prefill_tile(64, 64, "fast"))
+    # BK 32 -> 64: S and the K fragments of the score phase, 8 more of each (the largest phase)
+    assert deep - small == 8 + 8
+    # hand count, ours at D = 64, BK = 32: O 16 + Q 16 + rows 3 + 20 fixed + score phase (S 8 + K 8)
+    assert small == 16 + 16 + 3 + cm.FIXED_REGISTERS + 16
     # the issue's D = 256 case: Q and O alone are 128 floats per lane, over the budget
     assert cm.steel_registers(cm.our_prefill_tile(256, 8, "fast")) > cm.M2_MAX.register_budget
+
+
+def test_every_kernel_the_plans_pick_is_within_the_register_budget():
+    """Issue #23: no supported variant above the budget. The table walks the
+    launch plans (forward decode and prefill, backward) of every head-dim
+    pair, so a routing change that picks a spilling kernel fails here."""
+    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    rows = bench_metal.register_table()
+    kinds = {kind for kind, _, _, _ in rows}
+    assert {"prefill", "prefill (D-split)", "decode", "backward dkdv", "backward dq", "backward dkdv (D-split)",
+            "backward dq (D-split)"} <= kinds
+    over = [row for row in rows if row[3] > cm.M2_MAX.register_budget]
+    assert over == []
+    # the register-resident kernels the plans route away from are over it
+    assert cm.steel_registers(cm.our_prefill_tile(256, 8, "fast")) > cm.M2_MAX.register_budget
+    assert cm.backward_dkdv_registers(128) > cm.M2_MAX.register_budget
+
+
+def test_a_kernel_without_a_register_estimate_is_an_error():
+    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    with pytest.raises(ValueError, match="no register estimate"):
+        bench_metal.kernel_registers("attention_brand_new_float16_d64")
+
+
+def test_the_backward_routing_at_d128_is_the_models_choice():
+    """D = 128: the D-split dK/dV (72 registers) is predicted faster than the
+    register-resident one it replaced (156: spills); the register-resident
+    dQ (126) faster than a D-split dQ, which recomputes S and dP per chunk."""
+    gpu = cm.M2_MAX
+
+    def seconds(split_keys, split_queries):
+        kernels = cm.backward_kernels(128, 128, 2048, 2048, 32, 32, False, gpu, split_keys, split_queries)
+        return [cm.predict(k, gpu)["seconds"] for k in kernels[1:]]
+
+    (split_dkdv, resident_dq), (resident_dkdv, _), (_, split_dq) = seconds(True, False), seconds(False, False), \
+        seconds(True, True)
+    assert split_dkdv < resident_dkdv
+    assert resident_dq < split_dq
+    assert cm.backward_dq_registers(128) <= gpu.register_budget < cm.backward_dkdv_registers(128)
 
 
 def test_a_lone_simdgroup_waits_for_its_dependent_instructions():

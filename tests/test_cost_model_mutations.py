@@ -26,7 +26,14 @@ MUTANTS = {
     "precise exp2 as cheap as fast": ('"exp2_precise": 12', '"exp2_precise": 4'),
     "decode: always a merge dispatch": ("merged = single_dispatch and splits == 1", "merged = False"),
     "prefill: P V MMAs not counted": ("mma = tq * tk * td * 2 ", "mma = tq * tk * td "),
-    "registers: O not counted": ("return o + s + k + q + v + staged + rows + 20", "return s + k + q + v + staged + rows + 20"),
+    "registers: O not counted": ("return o + q_held + rows + FIXED_REGISTERS + max(", "return q_held + rows + FIXED_REGISTERS + max("),
+    "registers: the phases summed, not their peak": (
+        "return o + q_held + rows + FIXED_REGISTERS + max(staging, scores, values)",
+        "return o + q_held + rows + FIXED_REGISTERS + staging + scores + values"),
+    "registers: backward dK/dV rows not counted": ("return d + FIXED_REGISTERS + max(2, 8, 8, 8)",
+                                                  "return FIXED_REGISTERS + max(2, 8, 8, 8)"),
+    "backward: D-split dQ without its recomputed scores": (
+        "mma = steps * (dt + dvt + gradient_tiles)", "mma = steps * gradient_tiles"),
     "a lone simdgroup issues every cycle": (
         "return mma * MMA_DEPENDENT_LATENCY + (block_issue - mma) * max(1.0, ALU_DEPENDENT_LATENCY / block.ilp)",
         "return block_issue"),

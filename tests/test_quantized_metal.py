@@ -103,14 +103,22 @@ AXES = {
     "d": (64, 128, 512),
     "gqa": (1, 4),
     "mask": ("none", "causal", "bool", "additive", "window", "sinks"),
-    "q_len": (1, 2, 3, 4, 40),  # decode (Tq 1..4) and a prefill shape
+    # decode (Tq 1..4), 8 positions (up to 32 rows: several row chunks) and a
+    # prefill shape, which the decode kernel takes at D = 512 only
+    "q_len": (1, 2, 3, 4, 8, 40),
     "dtype": tuple(DTYPES),
 }
 
 
+def takes_prefill(p: dict) -> bool:
+    """Rows the quantized prefill kernel takes (csrc/quantized_launch_plan.h
+    quantized_rows_take_prefill; tests/test_quantized_prefill_metal.py)."""
+    return p["d"] <= 128 and (p["q_len"] > 8 or p["gqa"] * p["q_len"] > 32)
+
+
 def grid_points():
     points = [dict(zip(AXES, values)) for values in itertools.product(*AXES.values())]
-    return [p for p in points if p["d"] % p["group_size"] == 0]
+    return [p for p in points if p["d"] % p["group_size"] == 0 and not takes_prefill(p)]
 
 
 # Every value of every axis at least once, decode and prefill shapes with each
@@ -122,11 +130,12 @@ SAMPLE = [
     dict(bits=8, group_size=32, d=128, gqa=1, mask="additive", q_len=4, dtype="float32"),
     dict(bits=4, group_size=64, d=128, gqa=4, mask="window", q_len=1, dtype="float16"),
     dict(bits=8, group_size=128, d=128, gqa=4, mask="sinks", q_len=2, dtype="float32"),
-    dict(bits=4, group_size=32, d=128, gqa=4, mask="causal", q_len=40, dtype="float32"),
-    dict(bits=8, group_size=64, d=64, gqa=1, mask="window", q_len=40, dtype="bfloat16"),
-    dict(bits=4, group_size=64, d=64, gqa=4, mask="sinks", q_len=40, dtype="float16"),
-    dict(bits=8, group_size=32, d=64, gqa=4, mask="bool", q_len=40, dtype="float32"),
+    dict(bits=4, group_size=32, d=128, gqa=4, mask="causal", q_len=8, dtype="float32"),
+    dict(bits=8, group_size=64, d=64, gqa=1, mask="window", q_len=8, dtype="bfloat16"),
+    dict(bits=4, group_size=64, d=64, gqa=4, mask="sinks", q_len=8, dtype="float16"),
+    dict(bits=8, group_size=32, d=64, gqa=4, mask="bool", q_len=8, dtype="float32"),
     dict(bits=4, group_size=64, d=512, gqa=4, mask="causal", q_len=2, dtype="float16"),  # 2 rows per threadgroup
+    dict(bits=8, group_size=128, d=512, gqa=1, mask="window", q_len=40, dtype="float32"),  # prefill at D = 512
 ]
 POINTS = grid_points() if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else SAMPLE
 
@@ -314,10 +323,12 @@ def test_plan_params_carry_the_scales_and_biases_strides():
 
 @needs_ext
 def test_plan_serves_prefill_rows_in_chunks():
-    plan = plan_for(d=128, hq=8, hkv=2, q_len=40, kv_len=64)
+    """At D = 256 (no register-resident prefill there) the decode structure
+    takes prefill rows too, in chunks."""
+    plan = plan_for(d=256, hq=8, hkv=2, q_len=40, kv_len=64)
     rows = 4 * 40
-    rows_per_threadgroup = 8  # MLX_ATTN_DECODE_ROW_FLOATS / (128 / 32)
-    (partial,) = plan["dispatches"]  # 40 threadgroups fill the GPU: one split, no merge
+    rows_per_threadgroup = 4  # MLX_ATTN_DECODE_ROW_FLOATS / (256 / 32)
+    (partial,) = plan["dispatches"]  # 80 threadgroups fill the GPU: one split, no merge
     assert partial["grid"] == [1, 2 * (rows // rows_per_threadgroup), 1]
 
 

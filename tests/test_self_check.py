@@ -292,7 +292,13 @@ def test_quantized_cases_cover_decode_splits_window_sinks_and_prefill():
 
 @needs_emulator
 def test_quantized_self_check_runs_the_emulated_metal_kernel():
-    runner = EmulatedMetal(fast_math=True)
+    from test_quantized_prefill_metal import SAMPLE_INSTANCES, instance, trimmed_source
+
+    # the prefill case (19 positions, a bool mask) takes the quantized prefill
+    # kernel: the emulator test's sample build (cached) has it
+    assert instance("float32", 64, 4, "bool") in SAMPLE_INSTANCES
+    prefill = trimmed_source(SAMPLE_INSTANCES)
+    runner = EmulatedMetal(fast_math=True, sources=METAL_SOURCES + [prefill])
     variant = self_check.QuantizedVariant("float32", 64, 4, 32)
 
     def run(q, k_quant, v_quant, **kwargs):

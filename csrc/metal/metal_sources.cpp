@@ -71,6 +71,7 @@ constexpr VariantFamily kVariantFamilies[] = {
     {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "", ""}, true},
     {"attention_decode_merge_", "MLX_ATTN_DECODE_MERGE", {"d", "", ""}, false},
     {"attention_quantized_decode_partial_", "MLX_ATTN_QUANTIZED_DECODE_MASK", {"d", "b", ""}, true},
+    {"attention_quantized_prefill_", "MLX_ATTN_QUANTIZED_PREFILL_MASK", {"d", "b", "bk"}, true},
     // the D-split backward (its _bk: rows per streamed block)
     {"attention_backward_split_dkdv_", "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK", {"d", "dv", "bk"}, true},
     {"attention_backward_split_dq_", "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK", {"d", "dv", "bk"}, true},

@@ -82,13 +82,19 @@ class _Held:
         self.array = array
 
 
-def _dequantized(layer, begin: int = 0, end: int | None = None) -> mx.array:
+def _dequantized(layer, begin: int = 0, end: int | None = None, after: mx.array | None = None) -> mx.array:
     """Output rows [begin, end) of ``layer``'s weight in float32: scale * code
     + bias in float32, as MLX's quantized kernel computes it (dequantizing in
-    the scales' own half dtype would round every weight once more)."""
+    the scales' own half dtype would round every weight once more).
+    ``after``: an array the dequantization must wait for. MLX schedules a
+    branch that needs no activations early, so without it a forward pass
+    holds many layers' dequantized weights at once (measured on Gemma 3
+    270M, a 127-token prefill: peak memory over the weights 96 MB without,
+    83 MB with; 16 MB through MLX's quantized kernel)."""
     weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     end = weight.shape[0] if end is None else end
-    return mx.dequantize(weight[begin:end], scales[begin:end].astype(mx.float32),
+    codes = weight[begin:end] if after is None else mx.depends(weight[begin:end], after)
+    return mx.dequantize(codes, scales[begin:end].astype(mx.float32),
                          None if biases is None else biases[begin:end].astype(mx.float32),
                          group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
 
@@ -107,7 +113,7 @@ def dequantized_matmul(x: mx.array, layer) -> mx.array:
     held = float32_weight(layer)
     if held is not None:
         return (x32 @ held.T).astype(x.dtype)
-    outputs = [x32 @ _dequantized(layer, begin, begin + DEQUANTIZED_SLICE_ROWS).T
+    outputs = [x32 @ _dequantized(layer, begin, begin + DEQUANTIZED_SLICE_ROWS, after=x32).T
                for begin in range(0, layer["weight"].shape[0], DEQUANTIZED_SLICE_ROWS)]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
     return out.astype(x.dtype)
