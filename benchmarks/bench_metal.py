@@ -740,12 +740,66 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
               f"{rule['now']['geomean']:.2f}x (geometric mean; worst {rule['now']['max']:.2f}x), before (64 keys per row) "
               f"{rule['before']['geomean']:.2f}x (worst {rule['before']['max']:.2f}x)."]
     lines += quantized_prefill_lines(gpu)
+    lines += quantized_decode_lines(gpu)
     check = throughput_check()
     lines += ["", f"Throughput: MLX's steel prefill, D=64 fp16, T={check['T']}, H={check['heads']} on {check['gpu']}: "
               f"predicted {check['predicted_tflops']:.1f} TFLOP/s (peak {check['peak_tflops']:.1f}); public figure "
               f"~{check['public_tflops']} TFLOP/s; ratio {check['ratio']:.2f} (required within {PUBLIC_FACTOR}x).", "",
               *model_assumptions(gpu), "", MODEL_END]
     return "\n".join(lines) + "\n"
+
+
+# Decode problems where the split rule gives one split on the model's GPU:
+# (batch, KV heads, GQA group, T) at D = 128; short T, or a batch that fills
+# the GPU by itself.
+QUANTIZED_ONE_SPLIT_PROBLEMS = ((1, 8, 4, 64), (1, 8, 8, 128), (1, 32, 1, 64), (64, 8, 4, 1024))
+
+
+def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> list:
+    """Our quantized decode (metal/attention_quantized.h) before (partial +
+    merge, always) and now (one dispatch at one split), by the model, next to
+    MLX's sdpa_vector on the dequantized fp16 K/V. The split count is the
+    float decode plan's (the quantized plan calls the same decode_splits)."""
+    from mlx_attn.metal_support import launch_plan
+
+    rows = []
+    for batch, kv_heads, group, t in QUANTIZED_ONE_SPLIT_PROBLEMS:
+        heads = kv_heads * group
+        q = mx.zeros((batch, heads, 1, d), mx.float16)
+        k = mx.zeros((batch, kv_heads, t, d), mx.float16)
+        splits = plan_decode_splits(launch_plan(q, k, k, scale=d**-0.5, gpu_family=gpu.family, gpu_cores=gpu.cores))
+        rows_per_tg = 32 // (d // 32)
+        two_pass = kv_heads < heads and t >= 4096  # as model_problem
+        mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
+                                                    64 if group >= 4 else 32), gpu)["seconds"]
+        for bits in (4, 8):
+            ours = {when: cm.predict_all(cm.our_quantized_decode_kernels(
+                batch, heads, kv_heads, t, d, gpu, splits, rows_per_tg, bits, group_size, prefetch=decode_prefetch(d),
+                single_dispatch=single), gpu) for when, single in (("before", False), ("now", True))}
+            rows.append({"B": batch, "Hkv": kv_heads, "group": group, "T": t, "D": d, "bits": bits,
+                         "group_size": group_size, "splits": splits, "mlx_us": mlx * 1e6,
+                         **{f"{when}_{key}": value for when, p in ours.items()
+                            for key, value in (("us", p["seconds"] * 1e6), ("dispatches", p["dispatches"]),
+                                               ("registers", p["registers"]), ("bound", p["bound"]))}})
+    return rows
+
+
+def quantized_decode_lines(gpu=MODEL_GPU) -> list:
+    """The quantized decode's rows of the cost model's section."""
+    lines = ["", f"Decode over quantized K/V (mx.quantize, group 64, fp16 scales and biases), D=128, where the",
+             "split rule gives one split: before, the partial kernel and the merge always (2 dispatches); now,",
+             "one dispatch (the partial kernel writes out, sinks and lse). MLX: sdpa_vector on the dequantized",
+             "fp16 K/V (the dequantize pass not counted). K/V device bytes per element: "
+             f"4-bit {cm.quantized_kv_bytes_per_element(4, 64):.4f}, 8-bit {cm.quantized_kv_bytes_per_element(8, 64):.4f},"
+             " fp16 2.", "",
+             "| B | Hkv | GQA | T | bits | splits | registers | before µs (dispatches) | now µs (dispatches) | "
+             "before / MLX | now / MLX | bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in quantized_decode_rows(gpu):
+        lines.append(f"| {r['B']} | {r['Hkv']} | {r['group']} | {r['T']} | {r['bits']} | {r['splits']} | "
+                     f"{r['now_registers']} | {r['before_us']:.1f} ({r['before_dispatches']}) | "
+                     f"{r['now_us']:.1f} ({r['now_dispatches']}) | {r['before_us'] / r['mlx_us']:.2f}x | "
+                     f"{r['now_us'] / r['mlx_us']:.2f}x | {r['now_bound']} |")
+    return lines
 
 
 def model_assumptions(gpu) -> list:

@@ -706,3 +706,48 @@ def dequantize_then_steel_kernels(d: int, bits: int, group_size: int, batch: int
             mlx_dequantize_kernel("dequantize V", elements, bits, group_size, gpu, elem_bytes),
             prefill_kernel("steel_attention", mlx_steel_tile(d), batch, heads, kv_heads, q_len, kv_len, causal, gpu,
                            elem_bytes)]
+
+
+# ---------------------------------------------------------------- decode over quantized K/V
+# Per-thread registers the quantized loader holds beyond the float one:
+# ASSUMED 4 (a key's packed word, scale and bias of the triple it is
+# dequantizing, transient); its pointers, strides and row bases are uniform
+# across the simdgroup, as ContiguousKV's are.
+QUANTIZED_LOADER_REGISTERS = 4
+
+
+def our_quantized_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
+                                 rows_per_threadgroup: int, bits: int, group_size: int, elem_bytes: int = 2,
+                                 prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = True) -> list:
+    """metal/attention_quantized.h: our_decode_kernels' structure (the float
+    decode's body with the QuantizedKV loader, and its merge) reading the
+    triple instead of float K/V: per key and simdgroup, for K and for V,
+    the row's packed words, scales and biases once (dequantize_slice: a
+    lane reads its scale, bias and word(s); the lanes of a group, and of a
+    shared word, take them by simd_shuffle), and DEQUANTIZE_OPS_PER_ELEMENT - 1
+    ALU ops per feature (no store in a staged dtype: dequantized in registers). Device and DRAM bytes from
+    quantized_kv_bytes_per_element; the queries, outputs and partials as the
+    float decode's."""
+    kernels = our_decode_kernels(batch, heads, kv_heads, kv_len, d, gpu, splits, rows_per_threadgroup,
+                                 elem_bytes=elem_bytes, prefetch=prefetch, single_dispatch=single_dispatch,
+                                 lane_merge=lane_merge)
+    partial = kernels[0]
+    per_lane = d // 32
+    words = max(1, per_lane * bits // 32)  # per lane and row
+    shared_word = 1 if per_lane * bits < 32 else 0
+    counts = dict(partial.block.counts)
+    counts["device_load"] = 2 * (2 + words)  # K and V: scale, bias, word(s)
+    counts["simd_shuffle"] = counts.get("simd_shuffle", 0) + 2 * (2 + shared_word)
+    # per feature of K and V: the prefill loader's ops but the store in the staged dtype; three row addresses each
+    counts["fma"] = counts.get("fma", 0) + 2 * (DEQUANTIZE_OPS_PER_ELEMENT - 1) * per_lane + 6
+    float_head = 2 * kv_len * d * elem_bytes
+    quantized_head = 2 * kv_len * d * quantized_kv_bytes_per_element(bits, group_size, elem_bytes)
+    chunks = math.ceil((heads // kv_heads) / rows_per_threadgroup)
+    issued = partial.device_bytes - batch * kv_heads * chunks * (float_head - quantized_head)
+    # the float model's DRAM bytes other than K/V (queries, outputs or partials)
+    resident = min(residency(partial, gpu)["threadgroups"], math.ceil(partial.threadgroups / gpu.cores))
+    other = partial.dram_bytes - unique_bytes_per_wave(partial.kv_reads, float_head / splits, resident, gpu)
+    quantized = replace(partial, name=partial.name.replace("attention_decode", "attention_quantized_decode"),
+                        registers=partial.registers + QUANTIZED_LOADER_REGISTERS,
+                        block=replace(partial.block, counts=counts), device_bytes=issued)
+    return [_with_cache(quantized, gpu, quantized_head / splits, other), *kernels[1:]]

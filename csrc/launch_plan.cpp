@@ -293,16 +293,9 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan&
   const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
   const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
   const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
-  const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
   plan.splits = splits;
-  // One split: the partial kernel normalizes and writes the output itself
-  // (grid.x == 1, metal/attention_decode.h DecodeOutputs), no scratch and no
-  // merge dispatch. Several: dispatch 0 (partial) writes the partials,
-  // dispatch 1 (merge) reads them.
-  const bool one_split = splits == 1;
-  if (!one_split) {
-    plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
-  }
+  // one split: no scratch and no merge dispatch (add_decode_merge)
+  plan.scratch = decode_partials_scratch(s, splits);
   KernelDispatch partial;
   partial.kernel = kernel_name("attention_decode_partial", s) + mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
@@ -316,16 +309,28 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan&
   partial.threadgroup_memory_bytes =
       (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
   plan.dispatches = {partial};
-  if (one_split) return;
+  add_decode_merge(s, layout, plan);
+}
+}  // namespace
+
+std::vector<ScratchBuffer> decode_partials_scratch(const AttentionProblem& s, int splits) {
+  if (splits == 1) return {};  // the partial kernel writes the output itself
+  using R = BufferRole;
+  const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * (s.q_heads / s.kv_heads) * s.q_len;
+  return {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
+}
+
+void add_decode_merge(const AttentionProblem& s, const PrimitiveLayout& layout, LaunchPlan& plan) {
+  if (plan.splits == 1) return;
+  using R = BufferRole;
   KernelDispatch merge;
   merge.kernel = kernel_name("attention_decode_merge", s);
-  merge.grid = {rows, s.kv_heads, s.batch};
+  merge.grid = {(s.q_heads / s.kv_heads) * s.q_len, s.kv_heads, s.batch};
   merge.threadgroup = {32, 1, 1};
   merge.bindings = bind_roles(
       layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
   plan.dispatches.push_back(merge);
 }
-}  // namespace
 
 LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
   LaunchPlan plan;

@@ -172,6 +172,15 @@ int decode_rows_per_threadgroup(int head_dim);
 // its partial and its simdgroup combine stay small next to its K/V
 // (docs/metal_kernels.md).
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {});
+// The split-K decode's partials and merge (metal/attention_decode.h), for
+// the float and quantized decode plans alike: with several splits
+// (plan.splits) the partial dispatch (0) writes the partial_out /
+// partial_stats scratch and a merge dispatch (1) combines them; with one
+// split neither exists: the partial kernel writes out and lse itself
+// (decode_launch_outputs). The scratch before binding the partial, the merge
+// after it.
+std::vector<ScratchBuffer> decode_partials_scratch(const AttentionProblem& problem, int splits);
+void add_decode_merge(const AttentionProblem& problem, const PrimitiveLayout& layout, LaunchPlan& plan);
 
 // Whether the kernels may read q, k and v as MLX_ATTN_VECTOR_WIDTH-element
 // vectors: contiguous last dim, and head dims, batch / head / position

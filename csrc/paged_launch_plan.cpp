@@ -47,7 +47,9 @@ std::string unsupported_reason(const PagedProblem& s) {
 }
 
 // The decode kernel's dispatches (partial, then merge) over the sequences it
-// serves: the grid sized for the largest of them.
+// serves: the grid sized for the largest of them. A sequence of one split
+// writes its rows in the partial dispatch (metal/attention_paged.h); when
+// every sequence has one, there is no merge and no scratch.
 void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int max_rows, int max_splits,
                        int64_t partials, LaunchPlan& plan) {
   using R = BufferRole;
@@ -56,8 +58,11 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   const int sequences = int(s.q_lens.size());
   const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
-  plan.scratch = {{R::partial_out, std::max<int64_t>(1, partials) * a.head_dim, 0, 1},
-                  {R::partial_stats, std::max<int64_t>(1, partials) * 2, 0, 1}};
+  const bool merges = max_splits > 1;
+  if (merges) {
+    plan.scratch = {{R::partial_out, std::max<int64_t>(1, partials) * a.head_dim, 0, 1},
+                    {R::partial_stats, std::max<int64_t>(1, partials) * 2, 0, 1}};
+  }
   plan.splits = max_splits;
   const std::string suffix = std::string("_") + elem_type_name(a.dtype) + "_d" + std::to_string(a.head_dim);
 
@@ -68,12 +73,15 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   if (float_pages) {
     partial.kernel = "attention_paged_decode_partial" + suffix;
     partial.bindings = bind_roles(
-        layout, {R::q, R::k, R::v, R::block_table, R::sequences, R::partial_out, R::partial_stats}, plan.scratch, 0);
+        layout,
+        {R::q, R::k, R::v, R::block_table, R::sequences, R::partial_out, R::partial_stats, R::sinks, R::out, R::lse},
+        plan.scratch, 0);
   } else {
     partial.kernel = "attention_paged_quantized_decode_partial" + suffix + "_b" + std::to_string(s.quantized.bits);
     partial.bindings = bind_roles(layout,
                                   {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::block_table,
-                                   R::sequences, R::quantized_params, R::partial_out, R::partial_stats},
+                                   R::sequences, R::quantized_params, R::partial_out, R::partial_stats, R::sinks,
+                                   R::out, R::lse},
                                   plan.scratch, 0);
     QuantizedAttentionParams qp{};
     for (int i = 0; i < 4; ++i) {
@@ -89,13 +97,15 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   // simdgroups 1.. hand their output, max and sum per row to simdgroup 0 (decode_partial)
   partial.threadgroup_memory_bytes = (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (a.head_dim + 2) * 4;
 
+  plan.dispatches = {partial};
+  if (!merges) return;
   KernelDispatch merge;
   merge.kernel = "attention_paged_decode_merge" + suffix;
   merge.grid = {max_rows, a.kv_heads, sequences};
   merge.threadgroup = {32, 1, 1};
   merge.bindings =
       bind_roles(layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::sequences, R::lse}, plan.scratch, 1);
-  plan.dispatches = {partial, merge};
+  plan.dispatches.push_back(merge);
 }
 
 // The prefill kernel's dispatch over the query blocks of the sequences it

@@ -97,10 +97,9 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   const int rows = s.group_size() * s.q_len;
   const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
   const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
-  const int64_t partials = int64_t(s.batch) * s.kv_heads * splits * rows;
   plan.splits = splits;
-  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
-  plan.scratch = {{R::partial_out, partials * s.head_dim, 0, 1}, {R::partial_stats, partials * 2, 0, 1}};
+  // the float decode's partials and merge: none with one split
+  plan.scratch = decode_partials_scratch(s, splits);
   const std::string suffix = std::string("_") + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
 
   KernelDispatch partial;
@@ -110,20 +109,16 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   partial.threadgroup = {32 * MLX_ATTN_DECODE_SIMDGROUPS, 1, 1};
   const PrimitiveLayout layout = forward_layout(s, /*quantized=*/true);
   partial.bindings = bind_roles(layout, {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::params,
-                                  R::quantized_params, R::mask, R::partial_out, R::partial_stats},
+                                  R::quantized_params, R::mask, R::partial_out, R::partial_stats, R::sinks,
+                                  R::out, R::lse},
                               plan.scratch, 0);
   // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
   // (the float decode's body, metal/attention_decode.h)
   partial.threadgroup_memory_bytes =
       (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
 
-  KernelDispatch merge;  // the float decode's (metal/attention_decode.metal)
-  merge.kernel = "attention_decode_merge" + suffix;
-  merge.grid = {rows, s.kv_heads, s.batch};
-  merge.threadgroup = {32, 1, 1};
-  merge.bindings =
-      bind_roles(layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
-  plan.dispatches = {partial, merge};
+  plan.dispatches = {partial};
+  add_decode_merge(s, layout, plan);  // the float decode's (metal/attention_decode.metal)
 
   const QuantizedAttentionParams qp = quantized_params(qz);
   plan.quantized_params.resize(sizeof(qp));

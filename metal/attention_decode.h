@@ -242,16 +242,31 @@ inline void decode_write_row(
 // Where decode_split puts each row's combined state: the split's partial
 // (partial_out / partial_stats, merged by a second dispatch), or, when the
 // launch has one split (`direct`), the normalized output row itself
-// (decode_write_row: sinks, out, lse), with no merge dispatch.
+// (decode_write_row: sinks, out, lse), with no merge dispatch. Output row of
+// (batch b, query head h, position qi): b * Hq * Tq + h * head_rows +
+// qi * position_rows.
 template <typename T>
 struct DecodeOutputs {
   device float* partial_out;
   device float* partial_stats;
   bool direct;
   const device T* sinks;
-  device T* out;    // [B, Hq, Tq, D]
-  device float* lse;  // [B, Hq, Tq] when p.output_lse
+  device T* out;    // rows of D
+  device float* lse;  // one per row, when p.output_lse
+  int head_rows;
+  int position_rows;
 };
+
+// The outputs of a launch of `groups` partial threadgroups: direct when the
+// launch has one split (its plan then dispatches no merge); out [B, Hq, Tq,
+// D], lse [B, Hq, Tq]. The float, quantized and paged decode kernels take
+// their outputs from here.
+template <typename T>
+inline DecodeOutputs<T> decode_launch_outputs(
+    device float* partial_out, device float* partial_stats, const device T* sinks, device T* out, device float* lse,
+    constant AttentionParams& p, uint3 groups) {
+  return {partial_out, partial_stats, groups.x == 1, sinks, out, lse, p.q_len, 1};
+}
 
 // The partial kernel's body for any K/V loader; `states`: the kernel's
 // threadgroup memory.
@@ -350,7 +365,8 @@ inline void decode_split(
     }
     if (outputs.direct) {  // one split: this is the row's whole state
       const int h = kv_head * p.group + (r0 + i) / p.q_len;
-      const long row = (long(b) * p.q_heads + h) * p.q_len + (r0 + i) % p.q_len;
+      const long row =
+          long(b) * p.q_heads * p.q_len + h * outputs.head_rows + (r0 + i) % p.q_len * outputs.position_rows;
       decode_write_row<T, SLICE, KV>(m, l, o, outputs.sinks, p, h, outputs.out + row * D,
                                      p.output_lse != 0 ? outputs.lse + row : nullptr, lane);
       continue;
@@ -364,17 +380,6 @@ inline void decode_split(
       outputs.partial_stats[base * 2 + 1] = l;
     }
   }
-}
-
-// decode_split writing the split's partial (the paged and quantized kernels,
-// merged by their merge dispatch).
-template <typename T, int D, int MASK, typename KV>
-inline void decode_partial(
-    thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
-    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
-    uint3 groups, uint sg, uint lane) {
-  const DecodeOutputs<T> outputs = {partial_out, partial_stats, false, nullptr, nullptr, nullptr};
-  decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 
 template <typename T, int D, int MASK>
@@ -397,8 +402,7 @@ template <typename T, int D, int MASK>
   ContiguousKV<T, D> kv;
   kv.k = k;
   kv.v = v;
-  // the launch plan dispatches no merge when it picks one split
-  const DecodeOutputs<T> outputs = {partial_out, partial_stats, groups.x == 1, sinks, out, lse};
+  const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, p, groups);
   decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }
 

@@ -7,7 +7,7 @@
 // metal/attention_quantized.h) and reads key j of a sequence as slot
 // j % page_size of its page block_table[j / page_size], the page taking the
 // place of the batch entry (PagedSequence::attn k/v strides[0] = page
-// stride). The attention loop is decode_partial, written once: split-K over
+// stride). The attention loop is decode_split, written once: split-K over
 // the sequence's keys (grid.x), a threadgroup serving R rows = (query head of
 // the GQA group) x (query position) of one KV head, so each page is read once
 // for the whole group (grid.y = KV heads x row chunks), one sequence per
@@ -72,12 +72,14 @@ struct PagedKV {
 };
 
 // The partial kernel's body for one (split, KV head x row chunk, sequence):
-// the sequence's split of keys through decode_partial.
+// the sequence's split of keys through decode_split. A sequence of one split
+// writes its packed output rows [total_q, Hq, D] (and lse [total_q, Hq])
+// itself (decode_launch_outputs); the merge passes over it.
 template <typename T, int D, typename KV>
 inline void paged_decode_partial(
     thread PagedKV<KV>& kv, const device T* q, const device int* block_table, constant PagedSequence* sequences,
-    device float* partial_out, device float* partial_stats, threadgroup DecodeStates<D>& states, uint3 group_id,
-    uint3 groups, uint sg, uint lane) {
+    device float* partial_out, device float* partial_stats, const device T* sinks, device T* out, device float* lse,
+    threadgroup DecodeStates<D>& states, uint3 group_id, uint3 groups, uint sg, uint lane) {
   constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32);
   constant PagedSequence& seq = sequences[group_id.z];
   constant AttentionParams& p = seq.attn;
@@ -90,12 +92,18 @@ inline void paged_decode_partial(
   if (split >= seq.splits || chunk >= chunks) {
     return;  // the whole threadgroup: past this sequence's keys or rows
   }
-  const int keys_per_split = (p.kv_len + seq.splits - 1) / seq.splits;  // decode_partial's split
+  const int keys_per_split = (p.kv_len + seq.splits - 1) / seq.splits;  // decode_split's split
   kv.pages.select(block_table + seq.table_start, split * keys_per_split, p.kv_len, seq.page_size, lane);
-  decode_partial<T, D, MLX_ATTN_MASK_NONE>(
-      kv, q + seq.q_start * p.q_strides[2], p, (const device uchar*)q, partial_out + seq.partial_start * D,
-      partial_stats + seq.partial_start * 2, states, uint3(uint(split), uint(kv_head * chunks + chunk), 0u),
-      uint3(uint(seq.splits), 1u, 1u), sg, lane);
+  const uint3 sequence_groups = uint3(uint(seq.splits), 1u, 1u);
+  const long first_row = seq.q_start * p.q_heads;
+  DecodeOutputs<T> outputs = decode_launch_outputs(partial_out + seq.partial_start * D,
+                                                   partial_stats + seq.partial_start * 2, sinks, out + first_row * D,
+                                                   lse + first_row, p, sequence_groups);
+  outputs.head_rows = 1;  // packed rows: position-major
+  outputs.position_rows = p.q_heads;
+  decode_split<T, D, MLX_ATTN_MASK_NONE>(kv, q + seq.q_start * p.q_strides[2], p, (const device uchar*)q, outputs,
+                                         states, uint3(uint(split), uint(kv_head * chunks + chunk), 0u),
+                                         sequence_groups, sg, lane);
 }
 
 template <typename T, int D>
@@ -107,6 +115,9 @@ template <typename T, int D>
     constant PagedSequence* sequences [[buffer(4)]],
     device float* partial_out [[buffer(5)]],      // per sequence [Hkv, splits, rows, D]
     device float* partial_stats [[buffer(6)]],    // per sequence [Hkv, splits, rows, 2]: max, sum
+    const device T* sinks [[buffer(7)]],
+    device T* out [[buffer(8)]],                  // [total_q, Hq, D]: sequences of one split
+    device float* lse [[buffer(9)]],
     uint3 group_id [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -115,8 +126,8 @@ template <typename T, int D>
   PagedKV<ContiguousKV<T, D>> kv;
   kv.rows.k = k_pages;
   kv.rows.v = v_pages;
-  paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, states, group_id, groups, sg,
-                             lane);
+  paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, sinks, out, lse, states,
+                             group_id, groups, sg, lane);
 }
 
 // One simdgroup per (row, KV head, sequence): merge the sequence's splits
@@ -135,8 +146,8 @@ template <typename T, int D>
   constant AttentionParams& p = seq.attn;
   const int rows = p.group * p.q_len;
   const int r = int(group_id.x);
-  if (r >= rows || seq.splits == 0) {
-    return;  // past its rows, or the paged prefill kernel serves them
+  if (r >= rows || seq.splits <= 1) {
+    return;  // past its rows, the paged prefill kernel serves them, or one split wrote them
   }
   const int kv_head = int(group_id.y);
   const int h = kv_head * p.group + r / p.q_len;

@@ -4,7 +4,8 @@
 // kernel's body (paged_decode_partial, metal/attention_paged.h) with
 // PagedKV<QuantizedKV>: the quantized loader reads a page as its batch entry
 // (packed words, scales and biases strides[0] = their page strides). The
-// partials have the float layout: attention_paged_decode_merge combines them.
+// partials have the float layout: attention_paged_decode_merge combines them
+// (a sequence of one split writes its rows itself, as the float kernel's).
 #pragma once
 
 #include "metal/attention_paged.h"
@@ -24,6 +25,9 @@ template <typename T, int D, int BITS>
     constant QuantizedAttentionParams& qp [[buffer(9)]],
     device float* partial_out [[buffer(10)]],
     device float* partial_stats [[buffer(11)]],
+    const device T* sinks [[buffer(12)]],
+    device T* out [[buffer(13)]],  // [total_q, Hq, D]: sequences of one split
+    device float* lse [[buffer(14)]],
     uint3 group_id [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -37,6 +41,6 @@ template <typename T, int D, int BITS>
   kv.rows.v_scales = v_scales;
   kv.rows.v_biases = v_biases;
   kv.rows.qp = &qp;
-  paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, states, group_id, groups, sg,
-                             lane);
+  paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, sinks, out, lse, states,
+                             group_id, groups, sg, lane);
 }

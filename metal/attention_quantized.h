@@ -4,7 +4,7 @@
 // per-group scales and biases in the query dtype, feature = scale * code + bias.
 //
 // attention_quantized_decode_partial is the float decode kernel's body
-// (decode_partial, metal/attention_decode.h) with the QuantizedKV loader
+// (decode_split, metal/attention_decode.h) with the QuantizedKV loader
 // policy: the key/value
 // length split across threadgroups (grid.x), a threadgroup serving R rows =
 // (query head of the GQA group) x (query position) of one KV head, so K/V
@@ -18,7 +18,8 @@
 // and window attention narrow each chunk's key range to its positions.
 // The partials have the float decode layout, so attention_decode_merge
 // (attention_decode.metal) combines the splits, adds sinks, normalizes and
-// writes the row log-sum-exp.
+// writes the row log-sum-exp; with one split there is no merge: the partial
+// kernel does that itself, as the float decode's (decode_launch_outputs).
 #pragma once
 
 #include <metal_stdlib>
@@ -123,6 +124,9 @@ template <typename T, int D, int BITS, int MASK>
     const device uchar* mask [[buffer(9)]],
     device float* partial_out [[buffer(10)]],    // [B, Hkv, splits, rows, D]
     device float* partial_stats [[buffer(11)]],  // [B, Hkv, splits, rows, 2]: max, sum
+    const device T* sinks [[buffer(12)]],
+    device T* out [[buffer(13)]],                // one split: written here, no merge
+    device float* lse [[buffer(14)]],
     uint3 group_id [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -136,5 +140,6 @@ template <typename T, int D, int BITS, int MASK>
   kv.v_scales = v_scales;
   kv.v_biases = v_biases;
   kv.qp = &qp;
-  decode_partial<T, D, MASK>(kv, q, p, mask, partial_out, partial_stats, states, group_id, groups, sg, lane);
+  const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, p, groups);
+  decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }

@@ -226,3 +226,24 @@ def test_the_lane_merge_reads_splits_in_parallel():
     new = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8, lane_merge=True)[1]
     assert new.prefetch == 2 and new.fixed_load_rounds == 2 * 2  # max and sum, 2 rounds of 32 splits
     assert cm.predict(new, gpu)["seconds"] < cm.predict(old, gpu)["seconds"]
+
+
+def test_quantized_decode_reads_the_triples_bytes_and_merges_only_with_splits():
+    """The quantized decode's K/V bytes: bits / 8 plus a 2-byte scale and bias
+    per group of 64 per element (what the emulator's counting build measures,
+    docs/metal_kernels.md: 0.5625 at 4 bits, 1.0625 at 8), everything else as
+    the float decode's; one dispatch at one split, partial + merge otherwise."""
+    gpu = cm.M2_MAX
+    args = (1, 32, 8, 1024, 128, gpu, 4, 8)  # 4 splits, 8 rows per threadgroup
+    (fp16, _) = cm.our_decode_kernels(*args, prefetch=2, lane_merge=True)
+    for bits, per_element in ((4, 0.5625), (8, 1.0625)):
+        (quantized, _) = cm.our_quantized_decode_kernels(*args, bits, 64, prefetch=2)
+        kv_fp16, kv_quantized = 8 * 2 * 1024 * 128 * 2, 8 * 2 * 1024 * 128 * per_element
+        assert quantized.device_bytes == pytest.approx(fp16.device_bytes - kv_fp16 + kv_quantized)
+        assert quantized.dram_bytes == pytest.approx(fp16.dram_bytes - kv_fp16 + kv_quantized)
+    one = cm.our_quantized_decode_kernels(1, 32, 8, 64, 128, gpu, 1, 8, 4, 64, single_dispatch=True)
+    two = cm.our_quantized_decode_kernels(1, 32, 8, 64, 128, gpu, 1, 8, 4, 64, single_dispatch=False)
+    assert [len(one), len(two)] == [1, 2]
+    assert cm.predict_all(one, gpu)["seconds"] < cm.predict_all(two, gpu)["seconds"]
+    several = cm.our_quantized_decode_kernels(1, 32, 8, 1024, 128, gpu, 4, 8, 4, 64, single_dispatch=True)
+    assert len(several) == 2  # the merge stays with several splits

@@ -118,13 +118,14 @@ MUTANTS = {
         " : additive_masked_logit(logit.value, added);"),
     # one split: the partial kernel writes the normalized output itself
     "decode: one split writes partials nobody merges": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, false, sinks"),
-    "decode: one split writes every position's output to the first": (DECODE, "replace", "* p.q_len + (r0 + i) % p.q_len;", "* p.q_len;"),
+    "decode: one split writes every position's output to the first": (DECODE, "replace", " + (r0 + i) % p.q_len * outputs.position_rows;", ";"),
     # prefetch: the next key's K/V loaded during the current key's math
     "decode: prefetch reloads the current key": (DECODE, "replace", "kv.load(next, lane, k_next, v_next);", "kv.load(key, lane, k_next, v_next);"),
     # the rest of the one-split, prefetch and lane-merge mutants: the full grid (CI budget)
     **({"decode: every split writes the output directly": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, true, sinks"),
         "decode: one split takes the group's first query head": (DECODE, "replace", "const int h = kv_head * p.group + (r0 + i) / p.q_len;", "const int h = kv_head * p.group;"),
         "decode: one split writes no lse": (DECODE, "replace", "p.output_lse != 0 ? outputs.lse + row : nullptr", "nullptr"),
+        "decode: one split writes position-major rows": (DECODE, "replace", "out, lse, p.q_len, 1};", "out, lse, 1, p.q_heads};"),
         "decode: first key not prefetched": (DECODE, "replace", "if (PREFETCH && key < kv_end) {", "if (false) {"),
         "decode: prefetch skips the last key": (DECODE, "replace", "if (next < kv_end) {", "if (next < kv_end - 1) {"),
         "decode: merge max taken from one lane": (DECODE, "replace", "const float m = simd_max(lane_max);", "const float m = lane_max;"),

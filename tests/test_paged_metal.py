@@ -254,6 +254,29 @@ def test_quantized_pages_match_dequantize_then_oracle(library, dtype, d, bits, g
     assert np.allclose(lse, want_lse, rtol=1e-5, atol=1e-4)
 
 
+def test_one_split_sequences_write_their_rows_in_one_dispatch(library):
+    """Every sequence of one split, float and quantized pages: the partial
+    kernel adds the sinks, normalizes and writes out and lse (packed rows)
+    itself, no merge; beside a sequence of several splits, the merge passes
+    over it."""
+    lengths = dict(kv_lens=(40, 0, 17, 9), q_lens=(1, 0, 3, 2), page_size=8, seed=5)
+    plan = check_float(library, "float32", 64, sinks=True, lse=True, **lengths)
+    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_paged_decode_partial_float32_d64"]
+    # one sequence of one split beside one of several: the merge passes over the first
+    plan = check_float(library, "float32", 64, sinks=True, lse=True, kv_lens=(20, 400), q_lens=(1, 1), page_size=4)
+    assert [s["splits"] for s in sequences(plan)] == [1, 7] and len(plan["dispatches"]) == 2
+    q, k, v, table, q_lens, kv_lens = ragged_case("float16", 128, **lengths)
+    kq, vq = (quantize(x.astype(mx.float32), 64, 4, q.dtype) for x in (k, v))
+    sinks = mx.array(np.linspace(-2, 3, q.shape[1]).astype(np.float32)).astype(q.dtype)
+    out, lse, plan, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=0.125, sinks=sinks,
+                                  return_lse=True, bits=4, group_size=64)
+    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_paged_quantized_decode_partial_float16_d128_b4"]
+    want, want_lse = oracle(f64(q), dequantized(kq, 64, 4), dequantized(vq, 64, 4), np.array(table), q_lens, kv_lens,
+                            scale=0.125, sinks=f64(sinks))
+    assert np.abs(as_float(out, q.dtype) - want).max() <= TOLERANCE[q.dtype]
+    assert np.allclose(lse, want_lse, rtol=1e-5, atol=1e-4)
+
+
 # ---------------------------------------------------------------- the plan
 
 def plan_for(kv_lens, q_lens, *, page_size=16, d=128, heads=8, kv_heads=2, dtype=mx.float16, **kw):
@@ -287,11 +310,11 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     assert [s["query_blocks"] for s in seqs] == [0, 1, 0, 2, 0, 2]
     assert [s["query_block_start"] for s in seqs] == [0, 0, 1, 1, 3, 3]
     assert [s["splits"] > 0 for s in seqs] == [True, False, True, False, False, False]
-    partial, merge, prefill = plan["dispatches"]
+    partial, prefill = plan["dispatches"]  # the decode sequences have one split each: no merge
     assert partial["kernel"] == "attention_paged_decode_partial_float16_d128"
     assert prefill["kernel"] == "attention_paged_prefill_float16_d128_bk16"
     assert prefill["grid"] == [5, 8, 1] and prefill["threadgroup"] == [128, 1, 1]
-    assert merge["grid"][0] == 32  # the decode rows' largest sequence: 8 x 4
+    assert partial["grid"] == [1, 2 * 4, 6]  # the decode rows' largest sequence: 8 x 4, 8 rows per threadgroup
     assert [b["role"] for b in prefill["bindings"]] == [
         "q", "k", "v", "block_table", "sequences", "sinks", "out", "lse"]
     # GQA 8: 5 positions are 40 rows; apple9 stages 32 keys per block at 2 bytes
@@ -299,15 +322,18 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     apple9 = plan_for([100], [40], gpu_target={"gpu_family": "apple9", "gpu_cores": 10})
     assert [d["kernel"] for d in apple9["dispatches"]] == ["attention_paged_prefill_float16_d128_bk32"]
     # D = 256 (no register-resident prefill) and quantized pages: the decode kernel serves every row
+    # (160 rows: one split, written by the partial kernel, no merge)
     assert [d["kernel"] for d in plan_for([100], [40], d=256)["dispatches"]] == [
+        "attention_paged_decode_partial_float16_d256"]
+    assert [d["kernel"] for d in plan_for([1000], [40], d=256)["dispatches"]] == [
         "attention_paged_decode_partial_float16_d256", "attention_paged_decode_merge_float16_d256"]
     q = mx.zeros((40, 8, 128), mx.float16)
     packed = mx.zeros((8, 2, 16, 128 * 4 // 32), mx.uint32)
     scales = mx.zeros((8, 2, 16, 128 // 64), mx.float16)
     quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [40],
                            [100], scale=0.1, bits=4, group_size=64)
-    assert [d["kernel"] for d in quantized["dispatches"]] == [
-        "attention_paged_quantized_decode_partial_float16_d128_b4", "attention_paged_decode_merge_float16_d128"]
+    assert [d["kernel"] for d in quantized["dispatches"]] == ["attention_paged_quantized_decode_partial_float16_d128_b4"]
+    assert quantized["scratch"] == []
 
 
 def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
@@ -328,8 +354,22 @@ def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
     assert partial["grid"] == [max(s["splits"] for s in seqs), 2 * 4, 4]  # 28 rows, 8 per threadgroup at D = 128
     assert scratch["grid"] == [28, 2, 4]
     assert [b["role"] for b in partial["bindings"]] == [
-        "q", "k", "v", "block_table", "sequences", "partial_out", "partial_stats"]
+        "q", "k", "v", "block_table", "sequences", "partial_out", "partial_stats", "sinks", "out", "lse"]
     assert {b["source"] for b in partial["bindings"] if b["role"] == "sequences"} == {"sequences"}
+
+
+def test_plan_of_one_split_sequences_has_no_merge_and_no_scratch():
+    """Every sequence of one split: the partial kernel writes the packed
+    output rows itself (metal/attention_paged.h), one dispatch; one longer
+    sequence brings the merge back (it passes over the one-split ones)."""
+    plan = plan_for([40, 0, 17], [1, 0, 3], return_lse=True)
+    assert [s["splits"] for s in sequences(plan)] == [1, 0, 1]
+    assert plan["scratch"] == []
+    (partial,) = plan["dispatches"]
+    where = {b["role"]: (b["source"], b["access"]) for b in partial["bindings"]}
+    assert where["out"] == ("output", "write") and where["lse"] == ("output", "write")
+    assert where["sinks"] == ("input", "read") and where["partial_out"] == ("input", "read")  # placeholders
+    assert len(plan_for([4000, 17], [1, 3])["dispatches"]) == 2
 
 
 def test_plan_refuses_what_the_kernels_cannot_run():

@@ -1,7 +1,8 @@
 """Mutation test of the paged Metal kernels' emulator tests: faults seeded into
 copies of metal/attention_paged.metal (its header and the headers it includes
 inlined: the page window, the slot of a key, each sequence's rows, block-table
-row and partials, the split and row-chunk bounds, the packed output layout)
+row and partials, the split and row-chunk bounds, the packed output layout
+of the merge and of one-split sequences)
 and of metal/attention_paged_prefill.metal (the paged tile loader: key rows
 located page by page, double-buffered; each query block's sequence, rows and
 positions) must each be caught: wrong results beyond tolerance, NaN, a read outside a
@@ -73,9 +74,14 @@ MUTANTS = {
         "const int h = kv_head * p.group;\n  const long row = (seq.q_start"),
     "merge: partials of the first split only": replaced(
         "rows,\n                     seq.splits, sinks, p, h,", "rows,\n                     1, sinks, p, h,"),
+    # a sequence of one split writes its packed rows in the partial dispatch
+    "one split: packed rows written head-major": replaced(
+        "outputs.position_rows = p.q_heads;", "outputs.position_rows = 1;"),
+    "one split: rows written from the batch's first": replaced("out + first_row * D,", "out,"),
+    "merge: one-split sequences merged again": replaced("seq.splits <= 1", "seq.splits == 0"),
 }
 DEFAULT = ["slot ignored: a key read as its own slot", "page window one page late",
-           "every sequence reads the first block-table row"]
+           "every sequence reads the first block-table row", "one split: packed rows written head-major"]
 NAMES = list(MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else DEFAULT
 
 # the paged prefill kernel (metal/attention_paged_prefill.h)
@@ -117,6 +123,8 @@ PREFILL_NAMES = list(PREFILL_MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") ==
 CASES = [
     ((1, 0, 13, 5, 1), (37, 0, 290, 5, 64), 4, 8, 2, {}),
     ((3, 1), (150, 400), 5, 4, 1, {"window_size": 60, "sinks": True}),
+    # one sequence of one split (written by the partial kernel) beside one of seven (merged)
+    ((1, 1), (20, 400), 4, 8, 2, {"sinks": True}),
     # prefill chunks (40 and 33 rows: two query blocks; 9 == kv_len) after
     # cached keys, pages of 3 cutting every key block, a window
     ((40, 1, 9, 33), (100, 50, 9, 64), 3, 4, 2, {"window_size": 30, "sinks": True}),

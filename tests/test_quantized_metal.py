@@ -195,6 +195,36 @@ def test_rows_that_see_nothing_and_an_empty_key_range(run):
           lse=True, scale=0.125, mask="causal")
 
 
+@needs_ext
+@needs_clang
+@pytest.mark.parametrize("q_len, splits", [(4, 1), (1, 3)], ids=["one-split", "three-splits"])
+def test_sinks_and_lse_with_one_split_and_with_several(run, q_len, splits):
+    """One split: the partial kernel adds the sinks, normalizes and writes
+    out and lse itself, in one dispatch; several: the float decode's merge
+    does, in a second one. Sinks above every logit (the sink sets the max)."""
+    q, kq, vq, kw = make_case(8, 64, 128, 4, "sinks", q_len, "float32", seed=3)
+    check(run, q, kq, vq, bits=8, group_size=64, lse=True, **kw)
+    assert run.last_plan["splits"] == splits  # 16 rows: 256 keys per split > 150; 4 rows: 64
+    assert len(run.last_plan["dispatches"]) == (1 if splits == 1 else 2)
+
+
+@needs_ext
+@needs_clang
+def test_one_split_runs_from_its_variant_source_alone(tmp_path):
+    """With one split the plan's only kernel is the quantized partial: its
+    per-variant source (csrc/metal/metal_sources.cpp, the Mac's first-use
+    compile) stands alone, with no include dirs and no merge, and computes
+    out, sinks and lse."""
+    kernel = "attention_quantized_decode_partial_float32_d64_b4"
+    path = tmp_path / f"{kernel}.metal"
+    path.write_bytes(_native.ext.metal_variant_source(kernel).encode())
+    assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
+    q, kq, vq, kw = make_case(4, 64, 64, 4, "sinks", 4, "float32", seed=4)  # 16 rows: one split
+    run = EmulatedMetal(fast_math=True, sources=[path])
+    check(run, q, kq, vq, bits=4, group_size=64, lse=True, **kw)
+    assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel]
+
+
 # ---------------------------------------------------------------- the plan
 
 def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtype=mx.float16, mask=None,
@@ -224,6 +254,8 @@ def test_plan_binds_packed_data_scales_and_biases_of_k_and_v():
         (6, "v_biases", "input", 6, "read"), (7, "params", "params", 0, "read"),
         (8, "quantized_params", "quantized_params", 0, "read"), (9, "mask", "input", 7, "read"),
         (10, "partial_out", "scratch", 0, "write"), (11, "partial_stats", "scratch", 1, "write"),
+        # written only with one split (no merge then)
+        (12, "sinks", "input", 8, "read"), (13, "out", "output", 0, "write"), (14, "lse", "output", 1, "write"),
     ]
     assert roles(merge) == [
         (0, "partial_out", "scratch", 0, "read"), (1, "partial_stats", "scratch", 1, "read"),
@@ -240,10 +272,31 @@ def test_plan_binds_packed_data_scales_and_biases_of_k_and_v():
 def test_plan_binds_placeholders_for_absent_mask_sinks_and_lse():
     partial, merge = plan_for()["dispatches"]
     assert (9, "mask", "input", 0, "read") in roles(partial)
+    assert (12, "sinks", "input", 0, "read") in roles(partial) and (14, "lse", "input", 0, "read") in roles(partial)
     assert (2, "sinks", "input", 0, "read") in roles(merge)
     assert (6, "lse", "input", 0, "read") in roles(merge)
     # sinks without a mask follow the two triples directly
-    assert (2, "sinks", "input", 7, "read") in roles(plan_for(sinks=True)["dispatches"][1])
+    partial, merge = plan_for(sinks=True)["dispatches"]
+    assert (2, "sinks", "input", 7, "read") in roles(merge) and (12, "sinks", "input", 7, "read") in roles(partial)
+
+
+@needs_ext
+def test_one_split_plans_one_dispatch_and_no_scratch():
+    """As the float decode (csrc/launch_plan.cpp): with one split the partial
+    kernel writes out, sinks and lse itself; no partials, no merge."""
+    plan = plan_for(mask=mx.ones((4, 100), dtype=mx.bool_), sinks=True, output_lse=True, q_len=4, kv_len=100)
+    assert plan["supported"], plan["reason"]
+    assert plan["splits"] == 1 and plan["scratch"] == []
+    (partial,) = plan["dispatches"]
+    assert partial["grid"] == [1, 2, 1]  # 16 rows: one chunk per KV head (D = 64)
+    assert roles(partial)[9:] == [
+        (9, "mask", "input", 7, "read"),
+        # placeholders: the kernel writes no partials with one split
+        (10, "partial_out", "input", 0, "read"), (11, "partial_stats", "input", 0, "read"),
+        (12, "sinks", "input", 8, "read"), (13, "out", "output", 0, "write"), (14, "lse", "output", 1, "write"),
+    ]
+    # one more key per row would need a second split only past 256 keys (16 rows x 16)
+    assert len(plan_for(q_len=4, kv_len=257)["dispatches"]) == 2
 
 
 @needs_ext
@@ -275,9 +328,8 @@ def test_plan_serves_prefill_rows_in_chunks():
     plan = plan_for(d=256, hq=8, hkv=2, q_len=40, kv_len=64)
     rows = 4 * 40
     rows_per_threadgroup = 4  # MLX_ATTN_DECODE_ROW_FLOATS / (256 / 32)
-    partial, merge = plan["dispatches"]
-    assert partial["grid"][1] == 2 * (rows // rows_per_threadgroup)
-    assert merge["grid"] == [rows, 2, 1]
+    (partial,) = plan["dispatches"]  # 80 threadgroups fill the GPU: one split, no merge
+    assert partial["grid"] == [1, 2 * (rows // rows_per_threadgroup), 1]
 
 
 @needs_ext

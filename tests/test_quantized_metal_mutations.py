@@ -1,10 +1,11 @@
 """Mutation test of the quantized Metal kernel's emulator tests: faults seeded
 into copies of metal/attention_quantized.metal (wrong group index, wrong bit
 unpacking, scale and bias swapped, each barrier, the split and simdgroup
-merges, ranges and strides) must each be caught: wrong results beyond
-tolerance, NaN, a deadlock or a compile error. A mutation whose target text
-is missing fails the test, so none can silently test nothing. Helpers are
-those of the float battery (tests/test_metal_mutations.py)."""
+merges, the one-split output write, ranges and strides) must each be
+caught: wrong results beyond tolerance, NaN, a deadlock or a compile error.
+A mutation whose target text is missing fails the test, so none can
+silently test nothing. Helpers are those of the float battery
+(tests/test_metal_mutations.py)."""
 
 import re
 from pathlib import Path
@@ -89,6 +90,10 @@ MUTANTS = {
     "partial in a layout the split merge does not read": replaced(
         "partial_out[base * D + KV::dim(lane, e)]", "partial_out[base * D + e * 32 + int(lane)]"),
     "partial max written as the sum": replaced("partial_stats[base * 2] = m;", "partial_stats[base * 2] = l;"),
+    # one split: the partial kernel writes the output itself (the merge here is the unmutated decode
+    # library's; the shared body's lse and row mutants are the float battery's)
+    "one split: the sinks skipped": replaced("if (p.has_sinks != 0) {", "if (false) {"),
+    "one split writes partials nobody merges": replaced("partial_stats, groups.x == 1, sinks", "partial_stats, false, sinks"),
     # the loader policy (QuantizedKV) and the interior-key shortcut (decode_keys)
     "loader: K/V head not selected": replaced(
         "at[i][0] = b * strides[i][0] + kv_head * strides[i][1];", "at[i][0] = b * strides[i][0];"),
