@@ -44,26 +44,29 @@ def dequantized(triple, group_size: int, bits: int) -> mx.array:
                          group_size=group_size, bits=bits)
 
 
-def make_case(bits, group_size, d, gqa, mask, q_len, dtype, seed=0):
-    """q, k_quant, v_quant and the keyword arguments of one grid point."""
+def make_case(bits, group_size, d, gqa, mask, q_len, dtype, seed=0, *, kv_len=KV_LEN, batch=1):
+    """q, k_quant, v_quant and the keyword arguments of one grid point (also
+    the quantized prefill tests' builder)."""
     rng = np.random.default_rng(seed)
     hq = KV_HEADS * gqa
     dtype = DTYPES[dtype]
-    q = mx.array(rng.standard_normal((1, hq, q_len, d)).astype(np.float32)).astype(dtype)
-    k, v = (mx.array(rng.standard_normal((1, KV_HEADS, KV_LEN, d)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((batch, hq, q_len, d)).astype(np.float32)).astype(dtype)
+    k, v = (mx.array(rng.standard_normal((batch, KV_HEADS, kv_len, d)).astype(np.float32)) for _ in range(2))
     kw = {"scale": d**-0.5}
     if mask == "causal":
         kw["mask"] = "causal"
     elif mask == "window":
         kw["window_size"] = 37
     elif mask == "bool":
-        visible = rng.random((q_len, KV_LEN)) > 0.3
+        visible = rng.random((q_len, kv_len)) > 0.3
         visible[0] = False  # a row that sees nothing
         kw["mask"] = mx.array(visible)
     elif mask == "additive":
-        kw["mask"] = mx.array(rng.standard_normal((1, hq, q_len, KV_LEN)).astype(np.float32)).astype(dtype)
+        kw["mask"] = mx.array(rng.standard_normal((1, hq, q_len, kv_len)).astype(np.float32)).astype(dtype)
     elif mask == "sinks":  # some above every logit: the sink sets the row max
         kw["sinks"] = mx.array((rng.standard_normal(hq) * 4).astype(np.float32)).astype(dtype)
+    elif mask == "softcap":
+        kw["softcap"] = 0.9
     return q, quantize(k, group_size, bits, dtype), quantize(v, group_size, bits, dtype), kw
 
 

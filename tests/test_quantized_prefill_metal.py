@@ -29,6 +29,7 @@ from mlx_attn import _native
 from paged_metal_runner import oracle
 from sdpa_cases import TOLERANCE
 from test_quantized_metal import DTYPES, cache_view, check, dequantized, plan_for, quantize, roles
+from test_quantized_metal import make_case as quantized_case
 
 needs_ext = pytest.mark.skipif(_native.ext is None, reason="the native extension is not built")
 needs_clang = pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed")
@@ -69,29 +70,14 @@ def trimmed_source(instances, text: str | None = None) -> Path:
 
 
 def make_case(bits, group_size, d, gqa, mask, q_len, kv_len, dtype, batch=1, seed=0):
-    """q, k_quant, v_quant and the keyword arguments of one grid point."""
-    rng = np.random.default_rng(seed)
-    hq = KV_HEADS * gqa
-    mx_dtype = DTYPES[dtype]
-    q = mx.array(rng.standard_normal((batch, hq, q_len, d)).astype(np.float32)).astype(mx_dtype)
-    k, v = (mx.array(rng.standard_normal((batch, KV_HEADS, kv_len, d)).astype(np.float32)) for _ in range(2))
-    kw = {"scale": d**-0.5}
-    if mask == "causal":
+    """q, k_quant, v_quant and the keyword arguments of one grid point: the
+    quantized decode tests' builder at this kv_len and batch; sinks come
+    with the causal mask here."""
+    q, k_quant, v_quant, kw = quantized_case(bits, group_size, d, gqa, mask, q_len, dtype, seed, kv_len=kv_len,
+                                             batch=batch)
+    if mask == "sinks":
         kw["mask"] = "causal"
-    elif mask == "window":
-        kw["window_size"] = 37
-    elif mask == "bool":
-        visible = rng.random((q_len, kv_len)) > 0.3
-        visible[0] = False  # a row that sees nothing
-        kw["mask"] = mx.array(visible)
-    elif mask == "additive":
-        kw["mask"] = mx.array(rng.standard_normal((1, hq, q_len, kv_len)).astype(np.float32)).astype(mx_dtype)
-    elif mask == "sinks":  # some above every logit: the sink sets the row max; causal too
-        kw["mask"] = "causal"
-        kw["sinks"] = mx.array((rng.standard_normal(hq) * 4).astype(np.float32)).astype(mx_dtype)
-    elif mask == "softcap":
-        kw["softcap"] = 0.9
-    return q, quantize(k, group_size, bits, mx_dtype), quantize(v, group_size, bits, mx_dtype), kw
+    return q, k_quant, v_quant, kw
 
 
 def plain(a):
