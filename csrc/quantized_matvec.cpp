@@ -160,6 +160,30 @@ std::vector<mx::Shape> DequantizeAffine::output_shapes(const std::vector<mx::arr
   return {{inputs[0].shape(0), int(int64_t(inputs[0].shape(1)) * 32 / bits_)}};
 }
 
+std::vector<mx::array> DequantizeAffine::vjp(const std::vector<mx::array>& primals,
+                                              const std::vector<mx::array>& cotangents, const std::vector<int>& argnums,
+                                              const std::vector<mx::array>&) {
+  const mx::array& scales = primals[1];
+  const int n = scales.shape(0);
+  const int groups = scales.shape(1);
+  auto per_group = [&](const mx::array& a) {
+    return mx::sum(mx::reshape(a, {n, groups, group_size_}, stream()), -1, false, stream());
+  };
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      grads.push_back(mx::zeros_like(primals[0], stream()));
+    } else if (arg == 1) {  // d w / d scale = code
+      mx::array codes = dequantize_affine(primals[0], mx::ones_like(scales, stream()), mx::zeros_like(scales, stream()),
+                                          group_size_, bits_, stream());
+      grads.push_back(mx::astype(per_group(mx::multiply(cotangents[0], codes, stream())), scales.dtype(), stream()));
+    } else {  // d w / d bias = 1
+      grads.push_back(mx::astype(per_group(cotangents[0]), primals[2].dtype(), stream()));
+    }
+  }
+  return grads;
+}
+
 bool DequantizeAffine::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const DequantizeAffine&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_;

@@ -36,6 +36,10 @@ class DequantizeAffine : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // To the scales (the codes summed per group) and the biases (the
+  // cotangent summed per group); the integer codes get zeros.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   bool is_equivalent(const mx::Primitive& other) const override;
   const char* name() const override {
     return "DequantizeAffine";

@@ -252,6 +252,35 @@ def test_dequantize_affine_names_what_is_wrong(change, message):
         _ext.dequantize_affine(args["codes"], args["scales"], args["biases"], args["group_size"], args["bits"])
 
 
+def test_dequantize_affine_gradients_reach_scales_and_biases():
+    """d w / d scale = code, d w / d bias = 1 (summed over each group); the
+    integer codes get zeros."""
+    from mlx_attn import _ext
+
+    w = mx.random.normal((6, 64), key=mx.random.key(8))
+    codes, scales, biases = mx.quantize(w, group_size=32, bits=5)
+    cotangent = np.array(mx.random.normal((6, 64), key=mx.random.key(9)), dtype=np.float64)
+    q = _bitstream_oracle(codes, mx.ones_like(scales), mx.zeros_like(biases), 32, 5)
+    loss = lambda s, b: (_ext.dequantize_affine(codes, s, b, 32, 5) * mx.array(cotangent.astype(np.float32))).sum()
+    d_scales, d_biases = mx.grad(loss, argnums=(0, 1))(scales, biases)
+    np.testing.assert_allclose(np.array(d_scales), (cotangent * q).reshape(6, 2, 32).sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(d_biases), cotangent.reshape(6, 2, 32).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_through_a_dequantized_layer_have_a_gradient():
+    """The dequantized product's gradient to its input (the weight waits
+    for the input through mx.depends, so the gradient passes the
+    dequantization: zeros to the codes)."""
+    model = nn.Sequential(nn.Linear(64, 40, bias=False))
+    nn.quantize(model, group_size=32, bits=5)
+    layer = use_row_adaptive_matmuls(model).layers[0]
+    x = mx.random.normal((quantized_matmul.DEQUANTIZED_MATMUL_ROWS + 1, 64), key=mx.random.key(6))
+    cotangent = np.array(mx.random.normal((x.shape[0], 40), key=mx.random.key(7)), dtype=np.float64)
+    grad = mx.grad(lambda v: (layer(v) * mx.array(cotangent.astype(np.float32))).sum())(x)
+    weight = _bitstream_oracle(layer["weight"], layer["scales"], layer["biases"], 32, 5)
+    np.testing.assert_allclose(np.array(grad), cotangent @ weight, rtol=1e-4, atol=1e-4)
+
+
 def test_dequantized_layers_use_the_one_pass_dequantization(monkeypatch):
     """Many rows on the CPU: the layer's float32 weight comes from
     _ext.dequantize_affine (5 bits here: MLX's own dequantize of 5 bits
