@@ -245,6 +245,10 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
             k = kernels[0]
             modelled_mmas = k.block.counts["mma"] * k.blocks * k.simdgroups * k.threadgroups
             check["mmas"] = modelled_mmas / max(1, counted["simdgroup_matrix_mmas"])
+            # threadgroup memory traffic: K/V stores and fragment reads a block, Q staged once (steel)
+            staged_q = 0 if name == "ours" else k.threadgroups * cm.mlx_steel_tile(d).bq * d * 2
+            modelled_tg = k.threadgroup_bytes_per_block * k.blocks * k.threadgroups + staged_q
+            check["threadgroup_bytes"] = modelled_tg / max(1, counted["threadgroup_bytes"])
         out[name] = check
     return out
 
@@ -323,12 +327,15 @@ def costs_markdown(rows, command: str) -> str:
         *(markdown_row(r) for r in rows),
     ]
     lines += ["", "The cost model's own counts (from the kernels' tiles) over these counters: a check that the",
-              "model describes the kernels the emulator ran (MMAs, device bytes as issued; 1.00 = equal):", "",
-              "| phase | D | GQA | causal | T | ours MMAs | ours device bytes | MLX MMAs | MLX device bytes |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "model describes the kernels the emulator ran (MMAs, device bytes as issued, threadgroup bytes",
+              "read and written; 1.00 = equal):", "",
+              "| phase | D | GQA | causal | T | ours MMAs | ours device bytes | ours threadgroup bytes "
+              "| MLX MMAs | MLX device bytes | MLX threadgroup bytes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.get("model_check", {})
-        cells = [f"{c.get(n, {}).get(key, float('nan')):.2f}" for n in ("ours", "mlx") for key in ("mmas", "device_bytes")]
+        cells = [f"{c.get(n, {}).get(key, float('nan')):.2f}" for n in ("ours", "mlx")
+                 for key in ("mmas", "device_bytes", "threadgroup_bytes")]
         lines.append(f"| {r['phase']} | {r['D']} | {r.get('group', 1)} | {'yes' if r['causal'] else 'no'} | {r['T']} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Kernels and accuracy (max |out - reference_attention|):", "",

@@ -301,7 +301,10 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
         "fma": elems * 4 + 2 * tq * td + 6 * tq + loads_per_thread,  # scale, max, sub, sum; O rescale; row stats; stores
         "exp2": elems + tq,
         "simd_shuffle": 4 * tq,                 # row max and row sum over the 4 lanes of a row
-        "threadgroup_load": tq * tk * td * (1 if tile.q_in_registers else 2) + tq * tk * td,
+        # fragment reads a block (steel_attention.h, MLX 0.32.4): per D step one
+        # Q fragment per row tile (unless Q stays in registers) and TK K
+        # fragments shared by the row tiles; V: TK per D step and row tile
+        "threadgroup_load": (0 if tile.q_in_registers else tq * td) + tk * td + tq * tk * td,
         "device_load": loads_per_thread,
     }
     barriers = 2 if tile.stage_kv_together else 4
@@ -321,7 +324,7 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
     if causal:
         avg_fraction = sum(min(kv_len, kv_len - q_len + (i + 1) * tile.bq) for i in range(nq)) / (nq * kv_len)
     tg_bytes = (2 * tile.bk * tile.d * elem_bytes                         # stores of K and V
-                + tile.wm * tile.wn * counts["threadgroup_load"] * 32 * 8)  # fragment reads (8 B per lane)
+                + tile.wm * tile.wn * counts["threadgroup_load"] * 32 * 2 * elem_bytes)  # fragment reads (2 elements a lane)
     threadgroups = nq * heads * batch
     kv_head_bytes = 2 * kv_len * tile.d * elem_bytes
     device = threadgroups * kv_head_bytes * avg_fraction + 2 * batch * heads * q_len * tile.d * elem_bytes

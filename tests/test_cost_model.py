@@ -190,8 +190,10 @@ def test_steel_wn2_pays_the_score_exchange():
     two = cm.prefill_kernel("s", cm.PrefillTile(64, 32, 128, 8, 2), 1, 8, 8, 1024, 1024, False, gpu)
     assert (one.block.barriers, two.block.barriers) == (4, 6)
     elems = 2 * 1 * 4  # S elements per lane: TQ = 1, BK / 8 = 4 tiles of 2
-    half_d = 1 * 4 * 8  # TQ x TK x TD/2 fragments of Q (threadgroup) and K, and V
-    assert two.block.counts["threadgroup_load"] == 2 * half_d + half_d + 2 * elems
+    # over its half of D (TD/2 = 8 steps): one Q fragment a step (TQ = 1), TK = 4 K fragments a step,
+    # and TK V fragments a step
+    q_reads, k_reads, v_reads = 1 * 8, 4 * 8, 4 * 8
+    assert two.block.counts["threadgroup_load"] == q_reads + k_reads + v_reads + 2 * elems
 
 
 def test_decode_registers_are_the_compiled_rows_and_prefetch_adds_a_key():
