@@ -24,6 +24,7 @@ the emulator's counters.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -446,6 +447,20 @@ def plan_decode_splits(plan: dict) -> int:
 PLANNED_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
 
 
+def decode_partial_registers(d: int, bits: int | None = None) -> tuple[str, int]:
+    """(tile, estimated registers) of the decode partial kernel at head dim d,
+    over float K/V or, with `bits`, quantized K/V (the same body with the
+    QuantizedKV loader): the registers are the compiled R rows', whatever
+    the problem."""
+    rows = 32 // (d // 32)
+    problem = (1, rows, 1, 1024, d, MODEL_GPU, 2, rows)
+    if bits is None:
+        kernels = cm.our_decode_kernels(*problem, prefetch=decode_prefetch(d))
+    else:
+        kernels = cm.our_quantized_decode_kernels(*problem, bits, 64, prefetch=decode_prefetch(d))
+    return f"{rows} rows{', prefetch' if decode_prefetch(d) > 1 else ''}", kernels[0].registers
+
+
 def kernel_registers(kernel: str) -> tuple[str, str, int]:
     """(family, tile, estimated registers) of a kernel a launch plan names;
     a kernel the cost model does not describe is an error, so a new kernel
@@ -467,18 +482,9 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
             cm.our_prefill_tile(d, bk, "fast"), staging_registers=bits + 4)
     if m := match(r"attention_quantized_decode_partial_\w+?_d(\d+)_b(\d+)"):
         d, bits = map(int, m.groups())
-        (_, tile, regs) = kernel_registers(f"attention_decode_partial_float16_d{d}")
-        # The QuantizedKV loader dequantizes into the float decode's slices; while it
-        # loads, a lane's code word, scale and bias are live (3). Its head offsets and
-        # strides are uniform across the simdgroup (from the threadgroup's indices and
-        # constant buffers): Apple GPUs keep such values in uniform registers (Dougall
-        # Johnson's G13 architecture reference), not in the per-thread file counted here.
-        return f"quantized decode ({bits}-bit)", tile, regs + 3
+        return (f"quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits)
     if m := match(r"attention_decode_partial_\w+?_d(\d+)"):
-        d = int(m.group(1))
-        r = 32 // (d // 32)
-        (partial, _) = cm.our_decode_kernels(1, r, 1, 1024, d, MODEL_GPU, 2, r, prefetch=decode_prefetch(d))
-        return "decode", f"{r} rows{', prefetch' if decode_prefetch(d) > 1 else ''}", partial.registers
+        return ("decode",) + decode_partial_registers(int(m.group(1)))
     if m := match(r"attention_backward_split_(dkdv|dq)_"):
         return f"backward {m.group(1)} (D-split)", "C 64", cm.backward_split_registers(m.group(1))
     if m := match(r"attention_backward_(dkdv|dq)_\w+?_d(\d+)"):
@@ -488,6 +494,13 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
     if match(r"attention_(decode_merge|backward_delta|backward_sinks)_"):
         return kernel.split("_float")[0].split("_bfloat")[0].removeprefix("attention_"), "-", 24
     raise ValueError(f"the cost model has no register estimate for {kernel}")
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_quantized_kv(d: int, bits: int) -> tuple:
+    """512 zero keys of head dim d as mx.quantize's triple (groups of 64):
+    the plans only read their shapes and dtypes."""
+    return tuple(mx.quantize(mx.zeros((1, 1, 512, d), mx.float32), group_size=64, bits=bits))
 
 
 def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
@@ -514,8 +527,8 @@ def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
             from mlx_attn.quantized import quantized_launch_plan
 
             for bits in (4, 8):
-                kq = mx.quantize(mx.zeros((1, 1, 512, d), mx.float32), group_size=64, bits=bits)
-                kq = (kq[0], kq[1].astype(dtype), kq[2].astype(dtype))
+                codes, scales, biases = _zero_quantized_kv(d, bits)
+                kq = (codes, scales.astype(dtype), biases.astype(dtype))
                 plan = quantized_launch_plan(q, kq, kq, scale=d**-0.5, mask="causal", bits=bits, group_size=64)
                 if plan["supported"]:
                     names += [dispatch["kernel"] for dispatch in plan["dispatches"]]

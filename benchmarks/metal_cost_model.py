@@ -498,7 +498,9 @@ def backward_dkdv_registers(d: int) -> int:
     8x8 step with a Q and a dO fragment (8), the step's gradients (S^T, dP^T
     and the lse and delta pairs: 8), the products (S^T, dP^T, two
     fragments: 8)."""
-    return d + FIXED_REGISTERS + max(2, 8, 8, 8)
+    held = d  # K, V, dK, dV: 4 x D/8 fragments of 2 floats
+    staging, scores, gradients, products = 2, 8, 8, 8
+    return held + FIXED_REGISTERS + max(staging, scores, gradients, products)
 
 
 def backward_dq_registers(d: int) -> int:
@@ -506,7 +508,9 @@ def backward_dq_registers(d: int) -> int:
     fragments = 3D/4) and the row's lse and delta (2); phases: staging K
     and V (scalar: 2), S and dP of an 8x8 step with a K and a V fragment (8),
     the gradients (S, dP: 4), dQ += dS K (dS and a K fragment: 4)."""
-    return 3 * d // 4 + 2 + FIXED_REGISTERS + max(2, 8, 4, 4)
+    held = 3 * d // 4 + 2  # Q, dO, dQ fragments; the row's lse and delta
+    staging, scores, gradients, products = 2, 8, 4, 4
+    return held + FIXED_REGISTERS + max(staging, scores, gradients, products)
 
 
 def backward_split_registers(pass_name: str, streamed_rows: int = 32, chunk: int = BACKWARD_CHUNK) -> int:
@@ -518,7 +522,8 @@ def backward_split_registers(pass_name: str, streamed_rows: int = 32, chunk: int
     lse and delta pairs, 4; dq: the row's 2)."""
     accumulators = (2 if pass_name == "dkdv" else 1) * chunk // 4
     scores = 2 * streamed_rows // 4
-    return accumulators + scores + FIXED_REGISTERS + max(4, 4 if pass_name == "dkdv" else 2)
+    fragment_reads, row_statistics = 4, (4 if pass_name == "dkdv" else 2)
+    return accumulators + scores + FIXED_REGISTERS + max(fragment_reads, row_statistics)
 
 
 def _backward_pass(name: str, owned: int, streamed: int, d: int, dv: int, heads: int, kv_heads: int, batch: int,
@@ -713,10 +718,14 @@ def dequantize_then_steel_kernels(d: int, bits: int, group_size: int, batch: int
 
 # ---------------------------------------------------------------- decode over quantized K/V
 # Per-thread registers the quantized loader holds beyond the float one:
-# ASSUMED 4 (a key's packed word, scale and bias of the triple it is
-# dequantizing, transient); its pointers, strides and row bases are uniform
-# across the simdgroup, as ContiguousKV's are.
-QUANTIZED_LOADER_REGISTERS = 4
+# ASSUMED 3: while it loads, a lane's packed word, scale and bias of the
+# triple it is dequantizing (transient; the dequantized values go into the
+# float decode's k and v slices). Its pointers, strides and row bases are
+# uniform across the simdgroup (from the threadgroup's indices and constant
+# buffers), as ContiguousKV's are: Apple GPUs keep such values in uniform
+# registers (Dougall Johnson's G13 architecture reference), not in the
+# per-thread file counted here.
+QUANTIZED_LOADER_REGISTERS = 3
 
 
 def our_quantized_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
