@@ -152,6 +152,10 @@ def dependent_issue_cycles(block: "Block", exp_kind: str, block_issue: float) ->
 def residency(kernel: Kernel, gpu: Gpu) -> dict:
     """Threadgroups resident per core and what limits them."""
     regs = min(kernel.registers, gpu.register_budget)  # a spilling kernel holds the budget
+    if regs * 4 * kernel.threads > gpu.register_file_bytes:
+        # Metal lowers such a pipeline's maxTotalThreadsPerThreadgroup: the dispatch would fail
+        raise ValueError(f"{kernel.name}: {kernel.threads} threads x {regs} registers do not fit a core's "
+                         f"{gpu.register_file_bytes // 1024} KiB register file")
     limits = {
         "registers": gpu.register_file_bytes // max(1, regs * 4 * kernel.threads),
         "threadgroup memory": (gpu.threadgroup_memory_per_core // kernel.threadgroup_memory

@@ -249,3 +249,15 @@ def test_quantized_decode_reads_the_triples_bytes_and_merges_only_with_splits():
     assert cm.predict_all(one, gpu)["seconds"] < cm.predict_all(two, gpu)["seconds"]
     several = cm.our_quantized_decode_kernels(1, 32, 8, 1024, 128, gpu, 4, 8, 4, 64, single_dispatch=True)
     assert len(several) == 2  # the merge stays with several splits
+
+
+def test_a_threadgroup_that_does_not_fit_the_register_file_is_an_error():
+    """16 decode simdgroups at 116 registers (512 x 116 x 4 B = 232 KiB)
+    exceed a core's 208 KiB: Metal would not launch them, so the model must
+    not predict a time for them (it once counted one resident threadgroup)."""
+    gpu = cm.M2_MAX
+    fits = cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 4, 8, simdgroups=8, prefetch=2)
+    assert cm.predict_all(fits, gpu)["seconds"] > 0
+    assert fits[0].registers == 116 and 116 * 4 * 16 * 32 > gpu.register_file_bytes
+    with pytest.raises(ValueError, match="512 threads x 116 registers do not fit a core's 208 KiB register file"):
+        cm.predict_all(cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 4, 8, simdgroups=16, prefetch=2), gpu)
