@@ -219,6 +219,11 @@ def emulated_rows(args):
     return rows
 
 
+# The counts model_count_check compares, with their table headings.
+CHECKED_COUNTS = {"mmas": "MMAs", "device_bytes": "device bytes", "threadgroup_bytes": "threadgroup bytes",
+                  "simd_ops": "simd ops", "exp_calls": "exp2"}
+
+
 def model_count_check(row: dict, ours_kernels: list) -> dict:
     """The cost model's own counts (from the tiles) over the emulator's
     counters for the same problem: MMAs (prefill) and device bytes as issued."""
@@ -250,6 +255,10 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
             staged_q = 0 if name == "ours" else k.threadgroups * cm.mlx_steel_tile(d).bq * d * 2
             modelled_tg = k.threadgroup_bytes_per_block * k.blocks * k.threadgroups + staged_q
             check["threadgroup_bytes"] = modelled_tg / max(1, counted["threadgroup_bytes"])
+            # the row max and sum's shuffles (per simdgroup) and the exp2s (per lane)
+            per_block = k.blocks * k.simdgroups * k.threadgroups
+            check["simd_ops"] = k.block.counts["simd_shuffle"] * per_block / max(1, counted["simd_ops"])
+            check["exp_calls"] = k.block.counts["exp2"] * 32 * per_block / max(1, counted["exp_calls"])
         out[name] = check
     return out
 
@@ -329,14 +338,13 @@ def costs_markdown(rows, command: str) -> str:
     ]
     lines += ["", "The cost model's own counts (from the kernels' tiles) over these counters: a check that the",
               "model describes the kernels the emulator ran (MMAs, device bytes as issued, threadgroup bytes",
-              "read and written; 1.00 = equal):", "",
-              "| phase | D | GQA | causal | T | ours MMAs | ours device bytes | ours threadgroup bytes "
-              "| MLX MMAs | MLX device bytes | MLX threadgroup bytes |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "read and written, simd ops, exp2 calls; decode rows: device bytes only; 1.00 = equal):", "",
+              "| phase | D | GQA | causal | T | " + " | ".join(f"{impl} {what}" for impl in ("ours", "MLX")
+                                                  for what in CHECKED_COUNTS.values()) + " |",
+              "|---|---|---|---|---|" + "---|" * (2 * len(CHECKED_COUNTS))]
     for r in rows:
         c = r.get("model_check", {})
-        cells = [f"{c.get(n, {}).get(key, float('nan')):.2f}" for n in ("ours", "mlx")
-                 for key in ("mmas", "device_bytes", "threadgroup_bytes")]
+        cells = [f"{c.get(n, {}).get(key, float('nan')):.2f}" for n in ("ours", "mlx") for key in CHECKED_COUNTS]
         lines.append(f"| {r['phase']} | {r['D']} | {r.get('group', 1)} | {'yes' if r['causal'] else 'no'} | {r['T']} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Kernels and accuracy (max |out - reference_attention|):", "",
@@ -392,12 +400,13 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
         bk = _plan_number(plan, r"_bk(\d+)")
         variants = {
             "mlx": [cm.prefill_kernel("steel_attention", cm.mlx_steel_tile(d), 1, heads, kv_heads, t, t, causal, gpu)],
-            "ours, precise exp2 (before)": [cm.prefill_kernel("attention_prefill", cm.our_prefill_tile(d, bk, "precise"),
-                                                              1, heads, kv_heads, t, t, causal, gpu)],
-            "ours, fast::exp2 (now)": [cm.prefill_kernel("attention_prefill", cm.our_prefill_tile(d, bk, "fast"),
-                                                         1, heads, kv_heads, t, t, causal, gpu)],
         }
-        exp_kinds = {"mlx": "fast", "ours, precise exp2 (before)": "precise", "ours, fast::exp2 (now)": "fast"}
+        ours = {"ours, precise exp2 (before)": ("precise", False), "ours, fast::exp2 (before)": ("fast", False),
+                "ours, fast::exp2, lazy max (now)": ("fast", True)}
+        for name, (exp_kind, lazy_max) in ours.items():
+            tile = cm.our_prefill_tile(d, bk, exp_kind, lazy_max=lazy_max)
+            variants[name] = [cm.prefill_kernel("attention_prefill", tile, 1, heads, kv_heads, t, t, causal, gpu)]
+        exp_kinds = {"mlx": "fast", **{name: exp_kind for name, (exp_kind, _) in ours.items()}}
     else:
         plan = planned(1, t, d, heads, kv_heads, False, gpu)
         group = heads // kv_heads

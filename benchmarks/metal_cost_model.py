@@ -244,6 +244,17 @@ class PrefillTile:
     wn: int = 1
     q_in_registers: bool = False   # ours: Q fragments stay in registers; MLX: in threadgroup memory
     stage_kv_together: bool = False  # ours: K and V blocks both staged (2 barriers a block); MLX: one buffer
+    # the row max and sum: MLX's row_reduce (steel/attn/mma.h) shuffles each
+    # 8x8 fragment's row (2 shuffles a fragment); ours reduces a lane's
+    # fragments first, then shuffles once a row
+    reduce_per_fragment: bool = True
+    # ours: the lazy max (prefill_online_softmax) rescales O only in blocks
+    # that move some row's max by more than 8 in log2 units, and tests that
+    # with one simd_any a block. ASSUMED: a row's logits stay within that of
+    # its first key block's max, so only the first block rescales (logits of
+    # scaled attention spread a few units; the emulator tests cover rows
+    # whose max keeps moving, which cost what the eager max costs)
+    lazy_max: bool = False
     exp_kind: str = "fast"
 
 
@@ -300,11 +311,20 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
     mma = tq * tk * td * 2                      # S = Q K^T and O += P V over this simdgroup's D share
     elems = 2 * tq * tk                         # S elements per lane
     loads_per_thread = math.ceil(2 * tile.bk * tile.d * elem_bytes / 16 / threads)  # 16-byte vector loads
+    # key blocks per threadgroup (causal: the longest row block's; half on average)
+    full_blocks = math.ceil(kv_len / tile.bk)
+    avg_fraction = 1.0
+    if causal:
+        avg_fraction = sum(min(kv_len, kv_len - q_len + (i + 1) * tile.bq) for i in range(nq)) / (nq * kv_len)
+    blocks = max(1, round(full_blocks * avg_fraction))
+    rescale = 2 * tq * td / blocks if tile.lazy_max else 2 * tq * td  # O *= alpha, a block on average
     counts = {
         "mma": mma,
-        "fma": elems * 4 + 2 * tq * td + 6 * tq + loads_per_thread,  # scale, max, sub, sum; O rescale; row stats; stores
+        # scale, max, sub, sum a score; the O rescale; row stats (+ the lazy max's test); stores
+        "fma": elems * 4 + rescale + 6 * tq + (2 * tq if tile.lazy_max else 0) + loads_per_thread,
         "exp2": elems + tq,
-        "simd_shuffle": 4 * tq,                 # row max and row sum over the 4 lanes of a row
+        # row max and sum over a row's 4 lanes (+ the lazy max's simd_any)
+        "simd_shuffle": 4 * tq * (tk if tile.reduce_per_fragment else 1) + (1 if tile.lazy_max else 0),
         # fragment reads a block (steel_attention.h, MLX 0.32.4): per D step one
         # Q fragment per row tile (unless Q stays in registers) and TK K
         # fragments shared by the row tiles; V: TK per D step and row tile
@@ -321,12 +341,6 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
         counts["threadgroup_load"] += 2 * elems
         barriers += 2
     block = Block(counts, load_rounds=1 if tile.stage_kv_together else 2, barriers=barriers)
-    # key blocks per threadgroup (causal: the longest row block's; half on average)
-    full_blocks = math.ceil(kv_len / tile.bk)
-    blocks = full_blocks
-    avg_fraction = 1.0
-    if causal:
-        avg_fraction = sum(min(kv_len, kv_len - q_len + (i + 1) * tile.bq) for i in range(nq)) / (nq * kv_len)
     tg_bytes = (2 * tile.bk * tile.d * elem_bytes                         # stores of K and V
                 + tile.wm * tile.wn * counts["threadgroup_load"] * 32 * 2 * elem_bytes)  # fragment reads (2 elements a lane)
     threadgroups = nq * heads * batch
@@ -338,7 +352,7 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
     kernel = Kernel(
         name, threadgroups, threads, regs, steel_threadgroup_memory(tile, elem_bytes),
         # causal: the average block count stands for the total work (threadgroups overlap on the cores)
-        max(1, round(blocks * avg_fraction)), block, tg_bytes, device, device, prefetch,
+        blocks, block, tg_bytes, device, device, prefetch,
         fixed={"device_load": 2 * tile.bq * tile.d * elem_bytes / 16 / threads, "fma": 4 * tq * td}, kv_reads=order)
     return _with_cache(kernel, gpu, kv_head_bytes * avg_fraction, 2 * batch * heads * q_len * tile.d * elem_bytes)
 
@@ -362,10 +376,12 @@ def steel_alternatives(d: int, elem_bytes: int = 2, gpu: Gpu = M2_MAX) -> list:
     return tiles
 
 
-def our_prefill_tile(d: int, bk: int, exp_kind: str) -> PrefillTile:
+def our_prefill_tile(d: int, bk: int, exp_kind: str, lazy_max: bool = True) -> PrefillTile:
     """metal/attention_prefill.h: BQ 32, 4 simdgroups, Q and O as float
-    fragments in registers, K and V staged together (2 barriers a block)."""
-    return PrefillTile(32, bk, d, 4, 1, q_in_registers=True, stage_kv_together=True, exp_kind=exp_kind)
+    fragments in registers, K and V staged together (2 barriers a block),
+    the lazy max (`lazy_max=False`: the eager one it replaced)."""
+    return PrefillTile(32, bk, d, 4, 1, q_in_registers=True, stage_kv_together=True, reduce_per_fragment=False,
+                       exp_kind=exp_kind, lazy_max=lazy_max)
 
 
 # ---------------------------------------------------------------- decode

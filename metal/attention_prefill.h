@@ -13,6 +13,8 @@
 //              (metal/attention_steps.h masked_logit; only edge blocks test
 //              causal / window / bounds, the mask kind is a template choice)
 //   online max / rescale   m_new = max(m, rowmax S); O *= exp(m - m_new)
+//              (lazily: the max moves only by more than 8 in log2 units, so
+//              most blocks skip the rescale; prefill_online_softmax)
 //   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join l; O *= 1 / l (rows that saw nothing: 0)
 // S, P, the row max / sum and the rescale never leave registers: each lane
@@ -71,18 +73,27 @@ inline float prefill_block_logits(
 
 // online max / rescale and accumulate, one key block of this simdgroup's
 // rows (S tiles through the logit step; `block_max` this lane's part of their
-// row max): m_new = max(m, rowmax S); S becomes P = exp(S - m_new) in place;
+// row max): m_new = rowmax S where it moves the max (below), else m; S
+// becomes P = exp(S - m_new) in place;
 // l = l * alpha + rowsum P; m = m_new. Returns alpha = exp(m - m_new), the
 // factor the caller rescales its O rows by. Shared by the register-resident
 // and the D-split prefill kernels.
+//
+// The max is lazy: it moves only when the block's exceeds it by more than
+// MLX_ATTN_LAZY_MAX_LOG2 in log2 units, else the row keeps its max and
+// alpha is exactly 1 (P <= 2^8 then: no float32 overflow), so most blocks
+// need no O rescale (prefill_rescale). Exact: P, l, O and the row's
+// log-sum-exp all use the max the row holds. Fully masked blocks never move it.
+#define MLX_ATTN_LAZY_MAX_LOG2 8.0f
 template <int BK>
 inline float prefill_online_softmax(thread simdgroup_float8x8* s_tiles, float block_max, thread float& m_row,
                                     thread float& l_row) {
   // the 4 lanes of a row differ in lane bits 0 and 3
   block_max = max(block_max, simd_shuffle_xor(block_max, 1));
   block_max = max(block_max, simd_shuffle_xor(block_max, 8));
-  const float m_new = max(m_row, block_max);
-  const float alpha = fast::exp2((m_row - m_new) * MLX_ATTN_LOG2E);
+  const bool moves = (block_max - m_row) * MLX_ATTN_LOG2E > MLX_ATTN_LAZY_MAX_LOG2;
+  const float m_new = moves ? block_max : m_row;
+  const float alpha = moves ? fast::exp2((m_row - m_new) * MLX_ATTN_LOG2E) : 1.0f;
   float p_sum = 0.0f;
   for (int j = 0; j < BK / 8; ++j) {
     for (int t = 0; t < 2; ++t) {
@@ -97,6 +108,17 @@ inline float prefill_online_softmax(thread simdgroup_float8x8* s_tiles, float bl
   l_row = l_row * alpha + p_sum;
   m_row = m_new;
   return alpha;
+}
+
+// O *= alpha (each row by its own), skipped when no row of the simdgroup
+// moved its max (alpha 1 on every lane: most blocks under the lazy max).
+template <int TILES>
+inline void prefill_rescale(thread simdgroup_float8x8* o_tiles, float alpha) {
+  if (simd_any(alpha != 1.0f)) {
+    for (int d = 0; d < TILES; ++d) {
+      o_tiles[d].thread_elements() *= alpha;
+    }
+  }
 }
 
 // normalize: the head's sink joins the row's max and sum, so (m, l) become
@@ -175,8 +197,8 @@ inline void prefill_attend_block(constant AttentionParams& p, const device uchar
   const float alpha = prefill_online_softmax<BK>(s_tiles, block_max, m_row, l_row);
 
   // rescale O by alpha (its row's), then O += P . V
+  prefill_rescale<D / 8>(o_tiles, alpha);
   for (int d = 0; d < D / 8; ++d) {
-    o_tiles[d].thread_elements() *= alpha;
     for (int j = 0; j < BK / 8; ++j) {
       simdgroup_float8x8 v_part;  // row = key j*8 + r, column = dim d*8 + c
       for (int t = 0; t < 2; ++t) {

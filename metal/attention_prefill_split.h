@@ -159,8 +159,8 @@ template <typename T, int D, int DV, int BK, int MASK>
       const float alpha = prefill_online_softmax<BK>(s_tiles, block_max, m_row, l_row);
 
       // rescale this pass's O slice by alpha, then O += P . V[:, v0 .. v0 + VC)
+      prefill_rescale<VC / 8>(o_tiles, alpha);
       for (int d = 0; d < VC / 8; ++d) {
-        o_tiles[d].thread_elements() *= alpha;
         for (int j = 0; j < BK / 8; ++j) {
           simdgroup_float8x8 v_part;  // row = key j*8 + r, column = value dim v0 + d*8 + c
           for (int t = 0; t < 2; ++t) {

@@ -93,6 +93,21 @@ def test_large_logits(run):
     check(run, q * 40, k, v, scale=1.0, mask="causal")
 
 
+def test_logits_that_grow_block_by_block(run):
+    """The prefill kernels' lazy max (prefill_online_softmax): keys whose
+    logits grow along the sequence move the row max by more than the lazy
+    threshold in some blocks and by less in others; the output and the row
+    log-sum-exp must be the eager softmax's (float64 oracle, the reference)."""
+    q, k, v = make(1, 2, 1, 40, 300, 64, mx.float32, seed=5)
+    growth = mx.array(np.linspace(0.05, 6.0, 300, dtype=np.float32))[:, None]
+    k = k * growth  # logit spread grows ~120x from the first key block to the last
+    for kw in (dict(mask=None), dict(mask="causal"), dict(window_size=70)):
+        check(run, q, k, v, **kw)
+        _, lse = run(q, k, v, scale=0.125, return_lse=True, **kw)
+        want = reference_lse(q, k, v, scale=0.125, **kw)
+        assert np.all(np.abs(np.array(lse) - want) <= 1e-4 * np.maximum(1.0, np.abs(want)))
+
+
 def sinks_views(hq, dtype):
     """Sinks as MLX may hand them to the kernel: a strided slice, a slice at an
     offset, and one value broadcast to every head (stride 0)."""

@@ -46,6 +46,11 @@ MUTANTS = {
     "prefill: causal comparison flipped": (PREFILL, "replace", "key <= pos &&", "key < pos &&"),
     "prefill: window comparison off by one": (PREFILL, "replace", "key > pos - p.window_size", "key >= pos - p.window_size"),
     "prefill: accumulator rescale dropped": (PREFILL, "replace", "o_tiles[d].thread_elements() *= alpha;", ""),
+    "prefill: the lazy max never moves after the first block": (
+        PREFILL, "replace", "const bool moves = (block_max - m_row) * MLX_ATTN_LOG2E > MLX_ATTN_LAZY_MAX_LOG2;",
+        "const bool moves = m_row == MLX_ATTN_MASKED_LOGIT;"),
+    "prefill: rescale skipped unless every row moved its max": (
+        PREFILL, "replace", "if (simd_any(alpha != 1.0f)) {", "if (simd_all(alpha != 1.0f)) {"),
     "prefill: row max misses a lane pair": (PREFILL, "replace", "block_max = max(block_max, simd_shuffle_xor(block_max, 8));", ""),
     "prefill: row sum misses a lane pair": (PREFILL, "replace", "p_sum += simd_shuffle_xor(p_sum, 8);", ""),
     "prefill: normalize dropped": (PREFILL, "replace", "T(o_tiles[d].thread_elements()[t] * factor)", "T(o_tiles[d].thread_elements()[t])"),
@@ -153,6 +158,9 @@ ALIGNMENT_MUTANTS = {
 
 CASES = [
     dict(shape=(1, 4, 2, 40, 100), mask="causal"),
+    # logits growing along the keys by hundreds: the prefill's lazy max must move (a kept max would
+    # overflow exp2) and O be rescaled
+    dict(shape=(1, 2, 1, 40, 200), mask="causal", key_growth=150.0),
     dict(shape=(1, 2, 1, 37, 90), window_size=7),
     dict(shape=(2, 2, 2, 33, 70), mask="bool", sinks=True),
     dict(shape=(1, 8, 2, 2, 150), mask="causal", sinks=True),  # decode: split KV
@@ -195,6 +203,8 @@ def caught(run) -> bool:
         rng = np.random.default_rng(tq)
         q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
                    for s in ((b, hq, tq, d), (b, hkv, tkv, d), (b, hkv, tkv, d)))
+        if case.get("key_growth"):
+            k = k * mx.array(np.linspace(0.05, case["key_growth"], tkv, dtype=np.float32))[:, None]
         kw = {"scale": 0.125, **case_options(case, rng, hq, tq, tkv)}
         try:
             got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True)

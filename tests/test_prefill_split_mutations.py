@@ -50,7 +50,7 @@ MUTANTS = {
     "output written at the first value chunk": ("replace", "out[row * DV + v0 + d * 8 + c + t]",
                                                 "out[row * DV + d * 8 + c + t]"),
     # (occurrence 1: the split kernel's; 0 is the inlined register-resident kernel's)
-    "the pass's O not rescaled by the new max": ("remove", "o_tiles[d].thread_elements() *= alpha", 1),
+    "the pass's O not rescaled by the new max": ("remove", "prefill_rescale<VC / 8>(o_tiles, alpha)", 1),
     "V tile read shifted in later passes": ("replace", "* Tiles::LDV + d * 8 + c + t]", "* Tiles::LDV - v0 / 32 + d * 8 + c + t]"),
 }
 DEFAULT_MUTANTS = ["the last key-dim chunk skipped", "the last value pass skipped"]
