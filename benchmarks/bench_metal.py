@@ -422,11 +422,16 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
                 1, heads, kv_heads, t, d, gpu, before, rows_per_tg),
             f"ours, {splits} splits, merge always, no prefetch (before)": cm.our_decode_kernels(
                 1, heads, kv_heads, t, d, gpu, splits, rows_per_tg),
-            f"ours, {splits} splits, prefetch{'' if prefetch > 1 else ' (off at this D)'}, "
-            f"{'1 dispatch' if splits == 1 else 'lane merge'} (now)": cm.our_decode_kernels(
-                1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
-                lane_merge=True),
         }
+        ahead = f"ours, {splits} splits, prefetch{'' if prefetch > 1 else ' (off at this D)'}, "
+        if splits > 1:  # one split: no merge to compare
+            variants[ahead + "one-simdgroup lane merge (before)"] = cm.our_decode_kernels(
+                1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
+                lane_merge=True, merge_simdgroups=1)
+        merge_now = "1 dispatch" if splits == 1 else f"{cm.MERGE_SIMDGROUPS}-simdgroup merge"
+        variants[ahead + merge_now + " (now)"] = cm.our_decode_kernels(
+            1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
+            lane_merge=True)
         exp_kinds = {name: "fast" for name in variants}  # decode_key and the merges call fast::exp2
     out = {}
     for name, kernels in variants.items():
@@ -500,7 +505,11 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
         pass_name, d = m.group(1), int(m.group(2))
         regs = cm.backward_dkdv_registers(d) if pass_name == "dkdv" else cm.backward_dq_registers(d)
         return f"backward {pass_name}", "rows in registers", regs
-    if match(r"attention_(decode_merge|backward_delta|backward_sinks)_"):
+    if m := match(r"attention_decode_merge_\w+?_d(\d+)"):
+        d = int(m.group(1))
+        (_, merge) = cm.our_decode_kernels(1, 1, 1, 1024, d, MODEL_GPU, 2, 1, lane_merge=True)
+        return "decode_merge", f"{cm.MERGE_SIMDGROUPS} simdgroups", merge.registers
+    if match(r"attention_(backward_delta|backward_sinks)_"):
         return kernel.split("_float")[0].split("_bfloat")[0].removeprefix("attention_"), "-", 24
     raise ValueError(f"the cost model has no register estimate for {kernel}")
 

@@ -419,15 +419,23 @@ def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: i
     return [first, second]
 
 
+# Simdgroups per merge threadgroup (one row): MLX_ATTN_DECODE_MERGE_SIMDGROUPS
+# in metal/attention_params.h.
+MERGE_SIMDGROUPS = 8
+
+
 def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
                        rows_per_threadgroup: int, simdgroups: int = 4, elem_bytes: int = 2,
-                       prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = False) -> list:
+                       prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = False,
+                       merge_simdgroups: int = MERGE_SIMDGROUPS) -> list:
     """metal/attention_decode.h: a threadgroup of `simdgroups` simdgroups per
     (split, KV head, row chunk) serves up to R rows of the GQA group; key j
     of the split on simdgroup j % NSG; then attention_decode_merge over the
     splits (none with `single_dispatch` and one split). `prefetch` 2: the
     kernel loads key j + NSG's K/V before key j's math (DecodePrefetch);
-    `lane_merge`: merge_splits as it is now (below), else as before."""
+    `lane_merge`: merge_splits' lane-parallel max and sum and loads ahead,
+    on `merge_simdgroups` simdgroups per row (now; 1: one simdgroup walking
+    every split, before), else the merge before both."""
     per_lane = d // 32
     rows = heads // kv_heads
     big_r = rows_per_threadgroup
@@ -472,17 +480,29 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
                        Block({"fma": 2 * per_lane + 4, "exp2": 1, "device_load": 2}), 0.0,
                        merge_bytes, batch * heads * splits * (d * 4 + 8) + out_bytes)
         return [partial, merge]
-    # merge_splits now: lane j reads splits j, j + 32, ...'s max and sum (one
-    # round per 32 splits, twice: max, then rescaled sums; simd_max / simd_sum),
-    # then the output slices split by split, the next split's loaded ahead
+    # merge_splits: a threadgroup of NSG simdgroups per row; simdgroup g takes
+    # splits g, g + NSG, ...: lane j reads its splits j, j + 32, ...'s max and
+    # sum (one round per 32 of them, twice: max, then rescaled sums; simd_max /
+    # simd_sum), then their output slices one by one, the next loaded ahead
+    # (the first before the max and sum: in flight during them). Then
+    # combine_simdgroup_states (NSG > 1): simdgroups 1.. write their (max, sum,
+    # output slice) to threadgroup memory, one barrier (left out, as the
+    # partial kernel's), simdgroup 0 reads them back: a max and a sum per lane,
+    # two exp2, the reductions, a shuffle and a slice of FMAs per simdgroup.
+    # Registers: the output slice and the next one, ~20 of state.
+    nsg = merge_simdgroups
+    own_splits = math.ceil(splits / nsg)  # the longest simdgroup's chain
     merge_bytes = batch * heads * splits * (d * 4 + 8) + out_bytes
-    stat_rounds = 2 * math.ceil(splits / 32)
-    merge = Kernel("attention_decode_merge", batch * heads, 32, 24, 0, splits,
+    stat_rounds = 2 * math.ceil(own_splits / 32)
+    fixed = {"fma": 4 * stat_rounds, "exp2": stat_rounds // 2, "simd_shuffle": 10, "device_load": 2 * stat_rounds}
+    if nsg > 1:
+        fixed = {"fma": fixed["fma"] + (nsg - 1) * per_lane + per_lane + 4, "exp2": fixed["exp2"] + 2,
+                 "simd_shuffle": fixed["simd_shuffle"] + 10 + (nsg - 1), "device_load": fixed["device_load"],
+                 "threadgroup_load": per_lane + 2 + (nsg - 1) * per_lane}  # its own writes, then the reads
+    merge = Kernel("attention_decode_merge", batch * heads, 32 * nsg, 2 * per_lane + FIXED_REGISTERS,
+                   (nsg - 1) * (d + 2) * 4, own_splits,
                    Block({"fma": 2 * per_lane + 4, "exp2": 1, "device_load": 2}), 0.0,
-                   merge_bytes, merge_bytes, prefetch=2,
-                   fixed={"fma": 4 * stat_rounds, "exp2": stat_rounds // 2, "simd_shuffle": 10,
-                          "device_load": 2 * stat_rounds})
-    merge = replace(merge, fixed_load_rounds=stat_rounds)
+                   merge_bytes, merge_bytes, prefetch=2, fixed=fixed, fixed_load_rounds=stat_rounds)
     return [partial, merge]
 
 

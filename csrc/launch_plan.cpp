@@ -326,7 +326,9 @@ void add_decode_merge(const AttentionProblem& s, const PrimitiveLayout& layout, 
   KernelDispatch merge;
   merge.kernel = kernel_name("attention_decode_merge", s);
   merge.grid = {(s.q_heads / s.kv_heads) * s.q_len, s.kv_heads, s.batch};
-  merge.threadgroup = {32, 1, 1};
+  merge.threadgroup = {32 * MLX_ATTN_DECODE_MERGE_SIMDGROUPS, 1, 1};  // one row
+  // simdgroups 1.. hand their output, max and sum to simdgroup 0 (merge_splits)
+  merge.threadgroup_memory_bytes = (MLX_ATTN_DECODE_MERGE_SIMDGROUPS - 1) * (s.head_dim + 2) * 4;
   merge.bindings = bind_roles(
       layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::params, R::splits, R::lse}, plan.scratch, 1);
   plan.dispatches.push_back(merge);

@@ -102,7 +102,9 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   KernelDispatch merge;
   merge.kernel = "attention_paged_decode_merge" + suffix;
   merge.grid = {max_rows, a.kv_heads, sequences};
-  merge.threadgroup = {32, 1, 1};
+  merge.threadgroup = {32 * MLX_ATTN_DECODE_MERGE_SIMDGROUPS, 1, 1};  // one row
+  // simdgroups 1.. hand their output, max and sum to simdgroup 0 (merge_splits)
+  merge.threadgroup_memory_bytes = (MLX_ATTN_DECODE_MERGE_SIMDGROUPS - 1) * (a.head_dim + 2) * 4;
   merge.bindings =
       bind_roles(layout, {R::partial_out, R::partial_stats, R::sinks, R::out, R::sequences, R::lse}, plan.scratch, 1);
   plan.dispatches.push_back(merge);

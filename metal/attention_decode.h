@@ -26,12 +26,14 @@
 //                          the simdgroup: a policy may use simd functions)
 //
 // The simdgroups' online-softmax states are combined once into one partial
-// (max, sum, output) per (row, split): simdgroups 1.. hand their live rows
-// (not the register budget's unused ones) to simdgroup 0 through threadgroup
-// memory, and simdgroup 0 adds them to its own registers (lane g reads the max
-// and sum of simdgroup g + 1 once; the other lanes get its weight by shuffle).
-// attention_decode_merge combines the splits: the same rescale, then sinks,
-// normalize and the row log-sum-exp (decode_write_row). With one split the
+// (max, sum, output) per (row, split) (combine_simdgroup_states): simdgroups
+// 1.. hand their live rows (not the register budget's unused ones) to
+// simdgroup 0 through threadgroup memory, and simdgroup 0 adds them to its own
+// registers (lane g reads the max and sum of simdgroup g + 1 once; the other
+// lanes get its weight by shuffle). attention_decode_merge combines the
+// splits, a threadgroup of MLX_ATTN_DECODE_MERGE_SIMDGROUPS simdgroups per row:
+// each merges every NSG-th split, then the same combine adds the simdgroups'
+// states, and sinks, normalize and the row log-sum-exp (decode_write_row). With one split the
 // launch has no merge: the partial kernel ends with decode_write_row itself
 // (DecodeOutputs). Each simdgroup loads its next key's K/V while the current
 // key's math runs (DecodePrefetch, up to D = 256).
@@ -93,14 +95,20 @@ struct ContiguousKV {
   }
 };
 
-// The rows of one decode threadgroup, in registers: each row's query and
-// output slices, running max and sum.
+// R rows' online-softmax states, in registers: each row's output slice,
+// running max and sum (what combine_simdgroup_states combines).
 template <int R, int SLICE>
-struct DecodeRows {
-  float q[R][SLICE];
+struct RowStates {
   float o[R][SLICE];
   float m[R];
   float l[R];
+};
+
+// The rows of one decode threadgroup, in registers: each row's state and
+// query slice.
+template <int R, int SLICE>
+struct DecodeRows : RowStates<R, SLICE> {
+  float q[R][SLICE];
 };
 
 // One key of the split for every row: score, scale, softcap (SOFTCAP), mask,
@@ -200,17 +208,70 @@ inline void decode_keys(
   }
 }
 
-// The threadgroup memory of decode_split: simdgroups 1..'s output, max and
-// sum per row (element e of a lane's slice at e * 32 + lane, so that the 32
-// lanes hit 32 different banks). Each kernel declares one (Metal declares
-// threadgroup variables in kernel scope).
-template <int D>
+// The threadgroup memory of combine_simdgroup_states for NSG simdgroups of
+// ROWS rows each (decode_split's defaults; the merge: its simdgroups, one
+// row): simdgroups 1..'s output, max and sum per row (element e of a lane's
+// slice at e * 32 + lane, so that the 32 lanes hit 32 different banks). Each
+// kernel declares one (Metal declares threadgroup variables in kernel scope).
+template <int D, int NSG = MLX_ATTN_DECODE_SIMDGROUPS, int ROWS = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32)>
 struct DecodeStates {
-  static constexpr int ROWS = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32);  // rows per threadgroup
-  float out[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS * D];
-  float row_max[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS];
-  float row_sum[(MLX_ATTN_DECODE_SIMDGROUPS - 1) * ROWS];
+  float out[(NSG - 1) * ROWS * D];
+  float row_max[(NSG - 1) * ROWS];
+  float row_sum[(NSG - 1) * ROWS];
 };
+
+// The NSG simdgroups' online-softmax states of rows [0, live_rows) combined
+// into simdgroup 0's `rows`: simdgroups 1.. hand their live rows to
+// simdgroup 0 through `states`, and simdgroup 0 rescales its own and theirs
+// to the common max and adds them (lane g reads the max and sum of
+// simdgroup g + 1 once; the other lanes get its weight by shuffle). True on
+// simdgroup 0, which then holds the combined states; the others return false
+// after the barrier and must reach no other. Shared by decode_split (its
+// simdgroups' keys) and merge_splits (its simdgroups' splits).
+template <int NSG, int R, int SLICE>
+inline bool combine_simdgroup_states(
+    threadgroup DecodeStates<SLICE * 32, NSG, R>& states, thread RowStates<R, SLICE>& rows, int live_rows, uint sg,
+    uint lane) {
+  static_assert(NSG - 1 <= 32, "lane g reads simdgroup g + 1's max and sum");
+  constexpr int D = SLICE * 32;
+  if (sg != 0) {
+    const int at = (int(sg) - 1) * R;
+    for (int i = 0; i < live_rows; ++i) {
+      for (int e = 0; e < SLICE; ++e) {
+        states.out[(at + i) * D + e * 32 + int(lane)] = rows.o[i][e];
+      }
+      if (lane == 0) {
+        states.row_max[at + i] = rows.m[i];
+        states.row_sum[at + i] = rows.l[i];
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg != 0) {
+    return false;  // after the last barrier
+  }
+  const bool reads_stats = lane < uint(NSG - 1);  // lane g: simdgroup g + 1's max and sum
+  for (int i = 0; i < live_rows; ++i) {
+    const float their_max = reads_stats ? states.row_max[int(lane) * R + i] : MLX_ATTN_MASKED_LOGIT;
+    const float their_sum = reads_stats ? states.row_sum[int(lane) * R + i] : 0.0f;
+    const float m = max(rows.m[i], simd_max(their_max));
+    // rescale to the common max: lane g's weight is simdgroup g + 1's
+    const float own = fast::exp2((rows.m[i] - m) * MLX_ATTN_LOG2E);
+    const float their_weight = fast::exp2((their_max - m) * MLX_ATTN_LOG2E);
+    rows.l[i] = rows.l[i] * own + simd_sum(their_sum * their_weight);
+    rows.m[i] = m;
+    for (int e = 0; e < SLICE; ++e) {
+      rows.o[i][e] = rows.o[i][e] * own;
+    }
+    for (int g = 0; g < NSG - 1; ++g) {
+      const float weight = simd_shuffle(their_weight, ushort(g));
+      for (int e = 0; e < SLICE; ++e) {
+        rows.o[i][e] += states.out[(g * R + i) * D + e * 32 + int(lane)] * weight;
+      }
+    }
+  }
+  return true;
+}
 
 // A row's final step, once its splits are combined (running max m, sum l and
 // this lane's output slice o, element e at head dim Layout::dim(lane, e)):
@@ -328,56 +389,25 @@ inline void decode_split(
 
   // combine the simdgroups' states into this split's partial, live rows only
   const int live_rows = min(R, row_count - r0);
-  if (sg != 0) {
-    const int at = (int(sg) - 1) * R;
-    for (int i = 0; i < live_rows; ++i) {
-      for (int e = 0; e < SLICE; ++e) {
-        states.out[(at + i) * D + e * 32 + int(lane)] = rows.o[i][e];
-      }
-      if (lane == 0) {
-        states.row_max[at + i] = rows.m[i];
-        states.row_sum[at + i] = rows.l[i];
-      }
-    }
+  if (!combine_simdgroup_states<NSG>(states, rows, live_rows, sg, lane)) {
+    return;
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (sg != 0) {
-    return;  // after the last barrier
-  }
-  const bool reads_stats = lane < uint(NSG - 1);  // lane g: simdgroup g + 1's max and sum
   for (int i = 0; i < live_rows; ++i) {
-    const float their_max = reads_stats ? states.row_max[int(lane) * R + i] : MLX_ATTN_MASKED_LOGIT;
-    const float their_sum = reads_stats ? states.row_sum[int(lane) * R + i] : 0.0f;
-    const float m = max(rows.m[i], simd_max(their_max));
-    // rescale to the common max: lane g's weight is simdgroup g + 1's
-    const float own = fast::exp2((rows.m[i] - m) * MLX_ATTN_LOG2E);
-    const float their_weight = fast::exp2((their_max - m) * MLX_ATTN_LOG2E);
-    const float l = rows.l[i] * own + simd_sum(their_sum * their_weight);
-    float o[SLICE];
-    for (int e = 0; e < SLICE; ++e) {
-      o[e] = rows.o[i][e] * own;
-    }
-    for (int g = 0; g < NSG - 1; ++g) {
-      const float weight = simd_shuffle(their_weight, ushort(g));
-      for (int e = 0; e < SLICE; ++e) {
-        o[e] += states.out[(g * R + i) * D + e * 32 + int(lane)] * weight;
-      }
-    }
     if (outputs.direct) {  // one split: this is the row's whole state
       const int h = kv_head * p.group + (r0 + i) / p.q_len;
       const long row =
           long(b) * p.q_heads * p.q_len + h * outputs.head_rows + (r0 + i) % p.q_len * outputs.position_rows;
-      decode_write_row<T, SLICE, KV>(m, l, o, outputs.sinks, p, h, outputs.out + row * D,
+      decode_write_row<T, SLICE, KV>(rows.m[i], rows.l[i], rows.o[i], outputs.sinks, p, h, outputs.out + row * D,
                                      p.output_lse != 0 ? outputs.lse + row : nullptr, lane);
       continue;
     }
     const long base = ((long(b) * p.kv_heads + kv_head) * splits + split) * row_count + r0 + i;
     for (int e = 0; e < SLICE; ++e) {
-      outputs.partial_out[base * D + KV::dim(lane, e)] = o[e];
+      outputs.partial_out[base * D + KV::dim(lane, e)] = rows.o[i][e];
     }
     if (lane == 0) {
-      outputs.partial_stats[base * 2] = m;
-      outputs.partial_stats[base * 2 + 1] = l;
+      outputs.partial_stats[base * 2] = rows.m[i];
+      outputs.partial_stats[base * 2 + 1] = rows.l[i];
     }
   }
 }
@@ -412,56 +442,75 @@ inline float split_weight(const device float* partial_stats, long base, float m)
   return fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);
 }
 
+// The threadgroup memory of a merge threadgroup (one row):
+// combine_simdgroup_states' for MLX_ATTN_DECODE_MERGE_SIMDGROUPS simdgroups.
+template <int D>
+using MergeStates = DecodeStates<D, MLX_ATTN_DECODE_MERGE_SIMDGROUPS, 1>;
+
 // Merges one row's split partials (split s at partial row first + s * stride)
 // into its output row `out_row` and, when lse_row is not null, its row
-// log-sum-exp: rescale to the common max, then decode_write_row (sinks,
-// normalize). One simdgroup per row; query head h. The splits' max and sum
-// are read across the lanes (lane j: splits j, j + 32, ...: one load round
-// for up to 32 splits) and reduced with simd_max / simd_sum; the output
-// slices split by split, the next split's loaded before this split's FMAs
-// (loads in flight, as decode_keys' prefetch).
+// log-sum-exp. Query head h. A threadgroup of NSG =
+// MLX_ATTN_DECODE_MERGE_SIMDGROUPS simdgroups per row: simdgroup g takes
+// splits g, g + NSG, ... (the chain of dependent loads is splits / NSG
+// long, not splits): the max and sum of its splits across its lanes (lane
+// j: its splits j, j + 32, ...; one load round for up to 32) reduced with
+// simd_max / simd_sum, then its output slices split by split, rescaled to
+// its max, the next one loaded ahead (its first before the max and sum).
+// combine_simdgroup_states then adds the simdgroups' states as the partial
+// kernel adds its simdgroups', and decode_write_row writes the row (sinks,
+// normalize, lse).
 template <typename T, int D>
 inline void merge_splits(
     const device float* partial_out, const device float* partial_stats, long first, long stride, int splits,
-    const device T* sinks, constant AttentionParams& p, int h, device T* out_row, device float* lse_row, uint lane) {
+    const device T* sinks, constant AttentionParams& p, int h, device T* out_row, device float* lse_row,
+    threadgroup MergeStates<D>& states, uint sg, uint lane) {
+  constexpr int NSG = MLX_ATTN_DECODE_MERGE_SIMDGROUPS;
   constexpr int SLICE = D / 32;
+  const int own = int(sg);  // this simdgroup's first split
+  float next[SLICE];
+  for (int e = 0; e < SLICE; ++e) {
+    next[e] = own < splits ? partial_out[(first + own * stride) * D + DecodeLayout<D>::dim(lane, e)] : 0.0f;
+  }
   float lane_max = MLX_ATTN_MASKED_LOGIT;
-  for (int s = int(lane); s < splits; s += 32) {
+  for (int s = own + int(lane) * NSG; s < splits; s += 32 * NSG) {
     lane_max = max(lane_max, partial_stats[(first + s * stride) * 2]);
   }
   const float m = simd_max(lane_max);
   float lane_sum = 0.0f;
-  for (int s = int(lane); s < splits; s += 32) {
+  for (int s = own + int(lane) * NSG; s < splits; s += 32 * NSG) {
     const long base = first + s * stride;
     lane_sum += partial_stats[base * 2 + 1] * split_weight(partial_stats, base, m);  // rescale to the common max
   }
-  const float l = simd_sum(lane_sum);
-  float o[SLICE];
-  float next[SLICE];
+  RowStates<1, SLICE> row;
+  row.m[0] = m;
+  row.l[0] = simd_sum(lane_sum);
   for (int e = 0; e < SLICE; ++e) {
-    o[e] = 0.0f;
-    next[e] = splits > 0 ? partial_out[first * D + DecodeLayout<D>::dim(lane, e)] : 0.0f;
+    row.o[0][e] = 0.0f;
   }
-  for (int s = 0; s < splits; ++s) {
+  for (int s = own; s < splits; s += NSG) {
     const long base = first + s * stride;
     float slice[SLICE];
     for (int e = 0; e < SLICE; ++e) {
       slice[e] = next[e];
     }
-    if (s + 1 < splits) {
+    if (s + NSG < splits) {
       for (int e = 0; e < SLICE; ++e) {
-        next[e] = partial_out[(base + stride) * D + DecodeLayout<D>::dim(lane, e)];
+        next[e] = partial_out[(base + NSG * stride) * D + DecodeLayout<D>::dim(lane, e)];
       }
     }
     const float weight = split_weight(partial_stats, base, m);
     for (int e = 0; e < SLICE; ++e) {
-      o[e] += slice[e] * weight;
+      row.o[0][e] += slice[e] * weight;
     }
   }
-  decode_write_row<T, SLICE, DecodeLayout<D>>(m, l, o, sinks, p, h, out_row, lse_row, lane);
+  if (!combine_simdgroup_states<NSG>(states, row, 1, sg, lane)) {
+    return;
+  }
+  decode_write_row<T, SLICE, DecodeLayout<D>>(row.m[0], row.l[0], row.o[0], sinks, p, h, out_row, lse_row, lane);
 }
 
-// One simdgroup per (row, KV head, batch): merge the splits' partials.
+// One threadgroup of MLX_ATTN_DECODE_MERGE_SIMDGROUPS simdgroups per (row, KV
+// head, batch): merge the splits' partials.
 template <typename T, int D>
 [[kernel]] void attention_decode_merge(
     const device float* partial_out [[buffer(0)]],
@@ -472,7 +521,9 @@ template <typename T, int D>
     constant int& splits [[buffer(5)]],
     device float* lse [[buffer(6)]],  // [B, Hq, Tq] when p.output_lse
     uint3 group_id [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup MergeStates<D> states;
   const int r = int(group_id.x);
   const int kv_head = int(group_id.y);
   const int b = int(group_id.z);
@@ -481,5 +532,5 @@ template <typename T, int D>
   const int qi = r % p.q_len;
   const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
   merge_splits<T, D>(partial_out, partial_stats, (long(b) * p.kv_heads + kv_head) * splits * rows + r, rows, splits,
-                     sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, lane);
+                     sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, states, sg, lane);
 }

@@ -130,8 +130,9 @@ template <typename T, int D>
                              group_id, groups, sg, lane);
 }
 
-// One simdgroup per (row, KV head, sequence): merge the sequence's splits
-// into its packed output row [total_q, Hq, D] (and log-sum-exp [total_q, Hq]).
+// One threadgroup of MLX_ATTN_DECODE_MERGE_SIMDGROUPS simdgroups per (row, KV
+// head, sequence): merge the sequence's splits into its packed output row
+// [total_q, Hq, D] (and log-sum-exp [total_q, Hq]).
 template <typename T, int D>
 [[kernel]] void attention_paged_decode_merge(
     const device float* partial_out [[buffer(0)]],
@@ -141,17 +142,20 @@ template <typename T, int D>
     constant PagedSequence* sequences [[buffer(4)]],
     device float* lse [[buffer(5)]],
     uint3 group_id [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup MergeStates<D> states;
   constant PagedSequence& seq = sequences[group_id.z];
   constant AttentionParams& p = seq.attn;
   const int rows = p.group * p.q_len;
   const int r = int(group_id.x);
   if (r >= rows || seq.splits <= 1) {
-    return;  // past its rows, the paged prefill kernel serves them, or one split wrote them
+    return;  // (the whole threadgroup) past its rows, the paged prefill kernel serves them, or one split wrote them
   }
   const int kv_head = int(group_id.y);
   const int h = kv_head * p.group + r / p.q_len;
   const long row = (seq.q_start + r % p.q_len) * p.q_heads + h;
   merge_splits<T, D>(partial_out, partial_stats, seq.partial_start + long(kv_head) * seq.splits * rows + r, rows,
-                     seq.splits, sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, lane);
+                     seq.splits, sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, states, sg,
+                     lane);
 }

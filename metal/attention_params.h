@@ -51,6 +51,11 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 // Simdgroups per decode threadgroup; their states are combined into one
 // partial per (row, split) before the merge.
 #define MLX_ATTN_DECODE_SIMDGROUPS 4
+// Simdgroups per decode merge threadgroup (one row): simdgroup g merges splits
+// g, g + this, ... (a chain of splits / this dependent loads, not splits),
+// then their states are combined as the partial kernel's simdgroups' are. The
+// launch plans size the merge threadgroup from it.
+#define MLX_ATTN_DECODE_MERGE_SIMDGROUPS 8
 // Decode register budget: a lane holds rows x D/32 floats of q and as many of
 // the output; rows per threadgroup = this / (D / 32) (8 at D = 128).
 #define MLX_ATTN_DECODE_ROW_FLOATS 32

@@ -220,14 +220,37 @@ def test_decode_row_chunks_of_a_head_share_its_kv_in_the_cache():
 
 
 def test_the_lane_merge_reads_splits_in_parallel():
-    """merge_splits now reads the splits' max and sum across the lanes and
-    loads the next split's slice ahead: with many splits it is faster than
-    the merge that waited for each split in turn."""
+    """The lane merge on one simdgroup (before the multi-simdgroup merge)
+    reads the splits' max and sum across the lanes and loads the next
+    split's slice ahead: with many splits it is faster than the merge that
+    waited for each split in turn."""
     gpu = cm.M2_MAX
     old = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8)[1]
-    new = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8, lane_merge=True)[1]
-    assert new.prefetch == 2 and new.fixed_load_rounds == 2 * 2  # max and sum, 2 rounds of 32 splits
-    assert cm.predict(new, gpu)["seconds"] < cm.predict(old, gpu)["seconds"]
+    lanes = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8, lane_merge=True, merge_simdgroups=1)[1]
+    assert lanes.prefetch == 2 and lanes.fixed_load_rounds == 2 * 2  # max and sum, 2 rounds of 32 splits
+    assert (lanes.threads, lanes.blocks, lanes.threadgroup_memory) == (32, 38, 0)
+    assert cm.predict(lanes, gpu)["seconds"] < cm.predict(old, gpu)["seconds"]
+
+
+def test_the_merge_shares_a_rows_splits_among_simdgroups():
+    """merge_splits on MERGE_SIMDGROUPS simdgroups per row: simdgroup g takes
+    splits g, g + 8, ..., so 38 splits are a chain of 5 slice loads (not 38)
+    and one round of max and sum; the states meet in threadgroup memory
+    (7 simdgroups' output slice, max and sum). Faster than one simdgroup
+    walking every split wherever there are more splits than one simdgroup's
+    latency hides (issue #23's M2 Max problems), and within MLX's second
+    pass (sdpa_vector_2pass_2, 1024 threads per head) x 1.1."""
+    gpu = cm.M2_MAX
+    assert cm.MERGE_SIMDGROUPS == 8  # MLX_ATTN_DECODE_MERGE_SIMDGROUPS
+    merge = cm.our_decode_kernels(1, 32, 8, 8192, 128, gpu, 38, 8, lane_merge=True)[1]
+    assert (merge.threads, merge.blocks, merge.fixed_load_rounds) == (256, 5, 2)
+    assert merge.threadgroup_memory == 7 * (128 + 2) * 4
+    for kv_len, group, splits in ((4096, 4, 38), (1024, 4, 16), (1024, 8, 8), (8192, 8, 38)):
+        args = (1, 8 * group, 8, kv_len, 128, gpu, splits, 8)
+        now = cm.predict(cm.our_decode_kernels(*args, lane_merge=True)[1], gpu)["seconds"]
+        before = cm.predict(cm.our_decode_kernels(*args, lane_merge=True, merge_simdgroups=1)[1], gpu)["seconds"]
+        mlx = cm.predict(cm.sdpa_vector_kernels(1, 8 * group, 8, kv_len, 128, gpu, True, 64)[1], gpu)["seconds"]
+        assert now < before and now <= 1.1 * mlx, (kv_len, group, now, before, mlx)
 
 
 def test_quantized_decode_reads_the_triples_bytes_and_merges_only_with_splits():

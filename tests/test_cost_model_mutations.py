@@ -42,7 +42,13 @@ MUTANTS = {
         "regs = 2 * big_r * per_lane + 2 * big_r +", "regs = 2 * r * per_lane + 2 * r +"),
     "decode: prefetch holds no second key": ("2 * per_lane * (2 if prefetch > 1 else 1)", "2 * per_lane"),
     "decode: row chunks read K/V from DRAM each": ("order = [(b, y // chunks, x)", "order = [(b, y, x)"),
-    "merge: split stats read one split at a time": ("stat_rounds = 2 * math.ceil(splits / 32)", "stat_rounds = 2 * splits"),
+    "merge: split stats read one split at a time": (
+        "stat_rounds = 2 * math.ceil(own_splits / 32)", "stat_rounds = 2 * own_splits"),
+    "merge: every split on one simdgroup's chain": ("own_splits = math.ceil(splits / nsg)", "own_splits = splits"),
+    "merge: one simdgroup per row": ('Kernel("attention_decode_merge", batch * heads, 32 * nsg,',
+                                     'Kernel("attention_decode_merge", batch * heads, 32,'),
+    "merge: the simdgroup combine's threadgroup memory not counted": ("(nsg - 1) * (d + 2) * 4, own_splits,",
+                                                                      "0, own_splits,"),
 }
 
 

@@ -123,7 +123,9 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
         return
     (merge,) = merges
     assert merge["kernel"] == f"attention_decode_merge_float16_d{d}"
-    assert merge["grid"] == [rows, 2, 2] and merge["threadgroup"] == [32, 1, 1]
+    # a threadgroup per row of MLX_ATTN_DECODE_MERGE_SIMDGROUPS (8) simdgroups, 7 of which hand over their states
+    assert merge["grid"] == [rows, 2, 2] and merge["threadgroup"] == [256, 1, 1]
+    assert merge["threadgroup_memory_bytes"] == 7 * (d + 2) * 4 <= 32 * 1024
     # the partials the first dispatch writes are what the second one reads
     assert plan["scratch"] == [
         {"role": "partial_out", "elements": 2 * 2 * splits * rows * d, "producer": 0, "consumer": 1},

@@ -6,6 +6,7 @@ Tolerances: tests/sdpa_cases.py (shared with the CPU kernel tests)."""
 import itertools
 import os
 import re
+import struct
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,7 @@ from sdpa_cases import DTYPES, TOLERANCE, make_qkv
 pytestmark = pytest.mark.skipif(
     not REAL_METAL and not msl_emulator.clang_available(), reason="needs Metal or clang-19 for the MSL emulator"
 )
+FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["precise", "fast-math"])
@@ -171,6 +173,68 @@ def test_decode_split_kv(run, tq, hq, hkv):
     assert np.isfinite(got).all()
 
 
+MASKED_LOGIT = -1.701411834604692317e38  # MLX_ATTN_MASKED_LOGIT: a split that saw nothing
+
+
+def merged_rows(partial_out, partial_stats, sinks):
+    """The float64 merge of split partials [B, Hkv, splits, rows, D] (max, sum
+    in partial_stats) into rows [B, Hkv, rows, D] and their log-sum-exp, sinks
+    [Hkv, rows] (or None) joining each row's sum."""
+    m, l = partial_stats[..., 0].astype(np.float64), partial_stats[..., 1].astype(np.float64)
+    top = m.max(axis=2)
+    if sinks is not None:
+        top = np.maximum(top, sinks)
+    weight = np.exp(m - top[:, :, None])
+    total = (l * weight).sum(axis=2) + (np.exp(sinks - top) if sinks is not None else 0.0)
+    out = (partial_out * weight[..., None]).sum(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total[..., None] > 0, out / total[..., None], 0.0), np.where(total > 0, top + np.log(total), -np.inf)
+
+
+@pytest.mark.skipif(REAL_METAL, reason="dispatches the emulated merge kernel on partials made up here")
+@pytest.mark.parametrize("splits", [2, 13, 300] if not FULL_GRID else [2, 7, 8, 13, 64, 255, 300])
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no-sinks"])
+def test_decode_merge_of_any_split_count(run, splits, with_sinks):
+    """attention_decode_merge alone, on float32 partials made up here, against
+    a float64 NumPy merge: split counts that are not a multiple of the
+    merge's simdgroups (MLX_ATTN_DECODE_MERGE_SIMDGROUPS = 8), fewer than
+    them (some simdgroups merge nothing), and more than 8 x 32 (a
+    simdgroup's lanes read its splits' max and sum in two rounds); splits
+    that saw nothing, a row none of whose splits saw anything (zeros, lse
+    -inf or the sink), sinks and the row log-sum-exp. Launched with the
+    plan's grid and threadgroup, so these must match the kernel's."""
+    b, hq, hkv, d = 2, 6, 2, 64
+    rows = hq // hkv
+    q, k, _ = make(b, hq, hkv, 1, 600, d, mx.float32)
+    sinks = mx.array(np.linspace(-2.0, 6.0, hq).astype(np.float32)) if with_sinks else None
+    plan = launch_plan(q, k, k, scale=1.0, sinks=sinks, output_lse=True)
+    merge = plan["dispatches"][-1]
+    assert merge["kernel"] == "attention_decode_merge_float32_d64" and merge["threadgroup"] == [256, 1, 1]
+    rng = np.random.default_rng(splits)
+    shape = (b, hkv, splits, rows)
+    stats = np.stack([rng.standard_normal(shape) * 3, rng.uniform(0.5, 3.0, shape)], axis=-1).astype(np.float32)
+    partial_out = rng.standard_normal(shape + (d,)).astype(np.float32)
+    empty = rng.random(shape) < 0.3
+    empty[0, 1, :, 2] = True  # a row that saw nothing in any split
+    stats[empty] = (MASKED_LOGIT, 0.0)
+    partial_out[empty] = 0.0
+    out = np.full((b, hq, 1, d), np.nan, np.float32)
+    lse = np.full((b, hq, 1), np.nan, np.float32)
+    sinks_buffer = np.array(sinks) if with_sinks else np.zeros(1, np.float32)
+    buffers = {"partial_out": partial_out, "partial_stats": stats, "sinks": sinks_buffer, "out": out,
+               "params": plan["params"], "splits": struct.pack("i", splits), "lse": lse}
+    run.library.dispatch(merge["kernel"], merge["grid"], merge["threadgroup"],
+                         {binding["index"]: buffers[binding["role"]] for binding in merge["bindings"]})
+    want, want_lse = merged_rows(partial_out, stats, np.array(sinks).reshape(hkv, rows) if with_sinks else None)
+    np.testing.assert_allclose(out.reshape(b, hkv, rows, d), want, rtol=1e-5, atol=1e-6)
+    got_lse = lse.reshape(b, hkv, rows)
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    assert np.isneginf(want_lse).any() == (not with_sinks)  # the empty row: -inf without a sink
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert np.all(out.reshape(b, hkv, rows, d)[0, 1, 2] == 0)
+
+
 @pytest.mark.parametrize("hq,tq", [(8, 2), (32, 1)], ids=["one-row-chunk", "four-row-chunks"])
 def test_decode_row_chunks_at_d256(run, hq, tq):
     """At D = 256 a threadgroup holds 4 rows in registers: a larger GQA group
@@ -223,7 +287,6 @@ def test_decode_head_dims_masks_and_windows(run, dtype, d):
     assert np.all(got[:, :, 1] == 0)
 
 
-FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 HEAD_DIMS = [64, 80, 96, 128, 256]
 SCALAR_LAYOUTS = ["unaligned", "odd_rows", "every_other"]  # tests/metal_runner.py physical_layout
 # Each dtype x head dim with one of the scalar-load layouts (in turn) by

@@ -79,12 +79,12 @@ MUTANTS = {
     "decode: query chunk loop stops a chunk early": (DECODE, "replace", "for (int e = 0; e < SLICE; e += VEC) {\n      if (real)", "for (int e = 0; e < SLICE - VEC; e += VEC) {\n      if (real)"),
     "decode: vector chunk read as one element": (DECODE, "replace", "RowLoad<T, VEC>::read(k,", "RowLoad<T, 1>::read(k,"),
     "decode: simdgroup combine leaves one out": (DECODE, "replace", "for (int g = 0; g < NSG - 1; ++g) {\n      const float weight", "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),
-    "decode: simdgroup 0's output not rescaled in the combine": (DECODE, "replace", "o[e] = rows.o[i][e] * own;", "o[e] = rows.o[i][e];"),
+    "decode: simdgroup 0's output not rescaled in the combine": (DECODE, "replace", "rows.o[i][e] = rows.o[i][e] * own;", "rows.o[i][e] = rows.o[i][e];"),
     "decode: simdgroup 0's sum not rescaled in the combine": (DECODE, "replace", "rows.l[i] * own + simd_sum", "rows.l[i] + simd_sum"),
     "decode: combine misses the last live row": (DECODE, "replace", "const int live_rows = min(R, row_count - r0);", "const int live_rows = min(R, row_count - r0) - 1;"),
     "decode: combine hands over rows at the wrong slot": (DECODE, "replace", "const int at = (int(sg) - 1) * R;", "const int at = int(sg) * R;"),
     "decode: a simdgroup's sum not handed over": (DECODE, "replace", "states.row_sum[at + i] = rows.l[i];", ""),
-    "decode: combine reads a handed-over row from the wrong simdgroup": (DECODE, "replace", "o[e] += states.out[(g * R + i) * D", "o[e] += states.out[(0 * R + i) * D"),
+    "decode: combine reads a handed-over row from the wrong simdgroup": (DECODE, "replace", "rows.o[i][e] += states.out[(g * R + i) * D", "rows.o[i][e] += states.out[(0 * R + i) * D"),
     "decode: window start off by one": (DECODE, "replace", "const int lo = first_pos - p.window_size + 1;", "const int lo = first_pos - p.window_size + 2;"),
     "decode: row chunks ignored": (DECODE, "replace", "const int row_chunks = (row_count + R - 1) / R;", "const int row_chunks = 1;"),
     "decode: sink left out of the sum": (DECODE, "replace", "l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);", "l = l * correction;"),
@@ -124,6 +124,8 @@ MUTANTS = {
     # one split: the partial kernel writes the normalized output itself
     "decode: one split writes partials nobody merges": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, false, sinks"),
     "decode: one split writes every position's output to the first": (DECODE, "replace", " + (r0 + i) % p.q_len * outputs.position_rows;", ";"),
+    # the merge on several simdgroups: every simdgroup takes the same splits
+    "decode: merge simdgroups all take the first simdgroup's splits": (DECODE, "replace", "const int own = int(sg);", "const int own = 0;"),
     # prefetch: the next key's K/V loaded during the current key's math
     "decode: prefetch reloads the current key": (DECODE, "replace", "kv.load(next, lane, k_next, v_next);", "kv.load(key, lane, k_next, v_next);"),
     # the rest of the one-split, prefetch and lane-merge mutants: the full grid (CI budget)
@@ -134,8 +136,14 @@ MUTANTS = {
         "decode: first key not prefetched": (DECODE, "replace", "if (PREFETCH && key < kv_end) {", "if (false) {"),
         "decode: prefetch skips the last key": (DECODE, "replace", "if (next < kv_end) {", "if (next < kv_end - 1) {"),
         "decode: merge max taken from one lane": (DECODE, "replace", "const float m = simd_max(lane_max);", "const float m = lane_max;"),
-        "decode: merge sums not added across lanes": (DECODE, "replace", "const float l = simd_sum(lane_sum);", "const float l = lane_sum;"),
-        "decode: merge loads the current split again, not the next": (DECODE, "replace", "partial_out[(base + stride) * D", "partial_out[base * D"),
+        "decode: merge sums not added across lanes": (DECODE, "replace", "row.l[0] = simd_sum(lane_sum);", "row.l[0] = lane_sum;"),
+        "decode: merge loads the current split again, not the next": (DECODE, "replace", "partial_out[(base + NSG * stride) * D", "partial_out[base * D"),
+        # the merge on several simdgroups: each its own splits, combined as the partial kernel's
+        "decode: merge simdgroups walk their splits one by one": (DECODE, "replace", "s < splits; s += NSG) {", "s < splits; s += 1) {"),
+        "decode: merge's first split not loaded ahead": (DECODE, "replace", "next[e] = own < splits ? partial_out", "next[e] = false ? partial_out"),
+        "decode: merge simdgroups' states not combined": (DECODE, "replace", "combine_simdgroup_states<NSG>(states, row, 1, sg, lane)", "combine_simdgroup_states<NSG>(states, row, 0, sg, lane)"),
+        "decode: merge sums' second lane round overlaps the first": (DECODE, "replace", "s += 32 * NSG) {\n    const long base", "s += 32) {\n    const long base"),
+        "decode: merge threadgroup smaller than the plan's": (DECODE, "replace", "#define MLX_ATTN_DECODE_MERGE_SIMDGROUPS 8", "#define MLX_ATTN_DECODE_MERGE_SIMDGROUPS 4"),
         } if FULL_GRID else {}),
     "decode: softcap variant never taken": (DECODE, "replace", "if (p.softcap > 0.0f) {", "if (false) {"),
     "prefill: softcap edge blocks taken as interior": (
@@ -193,6 +201,11 @@ CASES = [
     # added after the cap, a window for edge blocks; prefill and decode
     dict(shape=(1, 4, 2, 35, 60), mask="additive", window_size=20, softcap=0.8),
     dict(shape=(1, 4, 2, 2, 90), mask="additive", window_size=40, softcap=0.8),
+    # the merge: 21 splits on its 8 simdgroups (not a multiple), sinks, lse; under
+    # MLX_ATTN_FULL_GRID=1 also 265 (a second round of each simdgroup's lanes, > 8 x 32)
+    dict(shape=(1, 2, 1, 1, 1300), sinks=True),
+    *([dict(shape=(1, 1, 1, 1, 16900), mask="causal", sinks=True, gpu_target={"gpu_family": "apple7", "gpu_cores": 48})]
+      if FULL_GRID else []),
 ]
 
 
@@ -207,7 +220,7 @@ def caught(run) -> bool:
             k = k * mx.array(np.linspace(0.05, case["key_growth"], tkv, dtype=np.float32))[:, None]
         kw = {"scale": 0.125, **case_options(case, rng, hq, tq, tkv)}
         try:
-            got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True)
+            got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True, gpu_target=case.get("gpu_target"))
         except msl_emulator.EmulatorError:
             return True  # deadlock or launch failure
         if isinstance(kw.get("sinks"), View):

@@ -353,6 +353,8 @@ def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
     assert plan["scratch"][0]["elements"] == starts[-1] * 128
     assert partial["grid"] == [max(s["splits"] for s in seqs), 2 * 4, 4]  # 28 rows, 8 per threadgroup at D = 128
     assert scratch["grid"] == [28, 2, 4]
+    # the merge: a row per threadgroup of MLX_ATTN_DECODE_MERGE_SIMDGROUPS (8) simdgroups, 7 hand over their states
+    assert scratch["threadgroup"] == [256, 1, 1] and scratch["threadgroup_memory_bytes"] == 7 * (128 + 2) * 4
     assert [b["role"] for b in partial["bindings"]] == [
         "q", "k", "v", "block_table", "sequences", "partial_out", "partial_stats", "sinks", "out", "lse"]
     assert {b["source"] for b in partial["bindings"] if b["role"] == "sequences"} == {"sequences"}

@@ -89,7 +89,7 @@ MUTANTS = {
         "for (int g = 1; g < NSG - 1; ++g) {\n      const float weight"),
     "partial in a layout the split merge does not read": replaced(
         "partial_out[base * D + KV::dim(lane, e)]", "partial_out[base * D + e * 32 + int(lane)]"),
-    "partial max written as the sum": replaced("partial_stats[base * 2] = m;", "partial_stats[base * 2] = l;"),
+    "partial max written as the sum": replaced("partial_stats[base * 2] = rows.m[i];", "partial_stats[base * 2] = rows.l[i];"),
     # one split: the partial kernel writes the output itself (the merge here is the unmutated decode
     # library's; the shared body's lse and row mutants are the float battery's)
     "one split: the sinks skipped": replaced("if (p.has_sinks != 0) {", "if (false) {"),
