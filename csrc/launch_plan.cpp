@@ -104,11 +104,63 @@ int prefill_key_block(int head_dim, ElemType dtype, const GpuTarget& target) {
   return dtype == ElemType::float32 ? row.prefill_key_block_32[at] : row.prefill_key_block_16[at];
 }
 
-int decode_rows_per_threadgroup(int head_dim) {
-  const bool instantiated =
-      std::find(kDecodeHeadDims.begin(), kDecodeHeadDims.end(), head_dim) != kDecodeHeadDims.end();
-  if (head_dim % 32 != 0 || !instantiated) return 0;
-  return MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32);
+namespace {
+// Simdgroups of the row shape per kDecodeHeadDims entry: as many as a core's
+// registers hold at one row (the cost model's estimate, 34-86 registers a
+// lane, against Apple7-9's 208 KB) and combine_simdgroup_states' threadgroup
+// memory allows (32 KB); metal/attention_decode.metal instantiates the same.
+constexpr std::array<int, 5> kDecodeRowSimdgroups = {32, 32, 32, 16, 16};
+// A split of the group shape gives each of its simdgroups at least 16 keys; a
+// split of the row shape, 32 (a merge dispatch costs about 16 key steps,
+// decode_path below).
+constexpr int kDecodeMinKeysPerSplit = 64;
+constexpr int kDecodeRowMinKeysPerSimdgroup = 32;
+constexpr int kDecodeMinKeysPerRow = 16;
+
+int decode_head_dim_index(int head_dim) {
+  const auto at = std::find(kDecodeHeadDims.begin(), kDecodeHeadDims.end(), head_dim);
+  return at == kDecodeHeadDims.end() ? -1 : int(at - kDecodeHeadDims.begin());
+}
+
+// Threadgroups of `shape` the target runs at once: the family's figure
+// counts threadgroups of MLX_ATTN_DECODE_SIMDGROUPS simdgroups; at least one
+// per core.
+int64_t decode_threadgroups_at_once(const DecodeShape& shape, const GpuTarget& target) {
+  const int64_t cores = gpu_cores(target);
+  return std::max<int64_t>(cores, cores * gpu_tuning(target.family).decode_threadgroups_per_core *
+                                      MLX_ATTN_DECODE_SIMDGROUPS / shape.simdgroups);
+}
+
+// A problem's critical path on one shape, in key steps of one simdgroup: the
+// waves of threadgroups times each one's keys per simdgroup, a key of
+// several rows weighing 1.5 (the rows are independent chains: their issue
+// time adds up, their latency does not), and a merge dispatch as 16 key steps
+// (the cost model's dispatch cost over its chain per key).
+// benchmarks/bench_metal.py (decode_rule_check) holds the rule against the
+// cost model's best shape and split count per problem.
+double decode_path(int batch, int kv_heads, int rows, int kv_len, int splits, const DecodeShape& shape,
+                   const GpuTarget& target) {
+  const int64_t threadgroups = int64_t(batch) * kv_heads * ((rows + shape.rows - 1) / shape.rows) * splits;
+  const int64_t at_once = decode_threadgroups_at_once(shape, target);
+  const double waves = double(std::max<int64_t>(1, (threadgroups + at_once - 1) / at_once));
+  const double keys = std::ceil(double(kv_len) / (double(splits) * shape.simdgroups));
+  return waves * keys * (std::min(rows, shape.rows) > 1 ? 1.5 : 1.0) + (splits > 1 ? 16.0 : 0.0);
+}
+}  // namespace
+
+std::string DecodeShape::kernel_fields() const {
+  return "_r" + std::to_string(rows) + "_sg" + std::to_string(simdgroups);
+}
+
+DecodeShape decode_group_shape(int head_dim) {
+  if (decode_head_dim_index(head_dim) < 0) return {};
+  return {MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32), MLX_ATTN_DECODE_SIMDGROUPS, kDecodeMinKeysPerSplit};
+}
+
+DecodeShape decode_row_shape(int head_dim) {
+  const int at = decode_head_dim_index(head_dim);
+  if (at < 0) return {};
+  return {1, kDecodeRowSimdgroups[at], kDecodeRowMinKeysPerSimdgroup * kDecodeRowSimdgroups[at]};
 }
 
 bool prefill_splits_head_dims(int head_dim, int value_dim) {
@@ -122,30 +174,38 @@ int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const G
   return 0;
 }
 
-namespace {
 // A split costs, next to its K/V (4·keys·D bytes at fp16), about 2·rows·D·4
 // bytes of partials in device memory and 6·rows·D·4 bytes of simdgroup
 // combine in threadgroup memory: at least 16 keys per row keeps them at 1/8
-// and 3/8 of the K/V bytes; at least 64 keys gives each simdgroup 16. The
-// floor was 64 keys per row, which left large GPUs idle (B=1, Hkv=8, GQA 4,
-// T=1024: 32 threadgroups on a 38-core M2 Max); the cost model
-// (benchmarks/metal_cost_model.py, docs/emulator_costs.md) puts the new floor
-// at 1.11x the best split count per problem where the old one was at 1.30x
-// (geometric means over the grid of bench_metal.py's split_rule_check).
-constexpr int kDecodeMinKeysPerSplit = 64;
-constexpr int kDecodeMinKeysPerRow = 16;
-}  // namespace
-
-int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target) {
-  const int rows_per_threadgroup = decode_rows_per_threadgroup(head_dim);
-  const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
+// and 3/8 of the K/V bytes. The floor was 64 keys per row, which left large
+// GPUs idle (B=1, Hkv=8, GQA 4, T=1024: 32 threadgroups on a 38-core M2 Max);
+// the cost model (benchmarks/metal_cost_model.py, docs/emulator_costs.md)
+// puts the new floor at 1.11x the best split count per problem where the old
+// one was at 1.30x (geometric means over the grid of bench_metal.py's
+// split_rule_check).
+int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
+                  const GpuTarget& target) {
+  if (shape.rows <= 0) return 1;
+  const int row_chunks = (rows + shape.rows - 1) / shape.rows;
   // At least one: an empty problem (no rows) must not divide by zero.
   const int64_t threadgroups = std::max<int64_t>(1, int64_t(batch) * kv_heads * row_chunks);
-  const int64_t busy = int64_t(gpu_cores(target)) * gpu_tuning(target.family).decode_threadgroups_per_core;
+  const int64_t busy = decode_threadgroups_at_once(shape, target);
   const int64_t for_occupancy = (busy + threadgroups - 1) / threadgroups;
-  const int64_t keys_per_split = std::max(kDecodeMinKeysPerSplit, kDecodeMinKeysPerRow * rows);
+  const int64_t keys_per_split = std::max<int64_t>(shape.min_keys_per_split, int64_t(kDecodeMinKeysPerRow) * rows);
   const int64_t for_traffic = (kv_len + keys_per_split - 1) / keys_per_split;
   return int(std::max<int64_t>(1, std::min(for_occupancy, for_traffic)));
+}
+
+DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target) {
+  const DecodeShape group = decode_group_shape(head_dim);
+  const DecodeShape row = decode_row_shape(head_dim);
+  if (group.rows == 0) return group;
+  const auto path = [&](const DecodeShape& shape) {
+    return decode_path(batch, kv_heads, rows, kv_len, decode_splits(batch, kv_heads, rows, kv_len, shape, target),
+                       shape, target);
+  };
+  const double by_group = path(group), by_row = path(row);
+  return by_row <= by_group ? row : group;
 }
 
 const char* role_name(BufferRole role) {
@@ -267,8 +327,6 @@ const char* mask_kernel_suffix(MaskKind kind) {
 }
 
 namespace {
-constexpr int kDecodeThreads = 32 * MLX_ATTN_DECODE_SIMDGROUPS;
-
 std::string kernel_name(const char* kind, const AttentionProblem& s) {
   return std::string(kind) + "_" + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
 }
@@ -287,27 +345,29 @@ std::string supported_head_dims_text() {
   return text;
 }
 
-void plan_decode(const AttentionProblem& s, const GpuTarget& target, LaunchPlan& plan) {
+void plan_decode(const AttentionProblem& s, const GpuTarget& target, DecodeShapeChoice choice, LaunchPlan& plan) {
   using R = BufferRole;
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
-  const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
-  const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
-  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
+  const DecodeShape shape = choice == DecodeShapeChoice::group ? decode_group_shape(s.head_dim)
+      : choice == DecodeShapeChoice::row                       ? decode_row_shape(s.head_dim)
+                                                               : decode_shape(s.batch, s.kv_heads, rows, s.kv_len,
+                                                                              s.head_dim, target);
+  const int row_chunks = (rows + shape.rows - 1) / shape.rows;
+  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target);
   plan.splits = splits;
   // one split: no scratch and no merge dispatch (add_decode_merge)
   plan.scratch = decode_partials_scratch(s, splits);
   KernelDispatch partial;
-  partial.kernel = kernel_name("attention_decode_partial", s) + mask_kernel_suffix(s.mask_kind);
+  partial.kernel =
+      kernel_name("attention_decode_partial", s) + shape.kernel_fields() + mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
-  partial.threadgroup = {kDecodeThreads, 1, 1};
+  partial.threadgroup = {shape.threads(), 1, 1};
   const PrimitiveLayout layout = forward_layout(s);
   // one split: partial_out / partial_stats are placeholders (not scratch)
   partial.bindings = bind_roles(
       layout, {R::q, R::k, R::v, R::params, R::mask, R::partial_out, R::partial_stats, R::sinks, R::out, R::lse},
       plan.scratch, 0);
-  // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
-  partial.threadgroup_memory_bytes =
-      (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
+  partial.threadgroup_memory_bytes = shape.states_bytes(s.head_dim);
   plan.dispatches = {partial};
   add_decode_merge(s, layout, plan);
 }
@@ -334,7 +394,7 @@ void add_decode_merge(const AttentionProblem& s, const PrimitiveLayout& layout, 
   plan.dispatches.push_back(merge);
 }
 
-LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
+LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice) {
   LaunchPlan plan;
   plan.target = {target.family, gpu_cores(target)};
   // Past the register budget (or with Dk != Dv) the D-split prefill kernel
@@ -357,8 +417,8 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target) {
 
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
   if (s.q_len <= kDecodeMaxQueries && rows <= kDecodeMaxRows && s.head_dim == s.value_dim &&
-      decode_rows_per_threadgroup(s.head_dim) != 0) {
-    plan_decode(s, target, plan);
+      decode_group_shape(s.head_dim).rows != 0) {
+    plan_decode(s, target, decode_choice, plan);
     plan.supported = true;
     return plan;
   }

@@ -164,14 +164,41 @@ int prefill_key_block(int head_dim, ElemType dtype, const GpuTarget& target = {}
 bool prefill_splits_head_dims(int head_dim, int value_dim);
 // Keys per staged block of the D-split prefill kernel (0: unsupported pair).
 int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const GpuTarget& target = {});
-// Rows (query heads x positions) one decode threadgroup serves for a head dim
-// (its register budget, metal/attention_params.h); 0: D not a multiple of 32.
-int decode_rows_per_threadgroup(int head_dim);
-// Threadgroups along the key/value length for a decode problem: enough to
-// keep the target GPU's cores busy, while each split keeps enough keys that
-// its partial and its simdgroup combine stay small next to its K/V
-// (docs/metal_kernels.md).
-int decode_splits(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {});
+// The shape of a decode partial threadgroup (metal/attention_decode.h
+// decode_split): it serves `rows` rows (query heads x positions of one KV
+// head) and deals its split's keys out to `simdgroups` simdgroups.
+struct DecodeShape {
+  int rows = 0;                // R; 0: the head dim has no decode kernel
+  int simdgroups = 0;          // NSG
+  int min_keys_per_split = 0;  // the split rule's floor (decode_splits)
+  int threads() const { return 32 * simdgroups; }
+  // combine_simdgroup_states' threadgroup memory: simdgroups 1.. hand
+  // simdgroup 0 each row's output, max and sum (DecodeStates<D, NSG, R>)
+  int states_bytes(int head_dim) const { return (simdgroups - 1) * rows * (head_dim + 2) * 4; }
+  // "_r<R>_sg<NSG>": the dense decode kernel's host-name fields
+  std::string kernel_fields() const;
+};
+// The group shape of a head dim: the register budget's rows
+// (MLX_ATTN_DECODE_ROW_FLOATS / (D / 32)) on MLX_ATTN_DECODE_SIMDGROUPS
+// simdgroups, reading each key once for all of them. The quantized and
+// paged decodes have this shape alone. {}: D has no decode kernel.
+DecodeShape decode_group_shape(int head_dim);
+// The row shape: one row per threadgroup, its keys on as many simdgroups as
+// a core's registers hold (up to 32, as MLX's sdpa_vector), for contexts too
+// short to keep many split threadgroups busy. {}: D has no decode kernel.
+DecodeShape decode_row_shape(int head_dim);
+// Threadgroups along the key/value length for a decode problem on threadgroups
+// of `shape`: enough to keep the target GPU's cores busy, while each split
+// keeps enough keys (shape.min_keys_per_split, 16 per row) that its partial
+// and its simdgroup combine stay small next to its K/V (docs/metal_kernels.md).
+int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
+                  const GpuTarget& target = {});
+// The dense decode's shape for a problem: the row shape where its chain of
+// keys per simdgroup (and merge) is no longer than the group shape's.
+DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {});
+// Which shape a dense decode plan takes: the rule's (automatic), or one
+// named (tests and benchmarks run every case on both; the rule decides in use).
+enum class DecodeShapeChoice : int32_t { automatic, group, row };
 // The split-K decode's partials and merge (metal/attention_decode.h), for
 // the float and quantized decode plans alike: with several splits
 // (plan.splits) the partial dispatch (0) writes the partial_out /
@@ -187,6 +214,7 @@ void add_decode_merge(const AttentionProblem& problem, const PrimitiveLayout& la
 // strides and buffer offsets all multiples of the width (metal/attention_params.h).
 bool vector_loads_aligned(const AttentionProblem& problem);
 
-LaunchPlan plan_attention(const AttentionProblem& problem, const GpuTarget& target = {});
+LaunchPlan plan_attention(const AttentionProblem& problem, const GpuTarget& target = {},
+                          DecodeShapeChoice decode_choice = DecodeShapeChoice::automatic);
 
 }  // namespace mlx_attn

@@ -85,16 +85,24 @@ nb::dict launch_plan_dict(const LaunchPlan& plan) { return plan_dict(plan); }
 void bind_launch_plan(nb::module_& m) {
   m.def(
       "metal_launch_plan",
-      [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores) {
-        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores));
+      [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores,
+         const std::string& decode_shape) {
+        DecodeShapeChoice choice = DecodeShapeChoice::automatic;
+        if (decode_shape == "group") choice = DecodeShapeChoice::group;
+        else if (decode_shape == "row") choice = DecodeShapeChoice::row;
+        else if (decode_shape != "auto") {
+          throw nb::value_error(("decode_shape must be 'auto', 'group' or 'row'; got '" + decode_shape + "'").c_str());
+        }
+        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores), choice);
         nb::dict out = plan_dict(plan);
         out["gpu_family"] = gpu_family_name(plan.target.family);
         out["gpu_cores"] = plan.target.gpu_cores;
         return out;
       },
-      "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
+      "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto",
       "The Metal launch plan for a problem (_ext.describe_attention) on a GPU family (apple7, apple8, "
-      "apple9, apple10, unknown = the conservative default) with gpu_cores cores (0: the family's base part): "
+      "apple9, apple10, unknown = the conservative default) with gpu_cores cores (0: the family's base part); "
+      "decode_shape: the dense decode's threadgroup shape, 'auto' (the plan's rule), 'group' or 'row': "
       "kernels, grids, threadgroups, params bytes, and per dispatch its bindings (index, role, access, "
       "source, source_index) exactly as the Mac host encodes them.");
   m.def(
@@ -131,6 +139,27 @@ void bind_launch_plan(nb::module_& m) {
         return rows;
       },
       "The launch plan's per-GPU-family table (docs/metal_kernels.md).");
+  m.def(
+      "metal_decode_shapes",
+      [](int batch, int kv_heads, int rows, int kv_len, int head_dim, const std::string& gpu_family, int gpu_cores) {
+        const GpuTarget target = gpu_target_argument(gpu_family, gpu_cores);
+        const DecodeShape chosen = decode_shape(batch, kv_heads, rows, kv_len, head_dim, target);
+        nb::dict out;
+        for (auto [name, shape] : {std::pair{"group", decode_group_shape(head_dim)},
+                                   std::pair{"row", decode_row_shape(head_dim)}}) {
+          nb::dict entry;
+          entry["rows"] = shape.rows;
+          entry["simdgroups"] = shape.simdgroups;
+          entry["splits"] = shape.rows > 0 ? decode_splits(batch, kv_heads, rows, kv_len, shape, target) : 0;
+          entry["chosen"] = shape.rows > 0 && shape.rows == chosen.rows && shape.simdgroups == chosen.simdgroups;
+          out[name] = entry;
+        }
+        return out;
+      },
+      "batch"_a, "kv_heads"_a, "rows"_a, "kv_len"_a, "head_dim"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
+      "The dense decode's two threadgroup shapes for a problem (rows = query heads per KV head x query "
+      "positions): per shape its rows, simdgroups and split count (decode_splits), and which one the plan "
+      "chooses (decode_shape). The quantized and paged decodes take the group shape.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,

@@ -20,8 +20,7 @@ bool aligned_to_vectors(const int64_t (&strides)[4], int64_t offset, int dim) {
 // Why the paged kernels cannot run this problem ("" when they can).
 std::string unsupported_reason(const PagedProblem& s) {
   const AttentionProblem& a = s.attention;
-  const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
-  if (rows_per_threadgroup == 0 || a.head_dim == 80) {
+  if (decode_group_shape(a.head_dim).rows == 0 || a.head_dim == 80) {
     return "the paged Metal kernels support head dims 64, 96, 128 and 256, got " + std::to_string(a.head_dim);
   }
   if (a.value_dim != a.head_dim) {
@@ -56,7 +55,7 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   const AttentionProblem& a = s.attention;
   const bool float_pages = s.quantized.bits == 0;
   const int sequences = int(s.q_lens.size());
-  const int rows_per_threadgroup = decode_rows_per_threadgroup(a.head_dim);
+  const DecodeShape shape = decode_group_shape(a.head_dim);  // the dense decode's body, its group shape alone
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
   const bool merges = max_splits > 1;
   if (merges) {
@@ -67,9 +66,9 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   const std::string suffix = std::string("_") + elem_type_name(a.dtype) + "_d" + std::to_string(a.head_dim);
 
   KernelDispatch partial;
-  const int max_chunks = (max_rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
+  const int max_chunks = (max_rows + shape.rows - 1) / shape.rows;
   partial.grid = {max_splits, a.kv_heads * max_chunks, sequences};
-  partial.threadgroup = {32 * MLX_ATTN_DECODE_SIMDGROUPS, 1, 1};
+  partial.threadgroup = {shape.threads(), 1, 1};
   if (float_pages) {
     partial.kernel = "attention_paged_decode_partial" + suffix;
     partial.bindings = bind_roles(
@@ -94,8 +93,7 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
     plan.quantized_params.resize(sizeof(qp));
     std::memcpy(plan.quantized_params.data(), &qp, sizeof(qp));
   }
-  // simdgroups 1.. hand their output, max and sum per row to simdgroup 0 (decode_partial)
-  partial.threadgroup_memory_bytes = (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (a.head_dim + 2) * 4;
+  partial.threadgroup_memory_bytes = shape.states_bytes(a.head_dim);
 
   plan.dispatches = {partial};
   if (!merges) return;
@@ -139,7 +137,7 @@ bool paged_rows_take_prefill(const PagedProblem& s, int q_len) {
   const AttentionProblem& a = s.attention;
   const bool long_chunk = q_len > kDecodeMaxQueries || a.group_size() * q_len > kDecodeMaxRows;
   const bool instantiated = a.head_dim <= kRegisterPrefillMaxHeadDim && a.head_dim == a.value_dim &&
-      prefill_key_block(a.head_dim, a.dtype) != 0 && decode_rows_per_threadgroup(a.head_dim) != 0;
+      prefill_key_block(a.head_dim, a.dtype) != 0 && decode_group_shape(a.head_dim).rows != 0;
   return long_chunk && instantiated && s.quantized.bits == 0;
 }
 
@@ -152,7 +150,8 @@ int paged_keys_per_split(const PagedProblem& s, const GpuTarget& target) {
     max_rows = std::max(max_rows, a.group_size() * s.q_lens[b]);
   }
   const int sequences = std::max<int>(1, int(s.kv_lens.size()));
-  const int splits = decode_splits(sequences, a.kv_heads, std::max(1, max_rows), longest, a.head_dim, target);
+  const int splits =
+      decode_splits(sequences, a.kv_heads, std::max(1, max_rows), longest, decode_group_shape(a.head_dim), target);
   const int64_t wanted = (int64_t(longest) + splits - 1) / splits;
   const int64_t pages = std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, kPagedMaxPagesPerSplit);
   return int(pages * s.page_size);

@@ -53,7 +53,7 @@ void plan_quantized_prefill(const AttentionProblem& s, const cpu::QuantizedKV& q
 bool quantized_rows_take_prefill(const AttentionProblem& s, const cpu::QuantizedKV& qz) {
   const bool prefill_rows = s.q_len > kDecodeMaxQueries || s.group_size() * s.q_len > kDecodeMaxRows;
   const bool instantiated = s.head_dim <= kRegisterPrefillMaxHeadDim && s.head_dim == s.value_dim &&
-      prefill_key_block(s.head_dim, s.dtype) != 0 && decode_rows_per_threadgroup(s.head_dim) != 0;
+      prefill_key_block(s.head_dim, s.dtype) != 0 && decode_group_shape(s.head_dim).rows != 0;
   // a staged run of 32 features reads one scale and bias (stage_quantized_key_block)
   return prefill_rows && instantiated && (qz.bits == 4 || qz.bits == 8) && qz.group_size % 32 == 0;
 }
@@ -74,9 +74,9 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
     plan.reason = "the quantized Metal kernels read 4- or 8-bit codes, got bits=" + std::to_string(qz.bits);
     return plan;
   }
-  const int rows_per_threadgroup = decode_rows_per_threadgroup(s.head_dim);
+  const DecodeShape shape = decode_group_shape(s.head_dim);  // the float decode's body, its group shape alone
   const int slice = s.head_dim / 32;  // features per lane: one scale and bias each
-  if (rows_per_threadgroup == 0 || qz.group_size <= 0 || qz.group_size % slice != 0) {
+  if (shape.rows == 0 || qz.group_size <= 0 || qz.group_size % slice != 0) {
     plan.reason = "the quantized Metal kernels need a head dim of 64, 128, 256 or 512 (key = value) that is a multiple of group_size, "
                   "got head dim " + std::to_string(s.head_dim) + " and group_size " + std::to_string(qz.group_size);
     return plan;
@@ -95,8 +95,8 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
 
   using R = BufferRole;
   const int rows = s.group_size() * s.q_len;
-  const int row_chunks = (rows + rows_per_threadgroup - 1) / rows_per_threadgroup;
-  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target);
+  const int row_chunks = (rows + shape.rows - 1) / shape.rows;
+  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target);
   plan.splits = splits;
   // the float decode's partials and merge: none with one split
   plan.scratch = decode_partials_scratch(s, splits);
@@ -106,16 +106,13 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   partial.kernel =
       "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits) + mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
-  partial.threadgroup = {32 * MLX_ATTN_DECODE_SIMDGROUPS, 1, 1};
+  partial.threadgroup = {shape.threads(), 1, 1};
   const PrimitiveLayout layout = forward_layout(s, /*quantized=*/true);
   partial.bindings = bind_roles(layout, {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::params,
                                   R::quantized_params, R::mask, R::partial_out, R::partial_stats, R::sinks,
                                   R::out, R::lse},
                               plan.scratch, 0);
-  // simdgroups 1.. hand their output, max and sum per row to simdgroup 0
-  // (the float decode's body, metal/attention_decode.h)
-  partial.threadgroup_memory_bytes =
-      (MLX_ATTN_DECODE_SIMDGROUPS - 1) * rows_per_threadgroup * (s.head_dim + 2) * 4;
+  partial.threadgroup_memory_bytes = shape.states_bytes(s.head_dim);
 
   plan.dispatches = {partial};
   add_decode_merge(s, layout, plan);  // the float decode's (metal/attention_decode.metal)

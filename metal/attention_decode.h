@@ -5,9 +5,11 @@
 // attention_decode_partial: the key/value length is split across
 // threadgroups (grid.x = splits). A threadgroup serves up to R rows =
 // (query head of the GQA group) x (query position) of one KV head, so K/V are
-// read once for the whole group (grid.y = KV heads x row chunks; one chunk
-// unless rows > R). Its simdgroups take the split's keys in turn (key j:
-// simdgroup j % NSG) and read them straight from device memory into
+// read once for those rows (grid.y = KV heads x row chunks; one chunk
+// unless rows > R). Its NSG simdgroups take the split's keys in turn (key j:
+// simdgroup j % NSG); R and NSG are the threadgroup's shape (decode_split):
+// the group shape (R rows of the register budget, 4 simdgroups) or the row
+// shape (1 row, up to 32 simdgroups). They read each key straight from device memory into
 // registers: lane l holds D/32 dims of the key, the value, every row's query
 // and output, and a score is a simd_sum of lane partial dot products; no K/V
 // staging. Register budget: R x D/32 floats of q and of the output per lane
@@ -165,7 +167,7 @@ struct DecodePrefetch {
 // With DecodePrefetch, key j + NSG's loads are issued before key j's math, so
 // they are in flight while it runs (the loop bound is uniform across the
 // simdgroup: a loader may use simd functions).
-template <typename T, int R, typename KV, int MASK>
+template <typename T, int R, int NSG, typename KV, int MASK>
 inline void decode_keys(
     constant AttentionParams& p, const device uchar* mask, const thread KV& kv, thread DecodeRows<R, KV::SLICE>& rows,
     int kv_begin, int kv_end, int first_pos, int last_pos, int b, int kv_head, int r0, int row_count, uint sg,
@@ -178,7 +180,7 @@ inline void decode_keys(
   if (PREFETCH && key < kv_end) {
     kv.load(key, lane, k_next, v_next);
   }
-  for (; key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS) {
+  for (; key < kv_end; key += NSG) {
     float k_slice[SLICE];
     float v_slice[SLICE];
     if (PREFETCH) {
@@ -186,7 +188,7 @@ inline void decode_keys(
         k_slice[e] = k_next[e];
         v_slice[e] = v_next[e];
       }
-      const int next = key + MLX_ATTN_DECODE_SIMDGROUPS;
+      const int next = key + NSG;
       if (next < kv_end) {
         kv.load(next, lane, k_next, v_next);  // in flight during this key's math
       }
@@ -330,16 +332,22 @@ inline DecodeOutputs<T> decode_launch_outputs(
 }
 
 // The partial kernel's body for any K/V loader; `states`: the kernel's
-// threadgroup memory.
-template <typename T, int D, int MASK, typename KV>
+// threadgroup memory, whose type is the threadgroup's shape: R rows (query
+// heads x positions of one KV head) served together, their keys dealt out
+// to NSG simdgroups. The group shape (DecodeStates<D>'s defaults: the
+// register budget's rows, MLX_ATTN_DECODE_SIMDGROUPS simdgroups) reads each
+// key once for all R rows; the row shape (one row, up to 32 simdgroups, as
+// MLX's sdpa_vector) gives each simdgroup fewer keys, for contexts too short
+// to keep many split threadgroups busy. The launch plan picks the shape
+// (csrc/launch_plan.cpp decode_shape).
+template <typename T, int D, int MASK, typename KV, int NSG, int R>
 inline void decode_split(
     thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,
-    thread const DecodeOutputs<T>& outputs, threadgroup DecodeStates<D>& states, uint3 group_id, uint3 groups,
-    uint sg, uint lane) {
-  constexpr int NSG = MLX_ATTN_DECODE_SIMDGROUPS;
-  constexpr int SLICE = KV::SLICE;                       // head-dim elements per lane
+    thread const DecodeOutputs<T>& outputs, threadgroup DecodeStates<D, NSG, R>& states, uint3 group_id,
+    uint3 groups, uint sg, uint lane) {
+  constexpr int SLICE = KV::SLICE;  // head-dim elements per lane
   constexpr int VEC = KV::VEC;
-  constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / SLICE;  // rows per threadgroup
+  static_assert(R >= 1 && R * SLICE <= MLX_ATTN_DECODE_ROW_FLOATS, "R rows of q and o within the register budget");
 
   const int split = int(group_id.x);
   const int splits = int(groups.x);
@@ -384,8 +392,8 @@ inline void decode_split(
   const int kv_end = min(min(p.kv_len, split * chunk + chunk), visible.end);
 
   kv.select_head(p, b, kv_head);
-  decode_keys<T, R, KV, MASK>(p, mask, kv, rows, kv_begin, kv_end, first_pos, last_pos, b, kv_head, r0, row_count,
-                              sg, lane);
+  decode_keys<T, R, NSG, KV, MASK>(p, mask, kv, rows, kv_begin, kv_end, first_pos, last_pos, b, kv_head, r0,
+                                   row_count, sg, lane);
 
   // combine the simdgroups' states into this split's partial, live rows only
   const int live_rows = min(R, row_count - r0);
@@ -412,8 +420,10 @@ inline void decode_split(
   }
 }
 
-template <typename T, int D, int MASK>
-[[kernel]] void attention_decode_partial(
+// R rows and NSG simdgroups per threadgroup (decode_split); the attribute
+// makes the compiler fit 32 x NSG threads in a core's registers.
+template <typename T, int D, int MASK, int R, int NSG>
+[[kernel, max_total_threads_per_threadgroup(32 * NSG)]] void attention_decode_partial(
     const device T* q [[buffer(0)]],
     const device T* k [[buffer(1)]],
     const device T* v [[buffer(2)]],
@@ -428,7 +438,7 @@ template <typename T, int D, int MASK>
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup DecodeStates<D> states;
+  threadgroup DecodeStates<D, NSG, R> states;
   ContiguousKV<T, D> kv;
   kv.k = k;
   kv.v = v;

@@ -14,7 +14,7 @@ from mlx_attn._native import MISSING_REASON, ext
 
 def launch_plan(
     q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, output_lse=False, softcap=None,
-    gpu_family: str = "unknown", gpu_cores: int = 0,
+    gpu_family: str = "unknown", gpu_cores: int = 0, decode_shape: str = "auto",
 ) -> dict:
     """The Metal launch plan for these arrays, as the Mac host would build it:
     strides are the arrays' own (evaluate views first: unevaluated arrays
@@ -24,7 +24,9 @@ def launch_plan(
     logit cap (None: none). ``gpu_family``
     (``"apple7"``, ``"apple8"``, ``"apple9"``, ``"apple10"`` or ``"unknown"``, the
     conservative default) and ``gpu_cores`` (0: the family's base part) pick
-    the row of the plan's per-GPU-family table (docs/metal_kernels.md)."""
+    the row of the plan's per-GPU-family table (docs/metal_kernels.md);
+    ``decode_shape`` (``"auto"``, ``"group"`` or ``"row"``) the dense
+    decode's threadgroup shape (tests and benchmarks; in use the plan's rule)."""
     if ext is None:
         raise RuntimeError(MISSING_REASON)
     # a window implies causal (ops.AttentionCall's rule; the raw description insists on being told)
@@ -33,6 +35,6 @@ def launch_plan(
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, output_lse=output_lse,
         softcap=softcap or 0.0,
     )
-    plan = ext.metal_launch_plan(problem, gpu_family=gpu_family, gpu_cores=gpu_cores)
+    plan = ext.metal_launch_plan(problem, gpu_family=gpu_family, gpu_cores=gpu_cores, decode_shape=decode_shape)
     plan["problem"] = problem
     return plan

@@ -24,6 +24,20 @@ METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal")
                        if not p.name.startswith(("attention_paged", "attention_backward",
                                                  "attention_quantized_prefill")))
 REAL_METAL = mx.metal.is_available() and _ext.has_metal()
+DECODE_SOURCE = REPO / "metal" / "attention_decode.metal"
+
+
+def decode_instantiation(dtype_args: str, d: int) -> str:
+    """The dense decode's instantiation line (both threadgroup shapes and the
+    merge) for one dtype ("float32, float") at head dim d, with the shape
+    numbers of d's MLX_ATTN_DECODE_TYPES line in metal/attention_decode.metal:
+    for builds trimmed to the instantiations a test uses."""
+    import re
+
+    match = re.search(rf"^MLX_ATTN_DECODE_TYPES\({d}, (\d+), (\d+)\)$", DECODE_SOURCE.read_text(), flags=re.M)
+    if match is None:
+        raise ValueError(f"metal/attention_decode.metal does not instantiate the decode at D = {d}")
+    return f"MLX_ATTN_DECODE({dtype_args}, {d}, {match.group(1)}, {match.group(2)})"
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -171,7 +185,9 @@ class EmulatedMetal:
                  gpu_target: dict | None = None, softcap=None):
         """q, k, v: arrays (stored in `layout`) or Views; sinks: an array or
         a View; gpu_target: the plan's GPU ({"gpu_family": ..., "gpu_cores":
-        ...}, default the conservative target); the result as an MLX array
+        ...}, default the conservative target) and, for a dense decode, its
+        threadgroup shape ("decode_shape": "auto", "group" or "row"; the
+        launch_plan keywords); the result as an MLX array
         (and the float32 [B, Hq, Tq] log-sum-exp with return_lse)."""
         inputs, plan_kw = with_mask_and_sinks(
             [x if isinstance(x, View) else layout_view(x, layout) for x in (q, k, v)], mask, sinks)

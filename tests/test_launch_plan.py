@@ -12,6 +12,8 @@ import mlx_attn.metal_support
 from mlx_attn import _ext
 from mlx_attn.metal_support import launch_plan
 
+import decode_rule
+
 
 # AttentionParams (metal/attention_params.h): 17 int64, 10 int32, the float
 # scale, output_lse, vector_loads, the float softcap
@@ -106,14 +108,16 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     assert plan["supported"], plan["reason"]
     partial, *merges = plan["dispatches"]
     rows = 4 * tq  # query heads per KV head x query positions
-    # registers: a lane holds 32 floats of q (D/32 per row), so 32 / (D/32) rows per threadgroup
-    row_chunks = -(-rows // (32 // (d // 32)))
+    # the shape and splits of the rule (tests/decode_rule.py) on the default target (8 cores)
+    rule = decode_rule.decode_plan(2, 2, rows, tkv, d)
+    row_chunks = -(-rows // rule["rows"])
     splits = plan["splits"]
-    # enough threadgroups to fill the default target (8 cores x 8), but at least max(64, 16 x rows) keys each
-    assert splits == max(1, min(-(-64 // (2 * 2 * row_chunks)), -(-tkv // max(64, 16 * rows))))
-    assert partial["kernel"] == f"attention_decode_partial_float16_d{d}"
-    assert partial["grid"] == [splits, 2 * row_chunks, 2] and partial["threadgroup"] == [128, 1, 1]
-    assert partial["threadgroup_memory_bytes"] <= 32 * 1024
+    assert splits == rule["splits"]
+    assert partial["kernel"] == f"attention_decode_partial_float16_d{d}{rule['fields']}"
+    assert partial["grid"] == [splits, 2 * row_chunks, 2]
+    assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
+    # simdgroups 1.. hand each row's output, max and sum to simdgroup 0
+    assert partial["threadgroup_memory_bytes"] == (rule["simdgroups"] - 1) * rule["rows"] * (d + 2) * 4 <= 32 * 1024
     assert roles(partial) == ["q", "k", "v", "params", "mask", "partial_out", "partial_stats", "sinks", "out", "lse"]
     if splits == 1:
         # one split: the partial kernel writes the output itself, no partials, no merge
@@ -153,9 +157,69 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     (100000, 1, dict(gpu_family="apple7", gpu_cores=48), 384),
 ])
 def test_decode_splits_fill_the_gpu_without_tiny_splits(tkv, hkv, target, expected):
-    """D = 128, GQA 4, one query: 4 rows, one row chunk per KV head."""
+    """The group shape's splits (8 rows, 4 simdgroups at D = 128), GQA 4, one
+    query: 4 rows, one row chunk per KV head."""
+    shapes = _ext.metal_decode_shapes(1, hkv, 4, tkv, 128, **target)
+    assert (shapes["group"]["rows"], shapes["group"]["simdgroups"]) == (8, 4)
+    assert shapes["group"]["splits"] == expected
     plan = plan_for(b=1, hq=4 * hkv, hkv=hkv, tq=1, tkv=tkv, d=128, **target)
-    assert plan["splits"] == expected
+    chosen = "row" if shapes["row"]["chosen"] else "group"
+    assert plan["splits"] == shapes[chosen]["splits"]
+
+
+@pytest.mark.parametrize("b,hkv,group,tkv,target,shape,splits", [
+    # issue #23's case (B=1, Hkv=8, GQA 4, T=1024 on a 38-core M2 Max): the
+    # group shape needs 16 splits and a merge for its 128 threadgroups; the row
+    # shape keeps 32 threadgroups of 1024 threads, 32 keys per simdgroup, one
+    # dispatch
+    (1, 8, 4, 1024, dict(gpu_family="apple8", gpu_cores=38), "row", 1),
+    (1, 8, 4, 128, dict(gpu_family="apple8", gpu_cores=38), "row", 1),
+    # long contexts: the group shape reads each key once for its 4 rows
+    (1, 8, 4, 4096, dict(gpu_family="apple8", gpu_cores=38), "group", 38),
+    (1, 8, 8, 8192, dict(gpu_family="apple8", gpu_cores=38), "group", 38),
+    # one KV head, 8 query heads, 100k keys: the row shape splits too (its
+    # floor: 32 keys per simdgroup) but loses to the group shape's 64 splits
+    (1, 1, 8, 100000, {}, "group", 64),
+    # a batch that fills the GPU by itself (the default 8 cores): one split
+    # either way; the row shape's 2048 threadgroups run in 256 waves of 8,
+    # 32 keys per simdgroup each, the group shape's 512 in 8 waves of 64,
+    # 256 keys of 4 rows per simdgroup each
+    (64, 8, 4, 1024, {}, "group", 1),
+])
+def test_decode_shape_choice(b, hkv, group, tkv, target, shape, splits):
+    shapes = _ext.metal_decode_shapes(b, hkv, group, tkv, 128, **target)
+    assert shapes[shape]["chosen"] and not shapes["row" if shape == "group" else "group"]["chosen"]
+    assert shapes[shape]["splits"] == splits
+    assert decode_rule.decode_plan(b, hkv, group, tkv, 128, target.get("gpu_cores") or 8)["shape"] == shape
+    plan = plan_for(b=b, hq=group * hkv, hkv=hkv, tq=1, tkv=tkv, d=128, **target)
+    fields = "_r1_sg32" if shape == "row" else "_r8_sg4"
+    assert plan["dispatches"][0]["kernel"] == f"attention_decode_partial_float16_d128{fields}"
+    assert len(plan["dispatches"]) == (1 if splits == 1 else 2)
+
+
+def test_decode_shapes_follow_the_rule_on_a_grid():
+    """Both shapes, their splits and the choice against the rule written
+    apart (tests/decode_rule.py), over batches, KV heads, rows, lengths,
+    head dims and core counts."""
+    import itertools
+
+    chosen = set()
+    for b, hkv, rows, tkv, d, cores in itertools.product((1, 3), (1, 2, 8, 32), (1, 3, 4, 8, 32),
+                                                          (1, 60, 600, 1024, 4096, 100000), (64, 96, 128, 256, 512),
+                                                          (0, 10, 38)):
+        shapes = _ext.metal_decode_shapes(b, hkv, rows, tkv, d, gpu_family="apple8", gpu_cores=cores)
+        rule = decode_rule.decode_plan(b, hkv, rows, tkv, d, cores or 8)
+        name = "row" if shapes["row"]["chosen"] else "group"
+        assert (name, shapes[name]["splits"]) == (rule["shape"], rule["splits"]), (b, hkv, rows, tkv, d, cores)
+        assert (shapes[name]["rows"], shapes[name]["simdgroups"]) == (rule["rows"], rule["simdgroups"])
+        chosen.add(name)
+    assert chosen == {"row", "group"}
+
+
+def test_decode_shapes_reject_a_bad_target():
+    with pytest.raises(ValueError, match="gpu_family"):
+        _ext.metal_decode_shapes(1, 1, 1, 10, 128, gpu_family="m9")
+    assert _ext.metal_decode_shapes(1, 1, 1, 10, 80)["group"]["rows"] == 0  # no decode kernel at D = 80
 
 
 @pytest.mark.parametrize("kwargs", [dict(d=80, tq=1), dict(hq=40, hkv=1, tq=1), dict(hq=8, hkv=2, tq=9)])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REAL_METAL, REPO, EmulatedMetal, RealMetal, View, reference_lse
+import decode_rule
+from metal_runner import REAL_METAL, REPO, EmulatedMetal, RealMetal, View, decode_instantiation, reference_lse
 from mlx_attn.metal_support import launch_plan
 from mlx_attn.reference import reference_attention
 from sdpa_cases import DTYPES, TOLERANCE, make_qkv
@@ -158,18 +159,30 @@ def test_strided_inputs(run, layout, tq):
 
 
 @pytest.mark.parametrize("tq", [1, 3, 8])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (4, 1)])
-def test_decode_split_kv(run, tq, hq, hkv):
-    q, k, v = make(2, hq, hkv, tq, 600, 64, mx.float32, seed=tq)
+@pytest.mark.parametrize("hq,hkv,tkv", [(4, 4, 600), (8, 2, 600), (9, 3, 600), (4, 1, 600), (8, 2, 3000)])
+def test_decode_split_kv(run, tq, hq, hkv, tkv):
+    """Each case as the plan's rule (tests/decode_rule.py) shapes it: the
+    row shape (one row a threadgroup, 32 simdgroups) or the group shape (16
+    rows, 4 simdgroups), in one split or several and the merge."""
+    q, k, v = make(2, hq, hkv, tq, tkv, 64, mx.float32, seed=tq)
     got = check(run, q, k, v, mask="causal", sinks=mx.linspace(-1, 1, hq))
     if not REAL_METAL:
+        rule = decode_rule.decode_plan(2, hkv, hq // hkv * tq, tkv, 64)  # the default target: 8 cores
+        # both shapes are covered: the row shape in one split (no merge) with
+        # one query of 4 KV heads over 600 keys, the group shape over several
+        # splits at 3000 keys
+        if (hq, hkv, tkv, tq) == (4, 4, 600, 1):
+            assert (rule["shape"], rule["splits"]) == ("row", 1)
+        if tkv == 3000:
+            assert rule["shape"] == "group" and rule["splits"] > 1
         kernels = [step["kernel"] for step in run.last_plan["dispatches"]]
-        assert kernels == ["attention_decode_partial_float32_d64", "attention_decode_merge_float32_d64"]
+        merge = ["attention_decode_merge_float32_d64"] if rule["splits"] > 1 else []
+        assert kernels == [f"attention_decode_partial_float32_d64{rule['fields']}", *merge]
+        assert run.last_plan["splits"] == rule["splits"]
+        partial = run.last_plan["dispatches"][0]
+        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
         rows = hq // hkv * tq
-        row_chunks = -(-rows // 16)
-        # splits of at least max(64, 16 per row) keys, at most what fills the
-        # default target's 8 cores x 8 threadgroups (docs/metal_kernels.md)
-        assert run.last_plan["splits"] == min(-(-64 // (2 * hkv * row_chunks)), -(-600 // max(64, 16 * rows)))
+        assert partial["grid"] == [rule["splits"], hkv * -(-rows // rule["rows"]), 2]
     assert np.isfinite(got).all()
 
 
@@ -205,7 +218,7 @@ def test_decode_merge_of_any_split_count(run, splits, with_sinks):
     plan's grid and threadgroup, so these must match the kernel's."""
     b, hq, hkv, d = 2, 6, 2, 64
     rows = hq // hkv
-    q, k, _ = make(b, hq, hkv, 1, 600, d, mx.float32)
+    q, k, _ = make(b, hq, hkv, 1, 4096, d, mx.float32)  # the group shape over 16 splits: a merge
     sinks = mx.array(np.linspace(-2.0, 6.0, hq).astype(np.float32)) if with_sinks else None
     plan = launch_plan(q, k, k, scale=1.0, sinks=sinks, output_lse=True)
     merge = plan["dispatches"][-1]
@@ -235,14 +248,20 @@ def test_decode_merge_of_any_split_count(run, splits, with_sinks):
     assert np.all(out.reshape(b, hkv, rows, d)[0, 1, 2] == 0)
 
 
-@pytest.mark.parametrize("hq,tq", [(8, 2), (32, 1)], ids=["one-row-chunk", "four-row-chunks"])
-def test_decode_row_chunks_at_d256(run, hq, tq):
-    """At D = 256 a threadgroup holds 4 rows in registers: a larger GQA group
-    is served by several row chunks of the same KV head."""
-    q, k, v = make(1, hq, 1, tq, 300, 256, mx.float16, seed=hq)
+@pytest.mark.parametrize("hq,tq,tkv", [(8, 2, 4096), (32, 1, 4096), (8, 2, 300)],
+                         ids=["group-four-row-chunks", "group-eight-row-chunks", "row-shape"])
+def test_decode_row_chunks_at_d256(run, hq, tq, tkv):
+    """At D = 256 a group-shape threadgroup holds 4 rows in registers: a
+    larger GQA group is served by several row chunks of the same KV head; a
+    row-shape threadgroup (16 simdgroups at D = 256) serves one row."""
+    q, k, v = make(1, hq, 1, tq, tkv, 256, mx.float16, seed=hq)
     check(run, q, k, v, mask="causal", sinks=mx.linspace(-1, 1, hq).astype(mx.float16))
     if not REAL_METAL:
-        assert run.last_plan["dispatches"][0]["grid"][1] == -(-hq * tq // 4)
+        rule = decode_rule.decode_plan(1, 1, hq * tq, tkv, 256)
+        assert (rule["shape"], rule["rows"]) == (("group", 4) if tkv == 4096 else ("row", 1))
+        partial = run.last_plan["dispatches"][0]
+        assert partial["grid"][1] == -(-hq * tq // rule["rows"])
+        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
 
 
 @pytest.mark.parametrize("tq", [37, 1, 3], ids=["prefill", "decode-1", "decode-3"])
@@ -327,9 +346,10 @@ def test_vector_loads_are_aligned_and_fewer(tmp_path, dtype, d, key_block, vecto
     (Q by pairs in prefill), misaligned ones one element per load."""
     tname, type_ = {mx.float16: ("float16", "half"), mx.float32: ("float32", "float")}[dtype]
     sources = []
-    for kind, instance in (("prefill", f"{tname}, {type_}, {d}, {key_block}"), ("decode", f"{tname}, {type_}, {d}")):
+    for kind, instance in (("prefill", f"MLX_ATTN_PREFILL({tname}, {type_}, {d}, {key_block})"),
+                           ("decode", decode_instantiation(f"{tname}, {type_}", d))):
         path = tmp_path / f"attention_{kind}.metal"
-        path.write_text(trimmed(REPO / "metal" / f"attention_{kind}.metal", [f"MLX_ATTN_{kind.upper()}({instance})"]))
+        path.write_text(trimmed(REPO / "metal" / f"attention_{kind}.metal", [instance]))
         sources.append(path)
     metal = EmulatedMetal(fast_math=True, sources=sources, counters=True)
     element = dtype.size
@@ -360,7 +380,8 @@ def test_each_gpu_family_plan_runs_correctly(run, family, cores):
     check(run, q, k, v, mask=mx.array(visible), gpu_target=None if REAL_METAL else target)
     if not REAL_METAL:
         assert (run.last_plan["gpu_family"], run.last_plan["gpu_cores"]) == (family, cores or 8)
-        assert run.last_plan["splits"] == 11  # ceil(700 / max(64, 16 keys x 4 rows)): fewer than any target fills
+        # the shape and splits of the rule for this target (tests/decode_rule.py)
+        assert run.last_plan["splits"] == decode_rule.decode_plan(1, 1, 4, 700, 128, cores or 8)["splits"]
     q, k, v = make(1, 2, 2, 35, 50, 256, mx.float16, seed=3)
     check(run, q, k, v, window_size=9, gpu_target=None if REAL_METAL else target)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View, reference_lse
+from metal_runner import REPO, EmulatedMetal, View, decode_instantiation, reference_lse
 from mlx_attn.reference import reference_attention
 from mutations import kernel_text, assert_caught, mutated, write
 from sdpa_cases import TOLERANCE
@@ -31,7 +31,7 @@ def only_float32_d64(text: str) -> str:
     text = re.sub(r"^MLX_ATTN_(PREFILL|DECODE)_(2BYTE_)?TYPES\(.*\)$", "", text, flags=re.M)
     if "attention_prefill<" in text:
         return text + "\nMLX_ATTN_PREFILL(float32, float, 64, 32)\n"
-    return text + "\nMLX_ATTN_DECODE(float32, float, 64)\nMLX_ATTN_DECODE(float32, float, 96)\n"
+    return text + "".join(f"\n{decode_instantiation('float32, float', d)}" for d in (64, 96)) + "\n"
 
 
 def barriers(source: Path, kind: str) -> dict:
@@ -67,8 +67,8 @@ MUTANTS = {
     "decode: accumulator rescale dropped": (DECODE, "replace", "rows.o[i][e] * alpha + prob", "rows.o[i][e] + prob"),
     "decode: split range off by one": (DECODE, "replace", "split * chunk + chunk)", "split * chunk + chunk - 1)"),
     "decode: merge rescale dropped": (DECODE, "replace", "return fast::exp2((partial_stats[base * 2] - m) * MLX_ATTN_LOG2E);", "return 1.0f;"),
-    "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end; key += 1"),
-    "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end - 1; key += MLX_ATTN_DECODE_SIMDGROUPS"),
+    "decode: keys not dealt out among simdgroups": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end; key += 1"),
+    "decode: key range end off by one": (DECODE, "replace", "key < kv_end; key += NSG", "key < kv_end - 1; key += NSG"),
     "decode: simdgroup combine rescale dropped": (DECODE, "replace", "const float their_weight = fast::exp2((their_max - m) * MLX_ATTN_LOG2E);", "const float their_weight = 1.0f;"),
     "decode: combine max taken from one lane": (DECODE, "replace", "max(rows.m[i], simd_max(their_max))", "max(rows.m[i], their_max)"),
     "decode: combine weight broadcast from the wrong lane": (DECODE, "replace", "simd_shuffle(their_weight, ushort(g))", "simd_shuffle(their_weight, ushort(0))"),
@@ -179,7 +179,7 @@ CASES = [
     dict(shape=(1, 4, 2, 30, 50), mask="causal", sinks="strided"),  # sinks[::2] of a longer array
     dict(shape=(1, 4, 2, 2, 50), sinks="strided"),
     dict(shape=(1, 4, 2, 2, 90), window_size=5),  # decode: keys before the window skipped
-    dict(shape=(1, 8, 1, 3, 60), mask="causal"),  # decode: 24 rows, two row chunks at D = 64
+    dict(shape=(1, 8, 1, 3, 400), mask="causal"),  # decode: 24 rows, two row chunks of the group shape at D = 64
     dict(shape=(1, 2, 2, 35, 60), sinks=True),  # prefill: sinks without a mask
     dict(shape=(1, 2, 1, 20, 40), mask="bool"),  # prefill: a row that sees nothing, no sinks
     # scalar loads: a start 2 elements into an aligned row, odd rows, a strided last dim
@@ -201,12 +201,23 @@ CASES = [
     # added after the cap, a window for edge blocks; prefill and decode
     dict(shape=(1, 4, 2, 35, 60), mask="additive", window_size=20, softcap=0.8),
     dict(shape=(1, 4, 2, 2, 90), mask="additive", window_size=40, softcap=0.8),
-    # the merge: 21 splits on its 8 simdgroups (not a multiple), sinks, lse; under
-    # MLX_ATTN_FULL_GRID=1 also 265 (a second round of each simdgroup's lanes, > 8 x 32)
+    # the merge: 21 splits of the group shape on its 8 simdgroups (not a multiple),
+    # the row shape's 2 splits, sinks, lse; under MLX_ATTN_FULL_GRID=1 also 265
+    # splits (a second round of each simdgroup's lanes, > 8 x 32)
     dict(shape=(1, 2, 1, 1, 1300), sinks=True),
-    *([dict(shape=(1, 1, 1, 1, 16900), mask="causal", sinks=True, gpu_target={"gpu_family": "apple7", "gpu_cores": 48})]
-      if FULL_GRID else []),
+    *([dict(shape=(1, 1, 1, 1, 16900), mask="causal", sinks=True,
+            targets=[{"gpu_family": "apple7", "gpu_cores": 48, "decode_shape": "group"}])] if FULL_GRID else []),
 ]
+
+
+def case_targets(case: dict) -> list:
+    """The plan keywords a case runs under: a decode case on both threadgroup
+    shapes (each with its own split count on the default target), a prefill
+    case once; a case's `targets` replaces them."""
+    if "targets" in case:
+        return case["targets"]
+    tq = case["shape"][3]
+    return [{"decode_shape": "row"}, {"decode_shape": "group"}] if tq <= 8 else [None]
 
 
 def caught(run) -> bool:
@@ -219,15 +230,36 @@ def caught(run) -> bool:
         if case.get("key_growth"):
             k = k * mx.array(np.linspace(0.05, case["key_growth"], tkv, dtype=np.float32))[:, None]
         kw = {"scale": 0.125, **case_options(case, rng, hq, tq, tkv)}
-        try:
-            got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True, gpu_target=case.get("gpu_target"))
-        except msl_emulator.EmulatorError:
-            return True  # deadlock or launch failure
-        if isinstance(kw.get("sinks"), View):
-            kw["sinks"] = kw["sinks"].array
-        if differs_from_reference(got, lse, q, k, v, **kw):
-            return True
+        for target in case_targets(case):
+            try:
+                got, lse = run(q, k, v, **kw, layout=case.get("layout"), return_lse=True, gpu_target=target)
+            except msl_emulator.EmulatorError:
+                return True  # deadlock or launch failure
+            reference_kw = {**kw, "sinks": kw["sinks"].array} if isinstance(kw.get("sinks"), View) else kw
+            if differs_from_reference(got, lse, q, k, v, **reference_kw):
+                return True
     return False
+
+
+def test_the_battery_reaches_both_decode_shapes_and_their_splits():
+    """The decode cases, under their targets, run the row shape in one split
+    and in several, the group shape in one and in several (row chunks
+    among them), and 21 splits into the merge's 8 simdgroups."""
+    from mlx_attn import _ext
+
+    reached = set()
+    for case in CASES:
+        b, hq, hkv, tq, tkv = case["shape"]
+        if tq > 8:
+            continue
+        for target in case_targets(case):
+            target = dict(target)
+            name = target.pop("decode_shape")
+            shapes = _ext.metal_decode_shapes(b, hkv, hq // hkv * tq, tkv, case.get("d", 64), **target)
+            chunks = -(-(hq // hkv * tq) // shapes[name]["rows"])
+            reached.add((name, min(shapes[name]["splits"], 2), min(chunks, 2)))
+            reached.add(("splits", shapes[name]["splits"]))
+    assert {("row", 1, 2), ("row", 2, 2), ("group", 1, 1), ("group", 2, 1), ("group", 2, 2), ("splits", 21)} <= reached
 
 
 def case_options(case: dict, rng: np.random.Generator, q_heads: int, q_len: int, kv_len: int) -> dict:

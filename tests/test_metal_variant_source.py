@@ -26,7 +26,7 @@ TYPES = {"float32": "float", "float16": "half", "bfloat16": "bfloat"}
 FAMILIES = {
     "attention_prefill_split_": (r"(\w+?)_d(\d+)_dv(\d+)_bk(\d+)", "MLX_ATTN_PREFILL_SPLIT_MASK", True),
     "attention_prefill_": (r"(\w+?)_d(\d+)_bk(\d+)", "MLX_ATTN_PREFILL_MASK", True),
-    "attention_decode_partial_": (r"(\w+?)_d(\d+)", "MLX_ATTN_DECODE_PARTIAL", True),
+    "attention_decode_partial_": (r"(\w+?)_d(\d+)_r(\d+)_sg(\d+)", "MLX_ATTN_DECODE_PARTIAL", True),
     "attention_decode_merge_": (r"(\w+?)_d(\d+)", "MLX_ATTN_DECODE_MERGE", False),
     "attention_quantized_decode_partial_": (r"(\w+?)_d(\d+)_b(\d+)", "MLX_ATTN_QUANTIZED_DECODE_MASK", True),
 }
@@ -50,7 +50,7 @@ def expected_variant(kernel: str) -> str:
     "attention_prefill_float16_d64_bk32", "attention_prefill_bfloat16_d128_bk32_mask_bool",
     "attention_prefill_float32_d128_bk16_mask_additive", "attention_prefill_split_float32_d256_dv256_bk8",
     "attention_prefill_split_float16_d576_dv512_bk16_mask_bool",
-    "attention_decode_partial_float16_d128", "attention_decode_partial_bfloat16_d512_mask_additive",
+    "attention_decode_partial_float16_d128_r8_sg4", "attention_decode_partial_bfloat16_d512_r1_sg16_mask_additive",
     "attention_decode_merge_float32_d96",
     "attention_quantized_decode_partial_float16_d64_b4", "attention_quantized_decode_partial_bfloat16_d128_b8_mask_bool"])
 def test_variant_is_the_family_text_with_one_instantiation(kernel):
@@ -66,6 +66,8 @@ def test_variant_is_the_family_text_with_one_instantiation(kernel):
     "attention_backward_dq_float16_d64_bk32",
     "attention_decode_merge_float16_d64_mask_bool",  # the merge has no mask kinds
     "attention_decode_partial_float16_d128_bk16",
+    "attention_decode_partial_float16_d128",  # the dense decode names its shape
+    "attention_decode_partial_float16_d128_r8",
     "attention_quantized_decode_partial_float16_d64",  # the quantized family names its bits
     "attention_quantized_decode_partial_float16_d64_bx",
     "attention_prefill_float64_d64_bk32",  # not a kernel dtype
@@ -109,7 +111,7 @@ def test_decode_variant_source_alone_runs_a_one_split_decode(tmp_path):
     """One split: the plan's single dispatch (the partial kernel writing the
     output itself) compiled from its variant source alone, with sinks and
     the row log-sum-exp."""
-    kernel = "attention_decode_partial_float32_d64_mask_bool"
+    kernel = "attention_decode_partial_float32_d64_r1_sg32_mask_bool"  # the row shape
     path = tmp_path / f"{kernel}.metal"
     path.write_bytes(_ext.metal_variant_source(kernel).encode())
     assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]

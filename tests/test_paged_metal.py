@@ -23,7 +23,7 @@ import msl_emulator
 from mlx_attn import _native, self_check
 from paged_metal_runner import (QUANTIZED_SOURCES, as_float, dense_decode_bytes, oracle, paged_decode_bytes,
                                 paged_plan, run_paged, trimmed_sources)
-from metal_runner import REPO
+from metal_runner import REPO, decode_instantiation
 from sdpa_cases import TOLERANCE
 
 needs_ext = pytest.mark.skipif(_native.ext is None, reason="the native extension is not built")
@@ -397,7 +397,7 @@ def counting(tmp_path_factory):
     sources = trimmed_sources(directory, ["float16, half, 128"])
     decode = directory / "attention_decode.metal"
     text = (REPO / "metal" / "attention_decode.metal").read_text()
-    decode.write_text(text[: text.index("MLX_ATTN_DECODE_TYPES(64)")] + "MLX_ATTN_DECODE(float16, half, 128)\n")
+    decode.write_text(text[: text.index("MLX_ATTN_DECODE_TYPES(64,")] + decode_instantiation("float16, half", 128) + "\n")
     return msl_emulator.compile_library(sources + [decode], include_dirs=[REPO], fast_math=True, counters=True)
 
 

@@ -363,7 +363,9 @@ def test_gpu_streams_take_the_reference_path_without_metal():
 
 def decode_kv_bytes_per_element(run, q, *kv, quantized=None) -> float:
     """Device bytes the decode partial kernel reads per K/V element, q's
-    reads (each simdgroup reads its rows' q) taken out."""
+    reads (each simdgroup reads its rows' q) taken out: the quantized decode
+    and the float decode's group shape, each key read once for the rows of
+    its KV head."""
     counters = []
 
     class Counting:
@@ -375,7 +377,7 @@ def decode_kv_bytes_per_element(run, q, *kv, quantized=None) -> float:
         if quantized:
             run.quantized(q, *kv, scale=0.1, **quantized)
         else:
-            run(q, *kv, scale=0.1)
+            run(q, *kv, scale=0.1, gpu_target={"decode_shape": "group"})  # the quantized decode's shape
     finally:
         run.library = library
     _, hq, tq, d = q.shape

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View
+from metal_runner import REPO, EmulatedMetal, View, decode_instantiation
 from mutations import kernel_text, assert_caught, mutated, write
 from test_metal_mutations import case_options, differs_from_reference
 
@@ -33,7 +33,7 @@ def only_float32(text: str) -> str:
         kept = [f"MLX_ATTN_QUANTIZED_DECODE(float32, float, {d}, {bits})" for d in HEAD_DIMS for bits in (4, 8)]
     else:
         text = re.sub(r"^MLX_ATTN_DECODE_TYPES\(.*\)$", "", text, flags=re.M)
-        kept = [f"MLX_ATTN_DECODE(float32, float, {d})" for d in HEAD_DIMS]
+        kept = [decode_instantiation("float32, float", d) for d in HEAD_DIMS]
     return text + "\n" + "\n".join(kept) + "\n"
 
 
@@ -77,7 +77,7 @@ MUTANTS = {
     "bool mask ignored": replaced("mask[mask_offset(p, b, h, qi, key)] != 0)", "true)"),
     "additive mask ignored": replaced("logit.value = additive_masked_logit(logit.value, added);", ""),
     "keys not dealt out among simdgroups": replaced(
-        "key < kv_end; key += MLX_ATTN_DECODE_SIMDGROUPS", "key < kv_end; key += 1"),
+        "key < kv_end; key += NSG", "key < kv_end; key += 1"),
     "GQA rows share one query head": replaced(
         "const int h = kv_head * p.group + (real ? r / p.q_len : 0);", "const int h = kv_head * p.group;"),
     # online softmax and the merges

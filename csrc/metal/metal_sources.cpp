@@ -68,7 +68,7 @@ struct VariantFamily {
 constexpr VariantFamily kVariantFamilies[] = {
     {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", {"d", "dv", "bk"}, true},
     {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", {"d", "bk", ""}, true},
-    {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "", ""}, true},
+    {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "r", "sg"}, true},
     {"attention_decode_merge_", "MLX_ATTN_DECODE_MERGE", {"d", "", ""}, false},
     {"attention_quantized_decode_partial_", "MLX_ATTN_QUANTIZED_DECODE_MASK", {"d", "b", ""}, true},
     {"attention_quantized_prefill_", "MLX_ATTN_QUANTIZED_PREFILL_MASK", {"d", "b", "bk"}, true},

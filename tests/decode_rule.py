@@ -1,0 +1,58 @@
+"""The dense decode plan's rule, written apart from csrc/launch_plan.cpp as
+docs/metal_kernels.md ("Decode") states it: the oracle the plan tests hold
+the launch plan to.
+
+Two threadgroup shapes per head dim: the group shape (the register budget's
+32 / (D / 32) rows on 4 simdgroups, at least 64 keys per split) and the row
+shape (one row on ROW_SIMDGROUPS[D] simdgroups, at least 32 keys per
+simdgroup per split). Splits of a shape: enough threadgroups for the target's
+cores x 8 threadgroups of 4 simdgroups (counted in the shape's simdgroups, at
+least one per core), but each split keeps max(the shape's floor, 16 x rows)
+keys. The plan takes the row shape where its critical path, the waves of
+threadgroups (as many at once as the split rule's busy figure) times the
+keys per simdgroup (x 1.5 when a threadgroup serves several rows), plus 16
+for a merge dispatch, is no longer than the group shape's."""
+
+from __future__ import annotations
+
+import math
+
+ROW_SIMDGROUPS = {64: 32, 96: 32, 128: 32, 256: 16, 512: 16}
+
+
+def shapes(d: int) -> dict:
+    """name -> (rows, simdgroups, the floor of keys per split)."""
+    return {"group": (32 // (d // 32), 4, 64), "row": (1, ROW_SIMDGROUPS[d], 32 * ROW_SIMDGROUPS[d])}
+
+
+def at_once(shape: tuple, cores: int) -> int:
+    """Threadgroups of the shape the GPU runs at once: cores x 8 of 4 simdgroups."""
+    return max(cores, cores * 8 * 4 // shape[1])
+
+
+def splits(batch: int, kv_heads: int, rows: int, kv_len: int, shape: tuple, cores: int = 8) -> int:
+    shape_rows, simdgroups, floor = shape
+    threadgroups = max(1, batch * kv_heads * -(-rows // shape_rows))
+    for_occupancy = -(-at_once(shape, cores) // threadgroups)
+    for_traffic = -(-kv_len // max(floor, 16 * rows))
+    return max(1, min(for_occupancy, for_traffic))
+
+
+def path(batch: int, kv_heads: int, rows: int, kv_len: int, n_splits: int, shape: tuple, cores: int) -> float:
+    threadgroups = batch * kv_heads * -(-rows // shape[0]) * n_splits
+    waves = max(1, -(-threadgroups // at_once(shape, cores)))
+    keys = math.ceil(kv_len / (n_splits * shape[1]))
+    return waves * keys * (1.5 if min(rows, shape[0]) > 1 else 1.0) + (16 if n_splits > 1 else 0)
+
+
+def decode_plan(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, cores: int = 8) -> dict:
+    """The shape the plan takes ("group" / "row"), its rows, simdgroups and
+    split count, and the partial kernel's host-name fields."""
+    by_shape = {}
+    for name, shape in shapes(d).items():
+        n = splits(batch, kv_heads, rows, kv_len, shape, cores)
+        by_shape[name] = (path(batch, kv_heads, rows, kv_len, n, shape, cores), n, shape)
+    name = "row" if by_shape["row"][0] <= by_shape["group"][0] else "group"
+    _, n, (shape_rows, simdgroups, _) = by_shape[name]
+    return {"shape": name, "rows": shape_rows, "simdgroups": simdgroups, "splits": n,
+            "fields": f"_r{shape_rows}_sg{simdgroups}"}
