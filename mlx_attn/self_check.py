@@ -47,6 +47,7 @@ __all__ = [
     "unchecked",
     "CheckResult",
     "canonical_cases",
+    "group_shape_case",
     "check_variant",
     "self_check_enabled",
     "trusted",
@@ -173,23 +174,72 @@ class Case:
     window_size: int | None = None
     sinks: bool = False
     softcap: float | None = None  # the softcap variant of every logit step
+    # keys scaled from 0.05x to this along the sequence: logits grow with the
+    # key index, so key/value splits reach very different maxima and a merge
+    # that weighs them wrongly shows (None: plain normal keys)
+    key_growth: float | None = None
 
 
-def canonical_cases(variant: Variant) -> list[Case]:
+def canonical_cases(variant: Variant, gpu_target: dict | None = None) -> list[Case]:
     """A few problems that together reach every branch of a variant's kernels:
     GQA, causal and window block skipping, both mask kinds, sinks, the
-    softcap, partial tiles and (decode) several key/value splits."""
+    softcap, partial tiles and (decode) both threadgroup shapes, the group
+    shape over several key/value splits and the merge. Decode's shape
+    depends on the GPU (`gpu_target`: the launch plan's gpu_family /
+    gpu_cores; default this process's GPU)."""
     if variant.phase == "prefill":
         return [
             Case("causal+sinks", 1, 4, 2, 40, 72, mask="causal", sinks=True),
             Case("bool mask+softcap", 2, 2, 1, 37, 45, mask="bool", softcap=1.5),
             Case("additive mask+window", 1, 3, 3, 33, 33, mask="additive", window_size=24),
         ]
-    return [
+    # short contexts: the row shape (one row per threadgroup)
+    cases = [
         Case("one query", 1, 8, 2, 1, 300),
         Case("window+sinks", 2, 4, 1, 1, 257, mask="causal", window_size=100, sinks=True),
         Case("bool mask+softcap, 3 queries", 1, 4, 4, 3, 150, mask="bool", softcap=1.5),
     ]
+    group = group_shape_case(variant.head_dim, gpu_target)
+    return cases + ([group] if group is not None else [])
+
+
+# Contexts the group-shape case may take, shortest first.
+GROUP_SHAPE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+# Simdgroups of a decode merge threadgroup (MLX_ATTN_DECODE_MERGE_SIMDGROUPS):
+# simdgroup g merges splits g, g + 8, ...
+MERGE_SIMDGROUPS = 8
+
+
+def device_gpu_target() -> dict:
+    """The launch plan's target (gpu_family, gpu_cores) for this process's
+    GPU, as the Mac host plans for it; {} (the conservative default, which
+    the emulator tests plan for) without Metal."""
+    from mlx_attn import _native
+
+    if _native.ext is None or not mx.metal.is_available():
+        return {}
+    architecture = str(mx.metal.device_info().get("architecture", ""))
+    return dict(_native.ext.gpu_target_from_architecture(architecture))
+
+
+def group_shape_case(head_dim: int, gpu_target: dict | None = None) -> Case | None:
+    """One query of 4 heads over one KV head, causal, keys growing along the
+    sequence: the shortest context of GROUP_SHAPE_LENGTHS that the plan runs
+    on the group shape over more splits than the merge has simdgroups
+    (MERGE_SIMDGROUPS: each then merges several, so their rescale counts) on
+    the target (csrc/launch_plan.cpp decode_shape). None without the
+    extension or where no length does."""
+    from mlx_attn import _native
+
+    if _native.ext is None:
+        return None
+    target = device_gpu_target() if gpu_target is None else gpu_target
+    for kv_len in GROUP_SHAPE_LENGTHS:
+        shapes = _native.ext.metal_decode_shapes(1, 1, 4, kv_len, head_dim, **target)
+        if shapes["group"]["chosen"] and shapes["group"]["splits"] > MERGE_SIMDGROUPS:
+            return Case("GQA 4, long context (group shape, several splits)", 1, 4, 1, 1, kv_len, mask="causal",
+                        key_growth=4.0)
+    return None
 
 
 def backward_cases(variant: BackwardVariant) -> list[Case]:
@@ -219,6 +269,9 @@ def make_inputs(variant: AnyVariant, case: Case, seed: int = 0) -> tuple[tuple, 
 
     q = normal(case.batch, case.q_heads, case.q_len, d)
     k = normal(case.batch, case.kv_heads, case.kv_len, d)
+    if case.key_growth:
+        growth = np.linspace(0.05, case.key_growth, case.kv_len, dtype=np.float32)[:, None]
+        k = (k.astype(mx.float32) * mx.array(growth)).astype(dtype)
     v = normal(case.batch, case.kv_heads, case.kv_len, value_dim)
     kwargs: dict = {"scale": d**-0.5, "window_size": case.window_size}
     shape = (case.batch, 1, case.q_len, case.kv_len)

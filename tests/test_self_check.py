@@ -68,6 +68,34 @@ def test_canonical_cases_cover_the_kernel_branches(phase):
         assert all(c.q_len > 32 for c in cases)  # more than one query block
 
 
+@pytest.mark.parametrize("target", [{}, dict(gpu_family="apple8", gpu_cores=10), dict(gpu_family="apple8", gpu_cores=38),
+                                    dict(gpu_family="apple9", gpu_cores=80), dict(gpu_family="apple10", gpu_cores=4)],
+                         ids=["default", "m2", "m2-max", "80-cores", "4-cores"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_decode_cases_reach_both_threadgroup_shapes(target, head_dim):
+    """Whatever the GPU, the decode cases run both kernels of a variant: a
+    problem the plan puts on the row shape and one on the group shape over
+    more splits than the merge has simdgroups (each merges several), as the
+    plan for that GPU shapes them."""
+    from mlx_attn import _ext
+
+    cases = self_check.canonical_cases(Variant("decode", "float16", head_dim), gpu_target=target)
+    taken = set()
+    for case in cases:
+        rows = case.q_heads // case.kv_heads * case.q_len
+        shapes = _ext.metal_decode_shapes(case.batch, case.kv_heads, rows, case.kv_len, head_dim, **target)
+        shape = "row" if shapes["row"]["chosen"] else "group"
+        taken.add((shape, shapes[shape]["splits"] > self_check.MERGE_SIMDGROUPS))
+    assert ("group", True) in taken and any(shape == "row" for shape, _ in taken), taken
+    # the merge's simdgroups as the plan sizes its threadgroup
+    from mlx_attn.metal_support import launch_plan
+
+    (q, k, v), _ = self_check.make_inputs(Variant("decode", "float16", head_dim), cases[-1])
+    merge = launch_plan(q, k, v, scale=1.0, **target)["dispatches"][-1]
+    assert merge["kernel"].startswith("attention_decode_merge_")
+    assert merge["threadgroup"] == [32 * self_check.MERGE_SIMDGROUPS, 1, 1]
+
+
 def test_correct_kernel_passes_and_is_checked_once():
     calls = []
 
