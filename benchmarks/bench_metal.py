@@ -237,9 +237,10 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
                                               causal, gpu)],
                   "mlx": [cm.prefill_kernel("steel", cm.mlx_steel_tile(d), 1, heads, kv_heads, t, t, causal, gpu)]}
     else:
-        rows_per_tg = 32 // (d // 32)
-        models = {"ours": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, row["ours_splits"], rows_per_tg,
-                                                prefetch=decode_prefetch(d), single_dispatch=True, lane_merge=True),
+        shape_rows, simdgroups = kernel_decode_shape(ours_kernels[0])
+        models = {"ours": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, row["ours_splits"], shape_rows,
+                                                simdgroups=simdgroups, prefetch=decode_prefetch(d),
+                                                single_dispatch=True, lane_merge=True),
                   "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
                                                 64 if heads // kv_heads >= 4 else 32)}
     out = {}
@@ -410,28 +411,28 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
     else:
         plan = planned(1, t, d, heads, kv_heads, False, gpu)
         group = heads // kv_heads
-        splits = plan_decode_splits(plan)
-        rows_per_tg = 32 // (d // 32)
+        now = plan_decode_shape(plan)
+        shapes = decode_shapes(1, kv_heads, group, t, d, gpu)
+        rows_per_tg = shapes["group"]["rows"]
         chunks = -(-group // rows_per_tg)
         before = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
         two_pass = kv_heads < heads and t >= 4096  # MLX on a base GPU (tests/mlx_kernel_runner.py)
         prefetch = decode_prefetch(d)
+        group_splits = shapes["group"]["splits"]
+        shape_name = "row shape" if now["rows"] == 1 else "group shape"
         variants = {
             "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, two_pass, 64 if group >= 4 else 32),
-            f"ours, {before} splits (before: 64 keys per row)": cm.our_decode_kernels(
+            f"ours, {before} splits (before #23: 64 keys per row, merge always, no prefetch)": cm.our_decode_kernels(
                 1, heads, kv_heads, t, d, gpu, before, rows_per_tg),
-            f"ours, {splits} splits, merge always, no prefetch (before)": cm.our_decode_kernels(
-                1, heads, kv_heads, t, d, gpu, splits, rows_per_tg),
+            f"ours, group shape ({rows_per_tg} rows, 4 simdgroups), {group_splits} splits, prefetch, "
+            f"{cm.MERGE_SIMDGROUPS}-simdgroup merge (before)": cm.our_decode_kernels(
+                1, heads, kv_heads, t, d, gpu, group_splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
+                lane_merge=True),
+            f"ours, {shape_name} ({rows_text(now['rows'])}, {now['simdgroups']} simdgroups), {now['splits']} splits "
+            "(now)": cm.our_decode_kernels(
+                1, heads, kv_heads, t, d, gpu, now["splits"], now["rows"], simdgroups=now["simdgroups"],
+                prefetch=prefetch, single_dispatch=True, lane_merge=True),
         }
-        ahead = f"ours, {splits} splits, prefetch{'' if prefetch > 1 else ' (off at this D)'}, "
-        if splits > 1:  # one split: no merge to compare
-            variants[ahead + "one-simdgroup lane merge (before)"] = cm.our_decode_kernels(
-                1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
-                lane_merge=True, merge_simdgroups=1)
-        merge_now = "1 dispatch" if splits == 1 else f"{cm.MERGE_SIMDGROUPS}-simdgroup merge"
-        variants[ahead + merge_now + " (now)"] = cm.our_decode_kernels(
-            1, heads, kv_heads, t, d, gpu, splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
-            lane_merge=True)
         exp_kinds = {name: "fast" for name in variants}  # decode_key and the merges call fast::exp2
     out = {}
     for name, kernels in variants.items():
@@ -449,30 +450,59 @@ def decode_prefetch(d: int) -> int:
     return 2 if d // 32 <= 8 else 1
 
 
-def plan_decode_splits(plan: dict) -> int:
-    """Splits of a decode plan: the partial dispatch's grid x."""
+def rows_text(rows: int) -> str:
+    return "1 row" if rows == 1 else f"{rows} rows"
+
+
+def kernel_decode_shape(kernel: str) -> tuple[int, int]:
+    """(rows, simdgroups) of a dense decode partial kernel, from its host name
+    (attention_decode_partial_<dtype>_d<D>_r<R>_sg<NSG>)."""
+    import re
+
+    match = re.match(r"attention_decode_partial_\w+?_d\d+_r(\d+)_sg(\d+)", kernel)
+    if match is None:
+        raise ValueError(f"not a dense decode partial kernel: {kernel}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def plan_decode_shape(plan: dict) -> dict:
+    """A dense decode plan's shape (rows, simdgroups) and splits (the partial
+    dispatch's grid x)."""
     for dispatch in plan["dispatches"]:
-        if "decode_partial" in dispatch["kernel"]:
-            return int(dispatch["grid"][0])
+        if dispatch["kernel"].startswith("attention_decode_partial_"):
+            rows, simdgroups = kernel_decode_shape(dispatch["kernel"])
+            return {"rows": rows, "simdgroups": simdgroups, "splits": int(dispatch["grid"][0])}
     raise ValueError("no decode partial dispatch in the plan")
+
+
+def decode_shapes(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, gpu=MODEL_GPU) -> dict:
+    """The plan's two decode shapes for a problem, each with its split count,
+    and which one it chooses (csrc/launch_plan.cpp decode_shape)."""
+    from mlx_attn import _ext
+
+    return _ext.metal_decode_shapes(batch, kv_heads, rows, kv_len, d, gpu_family=gpu.family, gpu_cores=gpu.cores)
 
 
 # Every head-dim pair the forward plans take (key = value, then the D-split pairs).
 PLANNED_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
 
 
-def decode_partial_registers(d: int, bits: int | None = None) -> tuple[str, int]:
-    """(tile, estimated registers) of the decode partial kernel at head dim d,
-    over float K/V or, with `bits`, quantized K/V (the same body with the
-    QuantizedKV loader): the registers are the compiled R rows', whatever
-    the problem."""
-    rows = 32 // (d // 32)
+def decode_partial_registers(d: int, bits: int | None = None, rows: int | None = None,
+                             simdgroups: int = 4) -> tuple[str, int]:
+    """(tile, estimated registers) of the decode partial kernel at head dim d
+    and shape (rows, simdgroups; the group shape by default), over float K/V
+    or, with `bits`, quantized K/V (the same body with the QuantizedKV
+    loader): the registers are the compiled R rows', whatever the problem.
+    A shape whose threads do not fit a core's registers is an error
+    (metal_cost_model.residency)."""
+    rows = rows or 32 // (d // 32)
     problem = (1, rows, 1, 1024, d, MODEL_GPU, 2, rows)
     if bits is None:
-        kernels = cm.our_decode_kernels(*problem, prefetch=decode_prefetch(d))
+        kernels = cm.our_decode_kernels(*problem, simdgroups=simdgroups, prefetch=decode_prefetch(d))
     else:
         kernels = cm.our_quantized_decode_kernels(*problem, bits, 64, prefetch=decode_prefetch(d))
-    return f"{rows} rows{', prefetch' if decode_prefetch(d) > 1 else ''}", kernels[0].registers
+    tile = f"{rows_text(rows)}, {simdgroups} simdgroups{', prefetch' if decode_prefetch(d) > 1 else ''}"
+    return tile, kernels[0].registers
 
 
 def kernel_registers(kernel: str) -> tuple[str, str, int]:
@@ -497,8 +527,9 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
     if m := match(r"attention_quantized_decode_partial_\w+?_d(\d+)_b(\d+)"):
         d, bits = map(int, m.groups())
         return (f"quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits)
-    if m := match(r"attention_decode_partial_\w+?_d(\d+)"):
-        return ("decode",) + decode_partial_registers(int(m.group(1)))
+    if m := match(r"attention_decode_partial_\w+?_d(\d+)_r(\d+)_sg(\d+)"):
+        d, rows, simdgroups = map(int, m.groups())
+        return ("decode",) + decode_partial_registers(d, rows=rows, simdgroups=simdgroups)
     if m := match(r"attention_backward_split_(dkdv|dq)_"):
         return f"backward {m.group(1)} (D-split)", "C 64", cm.backward_split_registers(m.group(1))
     if m := match(r"attention_backward_(dkdv|dq)_\w+?_d(\d+)"):
@@ -530,10 +561,10 @@ def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
     from mlx_attn import _ext
 
     names = []
-    for q_len in (1, 512):
+    for q_len, kv_len in ((1, 512), (1, 16384), (512, 512)):  # decode: the row shape, then the group shape
         q = mx.zeros((1, 4, q_len, d), dtype)
-        k = mx.zeros((1, 1, 512, d), dtype)
-        v = mx.zeros((1, 1, 512, dv), dtype)
+        k = mx.zeros((1, 1, kv_len, d), dtype)
+        v = mx.zeros((1, 1, kv_len, dv), dtype)
         problem = _ext.describe_attention(q, k, v, scale=d**-0.5, causal=True, window_size=0, mask=None, sinks=None,
                                           output_lse=False, softcap=0.0)
         plan = _ext.metal_launch_plan(problem, gpu_family=family, gpu_cores=0)
@@ -541,7 +572,7 @@ def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
         if q_len > 1:
             backward = _ext.metal_backward_launch_plan(problem)
             names += [dispatch["kernel"] for dispatch in backward["dispatches"]]
-        if d == dv and d % 64 == 0 and d <= 512:  # over 4- and 8-bit K/V (mx.quantize triples, groups of 64)
+        if kv_len == 512 and d == dv and d % 64 == 0 and d <= 512:  # over 4- and 8-bit K/V (mx.quantize triples, groups of 64)
             from mlx_attn.quantized import quantized_launch_plan
 
             for bits in (4, 8):
@@ -597,33 +628,44 @@ def backward_model_rows(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
     return rows
 
 
-def split_rule_check() -> dict:
-    """Our decode split rule (the plan's, now) and the previous one against
-    the best split count per problem, by the model: geometric means of
-    predicted time / best over a grid of problems on M2 and M2 Max."""
-    ratios = {"now": [], "before": []}
+def decode_rule_check() -> dict:
+    """The plan's decode rule (shape and split count, now), the group shape
+    alone with its split rule (before this change) and the rule before issue
+    #23 (64 keys per row), by the model over a grid of problems on M2 and M2
+    Max: geometric means of predicted time over the best shape and split
+    count per problem, and over MLX's sdpa_vector."""
+    ratios = {name: {"best": [], "mlx": []} for name in ("now", "group", "before")}
     for gpu in (cm.M2, cm.M2_MAX):
         for d in (64, 128):
-            rows_per_tg = 32 // (d // 32)
             for kv_heads in (1, 2, 8, 32):
                 for group in (1, 4, 8):
                     for t in (256, 1024, 4096, 16384):
                         heads = kv_heads * group
+                        shapes = decode_shapes(1, kv_heads, group, t, d, gpu)
 
-                        def seconds(splits):
-                            kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, rows_per_tg,
+                        def seconds(splits, shape):
+                            kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, shape["rows"],
+                                                            simdgroups=shape["simdgroups"],
                                                             prefetch=decode_prefetch(d), single_dispatch=True,
                                                             lane_merge=True)
                             return cm.predict_all(kernels, gpu)["seconds"]
 
-                        best = min(seconds(s) for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
-                        chunks = -(-group // rows_per_tg)
-                        now = plan_decode_splits(planned(1, t, d, heads, kv_heads, False, gpu))
-                        before = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
-                        ratios["now"].append(seconds(now) / best)
-                        ratios["before"].append(seconds(before) / best)
-    return {name: {"geomean": float(np.exp(np.mean(np.log(r)))), "max": max(r), "problems": len(r)}
-            for name, r in ratios.items()}
+                        best = min(seconds(s, shape) for shape in shapes.values()
+                                   for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
+                        chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+                        chunks = -(-group // shapes["group"]["rows"])
+                        old = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
+                        mlx = cm.predict_all(cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu,
+                                                                    kv_heads < heads and t >= 4096,
+                                                                    64 if group >= 4 else 32), gpu)["seconds"]
+                        for name, value in (("now", seconds(chosen["splits"], chosen)),
+                                            ("group", seconds(shapes["group"]["splits"], shapes["group"])),
+                                            ("before", seconds(old, shapes["group"]))):
+                            ratios[name]["best"].append(value / best)
+                            ratios[name]["mlx"].append(value / mlx)
+    return {name: {"geomean": float(np.exp(np.mean(np.log(r["best"])))), "max": max(r["best"]),
+                   "mlx_geomean": float(np.exp(np.mean(np.log(r["mlx"])))), "mlx_max": max(r["mlx"]),
+                   "problems": len(r["best"])} for name, r in ratios.items()}
 
 
 def tile_validation(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
@@ -772,11 +814,16 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
         lines.append(f"| {r['D']} | {'yes' if r['causal'] else 'no'} | {r['variant']} | {r['dkdv']} | {r['dq']} | "
                      f"{r['registers'][0]}{spill[0]}, {r['registers'][1]}{spill[1]} | {r['us'][0]:.0f} | "
                      f"{r['us'][1]:.0f} | {r['total_us']:.0f} |")
-    rule = split_rule_check()
-    lines += ["", "Decode split rule, predicted time over the best split count per problem (D 64/128, Hkv",
-              f"1/2/8/32, GQA 1/4/8, Tkv 256-16384 on M2 and M2 Max; {rule['now']['problems']} problems): now "
-              f"{rule['now']['geomean']:.2f}x (geometric mean; worst {rule['now']['max']:.2f}x), before (64 keys per row) "
-              f"{rule['before']['geomean']:.2f}x (worst {rule['before']['max']:.2f}x)."]
+    rule = decode_rule_check()
+    lines += ["", "Decode rule (threadgroup shape and split count), predicted time over the best shape and split",
+              f"count per problem, and over MLX's sdpa_vector (D 64/128, Hkv 1/2/8/32, GQA 1/4/8, Tkv 256-16384 on M2",
+              f"and M2 Max; {rule['now']['problems']} problems; geometric mean, worst in parentheses):", "",
+              "| rule | / best | / sdpa_vector |", "|---|---|---|"]
+    for name, title in (("now", "the row or the group shape (now)"),
+                        ("group", "the group shape alone, its split rule (before)"),
+                        ("before", "the group shape, 64 keys per row (before #23)")):
+        r = rule[name]
+        lines.append(f"| {title} | {r['geomean']:.2f}x ({r['max']:.2f}x) | {r['mlx_geomean']:.2f}x ({r['mlx_max']:.2f}x) |")
     lines += quantized_prefill_lines(gpu)
     lines += quantized_decode_lines(gpu)
     check = throughput_check()
@@ -797,16 +844,12 @@ def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> 
     """Our quantized decode (metal/attention_quantized.h) before (partial +
     merge, always) and now (one dispatch at one split), by the model, next to
     MLX's sdpa_vector on the dequantized fp16 K/V. The split count is the
-    float decode plan's (the quantized plan calls the same decode_splits)."""
-    from mlx_attn.metal_support import launch_plan
-
+    group shape's (the quantized plan takes that shape alone)."""
     rows = []
     for batch, kv_heads, group, t in QUANTIZED_ONE_SPLIT_PROBLEMS:
         heads = kv_heads * group
-        q = mx.zeros((batch, heads, 1, d), mx.float16)
-        k = mx.zeros((batch, kv_heads, t, d), mx.float16)
-        splits = plan_decode_splits(launch_plan(q, k, k, scale=d**-0.5, gpu_family=gpu.family, gpu_cores=gpu.cores))
-        rows_per_tg = 32 // (d // 32)
+        group_shape = decode_shapes(batch, kv_heads, group, t, d, gpu)["group"]  # the quantized plan's shape
+        splits, rows_per_tg = group_shape["splits"], group_shape["rows"]
         two_pass = kv_heads < heads and t >= 4096  # as model_problem
         mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
                                                     64 if group >= 4 else 32), gpu)["seconds"]

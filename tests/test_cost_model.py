@@ -284,3 +284,44 @@ def test_a_threadgroup_that_does_not_fit_the_register_file_is_an_error():
     assert fits[0].registers == 116 and 116 * 4 * 16 * 32 > gpu.register_file_bytes
     with pytest.raises(ValueError, match="512 threads x 116 registers do not fit a core's 208 KiB register file"):
         cm.predict_all(cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 4, 8, simdgroups=16, prefetch=2), gpu)
+
+
+def test_the_row_shape_fits_its_threads_and_keeps_a_short_chain():
+    """The row shape (one row, 32 simdgroups at D = 128): q, o, m, l of one
+    row, the current and next key's slices and ~20 of state fit 1024
+    threads in a core's 208 KB; its combine hands 31 simdgroups' states over.
+    On issue #23's case (M2 Max, Hkv 8, GQA 4, 1024 keys) it runs each
+    simdgroup's 32 keys in one dispatch where the group shape needs 16
+    splits and a merge: faster, and at sdpa_vector's one pass (the same
+    structure)."""
+    gpu = cm.M2_MAX
+    (row,) = cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 1, 1, simdgroups=32, prefetch=2,
+                                   single_dispatch=True, lane_merge=True)
+    assert row.registers == 2 * 4 + 2 + 2 * 2 * 4 + cm.FIXED_REGISTERS
+    assert row.registers * 4 * 1024 <= gpu.register_file_bytes
+    assert (row.threads, row.threadgroups, row.blocks) == (1024, 32, 1024 // 32)
+    assert row.threadgroup_memory == 31 * (128 + 2) * 4
+    group = cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 16, 8, prefetch=2, single_dispatch=True,
+                                  lane_merge=True)
+    assert len(group) == 2
+    row_seconds = cm.predict_all([row], gpu)["seconds"]
+    mlx = cm.predict_all(cm.sdpa_vector_kernels(1, 32, 8, 1024, 128, gpu, False), gpu)["seconds"]
+    assert row_seconds < 0.8 * cm.predict_all(group, gpu)["seconds"]
+    assert row_seconds <= 1.01 * mlx
+    # at D = 256 the row shape's 70 registers do not fit 1024 threads: 16 simdgroups
+    with pytest.raises(ValueError, match="do not fit"):
+        cm.our_decode_kernels(1, 4, 1, 1024, 256, gpu, 1, 1, simdgroups=32, prefetch=2)
+    cm.our_decode_kernels(1, 4, 1, 1024, 256, gpu, 1, 1, simdgroups=16, prefetch=2)
+
+
+def test_the_decode_rule_is_near_the_models_best_and_at_sdpa_vector():
+    """Issue #23's decode target by the model: over the rule's grid (D 64 /
+    128, Hkv 1-32, GQA 1-8, 256-16384 keys, M2 and M2 Max) the plan's shape
+    and split count are within 1.1x the best per problem (geometric mean)
+    and at most sdpa_vector's time; the group shape alone was over both."""
+    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    check = bench_metal.decode_rule_check()
+    assert check["now"]["problems"] == 192
+    assert check["now"]["geomean"] <= 1.1 and check["now"]["mlx_geomean"] <= 1.0
+    assert check["group"]["geomean"] > 1.2 and check["group"]["mlx_geomean"] > 1.1
+    assert check["now"]["max"] < check["group"]["max"] < check["before"]["max"]
