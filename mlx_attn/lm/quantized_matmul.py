@@ -61,10 +61,16 @@ def _dequantized_rows(x: mx.array) -> bool:
     return _rows(x) >= DEQUANTIZED_MATMUL_ROWS and mx.default_device() == mx.cpu
 
 
+def _cpu_affine(layer, bits: tuple) -> bool:
+    """Whether the extension's CPU code reads ``layer``'s packing: on the CPU,
+    affine mode with biases, one of ``bits`` and a group size it unpacks."""
+    return (mx.default_device() == mx.cpu and getattr(layer, "mode", "affine") == "affine"
+            and layer.get("biases") is not None and layer.bits in bits
+            and layer.group_size in FUSED_MATVEC_GROUP_SIZES)
+
+
 def _fused_matvec_rows(x: mx.array, layer) -> bool:
-    return (mx.default_device() == mx.cpu and 0 < _rows(x) < DEQUANTIZED_MATMUL_ROWS
-            and getattr(layer, "mode", "affine") == "affine" and layer.bits in FUSED_MATVEC_BITS
-            and layer.group_size in FUSED_MATVEC_GROUP_SIZES and layer.get("biases") is not None)
+    return 0 < _rows(x) < DEQUANTIZED_MATMUL_ROWS and _cpu_affine(layer, FUSED_MATVEC_BITS)
 
 
 def fused_matvec(x: mx.array, layer) -> mx.array:
@@ -100,8 +106,7 @@ def _dequantized(layer, begin: int = 0, end: int | None = None, after: mx.array 
     weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     end = weight.shape[0] if end is None else end
     codes = weight[begin:end] if after is None else mx.depends(weight[begin:end], after)
-    if (mx.default_device() == mx.cpu and getattr(layer, "mode", "affine") == "affine" and biases is not None
-            and layer.bits in ONE_PASS_DEQUANTIZE_BITS and layer.group_size in FUSED_MATVEC_GROUP_SIZES):
+    if _cpu_affine(layer, ONE_PASS_DEQUANTIZE_BITS):
         from mlx_attn import _ext
 
         return _ext.dequantize_affine(codes, scales[begin:end], biases[begin:end], layer.group_size, layer.bits)
