@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -184,11 +185,6 @@ std::vector<mx::array> DequantizeAffine::vjp(const std::vector<mx::array>& prima
   return grads;
 }
 
-bool DequantizeAffine::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const DequantizeAffine&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
-}
-
 void DequantizeAffine::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -208,10 +204,6 @@ void DequantizeAffine::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   call.biases = inputs[2].data<void>();
   call.out = out.data<float>();
   encoder.dispatch([call, scale_type]() { run_dequantize(call, scale_type); });
-}
-
-void DequantizeAffine::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[mlx_attn.dequantize_affine] runs on the CPU only");
 }
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx::array& scales,
@@ -264,11 +256,6 @@ std::vector<mx::array> QuantizedMatvec::vjp(const std::vector<mx::array>& primal
   return {dx};
 }
 
-bool QuantizedMatvec::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const QuantizedMatvec&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
-}
-
 void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -291,8 +278,13 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.dispatch([call]() { run(call); });
 }
 
-void QuantizedMatvec::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[mlx_attn.quantized_matvec] runs on the CPU only");
+void QuantizedWeightPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string("[mlx_attn.") + op_name() + "] runs on the CPU only");
+}
+
+bool QuantizedWeightPrimitive::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const QuantizedWeightPrimitive*>(&other);
+  return o != nullptr && std::strcmp(name(), o->name()) == 0 && group_size_ == o->group_size_ && bits_ == o->bits_;
 }
 
 }  // namespace mlx_attn

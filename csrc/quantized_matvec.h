@@ -28,47 +28,58 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx:
 mx::array dequantize_affine(const mx::array& codes, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits, mx::StreamOrDevice s = {});
 
-class DequantizeAffine : public mx::Primitive {
+// What the CPU ops over an affine-quantized weight share: the packing's
+// group size and bit width, equivalence by op and both, and no GPU
+// evaluation (the GPU keeps MLX's quantized kernels).
+class QuantizedWeightPrimitive : public mx::Primitive {
  public:
-  DequantizeAffine(mx::Stream stream, int group_size, int bits)
+  QuantizedWeightPrimitive(mx::Stream stream, int group_size, int bits)
       : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  // Throws: "[mlx_attn.<op_name()>] runs on the CPU only".
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  // The op's name in mlx_attn._ext, for errors.
+  virtual const char* op_name() const = 0;
+
+ protected:
+  int group_size_;
+  int bits_;
+};
+
+class DequantizeAffine : public QuantizedWeightPrimitive {
+ public:
+  using QuantizedWeightPrimitive::QuantizedWeightPrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   // To the scales (the codes summed per group) and the biases (the
   // cotangent summed per group); the integer codes get zeros.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
   const char* name() const override {
     return "DequantizeAffine";
   }
-
- private:
-  int group_size_;
-  int bits_;
+  const char* op_name() const override {
+    return "dequantize_affine";
+  }
 };
 
-class QuantizedMatvec : public mx::Primitive {
+class QuantizedMatvec : public QuantizedWeightPrimitive {
  public:
-  QuantizedMatvec(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  using QuantizedWeightPrimitive::QuantizedWeightPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   // Gradients flow to x only (the weight is not trained through this op).
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
   const char* name() const override {
     return "QuantizedMatvec";
   }
-
- private:
-  int group_size_;
-  int bits_;
+  const char* op_name() const override {
+    return "quantized_matvec";
+  }
 };
 
 }  // namespace mlx_attn
