@@ -295,8 +295,10 @@ def test_the_row_shape_fits_its_threads_and_keeps_a_short_chain():
     splits and a merge: faster, and at sdpa_vector's one pass (the same
     structure)."""
     gpu = cm.M2_MAX
-    (row,) = cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 1, 1, simdgroups=32, prefetch=2,
-                                   single_dispatch=True, lane_merge=True)
+    kernels = cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 1, 1, simdgroups=32, prefetch=2,
+                                    single_dispatch=True, lane_merge=True)
+    assert len(kernels) == 1  # one split: no merge dispatch
+    row = kernels[0]
     assert row.registers == 2 * 4 + 2 + 2 * 2 * 4 + cm.FIXED_REGISTERS
     assert row.registers * 4 * 1024 <= gpu.register_file_bytes
     assert (row.threads, row.threadgroups, row.blocks) == (1024, 32, 1024 // 32)
@@ -304,7 +306,7 @@ def test_the_row_shape_fits_its_threads_and_keeps_a_short_chain():
     group = cm.our_decode_kernels(1, 32, 8, 1024, 128, gpu, 16, 8, prefetch=2, single_dispatch=True,
                                   lane_merge=True)
     assert len(group) == 2
-    row_seconds = cm.predict_all([row], gpu)["seconds"]
+    row_seconds = cm.predict_all(kernels, gpu)["seconds"]
     mlx = cm.predict_all(cm.sdpa_vector_kernels(1, 32, 8, 1024, 128, gpu, False), gpu)["seconds"]
     assert row_seconds < 0.8 * cm.predict_all(group, gpu)["seconds"]
     assert row_seconds <= 1.01 * mlx
