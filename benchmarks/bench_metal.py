@@ -374,6 +374,21 @@ def previous_decode_splits(rows: int, kv_len: int, threadgroups: int, cores: int
     return max(1, min(for_occupancy, for_traffic))
 
 
+def group_only_rows(d: int) -> int:
+    """The group shape's rows before the 8-row cap (the register budget's
+    32 / (D / 32)): the 'before' columns' kernel."""
+    return 32 // (d // 32)
+
+
+def group_only_splits(rows: int, kv_len: int, kv_heads: int, d: int, cores: int) -> int:
+    """The split rule when the group shape was the only one (16 keys per row,
+    64 per split, cores x 8 threadgroups), kept as a 'before' column."""
+    threadgroups = max(1, kv_heads * -(-rows // group_only_rows(d)))
+    for_occupancy = -(-cores * 8 // threadgroups)
+    for_traffic = -(-kv_len // max(64, 16 * rows))
+    return max(1, min(for_occupancy, for_traffic))
+
+
 def planned(q_len: int, kv_len: int, d: int, heads: int, kv_heads: int, causal: bool, gpu=MODEL_GPU) -> dict:
     """Our launch plan for the problem (csrc/launch_plan.cpp, through the extension)."""
     from mlx_attn.metal_support import launch_plan
@@ -412,13 +427,12 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
         plan = planned(1, t, d, heads, kv_heads, False, gpu)
         group = heads // kv_heads
         now = plan_decode_shape(plan)
-        shapes = decode_shapes(1, kv_heads, group, t, d, gpu)
-        rows_per_tg = shapes["group"]["rows"]
+        rows_per_tg = group_only_rows(d)
         chunks = -(-group // rows_per_tg)
         before = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
         two_pass = kv_heads < heads and t >= 4096  # MLX on a base GPU (tests/mlx_kernel_runner.py)
         prefetch = decode_prefetch(d)
-        group_splits = shapes["group"]["splits"]
+        group_splits = group_only_splits(group, t, kv_heads, d, gpu.cores)
         shape_name = "row shape" if now["rows"] == 1 else "group shape"
         variants = {
             "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, two_pass, 64 if group >= 4 else 32),
@@ -495,7 +509,7 @@ def decode_partial_registers(d: int, bits: int | None = None, rows: int | None =
     loader): the registers are the compiled R rows', whatever the problem.
     A shape whose threads do not fit a core's registers is an error
     (metal_cost_model.residency)."""
-    rows = rows or 32 // (d // 32)
+    rows = rows or decode_shapes(1, 1, 1, 1024, d)["group"]["rows"]
     problem = (1, rows, 1, 1024, d, MODEL_GPU, 2, rows)
     if bits is None:
         kernels = cm.our_decode_kernels(*problem, simdgroups=simdgroups, prefetch=decode_prefetch(d))
@@ -630,10 +644,11 @@ def backward_model_rows(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
 
 def decode_rule_check() -> dict:
     """The plan's decode rule (shape and split count, now), the group shape
-    alone with its split rule (before this change) and the rule before issue
-    #23 (64 keys per row), by the model over a grid of problems on M2 and M2
-    Max: geometric means of predicted time over the best shape and split
-    count per problem, and over MLX's sdpa_vector."""
+    alone as it was (its rows uncapped) with its split rule (before the row
+    shape) and the rule before issue #23 (64 keys per row), by the model over
+    a grid of problems on M2 and M2 Max: geometric means of predicted time
+    over the best shape and split count per problem (either shape now, or
+    the uncapped group shape), and over MLX's sdpa_vector."""
     ratios = {name: {"best": [], "mlx": []} for name in ("now", "group", "before")}
     for gpu in (cm.M2, cm.M2_MAX):
         for d in (64, 128):
@@ -650,17 +665,19 @@ def decode_rule_check() -> dict:
                                                             lane_merge=True)
                             return cm.predict_all(kernels, gpu)["seconds"]
 
-                        best = min(seconds(s, shape) for shape in shapes.values()
+                        former = {"rows": group_only_rows(d), "simdgroups": 4}  # the group shape before the cap
+                        best = min(seconds(s, shape) for shape in (*shapes.values(), former)
                                    for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
                         chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
-                        chunks = -(-group // shapes["group"]["rows"])
+                        chunks = -(-group // former["rows"])
                         old = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
                         mlx = cm.predict_all(cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu,
                                                                     kv_heads < heads and t >= 4096,
                                                                     64 if group >= 4 else 32), gpu)["seconds"]
                         for name, value in (("now", seconds(chosen["splits"], chosen)),
-                                            ("group", seconds(shapes["group"]["splits"], shapes["group"])),
-                                            ("before", seconds(old, shapes["group"]))):
+                                            ("group", seconds(group_only_splits(group, t, kv_heads, d, gpu.cores),
+                                                              former)),
+                                            ("before", seconds(old, former))):
                             ratios[name]["best"].append(value / best)
                             ratios[name]["mlx"].append(value / mlx)
     return {name: {"geomean": float(np.exp(np.mean(np.log(r["best"])))), "max": max(r["best"]),
@@ -820,7 +837,7 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
               f"and M2 Max; {rule['now']['problems']} problems; geometric mean, worst in parentheses):", "",
               "| rule | / best | / sdpa_vector |", "|---|---|---|"]
     for name, title in (("now", "the row or the group shape (now)"),
-                        ("group", "the group shape alone, its split rule (before)"),
+                        ("group", "the group shape alone (R = 32 / (D / 32)), its split rule (before)"),
                         ("before", "the group shape, 64 keys per row (before #23)")):
         r = rule[name]
         lines.append(f"| {title} | {r['geomean']:.2f}x ({r['max']:.2f}x) | {r['mlx_geomean']:.2f}x ({r['mlx_max']:.2f}x) |")

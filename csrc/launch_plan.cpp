@@ -154,7 +154,8 @@ std::string DecodeShape::kernel_fields() const {
 
 DecodeShape decode_group_shape(int head_dim) {
   if (decode_head_dim_index(head_dim) < 0) return {};
-  return {MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32), MLX_ATTN_DECODE_SIMDGROUPS, kDecodeMinKeysPerSplit};
+  const int rows = std::min(MLX_ATTN_DECODE_GROUP_MAX_ROWS, MLX_ATTN_DECODE_ROW_FLOATS / (head_dim / 32));
+  return {rows, MLX_ATTN_DECODE_SIMDGROUPS, kDecodeMinKeysPerSplit};
 }
 
 DecodeShape decode_row_shape(int head_dim) {

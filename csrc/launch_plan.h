@@ -179,7 +179,8 @@ struct DecodeShape {
   std::string kernel_fields() const;
 };
 // The group shape of a head dim: the register budget's rows
-// (MLX_ATTN_DECODE_ROW_FLOATS / (D / 32)) on MLX_ATTN_DECODE_SIMDGROUPS
+// (MLX_ATTN_DECODE_ROW_FLOATS / (D / 32), at most
+// MLX_ATTN_DECODE_GROUP_MAX_ROWS) on MLX_ATTN_DECODE_SIMDGROUPS
 // simdgroups, reading each key once for all of them. The quantized and
 // paged decodes have this shape alone. {}: D has no decode kernel.
 DecodeShape decode_group_shape(int head_dim);

@@ -97,6 +97,14 @@ struct ContiguousKV {
   }
 };
 
+// The group shape's rows at head dim D (metal/attention_params.h): the
+// register budget's, at most MLX_ATTN_DECODE_GROUP_MAX_ROWS.
+template <int D>
+struct DecodeGroupRows {
+  static constexpr int BUDGET = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32);
+  static constexpr int value = BUDGET < MLX_ATTN_DECODE_GROUP_MAX_ROWS ? BUDGET : MLX_ATTN_DECODE_GROUP_MAX_ROWS;
+};
+
 // R rows' online-softmax states, in registers: each row's output slice,
 // running max and sum (what combine_simdgroup_states combines).
 template <int R, int SLICE>
@@ -152,11 +160,12 @@ inline void decode_key(
 
 // Whether decode_keys holds the next key's K/V slices while it computes the
 // current key's (loads one key ahead). It costs 2 x D/32 floats per lane
-// more: q and o (2 x MLX_ATTN_DECODE_ROW_FLOATS = 64), the rows' max and sum
-// (2 R), the current and next key's slices (4 x D/32) and ~20 registers of
-// addresses and loop state stay within 128 registers per lane up to D = 256
-// (D = 64: 124, 96: 112, 128: 116, 256: 124); at D = 512 they would take 152, so it
-// loads the key it computes (120).
+// more: the group shape's q and o (2 x R x D/32, at most 2 x
+// MLX_ATTN_DECODE_ROW_FLOATS = 64), the rows' max and sum (2 R), the current
+// and next key's slices (4 x D/32) and ~20 registers of addresses and loop
+// state stay within 128 registers per lane up to D = 256 (D = 64: 76, 96: 96,
+// 128: 116, 256: 124); at D = 512 they would take 152, so it loads the key
+// it computes (120).
 template <int SLICE>
 struct DecodePrefetch {
   static constexpr bool ENABLED = SLICE <= 8;
@@ -215,7 +224,7 @@ inline void decode_keys(
 // row): simdgroups 1..'s output, max and sum per row (element e of a lane's
 // slice at e * 32 + lane, so that the 32 lanes hit 32 different banks). Each
 // kernel declares one (Metal declares threadgroup variables in kernel scope).
-template <int D, int NSG = MLX_ATTN_DECODE_SIMDGROUPS, int ROWS = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32)>
+template <int D, int NSG = MLX_ATTN_DECODE_SIMDGROUPS, int ROWS = DecodeGroupRows<D>::value>
 struct DecodeStates {
   float out[(NSG - 1) * ROWS * D];
   float row_max[(NSG - 1) * ROWS];

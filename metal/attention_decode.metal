@@ -32,10 +32,10 @@ static_assert(MLX_ATTN_DECODE_SIMDGROUPS == 4, "the group shape's simdgroups, na
   MLX_ATTN_DECODE(float16, half, __VA_ARGS__)  \
   MLX_ATTN_DECODE_BFLOAT16(__VA_ARGS__)
 
-// head dim, the group shape's rows (MLX_ATTN_DECODE_ROW_FLOATS / (D / 32)),
-// the row shape's simdgroups (as many as a core's registers hold, up to 32)
-MLX_ATTN_DECODE_TYPES(64, 16, 32)
-MLX_ATTN_DECODE_TYPES(96, 10, 32)
+// head dim, the group shape's rows (DecodeGroupRows<D>), the row shape's
+// simdgroups (as many as a core's registers hold, up to 32)
+MLX_ATTN_DECODE_TYPES(64, 8, 32)
+MLX_ATTN_DECODE_TYPES(96, 8, 32)
 MLX_ATTN_DECODE_TYPES(128, 8, 32)
 MLX_ATTN_DECODE_TYPES(256, 4, 16)
 MLX_ATTN_DECODE_TYPES(512, 2, 16)

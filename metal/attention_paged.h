@@ -80,7 +80,7 @@ inline void paged_decode_partial(
     thread PagedKV<KV>& kv, const device T* q, const device int* block_table, constant PagedSequence* sequences,
     device float* partial_out, device float* partial_stats, const device T* sinks, device T* out, device float* lse,
     threadgroup DecodeStates<D>& states, uint3 group_id, uint3 groups, uint sg, uint lane) {
-  constexpr int R = MLX_ATTN_DECODE_ROW_FLOATS / (D / 32);
+  constexpr int R = DecodeGroupRows<D>::value;  // the group shape (DecodeStates<D>)
   constant PagedSequence& seq = sequences[group_id.z];
   constant AttentionParams& p = seq.attn;
   const int rows = p.group * p.q_len;

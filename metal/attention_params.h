@@ -57,8 +57,14 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 // launch plans size the merge threadgroup from it.
 #define MLX_ATTN_DECODE_MERGE_SIMDGROUPS 8
 // Decode register budget: a lane holds rows x D/32 floats of q and as many of
-// the output; rows per threadgroup = this / (D / 32) (8 at D = 128).
+// the output; the group shape's rows per threadgroup = this / (D / 32), at
+// most MLX_ATTN_DECODE_GROUP_MAX_ROWS (8 at D = 64 to 128, 4 at 256, 2 at 512).
 #define MLX_ATTN_DECODE_ROW_FLOATS 32
+// At most 8 rows: the GQA groups of the models in use are at most 8 (Llama 3
+// and Mistral 4, Qwen 2.5 7), and registers for rows past a group hold
+// nothing (D = 64 at 16 rows: 124 registers a lane, 3 threadgroups a core;
+// at 8: 76, 5).
+#define MLX_ATTN_DECODE_GROUP_MAX_ROWS 8
 // D-split prefill register budget (metal/attention_prefill_split.h): a lane
 // holds this / 4 floats of Q (one chunk of head dims at a time) and one pass's
 // value chunk of O (value dims per pass), the kernel's per-lane floats.

@@ -3,7 +3,7 @@ docs/metal_kernels.md ("Decode") states it: the oracle the plan tests hold
 the launch plan to.
 
 Two threadgroup shapes per head dim: the group shape (the register budget's
-32 / (D / 32) rows on 4 simdgroups, at least 64 keys per split) and the row
+32 / (D / 32) rows, at most 8, on 4 simdgroups, at least 64 keys per split) and the row
 shape (one row on ROW_SIMDGROUPS[D] simdgroups, at least 32 keys per
 simdgroup per split). Splits of a shape: enough threadgroups for the target's
 cores x 8 threadgroups of 4 simdgroups (counted in the shape's simdgroups, at
@@ -22,7 +22,7 @@ ROW_SIMDGROUPS = {64: 32, 96: 32, 128: 32, 256: 16, 512: 16}
 
 def shapes(d: int) -> dict:
     """name -> (rows, simdgroups, the floor of keys per split)."""
-    return {"group": (32 // (d // 32), 4, 64), "row": (1, ROW_SIMDGROUPS[d], 32 * ROW_SIMDGROUPS[d])}
+    return {"group": (min(8, 32 // (d // 32)), 4, 64), "row": (1, ROW_SIMDGROUPS[d], 32 * ROW_SIMDGROUPS[d])}
 
 
 def at_once(shape: tuple, cores: int) -> int:
