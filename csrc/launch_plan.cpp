@@ -181,9 +181,9 @@ int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const G
 // and 3/8 of the K/V bytes. The floor was 64 keys per row, which left large
 // GPUs idle (B=1, Hkv=8, GQA 4, T=1024: 32 threadgroups on a 38-core M2 Max);
 // the cost model (benchmarks/metal_cost_model.py, docs/emulator_costs.md)
-// puts the new floor at 1.11x the best split count per problem where the old
-// one was at 1.30x (geometric means over the grid of bench_metal.py's
-// split_rule_check).
+// put the new floor at 1.11x the best split count per problem where the old
+// one was at 1.30x (geometric means over a grid of problems; now
+// bench_metal.py's decode_rule_check, with the shape choice).
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
                   const GpuTarget& target) {
   if (shape.rows <= 0) return 1;

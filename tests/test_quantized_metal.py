@@ -291,7 +291,7 @@ def test_one_split_plans_one_dispatch_and_no_scratch():
     assert plan["supported"], plan["reason"]
     assert plan["splits"] == 1 and plan["scratch"] == []
     (partial,) = plan["dispatches"]
-    assert partial["grid"] == [1, 2, 1]  # 16 rows: one chunk per KV head (D = 64)
+    assert partial["grid"] == [1, 4, 1]  # 16 rows: two chunks of the group shape's 8 per KV head (D = 64)
     assert roles(partial)[9:] == [
         (9, "mask", "input", 7, "read"),
         # placeholders: the kernel writes no partials with one split
