@@ -322,7 +322,9 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
         "mma": mma,
         # scale, max, sub, sum a score; the O rescale; row stats (+ the lazy max's test); stores
         "fma": elems * 4 + rescale + 6 * tq + (2 * tq if tile.lazy_max else 0) + loads_per_thread,
-        "exp2": elems + tq,
+        # the scores' exponentials; the row factor's once a row (the lazy max: only
+        # in a block that moves the max, the first on average)
+        "exp2": elems + (tq / blocks if tile.lazy_max else tq),
         # row max and sum over a row's 4 lanes (+ the lazy max's simd_any)
         "simd_shuffle": 4 * tq * (tk if tile.reduce_per_fragment else 1) + (1 if tile.lazy_max else 0),
         # fragment reads a block (steel_attention.h, MLX 0.32.4): per D step one
@@ -408,8 +410,10 @@ def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: i
     threads, tgs = 32 * group, batch * kv_heads * blocks
     keys = math.ceil(kv_len / blocks)
     order = list(range(tgs))  # each threadgroup its own slice
+    # issued: each query head's simdgroup reads its block's keys (the group's
+    # repeats are cache hits: DRAM once per threadgroup, below)
     first = Kernel("sdpa_vector_2pass_1", tgs, threads, regs, 0, keys, Block(key_counts, load_rounds=1),
-                   0.0, batch * kv_heads * kv_head_bytes, 0.0, prefetch=2, fixed={"fma": 4 * per_lane},
+                   0.0, batch * heads * kv_head_bytes, 0.0, prefetch=2, fixed={"fma": 4 * per_lane},
                    kv_reads=order)
     first = _with_cache(first, gpu, kv_head_bytes / blocks, batch * heads * blocks * (d * elem_bytes + 8))
     partial = batch * heads * blocks * (d * elem_bytes + 8)
