@@ -34,13 +34,7 @@ template <typename T, int D, int BITS>
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup DecodeStates<D> states;
   PagedKV<QuantizedKV<T, D, BITS>> kv;
-  kv.rows.k = k_pages;
-  kv.rows.k_scales = k_scales;
-  kv.rows.k_biases = k_biases;
-  kv.rows.v = v_pages;
-  kv.rows.v_scales = v_scales;
-  kv.rows.v_biases = v_biases;
-  kv.rows.qp = &qp;
+  kv.rows = quantized_kv<T, D, BITS>(k_pages, k_scales, k_biases, v_pages, v_scales, v_biases, qp);
   paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, sinks, out, lse, states,
                              group_id, groups, sg, lane);
 }

@@ -110,6 +110,25 @@ struct QuantizedKV {
   }
 };
 
+// The loader over a kernel's quantized K/V buffers (each a packed-word array
+// with its scales and biases); select_head places it on one head. The
+// quantized decode, the quantized prefill and the paged quantized decode
+// take their loader from here.
+template <typename T, int D, int BITS>
+inline QuantizedKV<T, D, BITS> quantized_kv(
+    const device uint* k, const device T* k_scales, const device T* k_biases, const device uint* v,
+    const device T* v_scales, const device T* v_biases, constant QuantizedAttentionParams& qp) {
+  QuantizedKV<T, D, BITS> kv;
+  kv.k = k;
+  kv.k_scales = k_scales;
+  kv.k_biases = k_biases;
+  kv.v = v;
+  kv.v_scales = v_scales;
+  kv.v_biases = v_biases;
+  kv.qp = &qp;
+  return kv;
+}
+
 template <typename T, int D, int BITS, int MASK>
 [[kernel]] void attention_quantized_decode_partial(
     const device T* q [[buffer(0)]],
@@ -132,14 +151,7 @@ template <typename T, int D, int BITS, int MASK>
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup DecodeStates<D> states;
-  QuantizedKV<T, D, BITS> kv;
-  kv.k = k;
-  kv.k_scales = k_scales;
-  kv.k_biases = k_biases;
-  kv.v = v;
-  kv.v_scales = v_scales;
-  kv.v_biases = v_biases;
-  kv.qp = &qp;
+  QuantizedKV<T, D, BITS> kv = quantized_kv<T, D, BITS>(k, k_scales, k_biases, v, v_scales, v_biases, qp);
   const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, p, groups);
   decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);
 }

@@ -121,14 +121,7 @@ template <typename T, int D, int BK, int BITS, int MASK>
   float l_row = 0.0f;
 
   // the quantized loader of this K/V head (the decode's, metal/attention_quantized.h)
-  QuantizedKV<T, D, BITS> kv;
-  kv.k = k;
-  kv.k_scales = k_scales;
-  kv.k_biases = k_biases;
-  kv.v = v;
-  kv.v_scales = v_scales;
-  kv.v_biases = v_biases;
-  kv.qp = &qp;
+  QuantizedKV<T, D, BITS> kv = quantized_kv<T, D, BITS>(k, k_scales, k_biases, v, v_scales, v_biases, qp);
   kv.select_head(p, b, rows.kv_head);
 
   // skip key blocks no row of this threadgroup can see
