@@ -106,9 +106,9 @@ def _environment_rows(native) -> list[tuple[str, str]]:
     if metal:
         info = mx.metal.device_info()
         rows.append(("GPU", f"{info.get('device_name', '?')} ({info.get('architecture', '?')})"))
-        target = native.gpu_target_from_architecture(str(info.get("architecture", "")))
-        cores = target["gpu_cores"] or "the family's base part's"
-        rows.append(("GPU family (launch plan)", f"{target['gpu_family']}, planned for {cores} cores"))
+        target = self_check.device_gpu_target()  # the plan's target, as the self-check plans its cases
+        cores = target.get("gpu_cores") or "the family's base part's"
+        rows.append(("GPU family (launch plan)", f"{target.get('gpu_family', 'unknown')}, planned for {cores} cores"))
         rows.append(("Metal library", "compiled at run time from the embedded source, or the prebuilt "
                      "mlx_attn.metallib next to _ext when installed with MLX_ATTN_PREBUILT_METALLIB=ON"))
     return rows
