@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -502,11 +503,12 @@ PLANNED_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256,
 
 
 def decode_partial_registers(d: int, bits: int | None = None, rows: int | None = None,
-                             simdgroups: int = 4) -> tuple[str, int]:
+                             simdgroups: int = 4, paged: bool = False) -> tuple[str, int]:
     """(tile, estimated registers) of the decode partial kernel at head dim d
     and shape (rows, simdgroups; the group shape by default), over float K/V
     or, with `bits`, quantized K/V (the same body with the QuantizedKV
-    loader): the registers are the compiled R rows', whatever the problem.
+    loader); `paged`: the paged decode's (the same body, plus its page
+    window): the registers are the compiled R rows', whatever the problem.
     A shape whose threads do not fit a core's registers is an error
     (metal_cost_model.residency)."""
     rows = rows or decode_shapes(1, 1, 1, 1024, d)["group"]["rows"]
@@ -516,7 +518,10 @@ def decode_partial_registers(d: int, bits: int | None = None, rows: int | None =
     else:
         kernels = cm.our_quantized_decode_kernels(*problem, bits, 64, prefetch=decode_prefetch(d))
     tile = f"{rows_text(rows)}, {simdgroups} simdgroups{', prefetch' if decode_prefetch(d) > 1 else ''}"
-    return tile, kernels[0].registers
+    window = cm.paged_window_registers(rows) if paged else 0
+    if window:
+        cm.residency(replace(kernels[0], registers=kernels[0].registers + window), MODEL_GPU)  # still fits
+    return tile, kernels[0].registers + window
 
 
 def kernel_registers(kernel: str) -> tuple[str, str, int]:
@@ -544,13 +549,23 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
     if m := match(r"attention_decode_partial_\w+?_d(\d+)_r(\d+)_sg(\d+)"):
         d, rows, simdgroups = map(int, m.groups())
         return ("decode",) + decode_partial_registers(d, rows=rows, simdgroups=simdgroups)
+    if m := match(r"attention_paged_decode_partial_\w+?_d(\d+)_r(\d+)_sg(\d+)"):
+        d, rows, simdgroups = map(int, m.groups())
+        return ("paged decode",) + decode_partial_registers(d, rows=rows, simdgroups=simdgroups, paged=True)
+    if m := match(r"attention_paged_quantized_decode_partial_\w+?_d(\d+)_b(\d+)"):
+        d, bits = map(int, m.groups())
+        return (f"paged quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits, paged=True)
+    if m := match(r"attention_paged_prefill_\w+?_d(\d+)_bk(\d+)"):
+        # the prefill's tiles; its key rows are located between blocks (threadgroup memory), not in the MMA phases
+        d, bk = map(int, m.groups())
+        return "paged prefill", f"BK {bk}", cm.steel_registers(cm.our_prefill_tile(d, bk, "fast"))
     if m := match(r"attention_backward_split_(dkdv|dq)_"):
         return f"backward {m.group(1)} (D-split)", "C 64", cm.backward_split_registers(m.group(1))
     if m := match(r"attention_backward_(dkdv|dq)_\w+?_d(\d+)"):
         pass_name, d = m.group(1), int(m.group(2))
         regs = cm.backward_dkdv_registers(d) if pass_name == "dkdv" else cm.backward_dq_registers(d)
         return f"backward {pass_name}", "rows in registers", regs
-    if m := match(r"attention_decode_merge_\w+?_d(\d+)"):
+    if m := match(r"attention_(?:paged_)?decode_merge_\w+?_d(\d+)"):
         d = int(m.group(1))
         (_, merge) = cm.our_decode_kernels(1, 1, 1, 1024, d, MODEL_GPU, 2, 1, lane_merge=True)
         return "decode_merge", f"{cm.MERGE_SIMDGROUPS} simdgroups", merge.registers
@@ -569,9 +584,7 @@ def _zero_quantized_kv(d: int, bits: int) -> tuple:
 def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
     """The kernels our plans pick for one head-dim pair and dtype: decode
     (Tq = 1), prefill (Tq = 512, causal), the backward of the prefill, and
-    both over quantized K/V. (The paged kernels are these bodies with a
-    page-table loader: the decode's reads one block-table entry per key, the
-    prefill's keeps its key offsets in threadgroup memory.)"""
+    both over quantized K/V; the paged kernels (paged_planned_kernels)."""
     from mlx_attn import _ext
 
     names = []
@@ -595,6 +608,36 @@ def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
                 plan = quantized_launch_plan(q, kq, kq, scale=d**-0.5, mask="causal", bits=bits, group_size=64)
                 if plan["supported"]:
                     names += [dispatch["kernel"] for dispatch in plan["dispatches"]]
+    return names + paged_planned_kernels(d, dv, dtype, family)
+
+
+def paged_planned_kernels(d: int, dv: int, dtype, family: str) -> list:
+    """The paged plans' kernels (decode partial in both shapes and the merge,
+    the prefill; over 4- and 8-bit pages too) for a head-dim pair and dtype,
+    where the paged kernels support it: a decode row over 5000 keys beside
+    a 40-row chunk."""
+    from mlx_attn import _ext
+
+    page = 16
+    q = mx.zeros((41, 4, d), dtype)
+    table = mx.zeros((2, 5000 // page + 1), mx.int32)
+    pages = 2 * (5000 // page + 1)
+    options = dict(scale=d**-0.5, gpu_family=family, gpu_cores=0)
+    names = []
+    if d != dv:
+        return names
+    k = mx.zeros((pages, 1, page, d), dtype)
+    for shape in ("group", "row"):
+        plan = _ext.paged_metal_launch_plan([q, k, k, table], [1, 40], [5000, 100], decode_shape=shape, **options)
+        names += [dispatch["kernel"] for dispatch in plan["dispatches"]] if plan["supported"] else []
+    for bits in (4, 8):
+        if d % 64:
+            continue
+        scales = mx.zeros((pages, 1, page, d // 64), dtype)
+        triple = [mx.zeros((pages, 1, page, d * bits // 32), mx.uint32), scales, scales]
+        plan = _ext.paged_metal_launch_plan([q, *triple, *triple, table], [1, 40], [5000, 100], bits=bits,
+                                            group_size=64, **options)
+        names += [dispatch["kernel"] for dispatch in plan["dispatches"]] if plan["supported"] else []
     return names
 
 
@@ -843,6 +886,7 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
         lines.append(f"| {title} | {r['geomean']:.2f}x ({r['max']:.2f}x) | {r['mlx_geomean']:.2f}x ({r['mlx_max']:.2f}x) |")
     lines += quantized_prefill_lines(gpu)
     lines += quantized_decode_lines(gpu)
+    lines += paged_decode_lines(gpu)
     check = throughput_check()
     lines += ["", f"Throughput: MLX's steel prefill, D=64 fp16, T={check['T']}, H={check['heads']} on {check['gpu']}: "
               f"predicted {check['predicted_tflops']:.1f} TFLOP/s (peak {check['peak_tflops']:.1f}); public figure "
@@ -897,6 +941,74 @@ def quantized_decode_lines(gpu=MODEL_GPU) -> list:
                      f"{r['now_registers']} | {r['before_us']:.1f} ({r['before_dispatches']}) | "
                      f"{r['now_us']:.1f} ({r['now_dispatches']}) | {r['before_us'] / r['mlx_us']:.2f}x | "
                      f"{r['now_us'] / r['mlx_us']:.2f}x | {r['now_bound']} |")
+    return lines
+
+
+# Paged decode batches at D = 128, pages of 16 keys: (sequences, KV heads,
+# GQA group, keys per sequence); every sequence one decode row.
+PAGED_DECODE_PROBLEMS = ((1, 8, 4, 128), (1, 8, 4, 1024), (1, 8, 4, 4096), (1, 8, 1, 1024), (1, 32, 1, 2048),
+                         (4, 8, 4, 1024), (16, 8, 4, 1024))
+PAGED_PAGE_SIZE = 16
+
+
+def paged_decode_plan(sequences: int, kv_heads: int, group: int, t: int, d: int, decode_shape: str,
+                      gpu=MODEL_GPU) -> dict:
+    """The paged plan's decode shape (rows, simdgroups) and splits for a
+    uniform decode batch (csrc/paged_launch_plan.cpp, through the extension)."""
+    import mlx.core as mx
+
+    from mlx_attn import _ext
+
+    pages = sequences * -(-t // PAGED_PAGE_SIZE)
+    q = mx.zeros((sequences, kv_heads * group, d), mx.float16)
+    k = mx.zeros((pages, kv_heads, PAGED_PAGE_SIZE, d), mx.float16)
+    table = mx.zeros((sequences, pages // sequences), mx.int32)
+    plan = _ext.paged_metal_launch_plan([q, k, k, table], [1] * sequences, [t] * sequences, scale=0.1,
+                                        gpu_family=gpu.family, gpu_cores=gpu.cores, decode_shape=decode_shape)
+    import re
+
+    partial = plan["dispatches"][0]
+    match = re.search(r"_r(\d+)_sg(\d+)$", partial["kernel"])
+    return {"rows": int(match.group(1)), "simdgroups": int(match.group(2)), "splits": int(partial["grid"][0]),
+            "dispatches": len(plan["dispatches"])}
+
+
+def paged_decode_rows(gpu=MODEL_GPU, d: int = 128) -> list:
+    """The paged decode on float pages by the model: before, the group shape
+    alone; now, the plan's shape (the dense rule under the page window's cap);
+    next to sdpa_vector on the same keys contiguous."""
+    rows = []
+    for sequences, kv_heads, group, t in PAGED_DECODE_PROBLEMS:
+        heads = kv_heads * group
+        two_pass = kv_heads < heads and t >= 4096
+        mlx = cm.predict_all(cm.sdpa_vector_kernels(sequences, heads, kv_heads, t, d, gpu, two_pass,
+                                                    64 if group >= 4 else 32), gpu)["seconds"]
+        row = {"B": sequences, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
+        for when, shape in (("before", "group"), ("now", "auto")):
+            plan = paged_decode_plan(sequences, kv_heads, group, t, d, shape, gpu)
+            p = cm.predict_all(cm.our_decode_kernels(
+                sequences, heads, kv_heads, t, d, gpu, plan["splits"], plan["rows"], simdgroups=plan["simdgroups"],
+                prefetch=decode_prefetch(d), single_dispatch=True, lane_merge=True, paged=True), gpu)
+            row[when] = {**plan, "us": p["seconds"] * 1e6, "registers": p["registers"], "bound": p["bound"]}
+        rows.append(row)
+    return rows
+
+
+def paged_decode_lines(gpu=MODEL_GPU) -> list:
+    """The paged decode's rows of the cost model's section."""
+    lines = ["", f"Paged decode on float pages (metal/attention_paged.h; pages of {PAGED_PAGE_SIZE} keys, a split at most",
+             "127 pages on the row shape, 31 on the group shape), D=128, fp16, one decode row per sequence:",
+             "before, the group shape alone; now, the plan's shape (the dense decode's rule, each shape's splits",
+             "capped by its page window). The page lookup (a shuffle and a slot's address per key, a lane's",
+             "block-table entries per split) is counted. MLX: sdpa_vector on the same keys contiguous (MLX has",
+             "no paged kernel).", "",
+             "| B | Hkv | GQA | T | before: shape, splits | before µs | now: shape, splits | now µs | registers | "
+             "before / MLX | now / MLX | bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in paged_decode_rows(gpu):
+        b, n = r["before"], r["now"]
+        lines.append(f"| {r['B']} | {r['Hkv']} | {r['group']} | {r['T']} | r{b['rows']} sg{b['simdgroups']}, "
+                     f"{b['splits']} | {b['us']:.1f} | r{n['rows']} sg{n['simdgroups']}, {n['splits']} | {n['us']:.1f} | "
+                     f"{n['registers']} | {b['us'] / r['mlx_us']:.2f}x | {n['us'] / r['mlx_us']:.2f}x | {n['bound']} |")
     return lines
 
 

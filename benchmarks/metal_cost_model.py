@@ -428,10 +428,23 @@ def sdpa_vector_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: i
 MERGE_SIMDGROUPS = 8
 
 
+# The paged decode's page window (PageWindow, metal/attention_paged.h): a
+# lane's block-table entries, MLX_ATTN_PAGED_ROW_WINDOW_ROUNDS on the row
+# shape and MLX_ATTN_PAGED_GROUP_WINDOW_ROUNDS on the group shape
+# (metal/attention_paged_params.h). Its first page and page size are uniform
+# across the simdgroup: uniform registers, as the loaders' bases
+# (QUANTIZED_LOADER_REGISTERS), not counted.
+PAGED_ROW_WINDOW_ROUNDS, PAGED_GROUP_WINDOW_ROUNDS = 4, 1
+
+
+def paged_window_registers(rows_per_threadgroup: int) -> int:
+    return PAGED_ROW_WINDOW_ROUNDS if rows_per_threadgroup == 1 else PAGED_GROUP_WINDOW_ROUNDS
+
+
 def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
                        rows_per_threadgroup: int, simdgroups: int = 4, elem_bytes: int = 2,
                        prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = False,
-                       merge_simdgroups: int = MERGE_SIMDGROUPS) -> list:
+                       merge_simdgroups: int = MERGE_SIMDGROUPS, paged: bool = False) -> list:
     """metal/attention_decode.h: a threadgroup of `simdgroups` simdgroups per
     (split, KV head, row chunk) serves up to R rows of the GQA group; key j
     of the split on simdgroup j % NSG; then attention_decode_merge over the
@@ -439,7 +452,11 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     kernel loads key j + NSG's K/V before key j's math (DecodePrefetch);
     `lane_merge`: merge_splits' lane-parallel max and sum and loads ahead,
     on `merge_simdgroups` simdgroups per row (now; 1: one simdgroup walking
-    every split, before), else the merge before both."""
+    every split, before), else the merge before both. `paged`: the paged
+    decode (metal/attention_paged.h, the same body): per key its page from a
+    lane's block-table entry (a shuffle) and its slot and address (a divide,
+    a modulo, a multiply-add), and per split a lane's block-table reads
+    (its page window's entries: paged_window_registers)."""
     per_lane = d // 32
     rows = heads // kv_heads
     big_r = rows_per_threadgroup
@@ -447,13 +464,15 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     chunks = math.ceil(rows / big_r)
     tgs = splits * batch * kv_heads * chunks
     keys = math.ceil(kv_len / splits / simdgroups)
-    key_counts = {"fma": r * (2 * per_lane + 6) + 2, "exp2": 2 * r, "simd_shuffle": 5 * r,
-                  "device_load": 2 * math.ceil(per_lane / 4)}
+    key_counts = {"fma": r * (2 * per_lane + 6) + 2 + (3 if paged else 0), "exp2": 2 * r,
+                  "simd_shuffle": 5 * r + (1 if paged else 0), "device_load": 2 * math.ceil(per_lane / 4)}
     # Registers are allocated for the kernel's compile-time R rows
     # (DecodeRows<R, SLICE>: q[R][D/32], o[R][D/32], m[R], l[R]), whatever
     # the live rows: q and o, m and l, the key's k and v slices (twice with
     # the prefetch), ~20 of addresses and loop state.
     regs = 2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch > 1 else 1) + FIXED_REGISTERS
+    if paged:
+        regs += paged_window_registers(big_r)
     kv_head_bytes = 2 * kv_len * d * elem_bytes
     partial_bytes = batch * heads * splits * (d * 4 + 8)
     tg_memory = (simdgroups - 1) * big_r * (per_lane * 32 + 2) * 4  # DecodeStates<D>, sized by R
@@ -469,8 +488,9 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     q_order = [(b, y) for b in range(batch) for y in range(kv_heads * chunks) for _ in range(splits)]
     partial = Kernel("attention_decode_partial", tgs, 32 * simdgroups, regs, tg_memory, keys,
                      Block(key_counts, load_rounds=1, ilp=max(2, r)), 0.0, issued, 0.0,  # r rows: r chains
-                     prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane},
-                     kv_reads=order)
+                     prefetch=prefetch, fixed={"fma": 8 * r * per_lane, "threadgroup_load": 2 * r * per_lane,
+                                               **({"device_load": paged_window_registers(big_r)} if paged else {})},
+                     fixed_load_rounds=2 if paged else 1, kv_reads=order)
     resident = min(residency(partial, gpu)["threadgroups"], math.ceil(tgs / gpu.cores))
     q_dram = unique_bytes_per_wave(q_order, r * d * elem_bytes, resident, gpu)
     partial = _with_cache(partial, gpu, kv_head_bytes / splits, q_dram + (out_bytes if merged else partial_bytes))

@@ -197,13 +197,18 @@ int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeSha
   return int(std::max<int64_t>(1, std::min(for_occupancy, for_traffic)));
 }
 
-DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target) {
+DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target,
+                         const std::function<int(const DecodeShape&)>& max_keys_per_split) {
   const DecodeShape group = decode_group_shape(head_dim);
   const DecodeShape row = decode_row_shape(head_dim);
   if (group.rows == 0) return group;
   const auto path = [&](const DecodeShape& shape) {
-    return decode_path(batch, kv_heads, rows, kv_len, decode_splits(batch, kv_heads, rows, kv_len, shape, target),
-                       shape, target);
+    int splits = decode_splits(batch, kv_heads, rows, kv_len, shape, target);
+    if (max_keys_per_split) {
+      const int most = std::max(1, max_keys_per_split(shape));
+      splits = std::max(splits, (kv_len + most - 1) / most);
+    }
+    return decode_path(batch, kv_heads, rows, kv_len, splits, shape, target);
   };
   const double by_group = path(group), by_row = path(row);
   return by_row <= by_group ? row : group;

@@ -82,18 +82,20 @@ GpuTarget gpu_target_argument(const std::string& gpu_family, int gpu_cores) {
 
 nb::dict launch_plan_dict(const LaunchPlan& plan) { return plan_dict(plan); }
 
+DecodeShapeChoice decode_shape_choice(const std::string& name) {
+  if (name == "auto") return DecodeShapeChoice::automatic;
+  if (name == "group") return DecodeShapeChoice::group;
+  if (name == "row") return DecodeShapeChoice::row;
+  throw nb::value_error(("decode_shape must be 'auto', 'group' or 'row'; got '" + name + "'").c_str());
+}
+
 void bind_launch_plan(nb::module_& m) {
   m.def(
       "metal_launch_plan",
       [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores,
          const std::string& decode_shape) {
-        DecodeShapeChoice choice = DecodeShapeChoice::automatic;
-        if (decode_shape == "group") choice = DecodeShapeChoice::group;
-        else if (decode_shape == "row") choice = DecodeShapeChoice::row;
-        else if (decode_shape != "auto") {
-          throw nb::value_error(("decode_shape must be 'auto', 'group' or 'row'; got '" + decode_shape + "'").c_str());
-        }
-        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores), choice);
+        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores),
+                                               decode_shape_choice(decode_shape));
         nb::dict out = plan_dict(plan);
         out["gpu_family"] = gpu_family_name(plan.target.family);
         out["gpu_cores"] = plan.target.gpu_cores;
@@ -159,7 +161,8 @@ void bind_launch_plan(nb::module_& m) {
       "batch"_a, "kv_heads"_a, "rows"_a, "kv_len"_a, "head_dim"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
       "The dense decode's two threadgroup shapes for a problem (rows = query heads per KV head x query "
       "positions): per shape its rows, simdgroups and split count (decode_splits), and which one the plan "
-      "chooses (decode_shape). The quantized and paged decodes take the group shape.");
+      "chooses (decode_shape). The quantized decode takes the group shape; the paged decode on float pages "
+      "chooses as this does, its splits capped by its page window.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,

@@ -1,6 +1,7 @@
 #include "csrc/paged_launch_plan.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 
@@ -20,7 +21,9 @@ bool aligned_to_vectors(const int64_t (&strides)[4], int64_t offset, int dim) {
 // Why the paged kernels cannot run this problem ("" when they can).
 std::string unsupported_reason(const PagedProblem& s) {
   const AttentionProblem& a = s.attention;
-  if (decode_group_shape(a.head_dim).rows == 0 || a.head_dim == 80) {
+  // metal/attention_paged.metal's instantiations (the dense decode's 80 and 512 are not among them)
+  constexpr std::array<int, 4> kPagedHeadDims = {64, 96, 128, 256};
+  if (std::find(kPagedHeadDims.begin(), kPagedHeadDims.end(), a.head_dim) == kPagedHeadDims.end()) {
     return "the paged Metal kernels support head dims 64, 96, 128 and 256, got " + std::to_string(a.head_dim);
   }
   if (a.value_dim != a.head_dim) {
@@ -49,13 +52,12 @@ std::string unsupported_reason(const PagedProblem& s) {
 // serves: the grid sized for the largest of them. A sequence of one split
 // writes its rows in the partial dispatch (metal/attention_paged.h); when
 // every sequence has one, there is no merge and no scratch.
-void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int max_rows, int max_splits,
-                       int64_t partials, LaunchPlan& plan) {
+void plan_paged_decode(const PagedProblem& s, const DecodeShape& shape, const PrimitiveLayout& layout, int max_rows,
+                       int max_splits, int64_t partials, LaunchPlan& plan) {
   using R = BufferRole;
   const AttentionProblem& a = s.attention;
   const bool float_pages = s.quantized.bits == 0;
   const int sequences = int(s.q_lens.size());
-  const DecodeShape shape = decode_group_shape(a.head_dim);  // the dense decode's body, its group shape alone
   // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
   const bool merges = max_splits > 1;
   if (merges) {
@@ -70,7 +72,7 @@ void plan_paged_decode(const PagedProblem& s, const PrimitiveLayout& layout, int
   partial.grid = {max_splits, a.kv_heads * max_chunks, sequences};
   partial.threadgroup = {shape.threads(), 1, 1};
   if (float_pages) {
-    partial.kernel = "attention_paged_decode_partial" + suffix;
+    partial.kernel = "attention_paged_decode_partial" + suffix + shape.kernel_fields();
     partial.bindings = bind_roles(
         layout,
         {R::q, R::k, R::v, R::block_table, R::sequences, R::partial_out, R::partial_stats, R::sinks, R::out, R::lse},
@@ -141,23 +143,51 @@ bool paged_rows_take_prefill(const PagedProblem& s, int q_len) {
   return long_chunk && instantiated && s.quantized.bits == 0;
 }
 
-int paged_keys_per_split(const PagedProblem& s, const GpuTarget& target) {
-  const AttentionProblem& a = s.attention;
-  int longest = 0, max_rows = 0;
+namespace {
+// The decode kernel's rows as the split rule sees them: the sequences it
+// serves as a batch of the longest one, with the most rows of any.
+struct PagedDecodeExtent {
+  int sequences = 1, rows = 1, longest = 0;
+};
+
+PagedDecodeExtent paged_decode_extent(const PagedProblem& s) {
+  PagedDecodeExtent extent;
+  int max_rows = 0;
   for (size_t b = 0; b < s.kv_lens.size(); ++b) {
     if (paged_rows_take_prefill(s, s.q_lens[b])) continue;  // not the decode kernel's
-    longest = std::max(longest, s.kv_lens[b]);
-    max_rows = std::max(max_rows, a.group_size() * s.q_lens[b]);
+    extent.longest = std::max(extent.longest, s.kv_lens[b]);
+    max_rows = std::max(max_rows, s.attention.group_size() * s.q_lens[b]);
   }
-  const int sequences = std::max<int>(1, int(s.kv_lens.size()));
-  const int splits =
-      decode_splits(sequences, a.kv_heads, std::max(1, max_rows), longest, decode_group_shape(a.head_dim), target);
+  extent.sequences = std::max<int>(1, int(s.kv_lens.size()));
+  extent.rows = std::max(1, max_rows);
+  return extent;
+}
+}  // namespace
+
+DecodeShape paged_decode_shape(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice choice) {
+  const int head_dim = s.attention.head_dim;
+  if (s.quantized.bits != 0 || choice == DecodeShapeChoice::group) return decode_group_shape(head_dim);
+  if (choice == DecodeShapeChoice::row) return decode_row_shape(head_dim);
+  const PagedDecodeExtent extent = paged_decode_extent(s);
+  return decode_shape(extent.sequences, s.attention.kv_heads, extent.rows, extent.longest, head_dim, target,
+                      [&](const DecodeShape& shape) { return paged_max_pages_per_split(shape) * s.page_size; });
+}
+
+int paged_max_pages_per_split(const DecodeShape& shape) {
+  return 32 * (shape.rows == 1 ? MLX_ATTN_PAGED_ROW_WINDOW_ROUNDS : MLX_ATTN_PAGED_GROUP_WINDOW_ROUNDS) - 1;
+}
+
+int paged_keys_per_split(const PagedProblem& s, const DecodeShape& shape, const GpuTarget& target) {
+  const PagedDecodeExtent extent = paged_decode_extent(s);
+  const int longest = extent.longest;
+  const int splits = decode_splits(extent.sequences, s.attention.kv_heads, extent.rows, longest, shape, target);
   const int64_t wanted = (int64_t(longest) + splits - 1) / splits;
-  const int64_t pages = std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, kPagedMaxPagesPerSplit);
+  const int64_t pages =
+      std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, paged_max_pages_per_split(shape));
   return int(pages * s.page_size);
 }
 
-LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) {
+LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice) {
   LaunchPlan plan;
   plan.target = {target.family, gpu_cores(target)};
   plan.reason = unsupported_reason(s);
@@ -165,7 +195,8 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) 
   const AttentionProblem& a = s.attention;
   const int sequences = int(s.q_lens.size());
   const int group = a.group_size();
-  const int keys_per_split = paged_keys_per_split(s, target);
+  const DecodeShape shape = paged_decode_shape(s, target, decode_choice);
+  const int keys_per_split = paged_keys_per_split(s, shape, target);
 
   // the batch's shared parameters; each sequence gets a copy with its lengths
   AttentionParams shared = a;
@@ -220,7 +251,7 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target) 
   if (a.has_sinks) layout.inputs.push_back(R::sinks);
   layout.outputs = {R::out};
   if (a.output_lse) layout.outputs.push_back(R::lse);
-  if (max_rows > 0) plan_paged_decode(s, layout, max_rows, max_splits, partials, plan);
+  if (max_rows > 0) plan_paged_decode(s, shape, layout, max_rows, max_splits, partials, plan);
   if (query_blocks > 0) plan_paged_prefill(s, target, layout, query_blocks, plan);
   return plan;
 }

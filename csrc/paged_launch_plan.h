@@ -14,6 +14,7 @@
 
 #include "csrc/cpu/quantized_kv.h"
 #include "csrc/launch_plan.h"
+#include "metal/attention_paged_params.h"
 
 namespace mlx_attn {
 
@@ -34,14 +35,25 @@ struct PagedProblem {
   cpu::QuantizedKV quantized;  // bits 0: float pages; else strides of scales / biases [page, head, slot, group]
 };
 
-// Most pages one decode split covers, plus one partial page: a simdgroup's
-// lanes hold the split's block-table entries (PageWindow).
-inline constexpr int kPagedMaxPagesPerSplit = 31;
+// Most pages one decode split on threadgroups of `shape` covers, plus one
+// partial page: a simdgroup's lanes hold the split's block-table entries,
+// MLX_ATTN_PAGED_ROW_WINDOW_ROUNDS each on the row shape (127 pages),
+// MLX_ATTN_PAGED_GROUP_WINDOW_ROUNDS on the group shape (31 pages)
+// (PageWindow, metal/attention_paged.h).
+int paged_max_pages_per_split(const DecodeShape& shape);
 
-// Keys per decode split for pages of `page_size`: enough threadgroups for the
-// target (decode_splits on the longest sequence), at most
-// kPagedMaxPagesPerSplit pages, whole pages. For a problem the plan supports.
-int paged_keys_per_split(const PagedProblem& problem, const GpuTarget& target = {});
+// The decode kernel's threadgroup shape (csrc/launch_plan.h DecodeShape):
+// on float pages the dense decode's rule (decode_shape over the sequences the
+// decode kernel serves, as a batch of the longest, each shape's splits capped
+// by its page window) or the shape `choice` names; on quantized pages the
+// group shape. For a problem the plan supports.
+DecodeShape paged_decode_shape(const PagedProblem& problem, const GpuTarget& target = {},
+                               DecodeShapeChoice choice = DecodeShapeChoice::automatic);
+
+// Keys per decode split for pages of `page_size` on threadgroups of `shape`:
+// enough threadgroups for the target (decode_splits on the longest
+// sequence), at most paged_max_pages_per_split(shape) pages, whole pages.
+int paged_keys_per_split(const PagedProblem& problem, const DecodeShape& shape, const GpuTarget& target = {});
 
 // Which kernel serves a sequence's query rows, the one routing rule: the paged
 // prefill kernel (MMA tiles over blocks of BQ query rows) for a chunk longer
@@ -58,6 +70,7 @@ bool paged_rows_take_prefill(const PagedProblem& problem, int q_len);
 // [total_q, Hq] when asked. LaunchPlan::sequences holds the PagedSequence
 // array. Dispatches: the decode partial and merge when some sequence's rows
 // take the decode kernel, then the prefill when some take it.
-LaunchPlan plan_paged_attention(const PagedProblem& problem, const GpuTarget& target = {});
+LaunchPlan plan_paged_attention(const PagedProblem& problem, const GpuTarget& target = {},
+                                DecodeShapeChoice decode_choice = DecodeShapeChoice::automatic);
 
 }  // namespace mlx_attn

@@ -12,14 +12,18 @@
 // the GQA group) x (query position) of one KV head, so each page is read once
 // for the whole group (grid.y = KV heads x row chunks), one sequence per
 // grid.z, each with its own AttentionParams (its lengths: the causal, window
-// and key-range rules apply as written). The plan (csrc/paged_launch_plan.cpp)
-// sizes the grid for the largest sequence; threadgroups past a sequence's
-// splits or rows return at once.
+// and key-range rules apply as written). Float pages have the dense decode's
+// two threadgroup shapes (R rows on 4 simdgroups, or 1 row on NSG); the
+// quantized pages, the group shape. The plan (csrc/paged_launch_plan.cpp)
+// picks the shape and sizes the grid for the largest sequence; threadgroups
+// past a sequence's splits or rows return at once.
 //
-// Block-table reads: each split covers at most 31 pages plus a partial one
-// (the plan's keys per split), so lane l of every simdgroup reads the split's
-// page l once and a key's page is a simd_shuffle: 4 bytes per page, not per
-// key and lane.
+// Block-table reads: each split covers at most 32 x ROUNDS - 1 pages plus a
+// partial one (the plan's keys per split, paged_max_pages_per_split), so
+// lane l of every simdgroup reads the split's pages l, l + 32, ... once
+// (ROUNDS of them: MLX_ATTN_PAGED_ROW_WINDOW_ROUNDS for the row shape,
+// MLX_ATTN_PAGED_GROUP_WINDOW_ROUNDS for the group shape) and a key's page
+// is a simd_shuffle: 4 bytes per page, not per key and lane.
 #pragma once
 
 #include <metal_stdlib>
@@ -29,11 +33,12 @@
 
 using namespace metal;
 
-// The pages of one split (decode) or key block (prefill), one per lane: lane
-// l holds page first_page + l of the sequence (only the pages of keys before
-// key_end are read).
+// The pages of one split (decode) or key block (prefill), ROUNDS per lane:
+// lane l holds pages first_page + l + 32 i of the sequence, i < ROUNDS (only
+// the pages of keys before key_end are read).
+template <int ROUNDS>
 struct PageWindow {
-  int page;
+  int page[ROUNDS];
   int first_page;
   int page_size;
 
@@ -41,22 +46,39 @@ struct PageWindow {
     page_size = size;
     first_page = first_key / size;
     const int pages = (key_end + size - 1) / size;
-    const int mine = first_page + int(lane);
-    page = mine < pages ? table_row[mine] : 0;
+    for (int i = 0; i < ROUNDS; ++i) {
+      const int mine = first_page + 32 * i + int(lane);
+      page[i] = mine < pages ? table_row[mine] : 0;
+    }
   }
-  // the page of `key` (uniform across the simdgroup)
-  inline int page_of(int key) const { return simd_shuffle(page, ushort(key / page_size - first_page)); }
+  // the page of `key` (uniform across the simdgroup): its round's entry
+  // picked by compare and select (a register array indexed at run time
+  // would live in memory), then the lane that holds it
+  inline int page_of(int key) const {
+    const int index = key / page_size - first_page;
+    int entry = page[0];
+    for (int i = 1; i < ROUNDS; ++i) {
+      entry = index >= 32 * i ? page[i] : entry;
+    }
+    return simd_shuffle(entry, ushort(index % 32));
+  }
+};
+
+// The page window's entries a lane holds on threadgroups of R rows.
+template <int R>
+struct PagedWindowRounds {
+  static constexpr int value = R == 1 ? MLX_ATTN_PAGED_ROW_WINDOW_ROUNDS : MLX_ATTN_PAGED_GROUP_WINDOW_ROUNDS;
 };
 
 // Any decode loader policy over pages: the page is its batch entry.
-template <typename KV>
+template <typename KV, int ROUNDS>
 struct PagedKV {
   static constexpr int SLICE = KV::SLICE;
   static constexpr int VEC = KV::VEC;
   static inline int dim(uint lane, int e) { return KV::dim(lane, e); }
 
   KV rows;  // the policy reading one page's slots
-  PageWindow pages;
+  PageWindow<ROUNDS> pages;
   constant AttentionParams* p;
   int kv_head;
 
@@ -75,12 +97,11 @@ struct PagedKV {
 // the sequence's split of keys through decode_split. A sequence of one split
 // writes its packed output rows [total_q, Hq, D] (and lse [total_q, Hq])
 // itself (decode_launch_outputs); the merge passes over it.
-template <typename T, int D, typename KV>
+template <typename T, int D, typename KV, int ROUNDS, int NSG, int R>
 inline void paged_decode_partial(
-    thread PagedKV<KV>& kv, const device T* q, const device int* block_table, constant PagedSequence* sequences,
+    thread PagedKV<KV, ROUNDS>& kv, const device T* q, const device int* block_table, constant PagedSequence* sequences,
     device float* partial_out, device float* partial_stats, const device T* sinks, device T* out, device float* lse,
-    threadgroup DecodeStates<D>& states, uint3 group_id, uint3 groups, uint sg, uint lane) {
-  constexpr int R = DecodeGroupRows<D>::value;  // the group shape (DecodeStates<D>)
+    threadgroup DecodeStates<D, NSG, R>& states, uint3 group_id, uint3 groups, uint sg, uint lane) {
   constant PagedSequence& seq = sequences[group_id.z];
   constant AttentionParams& p = seq.attn;
   const int rows = p.group * p.q_len;
@@ -106,8 +127,10 @@ inline void paged_decode_partial(
                                          sequence_groups, sg, lane);
 }
 
-template <typename T, int D>
-[[kernel]] void attention_paged_decode_partial(
+// R rows and NSG simdgroups per threadgroup (decode_split's shape); the
+// attribute makes the compiler fit 32 x NSG threads in a core's registers.
+template <typename T, int D, int R, int NSG>
+[[kernel, max_total_threads_per_threadgroup(32 * NSG)]] void attention_paged_decode_partial(
     const device T* q [[buffer(0)]],              // [total_q, Hq, D]
     const device T* k_pages [[buffer(1)]],        // [num_pages, Hkv, page_size, D]
     const device T* v_pages [[buffer(2)]],
@@ -122,8 +145,8 @@ template <typename T, int D>
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup DecodeStates<D> states;
-  PagedKV<ContiguousKV<T, D>> kv;
+  threadgroup DecodeStates<D, NSG, R> states;
+  PagedKV<ContiguousKV<T, D>, PagedWindowRounds<R>::value> kv;
   kv.rows.k = k_pages;
   kv.rows.v = v_pages;
   paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, sinks, out, lse, states,

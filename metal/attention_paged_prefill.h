@@ -49,7 +49,7 @@ inline void locate_paged_keys(constant AttentionParams& p, const device int* tab
   if (kb >= end) {
     return;  // past the last block (uniform)
   }
-  PageWindow window;
+  PageWindow<1> window;
   window.select(table_row, kb, end, page_size, lane);
   const int key = min(kb + int(lane), end - 1);  // lanes past the block: a shuffle in range, nothing written
   const int page = window.page_of(key);

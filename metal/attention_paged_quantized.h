@@ -32,8 +32,8 @@ template <typename T, int D, int BITS>
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup DecodeStates<D> states;
-  PagedKV<QuantizedKV<T, D, BITS>> kv;
+  threadgroup DecodeStates<D> states;  // the group shape
+  PagedKV<QuantizedKV<T, D, BITS>, PagedWindowRounds<DecodeGroupRows<D>::value>::value> kv;
   kv.rows = quantized_kv<T, D, BITS>(k_pages, k_scales, k_biases, v_pages, v_scales, v_biases, qp);
   paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, sinks, out, lse, states,
                              group_id, groups, sg, lane);

@@ -384,11 +384,14 @@ class PagedCase:
 
 def paged_cases(variant: PagedVariant) -> list[PagedCase]:
     """Decode rows and a chunked prefill in one batch with an empty sequence
-    and shared pages, several splits and page windows; window and sinks."""
+    and shared pages, several splits and page windows; window and sinks;
+    decode rows of one query head each (the row shape: one row per
+    threadgroup) beside the GQA groups' rows (the group shape)."""
     return [
         PagedCase("ragged decode + prefill chunk", (1, 0, 9, 1), (37, 0, 300, 5), 16),
         PagedCase("window+sinks, pages of 5", (1, 4), (1200, 4), 5, window_size=100, sinks=True),
         PagedCase("not causal, MQA", (2, 1), (20, 70), 8, q_heads=4, kv_heads=1, causal=False),
+        PagedCase("decode rows, MHA, pages of 3", (1, 1, 1), (90, 7, 600), 3, q_heads=4, kv_heads=4, sinks=True),
     ]
 
 

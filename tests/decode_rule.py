@@ -11,7 +11,10 @@ least one per core), but each split keeps max(the shape's floor, 16 x rows)
 keys. The plan takes the row shape where its critical path, the waves of
 threadgroups (as many at once as the split rule's busy figure) times the
 keys per simdgroup (x 1.5 when a threadgroup serves several rows), plus 16
-for a merge dispatch, is no longer than the group shape's."""
+for a merge dispatch, is no longer than the group shape's. The paged decode
+(float pages) takes the same rule with each shape's splits capped by its
+page window (127 pages on the row shape, 31 on the group shape): the cap
+adds splits."""
 
 from __future__ import annotations
 
@@ -45,12 +48,20 @@ def path(batch: int, kv_heads: int, rows: int, kv_len: int, n_splits: int, shape
     return waves * keys * (1.5 if min(rows, shape[0]) > 1 else 1.0) + (16 if n_splits > 1 else 0)
 
 
-def decode_plan(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, cores: int = 8) -> dict:
+def decode_plan(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, cores: int = 8,
+                max_pages_per_split: tuple | None = None, page_size: int = 0) -> dict:
     """The shape the plan takes ("group" / "row"), its rows, simdgroups and
-    split count, and the partial kernel's host-name fields."""
+    split count (before any cap), and the partial kernel's host-name fields;
+    `max_pages_per_split` (row shape, group shape) of `page_size` keys caps
+    each shape's splits when choosing (the paged decode)."""
     by_shape = {}
     for name, shape in shapes(d).items():
         n = splits(batch, kv_heads, rows, kv_len, shape, cores)
+        if max_pages_per_split:
+            most = max_pages_per_split[0 if name == "row" else 1] * page_size
+            n_capped = max(n, -(-kv_len // most))
+            by_shape[name] = (path(batch, kv_heads, rows, kv_len, n_capped, shape, cores), n, shape)
+            continue
         by_shape[name] = (path(batch, kv_heads, rows, kv_len, n, shape, cores), n, shape)
     name = "row" if by_shape["row"][0] <= by_shape["group"][0] else "group"
     _, n, (shape_rows, simdgroups, _) = by_shape[name]

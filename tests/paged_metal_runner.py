@@ -18,31 +18,48 @@ FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "att
 QUANTIZED_SOURCES = FLOAT_SOURCES + [REPO / "metal" / "attention_paged_quantized.metal"]
 
 
+def paged_instantiation(dtype_args: str, d: int) -> str:
+    """The float paged decode's instantiation line (the partial kernel in both
+    threadgroup shapes, and the merge) for one dtype ("float32, float") at
+    head dim d, with the shape numbers of d's MLX_ATTN_PAGED_TYPES line in
+    metal/attention_paged.metal: for builds trimmed to what a test uses."""
+    match = re.search(rf"^MLX_ATTN_PAGED_TYPES\({d}, (\d+), (\d+)\)$", FLOAT_SOURCES[0].read_text(), flags=re.M)
+    if match is None:
+        raise ValueError(f"metal/attention_paged.metal does not instantiate the paged decode at D = {d}")
+    return f"MLX_ATTN_PAGED({dtype_args}, {d}, {match.group(1)}, {match.group(2)})"
+
+
 def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_instances=()) -> list:
     """The paged .metal sources with only these instantiations (quick builds):
-    float_instances "tname, type, d" (MLX_ATTN_PAGED), quantized_instances
-    "tname, type, d, bits" (MLX_ATTN_PAGED_QUANTIZED), prefill_instances
-    "tname, type, d, bk" (MLX_ATTN_PAGED_PREFILL)."""
+    float_instances "tname, type, d" (MLX_ATTN_PAGED, both shapes:
+    paged_instantiation), quantized_instances "tname, type, d, bits"
+    (MLX_ATTN_PAGED_QUANTIZED), prefill_instances "tname, type, d, bk"
+    (MLX_ATTN_PAGED_PREFILL)."""
+    float_lines = []
+    for instance in float_instances:
+        tname, type_, d = (part.strip() for part in instance.split(","))
+        float_lines.append(paged_instantiation(f"{tname}, {type_}", int(d)))
     paths = []
-    for source, macro, instances in ((FLOAT_SOURCES[0], "MLX_ATTN_PAGED", float_instances),
-                                     (FLOAT_SOURCES[1], "MLX_ATTN_PAGED_PREFILL", prefill_instances),
-                                     (QUANTIZED_SOURCES[2], "MLX_ATTN_PAGED_QUANTIZED", quantized_instances)):
-        if not instances:
+    for source, lines in ((FLOAT_SOURCES[0], float_lines),
+                          (FLOAT_SOURCES[1], [f"MLX_ATTN_PAGED_PREFILL({i})" for i in prefill_instances]),
+                          (QUANTIZED_SOURCES[2], [f"MLX_ATTN_PAGED_QUANTIZED({i})" for i in quantized_instances])):
+        if not lines:
             continue
         text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED|_PREFILL)?_(TYPES|BITS|2BYTE_TYPES)\(.*\)$", "",
                       source.read_text(), flags=re.M)
         path = directory / source.name
-        path.write_text(text + "\n" + "\n".join(f"{macro}({i})" for i in instances) + "\n")
+        path.write_text(text + "\n" + "\n".join(lines) + "\n")
         paths.append(path)
     return paths
 
 
 def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size=None, has_sinks=False,
-               return_lse=False, bits=0, group_size=0, gpu_target: dict | None = None, softcap=None) -> dict:
+               return_lse=False, bits=0, group_size=0, gpu_target: dict | None = None, softcap=None,
+               decode_shape: str = "auto") -> dict:
     return _native.ext.paged_metal_launch_plan(
         arrays, [int(x) for x in q_lens], [int(x) for x in kv_lens], scale=scale, causal=causal,
         window_size=window_size or 0, has_sinks=has_sinks, output_lse=return_lse, bits=bits, group_size=group_size,
-        softcap=softcap or 0.0, **(gpu_target or {}))
+        softcap=softcap or 0.0, decode_shape=decode_shape, **(gpu_target or {}))
 
 
 # byte offset of AttentionParams::vector_loads (metal/attention_params.h: 17
@@ -61,16 +78,18 @@ def scalar_loads(plan: dict) -> dict:
 
 
 def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None,
-              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None, vector_loads=True):
+              sinks=None, return_lse=False, bits=0, group_size=0, gpu_target=None, softcap=None, vector_loads=True,
+              decode_shape="auto"):
     """Launches the plan of these (contiguous) arrays in `library`: k_parts /
     v_parts are [pages] or the (packed, scales, biases) triples;
-    vector_loads=False takes the element by element path. Returns
+    vector_loads=False takes the element by element path; decode_shape
+    "group" / "row" names the decode kernel's shape (float pages). Returns
     (out, lse or None, plan, per-dispatch results); out and lse are NumPy
     (bfloat16 as uint16 bits), NaN wherever no kernel wrote."""
     arrays = [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
     plan = paged_plan(arrays, q_lens, kv_lens, scale=scale, causal=causal, window_size=window_size,
                       has_sinks=sinks is not None, return_lse=return_lse, bits=bits, group_size=group_size,
-                      gpu_target=gpu_target, softcap=softcap)
+                      gpu_target=gpu_target, softcap=softcap, decode_shape=decode_shape)
     assert plan["supported"], plan["reason"]
     if not vector_loads:
         plan = scalar_loads(plan)

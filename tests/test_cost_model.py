@@ -126,13 +126,15 @@ def test_register_estimate_follows_the_tiles():
 
 def test_every_kernel_the_plans_pick_is_within_the_register_budget():
     """Issue #23: no supported variant above the budget. The table walks the
-    launch plans (forward decode and prefill, backward) of every head-dim
-    pair, so a routing change that picks a spilling kernel fails here."""
+    launch plans (forward decode and prefill, backward, quantized, paged) of
+    every head-dim pair, so a routing change that picks a spilling kernel
+    fails here."""
     bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
     rows = bench_metal.register_table()
     kinds = {kind for kind, _, _, _ in rows}
     assert {"prefill", "prefill (D-split)", "decode", "backward dkdv", "backward dq", "backward dkdv (D-split)",
-            "backward dq (D-split)", "quantized prefill (4-bit)", "quantized decode (8-bit)"} <= kinds
+            "backward dq (D-split)", "quantized prefill (4-bit)", "quantized decode (8-bit)", "paged decode",
+            "paged quantized decode (4-bit)", "paged prefill", "decode_merge"} <= kinds
     over = [row for row in rows if row[3] > cm.M2_MAX.register_budget]
     assert over == []
     # the register-resident kernels the plans route away from are over it
@@ -327,3 +329,28 @@ def test_the_decode_rule_is_near_the_models_best_and_at_sdpa_vector():
     assert check["now"]["geomean"] <= 1.1 and check["now"]["mlx_geomean"] <= 1.0
     assert check["group"]["geomean"] > 1.2 and check["group"]["mlx_geomean"] > 1.1
     assert check["now"]["max"] < check["group"]["max"] < check["before"]["max"]
+
+
+def test_the_paged_row_shape_reaches_sdpa_vector_where_the_group_shape_did_not():
+    """The paged decode on float pages (the dense decode's body plus a page
+    lookup per key and a 4-entry page window a lane): with the plan's shape
+    choice (the dense rule, splits capped at 127 pages) small batches take
+    the row shape in one split and reach sdpa_vector on the same keys
+    contiguous (within 5%), where the group shape alone was 1.35-2.9x; no
+    problem gets slower than before."""
+    assert cm.paged_window_registers(1) == 4 and cm.paged_window_registers(8) == 1
+    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    rows = bench_metal.paged_decode_rows()
+    for r in rows:
+        assert r["now"]["us"] <= r["before"]["us"] * 1.001, r
+    small = [r for r in rows if (r["B"], r["Hkv"], r["T"]) in ((1, 8, 128), (1, 8, 1024))]
+    assert len(small) == 3
+    for r in small:
+        assert (r["now"]["rows"], r["now"]["simdgroups"], r["now"]["splits"]) == (1, 32, 1), r
+        assert r["before"]["us"] > 1.3 * r["mlx_us"] and r["now"]["us"] <= 1.05 * r["mlx_us"], r
+    # the page lookup is counted: the paged kernel is no faster than the dense one on the same split
+    gpu = cm.M2_MAX
+    dense, paged = (cm.predict_all(cm.our_decode_kernels(1, 32, 8, 128, 128, gpu, 1, 1, simdgroups=32, prefetch=2,
+                                                         single_dispatch=True, lane_merge=True, paged=flag), gpu)
+                    for flag in (False, True))
+    assert paged["seconds"] > dense["seconds"] and paged["registers"] == dense["registers"] + 4  # 4 entries a lane

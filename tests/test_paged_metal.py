@@ -77,7 +77,7 @@ def f64(a: mx.array) -> np.ndarray:
 
 
 def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None, sinks=False, lse=False, softcap=None,
-                gpu_target=None, vector_loads=True, **case):
+                gpu_target=None, vector_loads=True, decode_shape="auto", **case):
     q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, **case)
     scale = d**-0.5 if scale is None else scale
     sink_array = None
@@ -86,7 +86,7 @@ def check_float(library, dtype, d, *, scale=None, causal=True, window_size=None,
         sink_array = sink_array.astype(q.dtype)
     out, got_lse, plan, _ = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=scale, causal=causal,
                                       window_size=window_size, sinks=sink_array, return_lse=lse, softcap=softcap,
-                                      gpu_target=gpu_target, vector_loads=vector_loads)
+                                      gpu_target=gpu_target, vector_loads=vector_loads, decode_shape=decode_shape)
     want, want_lse = oracle(f64(q), f64(k), f64(v), np.array(table), q_lens, kv_lens, scale=scale, causal=causal,
                             window_size=window_size, sinks=None if sink_array is None else f64(sink_array),
                             softcap=softcap)
@@ -118,13 +118,18 @@ def point_id(p):
     return f"{p['dtype_d'][0]}-d{p['dtype_d'][1]}-gqa{p['gqa']}-{p['mask']}-page{p['page_size']}"
 
 
+@pytest.mark.parametrize("decode_shape", ["group", "row"])
 @pytest.mark.parametrize("point", POINTS, ids=point_id)
-def test_ragged_batch_matches_the_float64_oracle(library, point):
+def test_ragged_batch_matches_the_float64_oracle(library, point, decode_shape):
     """Decode rows (q_len 1), a chunked prefill (13 rows), a sequence whose
-    every key is a query (q_len == kv_len), an empty sequence; pages shared."""
+    every key is a query (q_len == kv_len), an empty sequence; pages shared;
+    on each of the decode kernel's threadgroup shapes."""
     dtype, d = point["dtype_d"]
-    check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
-                **MASKS[point["mask"]])
+    plan = check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
+                       decode_shape=decode_shape, **MASKS[point["mask"]])
+    rows, simdgroups = (8 if d <= 128 else 4, 4) if decode_shape == "group" else (1, 32 if d <= 128 else 16)
+    assert plan["dispatches"][0]["kernel"].endswith(f"_d{d}_r{rows}_sg{simdgroups}")
+    assert plan["dispatches"][0]["threadgroup"] == [32 * simdgroups, 1, 1]
 
 
 def test_sample_covers_every_axis_value():
@@ -134,13 +139,18 @@ def test_sample_covers_every_axis_value():
 
 
 def test_long_sequences_split_over_many_page_windows(library):
-    """More keys than one split covers (31 pages): several splits per
-    sequence, each with its own window of block-table entries, and a query
-    block of 40 rows (several row chunks)."""
-    plan = check_float(library, "float16", 128, page_size=4, kv_lens=(700, 3, 260), q_lens=(1, 3, 40), gqa=4,
-                       lse=False, window_size=200)
-    assert plan["keys_per_split"] <= 31 * 4
-    assert plan["splits"] >= 700 // (31 * 4)
+    """More keys than one split covers (127 pages on the row shape, 31 on
+    the group shape): several splits per sequence, each with its own window
+    of block-table entries (the row shape's past 32 pages: several entries
+    a lane), and a query block of 40 rows (several row chunks)."""
+    assert _native.ext.PAGED_MAX_PAGES_PER_SPLIT == (127, 31)
+    for decode_shape, most in (("row", 127), ("group", 31)):
+        plan = check_float(library, "float16", 128, page_size=4, kv_lens=(1200, 3, 260), q_lens=(1, 3, 40), gqa=4,
+                           lse=False, window_size=700, decode_shape=decode_shape)
+        assert plan["keys_per_split"] <= most * 4
+        assert plan["splits"] >= 1200 // (most * 4)
+        if decode_shape == "row":
+            assert plan["keys_per_split"] > 32 * 4  # windows past one entry a lane
 
 
 def test_softcap_caps_the_logits_of_every_sequence(library):
@@ -191,8 +201,9 @@ def test_prefill_chunks_match_the_float64_oracle(library, point):
     options = dict(PREFILL_MASKS[point["mask"]])
     if point["mask"] == "window":
         options["window_size"] = 20  # shorter than the chunks: key blocks before the window skipped
+    # the group shape's splits give the decode rows a merge: the prefill dispatch runs after both
     plan = check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
-                       **options, **PREFILL_BATCH)
+                       decode_shape="group", **options, **PREFILL_BATCH)
     assert routed_to_prefill(plan) and len(plan["dispatches"]) == 3
 
 
@@ -261,9 +272,11 @@ def test_one_split_sequences_write_their_rows_in_one_dispatch(library):
     over it."""
     lengths = dict(kv_lens=(40, 0, 17, 9), q_lens=(1, 0, 3, 2), page_size=8, seed=5)
     plan = check_float(library, "float32", 64, sinks=True, lse=True, **lengths)
-    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_paged_decode_partial_float32_d64"]
+    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_paged_decode_partial_float32_d64_r8_sg4"]
     # one sequence of one split beside one of several: the merge passes over the first
-    plan = check_float(library, "float32", 64, sinks=True, lse=True, kv_lens=(20, 400), q_lens=(1, 1), page_size=4)
+    # (the group shape: the row shape reads 400 keys in one split)
+    plan = check_float(library, "float32", 64, sinks=True, lse=True, kv_lens=(20, 400), q_lens=(1, 1), page_size=4,
+                       decode_shape="group")
     assert [s["splits"] for s in sequences(plan)] == [1, 7] and len(plan["dispatches"]) == 2
     q, k, v, table, q_lens, kv_lens = ragged_case("float16", 128, **lengths)
     kq, vq = (quantize(x.astype(mx.float32), 64, 4, q.dtype) for x in (k, v))
@@ -311,7 +324,7 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     assert [s["query_block_start"] for s in seqs] == [0, 0, 1, 1, 3, 3]
     assert [s["splits"] > 0 for s in seqs] == [True, False, True, False, False, False]
     partial, prefill = plan["dispatches"]  # the decode sequences have one split each: no merge
-    assert partial["kernel"] == "attention_paged_decode_partial_float16_d128"
+    assert partial["kernel"] == "attention_paged_decode_partial_float16_d128_r8_sg4"  # the group shape: 32 rows
     assert prefill["kernel"] == "attention_paged_prefill_float16_d128_bk16"
     assert prefill["grid"] == [5, 8, 1] and prefill["threadgroup"] == [128, 1, 1]
     assert partial["grid"] == [1, 2 * 4, 6]  # the decode rows' largest sequence: 8 x 4, 8 rows per threadgroup
@@ -324,9 +337,9 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     # D = 256 (no register-resident prefill) and quantized pages: the decode kernel serves every row
     # (160 rows: one split, written by the partial kernel, no merge)
     assert [d["kernel"] for d in plan_for([100], [40], d=256)["dispatches"]] == [
-        "attention_paged_decode_partial_float16_d256"]
-    assert [d["kernel"] for d in plan_for([1000], [40], d=256)["dispatches"]] == [
-        "attention_paged_decode_partial_float16_d256", "attention_paged_decode_merge_float16_d256"]
+        "attention_paged_decode_partial_float16_d256_r4_sg4"]
+    assert [d["kernel"] for d in plan_for([5000], [40], d=256)["dispatches"]] == [
+        "attention_paged_decode_partial_float16_d256_r4_sg4", "attention_paged_decode_merge_float16_d256"]
     q = mx.zeros((40, 8, 128), mx.float16)
     packed = mx.zeros((8, 2, 16, 128 * 4 // 32), mx.uint32)
     scales = mx.zeros((8, 2, 16, 128 // 64), mx.float16)
@@ -336,11 +349,47 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     assert quantized["scratch"] == []
 
 
-def test_plan_sizes_each_sequence_and_caps_a_split_at_31_pages():
+def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
+    """Float pages: the dense decode's rule (tests/decode_rule.py, written
+    apart from the C++) over the decode kernel's sequences as a batch of the
+    longest, each shape's splits capped by its page window (127 pages on
+    the row shape, 31 on the group shape); both shapes appear over the grid,
+    the row shape's grid has one row per threadgroup. Quantized pages: the
+    group shape whatever the rule says."""
+    import itertools
+
+    import decode_rule
+
+    chosen = set()
+    for sequences, kv_heads, gqa, longest, page_size, d, cores in itertools.product(
+            (1, 4), (1, 8), (1, 4), (40, 1024, 5000), (1, 16), (64, 256), (0, 38)):
+        kv_lens = [longest] + [max(1, longest // 3)] * (sequences - 1)
+        target = {"gpu_family": "apple8", "gpu_cores": cores}
+        plan = plan_for(kv_lens, [1] * sequences, page_size=page_size, d=d, heads=kv_heads * gqa,
+                        kv_heads=kv_heads, gpu_target=target)
+        rule = decode_rule.decode_plan(sequences, kv_heads, gqa, longest, d, cores or 8,
+                                       max_pages_per_split=_native.ext.PAGED_MAX_PAGES_PER_SPLIT, page_size=page_size)
+        partial = plan["dispatches"][0]
+        assert partial["kernel"] == f"attention_paged_decode_partial_float16_d{d}{rule['fields']}", (
+            sequences, kv_heads, gqa, longest, page_size, d, cores)
+        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
+        assert partial["grid"][1] == kv_heads * -(-gqa // rule["rows"])
+        chosen.add(rule["shape"])
+    assert chosen == {"row", "group"}
+    q = mx.zeros((1, 8, 128), mx.float16)
+    packed = mx.zeros((8, 8, 16, 128 * 4 // 32), mx.uint32)
+    scales = mx.zeros((8, 8, 16, 128 // 64), mx.float16)
+    quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [1],
+                           [100], scale=0.1, bits=4, group_size=64)
+    assert decode_rule.decode_plan(1, 8, 1, 100, 128, 8)["shape"] == "row"
+    assert quantized["dispatches"][0]["threadgroup"] == [128, 1, 1]  # the group shape
+
+
+def test_plan_sizes_each_sequence_and_caps_a_split_by_its_page_window():
     kv_lens, q_lens = [5000, 0, 17, 300], [1, 0, 7, 4]  # every row the decode kernel's (7 x GQA 4 = 28 rows)
     plan = plan_for(kv_lens, q_lens, page_size=16)
     per = plan["keys_per_split"]
-    assert per % 16 == 0 and 16 <= per <= 31 * 16
+    assert per % 16 == 0 and 16 <= per <= max(_native.ext.PAGED_MAX_PAGES_PER_SPLIT) * 16
     seqs = sequences(plan)
     assert [s["q_start"] for s in seqs] == [0, 1, 1, 8]
     assert [s["splits"] for s in seqs] == [(n + per - 1) // per if q else 0 for n, q in zip(kv_lens, q_lens)]
@@ -376,6 +425,8 @@ def test_plan_of_one_split_sequences_has_no_merge_and_no_scratch():
 
 def test_plan_refuses_what_the_kernels_cannot_run():
     assert "head dims" in plan_for([10], [1], d=80)["reason"]
+    # D = 512: the dense decode has it, the paged kernels are not instantiated for it
+    assert "head dims 64, 96, 128 and 256, got 512" in plan_for([10], [1], d=512)["reason"]
     q = mx.zeros((1, 4, 64), mx.float16)
     k = mx.zeros((2, 2, 16, 64), mx.float16)
     v = mx.zeros((2, 2, 16, 32), mx.float16)
@@ -445,7 +496,8 @@ def test_doctor_lists_the_paged_variants(library):
     report = run_doctor(metal_paged=emulated_runner(library), paged_variants=[self_check.PagedVariant("float32", 64)],
                         timings=False, variants=[], backward_variants=[], metal_runner=None)
     assert "## Paged Metal kernels against the paged reference path" in report.markdown
-    assert "| paged/float32/D=64 | 3 |" in report.markdown
+    cases = len(self_check.paged_cases(self_check.PagedVariant("float32", 64)))
+    assert cases == 4 and f"| paged/float32/D=64 | {cases} |" in report.markdown
     assert [r.passed for r in report.paged_results] == [True]
 
 

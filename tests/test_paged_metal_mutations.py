@@ -25,7 +25,7 @@ import msl_emulator
 from metal_runner import REPO, EmulatedMetal
 from mlx_attn import _native
 from mutations import assert_caught, kernel_text, mutated, write
-from paged_metal_runner import as_float, oracle, run_paged
+from paged_metal_runner import as_float, oracle, paged_instantiation, run_paged
 from sdpa_cases import TOLERANCE
 
 pytestmark = [pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed"),
@@ -41,7 +41,7 @@ def only_float32_d64(text: str) -> str:
         text = re.sub(r"^MLX_ATTN_PAGED_PREFILL_(2BYTE_)?TYPES\(.*\)$", "", text, flags=re.M)
         return text + "\nMLX_ATTN_PAGED_PREFILL(float32, float, 64, 32)\n"
     text = re.sub(r"^MLX_ATTN_PAGED_TYPES\(.*\)$", "", text, flags=re.M)
-    return text + "\nMLX_ATTN_PAGED(float32, float, 64)\n"
+    return text + "\n" + paged_instantiation("float32, float", 64) + "\n"
 
 
 def replaced(a: str, b: str) -> tuple:
@@ -53,7 +53,12 @@ MUTANTS = {
         "at.load(key % pages.page_size, lane", "at.load(key, lane"),
     "page window one page late": replaced("first_page = first_key / size;", "first_page = first_key / size + 1;"),
     "page taken from the lane of the absolute page": replaced(
-        "ushort(key / page_size - first_page)", "ushort(key / page_size)"),
+        "const int index = key / page_size - first_page;", "const int index = key / page_size;"),
+    # a split of more than 32 pages: lane l's later entries hold pages l + 32, l + 64, ...
+    "page window: a later round's entry never picked": replaced(
+        "entry = index >= 32 * i ? page[i] : entry;", "entry = index > 32 * i ? page[i] : entry;"),
+    "page window: later rounds read the first round's pages": replaced(
+        "const int mine = first_page + 32 * i + int(lane);", "const int mine = first_page + int(lane);"),
     "every sequence reads the first block-table row": replaced(
         "kv.pages.select(block_table + seq.table_start,", "kv.pages.select(block_table,"),
     "every sequence reads the first sequence's query rows": replaced(
@@ -79,9 +84,13 @@ MUTANTS = {
         "outputs.position_rows = p.q_heads;", "outputs.position_rows = 1;"),
     "one split: rows written from the batch's first": replaced("out + first_row * D,", "out,"),
     "merge: one-split sequences merged again": replaced("seq.splits <= 1", "seq.splits == 0"),
+    # the row shape (one row per threadgroup): its row chunks are its rows
+    "row chunks counted in the group shape's rows": replaced(
+        "const int chunks = (rows + R - 1) / R;", "const int chunks = (rows + 7) / 8;"),
 }
 DEFAULT = ["slot ignored: a key read as its own slot", "page window one page late",
-           "every sequence reads the first block-table row", "one split: packed rows written head-major"]
+           "every sequence reads the first block-table row", "one split: packed rows written head-major",
+           "row chunks counted in the group shape's rows", "page window: a later round's entry never picked"]
 NAMES = list(MUTANTS) if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else DEFAULT
 
 # the paged prefill kernel (metal/attention_paged_prefill.h)
@@ -134,6 +143,11 @@ CASES = [
 
 
 def caught(run) -> bool:
+    """Every case on both of the decode kernel's threadgroup shapes."""
+    return any(caught_on(run, shape) for shape in ("group", "row"))
+
+
+def caught_on(run, decode_shape: str) -> bool:
     for n, (q_lens, kv_lens, page_size, heads, kv_heads, options) in enumerate(CASES):
         rng = np.random.default_rng(n)
         needed = [(t + page_size - 1) // page_size for t in kv_lens]
@@ -151,7 +165,7 @@ def caught(run) -> bool:
         try:
             out, lse, _, _ = run_paged(run.library, q, [k], [v], mx.array(table), q_lens, kv_lens, scale=0.125,
                                        window_size=window, sinks=sinks, return_lse=True,
-                                       vector_loads=options.get("vector_loads", True))
+                                       vector_loads=options.get("vector_loads", True), decode_shape=decode_shape)
         except msl_emulator.EmulatorError:
             return True  # a read outside a buffer, a deadlock
         want, want_lse = oracle(np.array(q), np.array(k), np.array(v), table, q_lens, kv_lens, scale=0.125,
