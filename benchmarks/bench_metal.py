@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -240,7 +240,8 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
     else:
         shape_rows, simdgroups = kernel_decode_shape(ours_kernels[0])
         models = {"ours": cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, row["ours_splits"], shape_rows,
-                                                simdgroups=simdgroups, prefetch=decode_prefetch(d),
+                                                simdgroups=simdgroups,
+                                                prefetch=decode_prefetch(d, shape_rows, simdgroups),
                                                 single_dispatch=True, lane_merge=True),
                   "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
                                                 64 if heads // kv_heads >= 4 else 32)}
@@ -432,7 +433,6 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
         chunks = -(-group // rows_per_tg)
         before = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
         two_pass = kv_heads < heads and t >= 4096  # MLX on a base GPU (tests/mlx_kernel_runner.py)
-        prefetch = decode_prefetch(d)
         group_splits = group_only_splits(group, t, kv_heads, d, gpu.cores)
         shape_name = "row shape" if now["rows"] == 1 else "group shape"
         variants = {
@@ -441,12 +441,13 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
                 1, heads, kv_heads, t, d, gpu, before, rows_per_tg),
             f"ours, group shape ({rows_per_tg} rows, 4 simdgroups), {group_splits} splits, prefetch, "
             f"{cm.MERGE_SIMDGROUPS}-simdgroup merge (before)": cm.our_decode_kernels(
-                1, heads, kv_heads, t, d, gpu, group_splits, rows_per_tg, prefetch=prefetch, single_dispatch=True,
+                1, heads, kv_heads, t, d, gpu, group_splits, rows_per_tg, prefetch=decode_prefetch(d, rows_per_tg),
+                single_dispatch=True,
                 lane_merge=True),
             f"ours, {shape_name} ({rows_text(now['rows'])}, {now['simdgroups']} simdgroups), {now['splits']} splits "
             "(now)": cm.our_decode_kernels(
                 1, heads, kv_heads, t, d, gpu, now["splits"], now["rows"], simdgroups=now["simdgroups"],
-                prefetch=prefetch, single_dispatch=True, lane_merge=True),
+                prefetch=decode_prefetch(d, now["rows"], now["simdgroups"]), single_dispatch=True, lane_merge=True),
         }
         exp_kinds = {name: "fast" for name in variants}  # decode_key and the merges call fast::exp2
     out = {}
@@ -458,11 +459,13 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
     return out
 
 
-def decode_prefetch(d: int) -> int:
-    """Keys in flight per simdgroup in our decode kernel: 2 (DecodePrefetch in
-    metal/attention_decode.h: the next key's K/V while the current key's
-    math runs) up to D = 256, where the registers allow it."""
-    return 2 if d // 32 <= 8 else 1
+def decode_prefetch(d: int, rows: int, simdgroups: int = 4, bits: int | None = None, paged: bool = False) -> int:
+    """Keys in flight per simdgroup in our decode kernel of this shape (rows,
+    simdgroups) over float or `bits`-bit K/V, paged or not: 2 (DecodePrefetch
+    in metal/attention_decode.h: the next key's K/V while the current key's
+    math runs) where the registers allow it (metal_cost_model.decode_prefetch)."""
+    loader = (cm.QUANTIZED_LOADER_REGISTERS if bits else 0) + (cm.paged_window_registers(rows) if paged else 0)
+    return cm.decode_prefetch(rows, simdgroups, d, loader, MODEL_GPU)
 
 
 def rows_text(rows: int) -> str:
@@ -513,15 +516,14 @@ def decode_partial_registers(d: int, bits: int | None = None, rows: int | None =
     (metal_cost_model.residency)."""
     rows = rows or decode_shapes(1, 1, 1, 1024, d)["group"]["rows"]
     problem = (1, rows, 1, 1024, d, MODEL_GPU, 2, rows)
+    prefetch = decode_prefetch(d, rows, simdgroups, bits, paged)
     if bits is None:
-        kernels = cm.our_decode_kernels(*problem, simdgroups=simdgroups, prefetch=decode_prefetch(d))
+        kernels = cm.our_decode_kernels(*problem, simdgroups=simdgroups, prefetch=prefetch, paged=paged)
     else:
-        kernels = cm.our_quantized_decode_kernels(*problem, bits, 64, prefetch=decode_prefetch(d))
-    tile = f"{rows_text(rows)}, {simdgroups} simdgroups{', prefetch' if decode_prefetch(d) > 1 else ''}"
-    window = cm.paged_window_registers(rows) if paged else 0
-    if window:
-        cm.residency(replace(kernels[0], registers=kernels[0].registers + window), MODEL_GPU)  # still fits
-    return tile, kernels[0].registers + window
+        kernels = cm.our_quantized_decode_kernels(*problem, bits, 64, prefetch=prefetch, simdgroups=simdgroups,
+                                                  paged=paged)
+    tile = f"{rows_text(rows)}, {simdgroups} simdgroups{', prefetch' if prefetch > 1 else ''}"
+    return tile, kernels[0].registers
 
 
 def kernel_registers(kernel: str) -> tuple[str, str, int]:
@@ -543,18 +545,19 @@ def kernel_registers(kernel: str) -> tuple[str, str, int]:
         d, bits, bk = map(int, m.groups())
         return f"quantized prefill ({bits}-bit)", f"BK {bk}", cm.steel_registers(
             cm.our_prefill_tile(d, bk, "fast"), staging_registers=bits + 4)
-    if m := match(r"attention_quantized_decode_partial_\w+?_d(\d+)_b(\d+)"):
-        d, bits = map(int, m.groups())
-        return (f"quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits)
+    if m := match(r"attention_quantized_decode_partial_\w+?_d(\d+)_b(\d+)_r(\d+)_sg(\d+)"):
+        d, bits, rows, simdgroups = map(int, m.groups())
+        return (f"quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits, rows, simdgroups)
     if m := match(r"attention_decode_partial_\w+?_d(\d+)_r(\d+)_sg(\d+)"):
         d, rows, simdgroups = map(int, m.groups())
         return ("decode",) + decode_partial_registers(d, rows=rows, simdgroups=simdgroups)
     if m := match(r"attention_paged_decode_partial_\w+?_d(\d+)_r(\d+)_sg(\d+)"):
         d, rows, simdgroups = map(int, m.groups())
         return ("paged decode",) + decode_partial_registers(d, rows=rows, simdgroups=simdgroups, paged=True)
-    if m := match(r"attention_paged_quantized_decode_partial_\w+?_d(\d+)_b(\d+)"):
-        d, bits = map(int, m.groups())
-        return (f"paged quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits, paged=True)
+    if m := match(r"attention_paged_quantized_decode_partial_\w+?_d(\d+)_b(\d+)_r(\d+)_sg(\d+)"):
+        d, bits, rows, simdgroups = map(int, m.groups())
+        return (f"paged quantized decode ({bits}-bit)",) + decode_partial_registers(d, bits, rows, simdgroups,
+                                                                                    paged=True)
     if m := match(r"attention_paged_prefill_\w+?_d(\d+)_bk(\d+)"):
         # the prefill's tiles; its key rows are located between blocks (threadgroup memory), not in the MMA phases
         d, bk = map(int, m.groups())
@@ -602,10 +605,11 @@ def planned_kernels(d: int, dv: int, dtype, family: str) -> list:
         if kv_len == 512 and d == dv and d % 64 == 0 and d <= 512:  # over 4- and 8-bit K/V (mx.quantize triples, groups of 64)
             from mlx_attn.quantized import quantized_launch_plan
 
-            for bits in (4, 8):
+            for bits, shape in itertools.product((4, 8), ("group", "row")):
                 codes, scales, biases = _zero_quantized_kv(d, bits)
                 kq = (codes, scales.astype(dtype), biases.astype(dtype))
-                plan = quantized_launch_plan(q, kq, kq, scale=d**-0.5, mask="causal", bits=bits, group_size=64)
+                plan = quantized_launch_plan(q, kq, kq, scale=d**-0.5, mask="causal", bits=bits, group_size=64,
+                                             gpu_family=family, decode_shape=shape)
                 if plan["supported"]:
                     names += [dispatch["kernel"] for dispatch in plan["dispatches"]]
     return names + paged_planned_kernels(d, dv, dtype, family)
@@ -630,13 +634,13 @@ def paged_planned_kernels(d: int, dv: int, dtype, family: str) -> list:
     for shape in ("group", "row"):
         plan = _ext.paged_metal_launch_plan([q, k, k, table], [1, 40], [5000, 100], decode_shape=shape, **options)
         names += [dispatch["kernel"] for dispatch in plan["dispatches"]] if plan["supported"] else []
-    for bits in (4, 8):
+    for bits, shape in itertools.product((4, 8), ("group", "row")):
         if d % 64:
             continue
         scales = mx.zeros((pages, 1, page, d // 64), dtype)
         triple = [mx.zeros((pages, 1, page, d * bits // 32), mx.uint32), scales, scales]
         plan = _ext.paged_metal_launch_plan([q, *triple, *triple, table], [1, 40], [5000, 100], bits=bits,
-                                            group_size=64, **options)
+                                            group_size=64, decode_shape=shape, **options)
         names += [dispatch["kernel"] for dispatch in plan["dispatches"]] if plan["supported"] else []
     return names
 
@@ -704,7 +708,9 @@ def decode_rule_check() -> dict:
                         def seconds(splits, shape):
                             kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, shape["rows"],
                                                             simdgroups=shape["simdgroups"],
-                                                            prefetch=decode_prefetch(d), single_dispatch=True,
+                                                            prefetch=decode_prefetch(d, shape["rows"],
+                                                                                     shape["simdgroups"]),
+                                                            single_dispatch=True,
                                                             lane_merge=True)
                             return cm.predict_all(kernels, gpu)["seconds"]
 
@@ -886,6 +892,7 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
         lines.append(f"| {title} | {r['geomean']:.2f}x ({r['max']:.2f}x) | {r['mlx_geomean']:.2f}x ({r['mlx_max']:.2f}x) |")
     lines += quantized_prefill_lines(gpu)
     lines += quantized_decode_lines(gpu)
+    lines += quantized_shape_lines(gpu)
     lines += paged_decode_lines(gpu)
     check = throughput_check()
     lines += ["", f"Throughput: MLX's steel prefill, D=64 fp16, T={check['T']}, H={check['heads']} on {check['gpu']}: "
@@ -904,19 +911,20 @@ QUANTIZED_ONE_SPLIT_PROBLEMS = ((1, 8, 4, 64), (1, 8, 8, 128), (1, 32, 1, 64), (
 def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> list:
     """Our quantized decode (metal/attention_quantized.h) before (partial +
     merge, always) and now (one dispatch at one split), by the model, next to
-    MLX's sdpa_vector on the dequantized fp16 K/V. The split count is the
-    group shape's (the quantized plan takes that shape alone)."""
+    MLX's sdpa_vector on the dequantized fp16 K/V, on the group shape (the
+    shape of these problems before and now: quantized_shape_rows)."""
     rows = []
     for batch, kv_heads, group, t in QUANTIZED_ONE_SPLIT_PROBLEMS:
         heads = kv_heads * group
-        group_shape = decode_shapes(batch, kv_heads, group, t, d, gpu)["group"]  # the quantized plan's shape
+        group_shape = decode_shapes(batch, kv_heads, group, t, d, gpu)["group"]
         splits, rows_per_tg = group_shape["splits"], group_shape["rows"]
         two_pass = kv_heads < heads and t >= 4096  # as model_problem
         mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
                                                     64 if group >= 4 else 32), gpu)["seconds"]
         for bits in (4, 8):
             ours = {when: cm.predict_all(cm.our_quantized_decode_kernels(
-                batch, heads, kv_heads, t, d, gpu, splits, rows_per_tg, bits, group_size, prefetch=decode_prefetch(d),
+                batch, heads, kv_heads, t, d, gpu, splits, rows_per_tg, bits, group_size,
+                prefetch=decode_prefetch(d, rows_per_tg, bits=bits),
                 single_dispatch=single), gpu) for when, single in (("before", False), ("now", True))}
             rows.append({"B": batch, "Hkv": kv_heads, "group": group, "T": t, "D": d, "bits": bits,
                          "group_size": group_size, "splits": splits, "mlx_us": mlx * 1e6,
@@ -928,9 +936,10 @@ def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> 
 
 def quantized_decode_lines(gpu=MODEL_GPU) -> list:
     """The quantized decode's rows of the cost model's section."""
-    lines = ["", f"Decode over quantized K/V (mx.quantize, group 64, fp16 scales and biases), D=128, where the",
-             "split rule gives one split: before, the partial kernel and the merge always (2 dispatches); now,",
-             "one dispatch (the partial kernel writes out, sinks and lse). MLX: sdpa_vector on the dequantized",
+    lines = ["", f"Decode over quantized K/V (mx.quantize, group 64, fp16 scales and biases), D=128, on the group",
+             "shape where its split rule gives one split (the plan's shape for them: the next table): before,",
+             "the partial kernel and the merge always (2 dispatches); now, one dispatch (the partial kernel",
+             "writes out, sinks and lse). MLX: sdpa_vector on the dequantized",
              "fp16 K/V (the dequantize pass not counted). K/V device bytes per element: "
              f"4-bit {cm.quantized_kv_bytes_per_element(4, 64):.4f}, 8-bit {cm.quantized_kv_bytes_per_element(8, 64):.4f},"
              " fp16 2.", "",
@@ -941,6 +950,49 @@ def quantized_decode_lines(gpu=MODEL_GPU) -> list:
                      f"{r['now_registers']} | {r['before_us']:.1f} ({r['before_dispatches']}) | "
                      f"{r['now_us']:.1f} ({r['now_dispatches']}) | {r['before_us'] / r['mlx_us']:.2f}x | "
                      f"{r['now_us'] / r['mlx_us']:.2f}x | {r['now_bound']} |")
+    return lines
+
+
+# Quantized decode problems at D = 128 (batch, KV heads, GQA group, T):
+# short and mid contexts of one sequence, where the shape decides.
+QUANTIZED_SHAPE_PROBLEMS = ((1, 8, 4, 128), (1, 8, 4, 1024), (1, 8, 1, 1024), (1, 32, 1, 2048), (1, 8, 4, 4096),
+                            (4, 8, 4, 1024))
+
+
+def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size: int = 64) -> list:
+    """The quantized decode by the model: before, the group shape alone; now,
+    the plan's shape (the float decode's rule: csrc/quantized_launch_plan.cpp
+    calls decode_shape); next to sdpa_vector on the dequantized fp16 K/V."""
+    rows = []
+    for batch, kv_heads, group, t in QUANTIZED_SHAPE_PROBLEMS:
+        heads = kv_heads * group
+        two_pass = kv_heads < heads and t >= 4096
+        mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
+                                                    64 if group >= 4 else 32), gpu)["seconds"]
+        shapes = decode_shapes(batch, kv_heads, group, t, d, gpu)
+        row = {"B": batch, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
+        for when, name in (("before", "group"), ("now", "row" if shapes["row"]["chosen"] else "group")):
+            shape = shapes[name]
+            p = cm.predict_all(cm.our_quantized_decode_kernels(
+                batch, heads, kv_heads, t, d, gpu, shape["splits"], shape["rows"], bits, group_size,
+                prefetch=decode_prefetch(d, shape["rows"], shape["simdgroups"], bits=bits),
+                single_dispatch=True, simdgroups=shape["simdgroups"]), gpu)
+            row[when] = {**shape, "us": p["seconds"] * 1e6, "registers": p["registers"], "bound": p["bound"]}
+        rows.append(row)
+    return rows
+
+
+def quantized_shape_lines(gpu=MODEL_GPU) -> list:
+    lines = ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape: before, the group shape alone;",
+             "now, the float decode's rule (the row shape for short contexts). MLX: sdpa_vector on the",
+             "dequantized fp16 K/V (the dequantize pass not counted; it reads 3.6x the bytes).", "",
+             "| B | Hkv | GQA | T | before: shape, splits | before µs | now: shape, splits | now µs | registers | "
+             "before / MLX | now / MLX | bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in quantized_shape_rows(gpu):
+        b, n = r["before"], r["now"]
+        lines.append(f"| {r['B']} | {r['Hkv']} | {r['group']} | {r['T']} | r{b['rows']} sg{b['simdgroups']}, "
+                     f"{b['splits']} | {b['us']:.1f} | r{n['rows']} sg{n['simdgroups']}, {n['splits']} | {n['us']:.1f} | "
+                     f"{n['registers']} | {b['us'] / r['mlx_us']:.2f}x | {n['us'] / r['mlx_us']:.2f}x | {n['bound']} |")
     return lines
 
 
@@ -988,7 +1040,8 @@ def paged_decode_rows(gpu=MODEL_GPU, d: int = 128) -> list:
             plan = paged_decode_plan(sequences, kv_heads, group, t, d, shape, gpu)
             p = cm.predict_all(cm.our_decode_kernels(
                 sequences, heads, kv_heads, t, d, gpu, plan["splits"], plan["rows"], simdgroups=plan["simdgroups"],
-                prefetch=decode_prefetch(d), single_dispatch=True, lane_merge=True, paged=True), gpu)
+                prefetch=decode_prefetch(d, plan["rows"], plan["simdgroups"], paged=True), single_dispatch=True,
+                lane_merge=True, paged=True), gpu)
             row[when] = {**plan, "us": p["seconds"] * 1e6, "registers": p["registers"], "bound": p["bound"]}
         rows.append(row)
     return rows

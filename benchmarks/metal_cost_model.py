@@ -441,6 +441,31 @@ def paged_window_registers(rows_per_threadgroup: int) -> int:
     return PAGED_ROW_WINDOW_ROUNDS if rows_per_threadgroup == 1 else PAGED_GROUP_WINDOW_ROUNDS
 
 
+def decode_loop_registers(rows_per_threadgroup: int, d: int, prefetch: bool, loader_registers: int = 0) -> int:
+    """Registers per lane of the decode loop (metal/attention_decode.h
+    decode_loop_registers, the same formula): allocated for the kernel's
+    compile-time R rows (DecodeRows<R, SLICE>: q[R][D/32], o[R][D/32], m[R],
+    l[R]), whatever the live rows: q and o, m and l, the key's k and v slices
+    (twice with the prefetch), ~20 of addresses and loop state, and the
+    loader's own (0 for float K/V, QUANTIZED_LOADER_REGISTERS, the page
+    window's entries)."""
+    per_lane = d // 32
+    big_r = rows_per_threadgroup
+    return (2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch else 1) + FIXED_REGISTERS
+            + loader_registers)
+
+
+def decode_prefetch(rows_per_threadgroup: int, simdgroups: int, d: int, loader_registers: int = 0,
+                    gpu: Gpu | None = None) -> int:
+    """Keys in flight per simdgroup (DecodePrefetch, metal/attention_decode.h):
+    2 (the next key's K/V loaded while the current key's math runs) where
+    the loop's registers with them stay within the per-thread budget and a
+    core's register file holds the threadgroup's threads, else 1."""
+    gpu = gpu or M2_MAX
+    limit = min(gpu.register_budget, gpu.register_file_bytes // (4 * 32 * simdgroups))
+    return 2 if decode_loop_registers(rows_per_threadgroup, d, True, loader_registers) <= limit else 1
+
+
 def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
                        rows_per_threadgroup: int, simdgroups: int = 4, elem_bytes: int = 2,
                        prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = False,
@@ -466,13 +491,7 @@ def our_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: in
     keys = math.ceil(kv_len / splits / simdgroups)
     key_counts = {"fma": r * (2 * per_lane + 6) + 2 + (3 if paged else 0), "exp2": 2 * r,
                   "simd_shuffle": 5 * r + (1 if paged else 0), "device_load": 2 * math.ceil(per_lane / 4)}
-    # Registers are allocated for the kernel's compile-time R rows
-    # (DecodeRows<R, SLICE>: q[R][D/32], o[R][D/32], m[R], l[R]), whatever
-    # the live rows: q and o, m and l, the key's k and v slices (twice with
-    # the prefetch), ~20 of addresses and loop state.
-    regs = 2 * big_r * per_lane + 2 * big_r + 2 * per_lane * (2 if prefetch > 1 else 1) + FIXED_REGISTERS
-    if paged:
-        regs += paged_window_registers(big_r)
+    regs = decode_loop_registers(big_r, d, prefetch > 1, paged_window_registers(big_r) if paged else 0)
     kv_head_bytes = 2 * kv_len * d * elem_bytes
     partial_bytes = batch * heads * splits * (d * 4 + 8)
     tg_memory = (simdgroups - 1) * big_r * (per_lane * 32 + 2) * 4  # DecodeStates<D>, sized by R
@@ -794,7 +813,8 @@ QUANTIZED_LOADER_REGISTERS = 3
 
 def our_quantized_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: int, d: int, gpu: Gpu, splits: int,
                                  rows_per_threadgroup: int, bits: int, group_size: int, elem_bytes: int = 2,
-                                 prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = True) -> list:
+                                 prefetch: int = 1, single_dispatch: bool = False, lane_merge: bool = True,
+                                 simdgroups: int = 4, paged: bool = False) -> list:
     """metal/attention_quantized.h: our_decode_kernels' structure (the float
     decode's body with the QuantizedKV loader, and its merge) reading the
     triple instead of float K/V: per key and simdgroup, for K and for V,
@@ -805,8 +825,8 @@ def our_quantized_decode_kernels(batch: int, heads: int, kv_heads: int, kv_len: 
     quantized_kv_bytes_per_element; the queries, outputs and partials as the
     float decode's."""
     kernels = our_decode_kernels(batch, heads, kv_heads, kv_len, d, gpu, splits, rows_per_threadgroup,
-                                 elem_bytes=elem_bytes, prefetch=prefetch, single_dispatch=single_dispatch,
-                                 lane_merge=lane_merge)
+                                 simdgroups=simdgroups, elem_bytes=elem_bytes, prefetch=prefetch,
+                                 single_dispatch=single_dispatch, lane_merge=lane_merge, paged=paged)
     partial = kernels[0]
     per_lane = d // 32
     words = max(1, per_lane * bits // 32)  # per lane and row

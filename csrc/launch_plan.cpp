@@ -198,10 +198,11 @@ int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeSha
 }
 
 DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target,
-                         const std::function<int(const DecodeShape&)>& max_keys_per_split) {
+                         DecodeShapeChoice choice, const std::function<int(const DecodeShape&)>& max_keys_per_split) {
   const DecodeShape group = decode_group_shape(head_dim);
   const DecodeShape row = decode_row_shape(head_dim);
-  if (group.rows == 0) return group;
+  if (group.rows == 0 || choice == DecodeShapeChoice::group) return group;
+  if (choice == DecodeShapeChoice::row) return row;
   const auto path = [&](const DecodeShape& shape) {
     int splits = decode_splits(batch, kv_heads, rows, kv_len, shape, target);
     if (max_keys_per_split) {
@@ -354,10 +355,7 @@ std::string supported_head_dims_text() {
 void plan_decode(const AttentionProblem& s, const GpuTarget& target, DecodeShapeChoice choice, LaunchPlan& plan) {
   using R = BufferRole;
   const int rows = (s.q_heads / s.kv_heads) * s.q_len;
-  const DecodeShape shape = choice == DecodeShapeChoice::group ? decode_group_shape(s.head_dim)
-      : choice == DecodeShapeChoice::row                       ? decode_row_shape(s.head_dim)
-                                                               : decode_shape(s.batch, s.kv_heads, rows, s.kv_len,
-                                                                              s.head_dim, target);
+  const DecodeShape shape = decode_shape(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target, choice);
   const int row_chunks = (rows + shape.rows - 1) / shape.rows;
   const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target);
   plan.splits = splits;

@@ -182,8 +182,8 @@ struct DecodeShape {
 // The group shape of a head dim: the register budget's rows
 // (MLX_ATTN_DECODE_ROW_FLOATS / (D / 32), at most
 // MLX_ATTN_DECODE_GROUP_MAX_ROWS) on MLX_ATTN_DECODE_SIMDGROUPS
-// simdgroups, reading each key once for all of them. The quantized decodes
-// (dense and paged) have this shape alone. {}: D has no decode kernel.
+// simdgroups, reading each key once for all of them. {}: D has no decode
+// kernel.
 DecodeShape decode_group_shape(int head_dim);
 // The row shape: one row per threadgroup, its keys on as many simdgroups as
 // a core's registers hold (up to 32, as MLX's sdpa_vector), for contexts too
@@ -195,15 +195,17 @@ DecodeShape decode_row_shape(int head_dim);
 // and its simdgroup combine stay small next to its K/V (docs/metal_kernels.md).
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
                   const GpuTarget& target = {});
-// The dense decode's shape for a problem: the row shape where its chain of
-// keys per simdgroup (and merge) is no longer than the group shape's.
-// `max_keys_per_split` (none: no cap) is a caller's own cap on a split of
-// each shape (the paged decode's page window), which may add splits.
-DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {},
-                         const std::function<int(const DecodeShape&)>& max_keys_per_split = {});
-// Which shape a dense decode plan takes: the rule's (automatic), or one
-// named (tests and benchmarks run every case on both; the rule decides in use).
+// Which shape a decode plan takes: the rule's (automatic), or one named
+// (tests and benchmarks run every case on both; the rule decides in use).
 enum class DecodeShapeChoice : int32_t { automatic, group, row };
+// The decode's shape for a problem (the float, quantized and paged decodes
+// alike): the one `choice` names, else the rule's: the row shape where its
+// chain of keys per simdgroup (and merge) is no longer than the group
+// shape's. `max_keys_per_split` (none: no cap) is a caller's own cap on a
+// split of each shape (the paged decode's page window), which may add splits.
+DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {},
+                         DecodeShapeChoice choice = DecodeShapeChoice::automatic,
+                         const std::function<int(const DecodeShape&)>& max_keys_per_split = {});
 // The split-K decode's partials and merge (metal/attention_decode.h), for
 // the float and quantized decode plans alike: with several splits
 // (plan.splits) the partial dispatch (0) writes the partial_out /

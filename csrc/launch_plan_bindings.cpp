@@ -161,14 +161,16 @@ void bind_launch_plan(nb::module_& m) {
       "batch"_a, "kv_heads"_a, "rows"_a, "kv_len"_a, "head_dim"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
       "The dense decode's two threadgroup shapes for a problem (rows = query heads per KV head x query "
       "positions): per shape its rows, simdgroups and split count (decode_splits), and which one the plan "
-      "chooses (decode_shape). The quantized decode takes the group shape; the paged decode on float pages "
-      "chooses as this does, its splits capped by its page window.");
+      "chooses (decode_shape). The quantized decode chooses as this does; the paged decodes too, each shape's "
+      "splits capped by its page window.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
          float scale, bool causal, int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
-         int bits, int group_size, bool output_lse, float softcap, const std::string& gpu_family, int gpu_cores) {
+         int bits, int group_size, bool output_lse, float softcap, const std::string& gpu_family, int gpu_cores,
+         const std::string& decode_shape) {
         const GpuTarget target = gpu_target_argument(gpu_family, gpu_cores);
+        const DecodeShapeChoice choice = decode_shape_choice(decode_shape);
         if (k_quant.size() != 3 || v_quant.size() != 3) {
           throw std::invalid_argument("k_quant and v_quant must be (packed, scales, biases) triples");
         }
@@ -181,16 +183,16 @@ void bind_launch_plan(nb::module_& m) {
         if (mask) inputs.push_back(*mask);
         if (sinks) inputs.push_back(*sinks);
         const auto [problem, kv] = describe_quantized_attention(inputs, options, {bits, group_size});
-        nb::dict out = plan_dict(plan_quantized_attention(problem, kv, target));
+        nb::dict out = plan_dict(plan_quantized_attention(problem, kv, target, choice));
         out["problem"] = nb::cast(problem);
         return out;
       },
       "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
       "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "output_lse"_a = false,
-      "softcap"_a = 0.0f, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
+      "softcap"_a = 0.0f, "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto",
       "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
-      "q's dtype), as metal_launch_plan (for the gpu_family's tiles), plus 'quantized_params' bytes and the "
-      "'problem'.");
+      "q's dtype), as metal_launch_plan (for the gpu_family's tiles and decode_shape), plus 'quantized_params' "
+      "bytes and the 'problem'.");
   m.attr("QUANTIZED_ATTENTION_PARAMS_BYTES") = int(sizeof(QuantizedAttentionParams));
   m.def(
       "metal_backward_launch_plan",

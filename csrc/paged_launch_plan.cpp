@@ -78,7 +78,8 @@ void plan_paged_decode(const PagedProblem& s, const DecodeShape& shape, const Pr
         {R::q, R::k, R::v, R::block_table, R::sequences, R::partial_out, R::partial_stats, R::sinks, R::out, R::lse},
         plan.scratch, 0);
   } else {
-    partial.kernel = "attention_paged_quantized_decode_partial" + suffix + "_b" + std::to_string(s.quantized.bits);
+    partial.kernel = "attention_paged_quantized_decode_partial" + suffix + "_b" + std::to_string(s.quantized.bits) +
+        shape.kernel_fields();
     partial.bindings = bind_roles(layout,
                                   {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::block_table,
                                    R::sequences, R::quantized_params, R::partial_out, R::partial_stats, R::sinks,
@@ -165,11 +166,9 @@ PagedDecodeExtent paged_decode_extent(const PagedProblem& s) {
 }  // namespace
 
 DecodeShape paged_decode_shape(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice choice) {
-  const int head_dim = s.attention.head_dim;
-  if (s.quantized.bits != 0 || choice == DecodeShapeChoice::group) return decode_group_shape(head_dim);
-  if (choice == DecodeShapeChoice::row) return decode_row_shape(head_dim);
   const PagedDecodeExtent extent = paged_decode_extent(s);
-  return decode_shape(extent.sequences, s.attention.kv_heads, extent.rows, extent.longest, head_dim, target,
+  return decode_shape(extent.sequences, s.attention.kv_heads, extent.rows, extent.longest, s.attention.head_dim,
+                      target, choice,
                       [&](const DecodeShape& shape) { return paged_max_pages_per_split(shape) * s.page_size; });
 }
 

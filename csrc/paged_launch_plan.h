@@ -42,11 +42,11 @@ struct PagedProblem {
 // (PageWindow, metal/attention_paged.h).
 int paged_max_pages_per_split(const DecodeShape& shape);
 
-// The decode kernel's threadgroup shape (csrc/launch_plan.h DecodeShape):
-// on float pages the dense decode's rule (decode_shape over the sequences the
-// decode kernel serves, as a batch of the longest, each shape's splits capped
-// by its page window) or the shape `choice` names; on quantized pages the
-// group shape. For a problem the plan supports.
+// The decode kernel's threadgroup shape (csrc/launch_plan.h DecodeShape),
+// float and quantized pages alike: the dense decode's rule (decode_shape
+// over the sequences the decode kernel serves, as a batch of the longest,
+// each shape's splits capped by its page window) or the shape `choice`
+// names. For a problem the plan supports.
 DecodeShape paged_decode_shape(const PagedProblem& problem, const GpuTarget& target = {},
                                DecodeShapeChoice choice = DecodeShapeChoice::automatic);
 

@@ -58,7 +58,8 @@ bool quantized_rows_take_prefill(const AttentionProblem& s, const cpu::Quantized
   return prefill_rows && instantiated && (qz.bits == 4 || qz.bits == 8) && qz.group_size % 32 == 0;
 }
 
-LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::QuantizedKV& qz, const GpuTarget& target) {
+LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::QuantizedKV& qz, const GpuTarget& target,
+                                    DecodeShapeChoice decode_choice) {
   if (int64_t(s.batch) * s.q_heads * s.q_len == 0) {
     LaunchPlan empty;  // an empty output: nothing to launch
     empty.supported = true;
@@ -74,9 +75,8 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
     plan.reason = "the quantized Metal kernels read 4- or 8-bit codes, got bits=" + std::to_string(qz.bits);
     return plan;
   }
-  const DecodeShape shape = decode_group_shape(s.head_dim);  // the float decode's body, its group shape alone
   const int slice = s.head_dim / 32;  // features per lane: one scale and bias each
-  if (shape.rows == 0 || qz.group_size <= 0 || qz.group_size % slice != 0) {
+  if (decode_group_shape(s.head_dim).rows == 0 || qz.group_size <= 0 || qz.group_size % slice != 0) {
     plan.reason = "the quantized Metal kernels need a head dim of 64, 128, 256 or 512 (key = value) that is a multiple of group_size, "
                   "got head dim " + std::to_string(s.head_dim) + " and group_size " + std::to_string(qz.group_size);
     return plan;
@@ -95,6 +95,8 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
 
   using R = BufferRole;
   const int rows = s.group_size() * s.q_len;
+  // the float decode's body in the float decode's shapes, chosen by its rule
+  const DecodeShape shape = decode_shape(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target, decode_choice);
   const int row_chunks = (rows + shape.rows - 1) / shape.rows;
   const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target);
   plan.splits = splits;
@@ -104,7 +106,8 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
 
   KernelDispatch partial;
   partial.kernel =
-      "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits) + mask_kernel_suffix(s.mask_kind);
+      "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits) + shape.kernel_fields() +
+      mask_kernel_suffix(s.mask_kind);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {shape.threads(), 1, 1};
   const PrimitiveLayout layout = forward_layout(s, /*quantized=*/true);

@@ -31,8 +31,11 @@ bool quantized_rows_take_prefill(const AttentionProblem& problem, const cpu::Qua
 // (buffer pointers unused). Inputs are bound in the QuantizedAttention
 // primitive's order: q, k packed, k scales, k biases, v packed, v scales,
 // v biases, then the mask and sinks when present. Any number of query rows:
-// quantized_rows_take_prefill picks the kernel.
-LaunchPlan plan_quantized_attention(
-    const AttentionProblem& problem, const cpu::QuantizedKV& quantized, const GpuTarget& target = {});
+// quantized_rows_take_prefill picks the kernel; the decode kernel has the
+// float decode's two threadgroup shapes, chosen by its rule (decode_shape)
+// or named by `decode_choice`.
+LaunchPlan plan_quantized_attention(const AttentionProblem& problem, const cpu::QuantizedKV& quantized,
+                                    const GpuTarget& target = {},
+                                    DecodeShapeChoice decode_choice = DecodeShapeChoice::automatic);
 
 }  // namespace mlx_attn

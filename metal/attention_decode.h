@@ -65,6 +65,10 @@ template <typename T, int D>
 struct ContiguousKV {
   static constexpr int SLICE = D / 32;
   static constexpr int VEC = DecodeLayout<D>::VEC;
+  // per-thread registers a loader holds beyond the decode loop's own
+  // (DecodePrefetch): none; its bases and strides are uniform across the
+  // simdgroup (uniform registers)
+  static constexpr int REGISTERS = 0;
   static inline int dim(uint lane, int e) { return DecodeLayout<D>::dim(lane, e); }
 
   const device T* k;
@@ -158,17 +162,29 @@ inline void decode_key(
   }
 }
 
+// The decode loop's registers per lane, the cost model's estimate
+// (benchmarks/metal_cost_model.py decode_loop_registers): q and o of R rows
+// (2 x R x SLICE), their max and sum (2 R), the key's K and V slices
+// (2 x SLICE, twice when the next key's are loaded ahead), ~20 of addresses
+// and loop state, and the loader's own (KV::REGISTERS).
+constexpr int decode_loop_registers(int rows, int slice, bool prefetch, int loader) {
+  return 2 * rows * slice + 2 * rows + 2 * slice * (prefetch ? 2 : 1) + 20 + loader;
+}
+
 // Whether decode_keys holds the next key's K/V slices while it computes the
-// current key's (loads one key ahead). It costs 2 x D/32 floats per lane
-// more: the group shape's q and o (2 x R x D/32, at most 2 x
-// MLX_ATTN_DECODE_ROW_FLOATS = 64), the rows' max and sum (2 R), the current
-// and next key's slices (4 x D/32) and ~20 registers of addresses and loop
-// state stay within 128 registers per lane up to D = 256 (D = 64: 76, 96: 96,
-// 128: 116, 256: 124); at D = 512 they would take 152, so it loads the key
-// it computes (120).
-template <int SLICE>
+// current key's (loads one key ahead): where the loop's registers with them
+// stay within the per-thread budget and a core's register file holds the
+// threadgroup's 32 x NSG threads. The group shape: up to D = 256 (D = 64:
+// 76, 96: 96, 128: 116, 256: 124; the quantized loader 3 more); at D = 512
+// they would take 152, so it loads the key it computes (120). The row shape
+// at 32 simdgroups (52 a lane): D = 128 takes 46, the paged quantized loader
+// 53, which loads the key it computes.
+template <int R, int NSG, typename KV>
 struct DecodePrefetch {
-  static constexpr bool ENABLED = SLICE <= 8;
+  static constexpr int LIMIT = MLX_ATTN_CORE_REGISTERS / (32 * NSG) < MLX_ATTN_REGISTER_BUDGET
+      ? MLX_ATTN_CORE_REGISTERS / (32 * NSG)
+      : MLX_ATTN_REGISTER_BUDGET;
+  static constexpr bool ENABLED = decode_loop_registers(R, KV::SLICE, true, KV::REGISTERS) <= LIMIT;
 };
 
 // The split's keys [kv_begin, kv_end), key j on simdgroup j % NSG; per key
@@ -182,7 +198,7 @@ inline void decode_keys(
     int kv_begin, int kv_end, int first_pos, int last_pos, int b, int kv_head, int r0, int row_count, uint sg,
     uint lane) {
   constexpr int SLICE = KV::SLICE;
-  constexpr bool PREFETCH = DecodePrefetch<SLICE>::ENABLED;
+  constexpr bool PREFETCH = DecodePrefetch<R, NSG, KV>::ENABLED;
   float k_next[SLICE];
   float v_next[SLICE];
   int key = kv_begin + int(sg);

@@ -75,6 +75,8 @@ template <typename KV, int ROUNDS>
 struct PagedKV {
   static constexpr int SLICE = KV::SLICE;
   static constexpr int VEC = KV::VEC;
+  // the page window's entries a lane holds, beyond the page loader's own
+  static constexpr int REGISTERS = KV::REGISTERS + ROUNDS;
   static inline int dim(uint lane, int e) { return KV::dim(lane, e); }
 
   KV rows;  // the policy reading one page's slots

@@ -11,8 +11,10 @@
 #include "metal/attention_paged.h"
 #include "metal/attention_quantized.h"
 
-template <typename T, int D, int BITS>
-[[kernel]] void attention_paged_quantized_decode_partial(
+// R rows and NSG simdgroups per threadgroup (decode_split's shape); the
+// attribute makes the compiler fit 32 x NSG threads in a core's registers.
+template <typename T, int D, int BITS, int R, int NSG>
+[[kernel, max_total_threads_per_threadgroup(32 * NSG)]] void attention_paged_quantized_decode_partial(
     const device T* q [[buffer(0)]],
     const device uint* k_pages [[buffer(1)]],  // packed [num_pages, Hkv, page_size, D * BITS / 32]
     const device T* k_scales [[buffer(2)]],    // [num_pages, Hkv, page_size, D / group_size]
@@ -32,8 +34,8 @@ template <typename T, int D, int BITS>
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup DecodeStates<D> states;  // the group shape
-  PagedKV<QuantizedKV<T, D, BITS>, PagedWindowRounds<DecodeGroupRows<D>::value>::value> kv;
+  threadgroup DecodeStates<D, NSG, R> states;
+  PagedKV<QuantizedKV<T, D, BITS>, PagedWindowRounds<R>::value> kv;
   kv.rows = quantized_kv<T, D, BITS>(k_pages, k_scales, k_biases, v_pages, v_scales, v_biases, qp);
   paged_decode_partial<T, D>(kv, q, block_table, sequences, partial_out, partial_stats, sinks, out, lse, states,
                              group_id, groups, sg, lane);

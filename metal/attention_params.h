@@ -60,6 +60,13 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 // the output; the group shape's rows per threadgroup = this / (D / 32), at
 // most MLX_ATTN_DECODE_GROUP_MAX_ROWS (8 at D = 64 to 128, 4 at 256, 2 at 512).
 #define MLX_ATTN_DECODE_ROW_FLOATS 32
+// The register figures the decode's prefetch rule (DecodePrefetch,
+// metal/attention_decode.h) holds a threadgroup to, the cost model's
+// (benchmarks/metal_cost_model.py Gpu): 32-bit registers a thread holds
+// before the compiler spills (assumed), and a core's register file (208 KB
+// on Apple7/8, Turner's metal-benchmarks) in 32-bit registers.
+#define MLX_ATTN_REGISTER_BUDGET 128
+#define MLX_ATTN_CORE_REGISTERS 53248
 // At most 8 rows: the GQA groups of the models in use are at most 8 (Llama 3
 // and Mistral 4, Qwen 2.5 7), and registers for rows past a group hold
 // nothing (D = 64 at 16 rows: 124 registers a lane, 3 threadgroups a core;

@@ -79,6 +79,9 @@ template <typename T, int D, int BITS>
 struct QuantizedKV {
   static constexpr int SLICE = D / 32;
   static constexpr int VEC = SLICE % 4 == 0 ? 4 : (SLICE % 2 == 0 ? 2 : 1);
+  // while it loads: a lane's packed word, scale and bias (DecodePrefetch;
+  // the cost model's QUANTIZED_LOADER_REGISTERS)
+  static constexpr int REGISTERS = 3;
   static inline int dim(uint lane, int e) { return int(lane) * SLICE + e; }
 
   const device uint* k;
@@ -129,8 +132,11 @@ inline QuantizedKV<T, D, BITS> quantized_kv(
   return kv;
 }
 
-template <typename T, int D, int BITS, int MASK>
-[[kernel]] void attention_quantized_decode_partial(
+// R rows and NSG simdgroups per threadgroup (decode_split's shape: the
+// float decode's two); the attribute makes the compiler fit 32 x NSG
+// threads in a core's registers.
+template <typename T, int D, int BITS, int MASK, int R, int NSG>
+[[kernel, max_total_threads_per_threadgroup(32 * NSG)]] void attention_quantized_decode_partial(
     const device T* q [[buffer(0)]],
     const device uint* k [[buffer(1)]],
     const device T* k_scales [[buffer(2)]],
@@ -150,7 +156,7 @@ template <typename T, int D, int BITS, int MASK>
     uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup DecodeStates<D> states;
+  threadgroup DecodeStates<D, NSG, R> states;
   QuantizedKV<T, D, BITS> kv = quantized_kv<T, D, BITS>(k, k_scales, k_biases, v, v_scales, v_biases, qp);
   const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, p, groups);
   decode_split<T, D, MASK>(kv, q, p, mask, outputs, states, group_id, groups, sg, lane);

@@ -224,20 +224,23 @@ def quantized_attention_path(
 
 
 def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=None, window_size=None, bits=8,
-                          group_size=64, output_lse=False, softcap=None) -> dict:
+                          group_size=64, output_lse=False, softcap=None, gpu_family: str = "unknown",
+                          gpu_cores: int = 0, decode_shape: str = "auto") -> dict:
     """The Metal launch plan over quantized K/V for these arrays, as the Mac
     host builds it (csrc/quantized_launch_plan.cpp): strides are the arrays'
     own (evaluate views first); scales and biases in q's dtype; ``mask`` is
     ``"causal"`` or an array; ``output_lse`` adds the float32 ``[B, Hq, Tq]``
-    log-sum-exp output. The dict of :func:`mlx_attn.metal_support.launch_plan`
-    plus ``quantized_params`` (bytes)."""
+    log-sum-exp output; ``gpu_family``, ``gpu_cores`` and ``decode_shape``
+    as for :func:`mlx_attn.metal_support.launch_plan`. The dict of that
+    function plus ``quantized_params`` (bytes)."""
     if _native.ext is None:
         raise RuntimeError(_native.MISSING_REASON)
     return _native.ext.quantized_metal_launch_plan(
         q, list(k_quant), list(v_quant), scale=scale, causal=isinstance(mask, str) or window_size is not None,
         window_size=window_size or 0,
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, bits=bits, group_size=group_size,
-        output_lse=output_lse, softcap=softcap or 0.0,
+        output_lse=output_lse, softcap=softcap or 0.0, gpu_family=gpu_family, gpu_cores=gpu_cores,
+        decode_shape=decode_shape,
     )
 
 

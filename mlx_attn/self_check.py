@@ -303,13 +303,18 @@ def check_variant(variant: Variant, run_kernel: RunKernel, cases: list[Case] | N
     return _compare(variant, cases, outputs)
 
 
-def quantized_cases(variant: QuantizedVariant) -> list[Case]:
-    """Decode (GQA, several splits, window + sinks) and a prefill shape."""
-    return [
+def quantized_cases(variant: QuantizedVariant, gpu_target: dict | None = None) -> list[Case]:
+    """Decode (GQA, window + sinks) and a prefill shape; the decode on both
+    threadgroup shapes (the float decode's rule: short contexts on the row
+    shape, group_shape_case's long one on the group shape over several
+    splits) for the GPU (`gpu_target`, as canonical_cases)."""
+    cases = [
         Case("one query", 1, 8, 2, 1, 300),
         Case("window+sinks", 2, 4, 1, 1, 257, mask="causal", window_size=100, sinks=True),
         Case("prefill, bool mask+softcap", 1, 4, 2, 19, 40, mask="bool", softcap=1.5),
     ]
+    group = group_shape_case(variant.head_dim, gpu_target)
+    return cases + ([group] if group is not None else [])
 
 
 def check_quantized_variant(variant: QuantizedVariant, run_kernel: RunKernel,

@@ -40,6 +40,16 @@ def decode_instantiation(dtype_args: str, d: int) -> str:
     return f"MLX_ATTN_DECODE({dtype_args}, {d}, {match.group(1)}, {match.group(2)})"
 
 
+def quantized_instantiation(dtype_args: str, d: int, bits: int) -> str:
+    """The quantized decode's instantiation line (both threadgroup shapes)
+    for one dtype and bit width at head dim d, with the float decode's shape
+    numbers (decode_instantiation): for trimmed builds."""
+    import re
+
+    rows, simdgroups = re.fullmatch(rf"MLX_ATTN_DECODE\(.*, {d}, (\d+), (\d+)\)", decode_instantiation(dtype_args, d)).groups()
+    return f"MLX_ATTN_QUANTIZED_DECODE({dtype_args}, {d}, {bits}, {rows}, {simdgroups})"
+
+
 def to_numpy(a: mx.array) -> np.ndarray:
     """float32/float16 as themselves, bfloat16 as its uint16 bits."""
     if a.dtype == mx.bfloat16:
@@ -203,17 +213,18 @@ class EmulatedMetal:
         return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
 
     def quantized(self, q, k_quant, v_quant, *, scale, bits, group_size, mask=None, sinks=None, window_size=None,
-                  return_lse=False, softcap=None):
+                  return_lse=False, softcap=None, gpu_target: dict | None = None):
         """The kernels over quantized K/V, launched from their plan
         (csrc/quantized_launch_plan.cpp): q and each part of the
         (packed, scales, biases) triples an array or a View, scales and
-        biases in q's dtype; otherwise as __call__."""
+        biases in q's dtype; otherwise as __call__ (gpu_target included:
+        the decode's shape too)."""
         inputs, plan_kw = with_mask_and_sinks([as_view(x) for x in (q, *k_quant, *v_quant)], mask, sinks)
         dtype = inputs[0].array.dtype
         arrays = [view.array for view in inputs]
         plan = quantized_launch_plan(
             arrays[0], arrays[1:4], arrays[4:7], scale=scale, **plan_kw, window_size=window_size, bits=bits,
-            group_size=group_size, output_lse=return_lse, softcap=softcap,
+            group_size=group_size, output_lse=return_lse, softcap=softcap, **(gpu_target or {}),
         )
         assert plan["supported"], plan["reason"]
         self.last_plan = plan

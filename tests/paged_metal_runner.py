@@ -35,14 +35,18 @@ def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_
     paged_instantiation), quantized_instances "tname, type, d, bits"
     (MLX_ATTN_PAGED_QUANTIZED), prefill_instances "tname, type, d, bk"
     (MLX_ATTN_PAGED_PREFILL)."""
-    float_lines = []
+    float_lines, quantized_lines = [], []
     for instance in float_instances:
         tname, type_, d = (part.strip() for part in instance.split(","))
         float_lines.append(paged_instantiation(f"{tname}, {type_}", int(d)))
+    for instance in quantized_instances:  # the float paged decode's shape numbers
+        tname, type_, d, bits = (part.strip() for part in instance.split(","))
+        shapes = paged_instantiation(f"{tname}, {type_}", int(d)).removeprefix(f"MLX_ATTN_PAGED({tname}, {type_}, {d}, ")
+        quantized_lines.append(f"MLX_ATTN_PAGED_QUANTIZED({tname}, {type_}, {d}, {bits}, {shapes}")
     paths = []
     for source, lines in ((FLOAT_SOURCES[0], float_lines),
                           (FLOAT_SOURCES[1], [f"MLX_ATTN_PAGED_PREFILL({i})" for i in prefill_instances]),
-                          (QUANTIZED_SOURCES[2], [f"MLX_ATTN_PAGED_QUANTIZED({i})" for i in quantized_instances])):
+                          (QUANTIZED_SOURCES[2], quantized_lines)):
         if not lines:
             continue
         text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED|_PREFILL)?_(TYPES|BITS|2BYTE_TYPES)\(.*\)$", "",

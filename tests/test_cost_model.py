@@ -354,3 +354,39 @@ def test_the_paged_row_shape_reaches_sdpa_vector_where_the_group_shape_did_not()
                                                          single_dispatch=True, lane_merge=True, paged=flag), gpu)
                     for flag in (False, True))
     assert paged["seconds"] > dense["seconds"] and paged["registers"] == dense["registers"] + 4  # 4 entries a lane
+
+
+SHAPES = {64: ((8, 4), (1, 32)), 96: ((8, 4), (1, 32)), 128: ((8, 4), (1, 32)), 256: ((4, 4), (1, 16)),
+          512: ((2, 4), (1, 16))}
+
+
+def test_the_kernels_prefetch_rule_is_the_models(tmp_path):
+    """DecodePrefetch (metal/attention_decode.h) and the model's
+    decode_prefetch are one rule written in two languages: for every decode
+    kernel (shapes x float, quantized, paged, paged quantized loaders) the
+    Metal side's compile-time answer equals the model's, checked by
+    static_asserts the emulator's compiler evaluates. (A prefetch changes
+    no result, so only this ties the kernel to the model.)"""
+    msl_emulator = pytest.importorskip("msl_emulator")
+    if not msl_emulator.clang_available():
+        pytest.skip("clang-19 is not installed")
+    repo = Path(__file__).resolve().parent.parent
+    lines = ['#include "metal/attention_paged.h"', '#include "metal/attention_quantized.h"', ""]
+    answers = set()
+    for d, shapes in SHAPES.items():
+        for rows, simdgroups in shapes:
+            rounds = cm.paged_window_registers(rows)
+            loaders = {"ContiguousKV<half, %d>" % d: 0, f"PagedKV<ContiguousKV<half, {d}>, {rounds}>": rounds}
+            if d % 64 == 0:
+                loaders[f"QuantizedKV<half, {d}, 4>"] = cm.QUANTIZED_LOADER_REGISTERS
+                loaders[f"PagedKV<QuantizedKV<half, {d}, 4>, {rounds}>"] = cm.QUANTIZED_LOADER_REGISTERS + rounds
+            for loader, registers in loaders.items():
+                model = cm.decode_prefetch(rows, simdgroups, d, registers) > 1
+                answers.add(model)
+                lines.append(f"static_assert(DecodePrefetch<{rows}, {simdgroups}, {loader}>::ENABLED == "
+                             f"{'true' if model else 'false'}, \"D {d} R {rows} NSG {simdgroups} {loader}\");")
+    assert answers == {True, False}  # both answers occur (D = 512 and the paged quantized row shape: no prefetch)
+    lines.append("[[kernel]] void prefetch_rule_probe(device float* out [[buffer(0)]]) { out[0] = 1.0f; }")
+    source = tmp_path / "prefetch_rule.metal"
+    source.write_text("\n".join(lines) + "\n")
+    msl_emulator.compile_library([source], include_dirs=[repo])  # a static_assert that fails is a compile error

@@ -28,7 +28,8 @@ FAMILIES = {
     "attention_prefill_": (r"(\w+?)_d(\d+)_bk(\d+)", "MLX_ATTN_PREFILL_MASK", True),
     "attention_decode_partial_": (r"(\w+?)_d(\d+)_r(\d+)_sg(\d+)", "MLX_ATTN_DECODE_PARTIAL", True),
     "attention_decode_merge_": (r"(\w+?)_d(\d+)", "MLX_ATTN_DECODE_MERGE", False),
-    "attention_quantized_decode_partial_": (r"(\w+?)_d(\d+)_b(\d+)", "MLX_ATTN_QUANTIZED_DECODE_MASK", True),
+    "attention_quantized_decode_partial_": (r"(\w+?)_d(\d+)_b(\d+)_r(\d+)_sg(\d+)", "MLX_ATTN_QUANTIZED_DECODE_MASK",
+                                            True),
 }
 
 
@@ -52,7 +53,8 @@ def expected_variant(kernel: str) -> str:
     "attention_prefill_split_float16_d576_dv512_bk16_mask_bool",
     "attention_decode_partial_float16_d128_r8_sg4", "attention_decode_partial_bfloat16_d512_r1_sg16_mask_additive",
     "attention_decode_merge_float32_d96",
-    "attention_quantized_decode_partial_float16_d64_b4", "attention_quantized_decode_partial_bfloat16_d128_b8_mask_bool"])
+    "attention_quantized_decode_partial_float16_d64_b4_r8_sg4",
+    "attention_quantized_decode_partial_bfloat16_d128_b8_r1_sg32_mask_bool"])
 def test_variant_is_the_family_text_with_one_instantiation(kernel):
     text = _ext.metal_variant_source(kernel)
     assert text == expected_variant(kernel)
@@ -70,6 +72,8 @@ def test_variant_is_the_family_text_with_one_instantiation(kernel):
     "attention_decode_partial_float16_d128_r8",
     "attention_quantized_decode_partial_float16_d64",  # the quantized family names its bits
     "attention_quantized_decode_partial_float16_d64_bx",
+    "attention_quantized_decode_partial_float16_d64_b4",  # and its shape
+    "attention_quantized_decode_partial_float16_d64_b4_r8",
     "attention_prefill_float64_d64_bk32",  # not a kernel dtype
     "attention_prefill_float16_dxx_bk32",
     "attention_prefill_float16_d64",

@@ -250,13 +250,16 @@ QUANTIZED_POINTS = ([(t, d, b, g) for t in DTYPES for d in (64, 128, 256) for b 
                     [("float16", 128, 4, 32), ("float32", 64, 8, 64)])
 
 
+@pytest.mark.parametrize("decode_shape", ["group", "row"])
 @pytest.mark.parametrize("dtype,d,bits,group_size", QUANTIZED_POINTS)
-def test_quantized_pages_match_dequantize_then_oracle(library, dtype, d, bits, group_size):
+def test_quantized_pages_match_dequantize_then_oracle(library, dtype, d, bits, group_size, decode_shape):
     q, k, v, table, q_lens, kv_lens = ragged_case(dtype, d, page_size=8, seed=3)
     kq, vq = (quantize(x.astype(mx.float32), group_size, bits, q.dtype) for x in (k, v))
     sinks = mx.array(np.linspace(-2, 3, q.shape[1]).astype(np.float32)).astype(q.dtype)
-    out, lse, _, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=d**-0.5, window_size=50, sinks=sinks,
-                               return_lse=True, bits=bits, group_size=group_size)
+    out, lse, plan, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=d**-0.5, window_size=50,
+                                  sinks=sinks, return_lse=True, bits=bits, group_size=group_size,
+                                  decode_shape=decode_shape)
+    assert ("_r1_sg" in plan["dispatches"][0]["kernel"]) == (decode_shape == "row")
     want, want_lse = oracle(f64(q), dequantized(kq, group_size, bits), dequantized(vq, group_size, bits),
                             np.array(table), q_lens, kv_lens, scale=d**-0.5, window_size=50, sinks=f64(sinks))
     got = as_float(out, q.dtype)
@@ -282,8 +285,9 @@ def test_one_split_sequences_write_their_rows_in_one_dispatch(library):
     kq, vq = (quantize(x.astype(mx.float32), 64, 4, q.dtype) for x in (k, v))
     sinks = mx.array(np.linspace(-2, 3, q.shape[1]).astype(np.float32)).astype(q.dtype)
     out, lse, plan, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=0.125, sinks=sinks,
-                                  return_lse=True, bits=4, group_size=64)
-    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_paged_quantized_decode_partial_float16_d128_b4"]
+                                  return_lse=True, bits=4, group_size=64, decode_shape="group")
+    assert [d["kernel"] for d in plan["dispatches"]] == [
+        "attention_paged_quantized_decode_partial_float16_d128_b4_r8_sg4"]
     want, want_lse = oracle(f64(q), dequantized(kq, 64, 4), dequantized(vq, 64, 4), np.array(table), q_lens, kv_lens,
                             scale=0.125, sinks=f64(sinks))
     assert np.abs(as_float(out, q.dtype) - want).max() <= TOLERANCE[q.dtype]
@@ -345,7 +349,8 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     scales = mx.zeros((8, 2, 16, 128 // 64), mx.float16)
     quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [40],
                            [100], scale=0.1, bits=4, group_size=64)
-    assert [d["kernel"] for d in quantized["dispatches"]] == ["attention_paged_quantized_decode_partial_float16_d128_b4"]
+    assert [d["kernel"] for d in quantized["dispatches"]] == [
+        "attention_paged_quantized_decode_partial_float16_d128_b4_r8_sg4"]  # 40 rows: the group shape
     assert quantized["scratch"] == []
 
 
@@ -354,8 +359,8 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
     apart from the C++) over the decode kernel's sequences as a batch of the
     longest, each shape's splits capped by its page window (127 pages on
     the row shape, 31 on the group shape); both shapes appear over the grid,
-    the row shape's grid has one row per threadgroup. Quantized pages: the
-    group shape whatever the rule says."""
+    the row shape's grid has one row per threadgroup. Quantized pages take
+    the same rule."""
     import itertools
 
     import decode_rule
@@ -382,7 +387,7 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
     quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [1],
                            [100], scale=0.1, bits=4, group_size=64)
     assert decode_rule.decode_plan(1, 8, 1, 100, 128, 8)["shape"] == "row"
-    assert quantized["dispatches"][0]["threadgroup"] == [128, 1, 1]  # the group shape
+    assert quantized["dispatches"][0]["kernel"] == "attention_paged_quantized_decode_partial_float16_d128_b4_r1_sg32"
 
 
 def test_plan_sizes_each_sequence_and_caps_a_split_by_its_page_window():

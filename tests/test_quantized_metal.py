@@ -70,8 +70,9 @@ def make_case(bits, group_size, d, gqa, mask, q_len, dtype, seed=0, *, kv_len=KV
     return q, quantize(k, group_size, bits, dtype), quantize(v, group_size, bits, dtype), kw
 
 
-def check(run, q, k_quant, v_quant, *, bits, group_size, lse=False, **kw):
-    got = run.quantized(q, k_quant, v_quant, bits=bits, group_size=group_size, return_lse=lse, **kw)
+def check(run, q, k_quant, v_quant, *, bits, group_size, lse=False, gpu_target=None, **kw):
+    got = run.quantized(q, k_quant, v_quant, bits=bits, group_size=group_size, return_lse=lse, gpu_target=gpu_target,
+                        **kw)
     got, got_lse = got if lse else (got, None)
     plain = {name: (a.array if isinstance(a, View) else a) for name, a in kw.items()}
     k = dequantized([a.array if isinstance(a, View) else a for a in k_quant], group_size, bits)
@@ -149,10 +150,17 @@ def point_id(p: dict) -> str:
 
 @needs_ext
 @needs_clang
+@pytest.mark.parametrize("decode_shape", ["group", "row"])
 @pytest.mark.parametrize("point", POINTS, ids=point_id)
-def test_kernels_match_dequantize_then_reference(run, point):
+def test_kernels_match_dequantize_then_reference(run, point, decode_shape):
+    """Each point on both of the decode's threadgroup shapes (the rows the
+    quantized prefill kernel takes: that kernel, whatever the shape)."""
     q, kq, vq, kw = make_case(**point)
-    check(run, q, kq, vq, bits=point["bits"], group_size=point["group_size"], lse=point["dtype"] == "float32", **kw)
+    check(run, q, kq, vq, bits=point["bits"], group_size=point["group_size"], lse=point["dtype"] == "float32",
+          gpu_target={"decode_shape": decode_shape}, **kw)
+    kernel = run.last_plan["dispatches"][0]["kernel"]
+    if kernel.startswith("attention_quantized_decode_partial_"):
+        assert ("_r1_sg" in kernel) == (decode_shape == "row"), kernel
 
 
 @needs_ext
@@ -206,8 +214,8 @@ def test_sinks_and_lse_with_one_split_and_with_several(run, q_len, splits):
     out and lse itself, in one dispatch; several: the float decode's merge
     does, in a second one. Sinks above every logit (the sink sets the max)."""
     q, kq, vq, kw = make_case(8, 64, 128, 4, "sinks", q_len, "float32", seed=3)
-    check(run, q, kq, vq, bits=8, group_size=64, lse=True, **kw)
-    assert run.last_plan["splits"] == splits  # 16 rows: 256 keys per split > 150; 4 rows: 64
+    check(run, q, kq, vq, bits=8, group_size=64, lse=True, gpu_target={"decode_shape": "group"}, **kw)
+    assert run.last_plan["splits"] == splits  # the group shape: 16 rows: 256 keys per split > 150; 4 rows: 64
     assert len(run.last_plan["dispatches"]) == (1 if splits == 1 else 2)
 
 
@@ -218,26 +226,50 @@ def test_one_split_runs_from_its_variant_source_alone(tmp_path):
     per-variant source (csrc/metal/metal_sources.cpp, the Mac's first-use
     compile) stands alone, with no include dirs and no merge, and computes
     out, sinks and lse."""
-    kernel = "attention_quantized_decode_partial_float32_d64_b4"
-    path = tmp_path / f"{kernel}.metal"
-    path.write_bytes(_native.ext.metal_variant_source(kernel).encode())
-    assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
     q, kq, vq, kw = make_case(4, 64, 64, 4, "sinks", 4, "float32", seed=4)  # 16 rows: one split
-    run = EmulatedMetal(fast_math=True, sources=[path])
-    check(run, q, kq, vq, bits=4, group_size=64, lse=True, **kw)
-    assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel]
+    for shape, fields in (("group", "_r8_sg4"), ("row", "_r1_sg32")):
+        kernel = f"attention_quantized_decode_partial_float32_d64_b4{fields}"
+        path = tmp_path / f"{kernel}.metal"
+        path.write_bytes(_native.ext.metal_variant_source(kernel).encode())
+        assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
+        run = EmulatedMetal(fast_math=True, sources=[path])
+        check(run, q, kq, vq, bits=4, group_size=64, lse=True, gpu_target={"decode_shape": shape}, **kw)
+        assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel]
 
 
 # ---------------------------------------------------------------- the plan
 
 def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtype=mx.float16, mask=None,
-             sinks=False, output_lse=False):
+             sinks=False, output_lse=False, decode_shape="group", batch=1, **target):
+    """A quantized plan; the decode on the group shape unless named (the
+    bindings and grids below are the group shape's)."""
     rng = np.random.default_rng(0)
-    q = mx.zeros((1, hq, q_len, d), dtype=dtype)
-    k = mx.array(rng.standard_normal((1, hkv, kv_len, d)).astype(np.float32))
+    q = mx.zeros((batch, hq, q_len, d), dtype=dtype)
+    k = mx.array(rng.standard_normal((batch, hkv, kv_len, d)).astype(np.float32))
     kq, vq = quantize(k, group_size, bits, dtype), quantize(k, group_size, bits, dtype)
     return quantized_launch_plan(q, kq, vq, scale=0.1, mask=mask, sinks=mx.zeros((hq,), dtype) if sinks else None,
-                                 bits=bits, group_size=group_size, output_lse=output_lse)
+                                 bits=bits, group_size=group_size, output_lse=output_lse, decode_shape=decode_shape,
+                                 **target)
+
+
+@needs_ext
+def test_plan_picks_the_decode_shape_by_the_float_rule():
+    """The quantized decode takes the float decode's shape rule
+    (tests/decode_rule.py, written apart from the C++): both shapes over
+    the grid, the kernel's host name and threadgroup the rule's."""
+    import decode_rule
+
+    chosen = set()
+    for batch, hkv, gqa, kv_len, d, cores in itertools.product((1, 3), (1, 8), (1, 4), (100, 1024, 8192),
+                                                              (64, 256), (0, 38)):
+        plan = plan_for(d=d, hq=hkv * gqa, hkv=hkv, kv_len=kv_len, batch=batch, decode_shape="auto",
+                        gpu_family="apple8", gpu_cores=cores)
+        rule = decode_rule.decode_plan(batch, hkv, gqa, kv_len, d, cores or 8)
+        partial = plan["dispatches"][0]
+        assert partial["kernel"] == f"attention_quantized_decode_partial_float16_d{d}_b8{rule['fields']}"
+        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1] and plan["splits"] == rule["splits"]
+        chosen.add(rule["shape"])
+    assert chosen == {"row", "group"}
 
 
 def roles(dispatch) -> list[tuple]:
@@ -249,7 +281,7 @@ def test_plan_binds_packed_data_scales_and_biases_of_k_and_v():
     plan = plan_for(mask=mx.ones((1, 300), dtype=mx.bool_), sinks=True, output_lse=True)
     assert plan["supported"], plan["reason"]
     partial, merge = plan["dispatches"]
-    assert partial["kernel"] == "attention_quantized_decode_partial_float16_d64_b8_mask_bool"
+    assert partial["kernel"] == "attention_quantized_decode_partial_float16_d64_b8_r8_sg4_mask_bool"
     assert merge["kernel"] == "attention_decode_merge_float16_d64"
     assert roles(partial) == [
         (0, "q", "input", 0, "read"), (1, "k", "input", 1, "read"), (2, "k_scales", "input", 2, "read"),
@@ -374,10 +406,11 @@ def decode_kv_bytes_per_element(run, q, *kv, quantized=None) -> float:
 
     library, run.library = run.library, Counting()
     try:
+        # the group shape: each key read once for the rows of its KV head
         if quantized:
-            run.quantized(q, *kv, scale=0.1, **quantized)
+            run.quantized(q, *kv, scale=0.1, **quantized, gpu_target={"decode_shape": "group"})
         else:
-            run(q, *kv, scale=0.1, gpu_target={"decode_shape": "group"})  # the quantized decode's shape
+            run(q, *kv, scale=0.1, gpu_target={"decode_shape": "group"})
     finally:
         run.library = library
     _, hq, tq, d = q.shape

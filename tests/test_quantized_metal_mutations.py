@@ -1,8 +1,8 @@
 """Mutation test of the quantized Metal kernel's emulator tests: faults seeded
 into copies of metal/attention_quantized.metal (wrong group index, wrong bit
 unpacking, scale and bias swapped, each barrier, the split and simdgroup
-merges, the one-split output write, ranges and strides) must each be
-caught: wrong results beyond tolerance, NaN, a deadlock or a compile error.
+merges, the one-split output write, ranges and strides), run on both of the
+decode's threadgroup shapes, must each be caught: wrong results beyond tolerance, NaN, a deadlock or a compile error.
 A mutation whose target text is missing fails the test, so none can
 silently test nothing. Helpers are those of the float battery
 (tests/test_metal_mutations.py)."""
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View, decode_instantiation
+from metal_runner import REPO, EmulatedMetal, View, decode_instantiation, quantized_instantiation
 from mutations import kernel_text, assert_caught, mutated, write
 from test_metal_mutations import case_options, differs_from_reference
 
@@ -30,7 +30,7 @@ def only_float32(text: str) -> str:
     """Keep the float32 instantiations the cases use, so each mutant compiles quickly."""
     if "attention_quantized_decode_partial<" in text:
         text = re.sub(r"^MLX_ATTN_QUANTIZED_DECODE_BITS\(.*\)$", "", text, flags=re.M)
-        kept = [f"MLX_ATTN_QUANTIZED_DECODE(float32, float, {d}, {bits})" for d in HEAD_DIMS for bits in (4, 8)]
+        kept = [quantized_instantiation("float32, float", d, bits) for d in HEAD_DIMS for bits in (4, 8)]
     else:
         text = re.sub(r"^MLX_ATTN_DECODE_TYPES\(.*\)$", "", text, flags=re.M)
         kept = [decode_instantiation("float32, float", d) for d in HEAD_DIMS]
@@ -135,6 +135,12 @@ CASES = [
 
 
 def caught(run) -> bool:
+    """Every case on both of the decode's threadgroup shapes (the group
+    shape first: most mutants are caught there)."""
+    return any(caught_on(run, shape) for shape in ("group", "row"))
+
+
+def caught_on(run, decode_shape: str) -> bool:
     for n, case in enumerate(CASES):
         b, hq, hkv, tq, tkv, d, bits, group_size = case["shape"]
         rng = np.random.default_rng(n)
@@ -149,7 +155,8 @@ def caught(run) -> bool:
             views_k[2], views_v[2] = (View(mx.contiguous(t[2].transpose(0, 2, 1, 3)), lambda a: a.transpose(0, 2, 1, 3))
                                       for t in (k_quant, v_quant))
         try:
-            got, lse = run.quantized(q, views_k, views_v, bits=bits, group_size=group_size, return_lse=True, **kw)
+            got, lse = run.quantized(q, views_k, views_v, bits=bits, group_size=group_size, return_lse=True,
+                                     gpu_target={"decode_shape": decode_shape}, **kw)
         except msl_emulator.EmulatorError:
             return True  # deadlock or launch failure
         k_ref, v_ref = (mx.dequantize(*t, group_size=group_size, bits=bits) for t in (k_quant, v_quant))

@@ -72,14 +72,20 @@ def test_canonical_cases_cover_the_kernel_branches(phase):
                                     dict(gpu_family="apple9", gpu_cores=80), dict(gpu_family="apple10", gpu_cores=4)],
                          ids=["default", "m2", "m2-max", "80-cores", "4-cores"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
-def test_decode_cases_reach_both_threadgroup_shapes(target, head_dim):
-    """Whatever the GPU, the decode cases run both kernels of a variant: a
-    problem the plan puts on the row shape and one on the group shape over
-    more splits than the merge has simdgroups (each merges several), as the
-    plan for that GPU shapes them."""
+@pytest.mark.parametrize("family", ["float", "quantized"])
+def test_decode_cases_reach_both_threadgroup_shapes(target, head_dim, family):
+    """Whatever the GPU, the decode cases run both kernels of a variant (the
+    float decode's and the quantized decode's, which share the shape rule:
+    tests/test_quantized_metal.py): a problem the plan puts on the row shape
+    and one on the group shape over more splits than the merge has
+    simdgroups (each merges several), as the plan for that GPU shapes them."""
     from mlx_attn import _ext
 
-    cases = self_check.canonical_cases(Variant("decode", "float16", head_dim), gpu_target=target)
+    if family == "float":
+        cases = self_check.canonical_cases(Variant("decode", "float16", head_dim), gpu_target=target)
+    else:
+        variant = self_check.QuantizedVariant("float16", head_dim, 4, 64)
+        cases = [c for c in self_check.quantized_cases(variant, gpu_target=target) if c.q_len <= 8]
     taken = set()
     for case in cases:
         rows = case.q_heads // case.kv_heads * case.q_len

@@ -55,27 +55,27 @@ bool instantiation_line(std::string_view line) {
 
 // The families whose kernels compile one at a time: a kernel name is the
 // prefix, then <dtype>, then the family's fields in order (`_<tag><digits>`
-// each: _d<D>, _dv<DV>, _bk<BK>, _b<BITS>), then, for a family instantiated
+// each: _d<D>, _dv<DV>, _bk<BK>, _b<BITS>, _r<R>, _sg<NSG>), then, for a family instantiated
 // per mask kind, the mask suffix; `macro` is the family's per-kernel
 // instantiation macro in its .metal file, called with ("<mask suffix>",
 // <mask kind>,) <dtype>, <MSL type>, <fields...> (its host name is the kernel
 // name again). Longer prefixes first.
 struct VariantFamily {
   std::string_view prefix, macro;
-  std::array<std::string_view, 3> fields;  // tags, "" past the last
+  std::array<std::string_view, 4> fields;  // tags, "" past the last
   bool masked;                             // instantiated per mask kind
 };
 constexpr VariantFamily kVariantFamilies[] = {
-    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", {"d", "dv", "bk"}, true},
-    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", {"d", "bk", ""}, true},
-    {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "r", "sg"}, true},
-    {"attention_decode_merge_", "MLX_ATTN_DECODE_MERGE", {"d", "", ""}, false},
-    {"attention_quantized_decode_partial_", "MLX_ATTN_QUANTIZED_DECODE_MASK", {"d", "b", ""}, true},
-    {"attention_quantized_prefill_", "MLX_ATTN_QUANTIZED_PREFILL_MASK", {"d", "b", "bk"}, true},
+    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", {"d", "dv", "bk", ""}, true},
+    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", {"d", "bk", "", ""}, true},
+    {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "r", "sg", ""}, true},
+    {"attention_decode_merge_", "MLX_ATTN_DECODE_MERGE", {"d", "", "", ""}, false},
+    {"attention_quantized_decode_partial_", "MLX_ATTN_QUANTIZED_DECODE_MASK", {"d", "b", "r", "sg"}, true},
+    {"attention_quantized_prefill_", "MLX_ATTN_QUANTIZED_PREFILL_MASK", {"d", "b", "bk", ""}, true},
     // the D-split backward (its _bk: rows per streamed block)
-    {"attention_backward_split_dkdv_", "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK", {"d", "dv", "bk"}, true},
-    {"attention_backward_split_dq_", "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK", {"d", "dv", "bk"}, true},
-    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", {"d", "bk", ""}, false},
+    {"attention_backward_split_dkdv_", "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK", {"d", "dv", "bk", ""}, true},
+    {"attention_backward_split_dq_", "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK", {"d", "dv", "bk", ""}, true},
+    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", {"d", "bk", "", ""}, false},
 };
 
 std::string variant_source(std::string_view kernel) {
