@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import time
@@ -25,27 +24,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-# A top-level line that expands an instantiation macro, e.g.
-# `MLX_ATTN_PREFILL_TYPES(64, 32)`: what a one-variant source drops.
-INSTANTIATION_LINE = re.compile(r"^MLX_ATTN_[A-Z0-9_]+\([^()]*\)[ \t]*$", re.M)
-
-# Variants per family (csrc/metal/metal_sources.cpp kVariantFamilies): the
-# per-kernel instantiation macro and its arguments, one per kernel kind.
+# One kernel per kind of each family (csrc/metal/metal_sources.cpp
+# kVariantFamilies), by its host name.
 VARIANTS = {
-    "attention_prefill": {"prefill": 'MLX_ATTN_PREFILL_MASK("", MLX_ATTN_MASK_NONE, float16, half, 64, 32)'},
-    "attention_decode": {"decode partial": 'MLX_ATTN_DECODE_PARTIAL("", MLX_ATTN_MASK_NONE, float16, half, 128)',
-                         "decode merge": "MLX_ATTN_DECODE_MERGE(float16, half, 128)"},
-    "attention_quantized": {
-        "quantized decode partial": 'MLX_ATTN_QUANTIZED_DECODE_MASK("", MLX_ATTN_MASK_NONE, float16, half, 128, 4)'},
+    "attention_prefill": {"prefill": "attention_prefill_float16_d64_bk32"},
+    "attention_decode": {"decode partial": "attention_decode_partial_float16_d128_r8_sg4",
+                         "decode merge": "attention_decode_merge_float16_d128"},
+    "attention_quantized": {"quantized decode partial": "attention_quantized_decode_partial_float16_d128_b4_r8_sg4"},
 }
 
 
 def one_variant_source(family: str, kind: str) -> str:
-    text = (ROOT / "metal" / f"{family}.metal").read_text()
-    kept = INSTANTIATION_LINE.sub("", text)
-    if kept == text:
-        raise ValueError(f"metal/{family}.metal has no instantiation lines to drop")
-    return kept + "\n" + VARIANTS[family][kind] + "\n"
+    """The source the Mac host compiles on a kernel's first use
+    (_ext.metal_variant_source: the family's text, one instantiation)."""
+    from mlx_attn import _ext
+
+    kernel = VARIANTS[family][kind]
+    text = _ext.metal_variant_source(kernel)
+    if not text:
+        raise ValueError(f"{kernel} has no per-variant source")
+    return text
 
 
 def timed_build(source: Path) -> tuple[float, int]:

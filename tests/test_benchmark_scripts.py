@@ -86,3 +86,28 @@ def test_paged_benchmark_quick_run(tmp_path):
             assert row[method]["max_abs_diff_vs_c"] < 1e-4  # every method computes the same rows
         # the fused path adds tiles, never a copy of the pages as gathering does
         assert row["fused paged"]["extra_mib"] < row["(b) gather"]["extra_mib"]
+
+
+
+def test_compile_benchmark_times_the_per_variant_sources_the_host_compiles():
+    """benchmarks/bench_metal_compile.py times the sources the Mac host
+    compiles on first use (_ext.metal_variant_source): each of its kernels
+    is a per-variant kernel of its family, whose source ends with the one
+    instantiation (the compile itself is what the benchmark times)."""
+    import sys
+
+    import pytest
+
+    from mlx_attn import _native
+
+    if _native.ext is None:
+        pytest.skip("the native extension is not built")
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_metal_compile
+
+    for family, kinds in bench_metal_compile.VARIANTS.items():
+        for kind, kernel in kinds.items():
+            assert kernel.startswith(family + "_")
+            text = bench_metal_compile.one_variant_source(family, kind)
+            last = text.rstrip().splitlines()[-1]
+            assert last.startswith("MLX_ATTN_") and "float16, half, " in last, (kernel, last)
