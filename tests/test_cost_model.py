@@ -4,8 +4,10 @@ against outside truth: MLX's own tile tuning and a public throughput figure.
 Pure Python: no emulator run (the model's counts are checked against the
 emulator's counters by benchmarks/bench_metal.py --emulate)."""
 
+import functools
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -348,11 +350,15 @@ def test_the_paged_row_shape_reaches_sdpa_vector_where_the_group_shape_did_not()
     for r in small:
         assert (r["now"]["rows"], r["now"]["simdgroups"], r["now"]["splits"]) == (1, 32, 1), r
         assert r["before"]["us"] > 1.3 * r["mlx_us"] and r["now"]["us"] <= 1.05 * r["mlx_us"], r
-    # the page lookup is counted: the paged kernel is no faster than the dense one on the same split
+    # the page lookup is counted: per key PageWindow::page_of's simd_shuffle and
+    # the slot's divide, modulo and multiply-add; the paged kernel is no
+    # faster than the dense one on the same split
     gpu = cm.M2_MAX
-    dense, paged = (cm.predict_all(cm.our_decode_kernels(1, 32, 8, 128, 128, gpu, 1, 1, simdgroups=32, prefetch=2,
-                                                         single_dispatch=True, lane_merge=True, paged=flag), gpu)
-                    for flag in (False, True))
+    kernels = {flag: cm.our_decode_kernels(1, 32, 8, 128, 128, gpu, 1, 1, simdgroups=32, prefetch=2,
+                                           single_dispatch=True, lane_merge=True, paged=flag) for flag in (False, True)}
+    dense_key, paged_key = (kernels[flag][0].block.counts for flag in (False, True))
+    assert paged_key["simd_shuffle"] == dense_key["simd_shuffle"] + 1 and paged_key["fma"] == dense_key["fma"] + 3
+    dense, paged = (cm.predict_all(kernels[flag], gpu) for flag in (False, True))
     assert paged["seconds"] > dense["seconds"] and paged["registers"] == dense["registers"] + 4  # 4 entries a lane
 
 
@@ -360,7 +366,7 @@ SHAPES = {64: ((8, 4), (1, 32)), 96: ((8, 4), (1, 32)), 128: ((8, 4), (1, 32)), 
           512: ((2, 4), (1, 16))}
 
 
-def test_the_kernels_prefetch_rule_is_the_models(tmp_path):
+def test_the_kernels_prefetch_rule_is_the_models():
     """DecodePrefetch (metal/attention_decode.h) and the model's
     decode_prefetch are one rule written in two languages: for every decode
     kernel (shapes x float, quantized, paged, paged quantized loaders) the
@@ -387,6 +393,22 @@ def test_the_kernels_prefetch_rule_is_the_models(tmp_path):
                              f"{'true' if model else 'false'}, \"D {d} R {rows} NSG {simdgroups} {loader}\");")
     assert answers == {True, False}  # both answers occur (D = 512 and the paged quantized row shape: no prefetch)
     lines.append("[[kernel]] void prefetch_rule_probe(device float* out [[buffer(0)]]) { out[0] = 1.0f; }")
-    source = tmp_path / "prefetch_rule.metal"
-    source.write_text("\n".join(lines) + "\n")
-    msl_emulator.compile_library([source], include_dirs=[repo])  # a static_assert that fails is a compile error
+    error = _compile_error("\n".join(lines) + "\n", repo)
+    assert error is None, f"the Metal prefetch rule differs from the model's: {error}"
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_error(text: str, repo: Path) -> str | None:
+    """The emulator's compile error for a Metal source, None when it builds;
+    once per text (test_cost_model_mutations runs the checks per mutant, and
+    calls them bare: no fixtures)."""
+    import msl_emulator
+
+    with tempfile.TemporaryDirectory() as directory:
+        source = Path(directory) / "prefetch_rule.metal"
+        source.write_text(text)
+        try:
+            msl_emulator.compile_library([source], include_dirs=[repo])
+        except Exception as error:  # a static_assert that fails is a compile error
+            return str(error)
+    return None

@@ -1,7 +1,9 @@
 """Mutants of the cost model (benchmarks/metal_cost_model.py): each seeds one
 fault into a copy of the module, and test_cost_model.py's checks, run
 against the copy, must fail. A mutant whose target text is missing fails,
-so none can silently test nothing. Pure Python, under a second."""
+so none can silently test nothing. Pure Python but the prefetch rule's
+check, which compiles its static_asserts once per distinct text (about a
+minute in all on 2 cores)."""
 
 import importlib.util
 import inspect
@@ -39,8 +41,19 @@ MUTANTS = {
     "independent chains ignored": ("max(1.0, ALU_DEPENDENT_LATENCY / block.ilp)", "ALU_DEPENDENT_LATENCY / 2"),
     "steel WN=2: exchange barriers not counted": ("        barriers += 2\n", "        barriers += 0\n"),
     "decode: registers of the live rows only": (
-        "regs = 2 * big_r * per_lane + 2 * big_r +", "regs = 2 * r * per_lane + 2 * r +"),
-    "decode: prefetch holds no second key": ("2 * per_lane * (2 if prefetch > 1 else 1)", "2 * per_lane"),
+        "regs = decode_loop_registers(big_r, d,", "regs = decode_loop_registers(r, d,"),
+    "decode: prefetch holds no second key": ("2 * per_lane * (2 if prefetch else 1)", "2 * per_lane"),
+    "prefetch rule: a core's register file ignored": (
+        "limit = min(gpu.register_budget, gpu.register_file_bytes // (4 * 32 * simdgroups))",
+        "limit = gpu.register_budget"),
+    "paged: the page window's registers not counted": (
+        "paged_window_registers(big_r) if paged else 0)", "0)"),
+    "paged: the row shape's window as small as the group shape's": (
+        "return PAGED_ROW_WINDOW_ROUNDS if rows_per_threadgroup == 1 else PAGED_GROUP_WINDOW_ROUNDS",
+        "return PAGED_GROUP_WINDOW_ROUNDS"),
+    "paged: the page lookup costs nothing": (
+        '+ (3 if paged else 0), "exp2": 2 * r,\n                  "simd_shuffle": 5 * r + (1 if paged else 0)',
+        '+ 0, "exp2": 2 * r,\n                  "simd_shuffle": 5 * r + 0'),
     "decode: row chunks read K/V from DRAM each": ("order = [(b, y // chunks, x)", "order = [(b, y, x)"),
     "merge: split stats read one split at a time": (
         "stat_rounds = 2 * math.ceil(own_splits / 32)", "stat_rounds = 2 * own_splits"),
