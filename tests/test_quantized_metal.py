@@ -10,6 +10,7 @@ scale and bias is read once per simdgroup."""
 import itertools
 import os
 import struct
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -393,6 +394,24 @@ def test_gpu_streams_take_the_reference_path_without_metal():
 
 # ---------------------------------------------------------------- modelled traffic
 
+def float16_d128_sources(directory: Path) -> list:
+    """SOURCES trimmed to their float16 D = 128 instantiations (the float
+    decode and merge, the quantized decode at 4 and 8 bits)."""
+    import re
+
+    from metal_runner import decode_instantiation, quantized_instantiation
+
+    kept = {SOURCES[0]: [decode_instantiation("float16, half", 128)],
+            SOURCES[1]: [quantized_instantiation("float16, half", 128, bits) for bits in (4, 8)]}
+    paths = []
+    for source, lines in kept.items():
+        text = re.sub(r"^MLX_ATTN_[A-Z0-9_]+\([^()]*\)[ \t]*$", "", source.read_text(), flags=re.M)
+        path = directory / source.name
+        path.write_text(text + "\n" + "\n".join(lines) + "\n")
+        paths.append(path)
+    return paths
+
+
 def decode_kv_bytes_per_element(run, q, *kv, quantized=None) -> float:
     """Device bytes the decode partial kernel reads per K/V element, q's
     reads (each simdgroup reads its rows' q) taken out: the quantized decode
@@ -421,12 +440,14 @@ def decode_kv_bytes_per_element(run, q, *kv, quantized=None) -> float:
 
 @needs_ext
 @needs_clang
-def test_decode_reads_each_quantized_byte_once():
+def test_decode_reads_each_quantized_byte_once(tmp_path):
     """fp16 K/V: 2 bytes per element; quantized: bits / 8 plus a float16 scale
     and bias per group: 8-bit ~0.53x and 4-bit ~0.28x of fp16's K/V bytes
-    (docs/metal_kernels.md)."""
-    run = EmulatedMetal(fast_math=True, sources=SOURCES)
-    run.counting = msl_emulator.compile_library(SOURCES, include_dirs=[REPO], fast_math=True, counters=True)
+    (docs/metal_kernels.md). (Builds of the float16 D = 128 kernels alone:
+    a counting build of the whole files takes minutes.)"""
+    sources = float16_d128_sources(tmp_path)
+    run = EmulatedMetal(fast_math=True, sources=sources)
+    run.counting = msl_emulator.compile_library(sources, include_dirs=[REPO], fast_math=True, counters=True)
     rng = np.random.default_rng(0)
     q = mx.array(rng.standard_normal((1, 4, 1, 128)).astype(np.float16))
     k, v = (mx.array(rng.standard_normal((1, 1, 256, 128)).astype(np.float16)) for _ in range(2))
@@ -438,8 +459,11 @@ def test_decode_reads_each_quantized_byte_once():
 
 
 if __name__ == "__main__":  # the docs' table: python tests/test_quantized_metal.py
-    emulated = EmulatedMetal(fast_math=True, sources=SOURCES)
-    emulated.counting = msl_emulator.compile_library(SOURCES, include_dirs=[REPO], fast_math=True, counters=True)
+    import tempfile
+
+    trimmed = float16_d128_sources(Path(tempfile.mkdtemp()))
+    emulated = EmulatedMetal(fast_math=True, sources=trimmed)
+    emulated.counting = msl_emulator.compile_library(trimmed, include_dirs=[REPO], fast_math=True, counters=True)
     q = mx.random.normal((1, 4, 1, 128)).astype(mx.float16)
     k, v = (mx.random.normal((1, 1, 1024, 128)).astype(mx.float16) for _ in range(2))
     fp16 = decode_kv_bytes_per_element(emulated, q, k, v)
