@@ -982,18 +982,25 @@ def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size:
     return rows
 
 
-def quantized_shape_lines(gpu=MODEL_GPU) -> list:
-    lines = ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape: before, the group shape alone;",
-             "now, the float decode's rule (the row shape for short contexts). MLX: sdpa_vector on the",
-             "dequantized fp16 K/V (the dequantize pass not counted; it reads 3.6x the bytes).", "",
-             "| B | Hkv | GQA | T | before: shape, splits | before µs | now: shape, splits | now µs | registers | "
+def shape_table(rows: list) -> list:
+    """Markdown rows of a decode-shape table (quantized_shape_rows,
+    paged_decode_rows): before and now, each its shape, splits and µs, over
+    MLX's."""
+    lines = ["| B | Hkv | GQA | T | before: shape, splits | before µs | now: shape, splits | now µs | registers | "
              "before / MLX | now / MLX | bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in quantized_shape_rows(gpu):
+    for r in rows:
         b, n = r["before"], r["now"]
         lines.append(f"| {r['B']} | {r['Hkv']} | {r['group']} | {r['T']} | r{b['rows']} sg{b['simdgroups']}, "
                      f"{b['splits']} | {b['us']:.1f} | r{n['rows']} sg{n['simdgroups']}, {n['splits']} | {n['us']:.1f} | "
                      f"{n['registers']} | {b['us'] / r['mlx_us']:.2f}x | {n['us'] / r['mlx_us']:.2f}x | {n['bound']} |")
     return lines
+
+
+def quantized_shape_lines(gpu=MODEL_GPU) -> list:
+    return ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape: before, the group shape alone;",
+            "now, the float decode's rule (the row shape for short contexts). MLX: sdpa_vector on the",
+            "dequantized fp16 K/V (the dequantize pass not counted; it reads 3.6x the bytes).", "",
+            *shape_table(quantized_shape_rows(gpu))]
 
 
 # Paged decode batches at D = 128, pages of 16 keys: (sequences, KV heads,
@@ -1054,15 +1061,8 @@ def paged_decode_lines(gpu=MODEL_GPU) -> list:
              "before, the group shape alone; now, the plan's shape (the dense decode's rule, each shape's splits",
              "capped by its page window). The page lookup (a shuffle and a slot's address per key, a lane's",
              "block-table entries per split) is counted. MLX: sdpa_vector on the same keys contiguous (MLX has",
-             "no paged kernel).", "",
-             "| B | Hkv | GQA | T | before: shape, splits | before µs | now: shape, splits | now µs | registers | "
-             "before / MLX | now / MLX | bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in paged_decode_rows(gpu):
-        b, n = r["before"], r["now"]
-        lines.append(f"| {r['B']} | {r['Hkv']} | {r['group']} | {r['T']} | r{b['rows']} sg{b['simdgroups']}, "
-                     f"{b['splits']} | {b['us']:.1f} | r{n['rows']} sg{n['simdgroups']}, {n['splits']} | {n['us']:.1f} | "
-                     f"{n['registers']} | {b['us'] / r['mlx_us']:.2f}x | {n['us'] / r['mlx_us']:.2f}x | {n['bound']} |")
-    return lines
+             "no paged kernel).", ""]
+    return lines + shape_table(paged_decode_rows(gpu))
 
 
 def model_assumptions(gpu) -> list:
