@@ -493,12 +493,15 @@ def plan_decode_shape(plan: dict) -> dict:
     raise ValueError("no decode partial dispatch in the plan")
 
 
-def decode_shapes(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, gpu=MODEL_GPU) -> dict:
+def decode_shapes(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, gpu=MODEL_GPU,
+                  dequantized: bool = False) -> dict:
     """The plan's two decode shapes for a problem, each with its split count,
-    and which one it chooses (csrc/launch_plan.cpp decode_shape)."""
+    and which one it chooses (csrc/launch_plan.cpp decode_shape; over
+    dequantized keys: the quantized plan's choice)."""
     from mlx_attn import _ext
 
-    return _ext.metal_decode_shapes(batch, kv_heads, rows, kv_len, d, gpu_family=gpu.family, gpu_cores=gpu.cores)
+    return _ext.metal_decode_shapes(batch, kv_heads, rows, kv_len, d, gpu_family=gpu.family, gpu_cores=gpu.cores,
+                                    dequantized=dequantized)
 
 
 # Every head-dim pair the forward plans take (key = value, then the D-split pairs).
@@ -734,6 +737,44 @@ def decode_rule_check() -> dict:
                    "problems": len(r["best"])} for name, r in ratios.items()}
 
 
+def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
+    """The quantized plan's shape rule (the float rule over dequantized keys:
+    one row per KV head takes the row shape, "now") against the float rule
+    as it stands ("float rule"), by the model over decode_rule_check's grid
+    of problems on 4-bit K/V: geometric means (and worst) of predicted time
+    over the best shape and split count per problem, and over sdpa_vector
+    on the dequantized fp16 K/V."""
+    ratios = {name: {"best": [], "mlx": []} for name in ("now", "float rule")}
+    for gpu in (cm.M2, cm.M2_MAX):
+        for d in (64, 128):
+            for kv_heads in (1, 2, 8, 32):
+                for group in (1, 4, 8):
+                    for t in (256, 1024, 4096, 16384):
+                        heads = kv_heads * group
+
+                        def seconds(splits, shape):
+                            kernels = cm.our_quantized_decode_kernels(
+                                1, heads, kv_heads, t, d, gpu, splits, shape["rows"], bits, group_size,
+                                prefetch=decode_prefetch(d, shape["rows"], shape["simdgroups"], bits=bits),
+                                single_dispatch=True, simdgroups=shape["simdgroups"])
+                            return cm.predict_all(kernels, gpu)["seconds"]
+
+                        best = min(seconds(s, shape) for shape in decode_shapes(1, kv_heads, group, t, d, gpu).values()
+                                   for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
+                        mlx = cm.predict_all(cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu,
+                                                                    kv_heads < heads and t >= 4096,
+                                                                    64 if group >= 4 else 32), gpu)["seconds"]
+                        for name, dequantized in (("now", True), ("float rule", False)):
+                            shapes = decode_shapes(1, kv_heads, group, t, d, gpu, dequantized=dequantized)
+                            chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+                            value = seconds(chosen["splits"], chosen)
+                            ratios[name]["best"].append(value / best)
+                            ratios[name]["mlx"].append(value / mlx)
+    return {name: {"geomean": float(np.exp(np.mean(np.log(r["best"])))), "max": max(r["best"]),
+                   "mlx_geomean": float(np.exp(np.mean(np.log(r["mlx"])))), "mlx_max": max(r["mlx"]),
+                   "problems": len(r["best"])} for name, r in ratios.items()}
+
+
 def tile_validation(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
     """Every steel tile MLX's kernel compiles for (that fits 32 KB), ranked
     by the model, with MLX's own choice marked."""
@@ -956,7 +997,7 @@ def quantized_decode_lines(gpu=MODEL_GPU) -> list:
 # Quantized decode problems at D = 128 (batch, KV heads, GQA group, T):
 # short and mid contexts of one sequence, where the shape decides.
 QUANTIZED_SHAPE_PROBLEMS = ((1, 8, 4, 128), (1, 8, 4, 1024), (1, 8, 1, 1024), (1, 32, 1, 2048), (1, 8, 4, 4096),
-                            (4, 8, 4, 1024))
+                            (4, 8, 4, 1024), (1, 8, 1, 4096), (1, 8, 1, 16384))
 
 
 def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size: int = 64) -> list:
@@ -969,7 +1010,7 @@ def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size:
         two_pass = kv_heads < heads and t >= 4096
         mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
                                                     64 if group >= 4 else 32), gpu)["seconds"]
-        shapes = decode_shapes(batch, kv_heads, group, t, d, gpu)
+        shapes = decode_shapes(batch, kv_heads, group, t, d, gpu, dequantized=True)
         row = {"B": batch, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
         for when, name in (("before", "group"), ("now", "row" if shapes["row"]["chosen"] else "group")):
             shape = shapes[name]
@@ -997,10 +1038,19 @@ def shape_table(rows: list) -> list:
 
 
 def quantized_shape_lines(gpu=MODEL_GPU) -> list:
+    check = quantized_rule_check()
+    rule_rows = [f"| {title} | {check[name]['geomean']:.2f}x ({check[name]['max']:.2f}x) | "
+                 f"{check[name]['mlx_geomean']:.2f}x ({check[name]['mlx_max']:.2f}x) |"
+                 for name, title in (("now", "over dequantized keys: one row per KV head on the row shape (now)"),
+                                     ("float rule", "the float rule as it stands"))]
     return ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape: before, the group shape alone;",
-            "now, the float decode's rule (the row shape for short contexts). MLX: sdpa_vector on the",
-            "dequantized fp16 K/V (the dequantize pass not counted; it reads 3.6x the bytes).", "",
-            *shape_table(quantized_shape_rows(gpu))]
+            "now, the float decode's rule over dequantized keys (the row shape for short contexts and for one",
+            "row per KV head). MLX: sdpa_vector on the dequantized fp16 K/V (the dequantize pass not counted;",
+            "it reads 3.6x the bytes).", "",
+            *shape_table(quantized_shape_rows(gpu)), "",
+            f"The quantized shape rule over decode_rule_check's grid ({check['now']['problems']} problems, 4-bit "
+            "K/V; geometric mean, worst in parentheses):", "",
+            "| rule | / best | / sdpa_vector |", "|---|---|---|", *rule_rows]
 
 
 # Paged decode batches at D = 128, pages of 16 keys: (sequences, KV heads,

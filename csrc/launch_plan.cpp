@@ -198,11 +198,12 @@ int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeSha
 }
 
 DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target,
-                         DecodeShapeChoice choice, const std::function<int(const DecodeShape&)>& max_keys_per_split) {
+                         DecodeShapeChoice choice, const std::function<int(const DecodeShape&)>& max_keys_per_split,
+                         DecodeKeys keys) {
   const DecodeShape group = decode_group_shape(head_dim);
   const DecodeShape row = decode_row_shape(head_dim);
   if (group.rows == 0 || choice == DecodeShapeChoice::group) return group;
-  if (choice == DecodeShapeChoice::row) return row;
+  if (choice == DecodeShapeChoice::row || (keys == DecodeKeys::dequantized && rows == 1)) return row;
   const auto path = [&](const DecodeShape& shape) {
     int splits = decode_splits(batch, kv_heads, rows, kv_len, shape, target);
     if (max_keys_per_split) {

@@ -203,9 +203,14 @@ enum class DecodeShapeChoice : int32_t { automatic, group, row };
 // chain of keys per simdgroup (and merge) is no longer than the group
 // shape's. `max_keys_per_split` (none: no cap) is a caller's own cap on a
 // split of each shape (the paged decode's page window), which may add splits.
+// `keys`: dequantized keys (the quantized decodes) cost issue time, not only
+// latency: at one row per KV head the group shape shares no dequantization
+// and holds R rows' registers for one, so such a problem takes the row shape.
+enum class DecodeKeys : int32_t { plain, dequantized };
 DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {},
                          DecodeShapeChoice choice = DecodeShapeChoice::automatic,
-                         const std::function<int(const DecodeShape&)>& max_keys_per_split = {});
+                         const std::function<int(const DecodeShape&)>& max_keys_per_split = {},
+                         DecodeKeys keys = DecodeKeys::plain);
 // The split-K decode's partials and merge (metal/attention_decode.h), for
 // the float and quantized decode plans alike: with several splits
 // (plan.splits) the partial dispatch (0) writes the partial_out /

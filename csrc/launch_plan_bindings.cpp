@@ -143,9 +143,12 @@ void bind_launch_plan(nb::module_& m) {
       "The launch plan's per-GPU-family table (docs/metal_kernels.md).");
   m.def(
       "metal_decode_shapes",
-      [](int batch, int kv_heads, int rows, int kv_len, int head_dim, const std::string& gpu_family, int gpu_cores) {
+      [](int batch, int kv_heads, int rows, int kv_len, int head_dim, const std::string& gpu_family, int gpu_cores,
+         bool dequantized) {
         const GpuTarget target = gpu_target_argument(gpu_family, gpu_cores);
-        const DecodeShape chosen = decode_shape(batch, kv_heads, rows, kv_len, head_dim, target);
+        const DecodeShape chosen = decode_shape(batch, kv_heads, rows, kv_len, head_dim, target,
+                                                DecodeShapeChoice::automatic, {},
+                                                dequantized ? DecodeKeys::dequantized : DecodeKeys::plain);
         nb::dict out;
         for (auto [name, shape] : {std::pair{"group", decode_group_shape(head_dim)},
                                    std::pair{"row", decode_row_shape(head_dim)}}) {
@@ -159,10 +162,11 @@ void bind_launch_plan(nb::module_& m) {
         return out;
       },
       "batch"_a, "kv_heads"_a, "rows"_a, "kv_len"_a, "head_dim"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
+      "dequantized"_a = false,
       "The dense decode's two threadgroup shapes for a problem (rows = query heads per KV head x query "
       "positions): per shape its rows, simdgroups and split count (decode_splits), and which one the plan "
-      "chooses (decode_shape). The quantized decode chooses as this does; the paged decodes too, each shape's "
-      "splits capped by its page window.");
+      "chooses (decode_shape; dequantized: the quantized decode's choice, which takes the row shape at one "
+      "row). The paged decodes choose alike, each shape's splits capped by its page window.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,

@@ -169,7 +169,8 @@ DecodeShape paged_decode_shape(const PagedProblem& s, const GpuTarget& target, D
   const PagedDecodeExtent extent = paged_decode_extent(s);
   return decode_shape(extent.sequences, s.attention.kv_heads, extent.rows, extent.longest, s.attention.head_dim,
                       target, choice,
-                      [&](const DecodeShape& shape) { return paged_max_pages_per_split(shape) * s.page_size; });
+                      [&](const DecodeShape& shape) { return paged_max_pages_per_split(shape) * s.page_size; },
+                      s.quantized.bits != 0 ? DecodeKeys::dequantized : DecodeKeys::plain);
 }
 
 int paged_max_pages_per_split(const DecodeShape& shape) {

@@ -96,7 +96,8 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   using R = BufferRole;
   const int rows = s.group_size() * s.q_len;
   // the float decode's body in the float decode's shapes, chosen by its rule
-  const DecodeShape shape = decode_shape(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target, decode_choice);
+  const DecodeShape shape =
+      decode_shape(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target, decode_choice, {}, DecodeKeys::dequantized);
   const int row_chunks = (rows + shape.rows - 1) / shape.rows;
   const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target);
   plan.splits = splits;

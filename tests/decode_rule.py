@@ -11,8 +11,10 @@ least one per core), but each split keeps max(the shape's floor, 16 x rows)
 keys. The plan takes the row shape where its critical path, the waves of
 threadgroups (as many at once as the split rule's busy figure) times the
 keys per simdgroup (x 1.5 when a threadgroup serves several rows), plus 16
-for a merge dispatch, is no longer than the group shape's. The paged decode
-(float pages) takes the same rule with each shape's splits capped by its
+for a merge dispatch, is no longer than the group shape's; over dequantized
+keys (the quantized decodes) one row per KV head always takes the row shape
+(the group shape would share no dequantization). The paged decodes take
+the same rule with each shape's splits capped by its
 page window (127 pages on the row shape, 31 on the group shape): the cap
 adds splits."""
 
@@ -49,11 +51,12 @@ def path(batch: int, kv_heads: int, rows: int, kv_len: int, n_splits: int, shape
 
 
 def decode_plan(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, cores: int = 8,
-                max_pages_per_split: tuple | None = None, page_size: int = 0) -> dict:
+                max_pages_per_split: tuple | None = None, page_size: int = 0, dequantized: bool = False) -> dict:
     """The shape the plan takes ("group" / "row"), its rows, simdgroups and
     split count (before any cap), and the partial kernel's host-name fields;
     `max_pages_per_split` (row shape, group shape) of `page_size` keys caps
-    each shape's splits when choosing (the paged decode)."""
+    each shape's splits when choosing (the paged decode); `dequantized`
+    (the quantized decodes): one row per KV head takes the row shape."""
     by_shape = {}
     for name, shape in shapes(d).items():
         n = splits(batch, kv_heads, rows, kv_len, shape, cores)
@@ -63,7 +66,7 @@ def decode_plan(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, cores
             by_shape[name] = (path(batch, kv_heads, rows, kv_len, n_capped, shape, cores), n, shape)
             continue
         by_shape[name] = (path(batch, kv_heads, rows, kv_len, n, shape, cores), n, shape)
-    name = "row" if by_shape["row"][0] <= by_shape["group"][0] else "group"
+    name = "row" if by_shape["row"][0] <= by_shape["group"][0] or (dequantized and rows == 1) else "group"
     _, n, (shape_rows, simdgroups, _) = by_shape[name]
     return {"shape": name, "rows": shape_rows, "simdgroups": simdgroups, "splits": n,
             "fields": f"_r{shape_rows}_sg{simdgroups}"}

@@ -412,3 +412,18 @@ def _compile_error(text: str, repo: Path) -> str | None:
         except Exception as error:  # a static_assert that fails is a compile error
             return str(error)
     return None
+
+
+def test_the_quantized_rule_beats_the_float_rule_over_dequantized_keys():
+    """The quantized decodes take the float rule but put one row per KV head
+    on the row shape (dearer keys: the group shape would share no
+    dequantization). By the model over the rule's grid on 4-bit K/V it is
+    nearer the best shape and split count than the float rule, on average
+    and in the worst case, and at or below sdpa_vector on the dequantized
+    fp16 K/V on average."""
+    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    check = bench_metal.quantized_rule_check()
+    now, float_rule = check["now"], check["float rule"]
+    assert now["problems"] == 192
+    assert now["geomean"] < float_rule["geomean"] and now["max"] < float_rule["max"]
+    assert now["mlx_geomean"] <= 1.0

@@ -388,6 +388,18 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
                            [100], scale=0.1, bits=4, group_size=64)
     assert decode_rule.decode_plan(1, 8, 1, 100, 128, 8)["shape"] == "row"
     assert quantized["dispatches"][0]["kernel"] == "attention_paged_quantized_decode_partial_float16_d128_b4_r1_sg32"
+    # quantized pages, one row per KV head over 4096 keys: the row shape (dequantized keys), where float pages
+    # take the group shape
+    pages = 4096 // 16
+    q = mx.zeros((1, 1, 128), mx.float16)
+    packed = mx.zeros((pages, 1, 16, 128 * 4 // 32), mx.uint32)
+    scales = mx.zeros((pages, 1, 16, 128 // 64), mx.float16)
+    table = mx.zeros((1, pages), mx.int32)
+    long_quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, table], [1], [4096], scale=0.1,
+                                bits=4, group_size=64)
+    long_float = plan_for([4096], [1], heads=1, kv_heads=1)
+    assert long_quantized["dispatches"][0]["kernel"].endswith("_r1_sg32")
+    assert long_float["dispatches"][0]["kernel"].endswith("_r8_sg4")
 
 
 def test_plan_sizes_each_sequence_and_caps_a_split_by_its_page_window():

@@ -255,9 +255,10 @@ def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtyp
 
 @needs_ext
 def test_plan_picks_the_decode_shape_by_the_float_rule():
-    """The quantized decode takes the float decode's shape rule
-    (tests/decode_rule.py, written apart from the C++): both shapes over
-    the grid, the kernel's host name and threadgroup the rule's."""
+    """The quantized decode takes the float decode's shape rule over
+    dequantized keys (tests/decode_rule.py, written apart from the C++: one
+    row per KV head takes the row shape): both shapes over the grid, the
+    kernel's host name and threadgroup the rule's."""
     import decode_rule
 
     chosen = set()
@@ -265,12 +266,16 @@ def test_plan_picks_the_decode_shape_by_the_float_rule():
                                                               (64, 256), (0, 38)):
         plan = plan_for(d=d, hq=hkv * gqa, hkv=hkv, kv_len=kv_len, batch=batch, decode_shape="auto",
                         gpu_family="apple8", gpu_cores=cores)
-        rule = decode_rule.decode_plan(batch, hkv, gqa, kv_len, d, cores or 8)
+        rule = decode_rule.decode_plan(batch, hkv, gqa, kv_len, d, cores or 8, dequantized=True)
         partial = plan["dispatches"][0]
         assert partial["kernel"] == f"attention_quantized_decode_partial_float16_d{d}_b8{rule['fields']}"
         assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1] and plan["splits"] == rule["splits"]
         chosen.add(rule["shape"])
     assert chosen == {"row", "group"}
+    # one row per KV head over 4096 keys: the float rule would take the group shape, the quantized the row shape
+    assert decode_rule.decode_plan(1, 1, 1, 4096, 128, 8)["shape"] == "group"
+    plan = plan_for(d=128, hq=1, hkv=1, kv_len=4096, decode_shape="auto", bits=4)
+    assert plan["dispatches"][0]["kernel"].endswith("_r1_sg32")
 
 
 def roles(dispatch) -> list[tuple]:
