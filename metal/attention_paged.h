@@ -12,11 +12,11 @@
 // the GQA group) x (query position) of one KV head, so each page is read once
 // for the whole group (grid.y = KV heads x row chunks), one sequence per
 // grid.z, each with its own AttentionParams (its lengths: the causal, window
-// and key-range rules apply as written). Float pages have the dense decode's
-// two threadgroup shapes (R rows on 4 simdgroups, or 1 row on NSG); the
-// quantized pages, the group shape. The plan (csrc/paged_launch_plan.cpp)
-// picks the shape and sizes the grid for the largest sequence; threadgroups
-// past a sequence's splits or rows return at once.
+// and key-range rules apply as written). Float and quantized pages have the
+// dense decode's two threadgroup shapes (R rows on 4 simdgroups, or 1 row on
+// NSG). The plan (csrc/paged_launch_plan.cpp) picks the shape and sizes the
+// grid for the largest sequence; threadgroups past a sequence's splits or
+// rows return at once.
 //
 // Block-table reads: each split covers at most 32 x ROUNDS - 1 pages plus a
 // partial one (the plan's keys per split, paged_max_pages_per_split), so
