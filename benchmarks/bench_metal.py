@@ -243,8 +243,7 @@ def model_count_check(row: dict, ours_kernels: list) -> dict:
                                                 simdgroups=simdgroups,
                                                 prefetch=decode_prefetch(d, shape_rows, simdgroups),
                                                 single_dispatch=True, lane_merge=True),
-                  "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
-                                                64 if heads // kv_heads >= 4 else 32)}
+                  "mlx": mlx_decode_kernels(1, heads, kv_heads, t, d, gpu)}
     out = {}
     for name, kernels in models.items():
         counted = row[name]["counters"]
@@ -432,11 +431,10 @@ def model_problem(phase: str, d: int, causal: bool, t: int, heads: int, kv_heads
         rows_per_tg = group_only_rows(d)
         chunks = -(-group // rows_per_tg)
         before = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
-        two_pass = kv_heads < heads and t >= 4096  # MLX on a base GPU (tests/mlx_kernel_runner.py)
         group_splits = group_only_splits(group, t, kv_heads, d, gpu.cores)
         shape_name = "row shape" if now["rows"] == 1 else "group shape"
         variants = {
-            "mlx": cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu, two_pass, 64 if group >= 4 else 32),
+            "mlx": mlx_decode_kernels(1, heads, kv_heads, t, d, gpu),
             f"ours, {before} splits (before #23: 64 keys per row, merge always, no prefetch)": cm.our_decode_kernels(
                 1, heads, kv_heads, t, d, gpu, before, rows_per_tg),
             f"ours, group shape ({rows_per_tg} rows, 4 simdgroups), {group_splits} splits, prefetch, "
@@ -468,28 +466,44 @@ def decode_prefetch(d: int, rows: int, simdgroups: int = 4, bits: int | None = N
     return cm.decode_prefetch(rows, simdgroups, d, loader, MODEL_GPU)
 
 
+def mlx_decode_kernels(batch: int, heads: int, kv_heads: int, t: int, d: int, gpu) -> list:
+    """MLX's sdpa_vector for a decode problem as MLX's host code picks it on
+    a base Apple GPU (tests/mlx_kernel_runner.py): two passes from 4096 keys
+    when a KV head serves several query heads, 64 blocks from GQA 4, else 32."""
+    group = heads // kv_heads
+    return cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, kv_heads < heads and t >= 4096,
+                                  64 if group >= 4 else 32)
+
+
 def rows_text(rows: int) -> str:
     return "1 row" if rows == 1 else f"{rows} rows"
 
 
+# A decode partial kernel's host name (dense, quantized, paged, paged
+# quantized): ..._decode_partial_<dtype>_d<D>[_b<bits>]_r<R>_sg<NSG>[_mask_*].
+DECODE_PARTIAL = r"attention_(?:paged_)?(?:quantized_)?decode_partial_\w+?_d\d+(?:_b\d+)?_r(\d+)_sg(\d+)"
+
+
 def kernel_decode_shape(kernel: str) -> tuple[int, int]:
-    """(rows, simdgroups) of a dense decode partial kernel, from its host name
-    (attention_decode_partial_<dtype>_d<D>_r<R>_sg<NSG>)."""
+    """(rows, simdgroups) of a decode partial kernel, from its host name."""
     import re
 
-    match = re.match(r"attention_decode_partial_\w+?_d\d+_r(\d+)_sg(\d+)", kernel)
+    match = re.match(DECODE_PARTIAL, kernel)
     if match is None:
-        raise ValueError(f"not a dense decode partial kernel: {kernel}")
+        raise ValueError(f"not a decode partial kernel: {kernel}")
     return int(match.group(1)), int(match.group(2))
 
 
 def plan_decode_shape(plan: dict) -> dict:
-    """A dense decode plan's shape (rows, simdgroups) and splits (the partial
-    dispatch's grid x)."""
+    """A decode plan's shape (rows, simdgroups), splits (the partial
+    dispatch's grid x) and dispatch count."""
+    import re
+
     for dispatch in plan["dispatches"]:
-        if dispatch["kernel"].startswith("attention_decode_partial_"):
+        if re.match(DECODE_PARTIAL, dispatch["kernel"]):
             rows, simdgroups = kernel_decode_shape(dispatch["kernel"])
-            return {"rows": rows, "simdgroups": simdgroups, "splits": int(dispatch["grid"][0])}
+            return {"rows": rows, "simdgroups": simdgroups, "splits": int(dispatch["grid"][0]),
+                    "dispatches": len(plan["dispatches"])}
     raise ValueError("no decode partial dispatch in the plan")
 
 
@@ -692,6 +706,20 @@ def backward_model_rows(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
     return rows
 
 
+# The decode rule checks' grid of problems (batch 1): GPU, head dim, KV
+# heads, GQA group, keys; and the split counts a problem's best is sought over.
+DECODE_RULE_GRID = ((cm.M2, cm.M2_MAX), (64, 128), (1, 2, 8, 32), (1, 4, 8), (256, 1024, 4096, 16384))
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def ratio_summary(ratios: dict) -> dict:
+    """Per rule: geometric mean and worst of its times over the best and over
+    MLX's, and the problem count."""
+    return {name: {"geomean": float(np.exp(np.mean(np.log(r["best"])))), "max": max(r["best"]),
+                   "mlx_geomean": float(np.exp(np.mean(np.log(r["mlx"])))), "mlx_max": max(r["mlx"]),
+                   "problems": len(r["best"])} for name, r in ratios.items()}
+
+
 def decode_rule_check() -> dict:
     """The plan's decode rule (shape and split count, now), the group shape
     alone as it was (its rows uncapped) with its split rule (before the row
@@ -700,41 +728,39 @@ def decode_rule_check() -> dict:
     over the best shape and split count per problem (either shape now, or
     the uncapped group shape), and over MLX's sdpa_vector."""
     ratios = {name: {"best": [], "mlx": []} for name in ("now", "group", "before")}
-    for gpu in (cm.M2, cm.M2_MAX):
-        for d in (64, 128):
-            for kv_heads in (1, 2, 8, 32):
-                for group in (1, 4, 8):
-                    for t in (256, 1024, 4096, 16384):
-                        heads = kv_heads * group
-                        shapes = decode_shapes(1, kv_heads, group, t, d, gpu)
+    for gpu, d, kv_heads, group, t in itertools.product(*DECODE_RULE_GRID):
+        heads = kv_heads * group
+        shapes = decode_shapes(1, kv_heads, group, t, d, gpu)
 
-                        def seconds(splits, shape):
-                            kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, shape["rows"],
-                                                            simdgroups=shape["simdgroups"],
-                                                            prefetch=decode_prefetch(d, shape["rows"],
-                                                                                     shape["simdgroups"]),
-                                                            single_dispatch=True,
-                                                            lane_merge=True)
-                            return cm.predict_all(kernels, gpu)["seconds"]
+        def seconds(splits, shape):
+            kernels = cm.our_decode_kernels(1, heads, kv_heads, t, d, gpu, splits, shape["rows"],
+                                            simdgroups=shape["simdgroups"],
+                                            prefetch=decode_prefetch(d, shape["rows"], shape["simdgroups"]),
+                                            single_dispatch=True, lane_merge=True)
+            return cm.predict_all(kernels, gpu)["seconds"]
 
-                        former = {"rows": group_only_rows(d), "simdgroups": 4}  # the group shape before the cap
-                        best = min(seconds(s, shape) for shape in (*shapes.values(), former)
-                                   for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
-                        chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
-                        chunks = -(-group // former["rows"])
-                        old = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
-                        mlx = cm.predict_all(cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu,
-                                                                    kv_heads < heads and t >= 4096,
-                                                                    64 if group >= 4 else 32), gpu)["seconds"]
-                        for name, value in (("now", seconds(chosen["splits"], chosen)),
-                                            ("group", seconds(group_only_splits(group, t, kv_heads, d, gpu.cores),
-                                                              former)),
-                                            ("before", seconds(old, former))):
-                            ratios[name]["best"].append(value / best)
-                            ratios[name]["mlx"].append(value / mlx)
-    return {name: {"geomean": float(np.exp(np.mean(np.log(r["best"])))), "max": max(r["best"]),
-                   "mlx_geomean": float(np.exp(np.mean(np.log(r["mlx"])))), "mlx_max": max(r["mlx"]),
-                   "problems": len(r["best"])} for name, r in ratios.items()}
+        former = {"rows": group_only_rows(d), "simdgroups": 4}  # the group shape before the cap
+        best = min(seconds(s, shape) for shape in (*shapes.values(), former) for s in SPLIT_COUNTS)
+        chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+        chunks = -(-group // former["rows"])
+        old = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
+        mlx = cm.predict_all(mlx_decode_kernels(1, heads, kv_heads, t, d, gpu), gpu)["seconds"]
+        for name, value in (("now", seconds(chosen["splits"], chosen)),
+                            ("group", seconds(group_only_splits(group, t, kv_heads, d, gpu.cores), former)),
+                            ("before", seconds(old, former))):
+            ratios[name]["best"].append(value / best)
+            ratios[name]["mlx"].append(value / mlx)
+    return ratio_summary(ratios)
+
+
+def quantized_decode_prediction(batch: int, heads: int, kv_heads: int, t: int, d: int, gpu, splits: int, shape: dict,
+                             bits: int, group_size: int) -> dict:
+    """The model's prediction for our quantized decode on `shape` (rows,
+    simdgroups) with `splits` splits, one dispatch at one split."""
+    return cm.predict_all(cm.our_quantized_decode_kernels(
+        batch, heads, kv_heads, t, d, gpu, splits, shape["rows"], bits, group_size,
+        prefetch=decode_prefetch(d, shape["rows"], shape["simdgroups"], bits=bits), single_dispatch=True,
+        simdgroups=shape["simdgroups"]), gpu)
 
 
 def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
@@ -745,34 +771,22 @@ def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
     over the best shape and split count per problem, and over sdpa_vector
     on the dequantized fp16 K/V."""
     ratios = {name: {"best": [], "mlx": []} for name in ("now", "float rule")}
-    for gpu in (cm.M2, cm.M2_MAX):
-        for d in (64, 128):
-            for kv_heads in (1, 2, 8, 32):
-                for group in (1, 4, 8):
-                    for t in (256, 1024, 4096, 16384):
-                        heads = kv_heads * group
+    for gpu, d, kv_heads, group, t in itertools.product(*DECODE_RULE_GRID):
+        heads = kv_heads * group
 
-                        def seconds(splits, shape):
-                            kernels = cm.our_quantized_decode_kernels(
-                                1, heads, kv_heads, t, d, gpu, splits, shape["rows"], bits, group_size,
-                                prefetch=decode_prefetch(d, shape["rows"], shape["simdgroups"], bits=bits),
-                                single_dispatch=True, simdgroups=shape["simdgroups"])
-                            return cm.predict_all(kernels, gpu)["seconds"]
+        def seconds(splits, shape):
+            return quantized_decode_prediction(1, heads, kv_heads, t, d, gpu, splits, shape, bits, group_size)["seconds"]
 
-                        best = min(seconds(s, shape) for shape in decode_shapes(1, kv_heads, group, t, d, gpu).values()
-                                   for s in (1, 2, 4, 8, 16, 32, 64, 128, 256))
-                        mlx = cm.predict_all(cm.sdpa_vector_kernels(1, heads, kv_heads, t, d, gpu,
-                                                                    kv_heads < heads and t >= 4096,
-                                                                    64 if group >= 4 else 32), gpu)["seconds"]
-                        for name, dequantized in (("now", True), ("float rule", False)):
-                            shapes = decode_shapes(1, kv_heads, group, t, d, gpu, dequantized=dequantized)
-                            chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
-                            value = seconds(chosen["splits"], chosen)
-                            ratios[name]["best"].append(value / best)
-                            ratios[name]["mlx"].append(value / mlx)
-    return {name: {"geomean": float(np.exp(np.mean(np.log(r["best"])))), "max": max(r["best"]),
-                   "mlx_geomean": float(np.exp(np.mean(np.log(r["mlx"])))), "mlx_max": max(r["mlx"]),
-                   "problems": len(r["best"])} for name, r in ratios.items()}
+        best = min(seconds(s, shape) for shape in decode_shapes(1, kv_heads, group, t, d, gpu).values()
+                   for s in SPLIT_COUNTS)
+        mlx = cm.predict_all(mlx_decode_kernels(1, heads, kv_heads, t, d, gpu), gpu)["seconds"]
+        for name, dequantized in (("now", True), ("float rule", False)):
+            shapes = decode_shapes(1, kv_heads, group, t, d, gpu, dequantized=dequantized)
+            chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+            value = seconds(chosen["splits"], chosen)
+            ratios[name]["best"].append(value / best)
+            ratios[name]["mlx"].append(value / mlx)
+    return ratio_summary(ratios)
 
 
 def tile_validation(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
@@ -959,9 +973,7 @@ def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> 
         heads = kv_heads * group
         group_shape = decode_shapes(batch, kv_heads, group, t, d, gpu)["group"]
         splits, rows_per_tg = group_shape["splits"], group_shape["rows"]
-        two_pass = kv_heads < heads and t >= 4096  # as model_problem
-        mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
-                                                    64 if group >= 4 else 32), gpu)["seconds"]
+        mlx = cm.predict_all(mlx_decode_kernels(batch, heads, kv_heads, t, d, gpu), gpu)["seconds"]
         for bits in (4, 8):
             ours = {when: cm.predict_all(cm.our_quantized_decode_kernels(
                 batch, heads, kv_heads, t, d, gpu, splits, rows_per_tg, bits, group_size,
@@ -1007,17 +1019,12 @@ def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size:
     rows = []
     for batch, kv_heads, group, t in QUANTIZED_SHAPE_PROBLEMS:
         heads = kv_heads * group
-        two_pass = kv_heads < heads and t >= 4096
-        mlx = cm.predict_all(cm.sdpa_vector_kernels(batch, heads, kv_heads, t, d, gpu, two_pass,
-                                                    64 if group >= 4 else 32), gpu)["seconds"]
+        mlx = cm.predict_all(mlx_decode_kernels(batch, heads, kv_heads, t, d, gpu), gpu)["seconds"]
         shapes = decode_shapes(batch, kv_heads, group, t, d, gpu, dequantized=True)
         row = {"B": batch, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
         for when, name in (("before", "group"), ("now", "row" if shapes["row"]["chosen"] else "group")):
             shape = shapes[name]
-            p = cm.predict_all(cm.our_quantized_decode_kernels(
-                batch, heads, kv_heads, t, d, gpu, shape["splits"], shape["rows"], bits, group_size,
-                prefetch=decode_prefetch(d, shape["rows"], shape["simdgroups"], bits=bits),
-                single_dispatch=True, simdgroups=shape["simdgroups"]), gpu)
+            p = quantized_decode_prediction(batch, heads, kv_heads, t, d, gpu, shape["splits"], shape, bits, group_size)
             row[when] = {**shape, "us": p["seconds"] * 1e6, "registers": p["registers"], "bound": p["bound"]}
         rows.append(row)
     return rows
@@ -1064,8 +1071,6 @@ def paged_decode_plan(sequences: int, kv_heads: int, group: int, t: int, d: int,
                       gpu=MODEL_GPU) -> dict:
     """The paged plan's decode shape (rows, simdgroups) and splits for a
     uniform decode batch (csrc/paged_launch_plan.cpp, through the extension)."""
-    import mlx.core as mx
-
     from mlx_attn import _ext
 
     pages = sequences * -(-t // PAGED_PAGE_SIZE)
@@ -1074,12 +1079,7 @@ def paged_decode_plan(sequences: int, kv_heads: int, group: int, t: int, d: int,
     table = mx.zeros((sequences, pages // sequences), mx.int32)
     plan = _ext.paged_metal_launch_plan([q, k, k, table], [1] * sequences, [t] * sequences, scale=0.1,
                                         gpu_family=gpu.family, gpu_cores=gpu.cores, decode_shape=decode_shape)
-    import re
-
-    partial = plan["dispatches"][0]
-    match = re.search(r"_r(\d+)_sg(\d+)$", partial["kernel"])
-    return {"rows": int(match.group(1)), "simdgroups": int(match.group(2)), "splits": int(partial["grid"][0]),
-            "dispatches": len(plan["dispatches"])}
+    return plan_decode_shape(plan)
 
 
 def paged_decode_rows(gpu=MODEL_GPU, d: int = 128) -> list:
@@ -1089,9 +1089,7 @@ def paged_decode_rows(gpu=MODEL_GPU, d: int = 128) -> list:
     rows = []
     for sequences, kv_heads, group, t in PAGED_DECODE_PROBLEMS:
         heads = kv_heads * group
-        two_pass = kv_heads < heads and t >= 4096
-        mlx = cm.predict_all(cm.sdpa_vector_kernels(sequences, heads, kv_heads, t, d, gpu, two_pass,
-                                                    64 if group >= 4 else 32), gpu)["seconds"]
+        mlx = cm.predict_all(mlx_decode_kernels(sequences, heads, kv_heads, t, d, gpu), gpu)["seconds"]
         row = {"B": sequences, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
         for when, shape in (("before", "group"), ("now", "auto")):
             plan = paged_decode_plan(sequences, kv_heads, group, t, d, shape, gpu)
