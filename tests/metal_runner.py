@@ -27,26 +27,29 @@ REAL_METAL = mx.metal.is_available() and _ext.has_metal()
 DECODE_SOURCE = REPO / "metal" / "attention_decode.metal"
 
 
-def decode_instantiation(dtype_args: str, d: int) -> str:
-    """The dense decode's instantiation line (both threadgroup shapes and the
-    merge) for one dtype ("float32, float") at head dim d, with the shape
-    numbers of d's MLX_ATTN_DECODE_TYPES line in metal/attention_decode.metal:
-    for builds trimmed to the instantiations a test uses."""
+def decode_shape_numbers(d: int) -> tuple[int, int]:
+    """(the group shape's rows, the row shape's simdgroups) at head dim d, as
+    d's MLX_ATTN_DECODE_TYPES line in metal/attention_decode.metal names them."""
     import re
 
     match = re.search(rf"^MLX_ATTN_DECODE_TYPES\({d}, (\d+), (\d+)\)$", DECODE_SOURCE.read_text(), flags=re.M)
     if match is None:
         raise ValueError(f"metal/attention_decode.metal does not instantiate the decode at D = {d}")
-    return f"MLX_ATTN_DECODE({dtype_args}, {d}, {match.group(1)}, {match.group(2)})"
+    return int(match.group(1)), int(match.group(2))
+
+
+def decode_instantiation(dtype_args: str, d: int) -> str:
+    """The dense decode's instantiation line (both threadgroup shapes and the
+    merge) for one dtype ("float32, float") at head dim d: for builds trimmed
+    to the instantiations a test uses."""
+    rows, simdgroups = decode_shape_numbers(d)
+    return f"MLX_ATTN_DECODE({dtype_args}, {d}, {rows}, {simdgroups})"
 
 
 def quantized_instantiation(dtype_args: str, d: int, bits: int) -> str:
     """The quantized decode's instantiation line (both threadgroup shapes)
-    for one dtype and bit width at head dim d, with the float decode's shape
-    numbers (decode_instantiation): for trimmed builds."""
-    import re
-
-    rows, simdgroups = re.fullmatch(rf"MLX_ATTN_DECODE\(.*, {d}, (\d+), (\d+)\)", decode_instantiation(dtype_args, d)).groups()
+    for one dtype and bit width at head dim d: for trimmed builds."""
+    rows, simdgroups = decode_shape_numbers(d)
     return f"MLX_ATTN_QUANTIZED_DECODE({dtype_args}, {d}, {bits}, {rows}, {simdgroups})"
 
 

@@ -18,15 +18,22 @@ FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "att
 QUANTIZED_SOURCES = FLOAT_SOURCES + [REPO / "metal" / "attention_paged_quantized.metal"]
 
 
-def paged_instantiation(dtype_args: str, d: int) -> str:
-    """The float paged decode's instantiation line (the partial kernel in both
-    threadgroup shapes, and the merge) for one dtype ("float32, float") at
-    head dim d, with the shape numbers of d's MLX_ATTN_PAGED_TYPES line in
-    metal/attention_paged.metal: for builds trimmed to what a test uses."""
+def paged_shape_numbers(d: int) -> tuple[int, int]:
+    """(the group shape's rows, the row shape's simdgroups) at head dim d, as
+    d's MLX_ATTN_PAGED_TYPES line in metal/attention_paged.metal names them
+    (the float and quantized paged decodes instantiate the same shapes)."""
     match = re.search(rf"^MLX_ATTN_PAGED_TYPES\({d}, (\d+), (\d+)\)$", FLOAT_SOURCES[0].read_text(), flags=re.M)
     if match is None:
         raise ValueError(f"metal/attention_paged.metal does not instantiate the paged decode at D = {d}")
-    return f"MLX_ATTN_PAGED({dtype_args}, {d}, {match.group(1)}, {match.group(2)})"
+    return int(match.group(1)), int(match.group(2))
+
+
+def paged_instantiation(dtype_args: str, d: int) -> str:
+    """The float paged decode's instantiation line (the partial kernel in both
+    threadgroup shapes, and the merge) for one dtype ("float32, float") at
+    head dim d: for builds trimmed to what a test uses."""
+    rows, simdgroups = paged_shape_numbers(d)
+    return f"MLX_ATTN_PAGED({dtype_args}, {d}, {rows}, {simdgroups})"
 
 
 def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_instances=()) -> list:
@@ -39,10 +46,10 @@ def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_
     for instance in float_instances:
         tname, type_, d = (part.strip() for part in instance.split(","))
         float_lines.append(paged_instantiation(f"{tname}, {type_}", int(d)))
-    for instance in quantized_instances:  # the float paged decode's shape numbers
+    for instance in quantized_instances:
         tname, type_, d, bits = (part.strip() for part in instance.split(","))
-        shapes = paged_instantiation(f"{tname}, {type_}", int(d)).removeprefix(f"MLX_ATTN_PAGED({tname}, {type_}, {d}, ")
-        quantized_lines.append(f"MLX_ATTN_PAGED_QUANTIZED({tname}, {type_}, {d}, {bits}, {shapes}")
+        rows, simdgroups = paged_shape_numbers(int(d))
+        quantized_lines.append(f"MLX_ATTN_PAGED_QUANTIZED({tname}, {type_}, {d}, {bits}, {rows}, {simdgroups})")
     paths = []
     for source, lines in ((FLOAT_SOURCES[0], float_lines),
                           (FLOAT_SOURCES[1], [f"MLX_ATTN_PAGED_PREFILL({i})" for i in prefill_instances]),
