@@ -763,14 +763,29 @@ def quantized_decode_prediction(batch: int, heads: int, kv_heads: int, t: int, d
         simdgroups=shape["simdgroups"]), gpu)
 
 
+def previous_quantized_shape(batch: int, kv_heads: int, rows: int, t: int, d: int, gpu=MODEL_GPU) -> dict:
+    """The quantized plan's shape and splits before their split rule over
+    dequantized keys: the float rule's splits, and its shape but the row
+    shape at one row per KV head."""
+    shapes = decode_shapes(batch, kv_heads, rows, t, d, gpu)
+    return shapes["row"] if shapes["row"]["chosen"] or rows == 1 else shapes["group"]
+
+
+def chosen_shape(shapes: dict) -> dict:
+    """The shape the plan takes of decode_shapes' two."""
+    return shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+
+
 def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
-    """The quantized plan's shape rule (the float rule over dequantized keys:
-    one row per KV head takes the row shape, "now") against the float rule
-    as it stands ("float rule"), by the model over decode_rule_check's grid
-    of problems on 4-bit K/V: geometric means (and worst) of predicted time
-    over the best shape and split count per problem, and over sdpa_vector
-    on the dequantized fp16 K/V."""
-    ratios = {name: {"best": [], "mlx": []} for name in ("now", "float rule")}
+    """The quantized plan's rule (the float rule over dequantized keys: a
+    quarter of the keys per split, at most one wave of splits, one row per
+    KV head on the row shape, "now") against the same with the float rule's
+    splits ("float splits", the rule before) and the float rule as it stands
+    ("float rule"), by the model over decode_rule_check's grid of problems
+    on 4-bit K/V: geometric means (and worst) of predicted time over the
+    best shape and split count per problem, and over sdpa_vector on the
+    dequantized fp16 K/V."""
+    ratios = {name: {"best": [], "mlx": []} for name in ("now", "float splits", "float rule")}
     for gpu, d, kv_heads, group, t in itertools.product(*DECODE_RULE_GRID):
         heads = kv_heads * group
 
@@ -780,9 +795,10 @@ def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
         best = min(seconds(s, shape) for shape in decode_shapes(1, kv_heads, group, t, d, gpu).values()
                    for s in SPLIT_COUNTS)
         mlx = cm.predict_all(mlx_decode_kernels(1, heads, kv_heads, t, d, gpu), gpu)["seconds"]
-        for name, dequantized in (("now", True), ("float rule", False)):
-            shapes = decode_shapes(1, kv_heads, group, t, d, gpu, dequantized=dequantized)
-            chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+        for name, chosen in (
+                ("now", chosen_shape(decode_shapes(1, kv_heads, group, t, d, gpu, dequantized=True))),
+                ("float splits", previous_quantized_shape(1, kv_heads, group, t, d, gpu)),
+                ("float rule", chosen_shape(decode_shapes(1, kv_heads, group, t, d, gpu)))):
             value = seconds(chosen["splits"], chosen)
             ratios[name]["best"].append(value / best)
             ratios[name]["mlx"].append(value / mlx)
@@ -966,8 +982,9 @@ QUANTIZED_ONE_SPLIT_PROBLEMS = ((1, 8, 4, 64), (1, 8, 8, 128), (1, 32, 1, 64), (
 def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> list:
     """Our quantized decode (metal/attention_quantized.h) before (partial +
     merge, always) and now (one dispatch at one split), by the model, next to
-    MLX's sdpa_vector on the dequantized fp16 K/V, on the group shape (the
-    shape of these problems before and now: quantized_shape_rows)."""
+    MLX's sdpa_vector on the dequantized fp16 K/V, on the group shape with
+    the float rule's split count (one split; the plan's shape and splits for
+    these problems today: quantized_shape_rows)."""
     rows = []
     for batch, kv_heads, group, t in QUANTIZED_ONE_SPLIT_PROBLEMS:
         heads = kv_heads * group
@@ -990,7 +1007,7 @@ def quantized_decode_rows(gpu=MODEL_GPU, d: int = 128, group_size: int = 64) -> 
 def quantized_decode_lines(gpu=MODEL_GPU) -> list:
     """The quantized decode's rows of the cost model's section."""
     lines = ["", f"Decode over quantized K/V (mx.quantize, group 64, fp16 scales and biases), D=128, on the group",
-             "shape where its split rule gives one split (the plan's shape for them: the next table): before,",
+             "shape where the float split rule gives one split (the plan's today: the next table): before,",
              "the partial kernel and the merge always (2 dispatches); now, one dispatch (the partial kernel",
              "writes out, sinks and lse). MLX: sdpa_vector on the dequantized",
              "fp16 K/V (the dequantize pass not counted). K/V device bytes per element: "
@@ -1013,17 +1030,17 @@ QUANTIZED_SHAPE_PROBLEMS = ((1, 8, 4, 128), (1, 8, 4, 1024), (1, 8, 1, 1024), (1
 
 
 def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size: int = 64) -> list:
-    """The quantized decode by the model: before, the group shape alone; now,
-    the plan's shape (the float decode's rule: csrc/quantized_launch_plan.cpp
-    calls decode_shape); next to sdpa_vector on the dequantized fp16 K/V."""
+    """The quantized decode by the model: before, the plan's shape with the
+    float rule's splits (previous_quantized_shape); now, the plan's shape and
+    splits (decode_shape and decode_splits over dequantized keys); next to
+    sdpa_vector on the dequantized fp16 K/V."""
     rows = []
     for batch, kv_heads, group, t in QUANTIZED_SHAPE_PROBLEMS:
         heads = kv_heads * group
         mlx = cm.predict_all(mlx_decode_kernels(batch, heads, kv_heads, t, d, gpu), gpu)["seconds"]
-        shapes = decode_shapes(batch, kv_heads, group, t, d, gpu, dequantized=True)
         row = {"B": batch, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
-        for when, name in (("before", "group"), ("now", "row" if shapes["row"]["chosen"] else "group")):
-            shape = shapes[name]
+        for when, shape in (("before", previous_quantized_shape(batch, kv_heads, group, t, d, gpu)),
+                            ("now", chosen_shape(decode_shapes(batch, kv_heads, group, t, d, gpu, dequantized=True)))):
             p = quantized_decode_prediction(batch, heads, kv_heads, t, d, gpu, shape["splits"], shape, bits, group_size)
             row[when] = {**shape, "us": p["seconds"] * 1e6, "registers": p["registers"], "bound": p["bound"]}
         rows.append(row)
@@ -1048,14 +1065,18 @@ def quantized_shape_lines(gpu=MODEL_GPU) -> list:
     check = quantized_rule_check()
     rule_rows = [f"| {title} | {check[name]['geomean']:.2f}x ({check[name]['max']:.2f}x) | "
                  f"{check[name]['mlx_geomean']:.2f}x ({check[name]['mlx_max']:.2f}x) |"
-                 for name, title in (("now", "over dequantized keys: one row per KV head on the row shape (now)"),
-                                     ("float rule", "the float rule as it stands"))]
-    return ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape: before, the group shape alone;",
-            "now, the float decode's rule over dequantized keys (the row shape for short contexts and for one",
-            "row per KV head). MLX: sdpa_vector on the dequantized fp16 K/V (the dequantize pass not counted;",
-            "it reads 3.6x the bytes).", "",
+                 for name, title in (
+                     ("now", "over dequantized keys: a quarter of the keys per split, one wave at most, one row per "
+                             "KV head on the row shape (now)"),
+                     ("float splits", "the float rule's splits, one row per KV head on the row shape (before)"),
+                     ("float rule", "the float rule as it stands"))]
+    return ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape and splits: before, the float",
+            "decode's rule and its splits (the row shape also for one row per KV head); now, the splits of",
+            "dequantized keys (a quarter of the float floors' keys per split, at most one wave of threadgroups:",
+            "their keys are issue-bound). MLX: sdpa_vector on the dequantized fp16 K/V (the dequantize pass",
+            "not counted; it reads 3.6x the bytes).", "",
             *shape_table(quantized_shape_rows(gpu)), "",
-            f"The quantized shape rule over decode_rule_check's grid ({check['now']['problems']} problems, 4-bit "
+            f"The quantized decode rule over decode_rule_check's grid ({check['now']['problems']} problems, 4-bit "
             "K/V; geometric mean, worst in parentheses):", "",
             "| rule | / best | / sdpa_vector |", "|---|---|---|", *rule_rows]
 

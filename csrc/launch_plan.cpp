@@ -116,6 +116,13 @@ constexpr std::array<int, 5> kDecodeRowSimdgroups = {32, 32, 32, 16, 16};
 constexpr int kDecodeMinKeysPerSplit = 64;
 constexpr int kDecodeRowMinKeysPerSimdgroup = 32;
 constexpr int kDecodeMinKeysPerRow = 16;
+// A dequantized key costs 2-2.5 float keys of issue and the row shape is
+// issue-bound on them (the cost model), so a split's merge is paid for by a
+// quarter of the keys, and a partial wave of threadgroups past a full one
+// costs a whole wave's keys: over the rule's grid of 4-bit problems the
+// model puts this at 1.04x its best split count (worst 1.35x), the float
+// floors at 1.13x (worst 2.20x) (bench_metal.py quantized_rule_check).
+constexpr int kDequantizedSplitFloorDivisor = 4;
 
 int decode_head_dim_index(int head_dim) {
   const auto at = std::find(kDecodeHeadDims.begin(), kDecodeHeadDims.end(), head_dim);
@@ -185,14 +192,18 @@ int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const G
 // one was at 1.30x (geometric means over a grid of problems; now
 // bench_metal.py's decode_rule_check, with the shape choice).
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
-                  const GpuTarget& target) {
+                  const GpuTarget& target, DecodeKeys keys) {
   if (shape.rows <= 0) return 1;
+  const bool dequantized = keys == DecodeKeys::dequantized;
   const int row_chunks = (rows + shape.rows - 1) / shape.rows;
   // At least one: an empty problem (no rows) must not divide by zero.
   const int64_t threadgroups = std::max<int64_t>(1, int64_t(batch) * kv_heads * row_chunks);
   const int64_t busy = decode_threadgroups_at_once(shape, target);
-  const int64_t for_occupancy = (busy + threadgroups - 1) / threadgroups;
-  const int64_t keys_per_split = std::max<int64_t>(shape.min_keys_per_split, int64_t(kDecodeMinKeysPerRow) * rows);
+  const int64_t for_occupancy =
+      dequantized ? std::max<int64_t>(1, busy / threadgroups) : (busy + threadgroups - 1) / threadgroups;
+  const int64_t keys_per_split =
+      std::max<int64_t>(1, std::max<int64_t>(shape.min_keys_per_split, int64_t(kDecodeMinKeysPerRow) * rows) /
+                               (dequantized ? kDequantizedSplitFloorDivisor : 1));
   const int64_t for_traffic = (kv_len + keys_per_split - 1) / keys_per_split;
   return int(std::max<int64_t>(1, std::min(for_occupancy, for_traffic)));
 }
@@ -205,7 +216,7 @@ DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head
   if (group.rows == 0 || choice == DecodeShapeChoice::group) return group;
   if (choice == DecodeShapeChoice::row || (keys == DecodeKeys::dequantized && rows == 1)) return row;
   const auto path = [&](const DecodeShape& shape) {
-    int splits = decode_splits(batch, kv_heads, rows, kv_len, shape, target);
+    int splits = decode_splits(batch, kv_heads, rows, kv_len, shape, target, keys);
     if (max_keys_per_split) {
       const int most = std::max(1, max_keys_per_split(shape));
       splits = std::max(splits, (kv_len + most - 1) / most);

@@ -189,12 +189,17 @@ DecodeShape decode_group_shape(int head_dim);
 // a core's registers hold (up to 32, as MLX's sdpa_vector), for contexts too
 // short to keep many split threadgroups busy. {}: D has no decode kernel.
 DecodeShape decode_row_shape(int head_dim);
+// The keys a decode reads: float K/V, or dequantized from packed codes (the
+// quantized decodes), whose keys cost issue time, not only latency.
+enum class DecodeKeys : int32_t { plain, dequantized };
 // Threadgroups along the key/value length for a decode problem on threadgroups
 // of `shape`: enough to keep the target GPU's cores busy, while each split
 // keeps enough keys (shape.min_keys_per_split, 16 per row) that its partial
 // and its simdgroup combine stay small next to its K/V (docs/metal_kernels.md).
+// Over dequantized keys a split keeps a quarter of those keys, and the
+// splits fill at most one wave of threadgroups.
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
-                  const GpuTarget& target = {});
+                  const GpuTarget& target = {}, DecodeKeys keys = DecodeKeys::plain);
 // Which shape a decode plan takes: the rule's (automatic), or one named
 // (tests and benchmarks run every case on both; the rule decides in use).
 enum class DecodeShapeChoice : int32_t { automatic, group, row };
@@ -203,10 +208,10 @@ enum class DecodeShapeChoice : int32_t { automatic, group, row };
 // chain of keys per simdgroup (and merge) is no longer than the group
 // shape's. `max_keys_per_split` (none: no cap) is a caller's own cap on a
 // split of each shape (the paged decode's page window), which may add splits.
-// `keys`: dequantized keys (the quantized decodes) cost issue time, not only
-// latency: at one row per KV head the group shape shares no dequantization
-// and holds R rows' registers for one, so such a problem takes the row shape.
-enum class DecodeKeys : int32_t { plain, dequantized };
+// `keys`: each shape's splits by decode_splits over those keys; over
+// dequantized keys at one row per KV head the group shape shares no
+// dequantization and holds R rows' registers for one, so such a problem
+// takes the row shape.
 DecodeShape decode_shape(int batch, int kv_heads, int rows, int kv_len, int head_dim, const GpuTarget& target = {},
                          DecodeShapeChoice choice = DecodeShapeChoice::automatic,
                          const std::function<int(const DecodeShape&)>& max_keys_per_split = {},

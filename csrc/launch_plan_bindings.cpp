@@ -146,16 +146,16 @@ void bind_launch_plan(nb::module_& m) {
       [](int batch, int kv_heads, int rows, int kv_len, int head_dim, const std::string& gpu_family, int gpu_cores,
          bool dequantized) {
         const GpuTarget target = gpu_target_argument(gpu_family, gpu_cores);
-        const DecodeShape chosen = decode_shape(batch, kv_heads, rows, kv_len, head_dim, target,
-                                                DecodeShapeChoice::automatic, {},
-                                                dequantized ? DecodeKeys::dequantized : DecodeKeys::plain);
+        const DecodeKeys keys = dequantized ? DecodeKeys::dequantized : DecodeKeys::plain;
+        const DecodeShape chosen =
+            decode_shape(batch, kv_heads, rows, kv_len, head_dim, target, DecodeShapeChoice::automatic, {}, keys);
         nb::dict out;
         for (auto [name, shape] : {std::pair{"group", decode_group_shape(head_dim)},
                                    std::pair{"row", decode_row_shape(head_dim)}}) {
           nb::dict entry;
           entry["rows"] = shape.rows;
           entry["simdgroups"] = shape.simdgroups;
-          entry["splits"] = shape.rows > 0 ? decode_splits(batch, kv_heads, rows, kv_len, shape, target) : 0;
+          entry["splits"] = shape.rows > 0 ? decode_splits(batch, kv_heads, rows, kv_len, shape, target, keys) : 0;
           entry["chosen"] = shape.rows > 0 && shape.rows == chosen.rows && shape.simdgroups == chosen.simdgroups;
           out[name] = entry;
         }
@@ -165,8 +165,8 @@ void bind_launch_plan(nb::module_& m) {
       "dequantized"_a = false,
       "The dense decode's two threadgroup shapes for a problem (rows = query heads per KV head x query "
       "positions): per shape its rows, simdgroups and split count (decode_splits), and which one the plan "
-      "chooses (decode_shape; dequantized: the quantized decode's choice, which takes the row shape at one "
-      "row). The paged decodes choose alike, each shape's splits capped by its page window.");
+      "chooses (decode_shape; dequantized: the quantized decodes' splits and choice, which takes the row shape "
+      "at one row). The paged decodes choose alike, each shape's splits capped by its page window.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,

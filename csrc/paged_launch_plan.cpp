@@ -163,6 +163,11 @@ PagedDecodeExtent paged_decode_extent(const PagedProblem& s) {
   extent.rows = std::max(1, max_rows);
   return extent;
 }
+
+// quantized pages' keys are dequantized (decode_splits, decode_shape)
+DecodeKeys paged_decode_keys(const PagedProblem& s) {
+  return s.quantized.bits != 0 ? DecodeKeys::dequantized : DecodeKeys::plain;
+}
 }  // namespace
 
 DecodeShape paged_decode_shape(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice choice) {
@@ -170,7 +175,7 @@ DecodeShape paged_decode_shape(const PagedProblem& s, const GpuTarget& target, D
   return decode_shape(extent.sequences, s.attention.kv_heads, extent.rows, extent.longest, s.attention.head_dim,
                       target, choice,
                       [&](const DecodeShape& shape) { return paged_max_pages_per_split(shape) * s.page_size; },
-                      s.quantized.bits != 0 ? DecodeKeys::dequantized : DecodeKeys::plain);
+                      paged_decode_keys(s));
 }
 
 int paged_max_pages_per_split(const DecodeShape& shape) {
@@ -180,7 +185,8 @@ int paged_max_pages_per_split(const DecodeShape& shape) {
 int paged_keys_per_split(const PagedProblem& s, const DecodeShape& shape, const GpuTarget& target) {
   const PagedDecodeExtent extent = paged_decode_extent(s);
   const int longest = extent.longest;
-  const int splits = decode_splits(extent.sequences, s.attention.kv_heads, extent.rows, longest, shape, target);
+  const int splits =
+      decode_splits(extent.sequences, s.attention.kv_heads, extent.rows, longest, shape, target, paged_decode_keys(s));
   const int64_t wanted = (int64_t(longest) + splits - 1) / splits;
   const int64_t pages =
       std::clamp<int64_t>((wanted + s.page_size - 1) / s.page_size, 1, paged_max_pages_per_split(shape));

@@ -99,7 +99,7 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   const DecodeShape shape =
       decode_shape(s.batch, s.kv_heads, rows, s.kv_len, s.head_dim, target, decode_choice, {}, DecodeKeys::dequantized);
   const int row_chunks = (rows + shape.rows - 1) / shape.rows;
-  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target);
+  const int splits = decode_splits(s.batch, s.kv_heads, rows, s.kv_len, shape, target, DecodeKeys::dequantized);
   plan.splits = splits;
   // the float decode's partials and merge: none with one split
   plan.scratch = decode_partials_scratch(s, splits);

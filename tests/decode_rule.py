@@ -12,8 +12,10 @@ keys. The plan takes the row shape where its critical path, the waves of
 threadgroups (as many at once as the split rule's busy figure) times the
 keys per simdgroup (x 1.5 when a threadgroup serves several rows), plus 16
 for a merge dispatch, is no longer than the group shape's; over dequantized
-keys (the quantized decodes) one row per KV head always takes the row shape
-(the group shape would share no dequantization). The paged decodes take
+keys (the quantized decodes) each split keeps a quarter of those keys and
+the splits fill at most one wave (the target's threadgroups at once, rounded
+down), and one row per KV head always takes the row shape (the group shape
+would share no dequantization). The paged decodes take
 the same rule with each shape's splits capped by its
 page window (127 pages on the row shape, 31 on the group shape): the cap
 adds splits."""
@@ -35,12 +37,17 @@ def at_once(shape: tuple, cores: int) -> int:
     return max(cores, cores * 8 * 4 // shape[1])
 
 
-def splits(batch: int, kv_heads: int, rows: int, kv_len: int, shape: tuple, cores: int = 8) -> int:
+def splits(batch: int, kv_heads: int, rows: int, kv_len: int, shape: tuple, cores: int = 8,
+           dequantized: bool = False) -> int:
     shape_rows, simdgroups, floor = shape
     threadgroups = max(1, batch * kv_heads * -(-rows // shape_rows))
-    for_occupancy = -(-at_once(shape, cores) // threadgroups)
-    for_traffic = -(-kv_len // max(floor, 16 * rows))
-    return max(1, min(for_occupancy, for_traffic))
+    if dequantized:  # a quarter of the keys, at most one wave
+        for_occupancy = max(1, at_once(shape, cores) // threadgroups)
+        keys = max(1, max(floor, 16 * rows) // 4)
+    else:
+        for_occupancy = -(-at_once(shape, cores) // threadgroups)
+        keys = max(floor, 16 * rows)
+    return max(1, min(for_occupancy, -(-kv_len // keys)))
 
 
 def path(batch: int, kv_heads: int, rows: int, kv_len: int, n_splits: int, shape: tuple, cores: int) -> float:
@@ -56,10 +63,11 @@ def decode_plan(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, cores
     split count (before any cap), and the partial kernel's host-name fields;
     `max_pages_per_split` (row shape, group shape) of `page_size` keys caps
     each shape's splits when choosing (the paged decode); `dequantized`
-    (the quantized decodes): one row per KV head takes the row shape."""
+    (the quantized decodes): their split rule, and one row per KV head takes
+    the row shape."""
     by_shape = {}
     for name, shape in shapes(d).items():
-        n = splits(batch, kv_heads, rows, kv_len, shape, cores)
+        n = splits(batch, kv_heads, rows, kv_len, shape, cores, dequantized)
         if max_pages_per_split:
             most = max_pages_per_split[0 if name == "row" else 1] * page_size
             n_capped = max(n, -(-kv_len // most))

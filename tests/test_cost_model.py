@@ -415,15 +415,18 @@ def _compile_error(text: str, repo: Path) -> str | None:
 
 
 def test_the_quantized_rule_beats_the_float_rule_over_dequantized_keys():
-    """The quantized decodes take the float rule but put one row per KV head
-    on the row shape (dearer keys: the group shape would share no
-    dequantization). By the model over the rule's grid on 4-bit K/V it is
-    nearer the best shape and split count than the float rule, on average
-    and in the worst case, and at or below sdpa_vector on the dequantized
-    fp16 K/V on average."""
+    """The quantized decodes take the float rule over dequantized keys: a
+    quarter of the keys per split and at most one wave of splits (their keys
+    are issue-bound), and one row per KV head on the row shape (the group
+    shape would share no dequantization). By the model over the rule's grid
+    on 4-bit K/V it is nearer the best shape and split count than the same
+    rule with the float splits, and that nearer than the float rule, on
+    average and in the worst case; within 1.1x of the best on average, and
+    below sdpa_vector on the dequantized fp16 K/V on average."""
     bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
     check = bench_metal.quantized_rule_check()
-    now, float_rule = check["now"], check["float rule"]
+    now, float_splits, float_rule = check["now"], check["float splits"], check["float rule"]
     assert now["problems"] == 192
-    assert now["geomean"] < float_rule["geomean"] and now["max"] < float_rule["max"]
-    assert now["mlx_geomean"] <= 1.0
+    assert now["geomean"] < float_splits["geomean"] < float_rule["geomean"]
+    assert now["max"] < float_splits["max"] < float_rule["max"]
+    assert now["geomean"] < 1.1 and now["mlx_geomean"] < 1.0

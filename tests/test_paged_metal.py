@@ -400,6 +400,11 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
     long_float = plan_for([4096], [1], heads=1, kv_heads=1)
     assert long_quantized["dispatches"][0]["kernel"].endswith("_r1_sg32")
     assert long_float["dispatches"][0]["kernel"].endswith("_r8_sg4")
+    # and the splits of dequantized keys: the 8 cores' occupancy, where a quarter of the row shape's floor
+    # (256 keys) would allow 16 splits; the float floor (1024 keys) would give 4
+    rule = decode_rule.decode_plan(1, 1, 1, 4096, 128, 8, max_pages_per_split=_native.ext.PAGED_MAX_PAGES_PER_SPLIT,
+                                   page_size=16, dequantized=True)
+    assert rule["splits"] == 8 and long_quantized["keys_per_split"] == 4096 // 8
 
 
 def test_plan_sizes_each_sequence_and_caps_a_split_by_its_page_window():

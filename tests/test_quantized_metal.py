@@ -209,14 +209,16 @@ def test_rows_that_see_nothing_and_an_empty_key_range(run):
 
 @needs_ext
 @needs_clang
-@pytest.mark.parametrize("q_len, splits", [(4, 1), (1, 3)], ids=["one-split", "three-splits"])
-def test_sinks_and_lse_with_one_split_and_with_several(run, q_len, splits):
+@pytest.mark.parametrize("q_len, kv_len, splits", [(4, 64, 1), (1, KV_LEN, 10)], ids=["one-split", "ten-splits"])
+def test_sinks_and_lse_with_one_split_and_with_several(run, q_len, kv_len, splits):
     """One split: the partial kernel adds the sinks, normalizes and writes
     out and lse itself, in one dispatch; several: the float decode's merge
     does, in a second one. Sinks above every logit (the sink sets the max)."""
-    q, kq, vq, kw = make_case(8, 64, 128, 4, "sinks", q_len, "float32", seed=3)
+    q, kq, vq, kw = make_case(8, 64, 128, 4, "sinks", q_len, "float32", seed=3, kv_len=kv_len)
     check(run, q, kq, vq, bits=8, group_size=64, lse=True, gpu_target={"decode_shape": "group"}, **kw)
-    assert run.last_plan["splits"] == splits  # the group shape: 16 rows: 256 keys per split > 150; 4 rows: 64
+    # the group shape over dequantized keys: a quarter of max(64, 16 x rows) keys per split:
+    # 16 rows, 64 keys per split: one for 64 keys; 4 rows, 16 keys: 10 for 150
+    assert run.last_plan["splits"] == splits
     assert len(run.last_plan["dispatches"]) == (1 if splits == 1 else 2)
 
 
@@ -227,7 +229,7 @@ def test_one_split_runs_from_its_variant_source_alone(tmp_path):
     per-variant source (csrc/metal/metal_sources.cpp, the Mac's first-use
     compile) stands alone, with no include dirs and no merge, and computes
     out, sinks and lse."""
-    q, kq, vq, kw = make_case(4, 64, 64, 4, "sinks", 4, "float32", seed=4)  # 16 rows: one split
+    q, kq, vq, kw = make_case(4, 64, 64, 4, "sinks", 4, "float32", seed=4, kv_len=64)  # 16 rows: one split
     for shape, fields in (("group", "_r8_sg4"), ("row", "_r1_sg32")):
         kernel = f"attention_quantized_decode_partial_float32_d64_b4{fields}"
         path = tmp_path / f"{kernel}.metal"
@@ -255,10 +257,11 @@ def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtyp
 
 @needs_ext
 def test_plan_picks_the_decode_shape_by_the_float_rule():
-    """The quantized decode takes the float decode's shape rule over
-    dequantized keys (tests/decode_rule.py, written apart from the C++: one
-    row per KV head takes the row shape): both shapes over the grid, the
-    kernel's host name and threadgroup the rule's."""
+    """The quantized decode takes the float decode's rule over dequantized
+    keys (tests/decode_rule.py, written apart from the C++: a quarter of the
+    keys per split, at most one wave of splits, one row per KV head on the
+    row shape): both shapes over the grid, the kernel's host name,
+    threadgroup and split count the rule's."""
     import decode_rule
 
     chosen = set()
@@ -325,7 +328,8 @@ def test_plan_binds_placeholders_for_absent_mask_sinks_and_lse():
 def test_one_split_plans_one_dispatch_and_no_scratch():
     """As the float decode (csrc/launch_plan.cpp): with one split the partial
     kernel writes out, sinks and lse itself; no partials, no merge."""
-    plan = plan_for(mask=mx.ones((4, 100), dtype=mx.bool_), sinks=True, output_lse=True, q_len=4, kv_len=100)
+    # 16 rows on the group shape: a split keeps 64 dequantized keys
+    plan = plan_for(mask=mx.ones((4, 64), dtype=mx.bool_), sinks=True, output_lse=True, q_len=4, kv_len=64)
     assert plan["supported"], plan["reason"]
     assert plan["splits"] == 1 and plan["scratch"] == []
     (partial,) = plan["dispatches"]
