@@ -826,6 +826,62 @@ def tile_validation(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
     return rows
 
 
+def prefill_structure_floor(gpu=MODEL_GPU, t: int = 2048, heads: int = 32) -> list:
+    """Issue #23's prefill target (predicted time <= 0.9x steel's, D 64 and
+    128, fp16, T = 2048, causal and not) against the best time the model
+    predicts for any tile of our prefill kernel's structure that fits the
+    register budget and 32 KB of threadgroup memory: BQ 32/64/128 rows on
+    2/4/8 simdgroups (one to four 8-row tiles per simdgroup, each K and V
+    fragment read once for all of them, which today's kernel, one tile per
+    simdgroup, cannot use), BK 8-64, Q in registers or in threadgroup
+    memory, K and V staged together or in turn; the lazy max and fast exp2
+    of today's kernel. Optimistic where the model is (it charges none of the
+    larger tiles' bank conflicts or scheduling), so a floor."""
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            def seconds(tile: cm.PrefillTile) -> float:
+                return cm.predict(cm.prefill_kernel("x", tile, 1, heads, heads, t, t, causal, gpu), gpu)["seconds"]
+
+            steel = seconds(cm.mlx_steel_tile(d))
+            bk_now = _plan_number(planned(t, t, d, heads, heads, causal, gpu), r"_bk(\d+)")
+            now = seconds(cm.our_prefill_tile(d, bk_now, "fast"))
+            best = None
+            for bq, wm, bk, q_in_registers, together in itertools.product(
+                    (32, 64, 128), (2, 4, 8), (8, 16, 32, 64), (True, False), (True, False)):
+                if bq % (8 * wm) or bq // (8 * wm) > 4:
+                    continue
+                tile = cm.PrefillTile(bq, bk, d, wm, 1, q_in_registers=q_in_registers, stage_kv_together=together,
+                                      reduce_per_fragment=False, lazy_max=True, shared_value_fragments=True)
+                if (cm.steel_registers(tile) > gpu.register_budget
+                        or cm.steel_threadgroup_memory(tile) > gpu.max_threadgroup_memory):
+                    continue
+                candidate = (seconds(tile), tile)
+                if best is None or candidate[0] < best[0]:
+                    best = candidate
+            tile = best[1]
+            row_tiles = tile.bq // (8 * tile.wm)
+            rows.append({"D": d, "causal": causal, "steel_us": steel * 1e6, "now": now / steel,
+                         "floor": best[0] / steel, "registers": cm.steel_registers(tile),
+                         "tile": f"BQ {tile.bq}, {tile.wm} simdgroups ({row_tiles} row tile{'s' if row_tiles > 1 else ''} "
+                                 "each), "
+                                 f"BK {tile.bk}, Q in {'registers' if tile.q_in_registers else 'threadgroup memory'}, "
+                                 f"K/V {'together' if tile.stage_kv_together else 'in turn'}"})
+    return rows
+
+
+def prefill_structure_lines(gpu=MODEL_GPU) -> list:
+    lines = ["", "Prefill against issue #23's target (<= 0.9x steel; T=2048, H=32, fp16): today's kernel and the",
+             "best tile of its structure by the model within the register budget and 32 KB, row tiles",
+             "sharing K and V fragments included (prefill_structure_floor):", "",
+             "| D | causal | steel µs | ours now / steel | best tile / steel | best tile | registers |",
+             "|---|---|---|---|---|---|---|"]
+    for r in prefill_structure_floor(gpu):
+        lines.append(f"| {r['D']} | {'yes' if r['causal'] else 'no'} | {r['steel_us']:.1f} | {r['now']:.3f} | "
+                     f"{r['floor']:.3f} | {r['tile']} | {r['registers']} |")
+    return lines
+
+
 def decode_validation(gpu=MODEL_GPU) -> list:
     """sdpa_vector's one pass against MLX's alternative, its two passes, on
     the problems where MLX's host code picks the one pass (< 4096 keys)."""
@@ -932,6 +988,7 @@ def model_markdown(problems: list, heads: int = 32, kv_heads: int = 8) -> str:
     for r in tile_validation(gpu):
         lines.append(f"| {r['D']} | {r['mlx_tile']} | {r['mlx_rank']} | {r['tiles']} | {r['mlx_over_best']:.3f} | "
                      f"{r['best']} | {r['worst_over_best']:.3f} |")
+    lines += prefill_structure_lines(gpu)
     lines += ["", "sdpa_vector, one pass (MLX's choice below 4096 keys) against its two passes, D=128:", "",
               "| Hkv | GQA | T | one pass µs | two passes µs |", "|---|---|---|---|---|"]
     for r in decode_validation(gpu):

@@ -256,6 +256,10 @@ class PrefillTile:
     # whose max keeps moving, which cost what the eager max costs)
     lazy_max: bool = False
     exp_kind: str = "fast"
+    # a simdgroup's row tiles (TQ > 1) share each V fragment it reads; steel
+    # (steel_attention.h, MLX 0.32.4) reads one per row tile, ours has one
+    # row tile (a structure search's option: bench_metal.prefill_structure_floor)
+    shared_value_fragments: bool = False
 
 
 # A loader loop copies device memory to threadgroup memory one vector (16
@@ -294,9 +298,9 @@ def steel_registers(tile: PrefillTile, elem_bytes: int = 2, staging_registers: i
 
 def steel_threadgroup_memory(tile: PrefillTile, elem_bytes: int = 2) -> int:
     pad = 16 // elem_bytes
-    if tile.stage_kv_together:  # ours: K and V blocks side by side, rows padded by 16 bytes
-        return 2 * tile.bk * (tile.d + pad) * elem_bytes
     q = 0 if tile.q_in_registers else tile.bq * (tile.d + pad)
+    if tile.stage_kv_together:  # ours: K and V blocks side by side, rows padded by 16 bytes
+        return (q + 2 * tile.bk * (tile.d + pad)) * elem_bytes
     kv = max((tile.bk + pad) * tile.d, tile.bk * (tile.d + pad))
     return (q + kv) * elem_bytes
 
@@ -330,7 +334,9 @@ def prefill_kernel(name: str, tile: PrefillTile, batch: int, heads: int, kv_head
         # fragment reads a block (steel_attention.h, MLX 0.32.4): per D step one
         # Q fragment per row tile (unless Q stays in registers) and TK K
         # fragments shared by the row tiles; V: TK per D step and row tile
-        "threadgroup_load": (0 if tile.q_in_registers else tq * td) + tk * td + tq * tk * td,
+        # (shared by the row tiles: TK per D step)
+        "threadgroup_load": ((0 if tile.q_in_registers else tq * td) + tk * td
+                             + (1 if tile.shared_value_fragments else tq) * tk * td),
         "device_load": loads_per_thread,
     }
     barriers = 2 if tile.stage_kv_together else 4

@@ -430,3 +430,32 @@ def test_the_quantized_rule_beats_the_float_rule_over_dequantized_keys():
     assert now["geomean"] < float_splits["geomean"] < float_rule["geomean"]
     assert now["max"] < float_splits["max"] < float_rule["max"]
     assert now["geomean"] < 1.1 and now["mlx_geomean"] < 1.0
+
+
+def test_the_prefill_structure_search_holds_todays_kernel():
+    """bench_metal.prefill_structure_floor searches the tiles of our prefill
+    structure within the budget for issue #23's prefill problems; today's
+    tile is one of them, so the search's best is at or below it, and the
+    best tile is within the register budget."""
+    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    rows = bench_metal.prefill_structure_floor()
+    assert [(r["D"], r["causal"]) for r in rows] == [(64, False), (64, True), (128, False), (128, True)]
+    for r in rows:
+        assert 0.79 < r["floor"] <= r["now"] < 1.0, r  # the MMAs alone are 0.79-0.80x steel's block
+        assert r["registers"] <= cm.M2_MAX.register_budget
+
+
+def test_row_tiles_share_value_fragments_and_staged_queries_take_memory():
+    """Two 8-row tiles per simdgroup (BQ 64 on 4 simdgroups, D 64, BK 16,
+    Q in threadgroup memory): per block a simdgroup reads TQ x TD = 16 Q
+    fragments and TK x TD = 16 K fragments; its V fragments are 16 when the
+    row tiles share them, 32 when each reads its own (steel's loop). Q staged
+    beside K and V: (64 + 2 x 16) rows of 64 + 8 halves."""
+    shared = cm.PrefillTile(64, 16, 64, 4, q_in_registers=False, stage_kv_together=True, shared_value_fragments=True)
+    own = cm.PrefillTile(64, 16, 64, 4, q_in_registers=False, stage_kv_together=True)
+
+    def fragment_reads(tile):
+        return cm.prefill_kernel("x", tile, 1, 1, 1, 64, 64, False, cm.M2_MAX).block.counts["threadgroup_load"]
+
+    assert (fragment_reads(shared), fragment_reads(own)) == (48, 64)
+    assert cm.steel_threadgroup_memory(shared) == (64 + 2 * 16) * (64 + 8) * 2

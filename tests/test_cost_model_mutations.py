@@ -28,6 +28,10 @@ MUTANTS = {
     "precise exp2 as cheap as fast": ('"exp2_precise": 12', '"exp2_precise": 4'),
     "decode: always a merge dispatch": ("merged = single_dispatch and splits == 1", "merged = False"),
     "prefill: P V MMAs not counted": ("mma = tq * tk * td * 2 ", "mma = tq * tk * td "),
+    "prefill: row tiles never share a V fragment": (
+        "+ (1 if tile.shared_value_fragments else tq) * tk * td", "+ tq * tk * td"),
+    "prefill: Q staged beside K and V takes no threadgroup memory": (
+        "return (q + 2 * tile.bk * (tile.d + pad)) * elem_bytes", "return 2 * tile.bk * (tile.d + pad) * elem_bytes"),
     "registers: O not counted": ("return o + q_held + rows + FIXED_REGISTERS + max(", "return q_held + rows + FIXED_REGISTERS + max("),
     "registers: the phases summed, not their peak": (
         "return o + q_held + rows + FIXED_REGISTERS + max(staging, scores, values)",
