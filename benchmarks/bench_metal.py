@@ -778,8 +778,8 @@ def chosen_shape(shapes: dict) -> dict:
 
 def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
     """The quantized plan's rule (the float rule over dequantized keys: a
-    quarter of the keys per split, at most one wave of splits, one row per
-    KV head on the row shape, "now") against the same with the float rule's
+    quarter of the keys per split, at most one wave of row-shape splits, one
+    row per KV head on the row shape, "now") against the same with the float rule's
     splits ("float splits", the rule before) and the float rule as it stands
     ("float rule"), by the model over decode_rule_check's grid of problems
     on 4-bit K/V: geometric means (and worst) of predicted time over the
@@ -1123,15 +1123,15 @@ def quantized_shape_lines(gpu=MODEL_GPU) -> list:
     rule_rows = [f"| {title} | {check[name]['geomean']:.2f}x ({check[name]['max']:.2f}x) | "
                  f"{check[name]['mlx_geomean']:.2f}x ({check[name]['mlx_max']:.2f}x) |"
                  for name, title in (
-                     ("now", "over dequantized keys: a quarter of the keys per split, one wave at most, one row per "
-                             "KV head on the row shape (now)"),
+                     ("now", "over dequantized keys: a quarter of the keys per split, the row shape's one wave at "
+                             "most, one row per KV head on the row shape (now)"),
                      ("float splits", "the float rule's splits, one row per KV head on the row shape (before)"),
                      ("float rule", "the float rule as it stands"))]
     return ["", "Decode over 4-bit K/V (group 64), D=128, by threadgroup shape and splits: before, the float",
             "decode's rule and its splits (the row shape also for one row per KV head); now, the splits of",
-            "dequantized keys (a quarter of the float floors' keys per split, at most one wave of threadgroups:",
-            "their keys are issue-bound). MLX: sdpa_vector on the dequantized fp16 K/V (the dequantize pass",
-            "not counted; it reads 3.6x the bytes).", "",
+            "dequantized keys (a quarter of the float floors' keys per split; on the row shape, issue-bound on",
+            "them, at most one wave of threadgroups). MLX: sdpa_vector on the dequantized fp16 K/V (the",
+            "dequantize pass not counted; it reads 3.6x the bytes).", "",
             *shape_table(quantized_shape_rows(gpu)), "",
             f"The quantized decode rule over decode_rule_check's grid ({check['now']['problems']} problems, 4-bit "
             "K/V; geometric mean, worst in parentheses):", "",

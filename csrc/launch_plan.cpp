@@ -118,9 +118,10 @@ constexpr int kDecodeRowMinKeysPerSimdgroup = 32;
 constexpr int kDecodeMinKeysPerRow = 16;
 // A dequantized key costs 2-2.5 float keys of issue and the row shape is
 // issue-bound on them (the cost model), so a split's merge is paid for by a
-// quarter of the keys, and a partial wave of threadgroups past a full one
-// costs a whole wave's keys: over the rule's grid of 4-bit problems the
-// model puts this at 1.04x its best split count (worst 1.35x), the float
+// quarter of the keys, and on the row shape a part wave of threadgroups past
+// a full one costs a whole wave's keys (latency-bound group-shape
+// threadgroups overlap it): over the rule's grid of 4-bit problems the
+// model puts this at 1.03x its best split count (worst 1.31x), the float
 // floors at 1.13x (worst 2.20x) (bench_metal.py quantized_rule_check).
 constexpr int kDequantizedSplitFloorDivisor = 4;
 
@@ -199,8 +200,9 @@ int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeSha
   // At least one: an empty problem (no rows) must not divide by zero.
   const int64_t threadgroups = std::max<int64_t>(1, int64_t(batch) * kv_heads * row_chunks);
   const int64_t busy = decode_threadgroups_at_once(shape, target);
+  const bool one_wave = dequantized && shape.rows == 1;
   const int64_t for_occupancy =
-      dequantized ? std::max<int64_t>(1, busy / threadgroups) : (busy + threadgroups - 1) / threadgroups;
+      one_wave ? std::max<int64_t>(1, busy / threadgroups) : (busy + threadgroups - 1) / threadgroups;
   const int64_t keys_per_split =
       std::max<int64_t>(1, std::max<int64_t>(shape.min_keys_per_split, int64_t(kDecodeMinKeysPerRow) * rows) /
                                (dequantized ? kDequantizedSplitFloorDivisor : 1));

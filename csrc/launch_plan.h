@@ -196,8 +196,8 @@ enum class DecodeKeys : int32_t { plain, dequantized };
 // of `shape`: enough to keep the target GPU's cores busy, while each split
 // keeps enough keys (shape.min_keys_per_split, 16 per row) that its partial
 // and its simdgroup combine stay small next to its K/V (docs/metal_kernels.md).
-// Over dequantized keys a split keeps a quarter of those keys, and the
-// splits fill at most one wave of threadgroups.
+// Over dequantized keys a split keeps a quarter of those keys, and the row
+// shape's splits fill at most one wave of threadgroups.
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
                   const GpuTarget& target = {}, DecodeKeys keys = DecodeKeys::plain);
 // Which shape a decode plan takes: the rule's (automatic), or one named

@@ -12,9 +12,9 @@ keys. The plan takes the row shape where its critical path, the waves of
 threadgroups (as many at once as the split rule's busy figure) times the
 keys per simdgroup (x 1.5 when a threadgroup serves several rows), plus 16
 for a merge dispatch, is no longer than the group shape's; over dequantized
-keys (the quantized decodes) each split keeps a quarter of those keys and
-the splits fill at most one wave (the target's threadgroups at once, rounded
-down), and one row per KV head always takes the row shape (the group shape
+keys (the quantized decodes) each split keeps a quarter of those keys, the
+row shape's splits fill at most one wave (the target's threadgroups at once,
+rounded down), and one row per KV head always takes the row shape (the group shape
 would share no dequantization). The paged decodes take
 the same rule with each shape's splits capped by its
 page window (127 pages on the row shape, 31 on the group shape): the cap
@@ -41,12 +41,11 @@ def splits(batch: int, kv_heads: int, rows: int, kv_len: int, shape: tuple, core
            dequantized: bool = False) -> int:
     shape_rows, simdgroups, floor = shape
     threadgroups = max(1, batch * kv_heads * -(-rows // shape_rows))
-    if dequantized:  # a quarter of the keys, at most one wave
+    if dequantized and shape_rows == 1:  # the row shape: at most one wave
         for_occupancy = max(1, at_once(shape, cores) // threadgroups)
-        keys = max(1, max(floor, 16 * rows) // 4)
     else:
         for_occupancy = -(-at_once(shape, cores) // threadgroups)
-        keys = max(floor, 16 * rows)
+    keys = max(1, max(floor, 16 * rows) // 4) if dequantized else max(floor, 16 * rows)
     return max(1, min(for_occupancy, -(-kv_len // keys)))
 
 

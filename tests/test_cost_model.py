@@ -416,8 +416,8 @@ def _compile_error(text: str, repo: Path) -> str | None:
 
 def test_the_quantized_rule_beats_the_float_rule_over_dequantized_keys():
     """The quantized decodes take the float rule over dequantized keys: a
-    quarter of the keys per split and at most one wave of splits (their keys
-    are issue-bound), and one row per KV head on the row shape (the group
+    quarter of the keys per split and at most one wave of row-shape splits
+    (issue-bound on them), and one row per KV head on the row shape (the group
     shape would share no dequantization). By the model over the rule's grid
     on 4-bit K/V it is nearer the best shape and split count than the same
     rule with the float splits, and that nearer than the float rule, on

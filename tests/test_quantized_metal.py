@@ -259,8 +259,8 @@ def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtyp
 def test_plan_picks_the_decode_shape_by_the_float_rule():
     """The quantized decode takes the float decode's rule over dequantized
     keys (tests/decode_rule.py, written apart from the C++: a quarter of the
-    keys per split, at most one wave of splits, one row per KV head on the
-    row shape): both shapes over the grid, the kernel's host name,
+    keys per split, at most one wave of row-shape splits, one row per KV head
+    on the row shape): both shapes over the grid, the kernel's host name,
     threadgroup and split count the rule's."""
     import decode_rule
 
