@@ -518,6 +518,11 @@ def decode_shapes(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, gpu
                                     dequantized=dequantized)
 
 
+def chosen_shape(shapes: dict) -> dict:
+    """The shape the plan takes of decode_shapes' two."""
+    return shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+
+
 # Every head-dim pair the forward plans take (key = value, then the D-split pairs).
 PLANNED_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
 
@@ -741,7 +746,7 @@ def decode_rule_check() -> dict:
 
         former = {"rows": group_only_rows(d), "simdgroups": 4}  # the group shape before the cap
         best = min(seconds(s, shape) for shape in (*shapes.values(), former) for s in SPLIT_COUNTS)
-        chosen = shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+        chosen = chosen_shape(shapes)
         chunks = -(-group // former["rows"])
         old = previous_decode_splits(group, t, kv_heads * chunks, gpu.cores)
         mlx = cm.predict_all(mlx_decode_kernels(1, heads, kv_heads, t, d, gpu), gpu)["seconds"]
@@ -763,17 +768,11 @@ def quantized_decode_prediction(batch: int, heads: int, kv_heads: int, t: int, d
         simdgroups=shape["simdgroups"]), gpu)
 
 
-def previous_quantized_shape(batch: int, kv_heads: int, rows: int, t: int, d: int, gpu=MODEL_GPU) -> dict:
+def previous_quantized_shape(float_shapes: dict, rows: int) -> dict:
     """The quantized plan's shape and splits before their split rule over
-    dequantized keys: the float rule's splits, and its shape but the row
-    shape at one row per KV head."""
-    shapes = decode_shapes(batch, kv_heads, rows, t, d, gpu)
-    return shapes["row"] if shapes["row"]["chosen"] or rows == 1 else shapes["group"]
-
-
-def chosen_shape(shapes: dict) -> dict:
-    """The shape the plan takes of decode_shapes' two."""
-    return shapes["row"] if shapes["row"]["chosen"] else shapes["group"]
+    dequantized keys, from the float rule's decode_shapes: its splits, and
+    its shape but the row shape at one row per KV head."""
+    return float_shapes["row"] if rows == 1 else chosen_shape(float_shapes)
 
 
 def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
@@ -792,13 +791,13 @@ def quantized_rule_check(bits: int = 4, group_size: int = 64) -> dict:
         def seconds(splits, shape):
             return quantized_decode_prediction(1, heads, kv_heads, t, d, gpu, splits, shape, bits, group_size)["seconds"]
 
-        best = min(seconds(s, shape) for shape in decode_shapes(1, kv_heads, group, t, d, gpu).values()
-                   for s in SPLIT_COUNTS)
+        float_shapes = decode_shapes(1, kv_heads, group, t, d, gpu)
+        best = min(seconds(s, shape) for shape in float_shapes.values() for s in SPLIT_COUNTS)
         mlx = cm.predict_all(mlx_decode_kernels(1, heads, kv_heads, t, d, gpu), gpu)["seconds"]
         for name, chosen in (
                 ("now", chosen_shape(decode_shapes(1, kv_heads, group, t, d, gpu, dequantized=True))),
-                ("float splits", previous_quantized_shape(1, kv_heads, group, t, d, gpu)),
-                ("float rule", chosen_shape(decode_shapes(1, kv_heads, group, t, d, gpu)))):
+                ("float splits", previous_quantized_shape(float_shapes, group)),
+                ("float rule", chosen_shape(float_shapes))):
             value = seconds(chosen["splits"], chosen)
             ratios[name]["best"].append(value / best)
             ratios[name]["mlx"].append(value / mlx)
@@ -1096,7 +1095,8 @@ def quantized_shape_rows(gpu=MODEL_GPU, d: int = 128, bits: int = 4, group_size:
         heads = kv_heads * group
         mlx = cm.predict_all(mlx_decode_kernels(batch, heads, kv_heads, t, d, gpu), gpu)["seconds"]
         row = {"B": batch, "Hkv": kv_heads, "group": group, "T": t, "mlx_us": mlx * 1e6}
-        for when, shape in (("before", previous_quantized_shape(batch, kv_heads, group, t, d, gpu)),
+        float_shapes = decode_shapes(batch, kv_heads, group, t, d, gpu)
+        for when, shape in (("before", previous_quantized_shape(float_shapes, group)),
                             ("now", chosen_shape(decode_shapes(batch, kv_heads, group, t, d, gpu, dequantized=True)))):
             p = quantized_decode_prediction(batch, heads, kv_heads, t, d, gpu, shape["splits"], shape, bits, group_size)
             row[when] = {**shape, "us": p["seconds"] * 1e6, "registers": p["registers"], "bound": p["bound"]}
