@@ -3,7 +3,7 @@
 // STL, no MLX), so code compiled for a wide instruction set cannot leak.
 #pragma once
 
-#include "csrc/attention_problem.h"
+#include "csrc/core/attention_problem.h"
 #include "csrc/cpu/paged_kv.h"
 #include "csrc/cpu/quantized_kv.h"
 

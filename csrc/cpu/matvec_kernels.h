@@ -8,7 +8,7 @@
 
 #include <stdint.h>
 
-#include "csrc/attention_problem.h"
+#include "csrc/core/attention_problem.h"
 
 namespace mlx_attn::cpu {
 

@@ -1,4 +1,4 @@
-// The Mac-only part: encode a launch plan (csrc/launch_plan.cpp, tested on
+// The Mac-only part: encode a launch plan (csrc/metal/launch_plan.cpp, tested on
 // Linux) with MLX's Metal command encoder. The plan decides every kernel,
 // grid and binding (placeholders and scratch access included); this loop
 // only looks each binding's memory up. The kernels' library comes from
@@ -11,7 +11,6 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "csrc/backward_launch_plan.h"
 #include "csrc/metal/metal_library.h"
 #include "mlx/backend/metal/device.h"
 
@@ -79,15 +78,6 @@ void encode_launch_plan(
   }
   for (auto& buffer : scratch) encoder.add_temporary(std::move(buffer));
   if (!plan.sequences.empty()) encoder.add_temporary(std::move(sequences));
-}
-
-void eval_attention_backward(
-    mx::Stream stream,
-    const AttentionProblem& problem,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  encode_launch_plan(stream, plan_attention_backward(problem), inputs, outputs);
 }
 
 }  // namespace mlx_attn::metal

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "csrc/attention.h"
-#include "csrc/launch_plan.h"
+#include "csrc/ops/attention.h"
+#include "csrc/metal/launch_plan.h"
 
 namespace mlx_attn::metal {
 
@@ -21,13 +21,6 @@ GpuTarget gpu_target(mx::Stream stream);
 void encode_launch_plan(
     mx::Stream stream,
     const LaunchPlan& plan,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs);
-
-// Runs the fused attention backward (FusedAttentionBackward) on a GPU stream.
-void eval_attention_backward(
-    mx::Stream stream,
-    const AttentionProblem& problem,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 

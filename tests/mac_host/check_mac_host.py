@@ -1,7 +1,7 @@
 """Compile the Mac build's C++ on Linux, so a change cannot break it unseen.
 
-Every translation unit an Apple-silicon build of the extension compiles (with
-MLX_ATTN_METAL) is compiled by clang-19 for arm64-apple-macos14 against the
+Every translation unit an Apple-silicon build of the extension compiles (the
+Metal host, csrc/metal/eval_gpu.cpp, instead of its stub) is compiled by clang-19 for arm64-apple-macos14 against the
 headers of the macOS MLX wheel (MLX + metal-cpp), and every MLX / metal-cpp
 symbol the objects reference must be exported by that wheel's libmlx.dylib
 (llvm-nm-19). Nothing is linked or run; the .metal kernels are not compiled
@@ -56,8 +56,11 @@ UNIT_OPTIONS = re.compile(r"set_source_files_properties\(([^)]*?) PROPERTIES\s+C
 # CMake options that change what a Mac unit compiles: such a unit is checked
 # once more with the option's definition.
 OPTION_DEFINES = {"csrc/metal/metal_library.cpp": "MLX_ATTN_PREBUILT_METALLIB"}
-# Units that need nanobind and Python.h (the module's bindings).
-BINDING_UNIT = re.compile(r"bindings\.cpp$")
+# Units that need nanobind and Python.h: the module's bindings, csrc/python/.
+BINDING_FOLDER = "csrc/python"
+# Compiled only where MLX has no Metal: the backend stub (a Mac builds
+# csrc/metal/eval_gpu.cpp instead; CMakeLists.txt chooses).
+NO_METAL_UNITS = {"csrc/metal/no_metal.cpp"}
 # MLXConfig.cmake's MLX_CXX_FLAGS for a Metal build (the imported target `mlx`).
 MLX_DEFINES = ["-D_METAL_", "-DACCELERATE_NEW_LAPACK"]
 # Zig's libc++ headers take the configuration a vendor's __config_site holds
@@ -220,7 +223,7 @@ def toolchain(repo: Path = REPO) -> Toolchain:
               zig / "libc/include/any-darwin-any", STUBS, include / "metal_cpp", include]
     flags = ["-target", TARGET, "-std=gnu++20", "-nostdinc", "-nostdinc++", "-fno-color-diagnostics"]
     flags += [arg for path in system for arg in ("-isystem", str(path))]
-    flags += [f"-D{k}={v}" for k, v in LIBCXX_CONFIG.items()] + MLX_DEFINES + ["-DMLX_ATTN_METAL=1"]
+    flags += [f"-D{k}={v}" for k, v in LIBCXX_CONFIG.items()] + MLX_DEFINES
     binding = [arg for path in (nanobind / "include", nanobind / "ext/robin_map/include", python_include)
                for arg in ("-isystem", str(path))]
     return Toolchain(clang, version, nm, cxxfilt, cmake, mlx, flags, binding)
@@ -229,9 +232,10 @@ def toolchain(repo: Path = REPO) -> Toolchain:
 # ------------------------------------------------------------------- check
 def mac_units(repo: Path) -> list[str]:
     """The C++ units of an arm64 Mac build, relative to repo: every csrc/ .cpp
-    but the x86-only kernels (test_mac_host.py checks CMakeLists.txt agrees)."""
+    but the x86-only kernels and the no-Metal stub (test_mac_host.py checks
+    CMakeLists.txt agrees)."""
     units = sorted(p.relative_to(repo).as_posix() for p in (repo / "csrc").rglob("*.cpp"))
-    return [u for u in units if u not in X86_ONLY_UNITS]
+    return [u for u in units if u not in X86_ONLY_UNITS | NO_METAL_UNITS]
 
 
 def unit_compile_options(repo: Path) -> dict[str, list[str]]:
@@ -271,7 +275,7 @@ class Unit:
 
 
 def compile_unit(tools: Toolchain, repo: Path, unit: Unit, obj: Path) -> Compiled:
-    flags = tools.compile_flags + (tools.binding_flags if BINDING_UNIT.search(unit.path.name) else [])
+    flags = tools.compile_flags + (tools.binding_flags if unit.path.parent == repo / BINDING_FOLDER else [])
     flags += [f"-D{name}=1" for name in unit.defines] + list(unit.options)
     # -O1: inline functions of the headers resolve as in an optimized build.
     done = subprocess.run([tools.clang, *flags, f"-I{repo}", "-O1", "-Wall", "-Wextra", "-c", str(unit.path),

@@ -13,7 +13,7 @@
 #include <string_view>
 #include <vector>
 
-#include "csrc/attention_problem.h"
+#include "csrc/core/attention_problem.h"
 
 namespace mlx_attn {
 
@@ -54,12 +54,12 @@ struct GpuTuning {
 // What a kernel parameter is.
 enum class BufferRole : int32_t {
   q, k, v, mask, sinks, out, lse, params, splits, partial_out, partial_stats,
-  // kernels over quantized K/V (csrc/quantized_launch_plan.h): k and v are
+  // kernels over quantized K/V (csrc/metal/quantized_launch_plan.h): k and v are
   // then their packed words
   k_scales, k_biases, v_scales, v_biases, quantized_params,
-  // the backward's (csrc/backward_launch_plan.h)
+  // the backward's (csrc/metal/backward_launch_plan.h)
   d_out, d_lse, dq, dk, dv, d_sinks, delta,
-  // the paged kernels' (csrc/paged_launch_plan.h)
+  // the paged kernels' (csrc/metal/paged_launch_plan.h)
   block_table, sequences,
 };
 enum class Access : int32_t { read, write };

@@ -4,12 +4,12 @@
 // the float decode's merge kernel (same partial layout); prefill-sized
 // problems take the quantized prefill kernel
 // (metal/attention_quantized_prefill.metal) instead. Same plan types as
-// csrc/launch_plan.h: the Mac host encodes it with the same loop and the
+// csrc/metal/launch_plan.h: the Mac host encodes it with the same loop and the
 // emulator tests launch it unchanged.
 #pragma once
 
 #include "csrc/cpu/quantized_kv.h"
-#include "csrc/launch_plan.h"
+#include "csrc/metal/launch_plan.h"
 
 namespace mlx_attn {
 

@@ -1,7 +1,7 @@
 // The one description of an attention problem: shapes, strides, element type,
 // mask kind, causal/window, sinks, scale and outputs. Built once from the
-// primitive's inputs (describe_attention in csrc/attention.cpp), consumed by
-// the CPU kernel (csrc/cpu/) and the Metal launch plan (csrc/launch_plan.cpp).
+// primitive's inputs (describe_attention in csrc/ops/attention.cpp), consumed by
+// the CPU kernel (csrc/cpu/) and the Metal launch plan (csrc/metal/launch_plan.cpp).
 // Plain C++ (no STL, no MLX): the per-ISA kernel translation units include it.
 #pragma once
 

@@ -1,5 +1,5 @@
-#include "csrc/paged_attention.h"
-#include "csrc/argument_checks.h"
+#include "csrc/ops/paged_attention.h"
+#include "csrc/core/argument_checks.h"
 
 #include <cmath>
 #include <stdexcept>

@@ -4,7 +4,7 @@
 // lengths; the decode kernel's split-K partial dispatch sized for the largest
 // sequence it serves and the paged merge, and the paged prefill kernel's
 // dispatch over the query blocks of the sequences it serves
-// (paged_rows_take_prefill). Same plan types as csrc/launch_plan.h:
+// (paged_rows_take_prefill). Same plan types as csrc/metal/launch_plan.h:
 // the Mac host encodes it with the same loop (the sequences as one more
 // buffer) and the emulator tests launch it unchanged.
 #pragma once
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "csrc/cpu/quantized_kv.h"
-#include "csrc/launch_plan.h"
+#include "csrc/metal/launch_plan.h"
 #include "metal/attention_paged_params.h"
 
 namespace mlx_attn {
@@ -42,7 +42,7 @@ struct PagedProblem {
 // (PageWindow, metal/attention_paged.h).
 int paged_max_pages_per_split(const DecodeShape& shape);
 
-// The decode kernel's threadgroup shape (csrc/launch_plan.h DecodeShape),
+// The decode kernel's threadgroup shape (csrc/metal/launch_plan.h DecodeShape),
 // float and quantized pages alike: the dense decode's rule (decode_shape
 // over the sequences the decode kernel serves, as a batch of the longest,
 // each shape's splits capped by its page window) or the shape `choice`

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "csrc/attention.h"
+#include "csrc/ops/attention.h"
 
 namespace mlx_attn {
 

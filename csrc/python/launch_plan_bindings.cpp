@@ -7,10 +7,10 @@
 
 #include <stdexcept>
 
-#include "csrc/backward_launch_plan.h"
-#include "csrc/launch_plan.h"
-#include "csrc/quantized_attention.h"
-#include "csrc/quantized_launch_plan.h"
+#include "csrc/metal/backward_launch_plan.h"
+#include "csrc/metal/launch_plan.h"
+#include "csrc/ops/quantized_attention.h"
+#include "csrc/metal/quantized_launch_plan.h"
 #include "metal/attention_quantized_params.h"
 
 namespace nb = nanobind;

@@ -9,7 +9,7 @@
 // last reader.
 #pragma once
 
-#include "csrc/launch_plan.h"
+#include "csrc/metal/launch_plan.h"
 
 namespace mlx_attn {
 

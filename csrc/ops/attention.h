@@ -7,9 +7,9 @@
 #include <optional>
 #include <string>
 
-#include "csrc/attention_problem.h"
+#include "csrc/core/attention_problem.h"
 #include "csrc/cpu/kernels.h"
-#include "csrc/launch_plan.h"
+#include "csrc/metal/launch_plan.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 

@@ -1,20 +1,18 @@
-#include "csrc/attention.h"
-#include "csrc/argument_checks.h"
+#include "csrc/ops/attention.h"
+#include "csrc/core/argument_checks.h"
 
 #include <cmath>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
 
-#include "csrc/backward_launch_plan.h"
+#include "csrc/metal/backward_launch_plan.h"
 #include "csrc/cpu/backward_host.h"
 #include "csrc/cpu/host.h"
-#include "csrc/launch_plan.h"
+#include "csrc/metal/backend.h"
+#include "csrc/metal/launch_plan.h"
 #include "mlx/backend/cpu/encoder.h"
 
-#ifdef MLX_ATTN_METAL
-#include "csrc/metal/attention_metal.h"
-#endif
 
 namespace mlx_attn {
 
@@ -129,11 +127,7 @@ AttentionProblem describe_attention(
 
 std::string unsupported_reason(const AttentionProblem& problem, mx::Device::DeviceType device) {
   if (device == mx::Device::gpu) {
-#ifdef MLX_ATTN_METAL
-    return plan_attention(problem).reason;
-#else
-    return "this build of mlx_attn has no Metal kernels (MLX without Metal)";
-#endif
+    return metal::available() ? plan_attention(problem).reason : metal::kNoMetalReason;
   }
   return cpu::unsupported_reason(problem);
 }
@@ -258,19 +252,6 @@ void run_cpu_kernel(
     cpu::run_attention(call, buffer);
   });
   encoder.add_temporary(std::move(scratch));
-}
-
-void AttentionPrimitive::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-#ifdef MLX_ATTN_METAL
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (outputs[0].size() == 0) return;  // no plan for an empty problem
-  metal::encode_launch_plan(stream(), launch_plan(inputs, metal::gpu_target(stream())), inputs, outputs);
-#else
-  throw std::runtime_error(
-      "[mlx_attn] this build of mlx_attn has no GPU kernels (MLX without Metal)");
-#endif
 }
 
 std::vector<mx::Shape> AttentionPrimitive::output_shapes(
@@ -516,19 +497,6 @@ void FusedAttentionBackward::eval_cpu(
     cpu::run_backward(call, buffer);
   });
   encoder.add_temporary(std::move(scratch));
-}
-
-void FusedAttentionBackward::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-#ifdef MLX_ATTN_METAL
-  const size_t forward_inputs = 3 + options_.has_mask + options_.has_sinks;
-  const std::vector<mx::array> primals(inputs.begin(), inputs.begin() + forward_inputs);
-  metal::eval_attention_backward(stream(), describe_attention(primals, options_), inputs, outputs);
-#else
-  throw std::runtime_error(
-      "[mlx_attn] this build of mlx_attn has no GPU kernels (MLX without Metal)");
-#endif
 }
 
 // The gradients have the shapes of q, k, v and sinks (a [Hq] view).

@@ -1,10 +1,11 @@
-#include "csrc/quantized_attention.h"
-#include "csrc/argument_checks.h"
+#include "csrc/ops/quantized_attention.h"
+#include "csrc/core/argument_checks.h"
 
 #include <stdexcept>
 #include <string>
 
-#include "csrc/quantized_launch_plan.h"
+#include "csrc/metal/backend.h"
+#include "csrc/metal/quantized_launch_plan.h"
 
 namespace mlx_attn {
 
@@ -80,11 +81,7 @@ std::pair<AttentionProblem, cpu::QuantizedKV> describe_quantized_attention(
 std::string quantized_unsupported_reason(
     const AttentionProblem& problem, const cpu::QuantizedKV& quantized, mx::Device::DeviceType device) {
   if (device == mx::Device::gpu) {
-#ifdef MLX_ATTN_METAL
-    return plan_quantized_attention(problem, quantized).reason;
-#else
-    return "this build of mlx_attn has no Metal kernels (MLX without Metal)";
-#endif
+    return metal::available() ? plan_quantized_attention(problem, quantized).reason : metal::kNoMetalReason;
   }
   return unsupported_reason(problem, mx::Device::cpu);
 }

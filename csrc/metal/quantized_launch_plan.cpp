@@ -1,4 +1,4 @@
-#include "csrc/quantized_launch_plan.h"
+#include "csrc/metal/quantized_launch_plan.h"
 
 #include <cstring>
 
@@ -23,7 +23,7 @@ QuantizedAttentionParams quantized_params(const cpu::QuantizedKV& qz) {
 // ---- the quantized prefill branch (quantized_rows_take_prefill) ----
 // One dispatch of the quantized prefill kernel: the dense prefill's grid
 // (query blocks of BQ rows x query heads x batch), its key block and its
-// tiles in q's dtype (csrc/launch_plan.cpp plan_attention).
+// tiles in q's dtype (csrc/metal/launch_plan.cpp plan_attention).
 void plan_quantized_prefill(const AttentionProblem& s, const cpu::QuantizedKV& qz, const GpuTarget& target,
                             LaunchPlan& plan) {
   using R = BufferRole;

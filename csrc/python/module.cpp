@@ -9,10 +9,11 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "csrc/attention.h"
+#include "csrc/metal/backend.h"
+#include "csrc/ops/attention.h"
 #include "csrc/cpu/host.h"
-#include "csrc/quantized_attention.h"
-#include "csrc/quantized_matvec.h"
+#include "csrc/ops/quantized_attention.h"
+#include "csrc/ops/quantized_matvec.h"
 #include "mlx/compile_impl.h"
 #include "mlx/version.h"
 
@@ -21,10 +22,10 @@ using namespace nb::literals;
 namespace mx = mlx::core;
 
 namespace mlx_attn {
-void bind_launch_plan(nb::module_& m);  // csrc/launch_plan_bindings.cpp
-void bind_metal_sources(nb::module_& m);  // csrc/metal/metal_source_bindings.cpp
-void bind_paged_metal(nb::module_& m);  // csrc/paged_metal_bindings.cpp
-void bind_paged(nb::module_& m);  // csrc/paged_bindings.cpp
+void bind_launch_plan(nb::module_& m);  // csrc/python/launch_plan_bindings.cpp
+void bind_metal_sources(nb::module_& m);  // csrc/python/metal_source_bindings.cpp
+void bind_paged_metal(nb::module_& m);  // csrc/python/paged_metal_bindings.cpp
+void bind_paged(nb::module_& m);  // csrc/python/paged_bindings.cpp
 
 namespace {
 
@@ -34,7 +35,7 @@ std::vector<int64_t> strides_of(const int64_t (&s)[4]) {
 
 void bind_problem(nb::module_& m) {
   nb::class_<AttentionProblem>(m, "AttentionProblem",
-                               "The one description of an attention problem (csrc/attention_problem.h).")
+                               "The one description of an attention problem (csrc/core/attention_problem.h).")
       .def_ro("batch", &AttentionProblem::batch)
       .def_ro("q_heads", &AttentionProblem::q_heads)
       .def_ro("kv_heads", &AttentionProblem::kv_heads)
@@ -180,13 +181,7 @@ NB_MODULE(_ext, m) {
         const char* const* names = mlx_attn::cpu::supported_isas(&n);
         return std::vector<std::string>(names, names + n);
       }, "Kernel instruction sets this CPU can run, widest first.");
-  m.def("has_metal", [] {
-#ifdef MLX_ATTN_METAL
-        return true;
-#else
-        return false;
-#endif
-      }, "Whether this build contains the Metal kernels.");
+  m.def("has_metal", &mlx_attn::metal::available, "Whether this build contains the Metal kernels.");
 
   m.def("quantized_matvec", &mlx_attn::quantized_matvec, "x"_a, "codes"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),

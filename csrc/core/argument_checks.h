@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "csrc/attention_problem.h"
+#include "csrc/core/attention_problem.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 

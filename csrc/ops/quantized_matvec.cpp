@@ -1,5 +1,5 @@
-#include "csrc/quantized_matvec.h"
-#include "csrc/argument_checks.h"
+#include "csrc/ops/quantized_matvec.h"
+#include "csrc/core/argument_checks.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "csrc/backward_launch_plan.h"
+#include "csrc/metal/backward_launch_plan.h"
 
 #include <algorithm>
 #include <string>

@@ -1,6 +1,6 @@
 // The fused Metal paged attention (mlx_attn.paged_attention on a GPU stream):
 // describe_paged_attention turns the primitive's inputs into the
-// PagedProblem of csrc/paged_launch_plan.h, and MetalPagedAttention's
+// PagedProblem of csrc/metal/paged_launch_plan.h, and MetalPagedAttention's
 // eval_gpu encodes that plan (csrc/metal/attention_metal.h). Lengths are
 // host values the caller (mlx_attn/paged.py) has checked; they are
 // attributes of the primitive, not inputs.
@@ -9,8 +9,8 @@
 #include <optional>
 #include <vector>
 
-#include "csrc/attention.h"
-#include "csrc/paged_launch_plan.h"
+#include "csrc/ops/attention.h"
+#include "csrc/metal/paged_launch_plan.h"
 
 namespace mlx_attn {
 

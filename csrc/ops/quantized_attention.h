@@ -1,15 +1,15 @@
 // Fused attention over keys and values quantized by mx.quantize: the same
-// problem and CPU kernel as FusedAttention (csrc/attention.h), with K/V
+// problem and CPU kernel as FusedAttention (csrc/ops/attention.h), with K/V
 // blocks dequantized inside the kernel's tile (csrc/cpu/quantized_kv.h); on
 // the GPU the kernels of metal/attention_quantized.metal, through
-// csrc/quantized_launch_plan.h.
+// csrc/metal/quantized_launch_plan.h.
 #pragma once
 
 #include <optional>
 #include <string>
 #include <utility>
 
-#include "csrc/attention.h"
+#include "csrc/ops/attention.h"
 
 namespace mlx_attn {
 

@@ -1,4 +1,4 @@
-// mlx_attn._ext entries of paged attention (csrc/paged_attention.h): the op,
+// mlx_attn._ext entries of paged attention (csrc/ops/paged_attention.h): the op,
 // its problem description and its support rule. mlx_attn/paged.py validates
 // the public contract first; these check again (std::invalid_argument).
 #include <nanobind/nanobind.h>
@@ -7,7 +7,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "csrc/paged_attention.h"
+#include "csrc/ops/paged_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;

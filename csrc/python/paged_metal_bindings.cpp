@@ -6,7 +6,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "csrc/paged_attention_metal.h"
+#include "csrc/ops/metal_paged_attention.h"
 #include "metal/attention_paged_params.h"
 
 namespace nb = nanobind;
@@ -14,7 +14,7 @@ using namespace nb::literals;
 
 namespace mlx_attn {
 
-// csrc/launch_plan_bindings.cpp
+// csrc/python/launch_plan_bindings.cpp
 nb::dict launch_plan_dict(const LaunchPlan& plan);
 DecodeShapeChoice decode_shape_choice(const std::string& name);
 

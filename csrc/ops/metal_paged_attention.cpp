@@ -1,11 +1,8 @@
-#include "csrc/paged_attention_metal.h"
+#include "csrc/ops/metal_paged_attention.h"
 
 #include <stdexcept>
 #include <string>
 
-#ifdef MLX_ATTN_METAL
-#include "csrc/metal/attention_metal.h"
-#endif
 
 namespace mlx_attn {
 
@@ -109,18 +106,6 @@ PagedProblem describe_paged_attention(
 
 void MetalPagedAttention::eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[mlx_attn] MetalPagedAttention runs on a GPU stream only");
-}
-
-void MetalPagedAttention::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-#ifdef MLX_ATTN_METAL
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  const PagedProblem problem = describe_paged_attention(inputs, options_, q_lens_, kv_lens_);
-  metal::encode_launch_plan(stream(), plan_paged_attention(problem, metal::gpu_target(stream())), inputs, outputs);
-#else
-  (void)inputs;
-  (void)outputs;
-  throw std::runtime_error("[mlx_attn] this build of mlx_attn has no GPU kernels (MLX without Metal)");
-#endif
 }
 
 bool MetalPagedAttention::is_equivalent(const mx::Primitive& other) const {

@@ -1,4 +1,4 @@
-#include "csrc/launch_plan.h"
+#include "csrc/metal/launch_plan.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "csrc/paged_launch_plan.h"
+#include "csrc/metal/paged_launch_plan.h"
 
 #include <algorithm>
 #include <array>
