@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "csrc/core/attention_options.h"
 #include "csrc/core/attention_problem.h"
 #include "csrc/cpu/kernels.h"
 #include "csrc/metal/launch_plan.h"
@@ -16,28 +17,6 @@
 namespace mlx_attn {
 
 namespace mx = mlx::core;
-
-// The attributes of one call that the arrays do not carry.
-struct AttentionOptions {
-  float scale = 1.0f;
-  bool causal = false;     // lower-right aligned
-  int window_size = 0;     // > 0: sliding window (implies causal)
-  bool has_mask = false;   // inputs[3] is a bool or additive mask
-  bool has_sinks = false;  // last input is sinks [Hq]
-  bool output_lse = false; // second output: float32 [B, Hq, Tq] log-sum-exp
-  // The lse output exists only for the fused backward (set while MLX traces
-  // a transformation): fused_attention does not return it.
-  bool lse_for_backward = false;
-  // Whether the Metal backward's kernel variant passed its first-use
-  // self-check: Python resolves it when it picks the fused Metal forward
-  // (mlx_attn/ops.py, AttentionCall) and hands the answer here, so the vjp
-  // never calls back into Python for it. Not read on the CPU.
-  bool metal_backward_trusted = true;
-  // > 0: every logit becomes softcap * tanh(logit / softcap) before the mask
-  // (metal/attention_rules.h softcap_logit); 0: no softcap.
-  float softcap = 0.0f;
-  bool operator==(const AttentionOptions&) const = default;
-};
 
 // Builds the problem description from the primitive's inputs (q, k, v, then
 // the mask and sinks when the options say so) and checks every invariant the
@@ -116,10 +95,6 @@ class AttentionPrimitive : public mx::Primitive {
   // Dv, from the primitive's inputs.
   virtual int value_dim(const std::vector<mx::array>& inputs) const = 0;
   virtual LaunchPlan launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const = 0;
-  // Attributes beyond the options that tell two primitives apart.
-  virtual bool same_attributes(const AttentionPrimitive&) const {
-    return true;
-  }
 
   AttentionOptions options_;
 };

@@ -23,9 +23,10 @@ ElemType paged_elem_type(mx::Dtype t) {
 }  // namespace
 
 PagedProblem describe_paged_attention(
-    const std::vector<mx::array>& inputs, const PagedOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
     const std::vector<int32_t>& kv_lens) {
-  const bool quantized = options.bits != 0;
+  const Quantization& qz = options.quantization;
+  const bool quantized = qz.bits != 0;
   const size_t pages_end = quantized ? 7 : 3;
   if (inputs.size() != pages_end + 1 + options.has_sinks) invalid("the number of inputs");
   const mx::array& q = inputs[0];
@@ -60,7 +61,7 @@ PagedProblem describe_paged_attention(
   a.group = a.q_heads / a.kv_heads;
   a.q_len = q.shape(0);
   a.head_dim = q.shape(2);
-  const int words_to_features = quantized ? 32 / options.bits : 1;
+  const int words_to_features = quantized ? 32 / qz.bits : 1;
   a.value_dim = v.shape(3) * words_to_features;
   if (k.shape(3) * words_to_features != a.head_dim) invalid("q and k: same head dim");
   a.q_strides[0] = 0;
@@ -92,8 +93,8 @@ PagedProblem describe_paged_attention(
   s.page_size = k.shape(2);
   s.table_stride = table.strides()[0];
   if (quantized) {
-    s.quantized.bits = options.bits;
-    s.quantized.group_size = options.group_size;
+    s.quantized.bits = qz.bits;
+    s.quantized.group_size = qz.group_size;
     for (int i = 0; i < 4; ++i) {
       s.quantized.k_scale_strides[i] = inputs[2].strides()[i];
       s.quantized.k_bias_strides[i] = inputs[3].strides()[i];
@@ -114,7 +115,7 @@ bool MetalPagedAttention::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::array> metal_paged_attention(
-    const std::vector<mx::array>& inputs, const PagedOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
     const std::vector<int32_t>& kv_lens, mx::StreamOrDevice s) {
   const PagedProblem problem = describe_paged_attention(inputs, options, q_lens, kv_lens);
   if (const std::string reason = plan_paged_attention(problem).reason; !reason.empty()) {

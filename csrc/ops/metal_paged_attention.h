@@ -14,29 +14,17 @@
 
 namespace mlx_attn {
 
-struct PagedOptions {
-  float scale = 1.0f;
-  bool causal = true;
-  int window_size = 0;     // > 0: sliding window (with causal)
-  bool has_sinks = false;  // last input: sinks [Hq] in q's dtype
-  bool output_lse = false; // second output: float32 [total_q, Hq]
-  int bits = 0;            // 0: float pages; 4 or 8: (packed, scales, biases) triples
-  int group_size = 0;
-  float softcap = 0.0f;    // > 0: logits capped as softcap * tanh(logit / softcap)
-  bool operator==(const PagedOptions&) const = default;
-};
-
 // inputs: q [total_q, Hq, D], k and v pages [num_pages, Hkv, page_size, D]
 // (quantized: the six packed / scales / biases arrays), block_table int32
 // [B, max_pages], then sinks. Throws std::invalid_argument for inputs that
 // break the kernels' invariants (shapes, dtypes, lengths).
 PagedProblem describe_paged_attention(
-    const std::vector<mx::array>& inputs, const PagedOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
     const std::vector<int32_t>& kv_lens);
 
 class MetalPagedAttention : public mx::Primitive {
  public:
-  MetalPagedAttention(mx::Stream stream, PagedOptions options, std::vector<int32_t> q_lens,
+  MetalPagedAttention(mx::Stream stream, AttentionOptions options, std::vector<int32_t> q_lens,
                       std::vector<int32_t> kv_lens)
       : mx::Primitive(stream), options_(options), q_lens_(std::move(q_lens)), kv_lens_(std::move(kv_lens)) {}
 
@@ -46,14 +34,14 @@ class MetalPagedAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  PagedOptions options_;
+  AttentionOptions options_;
   std::vector<int32_t> q_lens_, kv_lens_;
 };
 
 // out [total_q, Hq, D] (and lse float32 [total_q, Hq] with output_lse) on a
 // GPU stream; inputs as describe_paged_attention.
 std::vector<mx::array> metal_paged_attention(
-    const std::vector<mx::array>& inputs, const PagedOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
     const std::vector<int32_t>& kv_lens, mx::StreamOrDevice s = {});
 
 }  // namespace mlx_attn

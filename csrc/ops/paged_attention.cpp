@@ -31,7 +31,7 @@ void require_dtype(const char* name, const mx::array& a, mx::Dtype dtype) {
 
 // Features per row of one page array (float pages, or a quantized triple at
 // `t`), checked: rank 4, dtypes, scales and biases matching the packed words.
-int page_features(const char* name, const mx::array* t, mx::Dtype dtype, const PagedQuantization& qz) {
+int page_features(const char* name, const mx::array* t, mx::Dtype dtype, const Quantization& qz) {
   require_rank(name, t[0], 4, "[num_pages, kv_heads, page_size, features]");
   if (qz.bits == 0) {
     require_dtype(name, t[0], dtype);
@@ -59,14 +59,15 @@ int page_features(const char* name, const mx::array* t, mx::Dtype dtype, const P
   return features;
 }
 
-int kv_arrays(const PagedQuantization& qz) {
+int kv_arrays(const Quantization& qz) {
   return qz.bits == 0 ? 2 : 6;
 }
 
 }  // namespace
 
 PagedDescription describe_paged_attention(
-    const std::vector<mx::array>& inputs, const AttentionOptions& options, const PagedQuantization& qz) {
+    const std::vector<mx::array>& inputs, const AttentionOptions& options) {
+  const Quantization& qz = options.quantization;
   if (qz.bits != 0 && qz.bits != 4 && qz.bits != 8) invalid("bits must be 4 or 8, got " + std::to_string(qz.bits));
   if (qz.bits != 0 && qz.group_size != 32 && qz.group_size != 64 && qz.group_size != 128) {
     invalid("group_size must be 32, 64 or 128, got " + std::to_string(qz.group_size));
@@ -191,11 +192,10 @@ std::vector<mx::array> paged_attention(
     const mx::array& q_lens,
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
-    PagedQuantization quantization,
     mx::StreamOrDevice s) {
-  const size_t parts = quantization.bits == 0 ? 1 : 3;
+  const size_t parts = options.quantization.bits == 0 ? 1 : 3;
   if (k_parts.size() != parts || v_parts.size() != parts) {
-    invalid(quantization.bits == 0 ? "k_pages and v_pages must be one array each"
+    invalid(options.quantization.bits == 0 ? "k_pages and v_pages must be one array each"
                                    : "k_pages and v_pages must be (packed, scales, biases) triples");
   }
   options.has_mask = false;
@@ -206,12 +206,12 @@ std::vector<mx::array> paged_attention(
   inputs.insert(inputs.end(), v_parts.begin(), v_parts.end());
   inputs.insert(inputs.end(), {block_table, kv_lens, q_lens});
   if (sinks) inputs.push_back(*sinks);
-  const PagedDescription description = describe_paged_attention(inputs, options, quantization);
+  const PagedDescription description = describe_paged_attention(inputs, options);
   auto stream = mx::to_stream(s);
   if (std::string reason = paged_unsupported_reason(description, stream.device.type); !reason.empty()) {
     invalid(reason);
   }
-  auto primitive = std::make_shared<PagedAttention>(stream, options, quantization);
+  auto primitive = std::make_shared<PagedAttention>(stream, options);
   auto shapes = primitive->output_shapes(inputs);
   std::vector<mx::Dtype> dtypes = {q.dtype()};
   if (options.output_lse) dtypes.push_back(mx::float32);
@@ -219,8 +219,8 @@ std::vector<mx::array> paged_attention(
 }
 
 int PagedAttention::value_dim(const std::vector<mx::array>& inputs) const {
-  if (quantization_.bits == 0) return inputs[2].shape(3);
-  return inputs[4].shape(3) * (32 / quantization_.bits);
+  if (options_.quantization.bits == 0) return inputs[2].shape(3);
+  return inputs[4].shape(3) * (32 / options_.quantization.bits);
 }
 
 std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
@@ -232,22 +232,22 @@ std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
-  return options_ == o.options_ && quantization_ == o.quantization_;
+  return options_ == o.options_;
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-  const PagedDescription d = describe_paged_attention(inputs, options_, quantization_);
+  const PagedDescription d = describe_paged_attention(inputs, options_);
   cpu::KernelCall call{};
   call.problem = d.problem;
   call.quantized = d.quantized;
   call.paged = d.paged;
   if (outputs[0].size() == 0) return;  // no rows, or no heads
-  const int kv_count = kv_arrays(quantization_);
+  const int kv_count = kv_arrays(options_.quantization);
   call.q = inputs[0].data<void>();
   call.k = inputs[1].data<void>();
   call.v = inputs[1 + kv_count / 2].data<void>();
-  if (quantization_.bits != 0) {
+  if (options_.quantization.bits != 0) {
     call.quantized.k_scales = inputs[2].data<void>();
     call.quantized.k_biases = inputs[3].data<void>();
     call.quantized.v_scales = inputs[5].data<void>();

@@ -14,13 +14,6 @@
 
 namespace mlx_attn {
 
-// bits 0: float pages; else 4 or 8 with group_size 32, 64 or 128.
-struct PagedQuantization {
-  int bits = 0;
-  int group_size = 0;
-  bool operator==(const PagedQuantization&) const = default;
-};
-
 // The problem of the primitive's inputs, in this order:
 //   q [total_q, Hq, D]; K/V pages: k_pages [N, Hkv, P, D], v_pages [N, Hkv, P, Dv]
 //   (float) or the six arrays k_packed, k_scales, k_biases, v_packed,
@@ -36,7 +29,7 @@ struct PagedDescription {
   cpu::PagedKV paged;
 };
 PagedDescription describe_paged_attention(
-    const std::vector<mx::array>& inputs, const AttentionOptions& options, const PagedQuantization& quantization);
+    const std::vector<mx::array>& inputs, const AttentionOptions& options);
 
 // Empty when the fused paged kernels of `device` handle the problem, else
 // why not. The one home of the paged support rule (Python asks it).
@@ -54,13 +47,11 @@ std::vector<mx::array> paged_attention(
     const mx::array& q_lens,
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
-    PagedQuantization quantization,
     mx::StreamOrDevice s = {});
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, AttentionOptions options, PagedQuantization quantization)
-      : mx::Primitive(stream), options_(options), quantization_(quantization) {}
+  PagedAttention(mx::Stream stream, AttentionOptions options) : mx::Primitive(stream), options_(options) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   // The Metal paged kernels slot in here (today: no GPU kernel).
@@ -74,7 +65,6 @@ class PagedAttention : public mx::Primitive {
  private:
   int value_dim(const std::vector<mx::array>& inputs) const;
   AttentionOptions options_;
-  PagedQuantization quantization_;
 };
 
 }  // namespace mlx_attn

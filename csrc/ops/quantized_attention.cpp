@@ -45,7 +45,8 @@ int check_triple(const char* name, const mx::array* t, mx::Dtype dtype, const Qu
 }  // namespace
 
 std::pair<AttentionProblem, cpu::QuantizedKV> describe_quantized_attention(
-    const std::vector<mx::array>& inputs, const AttentionOptions& options, const Quantization& qz) {
+    const std::vector<mx::array>& inputs, const AttentionOptions& options) {
+  const Quantization& qz = options.quantization;
   const size_t expected = 7 + options.has_mask + options.has_sinks;
   if (inputs.size() != expected) {
     invalid("expected " + std::to_string(expected) + " inputs, got " + std::to_string(inputs.size()));
@@ -93,7 +94,6 @@ std::vector<mx::array> quantized_attention(
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
-    Quantization quantization,
     mx::StreamOrDevice s) {
   if (k_quant.size() != 3 || v_quant.size() != 3) {
     invalid("k_quant and v_quant must be (packed, scales, biases) triples");
@@ -106,12 +106,12 @@ std::vector<mx::array> quantized_attention(
   inputs.insert(inputs.end(), v_quant.begin(), v_quant.end());
   if (mask) inputs.push_back(*mask);
   if (sinks) inputs.push_back(*sinks);
-  const auto [problem, kv] = describe_quantized_attention(inputs, options, quantization);
+  const auto [problem, kv] = describe_quantized_attention(inputs, options);
   auto stream = mx::to_stream(s);
   if (std::string reason = quantized_unsupported_reason(problem, kv, stream.device.type); !reason.empty()) {
     invalid(reason);
   }
-  auto primitive = std::make_shared<QuantizedAttention>(stream, options, quantization);
+  auto primitive = std::make_shared<QuantizedAttention>(stream, options);
   auto shapes = primitive->output_shapes(inputs);
   return mx::array::make_arrays(std::move(shapes), {q.dtype()}, primitive, inputs);
 }
@@ -121,7 +121,7 @@ void QuantizedAttention::eval_cpu(
     std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   cpu::KernelCall call{};
-  std::tie(call.problem, call.quantized) = describe_quantized_attention(inputs, options_, quantization_);
+  std::tie(call.problem, call.quantized) = describe_quantized_attention(inputs, options_);
   if (outputs[0].size() == 0) return;
   call.q = inputs[0].data<void>();
   call.k = inputs[1].data<void>();
@@ -138,7 +138,7 @@ void QuantizedAttention::eval_cpu(
 }
 
 LaunchPlan QuantizedAttention::launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const {
-  const auto [problem, kv] = describe_quantized_attention(inputs, options_, quantization_);
+  const auto [problem, kv] = describe_quantized_attention(inputs, options_);
   return plan_quantized_attention(problem, kv, target);
 }
 

@@ -13,12 +13,6 @@
 
 namespace mlx_attn {
 
-struct Quantization {
-  int bits = 8;         // 4 or 8
-  int group_size = 64;  // 32, 64 or 128 features per scale and bias
-  bool operator==(const Quantization&) const = default;
-};
-
 // The problem and quantized K/V description of the primitive's inputs
 // (q, k_packed, k_scales, k_biases, v_packed, v_scales, v_biases, then the
 // mask and sinks when the options say so): every check of describe_attention
@@ -26,7 +20,7 @@ struct Quantization {
 // and one shape [B, H, T, D / group_size]. Buffer
 // pointers are left null. Throws std::invalid_argument naming the argument.
 std::pair<AttentionProblem, cpu::QuantizedKV> describe_quantized_attention(
-    const std::vector<mx::array>& inputs, const AttentionOptions& options, const Quantization& quantization);
+    const std::vector<mx::array>& inputs, const AttentionOptions& options);
 
 // Empty when the fused kernels of `device` handle the problem, else why not
 // (the CPU kernel's rule or the quantized Metal launch plan's).
@@ -41,13 +35,11 @@ std::vector<mx::array> quantized_attention(
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& sinks,
     AttentionOptions options,
-    Quantization quantization,
     mx::StreamOrDevice s = {});
 
 class QuantizedAttention : public AttentionPrimitive {
  public:
-  QuantizedAttention(mx::Stream stream, AttentionOptions options, Quantization quantization)
-      : AttentionPrimitive(stream, options), quantization_(quantization) {}
+  using AttentionPrimitive::AttentionPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -57,15 +49,9 @@ class QuantizedAttention : public AttentionPrimitive {
 
  protected:
   int value_dim(const std::vector<mx::array>& inputs) const override {
-    return inputs[4].shape(3) * (32 / quantization_.bits);
+    return inputs[4].shape(3) * (32 / options_.quantization.bits);
   }
   LaunchPlan launch_plan(const std::vector<mx::array>& inputs, const GpuTarget& target) const override;
-  bool same_attributes(const AttentionPrimitive& other) const override {
-    return quantization_ == static_cast<const QuantizedAttention&>(other).quantization_;
-  }
-
- private:
-  Quantization quantization_;
 };
 
 }  // namespace mlx_attn

@@ -11,6 +11,7 @@
 #include "csrc/metal/launch_plan.h"
 #include "csrc/ops/quantized_attention.h"
 #include "csrc/metal/quantized_launch_plan.h"
+#include "csrc/python/options.h"
 #include "metal/attention_quantized_params.h"
 
 namespace nb = nanobind;
@@ -170,30 +171,29 @@ void bind_launch_plan(nb::module_& m) {
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
-         float scale, bool causal, int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
-         int bits, int group_size, bool output_lse, float softcap, const std::string& gpu_family, int gpu_cores,
-         const std::string& decode_shape) {
+         std::optional<mx::array> mask, std::optional<mx::array> sinks, const std::string& gpu_family,
+         int gpu_cores, const std::string& decode_shape, const nb::kwargs& kwargs) {
         const GpuTarget target = gpu_target_argument(gpu_family, gpu_cores);
         const DecodeShapeChoice choice = decode_shape_choice(decode_shape);
         if (k_quant.size() != 3 || v_quant.size() != 3) {
           throw std::invalid_argument("k_quant and v_quant must be (packed, scales, biases) triples");
         }
-        AttentionOptions options{
-            scale, causal || window_size > 0, window_size, mask.has_value(), sinks.has_value(), output_lse};
-        options.softcap = softcap;
+        AttentionOptions options = options_from(kwargs, {.quantization = {8, 64}});
+        options.causal = options.causal || options.window_size > 0;
+        options.has_mask = mask.has_value();
+        options.has_sinks = sinks.has_value();
         std::vector<mx::array> inputs = {q};
         inputs.insert(inputs.end(), k_quant.begin(), k_quant.end());
         inputs.insert(inputs.end(), v_quant.begin(), v_quant.end());
         if (mask) inputs.push_back(*mask);
         if (sinks) inputs.push_back(*sinks);
-        const auto [problem, kv] = describe_quantized_attention(inputs, options, {bits, group_size});
+        const auto [problem, kv] = describe_quantized_attention(inputs, options);
         nb::dict out = plan_dict(plan_quantized_attention(problem, kv, target, choice));
         out["problem"] = nb::cast(problem);
         return out;
       },
-      "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
-      "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "output_lse"_a = false,
-      "softcap"_a = 0.0f, "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto",
+      "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(),
+      "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto", "options"_a,
       "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
       "q's dtype), as metal_launch_plan (for the gpu_family's tiles and decode_shape), plus 'quantized_params' "
       "bytes and the 'problem'.");

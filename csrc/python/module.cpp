@@ -14,6 +14,7 @@
 #include "csrc/cpu/host.h"
 #include "csrc/ops/quantized_attention.h"
 #include "csrc/ops/quantized_matvec.h"
+#include "csrc/python/options.h"
 #include "mlx/compile_impl.h"
 #include "mlx/version.h"
 
@@ -28,6 +29,9 @@ void bind_paged_metal(nb::module_& m);  // csrc/python/paged_metal_bindings.cpp
 void bind_paged(nb::module_& m);  // csrc/python/paged_bindings.cpp
 
 namespace {
+
+// mx.quantize's defaults, as the quantized entries always had.
+constexpr AttentionOptions kQuantizedDefaults{.quantization = {8, 64}};
 
 std::vector<int64_t> strides_of(const int64_t (&s)[4]) {
   return {s[0], s[1], s[2], s[3]};
@@ -60,32 +64,22 @@ void bind_problem(nb::module_& m) {
       .def_ro("softcap", &AttentionProblem::softcap)
       .def_ro("output_lse", &AttentionProblem::output_lse);
 
-  nb::class_<AttentionOptions>(m, "AttentionOptions", "Attributes of one fused attention call.")
-      .def_ro("scale", &AttentionOptions::scale)
-      .def_ro("causal", &AttentionOptions::causal)
-      .def_ro("window_size", &AttentionOptions::window_size)
-      .def_ro("has_mask", &AttentionOptions::has_mask)
-      .def_ro("has_sinks", &AttentionOptions::has_sinks)
-      .def_ro("output_lse", &AttentionOptions::output_lse)
-      .def_ro("lse_for_backward", &AttentionOptions::lse_for_backward)
-      .def_ro("metal_backward_trusted", &AttentionOptions::metal_backward_trusted)
-      .def_ro("softcap", &AttentionOptions::softcap);
 
   m.def(
       "describe_attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-         int window_size, std::optional<mx::array> mask, std::optional<mx::array> sinks,
-         bool output_lse, float softcap) {
-        AttentionOptions options{scale, causal, window_size, mask.has_value(), sinks.has_value(), output_lse};
-        options.softcap = softcap;
+      [](const mx::array& q, const mx::array& k, const mx::array& v, std::optional<mx::array> mask,
+         std::optional<mx::array> sinks, const nb::kwargs& kwargs) {
+        AttentionOptions options = options_from(kwargs);
+        options.has_mask = mask.has_value();
+        options.has_sinks = sinks.has_value();
         std::vector<mx::array> inputs = {q, k, v};
         if (mask) inputs.push_back(*mask);
         if (sinks) inputs.push_back(*sinks);
         return describe_attention(inputs, options);
       },
-      "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false, "window_size"_a = 0,
-      "mask"_a = nb::none(), "sinks"_a = nb::none(), "output_lse"_a = false, "softcap"_a = 0.0f,
-      "The problem description the primitive builds from these arrays (their current strides).");
+      "q"_a, "k"_a, "v"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(), "options"_a,
+      "The problem description the primitive builds from these arrays (their current strides); "
+      "**options: AttentionOptions' fields.");
 
   m.def(
       "unsupported_reason",
@@ -106,59 +100,28 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "fused_attention",
-      [](const mx::array& q,
-         const mx::array& k,
-         const mx::array& v,
-         float scale,
-         bool causal,
-         int window_size,
-         std::optional<mx::array> mask,
-         std::optional<mx::array> sinks,
-         bool output_lse,
-         bool metal_backward_trusted,
-         float softcap,
-         mx::StreamOrDevice s) {
-        mlx_attn::AttentionOptions options;
-        options.scale = scale;
-        options.softcap = softcap;
-        options.causal = causal;
-        options.window_size = window_size;
-        options.output_lse = output_lse;
-        options.metal_backward_trusted = metal_backward_trusted;
-        return mlx_attn::fused_attention(q, k, v, mask, sinks, options, s);
+      [](const mx::array& q, const mx::array& k, const mx::array& v, std::optional<mx::array> mask,
+         std::optional<mx::array> sinks, mx::StreamOrDevice s, const nb::kwargs& options) {
+        return mlx_attn::fused_attention(q, k, v, mask, sinks, mlx_attn::options_from(options), s);
       },
-      "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
-      "window_size"_a = 0, "mask"_a = nb::none(), "sinks"_a = nb::none(),
-      "output_lse"_a = false, "metal_backward_trusted"_a = true, "softcap"_a = 0.0f, "stream"_a = nb::none(),
-      "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input. "
-      "metal_backward_trusted: whether a vjp on the GPU may run the Metal backward (its self-check passed). "
-      "softcap > 0: logits become softcap * tanh(logit / softcap) before the mask.");
+      "q"_a, "k"_a, "v"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
+      "options"_a,
+      "Fused attention; returns [out] or [out, lse]. Raises ValueError on any invalid input. **options: "
+      "AttentionOptions' fields (scale, causal, window_size, output_lse, softcap, and metal_backward_trusted: "
+      "whether a vjp on the GPU may run the Metal backward, its self-check passed).");
 
   m.def(
       "quantized_attention",
-      [](const mx::array& q,
-         const std::vector<mx::array>& k_quant,
-         const std::vector<mx::array>& v_quant,
-         float scale,
-         bool causal,
-         int window_size,
-         std::optional<mx::array> mask,
-         std::optional<mx::array> sinks,
-         int bits,
-         int group_size,
-         float softcap,
-         mx::StreamOrDevice s) {
-        mlx_attn::AttentionOptions options;
-        options.scale = scale;
-        options.softcap = softcap;
-        options.causal = causal;
-        options.window_size = window_size;
-        return mlx_attn::quantized_attention(q, k_quant, v_quant, mask, sinks, options, {bits, group_size}, s)[0];
+      [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
+         std::optional<mx::array> mask, std::optional<mx::array> sinks, mx::StreamOrDevice s,
+         const nb::kwargs& options) {
+        return mlx_attn::quantized_attention(
+            q, k_quant, v_quant, mask, sinks, mlx_attn::options_from(options, mlx_attn::kQuantizedDefaults), s)[0];
       },
-      "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "scale"_a, "causal"_a = false, "window_size"_a = 0,
-      "mask"_a = nb::none(), "sinks"_a = nb::none(), "bits"_a = 8, "group_size"_a = 64, "softcap"_a = 0.0f,
-      "stream"_a = nb::none(),
-      "Fused attention over mx.quantize triples (CPU). Raises ValueError on any invalid input.");
+      "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(),
+      "stream"_a = nb::none(), "options"_a,
+      "Fused attention over mx.quantize triples (bits 8, group_size 64 unless given). Raises ValueError on "
+      "any invalid input.");
 
   m.def(
       "set_differentiation_rule",
@@ -203,6 +166,7 @@ NB_MODULE(_ext, m) {
   m.attr("LOG2E") = mlx_attn::kLog2e;
   m.attr("LOGIT_LIMIT") = mlx_attn::kLogitLimit;
   m.attr("MASKED_LOGIT") = mlx_attn::kMaskedLogit;
+  mlx_attn::bind_options(m);
   mlx_attn::bind_problem(m);
   mlx_attn::bind_launch_plan(m);
   mlx_attn::bind_metal_sources(m);

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "csrc/ops/paged_attention.h"
+#include "csrc/python/options.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -15,15 +16,8 @@ using namespace nb::literals;
 namespace mlx_attn {
 namespace {
 
-AttentionOptions paged_options(float scale, bool causal, int window_size, bool output_lse, float softcap) {
-  AttentionOptions options;
-  options.scale = scale;
-  options.softcap = softcap;
-  options.causal = causal;
-  options.window_size = window_size;
-  options.output_lse = output_lse;
-  return options;
-}
+// Paged attention is causal unless told otherwise.
+constexpr AttentionOptions kPagedDefaults{.causal = true};
 
 std::vector<mx::array> inputs_of(const mx::array& q, const std::vector<mx::array>& k_parts,
                                  const std::vector<mx::array>& v_parts, const mx::array& block_table,
@@ -43,35 +37,32 @@ void bind_paged(nb::module_& m) {
   m.def(
       "paged_attention",
       [](const mx::array& q, const std::vector<mx::array>& k_parts, const std::vector<mx::array>& v_parts,
-         const mx::array& block_table, const mx::array& kv_lens, const mx::array& q_lens, float scale, bool causal,
-         int window_size, std::optional<mx::array> sinks, bool output_lse, int bits, int group_size, float softcap,
-         mx::StreamOrDevice s) {
+         const mx::array& block_table, const mx::array& kv_lens, const mx::array& q_lens,
+         std::optional<mx::array> sinks, mx::StreamOrDevice s, const nb::kwargs& options) {
         return paged_attention(q, k_parts, v_parts, block_table, kv_lens, q_lens, sinks,
-                               paged_options(scale, causal, window_size, output_lse, softcap), {bits, group_size}, s);
+                               options_from(options, kPagedDefaults), s);
       },
-      "q"_a, "k_parts"_a, "v_parts"_a, "block_table"_a, "kv_lens"_a, "q_lens"_a, nb::kw_only(), "scale"_a,
-      "causal"_a = true, "window_size"_a = 0, "sinks"_a = nb::none(), "output_lse"_a = false, "bits"_a = 0,
-      "group_size"_a = 0, "softcap"_a = 0.0f, "stream"_a = nb::none(),
+      "q"_a, "k_parts"_a, "v_parts"_a, "block_table"_a, "kv_lens"_a, "q_lens"_a, nb::kw_only(),
+      "sinks"_a = nb::none(), "stream"_a = nb::none(), "options"_a,
       "Fused paged attention; k_parts / v_parts are [pages] (bits=0) or (packed, scales, biases). Returns [out] "
       "or [out, lse]. Raises ValueError on any invalid input.");
 
   m.def(
       "paged_unsupported_reason",
       [](const mx::array& q, const std::vector<mx::array>& k_parts, const std::vector<mx::array>& v_parts,
-         const mx::array& block_table, const mx::array& kv_lens, const mx::array& q_lens, float scale, bool causal,
-         int window_size, std::optional<mx::array> sinks, bool output_lse, int bits, int group_size, float softcap,
-         mx::Device::DeviceType device) -> std::optional<std::string> {
-        AttentionOptions options = paged_options(scale, causal, window_size, output_lse, softcap);
+         const mx::array& block_table, const mx::array& kv_lens, const mx::array& q_lens,
+         std::optional<mx::array> sinks, mx::Device::DeviceType device,
+         const nb::kwargs& kwargs) -> std::optional<std::string> {
+        AttentionOptions options = options_from(kwargs, kPagedDefaults);
         options.has_sinks = sinks.has_value();
         const auto description = describe_paged_attention(
-            inputs_of(q, k_parts, v_parts, block_table, kv_lens, q_lens, sinks), options, {bits, group_size});
+            inputs_of(q, k_parts, v_parts, block_table, kv_lens, q_lens, sinks), options);
         std::string reason = paged_unsupported_reason(description, device);
         if (reason.empty()) return std::nullopt;
         return reason;
       },
-      "q"_a, "k_parts"_a, "v_parts"_a, "block_table"_a, "kv_lens"_a, "q_lens"_a, nb::kw_only(), "scale"_a = 1.0f,
-      "causal"_a = true, "window_size"_a = 0, "sinks"_a = nb::none(), "output_lse"_a = false, "bits"_a = 0,
-      "group_size"_a = 0, "softcap"_a = 0.0f, "device"_a,
+      "q"_a, "k_parts"_a, "v_parts"_a, "block_table"_a, "kv_lens"_a, "q_lens"_a, nb::kw_only(),
+      "sinks"_a = nb::none(), "device"_a, "options"_a,
       "None when the fused paged kernels of `device` (mx.cpu or mx.gpu) handle the call, else why not.");
 }
 

@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "csrc/ops/metal_paged_attention.h"
+#include "csrc/python/options.h"
 #include "metal/attention_paged_params.h"
 
 namespace nb = nanobind;
@@ -20,19 +21,8 @@ DecodeShapeChoice decode_shape_choice(const std::string& name);
 
 namespace {
 
-PagedOptions paged_options(float scale, bool causal, int window_size, bool has_sinks, bool output_lse, int bits,
-                           int group_size, float softcap) {
-  PagedOptions options;
-  options.scale = scale;
-  options.causal = causal || window_size > 0;
-  options.window_size = window_size;
-  options.has_sinks = has_sinks;
-  options.output_lse = output_lse;
-  options.bits = bits;
-  options.group_size = group_size;
-  options.softcap = softcap;
-  return options;
-}
+// Paged attention is causal unless told otherwise.
+constexpr AttentionOptions kPagedDefaults{.causal = true};
 
 }  // namespace
 
@@ -40,16 +30,13 @@ void bind_paged_metal(nb::module_& m) {
   m.def(
       "paged_metal_launch_plan",
       [](const std::vector<mx::array>& inputs, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens,
-         float scale, bool causal, int window_size, bool has_sinks, bool output_lse, int bits, int group_size,
-         float softcap, const std::string& gpu_family, int gpu_cores, const std::string& decode_shape) {
+         const std::string& gpu_family, int gpu_cores, const std::string& decode_shape, const nb::kwargs& kwargs) {
         GpuTarget target;
         if (!gpu_family_from_name(gpu_family, target.family)) {
           throw nb::value_error(("unknown gpu_family '" + gpu_family + "'").c_str());
         }
         target.gpu_cores = gpu_cores;
-        const PagedOptions options =
-            paged_options(scale, causal, window_size, has_sinks, output_lse, bits, group_size, softcap);
-        const PagedProblem problem = describe_paged_attention(inputs, options, q_lens, kv_lens);
+        const PagedProblem problem = describe_paged_attention(inputs, options_from(kwargs, kPagedDefaults), q_lens, kv_lens);
         const DecodeShapeChoice choice = decode_shape_choice(decode_shape);
         const LaunchPlan plan = plan_paged_attention(problem, target, choice);
         nb::dict out = launch_plan_dict(plan);
@@ -60,10 +47,8 @@ void bind_paged_metal(nb::module_& m) {
         out["v_offset"] = problem.attention.v_offset;
         return out;
       },
-      "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = true, "window_size"_a = 0,
-      "has_sinks"_a = false, "output_lse"_a = false, "bits"_a = 0, "group_size"_a = 0, "softcap"_a = 0.0f,
-      "gpu_family"_a = "unknown",
-      "gpu_cores"_a = 0, "decode_shape"_a = "auto",
+      "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
+      "decode_shape"_a = "auto", "options"_a,
       "The Metal launch plan of paged attention for the primitive's inputs (q, k pages, v pages or the two "
       "quantized triples, block_table, [sinks]) and host lengths, in metal_launch_plan's format plus "
       "'sequences' (the PagedSequence array bytes) and 'keys_per_split'. decode_shape: 'auto' (the plan's "
@@ -71,15 +56,10 @@ void bind_paged_metal(nb::module_& m) {
   m.def(
       "metal_paged_attention",
       [](const std::vector<mx::array>& inputs, const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens,
-         float scale, bool causal, int window_size, bool has_sinks, bool output_lse, int bits, int group_size,
-         float softcap, mx::StreamOrDevice s) {
-        const PagedOptions options =
-            paged_options(scale, causal, window_size, has_sinks, output_lse, bits, group_size, softcap);
-        return metal_paged_attention(inputs, options, q_lens, kv_lens, s);
+         mx::StreamOrDevice s, const nb::kwargs& options) {
+        return metal_paged_attention(inputs, options_from(options, kPagedDefaults), q_lens, kv_lens, s);
       },
-      "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "scale"_a, "causal"_a = true, "window_size"_a = 0,
-      "has_sinks"_a = false, "output_lse"_a = false, "bits"_a = 0, "group_size"_a = 0, "softcap"_a = 0.0f,
-      "stream"_a = nb::none(),
+      "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "stream"_a = nb::none(), "options"_a,
       "The fused Metal paged attention (GPU streams): [out] or [out, lse]. mlx_attn.paged_attention validates "
       "the arguments; this raises ValueError for broken invariants.");
   m.attr("PAGED_SEQUENCE_BYTES") = int(sizeof(PagedSequence));
