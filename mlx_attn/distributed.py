@@ -41,7 +41,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from mlx_attn._checks import check_bool, check_int, check_optional_int
+from mlx_attn.core.checks import check_bool, check_int, check_optional_int
 from mlx_attn.ops import AttentionCall, attention_path, scaled_dot_product_attention
 
 __all__ = [
@@ -170,7 +170,7 @@ def _process_watchdog(what: str, timeout: float | None):
         watcher.wait()
 
 
-def _communicate(what: str, arrays, group, timeout):
+def communicate(what: str, arrays, group, timeout):
     """Evaluates communication ``arrays`` under the watchdog; errors become DistributedError."""
     with _watchdog(f"{what} (rank {group.rank()} of {group.size()})", timeout):
         try:
@@ -297,12 +297,12 @@ def unshard_sequence(
         raise ValueError(
             f"shard length {x_shard.shape[axis]} (axis {axis}) must be divisible by {per_rank} for layout {layout!r}"
         )
-    _check_same_across_ranks("x_shard", _shape_signature(x_shard), group, timeout)
+    check_same_across_ranks("x_shard", _shape_signature(x_shard), group, timeout)
     if ranks == 1:
         return x_shard
     front = mx.moveaxis(x_shard, axis, 0)
     gathered = mx.distributed.all_gather(front, group=group)
-    _communicate("unshard_sequence all_gather", [gathered], group, timeout)
+    communicate("unshard_sequence all_gather", [gathered], group, timeout)
     chunk = x_shard.shape[axis] // per_rank
     by_chunk = gathered.reshape(ranks * per_rank, chunk, *front.shape[1:])
     owner_slot = {c: r * per_rank + i for r in range(ranks) for i, c in enumerate(chunk_ids(layout, r, ranks))}
@@ -323,7 +323,7 @@ def _shape_signature(*arrays: mx.array) -> list[int]:
     return sig
 
 
-def _check_same_across_ranks(what: str, signature: list[int], group, timeout) -> None:
+def check_same_across_ranks(what: str, signature: list[int], group, timeout) -> None:
     """All ranks must pass the same ``signature`` (shapes, dtypes, options):
     one small all_gather, so a mismatch is an error on every rank, not a hang.
     ``timeout`` is checked on a group of one too (no collective runs there)."""
@@ -332,7 +332,7 @@ def _check_same_across_ranks(what: str, signature: list[int], group, timeout) ->
         return
     mine = mx.array(signature, dtype=mx.int64)
     everyone = mx.distributed.all_gather(mine[None], group=group)
-    _communicate(f"checking {what} across ranks", [everyone], group, timeout)
+    communicate(f"checking {what} across ranks", [everyone], group, timeout)
     rows = everyone.tolist()
     differing = [r for r, row in enumerate(rows) if row != rows[group.rank()]]
     if differing:
@@ -499,12 +499,13 @@ def decode_attention(
         k = v = mx.zeros((q.shape[0], q.shape[1], 0, q.shape[3]), q.dtype)
     call = AttentionCall.build(q, k, v, scale=scale, backend=backend, return_lse=True)
     value_dim = v.shape[-1]
-    _check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
-                             group, timeout)
-    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout, call=call)
+    check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
+                            group, timeout)
+    return decode_attention_unchecked(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout,
+                                      call=call)
 
 
-def _decode_attention(q, k, v, *, scale, group, backend, timeout, call: AttentionCall | None = None):
+def decode_attention_unchecked(q, k, v, *, scale, group, backend, timeout, call: AttentionCall | None = None):
     """:func:`decode_attention` without the cross-rank check (generation
     checks its inputs once, not at every layer of every token); ``call``:
     the rank's validated call, when the caller built it."""
@@ -521,7 +522,7 @@ def _decode_attention(q, k, v, *, scale, group, backend, timeout, call: Attentio
         return out.astype(q.dtype)
     packed = mx.concatenate([out.astype(mx.float32), lse.astype(mx.float32)[..., None]], axis=-1)
     gathered = mx.distributed.all_gather(packed, group=group)
-    _communicate("decode_attention all_gather", [gathered], group, timeout)
+    communicate("decode_attention all_gather", [gathered], group, timeout)
     merged, _ = _merge_gathered(gathered, group.size(), value_dim)
     return merged.astype(q.dtype)
 
@@ -667,7 +668,7 @@ def ring_attention(
             f"(the global length by {_chunk_count(layout, ranks)})"
         )
     options = [LAYOUTS.index(layout), int(causal), window_size or 0, int(sinks is not None)]
-    _check_same_across_ranks(
+    check_same_across_ranks(
         "ring_attention inputs (q, k, v, [layout, causal, window, sinks])",
         _shape_signature(q, k, v) + options,
         group,
@@ -741,7 +742,7 @@ def _exchange(rounds, group, k, v, attend, timeout, stats):
             raise RuntimeError(f"ring schedule broken on rank {rank}: {piece} was not received last round")
         for a in arrays:
             sent = mx.distributed.send(a, right, group=group)
-            _communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
+            communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
             if stats is not None:
                 stats.bytes_sent += a.nbytes
 
@@ -749,7 +750,7 @@ def _exchange(rounds, group, k, v, attend, timeout, stats):
         parts = []
         for like in (k, v):
             part = mx.distributed.recv((*like.shape[:2], piece.length, like.shape[3]), like.dtype, left, group=group)
-            _communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
+            communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
             parts.append(part)
             if stats is not None:
                 stats.bytes_received += part.nbytes
