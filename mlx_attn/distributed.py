@@ -607,6 +607,43 @@ def _ring_schedule(ranks: int, layout_of, kv_len: int, q_len: int, causal: bool,
         carried = [sends[(r - 1) % ranks] for r in range(ranks)]
 
 
+def _check_ring_arguments(q, k, v, *, scale, mask, group, sinks, window_size, layout, timeout,
+                          stats) -> tuple[bool, int]:
+    """:func:`ring_attention`'s checks, the local ones first, then one
+    comparison across the ranks: ``(causal, query chunks per rank)``."""
+    _check_layout(layout)
+    if isinstance(mask, mx.array):
+        raise ValueError(
+            "ring_attention takes mask=None or mask='causal'; array masks are not supported "
+            "(they would have to be sharded with the sequence)"
+        )
+    # Local checks (shapes, dtypes, scale, sinks, window) are those of the single-process API.
+    attention_path(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size)
+    if stats is not None and not isinstance(stats, RingStats):
+        raise ValueError(f"stats must be a RingStats or None, got {type(stats).__name__}")
+    causal = mask == "causal" or window_size is not None
+    ranks = group.size()
+    per_rank = len(chunk_ids(layout, 0, ranks)) if causal else 1
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal ring attention needs query and key shards of the same length (one sequence), "
+            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if q.shape[2] % per_rank:
+        raise ValueError(
+            f"shard length {q.shape[2]} must be divisible by {per_rank} for layout {layout!r} "
+            f"(the global length by {_chunk_count(layout, ranks)})"
+        )
+    options = [LAYOUTS.index(layout), int(causal), window_size or 0, int(sinks is not None)]
+    check_same_across_ranks(
+        "ring_attention inputs (q, k, v, [layout, causal, window, sinks])",
+        _shape_signature(q, k, v) + options,
+        group,
+        timeout,
+    )
+    return causal, per_rank
+
+
 def ring_attention(
     q: mx.array,
     k: mx.array,
@@ -644,36 +681,9 @@ def ring_attention(
         DistributedError: a peer died during the exchange.
     """
     group = _group(group)
-    _check_layout(layout)
-    if isinstance(mask, mx.array):
-        raise ValueError(
-            "ring_attention takes mask=None or mask='causal'; array masks are not supported "
-            "(they would have to be sharded with the sequence)"
-        )
-    # Local checks (shapes, dtypes, scale, sinks, window) are those of the single-process API.
-    attention_path(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size)
-    if stats is not None and not isinstance(stats, RingStats):
-        raise ValueError(f"stats must be a RingStats or None, got {type(stats).__name__}")
-    causal = mask == "causal" or window_size is not None
+    causal, per_rank = _check_ring_arguments(q, k, v, scale=scale, mask=mask, group=group, sinks=sinks,
+                                             window_size=window_size, layout=layout, timeout=timeout, stats=stats)
     ranks, rank = group.size(), group.rank()
-    per_rank = len(chunk_ids(layout, 0, ranks)) if causal else 1
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"causal ring attention needs query and key shards of the same length (one sequence), "
-            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
-        )
-    if q.shape[2] % per_rank:
-        raise ValueError(
-            f"shard length {q.shape[2]} must be divisible by {per_rank} for layout {layout!r} "
-            f"(the global length by {_chunk_count(layout, ranks)})"
-        )
-    options = [LAYOUTS.index(layout), int(causal), window_size or 0, int(sinks is not None)]
-    check_same_across_ranks(
-        "ring_attention inputs (q, k, v, [layout, causal, window, sinks])",
-        _shape_signature(q, k, v) + options,
-        group,
-        timeout,
-    )
 
     out_dtype = mx.result_type(q.dtype, k.dtype, v.dtype)
     q_len, kv_len = q.shape[2], k.shape[2]
@@ -683,37 +693,10 @@ def ring_attention(
         layout_of = lambda r, length: _Shard((r,), length)
     q_shard = layout_of(rank, q_len)
 
-    # The output accumulates in place in one float32 buffer (merged tile by
-    # tile, so no second output-sized array ever exists); each query tile
-    # keeps its row log-sum-exp. Sinks start the accumulator: a partial with
-    # no value and log-mass `sink`.
-    b, hq = q.shape[:2]
     tile_len = _REFERENCE_QUERY_TILE if _scores_materialized(q, k, v) else _piece_len(q_shard.chunk_len)
-    tiles = q_shard.pieces(tile_len)
-    out = mx.zeros((b, hq, q_len, v.shape[-1]), mx.float32)
-    first_lse = (mx.full((b, hq, 1), -mx.inf) if sinks is None
-                 else sinks.astype(mx.float32).reshape(1, hq, 1))
-    lse = {tile: mx.broadcast_to(first_lse, (b, hq, tile[1])) for tile in tiles}
-
-    def attend(kp: mx.array, vp: mx.array, k_start: int):
-        for tile in tiles:
-            q_start, length, offset = tile
-            kind = _block_kind(q_start, length, k_start, kp.shape[2], causal, window_size)
-            if kind == "skip":
-                continue
-            block_mask = _block_mask(kind, q_start, length, k_start, kp.shape[2], window_size)
-            rows = slice(offset, offset + length)
-            merged, lse[tile] = merge_partials(
-                out[:, :, rows], lse[tile],
-                *_attend_block(q[:, :, rows], kp, vp, scale=scale, mask=block_mask, window_size=window_size),
-            )
-            mx.eval(merged, lse[tile])  # one tile's partial alive at a time
-            out[:, :, rows] = merged  # in place: `out` has no other reference
-            del merged
-            mx.eval(out)
-            if stats is not None:
-                stats.visible_pairs += _visible_pairs(q_start, length, k_start, kp.shape[2], causal, window_size)
-
+    output = _TiledOutput(q, q_shard.pieces(tile_len), v.shape[-1], sinks, scale=scale, causal=causal,
+                          window_size=window_size, stats=stats)
+    attend = output.attend
     k_shard = layout_of(rank, kv_len)
     for start, length, offset in k_shard.pieces(_piece_len(k_shard.chunk_len)):
         attend(k[:, :, offset : offset + length], v[:, :, offset : offset + length], start)
@@ -721,7 +704,48 @@ def ring_attention(
         stats.ring_steps += 1
     _exchange(_ring_schedule(ranks, layout_of, kv_len, q_len, causal, window_size), group, k, v, attend,
               timeout, stats)
-    return out if out_dtype == mx.float32 else out.astype(out_dtype)
+    return output.out if out_dtype == mx.float32 else output.out.astype(out_dtype)
+
+
+class _TiledOutput:
+    """A rank's output of :func:`ring_attention`, accumulated in place in one
+    float32 buffer (merged tile by tile, so no second output-sized array
+    ever exists); each query tile ``(start, length, offset)`` keeps its row
+    log-sum-exp. Sinks start the accumulator: a partial with no value and
+    log-mass `sink`."""
+
+    def __init__(self, q, tiles, value_dim: int, sinks, *, scale, causal, window_size, stats):
+        b, hq, q_len = q.shape[:3]
+        self.q, self.tiles, self.scale, self.causal, self.window_size, self.stats = (
+            q, tiles, scale, causal, window_size, stats)
+        self.out = mx.zeros((b, hq, q_len, value_dim), mx.float32)
+        first_lse = (mx.full((b, hq, 1), -mx.inf) if sinks is None
+                     else sinks.astype(mx.float32).reshape(1, hq, 1))
+        self.lse = {tile: mx.broadcast_to(first_lse, (b, hq, tile[1])) for tile in tiles}
+
+    def attend(self, kp: mx.array, vp: mx.array, k_start: int) -> None:
+        """Merges the attention of every query tile to the keys ``kp`` (at
+        ``k_start`` in the sequence) and values ``vp`` it sees."""
+        causal, window_size = self.causal, self.window_size
+        for tile in self.tiles:
+            q_start, length, offset = tile
+            kind = _block_kind(q_start, length, k_start, kp.shape[2], causal, window_size)
+            if kind == "skip":
+                continue
+            block_mask = _block_mask(kind, q_start, length, k_start, kp.shape[2], window_size)
+            rows = slice(offset, offset + length)
+            merged, self.lse[tile] = merge_partials(
+                self.out[:, :, rows], self.lse[tile],
+                *_attend_block(self.q[:, :, rows], kp, vp, scale=self.scale, mask=block_mask,
+                               window_size=window_size),
+            )
+            mx.eval(merged, self.lse[tile])  # one tile's partial alive at a time
+            self.out[:, :, rows] = merged  # in place: `out` has no other reference
+            del merged
+            mx.eval(self.out)
+            if self.stats is not None:
+                self.stats.visible_pairs += _visible_pairs(q_start, length, k_start, kp.shape[2], causal,
+                                                           window_size)
 
 
 def _exchange(rounds, group, k, v, attend, timeout, stats):
