@@ -12,7 +12,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn._checks import (
+from mlx_attn.cache import RotatingKVCache
+from mlx_attn.core.attention_arguments import as_softcap
+from mlx_attn.core.checks import (
     MAX_DIM,
     check_array,
     check_bool,
@@ -21,8 +23,8 @@ from mlx_attn._checks import (
     check_optional_int,
     check_real,
 )
-from mlx_attn.cache import RotatingKVCache
-from mlx_attn.ops import AttentionCall, Backend, _as_softcap, attention_path
+from mlx_attn.core.path_choice import Backend
+from mlx_attn.ops import AttentionCall, attention_path
 from mlx_attn.quantized import dequantize, quantized_scaled_dot_product_attention
 from mlx_attn.reference import reference_attention
 from mlx_attn.rope import RoPE
@@ -113,7 +115,7 @@ class MultiHeadAttention(nn.Module):
         if rope is not None and rope.dims > head_dim:
             raise ValueError(f"RoPE over {rope.dims} dims does not fit head_dim {head_dim}")
         window_size = check_optional_int("window_size", window_size, minimum=1)
-        softcap = _as_softcap(softcap)
+        softcap = as_softcap(softcap)
         # the projection weights, checked before nn.Linear creates them
         q_width = check_int("n_heads * head_dim", n_heads * head_dim, maximum=MAX_DIM)
         kv_width = n_kv_heads * head_dim

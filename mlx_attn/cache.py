@@ -35,8 +35,8 @@ import os
 
 import mlx.core as mx
 
-from mlx_attn import quantized
-from mlx_attn._checks import MAX_DIM, check_array, check_int, check_optional_int
+from mlx_attn.core import quantization
+from mlx_attn.core.checks import MAX_DIM, check_array, check_int, check_optional_int
 
 __all__ = [
     "ConcatKVCache",
@@ -517,7 +517,7 @@ class QuantizedKVCache(_Cache):
     STATE_TENSORS = tuple(f"{which}.{part}" for which in ("keys", "values") for part in ("packed", "scales", "biases"))
 
     def __init__(self, group_size: int = 64, bits: int = 8, step: int = 256):
-        self.group_size, self.bits = quantized.check_quantization(group_size, bits)
+        self.group_size, self.bits = quantization.check_quantization(group_size, bits)
         self.step = check_int("step", step, minimum=1, maximum=MAX_STEP)
         self.keys = None  # (packed, scales, biases) buffers of capacity >= offset
         self.values = None
@@ -526,7 +526,7 @@ class QuantizedKVCache(_Cache):
     def _check_update(self, keys, values) -> None:
         _check_pair(keys, values, "new")
         for name, dim in (("head_dim", keys.shape[3]), ("value_dim", values.shape[3])):
-            quantized.check_quantizable_dim(f"new keys/values {name}", dim, self.group_size)
+            quantization.check_quantizable_dim(f"new keys/values {name}", dim, self.group_size)
         if keys.shape[2] == 0:
             raise ValueError(f"an update must add at least one token, got keys of shape {keys.shape}")
         check_int("the cache length after this update", self.offset + keys.shape[2])
@@ -541,7 +541,7 @@ class QuantizedKVCache(_Cache):
                                  f"the cached ones: {name} {value} != {held[name]}")
 
     def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        return quantized.quantize(x, self.group_size, self.bits)
+        return quantization.quantize(x, self.group_size, self.bits)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_update(keys, values)
@@ -582,8 +582,8 @@ class QuantizedKVCache(_Cache):
             self.keys = self.values = None
             self.offset = 0
             return
-        keys = quantized._check_triple("state keys", keys, self.group_size, self.bits)
-        values = quantized._check_triple("state values", values, self.group_size, self.bits)
+        keys = quantization.check_triple("state keys", keys, self.group_size, self.bits)
+        values = quantization.check_triple("state values", values, self.group_size, self.bits)
         if keys[0].shape[:3] != values[0].shape[:3] or keys[1].dtype != values[1].dtype:
             raise ValueError(f"state keys {keys[0].shape} ({keys[1].dtype}) and values {values[0].shape} "
                              f"({values[1].dtype}) disagree on [B, heads, T] or the scales dtype")
@@ -608,14 +608,14 @@ class QuantizedKVCache(_Cache):
             return None
         (k_packed, k_scales, _), (v_packed, _, _) = self.keys, self.values
         return {"batch": k_packed.shape[0], "n_kv_heads": k_packed.shape[1],
-                "head_dim": quantized.quantized_head_dim(k_packed, self.bits),
-                "value_dim": quantized.quantized_head_dim(v_packed, self.bits), "dtype": k_scales.dtype}
+                "head_dim": quantization.quantized_head_dim(k_packed, self.bits),
+                "value_dim": quantization.quantized_head_dim(v_packed, self.bits), "dtype": k_scales.dtype}
 
     @_Cache.meta_state.setter
     def meta_state(self, value):
         meta = _check_meta(value, self.META_FIELDS)
         step = check_int("meta_state['step']", meta["step"], minimum=1, maximum=MAX_STEP)
-        group_size, bits = quantized.check_quantization(meta["group_size"], meta["bits"])
+        group_size, bits = quantization.check_quantization(meta["group_size"], meta["bits"])
         if self.keys is not None and (group_size, bits) != (self.group_size, self.bits):
             raise ValueError(
                 f"meta_state group_size={group_size}, bits={bits} contradict the stored tensors, "
@@ -873,8 +873,8 @@ def kv_cache_bytes_per_token(
     if bits is None:
         per_head_vector = head_dim * dtype.size
     else:
-        group_size, bits = quantized.check_quantization(group_size, bits)
-        quantized.check_quantizable_dim("head_dim", head_dim, group_size)
+        group_size, bits = quantization.check_quantization(group_size, bits)
+        quantization.check_quantizable_dim("head_dim", head_dim, group_size)
         per_head_vector = head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
     return 2 * n_layers * n_kv_heads * per_head_vector * batch
 

@@ -41,7 +41,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from mlx_attn._checks import check_bool, check_int, check_optional_int
+from mlx_attn.core.checks import check_bool, check_int, check_optional_int
 from mlx_attn.ops import AttentionCall, attention_path, scaled_dot_product_attention
 
 __all__ = [
@@ -170,7 +170,7 @@ def _process_watchdog(what: str, timeout: float | None):
         watcher.wait()
 
 
-def _communicate(what: str, arrays, group, timeout):
+def communicate(what: str, arrays, group, timeout):
     """Evaluates communication ``arrays`` under the watchdog; errors become DistributedError."""
     with _watchdog(f"{what} (rank {group.rank()} of {group.size()})", timeout):
         try:
@@ -297,12 +297,12 @@ def unshard_sequence(
         raise ValueError(
             f"shard length {x_shard.shape[axis]} (axis {axis}) must be divisible by {per_rank} for layout {layout!r}"
         )
-    _check_same_across_ranks("x_shard", _shape_signature(x_shard), group, timeout)
+    check_same_across_ranks("x_shard", _shape_signature(x_shard), group, timeout)
     if ranks == 1:
         return x_shard
     front = mx.moveaxis(x_shard, axis, 0)
     gathered = mx.distributed.all_gather(front, group=group)
-    _communicate("unshard_sequence all_gather", [gathered], group, timeout)
+    communicate("unshard_sequence all_gather", [gathered], group, timeout)
     chunk = x_shard.shape[axis] // per_rank
     by_chunk = gathered.reshape(ranks * per_rank, chunk, *front.shape[1:])
     owner_slot = {c: r * per_rank + i for r in range(ranks) for i, c in enumerate(chunk_ids(layout, r, ranks))}
@@ -323,7 +323,7 @@ def _shape_signature(*arrays: mx.array) -> list[int]:
     return sig
 
 
-def _check_same_across_ranks(what: str, signature: list[int], group, timeout) -> None:
+def check_same_across_ranks(what: str, signature: list[int], group, timeout) -> None:
     """All ranks must pass the same ``signature`` (shapes, dtypes, options):
     one small all_gather, so a mismatch is an error on every rank, not a hang.
     ``timeout`` is checked on a group of one too (no collective runs there)."""
@@ -332,7 +332,7 @@ def _check_same_across_ranks(what: str, signature: list[int], group, timeout) ->
         return
     mine = mx.array(signature, dtype=mx.int64)
     everyone = mx.distributed.all_gather(mine[None], group=group)
-    _communicate(f"checking {what} across ranks", [everyone], group, timeout)
+    communicate(f"checking {what} across ranks", [everyone], group, timeout)
     rows = everyone.tolist()
     differing = [r for r, row in enumerate(rows) if row != rows[group.rank()]]
     if differing:
@@ -499,12 +499,13 @@ def decode_attention(
         k = v = mx.zeros((q.shape[0], q.shape[1], 0, q.shape[3]), q.dtype)
     call = AttentionCall.build(q, k, v, scale=scale, backend=backend, return_lse=True)
     value_dim = v.shape[-1]
-    _check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
-                             group, timeout)
-    return _decode_attention(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout, call=call)
+    check_same_across_ranks("decode_attention queries (q, value width)", _shape_signature(q) + [value_dim],
+                            group, timeout)
+    return decode_attention_unchecked(q, k, v, scale=scale, group=group, backend=backend, timeout=timeout,
+                                      call=call)
 
 
-def _decode_attention(q, k, v, *, scale, group, backend, timeout, call: AttentionCall | None = None):
+def decode_attention_unchecked(q, k, v, *, scale, group, backend, timeout, call: AttentionCall | None = None):
     """:func:`decode_attention` without the cross-rank check (generation
     checks its inputs once, not at every layer of every token); ``call``:
     the rank's validated call, when the caller built it."""
@@ -521,7 +522,7 @@ def _decode_attention(q, k, v, *, scale, group, backend, timeout, call: Attentio
         return out.astype(q.dtype)
     packed = mx.concatenate([out.astype(mx.float32), lse.astype(mx.float32)[..., None]], axis=-1)
     gathered = mx.distributed.all_gather(packed, group=group)
-    _communicate("decode_attention all_gather", [gathered], group, timeout)
+    communicate("decode_attention all_gather", [gathered], group, timeout)
     merged, _ = _merge_gathered(gathered, group.size(), value_dim)
     return merged.astype(q.dtype)
 
@@ -606,6 +607,43 @@ def _ring_schedule(ranks: int, layout_of, kv_len: int, q_len: int, causal: bool,
         carried = [sends[(r - 1) % ranks] for r in range(ranks)]
 
 
+def _check_ring_arguments(q, k, v, *, scale, mask, group, sinks, window_size, layout, timeout,
+                          stats) -> tuple[bool, int]:
+    """:func:`ring_attention`'s checks, the local ones first, then one
+    comparison across the ranks: ``(causal, query chunks per rank)``."""
+    _check_layout(layout)
+    if isinstance(mask, mx.array):
+        raise ValueError(
+            "ring_attention takes mask=None or mask='causal'; array masks are not supported "
+            "(they would have to be sharded with the sequence)"
+        )
+    # Local checks (shapes, dtypes, scale, sinks, window) are those of the single-process API.
+    attention_path(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size)
+    if stats is not None and not isinstance(stats, RingStats):
+        raise ValueError(f"stats must be a RingStats or None, got {type(stats).__name__}")
+    causal = mask == "causal" or window_size is not None
+    ranks = group.size()
+    per_rank = len(chunk_ids(layout, 0, ranks)) if causal else 1
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal ring attention needs query and key shards of the same length (one sequence), "
+            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if q.shape[2] % per_rank:
+        raise ValueError(
+            f"shard length {q.shape[2]} must be divisible by {per_rank} for layout {layout!r} "
+            f"(the global length by {_chunk_count(layout, ranks)})"
+        )
+    options = [LAYOUTS.index(layout), int(causal), window_size or 0, int(sinks is not None)]
+    check_same_across_ranks(
+        "ring_attention inputs (q, k, v, [layout, causal, window, sinks])",
+        _shape_signature(q, k, v) + options,
+        group,
+        timeout,
+    )
+    return causal, per_rank
+
+
 def ring_attention(
     q: mx.array,
     k: mx.array,
@@ -643,36 +681,9 @@ def ring_attention(
         DistributedError: a peer died during the exchange.
     """
     group = _group(group)
-    _check_layout(layout)
-    if isinstance(mask, mx.array):
-        raise ValueError(
-            "ring_attention takes mask=None or mask='causal'; array masks are not supported "
-            "(they would have to be sharded with the sequence)"
-        )
-    # Local checks (shapes, dtypes, scale, sinks, window) are those of the single-process API.
-    attention_path(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size)
-    if stats is not None and not isinstance(stats, RingStats):
-        raise ValueError(f"stats must be a RingStats or None, got {type(stats).__name__}")
-    causal = mask == "causal" or window_size is not None
+    causal, per_rank = _check_ring_arguments(q, k, v, scale=scale, mask=mask, group=group, sinks=sinks,
+                                             window_size=window_size, layout=layout, timeout=timeout, stats=stats)
     ranks, rank = group.size(), group.rank()
-    per_rank = len(chunk_ids(layout, 0, ranks)) if causal else 1
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"causal ring attention needs query and key shards of the same length (one sequence), "
-            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
-        )
-    if q.shape[2] % per_rank:
-        raise ValueError(
-            f"shard length {q.shape[2]} must be divisible by {per_rank} for layout {layout!r} "
-            f"(the global length by {_chunk_count(layout, ranks)})"
-        )
-    options = [LAYOUTS.index(layout), int(causal), window_size or 0, int(sinks is not None)]
-    _check_same_across_ranks(
-        "ring_attention inputs (q, k, v, [layout, causal, window, sinks])",
-        _shape_signature(q, k, v) + options,
-        group,
-        timeout,
-    )
 
     out_dtype = mx.result_type(q.dtype, k.dtype, v.dtype)
     q_len, kv_len = q.shape[2], k.shape[2]
@@ -682,37 +693,10 @@ def ring_attention(
         layout_of = lambda r, length: _Shard((r,), length)
     q_shard = layout_of(rank, q_len)
 
-    # The output accumulates in place in one float32 buffer (merged tile by
-    # tile, so no second output-sized array ever exists); each query tile
-    # keeps its row log-sum-exp. Sinks start the accumulator: a partial with
-    # no value and log-mass `sink`.
-    b, hq = q.shape[:2]
     tile_len = _REFERENCE_QUERY_TILE if _scores_materialized(q, k, v) else _piece_len(q_shard.chunk_len)
-    tiles = q_shard.pieces(tile_len)
-    out = mx.zeros((b, hq, q_len, v.shape[-1]), mx.float32)
-    first_lse = (mx.full((b, hq, 1), -mx.inf) if sinks is None
-                 else sinks.astype(mx.float32).reshape(1, hq, 1))
-    lse = {tile: mx.broadcast_to(first_lse, (b, hq, tile[1])) for tile in tiles}
-
-    def attend(kp: mx.array, vp: mx.array, k_start: int):
-        for tile in tiles:
-            q_start, length, offset = tile
-            kind = _block_kind(q_start, length, k_start, kp.shape[2], causal, window_size)
-            if kind == "skip":
-                continue
-            block_mask = _block_mask(kind, q_start, length, k_start, kp.shape[2], window_size)
-            rows = slice(offset, offset + length)
-            merged, lse[tile] = merge_partials(
-                out[:, :, rows], lse[tile],
-                *_attend_block(q[:, :, rows], kp, vp, scale=scale, mask=block_mask, window_size=window_size),
-            )
-            mx.eval(merged, lse[tile])  # one tile's partial alive at a time
-            out[:, :, rows] = merged  # in place: `out` has no other reference
-            del merged
-            mx.eval(out)
-            if stats is not None:
-                stats.visible_pairs += _visible_pairs(q_start, length, k_start, kp.shape[2], causal, window_size)
-
+    output = _TiledOutput(q, q_shard.pieces(tile_len), v.shape[-1], sinks, scale=scale, causal=causal,
+                          window_size=window_size, stats=stats)
+    attend = output.attend
     k_shard = layout_of(rank, kv_len)
     for start, length, offset in k_shard.pieces(_piece_len(k_shard.chunk_len)):
         attend(k[:, :, offset : offset + length], v[:, :, offset : offset + length], start)
@@ -720,7 +704,48 @@ def ring_attention(
         stats.ring_steps += 1
     _exchange(_ring_schedule(ranks, layout_of, kv_len, q_len, causal, window_size), group, k, v, attend,
               timeout, stats)
-    return out if out_dtype == mx.float32 else out.astype(out_dtype)
+    return output.out if out_dtype == mx.float32 else output.out.astype(out_dtype)
+
+
+class _TiledOutput:
+    """A rank's output of :func:`ring_attention`, accumulated in place in one
+    float32 buffer (merged tile by tile, so no second output-sized array
+    ever exists); each query tile ``(start, length, offset)`` keeps its row
+    log-sum-exp. Sinks start the accumulator: a partial with no value and
+    log-mass `sink`."""
+
+    def __init__(self, q, tiles, value_dim: int, sinks, *, scale, causal, window_size, stats):
+        b, hq, q_len = q.shape[:3]
+        self.q, self.tiles, self.scale, self.causal, self.window_size, self.stats = (
+            q, tiles, scale, causal, window_size, stats)
+        self.out = mx.zeros((b, hq, q_len, value_dim), mx.float32)
+        first_lse = (mx.full((b, hq, 1), -mx.inf) if sinks is None
+                     else sinks.astype(mx.float32).reshape(1, hq, 1))
+        self.lse = {tile: mx.broadcast_to(first_lse, (b, hq, tile[1])) for tile in tiles}
+
+    def attend(self, kp: mx.array, vp: mx.array, k_start: int) -> None:
+        """Merges the attention of every query tile to the keys ``kp`` (at
+        ``k_start`` in the sequence) and values ``vp`` it sees."""
+        causal, window_size = self.causal, self.window_size
+        for tile in self.tiles:
+            q_start, length, offset = tile
+            kind = _block_kind(q_start, length, k_start, kp.shape[2], causal, window_size)
+            if kind == "skip":
+                continue
+            block_mask = _block_mask(kind, q_start, length, k_start, kp.shape[2], window_size)
+            rows = slice(offset, offset + length)
+            merged, self.lse[tile] = merge_partials(
+                self.out[:, :, rows], self.lse[tile],
+                *_attend_block(self.q[:, :, rows], kp, vp, scale=self.scale, mask=block_mask,
+                               window_size=window_size),
+            )
+            mx.eval(merged, self.lse[tile])  # one tile's partial alive at a time
+            self.out[:, :, rows] = merged  # in place: `out` has no other reference
+            del merged
+            mx.eval(self.out)
+            if self.stats is not None:
+                self.stats.visible_pairs += _visible_pairs(q_start, length, k_start, kp.shape[2], causal,
+                                                           window_size)
 
 
 def _exchange(rounds, group, k, v, attend, timeout, stats):
@@ -741,7 +766,7 @@ def _exchange(rounds, group, k, v, attend, timeout, stats):
             raise RuntimeError(f"ring schedule broken on rank {rank}: {piece} was not received last round")
         for a in arrays:
             sent = mx.distributed.send(a, right, group=group)
-            _communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
+            communicate(f"{what}: sending to rank {right}", [sent], group, timeout)
             if stats is not None:
                 stats.bytes_sent += a.nbytes
 
@@ -749,7 +774,7 @@ def _exchange(rounds, group, k, v, attend, timeout, stats):
         parts = []
         for like in (k, v):
             part = mx.distributed.recv((*like.shape[:2], piece.length, like.shape[3]), like.dtype, left, group=group)
-            _communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
+            communicate(f"{what}: receiving from rank {left}", [part], group, timeout)
             parts.append(part)
             if stats is not None:
                 stats.bytes_received += part.nbytes

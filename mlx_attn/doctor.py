@@ -159,6 +159,31 @@ def _timing_lines(stream, dtype, lengths, repeats: int) -> list[str]:
     return lines
 
 
+def _cpu_section(native) -> tuple[list[str], list[CheckResult]]:
+    """The fused CPU kernel's variants against the reference path."""
+    lines = ["", "## Fused CPU kernel against the reference path", ""]
+    if native is None:
+        return lines + ["Not checked: the native extension is not loaded."], []
+
+    def cpu_runner(q, k, v, **kwargs):
+        return mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.cpu, **kwargs)
+
+    cpu_variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in (64, 128)]
+    results = [self_check.check_variant(v, cpu_runner, cpu_grid(v)) for v in cpu_variants]
+    return lines + _check_rows(results, label="cpu "), results
+
+
+def _checked_section(title: str, unavailable: str, runner: Callable | None, variants: list, check,
+                     **row_options) -> tuple[list[str], list[CheckResult]]:
+    """A report section: ``check(variant, runner)`` of every variant, or
+    ``unavailable`` without a runner."""
+    lines = ["", f"## {title}", ""]
+    if runner is None:
+        return lines + [unavailable], []
+    results = [check(v, runner) for v in variants]
+    return lines + _check_rows(results, **row_options), results
+
+
 def run_doctor(
     *,
     metal_runner: Callable | None = None,
@@ -186,61 +211,32 @@ def run_doctor(
             metal_paged = metal_paged_runner(mx.gpu)
     lines = ["# mlx_attn doctor report", "", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in _environment_rows(native)]
-    ok = native is not None
-    cpu_results: list[CheckResult] = []
-    metal_results: list[CheckResult] = []
-    backward_results: list[CheckResult] = []
-
-    lines += ["", "## Fused CPU kernel against the reference path", ""]
-    if native is None:
-        lines.append("Not checked: the native extension is not loaded.")
-    else:
-        def cpu_runner(q, k, v, **kwargs):
-            return mlx_attn.scaled_dot_product_attention(q, k, v, backend="fused", stream=mx.cpu, **kwargs)
-
-        cpu_variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in (64, 128)]
-        cpu_results = [self_check.check_variant(v, cpu_runner, cpu_grid(v)) for v in cpu_variants]
-        lines += _check_rows(cpu_results, label="cpu ")
-        ok &= all(r.passed for r in cpu_results)
-
+    cpu_lines, cpu_results = _cpu_section(native)
     no_metal = (
         "Not checked: "
         + ("Metal is not available on this machine" if not mx.metal.is_available()
            else "this build of mlx_attn has no Metal kernels")
         + "."
     )
-    lines += ["", "## Metal kernels against the reference path", ""]
-    if metal_runner is None:
-        lines.append(no_metal)
-    else:
-        if variants is None:
-            variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in METAL_HEAD_DIMS]
-        metal_results = [self_check.check_variant(v, metal_runner, metal_grid(v)) for v in variants]
-        lines += _check_rows(metal_results)
-        ok &= all(r.passed for r in metal_results)
-
-    lines += ["", "## Metal backward against the reference path's gradients", ""]
-    if metal_backward is None:
-        lines.append(no_metal)
-    else:
-        if backward_variants is None:
-            backward_variants = [BackwardVariant(dt, d, dv) for dt in DTYPE_NAMES for d, dv in BACKWARD_HEAD_DIMS]
-        backward_results = [
-            self_check.check_backward_variant(v, metal_backward, backward_grid(v)) for v in backward_variants
-        ]
-        lines += _check_rows(backward_results, error="max error / largest gradient")
-        ok &= all(r.passed for r in backward_results)
-    lines += ["", "## Paged Metal kernels against the paged reference path", ""]
-    paged_results: list[CheckResult] = []
-    if metal_paged is None:
-        lines.append(no_metal)
-    else:
-        if paged_variants is None:
-            paged_variants = [PagedVariant(dt, d) for dt in DTYPE_NAMES for d in PAGED_HEAD_DIMS]
-            paged_variants += [PagedVariant(dt, d, bits, 64) for dt in DTYPE_NAMES for d in (64, 128) for bits in (4, 8)]
-        paged_results = [self_check.check_paged_variant(v, metal_paged) for v in paged_variants]
-        lines += _check_rows(paged_results)
-        ok &= all(r.passed for r in paged_results)
+    if variants is None:
+        variants = [Variant(p, dt, d) for p in ("prefill", "decode") for dt in DTYPE_NAMES for d in METAL_HEAD_DIMS]
+    metal_lines, metal_results = _checked_section(
+        "Metal kernels against the reference path", no_metal, metal_runner, variants,
+        lambda v, run: self_check.check_variant(v, run, metal_grid(v)))
+    if backward_variants is None:
+        backward_variants = [BackwardVariant(dt, d, dv) for dt in DTYPE_NAMES for d, dv in BACKWARD_HEAD_DIMS]
+    backward_lines, backward_results = _checked_section(
+        "Metal backward against the reference path's gradients", no_metal, metal_backward, backward_variants,
+        lambda v, run: self_check.check_backward_variant(v, run, backward_grid(v)),
+        error="max error / largest gradient")
+    if paged_variants is None:
+        paged_variants = [PagedVariant(dt, d) for dt in DTYPE_NAMES for d in PAGED_HEAD_DIMS]
+        paged_variants += [PagedVariant(dt, d, bits, 64) for dt in DTYPE_NAMES for d in (64, 128) for bits in (4, 8)]
+    paged_lines, paged_results = _checked_section(
+        "Paged Metal kernels against the paged reference path", no_metal, metal_paged, paged_variants,
+        self_check.check_paged_variant)
+    lines += cpu_lines + metal_lines + backward_lines + paged_lines
+    ok = native is not None and all(r.passed for r in cpu_results + metal_results + backward_results + paged_results)
     failed = [str(r.variant) for r in metal_results + backward_results + paged_results if not r.passed]
     if failed:
         lines += ["", f"Variants that would be disabled by the first-use self-check: {', '.join(failed)}."]

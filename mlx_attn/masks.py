@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_attn._checks import (
+from mlx_attn.core.checks import (
     MAX_DIM,
     check_array,
     check_elements,

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_attn import _native, self_check
+from mlx_attn.core.attention_arguments import (WINDOW_LIMIT, as_flag, as_scale, as_softcap, check_sinks,
+                                               check_window_size, device_type, shape_text)
+from mlx_attn.core.checks import FLOAT_DTYPES
+from mlx_attn.core.path_choice import Backend, Path, PathChoice, check_backend
 from mlx_attn.reference import reference_attention
 
 __all__ = [
@@ -35,28 +37,7 @@ __all__ = [
     "metal_backward_runner", "Backend", "Path", "PathChoice",
 ]
 
-Backend = Literal["auto", "fused", "reference"]
-Path = Literal["fused-cpu", "fused-metal", "mlx-fast", "reference"]
-
-
-class PathChoice(NamedTuple):
-    """``attention_path(..., explain=True)``: the path and, whenever it is not
-    a fused kernel, the human reason why not (None on a fused path)."""
-
-    path: Path
-    reason: str | None
-
-FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
-# Windows beyond any position are plain causal attention; the kernels take int32.
-_WINDOW_LIMIT = 2**31 - 1
-
 _ext = _native.ext  # kept for callers that probe mlx_attn.ops._ext
-
-
-def _shape(a: mx.array) -> str:
-    return "(" + ", ".join(str(d) for d in a.shape) + ")"
 
 
 def _result_dtype(q: mx.array, k: mx.array, v: mx.array) -> mx.Dtype:
@@ -71,147 +52,84 @@ def _result_dtype(q: mx.array, k: mx.array, v: mx.array) -> mx.Dtype:
     return dtype
 
 
-def _as_scale(scale) -> float:
-    """What mx.fast accepts as a scale (Python/NumPy real scalars, 0-d NumPy
-    arrays, size-1 MLX arrays), as a float finite in float32."""
-    if isinstance(scale, mx.array):
-        if scale.size != 1 or mx.issubdtype(scale.dtype, mx.complexfloating):
-            raise ValueError(f"scale must be a real number or a size-1 array, got an array of shape {_shape(scale)} and dtype {scale.dtype}")
-        value = scale.item()
-    elif isinstance(scale, np.ndarray):
-        if scale.ndim != 0 or not np.isrealobj(scale) or scale.dtype.kind not in "biuf":
-            raise ValueError(f"scale must be a real number or a 0-d array, got a NumPy array of shape {scale.shape} and dtype {scale.dtype}")
-        value = scale.item()
-    elif isinstance(scale, (int, float, np.integer, np.floating, np.bool_)):
-        value = scale
-    else:
-        raise ValueError(f"scale must be a real number, got {type(scale).__name__}")
-    try:
-        value = float(value)
-    except OverflowError:  # a Python int beyond any float
-        value = float("inf") if value > 0 else float("-inf")
-    if not abs(value) <= FLOAT32_MAX:
-        raise ValueError(f"scale must be finite in float32 (|scale| <= {FLOAT32_MAX:.8g}), got {value!r}")
-    return value
-
-
-def _as_softcap(softcap) -> float | None:
-    """``softcap``: None, or a positive number, normal and finite in float32
-    (Python or NumPy reals, not bools), as a float."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    try:
-        value = float(softcap)
-    except OverflowError:  # a Python int beyond any float
-        value = float("inf")
-    # normal in float32: a denormal cap would flush to 0 where kernels flush denormals
-    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
-        raise ValueError(
-            f"softcap must be a positive number, normal and finite in float32 "
-            f"({FLOAT32_TINY:.8g} <= softcap <= {FLOAT32_MAX:.8g}), or None; got {softcap!r}"
-        )
-    return value
-
-
-def _flag(name: str, value) -> bool:
-    """A bool flag: Python or NumPy bools, as a Python bool."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse, softcap):
-    """Checks the public contract (ValueError naming the argument; the C++
-    describe_attention keeps only the invariants the kernels must not trust,
-    without restating these messages). Returns the output dtype, the scale as
-    a float, return_lse as a bool and the softcap as a float or None."""
+def _check_qkv(q, k, v) -> mx.Dtype:
+    """q, k and v: rank-4 arrays that agree on batch, key/value heads and
+    length, head dim and the GQA ratio; returns the output dtype."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not isinstance(a, mx.array):
             raise ValueError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
         if a.ndim != 4:
             raise ValueError(
-                f"{name} must have rank 4 [batch, heads, length, head_dim], got shape {_shape(a)}"
+                f"{name} must have rank 4 [batch, heads, length, head_dim], got shape {shape_text(a)}"
             )
     dtype = _result_dtype(q, k, v)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(
-            f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+            f"batch sizes differ: q {shape_text(q)}, k {shape_text(k)}, v {shape_text(v)}"
         )
     if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v need the same number of heads: k {_shape(k)}, v {_shape(v)}")
+        raise ValueError(f"k and v need the same number of heads: k {shape_text(k)}, v {shape_text(v)}")
     if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v need the same length: k {_shape(k)}, v {_shape(v)}")
+        raise ValueError(f"k and v need the same length: k {shape_text(k)}, v {shape_text(v)}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"q and k need the same head dim: q {_shape(q)}, k {_shape(k)}"
+            f"q and k need the same head dim: q {shape_text(q)}, k {shape_text(k)}"
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"the number of query heads ({q.shape[1]}) must be a multiple of the "
             f"number of key/value heads ({k.shape[1]})"
         )
-    scale = _as_scale(scale)
+    return dtype
 
+
+def _check_mask(mask, q: mx.array, k: mx.array, dtype: mx.Dtype) -> None:
+    """None, "causal", or an array broadcastable to [batch, q_heads, q_len,
+    kv_len]: boolean, or additive in a dtype that promotes to ``dtype``."""
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an array, got the string {mask!r}")
-    elif mask is not None:
-        if not isinstance(mask, mx.array):
-            raise ValueError(f"mask must be None, 'causal' or an mlx array, got {type(mask).__name__}")
-        if mask.ndim > 4:
-            raise ValueError(f"mask must have at most 4 dims, got shape {_shape(mask)}")
-        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        for got, want in zip(reversed(mask.shape), reversed(target)):
-            if got not in (1, want):
-                raise ValueError(
-                    f"mask of shape {_shape(mask)} does not broadcast to "
-                    f"[batch, q_heads, q_len, kv_len] = {list(target)}"
-                )
-        if mask.dtype != mx.bool_:
-            if not mx.issubdtype(mask.dtype, mx.floating):
-                raise ValueError(
-                    f"mask must be boolean (True = attend) or an additive float mask, got {mask.dtype}"
-                )
-            if mx.result_type(mask.dtype, dtype) != dtype:
-                raise ValueError(
-                    f"additive mask dtype {mask.dtype} must promote to the output dtype {dtype}"
-                )
-
-    if sinks is not None:
-        if not isinstance(sinks, mx.array):
-            raise ValueError(f"sinks must be an mlx array, got {type(sinks).__name__}")
-        if sinks.ndim != 1 or sinks.shape[0] != q.shape[1]:
+        return
+    if mask is None:
+        return
+    if not isinstance(mask, mx.array):
+        raise ValueError(f"mask must be None, 'causal' or an mlx array, got {type(mask).__name__}")
+    if mask.ndim > 4:
+        raise ValueError(f"mask must have at most 4 dims, got shape {shape_text(mask)}")
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    for got, want in zip(reversed(mask.shape), reversed(target)):
+        if got not in (1, want):
             raise ValueError(
-                f"sinks must have shape [q_heads] = [{q.shape[1]}], got {_shape(sinks)}"
+                f"mask of shape {shape_text(mask)} does not broadcast to "
+                f"[batch, q_heads, q_len, kv_len] = {list(target)}"
             )
-        if not mx.issubdtype(sinks.dtype, mx.floating):
-            raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
-        if mx.result_type(sinks.dtype, dtype) != dtype:
-            raise ValueError(f"sinks dtype {sinks.dtype} must promote to the output dtype {dtype}")
-
-    if window_size is not None:
-        if isinstance(window_size, (bool, np.bool_)) or not isinstance(window_size, (int, np.integer)) or window_size < 1:
-            raise ValueError(f"window_size must be a positive integer or None, got {window_size!r}")
-    if not isinstance(backend, str) or backend not in ("auto", "fused", "reference"):
-        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    return_lse = _flag("return_lse", return_lse)
-    softcap = _as_softcap(softcap)
-    _device_type(stream)  # raises for a stream of the wrong type
-    return dtype, scale, return_lse, softcap
+    if mask.dtype != mx.bool_:
+        if not mx.issubdtype(mask.dtype, mx.floating):
+            raise ValueError(
+                f"mask must be boolean (True = attend) or an additive float mask, got {mask.dtype}"
+            )
+        if mx.result_type(mask.dtype, dtype) != dtype:
+            raise ValueError(
+                f"additive mask dtype {mask.dtype} must promote to the output dtype {dtype}"
+            )
 
 
-def _device_type(stream) -> mx.DeviceType:
-    if stream is None:
-        return mx.default_device().type
-    if isinstance(stream, mx.Stream):
-        return stream.device.type
-    if isinstance(stream, mx.Device):
-        return stream.type
-    if isinstance(stream, mx.DeviceType):  # mx.cpu / mx.gpu
-        return stream
-    raise ValueError(f"stream must be an mlx Stream, Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
+def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_lse, softcap):
+    """Checks the public contract (ValueError naming the argument; the C++
+    describe_attention keeps only the invariants the kernels must not trust,
+    without restating these messages). Returns the output dtype, the scale as
+    a float, the window as an int (or None), return_lse as a bool and the
+    softcap as a float or None."""
+    dtype = _check_qkv(q, k, v)
+    scale = as_scale(scale)
+    _check_mask(mask, q, k, dtype)
+    check_sinks(sinks, q.shape[1], dtype)
+    window_size = check_window_size(window_size)
+    check_backend(backend)
+    return_lse = as_flag("return_lse", return_lse)
+    softcap = as_softcap(softcap)
+    device_type(stream)  # raises for a stream of the wrong type
+    return dtype, scale, window_size, return_lse, softcap
 
 
 _SAME = object()  # run_fused's "the call's own sinks"
@@ -261,18 +179,16 @@ class AttentionCall:
         """Validates every argument (ValueError naming it), promotes dtypes
         and chooses the path. ``backend="fused"`` raises where the fused
         kernel cannot run the call."""
-        dtype, scale, return_lse, softcap = _validate(q, k, v, scale, mask, sinks, window_size, backend, stream,
-                                                      return_lse, softcap)
+        dtype, scale, window_size, return_lse, softcap = _validate(q, k, v, scale, mask, sinks, window_size, backend,
+                                                                   stream, return_lse, softcap)
         q, k, v = (a.astype(dtype) if a.dtype != dtype else a for a in (q, k, v))
         array_mask = mask if isinstance(mask, mx.array) else None
         if array_mask is not None and array_mask.dtype not in (mx.bool_, dtype):
             array_mask = array_mask.astype(dtype)  # lossless: its dtype promotes to dtype
         if sinks is not None and sinks.dtype != dtype:
             sinks = sinks.astype(dtype)
-        if window_size is not None:
-            window_size = min(int(window_size), _WINDOW_LIMIT)
         call = cls(q, k, v, scale, array_mask, isinstance(mask, str) or window_size is not None, window_size,
-                   sinks, return_lse, backend, stream, _device_type(stream), quantized, softcap)
+                   sinks, return_lse, backend, stream, device_type(stream), quantized, softcap)
         return call._with_path()
 
     # -- the path ------------------------------------------------------------
@@ -476,7 +392,7 @@ def _reference_derivative(mode, primals, vectors, argnums, options, stream):
     it). Bool masks are constants; an additive mask's gradient is the score
     gradient reduced over its broadcast dimensions (autodiff does it)."""
     # causal is a window of every earlier key: one route for both, beside an array mask too
-    window_size = options.window_size or (_WINDOW_LIMIT if options.causal else None)
+    window_size = options.window_size or (WINDOW_LIMIT if options.causal else None)
 
     def attend(arrays):
         q, k, v, *extras = arrays

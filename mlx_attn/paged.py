@@ -45,7 +45,8 @@ Implementations (:func:`paged_attention_path` says which one a call takes):
   chunks on the prefill kernel's MMA tiles with K/V staged page by page
   (``metal/attention_paged_prefill.h``); the launch plan routes each sequence
   (``paged_rows_take_prefill`` in ``csrc/paged_launch_plan.h``).
-- ``"reference"``: gather each sequence's pages into contiguous K/V and run
+- ``"reference"`` (:mod:`mlx_attn.paged_reference`): gather each sequence's
+  pages into contiguous K/V and run
   :func:`mlx_attn.reference.reference_attention` per sequence.
 
 ``backend="auto"`` takes the fused kernel of the stream's device where one
@@ -59,14 +60,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Literal
 
 import mlx.core as mx
-import numpy as np
 
-from mlx_attn import _native, quantized
-from mlx_attn.ops import FLOAT_DTYPES, _as_scale, _as_softcap, _device_type
-from mlx_attn.reference import reference_attention
+from mlx_attn import _native, self_check
+from mlx_attn.core.attention_arguments import (as_flag, as_scale, as_softcap, check_sinks, check_window_size,
+                                               device_type)
+from mlx_attn.core.paged_layout import PagedLayout, check_float_array, check_paged_layout, page_shape
+from mlx_attn.core.path_choice import PagedPath, check_backend
+from mlx_attn.core.quantization import check_quantization, check_triple
+from mlx_attn.paged_reference import gather_pages, paged_reference_attention
 
 __all__ = [
     "paged_attention",
@@ -74,189 +77,30 @@ __all__ = [
     "paged_attention_path",
     "quantized_paged_attention_path",
     "gather_pages",
+    "check_paged_layout",
     "PagedPath",
 ]
 
-PagedPath = Literal["fused-cpu", "fused-metal", "reference"]
-_BACKENDS = ("auto", "fused", "reference")
 _INFERENCE_ONLY = (
     "paged_attention is inference only: it has no gradient (use mlx_attn.scaled_dot_product_attention "
     "on contiguous K/V to train)"
 )
-# Windows beyond any position are plain causal attention (the dense op's limit).
-_WINDOW_LIMIT = 2**31 - 1
-
-
-def _shape(a) -> str:
-    return "(" + ", ".join(str(d) for d in a.shape) + ")"
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """The host-side facts of a checked call: per-sequence lengths and the
-    block-table rows actually read (plain Python ints)."""
-
-    q_lens: list[int]
-    kv_lens: list[int]
-    pages: list[list[int]]  # the pages each sequence reads, in key order
-    heads: int
-    kv_heads: int
-    page_size: int
-    value_dim: int
-
-
-def _check_mx(name: str, a, ndim: int, meaning: str) -> mx.array:
-    if not isinstance(a, mx.array):
-        raise ValueError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} must have rank {ndim} {meaning}, got shape {_shape(a)}")
-    return a
-
-
-def _check_int32(name: str, a, ndim: int, meaning: str) -> np.ndarray:
-    _check_mx(name, a, ndim, meaning)
-    if a.dtype != mx.int32:
-        raise ValueError(f"{name} must be int32, got {a.dtype}")
-    return np.asarray(a) if a.size else np.zeros(a.shape, np.int32)
-
-
-def _check_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens) -> _Layout:
-    """Shapes of q and the pages (given as 4-d shapes) and the values of the
-    integer arguments, checked on the host."""
-    total_q, heads, head_dim = q.shape
-    _, kv_heads, page_size, k_dim = k_shape
-    if k_shape[:3] != v_shape[:3]:
-        raise ValueError(
-            f"k_pages {k_shape} and v_pages {v_shape} must agree on [num_pages, kv_heads, page_size]"
-        )
-    if k_dim != head_dim:
-        raise ValueError(f"q and k_pages need the same head dim: q {_shape(q)}, k_pages {k_shape}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(
-            f"the number of query heads ({heads}) must be a multiple of the number of key/value heads "
-            f"({kv_heads}) of k_pages"
-        )
-    if page_size == 0:
-        raise ValueError(f"k_pages must have page_size >= 1, got shape {k_shape}")
-
-    table = _check_int32("block_table", block_table, 2, "[batch, max_pages]")
-    batch, max_pages = table.shape
-    kv = _check_int32("kv_lens", kv_lens, 1, "[batch]")
-    if kv.shape[0] != batch:
-        raise ValueError(f"kv_lens must have shape [batch] = [{batch}] (block_table's rows), got {kv.shape}")
-    if q_lens is None:
-        ql = np.ones(batch, np.int32)
-        what = "q_lens (None: one query row per sequence)"
-    else:
-        ql = _check_int32("q_lens", q_lens, 1, "[batch]")
-        what = "q_lens"
-        if ql.shape[0] != batch:
-            raise ValueError(f"q_lens must have shape [batch] = [{batch}] (block_table's rows), got {ql.shape}")
-    if (kv < 0).any():
-        raise ValueError(f"kv_lens must be >= 0, got {kv.tolist()}")
-    if (ql < 0).any():
-        raise ValueError(f"q_lens must be >= 0, got {ql.tolist()}")
-    if (ql > kv).any():
-        b = int(np.argmax(ql > kv))
-        raise ValueError(
-            f"{what} must not exceed kv_lens (a query row's own key is in the pages): "
-            f"sequence {b} has q_lens {int(ql[b])} > kv_lens {int(kv[b])}"
-        )
-    if int(ql.sum()) != total_q:
-        raise ValueError(f"q has {total_q} rows but {what} sums to {int(ql.sum())}")
-    needed = (kv.astype(np.int64) + page_size - 1) // page_size
-    if (needed > max_pages).any():
-        b = int(np.argmax(needed > max_pages))
-        raise ValueError(
-            f"kv_lens[{b}] = {int(kv[b])} needs {int(needed[b])} pages of {page_size} keys but block_table "
-            f"has only {max_pages} columns"
-        )
-    pages = []
-    for b in range(batch):
-        row = table[b, : needed[b]]
-        bad = (row < 0) | (row >= num_pages)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(
-                f"block_table[{b}, {j}] = {int(row[j])} is not a page index in [0, {num_pages}) "
-                f"(sequence {b} reads {int(needed[b])} pages for kv_lens {int(kv[b])})"
-            )
-        pages.append(row.tolist())
-    return _Layout(ql.tolist(), kv.tolist(), pages, heads, kv_heads, page_size, v_shape[3])
 
 
 def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap=None):
-    scale = _as_scale(scale)
-    softcap = _as_softcap(softcap)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"causal must be True or False, got {causal!r}")
-    if window_size is not None:
-        if (isinstance(window_size, (bool, np.bool_)) or not isinstance(window_size, (int, np.integer))
-                or window_size < 1):
-            raise ValueError(f"window_size must be a positive integer or None, got {window_size!r}")
-        if not causal:
-            raise ValueError("window_size needs causal=True (a sliding window is causal)")
-        window_size = min(int(window_size), _WINDOW_LIMIT)
-    if sinks is not None:
-        if not isinstance(sinks, mx.array):
-            raise ValueError(f"sinks must be an mlx array, got {type(sinks).__name__}")
-        if sinks.ndim != 1 or sinks.shape[0] != q.shape[1]:
-            raise ValueError(f"sinks must have shape [q_heads] = [{q.shape[1]}], got {_shape(sinks)}")
-        if not mx.issubdtype(sinks.dtype, mx.floating):
-            raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
-        if mx.result_type(sinks.dtype, dtype) != dtype:
-            raise ValueError(f"sinks dtype {sinks.dtype} must promote to the output dtype {dtype}")
-    if not isinstance(backend, str) or backend not in _BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'fused' or 'reference', got {backend!r}")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-    _device_type(stream)  # raises for a stream of the wrong type
-    return scale, bool(causal), window_size, softcap
-
-
-def _check_float(name: str, a, ndim: int, meaning: str) -> mx.array:
-    _check_mx(name, a, ndim, meaning)
-    if a.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {a.dtype}")
-    return a
-
-
-def gather_pages(pages: mx.array, page_ids, length: int) -> mx.array:
-    """The ``[Hkv, length, D]`` contiguous keys (or values) of one sequence:
-    its pages ``page_ids`` (in key order) joined along the token axis."""
-    if length == 0:
-        return mx.zeros((pages.shape[1], 0, pages.shape[3]), dtype=pages.dtype)
-    taken = pages[mx.array(page_ids, dtype=mx.int32)]  # [n, Hkv, P, D]
-    joined = mx.flatten(taken.swapaxes(0, 1), 1, 2)  # [Hkv, n * P, D]
-    return joined[:, :length]
-
-
-def _attend(q, layout: _Layout, fetch, scale, causal, window_size, sinks, return_lse, softcap=None):
-    """The reference: per sequence, fetch its contiguous K/V and run the
-    reference SDPA on its query rows. ``fetch(b) -> (k, v)``, ``[Hkv, T, D]``."""
-    outs, lses = [], []
-    start = 0
-    for b, (q_len, kv_len) in enumerate(zip(layout.q_lens, layout.kv_lens)):
-        if q_len == 0:
-            continue
-        k, v = fetch(b)
-        rows = q[start : start + q_len].swapaxes(0, 1)[None]  # [1, Hq, q_len, D]
-        start += q_len
-        result = reference_attention(
-            rows, k[None], v[None], scale=scale, mask="causal" if causal else None, sinks=sinks,
-            window_size=window_size, return_lse=return_lse, softcap=softcap,
-        )
-        out, lse = result if return_lse else (result, None)
-        outs.append(out[0].swapaxes(0, 1))  # [q_len, Hq, Dv]
-        if return_lse:
-            lses.append(lse[0].swapaxes(0, 1))  # [q_len, Hq]
-    if not outs:
-        out = mx.zeros((0, layout.heads, layout.value_dim), dtype=q.dtype)
-        lse = mx.zeros((0, layout.heads), dtype=mx.float32)
-    else:
-        out = mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        lse = (mx.concatenate(lses) if len(lses) > 1 else lses[0]) if return_lse else None
-    return [out, lse] if return_lse else [out]
+    """The options' checks, in the order the call reports them: ``(scale,
+    causal, window_size, softcap)`` as the kernels take them."""
+    scale = as_scale(scale)
+    softcap = as_softcap(softcap)
+    causal = as_flag("causal", causal)
+    window_size = check_window_size(window_size)
+    if window_size is not None and not causal:
+        raise ValueError("window_size needs causal=True (a sliding window is causal)")
+    check_sinks(sinks, q.shape[1], dtype)
+    check_backend(backend)
+    as_flag("return_lse", return_lse)
+    device_type(stream)  # raises for a stream of the wrong type
+    return scale, causal, window_size, softcap
 
 
 def _inference_only(compute, arrays: list[mx.array]):
@@ -296,7 +140,7 @@ class _PagedCall:
     kv_lens: mx.array
     q_lens: mx.array
     sinks: mx.array | None
-    layout: _Layout
+    layout: PagedLayout
     scale: float
     causal: bool
     window_size: int | None
@@ -325,7 +169,7 @@ class _PagedCall:
 
     @property
     def device(self) -> mx.DeviceType:
-        return _device_type(self.stream)
+        return device_type(self.stream)
 
     def fused_unsupported_reason(self) -> str | None:
         """None when the fused kernel of the call's device runs it, else why not."""
@@ -380,19 +224,9 @@ class _PagedCall:
 
 def _run_reference(call: _PagedCall, *arrays):
     q, k_parts, v_parts, sinks = call.split(arrays)
-    layout = call.layout
-
-    def fetch(b):
-        pages, length = layout.pages[b], layout.kv_lens[b]
-        if not call.bits:
-            return gather_pages(k_parts[0], pages, length), gather_pages(v_parts[0], pages, length)
-        return tuple(
-            quantized.dequantize(tuple(gather_pages(part, pages, length) for part in parts), call.group_size,
-                                 call.bits).astype(q.dtype)
-            for parts in (k_parts, v_parts))
-
-    return _attend(q, layout, fetch, call.scale, call.causal, call.window_size, sinks, call.return_lse,
-                   call.softcap)
+    return paged_reference_attention(q, k_parts, v_parts, call.layout, scale=call.scale, causal=call.causal,
+                                     window_size=call.window_size, sinks=sinks, return_lse=call.return_lse,
+                                     softcap=call.softcap, bits=call.bits, group_size=call.group_size)
 
 
 def _run_fused_cpu(call: _PagedCall, *arrays):
@@ -418,11 +252,11 @@ _RUNNERS = {"fused-cpu": _run_fused_cpu, "fused-metal": _run_fused_metal, "refer
 
 def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, window_size, sinks, backend,
              return_lse, stream, softcap=None) -> _PagedCall:
-    _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
-    _check_float("k_pages", k_pages, 4, "[num_pages, kv_heads, page_size, head_dim]")
-    _check_float("v_pages", v_pages, 4, "[num_pages, kv_heads, page_size, value_dim]")
+    check_float_array("q", q, 3, "[total_q, q_heads, head_dim]")
+    check_float_array("k_pages", k_pages, 4, "[num_pages, kv_heads, page_size, head_dim]")
+    check_float_array("v_pages", v_pages, 4, "[num_pages, kv_heads, page_size, value_dim]")
     dtype = mx.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
-    layout = _check_layout(q, tuple(k_pages.shape), tuple(v_pages.shape), k_pages.shape[0], block_table,
+    layout = check_paged_layout(q, tuple(k_pages.shape), tuple(v_pages.shape), k_pages.shape[0], block_table,
                            kv_lens, q_lens)
     options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     return _PagedCall.build(q, (k_pages,), (v_pages,), dtype, layout, block_table, kv_lens, q_lens, sinks, options,
@@ -431,16 +265,15 @@ def _prepare(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, causal, w
 
 def _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
                        window_size, sinks, backend, return_lse, stream, softcap=None) -> _PagedCall:
-    group_size, bits = quantized.check_quantization(group_size, bits)
+    group_size, bits = check_quantization(group_size, bits)
     k_pages = _check_quantized_pages("k_pages", k_pages, group_size, bits)
     v_pages = _check_quantized_pages("v_pages", v_pages, group_size, bits)
-    _check_float("q", q, 3, "[total_q, q_heads, head_dim]")
+    check_float_array("q", q, 3, "[total_q, q_heads, head_dim]")
     if k_pages[1].dtype != v_pages[1].dtype:
         raise ValueError(f"k_pages and v_pages scales need one dtype, got {k_pages[1].dtype} and {v_pages[1].dtype}")
     dtype = mx.result_type(q.dtype, k_pages[1].dtype)
-    k_shape = (*k_pages[0].shape[:3], quantized.quantized_head_dim(k_pages[0], bits))
-    v_shape = (*v_pages[0].shape[:3], quantized.quantized_head_dim(v_pages[0], bits))
-    layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+    k_shape, v_shape = page_shape(k_pages[0], bits), page_shape(v_pages[0], bits)
+    layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
     options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     return _PagedCall.build(q, tuple(k_pages), tuple(v_pages), dtype, layout, block_table, kv_lens, q_lens, sinks,
                             options, backend, return_lse, stream, bits, group_size)
@@ -525,7 +358,7 @@ def paged_attention(
 def _check_quantized_pages(name: str, pages, group_size: int, bits: int):
     """A ``(packed, scales, biases)`` triple of pages: ``mx.quantize`` of
     ``[num_pages, Hkv, page_size, D]`` (the ``QuantizedKVCache`` format)."""
-    return quantized._check_triple(name, pages, group_size, bits)
+    return check_triple(name, pages, group_size, bits)
 
 
 def quantized_paged_attention(
@@ -569,21 +402,19 @@ def quantized_paged_attention(
 # The Mac host side of the paged kernels (metal/attention_paged.h, plan
 # csrc/paged_launch_plan.cpp, primitive csrc/paged_attention_metal.h): what a
 # GPU-stream dispatch calls once the arguments are checked (_prepare /
-# _check_layout) and cast to the call's dtype.
+# check_paged_layout) and cast to the call's dtype.
 
 
 def _metal_inputs(q, k_parts, v_parts, block_table, sinks) -> list:
     return [q, *k_parts, *v_parts, block_table] + ([sinks] if sinks is not None else [])
 
 
-def metal_paged_reason(q, k_parts, v_parts, block_table, layout: _Layout, *, window_size=None, sinks=None,
+def metal_paged_reason(q, k_parts, v_parts, block_table, layout: PagedLayout, *, window_size=None, sinks=None,
                        return_lse=False, bits=0, group_size=0, softcap=None) -> str:
     """Why the fused Metal paged kernels cannot run this checked call ("" when
     they can): no Metal build, or what the launch plan refuses (head dims,
     Dv != D, quantization). ``k_parts`` / ``v_parts``: ``[pages]`` or the
     ``(packed, scales, biases)`` triples."""
-    from mlx_attn import _native
-
     ext = _native.ext
     if ext is None or not ext.has_metal():
         return "this build of mlx_attn has no Metal kernels"
@@ -594,13 +425,11 @@ def metal_paged_reason(q, k_parts, v_parts, block_table, layout: _Layout, *, win
     return "" if plan["supported"] else plan["reason"]
 
 
-def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: _Layout, *, scale, causal, window_size,
+def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: PagedLayout, *, scale, causal, window_size,
                                 sinks, return_lse, bits=0, group_size=0, softcap=None, stream=None) -> list:
     """The fused Metal paged kernels on a GPU stream: ``[out]`` or
     ``[out, lse]``. Arguments checked and in one dtype (scales and biases
     too); ``block_table`` int32; lengths from ``layout``."""
-    from mlx_attn import _native
-
     return _native.ext.metal_paged_attention(
         _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens, scale=scale,
         causal=causal, window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
@@ -617,12 +446,8 @@ def metal_paged_runner(stream):
             sinks=None, bits=0, group_size=0):
         k_parts = tuple(k_pages) if bits else (k_pages,)
         v_parts = tuple(v_pages) if bits else (v_pages,)
-        if bits:
-            k_shape = (*k_parts[0].shape[:3], quantized.quantized_head_dim(k_parts[0], bits))
-            v_shape = (*v_parts[0].shape[:3], quantized.quantized_head_dim(v_parts[0], bits))
-        else:
-            k_shape, v_shape = tuple(k_pages.shape), tuple(v_pages.shape)
-        layout = _check_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+        k_shape, v_shape = page_shape(k_parts[0], bits), page_shape(v_parts[0], bits)
+        layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
         return fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout, scale=scale, causal=causal,
                                            window_size=window_size, sinks=sinks, return_lse=False, bits=bits,
                                            group_size=group_size, stream=stream)[0]
@@ -634,7 +459,5 @@ def metal_paged_trusted(dtype, head_dim: int, *, bits: int = 0, group_size: int 
     """Whether the paged kernel variant for this dtype and head dim passed its
     first-use self-check (run now if it has not; a failure warns once and
     disables the variant: calls then take the reference path)."""
-    from mlx_attn import self_check
-
     variant = self_check.PagedVariant(str(dtype).split(".")[-1], head_dim, bits, group_size)
     return self_check.trusted(variant, metal_paged_runner(stream if stream is not None else mx.gpu))

@@ -6,6 +6,8 @@ A quantized tensor is the triple ``(packed, scales, biases)`` that
 ``i`` of a word sits at bit ``(i % (32 / bits)) * bits``), ``scales`` and
 ``biases`` are float ``[B, H, T, D / group_size]`` and
 ``x[..., i] ~= packed_i * scales[..., i // group_size] + biases[..., i // group_size]``.
+The format's checks and conversions live in :mod:`mlx_attn.core.quantization`
+(re-exported here: ``quantize``, ``dequantize``, ``check_quantization``...).
 
 :func:`quantized_scaled_dot_product_attention` has the contract of
 :func:`mlx_attn.scaled_dot_product_attention` (mask, sinks, window, GQA
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Literal
 
 import mlx.core as mx
 
 from mlx_attn import _native, ops, self_check
-from mlx_attn._checks import check_int
+from mlx_attn.core.path_choice import Backend, PathChoice, QuantizedPath
+from mlx_attn.core.quantization import (SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, check_quantizable_dim,
+                                        check_quantization, check_triple, dequantize, quantize, quantized_head_dim)
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -40,85 +43,8 @@ __all__ = [
     "quantized_head_dim",
     "quantized_scaled_dot_product_attention",
     "quantized_attention_path",
+    "check_quantizable_dim",
 ]
-
-SUPPORTED_BITS = (4, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-_WORD_BITS = 32
-
-QuantizedPath = Literal["fused-cpu", "fused-metal", "reference"]
-
-
-def check_quantization(group_size, bits) -> tuple[int, int]:
-    """``(group_size, bits)`` checked against the supported values."""
-    group_size = check_int("group_size", group_size)
-    bits = check_int("bits", bits)
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
-    return group_size, bits
-
-
-def check_quantizable_dim(name: str, dim: int, group_size: int) -> None:
-    """A feature dimension ``mx.quantize`` can split into whole groups."""
-    if dim == 0 or dim % group_size != 0:
-        raise ValueError(f"{name} {dim} must be a positive multiple of group_size={group_size}")
-
-
-def quantize(x: mx.array, group_size: int = 64, bits: int = 8) -> tuple[mx.array, mx.array, mx.array]:
-    """``x [..., D]`` as a ``(packed, scales, biases)`` triple (``mx.quantize``)."""
-    group_size, bits = check_quantization(group_size, bits)
-    check_quantizable_dim("the last dimension", x.shape[-1], group_size)
-    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
-
-
-def dequantize(triple, group_size: int = 64, bits: int = 8) -> mx.array:
-    """The float array a ``(packed, scales, biases)`` triple stands for."""
-    packed, scales, biases = triple
-    if packed.size == 0:  # mx.dequantize cannot reshape an empty array
-        return mx.zeros((*packed.shape[:-1], quantized_head_dim(packed, bits)), dtype=scales.dtype)
-    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
-
-
-def quantized_head_dim(packed: mx.array, bits: int) -> int:
-    """The feature dimension a packed uint32 array holds."""
-    return packed.shape[-1] * (_WORD_BITS // bits)
-
-
-def _check_triple(name: str, triple, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """One ``(packed, scales, biases)`` triple: types, ranks, dtypes and the
-    shapes ``mx.quantize`` gives for this group size and bit width."""
-    if not isinstance(triple, (tuple, list)) or len(triple) != 3:
-        raise ValueError(f"{name} must be a (packed, scales, biases) triple as mx.quantize returns, "
-                         f"got {type(triple).__name__}"
-                         + (f" of length {len(triple)}" if isinstance(triple, (tuple, list)) else ""))
-    for part, a in zip(("packed", "scales", "biases"), triple):
-        if not isinstance(a, mx.array):
-            raise ValueError(f"{name} {part} must be an mlx.core.array, got {type(a).__name__}")
-        if a.ndim != 4:
-            raise ValueError(f"{name} {part} must have rank 4 [batch, heads, length, features], got {a.shape}")
-    packed, scales, biases = triple
-    if packed.dtype != mx.uint32:
-        raise ValueError(f"{name} packed must be uint32 (mx.quantize's packing), got {packed.dtype}")
-    if scales.dtype not in ops.FLOAT_DTYPES or biases.dtype != scales.dtype:
-        raise ValueError(
-            f"{name} scales and biases must share one float dtype (float16, bfloat16, float32), "
-            f"got {scales.dtype} and {biases.dtype}"
-        )
-    if scales.shape != biases.shape or scales.shape[:3] != packed.shape[:3]:
-        raise ValueError(
-            f"{name} packed {packed.shape}, scales {scales.shape} and biases {biases.shape} disagree on "
-            f"[batch, heads, length] or scales/biases shapes"
-        )
-    dim = quantized_head_dim(packed, bits)
-    if dim == 0 or dim % group_size != 0 or scales.shape[3] != dim // group_size:
-        raise ValueError(
-            f"{name} does not match group_size={group_size}, bits={bits}: packed {packed.shape} holds "
-            f"{dim} features, which needs scales/biases with {dim // group_size if dim % group_size == 0 else '?'} "
-            f"groups, got {scales.shape}"
-        )
-    return packed, scales, biases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +99,8 @@ def _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size
     float contract (:class:`mlx_attn.ops.AttentionCall`) on stand-ins for K
     and V of the shapes the triples hold."""
     group_size, bits = check_quantization(group_size, bits)
-    k_quant = _check_triple("k_quant", k_quant, group_size, bits)
-    v_quant = _check_triple("v_quant", v_quant, group_size, bits)
+    k_quant = check_triple("k_quant", k_quant, group_size, bits)
+    v_quant = check_triple("v_quant", v_quant, group_size, bits)
     if k_quant[1].dtype != v_quant[1].dtype:
         raise ValueError(f"k_quant and v_quant scales need one dtype, got {k_quant[1].dtype} and {v_quant[1].dtype}")
     if k_quant[0].shape[:3] != v_quant[0].shape[:3]:
@@ -212,15 +138,15 @@ def quantized_metal_kernel_runner(stream, group_size: int, bits: int):
 
 def quantized_attention_path(
     q, k_quant, v_quant, *, scale: float = 1.0, mask=None, group_size: int = 64, bits: int = 8,
-    sinks=None, window_size=None, stream=None, backend: ops.Backend = "auto", softcap=None, explain: bool = False,
-) -> QuantizedPath | ops.PathChoice:
+    sinks=None, window_size=None, stream=None, backend: Backend = "auto", softcap=None, explain: bool = False,
+) -> QuantizedPath | PathChoice:
     """Which implementation :func:`quantized_scaled_dot_product_attention`
     uses for these arguments: ``"fused-cpu"``, ``"fused-metal"`` or
     ``"reference"``; with ``explain=True`` ``(path, reason)`` as
     :func:`mlx_attn.attention_path` gives it."""
     call = _build_call(q, k_quant, v_quant, scale, mask, sinks, window_size, group_size, bits, backend, stream,
                        softcap)
-    return ops.PathChoice(call.path, call.reason) if explain else call.path
+    return PathChoice(call.path, call.reason) if explain else call.path
 
 
 def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=None, window_size=None, bits=8,
@@ -256,7 +182,7 @@ def quantized_scaled_dot_product_attention(
     sinks: mx.array | None = None,
     window_size: int | None = None,
     stream: mx.Stream | mx.Device | None = None,
-    backend: ops.Backend = "auto",
+    backend: Backend = "auto",
     softcap: float | None = None,
 ) -> mx.array:
     """Scaled dot-product attention with quantized keys and values.

@@ -133,42 +133,8 @@ def reference_attention(
         if softcap is not None:
             scores = softcap_logit(scores, softcap)
 
-        # mask: `visible` is False where a key may not be seen
-        visible = None
-        if isinstance(mask, str) or window_size is not None:
-            visible = _visibility(qf, kf, window_size)
-        if isinstance(mask, mx.array):
-            full = mask if mask.ndim == 4 else mx.expand_dims(mask, list(range(4 - mask.ndim)))
-            full = _group_heads(full, kv_heads)  # broadcasts against [B,Hkv,G,Tq,Tkv]
-            if full.dtype == mx.bool_:
-                visible = full if visible is None else (visible & full)
-            else:
-                added = full.astype(mx.float32)
-                scores = mx.where(added <= MASKED_LOGIT, -mx.inf, _saturate(scores + added))
-        if visible is not None:
-            scores = mx.where(visible, scores, -mx.inf)
-
-        # softmax along keys: max, exp, sum (sinks join max and sum)
-        row_max = scores.max(axis=-1, keepdims=True)
-        if sinks is not None:
-            sink_logits = _group_heads(
-                mx.expand_dims(_saturate(sinks.astype(mx.float32)), (0, 2, 3)), kv_heads
-            )
-            row_max = mx.maximum(row_max, sink_logits)
-        # A row that sees nothing has max -inf; any finite shift keeps exp = 0.
-        row_max = mx.where(row_max == -mx.inf, 0.0, row_max)
-        weights = mx.exp(scores - row_max)
-        row_sum = weights.sum(axis=-1, keepdims=True)
-        if sinks is not None:
-            row_sum = row_sum + mx.exp(sink_logits - row_max)
-        lse = None
-        if return_lse:  # the softmax denominator in log space: what partial results merge by
-            # log of a safe sum: where() passes a zero cotangent to the branch it
-            # drops, and log's derivative at 0 would turn that zero into NaN
-            safe_log = mx.log(mx.where(row_sum == 0, 1.0, row_sum))
-            lse = mx.flatten(mx.where(row_sum == 0, -mx.inf, row_max + safe_log).squeeze(-1), 1, 2)
-        # normalize (rows that see nothing get all-zero weights)
-        weights = weights / mx.where(row_sum == 0, 1.0, row_sum)
+        scores = _masked(scores, qf, kf, mask, window_size, kv_heads)
+        weights, lse = _softmax(scores, sinks, kv_heads, return_lse)
 
         if dropout_p > 0.0:
             if not 0.0 <= dropout_p < 1.0:
@@ -180,6 +146,51 @@ def reference_attention(
         out = weights @ vf  # [B,Hkv,G,Tq,Dv]
         out = mx.flatten(out, 1, 2).astype(out_dtype)
         return _results(out, mx.flatten(weights, 1, 2) if return_weights else None, lse)
+
+
+def _masked(scores, qf, kf, mask, window_size, kv_heads):
+    """The logits with the mask applied: ``-inf`` where a key may not be
+    seen (causal / window, a boolean mask, an additive value at or below
+    the masked sentinel), an additive mask's values added and saturated."""
+    visible = None  # False where a key may not be seen
+    if isinstance(mask, str) or window_size is not None:
+        visible = _visibility(qf, kf, window_size)
+    if isinstance(mask, mx.array):
+        full = mask if mask.ndim == 4 else mx.expand_dims(mask, list(range(4 - mask.ndim)))
+        full = _group_heads(full, kv_heads)  # broadcasts against [B,Hkv,G,Tq,Tkv]
+        if full.dtype == mx.bool_:
+            visible = full if visible is None else (visible & full)
+        else:
+            added = full.astype(mx.float32)
+            scores = mx.where(added <= MASKED_LOGIT, -mx.inf, _saturate(scores + added))
+    if visible is not None:
+        scores = mx.where(visible, scores, -mx.inf)
+    return scores
+
+
+def _softmax(scores, sinks, kv_heads, return_lse):
+    """The softmax along keys (max, exp, sum; sinks join max and sum) and,
+    with ``return_lse``, the row log-sum-exp ``[B, Hq, Tq]`` (else None)."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink_logits = _group_heads(
+            mx.expand_dims(_saturate(sinks.astype(mx.float32)), (0, 2, 3)), kv_heads
+        )
+        row_max = mx.maximum(row_max, sink_logits)
+    # A row that sees nothing has max -inf; any finite shift keeps exp = 0.
+    row_max = mx.where(row_max == -mx.inf, 0.0, row_max)
+    weights = mx.exp(scores - row_max)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + mx.exp(sink_logits - row_max)
+    lse = None
+    if return_lse:  # the softmax denominator in log space: what partial results merge by
+        # log of a safe sum: where() passes a zero cotangent to the branch it
+        # drops, and log's derivative at 0 would turn that zero into NaN
+        safe_log = mx.log(mx.where(row_sum == 0, 1.0, row_sum))
+        lse = mx.flatten(mx.where(row_sum == 0, -mx.inf, row_max + safe_log).squeeze(-1), 1, 2)
+    # normalize (rows that see nothing get all-zero weights)
+    return weights / mx.where(row_sum == 0, 1.0, row_sum), lse
 
 
 def _results(out, weights, lse):

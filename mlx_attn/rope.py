@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_attn._checks import MAX_DIM, check_array, check_bool, check_int, check_real
+from mlx_attn.core.checks import MAX_DIM, check_array, check_bool, check_int, check_real
 
 __all__ = ["RoPE", "rope_angles"]
 

@@ -31,6 +31,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from mlx_attn import _native
+from mlx_attn.core.paged_layout import check_paged_layout, page_shape
+from mlx_attn.paged_reference import paged_reference_attention
 from mlx_attn.reference import reference_attention
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "BackwardVariant",
     "PagedVariant",
     "check_paged_variant",
+    "paged_reference_on_cpu",
     "paged_cases",
     "check_quantized_variant",
     "check_backward_variant",
@@ -214,8 +218,6 @@ def device_gpu_target() -> dict:
     """The launch plan's target (gpu_family, gpu_cores) for this process's
     GPU, as the Mac host plans for it; {} (the conservative default, which
     the emulator tests plan for) without Metal."""
-    from mlx_attn import _native
-
     if _native.ext is None or not mx.metal.is_available():
         return {}
     architecture = str(mx.metal.device_info().get("architecture", ""))
@@ -229,8 +231,6 @@ def group_shape_case(head_dim: int, gpu_target: dict | None = None) -> Case | No
     (MERGE_SIMDGROUPS: each then merges several, so their rescale counts) on
     the target (csrc/launch_plan.cpp decode_shape). None without the
     extension or where no length does."""
-    from mlx_attn import _native
-
     if _native.ext is None:
         return None
     target = device_gpu_target() if gpu_target is None else gpu_target
@@ -433,25 +433,33 @@ def check_paged_variant(variant: PagedVariant, run_kernel: RunKernel,
     (quantized variants: the pages as ``mx.quantize`` triples, and
     ``bits`` / ``group_size`` keywords) and compares
     each with the paged reference path on the CPU (gather + reference)."""
-    from mlx_attn import paged
-
     cases = paged_cases(variant) if cases is None else cases
 
     def outputs(index, case):
         (q, k_pages, v_pages, table, kv_lens), kwargs = make_paged_inputs(variant, case, seed=index)
         if not variant.bits:
             return (lambda: run_kernel(q, k_pages, v_pages, table, kv_lens, **kwargs),
-                    lambda: paged.paged_attention(q, k_pages, v_pages, table, kv_lens, backend="reference",
-                                                  stream=mx.cpu, **kwargs))
+                    lambda: paged_reference_on_cpu(variant, q, (k_pages,), (v_pages,), table, kv_lens, **kwargs))
         quantization = {"group_size": variant.group_size, "bits": variant.bits}
         k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
                                   for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
                             for x in (k_pages, v_pages))
         return (lambda: run_kernel(q, k_quant, v_quant, table, kv_lens, **quantization, **kwargs),
-                lambda: paged.quantized_paged_attention(q, k_quant, v_quant, table, kv_lens, backend="reference",
-                                                        stream=mx.cpu, **quantization, **kwargs))
+                lambda: paged_reference_on_cpu(variant, q, k_quant, v_quant, table, kv_lens, **kwargs))
 
     return _compare(variant, cases, outputs)
+
+
+def paged_reference_on_cpu(variant: PagedVariant, q, k_parts, v_parts, block_table, kv_lens, *, q_lens, scale,
+                           causal, window_size, sinks=None) -> mx.array:
+    """The paged reference path's output for a case's inputs (one dtype
+    already), on the CPU: what :func:`check_paged_variant` compares with."""
+    k_shape, v_shape = page_shape(k_parts[0], variant.bits), page_shape(v_parts[0], variant.bits)
+    layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], block_table, kv_lens, q_lens)
+    with mx.stream(mx.cpu):
+        return paged_reference_attention(q, k_parts, v_parts, layout, scale=scale, causal=causal,
+                                         window_size=window_size, sinks=sinks, return_lse=False,
+                                         bits=variant.bits, group_size=variant.group_size)[0]
 
 
 GRADIENT_NAMES = ("dq", "dk", "dv", "d_sinks")

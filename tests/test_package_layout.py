@@ -1,7 +1,13 @@
 """The package's layers: mlx_attn/ is the attention library, mlx_attn/lm/ the
 language-model application on top. Every module imports on its own (no import
 cycles), the library never imports the application, and within the
-application the models never import the loaders."""
+application the models never import the loaders.
+
+Inside the library: mlx_attn/core/ (argument checks and the path choice's
+vocabulary) is the bottom layer and imports no implementation; the self-check
+imports none of the calls it vouches for. The import statements of mlx_attn/,
+those inside functions included, form no cycle, and no module imports
+another's private (underscore) name."""
 
 import ast
 import pkgutil
@@ -71,3 +77,163 @@ def test_models_never_import_loading_or_the_application_entry_points():
 def test_console_script_points_at_the_application():
     text = (REPOSITORY / "pyproject.toml").read_text()
     assert 'mlx-attn = "mlx_attn.lm.__main__:main"' in text
+
+
+# -- the import graph, read from the source (function-level imports included) --
+
+EXTENSION = "mlx_attn._ext"  # the compiled extension: a module without a .py file
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SOURCE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+SOURCE_MODULES = {module_name(path): path for path in sorted(SOURCE.rglob("*.py"))}
+
+
+def is_module(name: str, modules=SOURCE_MODULES) -> bool:
+    return name in modules or name == EXTENSION
+
+
+def imported_package_modules(tree: ast.AST, modules=SOURCE_MODULES) -> set[str]:
+    """The package's modules an import statement anywhere in ``tree`` loads:
+    ``from pkg import mod`` names ``pkg.mod`` where that is a module, else
+    ``pkg`` (a name the package or module defines). A package's
+    ``__init__`` that Python runs on the way to a submodule is not counted:
+    the package's own lazy exports would make every submodule a cycle."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import; the graph reads absolute imports only"
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if is_module(submodule, modules) else node.module)
+    return {name for name in names if name in modules}
+
+
+def import_graph(modules=SOURCE_MODULES) -> dict[str, set[str]]:
+    return {name: imported_package_modules(ast.parse(path.read_text(), str(path)), modules) - {name}
+            for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    finished, path = set(), []
+
+    def visit(name):
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in finished:
+            return None
+        path.append(name)
+        for target in sorted(graph.get(name, ())):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        path.pop()
+        finished.add(name)
+        return None
+
+    for name in sorted(graph):
+        cycle = visit(name)
+        if cycle:
+            return cycle
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_the_import_graph_reads_function_level_imports():
+    graph = import_graph()
+    assert {"mlx_attn.core.checks", "mlx_attn.ops", "mlx_attn.lm.loading", "mlx_attn.serve.server"} <= set(graph)
+    assert "mlx_attn.self_check" in graph["mlx_attn.ops"]
+    assert "mlx_attn.lm.convert" in graph["mlx_attn.lm.cli"]  # imported inside a function
+
+
+def test_find_cycle_finds_a_cycle_held_by_a_function_level_import(tmp_path):
+    (tmp_path / "mlx_attn").mkdir()
+    files = {"mlx_attn.a": "import mlx_attn.b\n", "mlx_attn.b": "from mlx_attn import c\n",
+             "mlx_attn.c": "def f():\n    from mlx_attn.a import x\n"}
+    modules = {}
+    for name, text in files.items():
+        modules[name] = tmp_path / (name.replace(".", "/") + ".py")
+        modules[name].write_text(text)
+    graph = import_graph(modules)
+    assert graph == {"mlx_attn.a": {"mlx_attn.b"}, "mlx_attn.b": {"mlx_attn.c"}, "mlx_attn.c": {"mlx_attn.a"}}
+    assert find_cycle(graph) == ["mlx_attn.a", "mlx_attn.b", "mlx_attn.c", "mlx_attn.a"]
+    modules["mlx_attn.c"].write_text("def f():\n    return 1\n")
+    assert find_cycle(import_graph(modules)) is None
+
+
+def test_the_package_imports_form_no_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_validation_layer_imports_no_implementation():
+    graph = import_graph()
+    core = {name for name in graph if name == "mlx_attn.core" or name.startswith("mlx_attn.core.")}
+    assert {"mlx_attn.core.checks", "mlx_attn.core.attention_arguments", "mlx_attn.core.path_choice"} <= core
+    for name in sorted(core):
+        assert graph[name] <= core, f"{name} imports {graph[name] - core}"
+    for implementation in ("mlx_attn.ops", "mlx_attn.paged", "mlx_attn.quantized"):
+        assert graph[implementation] & core, f"{implementation} does not use mlx_attn.core"
+
+
+def test_the_self_check_imports_none_of_the_calls_it_checks():
+    below = reachable(import_graph(), "mlx_attn.self_check")
+    assert not below & {"mlx_attn.ops", "mlx_attn.paged", "mlx_attn.quantized", "mlx_attn.distributed"}, below
+
+
+# -- private names stay in their module --
+
+def private_names_taken(tree: ast.AST, modules=SOURCE_MODULES) -> list[str]:
+    """``from X import _name`` and ``module._name`` where X / module is one of
+    the package's modules and ``_name`` is not a module itself (a private
+    module such as ``mlx_attn._native`` is the package's own business)."""
+    taken, module_aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in modules:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                if is_module(submodule, modules):
+                    module_aliases[alias.asname or alias.name] = submodule
+                elif alias.name.startswith("_"):
+                    taken.append(f"from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    module_aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in module_aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not is_module(f"{module_aliases[node.value.id]}.{node.attr}", modules)):
+            taken.append(f"{node.value.id}.{node.attr}")
+    return taken
+
+
+def test_private_names_taken_sees_both_forms():
+    tree = ast.parse("from mlx_attn.ops import _as_scale, AttentionCall\nfrom mlx_attn import _native, quantized\n"
+                     "quantized._check_triple(1)\n_native.ext\nfrom mlx_attn import _ext\n")
+    assert private_names_taken(tree) == ["from mlx_attn.ops import _as_scale", "quantized._check_triple"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    offending = {}
+    for name, path in SOURCE_MODULES.items():
+        taken = private_names_taken(ast.parse(path.read_text(), str(path)))
+        if taken:
+            offending[name] = taken
+    assert not offending, offending

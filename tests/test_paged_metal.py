@@ -529,7 +529,7 @@ def test_the_python_dispatch_names_why_the_kernels_cannot_run_here():
     from mlx_attn import paged
 
     q, k, v, table, q_lens, kv_lens = ragged_case("float32", 64)
-    layout = paged._check_layout(q, tuple(k.shape), tuple(v.shape), k.shape[0], table, mx.array(kv_lens, mx.int32),
+    layout = paged.check_paged_layout(q, tuple(k.shape), tuple(v.shape), k.shape[0], table, mx.array(kv_lens, mx.int32),
                                  mx.array(q_lens, mx.int32))
     reason = paged.metal_paged_reason(q, [k], [v], table, layout)
     if _native.ext.has_metal():

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from mlx_attn import distributed as dist
 from mlx_attn.cache import KVCache
-from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, TokenSampling, _check_prompt, _responses
+from mlx_attn.lm.generate import GenerationConfig, GenerationResponse, TokenSampling, check_prompt, response_stream
 from mlx_attn.lm.models.base import AttentionHook, Decoder
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 
@@ -103,8 +103,8 @@ class _ShardedDecode(AttentionHook):
     def __call__(self, layer, queries, keys, values):
         cache = self.caches[layer.index]
         keys, values = cache.update_and_fetch(keys, values) if self.owner else cache.state
-        return dist._decode_attention(queries, keys, values, scale=layer.scale, group=self.group,
-                                      backend=self.backend, timeout=self.timeout)
+        return dist.decode_attention_unchecked(queries, keys, values, scale=layer.scale, group=self.group,
+                                               backend=self.backend, timeout=self.timeout)
 
 
 def _prefill(model, tokens: list[int], caches: list[KVCache], group, timeout) -> None:
@@ -130,7 +130,7 @@ def _agree(token: mx.array, group, timeout) -> mx.array:
     """Rank 0's token on every rank (one small all_sum)."""
     mine = token.astype(mx.int64) if group.rank() == 0 else mx.zeros(token.shape, mx.int64)
     agreed = mx.distributed.all_sum(mine, group=group)
-    dist._communicate("agreeing on the next token", [agreed], group, timeout)
+    dist.communicate("agreeing on the next token", [agreed], group, timeout)
     return agreed.astype(token.dtype)
 
 
@@ -160,12 +160,12 @@ def distributed_generate_step(model, prompt: list[int], config: GenerationConfig
     elif (not isinstance(cache, list) or len(cache) != layers
           or not all(type(c) is KVCache and c.offset == 0 for c in cache)):
         raise ValueError(f"cache must be a list of {layers} empty KVCache objects (one per layer)")
-    prompt = _check_prompt(model, prompt, config.max_tokens, 0)
+    prompt = check_prompt(model, prompt, config.max_tokens, 0)
     options = [round(x * 1e6) for x in (config.temperature, config.top_p, config.min_p, config.repetition_penalty)]
     seed = -1 if config.seed is None else config.seed % 2**62  # fits the int64 signature
     agreement = [len(prompt), config.max_tokens, config.top_k, config.repetition_context, seed, *options,
                  *prompt[:64], *prompt[-64:]]
-    dist._check_same_across_ranks("the prompt and generation options", agreement, group, timeout)
+    dist.check_same_across_ranks("the prompt and generation options", agreement, group, timeout)
     if config.max_tokens == 0:
         return
     sampling = TokenSampling(config, prompt)
@@ -186,5 +186,5 @@ def distributed_stream_generate(model, tokenizer, prompt: str | list[int], confi
     same responses on every rank (the caller prints rank 0's)."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, (str, bytes)) else prompt
     steps = distributed_generate_step(model, ids, config, group, timeout=timeout)
-    return _responses(model, StreamingDetokenizer(tokenizer), ids, config, tokenizer.eos_token_ids, None,
-                      steps=steps)
+    return response_stream(model, StreamingDetokenizer(tokenizer), ids, config, tokenizer.eos_token_ids, None,
+                           steps=steps)

@@ -28,7 +28,8 @@ from mlx_attn.lm.validate import FieldError, require_bool, require_int
 from mlx_attn.quantized import check_quantization
 
 __all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
-           "generate", "format_statistics", "check_kv_quantization", "prefill", "DEFAULT_PREFILL_CHUNK"]
+           "generate", "format_statistics", "check_kv_quantization", "prefill", "DEFAULT_PREFILL_CHUNK",
+           "check_prompt", "response_stream"]
 
 # prompt tokens per prefill step: mlx-lm's prefill_step_size (compare sizes with
 # benchmarks/bench_generate.py --prefill-chunks; results never depend on it)
@@ -120,7 +121,9 @@ def _cache_offset(cache: list) -> int:
     return cache[0].offset if cache else 0
 
 
-def _check_prompt(model, prompt, max_tokens: int, cached: int) -> list[int]:
+def check_prompt(model, prompt, max_tokens: int, cached: int) -> list[int]:
+    """The prompt's token ids, each in the model's vocabulary, with room for
+    ``max_tokens`` more after ``cached`` tokens in its context length."""
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
         raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
     if len(prompt) == 0:
@@ -214,7 +217,7 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
         raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
     cache = _check_cache(model, cache) if cache is not None else model.make_cache(config.max_kv_size)
     check_kv_quantization(model, config)
-    prompt = _check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
+    prompt = check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
     if config.max_tokens == 0:
         return
     sampling = TokenSampling(config, prompt)
@@ -248,9 +251,9 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
             token, logprobs = queued
 
 
-def _responses(model, detokenizer: StreamingDetokenizer, prompt: list[int], config: GenerationConfig,
-               eos_token_ids, cache, steps: Iterator[tuple[int, mx.array | None]] | None = None
-               ) -> Iterator[GenerationResponse]:
+def response_stream(model, detokenizer: StreamingDetokenizer, prompt: list[int], config: GenerationConfig,
+                    eos_token_ids, cache, steps: Iterator[tuple[int, mx.array | None]] | None = None
+                    ) -> Iterator[GenerationResponse]:
     """The response stream; the last one carries the finish reason. ``steps``:
     the (token, logprobs) source, :func:`generate_step` unless given (the
     distributed generator passes its own)."""
@@ -290,7 +293,7 @@ def stream_generate(model, tokenizer, prompt: str | list[int], config: Generatio
     per-layer KV caches already holding earlier tokens (a prompt cache)."""
     config = _config(config, options)
     ids = tokenizer.encode(prompt) if isinstance(prompt, (str, bytes)) else prompt  # encode refuses bytes
-    return _responses(model, StreamingDetokenizer(tokenizer), ids, config, tokenizer.eos_token_ids, cache)
+    return response_stream(model, StreamingDetokenizer(tokenizer), ids, config, tokenizer.eos_token_ids, cache)
 
 
 def generate_tokens(model, prompt: list[int], config: GenerationConfig, eos_token_ids=(),

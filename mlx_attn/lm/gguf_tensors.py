@@ -12,7 +12,7 @@ the choice is measured in docs/gemma3.md).
 
 Untrusted sizes are checked before anything is allocated: the file's
 structure first (every tensor inside the file, by
-:func:`mlx_attn.lm.loading.check_gguf_structure`), then each tensor's element
+:func:`mlx_attn.lm.gguf_structure.check_gguf_structure`), then each tensor's element
 count against its ggml block layout."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_attn.lm.gguf_structure import check_gguf_structure
 
 __all__ = ["GGUFFile", "read_gguf", "dequantize", "QuantizationPolicy", "DEFAULT_POLICY", "to_mlx_weights",
            "needs_gguf_package", "EXACT_BITS", "QUANTIZED_TYPES"]
@@ -119,8 +121,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open a GGUF file of any tensor types; a damaged file is a ValueError
     naming it. The file stays mapped while its tensors are alive."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from mlx_attn.lm.loading import check_gguf_structure
 
     path = Path(path)
     if not path.is_file():

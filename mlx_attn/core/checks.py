@@ -13,8 +13,8 @@ import numbers
 import mlx.core as mx
 import numpy as np
 
-from mlx_attn.ops import FLOAT_DTYPES
-
+# The element types of attention's inputs (and of quantized scales).
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # MLX shapes are int32: no axis can be longer than this.
 MAX_DIM = 2**31 - 1
 # The largest array (in elements) a builder here agrees to create: a 2 GiB
