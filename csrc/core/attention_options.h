@@ -5,6 +5,10 @@
 // (csrc/python/options_bindings.cpp) and plans take the record whole.
 #pragma once
 
+#include <cmath>
+
+#include "metal/attention_params.h"
+
 namespace mlx_attn {
 
 // K/V as mx.quantize triples: bits 4 or 8 with group_size 32, 64 or 128
@@ -36,5 +40,21 @@ struct AttentionOptions {
   Quantization quantization;
   bool operator==(const AttentionOptions&) const = default;
 };
+
+// The options' invariants and their part of the kernels' parameters (scale,
+// softcap, causal / window, lse): one home for every op's description.
+// nullptr when they hold, else the broken invariant (each op throws it its way).
+inline const char* set_option_params(AttentionParams& params, const AttentionOptions& options) {
+  if (!std::isfinite(options.scale)) return "scale finite in float32";
+  if (!(std::isfinite(options.softcap) && options.softcap >= 0.0f)) return "softcap finite and >= 0 (0: none)";
+  if (options.window_size < 0) return "window_size >= 0 (0: no window)";
+  if (options.window_size > 0 && !options.causal) return "window_size > 0 only with causal";
+  params.scale = options.scale;
+  params.softcap = options.softcap;
+  params.causal = options.causal;
+  params.window_size = options.window_size;
+  params.output_lse = options.output_lse;
+  return nullptr;
+}
 
 }  // namespace mlx_attn

@@ -74,6 +74,87 @@ bool backward_splits_query_gradients(int head_dim, int value_dim) {
   return forward_split_pair(head_dim, value_dim);
 }
 
+namespace {
+
+using R = BufferRole;
+
+// The D-split kernels' names carry both head dims.
+std::string split_kernel(const AttentionProblem& s, const char* pass) {
+  return "attention_backward_split_" + std::string(pass) + "_" + elem_type_name(s.dtype) + "_d" +
+      std::to_string(s.head_dim) + "_dv" + std::to_string(s.value_dim) + "_bk" + std::to_string(kSplitStreamRows) +
+      mask_kernel_suffix(s.mask_kind);
+}
+
+int row_blocks(int rows) {
+  return (rows + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup;
+}
+
+// delta = rowsum(out * dO) per query row (rows of the value head dim).
+KernelDispatch delta_dispatch(const AttentionProblem& s, const PrimitiveLayout& layout, const LaunchPlan& plan,
+                              int64_t rows) {
+  KernelDispatch delta;
+  delta.kernel = kernel_name("attention_backward_delta", s, false) + "_d" + std::to_string(s.value_dim);
+  delta.grid = {int((rows + kDeltaRowsPerThreadgroup - 1) / kDeltaRowsPerThreadgroup), 1, 1};
+  delta.threadgroup = {32 * kDeltaRowsPerThreadgroup, 1, 1};
+  delta.bindings = bind_roles(layout, {R::out, R::d_out, R::d_lse, R::delta, R::params}, plan.scratch, 0);
+  return delta;
+}
+
+KernelDispatch key_gradients_dispatch(const AttentionProblem& s, const PrimitiveLayout& layout,
+                                      const LaunchPlan& plan, bool split_keys) {
+  KernelDispatch dkdv;
+  dkdv.threadgroup = {kThreads, 1, 1};
+  dkdv.bindings = bind_roles(
+      layout, {R::k, R::v, R::q, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
+  if (split_keys) {  // one threadgroup per (key block, chunk of dK and dV columns)
+    const int chunks = std::max(s.head_dim, s.value_dim) / kBackwardChunk;
+    dkdv.kernel = split_kernel(s, "dkdv");
+    dkdv.grid = {row_blocks(s.kv_len) * chunks, s.kv_heads, s.batch};
+    // float32 chunks of Q and dO (rows padded by 16 bytes), lse and delta per row
+    dkdv.threadgroup_memory_bytes = (2 * kSplitStreamRows * (kBackwardChunk + 4) + 2 * kSplitStreamRows) * 4;
+  } else {
+    const int query_block = backward_query_block(s.head_dim);
+    dkdv.kernel = kernel_name("attention_backward_dkdv", s) + mask_kernel_suffix(s.mask_kind);
+    dkdv.grid = {row_blocks(s.kv_len), s.kv_heads, s.batch};
+    // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
+    dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
+  }
+  return dkdv;
+}
+
+KernelDispatch query_gradients_dispatch(const AttentionProblem& s, const PrimitiveLayout& layout,
+                                        const LaunchPlan& plan, bool split_queries) {
+  KernelDispatch dq;
+  dq.threadgroup = {kThreads, 1, 1};
+  dq.bindings = bind_roles(
+      layout, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, plan.scratch, 2);
+  if (split_queries) {  // one threadgroup per (row block, chunk of dQ columns)
+    dq.kernel = split_kernel(s, "dq");
+    dq.grid = {row_blocks(s.q_len) * (s.head_dim / kBackwardChunk), s.q_heads, s.batch};
+    // float32 chunks of K and V (rows padded by 16 bytes)
+    dq.threadgroup_memory_bytes = 2 * kSplitStreamRows * (kBackwardChunk + 4) * 4;
+  } else {
+    dq.kernel = kernel_name("attention_backward_dq", s) + mask_kernel_suffix(s.mask_kind);
+    dq.grid = {row_blocks(s.q_len), s.q_heads, s.batch};
+    // K and V tiles in the input dtype, as the forward prefill's
+    const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
+    dq.threadgroup_memory_bytes = 2 * backward_key_block(s.head_dim) * (s.head_dim * element_bytes + 16);
+  }
+  return dq;
+}
+
+KernelDispatch sinks_gradient_dispatch(const AttentionProblem& s, const PrimitiveLayout& layout,
+                                       const LaunchPlan& plan) {
+  KernelDispatch sinks;
+  sinks.kernel = kernel_name("attention_backward_sinks", s, false);
+  sinks.grid = {s.q_heads, 1, 1};
+  sinks.threadgroup = {32, 1, 1};
+  sinks.bindings = bind_roles(layout, {R::sinks, R::lse, R::delta, R::d_sinks, R::params}, plan.scratch, 3);
+  return sinks;
+}
+
+}  // namespace
+
 LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   const int64_t rows = int64_t(s.batch) * s.q_heads * s.q_len;
   if (rows * s.kv_len == 0) {  // (before the forward's plan, which needs rows)
@@ -98,70 +179,11 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
         std::to_string(s.head_dim) + "/" + std::to_string(s.value_dim);
     return plan;
   }
-  using R = BufferRole;
   const PrimitiveLayout layout = backward_layout(s);
-  const int last = s.has_sinks ? 3 : 2;
-  plan.scratch = {{R::delta, rows, 0, last}};
-
-  // the D-split kernels' names carry both head dims
-  const std::string split_dims = "_d" + std::to_string(s.head_dim) + "_dv" + std::to_string(s.value_dim);
-  auto split_kernel = [&](const char* pass) {
-    return "attention_backward_split_" + std::string(pass) + "_" + elem_type_name(s.dtype) + split_dims + "_bk" +
-        std::to_string(kSplitStreamRows) + mask_kernel_suffix(s.mask_kind);
-  };
-
-  KernelDispatch delta;  // rows of out and dO: the value head dim
-  delta.kernel = kernel_name("attention_backward_delta", s, false) + "_d" + std::to_string(s.value_dim);
-  delta.grid = {int((rows + kDeltaRowsPerThreadgroup - 1) / kDeltaRowsPerThreadgroup), 1, 1};
-  delta.threadgroup = {32 * kDeltaRowsPerThreadgroup, 1, 1};
-  delta.bindings = bind_roles(layout, {R::out, R::d_out, R::d_lse, R::delta, R::params}, plan.scratch, 0);
-
-  const int key_blocks = (s.kv_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup;
-  const int query_blocks = (s.q_len + kRowsPerThreadgroup - 1) / kRowsPerThreadgroup;
-  KernelDispatch dkdv;
-  dkdv.threadgroup = {kThreads, 1, 1};
-  dkdv.bindings = bind_roles(
-      layout, {R::k, R::v, R::q, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
-  if (split_keys) {  // one threadgroup per (key block, chunk of dK and dV columns)
-    const int chunks = std::max(s.head_dim, s.value_dim) / kBackwardChunk;
-    dkdv.kernel = split_kernel("dkdv");
-    dkdv.grid = {key_blocks * chunks, s.kv_heads, s.batch};
-    // float32 chunks of Q and dO (rows padded by 16 bytes), lse and delta per row
-    dkdv.threadgroup_memory_bytes = (2 * kSplitStreamRows * (kBackwardChunk + 4) + 2 * kSplitStreamRows) * 4;
-  } else {
-    const int query_block = backward_query_block(s.head_dim);
-    dkdv.kernel = kernel_name("attention_backward_dkdv", s) + mask_kernel_suffix(s.mask_kind);
-    dkdv.grid = {key_blocks, s.kv_heads, s.batch};
-    // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
-    dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
-  }
-
-  KernelDispatch dq;
-  dq.threadgroup = {kThreads, 1, 1};
-  dq.bindings = bind_roles(
-      layout, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, plan.scratch, 2);
-  if (split_queries) {  // one threadgroup per (row block, chunk of dQ columns)
-    dq.kernel = split_kernel("dq");
-    dq.grid = {query_blocks * (s.head_dim / kBackwardChunk), s.q_heads, s.batch};
-    // float32 chunks of K and V (rows padded by 16 bytes)
-    dq.threadgroup_memory_bytes = 2 * kSplitStreamRows * (kBackwardChunk + 4) * 4;
-  } else {
-    dq.kernel = kernel_name("attention_backward_dq", s) + mask_kernel_suffix(s.mask_kind);
-    dq.grid = {query_blocks, s.q_heads, s.batch};
-    // K and V tiles in the input dtype, as the forward prefill's
-    const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
-    dq.threadgroup_memory_bytes = 2 * backward_key_block(s.head_dim) * (s.head_dim * element_bytes + 16);
-  }
-
-  plan.dispatches = {delta, dkdv, dq};
-  if (s.has_sinks) {
-    KernelDispatch sinks;
-    sinks.kernel = kernel_name("attention_backward_sinks", s, false);
-    sinks.grid = {s.q_heads, 1, 1};
-    sinks.threadgroup = {32, 1, 1};
-    sinks.bindings = bind_roles(layout, {R::sinks, R::lse, R::delta, R::d_sinks, R::params}, plan.scratch, 3);
-    plan.dispatches.push_back(sinks);
-  }
+  plan.scratch = {{R::delta, rows, 0, s.has_sinks ? 3 : 2}};
+  plan.dispatches = {delta_dispatch(s, layout, plan, rows), key_gradients_dispatch(s, layout, plan, split_keys),
+                     query_gradients_dispatch(s, layout, plan, split_queries)};
+  if (s.has_sinks) plan.dispatches.push_back(sinks_gradient_dispatch(s, layout, plan));
   plan.reason.clear();
   plan.supported = true;
   return plan;

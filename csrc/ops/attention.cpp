@@ -89,22 +89,14 @@ AttentionProblem describe_attention(
   require(k.shape(3) == p.head_dim, "q and k: same head dim", shapes);
   require(p.kv_heads >= 1 && p.q_heads % p.kv_heads == 0, "q heads a multiple of k/v heads", shapes);
   p.group = p.q_heads / p.kv_heads;
-  require(std::isfinite(options.scale), "scale finite in float32");
-  require(std::isfinite(options.softcap) && options.softcap >= 0.0f, "softcap finite and >= 0 (0: none)");
-  require(options.window_size >= 0, "window_size >= 0 (0: no window)");
   // "a window implies causal" is normalised once, by the caller (Python's AttentionCall)
-  require(options.window_size == 0 || options.causal, "window_size > 0 only with causal");
+  if (const char* broken = set_option_params(p, options)) require(false, broken);
   copy_strides(q, p.q_strides);
   copy_strides(k, p.k_strides);
   copy_strides(v, p.v_strides);
   p.q_offset = q.offset() / int64_t(q.itemsize());
   p.k_offset = k.offset() / int64_t(k.itemsize());
   p.v_offset = v.offset() / int64_t(v.itemsize());
-  p.scale = options.scale;
-  p.softcap = options.softcap;
-  p.causal = options.causal;
-  p.window_size = options.window_size;
-  p.output_lse = options.output_lse;
   p.mask_kind = MaskKind::none;
   size_t next = 3;
   if (options.has_mask) {

@@ -75,12 +75,9 @@ PagedProblem describe_paged_attention(
   a.q_offset = q.offset() / int64_t(q.itemsize());
   a.k_offset = k.offset() / int64_t(k.itemsize());
   a.v_offset = v.offset() / int64_t(v.itemsize());
-  a.scale = options.scale;
-  a.causal = options.causal || options.window_size > 0;
-  a.window_size = options.window_size;
-  if (!(std::isfinite(options.softcap) && options.softcap >= 0.0f)) invalid("softcap finite and >= 0 (0: none)");
-  a.softcap = options.softcap;
-  a.output_lse = options.output_lse;
+  AttentionOptions causal_options = options;  // a window implies causal here (the caller's contract)
+  causal_options.causal = options.causal || options.window_size > 0;
+  if (const char* broken = set_option_params(a, causal_options)) invalid(broken);
   a.mask_kind = MaskKind::none;
   if (options.has_sinks) {
     const mx::array& sinks = inputs.back();

@@ -65,13 +65,29 @@ int kv_arrays(const Quantization& qz) {
 
 }  // namespace
 
-PagedDescription describe_paged_attention(
-    const std::vector<mx::array>& inputs, const AttentionOptions& options) {
-  const Quantization& qz = options.quantization;
+namespace {
+
+void check_quantization(const Quantization& qz) {
   if (qz.bits != 0 && qz.bits != 4 && qz.bits != 8) invalid("bits must be 4 or 8, got " + std::to_string(qz.bits));
   if (qz.bits != 0 && qz.group_size != 32 && qz.group_size != 64 && qz.group_size != 128) {
     invalid("group_size must be 32, 64 or 128, got " + std::to_string(qz.group_size));
   }
+}
+
+// The primitive's inputs by name (k and v: the first array of their parts),
+// checked for rank, dtype and agreeing sizes.
+struct PagedArrays {
+  const mx::array& q;
+  const mx::array* k;
+  const mx::array* v;
+  const mx::array& table;
+  const mx::array& kv_lens;
+  const mx::array& q_lens;
+  int head_dim, value_dim;
+};
+
+PagedArrays paged_arrays(const std::vector<mx::array>& inputs, const AttentionOptions& options) {
+  const Quantization& qz = options.quantization;
   const int kv_count = kv_arrays(qz);
   const size_t expected = 1 + kv_count + 3 + options.has_sinks;
   if (inputs.size() != expected) {
@@ -84,20 +100,17 @@ PagedDescription describe_paged_attention(
   }
   const mx::array* k = &inputs[1];
   const mx::array* v = &inputs[1 + kv_count / 2];
-  const int head_dim = page_features("k_pages", k, q.dtype(), qz);
-  const int value_dim = page_features("v_pages", v, q.dtype(), qz);
-  const mx::array& table = inputs[1 + kv_count];
-  const mx::array& kv_lens = inputs[2 + kv_count];
-  const mx::array& q_lens = inputs[3 + kv_count];
-  require_rank("block_table", table, 2, "[batch, max_pages]");
-  require_dtype("block_table", table, mx::int32);
-  require_rank("kv_lens", kv_lens, 1, "[batch]");
-  require_dtype("kv_lens", kv_lens, mx::int32);
-  require_rank("q_lens", q_lens, 1, "[batch]");
-  require_dtype("q_lens", q_lens, mx::int32);
-  const int batch = table.shape(0);
-  if (kv_lens.shape(0) != batch || q_lens.shape(0) != batch) {
-    invalid("kv_lens " + shape_string(kv_lens) + " and q_lens " + shape_string(q_lens) + " must be [batch] = [" +
+  PagedArrays a{q, k, v, inputs[1 + kv_count], inputs[2 + kv_count], inputs[3 + kv_count],
+                page_features("k_pages", k, q.dtype(), qz), page_features("v_pages", v, q.dtype(), qz)};
+  require_rank("block_table", a.table, 2, "[batch, max_pages]");
+  require_dtype("block_table", a.table, mx::int32);
+  require_rank("kv_lens", a.kv_lens, 1, "[batch]");
+  require_dtype("kv_lens", a.kv_lens, mx::int32);
+  require_rank("q_lens", a.q_lens, 1, "[batch]");
+  require_dtype("q_lens", a.q_lens, mx::int32);
+  const int batch = a.table.shape(0);
+  if (a.kv_lens.shape(0) != batch || a.q_lens.shape(0) != batch) {
+    invalid("kv_lens " + shape_string(a.kv_lens) + " and q_lens " + shape_string(a.q_lens) + " must be [batch] = [" +
             std::to_string(batch) + "] (block_table's rows)");
   }
   for (int axis = 0; axis < 3; ++axis) {
@@ -106,75 +119,84 @@ PagedDescription describe_paged_attention(
               " must agree on [num_pages, kv_heads, page_size]");
     }
   }
-  if (head_dim != q.shape(2)) {
-    invalid("q " + shape_string(q) + " and k_pages need one head dim, got " + std::to_string(head_dim));
+  if (a.head_dim != q.shape(2)) {
+    invalid("q " + shape_string(q) + " and k_pages need one head dim, got " + std::to_string(a.head_dim));
   }
+  if (k[0].shape(2) < 1) invalid("k_pages must have page_size >= 1, got shape " + shape_string(k[0]));
+  return a;
+}
+
+// The problem's sizes and strides: q [total_q, Hq, D] seen as [1, Hq, total_q, D].
+AttentionProblem paged_problem_shape(const PagedArrays& a) {
   AttentionProblem p{};
-  p.dtype = q.dtype() == mx::float32 ? ElemType::float32
-                                     : (q.dtype() == mx::float16 ? ElemType::float16 : ElemType::bfloat16);
-  p.batch = batch;
-  p.q_heads = q.shape(1);
-  p.kv_heads = k[0].shape(1);
+  const mx::Dtype dtype = a.q.dtype();
+  p.dtype = dtype == mx::float32 ? ElemType::float32 : (dtype == mx::float16 ? ElemType::float16 : ElemType::bfloat16);
+  p.batch = a.table.shape(0);
+  p.q_heads = a.q.shape(1);
+  p.kv_heads = a.k[0].shape(1);
   if (p.kv_heads < 1 || p.q_heads % p.kv_heads != 0) {
     invalid("q heads (" + std::to_string(p.q_heads) + ") must be a multiple of k_pages' kv heads (" +
             std::to_string(p.kv_heads) + ")");
   }
-  const int page_size = k[0].shape(2);
-  if (page_size < 1) invalid("k_pages must have page_size >= 1, got shape " + shape_string(k[0]));
   p.group = p.q_heads / p.kv_heads;
-  p.q_len = q.shape(0);
-  p.kv_len = int(std::min<int64_t>(int64_t(table.shape(1)) * page_size, INT32_MAX));
-  p.head_dim = head_dim;
-  p.value_dim = value_dim;
-  // q [total_q, Hq, D] seen as [1, Hq, total_q, D]
+  p.q_len = a.q.shape(0);
+  p.kv_len = int(std::min<int64_t>(int64_t(a.table.shape(1)) * a.k[0].shape(2), INT32_MAX));
+  p.head_dim = a.head_dim;
+  p.value_dim = a.value_dim;
   p.q_strides[0] = 0;
-  p.q_strides[1] = q.strides()[1];
-  p.q_strides[2] = q.strides()[0];
-  p.q_strides[3] = q.strides()[2];
+  p.q_strides[1] = a.q.strides()[1];
+  p.q_strides[2] = a.q.strides()[0];
+  p.q_strides[3] = a.q.strides()[2];
   for (int i = 0; i < 4; ++i) {
-    p.k_strides[i] = k[0].strides()[i];
-    p.v_strides[i] = v[0].strides()[i];
+    p.k_strides[i] = a.k[0].strides()[i];
+    p.v_strides[i] = a.v[0].strides()[i];
   }
-  if (!std::isfinite(options.scale)) invalid("scale must be finite in float32");
-  if (options.window_size < 0) invalid("window_size must be >= 0 (0: no window)");
-  if (options.window_size > 0 && !options.causal) invalid("window_size > 0 needs causal");
-  if (!(std::isfinite(options.softcap) && options.softcap >= 0.0f)) invalid("softcap must be finite and >= 0 (0: none)");
-  p.scale = options.scale;
-  p.softcap = options.softcap;
-  p.causal = options.causal;
-  p.window_size = options.window_size;
-  p.output_lse = options.output_lse;
+  return p;
+}
+
+// The options' part of the problem (scale, softcap, causal / window, lse) and the sinks.
+void apply_paged_options(AttentionProblem& p, const AttentionOptions& options, const std::vector<mx::array>& inputs) {
+  if (const char* broken = set_option_params(p, options)) invalid(std::string("expected ") + broken);
   p.mask_kind = MaskKind::none;
   if (options.has_sinks) {
     const mx::array& sinks = inputs.back();
     if (sinks.ndim() != 1 || sinks.shape(0) != p.q_heads) {
       invalid("sinks must have shape [q_heads] = [" + std::to_string(p.q_heads) + "], got " + shape_string(sinks));
     }
-    require_dtype("sinks", sinks, q.dtype());
+    require_dtype("sinks", sinks, inputs[0].dtype());
     p.has_sinks = 1;
     p.sinks_stride = sinks.strides()[0];
   }
+}
 
+}  // namespace
+
+PagedDescription describe_paged_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options) {
+  const Quantization& qz = options.quantization;
+  check_quantization(qz);
+  const PagedArrays a = paged_arrays(inputs, options);
   PagedDescription d{};
-  d.problem = p;
+  d.problem = paged_problem_shape(a);
+  apply_paged_options(d.problem, options, inputs);
   if (qz.bits != 0) {
     d.quantized.bits = qz.bits;
     d.quantized.group_size = qz.group_size;
     for (int i = 0; i < 4; ++i) {
-      d.quantized.k_scale_strides[i] = k[1].strides()[i];
-      d.quantized.k_bias_strides[i] = k[2].strides()[i];
-      d.quantized.v_scale_strides[i] = v[1].strides()[i];
-      d.quantized.v_bias_strides[i] = v[2].strides()[i];
+      d.quantized.k_scale_strides[i] = a.k[1].strides()[i];
+      d.quantized.k_bias_strides[i] = a.k[2].strides()[i];
+      d.quantized.v_scale_strides[i] = a.v[1].strides()[i];
+      d.quantized.v_bias_strides[i] = a.v[2].strides()[i];
     }
   }
-  d.paged.table_strides[0] = table.strides()[0];
-  d.paged.table_strides[1] = table.strides()[1];
-  d.paged.max_pages = table.shape(1);
-  d.paged.page_size = page_size;
-  d.paged.num_pages = k[0].shape(0);
-  d.paged.kv_len_stride = kv_lens.strides()[0];
-  d.paged.q_len_stride = q_lens.strides()[0];
-  d.paged.total_q = q.shape(0);
+  d.paged.table_strides[0] = a.table.strides()[0];
+  d.paged.table_strides[1] = a.table.strides()[1];
+  d.paged.max_pages = a.table.shape(1);
+  d.paged.page_size = a.k[0].shape(2);
+  d.paged.num_pages = a.k[0].shape(0);
+  d.paged.kv_len_stride = a.kv_lens.strides()[0];
+  d.paged.q_len_stride = a.q_lens.strides()[0];
+  d.paged.total_q = a.q.shape(0);
   return d;
 }
 

@@ -90,24 +90,10 @@ DecodeShapeChoice decode_shape_choice(const std::string& name) {
   throw nb::value_error(("decode_shape must be 'auto', 'group' or 'row'; got '" + name + "'").c_str());
 }
 
-void bind_launch_plan(nb::module_& m) {
-  m.def(
-      "metal_launch_plan",
-      [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores,
-         const std::string& decode_shape) {
-        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores),
-                                               decode_shape_choice(decode_shape));
-        nb::dict out = plan_dict(plan);
-        out["gpu_family"] = gpu_family_name(plan.target.family);
-        out["gpu_cores"] = plan.target.gpu_cores;
-        return out;
-      },
-      "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto",
-      "The Metal launch plan for a problem (_ext.describe_attention) on a GPU family (apple7, apple8, "
-      "apple9, apple10, unknown = the conservative default) with gpu_cores cores (0: the family's base part); "
-      "decode_shape: the dense decode's threadgroup shape, 'auto' (the plan's rule), 'group' or 'row': "
-      "kernels, grids, threadgroups, params bytes, and per dispatch its bindings (index, role, access, "
-      "source, source_index) exactly as the Mac host encodes them.");
+namespace {
+
+// The GPU targets a plan can be made for and the per-target rules it reads.
+void bind_gpu_targets(nb::module_& m) {
   m.def(
       "gpu_target_from_architecture",
       [](const std::string& architecture) {
@@ -168,6 +154,29 @@ void bind_launch_plan(nb::module_& m) {
       "positions): per shape its rows, simdgroups and split count (decode_splits), and which one the plan "
       "chooses (decode_shape; dequantized: the quantized decodes' splits and choice, which takes the row shape "
       "at one row). The paged decodes choose alike, each shape's splits capped by its page window.");
+}
+
+}  // namespace
+
+void bind_launch_plan(nb::module_& m) {
+  bind_gpu_targets(m);
+  m.def(
+      "metal_launch_plan",
+      [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores,
+         const std::string& decode_shape) {
+        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores),
+                                               decode_shape_choice(decode_shape));
+        nb::dict out = plan_dict(plan);
+        out["gpu_family"] = gpu_family_name(plan.target.family);
+        out["gpu_cores"] = plan.target.gpu_cores;
+        return out;
+      },
+      "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto",
+      "The Metal launch plan for a problem (_ext.describe_attention) on a GPU family (apple7, apple8, "
+      "apple9, apple10, unknown = the conservative default) with gpu_cores cores (0: the family's base part); "
+      "decode_shape: the dense decode's threadgroup shape, 'auto' (the plan's rule), 'group' or 'row': "
+      "kernels, grids, threadgroups, params bytes, and per dispatch its bindings (index, role, access, "
+      "source, source_index) exactly as the Mac host encodes them.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
