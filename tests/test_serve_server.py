@@ -347,6 +347,20 @@ def test_bad_chat_requests_through_the_client(server):
     assert raw(server, "GET", "/v1/nothing")[0] == 404
 
 
+def test_a_chat_message_with_an_unknown_role_is_refused_naming_it(server):
+    messages = [{"role": "system", "content": "the"}, {"role": "user", "content": "in"},
+                {"role": "wizard", "content": "then"}]
+    status, body = raw(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "messages[2].role"
+    assert body["error"]["type"] == "invalid_request_error" and "wizard" in body["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="role"):
+        server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "", "content": "x"}])
+    # every role the server renders is still answered
+    known = [{"role": role, "content": "the"} for role in ("system", "developer", "user", "assistant", "user")]
+    status, body = raw(server, "POST", "/v1/chat/completions", {"messages": known, "max_tokens": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+
+
 # ---------------------------------------------------------------- disconnects
 def test_an_abandoned_stream_frees_its_pages(server):
     cancelled = server.state.cancelled_requests

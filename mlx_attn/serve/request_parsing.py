@@ -14,10 +14,11 @@ import json
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
-__all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object"]
+__all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "CHAT_ROLES"]
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_CHOICES = 16  # n: choices of one request, each an engine request
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # the roles whose messages are rendered as given
 
 
 # ---------------------------------------------------------------- the body
@@ -105,6 +106,9 @@ def _message_text(content, index: int) -> str:
 def _chat_message(message, index: int) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise APIError(400, f"messages[{index}] must be an object with a string role", "messages")
+    if message["role"] not in CHAT_ROLES:
+        raise APIError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                            f"{message['role']!r}", f"messages[{index}].role")
     return {"role": message["role"], "content": _message_text(message.get("content"), index)}
 
 
