@@ -16,4 +16,6 @@ class APIError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 401:
             kind = "authentication_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        # a lone surrogate from a request would not encode as UTF-8 in the response
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}

@@ -9,28 +9,58 @@ and ``engine.model.config.vocab_size`` (a :class:`ServerState`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import re
 
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
-__all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "CHAT_ROLES"]
+__all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
 
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other, the body itself included
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_CHOICES = 16  # n: choices of one request, each an engine request
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # the roles whose messages are rendered as given
 
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # escapes included
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
 
 # ---------------------------------------------------------------- the body
 def decode_json_object(raw: bytes) -> dict:
-    """The body as a JSON object; a 400 for anything else."""
+    """The body as a JSON object; a 400 for anything else (bad encoding,
+    bad JSON, nesting deeper than ``MAX_JSON_DEPTH``, not an object)."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads decodes bytes
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    if _nesting_exceeds(text, MAX_JSON_DEPTH):  # before parsing: the decoder recurses per level
+        raise _too_deep()
+    try:
+        body = json.loads(text)
+    except RecursionError:  # unreachable under the bound above; never a traceback
+        raise _too_deep() from None
+    except ValueError as error:  # huge integers too (past Python's digit limit)
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _nesting_exceeds(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit``. Exact on
+    valid JSON; on a body that is not, the decoder stops at the first error,
+    before any level this count has missed."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text))  # strings go whole: their brackets are text
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) > limit
 
 
 # ---------------------------------------------------------------- fields
@@ -48,8 +78,12 @@ def _field(body: dict, name: str, kinds, default=None, check=None):
 
 
 def _number(body: dict, name: str, default: float, check) -> float:
-    """A number field as a float."""
-    return float(_field(body, name, (int, float), default, check))
+    """A number field as a float; an integer too large for one is out of range."""
+    value = _field(body, name, (int, float), default, check)
+    try:
+        return float(value)
+    except OverflowError:
+        raise APIError(400, f"{name} is out of range: {value!r}", name) from None
 
 
 def _kind_names(kinds) -> str:
