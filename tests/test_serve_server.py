@@ -347,6 +347,108 @@ def test_bad_chat_requests_through_the_client(server):
     assert raw(server, "GET", "/v1/nothing")[0] == 404
 
 
+def test_a_chat_message_with_an_unknown_role_is_refused_naming_it(server):
+    messages = [{"role": "system", "content": "the"}, {"role": "user", "content": "in"},
+                {"role": "wizard", "content": "then"}]
+    status, body = raw(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "messages[2].role"
+    assert body["error"]["type"] == "invalid_request_error" and "wizard" in body["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="role"):
+        server.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "", "content": "x"}])
+    # every role the server renders is still answered
+    known = [{"role": role, "content": "the"} for role in ("system", "developer", "user", "assistant", "user")]
+    status, body = raw(server, "POST", "/v1/chat/completions", {"messages": known, "max_tokens": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+
+
+def nested(depth: int, inner="1") -> str:
+    """JSON arrays ``depth`` deep around ``inner``."""
+    return "[" * depth + inner + "]" * depth
+
+
+def test_a_deeply_nested_body_is_refused_before_parsing(server):
+    from mlx_attn.serve.request_parsing import MAX_JSON_DEPTH
+
+    deep_bodies = [nested(100_000).encode(),  # the decoder would recurse 100,000 times
+                   ('{"prompt": "the", "user": ' + nested(10_000) + "}").encode(),
+                   ("{" * 300_000).encode()]  # not JSON either: the depth is found first
+    for body in deep_bodies:
+        status, got = raw(server, "POST", "/v1/completions", body)
+        assert status == 400 and "deeper than" in got["error"]["message"], (status, got)
+    # the body itself is level 1: a field MAX_JSON_DEPTH - 1 deep is at the bound, one more is past it
+    for depth, expected in ((MAX_JSON_DEPTH - 1, 200), (MAX_JSON_DEPTH, 400)):
+        body = f'{{"prompt": "the", "max_tokens": 1, "user": {nested(depth)}}}'.encode()
+        assert raw(server, "POST", "/v1/completions", body)[0] == expected, depth
+    # brackets inside strings (escaped quotes included) are text, not nesting
+    text = '[{"\\"[' * 4000
+    status, got = raw(server, "POST", "/v1/completions", {"prompt": "the", "max_tokens": 1, "user": text,
+                                                           "stop": ["[[[["]})
+    assert status == 200 and got["usage"]["completion_tokens"] == 1
+
+
+class LoggedErrors:
+    """Records the uvicorn server's log at ERROR and above (where it writes
+    a handler's traceback)."""
+
+    def __init__(self):
+        import logging
+
+        self.records = []
+        self.handler = logging.Handler(logging.ERROR)
+        self.handler.emit = self.records.append
+        self.logger = logging.getLogger("uvicorn.error")
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+HOSTILE_BODIES = [
+    b"", b"{", b"]]]]", b"null", b"123", b'"a string"', b"[]", b"\xff\xfe\xfd", b'{"prompt": "\xff the"}',
+    b'{"prompt": "\xed\xa0\x80"}',  # an encoded lone surrogate is not UTF-8
+    '{"prompt": "the", "max_tokens": 1}'.encode("utf-16"),  # JSON in UTF-16 (as json.loads reads bytes): answered
+    b'{"prompt": "the", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's integer digit limit
+    b'{"prompt": "the", "max_tokens": 1, "repetition_penalty": ' + b"9" * 400 + b"}",  # no float holds it
+    b'{"prompt": "the", "max_tokens": 1, "temperature": ' + b"9" * 400 + b"}",
+    b'{"prompt": "the", "max_tokens": 1, "top_k": ' + b"9" * 400 + b"}",
+    b'{"prompt": "the", "max_tokens": 1, "seed": ' + b"9" * 400 + b"}",
+    b'{"prompt": "the", "max_tokens": 1, "n": ' + b"9" * 400 + b"}",
+    b'{"prompt": "the", "max_tokens": 1, "repetition_penalty": 1e400}',
+    b'{"prompt": "the", "max_tokens": 1, "top_p": NaN}',
+    b'{"prompt": "the", "max_tokens": 1, "temperature": -Infinity}',
+    b'{"prompt": "the", "max_tokens": 1, "min_p": Infinity}',
+    b'{"prompt": [1e400], "max_tokens": 1}',
+    b'{"prompt": "\\ud800", "max_tokens": 1}',  # a lone surrogate, escaped
+    b'{"model": "\\udfff", "prompt": "the"}',
+    b'{"prompt": "the", "max_tokens": 1, "stop": ["\\ud800"]}',
+    b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}',
+    b'{"messages": [{"role": "\\ud800", "content": "the"}], "max_tokens": 1}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": ["x"]}]}]}',
+    b'{"messages": {"role": "user"}}', b'{"messages": [null]}', b'{"stream_options": [1]}',
+    b'{"prompt": "the", "max_tokens": 1, "logprobs": 5, "stream": true, "stream_options": {"include_usage": 2}}',
+]
+
+
+def test_no_request_body_makes_a_traceback_or_a_500(server):
+    """Bodies that are not JSON, not objects, hold numbers no field can
+    take, NaN, infinities or lone surrogates: each answered (a 400 or 404
+    naming the problem in the usual format, or an answer), nothing logged."""
+    with LoggedErrors() as logged:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body in HOSTILE_BODIES:
+                status, got = raw(server, "POST", path, body)
+                assert status in (200, 400, 404), (path, body[:80], status, got)
+                if status == 200 and isinstance(got, dict):
+                    assert "choices" in got
+                elif status != 200:
+                    assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"], got
+    assert not logged, [record.getMessage() for record in logged]
+    assert raw(server, "POST", "/v1/completions", {"prompt": "the", "max_tokens": 1})[0] == 200
+
+
 # ---------------------------------------------------------------- disconnects
 def test_an_abandoned_stream_frees_its_pages(server):
     cancelled = server.state.cancelled_requests

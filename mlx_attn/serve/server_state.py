@@ -1,0 +1,193 @@
+"""The server's bridge to the engine: the engine, the one worker thread that
+alone calls it, and the asyncio task that steps it while requests are active.
+
+Every engine call (submit, step, cancel) runs on that thread, so the engine is
+never touched from two threads; generated tokens go to per-request asyncio
+queues. A cancel (a client that went away) is applied on the thread before the
+next step, freeing the request's pages."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Hashable
+
+from mlx_attn.serve.api_error import APIError
+
+__all__ = ["ServerState"]
+
+
+class _Active:
+    """A request the server is serving: its queue of engine outputs."""
+
+    def __init__(self, queue: asyncio.Queue):
+        self.queue = queue
+        self.started = asyncio.Event()  # its first output (or an error) arrived: its prompt's pages are computed
+
+
+class ServerState:
+    """The engine, the worker thread that alone calls it, and the stepping task."""
+
+    def __init__(self, make_engine, tokenizer, model_name: str, *, default_max_tokens: int = 512,
+                 default_temperature: float = 0.0, max_requests: int = 256):
+        """``make_engine()`` builds the engine on its own thread: MLX streams
+        are per thread, so its arrays are made where they are used."""
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.default_temperature = default_temperature
+        self.max_requests = max_requests  # being served at once (running or waiting); more get 429
+        self.created = int(time.time())
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-attn-engine")
+        self.engine = self.call_blocking(make_engine)
+        self._active: dict[Hashable, _Active] = {}
+        self._cancels: list[Hashable] = []
+        self._cancels_lock = threading.Lock()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.generated_tokens = 0
+        self.requests_total = 0
+        self.cancelled_requests = 0  # cancelled in the engine before they ended (disconnects, stop strings)
+        self.started = time.monotonic()
+
+    @property
+    def context(self) -> int | None:
+        return getattr(self.engine.model.config, "max_position_embeddings", None)
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        from mlx_attn import _ext
+
+        # Empty the engine thread's compile cache while Python can still free
+        # its entries (freed at the thread's exit, they abort a process that
+        # is already shutting down).
+        await self.call(_ext.forget_thread_compile_cache)
+        self._executor.shutdown(wait=True)
+
+    def call_blocking(self, fn, *args, timeout: float = 60.0):
+        """Run ``fn`` on the engine's thread from another thread (tests, tools)."""
+        return self._executor.submit(fn, *args).result(timeout)
+
+    async def call(self, fn, *args):
+        """Run ``fn`` on the engine's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def check_room(self, count: int) -> None:
+        """429 unless ``count`` more requests fit under ``max_requests``."""
+        if len(self._active) + count > self.max_requests:
+            raise APIError(429, f"the server is serving its limit of {self.max_requests} requests; retry later",
+                           None, "rate_limit_exceeded")
+
+    async def submit(self, prompt: list[int], max_tokens: int, sampling) -> tuple[Hashable, asyncio.Queue]:
+        self.check_room(1)
+        rid = f"req-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def submit():
+            self.engine.submit(rid, prompt, max_tokens, stop_token_ids=sorted(self.tokenizer.eos_token_ids),
+                               sampling=sampling)
+
+        self._active[rid] = _Active(queue)  # counts against the limit from now on
+        try:
+            await self.call(submit)
+        except BaseException:
+            self._active.pop(rid, None)
+            raise
+        self.requests_total += 1
+        self._wake.set()
+        return rid, queue
+
+    async def first_output(self, rid: Hashable) -> None:
+        """Wait for a request's first output (its prompt is in the pages)."""
+        active = self._active.get(rid)
+        if active is not None:
+            await active.started.wait()
+
+    def cancel(self, rid: Hashable) -> None:
+        """Cancel from anywhere (also a cancelled task's cleanup): applied on
+        the engine's thread before its next step."""
+        if self._active.pop(rid, None) is None:
+            return
+        with self._cancels_lock:
+            self._cancels.append(rid)
+        if self._wake is not None:
+            self._wake.set()
+
+    def finished(self, rid: Hashable) -> None:
+        self._active.pop(rid, None)
+
+    def _step(self):
+        with self._cancels_lock:
+            cancels, self._cancels = self._cancels, []
+        for rid in cancels:
+            self.cancelled_requests += self.engine.cancel(rid)
+        if self.engine.idle:
+            return [], False
+        return self.engine.step(), not self.engine.idle
+
+    @property
+    def idle(self) -> bool:
+        """No request is being served and the engine has nothing left."""
+        return not self._active and not self._cancels and self.engine.idle
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            busy = True
+            while busy:
+                try:
+                    outputs, busy = await self.call(self._step)
+                except Exception as error:  # noqa: BLE001  the model failed: fail its requests, keep serving
+                    for rid in list(self._active):
+                        self._active[rid].queue.put_nowait(error)
+                        self._active[rid].started.set()
+                        self.cancel(rid)
+                    break
+                for output in outputs:
+                    self.generated_tokens += 1
+                    active = self._active.get(output.request_id)
+                    if active is not None:
+                        active.queue.put_nowait(output)
+                        active.started.set()
+                if self._cancels:
+                    busy = True
+
+    def metrics(self) -> str:
+        stats = self.engine.stats()
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        lines = []
+
+        def metric(name, kind, help_text, value):
+            lines.extend([f"# HELP mlx_attn_{name} {help_text}", f"# TYPE mlx_attn_{name} {kind}",
+                          f"mlx_attn_{name} {value}"])
+
+        metric("requests_running", "gauge", "Requests with pages in the pool.", stats["running"])
+        metric("requests_waiting", "gauge", "Requests waiting for admission.", stats["waiting"])
+        metric("requests_total", "counter", "Requests accepted.", self.requests_total)
+        metric("pages_total", "gauge", "Pages in the pool.", stats["pages_total"])
+        metric("pages_used", "gauge", "Pages held by requests.", stats["pages_held"])
+        metric("pages_cached", "gauge", "Pages held by no request, kept for the prefix cache.",
+               stats["pages_cached"])
+        metric("pages_free", "gauge", "Free pages.", stats["pages_free"])
+        metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / prompt tokens.",
+               stats["prefix_hit_rate"])
+        metric("requests_cancelled_total", "counter", "Requests cancelled before they ended.",
+               self.cancelled_requests)
+        metric("preemptions_total", "counter", "Requests preempted for pages.", stats["preemptions"])
+        metric("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens)
+        metric("generated_tokens_per_second", "gauge", "Tokens generated per second since start.",
+               self.generated_tokens / elapsed)
+        return "\n".join(lines) + "\n"
