@@ -11,6 +11,7 @@ another's private (underscore) name."""
 
 import ast
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,62 @@ def test_no_private_name_is_imported_across_modules():
         if taken:
             offending[name] = taken
     assert not offending, offending
+
+
+# ------------------------------------------------------------------- csrc/
+# The C++ tree in layers, lowest first: an include may only point at its own
+# layer or one below. csrc/metal/ holds two: the portable launch plans (below
+# the primitives, which ask them for support reasons) and the Mac host (above
+# them: the primitives' eval_gpu bodies).
+METAL_HOST = ("csrc/metal/attention_metal.", "csrc/metal/eval_gpu.", "csrc/metal/no_metal.",
+              "csrc/metal/metal_library.")
+CSRC_LAYERS = ["metal/ (kernel sources and their shared headers)", "csrc/core", "csrc/cpu",
+               "csrc/metal (plans, sources)", "csrc/ops", "csrc/metal (host)", "csrc/python"]
+
+
+def csrc_layer(path: str) -> int:
+    if path.startswith("metal/"):
+        return 0
+    if path.startswith(METAL_HOST):
+        return 5
+    folder = path.split("/")[1]
+    return {"core": 1, "cpu": 2, "metal": 3, "ops": 4, "python": 6}[folder]
+
+
+def csrc_includes() -> dict[str, set[str]]:
+    """Each C++ file of csrc/ and metal/ -> the project files it includes."""
+    files = [p for folder in ("csrc", "metal") for p in (REPOSITORY / folder).rglob("*")
+             if p.suffix in (".h", ".cpp", ".metal")]
+    graph = {}
+    for path in files:
+        name = path.relative_to(REPOSITORY).as_posix()
+        graph[name] = set(re.findall(r'^#include "((?:csrc|metal)/[\w/]+\.(?:h|cpp))"', path.read_text(), re.M))
+    return graph
+
+
+def test_csrc_has_the_folders_of_its_layers():
+    top = {p.name for p in (REPOSITORY / "csrc").iterdir() if p.is_dir()}
+    assert top == {"core", "cpu", "metal", "ops", "python"}
+    assert not [p.name for p in (REPOSITORY / "csrc").iterdir() if p.is_file()], "csrc/ keeps its files in its layers"
+
+
+def test_no_csrc_include_runs_back_up_a_layer():
+    graph = csrc_includes()
+    assert len(graph) > 60
+    upward = [f"{a} ({CSRC_LAYERS[csrc_layer(a)]}) -> {b} ({CSRC_LAYERS[csrc_layer(b)]})"
+              for a, targets in graph.items() for b in targets if csrc_layer(b) > csrc_layer(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_csrc_includes_form_no_circle():
+    graph = csrc_includes()
+    missing = {b for targets in graph.values() for b in targets} - set(graph)
+    assert not missing, f"includes of files that do not exist: {missing}"
+    assert find_cycle(graph) is None, f"include circle: {find_cycle(graph)}"
+
+
+def test_only_the_backend_files_know_whether_metal_is_built():
+    mentions = sorted(name for name in csrc_includes()
+                      if "MLX_ATTN_METAL" in (REPOSITORY / name).read_text().replace("MLX_ATTN_METAL_", ""))
+    assert mentions == [], f"#ifdef MLX_ATTN_METAL outside the backend split: {mentions}"
+
