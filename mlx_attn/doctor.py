@@ -28,11 +28,11 @@ from mlx_attn.self_check import BackwardVariant, Case, CheckResult, PagedVariant
 __all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid", "backward_grid"]
 
 METAL_HEAD_DIMS = (64, 80, 96, 128, 256)
-# the Metal backward's (D, Dv) (csrc/backward_launch_plan.cpp): the register-resident kernels, then the
+# the Metal backward's (D, Dv) (csrc/metal/backward_launch_plan.cpp): the register-resident kernels, then the
 # D-split family (metal/attention_backward_split.h)
 BACKWARD_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
-PAGED_HEAD_DIMS = (64, 96, 128, 256)  # the paged kernels' (csrc/paged_launch_plan.cpp)
+PAGED_HEAD_DIMS = (64, 96, 128, 256)  # the paged kernels' (csrc/metal/paged_launch_plan.cpp)
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The Metal launch plan seen from Python (tests and the emulator runner).
 
 Which problems the Metal kernels handle is decided in one place, the C++
-launch plan (csrc/launch_plan.cpp); ``mlx_attn.ops`` asks it through
+launch plan (csrc/metal/launch_plan.cpp); ``mlx_attn.ops`` asks it through
 ``_ext.unsupported_reason``. This module returns the whole plan for arrays.
 """
 

@@ -44,7 +44,7 @@ Implementations (:func:`paged_attention_path` says which one a call takes):
   split-K loop over a paged K/V loader (``metal/attention_paged.h``), long
   chunks on the prefill kernel's MMA tiles with K/V staged page by page
   (``metal/attention_paged_prefill.h``); the launch plan routes each sequence
-  (``paged_rows_take_prefill`` in ``csrc/paged_launch_plan.h``).
+  (``paged_rows_take_prefill`` in ``csrc/metal/paged_launch_plan.h``).
 - ``"reference"`` (:mod:`mlx_attn.paged_reference`): gather each sequence's
   pages into contiguous K/V and run
   :func:`mlx_attn.reference.reference_attention` per sequence.
@@ -400,7 +400,7 @@ def quantized_paged_attention(
 
 # ---------------------------------------------------------------- fused Metal kernels
 # The Mac host side of the paged kernels (metal/attention_paged.h, plan
-# csrc/paged_launch_plan.cpp, primitive csrc/paged_attention_metal.h): what a
+# csrc/metal/paged_launch_plan.cpp, primitive csrc/ops/metal_paged_attention.h): what a
 # GPU-stream dispatch calls once the arguments are checked (_prepare /
 # check_paged_layout) and cast to the call's dtype.
 

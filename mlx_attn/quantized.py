@@ -18,7 +18,7 @@ key/value block inside its tile (``csrc/cpu/kernel_impl.h``,
 ``metal/attention_quantized.metal``, which dequantize packed K/V in registers,
 and for long prompts at D = 64 / 128 ``metal/attention_quantized_prefill.metal``
 (the prefill kernel's MMA tiles, K/V dequantized as they are staged; launch
-plan: ``csrc/quantized_launch_plan.cpp``, :func:`quantized_launch_plan`).
+plan: ``csrc/metal/quantized_launch_plan.cpp``, :func:`quantized_launch_plan`).
 Its reference path dequantizes and runs the reference SDPA.
 """
 
@@ -153,7 +153,7 @@ def quantized_launch_plan(q, k_quant, v_quant, *, scale=1.0, mask=None, sinks=No
                           group_size=64, output_lse=False, softcap=None, gpu_family: str = "unknown",
                           gpu_cores: int = 0, decode_shape: str = "auto") -> dict:
     """The Metal launch plan over quantized K/V for these arrays, as the Mac
-    host builds it (csrc/quantized_launch_plan.cpp): strides are the arrays'
+    host builds it (csrc/metal/quantized_launch_plan.cpp): strides are the arrays'
     own (evaluate views first); scales and biases in q's dtype; ``mask`` is
     ``"causal"`` or an array; ``output_lse`` adds the float32 ``[B, Hq, Tq]``
     log-sum-exp output; ``gpu_family``, ``gpu_cores`` and ``decode_shape``

@@ -229,7 +229,7 @@ def group_shape_case(head_dim: int, gpu_target: dict | None = None) -> Case | No
     sequence: the shortest context of GROUP_SHAPE_LENGTHS that the plan runs
     on the group shape over more splits than the merge has simdgroups
     (MERGE_SIMDGROUPS: each then merges several, so their rescale counts) on
-    the target (csrc/launch_plan.cpp decode_shape). None without the
+    the target (csrc/metal/launch_plan.cpp decode_shape). None without the
     extension or where no length does."""
     if _native.ext is None:
         return None
