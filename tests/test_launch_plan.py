@@ -447,3 +447,48 @@ def test_every_role_binds_through_the_one_table():
                                 for b in placeholders)
     roles = {b["role"] for d in plan["dispatches"] for b in d["bindings"]}
     assert roles <= set(_ext.buffer_role_names())
+
+
+# ------------------------------------------------------------ kernel identity
+def dispatches_of_every_family():
+    """Dispatches of plans that reach every planned kernel family."""
+    plans = [plan_for(tq=100), plan_for(tq=1, tkv=4000), plan_for(tq=100, d=256, dv=256),
+             plan_for(tq=100, mask=mx.zeros((100, 120), mx.bool_)), plan_for(tq=2, tkv=300, sinks=mx.zeros((8,), mx.float16))]
+    q, k = mx.zeros((1, 8, 50, 64), mx.float32), mx.zeros((1, 2, 60, 64), mx.float32)
+    plans.append(_ext.metal_backward_launch_plan(_ext.describe_attention(q, k, k, scale=0.1, sinks=mx.zeros((8,)))))
+    plans.append(_ext.metal_backward_launch_plan(_ext.describe_attention(
+        mx.zeros((1, 2, 40, 256)), mx.zeros((1, 2, 40, 256)), mx.zeros((1, 2, 40, 256)), scale=0.1)))
+    return [step for plan in plans for step in plan["dispatches"]]
+
+
+def test_a_dispatch_carries_its_kernel_identity_and_the_name_reads_back():
+    steps = dispatches_of_every_family()
+    assert {step["id"]["family"] for step in steps} >= {
+        "prefill", "prefill_split", "decode_partial", "decode_merge", "backward_delta", "backward_dkdv",
+        "backward_dq", "backward_sinks", "backward_split_dkdv", "backward_split_dq"}
+    for step in steps:
+        assert _ext.parse_kernel_id(step["kernel"]) == step["id"], step["kernel"]
+        # the name is the identity spelled out, field by field (written here apart from the C++)
+        kernel_id = step["id"]
+        fields = "".join(f"_{tag}{value}" for tag, value in kernel_id["fields"].items())
+        mask = {0: "", 1: "_mask_bool", 2: "_mask_additive"}[kernel_id["mask"]]
+        assert step["kernel"] == f"attention_{kernel_id['family']}_{kernel_id['dtype']}{fields}{mask}"
+        assert kernel_id["phase"] == ("backward" if "backward" in kernel_id["family"] else
+                                      "decode" if "decode" in kernel_id["family"] else "prefill")
+
+
+@pytest.mark.parametrize("name", ["attention_prefill", "attention_prefill_float16", "attention_prefill_half_d64",
+                                  "attention_nothing_float16_d64", "attention_prefill_float16_d", "prefill_float16_d64",
+                                  "attention_prefill_float16_d64_", "attention_prefill_float16_64",
+                                  "attention_decode_merge_float16_d64_x"])
+def test_names_that_spell_no_kernel_read_as_none(name):
+    assert _ext.parse_kernel_id(name) is None
+
+
+def test_the_self_check_variant_comes_from_the_identity_not_the_name():
+    from mlx_attn import ops
+    decode = _ext.describe_attention(mx.zeros((1, 8, 1, 64), mx.float16), mx.zeros((1, 2, 500, 64), mx.float16),
+                                     mx.zeros((1, 2, 500, 64), mx.float16), scale=0.1)
+    prefill = _ext.describe_attention(mx.zeros((1, 8, 100, 64), mx.float16), mx.zeros((1, 2, 100, 64), mx.float16),
+                                      mx.zeros((1, 2, 100, 64), mx.float16), scale=0.1)
+    assert ops.metal_variant(decode).phase == "decode" and ops.metal_variant(prefill).phase == "prefill"

@@ -55,7 +55,7 @@ void encode_launch_plan(
   auto& encoder = mx::metal::get_command_encoder(stream);
   for (const auto& dispatch : plan.dispatches) {
     encoder.set_compute_pipeline_state(
-        device.get_kernel(dispatch.kernel, kernel_library(device, dispatch.kernel)));
+        device.get_kernel(dispatch.id.name(), kernel_library(device, dispatch.id.name())));
     for (const auto& b : dispatch.bindings) {
       switch (b.source) {
         case Source::input: encoder.set_input_array(inputs[b.source_index], b.index); break;

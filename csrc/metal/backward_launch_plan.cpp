@@ -32,11 +32,6 @@ std::string backward_head_dims_text() {
   return text;
 }
 
-std::string kernel_name(const char* kind, const AttentionProblem& s, bool with_head_dim = true) {
-  std::string name = std::string(kind) + "_" + elem_type_name(s.dtype);
-  return with_head_dim ? name + "_d" + std::to_string(s.head_dim) : name;
-}
-
 // The backward primitive: the forward's inputs, then out, lse, d_out, d_lse;
 // outputs dq, dk, dv, then d_sinks with sinks.
 PrimitiveLayout backward_layout(const AttentionProblem& s) {
@@ -78,11 +73,9 @@ namespace {
 
 using R = BufferRole;
 
-// The D-split kernels' names carry both head dims.
-std::string split_kernel(const AttentionProblem& s, const char* pass) {
-  return "attention_backward_split_" + std::string(pass) + "_" + elem_type_name(s.dtype) + "_d" +
-      std::to_string(s.head_dim) + "_dv" + std::to_string(s.value_dim) + "_bk" + std::to_string(kSplitStreamRows) +
-      mask_kernel_suffix(s.mask_kind);
+// The D-split kernels' ids carry both head dims.
+KernelId split_kernel(const AttentionProblem& s, KernelFamily family) {
+  return kernel_id(family, s).with("dv", s.value_dim).with("bk", kSplitStreamRows);
 }
 
 int row_blocks(int rows) {
@@ -93,7 +86,7 @@ int row_blocks(int rows) {
 KernelDispatch delta_dispatch(const AttentionProblem& s, const PrimitiveLayout& layout, const LaunchPlan& plan,
                               int64_t rows) {
   KernelDispatch delta;
-  delta.kernel = kernel_name("attention_backward_delta", s, false) + "_d" + std::to_string(s.value_dim);
+  delta.id = {KernelFamily::backward_delta, s.dtype, {{"d", s.value_dim}}};  // rows of the value head dim
   delta.grid = {int((rows + kDeltaRowsPerThreadgroup - 1) / kDeltaRowsPerThreadgroup), 1, 1};
   delta.threadgroup = {32 * kDeltaRowsPerThreadgroup, 1, 1};
   delta.bindings = bind_roles(layout, {R::out, R::d_out, R::d_lse, R::delta, R::params}, plan.scratch, 0);
@@ -108,13 +101,13 @@ KernelDispatch key_gradients_dispatch(const AttentionProblem& s, const Primitive
       layout, {R::k, R::v, R::q, R::d_out, R::lse, R::delta, R::dk, R::dv, R::params, R::mask}, plan.scratch, 1);
   if (split_keys) {  // one threadgroup per (key block, chunk of dK and dV columns)
     const int chunks = std::max(s.head_dim, s.value_dim) / kBackwardChunk;
-    dkdv.kernel = split_kernel(s, "dkdv");
+    dkdv.id = split_kernel(s, KernelFamily::backward_split_dkdv);
     dkdv.grid = {row_blocks(s.kv_len) * chunks, s.kv_heads, s.batch};
     // float32 chunks of Q and dO (rows padded by 16 bytes), lse and delta per row
     dkdv.threadgroup_memory_bytes = (2 * kSplitStreamRows * (kBackwardChunk + 4) + 2 * kSplitStreamRows) * 4;
   } else {
     const int query_block = backward_query_block(s.head_dim);
-    dkdv.kernel = kernel_name("attention_backward_dkdv", s) + mask_kernel_suffix(s.mask_kind);
+    dkdv.id = kernel_id(KernelFamily::backward_dkdv, s);
     dkdv.grid = {row_blocks(s.kv_len), s.kv_heads, s.batch};
     // float32 Q and dO tiles (rows padded by 16 bytes), lse and delta per row
     dkdv.threadgroup_memory_bytes = (2 * query_block * (s.head_dim + 4) + 2 * query_block) * 4;
@@ -129,12 +122,12 @@ KernelDispatch query_gradients_dispatch(const AttentionProblem& s, const Primiti
   dq.bindings = bind_roles(
       layout, {R::q, R::k, R::v, R::d_out, R::lse, R::delta, R::dq, R::params, R::mask}, plan.scratch, 2);
   if (split_queries) {  // one threadgroup per (row block, chunk of dQ columns)
-    dq.kernel = split_kernel(s, "dq");
+    dq.id = split_kernel(s, KernelFamily::backward_split_dq);
     dq.grid = {row_blocks(s.q_len) * (s.head_dim / kBackwardChunk), s.q_heads, s.batch};
     // float32 chunks of K and V (rows padded by 16 bytes)
     dq.threadgroup_memory_bytes = 2 * kSplitStreamRows * (kBackwardChunk + 4) * 4;
   } else {
-    dq.kernel = kernel_name("attention_backward_dq", s) + mask_kernel_suffix(s.mask_kind);
+    dq.id = kernel_id(KernelFamily::backward_dq, s);
     dq.grid = {row_blocks(s.q_len), s.q_heads, s.batch};
     // K and V tiles in the input dtype, as the forward prefill's
     const int element_bytes = s.dtype == ElemType::float32 ? 4 : 2;
@@ -146,7 +139,7 @@ KernelDispatch query_gradients_dispatch(const AttentionProblem& s, const Primiti
 KernelDispatch sinks_gradient_dispatch(const AttentionProblem& s, const PrimitiveLayout& layout,
                                        const LaunchPlan& plan) {
   KernelDispatch sinks;
-  sinks.kernel = kernel_name("attention_backward_sinks", s, false);
+  sinks.id = {KernelFamily::backward_sinks, s.dtype, {}};
   sinks.grid = {s.q_heads, 1, 1};
   sinks.threadgroup = {32, 1, 1};
   sinks.bindings = bind_roles(layout, {R::sinks, R::lse, R::delta, R::d_sinks, R::params}, plan.scratch, 3);

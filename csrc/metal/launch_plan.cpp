@@ -156,8 +156,8 @@ double decode_path(int batch, int kv_heads, int rows, int kv_len, int splits, co
 }
 }  // namespace
 
-std::string DecodeShape::kernel_fields() const {
-  return "_r" + std::to_string(rows) + "_sg" + std::to_string(simdgroups);
+KernelId& DecodeShape::add_fields(KernelId& id) const {
+  return id.with("r", rows).with("sg", simdgroups);
 }
 
 DecodeShape decode_group_shape(int head_dim) {
@@ -338,19 +338,7 @@ std::vector<Binding> bind_roles(
   return out;
 }
 
-const char* mask_kernel_suffix(MaskKind kind) {
-  switch (kind) {
-    case MaskKind::none: return "";
-    case MaskKind::boolean: return "_mask_bool";
-    case MaskKind::additive: return "_mask_additive";
-  }
-  return "";
-}
-
 namespace {
-std::string kernel_name(const char* kind, const AttentionProblem& s) {
-  return std::string(kind) + "_" + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
-}
 
 // "64, 80, 96, 128 (key = value), 192/128, 256/256, ...": the head dims the
 // Metal prefill kernels are instantiated for, for reasons.
@@ -376,8 +364,8 @@ void plan_decode(const AttentionProblem& s, const GpuTarget& target, DecodeShape
   // one split: no scratch and no merge dispatch (add_decode_merge)
   plan.scratch = decode_partials_scratch(s, splits);
   KernelDispatch partial;
-  partial.kernel =
-      kernel_name("attention_decode_partial", s) + shape.kernel_fields() + mask_kernel_suffix(s.mask_kind);
+  partial.id = kernel_id(KernelFamily::decode_partial, s);
+  shape.add_fields(partial.id);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {shape.threads(), 1, 1};
   const PrimitiveLayout layout = forward_layout(s);
@@ -402,7 +390,7 @@ void add_decode_merge(const AttentionProblem& s, const PrimitiveLayout& layout, 
   if (plan.splits == 1) return;
   using R = BufferRole;
   KernelDispatch merge;
-  merge.kernel = kernel_name("attention_decode_merge", s);
+  merge.id = kernel_id(KernelFamily::decode_merge, s);
   merge.grid = {(s.q_heads / s.kv_heads) * s.q_len, s.kv_heads, s.batch};
   merge.threadgroup = {32 * MLX_ATTN_DECODE_MERGE_SIMDGROUPS, 1, 1};  // one row
   // simdgroups 1.. hand their output, max and sum to simdgroup 0 (merge_splits)
@@ -444,9 +432,9 @@ LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target, De
   KernelDispatch prefill;
   const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
   const int query_block = 8 * simdgroups;  // BQ: 8 rows per simdgroup
-  prefill.kernel = split ? kernel_name("attention_prefill_split", s) + "_dv" + std::to_string(s.value_dim)
-                         : kernel_name("attention_prefill", s);
-  prefill.kernel += "_bk" + std::to_string(key_block) + mask_kernel_suffix(s.mask_kind);
+  prefill.id = kernel_id(split ? KernelFamily::prefill_split : KernelFamily::prefill, s);
+  if (split) prefill.id.with("dv", s.value_dim);
+  prefill.id.with("bk", key_block);
   prefill.grid = {(s.q_len + query_block - 1) / query_block, s.q_heads, s.batch};
   prefill.threadgroup = {32 * simdgroups, 1, 1};
   using R = BufferRole;

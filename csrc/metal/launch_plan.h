@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "csrc/core/attention_problem.h"
+#include "csrc/metal/kernel_id.h"
 
 namespace mlx_attn {
 
@@ -83,7 +84,7 @@ struct Binding {
 };
 
 struct KernelDispatch {
-  std::string kernel;                  // host name in mlx_attn.metallib
+  KernelId id;                         // the kernel; id.name(): its host name in mlx_attn.metallib
   std::array<int, 3> grid{};           // threadgroups
   std::array<int, 3> threadgroup{};    // threads per threadgroup
   std::vector<Binding> bindings;
@@ -140,10 +141,6 @@ PrimitiveLayout forward_layout(const AttentionProblem& problem, bool quantized =
 std::vector<Binding> bind_roles(
     const PrimitiveLayout& layout, const std::vector<BufferRole>& roles, const std::vector<ScratchBuffer>& scratch,
     int dispatch_index);
-// The host-name suffix of a kernel instantiated per mask kind
-// (metal/attention_steps.h MLX_ATTN_FOR_EACH_MASK): "", "_mask_bool", "_mask_additive".
-const char* mask_kernel_suffix(MaskKind kind);
-
 // The decode kernels serve at most this many query positions and rows
 // (query heads of a GQA group x positions).
 inline constexpr int kDecodeMaxQueries = 8;
@@ -177,7 +174,8 @@ struct DecodeShape {
   // simdgroup 0 each row's output, max and sum (DecodeStates<D, NSG, R>)
   int states_bytes(int head_dim) const { return (simdgroups - 1) * rows * (head_dim + 2) * 4; }
   // "_r<R>_sg<NSG>": the dense decode kernel's host-name fields
-  std::string kernel_fields() const;
+  // The decode kernels' _r<R>_sg<NSG> fields.
+  KernelId& add_fields(KernelId& id) const;
 };
 // The group shape of a head dim: the register budget's rows
 // (MLX_ATTN_DECODE_ROW_FLOATS / (D / 32), at most

@@ -1,4 +1,5 @@
 #include "csrc/metal/metal_sources.h"
+#include "csrc/metal/kernel_id.h"
 
 #include <algorithm>
 #include <array>
@@ -35,10 +36,6 @@ std::string_view msl_type(std::string_view dtype) {
   return {};
 }
 
-bool all_digits(std::string_view text) {
-  return !text.empty() && text.find_first_not_of("0123456789") == std::string_view::npos;
-}
-
 // A line that is only `MLX_ATTN_<NAME>(args)`: a top-level instantiation.
 bool instantiation_line(std::string_view line) {
   while (!line.empty() && (line.back() == ' ' || line.back() == '\t' || line.back() == '\r')) line.remove_suffix(1);
@@ -53,71 +50,54 @@ bool instantiation_line(std::string_view line) {
 }
 }  // namespace
 
-// The families whose kernels compile one at a time: a kernel name is the
-// prefix, then <dtype>, then the family's fields in order (`_<tag><digits>`
-// each: _d<D>, _dv<DV>, _bk<BK>, _b<BITS>, _r<R>, _sg<NSG>), then, for a family instantiated
-// per mask kind, the mask suffix; `macro` is the family's per-kernel
-// instantiation macro in its .metal file, called with ("<mask suffix>",
-// <mask kind>,) <dtype>, <MSL type>, <fields...> (its host name is the kernel
-// name again). Longer prefixes first.
+namespace {
+
+// The families whose kernels compile one at a time: `macro` is the family's
+// per-kernel instantiation macro in its .metal file, called with ("<mask
+// suffix>", <mask kind>,) <dtype>, <MSL type>, <the id's field values> (its
+// host name is the kernel's again).
 struct VariantFamily {
-  std::string_view prefix, macro;
-  std::array<std::string_view, 4> fields;  // tags, "" past the last
-  bool masked;                             // instantiated per mask kind
+  KernelFamily family;
+  std::string_view macro;
 };
 constexpr VariantFamily kVariantFamilies[] = {
-    {"attention_prefill_split_", "MLX_ATTN_PREFILL_SPLIT_MASK", {"d", "dv", "bk", ""}, true},
-    {"attention_prefill_", "MLX_ATTN_PREFILL_MASK", {"d", "bk", "", ""}, true},
-    {"attention_decode_partial_", "MLX_ATTN_DECODE_PARTIAL", {"d", "r", "sg", ""}, true},
-    {"attention_decode_merge_", "MLX_ATTN_DECODE_MERGE", {"d", "", "", ""}, false},
-    {"attention_quantized_decode_partial_", "MLX_ATTN_QUANTIZED_DECODE_MASK", {"d", "b", "r", "sg"}, true},
-    {"attention_quantized_prefill_", "MLX_ATTN_QUANTIZED_PREFILL_MASK", {"d", "b", "bk", ""}, true},
+    {KernelFamily::prefill_split, "MLX_ATTN_PREFILL_SPLIT_MASK"},
+    {KernelFamily::prefill, "MLX_ATTN_PREFILL_MASK"},
+    {KernelFamily::decode_partial, "MLX_ATTN_DECODE_PARTIAL"},
+    {KernelFamily::decode_merge, "MLX_ATTN_DECODE_MERGE"},
+    {KernelFamily::quantized_decode_partial, "MLX_ATTN_QUANTIZED_DECODE_MASK"},
+    {KernelFamily::quantized_prefill, "MLX_ATTN_QUANTIZED_PREFILL_MASK"},
     // the D-split backward (its _bk: rows per streamed block)
-    {"attention_backward_split_dkdv_", "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK", {"d", "dv", "bk", ""}, true},
-    {"attention_backward_split_dq_", "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK", {"d", "dv", "bk", ""}, true},
-    {"attention_paged_prefill_", "MLX_ATTN_PAGED_PREFILL", {"d", "bk", "", ""}, false},
+    {KernelFamily::backward_split_dkdv, "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK"},
+    {KernelFamily::backward_split_dq, "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK"},
+    {KernelFamily::paged_prefill, "MLX_ATTN_PAGED_PREFILL"},
 };
 
+const char* mask_macro(MaskKind mask) {
+  switch (mask) {
+    case MaskKind::none: return "MLX_ATTN_MASK_NONE";
+    case MaskKind::boolean: return "MLX_ATTN_MASK_BOOL";
+    case MaskKind::additive: return "MLX_ATTN_MASK_ADDITIVE";
+  }
+  return "MLX_ATTN_MASK_NONE";
+}
+
+const VariantFamily* variant_family(KernelFamily family) {
+  for (const auto& row : kVariantFamilies) {
+    if (row.family == family) return &row;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 std::string variant_source(std::string_view kernel) {
-  const VariantFamily* family = nullptr;
-  for (const auto& candidate : kVariantFamilies) {
-    if (kernel.starts_with(candidate.prefix)) {
-      family = &candidate;
-      break;
-    }
-  }
+  const std::optional<KernelId> id = parse_kernel_id(kernel);
+  const VariantFamily* family = id ? variant_family(id->family) : nullptr;
   if (!family) return {};
-  std::string_view rest = kernel.substr(family->prefix.size());
-  // the mask suffix, then <dtype>_<tag><digits>...
-  std::string_view mask_suffix, mask = "MLX_ATTN_MASK_NONE";
-  if (family->masked) {
-    for (auto [suffix, kind] : {std::pair<std::string_view, std::string_view>{"_mask_bool", "MLX_ATTN_MASK_BOOL"},
-                                {"_mask_additive", "MLX_ATTN_MASK_ADDITIVE"}}) {
-      if (rest.ends_with(suffix)) {
-        mask_suffix = suffix;
-        mask = kind;
-        rest.remove_suffix(suffix.size());
-      }
-    }
-  }
-  const size_t dtype_end = rest.find('_');
-  if (dtype_end == std::string_view::npos) return {};
-  const std::string_view dtype = rest.substr(0, dtype_end);
-  if (msl_type(dtype).empty()) return {};
-  rest.remove_prefix(dtype_end);
+  const std::string_view dtype = elem_type_name(id->dtype);
   std::string arguments;
-  for (std::string_view tag : family->fields) {
-    if (tag.empty()) break;
-    // "_<tag><digits>", up to the next '_'
-    if (!rest.starts_with('_') || !rest.substr(1).starts_with(tag)) return {};
-    rest.remove_prefix(1 + tag.size());
-    const size_t end = std::min(rest.find('_'), rest.size());
-    const std::string_view value = rest.substr(0, end);
-    if (!all_digits(value)) return {};
-    arguments += ", " + std::string(value);
-    rest.remove_prefix(end);
-  }
-  if (!rest.empty()) return {};
+  for (const auto& [tag, value] : id->fields) arguments += ", " + std::to_string(value);
 
   const std::string_view text = source_for_kernel(kernel).text;
   std::string out;
@@ -132,7 +112,7 @@ std::string variant_source(std::string_view kernel) {
   if (!out.empty() && out.back() != '\n') out += '\n';
   // The family's own per-kernel macro: the host name it builds is `kernel` again.
   out += std::string(family->macro) + "(";
-  if (family->masked) out += "\"" + std::string(mask_suffix) + "\", " + std::string(mask) + ", ";
+  if (family_per_mask_kind(id->family)) out += "\"" + std::string(mask_suffix(id->mask)) + "\", " + std::string(mask_macro(id->mask)) + ", ";
   out += std::string(dtype) + ", " + std::string(msl_type(dtype)) + arguments + ")\n";
   return out;
 }

@@ -65,21 +65,21 @@ void plan_paged_decode(const PagedProblem& s, const DecodeShape& shape, const Pr
                     {R::partial_stats, std::max<int64_t>(1, partials) * 2, 0, 1}};
   }
   plan.splits = max_splits;
-  const std::string suffix = std::string("_") + elem_type_name(a.dtype) + "_d" + std::to_string(a.head_dim);
 
   KernelDispatch partial;
   const int max_chunks = (max_rows + shape.rows - 1) / shape.rows;
   partial.grid = {max_splits, a.kv_heads * max_chunks, sequences};
   partial.threadgroup = {shape.threads(), 1, 1};
   if (float_pages) {
-    partial.kernel = "attention_paged_decode_partial" + suffix + shape.kernel_fields();
+    partial.id = kernel_id(KernelFamily::paged_decode_partial, a);
+    shape.add_fields(partial.id);
     partial.bindings = bind_roles(
         layout,
         {R::q, R::k, R::v, R::block_table, R::sequences, R::partial_out, R::partial_stats, R::sinks, R::out, R::lse},
         plan.scratch, 0);
   } else {
-    partial.kernel = "attention_paged_quantized_decode_partial" + suffix + "_b" + std::to_string(s.quantized.bits) +
-        shape.kernel_fields();
+    partial.id = kernel_id(KernelFamily::paged_quantized_decode_partial, a).with("b", s.quantized.bits);
+    shape.add_fields(partial.id);
     partial.bindings = bind_roles(layout,
                                   {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases, R::block_table,
                                    R::sequences, R::quantized_params, R::partial_out, R::partial_stats, R::sinks,
@@ -101,7 +101,7 @@ void plan_paged_decode(const PagedProblem& s, const DecodeShape& shape, const Pr
   plan.dispatches = {partial};
   if (!merges) return;
   KernelDispatch merge;
-  merge.kernel = "attention_paged_decode_merge" + suffix;
+  merge.id = kernel_id(KernelFamily::paged_decode_merge, a);
   merge.grid = {max_rows, a.kv_heads, sequences};
   merge.threadgroup = {32 * MLX_ATTN_DECODE_MERGE_SIMDGROUPS, 1, 1};  // one row
   // simdgroups 1.. hand their output, max and sum to simdgroup 0 (merge_splits)
@@ -121,8 +121,7 @@ void plan_paged_prefill(const PagedProblem& s, const GpuTarget& target, const Pr
   const int simdgroups = gpu_tuning(target.family).prefill_simdgroups;
   const int key_block = prefill_key_block(a.head_dim, a.dtype, target);
   KernelDispatch prefill;
-  prefill.kernel = std::string("attention_paged_prefill_") + elem_type_name(a.dtype) + "_d" +
-      std::to_string(a.head_dim) + "_bk" + std::to_string(key_block);
+  prefill.id = kernel_id(KernelFamily::paged_prefill, a).with("bk", key_block);
   prefill.grid = {query_blocks, a.q_heads, 1};
   prefill.threadgroup = {32 * simdgroups, 1, 1};
   prefill.bindings = bind_roles(layout, {R::q, R::k, R::v, R::block_table, R::sequences, R::sinks, R::out, R::lse},

@@ -31,9 +31,7 @@ void plan_quantized_prefill(const AttentionProblem& s, const cpu::QuantizedKV& q
   const int query_block = 8 * simdgroups;  // BQ: 8 rows per simdgroup
   const int key_block = prefill_key_block(s.head_dim, s.dtype, target);
   KernelDispatch prefill;
-  prefill.kernel = std::string("attention_quantized_prefill_") + elem_type_name(s.dtype) + "_d" +
-      std::to_string(s.head_dim) + "_b" + std::to_string(qz.bits) + "_bk" + std::to_string(key_block) +
-      mask_kernel_suffix(s.mask_kind);
+  prefill.id = kernel_id(KernelFamily::quantized_prefill, s).with("b", qz.bits).with("bk", key_block);
   prefill.grid = {(s.q_len + query_block - 1) / query_block, s.q_heads, s.batch};
   prefill.threadgroup = {32 * simdgroups, 1, 1};
   prefill.bindings = bind_roles(forward_layout(s, /*quantized=*/true),
@@ -103,12 +101,10 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
   plan.splits = splits;
   // the float decode's partials and merge: none with one split
   plan.scratch = decode_partials_scratch(s, splits);
-  const std::string suffix = std::string("_") + elem_type_name(s.dtype) + "_d" + std::to_string(s.head_dim);
 
   KernelDispatch partial;
-  partial.kernel =
-      "attention_quantized_decode_partial" + suffix + "_b" + std::to_string(qz.bits) + shape.kernel_fields() +
-      mask_kernel_suffix(s.mask_kind);
+  partial.id = kernel_id(KernelFamily::quantized_decode_partial, s).with("b", qz.bits);
+  shape.add_fields(partial.id);
   partial.grid = {splits, s.kv_heads * row_chunks, s.batch};
   partial.threadgroup = {shape.threads(), 1, 1};
   const PrimitiveLayout layout = forward_layout(s, /*quantized=*/true);

@@ -21,6 +21,19 @@ namespace mlx_attn {
 
 namespace {
 
+// A kernel's identity as Python sees it: what it reads instead of a name.
+nb::dict kernel_id_dict(const KernelId& id) {
+  nb::dict out;
+  out["family"] = family_name(id.family);
+  out["phase"] = phase_name(family_phase(id.family));
+  out["dtype"] = elem_type_name(id.dtype);
+  nb::dict fields;
+  for (const auto& [tag, value] : id.fields) fields[tag.c_str()] = value;
+  out["fields"] = fields;
+  out["mask"] = int(id.mask);
+  return out;
+}
+
 // A plan as Python sees it (tests, the emulator runner).
 nb::dict plan_dict(const LaunchPlan& plan) {
   nb::dict out;
@@ -31,7 +44,8 @@ nb::dict plan_dict(const LaunchPlan& plan) {
   nb::list dispatches;
   for (const auto& d : plan.dispatches) {
     nb::dict entry;
-    entry["kernel"] = d.kernel;
+    entry["kernel"] = d.id.name();
+    entry["id"] = kernel_id_dict(d.id);
     entry["grid"] = d.grid;
     entry["threadgroup"] = d.threadgroup;
     nb::list bindings;
@@ -160,6 +174,16 @@ void bind_gpu_targets(nb::module_& m) {
 
 void bind_launch_plan(nb::module_& m) {
   bind_gpu_targets(m);
+  m.def(
+      "parse_kernel_id",
+      [](const std::string& name) -> std::optional<nb::dict> {
+        const auto id = parse_kernel_id(name);
+        if (!id) return std::nullopt;
+        return kernel_id_dict(*id);
+      },
+      "name"_a,
+      "The identity (family, phase, dtype, fields, mask) a kernel host name spells, as a plan's dispatch "
+      "'id'; None for a name that spells none (csrc/metal/kernel_id.h: the one reader of names).");
   m.def(
       "metal_launch_plan",
       [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores,
