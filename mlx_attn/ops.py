@@ -133,8 +133,6 @@ def _validate(q, k, v, scale, mask, sinks, window_size, backend, stream, return_
 
 
 _SAME = object()  # run_fused's "the call's own sinks"
-# Whether the Metal backward's plan takes a variant (asked once per variant, not per call).
-_BACKWARD_PLAN_TAKES: dict[self_check.BackwardVariant, bool] = {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # arrays do not compare as values
@@ -201,14 +199,22 @@ class AttentionCall:
         return "causal" if self.causal else None
 
     @functools.cached_property
-    def problem(self):
-        """The C++ problem description (``_ext.describe_attention``) of the
-        float call (of the stand-ins, for quantized K/V), built once per call
-        for the support rules and the self-check variants."""
-        return _native.ext.describe_attention(
-            self.q, self.k, self.v, scale=self.scale, causal=self.causal, window_size=self.window_size or 0,
-            mask=self.mask, sinks=self.sinks, output_lse=self.return_lse, softcap=self.softcap or 0.0,
+    def support(self) -> dict:
+        """The one C++ answer the path choice needs (``_ext.attention_support``):
+        the problem description of the float call (of the stand-ins, for
+        quantized K/V), why the fused kernels of the call's device do not run
+        it (None: they do) and, on the GPU, the kernel's phase and whether the
+        Metal backward's plan takes it."""
+        return _native.ext.attention_support(
+            self.q, self.k, self.v, mask=self.mask, sinks=self.sinks, device=self.device, scale=self.scale,
+            causal=self.causal, window_size=self.window_size or 0, output_lse=self.return_lse,
+            softcap=self.softcap or 0.0,
         )
+
+    @property
+    def problem(self):
+        """The C++ problem description (``_ext.describe_attention``) of the call."""
+        return self.support["problem"]
 
     def _fused_unsupported_reason(self) -> str | None:
         """None when the fused kernel handles this call, else why not (the
@@ -219,10 +225,9 @@ class AttentionCall:
             return _native.MISSING_REASON
         if self.quantized is not None:  # its own plan and self-check (mlx_attn.quantized.QuantizedKV)
             return self.quantized.unsupported_reason(self)
-        problem = self.problem
-        reason = _native.ext.unsupported_reason(problem, device=self.device)
+        problem, reason = self.problem, self.support["reason"]
         if reason is None and self.device == mx.gpu:
-            variant = metal_variant(problem)
+            variant = self_check.Variant(self.support["phase"], problem.dtype, problem.head_dim, problem.value_dim)
             if not self_check.trusted(variant, metal_kernel_runner(self.stream)):
                 reason = f"the Metal kernel variant {variant} failed its self-check on this GPU (see the warning)"
         return reason
@@ -243,11 +248,8 @@ class AttentionCall:
         problem = self.problem
         if problem.batch * problem.q_heads * problem.q_len * problem.kv_len == 0:
             return True  # nothing to differentiate through the kernels
-        variant = metal_backward_variant(problem)
-        takes = _BACKWARD_PLAN_TAKES.get(variant)
-        if takes is None:  # given the forward plan took it, the backward's rule is the variant's (head dims)
-            takes = _BACKWARD_PLAN_TAKES[variant] = bool(_native.ext.metal_backward_launch_plan(problem)["supported"])
-        return not takes or self_check.trusted(variant, metal_backward_runner(self.stream))
+        takes = self.support["backward_supported"]
+        return not takes or self_check.trusted(metal_backward_variant(problem), metal_backward_runner(self.stream))
 
     def _with_path(self) -> "AttentionCall":
         if self.backend == "reference":

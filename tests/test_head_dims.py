@@ -225,8 +225,10 @@ def test_explain_names_a_failed_self_check(monkeypatch):
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def unsupported_reason(self, problem, device):
-            return None
+        def attention_support(self, q, k, v, *, device, **kwargs):
+            support = real.attention_support(q, k, v, device=mx.cpu, **kwargs)
+            phase = real.metal_launch_plan(support["problem"])["dispatches"][0]["id"]["phase"]
+            return {**support, "reason": None, "phase": phase, "backward_supported": False}
 
     real = _native.ext
     monkeypatch.setattr(_native, "ext", Planned())

@@ -219,6 +219,16 @@ class MetalBuild:
             return None if plan["supported"] else plan["reason"]
         return self._ext.unsupported_reason(problem, device=device)
 
+    def attention_support(self, q, k, v, *, device, **kwargs):
+        support = self._ext.attention_support(q, k, v, device=mx.cpu, **kwargs)
+        if device == mx.gpu:
+            problem = support["problem"]
+            plan = self._ext.metal_launch_plan(problem)
+            support["reason"] = self.unsupported_reason(problem, device=device)
+            support["phase"] = plan["dispatches"][0]["id"]["phase"] if plan["supported"] else None
+            support["backward_supported"] = self.metal_backward_launch_plan(problem)["supported"]
+        return support
+
 
 @pytest.mark.parametrize("kernel_correct", [True, False], ids=["passes", "fails"])
 def test_gpu_path_order_follows_the_self_check(monkeypatch, kernel_correct):

@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "csrc/metal/backend.h"
+#include "csrc/metal/backward_launch_plan.h"
 #include "csrc/ops/attention.h"
 #include "csrc/cpu/host.h"
 #include "csrc/ops/quantized_attention.h"
@@ -90,6 +91,35 @@ void bind_problem(nb::module_& m) {
       },
       "problem"_a, nb::kw_only(), "device"_a,
       "None when the fused kernels of `device` (mx.cpu or mx.gpu) handle the problem, else why not.");
+
+  m.def(
+      "attention_support",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, std::optional<mx::array> mask,
+         std::optional<mx::array> sinks, mx::Device::DeviceType device, const nb::kwargs& kwargs) {
+        AttentionOptions options = options_from(kwargs);
+        options.has_mask = mask.has_value();
+        options.has_sinks = sinks.has_value();
+        std::vector<mx::array> inputs = {q, k, v};
+        if (mask) inputs.push_back(*mask);
+        if (sinks) inputs.push_back(*sinks);
+        const AttentionProblem problem = describe_attention(inputs, options);
+        nb::dict out;
+        out["problem"] = problem;
+        const std::string reason = unsupported_reason(problem, device);
+        out["reason"] = reason.empty() ? nb::none() : nb::cast(reason);
+        out["phase"] = nb::none();
+        out["backward_supported"] = nb::none();
+        if (reason.empty() && device == mx::Device::gpu) {  // what the self-checks vouch for
+          const LaunchPlan plan = plan_attention(problem);
+          out["phase"] = plan.dispatches.empty() ? "prefill" : phase_name(family_phase(plan.dispatches.front().id.family));
+          out["backward_supported"] = plan_attention_backward(problem).supported;
+        }
+        return out;
+      },
+      "q"_a, "k"_a, "v"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(), "device"_a, "options"_a,
+      "One question for the path choice of a call: its 'problem' (describe_attention), the 'reason' the fused "
+      "kernels of `device` do not run it (None: they do) and, when the Metal kernels do, the forward kernel's "
+      "'phase' and whether the Metal backward's plan takes it ('backward_supported').");
 }
 
 }  // namespace
