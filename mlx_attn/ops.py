@@ -26,7 +26,7 @@ import functools
 import mlx.core as mx
 
 from mlx_attn import _native, self_check
-from mlx_attn.core.attention_arguments import (WINDOW_LIMIT, as_flag, as_scale, as_softcap, check_sinks,
+from mlx_attn.core.attention_arguments import (as_flag, as_scale, as_softcap, check_sinks,
                                                check_window_size, device_type, shape_text)
 from mlx_attn.core.checks import FLOAT_DTYPES
 from mlx_attn.core.path_choice import Backend, Path, PathChoice, check_backend
@@ -384,49 +384,6 @@ def attention_path(
     call = AttentionCall.build(q, k, v, scale=scale, mask=mask, sinks=sinks, window_size=window_size,
                                backend=backend, stream=stream, return_lse=return_lse, softcap=softcap)
     return PathChoice(call.path, call.reason) if explain else call.path
-
-
-def _reference_derivative(mode, primals, vectors, argnums, options, stream):
-    """The fused primitive's vjp / jvp (registered with _ext: the one place
-    C++ calls into Python): those of the reference path on the same inputs
-    and stream, for every output (the log-sum-exp too when the call returns
-    it). Bool masks are constants; an additive mask's gradient is the score
-    gradient reduced over its broadcast dimensions (autodiff does it)."""
-    # causal is a window of every earlier key: one route for both, beside an array mask too
-    window_size = options.window_size or (WINDOW_LIMIT if options.causal else None)
-
-    def attend(arrays):
-        q, k, v, *extras = arrays
-        mask = extras.pop(0) if options.has_mask else None
-        sinks = extras.pop(0) if options.has_sinks else None
-        outputs = reference_attention(
-            q, k, v, scale=options.scale, mask=mask, sinks=sinks, window_size=window_size, stream=stream,
-            return_lse=options.output_lse, softcap=options.softcap or None,
-        )
-        return list(outputs) if options.output_lse else [outputs]
-    argnums = list(argnums)
-    active = [i for i in argnums if primals[i].dtype != mx.bool_]
-
-    def of_active(*chosen):
-        arrays = list(primals)
-        for i, a in zip(active, chosen):
-            arrays[i] = a
-        return attend(arrays)
-
-    chosen = [primals[i] for i in active]
-    if mode == "vjp":
-        _, grads = mx.vjp(of_active, chosen, list(vectors))
-        by_index = dict(zip(active, grads))
-        return [by_index.get(i, mx.zeros_like(primals[i])) for i in argnums]
-    tangents = [t for i, t in zip(argnums, vectors) if primals[i].dtype != mx.bool_]
-    if not chosen:
-        return [mx.zeros_like(out) for out in attend(list(primals))]
-    _, out_tangents = mx.jvp(of_active, chosen, tangents)
-    return out_tangents
-
-
-if _native.ext is not None:
-    _native.ext.set_differentiation_rule(_reference_derivative)
 
 
 def scaled_dot_product_attention(

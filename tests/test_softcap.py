@@ -396,7 +396,7 @@ def test_gradients_with_an_lse_cotangent_and_bfloat16():
 
 def test_additive_mask_gradient_and_jvp_go_through_the_reference_rule_with_the_cap():
     """An additive mask among the differentiated inputs, and every jvp, take
-    the reference path's autodiff (ops._reference_derivative): it must get the
+    the reference graph's autodiff (csrc/ops/reference_graph.cpp): it must get the
     softcap too."""
     (q, k, v), kw = case_inputs(CASES["additive mask with -inf"], mx.float32, seed=6)
     mask = kw.pop("mask")

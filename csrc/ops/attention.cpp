@@ -9,6 +9,7 @@
 #include "csrc/metal/backward_launch_plan.h"
 #include "csrc/cpu/backward_host.h"
 #include "csrc/cpu/host.h"
+#include "csrc/ops/reference_graph.h"
 #include "csrc/metal/backend.h"
 #include "csrc/metal/launch_plan.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -267,25 +268,6 @@ LaunchPlan FusedAttention::launch_plan(const std::vector<mx::array>& inputs, con
 
 namespace {
 
-DifferentiationRule& differentiation_rule() {
-  // Never destroyed: it may hold a Python callable past interpreter teardown.
-  static auto* rule = new DifferentiationRule();
-  return *rule;
-}
-
-std::vector<mx::array> differentiate(
-    const char* mode,
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& vectors,
-    const std::vector<int>& argnums,
-    const AttentionOptions& options,
-    mx::Stream stream) {
-  if (!differentiation_rule()) {
-    throw std::runtime_error("[mlx_attn] import mlx_attn to differentiate the fused attention");
-  }
-  return differentiation_rule()(mode, primals, vectors, argnums, options, stream);
-}
-
 // Whether the vjp runs FusedAttentionBackward: its plan takes the problem
 // and, on the GPU only, the Metal backward's variant is trusted (the caller's
 // answer, AttentionOptions::metal_backward_trusted).
@@ -308,10 +290,6 @@ bool wants_mask_gradient(
 
 }  // namespace
 
-void set_differentiation_rule(DifferentiationRule rule) {
-  differentiation_rule() = std::move(rule);
-}
-
 // The fused backward runs when the forward kept its lse (on the GPU: when the
 // Metal backward's plan takes the problem and its variant passed the
 // self-check) and no additive mask is differentiated; the cotangent of the
@@ -325,12 +303,12 @@ std::vector<mx::array> FusedAttention::vjp(
   const auto s = stream();
   if (!options_.output_lse || wants_mask_gradient(primals, argnums, options_) ||
       !use_fused_backward(describe_attention(primals, options_), options_, s.device)) {
-    if (!options_.lse_for_backward) return differentiate("vjp", primals, cotangents, argnums, options_, s);
+    if (!options_.lse_for_backward) return reference_derivatives(false, primals, cotangents, argnums, options_, s);
     // The hidden lse's cotangent is zero: differentiating it anyway would
     // put log(0)'s NaN derivative into the rows that see no key.
     AttentionOptions without_lse = options_;
     without_lse.output_lse = without_lse.lse_for_backward = false;
-    return differentiate("vjp", primals, {cotangents[0]}, argnums, without_lse, s);
+    return reference_derivatives(false, primals, {cotangents[0]}, argnums, without_lse, s);
   }
   const auto& q = primals[0];
   std::vector<mx::array> inputs = primals;
@@ -364,13 +342,13 @@ std::vector<mx::array> FusedAttention::jvp(
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {
   if (!options_.lse_for_backward) {
-    return differentiate("jvp", primals, tangents, argnums, options_, stream());
+    return reference_derivatives(true, primals, tangents, argnums, options_, stream());
   }
   // The hidden lse is read by the fused backward only, never differentiated
   // forward: its tangent is a placeholder of the right shape.
   AttentionOptions without_lse = options_;
   without_lse.output_lse = without_lse.lse_for_backward = false;
-  auto out_tangent = differentiate("jvp", primals, tangents, argnums, without_lse, stream());
+  auto out_tangent = reference_derivatives(true, primals, tangents, argnums, without_lse, stream());
   const auto& q = primals[0];
   out_tangent.push_back(mx::zeros({q.shape(0), q.shape(1), q.shape(2)}, mx::float32, stream()));
   return out_tangent;

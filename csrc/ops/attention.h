@@ -59,19 +59,8 @@ void run_cpu_kernel(
 // Metal) whenever the forward kept its lse and no additive mask is among the
 // differentiated inputs; other gradients (an additive mask's: the score
 // gradient reduced over its broadcast dimensions) and forward-mode
-// derivatives come from the reference path's autodiff. The reference path is
-// Python (mlx_attn/reference.py); this rule, registered once by
-// mlx_attn/ops.py, is the one place where C++ calls into Python:
-//   rule("vjp", primals, cotangents, argnums, options, stream) -> one gradient per argnum
-//   rule("jvp", primals, tangents, argnums, options, stream)   -> [output tangent]
-using DifferentiationRule = std::function<std::vector<mx::array>(
-    const std::string& mode,
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& vectors,
-    const std::vector<int>& argnums,
-    const AttentionOptions& options,
-    mx::Stream stream)>;
-void set_differentiation_rule(DifferentiationRule rule);
+// derivatives are those of the reference path's graph
+// (csrc/ops/reference_graph.h), all in C++.
 
 // What the attention primitives (FusedAttention, QuantizedAttention) share:
 // their options, outputs [B, Hq, Tq, Dv] (and the float32 [B, Hq, Tq] lse

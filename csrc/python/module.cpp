@@ -3,7 +3,6 @@
 // the CPU instruction-set controls. Every entry validates its input in C++
 // (std::invalid_argument becomes ValueError).
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
@@ -38,7 +37,20 @@ std::vector<int64_t> strides_of(const int64_t (&s)[4]) {
   return {s[0], s[1], s[2], s[3]};
 }
 
-void bind_problem(nb::module_& m) {
+// describe_attention over a call's arrays and keyword options.
+AttentionProblem describe_call(const mx::array& q, const mx::array& k, const mx::array& v,
+                               const std::optional<mx::array>& mask, const std::optional<mx::array>& sinks,
+                               const nb::kwargs& kwargs) {
+  AttentionOptions options = options_from(kwargs);
+  options.has_mask = mask.has_value();
+  options.has_sinks = sinks.has_value();
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask) inputs.push_back(*mask);
+  if (sinks) inputs.push_back(*sinks);
+  return describe_attention(inputs, options);
+}
+
+void bind_problem_class(nb::module_& m) {
   nb::class_<AttentionProblem>(m, "AttentionProblem",
                                "The one description of an attention problem (csrc/core/attention_problem.h).")
       .def_ro("batch", &AttentionProblem::batch)
@@ -64,19 +76,15 @@ void bind_problem(nb::module_& m) {
       .def_ro("scale", &AttentionProblem::scale)
       .def_ro("softcap", &AttentionProblem::softcap)
       .def_ro("output_lse", &AttentionProblem::output_lse);
+}
 
-
+void bind_problem(nb::module_& m) {
+  bind_problem_class(m);
   m.def(
       "describe_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, std::optional<mx::array> mask,
          std::optional<mx::array> sinks, const nb::kwargs& kwargs) {
-        AttentionOptions options = options_from(kwargs);
-        options.has_mask = mask.has_value();
-        options.has_sinks = sinks.has_value();
-        std::vector<mx::array> inputs = {q, k, v};
-        if (mask) inputs.push_back(*mask);
-        if (sinks) inputs.push_back(*sinks);
-        return describe_attention(inputs, options);
+        return describe_call(q, k, v, mask, sinks, kwargs);
       },
       "q"_a, "k"_a, "v"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(), "options"_a,
       "The problem description the primitive builds from these arrays (their current strides); "
@@ -91,18 +99,14 @@ void bind_problem(nb::module_& m) {
       },
       "problem"_a, nb::kw_only(), "device"_a,
       "None when the fused kernels of `device` (mx.cpu or mx.gpu) handle the problem, else why not.");
+}
 
+void bind_attention_support(nb::module_& m) {
   m.def(
       "attention_support",
       [](const mx::array& q, const mx::array& k, const mx::array& v, std::optional<mx::array> mask,
          std::optional<mx::array> sinks, mx::Device::DeviceType device, const nb::kwargs& kwargs) {
-        AttentionOptions options = options_from(kwargs);
-        options.has_mask = mask.has_value();
-        options.has_sinks = sinks.has_value();
-        std::vector<mx::array> inputs = {q, k, v};
-        if (mask) inputs.push_back(*mask);
-        if (sinks) inputs.push_back(*sinks);
-        const AttentionProblem problem = describe_attention(inputs, options);
+        const AttentionProblem problem = describe_call(q, k, v, mask, sinks, kwargs);
         nb::dict out;
         out["problem"] = problem;
         const std::string reason = unsupported_reason(problem, device);
@@ -153,14 +157,6 @@ NB_MODULE(_ext, m) {
       "Fused attention over mx.quantize triples (bits 8, group_size 64 unless given). Raises ValueError on "
       "any invalid input.");
 
-  m.def(
-      "set_differentiation_rule",
-      [](mlx_attn::DifferentiationRule rule) { mlx_attn::set_differentiation_rule(std::move(rule)); },
-      "rule"_a,
-      "rule(mode, primals, vectors, argnums, options, stream): 'vjp' returns one gradient per argnum, "
-      "'jvp' the output tangent. mlx_attn.ops registers the reference path's (the one call from C++ "
-      "into Python).");
-
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
 
@@ -198,6 +194,7 @@ NB_MODULE(_ext, m) {
   m.attr("MASKED_LOGIT") = mlx_attn::kMaskedLogit;
   mlx_attn::bind_options(m);
   mlx_attn::bind_problem(m);
+  mlx_attn::bind_attention_support(m);
   mlx_attn::bind_launch_plan(m);
   mlx_attn::bind_metal_sources(m);
   mlx_attn::bind_paged_metal(m);
