@@ -108,7 +108,7 @@ def measure(case: str, count: int, low: int, high: int, d: int, seed: int, chunk
     start = time.perf_counter()
     plan = paged_plan([q, k, v, table], q_lens, kv_lens, scale=d**-0.5)
     row = {"case": case, "dtype": "float16", "D": d, "sequences": len(q_lens), "q_lens": q_lens, "kv_lens": kv_lens,
-           "live_kv_mib": live / 2**20, "kernels": [s["kernel"] for s in plan["dispatches"]]}
+           "live_kv_mib": live / 2**20, "kernels": [s.kernel for s in plan.dispatches]}
     row["paged"] = paged_decode_bytes(ours, q, k, v, table, q_lens, kv_lens)
     row["dense, same keys"] = dense_decode_bytes(ours, q, k, v, table, q_lens, kv_lens)
     row["paged / dense, same keys"] = row["paged"] / row["dense, same keys"]
@@ -118,7 +118,7 @@ def measure(case: str, count: int, low: int, high: int, d: int, seed: int, chunk
         _, launch = mlx_kernel_runner.decode(mlx_library, *(to_numpy(x) for x in (qp, kp, vp)), scale=d**-0.5)
         row["MLX, padded"] = device_bytes(launch.counters) / live
         row["padded MiB"] = 2 * kp.nbytes / 2**20
-    row["paged scratch MiB"] = sum(4 * s["elements"] for s in plan["scratch"]) / 2**20
+    row["paged scratch MiB"] = sum(4 * s.elements for s in plan.scratch) / 2**20
     row["gather copies MiB"] = live / 2**20
     row["emulated seconds"] = time.perf_counter() - start
     return row

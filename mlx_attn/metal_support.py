@@ -2,7 +2,8 @@
 
 Which problems the Metal kernels handle is decided in one place, the C++
 launch plan (csrc/metal/launch_plan.cpp); ``mlx_attn.ops`` asks it through
-``_ext.unsupported_reason``. This module returns the whole plan for arrays.
+``_ext.attention_support``. This module returns the whole plan for arrays
+(an ``_ext.LaunchPlan``: typed, read-only).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from mlx_attn._native import MISSING_REASON, ext
 def launch_plan(
     q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, output_lse=False, softcap=None,
     gpu_family: str = "unknown", gpu_cores: int = 0, decode_shape: str = "auto",
-) -> dict:
+):
     """The Metal launch plan for these arrays, as the Mac host would build it:
     strides are the arrays' own (evaluate views first: unevaluated arrays
     report row-contiguous strides); ``mask`` is ``"causal"`` or an array in
@@ -35,6 +36,4 @@ def launch_plan(
         mask=mask if isinstance(mask, mx.array) else None, sinks=sinks, output_lse=output_lse,
         softcap=softcap or 0.0,
     )
-    plan = ext.metal_launch_plan(problem, gpu_family=gpu_family, gpu_cores=gpu_cores, decode_shape=decode_shape)
-    plan["problem"] = problem
-    return plan
+    return ext.metal_launch_plan(problem, gpu_family=gpu_family, gpu_cores=gpu_cores, decode_shape=decode_shape)

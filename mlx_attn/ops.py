@@ -306,7 +306,7 @@ class AttentionCall:
 def metal_variant(problem) -> self_check.Variant:
     """The kernel variant the Metal launch plan uses for a problem: what a
     self-check vouches for (prefill or decode, dtype, head dims)."""
-    phase = _native.ext.metal_launch_plan(problem)["dispatches"][0]["id"]["phase"]
+    phase = _native.ext.metal_launch_plan(problem).dispatches[0].id.phase
     return self_check.Variant(phase, problem.dtype, problem.head_dim, problem.value_dim)
 
 

@@ -422,7 +422,7 @@ def metal_paged_reason(q, k_parts, v_parts, block_table, layout: PagedLayout, *,
         _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens,
         window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
         group_size=group_size, softcap=softcap or 0.0)
-    return "" if plan["supported"] else plan["reason"]
+    return "" if plan.supported else plan.reason
 
 
 def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: PagedLayout, *, scale, causal, window_size,

@@ -69,8 +69,8 @@ class QuantizedKV:
         plan = quantized_launch_plan(call.q, self.k, self.v, scale=call.scale, mask=call.mask_argument,
                                      sinks=call.sinks, window_size=call.window_size, bits=self.bits,
                                      group_size=self.group_size, softcap=call.softcap)
-        if not plan["supported"]:
-            return plan["reason"]
+        if not plan.supported:
+            return plan.reason
         variant = self_check.QuantizedVariant(str(call.q.dtype).removeprefix("mlx.core."), call.q.shape[-1],
                                               self.bits, self.group_size)
         if not self_check.trusted(variant, quantized_metal_kernel_runner(call.stream, self.group_size, self.bits)):

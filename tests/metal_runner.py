@@ -207,9 +207,9 @@ class EmulatedMetal:
         dtype = inputs[0].array.dtype
         plan = launch_plan(*(view.array for view in inputs[:3]), scale=scale, **plan_kw, window_size=window_size,
                            output_lse=return_lse, softcap=softcap, **(gpu_target or {}))
-        assert plan["supported"], plan["reason"]
+        assert plan.supported, plan.reason
         # the offsets the host reads from MLX (bytes / itemsize) are the ones bound here
-        problem = plan["problem"]
+        problem = plan.problem
         assert (problem.q_offset, problem.k_offset, problem.v_offset) == tuple(view.offset for view in inputs[:3])
         self.last_plan = plan
         out, lse = self.launch(plan, inputs)
@@ -229,7 +229,7 @@ class EmulatedMetal:
             arrays[0], arrays[1:4], arrays[4:7], scale=scale, **plan_kw, window_size=window_size, bits=bits,
             group_size=group_size, output_lse=return_lse, softcap=softcap, **(gpu_target or {}),
         )
-        assert plan["supported"], plan["reason"]
+        assert plan.supported, plan.reason
         self.last_plan = plan
         out, lse = self.launch(plan, inputs)
         return (from_numpy(out, dtype), mx.array(lse)) if return_lse else from_numpy(out, dtype)
@@ -240,7 +240,7 @@ class EmulatedMetal:
         its view's offset (read through the plan's strides), the output,
         scratch buffers and bytes. Returns the outputs (out, lse); lse is
         NaN where no kernel wrote it."""
-        problem = plan["problem"]
+        problem = plan.problem
         memory = [view.memory() for view in inputs]
         memory = [m.view(np.uint8) if m.dtype == np.bool_ else m for m in memory]
         out = np.zeros((problem.batch, problem.q_heads, problem.q_len, problem.value_dim), memory[0].dtype)
@@ -264,7 +264,7 @@ class RealMetal:
         return out
 
 
-def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, softcap=None) -> dict:
+def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, softcap=None):
     """The Metal backward's launch plan (csrc/backward_launch_plan.cpp) for
     the forward problem of these arrays, as the Mac host would build it."""
     problem = _ext.describe_attention(  # a window implies causal (as ops.AttentionCall says)
@@ -272,9 +272,7 @@ def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_si
         window_size=window_size or 0, mask=mask if isinstance(mask, mx.array) else None, sinks=sinks,
         softcap=softcap or 0.0,
     )
-    plan = _ext.metal_backward_launch_plan(problem)
-    plan["problem"] = problem
-    return plan
+    return _ext.metal_backward_launch_plan(problem)
 
 
 def nan_filled(shape, dtype: np.dtype) -> np.ndarray:
@@ -291,32 +289,32 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
     something nobody wrote shows), params (and quantized params) bytes. A scratch buffer is written
     by its producer and read only by later dispatches up to its consumer.
     Returns what each dispatch returned (Counters in a counting build)."""
-    scratch = [np.full(buffer["elements"], np.nan, np.float32) for buffer in plan["scratch"]]
+    scratch = [np.full(buffer.elements, np.nan, np.float32) for buffer in plan.scratch]
     results = []
-    for position, step in enumerate(plan["dispatches"]):
+    for position, step in enumerate(plan.dispatches):
         bound = {}
-        for binding in step["bindings"]:
-            source, index = binding["source"], binding["source_index"]
+        for binding in step.bindings:
+            source, index = binding.source, binding.source_index
             if source == "input":
-                bound[binding["index"]] = inputs[index]
+                bound[binding.index] = inputs[index]
             elif source == "output":
-                bound[binding["index"]] = outputs[index]
+                bound[binding.index] = outputs[index]
             elif source == "scratch":
-                buffer = plan["scratch"][index]
-                if binding["access"] == "write":
-                    assert position == buffer["producer"]
+                buffer = plan.scratch[index]
+                if binding.access == "write":
+                    assert position == buffer.producer
                 else:
-                    assert buffer["producer"] < position <= buffer["consumer"]
-                bound[binding["index"]] = scratch[index]
+                    assert buffer.producer < position <= buffer.consumer
+                bound[binding.index] = scratch[index]
             elif source == "params":
-                bound[binding["index"]] = plan["params"]
+                bound[binding.index] = plan.params
             elif source == "quantized_params":
-                bound[binding["index"]] = plan["quantized_params"]
+                bound[binding.index] = plan.quantized_params
             elif source == "sequences":  # a paged plan's PagedSequence array
-                bound[binding["index"]] = np.frombuffer(plan["sequences"], np.uint8).copy()
+                bound[binding.index] = np.frombuffer(plan.sequences, np.uint8).copy()
             else:
-                bound[binding["index"]] = struct.pack("i", plan["splits"])
-        results.append(library.dispatch(step["kernel"], step["grid"], step["threadgroup"], bound))
+                bound[binding.index] = struct.pack("i", plan.splits)
+        results.append(library.dispatch(step.kernel, step.grid, step.threadgroup, bound))
     return results
 
 
@@ -332,9 +330,9 @@ def emulated_backward(metal: EmulatedMetal, q, k, v, out, lse, d_out, d_lse=None
     dtype = views[0].array.dtype
     arrays = [view.array for view in views]
     plan = backward_launch_plan(*arrays[:3], scale=scale, **plan_kw, window_size=window_size, softcap=softcap)
-    assert plan["supported"], plan["reason"]
+    assert plan.supported, plan.reason
     metal.last_plan = plan
-    problem = plan["problem"]
+    problem = plan.problem
     rows = (problem.batch, problem.q_heads, problem.q_len)
     if d_lse is None:
         d_lse = mx.zeros(rows, mx.float32)

@@ -66,7 +66,7 @@ def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_
 
 def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size=None, has_sinks=False,
                return_lse=False, bits=0, group_size=0, gpu_target: dict | None = None, softcap=None,
-               decode_shape: str = "auto") -> dict:
+               decode_shape: str = "auto"):
     return _native.ext.paged_metal_launch_plan(
         arrays, [int(x) for x in q_lens], [int(x) for x in kv_lens], scale=scale, causal=causal,
         window_size=window_size or 0, has_sinks=has_sinks, output_lse=return_lse, bits=bits, group_size=group_size,
@@ -78,14 +78,24 @@ def paged_plan(arrays: list, q_lens, kv_lens, *, scale, causal=True, window_size
 VECTOR_LOADS_OFFSET = 17 * 8 + 12 * 4
 
 
-def scalar_loads(plan: dict) -> dict:
+class _WithSequences:
+    """A launch plan (read-only) seen with other PagedSequence bytes."""
+
+    def __init__(self, plan, sequences: bytes):
+        self._plan, self.sequences = plan, sequences
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+
+def scalar_loads(plan):
     """The plan with every sequence's vector_loads cleared: the kernels' element
     by element path (what unaligned or strided pages take) on the same arrays."""
-    data = bytearray(plan["sequences"])
+    data = bytearray(plan.sequences)
     size = _native.ext.PAGED_SEQUENCE_BYTES
     for at in range(0, len(data), size):
         data[at + VECTOR_LOADS_OFFSET:at + VECTOR_LOADS_OFFSET + 4] = (0).to_bytes(4, "little")
-    return {**plan, "sequences": bytes(data)}
+    return _WithSequences(plan, bytes(data))
 
 
 def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, scale, causal=True, window_size=None,
@@ -101,7 +111,7 @@ def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, sca
     plan = paged_plan(arrays, q_lens, kv_lens, scale=scale, causal=causal, window_size=window_size,
                       has_sinks=sinks is not None, return_lse=return_lse, bits=bits, group_size=group_size,
                       gpu_target=gpu_target, softcap=softcap, decode_shape=decode_shape)
-    assert plan["supported"], plan["reason"]
+    assert plan.supported, plan.reason
     if not vector_loads:
         plan = scalar_loads(plan)
     memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]

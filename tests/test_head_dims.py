@@ -227,7 +227,7 @@ def test_explain_names_a_failed_self_check(monkeypatch):
 
         def attention_support(self, q, k, v, *, device, **kwargs):
             support = real.attention_support(q, k, v, device=mx.cpu, **kwargs)
-            phase = real.metal_launch_plan(support["problem"])["dispatches"][0]["id"]["phase"]
+            phase = real.metal_launch_plan(support["problem"]).dispatches[0].id.phase
             return {**support, "reason": None, "phase": phase, "backward_supported": False}
 
     real = _native.ext
@@ -259,8 +259,8 @@ def test_explain_names_the_quantized_rules():
 def test_metal_plan_reasons_name_the_head_dims(d, dv, why):
     q, k, v = make_qkv(1, 2, 1, 40, 50, d, dv)
     plan = launch_plan(q, k, v, scale=0.1)
-    assert not plan["supported"] and why in plan["reason"]
-    assert plan["reason"].startswith("the Metal kernels support head dims")
+    assert not plan.supported and why in plan.reason
+    assert plan.reason.startswith("the Metal kernels support head dims")
 
 
 def test_metal_plan_reason_names_the_quantized_head_dims():
@@ -271,7 +271,7 @@ def test_metal_plan_reason_names_the_quantized_head_dims():
     v = mx.zeros((1, 1, 64, 128))
     plan = quantized_launch_plan(q, mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4),
                                  bits=4, group_size=64)
-    assert not plan["supported"] and "64, 128, 256 or 512" in plan["reason"]
+    assert not plan.supported and "64, 128, 256 or 512" in plan.reason
 
 
 # ------------------------------------------------------- Metal launch plans
@@ -287,18 +287,18 @@ def test_split_plans_fit_threadgroup_memory_and_name_the_variant(d, dv):
     for family, dtype, tq in itertools.product(FAMILIES, DTYPES, (40, 1)):
         q, k, v = make_qkv(1, 4, 2, tq, 50, d, dv, dtype=dtype)
         plan = launch_plan(q, k, v, scale=0.1, gpu_family=family)
-        assert plan["supported"], plan["reason"]
-        (step, *rest) = plan["dispatches"]
+        assert plan.supported, plan.reason
+        (step, *rest) = plan.dispatches
         if tq == 1 and d == dv:
-            assert step["kernel"].startswith(f"attention_decode_partial_{str(dtype).split('.')[-1]}_d{d}")
+            assert step.kernel.startswith(f"attention_decode_partial_{str(dtype).split('.')[-1]}_d{d}")
             continue
         bk = 16 if family == "apple9" and dtype != mx.float32 else 8
         name = f"attention_prefill_split_{str(dtype).split('.')[-1]}_d{d}_dv{dv}_bk{bk}"
-        assert step["kernel"] == name and not rest
+        assert step.kernel == name and not rest
         size = 4 if dtype == mx.float32 else 2
-        assert step["threadgroup_memory_bytes"] == bk * (d * size + 16) + bk * (min(dv, 128) * size + 16)
-        assert step["threadgroup_memory_bytes"] <= 32 * 1024
-        assert step["grid"] == [2, 4, 1] if tq == 40 else [1, 4, 1]
+        assert step.threadgroup_memory_bytes == bk * (d * size + 16) + bk * (min(dv, 128) * size + 16)
+        assert step.threadgroup_memory_bytes <= 32 * 1024
+        assert step.grid == [2, 4, 1] if tq == 40 else [1, 4, 1]
 
 
 # ------------------------------------------------------- emulated Metal
@@ -323,7 +323,7 @@ def test_emulated_prefill_matches_float64_oracle(metal, case):
     q, k, v = make_qkv(1, hq, 1, tq, tkv, d, dv, dtype=dtype, seed=d + 1)
     kw = {"scale": d ** -0.5, **options(mask, hq, tq, tkv, dtype, seed=2)}
     out, lse = metal(q, k, v, **kw, return_lse=True)
-    assert "attention_prefill_split" in metal.last_plan["dispatches"][0]["kernel"]
+    assert "attention_prefill_split" in metal.last_plan.dispatches[0].kernel
     assert_matches_oracle(out, q, k, v, dtype, **kw)
     _, want_lse = numpy_attention(q, k, v, **kw, return_lse=True)
     lse = np.array(lse)
@@ -348,7 +348,7 @@ def test_emulated_decode_matches_float64_oracle(metal, case):
     if mask == "bool":
         kw["mask"] = mx.array(np.random.default_rng(1).random((tq, tkv)) > 0.3)
     out = metal(q, k, v, **kw)
-    kernel = metal.last_plan["dispatches"][0]["kernel"]
+    kernel = metal.last_plan.dispatches[0].kernel
     assert kernel.startswith("attention_decode_partial" if d == dv else "attention_prefill_split"), kernel
     assert_matches_oracle(out, q, k, v, dtype, **kw)
 
@@ -357,7 +357,7 @@ def test_emulated_decode_matches_float64_oracle(metal, case):
 def test_emulated_apple9_key_blocks_at_large_head_dims(metal):
     q, k, v = make_qkv(1, 2, 1, 33, 20, 576, 512, dtype=mx.float16, seed=9)
     out = metal(q, k, v, scale=576 ** -0.5, mask="causal", gpu_target={"gpu_family": "apple9"})
-    assert metal.last_plan["dispatches"][0]["kernel"].endswith("_bk16")
+    assert metal.last_plan.dispatches[0].kernel.endswith("_bk16")
     assert_matches_oracle(out, q, k, v, mx.float16, scale=576 ** -0.5, mask="causal")
 
 
@@ -368,5 +368,5 @@ def test_every_planned_split_and_decode_kernel_is_compiled(metal):
         q, k, v = make_qkv(1, 4, 2, tq, 50, d, dv, dtype=dtype)
         for mask in (None, mx.ones((tq, 50), dtype=mx.bool_), mx.zeros((tq, 50), dtype=dtype)):
             plan = launch_plan(q, k, v, mask=mask, gpu_family=family)
-            names.update(step["kernel"] for step in plan["dispatches"])
+            names.update(step.kernel for step in plan.dispatches)
     assert names <= set(metal.library.kernel_names), sorted(names - set(metal.library.kernel_names))

@@ -21,7 +21,7 @@ PARAMS_FORMAT = "17q10ifiif"
 
 
 def roles(step) -> list[str]:
-    return [b["role"] for b in step["bindings"]]
+    return [b.role for b in step.bindings]
 
 
 def plan_for(b=1, hq=8, hkv=2, tq=100, tkv=120, d=64, dv=None, dtype=mx.float16, **kw):
@@ -33,8 +33,8 @@ def plan_for(b=1, hq=8, hkv=2, tq=100, tkv=120, d=64, dv=None, dtype=mx.float16,
 
 def where_bound(plan) -> dict:
     """role -> (source, source_index, access) over every dispatch."""
-    return {(i, b["role"]): (b["source"], b["source_index"], b["access"])
-            for i, step in enumerate(plan["dispatches"]) for b in step["bindings"]}
+    return {(i, b.role): (b.source, b.source_index, b.access)
+            for i, step in enumerate(plan.dispatches) for b in step.bindings}
 
 
 @pytest.mark.parametrize("tq", [40, 2], ids=["prefill", "decode"])
@@ -49,13 +49,13 @@ def test_bindings_name_their_memory_and_placeholders(tq, with_mask, with_sinks, 
     mask = mx.ones((tq, 120), mx.bool_) if with_mask else None
     sinks = mx.zeros((8,), mx.float16) if with_sinks else None
     plan = plan_for(tq=tq, mask=mask, sinks=sinks, output_lse=with_lse)
-    assert plan["supported"], plan["reason"]
+    assert plan.supported, plan.reason
     bound = where_bound(plan)
-    for step in plan["dispatches"]:
-        assert [b["index"] for b in step["bindings"]] == list(range(len(step["bindings"])))
-        for b in step["bindings"]:
-            writes = b["role"] == "out" or (b["role"] == "lse" and with_lse) or (b["source"] == "scratch" and plan["scratch"][b["source_index"]]["producer"] == plan["dispatches"].index(step))
-            assert (b["access"] == "write") == writes
+    for step in plan.dispatches:
+        assert [b.index for b in step.bindings] == list(range(len(step.bindings)))
+        for b in step.bindings:
+            writes = b.role == "out" or (b.role == "lse" and with_lse) or (b.source == "scratch" and plan.scratch[b.source_index].producer == plan.dispatches.index(step))
+            assert (b.access == "write") == writes
     mask_at = ("input", 3 if with_mask else 0, "read")
     sinks_at = ("input", (3 + with_mask) if with_sinks else 0, "read")
     lse_at = ("output", 1, "write") if with_lse else ("input", 0, "read")
@@ -66,8 +66,8 @@ def test_bindings_name_their_memory_and_placeholders(tq, with_mask, with_sinks, 
         if expected:
             assert where == expected, (role, where)
     # the dispatch that writes the output also writes the lse
-    assert [roles(step).count("lse") for step in plan["dispatches"]] == ["out" in roles(step) for step in plan["dispatches"]]
-    params = struct.unpack(PARAMS_FORMAT, plan["params"])
+    assert [roles(step).count("lse") for step in plan.dispatches] == ["out" in roles(step) for step in plan.dispatches]
+    params = struct.unpack(PARAMS_FORMAT, plan.params)
     assert params[26] == (1 if with_sinks else 0)
     assert params[25] == (_ext.MASK_BOOL if with_mask else _ext.MASK_NONE)
     assert params[28] == (1 if with_lse else 0)
@@ -78,26 +78,26 @@ def test_sinks_stride_is_in_the_params():
     for sinks, stride in ((base[::3], 3), (mx.broadcast_to(base[5:6], (8,)), 0), (base[1:9], 1)):
         mx.eval(sinks)
         plan = plan_for(sinks=sinks)
-        assert struct.unpack(PARAMS_FORMAT, plan["params"])[16] == stride
-        assert plan["problem"].sinks_stride == stride
+        assert struct.unpack(PARAMS_FORMAT, plan.params)[16] == stride
+        assert plan.problem.sinks_stride == stride
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256, 512])
 @pytest.mark.parametrize("tq", [9, 31, 32, 33, 1000])
 def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
     plan = plan_for(tq=tq, d=d)
-    assert plan["supported"], plan["reason"]
-    (step,) = plan["dispatches"]
+    assert plan.supported, plan.reason
+    (step,) = plan.dispatches
     rows_per_group = 32
-    assert step["grid"] == [-(-tq // rows_per_group), 8, 1]
-    assert step["grid"][0] * rows_per_group >= tq > (step["grid"][0] - 1) * rows_per_group
-    assert step["threadgroup"] == [128, 1, 1]
-    assert step["threadgroup_memory_bytes"] <= 32 * 1024
+    assert step.grid == [-(-tq // rows_per_group), 8, 1]
+    assert step.grid[0] * rows_per_group >= tq > (step.grid[0] - 1) * rows_per_group
+    assert step.threadgroup == [128, 1, 1]
+    assert step.threadgroup_memory_bytes <= 32 * 1024
     # the conservative default target takes MLX steel_attention's BK for fp16
     # (past D = 128 the D-split kernel, metal/attention_prefill_split.h)
     expected = {d: f"attention_prefill_float16_d{d}_bk{bk}" for d, bk in ((64, 32), (80, 16), (96, 16), (128, 16))}
     expected |= {d: f"attention_prefill_split_float16_d{d}_dv{d}_bk8" for d in (256, 512)}
-    assert step["kernel"] == expected[d]
+    assert step.kernel == expected[d]
     assert roles(step) == ["q", "k", "v", "out", "params", "mask", "sinks", "lse"]
 
 
@@ -105,39 +105,39 @@ def test_prefill_grid_covers_every_query_row_and_memory_fits(d, tq):
 @pytest.mark.parametrize("tq,tkv", [(1, 1), (1, 150), (8, 4000), (4, 100000)])
 def test_decode_plan_for_few_queries(d, tq, tkv):
     plan = plan_for(b=2, hq=8, hkv=2, tq=tq, tkv=tkv, d=d)
-    assert plan["supported"], plan["reason"]
-    partial, *merges = plan["dispatches"]
+    assert plan.supported, plan.reason
+    partial, *merges = plan.dispatches
     rows = 4 * tq  # query heads per KV head x query positions
     # the shape and splits of the rule (tests/decode_rule.py) on the default target (8 cores)
     rule = decode_rule.decode_plan(2, 2, rows, tkv, d)
     row_chunks = -(-rows // rule["rows"])
-    splits = plan["splits"]
+    splits = plan.splits
     assert splits == rule["splits"]
-    assert partial["kernel"] == f"attention_decode_partial_float16_d{d}{rule['fields']}"
-    assert partial["grid"] == [splits, 2 * row_chunks, 2]
-    assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
+    assert partial.kernel == f"attention_decode_partial_float16_d{d}{rule['fields']}"
+    assert partial.grid == [splits, 2 * row_chunks, 2]
+    assert partial.threadgroup == [32 * rule["simdgroups"], 1, 1]
     # simdgroups 1.. hand each row's output, max and sum to simdgroup 0
-    assert partial["threadgroup_memory_bytes"] == (rule["simdgroups"] - 1) * rule["rows"] * (d + 2) * 4 <= 32 * 1024
+    assert partial.threadgroup_memory_bytes == (rule["simdgroups"] - 1) * rule["rows"] * (d + 2) * 4 <= 32 * 1024
     assert roles(partial) == ["q", "k", "v", "params", "mask", "partial_out", "partial_stats", "sinks", "out", "lse"]
     if splits == 1:
         # one split: the partial kernel writes the output itself, no partials, no merge
-        assert merges == [] and plan["scratch"] == []
-        assert all(b["source"] != "scratch" for b in partial["bindings"])
+        assert merges == [] and plan.scratch == []
+        assert all(b.source != "scratch" for b in partial.bindings)
         assert where_bound(plan)[(0, "out")] == ("output", 0, "write")
         return
     (merge,) = merges
-    assert merge["kernel"] == f"attention_decode_merge_float16_d{d}"
+    assert merge.kernel == f"attention_decode_merge_float16_d{d}"
     # a threadgroup per row of MLX_ATTN_DECODE_MERGE_SIMDGROUPS (8) simdgroups, 7 of which hand over their states
-    assert merge["grid"] == [rows, 2, 2] and merge["threadgroup"] == [256, 1, 1]
-    assert merge["threadgroup_memory_bytes"] == 7 * (d + 2) * 4 <= 32 * 1024
+    assert merge.grid == [rows, 2, 2] and merge.threadgroup == [256, 1, 1]
+    assert merge.threadgroup_memory_bytes == 7 * (d + 2) * 4 <= 32 * 1024
     # the partials the first dispatch writes are what the second one reads
-    assert plan["scratch"] == [
-        {"role": "partial_out", "elements": 2 * 2 * splits * rows * d, "producer": 0, "consumer": 1},
-        {"role": "partial_stats", "elements": 2 * 2 * splits * rows * 2, "producer": 0, "consumer": 1},
+    assert [(s.role, s.elements, s.producer, s.consumer) for s in plan.scratch] == [
+        ("partial_out", 2 * 2 * splits * rows * d, 0, 1),
+        ("partial_stats", 2 * 2 * splits * rows * 2, 0, 1),
     ]
     for step, access in ((partial, "write"), (merge, "read")):
-        scratch = [b for b in step["bindings"] if b["source"] == "scratch"]
-        assert [(b["role"], b["source_index"], b["access"]) for b in scratch] == [
+        scratch = [b for b in step.bindings if b.source == "scratch"]
+        assert [(b.role, b.source_index, b.access) for b in scratch] == [
             ("partial_out", 0, access), ("partial_stats", 1, access)]
     # several splits: the output is bound to both (the kernel writes it only at one split)
     assert "out" in roles(merge)
@@ -164,7 +164,7 @@ def test_decode_splits_fill_the_gpu_without_tiny_splits(tkv, hkv, target, expect
     assert shapes["group"]["splits"] == expected
     plan = plan_for(b=1, hq=4 * hkv, hkv=hkv, tq=1, tkv=tkv, d=128, **target)
     chosen = "row" if shapes["row"]["chosen"] else "group"
-    assert plan["splits"] == shapes[chosen]["splits"]
+    assert plan.splits == shapes[chosen]["splits"]
 
 
 @pytest.mark.parametrize("b,hkv,group,tkv,target,shape,splits", [
@@ -193,8 +193,8 @@ def test_decode_shape_choice(b, hkv, group, tkv, target, shape, splits):
     assert decode_rule.decode_plan(b, hkv, group, tkv, 128, target.get("gpu_cores") or 8)["shape"] == shape
     plan = plan_for(b=b, hq=group * hkv, hkv=hkv, tq=1, tkv=tkv, d=128, **target)
     fields = "_r1_sg32" if shape == "row" else "_r8_sg4"
-    assert plan["dispatches"][0]["kernel"] == f"attention_decode_partial_float16_d128{fields}"
-    assert len(plan["dispatches"]) == (1 if splits == 1 else 2)
+    assert plan.dispatches[0].kernel == f"attention_decode_partial_float16_d128{fields}"
+    assert len(plan.dispatches) == (1 if splits == 1 else 2)
 
 
 def test_decode_shapes_follow_the_rule_on_a_grid():
@@ -225,8 +225,8 @@ def test_decode_shapes_reject_a_bad_target():
 @pytest.mark.parametrize("kwargs", [dict(d=80, tq=1), dict(hq=40, hkv=1, tq=1), dict(hq=8, hkv=2, tq=9)])
 def test_shapes_outside_decode_take_the_prefill_kernel(kwargs):
     plan = plan_for(**kwargs)
-    assert plan["supported"]
-    assert [step["kernel"].split("_float")[0] for step in plan["dispatches"]] == ["attention_prefill"]
+    assert plan.supported
+    assert [step.kernel.split("_float")[0] for step in plan.dispatches] == ["attention_prefill"]
 
 
 def test_params_bytes_encode_the_problem():
@@ -238,7 +238,7 @@ def test_params_bytes_encode_the_problem():
     mask = mx.zeros((7, 9), mx.bool_)
     mx.eval(q, k, v, mask)
     plan = launch_plan(q, k, v, mask=mask, window_size=4, scale=0.5)
-    raw = plan["params"]
+    raw = plan.params
     assert len(raw) == _ext.ATTENTION_PARAMS_BYTES
     values = struct.unpack(PARAMS_FORMAT, raw)
     assert values[:4] == (7 * 8 * 64, 64, 8 * 64, 1)
@@ -250,7 +250,7 @@ def test_params_bytes_encode_the_problem():
     assert (batch, q_heads, kv_heads, group, q_len, kv_len) == (2, 8, 2, 4, 7, 9)
     assert (causal, window, mask_kind, sinks) == (1, 4, _ext.MASK_BOOL, 0)
     assert values[27] == 0.5
-    assert values[29] == 1 and plan["vector_loads"]  # every row start a multiple of 4 elements
+    assert values[29] == 1 and plan.vector_loads  # every row start a multiple of 4 elements
     assert values[30] == 0.0  # no softcap
 
 
@@ -280,11 +280,11 @@ def test_vector_loads_need_every_row_start_aligned(tq):
     for name, (q_in, kv, vector) in cases.items():
         kv = evaluated(kv)
         plan = launch_plan(q_in, kv, kv, scale=0.125)
-        assert plan["supported"], plan["reason"]
-        assert plan["vector_loads"] == vector, name
-        assert struct.unpack(PARAMS_FORMAT, plan["params"])[29] == int(vector), name
+        assert plan.supported, plan.reason
+        assert plan.vector_loads == vector, name
+        assert struct.unpack(PARAMS_FORMAT, plan.params)[29] == int(vector), name
     offset_view = evaluated(wide[..., 2:66])
-    assert launch_plan(q, offset_view, offset_view, scale=0.125)["problem"].k_offset == 2  # elements, not bytes
+    assert launch_plan(q, offset_view, offset_view, scale=0.125).problem.k_offset == 2  # elements, not bytes
 
 
 @pytest.mark.parametrize("kwargs,reason", [
@@ -296,7 +296,7 @@ def test_vector_loads_need_every_row_start_aligned(tq):
 ])
 def test_unsupported_problems_say_why(kwargs, reason):
     plan = plan_for(**kwargs)
-    assert not plan["supported"] and reason in plan["reason"]
+    assert not plan.supported and reason in plan.reason
 
 
 def test_metal_support_reason_on_this_build():
@@ -395,20 +395,20 @@ def test_each_family_plans_its_tiles(family, dtype, d):
     """The family's row decides BK (in the kernel name and the threadgroup
     memory), the simdgroups (threadgroup size and rows per threadgroup)."""
     plan = plan_for(tq=70, tkv=90, d=d, dtype=dtype, gpu_family=family)
-    assert plan["supported"], plan["reason"]
-    assert (plan["gpu_family"], plan["gpu_cores"]) == (family, 8)
+    assert plan.supported, plan.reason
+    assert (plan.gpu_family, plan.gpu_cores) == (family, 8)
     bk16, bk32 = DOCUMENTED_KEY_BLOCKS[family]
     bk = (bk32 if dtype == mx.float32 else bk16)[(64, 80, 96, 128, 256).index(d)]
-    (step,) = plan["dispatches"]
+    (step,) = plan.dispatches
     name = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}[dtype]
     size = 4 if dtype == mx.float32 else 2
     if d <= 128:
-        assert step["kernel"] == f"attention_prefill_{name}_d{d}_bk{bk}"
-        assert step["threadgroup_memory_bytes"] == 2 * bk * (d * size + 16) <= 32 * 1024
+        assert step.kernel == f"attention_prefill_{name}_d{d}_bk{bk}"
+        assert step.threadgroup_memory_bytes == 2 * bk * (d * size + 16) <= 32 * 1024
     else:  # the D-split kernel: K whole, V one 128-dim pass at a time
-        assert step["kernel"] == f"attention_prefill_split_{name}_d{d}_dv{d}_bk{bk}"
-        assert step["threadgroup_memory_bytes"] == bk * (d * size + 16) + bk * (128 * size + 16) <= 32 * 1024
-    assert step["threadgroup"] == [128, 1, 1] and step["grid"] == [3, 8, 1]  # 4 simdgroups x 8 rows
+        assert step.kernel == f"attention_prefill_split_{name}_d{d}_dv{d}_bk{bk}"
+        assert step.threadgroup_memory_bytes == bk * (d * size + 16) + bk * (128 * size + 16) <= 32 * 1024
+    assert step.threadgroup == [128, 1, 1] and step.grid == [3, 8, 1]  # 4 simdgroups x 8 rows
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -442,10 +442,9 @@ def test_every_role_binds_through_the_one_table():
     q = mx.zeros((1, 4, 40, 64))
     k = v = mx.zeros((1, 2, 50, 64))
     plan = launch_plan(q, k, v)
-    placeholders = [b for d in plan["dispatches"] for b in d["bindings"] if b["role"] in ("mask", "sinks", "lse")]
-    assert placeholders and all(b == {**b, "source": "input", "source_index": 0, "access": "read"}
-                                for b in placeholders)
-    roles = {b["role"] for d in plan["dispatches"] for b in d["bindings"]}
+    placeholders = [b for d in plan.dispatches for b in d.bindings if b.role in ("mask", "sinks", "lse")]
+    assert placeholders and all((b.source, b.source_index, b.access) == ("input", 0, "read") for b in placeholders)
+    roles = {b.role for d in plan.dispatches for b in d.bindings}
     assert roles <= set(_ext.buffer_role_names())
 
 
@@ -458,23 +457,23 @@ def dispatches_of_every_family():
     plans.append(_ext.metal_backward_launch_plan(_ext.describe_attention(q, k, k, scale=0.1, sinks=mx.zeros((8,)))))
     plans.append(_ext.metal_backward_launch_plan(_ext.describe_attention(
         mx.zeros((1, 2, 40, 256)), mx.zeros((1, 2, 40, 256)), mx.zeros((1, 2, 40, 256)), scale=0.1)))
-    return [step for plan in plans for step in plan["dispatches"]]
+    return [step for plan in plans for step in plan.dispatches]
 
 
 def test_a_dispatch_carries_its_kernel_identity_and_the_name_reads_back():
     steps = dispatches_of_every_family()
-    assert {step["id"]["family"] for step in steps} >= {
+    assert {step.id.family for step in steps} >= {
         "prefill", "prefill_split", "decode_partial", "decode_merge", "backward_delta", "backward_dkdv",
         "backward_dq", "backward_sinks", "backward_split_dkdv", "backward_split_dq"}
     for step in steps:
-        assert _ext.parse_kernel_id(step["kernel"]) == step["id"], step["kernel"]
+        assert _ext.parse_kernel_id(step.kernel) == step.id, step.kernel
         # the name is the identity spelled out, field by field (written here apart from the C++)
-        kernel_id = step["id"]
-        fields = "".join(f"_{tag}{value}" for tag, value in kernel_id["fields"].items())
-        mask = {0: "", 1: "_mask_bool", 2: "_mask_additive"}[kernel_id["mask"]]
-        assert step["kernel"] == f"attention_{kernel_id['family']}_{kernel_id['dtype']}{fields}{mask}"
-        assert kernel_id["phase"] == ("backward" if "backward" in kernel_id["family"] else
-                                      "decode" if "decode" in kernel_id["family"] else "prefill")
+        kernel_id = step.id
+        fields = "".join(f"_{tag}{value}" for tag, value in kernel_id.fields.items())
+        mask = {0: "", 1: "_mask_bool", 2: "_mask_additive"}[kernel_id.mask]
+        assert step.kernel == f"attention_{kernel_id.family}_{kernel_id.dtype}{fields}{mask}"
+        assert kernel_id.phase == ("backward" if "backward" in kernel_id.family else
+                                   "decode" if "decode" in kernel_id.family else "prefill")
 
 
 @pytest.mark.parametrize("name", ["attention_prefill", "attention_prefill_float16", "attention_prefill_half_d64",

@@ -208,16 +208,16 @@ def plan_for(d=64, dtype=mx.float32, hq=4, hkv=2, tq=37, tkv=53, **kw):
 
 def test_plan_dispatches_and_bindings():
     plan = plan_for(mask=mx.array(np.ones((37, 53), bool)), sinks=mx.zeros((4,)))
-    assert plan["supported"], plan["reason"]
+    assert plan.supported, plan.reason
     kinds = ["attention_backward_delta_float32_d64", "attention_backward_dkdv_float32_d64_mask_bool",
              "attention_backward_dq_float32_d64_mask_bool", "attention_backward_sinks_float32"]
-    assert [step["kernel"] for step in plan["dispatches"]] == kinds
-    assert plan["scratch"] == [{"role": "delta", "elements": 4 * 37, "producer": 0, "consumer": 3}]
-    delta, dkdv, dq, sinks = plan["dispatches"]
-    assert dkdv["grid"] == [2, 2, 1] and dq["grid"] == [2, 4, 1] and sinks["grid"] == [4, 1, 1]
+    assert [step.kernel for step in plan.dispatches] == kinds
+    assert [(s.role, s.elements, s.producer, s.consumer) for s in plan.scratch] == [("delta", 4 * 37, 0, 3)]
+    delta, dkdv, dq, sinks = plan.dispatches
+    assert dkdv.grid == [2, 2, 1] and dq.grid == [2, 4, 1] and sinks.grid == [4, 1, 1]
     # inputs: q k v mask sinks | out lse d_out d_lse; outputs: dq dk dv d_sinks
-    where = {b["role"]: (b["source"], b["source_index"], b["access"]) for step in plan["dispatches"]
-             for b in step["bindings"] if b["source"] != "scratch" or b["access"] == "write"}
+    where = {b.role: (b.source, b.source_index, b.access) for step in plan.dispatches
+             for b in step.bindings if b.source != "scratch" or b.access == "write"}
     assert where == {
         "q": ("input", 0, "read"), "k": ("input", 1, "read"), "v": ("input", 2, "read"),
         "mask": ("input", 3, "read"), "sinks": ("input", 4, "read"), "out": ("input", 5, "read"),
@@ -225,12 +225,12 @@ def test_plan_dispatches_and_bindings():
         "dq": ("output", 0, "write"), "dk": ("output", 1, "write"), "dv": ("output", 2, "write"),
         "d_sinks": ("output", 3, "write"), "delta": ("scratch", 0, "write"), "params": ("params", 0, "read"),
     }
-    for step in plan["dispatches"]:
-        assert [b["index"] for b in step["bindings"]] == list(range(len(step["bindings"])))
+    for step in plan.dispatches:
+        assert [b.index for b in step.bindings] == list(range(len(step.bindings)))
     plain = plan_for()
-    assert len(plain["dispatches"]) == 3 and plain["scratch"][0]["consumer"] == 2
-    mask_binding = [b for b in plain["dispatches"][1]["bindings"] if b["role"] == "mask"][0]
-    assert (mask_binding["source"], mask_binding["source_index"]) == ("input", 0)  # placeholder: q
+    assert len(plain.dispatches) == 3 and plain.scratch[0].consumer == 2
+    mask_binding = [b for b in plain.dispatches[1].bindings if b.role == "mask"][0]
+    assert (mask_binding.source, mask_binding.source_index) == ("input", 0)  # placeholder: q
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -238,17 +238,17 @@ def test_plan_dispatches_and_bindings():
 def test_plan_threadgroup_memory_fits(d, dtype):
     """Every kernel's tiles fit 32 KiB; the emulator checks the kernels' own
     declarations against the same limit, the plan says what the host reserves."""
-    for step in plan_for(d=d, dtype=dtype)["dispatches"]:
-        assert step["threadgroup_memory_bytes"] <= 32 * 1024
+    for step in plan_for(d=d, dtype=dtype).dispatches:
+        assert step.threadgroup_memory_bytes <= 32 * 1024
 
 
 def test_plan_refuses_with_a_reason():
-    assert plan_for(d=256)["supported"]  # the D-split family's (tests/test_metal_backward_split.py)
-    assert not plan_for(d=32)["supported"] and "32" in plan_for(d=32)["reason"]
-    assert "empty" in plan_for(tq=0)["reason"]
+    assert plan_for(d=256).supported  # the D-split family's (tests/test_metal_backward_split.py)
+    assert not plan_for(d=32).supported and "32" in plan_for(d=32).reason
+    assert "empty" in plan_for(tq=0).reason
     q, k = qkv(1, 2, 2, 8, 8, 64, mx.float32)[:2]
     v = random((1, 2, 8, 128), 0)
-    reason = backward_launch_plan(q, k, v, scale=1.0)["reason"]
+    reason = backward_launch_plan(q, k, v, scale=1.0).reason
     assert "head dims (key/value)" in reason and "got 64/128" in reason  # names the unequal pair
 
 

@@ -114,7 +114,7 @@ def test_gradients_match_the_float64_oracle(metal, case):
     if mask == "softcap":
         q = q * 3  # logits of a few units: the tanh bends
     check_against_oracle(metal, q, k, v, **mask_options(mask, hq, tq, tkv, dtype, seed=d))
-    kernels = [step["kernel"] for step in metal.last_plan["dispatches"]]
+    kernels = [step.kernel for step in metal.last_plan.dispatches]
     assert kernels[1].startswith("attention_backward_split_dkdv_")
     assert kernels[2].startswith("attention_backward_split_dq_" if d > 128 else "attention_backward_dq_")
 
@@ -136,30 +136,30 @@ def plan_for(d, dv, dtype=mx.float32, hq=4, hkv=2, tq=37, tkv=53, **kw):
 @pytest.mark.parametrize("d,dv", SPLIT_DIMS)
 def test_plan_routes_the_split_family(d, dv):
     plan = plan_for(d, dv, mask="causal")
-    assert plan["supported"], plan["reason"]
-    delta, dkdv, dq = plan["dispatches"]
-    assert delta["kernel"] == f"attention_backward_delta_float32_d{dv}"  # rows of out and dO
-    assert dkdv["kernel"] == f"attention_backward_split_dkdv_float32_d{d}_dv{dv}_bk32"
+    assert plan.supported, plan.reason
+    delta, dkdv, dq = plan.dispatches
+    assert delta.kernel == f"attention_backward_delta_float32_d{dv}"  # rows of out and dO
+    assert dkdv.kernel == f"attention_backward_split_dkdv_float32_d{d}_dv{dv}_bk32"
     # one threadgroup per (block of 32 keys, chunk of 64 dK / dV columns)
-    assert dkdv["grid"] == [2 * max(d, dv) // 64, 2, 1]
+    assert dkdv.grid == [2 * max(d, dv) // 64, 2, 1]
     if d == 128:  # the dQ pass stays register-resident at D = 128
-        assert dq["kernel"] == "attention_backward_dq_float32_d128" and dq["grid"] == [2, 4, 1]
+        assert dq.kernel == "attention_backward_dq_float32_d128" and dq.grid == [2, 4, 1]
     else:
-        assert dq["kernel"] == f"attention_backward_split_dq_float32_d{d}_dv{dv}_bk32"
-        assert dq["grid"] == [2 * d // 64, 4, 1]
+        assert dq.kernel == f"attention_backward_split_dq_float32_d{d}_dv{dv}_bk32"
+        assert dq.grid == [2 * d // 64, 4, 1]
 
 
 @pytest.mark.parametrize("d,dv", SPLIT_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_plan_threadgroup_memory_fits(d, dv, dtype):
-    for step in plan_for(d, dv, dtype=dtype, sinks=mx.zeros((4,), dtype))["dispatches"]:
-        assert step["threadgroup_memory_bytes"] <= 32 * 1024
+    for step in plan_for(d, dv, dtype=dtype, sinks=mx.zeros((4,), dtype)).dispatches:
+        assert step.threadgroup_memory_bytes <= 32 * 1024
 
 
 def test_plan_keeps_the_reason_for_unsupported_dims():
     for d, dv in ((64, 128), (128, 64), (320, 320)):
         plan = plan_for(d, dv)
-        assert not plan["supported"] and f"got {d}/{dv}" in plan["reason"]
+        assert not plan.supported and f"got {d}/{dv}" in plan.reason
 
 
 def test_each_split_kernel_compiles_alone(tmp_path):
@@ -174,14 +174,14 @@ def test_each_split_kernel_compiles_alone(tmp_path):
     plan = backward_launch_plan(q, k, v, scale=192 ** -0.5, mask="causal")
     family = _ext.metal_kernel_source("attention_backward_split")
     sources = [BACKWARD]
-    for step in plan["dispatches"][1:]:
-        text = _ext.metal_variant_source(step["kernel"])
+    for step in plan.dispatches[1:]:
+        text = _ext.metal_variant_source(step.kernel)
         assert text and len(text) < len(family)
         instantiations = re.findall(r"^MLX_ATTN_[A-Z0-9_]+\(.*\)$", text, flags=re.M)
         assert len(instantiations) == 1 and "float32, float, 192, 128, 32)" in instantiations[0]
-        sources.append(tmp_path / f"{step['kernel']}.metal")
+        sources.append(tmp_path / f"{step.kernel}.metal")
         sources[-1].write_text(text)
     metal = EmulatedMetal(fast_math=True, sources=sources)
     split_kernels = {name for name in metal.library.kernel_names if name.startswith("attention_backward_split_")}
-    assert split_kernels == {step["kernel"] for step in plan["dispatches"][1:]}
+    assert split_kernels == {step.kernel for step in plan.dispatches[1:]}
     check_against_oracle(metal, q, k, v, mask="causal")

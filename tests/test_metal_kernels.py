@@ -175,14 +175,14 @@ def test_decode_split_kv(run, tq, hq, hkv, tkv):
             assert (rule["shape"], rule["splits"]) == ("row", 1)
         if tkv == 3000:
             assert rule["shape"] == "group" and rule["splits"] > 1
-        kernels = [step["kernel"] for step in run.last_plan["dispatches"]]
+        kernels = [step.kernel for step in run.last_plan.dispatches]
         merge = ["attention_decode_merge_float32_d64"] if rule["splits"] > 1 else []
         assert kernels == [f"attention_decode_partial_float32_d64{rule['fields']}", *merge]
-        assert run.last_plan["splits"] == rule["splits"]
-        partial = run.last_plan["dispatches"][0]
-        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
+        assert run.last_plan.splits == rule["splits"]
+        partial = run.last_plan.dispatches[0]
+        assert partial.threadgroup == [32 * rule["simdgroups"], 1, 1]
         rows = hq // hkv * tq
-        assert partial["grid"] == [rule["splits"], hkv * -(-rows // rule["rows"]), 2]
+        assert partial.grid == [rule["splits"], hkv * -(-rows // rule["rows"]), 2]
     assert np.isfinite(got).all()
 
 
@@ -221,8 +221,8 @@ def test_decode_merge_of_any_split_count(run, splits, with_sinks):
     q, k, _ = make(b, hq, hkv, 1, 4096, d, mx.float32)  # the group shape over 16 splits: a merge
     sinks = mx.array(np.linspace(-2.0, 6.0, hq).astype(np.float32)) if with_sinks else None
     plan = launch_plan(q, k, k, scale=1.0, sinks=sinks, output_lse=True)
-    merge = plan["dispatches"][-1]
-    assert merge["kernel"] == "attention_decode_merge_float32_d64" and merge["threadgroup"] == [256, 1, 1]
+    merge = plan.dispatches[-1]
+    assert merge.kernel == "attention_decode_merge_float32_d64" and merge.threadgroup == [256, 1, 1]
     rng = np.random.default_rng(splits)
     shape = (b, hkv, splits, rows)
     stats = np.stack([rng.standard_normal(shape) * 3, rng.uniform(0.5, 3.0, shape)], axis=-1).astype(np.float32)
@@ -235,9 +235,9 @@ def test_decode_merge_of_any_split_count(run, splits, with_sinks):
     lse = np.full((b, hq, 1), np.nan, np.float32)
     sinks_buffer = np.array(sinks) if with_sinks else np.zeros(1, np.float32)
     buffers = {"partial_out": partial_out, "partial_stats": stats, "sinks": sinks_buffer, "out": out,
-               "params": plan["params"], "splits": struct.pack("i", splits), "lse": lse}
-    run.library.dispatch(merge["kernel"], merge["grid"], merge["threadgroup"],
-                         {binding["index"]: buffers[binding["role"]] for binding in merge["bindings"]})
+               "params": plan.params, "splits": struct.pack("i", splits), "lse": lse}
+    run.library.dispatch(merge.kernel, merge.grid, merge.threadgroup,
+                         {binding.index: buffers[binding.role] for binding in merge.bindings})
     want, want_lse = merged_rows(partial_out, stats, np.array(sinks).reshape(hkv, rows) if with_sinks else None)
     np.testing.assert_allclose(out.reshape(b, hkv, rows, d), want, rtol=1e-5, atol=1e-6)
     got_lse = lse.reshape(b, hkv, rows)
@@ -259,9 +259,9 @@ def test_decode_row_chunks_at_d256(run, hq, tq, tkv):
     if not REAL_METAL:
         rule = decode_rule.decode_plan(1, 1, hq * tq, tkv, 256)
         assert (rule["shape"], rule["rows"]) == (("group", 4) if tkv == 4096 else ("row", 1))
-        partial = run.last_plan["dispatches"][0]
-        assert partial["grid"][1] == -(-hq * tq // rule["rows"])
-        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
+        partial = run.last_plan.dispatches[0]
+        assert partial.grid[1] == -(-hq * tq // rule["rows"])
+        assert partial.threadgroup == [32 * rule["simdgroups"], 1, 1]
 
 
 @pytest.mark.parametrize("tq", [37, 1, 3], ids=["prefill", "decode-1", "decode-3"])
@@ -286,8 +286,8 @@ def test_row_logsumexp(run, dtype, tq):
         plain = run(q, k, v, scale=0.125, **kw)
         assert np.array_equal(np.array(out.astype(mx.float32)), np.array(plain.astype(mx.float32)))
     if not REAL_METAL:
-        lse_bindings = [b for step in run.last_plan["dispatches"] for b in step["bindings"] if b["role"] == "lse"]
-        assert lse_bindings[-1]["source"] == "input"  # without return_lse: the placeholder
+        lse_bindings = [b for step in run.last_plan.dispatches for b in step.bindings if b.role == "lse"]
+        assert lse_bindings[-1].source == "input"  # without return_lse: the placeholder
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -326,7 +326,7 @@ def test_vector_and_scalar_loads(run, dtype, d, layout):
         for chosen, vector in (("seq_major", True), (layout, False)):
             check(run, q, k, v, mask="causal", layout=chosen)
             if not REAL_METAL:
-                assert run.last_plan["vector_loads"] == vector, chosen
+                assert run.last_plan.vector_loads == vector, chosen
 
 
 def trimmed(source, instances: list[str]) -> str:
@@ -379,9 +379,9 @@ def test_each_gpu_family_plan_runs_correctly(run, family, cores):
     visible = np.random.default_rng(2).random((1, 700)) > 0.3
     check(run, q, k, v, mask=mx.array(visible), gpu_target=None if REAL_METAL else target)
     if not REAL_METAL:
-        assert (run.last_plan["gpu_family"], run.last_plan["gpu_cores"]) == (family, cores or 8)
+        assert (run.last_plan.gpu_family, run.last_plan.gpu_cores) == (family, cores or 8)
         # the shape and splits of the rule for this target (tests/decode_rule.py)
-        assert run.last_plan["splits"] == decode_rule.decode_plan(1, 1, 4, 700, 128, cores or 8)["splits"]
+        assert run.last_plan.splits == decode_rule.decode_plan(1, 1, 4, 700, 128, cores or 8)["splits"]
     q, k, v = make(1, 2, 2, 35, 50, 256, mx.float16, seed=3)
     check(run, q, k, v, window_size=9, gpu_target=None if REAL_METAL else target)
 
@@ -394,7 +394,7 @@ def test_apple9_key_blocks(run, dtype, d):
     kernels against the reference, with a partial last key block."""
     q, k, v = make(1, 2, 1, 33, 45, d, dtype, seed=d)
     check(run, q, k, v, mask="causal", gpu_target={"gpu_family": "apple9"})
-    assert run.last_plan["dispatches"][0]["kernel"].endswith("_bk32" if d < 256 else "_bk16")
+    assert run.last_plan.dispatches[0].kernel.endswith("_bk32" if d < 256 else "_bk16")
 
 
 @pytest.mark.skipif(REAL_METAL, reason="lists the emulated library's kernels")
@@ -409,8 +409,8 @@ def test_every_planned_kernel_is_compiled(run):
                     q, k, v = make(1, 4, 2, tq, 50, d, dtype)
                     for mask in (None, mx.ones((tq, 50), dtype=mx.bool_), mx.zeros((tq, 50), dtype=dtype)):
                         plan = launch_plan(q, k, v, mask=mask, gpu_family=family)
-                        assert plan["supported"], plan["reason"]
-                        names.update(step["kernel"] for step in plan["dispatches"])
+                        assert plan.supported, plan.reason
+                        names.update(step.kernel for step in plan.dispatches)
     assert len(names) > 90  # every mask kind has its own kernel
     assert names <= set(run.library.kernel_names), sorted(names - set(run.library.kernel_names))
 

@@ -158,5 +158,5 @@ class TestEmbeddedTextRunsInTheEmulator:
         assert np.isfinite(got).all()
         assert np.abs(got - want).max() <= TOLERANCE[dtype]
         # The plan's kernels come from the family this case is meant to test.
-        for dispatch in emulated.last_plan["dispatches"]:
-            assert _ext.metal_kernel_source(dispatch["kernel"]) == _ext.metal_kernel_source(family)
+        for dispatch in emulated.last_plan.dispatches:
+            assert _ext.metal_kernel_source(dispatch.kernel) == _ext.metal_kernel_source(family)

@@ -105,7 +105,7 @@ def test_variant_source_alone_defines_and_runs_its_kernel(tmp_path):
     q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float16))
                for shape in ((1, 2, 40, 64), (1, 2, 70, 64), (1, 2, 70, 64)))
     out = run(q, k, v, scale=0.125)
-    assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel]
+    assert [d.kernel for d in run.last_plan.dispatches] == [kernel]
     expected = reference_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=0.125)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(expected), atol=2e-3, rtol=2e-3)
 
@@ -126,7 +126,7 @@ def test_decode_variant_source_alone_runs_a_one_split_decode(tmp_path):
     mask = mx.array(rng.random((2, 40)) > 0.3)
     sinks = mx.array(rng.standard_normal(4).astype(np.float32))
     out, lse = run(q, k, v, scale=0.125, mask=mask, sinks=sinks, return_lse=True)
-    assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel] and run.last_plan["splits"] == 1
+    assert [d.kernel for d in run.last_plan.dispatches] == [kernel] and run.last_plan.splits == 1
     expected = reference_attention(q, k, v, scale=0.125, mask=mask, sinks=sinks)
     np.testing.assert_allclose(np.array(out), np.array(expected), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.array(lse), reference_lse(q, k, v, scale=0.125, mask=mask, sinks=sinks),

@@ -297,3 +297,82 @@ def test_only_the_backend_files_know_whether_metal_is_built():
                       if "MLX_ATTN_METAL" in (REPOSITORY / name).read_text().replace("MLX_ATTN_METAL_", ""))
     assert mentions == [], f"#ifdef MLX_ATTN_METAL outside the backend split: {mentions}"
 
+
+
+# --- unit length: a function a reader takes in at once ---
+
+LONGEST_UNIT = 80  # lines, signature to closing line
+
+
+def long_python_functions(root: Path) -> list[str]:
+    """'path:line name (N lines)' for every function of the tree over the bound."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_UNIT:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def _without_comments_and_strings(text: str) -> str:
+    """C++ source with comments and string/char literals blanked, line breaks kept."""
+    keep_lines = lambda m: "\n" * m.group(0).count("\n")
+    text = re.sub(r"/\*.*?\*/", keep_lines, text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return re.sub(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', '""', text)
+
+
+def long_cpp_functions(text: str) -> list[tuple[int, int]]:
+    """(first line, lines) of every outermost function body over the bound: a
+    brace block whose header ends in a parameter list (a lambda inside a
+    function counts with its function)."""
+    text = _without_comments_and_strings(text)
+    open_blocks, found, line = [], [], 1
+    control = re.compile(r"\b(if|for|while|switch|catch)\s*\(")
+    for at, char in enumerate(text):
+        if char == "\n":
+            line += 1
+        elif char == "{":
+            start = max(text.rfind(c, 0, at) for c in ";{}")
+            header = text[start + 1:at].strip()
+            last = header.splitlines()[-1] if header else ""
+            is_function = bool(re.search(r"\)\s*(const|noexcept|override|final|->[^{]*|\s)*$", header)) and (
+                not control.search(last) and not last.startswith(("else", "do")))
+            open_blocks.append((is_function, line))
+        elif char == "}" and open_blocks:
+            is_function, first = open_blocks.pop()
+            inside_function = any(f for f, _ in open_blocks)
+            if is_function and not inside_function and line - first + 1 > LONGEST_UNIT:
+                found.append((first, line - first + 1))
+    return found
+
+
+def test_long_cpp_functions_finds_a_long_function_and_not_a_long_namespace():
+    def source(body_lines):  # a function of body_lines + 3 lines in a namespace
+        body = "\n".join(f"  x += {i};" for i in range(body_lines))
+        return f"namespace a {{\nint f(int x) {{\n{body}\n  return x;\n}}\n}}\n"
+
+    assert long_cpp_functions(source(LONGEST_UNIT - 2)) == [(2, LONGEST_UNIT + 1)]
+    assert long_cpp_functions(source(LONGEST_UNIT - 3)) == []
+    assert long_cpp_functions(source(LONGEST_UNIT - 2).replace("int f(int x) {", "if (x) {")) == []
+    assert long_cpp_functions("struct S {\n" + "  int x;\n" * LONGEST_UNIT + "};\n") == []
+
+
+def test_long_python_functions_finds_one(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text("def f():\n" + "    x = 1\n" * LONGEST_UNIT)
+    assert long_python_functions(package) == [f"pkg/m.py:1 f ({LONGEST_UNIT + 1} lines)"]
+
+
+def test_no_function_in_the_library_is_over_the_bound():
+    assert long_python_functions(SOURCE) == []
+
+
+def test_no_csrc_function_is_over_the_bound():
+    found = [f"{path.relative_to(REPOSITORY)}:{first} ({lines} lines)"
+             for path in sorted((REPOSITORY / "csrc").rglob("*")) if path.suffix in (".h", ".cpp")
+             for first, lines in long_cpp_functions(path.read_text())]
+    assert found == []

@@ -128,8 +128,8 @@ def test_ragged_batch_matches_the_float64_oracle(library, point, decode_shape):
     plan = check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
                        decode_shape=decode_shape, **MASKS[point["mask"]])
     rows, simdgroups = (8 if d <= 128 else 4, 4) if decode_shape == "group" else (1, 32 if d <= 128 else 16)
-    assert plan["dispatches"][0]["kernel"].endswith(f"_d{d}_r{rows}_sg{simdgroups}")
-    assert plan["dispatches"][0]["threadgroup"] == [32 * simdgroups, 1, 1]
+    assert plan.dispatches[0].kernel.endswith(f"_d{d}_r{rows}_sg{simdgroups}")
+    assert plan.dispatches[0].threadgroup == [32 * simdgroups, 1, 1]
 
 
 def test_sample_covers_every_axis_value():
@@ -147,10 +147,10 @@ def test_long_sequences_split_over_many_page_windows(library):
     for decode_shape, most in (("row", 127), ("group", 31)):
         plan = check_float(library, "float16", 128, page_size=4, kv_lens=(1200, 3, 260), q_lens=(1, 3, 40), gqa=4,
                            lse=False, window_size=700, decode_shape=decode_shape)
-        assert plan["keys_per_split"] <= most * 4
-        assert plan["splits"] >= 1200 // (most * 4)
+        assert plan.keys_per_split <= most * 4
+        assert plan.splits >= 1200 // (most * 4)
         if decode_shape == "row":
-            assert plan["keys_per_split"] > 32 * 4  # windows past one entry a lane
+            assert plan.keys_per_split > 32 * 4  # windows past one entry a lane
 
 
 def test_softcap_caps_the_logits_of_every_sequence(library):
@@ -166,7 +166,7 @@ def test_a_window_of_one_and_a_batch_without_rows(library):
     # no query rows at all: an empty launch
     q, k, v, table, q_lens, kv_lens = ragged_case("float32", 64, kv_lens=(5, 0), q_lens=(0, 0))
     out, _, plan, results = run_paged(library, q, [k], [v], table, q_lens, kv_lens, scale=0.1)
-    assert out.shape == (0, 8, 64) and plan["dispatches"] == [] and results == []
+    assert out.shape == (0, 8, 64) and plan.dispatches == [] and results == []
 
 
 # ---------------------------------------------------------------- chunked prefill on MMA tiles
@@ -192,7 +192,7 @@ PREFILL_POINTS = ([dict(zip(PREFILL_AXES, values)) for values in itertools.produ
 
 
 def routed_to_prefill(plan) -> bool:
-    return any(d["kernel"].startswith("attention_paged_prefill_") for d in plan["dispatches"])
+    return any(d.kernel.startswith("attention_paged_prefill_") for d in plan.dispatches)
 
 
 @pytest.mark.parametrize("point", PREFILL_POINTS, ids=point_id)
@@ -204,7 +204,7 @@ def test_prefill_chunks_match_the_float64_oracle(library, point):
     # the group shape's splits give the decode rows a merge: the prefill dispatch runs after both
     plan = check_float(library, dtype, d, gqa=point["gqa"], page_size=point["page_size"], lse=dtype == "float32",
                        decode_shape="group", **options, **PREFILL_BATCH)
-    assert routed_to_prefill(plan) and len(plan["dispatches"]) == 3
+    assert routed_to_prefill(plan) and len(plan.dispatches) == 3
 
 
 def test_prefill_sample_covers_every_axis_value():
@@ -229,7 +229,7 @@ def test_prefill_alone_with_the_apple9_key_blocks(library, family):
     plan = check_float(library, "float16", 128, gqa=2, page_size=16, q_lens=(64, 12), kv_lens=(90, 12),
                        window_size=50, lse=True, gpu_target={"gpu_family": family, "gpu_cores": 10})
     bk = 32 if family == "apple9" else 16
-    assert [d["kernel"] for d in plan["dispatches"]] == [f"attention_paged_prefill_float16_d128_bk{bk}"]
+    assert [d.kernel for d in plan.dispatches] == [f"attention_paged_prefill_float16_d128_bk{bk}"]
 
 
 # ---------------------------------------------------------------- quantized pages
@@ -259,7 +259,7 @@ def test_quantized_pages_match_dequantize_then_oracle(library, dtype, d, bits, g
     out, lse, plan, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=d**-0.5, window_size=50,
                                   sinks=sinks, return_lse=True, bits=bits, group_size=group_size,
                                   decode_shape=decode_shape)
-    assert ("_r1_sg" in plan["dispatches"][0]["kernel"]) == (decode_shape == "row")
+    assert ("_r1_sg" in plan.dispatches[0].kernel) == (decode_shape == "row")
     want, want_lse = oracle(f64(q), dequantized(kq, group_size, bits), dequantized(vq, group_size, bits),
                             np.array(table), q_lens, kv_lens, scale=d**-0.5, window_size=50, sinks=f64(sinks))
     got = as_float(out, q.dtype)
@@ -275,18 +275,18 @@ def test_one_split_sequences_write_their_rows_in_one_dispatch(library):
     over it."""
     lengths = dict(kv_lens=(40, 0, 17, 9), q_lens=(1, 0, 3, 2), page_size=8, seed=5)
     plan = check_float(library, "float32", 64, sinks=True, lse=True, **lengths)
-    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_paged_decode_partial_float32_d64_r8_sg4"]
+    assert [d.kernel for d in plan.dispatches] == ["attention_paged_decode_partial_float32_d64_r8_sg4"]
     # one sequence of one split beside one of several: the merge passes over the first
     # (the group shape: the row shape reads 400 keys in one split)
     plan = check_float(library, "float32", 64, sinks=True, lse=True, kv_lens=(20, 400), q_lens=(1, 1), page_size=4,
                        decode_shape="group")
-    assert [s["splits"] for s in sequences(plan)] == [1, 7] and len(plan["dispatches"]) == 2
+    assert [s["splits"] for s in sequences(plan)] == [1, 7] and len(plan.dispatches) == 2
     q, k, v, table, q_lens, kv_lens = ragged_case("float16", 128, **lengths)
     kq, vq = (quantize(x.astype(mx.float32), 64, 4, q.dtype) for x in (k, v))
     sinks = mx.array(np.linspace(-2, 3, q.shape[1]).astype(np.float32)).astype(q.dtype)
     out, lse, plan, _ = run_paged(library, q, kq, vq, table, q_lens, kv_lens, scale=0.125, sinks=sinks,
                                   return_lse=True, bits=4, group_size=64, decode_shape="group")
-    assert [d["kernel"] for d in plan["dispatches"]] == [
+    assert [d.kernel for d in plan.dispatches] == [
         "attention_paged_quantized_decode_partial_float16_d128_b4_r8_sg4"]
     want, want_lse = oracle(f64(q), dequantized(kq, 64, 4), dequantized(vq, 64, 4), np.array(table), q_lens, kv_lens,
                             scale=0.125, sinks=f64(sinks))
@@ -308,7 +308,7 @@ def sequences(plan) -> list[dict]:
     """The PagedSequence array: the fields after AttentionParams."""
     size = _native.ext.PAGED_SEQUENCE_BYTES
     params = _native.ext.ATTENTION_PARAMS_BYTES
-    data = plan["sequences"]
+    data = plan.sequences
     fields = ("q_start", "table_start", "partial_start", "splits", "page_size", "query_block_start", "query_blocks")
     rows = []
     for at in range(0, len(data), size):
@@ -327,31 +327,31 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
     assert [s["query_blocks"] for s in seqs] == [0, 1, 0, 2, 0, 2]
     assert [s["query_block_start"] for s in seqs] == [0, 0, 1, 1, 3, 3]
     assert [s["splits"] > 0 for s in seqs] == [True, False, True, False, False, False]
-    partial, prefill = plan["dispatches"]  # the decode sequences have one split each: no merge
-    assert partial["kernel"] == "attention_paged_decode_partial_float16_d128_r8_sg4"  # the group shape: 32 rows
-    assert prefill["kernel"] == "attention_paged_prefill_float16_d128_bk16"
-    assert prefill["grid"] == [5, 8, 1] and prefill["threadgroup"] == [128, 1, 1]
-    assert partial["grid"] == [1, 2 * 4, 6]  # the decode rows' largest sequence: 8 x 4, 8 rows per threadgroup
-    assert [b["role"] for b in prefill["bindings"]] == [
+    partial, prefill = plan.dispatches  # the decode sequences have one split each: no merge
+    assert partial.kernel == "attention_paged_decode_partial_float16_d128_r8_sg4"  # the group shape: 32 rows
+    assert prefill.kernel == "attention_paged_prefill_float16_d128_bk16"
+    assert prefill.grid == [5, 8, 1] and prefill.threadgroup == [128, 1, 1]
+    assert partial.grid == [1, 2 * 4, 6]  # the decode rows' largest sequence: 8 x 4, 8 rows per threadgroup
+    assert [b.role for b in prefill.bindings] == [
         "q", "k", "v", "block_table", "sequences", "sinks", "out", "lse"]
     # GQA 8: 5 positions are 40 rows; apple9 stages 32 keys per block at 2 bytes
     assert [s["query_blocks"] for s in sequences(plan_for([10], [5], heads=16, kv_heads=2))] == [1]
     apple9 = plan_for([100], [40], gpu_target={"gpu_family": "apple9", "gpu_cores": 10})
-    assert [d["kernel"] for d in apple9["dispatches"]] == ["attention_paged_prefill_float16_d128_bk32"]
+    assert [d.kernel for d in apple9.dispatches] == ["attention_paged_prefill_float16_d128_bk32"]
     # D = 256 (no register-resident prefill) and quantized pages: the decode kernel serves every row
     # (160 rows: one split, written by the partial kernel, no merge)
-    assert [d["kernel"] for d in plan_for([100], [40], d=256)["dispatches"]] == [
+    assert [d.kernel for d in plan_for([100], [40], d=256).dispatches] == [
         "attention_paged_decode_partial_float16_d256_r4_sg4"]
-    assert [d["kernel"] for d in plan_for([5000], [40], d=256)["dispatches"]] == [
+    assert [d.kernel for d in plan_for([5000], [40], d=256).dispatches] == [
         "attention_paged_decode_partial_float16_d256_r4_sg4", "attention_paged_decode_merge_float16_d256"]
     q = mx.zeros((40, 8, 128), mx.float16)
     packed = mx.zeros((8, 2, 16, 128 * 4 // 32), mx.uint32)
     scales = mx.zeros((8, 2, 16, 128 // 64), mx.float16)
     quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [40],
                            [100], scale=0.1, bits=4, group_size=64)
-    assert [d["kernel"] for d in quantized["dispatches"]] == [
+    assert [d.kernel for d in quantized.dispatches] == [
         "attention_paged_quantized_decode_partial_float16_d128_b4_r8_sg4"]  # 40 rows: the group shape
-    assert quantized["scratch"] == []
+    assert quantized.scratch == []
 
 
 def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
@@ -374,11 +374,11 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
                         kv_heads=kv_heads, gpu_target=target)
         rule = decode_rule.decode_plan(sequences, kv_heads, gqa, longest, d, cores or 8,
                                        max_pages_per_split=_native.ext.PAGED_MAX_PAGES_PER_SPLIT, page_size=page_size)
-        partial = plan["dispatches"][0]
-        assert partial["kernel"] == f"attention_paged_decode_partial_float16_d{d}{rule['fields']}", (
+        partial = plan.dispatches[0]
+        assert partial.kernel == f"attention_paged_decode_partial_float16_d{d}{rule['fields']}", (
             sequences, kv_heads, gqa, longest, page_size, d, cores)
-        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1]
-        assert partial["grid"][1] == kv_heads * -(-gqa // rule["rows"])
+        assert partial.threadgroup == [32 * rule["simdgroups"], 1, 1]
+        assert partial.grid[1] == kv_heads * -(-gqa // rule["rows"])
         chosen.add(rule["shape"])
     assert chosen == {"row", "group"}
     q = mx.zeros((1, 8, 128), mx.float16)
@@ -387,7 +387,7 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
     quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, mx.zeros((1, 8), mx.int32)], [1],
                            [100], scale=0.1, bits=4, group_size=64)
     assert decode_rule.decode_plan(1, 8, 1, 100, 128, 8)["shape"] == "row"
-    assert quantized["dispatches"][0]["kernel"] == "attention_paged_quantized_decode_partial_float16_d128_b4_r1_sg32"
+    assert quantized.dispatches[0].kernel == "attention_paged_quantized_decode_partial_float16_d128_b4_r1_sg32"
     # quantized pages, one row per KV head over 4096 keys: the row shape (dequantized keys), where float pages
     # take the group shape
     pages = 4096 // 16
@@ -398,37 +398,37 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
     long_quantized = paged_plan([q, packed, scales, scales, packed, scales, scales, table], [1], [4096], scale=0.1,
                                 bits=4, group_size=64)
     long_float = plan_for([4096], [1], heads=1, kv_heads=1)
-    assert long_quantized["dispatches"][0]["kernel"].endswith("_r1_sg32")
-    assert long_float["dispatches"][0]["kernel"].endswith("_r8_sg4")
+    assert long_quantized.dispatches[0].kernel.endswith("_r1_sg32")
+    assert long_float.dispatches[0].kernel.endswith("_r8_sg4")
     # and the splits of dequantized keys: the 8 cores' occupancy, where a quarter of the row shape's floor
     # (256 keys) would allow 16 splits; the float floor (1024 keys) would give 4
     rule = decode_rule.decode_plan(1, 1, 1, 4096, 128, 8, max_pages_per_split=_native.ext.PAGED_MAX_PAGES_PER_SPLIT,
                                    page_size=16, dequantized=True)
-    assert rule["splits"] == 8 and long_quantized["keys_per_split"] == 4096 // 8
+    assert rule["splits"] == 8 and long_quantized.keys_per_split == 4096 // 8
 
 
 def test_plan_sizes_each_sequence_and_caps_a_split_by_its_page_window():
     kv_lens, q_lens = [5000, 0, 17, 300], [1, 0, 7, 4]  # every row the decode kernel's (7 x GQA 4 = 28 rows)
     plan = plan_for(kv_lens, q_lens, page_size=16)
-    per = plan["keys_per_split"]
+    per = plan.keys_per_split
     assert per % 16 == 0 and 16 <= per <= max(_native.ext.PAGED_MAX_PAGES_PER_SPLIT) * 16
     seqs = sequences(plan)
     assert [s["q_start"] for s in seqs] == [0, 1, 1, 8]
     assert [s["splits"] for s in seqs] == [(n + per - 1) // per if q else 0 for n, q in zip(kv_lens, q_lens)]
     assert [s["query_blocks"] for s in seqs] == [0, 0, 0, 0]
-    partial, scratch = plan["dispatches"]
+    partial, scratch = plan.dispatches
     rows = [4 * q for q in q_lens]
     # partials laid out sequence after sequence: [Hkv, splits, rows] each
     starts = np.cumsum([0] + [2 * s["splits"] * r for s, r in zip(seqs, rows)])
     assert [s["partial_start"] for s in seqs] == list(starts[:-1])
-    assert plan["scratch"][0]["elements"] == starts[-1] * 128
-    assert partial["grid"] == [max(s["splits"] for s in seqs), 2 * 4, 4]  # 28 rows, 8 per threadgroup at D = 128
-    assert scratch["grid"] == [28, 2, 4]
+    assert plan.scratch[0].elements == starts[-1] * 128
+    assert partial.grid == [max(s["splits"] for s in seqs), 2 * 4, 4]  # 28 rows, 8 per threadgroup at D = 128
+    assert scratch.grid == [28, 2, 4]
     # the merge: a row per threadgroup of MLX_ATTN_DECODE_MERGE_SIMDGROUPS (8) simdgroups, 7 hand over their states
-    assert scratch["threadgroup"] == [256, 1, 1] and scratch["threadgroup_memory_bytes"] == 7 * (128 + 2) * 4
-    assert [b["role"] for b in partial["bindings"]] == [
+    assert scratch.threadgroup == [256, 1, 1] and scratch.threadgroup_memory_bytes == 7 * (128 + 2) * 4
+    assert [b.role for b in partial.bindings] == [
         "q", "k", "v", "block_table", "sequences", "partial_out", "partial_stats", "sinks", "out", "lse"]
-    assert {b["source"] for b in partial["bindings"] if b["role"] == "sequences"} == {"sequences"}
+    assert {b.source for b in partial.bindings if b.role == "sequences"} == {"sequences"}
 
 
 def test_plan_of_one_split_sequences_has_no_merge_and_no_scratch():
@@ -437,23 +437,23 @@ def test_plan_of_one_split_sequences_has_no_merge_and_no_scratch():
     sequence brings the merge back (it passes over the one-split ones)."""
     plan = plan_for([40, 0, 17], [1, 0, 3], return_lse=True)
     assert [s["splits"] for s in sequences(plan)] == [1, 0, 1]
-    assert plan["scratch"] == []
-    (partial,) = plan["dispatches"]
-    where = {b["role"]: (b["source"], b["access"]) for b in partial["bindings"]}
+    assert plan.scratch == []
+    (partial,) = plan.dispatches
+    where = {b.role: (b.source, b.access) for b in partial.bindings}
     assert where["out"] == ("output", "write") and where["lse"] == ("output", "write")
     assert where["sinks"] == ("input", "read") and where["partial_out"] == ("input", "read")  # placeholders
-    assert len(plan_for([4000, 17], [1, 3])["dispatches"]) == 2
+    assert len(plan_for([4000, 17], [1, 3]).dispatches) == 2
 
 
 def test_plan_refuses_what_the_kernels_cannot_run():
-    assert "head dims" in plan_for([10], [1], d=80)["reason"]
+    assert "head dims" in plan_for([10], [1], d=80).reason
     # D = 512: the dense decode has it, the paged kernels are not instantiated for it
-    assert "head dims 64, 96, 128 and 256, got 512" in plan_for([10], [1], d=512)["reason"]
+    assert "head dims 64, 96, 128 and 256, got 512" in plan_for([10], [1], d=512).reason
     q = mx.zeros((1, 4, 64), mx.float16)
     k = mx.zeros((2, 2, 16, 64), mx.float16)
     v = mx.zeros((2, 2, 16, 32), mx.float16)
     plan = paged_plan([q, k, v, mx.zeros((1, 1), mx.int32)], [1], [10], scale=0.1)
-    assert not plan["supported"] and "value head dims" in plan["reason"]
+    assert not plan.supported and "value head dims" in plan.reason
     with pytest.raises(ValueError, match="q_lens"):
         paged_plan([q, k, k, mx.zeros((1, 1), mx.int32)], [2], [1], scale=0.1)
     with pytest.raises(ValueError, match="block table"):
@@ -537,7 +537,7 @@ def test_the_python_dispatch_names_why_the_kernels_cannot_run_here():
     else:
         assert reason == "this build of mlx_attn has no Metal kernels"
     plan = paged_plan([q, k, v, table], q_lens, kv_lens, scale=0.1)
-    assert plan["supported"] and layout.q_lens == q_lens and layout.kv_lens == kv_lens
+    assert plan.supported and layout.q_lens == q_lens and layout.kv_lens == kv_lens
     with pytest.raises(ValueError, match="pages of rank 4"):
         paged_plan([q, k, v.astype(mx.float16), table], q_lens, kv_lens, scale=0.1)
 

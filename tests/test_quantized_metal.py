@@ -159,7 +159,7 @@ def test_kernels_match_dequantize_then_reference(run, point, decode_shape):
     q, kq, vq, kw = make_case(**point)
     check(run, q, kq, vq, bits=point["bits"], group_size=point["group_size"], lse=point["dtype"] == "float32",
           gpu_target={"decode_shape": decode_shape}, **kw)
-    kernel = run.last_plan["dispatches"][0]["kernel"]
+    kernel = run.last_plan.dispatches[0].kernel
     if kernel.startswith("attention_quantized_decode_partial_"):
         assert ("_r1_sg" in kernel) == (decode_shape == "row"), kernel
 
@@ -218,8 +218,8 @@ def test_sinks_and_lse_with_one_split_and_with_several(run, q_len, kv_len, split
     check(run, q, kq, vq, bits=8, group_size=64, lse=True, gpu_target={"decode_shape": "group"}, **kw)
     # the group shape over dequantized keys: a quarter of max(64, 16 x rows) keys per split:
     # 16 rows, 64 keys per split: one for 64 keys; 4 rows, 16 keys: 10 for 150
-    assert run.last_plan["splits"] == splits
-    assert len(run.last_plan["dispatches"]) == (1 if splits == 1 else 2)
+    assert run.last_plan.splits == splits
+    assert len(run.last_plan.dispatches) == (1 if splits == 1 else 2)
 
 
 @needs_ext
@@ -237,7 +237,7 @@ def test_one_split_runs_from_its_variant_source_alone(tmp_path):
         assert msl_emulator.compile_library([path], include_dirs=[]).kernel_names == [kernel]
         run = EmulatedMetal(fast_math=True, sources=[path])
         check(run, q, kq, vq, bits=4, group_size=64, lse=True, gpu_target={"decode_shape": shape}, **kw)
-        assert [d["kernel"] for d in run.last_plan["dispatches"]] == [kernel]
+        assert [d.kernel for d in run.last_plan.dispatches] == [kernel]
 
 
 # ---------------------------------------------------------------- the plan
@@ -270,28 +270,28 @@ def test_plan_picks_the_decode_shape_by_the_float_rule():
         plan = plan_for(d=d, hq=hkv * gqa, hkv=hkv, kv_len=kv_len, batch=batch, decode_shape="auto",
                         gpu_family="apple8", gpu_cores=cores)
         rule = decode_rule.decode_plan(batch, hkv, gqa, kv_len, d, cores or 8, dequantized=True)
-        partial = plan["dispatches"][0]
-        assert partial["kernel"] == f"attention_quantized_decode_partial_float16_d{d}_b8{rule['fields']}"
-        assert partial["threadgroup"] == [32 * rule["simdgroups"], 1, 1] and plan["splits"] == rule["splits"]
+        partial = plan.dispatches[0]
+        assert partial.kernel == f"attention_quantized_decode_partial_float16_d{d}_b8{rule['fields']}"
+        assert partial.threadgroup == [32 * rule["simdgroups"], 1, 1] and plan.splits == rule["splits"]
         chosen.add(rule["shape"])
     assert chosen == {"row", "group"}
     # one row per KV head over 4096 keys: the float rule would take the group shape, the quantized the row shape
     assert decode_rule.decode_plan(1, 1, 1, 4096, 128, 8)["shape"] == "group"
     plan = plan_for(d=128, hq=1, hkv=1, kv_len=4096, decode_shape="auto", bits=4)
-    assert plan["dispatches"][0]["kernel"].endswith("_r1_sg32")
+    assert plan.dispatches[0].kernel.endswith("_r1_sg32")
 
 
 def roles(dispatch) -> list[tuple]:
-    return [(b["index"], b["role"], b["source"], b["source_index"], b["access"]) for b in dispatch["bindings"]]
+    return [(b.index, b.role, b.source, b.source_index, b.access) for b in dispatch.bindings]
 
 
 @needs_ext
 def test_plan_binds_packed_data_scales_and_biases_of_k_and_v():
     plan = plan_for(mask=mx.ones((1, 300), dtype=mx.bool_), sinks=True, output_lse=True)
-    assert plan["supported"], plan["reason"]
-    partial, merge = plan["dispatches"]
-    assert partial["kernel"] == "attention_quantized_decode_partial_float16_d64_b8_r8_sg4_mask_bool"
-    assert merge["kernel"] == "attention_decode_merge_float16_d64"
+    assert plan.supported, plan.reason
+    partial, merge = plan.dispatches
+    assert partial.kernel == "attention_quantized_decode_partial_float16_d64_b8_r8_sg4_mask_bool"
+    assert merge.kernel == "attention_decode_merge_float16_d64"
     assert roles(partial) == [
         (0, "q", "input", 0, "read"), (1, "k", "input", 1, "read"), (2, "k_scales", "input", 2, "read"),
         (3, "k_biases", "input", 3, "read"), (4, "v", "input", 4, "read"), (5, "v_scales", "input", 5, "read"),
@@ -307,20 +307,20 @@ def test_plan_binds_packed_data_scales_and_biases_of_k_and_v():
         (5, "splits", "splits", 0, "read"), (6, "lse", "output", 1, "write"),
     ]
     rows = 4 * 1  # GQA group x query positions
-    assert partial["grid"] == [plan["splits"], 2, 1] and merge["grid"] == [rows, 2, 1]
-    assert plan["splits"] > 1
-    assert [s["elements"] for s in plan["scratch"]] == [2 * plan["splits"] * rows * 64, 2 * plan["splits"] * rows * 2]
+    assert partial.grid == [plan.splits, 2, 1] and merge.grid == [rows, 2, 1]
+    assert plan.splits > 1
+    assert [s.elements for s in plan.scratch] == [2 * plan.splits * rows * 64, 2 * plan.splits * rows * 2]
 
 
 @needs_ext
 def test_plan_binds_placeholders_for_absent_mask_sinks_and_lse():
-    partial, merge = plan_for()["dispatches"]
+    partial, merge = plan_for().dispatches
     assert (9, "mask", "input", 0, "read") in roles(partial)
     assert (12, "sinks", "input", 0, "read") in roles(partial) and (14, "lse", "input", 0, "read") in roles(partial)
     assert (2, "sinks", "input", 0, "read") in roles(merge)
     assert (6, "lse", "input", 0, "read") in roles(merge)
     # sinks without a mask follow the two triples directly
-    partial, merge = plan_for(sinks=True)["dispatches"]
+    partial, merge = plan_for(sinks=True).dispatches
     assert (2, "sinks", "input", 7, "read") in roles(merge) and (12, "sinks", "input", 7, "read") in roles(partial)
 
 
@@ -330,10 +330,10 @@ def test_one_split_plans_one_dispatch_and_no_scratch():
     kernel writes out, sinks and lse itself; no partials, no merge."""
     # 16 rows on the group shape: a split keeps 64 dequantized keys
     plan = plan_for(mask=mx.ones((4, 64), dtype=mx.bool_), sinks=True, output_lse=True, q_len=4, kv_len=64)
-    assert plan["supported"], plan["reason"]
-    assert plan["splits"] == 1 and plan["scratch"] == []
-    (partial,) = plan["dispatches"]
-    assert partial["grid"] == [1, 4, 1]  # 16 rows: two chunks of the group shape's 8 per KV head (D = 64)
+    assert plan.supported, plan.reason
+    assert plan.splits == 1 and plan.scratch == []
+    (partial,) = plan.dispatches
+    assert partial.grid == [1, 4, 1]  # 16 rows: two chunks of the group shape's 8 per KV head (D = 64)
     assert roles(partial)[9:] == [
         (9, "mask", "input", 7, "read"),
         # placeholders: the kernel writes no partials with one split
@@ -341,7 +341,7 @@ def test_one_split_plans_one_dispatch_and_no_scratch():
         (12, "sinks", "input", 8, "read"), (13, "out", "output", 0, "write"), (14, "lse", "output", 1, "write"),
     ]
     # one more key per row would need a second split only past 256 keys (16 rows x 16)
-    assert len(plan_for(q_len=4, kv_len=257)["dispatches"]) == 2
+    assert len(plan_for(q_len=4, kv_len=257).dispatches) == 2
 
 
 @needs_ext
@@ -354,16 +354,16 @@ def test_plan_params_carry_the_scales_and_biases_strides():
     k_quant = [cache[0].array, cache[1].array, transposed.array]
     v_quant = [kq[0], kq[1], cache[2].array]
     plan = quantized_launch_plan(q, k_quant, v_quant, bits=4, group_size=32)
-    assert plan["supported"], plan["reason"]
-    assert len(plan["quantized_params"]) == _native.ext.QUANTIZED_ATTENTION_PARAMS_BYTES
-    values = struct.unpack("16q2i", plan["quantized_params"])
+    assert plan.supported, plan.reason
+    assert len(plan.quantized_params) == _native.ext.QUANTIZED_ATTENTION_PARAMS_BYTES
+    values = struct.unpack("16q2i", plan.quantized_params)
     groups = 128 // 32
     assert list(values[0:4]) == [2 * 49 * groups, 49 * groups, groups, 1]  # k scales: cache slice
     assert list(values[4:8]) == [2 * 40 * groups, groups, 2 * groups, 1]  # k biases: [B, T, H, G] storage
     assert list(values[8:12]) == [2 * 40 * groups, 40 * groups, groups, 1]  # v scales: contiguous
     assert list(values[12:16]) == [2 * 49 * groups, 49 * groups, groups, 1]  # v biases: cache slice
     assert values[16] == 32
-    assert plan["problem"].k_strides == [2 * 49 * 16, 49 * 16, 16, 1]  # packed words
+    assert plan.problem.k_strides == [2 * 49 * 16, 49 * 16, 16, 1]  # packed words
 
 
 @needs_ext
@@ -373,15 +373,15 @@ def test_plan_serves_prefill_rows_in_chunks():
     plan = plan_for(d=256, hq=8, hkv=2, q_len=40, kv_len=64)
     rows = 4 * 40
     rows_per_threadgroup = 4  # MLX_ATTN_DECODE_ROW_FLOATS / (256 / 32)
-    (partial,) = plan["dispatches"]  # 80 threadgroups fill the GPU: one split, no merge
-    assert partial["grid"] == [1, 2 * (rows // rows_per_threadgroup), 1]
+    (partial,) = plan.dispatches  # 80 threadgroups fill the GPU: one split, no merge
+    assert partial.grid == [1, 2 * (rows // rows_per_threadgroup), 1]
 
 
 @needs_ext
 def test_plan_refuses_with_a_reason():
     # D = 96: a lane's 3 features would straddle two groups of 32
     plan = plan_for(d=96, group_size=32)
-    assert not plan["supported"] and "group_size" in plan["reason"] and not plan["dispatches"]
+    assert not plan.supported and "group_size" in plan.reason and not plan.dispatches
     with pytest.raises(ValueError, match="multiple"):
         plan_for(hq=3, hkv=2)
 
@@ -389,7 +389,7 @@ def test_plan_refuses_with_a_reason():
 @needs_ext
 def test_empty_output_plans_nothing():
     plan = plan_for(q_len=0)
-    assert plan["supported"] and plan["dispatches"] == []
+    assert plan.supported and plan.dispatches == []
 
 
 @needs_ext
@@ -443,7 +443,7 @@ def decode_kv_bytes_per_element(run, q, *kv, quantized=None) -> float:
         run.library = library
     _, hq, tq, d = q.shape
     kv_heads, kv_len = kv[0][0].shape[1:3] if quantized else kv[0].shape[1:3]
-    q_bytes = run.last_plan["splits"] * 4 * hq * tq * d * q.itemsize  # MLX_ATTN_DECODE_SIMDGROUPS = 4
+    q_bytes = run.last_plan.splits * 4 * hq * tq * d * q.itemsize  # MLX_ATTN_DECODE_SIMDGROUPS = 4
     return (counters[0].device_bytes_read - q_bytes) / (2 * kv_heads * kv_len * d)
 
 

@@ -90,7 +90,7 @@ def check_float64(run, q, k_quant, v_quant, *, bits, group_size, scale, mask=Non
     dequantized K/V: each batch entry one page of kv_len keys."""
     got, got_lse = run.quantized(q, k_quant, v_quant, bits=bits, group_size=group_size, scale=scale, mask=mask,
                                  window_size=window_size, sinks=sinks, softcap=softcap, return_lse=True)
-    assert run.last_plan["dispatches"][0]["kernel"].startswith("attention_quantized_prefill_")
+    assert run.last_plan.dispatches[0].kernel.startswith("attention_quantized_prefill_")
     k, v = (np.array(dequantized([plain(a) for a in t], group_size, bits)) for t in (k_quant, v_quant))
     q = plain(q)
     batch, hq, tq, d = q.shape
@@ -120,7 +120,7 @@ def run_point(run, point, seed=0):
     if point["mask"] in MASK_KINDS:  # the reference path takes the explicit masks
         check(run, q, kq, vq, bits=point["bits"], group_size=point["group_size"], lse=point["dtype"] == "float32",
               **kw)
-        assert run.last_plan["dispatches"][0]["kernel"].startswith("attention_quantized_prefill_")
+        assert run.last_plan.dispatches[0].kernel.startswith("attention_quantized_prefill_")
     else:
         check_float64(run, q, kq, vq, bits=point["bits"], group_size=point["group_size"], **kw)
 
@@ -214,12 +214,12 @@ def test_prefill_rows_take_the_quantized_prefill_kernel():
     decode rows, short chunks and D = 256 stay on the decode structure."""
     plan = plan_for(bits=4, group_size=32, d=128, hq=8, hkv=2, q_len=40, kv_len=300,
                     mask=mx.ones((40, 300), dtype=mx.bool_), sinks=True, output_lse=True)
-    assert plan["supported"], plan["reason"]
-    (prefill,) = plan["dispatches"]
-    assert prefill["kernel"] == "attention_quantized_prefill_float16_d128_b4_bk16_mask_bool"
-    assert prefill["grid"] == [2, 8, 1] and prefill["threadgroup"] == [128, 1, 1]
-    assert prefill["threadgroup_memory_bytes"] == 2 * 16 * (128 * 2 + 16)
-    assert plan["scratch"] == []
+    assert plan.supported, plan.reason
+    (prefill,) = plan.dispatches
+    assert prefill.kernel == "attention_quantized_prefill_float16_d128_b4_bk16_mask_bool"
+    assert prefill.grid == [2, 8, 1] and prefill.threadgroup == [128, 1, 1]
+    assert prefill.threadgroup_memory_bytes == 2 * 16 * (128 * 2 + 16)
+    assert plan.scratch == []
     assert roles(prefill) == [
         (0, "q", "input", 0, "read"), (1, "k", "input", 1, "read"), (2, "k_scales", "input", 2, "read"),
         (3, "k_biases", "input", 3, "read"), (4, "v", "input", 4, "read"), (5, "v_scales", "input", 5, "read"),
@@ -228,12 +228,12 @@ def test_prefill_rows_take_the_quantized_prefill_kernel():
         (11, "sinks", "input", 8, "read"), (12, "lse", "output", 1, "write"),
     ]
     # 9 positions x GQA 1: more than 8 positions; 5 x GQA 8 = 40 rows: more than 32
-    assert plan_for(d=64, hq=2, hkv=2, q_len=9)["dispatches"][0]["kernel"].startswith("attention_quantized_prefill_")
-    assert plan_for(d=64, hq=16, hkv=2, q_len=5)["dispatches"][0]["kernel"] == (
+    assert plan_for(d=64, hq=2, hkv=2, q_len=9).dispatches[0].kernel.startswith("attention_quantized_prefill_")
+    assert plan_for(d=64, hq=16, hkv=2, q_len=5).dispatches[0].kernel == (
         "attention_quantized_prefill_float16_d64_b8_bk32")
     # decode rows, a short chunk, and D = 256 (the dense D-split's head dim) keep the decode structure
     for kw in (dict(q_len=1), dict(q_len=8, hq=2, hkv=2), dict(d=256, q_len=40)):
-        kernels = [d["kernel"] for d in plan_for(**kw)["dispatches"]]
+        kernels = [d.kernel for d in plan_for(**kw).dispatches]
         assert kernels[0].startswith("attention_quantized_decode_partial_"), kw
 
 
@@ -243,8 +243,8 @@ def test_apple9_stages_twice_the_keys_of_two_byte_dtypes():
     q = mx.zeros((1, 4, 64, 128), dtype=mx.float16)
     kq = quantize(mx.array(rng.standard_normal((1, 2, 100, 128)).astype(np.float32)), 64, 8, mx.float16)
     plan = _native.ext.quantized_metal_launch_plan(q, list(kq), list(kq), bits=8, group_size=64, gpu_family="apple9")
-    assert plan["supported"], plan["reason"]
-    assert [d["kernel"] for d in plan["dispatches"]] == ["attention_quantized_prefill_float16_d128_b8_bk32"]
+    assert plan.supported, plan.reason
+    assert [d.kernel for d in plan.dispatches] == ["attention_quantized_prefill_float16_d128_b8_bk32"]
     with pytest.raises(ValueError, match="gpu_family"):
         _native.ext.quantized_metal_launch_plan(q, list(kq), list(kq), bits=8, group_size=64, gpu_family="apple99")
     with pytest.raises(ValueError, match="gpu_cores"):

@@ -93,7 +93,7 @@ def caught(run) -> bool:
             got, lse = run.quantized(q, views_k, views_v, bits=bits, group_size=group_size, return_lse=True, **kw)
         except msl_emulator.EmulatorError:
             return True  # a read outside a buffer, a deadlock
-        assert run.last_plan["dispatches"][0]["kernel"].startswith("attention_quantized_prefill_")
+        assert run.last_plan.dispatches[0].kernel.startswith("attention_quantized_prefill_")
         k_ref, v_ref = (mx.dequantize(*t, group_size=group_size, bits=bits) for t in (k_quant, v_quant))
         if differs_from_reference(got, lse, q, k_ref, v_ref, **kw):
             return True

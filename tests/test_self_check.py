@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -97,9 +98,9 @@ def test_decode_cases_reach_both_threadgroup_shapes(target, head_dim, family):
     from mlx_attn.metal_support import launch_plan
 
     (q, k, v), _ = self_check.make_inputs(Variant("decode", "float16", head_dim), cases[-1])
-    merge = launch_plan(q, k, v, scale=1.0, **target)["dispatches"][-1]
-    assert merge["kernel"].startswith("attention_decode_merge_")
-    assert merge["threadgroup"] == [32 * self_check.MERGE_SIMDGROUPS, 1, 1]
+    merge = launch_plan(q, k, v, scale=1.0, **target).dispatches[-1]
+    assert merge.kernel.startswith("attention_decode_merge_")
+    assert merge.threadgroup == [32 * self_check.MERGE_SIMDGROUPS, 1, 1]
 
 
 def test_correct_kernel_passes_and_is_checked_once():
@@ -216,7 +217,7 @@ class MetalBuild:
     def unsupported_reason(self, problem, *, device):
         if device == mx.gpu:
             plan = self._ext.metal_launch_plan(problem)
-            return None if plan["supported"] else plan["reason"]
+            return None if plan.supported else plan.reason
         return self._ext.unsupported_reason(problem, device=device)
 
     def attention_support(self, q, k, v, *, device, **kwargs):
@@ -225,8 +226,8 @@ class MetalBuild:
             problem = support["problem"]
             plan = self._ext.metal_launch_plan(problem)
             support["reason"] = self.unsupported_reason(problem, device=device)
-            support["phase"] = plan["dispatches"][0]["id"]["phase"] if plan["supported"] else None
-            support["backward_supported"] = self.metal_backward_launch_plan(problem)["supported"]
+            support["phase"] = plan.dispatches[0].id.phase if plan.supported else None
+            support["backward_supported"] = self.metal_backward_launch_plan(problem).supported
         return support
 
 
@@ -595,7 +596,7 @@ def test_fused_metal_call_resolves_the_backward_variants_trust(monkeypatch, kern
     assert BackwardVariant("float16", 256) in self_check.results()
     # a problem the backward plan does not take is not checked (its gradients use the reference path)
     monkeypatch.setattr(_native.ext, "metal_backward_launch_plan",
-                        lambda problem: {"supported": False, "reason": "not taken"}, raising=False)
+                        lambda problem: SimpleNamespace(supported=False, reason="not taken"), raising=False)
     assert metal_call(mx.float32, 256).metal_backward_trusted
     assert BackwardVariant("float32", 256) not in self_check.results()
 

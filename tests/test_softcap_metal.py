@@ -76,7 +76,7 @@ def test_forward_kernels_match_float64(metal, dtype, mask, phase):
     q = (q.astype(mx.float32) * 3).astype(dtype)
     kw = {"scale": d**-0.5, **options(mask, tq, tkv, hq, dtype, np.random.default_rng(tq))}
     out, lse = metal(q, k, v, softcap=CAP, return_lse=True, **kw)
-    assert phase in metal.last_plan["dispatches"][0]["kernel"]
+    assert phase in metal.last_plan.dispatches[0].kernel
     want = numpy_attention(q, k, v, softcap=CAP, **kw)
     got = np.array(out.astype(mx.float32), np.float64)
     assert np.isfinite(got).all()

@@ -152,6 +152,7 @@ LaunchPlan plan_attention_backward(const AttentionProblem& s) {
   const int64_t rows = int64_t(s.batch) * s.q_heads * s.q_len;
   if (rows * s.kv_len == 0) {  // (before the forward's plan, which needs rows)
     LaunchPlan empty;
+    empty.problem = s;
     empty.reason = "an empty problem has zero gradients: nothing to launch";
     return empty;
   }

@@ -403,6 +403,7 @@ void add_decode_merge(const AttentionProblem& s, const PrimitiveLayout& layout, 
 LaunchPlan plan_attention(const AttentionProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice) {
   LaunchPlan plan;
   plan.target = {target.family, gpu_cores(target)};
+  plan.problem = s;
   // Past the register budget (or with Dk != Dv) the D-split prefill kernel
   // serves every query length (docs/metal_kernels.md, "Head dims").
   const bool split = prefill_splits_head_dims(s.head_dim, s.value_dim);

@@ -103,6 +103,7 @@ struct ScratchBuffer {
 struct LaunchPlan {
   bool supported = false;
   GpuTarget target;    // the GPU it was made for, cores resolved
+  AttentionProblem problem{};  // the problem it was made for (paged: every sequence's shared description)
   std::string reason;  // why not, when unsupported
   AttentionParams params{};
   int32_t splits = 1;  // decode: threadgroups along the key/value length
@@ -113,6 +114,7 @@ struct LaunchPlan {
   std::vector<uint8_t> quantized_params;
   // the PagedSequence array (metal/attention_paged_params.h) of a paged plan
   std::vector<uint8_t> sequences;
+  int keys_per_split = 0;  // a paged plan's keys per decode split
 };
 
 const char* role_name(BufferRole role);

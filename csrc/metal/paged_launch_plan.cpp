@@ -195,6 +195,7 @@ int paged_keys_per_split(const PagedProblem& s, const DecodeShape& shape, const 
 LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice) {
   LaunchPlan plan;
   plan.target = {target.family, gpu_cores(target)};
+  plan.problem = s.attention;
   plan.reason = unsupported_reason(s);
   if (!plan.reason.empty()) return plan;
   const AttentionProblem& a = s.attention;
@@ -202,6 +203,7 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, 
   const int group = a.group_size();
   const DecodeShape shape = paged_decode_shape(s, target, decode_choice);
   const int keys_per_split = paged_keys_per_split(s, shape, target);
+  plan.keys_per_split = keys_per_split;
 
   // the batch's shared parameters; each sequence gets a copy with its lengths
   AttentionParams shared = a;

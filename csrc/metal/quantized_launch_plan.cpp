@@ -60,6 +60,7 @@ LaunchPlan plan_quantized_attention(const AttentionProblem& s, const cpu::Quanti
                                     DecodeShapeChoice decode_choice) {
   if (int64_t(s.batch) * s.q_heads * s.q_len == 0) {
     LaunchPlan empty;  // an empty output: nothing to launch
+    empty.problem = s;
     empty.supported = true;
     return empty;
   }

@@ -3,6 +3,7 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
@@ -21,63 +22,69 @@ namespace mlx_attn {
 
 namespace {
 
-// A kernel's identity as Python sees it: what it reads instead of a name.
-nb::dict kernel_id_dict(const KernelId& id) {
-  nb::dict out;
-  out["family"] = family_name(id.family);
-  out["phase"] = phase_name(family_phase(id.family));
-  out["dtype"] = elem_type_name(id.dtype);
+// A kernel id's fields as Python sees them: tag -> value, in name order.
+nb::dict kernel_fields(const KernelId& id) {
   nb::dict fields;
   for (const auto& [tag, value] : id.fields) fields[tag.c_str()] = value;
-  out["fields"] = fields;
-  out["mask"] = int(id.mask);
-  return out;
+  return fields;
 }
 
-// A plan as Python sees it (tests, the emulator runner).
-nb::dict plan_dict(const LaunchPlan& plan) {
-  nb::dict out;
-  out["supported"] = plan.supported;
-  out["reason"] = plan.reason;
-  out["params"] = nb::bytes(reinterpret_cast<const char*>(&plan.params), sizeof(AttentionParams));
-  out["vector_loads"] = plan.params.vector_loads != 0;
-  nb::list dispatches;
-  for (const auto& d : plan.dispatches) {
-    nb::dict entry;
-    entry["kernel"] = d.id.name();
-    entry["id"] = kernel_id_dict(d.id);
-    entry["grid"] = d.grid;
-    entry["threadgroup"] = d.threadgroup;
-    nb::list bindings;
-    for (const auto& b : d.bindings) {
-      nb::dict binding;
-      binding["index"] = b.index;
-      binding["role"] = role_name(b.role);
-      binding["access"] = b.access == Access::write ? "write" : "read";
-      binding["source"] = source_name(b.source);
-      binding["source_index"] = b.source_index;
-      bindings.append(binding);
-    }
-    entry["bindings"] = bindings;
-    entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
-    dispatches.append(entry);
-  }
-  out["dispatches"] = dispatches;
-  out["splits"] = plan.splits;
-  nb::list scratch;
-  for (const auto& buffer : plan.scratch) {
-    nb::dict entry;
-    entry["role"] = role_name(buffer.role);
-    entry["elements"] = buffer.elements;
-    entry["producer"] = buffer.producer;
-    entry["consumer"] = buffer.consumer;
-    scratch.append(entry);
-  }
-  out["scratch"] = scratch;
-  out["quantized_params"] = nb::bytes(reinterpret_cast<const char*>(plan.quantized_params.data()),
-                                    plan.quantized_params.size());
-  out["sequences"] = nb::bytes(reinterpret_cast<const char*>(plan.sequences.data()), plan.sequences.size());
-  return out;
+nb::bytes as_bytes(const void* data, size_t size) {
+  return nb::bytes(reinterpret_cast<const char*>(data), size);
+}
+
+// A kernel's identity: what Python reads instead of a name.
+void bind_kernel_id(nb::module_& m) {
+  nb::class_<KernelId>(m, "KernelId", "A kernel's identity (csrc/metal/kernel_id.h).")
+      .def_prop_ro("family", [](const KernelId& id) { return std::string(family_name(id.family)); })
+      .def_prop_ro("phase", [](const KernelId& id) { return std::string(phase_name(family_phase(id.family))); })
+      .def_prop_ro("dtype", [](const KernelId& id) { return std::string(elem_type_name(id.dtype)); })
+      .def_prop_ro("fields", &kernel_fields, "tag -> value, in name order (d, bk, ...)")
+      .def_prop_ro("mask", [](const KernelId& id) { return int(id.mask); })
+      .def_prop_ro("name", &KernelId::name, "its host name in mlx_attn.metallib")
+      .def("__eq__", [](const KernelId& a, const KernelId& b) { return a.name() == b.name(); })
+      .def("__hash__", [](const KernelId& id) { return nb::hash(nb::str(id.name().c_str())); })
+      .def("__repr__", [](const KernelId& id) { return "KernelId(" + id.name() + ")"; });
+}
+
+// A plan as Python sees it (tests, the emulator runner, the benchmarks):
+// typed, read-only views of the C++ structs.
+void bind_plan_types(nb::module_& m) {
+  bind_kernel_id(m);
+  nb::class_<Binding>(m, "Binding", "One buffer binding of a dispatch.")
+      .def_ro("index", &Binding::index)
+      .def_prop_ro("role", [](const Binding& b) { return std::string(role_name(b.role)); })
+      .def_prop_ro("access", [](const Binding& b) { return std::string(b.access == Access::write ? "write" : "read"); })
+      .def_prop_ro("source", [](const Binding& b) { return std::string(source_name(b.source)); })
+      .def_ro("source_index", &Binding::source_index);
+  nb::class_<KernelDispatch>(m, "KernelDispatch", "One kernel launch of a plan.")
+      .def_ro("id", &KernelDispatch::id)
+      .def_prop_ro("kernel", [](const KernelDispatch& d) { return d.id.name(); }, "the kernel's host name")
+      .def_ro("grid", &KernelDispatch::grid)
+      .def_ro("threadgroup", &KernelDispatch::threadgroup)
+      .def_ro("bindings", &KernelDispatch::bindings)
+      .def_ro("threadgroup_memory_bytes", &KernelDispatch::threadgroup_memory_bytes);
+  nb::class_<ScratchBuffer>(m, "ScratchBuffer", "A float32 buffer a plan allocates for one call.")
+      .def_prop_ro("role", [](const ScratchBuffer& b) { return std::string(role_name(b.role)); })
+      .def_ro("elements", &ScratchBuffer::elements)
+      .def_ro("producer", &ScratchBuffer::producer)
+      .def_ro("consumer", &ScratchBuffer::consumer);
+  nb::class_<LaunchPlan>(m, "LaunchPlan", "How the Metal kernels run a problem (csrc/metal/launch_plan.h).")
+      .def_ro("supported", &LaunchPlan::supported)
+      .def_ro("reason", &LaunchPlan::reason)
+      .def_ro("problem", &LaunchPlan::problem)
+      .def_prop_ro("gpu_family", [](const LaunchPlan& p) { return std::string(gpu_family_name(p.target.family)); })
+      .def_prop_ro("gpu_cores", [](const LaunchPlan& p) { return p.target.gpu_cores; })
+      .def_prop_ro("params", [](const LaunchPlan& p) { return as_bytes(&p.params, sizeof(AttentionParams)); },
+                   "the AttentionParams bytes")
+      .def_prop_ro("vector_loads", [](const LaunchPlan& p) { return p.params.vector_loads != 0; })
+      .def_ro("dispatches", &LaunchPlan::dispatches)
+      .def_ro("splits", &LaunchPlan::splits)
+      .def_ro("scratch", &LaunchPlan::scratch)
+      .def_prop_ro("quantized_params",
+                   [](const LaunchPlan& p) { return as_bytes(p.quantized_params.data(), p.quantized_params.size()); })
+      .def_prop_ro("sequences", [](const LaunchPlan& p) { return as_bytes(p.sequences.data(), p.sequences.size()); })
+      .def_ro("keys_per_split", &LaunchPlan::keys_per_split);
 }
 
 // The GPU a plan is for, from the bindings' gpu_family / gpu_cores arguments.
@@ -94,8 +101,6 @@ GpuTarget gpu_target_argument(const std::string& gpu_family, int gpu_cores) {
 }
 
 }  // namespace
-
-nb::dict launch_plan_dict(const LaunchPlan& plan) { return plan_dict(plan); }
 
 DecodeShapeChoice decode_shape_choice(const std::string& name) {
   if (name == "auto") return DecodeShapeChoice::automatic;
@@ -173,14 +178,11 @@ void bind_gpu_targets(nb::module_& m) {
 }  // namespace
 
 void bind_launch_plan(nb::module_& m) {
+  bind_plan_types(m);
   bind_gpu_targets(m);
   m.def(
       "parse_kernel_id",
-      [](const std::string& name) -> std::optional<nb::dict> {
-        const auto id = parse_kernel_id(name);
-        if (!id) return std::nullopt;
-        return kernel_id_dict(*id);
-      },
+      [](const std::string& name) { return parse_kernel_id(name); },
       "name"_a,
       "The identity (family, phase, dtype, fields, mask) a kernel host name spells, as a plan's dispatch "
       "'id'; None for a name that spells none (csrc/metal/kernel_id.h: the one reader of names).");
@@ -188,19 +190,14 @@ void bind_launch_plan(nb::module_& m) {
       "metal_launch_plan",
       [](const AttentionProblem& problem, const std::string& gpu_family, int gpu_cores,
          const std::string& decode_shape) {
-        const LaunchPlan plan = plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores),
-                                               decode_shape_choice(decode_shape));
-        nb::dict out = plan_dict(plan);
-        out["gpu_family"] = gpu_family_name(plan.target.family);
-        out["gpu_cores"] = plan.target.gpu_cores;
-        return out;
+        return plan_attention(problem, gpu_target_argument(gpu_family, gpu_cores), decode_shape_choice(decode_shape));
       },
       "problem"_a, "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto",
       "The Metal launch plan for a problem (_ext.describe_attention) on a GPU family (apple7, apple8, "
       "apple9, apple10, unknown = the conservative default) with gpu_cores cores (0: the family's base part); "
-      "decode_shape: the dense decode's threadgroup shape, 'auto' (the plan's rule), 'group' or 'row': "
-      "kernels, grids, threadgroups, params bytes, and per dispatch its bindings (index, role, access, "
-      "source, source_index) exactly as the Mac host encodes them.");
+      "decode_shape: the dense decode's threadgroup shape, 'auto' (the plan's rule), 'group' or 'row'. A "
+      "LaunchPlan: its dispatches (kernel id, grid, threadgroup, bindings: index, role, access, source, "
+      "source_index), params bytes and scratch, exactly as the Mac host encodes them.");
   m.def(
       "quantized_metal_launch_plan",
       [](const mx::array& q, const std::vector<mx::array>& k_quant, const std::vector<mx::array>& v_quant,
@@ -221,22 +218,20 @@ void bind_launch_plan(nb::module_& m) {
         if (mask) inputs.push_back(*mask);
         if (sinks) inputs.push_back(*sinks);
         const auto [problem, kv] = describe_quantized_attention(inputs, options);
-        nb::dict out = plan_dict(plan_quantized_attention(problem, kv, target, choice));
-        out["problem"] = nb::cast(problem);
-        return out;
+        return plan_quantized_attention(problem, kv, target, choice);
       },
       "q"_a, "k_quant"_a, "v_quant"_a, nb::kw_only(), "mask"_a = nb::none(), "sinks"_a = nb::none(),
       "gpu_family"_a = "unknown", "gpu_cores"_a = 0, "decode_shape"_a = "auto", "options"_a,
       "The Metal launch plan over quantized K/V for these arrays (their current strides; scales and biases in "
-      "q's dtype), as metal_launch_plan (for the gpu_family's tiles and decode_shape), plus 'quantized_params' "
-      "bytes and the 'problem'.");
+      "q's dtype), as metal_launch_plan (for the gpu_family's tiles and decode_shape), with its quantized_params "
+      "bytes and the problem it was made for.");
   m.attr("QUANTIZED_ATTENTION_PARAMS_BYTES") = int(sizeof(QuantizedAttentionParams));
   m.def(
       "metal_backward_launch_plan",
-      [](const AttentionProblem& problem) { return plan_dict(plan_attention_backward(problem)); },
+      [](const AttentionProblem& problem) { return plan_attention_backward(problem); },
       "problem"_a,
-      "The Metal backward's launch plan for a forward problem (_ext.describe_attention), in "
-      "metal_launch_plan's format; bindings index the backward primitive's inputs (q, k, v, [mask], "
+      "The Metal backward's launch plan for a forward problem (_ext.describe_attention), a "
+      "LaunchPlan as metal_launch_plan's; bindings index the backward primitive's inputs (q, k, v, [mask], "
       "[sinks], out, lse, d_out, d_lse) and outputs (dq, dk, dv, [d_sinks]).");
   m.def(
       "buffer_role_names",

@@ -16,7 +16,6 @@ using namespace nb::literals;
 namespace mlx_attn {
 
 // csrc/python/launch_plan_bindings.cpp
-nb::dict launch_plan_dict(const LaunchPlan& plan);
 DecodeShapeChoice decode_shape_choice(const std::string& name);
 
 namespace {
@@ -37,21 +36,13 @@ void bind_paged_metal(nb::module_& m) {
         }
         target.gpu_cores = gpu_cores;
         const PagedProblem problem = describe_paged_attention(inputs, options_from(kwargs, kPagedDefaults), q_lens, kv_lens);
-        const DecodeShapeChoice choice = decode_shape_choice(decode_shape);
-        const LaunchPlan plan = plan_paged_attention(problem, target, choice);
-        nb::dict out = launch_plan_dict(plan);
-        out["keys_per_split"] =
-            plan.supported ? paged_keys_per_split(problem, paged_decode_shape(problem, target, choice), target) : 0;
-        out["q_offset"] = problem.attention.q_offset;
-        out["k_offset"] = problem.attention.k_offset;
-        out["v_offset"] = problem.attention.v_offset;
-        return out;
+        return plan_paged_attention(problem, target, decode_shape_choice(decode_shape));
       },
       "inputs"_a, "q_lens"_a, "kv_lens"_a, nb::kw_only(), "gpu_family"_a = "unknown", "gpu_cores"_a = 0,
       "decode_shape"_a = "auto", "options"_a,
       "The Metal launch plan of paged attention for the primitive's inputs (q, k pages, v pages or the two "
-      "quantized triples, block_table, [sinks]) and host lengths, in metal_launch_plan's format plus "
-      "'sequences' (the PagedSequence array bytes) and 'keys_per_split'. decode_shape: 'auto' (the plan's "
+      "quantized triples, block_table, [sinks]) and host lengths: a LaunchPlan with its "
+      "sequences (the PagedSequence array bytes) and keys_per_split. decode_shape: 'auto' (the plan's "
       "rule), 'group' or 'row' (the decode kernel's threadgroup shape on float pages; tests run both).");
   m.def(
       "metal_paged_attention",
