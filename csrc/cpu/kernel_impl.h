@@ -86,29 +86,49 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
   }
 }
 
-// bf16 dot products (vdpbf16ps, BFDOT) flush products below float32's normal
-// range (2^-126) to zero, so tiny q and k with a huge scale (logits of order
-// one from q.k below 2^-126, scale near float32's maximum) would all score 0.
-// Moves a power of two 2^e of the scale into the packed bf16 Q panel instead
-// (exact: bf16 has float32's exponents), as much as keeps every |q| below
-// 2^-(1 + ceil(log2 D)) (|k| < 2^128, so no q.k of D terms can pass 2^127 and
-// overflow where it did not before) and the rest of the scale >= 1; returns
-// scale * 2^-e. Normal-range products are scaled exactly, so every other
-// logit is bit for bit unchanged.
-inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float scale, int head_dim) {
-  float largest = 0.0f;
+// The bf16 pair product (vdpbf16ps, BFDOT) flushes products below float32's
+// normal range (2^-126) to zero and reads subnormal inputs as zero; with a
+// huge scale those lost products are whole logits (scale near float32's
+// maximum, q.k near 1 / scale: logits of order one, products all flushed).
+// Two moves keep it exact enough, else the item scores in float32:
+//  - a power of two 2^e of the scale moves into the packed bf16 Q panel
+//    (exact: bf16 has float32's exponents), as much as keeps every |q| below
+//    2^-(1 + ceil(log2 D)) (|k| < 2^128, so no q.k of D terms can pass 2^127
+//    and overflow where it did not before) and the rest of the scale >= 1;
+//    normal-range products are scaled exactly, so no other logit changes;
+//  - the pair product is used only where no q is subnormal after the move
+//    and |scale'| * max(1, max |q'|) <= 2^64 (kPairScaleLimit). A lost term
+//    (a product below 2^-126, or one with a subnormal k) is below
+//    2^-126 * max(1, |q'|), so each logit is then off by under D * 2^-62.
+// Typical scales (|scale| < 2) move nothing and keep the pair product.
+struct PairScale {
+  float scale;  // what the pair product's sums are multiplied by
+  bool exact;   // whether the pair product may score this item
+};
+inline constexpr float kPairScaleLimit = 18446744073709551616.0f;  // 2^64
+
+inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, int head_dim) {
+  float largest = 0.0f, smallest = INFINITY;  // of |q|, smallest over nonzero q
   for (int64_t i = 0; i < count; ++i) {
     const float x = fabsf(bfloat_to_float(panel[i]));
     largest = x > largest || x != x ? x : largest;
+    smallest = x > 0.0f && x < smallest ? x : smallest;
   }
-  if (!(largest > 0.0f && largest < INFINITY) || !(fabsf(scale) >= 2.0f)) return scale;
-  int log2_dim = 0;  // ceil(log2 D)
-  while ((1 << log2_dim) < head_dim) ++log2_dim;
-  const int room = -2 - log2_dim - ilogbf(largest);  // largest * 2^room < 2^-(1 + log2_dim)
-  const int e = room < ilogbf(scale) ? room : ilogbf(scale);
-  if (e <= 0) return scale;
-  for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
-  return ldexpf(scale, -e);
+  int e = 0;
+  if (largest > 0.0f && largest < INFINITY && fabsf(scale) >= 2.0f) {
+    int log2_dim = 0;  // ceil(log2 D)
+    while ((1 << log2_dim) < head_dim) ++log2_dim;
+    const int room = -2 - log2_dim - ilogbf(largest);  // largest * 2^room < 2^-(1 + log2_dim)
+    e = room < ilogbf(scale) ? room : ilogbf(scale);
+    e = e > 0 ? e : 0;
+  }
+  if (e > 0) {
+    for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
+  }
+  const float rest = ldexpf(scale, -e);
+  const float q_largest = ldexpf(largest, e);  // NaN q gives NaN logits with either product
+  const bool no_subnormal_q = !(ldexpf(smallest, e) < 0x1p-126f);
+  return {rest, no_subnormal_q && fabsf(rest) * (q_largest > 1.0f ? q_largest : 1.0f) <= kPairScaleLimit};
 }
 
 // ------------------------------------------------------------- K/V layouts
@@ -560,15 +580,14 @@ void attention_work_item(const KernelCall& call, int64_t item, float* scratch) {
   const WorkItem w(call, tile, scratch);
   if constexpr (NativePairProduct<T>::kAvailable && Bits == 0) {
     load_queries<T, true>(w);
-    float logit_scale = call.problem.scale;
+    PairScale pair = {call.problem.scale, true};  // float16 pair products are exact (FMLAL)
     if constexpr (T == ElemType::bfloat16) {
-      logit_scale = move_scale_into_bf16_panel(w.q_pairs(), int64_t(w.pairs) * 2 * w.rp, logit_scale, w.D);
+      pair = bf16_pair_scale(w.q_pairs(), int64_t(w.pairs) * 2 * w.rp, pair.scale, w.D);
     }
-    attend_keys<T, Bits, true, KVLayout>(w, logit_scale);
-  } else {
-    load_queries<T, false>(w);
-    attend_keys<T, Bits, false, KVLayout>(w, call.problem.scale);
+    if (pair.exact) return attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
   }
+  load_queries<T, false>(w);
+  attend_keys<T, Bits, false, KVLayout>(w, call.problem.scale);
 }
 
 }  // namespace
