@@ -98,100 +98,125 @@ void pack_keys(const BackwardCall& call, int b, int kv_head, int kb, int n, cons
   }
 }
 
+// The gradient gate of a tile's logits, [rows][KB]: the softcap's slope
+// (softcap_slope) with a softcap, and 0 where a logit was clamped (no
+// gradient there). It is only written once one of them applies; until then
+// every entry counts as 1.
+struct Gate {
+  float* values;
+  int rows;
+  bool active;
+  // Closes the gate of (row r, key j), first opening every entry.
+  void close(int r, int j) {
+    if (!active) {
+      for (int64_t i = 0; i < int64_t(rows) * kKeyBlock; ++i) values[i] = 1.0f;
+      active = true;
+    }
+    values[r * kKeyBlock + j] = 0.0f;
+  }
+};
+
+// scale (saturating), then softcap (its slopes into the gate) of row r's
+// logits s[0, KB); closes the gate where scale * q.k clamped.
+MLX_ATTN_STEP void scale_logits(const AttentionProblem& p, const Buffers& buf, int ldq, int r, int n, float* s,
+                                Gate& gate) {
+  const vfloat limit = splat(kLogitLimit), scale = splat(p.scale);
+  vint clamped = vint{};
+  for (int c = 0; c < kKeyBlock; c += kLanes) {
+    const vfloat x = load(s + c) * scale;
+    clamped |= (x > limit) | (x < -limit);
+    store(s + c, saturate(x));
+  }
+  if (p.softcap > 0.0f) {
+    for (int c = 0; c < kKeyBlock; c += kLanes) {
+      const vfloat y = softcap_logit(load(s + c), p.softcap);
+      store(s + c, y);
+      store(gate.values + r * kKeyBlock + c, softcap_slope(y, p.softcap));
+    }
+  }
+  bool any_clamped = false;
+  for (int i = 0; i < kLanes; ++i) any_clamped |= clamped[i] != 0;
+  if (any_clamped) {  // rare: recompute which logits clamped
+    for (int j = 0; j < n; ++j) {
+      float dot = 0.0f;
+      for (int d = 0; d < p.head_dim; ++d) dot += buf.q_packed[r * ldq + d] * buf.k_t[d * kKeyBlock + j];
+      if (!(fabsf(dot * p.scale) <= kLogitLimit)) gate.close(r, j);
+    }
+  }
+}
+
+// mask of row r's logits s[0, KB): explicit masks (an additive sum that
+// clamped closes the gate), causal / window on edge tiles, the sentinel past
+// key n.
+template <ElemType T>
+MLX_ATTN_STEP void mask_logits(const BackwardCall& call, const TileRows& t, int r, int kb, int n, bool on_edge,
+                               float* s, Gate& gate) {
+  const AttentionProblem& p = call.problem;
+  const int qi = t.query(r);
+  if (p.mask_kind != MaskKind::none) {
+    const int64_t ms = p.mask_strides[3];
+    const int64_t moff = mask_offset(p, t.b, t.head(r), qi, kb);
+    if (p.mask_kind == MaskKind::boolean) {
+      const bool* m = static_cast<const bool*>(call.mask) + moff;
+      for (int j = 0; j < n; ++j) s[j] = bool_masked_logit(s[j], m[j * ms]);
+    } else {
+      for (int j = 0; j < n; ++j) {
+        const float added = load_elem<T>(call.mask, moff + j * ms);
+        const float x = additive_masked_logit(s[j], added);
+        // the sum clamped (not masked, not NaN): no gradient
+        if (!logit_masked(x) && x == x && x != s[j] + added) gate.close(r, j);
+        s[j] = x;
+      }
+    }
+  }
+  if (on_edge) mask_hidden_keys(p, query_position(p, qi), kb, n, s, 1);
+  for (int j = n; j < kKeyBlock; ++j) s[j] = MLX_ATTN_MASKED_LOGIT;
+}
+
+// dP = dO . V^T, then dS = scale * P * (dP - delta) * gate in place.
+MLX_ATTN_STEP void score_gradients(const AttentionProblem& p, const Buffers& buf, int rows, int lddo,
+                                   const Gate& gate) {
+  const vfloat scale = splat(p.scale);
+  matmul_overwrite(buf.d_out_packed, lddo, buf.v_t, kKeyBlock, buf.d_scores, kKeyBlock, rows, p.value_dim,
+                   kKeyBlock);
+  for (int r = 0; r < rows; ++r) {
+    float* ds = buf.d_scores + r * kKeyBlock;
+    const float* pr = buf.probs + r * kKeyBlock;
+    const vfloat delta = splat(buf.delta_row[r]);
+    for (int c = 0; c < kKeyBlock; c += kLanes) {
+      vfloat g = load(pr + c) * (load(ds + c) - delta) * scale;
+      if (gate.active) g *= load(gate.values + r * kKeyBlock + c);
+      store(ds + c, g);
+    }
+  }
+}
+
 // One tile: P [rows][KB] = exp(S - lse) of the masked, saturated (and
 // softcapped) logits and dS [rows][KB] = scale * P * (dO . V^T - delta) *
-// gate: the gate holds the softcap's slope (softcap_slope) with a softcap,
-// and 0 where a logit was clamped; it is only written when one of them
-// applies. Columns past n are 0.
+// gate (Gate). Columns past n are 0.
 template <ElemType T>
 void tile_gradients(const BackwardCall& call, const TileRows& t, int kb, int n, const Buffers& buf,
                     int ldq, int lddo) {
   const AttentionProblem& p = call.problem;
-  const int KB = kKeyBlock, rows = t.rows();
-  const vfloat limit = splat(kLogitLimit), scale = splat(p.scale);
-  float* const probs = buf.probs;
-  float* const d_scores = buf.d_scores;
+  const int rows = t.rows();
   // with a softcap every row writes its slopes into the gate before a clamp closes one
-  const bool capped = p.softcap > 0.0f;
-  bool gated = capped;
-  auto close_gate = [&](int r, int j) {
-    if (!gated) {
-      for (int64_t i = 0; i < int64_t(rows) * KB; ++i) buf.gate[i] = 1.0f;
-      gated = true;
-    }
-    buf.gate[r * KB + j] = 0.0f;
-  };
+  Gate gate{buf.gate, rows, p.softcap > 0.0f};
   // Only tiles that straddle the causal diagonal or the window's edge mask
   // per key (as the forward's).
   const bool on_edge =
       block_on_edge(p, kb, n, query_position(p, t.q_start), query_position(p, t.q_start + t.qb - 1));
 
   // score
-  matmul_overwrite(buf.q_packed, ldq, buf.k_t, KB, probs, KB, rows, p.head_dim, KB);
-
+  matmul_overwrite(buf.q_packed, ldq, buf.k_t, kKeyBlock, buf.probs, kKeyBlock, rows, p.head_dim, kKeyBlock);
   for (int r = 0; r < rows; ++r) {
-    float* s = probs + r * KB;
-    const int h = t.head(r), qi = t.query(r), pos = query_position(p, qi);
-    // scale (saturating)
-    vint clamped = vint{};
-    for (int c = 0; c < KB; c += kLanes) {
-      const vfloat x = load(s + c) * scale;
-      clamped |= (x > limit) | (x < -limit);
-      store(s + c, saturate(x));
-    }
-    // softcap: the capped logit, and its slope in the gate
-    if (capped) {
-      for (int c = 0; c < KB; c += kLanes) {
-        const vfloat y = softcap_logit(load(s + c), p.softcap);
-        store(s + c, y);
-        store(buf.gate + r * KB + c, softcap_slope(y, p.softcap));
-      }
-    }
-    bool any_clamped = false;
-    for (int i = 0; i < kLanes; ++i) any_clamped |= clamped[i] != 0;
-    if (any_clamped) {  // rare: recompute which logits clamped
-      for (int j = 0; j < n; ++j) {
-        float dot = 0.0f;
-        for (int d = 0; d < p.head_dim; ++d) dot += buf.q_packed[r * ldq + d] * buf.k_t[d * KB + j];
-        if (!(fabsf(dot * p.scale) <= kLogitLimit)) close_gate(r, j);
-      }
-    }
-    // mask
-    if (p.mask_kind != MaskKind::none) {
-      const int64_t ms = p.mask_strides[3];
-      const int64_t moff = mask_offset(p, t.b, h, qi, kb);
-      if (p.mask_kind == MaskKind::boolean) {
-        const bool* m = static_cast<const bool*>(call.mask) + moff;
-        for (int j = 0; j < n; ++j) s[j] = bool_masked_logit(s[j], m[j * ms]);
-      } else {
-        for (int j = 0; j < n; ++j) {
-          const float added = load_elem<T>(call.mask, moff + j * ms);
-          const float x = additive_masked_logit(s[j], added);
-          // the sum clamped (not masked, not NaN): no gradient
-          if (!logit_masked(x) && x == x && x != s[j] + added) close_gate(r, j);
-          s[j] = x;
-        }
-      }
-    }
-    if (on_edge) mask_hidden_keys(p, pos, kb, n, s, 1);
-    for (int j = n; j < KB; ++j) s[j] = MLX_ATTN_MASKED_LOGIT;
+    float* s = buf.probs + r * kKeyBlock;
+    scale_logits(p, buf, ldq, r, n, s, gate);
+    mask_logits<T>(call, t, r, kb, n, on_edge, s, gate);
     // P = exp(S - lse)
     const vfloat lse = splat(buf.lse_row[r]);
-    for (int c = 0; c < KB; c += kLanes) store(s + c, exp2_vec((load(s + c) - lse) * kLog2e));
+    for (int c = 0; c < kKeyBlock; c += kLanes) store(s + c, exp2_vec((load(s + c) - lse) * kLog2e));
   }
-
-  // dP = dO . V^T, then dS in place
-  matmul_overwrite(buf.d_out_packed, lddo, buf.v_t, KB, d_scores, KB, rows, p.value_dim, KB);
-  for (int r = 0; r < rows; ++r) {
-    float* ds = d_scores + r * KB;
-    const float* pr = probs + r * KB;
-    const vfloat delta = splat(buf.delta_row[r]);
-    for (int c = 0; c < KB; c += kLanes) {
-      vfloat g = load(pr + c) * (load(ds + c) - delta) * scale;
-      if (gated) g *= load(buf.gate + r * KB + c);
-      store(ds + c, g);
-    }
-  }
+  score_gradients(p, buf, rows, lddo, gate);
 }
 
 // dV += P^T . dO and dK += dS^T . Q of one tile (P and dS read transposed in

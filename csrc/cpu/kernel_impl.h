@@ -86,29 +86,49 @@ inline void load_quantized_row(float* dst, int64_t dst_stride, const QuantizedRo
   }
 }
 
-// bf16 dot products (vdpbf16ps, BFDOT) flush products below float32's normal
-// range (2^-126) to zero, so tiny q and k with a huge scale (logits of order
-// one from q.k below 2^-126, scale near float32's maximum) would all score 0.
-// Moves a power of two 2^e of the scale into the packed bf16 Q panel instead
-// (exact: bf16 has float32's exponents), as much as keeps every |q| below
-// 2^-(1 + ceil(log2 D)) (|k| < 2^128, so no q.k of D terms can pass 2^127 and
-// overflow where it did not before) and the rest of the scale >= 1; returns
-// scale * 2^-e. Normal-range products are scaled exactly, so every other
-// logit is bit for bit unchanged.
-inline float move_scale_into_bf16_panel(uint16_t* panel, int64_t count, float scale, int head_dim) {
-  float largest = 0.0f;
+// The bf16 pair product (vdpbf16ps, BFDOT) flushes products below float32's
+// normal range (2^-126) to zero and reads subnormal inputs as zero; with a
+// huge scale those lost products are whole logits (scale near float32's
+// maximum, q.k near 1 / scale: logits of order one, products all flushed).
+// Two moves keep it exact enough, else the item scores in float32:
+//  - a power of two 2^e of the scale moves into the packed bf16 Q panel
+//    (exact: bf16 has float32's exponents), as much as keeps every |q| below
+//    2^-(1 + ceil(log2 D)) (|k| < 2^128, so no q.k of D terms can pass 2^127
+//    and overflow where it did not before) and the rest of the scale >= 1;
+//    normal-range products are scaled exactly, so no other logit changes;
+//  - the pair product is used only where no q is subnormal after the move
+//    and |scale'| * max(1, max |q'|) <= 2^64 (kPairScaleLimit). A lost term
+//    (a product below 2^-126, or one with a subnormal k) is below
+//    2^-126 * max(1, |q'|), so each logit is then off by under D * 2^-62.
+// Typical scales (|scale| < 2) move nothing and keep the pair product.
+struct PairScale {
+  float scale;  // what the pair product's sums are multiplied by
+  bool exact;   // whether the pair product may score this item
+};
+inline constexpr float kPairScaleLimit = 18446744073709551616.0f;  // 2^64
+
+inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, int head_dim) {
+  float largest = 0.0f, smallest = INFINITY;  // of |q|, smallest over nonzero q
   for (int64_t i = 0; i < count; ++i) {
     const float x = fabsf(bfloat_to_float(panel[i]));
     largest = x > largest || x != x ? x : largest;
+    smallest = x > 0.0f && x < smallest ? x : smallest;
   }
-  if (!(largest > 0.0f && largest < INFINITY) || !(fabsf(scale) >= 2.0f)) return scale;
-  int log2_dim = 0;  // ceil(log2 D)
-  while ((1 << log2_dim) < head_dim) ++log2_dim;
-  const int room = -2 - log2_dim - ilogbf(largest);  // largest * 2^room < 2^-(1 + log2_dim)
-  const int e = room < ilogbf(scale) ? room : ilogbf(scale);
-  if (e <= 0) return scale;
-  for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
-  return ldexpf(scale, -e);
+  int e = 0;
+  if (largest > 0.0f && largest < INFINITY && fabsf(scale) >= 2.0f) {
+    int log2_dim = 0;  // ceil(log2 D)
+    while ((1 << log2_dim) < head_dim) ++log2_dim;
+    const int room = -2 - log2_dim - ilogbf(largest);  // largest * 2^room < 2^-(1 + log2_dim)
+    e = room < ilogbf(scale) ? room : ilogbf(scale);
+    e = e > 0 ? e : 0;
+  }
+  if (e > 0) {
+    for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
+  }
+  const float rest = ldexpf(scale, -e);
+  const float q_largest = ldexpf(largest, e);  // NaN q gives NaN logits with either product
+  const bool no_subnormal_q = !(ldexpf(smallest, e) < 0x1p-126f);
+  return {rest, no_subnormal_q && fabsf(rest) * (q_largest > 1.0f ? q_largest : 1.0f) <= kPairScaleLimit};
 }
 
 // ------------------------------------------------------------- K/V layouts
@@ -193,278 +213,325 @@ struct PagedLayout {
 // segments of consecutive rows (one for dense K/V; one per page touched for
 // paged K/V, so page_size need not divide the block). K/V read in place are
 // multiplied segment by segment; packed K/V are packed across segments.
+//
+// The steps below are one loop body split by step (force-inlined, so the
+// split costs nothing). kPairScore: the score product runs on 16-bit inputs
+// in pairs of features (NativePairProduct, micro_kernel.h); Q^T is then the
+// product's pair panel q_pairs[D_pairs][2 rp] (same bytes or fewer) and
+// packed K is k_pairs[KB][2 D_pairs].
 
 // Keys per segment, on average, below which a block is packed rather than
 // read in place (tiny pages: many short products cost more than a copy).
 inline constexpr int kMinInPlaceRun = 16;
 
-// Bits: 0 for float K/V, else their quantization (4 or 8).
-template <ElemType T, int Bits, class KVLayout>
-void attention_work_item(
-    const KernelCall& call,
-    int64_t item,
-    float* scratch) {
-  const AttentionProblem& p = call.problem;
-  const Tile tile = KVLayout::tile(call, item);
-  const AttentionParams& seq = tile.seq;
-  const int group = p.group_size();
-  const int D = p.head_dim, Dv = p.value_dim, Dvp = int(round_up(Dv, kLanes));
-  const int KB = kKeyBlock;
-  const int b = tile.b, kv_head = tile.kv_head, q_start = tile.q_start, qb = tile.qb;
-  if (qb <= 0) return;
-  const int rows = group * qb;
-  const int rp = int(round_up(rows, kLanes));  // rows padded to whole vectors
+// One thread's scratch for an item (sized by scratch_floats, kernels.h).
+struct ItemBuffers {
+  float* q_t;        // [D][rp]   Q^T (or the pair panel)
+  float* scores_t;   // [KB][rp]  S^T, then P^T
+  float* acc;        // [rows][Dvp]
+  float* k_rows;     // [KB][D]   when K is packed (or its pairs)
+  float* v_packed;   // [KB][Dvp] when V is packed
+  float* row_max;    // [rp]
+  float* row_sum;    // [rp]
+  float* rescale;    // [rp]
+};
 
-  float* q_t = scratch;                            // [D][rp]   Q^T
-  float* scores_t = q_t + D * rp;                  // [KB][rp]  S^T, then P^T
-  float* acc = scores_t + KB * rp;                 // [rows][Dvp]
-  float* k_rows = acc + rows * Dvp;                // [KB][D]   when K is packed
-  float* v_packed = k_rows + KB * D;               // [KB][Dvp] when V is packed
-  float* row_max = v_packed + KB * Dvp;            // [rp]
-  float* row_sum = row_max + rp;                   // [rp]
-  float* rescale = row_sum + rp;                   // [rp]
+// A work item: its tile, sizes and buffers. Rows are (head in group, query
+// position): row = g * qb + i. A packed (paged) q is seen as
+// [1, Hq, total_q, D]: its rows start at tile.q_begin.
+struct WorkItem {
+  const KernelCall& call;
+  const AttentionProblem& p;
+  Tile tile;
+  int group, D, Dv, Dvp, rows, rp, pairs;
+  ItemBuffers buf;
 
-  // bf16 / fp16 where the copy multiplies them natively (NativePairProduct,
-  // micro_kernel.h): the score product runs on the 16-bit inputs in pairs of
-  // features; Q^T is then the product's pair panel q_pairs[D_pairs][2 rp]
-  // (same bytes or fewer).
-  using Native = NativePairProduct<T>;
-  constexpr bool kPairScore = Native::kAvailable && Bits == 0;
-  const int pairs = (D + 1) / 2;
-  uint16_t* q_pairs = reinterpret_cast<uint16_t*>(q_t);
-  uint16_t* k_pairs = reinterpret_cast<uint16_t*>(k_rows);  // [KB][2 pairs]
-
-  // Rows are (head in group, query position): row = g * qb + i. A packed
-  // (paged) q is seen as [1, Hq, total_q, D]: its rows start at q_begin.
-  for (int r = 0; r < rows; ++r) {
-    const int h = kv_head * group + r / qb;
-    const int64_t qi = tile.q_begin + q_start + r % qb;
-    int64_t off = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
-    if constexpr (kPairScore) {
-      using Product = typename Native::Product;
-      const uint16_t* q = static_cast<const uint16_t*>(call.q) + off;
-      for (int d = 0; d < D; ++d) {
-        q_pairs[(d / 2) * 2 * rp + Product::panel_offset(r, d % 2)] = q[d * p.q_strides[3]];
-      }
-      if (D % 2) q_pairs[(pairs - 1) * 2 * rp + Product::panel_offset(r, 1)] = 0;
-    } else {
-      load_row<T>(q_t + r, rp, call.q, off, p.q_strides[3], D, 1.0f);
-    }
+  WorkItem(const KernelCall& c, const Tile& t, float* scratch)
+      : call(c), p(c.problem), tile(t), group(p.group_size()), D(p.head_dim), Dv(p.value_dim),
+        Dvp(int(round_up(Dv, kLanes))), rows(group * t.qb), rp(int(round_up(rows, kLanes))),
+        pairs((D + 1) / 2) {
+    buf.q_t = scratch;
+    buf.scores_t = buf.q_t + D * rp;
+    buf.acc = buf.scores_t + kKeyBlock * rp;
+    buf.k_rows = buf.acc + rows * Dvp;
+    buf.v_packed = buf.k_rows + kKeyBlock * D;
+    buf.row_max = buf.v_packed + kKeyBlock * Dvp;
+    buf.row_sum = buf.row_max + rp;
+    buf.rescale = buf.row_sum + rp;
   }
-  // The scale the score product's sums are multiplied by (scale step).
-  float logit_scale = p.scale;
-  if constexpr (kPairScore) {
-    using Product = typename Native::Product;
-    for (int kp = 0; kp < pairs; ++kp) {
-      for (int r = rows; r < rp; ++r) {
-        q_pairs[kp * 2 * rp + Product::panel_offset(r, 0)] = 0;
-        q_pairs[kp * 2 * rp + Product::panel_offset(r, 1)] = 0;
-      }
-    }
-    if constexpr (T == ElemType::bfloat16) {
-      logit_scale = move_scale_into_bf16_panel(q_pairs, int64_t(pairs) * 2 * rp, p.scale, D);
-    }
-  } else {
-    for (int d = 0; d < D; ++d) {
-      for (int r = rows; r < rp; ++r) q_t[d * rp + r] = 0.0f;
-    }
+  int head(int r) const { return tile.kv_head * group + r / tile.qb; }
+  int query(int r) const { return tile.q_start + r % tile.qb; }  // in the tile's sequence
+  uint16_t* q_pairs() const { return reinterpret_cast<uint16_t*>(buf.q_t); }
+  uint16_t* k_pairs() const { return reinterpret_cast<uint16_t*>(buf.k_rows); }
+  // Element offsets of (outer, slot) rows of K and V for this kv head.
+  int64_t k_at(int64_t outer, int slot) const {
+    return outer * p.k_strides[0] + tile.kv_head * p.k_strides[1] + slot * p.k_strides[2];
   }
-  for (int r = 0; r < rp; ++r) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.0f;
+  int64_t v_at(int64_t outer, int slot) const {
+    return outer * p.v_strides[0] + tile.kv_head * p.v_strides[1] + slot * p.v_strides[2];
   }
-  memset(acc, 0, sizeof(float) * rows * Dvp);
+};
 
-  // Float32 K rows and V rows (of a whole number of vectors) with unit
-  // feature stride can be read in place; anything else is converted per block.
-  // 16-bit K for a native score product: in place when its pairs are whole.
-  const bool k_can_stay = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
-      (kPairScore && p.k_strides[3] == 1 && D % 2 == 0);
-  const bool v_can_stay = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && Dv == Dvp;
-  // Element offset of (outer, slot) rows for this kv head.
-  auto k_at = [&](int64_t outer, int slot) {
-    return outer * p.k_strides[0] + kv_head * p.k_strides[1] + slot * p.k_strides[2];
-  };
-  auto v_at = [&](int64_t outer, int slot) {
-    return outer * p.v_strides[0] + kv_head * p.v_strides[1] + slot * p.v_strides[2];
-  };
-
-  // Keys any row of this block can see.
-  const int first_pos = query_position(seq, q_start);
-  const int last_pos = query_position(seq, q_start + qb - 1);
-  const KeyRange keys = block_key_range(seq, first_pos, last_pos);
-
+// The keys of one block: [kb, kb + n), in segments of consecutive slots, K
+// and V read in place or packed.
+struct KeyBlock {
   struct Segment {
     int64_t outer;
     int slot, first, n;  // keys first .. first + n - 1 of the block
   };
+  int kb, n, segment_count;
+  bool k_in_place, v_in_place;
   Segment segments[kKeyBlock];
+};
 
-  for (int kb = keys.begin; kb < keys.end; kb += KB) {
-    const int n = (keys.end - kb) < KB ? (keys.end - kb) : KB;
-
-    // fetch: the block's segments, then K/V in place or packed
-    int segment_count = 0;
-    for (int j = 0; j < n;) {
-      const KeyPlace at = KVLayout::key(call, tile, kb + j);
-      const int len = at.run < n - j ? at.run : n - j;
-      segments[segment_count++] = {at.outer, at.slot, j, len};
-      j += len;
-    }
-    const bool long_runs = segment_count == 1 || n >= kMinInPlaceRun * segment_count;
-    const bool k_in_place = k_can_stay && long_runs;
-    const bool v_in_place = v_can_stay && long_runs;
-    for (int s = 0; s < segment_count && !(k_in_place && v_in_place); ++s) {
-      const Segment& seg = segments[s];
-      for (int i = 0; i < seg.n; ++i) {
-        const int j = seg.first + i;
-        const int64_t koff = k_at(seg.outer, seg.slot + i);
-        const int64_t voff = v_at(seg.outer, seg.slot + i);
-        float* vrow = v_packed + j * Dvp;
-        if constexpr (kPairScore) {
-          if (!k_in_place) {
-            const uint16_t* k = static_cast<const uint16_t*>(call.k) + koff;
-            for (int d = 0; d < D; ++d) k_pairs[j * 2 * pairs + d] = k[d * p.k_strides[3]];
-            if (D % 2) k_pairs[j * 2 * pairs + D] = 0;
-          }
-          if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
-        } else if constexpr (Bits == 0) {
-          if (!k_in_place) load_row<T>(k_rows + j * D, 1, call.k, koff, p.k_strides[3], D, 1.0f);
-          if (!v_in_place) load_row<T>(vrow, 1, call.v, voff, p.v_strides[3], Dv, 1.0f);
-        } else {  // dequantize in the tile: no dequantized copy of K/V exists
-          const QuantizedKV& qkv = call.quantized;
-          const int t = seg.slot + i;
-          const QuantizedRow key = {
-              static_cast<const uint32_t*>(call.k) + koff, p.k_strides[3],
-              qkv.k_scales, QuantizedKV::row_offset(qkv.k_scale_strides, seg.outer, kv_head, t),
-              qkv.k_scale_strides[3],
-              qkv.k_biases, QuantizedKV::row_offset(qkv.k_bias_strides, seg.outer, kv_head, t),
-              qkv.k_bias_strides[3]};
-          const QuantizedRow value = {
-              static_cast<const uint32_t*>(call.v) + voff, p.v_strides[3],
-              qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, seg.outer, kv_head, t),
-              qkv.v_scale_strides[3],
-              qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, seg.outer, kv_head, t),
-              qkv.v_bias_strides[3]};
-          load_quantized_row<T, Bits>(k_rows + j * D, 1, key, qkv.group_size, D);
-          load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, Dv);
-        }
-        if (!v_in_place) {
-          for (int e = Dv; e < Dvp; ++e) vrow[e] = 0.0f;
-        }
-      }
-    }
-
-    // score: S^T[n][rp] = K[n][D] . Q^T[D][rp], segment by segment in place
+// load queries: Q^T (float, or the pair panel) with zero padding rows; the
+// running max, sum and output of every row start empty.
+template <ElemType T, bool kPairScore>
+MLX_ATTN_STEP void load_queries(const WorkItem& w) {
+  const AttentionProblem& p = w.p;
+  const int D = w.D, rp = w.rp;
+  for (int r = 0; r < w.rows; ++r) {
+    const int64_t qi = w.tile.q_begin + w.query(r);
+    const int64_t off = w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] + qi * p.q_strides[2];
     if constexpr (kPairScore) {
-      if (k_in_place) {
-        for (int s = 0; s < segment_count; ++s) {
-          const Segment& seg = segments[s];
-          matmul_overwrite_pairs<typename Native::Product>(
-              static_cast<const uint16_t*>(call.k) + k_at(seg.outer, seg.slot), p.k_strides[2], q_pairs, 2 * rp,
-              scores_t + seg.first * rp, rp, seg.n, pairs, rp);
-        }
-      } else {
-        matmul_overwrite_pairs<typename Native::Product>(k_pairs, 2 * pairs, q_pairs, 2 * rp, scores_t, rp, n,
-                                                         pairs, rp);
+      using Product = typename NativePairProduct<T>::Product;
+      const uint16_t* q = static_cast<const uint16_t*>(w.call.q) + off;
+      for (int d = 0; d < D; ++d) {
+        w.q_pairs()[(d / 2) * 2 * rp + Product::panel_offset(r, d % 2)] = q[d * p.q_strides[3]];
       }
+      if (D % 2) w.q_pairs()[(w.pairs - 1) * 2 * rp + Product::panel_offset(r, 1)] = 0;
     } else {
-      if (k_in_place) {
-        for (int s = 0; s < segment_count; ++s) {
-          const Segment& seg = segments[s];
-          matmul_overwrite(static_cast<const float*>(call.k) + k_at(seg.outer, seg.slot), p.k_strides[2], q_t, rp,
-                           scores_t + seg.first * rp, rp, seg.n, D, rp);
-        }
-      } else {
-        matmul_overwrite(k_rows, D, q_t, rp, scores_t, rp, n, D, rp);
-      }
-    }
-
-    // scale, then softcap where the problem has one (one branch per block)
-    const vfloat scale = splat(logit_scale);
-    if (p.softcap > 0.0f) {
-      for (int i = 0; i < n * rp; i += kLanes) {
-        store(scores_t + i, softcap_logit(saturate(load(scores_t + i) * scale), p.softcap));
-      }
-    } else {
-      for (int i = 0; i < n * rp; i += kLanes) {
-        store(scores_t + i, saturate(load(scores_t + i) * scale));
-      }
-    }
-
-    // mask (explicit masks, then causal / window on edge blocks only)
-    if (p.mask_kind != MaskKind::none) {
-      const int64_t ms = p.mask_strides[3];
-      for (int r = 0; r < rows; ++r) {
-        const int64_t moff = mask_offset(seq, b, kv_head * group + r / qb, q_start + r % qb, kb);
-        float* s = scores_t + r;
-        if (p.mask_kind == MaskKind::boolean) {
-          const bool* m = static_cast<const bool*>(call.mask) + moff;
-          for (int j = 0; j < n; ++j) s[j * rp] = bool_masked_logit(s[j * rp], m[j * ms]);
-        } else {
-          for (int j = 0; j < n; ++j) {
-            s[j * rp] = additive_masked_logit(s[j * rp], load_elem<T>(call.mask, moff + j * ms));
-          }
-        }
-      }
-    }
-    if (block_on_edge(seq, kb, n, first_pos, last_pos)) {
-      for (int r = 0; r < rows; ++r) {
-        mask_hidden_keys(seq, query_position(seq, q_start + r % qb), kb, n, scores_t + r, rp);
-      }
-    }
-
-    // online max / rescale, then P^T = exp(S^T - m_new) and the row sums
-    for (int c = 0; c < rp; c += kLanes) {
-      vfloat block_max = splat(-INFINITY);
-      for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(scores_t + j * rp + c));
-      const vfloat m_old = load(row_max + c);
-      const vfloat m_new = vmax(block_max, m_old);
-      // A row with nothing visible yet (m = -inf, or the masked sentinel)
-      // takes its exponents against 0: its P and alpha are then 0.
-      const vfloat m_ref = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
-      vfloat sum = splat(0.0f);
-      for (int j = 0; j < n; ++j) {
-        float* s = scores_t + j * rp + c;
-        const vfloat e = exp2_vec((load(s) - m_ref) * kLog2e);
-        store(s, e);
-        sum += e;
-      }
-      const vfloat alpha = exp2_vec((m_old - m_ref) * kLog2e);
-      store(row_sum + c, load(row_sum + c) * alpha + sum);
-      store(row_max + c, m_new);
-      store(rescale + c, alpha);
-    }
-    for (int r = 0; r < rows; ++r) {
-      if (rescale[r] != 1.0f) {
-        float* o = acc + r * Dvp;
-        const vfloat va = splat(rescale[r]);
-        for (int c = 0; c < Dvp; c += kLanes) store(o + c, load(o + c) * va);
-      }
-    }
-
-    // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
-    if (v_in_place) {
-      for (int s = 0; s < segment_count; ++s) {
-        const Segment& seg = segments[s];
-        matmul_accumulate_transposed_a(scores_t + seg.first * rp, rp,
-                                       static_cast<const float*>(call.v) + v_at(seg.outer, seg.slot),
-                                       p.v_strides[2], acc, Dvp, rows, seg.n, Dvp);
-      }
-    } else {
-      matmul_accumulate_transposed_a(scores_t, rp, v_packed, Dvp, acc, Dvp, rows, n, Dvp);
+      load_row<T>(w.buf.q_t + r, rp, w.call.q, off, p.q_strides[3], D, 1.0f);
     }
   }
+  if constexpr (kPairScore) {
+    using Product = typename NativePairProduct<T>::Product;
+    for (int kp = 0; kp < w.pairs; ++kp) {
+      for (int r = w.rows; r < rp; ++r) {
+        w.q_pairs()[kp * 2 * rp + Product::panel_offset(r, 0)] = 0;
+        w.q_pairs()[kp * 2 * rp + Product::panel_offset(r, 1)] = 0;
+      }
+    }
+  } else {
+    for (int d = 0; d < D; ++d) {
+      for (int r = w.rows; r < rp; ++r) w.buf.q_t[d * rp + r] = 0.0f;
+    }
+  }
+  for (int r = 0; r < rp; ++r) {
+    w.buf.row_max[r] = -INFINITY;
+    w.buf.row_sum[r] = 0.0f;
+  }
+  memset(w.buf.acc, 0, sizeof(float) * w.rows * w.Dvp);
+}
 
-  // normalize
-  for (int r = 0; r < rows; ++r) {
-    const int h = kv_head * group + r / qb;
-    const int qi = q_start + r % qb;
-    float m = row_max[r];
-    float l = row_sum[r];
+// Packs key j = seg.first + i of the block (K unless read in place, and V
+// unless read in place), dequantizing quantized K/V in the tile (no
+// dequantized copy of K/V exists).
+template <ElemType T, int Bits, bool kPairScore>
+MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, const KeyBlock::Segment& seg,
+                                      int i) {
+  const AttentionProblem& p = w.p;
+  const int j = seg.first + i;
+  const int64_t koff = w.k_at(seg.outer, seg.slot + i);
+  const int64_t voff = w.v_at(seg.outer, seg.slot + i);
+  float* vrow = w.buf.v_packed + j * w.Dvp;
+  if constexpr (kPairScore) {
+    if (!block.k_in_place) {
+      const uint16_t* k = static_cast<const uint16_t*>(w.call.k) + koff;
+      uint16_t* k_pairs = w.k_pairs() + j * 2 * w.pairs;
+      for (int d = 0; d < w.D; ++d) k_pairs[d] = k[d * p.k_strides[3]];
+      if (w.D % 2) k_pairs[w.D] = 0;
+    }
+    if (!block.v_in_place) load_row<T>(vrow, 1, w.call.v, voff, p.v_strides[3], w.Dv, 1.0f);
+  } else if constexpr (Bits == 0) {
+    if (!block.k_in_place) load_row<T>(w.buf.k_rows + j * w.D, 1, w.call.k, koff, p.k_strides[3], w.D, 1.0f);
+    if (!block.v_in_place) load_row<T>(vrow, 1, w.call.v, voff, p.v_strides[3], w.Dv, 1.0f);
+  } else {
+    const QuantizedKV& qkv = w.call.quantized;
+    const int t = seg.slot + i, kv_head = w.tile.kv_head;
+    const QuantizedRow key = {
+        static_cast<const uint32_t*>(w.call.k) + koff, p.k_strides[3],
+        qkv.k_scales, QuantizedKV::row_offset(qkv.k_scale_strides, seg.outer, kv_head, t), qkv.k_scale_strides[3],
+        qkv.k_biases, QuantizedKV::row_offset(qkv.k_bias_strides, seg.outer, kv_head, t), qkv.k_bias_strides[3]};
+    const QuantizedRow value = {
+        static_cast<const uint32_t*>(w.call.v) + voff, p.v_strides[3],
+        qkv.v_scales, QuantizedKV::row_offset(qkv.v_scale_strides, seg.outer, kv_head, t), qkv.v_scale_strides[3],
+        qkv.v_biases, QuantizedKV::row_offset(qkv.v_bias_strides, seg.outer, kv_head, t), qkv.v_bias_strides[3]};
+    load_quantized_row<T, Bits>(w.buf.k_rows + j * w.D, 1, key, qkv.group_size, w.D);
+    load_quantized_row<T, Bits>(vrow, 1, value, qkv.group_size, w.Dv);
+  }
+  if (!block.v_in_place) {
+    for (int e = w.Dv; e < w.Dvp; ++e) vrow[e] = 0.0f;
+  }
+}
+
+// stage key block (Metal: stage_key_block): the block's segments, then K/V
+// in place or packed. Float32 K rows and V rows (of a whole number of
+// vectors) with unit feature stride can be read in place; 16-bit K for a
+// pair product too when its pairs are whole; anything else is converted.
+template <ElemType T, int Bits, bool kPairScore, class KVLayout>
+MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& block) {
+  const AttentionProblem& p = w.p;
+  block.kb = kb;
+  block.n = n;
+  block.segment_count = 0;
+  for (int j = 0; j < n;) {
+    const KeyPlace at = KVLayout::key(w.call, w.tile, kb + j);
+    const int len = at.run < n - j ? at.run : n - j;
+    block.segments[block.segment_count++] = {at.outer, at.slot, j, len};
+    j += len;
+  }
+  const bool k_can_stay = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
+      (kPairScore && p.k_strides[3] == 1 && w.D % 2 == 0);
+  const bool v_can_stay = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && w.Dv == w.Dvp;
+  const bool long_runs = block.segment_count == 1 || n >= kMinInPlaceRun * block.segment_count;
+  block.k_in_place = k_can_stay && long_runs;
+  block.v_in_place = v_can_stay && long_runs;
+  if (block.k_in_place && block.v_in_place) return;
+  for (int s = 0; s < block.segment_count; ++s) {
+    const KeyBlock::Segment& seg = block.segments[s];
+    for (int i = 0; i < seg.n; ++i) pack_key_value_row<T, Bits, kPairScore>(w, block, seg, i);
+  }
+}
+
+// score: S^T[n][rp] = K[n][D] . Q^T[D][rp], segment by segment in place.
+template <ElemType T, bool kPairScore>
+MLX_ATTN_STEP void score_block(const WorkItem& w, const KeyBlock& block) {
+  const int rp = w.rp;
+  float* const scores_t = w.buf.scores_t;
+  if constexpr (kPairScore) {
+    using Product = typename NativePairProduct<T>::Product;
+    if (!block.k_in_place) {
+      matmul_overwrite_pairs<Product>(w.k_pairs(), 2 * w.pairs, w.q_pairs(), 2 * rp, scores_t, rp, block.n, w.pairs,
+                                      rp);
+      return;
+    }
+    for (int s = 0; s < block.segment_count; ++s) {
+      const KeyBlock::Segment& seg = block.segments[s];
+      matmul_overwrite_pairs<Product>(static_cast<const uint16_t*>(w.call.k) + w.k_at(seg.outer, seg.slot),
+                                      w.p.k_strides[2], w.q_pairs(), 2 * rp, scores_t + seg.first * rp, rp, seg.n,
+                                      w.pairs, rp);
+    }
+  } else {
+    if (!block.k_in_place) {
+      matmul_overwrite(w.buf.k_rows, w.D, w.buf.q_t, rp, scores_t, rp, block.n, w.D, rp);
+      return;
+    }
+    for (int s = 0; s < block.segment_count; ++s) {
+      const KeyBlock::Segment& seg = block.segments[s];
+      matmul_overwrite(static_cast<const float*>(w.call.k) + w.k_at(seg.outer, seg.slot), w.p.k_strides[2],
+                       w.buf.q_t, rp, scores_t + seg.first * rp, rp, seg.n, w.D, rp);
+    }
+  }
+}
+
+// scale, then softcap where the problem has one (one branch per block):
+// S = saturate_logit(logit_scale * S), then softcap_logit.
+MLX_ATTN_STEP void scale_logits(const WorkItem& w, int n, float logit_scale) {
+  float* const s = w.buf.scores_t;
+  const vfloat scale = splat(logit_scale);
+  const float cap = w.p.softcap;
+  if (cap > 0.0f) {
+    for (int i = 0; i < n * w.rp; i += kLanes) store(s + i, softcap_logit(saturate(load(s + i) * scale), cap));
+  } else {
+    for (int i = 0; i < n * w.rp; i += kLanes) store(s + i, saturate(load(s + i) * scale));
+  }
+}
+
+// mask: explicit masks (bool_masked_logit, additive_masked_logit), then
+// causal / window on edge blocks only (block_on_edge, mask_hidden_keys).
+template <ElemType T>
+MLX_ATTN_STEP void mask_logits(const WorkItem& w, const KeyBlock& block, int first_pos, int last_pos) {
+  const AttentionProblem& p = w.p;
+  const AttentionParams& seq = w.tile.seq;
+  const int kb = block.kb, n = block.n, rp = w.rp;
+  if (p.mask_kind != MaskKind::none) {
+    const int64_t ms = p.mask_strides[3];
+    for (int r = 0; r < w.rows; ++r) {
+      const int64_t moff = mask_offset(seq, w.tile.b, w.head(r), w.query(r), kb);
+      float* s = w.buf.scores_t + r;
+      if (p.mask_kind == MaskKind::boolean) {
+        const bool* m = static_cast<const bool*>(w.call.mask) + moff;
+        for (int j = 0; j < n; ++j) s[j * rp] = bool_masked_logit(s[j * rp], m[j * ms]);
+      } else {
+        for (int j = 0; j < n; ++j) {
+          s[j * rp] = additive_masked_logit(s[j * rp], load_elem<T>(w.call.mask, moff + j * ms));
+        }
+      }
+    }
+  }
+  if (block_on_edge(seq, kb, n, first_pos, last_pos)) {
+    for (int r = 0; r < w.rows; ++r) {
+      mask_hidden_keys(seq, query_position(seq, w.query(r)), kb, n, w.buf.scores_t + r, rp);
+    }
+  }
+}
+
+// online softmax (Metal: prefill_online_softmax): m_new = max(m, max S),
+// P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per row
+// into buf.rescale for rescale_rows.
+MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
+  const int rp = w.rp;
+  for (int c = 0; c < rp; c += kLanes) {
+    vfloat block_max = splat(-INFINITY);
+    for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(w.buf.scores_t + j * rp + c));
+    const vfloat m_old = load(w.buf.row_max + c);
+    const vfloat m_new = vmax(block_max, m_old);
+    // A row with nothing visible yet (m = -inf, or the masked sentinel)
+    // takes its exponents against 0: its P and alpha are then 0.
+    const vfloat m_ref = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
+    vfloat sum = splat(0.0f);
+    for (int j = 0; j < n; ++j) {
+      float* s = w.buf.scores_t + j * rp + c;
+      const vfloat e = exp2_vec((load(s) - m_ref) * kLog2e);
+      store(s, e);
+      sum += e;
+    }
+    const vfloat alpha = exp2_vec((m_old - m_ref) * kLog2e);
+    store(w.buf.row_sum + c, load(w.buf.row_sum + c) * alpha + sum);
+    store(w.buf.row_max + c, m_new);
+    store(w.buf.rescale + c, alpha);
+  }
+}
+
+// rescale (Metal: prefill_rescale): O *= alpha, rows whose max moved.
+MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
+  for (int r = 0; r < w.rows; ++r) {
+    if (w.buf.rescale[r] != 1.0f) {
+      float* o = w.buf.acc + r * w.Dvp;
+      const vfloat alpha = splat(w.buf.rescale[r]);
+      for (int c = 0; c < w.Dvp; c += kLanes) store(o + c, load(o + c) * alpha);
+    }
+  }
+}
+
+// accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
+MLX_ATTN_STEP void accumulate_values(const WorkItem& w, const KeyBlock& block) {
+  if (!block.v_in_place) {
+    matmul_accumulate_transposed_a(w.buf.scores_t, w.rp, w.buf.v_packed, w.Dvp, w.buf.acc, w.Dvp, w.rows, block.n,
+                                   w.Dvp);
+    return;
+  }
+  for (int s = 0; s < block.segment_count; ++s) {
+    const KeyBlock::Segment& seg = block.segments[s];
+    matmul_accumulate_transposed_a(w.buf.scores_t + seg.first * w.rp, w.rp,
+                                   static_cast<const float*>(w.call.v) + w.v_at(seg.outer, seg.slot),
+                                   w.p.v_strides[2], w.buf.acc, w.Dvp, w.rows, seg.n, w.Dvp);
+  }
+}
+
+// normalize (Metal: prefill_normalizer, prefill_row_lse): sinks join the
+// sum; O / l, zeros where the row saw nothing; the row's log-sum-exp.
+template <ElemType T, class KVLayout>
+MLX_ATTN_STEP void normalize_rows(const WorkItem& w) {
+  const AttentionProblem& p = w.p;
+  for (int r = 0; r < w.rows; ++r) {
+    const int h = w.head(r);
+    float m = w.buf.row_max[r];
+    float l = w.buf.row_sum[r];
     float correction = 1.0f;
     if (p.has_sinks) {
-      const float sink = saturate_logit(load_elem<T>(call.sinks, h * p.sinks_stride));
+      const float sink = saturate_logit(load_elem<T>(w.call.sinks, h * p.sinks_stride));
       const float m_final = sink > m ? sink : m;
       correction = exp2f((m - m_final) * kLog2e);
       l = l * correction + exp2f((sink - m_final) * kLog2e);
@@ -472,15 +539,55 @@ void attention_work_item(
     }
     // l == 0: the row saw nothing (zeros); a NaN sum (NaN data) stays NaN
     const float factor = l == 0.0f ? 0.0f : correction / l;
-    const int64_t row_index = KVLayout::out_row(call, tile, h, qi);
-    const float* o = acc + r * Dvp;
-    for (int e = 0; e < Dv; ++e) {
-      store_elem<T>(call.out, row_index * Dv + e, o[e] * factor);
-    }
-    if (call.lse) {
-      call.lse[row_index] = l == 0.0f ? -INFINITY : m + logf(l);
-    }
+    const int64_t row_index = KVLayout::out_row(w.call, w.tile, h, w.query(r));
+    const float* o = w.buf.acc + r * w.Dvp;
+    for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, o[e] * factor);
+    if (w.call.lse) w.call.lse[row_index] = l == 0.0f ? -INFINITY : m + logf(l);
   }
+}
+
+// The key loop of an item whose queries are loaded: every block of keys some
+// row can see, each through stage, score, scale, mask, online softmax,
+// rescale and accumulate; then normalize. logit_scale: what the score
+// product's sums are multiplied by (the scale step).
+template <ElemType T, int Bits, bool kPairScore, class KVLayout>
+void attend_keys(const WorkItem& item, float logit_scale) {
+  const WorkItem w = item;  // a local copy: its fields stay in registers
+  const AttentionParams& seq = w.tile.seq;
+  const int first_pos = query_position(seq, w.tile.q_start);
+  const int last_pos = query_position(seq, w.tile.q_start + w.tile.qb - 1);
+  const KeyRange keys = block_key_range(seq, first_pos, last_pos);
+  KeyBlock block;
+  for (int kb = keys.begin; kb < keys.end; kb += kKeyBlock) {
+    const int n = (keys.end - kb) < kKeyBlock ? (keys.end - kb) : kKeyBlock;
+    stage_key_block<T, Bits, kPairScore, KVLayout>(w, kb, n, block);
+    score_block<T, kPairScore>(w, block);
+    scale_logits(w, n, logit_scale);
+    mask_logits<T>(w, block, first_pos, last_pos);
+    online_softmax(w, n);
+    rescale_rows(w);
+    accumulate_values(w, block);
+  }
+  normalize_rows<T, KVLayout>(w);
+}
+
+// Bits: 0 for float K/V, else their quantization (4 or 8). bf16 / fp16 run
+// the score product natively in pairs where the copy can (NativePairProduct).
+template <ElemType T, int Bits, class KVLayout>
+void attention_work_item(const KernelCall& call, int64_t item, float* scratch) {
+  const Tile tile = KVLayout::tile(call, item);
+  if (tile.qb <= 0) return;
+  const WorkItem w(call, tile, scratch);
+  if constexpr (NativePairProduct<T>::kAvailable && Bits == 0) {
+    load_queries<T, true>(w);
+    PairScale pair = {call.problem.scale, true};  // float16 pair products are exact (FMLAL)
+    if constexpr (T == ElemType::bfloat16) {
+      pair = bf16_pair_scale(w.q_pairs(), int64_t(w.pairs) * 2 * w.rp, pair.scale, w.D);
+    }
+    if (pair.exact) return attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
+  }
+  load_queries<T, false>(w);
+  attend_keys<T, Bits, false, KVLayout>(w, call.problem.scale);
 }
 
 }  // namespace

@@ -15,6 +15,10 @@
 #error "define MLX_ATTN_ISA and MLX_ATTN_VEC_BYTES before including simd.h"
 #endif
 
+// A step of a kernel's loop body, split out only to name it: always
+// inlined, so the split changes no generated loop.
+#define MLX_ATTN_STEP inline __attribute__((always_inline))
+
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
 
