@@ -10,7 +10,7 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
+from kernel_lab.metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 from mlx_attn import _native
 
 # the decode kernels (and their merge), the prefill kernel, the quantized decode
@@ -198,8 +198,8 @@ def sequence_kv(pages: mx.array, table_row, length: int) -> mx.array:
 
 
 def _dense_launch(library, q, k, v):
-    """Our dense kernels from their launch plan (tests/metal_runner.py), counters per dispatch."""
-    from metal_runner import EmulatedMetal
+    """Our dense kernels from their launch plan (kernel_lab/metal_runner.py), counters per dispatch."""
+    from kernel_lab.metal_runner import EmulatedMetal
 
     metal = EmulatedMetal.__new__(EmulatedMetal)
     metal.library, metal.fast_math = library, True
