@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_attn
+
 from kernel_lab import metal_cost_model as cm
 from kernel_lab.cost_checks import MODEL_GPU, decode_prefetch, kernel_decode_shape, mlx_decode_kernels
 

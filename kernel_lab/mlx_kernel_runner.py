@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernel_lab import msl_emulator as me
-from kernel_lab import wheel_cache
+from kernel_lab import msl_emulator as me, wheel_cache
 
 MLX_METAL_VERSION = "0.32.4"
 KERNELS = "mlx/include/mlx/backend/metal/kernels"

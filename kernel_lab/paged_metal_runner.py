@@ -10,8 +10,9 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from kernel_lab.metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 from mlx_attn import _native
+
+from kernel_lab.metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 
 # the decode kernels (and their merge), the prefill kernel, the quantized decode
 FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "attention_paged_prefill.metal"]
