@@ -380,5 +380,8 @@ KERNEL_LAB_MODULES = sorted(".".join(("kernel_lab", *p.relative_to(LAB).with_suf
 
 @pytest.mark.parametrize("module", ["kernel_lab", *KERNEL_LAB_MODULES])
 def test_every_kernel_lab_module_imports_alone_in_a_fresh_process(module):
-    result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+    # from tests/, as the suite runs: from the checkout's root, `import
+    # mlx_attn` would find the unbuilt source tree first
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent)
     assert result.returncode == 0, result.stderr[-3000:]
