@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -37,13 +36,12 @@ import numpy as np
 
 import mlx_attn
 
+from kernel_lab.host import cpu_description
+
 try:
     import torch
 except ImportError:  # optional, for comparison only
     torch = None
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdpa_cpu import cpu_description  # noqa: E402  (a sibling script)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16}
 

@@ -29,8 +29,7 @@ import mlx.core as mx
 import mlx_attn
 from mlx_attn import distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the local launch shared with the tests
-from local_ranks import run_ranks, write_result  # noqa: E402
+from kernel_lab.local_ranks import run_ranks, write_result  # the local launch shared with the tests
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -4,7 +4,7 @@ compiler on the first fused call today: every instantiation of the file)
 against one variant of it (the same headers, one kernel instantiated).
 
 No Metal compiler runs here (Linux): the proxy is the MSL emulator's build
-(tests/msl_emulator: translate, then clang-19 -O1 to a shared library),
+(kernel_lab/msl_emulator: translate, then clang-19 -O1 to a shared library),
 uncached. Metal's compiler is a different compiler; the ratio of the two
 times, not their values, is what carries over (a compile's cost grows with
 the instantiated kernel bodies in both).
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 # One kernel per kind of each family (csrc/metal/metal_sources.cpp
 # kVariantFamilies), by its host name.
@@ -48,7 +46,7 @@ def one_variant_source(family: str, kind: str) -> str:
 
 def timed_build(source: Path) -> tuple[float, int]:
     """Seconds for an uncached emulator build of `source`, and its kernel count."""
-    from msl_emulator import build
+    from kernel_lab.msl_emulator import build
 
     start = time.perf_counter()
     _, translation = build.build(source, include_dirs=(ROOT,), fast_math=True)

@@ -40,7 +40,6 @@ import json
 import math
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -216,7 +215,7 @@ def measure(case, dtype, head_dim, repeats, quick, seed):
 # same shape as measure()'s, from the MSL emulator's counters next to MLX's
 # kernels on the padded problem. The CPU run leaves it empty.
 def metal_rows(quick: bool = False, metal: bool = False) -> list[dict]:
-    """With ``metal``, the Metal rows (benchmarks/paged_metal_rows.py: modelled
+    """With ``metal``, the Metal rows (kernel_lab/paged_metal_rows.py: modelled
     device bytes per live K/V byte of the paged kernels in the MSL emulator's
     counting builds, against our dense kernels on the same keys and MLX's on
     the padded problem: the ragged decode batch, and the mixed batch, whose
@@ -225,8 +224,7 @@ def metal_rows(quick: bool = False, metal: bool = False) -> list[dict]:
     minutes per row); none without."""
     if not metal:
         return []
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import paged_metal_rows
+    from kernel_lab import paged_metal_rows
 
     rows = paged_metal_rows.metal_rows(quick)
     print()

@@ -20,7 +20,7 @@ if [ "$(uname -s)" = "Linux" ]; then
     reasons+=("  $1: $2")
   }
   command -v clang-19 >/dev/null 2>&1 ||
-    need clang-19 "compiles the Metal kernels as C++ for the MSL emulator (tests/msl_emulator) and the Mac host check"
+    need clang-19 "compiles the Metal kernels as C++ for the MSL emulator (kernel_lab/msl_emulator) and the Mac host check"
   { command -v llvm-nm-19 >/dev/null 2>&1 && command -v llvm-cxxfilt-19 >/dev/null 2>&1; } ||
     need llvm-19 "llvm-nm-19 and llvm-cxxfilt-19 read the Mac host check's object files (tests/test_mac_host.py)"
   command -v cmake >/dev/null 2>&1 || need cmake "builds the Mac host check (tests/test_mac_host.py)"
@@ -60,6 +60,18 @@ fi
 
 echo "scripts/test.sh: pip install .[test] (mlx_attn and its test dependencies, pyproject.toml)" >&2
 "$PYTHON" -m pip install --quiet ".[test]"
+# kernel_lab/ (the MSL emulator, Metal runners and cost model the tests and
+# benchmarks import; never in the mlx_attn wheel), editable so it runs this
+# checkout's metal/ sources. It has no dependencies; where the installed
+# setuptools can build a wheel by itself (setuptools >= 70.1, or the wheel
+# package), without build isolation, so no index is needed.
+isolation=""
+if "$PYTHON" -c "import setuptools.command.bdist_wheel" >/dev/null 2>&1 ||
+   "$PYTHON" -c "import setuptools, wheel" >/dev/null 2>&1; then
+  isolation=--no-build-isolation
+fi
+echo "scripts/test.sh: pip install -e ./kernel_lab" >&2
+"$PYTHON" -m pip install --quiet --no-deps $isolation -e ./kernel_lab
 # Run from outside the source tree so the installed package is what is tested.
 # pytest-xdist runs one worker per core (MLX_ATTN_TEST_WORKERS overrides;
 # 0 runs in this process), a test file per worker at a time, so each Metal

@@ -12,5 +12,5 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 import mlx.core as mx
 
 # The CPU-kernel tests expect the CPU; on a Mac the Metal tests pass
-# stream=mx.gpu explicitly (tests/metal_runner.py).
+# stream=mx.gpu explicitly (kernel_lab/metal_runner.py).
 mx.set_default_device(mx.cpu)

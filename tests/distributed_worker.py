@@ -33,7 +33,7 @@ import mlx.core as mx
 
 import mlx_attn
 from mlx_attn import distributed as dist
-from local_ranks import write_result
+from kernel_lab.local_ranks import write_result
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -126,7 +126,6 @@ def decode(group):
 
 
 def generate(group, request):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from model_fixtures import smollm2  # noqa: PLC0415 (only this mode loads a model)
 
     from mlx_attn.lm.distributed_generate import distributed_generate_step  # noqa: PLC0415
@@ -140,7 +139,6 @@ def generate(group, request):
 
 
 def generate_mismatch(group):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from model_fixtures import tiny_llama  # noqa: PLC0415
 
     from mlx_attn.lm.distributed_generate import distributed_generate_step  # noqa: PLC0415

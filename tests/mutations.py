@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
-import msl_emulator
-from metal_runner import EmulatedMetal
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import EmulatedMetal
 
 
 QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*\n?', re.MULTILINE)

@@ -94,16 +94,15 @@ def test_compile_benchmark_times_the_per_variant_sources_the_host_compiles():
     compiles on first use (_ext.metal_variant_source): each of its kernels
     is a per-variant kernel of its family, whose source ends with the one
     instantiation (the compile itself is what the benchmark times)."""
-    import sys
-
     import pytest
 
     from mlx_attn import _native
 
     if _native.ext is None:
         pytest.skip("the native extension is not built")
-    sys.path.insert(0, str(BENCH.parent))
-    import bench_metal_compile
+    spec = importlib.util.spec_from_file_location("bench_metal_compile", BENCH.parent / "bench_metal_compile.py")
+    bench_metal_compile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_metal_compile)
 
     for family, kinds in bench_metal_compile.VARIANTS.items():
         for kind, kernel in kinds.items():

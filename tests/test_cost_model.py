@@ -1,19 +1,29 @@
-"""The cost model (benchmarks/metal_cost_model.py): its mechanics against
+"""The cost model (kernel_lab/metal_cost_model.py): its mechanics against
 hand-computed values from the published limits it states, and the model
 against outside truth: MLX's own tile tuning and a public throughput figure.
 Pure Python: no emulator run (the model's counts are checked against the
-emulator's counters by benchmarks/bench_metal.py --emulate)."""
+emulator's counters by kernel_lab/emulated_costs.py, benchmarks/bench_metal.py --emulate)."""
 
 import functools
 import math
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import metal_cost_model as cm  # noqa: E402
+from kernel_lab import metal_cost_model as cm
+
+
+def cost_checks():
+    """kernel_lab.cost_checks, which reads our launch plans through the
+    extension: the test skips where it is not built."""
+    from mlx_attn import _native
+
+    if _native.ext is None:
+        pytest.skip("needs mlx_attn's extension (the launch plans)")
+    from kernel_lab import cost_checks
+
+    return cost_checks
 
 
 def test_residency_follows_the_register_file_and_threadgroup_memory():
@@ -131,8 +141,8 @@ def test_every_kernel_the_plans_pick_is_within_the_register_budget():
     launch plans (forward decode and prefill, backward, quantized, paged) of
     every head-dim pair, so a routing change that picks a spilling kernel
     fails here."""
-    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
-    rows = bench_metal.register_table()
+    checks = cost_checks()
+    rows = checks.register_table()
     kinds = {kind for kind, _, _, _ in rows}
     assert {"prefill", "prefill (D-split)", "decode", "backward dkdv", "backward dq", "backward dkdv (D-split)",
             "backward dq (D-split)", "quantized prefill (4-bit)", "quantized decode (8-bit)", "paged decode",
@@ -145,9 +155,9 @@ def test_every_kernel_the_plans_pick_is_within_the_register_budget():
 
 
 def test_a_kernel_without_a_register_estimate_is_an_error():
-    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
+    checks = cost_checks()
     with pytest.raises(ValueError, match="no register estimate"):
-        bench_metal.kernel_registers("attention_brand_new_float16_d64")
+        checks.kernel_registers("attention_brand_new_float16_d64")
 
 
 def test_the_backward_routing_at_d128_is_the_models_choice():
@@ -325,8 +335,8 @@ def test_the_decode_rule_is_near_the_models_best_and_at_sdpa_vector():
     128, Hkv 1-32, GQA 1-8, 256-16384 keys, M2 and M2 Max) the plan's shape
     and split count are within 1.1x the best per problem (geometric mean)
     and at most sdpa_vector's time; the group shape alone was over both."""
-    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
-    check = bench_metal.decode_rule_check()
+    checks = cost_checks()
+    check = checks.decode_rule_check()
     assert check["now"]["problems"] == 192
     assert check["now"]["geomean"] <= 1.1 and check["now"]["mlx_geomean"] <= 1.0
     assert check["group"]["geomean"] > 1.2 and check["group"]["mlx_geomean"] > 1.1
@@ -341,8 +351,8 @@ def test_the_paged_row_shape_reaches_sdpa_vector_where_the_group_shape_did_not()
     contiguous (within 5%), where the group shape alone was 1.35-2.9x; no
     problem gets slower than before."""
     assert cm.paged_window_registers(1) == 4 and cm.paged_window_registers(8) == 1
-    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
-    rows = bench_metal.paged_decode_rows()
+    checks = cost_checks()
+    rows = checks.paged_decode_rows()
     for r in rows:
         assert r["now"]["us"] <= r["before"]["us"] * 1.001, r
     small = [r for r in rows if (r["B"], r["Hkv"], r["T"]) in ((1, 8, 128), (1, 8, 1024))]
@@ -373,7 +383,8 @@ def test_the_kernels_prefetch_rule_is_the_models():
     Metal side's compile-time answer equals the model's, checked by
     static_asserts the emulator's compiler evaluates. (A prefetch changes
     no result, so only this ties the kernel to the model.)"""
-    msl_emulator = pytest.importorskip("msl_emulator")
+    from kernel_lab import msl_emulator
+
     if not msl_emulator.clang_available():
         pytest.skip("clang-19 is not installed")
     repo = Path(__file__).resolve().parent.parent
@@ -402,7 +413,7 @@ def _compile_error(text: str, repo: Path) -> str | None:
     """The emulator's compile error for a Metal source, None when it builds;
     once per text (test_cost_model_mutations runs the checks per mutant, and
     calls them bare: no fixtures)."""
-    import msl_emulator
+    from kernel_lab import msl_emulator
 
     with tempfile.TemporaryDirectory() as directory:
         source = Path(directory) / "prefetch_rule.metal"
@@ -423,8 +434,8 @@ def test_the_quantized_rule_beats_the_float_rule_over_dequantized_keys():
     rule with the float splits, and that nearer than the float rule, on
     average and in the worst case; within 1.1x of the best on average, and
     below sdpa_vector on the dequantized fp16 K/V on average."""
-    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
-    check = bench_metal.quantized_rule_check()
+    checks = cost_checks()
+    check = checks.quantized_rule_check()
     now, float_splits, float_rule = check["now"], check["float splits"], check["float rule"]
     assert now["problems"] == 192
     assert now["geomean"] < float_splits["geomean"] < float_rule["geomean"]
@@ -433,12 +444,12 @@ def test_the_quantized_rule_beats_the_float_rule_over_dequantized_keys():
 
 
 def test_the_prefill_structure_search_holds_todays_kernel():
-    """bench_metal.prefill_structure_floor searches the tiles of our prefill
+    """cost_checks.prefill_structure_floor searches the tiles of our prefill
     structure within the budget for issue #23's prefill problems; today's
     tile is one of them, so the search's best is at or below it, and the
     best tile is within the register budget."""
-    bench_metal = pytest.importorskip("bench_metal", reason="needs mlx_attn's extension (the launch plans)")
-    rows = bench_metal.prefill_structure_floor()
+    checks = cost_checks()
+    rows = checks.prefill_structure_floor()
     assert [(r["D"], r["causal"]) for r in rows] == [(64, False), (64, True), (128, False), (128, True)]
     for r in rows:
         assert 0.79 < r["floor"] <= r["now"] < 1.0, r  # the MMAs alone are 0.79-0.80x steel's block

@@ -1,4 +1,4 @@
-"""Mutants of the cost model (benchmarks/metal_cost_model.py): each seeds one
+"""Mutants of the cost model (kernel_lab/metal_cost_model.py): each seeds one
 fault into a copy of the module, and test_cost_model.py's checks, run
 against the copy, must fail. A mutant whose target text is missing fails,
 so none can silently test nothing. Pure Python but the prefetch rule's
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kernel_lab import metal_cost_model
+
 import test_cost_model
 
-SOURCE = Path(__file__).resolve().parent.parent / "benchmarks" / "metal_cost_model.py"
+SOURCE = Path(metal_cost_model.__file__)
 
 MUTANTS = {
     "cache model: every read from DRAM": (

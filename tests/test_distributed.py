@@ -22,7 +22,7 @@ import pytest
 
 import mlx_attn
 from mlx_attn import distributed as dist
-from local_ranks import LOCALHOST, free_port_base, ring_command, run_ranks
+from kernel_lab.local_ranks import LOCALHOST, free_port_base, ring_command, run_ranks
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 LAUNCH_TIMEOUT_S = 120

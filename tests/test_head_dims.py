@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import mlx_attn
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal
 from mlx_attn import _native, ops
 from mlx_attn.metal_support import launch_plan
 from sdpa_cases import DTYPES, TOLERANCE, as_float64, make_qkv, numpy_attention

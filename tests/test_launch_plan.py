@@ -12,7 +12,7 @@ import mlx_attn.metal_support
 from mlx_attn import _ext
 from mlx_attn.metal_support import launch_plan
 
-import decode_rule
+from kernel_lab import decode_rule
 
 
 # AttentionParams (metal/attention_params.h): 17 int64, 10 int32, the float
@@ -108,7 +108,7 @@ def test_decode_plan_for_few_queries(d, tq, tkv):
     assert plan.supported, plan.reason
     partial, *merges = plan.dispatches
     rows = 4 * tq  # query heads per KV head x query positions
-    # the shape and splits of the rule (tests/decode_rule.py) on the default target (8 cores)
+    # the shape and splits of the rule (kernel_lab/decode_rule.py) on the default target (8 cores)
     rule = decode_rule.decode_plan(2, 2, rows, tkv, d)
     row_chunks = -(-rows // rule["rows"])
     splits = plan.splits
@@ -199,7 +199,7 @@ def test_decode_shape_choice(b, hkv, group, tkv, target, shape, splits):
 
 def test_decode_shapes_follow_the_rule_on_a_grid():
     """Both shapes, their splits and the choice against the rule written
-    apart (tests/decode_rule.py), over batches, KV heads, rows, lengths,
+    apart (kernel_lab/decode_rule.py), over batches, KV heads, rows, lengths,
     head dims and core counts."""
     import itertools
 

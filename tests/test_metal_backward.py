@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REAL_METAL, REPO, EmulatedMetal, View, backward_launch_plan, emulated_backward
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REAL_METAL, REPO, EmulatedMetal, View, backward_launch_plan, emulated_backward
 from mlx_attn.reference import reference_attention
 
 FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"

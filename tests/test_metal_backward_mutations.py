@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import EmulatedMetal, View
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import EmulatedMetal, View
 from mutations import kernel_text, assert_caught, mutated, write
 from test_metal_backward import BACKWARD, SPLIT, check, make_mask, qkv, random, split_only
 

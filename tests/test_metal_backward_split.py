@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import EmulatedMetal, backward_launch_plan, emulated_backward
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import EmulatedMetal, backward_launch_plan, emulated_backward
 from sdpa_cases import as_float64, numpy_attention
 from test_metal_backward import BACKWARD, SPLIT, make_mask, qkv, random
 from test_softcap import numpy_gradients

@@ -12,9 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-import decode_rule
-from metal_runner import REAL_METAL, REPO, EmulatedMetal, RealMetal, View, decode_instantiation, reference_lse
+from kernel_lab import decode_rule, msl_emulator
+from kernel_lab.metal_runner import REAL_METAL, REPO, EmulatedMetal, RealMetal, View, decode_instantiation, reference_lse
 from mlx_attn.metal_support import launch_plan
 from mlx_attn.reference import reference_attention
 from sdpa_cases import DTYPES, TOLERANCE, make_qkv
@@ -161,7 +160,7 @@ def test_strided_inputs(run, layout, tq):
 @pytest.mark.parametrize("tq", [1, 3, 8])
 @pytest.mark.parametrize("hq,hkv,tkv", [(4, 4, 600), (8, 2, 600), (9, 3, 600), (4, 1, 600), (8, 2, 3000)])
 def test_decode_split_kv(run, tq, hq, hkv, tkv):
-    """Each case as the plan's rule (tests/decode_rule.py) shapes it: the
+    """Each case as the plan's rule (kernel_lab/decode_rule.py) shapes it: the
     row shape (one row a threadgroup, 32 simdgroups) or the group shape (16
     rows, 4 simdgroups), in one split or several and the merge."""
     q, k, v = make(2, hq, hkv, tq, tkv, 64, mx.float32, seed=tq)
@@ -307,7 +306,7 @@ def test_decode_head_dims_masks_and_windows(run, dtype, d):
 
 
 HEAD_DIMS = [64, 80, 96, 128, 256]
-SCALAR_LAYOUTS = ["unaligned", "odd_rows", "every_other"]  # tests/metal_runner.py physical_layout
+SCALAR_LAYOUTS = ["unaligned", "odd_rows", "every_other"]  # kernel_lab/metal_runner.py physical_layout
 # Each dtype x head dim with one of the scalar-load layouts (in turn) by
 # default, with all three under MLX_ATTN_FULL_GRID=1.
 LOAD_GRID = [(dtype, d, layout)
@@ -380,7 +379,7 @@ def test_each_gpu_family_plan_runs_correctly(run, family, cores):
     check(run, q, k, v, mask=mx.array(visible), gpu_target=None if REAL_METAL else target)
     if not REAL_METAL:
         assert (run.last_plan.gpu_family, run.last_plan.gpu_cores) == (family, cores or 8)
-        # the shape and splits of the rule for this target (tests/decode_rule.py)
+        # the shape and splits of the rule for this target (kernel_lab/decode_rule.py)
         assert run.last_plan.splits == decode_rule.decode_plan(1, 1, 4, 700, 128, cores or 8)["splits"]
     q, k, v = make(1, 2, 2, 35, 50, 256, mx.float16, seed=3)
     check(run, q, k, v, window_size=9, gpu_target=None if REAL_METAL else target)

@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View, decode_instantiation, reference_lse
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal, View, decode_instantiation, reference_lse
 from mlx_attn.reference import reference_attention
 from mutations import kernel_text, assert_caught, mutated, write
 from sdpa_cases import TOLERANCE

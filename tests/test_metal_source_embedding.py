@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import EmulatedMetal
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import EmulatedMetal
 from mlx_attn import _ext
 from mlx_attn.reference import reference_attention
 from test_metal_kernels import TOLERANCE

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import EmulatedMetal, reference_lse
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import EmulatedMetal, reference_lse
 from mlx_attn import _ext
 from mlx_attn.reference import reference_attention
 

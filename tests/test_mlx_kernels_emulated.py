@@ -25,8 +25,7 @@ import numpy as np
 import pytest
 
 import mlx_attn
-import mlx_kernel_runner as mlx_kernels
-import msl_emulator as me
+from kernel_lab import mlx_kernel_runner as mlx_kernels, msl_emulator as me
 
 FULL_GRID = os.environ.get("MLX_ATTN_FULL_EMULATOR_GRID") == "1"
 
@@ -192,6 +191,9 @@ def test_bench_metal_emulate_smoke_run(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_metal", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    from kernel_lab.cost_report import MODEL_BEGIN
+    from kernel_lab.emulated_costs import visible_pairs
+
     doc = tmp_path / "costs.md"
     rows = bench.main(["--emulate", "--lengths", "64", "--decode-lengths", "128", "--head-dims", "64",
                        "--decode-head-dims", "64", "--decode-groups", "4",
@@ -209,7 +211,7 @@ def test_bench_metal_emulate_smoke_run(tmp_path):
     assert rows[0]["mlx"]["counters"]["simdgroup_matrix_mmas"] > 0 and rows[0]["ours"]["counters"]["simdgroup_matrix_mmas"] > 0
     text = doc.read_text()
     assert "modelled costs" in text and "not GPU timings" in text
-    counters, model = text.split(bench.MODEL_BEGIN)
+    counters, model = text.split(MODEL_BEGIN)
     # cost table, the cost model's count check and kernel table
     assert counters.count("| prefill |") == 6 and counters.count("| decode |") == 3
     # the cost model describes the kernels the emulator ran: its MMAs and bytes are the counted ones
@@ -223,8 +225,8 @@ def test_bench_metal_emulate_smoke_run(tmp_path):
     assert rows[2]["model_check"]["ours"]["device_bytes"] == pytest.approx(1.0, rel=0.1)
     assert "| registers |" in model and "predicted µs" in model and "Validation against MLX's own tuning" in model
     assert json.loads((tmp_path / "bench_metal_emulated.json").read_text()) == json.loads(json.dumps(rows))
-    assert bench.visible_pairs(4, 6, causal=True) == 3 + 4 + 5 + 6
-    assert bench.visible_pairs(4, 6, causal=False) == 24
+    assert visible_pairs(4, 6, causal=True) == 3 + 4 + 5 + 6
+    assert visible_pairs(4, 6, causal=False) == 24
 
 
 def test_fully_masked_rows_follow_mlx_semantics_not_the_reference():

@@ -1,4 +1,4 @@
-"""The MSL emulator itself (tests/msl_emulator/): Metal kernels type-checked by
+"""The MSL emulator itself (kernel_lab/msl_emulator/): Metal kernels type-checked by
 clang-19 and run on the CPU must compute what NumPy computes, in precise and
 in fast-math builds, and programming errors (missing or divergent barriers,
 uninitialised threadgroup memory, address-space mistakes, out-of-bounds
@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import msl_emulator as me
-from msl_emulator.translate import translate
+from kernel_lab import msl_emulator as me
+from kernel_lab.msl_emulator.translate import translate
 
-KERNELS = Path(__file__).parent / "msl_emulator" / "test_kernels"
+KERNELS = Path(me.__file__).parent / "test_kernels"  # the emulator's own test kernels
 KERNEL_INCLUDES = [KERNELS / "include"]
 SOFTMAX, SIMD, MATRIX, TYPES, FAULTS, COUNTERS = (
     KERNELS / f"{n}.metal" for n in ("softmax", "simd", "matrix", "types", "faults", "counters"))
@@ -626,7 +626,7 @@ def test_counting_builds_fail_a_misaligned_device_load(counting_lib):
 
 
 def test_ir_instrumentation_counts_loads_stores_and_copies():
-    from msl_emulator import counters as c
+    from kernel_lab.msl_emulator import counters as c
 
     ir = """define void @k(ptr addrspace(1) %d, ptr addrspace(3) %t, ptr %p) {
   %a = load <2 x half>, ptr addrspace(1) %d, align 4

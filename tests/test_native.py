@@ -23,9 +23,10 @@ PACKAGE = Path(mlx_attn.__file__).resolve().parent
 WITHOUT_EXTENSION = textwrap.dedent(
     """
     import sys, warnings
-    sys.path.insert(0, sys.argv[1])
-    # An editable install redirects `import mlx_attn` to its checkout: drop
-    # every finder other than the path-based one that would answer for it.
+    # Run from the copy (python -c puts the working directory first on the
+    # path), so `import mlx_attn` finds the copied tree. An editable install
+    # redirects `import mlx_attn` to its checkout: drop every finder other
+    # than the path-based one that would answer for it.
     sys.meta_path[:] = [f for f in sys.meta_path
                         if getattr(f, "__name__", type(f).__name__) in ("BuiltinImporter", "FrozenImporter", "PathFinder")
                         or not hasattr(f, "find_spec") or f.find_spec("mlx_attn", None) is None]
@@ -54,7 +55,8 @@ WITHOUT_EXTENSION = textwrap.dedent(
 def test_source_tree_without_a_build_warns_once_and_says_why(tmp_path):
     shutil.copytree(PACKAGE, tmp_path / "mlx_attn", ignore=shutil.ignore_patterns("_ext*", "*.metallib", "__pycache__"))
     result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_EXTENSION, str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", WITHOUT_EXTENSION, str(tmp_path.resolve())], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     warnings_line, path, fused_error, shape = result.stdout.strip().splitlines()

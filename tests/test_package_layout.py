@@ -376,3 +376,91 @@ def test_no_csrc_function_is_over_the_bound():
              for path in sorted((REPOSITORY / "csrc").rglob("*")) if path.suffix in (".h", ".cpp")
              for first, lines in long_cpp_functions(path.read_text())]
     assert found == []
+
+
+# ------------------------------------------------------------------- kernel_lab/
+# The kernel tooling (emulator, runners, cost model) is one installed package,
+# kernel_lab; tests/ and benchmarks/ import it, never each other's folders,
+# and nothing in the tree puts a folder on the import path by hand.
+LAB = REPOSITORY / "kernel_lab"
+SKIPPED_FOLDERS = {".git", "build", "dist", "__pycache__", ".venv", "venv", ".pytest_cache", ".hypothesis",
+                   "node_modules"}
+SYS_PATH_EDIT = re.compile(
+    r"\bsys\s*\.\s*path\s*(?:\.\s*(?:insert|append|extend|remove|pop|clear)\s*\(|\[[^\]]*\]\s*=(?!=)|\+=|=(?!=))")
+
+
+def repository_python_files(root: Path = REPOSITORY) -> list[Path]:
+    """Every .py file of the checkout (or of a folder of it), outside build
+    output, caches, egg-info and virtual environments (a folder holding
+    pyvenv.cfg)."""
+    found = []
+
+    def walk(folder: Path):
+        for entry in sorted(folder.iterdir()):
+            if entry.is_dir():
+                if (entry.name in SKIPPED_FOLDERS or entry.name.endswith(".egg-info")
+                        or (entry / "pyvenv.cfg").exists()):
+                    continue
+                walk(entry)
+            elif entry.suffix == ".py":
+                found.append(entry)
+
+    walk(root)
+    return found
+
+
+def test_the_sys_path_pattern_sees_every_edit():
+    # Written with {sys} for the module's name, so this file holds no edit
+    # the repository-wide check below would find.
+    edits = ["{sys}.path.insert(0, here)", "{sys}.path.append(str(ROOT))", "{sys} .path.extend([a])",
+             "{sys}.path[:0] = [a]", "{sys}.path = [a] + {sys}.path", "{sys}.path += [a]", "{sys}.path.remove(a)"]
+    reads = ["print({sys}.path)", "if {sys}.path == before:", "{sys}.meta_path[:] = finders", "os.{sys}_path = 1"]
+    assert all(SYS_PATH_EDIT.search(e.format(sys="sys")) for e in edits)
+    assert not any(SYS_PATH_EDIT.search(r.format(sys="sys")) for r in reads)
+
+
+def test_nothing_in_the_tree_edits_sys_path():
+    files = repository_python_files()
+    names = {p.relative_to(REPOSITORY).as_posix() for p in files}
+    assert {"kernel_lab/metal_runner.py", "tests/conftest.py", "benchmarks/bench_metal.py",
+            "mlx_attn/ops.py"} <= names, "the walk missed the checkout's folders"
+    edits = [f"{p.relative_to(REPOSITORY)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+             for p in files for text in [p.read_text(errors="replace")] for m in SYS_PATH_EDIT.finditer(text)]
+    assert not edits, "import kernel_lab (or a test helper beside the tests) instead:\n" + "\n".join(edits)
+
+
+def test_benchmarks_import_neither_the_tests_nor_each_other():
+    test_modules = {p.stem for p in (REPOSITORY / "tests").glob("*.py")} | {"mac_host"}
+    benchmarks = sorted((REPOSITORY / "benchmarks").glob("*.py"))
+    scripts = {p.stem for p in benchmarks}
+    assert {"bench_metal", "bench_paged"} <= scripts
+    reaching = {p.name: sorted({name.split(".")[0] for name in imported_modules(p)} & (test_modules | scripts))
+                for p in benchmarks}
+    assert not any(reaching.values()), {k: v for k, v in reaching.items() if v}
+
+
+def test_kernel_lab_is_its_own_package_outside_the_mlx_attn_wheel():
+    import tomllib
+
+    project = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())
+    assert project["tool"]["scikit-build"]["wheel"]["packages"] == ["mlx_attn"]
+    lab = tomllib.loads((REPOSITORY / "kernel_lab" / "pyproject.toml").read_text())
+    assert lab["project"]["name"] == "kernel_lab"
+    # every package folder is listed, so a regular (not editable) install has them all
+    folders = {".".join(("kernel_lab", *p.parent.relative_to(LAB).parts))
+               for p in repository_python_files(LAB) if p.name == "__init__.py"}
+    assert set(lab["tool"]["setuptools"]["packages"]) == folders
+    assert not (PACKAGE / "kernel_lab").exists() and not (PACKAGE / "msl_emulator").exists()
+
+
+KERNEL_LAB_MODULES = sorted(".".join(("kernel_lab", *p.relative_to(LAB).with_suffix("").parts))
+                            for p in repository_python_files(LAB) if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("module", ["kernel_lab", *KERNEL_LAB_MODULES])
+def test_every_kernel_lab_module_imports_alone_in_a_fresh_process(module):
+    # from tests/, as the suite runs: from the checkout's root, `import
+    # mlx_attn` would find the unbuilt source tree first
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-3000:]

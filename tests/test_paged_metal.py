@@ -19,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
+from kernel_lab import msl_emulator
 from mlx_attn import _native, self_check
-from paged_metal_runner import (QUANTIZED_SOURCES, as_float, dense_decode_bytes, oracle, paged_decode_bytes,
+from kernel_lab.paged_metal_runner import (QUANTIZED_SOURCES, as_float, dense_decode_bytes, oracle, paged_decode_bytes,
                                 paged_plan, run_paged, trimmed_sources)
-from metal_runner import REPO, decode_instantiation
+from kernel_lab.metal_runner import REPO, decode_instantiation
 from sdpa_cases import TOLERANCE
 
 needs_ext = pytest.mark.skipif(_native.ext is None, reason="the native extension is not built")
@@ -355,7 +355,7 @@ def test_plan_routes_long_chunks_to_the_prefill_kernel():
 
 
 def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
-    """Float pages: the dense decode's rule (tests/decode_rule.py, written
+    """Float pages: the dense decode's rule (kernel_lab/decode_rule.py, written
     apart from the C++) over the decode kernel's sequences as a batch of the
     longest, each shape's splits capped by its page window (127 pages on
     the row shape, 31 on the group shape); both shapes appear over the grid,
@@ -363,7 +363,7 @@ def test_plan_picks_the_decode_shape_by_the_dense_rule_under_the_page_cap():
     the same rule."""
     import itertools
 
-    import decode_rule
+    from kernel_lab import decode_rule
 
     chosen = set()
     for sequences, kv_heads, gqa, longest, page_size, d, cores in itertools.product(

@@ -21,11 +21,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal
 from mlx_attn import _native
 from mutations import assert_caught, kernel_text, mutated, write
-from paged_metal_runner import as_float, oracle, paged_instantiation, run_paged
+from kernel_lab.paged_metal_runner import as_float, oracle, paged_instantiation, run_paged
 from sdpa_cases import TOLERANCE
 
 pytestmark = [pytest.mark.skipif(not msl_emulator.clang_available(), reason="clang-19 is not installed"),

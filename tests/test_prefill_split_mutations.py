@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal
 from mlx_attn.reference import reference_attention
 from mutations import assert_caught, kernel_text, mutated, write
 from sdpa_cases import TOLERANCE

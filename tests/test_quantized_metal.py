@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View, reference_lse
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal, View, reference_lse
 from mlx_attn import _native, quantized_attention_path, quantized_scaled_dot_product_attention
 from mlx_attn.quantized import quantized_launch_plan
 from mlx_attn.reference import reference_attention
@@ -258,11 +258,11 @@ def plan_for(bits=8, group_size=64, d=64, hq=8, hkv=2, q_len=1, kv_len=300, dtyp
 @needs_ext
 def test_plan_picks_the_decode_shape_by_the_float_rule():
     """The quantized decode takes the float decode's rule over dequantized
-    keys (tests/decode_rule.py, written apart from the C++: a quarter of the
+    keys (kernel_lab/decode_rule.py, written apart from the C++: a quarter of the
     keys per split, at most one wave of row-shape splits, one row per KV head
     on the row shape): both shapes over the grid, the kernel's host name,
     threadgroup and split count the rule's."""
-    import decode_rule
+    from kernel_lab import decode_rule
 
     chosen = set()
     for batch, hkv, gqa, kv_len, d, cores in itertools.product((1, 3), (1, 8), (1, 4), (100, 1024, 8192),
@@ -408,7 +408,7 @@ def float16_d128_sources(directory: Path) -> list:
     decode and merge, the quantized decode at 4 and 8 bits)."""
     import re
 
-    from metal_runner import decode_instantiation, quantized_instantiation
+    from kernel_lab.metal_runner import decode_instantiation, quantized_instantiation
 
     kept = {SOURCES[0]: [decode_instantiation("float16, half", 128)],
             SOURCES[1]: [quantized_instantiation("float16, half", 128, bits) for bits in (4, 8)]}

@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View, decode_instantiation, quantized_instantiation
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal, View, decode_instantiation, quantized_instantiation
 from mutations import kernel_text, assert_caught, mutated, write
 from test_metal_mutations import case_options, differs_from_reference
 

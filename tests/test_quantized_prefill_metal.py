@@ -2,7 +2,7 @@
 dense prefill kernel's MMA tiles with a loader that dequantizes while
 staging), launched from its C++ plan (csrc/quantized_launch_plan.cpp) in the
 MSL emulator, against the float64 oracle of the paged tests
-(tests/paged_metal_runner.py, each batch entry one page) on the dequantized
+(kernel_lab/paged_metal_runner.py, each batch entry one page) on the dequantized
 K/V, and, for bool and additive masks, against dequantize-then-reference
 (tests/test_quantized_metal.py check). A representative sample of the grid
 bits x group size x D x GQA x mask x query length x dtype runs by default,
@@ -23,10 +23,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REPO, EmulatedMetal, View
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REPO, EmulatedMetal, View
 from mlx_attn import _native
-from paged_metal_runner import oracle
+from kernel_lab.paged_metal_runner import oracle
 from sdpa_cases import TOLERANCE
 from test_quantized_metal import DTYPES, cache_view, check, dequantized, plan_for, quantize, roles
 from test_quantized_metal import make_case as quantized_case
@@ -274,10 +274,7 @@ def test_prefill_kernels_compile_one_at_a_time(tmp_path):
 # ---------------------------------------------------------------- the cost model
 
 def cost_model():
-    import sys
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import metal_cost_model
+    from kernel_lab import metal_cost_model
 
     return metal_cost_model
 

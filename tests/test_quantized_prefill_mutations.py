@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import EmulatedMetal, View
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import EmulatedMetal, View
 from mlx_attn import _native
 from mutations import assert_caught, kernel_text, mutated
 from test_quantized_metal_mutations import cache_view, quantized

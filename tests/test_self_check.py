@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal, emulated_backward
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal, emulated_backward
 from mutations import kernel_text
 from mlx_attn import self_check
 from mlx_attn.doctor import run_doctor

@@ -188,7 +188,7 @@ def test_softcap_problems_run_fused_and_never_take_mlx_fast(cap):
 def test_the_cap_travels_in_the_params_bytes():
     q, k, v = make_qkv(1, 4, 2, 5, 9, 64)
     for cap, want in ((None, 0.0), (2.5, 2.5), (50, 50.0)):
-        values = struct.unpack(PARAMS_FORMAT, launch_plan(q, k, v, softcap=cap)["params"])
+        values = struct.unpack(PARAMS_FORMAT, launch_plan(q, k, v, softcap=cap).params)
         assert values[-1] == want
 
 

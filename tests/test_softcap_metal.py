@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import msl_emulator
-from metal_runner import REAL_METAL, REPO, EmulatedMetal, emulated_backward, reference_lse
+from kernel_lab import msl_emulator
+from kernel_lab.metal_runner import REAL_METAL, REPO, EmulatedMetal, emulated_backward, reference_lse
 from sdpa_cases import TOLERANCE, make_qkv, numpy_attention
 from test_softcap import numpy_gradients
 

@@ -122,7 +122,7 @@ constexpr int kDecodeMinKeysPerRow = 16;
 // a full one costs a whole wave's keys (latency-bound group-shape
 // threadgroups overlap it): over the rule's grid of 4-bit problems the
 // model puts this at 1.03x its best split count (worst 1.31x), the float
-// floors at 1.13x (worst 2.20x) (bench_metal.py quantized_rule_check).
+// floors at 1.13x (worst 2.20x) (kernel_lab/cost_checks.py quantized_rule_check).
 constexpr int kDequantizedSplitFloorDivisor = 4;
 
 int decode_head_dim_index(int head_dim) {
@@ -144,7 +144,7 @@ int64_t decode_threadgroups_at_once(const DecodeShape& shape, const GpuTarget& t
 // several rows weighing 1.5 (the rows are independent chains: their issue
 // time adds up, their latency does not), and a merge dispatch as 16 key steps
 // (the cost model's dispatch cost over its chain per key).
-// benchmarks/bench_metal.py (decode_rule_check) holds the rule against the
+// kernel_lab/cost_checks.py (decode_rule_check) holds the rule against the
 // cost model's best shape and split count per problem.
 double decode_path(int batch, int kv_heads, int rows, int kv_len, int splits, const DecodeShape& shape,
                    const GpuTarget& target) {
@@ -188,10 +188,10 @@ int prefill_split_key_block(int head_dim, int value_dim, ElemType dtype, const G
 // combine in threadgroup memory: at least 16 keys per row keeps them at 1/8
 // and 3/8 of the K/V bytes. The floor was 64 keys per row, which left large
 // GPUs idle (B=1, Hkv=8, GQA 4, T=1024: 32 threadgroups on a 38-core M2 Max);
-// the cost model (benchmarks/metal_cost_model.py, docs/emulator_costs.md)
+// the cost model (kernel_lab/metal_cost_model.py, docs/emulator_costs.md)
 // put the new floor at 1.11x the best split count per problem where the old
 // one was at 1.30x (geometric means over a grid of problems; now
-// bench_metal.py's decode_rule_check, with the shape choice).
+// kernel_lab/cost_checks.py's decode_rule_check, with the shape choice).
 int decode_splits(int batch, int kv_heads, int rows, int kv_len, const DecodeShape& shape,
                   const GpuTarget& target, DecodeKeys keys) {
   if (shape.rows <= 0) return 1;

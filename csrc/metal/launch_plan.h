@@ -3,7 +3,7 @@
 // every buffer binding (its role, access and where its memory comes from,
 // placeholders and scratch producers/consumers included). The plan decides
 // everything; the Mac host (csrc/metal/) only encodes it, and the MSL
-// emulator tests (tests/metal_runner.py) launch the identical plan.
+// emulator tests (kernel_lab/metal_runner.py) launch the identical plan.
 #pragma once
 
 #include <array>

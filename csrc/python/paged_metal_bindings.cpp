@@ -1,5 +1,5 @@
 // Exposes the fused Metal paged attention to Python (mlx_attn/paged.py) and
-// its launch plan (the emulator tests, tests/metal_runner.py).
+// its launch plan (the emulator tests, kernel_lab/metal_runner.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>

@@ -5,7 +5,7 @@ Metal host, csrc/metal/eval_gpu.cpp, instead of its stub) is compiled by clang-1
 headers of the macOS MLX wheel (MLX + metal-cpp), and every MLX / metal-cpp
 symbol the objects reference must be exported by that wheel's libmlx.dylib
 (llvm-nm-19). Nothing is linked or run; the .metal kernels are not compiled
-here (tests/msl_emulator does that).
+here (kernel_lab/msl_emulator does that).
 
 Where the pieces come from (no Apple SDK here):
   - mlx-metal==<pin in pyproject.toml> for macosx_14_0_arm64 (MLX headers,
@@ -31,12 +31,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlx_attn.lm.model_store import cache_dir as mlx_attn_cache_dir  # $MLX_ATTN_CACHE, the model store's
+from kernel_lab.wheel_cache import SetupError, cache_dir, unpacked, wheel  # the cache MLX's kernel runner shares
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -94,11 +93,6 @@ CHECKED_SYMBOL = re.compile(
 )
 
 
-class SetupError(RuntimeError):
-    """A piece the check needs is missing (tool, wheel, header): not a verdict
-    on the project's code."""
-
-
 @dataclass
 class Report:
     units: list[str] = field(default_factory=list)
@@ -120,10 +114,6 @@ class Report:
 
 
 # ------------------------------------------------------------------ pieces
-def cache_dir() -> Path:
-    return mlx_attn_cache_dir() / "mac-host"
-
-
 def pinned_version(repo: Path, package: str) -> str:
     """The `package==X` pin of pyproject.toml (the build requirements)."""
     match = re.search(rf'"{re.escape(package)}==([0-9][0-9.]*)"', (repo / "pyproject.toml").read_text())
@@ -137,53 +127,6 @@ def tool(name: str) -> str:
     if not path:
         raise SetupError(f"{name} not found on PATH (Debian: apt-get install clang-19 llvm-19 cmake)")
     return path
-
-
-def wheel(name: str, version: str, platform: str | None) -> Path:
-    """A cached wheel of name==version, downloaded with pip on first use."""
-    folder = cache_dir() / "wheels"
-    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(folder.glob(pattern))
-    if found:
-        return found[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    platform_args = ["--platform", platform] if platform else []
-    print(f"mac host check: downloading {name}=={version} into {folder} (once)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                   *platform_args, "--dest", tmp, f"{name}=={version}"]
-        done = subprocess.run(command, capture_output=True, text=True)
-        downloaded = sorted(Path(tmp).glob(pattern))
-        if done.returncode != 0 or not downloaded:
-            raise SetupError(f"cannot download {name}=={version}: {' '.join(command)}\n{done.stderr[-2000:]}")
-        os.replace(downloaded[0], folder / downloaded[0].name)  # whole, or not at all
-    return folder / downloaded[0].name
-
-
-def unpacked(wheel_path: Path, prefixes: tuple[str, ...]) -> Path:
-    """The members of a wheel under `prefixes`, unpacked once into the cache
-    (atomically, so concurrent runs never see half a tree)."""
-    key = hashlib.sha256(repr((wheel_path.name, prefixes)).encode()).hexdigest()[:12]
-    dest = cache_dir() / "unpacked" / f"{wheel_path.stem}-{key}"
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".partial-"))
-    try:
-        with zipfile.ZipFile(wheel_path) as archive:
-            members = [n for n in archive.namelist() if n.startswith(prefixes) and not n.endswith("/")]
-            if not members:
-                raise SetupError(f"{wheel_path.name} has nothing under {prefixes}")
-            archive.extractall(tmp, members)
-        os.rename(tmp, dest)
-    except zipfile.BadZipFile as error:
-        raise SetupError(f"{wheel_path} is not a wheel ({error}); delete it to download again") from error
-    except OSError:
-        if not dest.is_dir():  # else another run unpacked it first
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The Metal rows of benchmarks/bench_paged.py: modelled costs of the paged
+"""The Metal rows of benchmarks/bench_paged.py (--metal): modelled costs of the paged
 Metal kernels (metal/attention_paged.h, metal/attention_paged_prefill.h) from
 counting builds of the MSL emulator, not timings (no Mac here). Batches (GQA
 4: 8 query heads over 2 key/value heads, pages of 16 keys scattered in the
@@ -21,7 +21,7 @@ Device bytes (read + written, every dispatch) per live K/V byte of:
 - ``dense, padded``: our dense decode on the batch padded to a rectangle
   [B, Hkv, max length, D] (reads the padding too; decode batches only);
 - ``MLX, padded``: MLX's sdpa_vector (one or two passes, as MLX picks on a
-  base Apple GPU) on the same padded rectangle (tests/mlx_kernel_runner.py;
+  base Apple GPU) on the same padded rectangle (kernel_lab/mlx_kernel_runner.py;
   decode batches only).
 
 ``paged scratch MiB`` is the device memory the paged call allocates beyond
@@ -29,8 +29,8 @@ its output (the split partials); gathering the pages into contiguous K/V
 copies every live K/V byte (``gather copies MiB``) and padding stores
 ``padded MiB``.
 
-    python benchmarks/paged_metal_rows.py            # the full rows (tens of minutes in the emulator)
-    python benchmarks/paged_metal_rows.py --quick    # 4 short sequences
+    python -m kernel_lab.paged_metal_rows            # the full rows (tens of minutes in the emulator)
+    python -m kernel_lab.paged_metal_rows --quick    # 4 short sequences
 """
 
 from __future__ import annotations
@@ -38,19 +38,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_HEADS, GQA, PAGE_SIZE = 2, 4, 16
 
 
 def _setup():
-    sys.path.insert(0, str(ROOT / "tests"))
     os.environ.setdefault("MSL_EMULATOR_TIMEOUT", "3600")
 
 
@@ -78,9 +74,8 @@ def ragged_decode(count: int, low: int, high: int, d: int, dtype, seed: int, chu
 
 
 def _libraries(d: int):
-    import msl_emulator
-    import mlx_kernel_runner
-    from paged_metal_runner import REPO, trimmed_sources
+    from kernel_lab import mlx_kernel_runner, msl_emulator
+    from kernel_lab.paged_metal_runner import REPO, trimmed_sources
 
     directory = msl_emulator.cache_dir() / "paged_metal_rows"
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,9 +93,9 @@ def _libraries(d: int):
 
 
 def measure(case: str, count: int, low: int, high: int, d: int, seed: int, chunk: tuple = ()) -> dict:
-    import mlx_kernel_runner
-    from paged_metal_runner import (dense_decode_bytes, device_bytes, live_kv_bytes, padded, padded_decode_bytes,
-                                    paged_plan, paged_decode_bytes, to_numpy)
+    from kernel_lab import mlx_kernel_runner
+    from kernel_lab.paged_metal_runner import (dense_decode_bytes, device_bytes, live_kv_bytes, padded,
+                                               padded_decode_bytes, paged_plan, paged_decode_bytes, to_numpy)
 
     ours, mlx_library = _libraries(d)
     q, k, v, table, q_lens, kv_lens = ragged_decode(count, low, high, d, mx.float16, seed, chunk)

@@ -1,8 +1,8 @@
 """Several ranks on this machine: a program started by ``mlx.launch`` with
 the ring backend on 127.0.0.1, each rank writing its results as JSON. The
-one home of this launch for the distributed tests and
-benchmarks/bench_distributed.py (test infrastructure: it lives beside the
-tests, not in the package)."""
+one home of this launch for the distributed tests (tests/distributed_worker.py
+is the program) and benchmarks/bench_distributed.py: development tooling,
+kept in kernel_lab, not in mlx_attn."""
 
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-import msl_emulator as me
-from mac_host import check_mac_host
+from kernel_lab import msl_emulator as me, wheel_cache
 
 MLX_METAL_VERSION = "0.32.4"
 KERNELS = "mlx/include/mlx/backend/metal/kernels"
@@ -41,8 +40,8 @@ DECODE_HEAD_DIMS = (64, 96, 128)
 def kernel_headers() -> Path:
     """The include root holding MLX's kernel headers: the macOS wheel the Mac
     host check uses too, fetched and unpacked once into the shared cache."""
-    wheel = check_mac_host.wheel("mlx-metal", MLX_METAL_VERSION, "macosx_14_0_arm64")
-    return check_mac_host.unpacked(wheel, (KERNELS + "/",)) / "mlx" / "include"
+    wheel = wheel_cache.wheel("mlx-metal", MLX_METAL_VERSION, "macosx_14_0_arm64")
+    return wheel_cache.unpacked(wheel, (KERNELS + "/",)) / "mlx" / "include"
 
 
 # ---------------------------------------------------------------- instantiation

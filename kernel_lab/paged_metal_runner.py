@@ -10,8 +10,9 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 from mlx_attn import _native
+
+from kernel_lab.metal_runner import REPO, from_numpy, nan_filled, run_plan, to_numpy
 
 # the decode kernels (and their merge), the prefill kernel, the quantized decode
 FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "attention_paged_prefill.metal"]
@@ -208,8 +209,8 @@ def sequence_kv(pages: mx.array, table_row, length: int) -> mx.array:
 
 
 def _dense_launch(library, q, k, v):
-    """Our dense kernels from their launch plan (tests/metal_runner.py), counters per dispatch."""
-    from metal_runner import EmulatedMetal
+    """Our dense kernels from their launch plan (kernel_lab/metal_runner.py), counters per dispatch."""
+    from kernel_lab.metal_runner import EmulatedMetal
 
     metal = EmulatedMetal.__new__(EmulatedMetal)
     metal.library, metal.fast_math = library, True

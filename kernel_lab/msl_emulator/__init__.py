@@ -1,8 +1,8 @@
 """MSL emulator: type-check Metal kernels with clang-19 and run them on the CPU.
 
-Usage (from tests/, where pytest runs)::
+Usage::
 
-    import msl_emulator as me
+    from kernel_lab import msl_emulator as me
 
     if not me.clang_available(): pytest.skip("clang-19 is not installed")
     me.typecheck("metal/attention_prefill.metal", include_dirs=[repo_root])    # MetalCompileError

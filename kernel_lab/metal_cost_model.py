@@ -1,7 +1,7 @@
 """A cost model of attention kernels on Apple GPUs: registers, occupancy,
 instruction mix, a cache model and load latency -> predicted time.
 
-The emulator (tests/msl_emulator) counts what the kernels do; it cannot say
+The emulator (kernel_lab/msl_emulator) counts what the kernels do; it cannot say
 how fast a GPU does it. This module predicts a time from each kernel's
 structure (its tile sizes and loop, read from the kernel source, and checked
 against the emulator's counters by benchmarks/bench_metal.py --emulate) and a
@@ -258,7 +258,7 @@ class PrefillTile:
     exp_kind: str = "fast"
     # a simdgroup's row tiles (TQ > 1) share each V fragment it reads; steel
     # (steel_attention.h, MLX 0.32.4) reads one per row tile, ours has one
-    # row tile (a structure search's option: bench_metal.prefill_structure_floor)
+    # row tile (a structure search's option: cost_checks.prefill_structure_floor)
     shared_value_fragments: bool = False
 
 

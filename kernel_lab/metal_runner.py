@@ -5,7 +5,6 @@ Mac with Metal, the real kernels run through mlx_attn on the GPU."""
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,9 +14,10 @@ from mlx_attn import _ext
 from mlx_attn.metal_support import launch_plan
 from mlx_attn.quantized import quantized_launch_plan
 
-REPO = Path(__file__).resolve().parent.parent
+from kernel_lab.checkout import REPO
+
 # the dense forward plans' kernels (the paged families run from
-# tests/paged_metal_runner.py, the backward families from their own builds:
+# kernel_lab/paged_metal_runner.py, the backward families from their own builds:
 # tests/test_metal_backward*.py, the quantized prefill from a build trimmed to
 # the instantiations a test uses: tests/test_quantized_prefill_metal.py)
 METAL_SOURCES = sorted(p for p in (REPO / "metal").glob("*.metal")
@@ -188,7 +188,7 @@ class EmulatedMetal:
     def __init__(self, fast_math: bool, sources=None, counters: bool = False):
         """counters: the counting build (slower): its dispatches return cost
         Counters, and a misaligned device access fails."""
-        import msl_emulator
+        from kernel_lab import msl_emulator
 
         self.fast_math = fast_math
         self.library = msl_emulator.compile_library(sources or METAL_SOURCES, include_dirs=[REPO], fast_math=fast_math,
