@@ -58,8 +58,9 @@ if [ "$(uname -s)" = "Linux" ]; then
   fi
 fi
 
-echo "scripts/test.sh: pip install .[test] (mlx_attn and its test dependencies, pyproject.toml)" >&2
-"$PYTHON" -m pip install --quiet ".[test]"
+echo "scripts/test.sh: pip install .[test,mlx-lm] (mlx_attn, its test dependencies and the mlx-lm extra," \
+     "pyproject.toml)" >&2
+"$PYTHON" -m pip install --quiet ".[test,mlx-lm]"
 # Run from outside the source tree so the installed package is what is tested.
 # pytest-xdist runs one worker per core (MLX_ATTN_TEST_WORKERS overrides;
 # 0 runs in this process), a test file per worker at a time, so each Metal
