@@ -123,6 +123,9 @@ class _Cache:
     values: mx.array | None
     offset: int
     META_FIELDS: tuple[str, ...] = ("offset",)  # the keys of meta_state
+    # what to_quantized builds (None: QuantizedKVCache); a subclass that adds
+    # an interface names its quantized twin here
+    QUANTIZED_CACHE: type | None = None
 
     @property
     def state(self):
@@ -203,7 +206,7 @@ class _Cache:
     def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedKVCache":
         """A :class:`QuantizedKVCache` holding this cache's tokens (this cache
         is left as it was)."""
-        cache = QuantizedKVCache(group_size, bits)
+        cache = (self.QUANTIZED_CACHE or QuantizedKVCache)(group_size, bits)
         keys, values = self.state
         if keys is not None and keys.shape[2] > 0:
             cache.update_and_fetch(keys, values)
@@ -413,6 +416,22 @@ class RotatingKVCache(_Cache):
         ring = self.max_size - self.keep
         age = (self._idx - 1 - slot) % ring  # ring steps since the slot was written
         return mx.where(slot < self.keep, slot, self.offset - 1 - age)
+
+    def key_positions_after_update(self, n: int) -> mx.array:
+        """What :meth:`key_positions` will return after an update of ``n``
+        tokens, without changing the cache: the update runs on a stand-in
+        holding one zero feature per stored slot (lazy arrays, nothing is
+        evaluated), so callers that build a mask before the update (mlx-lm's
+        models) get the layout the update will leave."""
+        n = check_int("n", n, minimum=1)
+        stand_in = RotatingKVCache(self.max_size, self.keep, self.step)
+        stand_in.offset, stand_in._idx, stand_in._last_update = self.offset, self._idx, self._last_update
+        if self.keys is not None:
+            stand_in.keys = mx.zeros((1, 1, self.keys.shape[2], 1))
+            stand_in.values = mx.zeros((1, 1, self.keys.shape[2], 1))
+        new = mx.zeros((1, 1, n, 1))
+        stand_in.update_and_fetch(new, new)
+        return stand_in.key_positions()
 
     def make_mask(self, q_len: int, window_size: int | None = None):
         """A boolean ``[q_len, L]`` mask for the keys the last update returned

@@ -58,8 +58,9 @@ if [ "$(uname -s)" = "Linux" ]; then
   fi
 fi
 
-echo "scripts/test.sh: pip install .[test] (mlx_attn and its test dependencies, pyproject.toml)" >&2
-"$PYTHON" -m pip install --quiet ".[test]"
+echo "scripts/test.sh: pip install .[test,serve,mlx-lm] (mlx_attn, its test dependencies and the serve and" \
+     "mlx-lm extras, pyproject.toml)" >&2
+"$PYTHON" -m pip install --quiet ".[test,serve,mlx-lm]"
 # kernel_lab/ (the MSL emulator, Metal runners and cost model the tests and
 # benchmarks import; never in the mlx_attn wheel), editable so it runs this
 # checkout's metal/ sources. It has no dependencies; where the installed

@@ -19,6 +19,7 @@ template) ends with exit code 2 and one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -30,8 +31,10 @@ from mlx_attn.cache import QuantizedKVCache, load_cache, save_cache
 from mlx_attn.doctor import run_doctor
 from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, GenerationConfig, check_kv_quantization,
                                   format_statistics, prefill, stream_generate)
+from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.loading import load_model
-from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
+from mlx_attn.lm.models.registry import is_registered_hf_model_type
+from mlx_attn.lm.model_store import DEFAULT_DECODER, MODELS, decoder_names
 from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
@@ -69,6 +72,11 @@ def _add_model_options(parser) -> None:
                              "on first use)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto",
                         help="attention path: the fused kernels or the pure-MLX reference")
+    parser.add_argument("--engine", choices=["auto", "own", "mlx-lm"], default="auto",
+                        help="whose model code runs: 'own' (mlx_attn's Llama / Gemma 3, GGUF files), 'mlx-lm' "
+                             "(mlx-lm's model classes on mlx_attn's attention and caches; needs the mlx-lm extra) "
+                             "or 'auto': mlx-lm for a directory whose config.json model_type mlx_attn has no "
+                             "model of and for a Hugging Face repo id (from the local cache), else own")
     parser.add_argument("--device", choices=["default", "cpu"], default="default")
 
 
@@ -175,9 +183,30 @@ def _render(args, tokenizer, prompt: str, templated: bool, add_generation_prompt
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _engine(args, model_name) -> str:
+    """``--engine``, with ``auto`` decided for this model (see its help)."""
+    if args.engine != "auto":
+        return args.engine
+    if model_name is None or str(model_name) in MODELS:
+        return "own"
+    path = Path(model_name)
+    if path.is_dir():
+        model_type = mlx_lm_models.model_type_of(path)
+        return "mlx-lm" if model_type is not None and not is_registered_hf_model_type(model_type) else "own"
+    hub_name = not path.exists() and len(str(model_name).split("/")) == 2 and not str(model_name).endswith(".gguf")
+    return "mlx-lm" if hub_name and importlib.util.find_spec("mlx_lm") is not None else "own"
+
+
 def _load(args, model_name):
     if args.device == "cpu":
         mx.set_default_device(mx.cpu)
+    if _engine(args, model_name) == "mlx-lm":
+        if model_name is None:
+            raise ValueError("--engine mlx-lm needs --model (a model directory or a Hugging Face repo id)")
+        try:
+            return mlx_lm_models.load(model_name, backend=args.backend)
+        except ImportError as error:
+            raise ValueError(str(error)) from None
     return load_model(model_name, backend=args.backend)
 
 
@@ -269,6 +298,9 @@ def _generate(args) -> int:
     cached = _read_prompt_cache(args) if args.prompt_cache_file else None
     model_name = cached[3] if cached and args.model is None else args.model
     model, tokenizer = _load(args, model_name)
+    if isinstance(model, mlx_lm_models.MlxLmModel) and (cached or group is not None):
+        raise ValueError(f"{'--prompt-cache-file' if cached else '--distributed'} does not run mlx-lm models yet "
+                         "(--engine mlx-lm)")
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
     templated = _uses_template(args, tokenizer)
@@ -314,6 +346,8 @@ def _cache_prompt(args) -> int:
                               kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                               quantized_kv_start=args.quantized_kv_start)
     model, tokenizer = _load(args, args.model)
+    if isinstance(model, mlx_lm_models.MlxLmModel):
+        raise ValueError("cache-prompt does not run mlx-lm models yet (--engine mlx-lm)")
     check_kv_quantization(model, config)
     templated = _uses_template(args, tokenizer)
     ids = _render(args, tokenizer, prompt, templated, add_generation_prompt=False)

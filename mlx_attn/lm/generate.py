@@ -118,7 +118,15 @@ def _config(config: GenerationConfig | None, options: dict) -> GenerationConfig:
 
 
 def _cache_offset(cache: list) -> int:
-    return cache[0].offset if cache else 0
+    """Tokens the caches hold: the first attention cache's offset (a hybrid
+    model's recurrent-state caches have none)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+def _quantizable(cache) -> bool:
+    """A float KV cache that keeps every token (a window's rotating cache
+    stays float: it holds only the window; a recurrent state is no KV)."""
+    return hasattr(cache, "to_quantized") and not isinstance(cache, (RotatingKVCache, QuantizedKVCache))
 
 
 def check_prompt(model, prompt, max_tokens: int, cached: int) -> list[int]:
@@ -145,9 +153,8 @@ def _maybe_quantize(cache: list, config: GenerationConfig) -> None:
     windowed layer's rotating cache stays float: it holds only the window)."""
     if config.kv_bits is None or not cache or any(isinstance(c, QuantizedKVCache) for c in cache):
         return
-    if cache[0].offset >= config.quantized_kv_start:
-        cache[:] = [c if isinstance(c, RotatingKVCache) else c.to_quantized(config.kv_group_size, config.kv_bits)
-                    for c in cache]
+    if _cache_offset(cache) >= config.quantized_kv_start:
+        cache[:] = [c.to_quantized(config.kv_group_size, config.kv_bits) if _quantizable(c) else c for c in cache]
 
 
 def check_kv_quantization(model, config: GenerationConfig) -> None:

@@ -22,7 +22,7 @@ import threading
 from typing import Any, Callable
 
 __all__ = ["Architecture", "register", "architecture_for_gguf", "architecture_for_hf", "architectures",
-           "GGUF_TENSOR_NAMES"]
+           "is_registered_hf_model_type", "GGUF_TENSOR_NAMES"]
 
 # The key under which the GGUF loader adds the file's tensor names to the
 # metadata given to ``config_from_gguf`` (e.g. Llama ties its embeddings
@@ -135,6 +135,11 @@ def _lookup(field: str, value, what: str) -> Architecture:
             return arch
     names = sorted(n for arch in known for n in getattr(arch, field))
     raise ValueError(f"{what} {value!r} is not supported (supported: {', '.join(names) or 'none'})")
+
+
+def is_registered_hf_model_type(model_type: str) -> bool:
+    """Whether an architecture of mlx_attn's own reads this ``model_type``."""
+    return any(model_type in arch.hf_model_types for arch in architectures())
 
 
 def architecture_for_gguf(name: str) -> Architecture:

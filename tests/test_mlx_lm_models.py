@@ -1,0 +1,280 @@
+"""mlx-lm's model classes on mlx_attn's kernels (mlx_attn/lm/mlx_lm_models.py).
+
+Tiny random-weight checkpoints are written by the tests with mlx-lm's own
+model classes and save helpers (and a word-level tokenizer built here), then
+loaded as a user would. Greedy tokens through mlx_attn's attention and caches
+must equal mlx-lm's own ``generate_step`` on the same checkpoint, and the
+seam must have run (its call counter, and the windowed path where a layer
+has a sliding window). Without mlx-lm these tests skip, except on CI (CI
+set), where they fail: CI installs the ``mlx-lm`` extra."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+
+def _require_mlx_lm():
+    try:
+        import mlx_lm.generate  # noqa: F401
+        import mlx_lm.models.cache  # noqa: F401
+        import mlx_lm.utils  # noqa: F401
+    except ImportError as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"mlx-lm must be installed on CI (pip install '.[test,mlx-lm]'): {error}")
+        pytest.skip(f"mlx-lm not installed (pip install '.[mlx-lm]'; on CI this fails): {error}",
+                    allow_module_level=True)
+
+
+_require_mlx_lm()
+
+from mlx_lm.generate import generate_step as mlx_lm_generate_step  # noqa: E402
+import mlx_lm.models.cache as mlx_lm_cache  # noqa: E402
+import mlx_lm.utils  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+from mlx_attn.lm import mlx_lm_models  # noqa: E402
+from mlx_attn.lm.generate import GenerationConfig, generate_step  # noqa: E402
+
+VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]  # 64 tokens
+NEW_TOKENS = 16
+PROMPT = [1, 5, 9, 12, 40, 33, 7, 8, 21, 60, 19, 44, 3, 50]  # 14 tokens: longer than the windows (8)
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            rms_norm_eps=1e-5, vocab_size=len(VOCAB), max_position_embeddings=4096)
+ARCHITECTURES = {
+    "llama3": dict(BASE, model_type="llama", rope_theta=500000.0, tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}),
+    "qwen3": dict(BASE, model_type="qwen3", head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True),
+    "mistral_sliding": dict(BASE, model_type="mistral", rope_theta=10000.0, tie_word_embeddings=False,
+                            sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
+                        sliding_window=8, sliding_window_pattern=3, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0),
+    "gpt_oss": dict(BASE, model_type="gpt_oss", num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss"}
+
+
+@pytest.fixture(autouse=True)
+def _mlx_lm_attention_between_tests():
+    """Each test starts and ends with mlx-lm's own attention in its modules."""
+    mlx_lm_models.restore_attention()
+    yield
+    mlx_lm_models.restore_attention()
+
+
+def write_tokenizer(directory):
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "model_max_length": 4096}))
+
+
+def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = None, seed: int = 0):
+    """A random-weight checkpoint of mlx-lm's class for ``config``, saved with
+    mlx-lm's helpers (4-bit with ``quantize_bits=4``)."""
+    mx.random.seed(seed)
+    model_type = config["model_type"]
+    module = importlib.import_module(f"mlx_lm.models.{mlx_lm.utils.MODEL_REMAPPING.get(model_type, model_type)}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if config["model_type"] == "gpt_oss":  # sinks that matter: mlx-lm initialises them to 0
+        for layer in model.layers:
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    mx.eval(model.parameters())
+    config = dict(config)
+    if quantize_bits is not None:
+        model, config = mlx_lm.utils.quantize_model(model, config, group_size=32, bits=quantize_bits)
+    directory.mkdir(parents=True, exist_ok=True)
+    mlx_lm.utils.save_model(directory, model)
+    mlx_lm.utils.save_config(config, directory / "config.json")
+    write_tokenizer(directory)
+    return directory
+
+
+def mlx_lm_greedy_tokens(directory, prompt=PROMPT, max_tokens=NEW_TOKENS):
+    """mlx-lm's own generate_step (its attention, its caches)."""
+    mlx_lm_models.restore_attention()
+    model, _ = mlx_lm.utils.load(str(directory))
+    steps = mlx_lm_generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    return [int(token) for token, _ in steps]
+
+
+def our_greedy_tokens(directory, prompt=PROMPT, **options):
+    model, _ = mlx_lm_models.load(directory)
+    config = GenerationConfig(max_tokens=NEW_TOKENS, **options)
+    return [token for token, _ in generate_step(model, prompt, config)]
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    expected = mlx_lm_greedy_tokens(directory)
+    mlx_lm_models.attention_calls.clear()
+    mlx_lm_models.attention_paths.clear()
+    got = our_greedy_tokens(directory)
+    assert got == expected
+    layers = ARCHITECTURES[name]["num_hidden_layers"]
+    steps = NEW_TOKENS + 1  # the prefill, then one step per token (the last is queued ahead)
+    assert mlx_lm_models.attention_calls["float"] >= layers * steps
+    assert mlx_lm_models.attention_paths == {"fused-cpu": mlx_lm_models.attention_calls["float"]}
+    if name in WINDOWED:  # the sliding layers took window_size, not a mask array
+        assert mlx_lm_models.attention_calls["windowed"] > 0
+    else:
+        assert mlx_lm_models.attention_calls["windowed"] == 0
+
+
+def test_a_4_bit_quantized_checkpoint_gives_mlx_lm_tokens(tmp_path):
+    directory = write_checkpoint(tmp_path / "qwen3-4bit", ARCHITECTURES["qwen3"], quantize_bits=4)
+    assert json.loads((directory / "config.json").read_text())["quantization"]["bits"] == 4
+    expected = mlx_lm_greedy_tokens(directory)
+    mlx_lm_models.attention_calls.clear()
+    model, _ = mlx_lm_models.load(directory)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))] == expected
+    assert mlx_lm_models.attention_calls["float"] > 0
+
+
+def test_the_seam_is_installed_in_the_model_modules_and_restored(tmp_path):
+    import mlx_lm.models.base as base
+    import mlx_lm.models.qwen3 as qwen3
+
+    original = base.scaled_dot_product_attention
+    write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    mlx_lm_models.load(tmp_path / "q")
+    assert qwen3.scaled_dot_product_attention is mlx_lm_models.attention
+    assert base.scaled_dot_product_attention is mlx_lm_models.attention
+    assert "mlx_lm.models.qwen3" in mlx_lm_models.restore_attention()
+    assert qwen3.scaled_dot_product_attention is original is base.scaled_dot_product_attention
+
+
+def test_the_caches_are_mlx_lm_s_structure_with_ours_for_attention(tmp_path):
+    directory = write_checkpoint(tmp_path / "g", ARCHITECTURES["gemma3_text"])
+    model, _ = mlx_lm_models.load(directory)
+    theirs = mlx_lm_cache.make_prompt_cache(model.model)
+    ours = model.make_cache()
+    assert [type(c).__name__ for c in ours] == [type(c).__name__ for c in theirs]
+    for mine, their in zip(ours, theirs):
+        assert type(mine).__module__ == "mlx_attn.lm.mlx_lm_models"
+        if isinstance(their, mlx_lm_cache.RotatingKVCache):
+            assert (mine.max_size, mine.keep) == (their.max_size, their.keep)
+
+
+def test_non_attention_caches_are_kept_as_mlx_lm_makes_them():
+    arrays = mlx_lm_cache.ArraysCache(2)
+    ours = mlx_lm_models._our_cache(mlx_lm_cache.CacheList(arrays, mlx_lm_cache.KVCache()), mlx_lm_cache)
+    assert ours.caches[0] is arrays and isinstance(ours.caches[1], mlx_lm_models.KVCache)
+
+
+# ---------------------------------------------------------------- masks
+UPDATES = [5, 1, 1, 1, 7, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 9, 1]
+
+
+@pytest.mark.parametrize("max_size,window", [(8, None), (8, 8), (8, 4), (None, 4), (None, None)])
+def test_attention_through_our_caches_equals_mlx_lm_s_masks(max_size, window):
+    """Update by update (chunks and single tokens, a ring that wraps), the
+    mask made before the update and the attention after it: ours through the
+    seam, mlx-lm's caches and masks through mx.fast."""
+    rng = np.random.default_rng(0)
+    if max_size is None:
+        theirs, ours = mlx_lm_cache.KVCache(), mlx_lm_models.KVCache()
+    else:
+        theirs, ours = mlx_lm_cache.RotatingKVCache(max_size), mlx_lm_models.RotatingKVCache(max_size)
+    windowed_before = mlx_lm_models.attention_calls["windowed"]
+    for n in UPDATES:
+        q, k, v = (mx.array(rng.standard_normal((1, 4, n, 16)).astype(np.float32)) for _ in range(3))
+        k = k[:, :2]
+        v = v[:, :2]
+        their_mask = theirs.make_mask(n, window_size=window, return_array=False)
+        our_mask = ours.make_mask(n, window_size=window)
+        expected = mx.fast.scaled_dot_product_attention(q, *theirs.update_and_fetch(k, v), scale=0.25,
+                                                        mask=their_mask)
+        got = mlx_lm_models.attention(q, *ours.update_and_fetch(k, v), ours, 0.25, our_mask)
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-5)
+    if window is not None:
+        assert mlx_lm_models.attention_calls["windowed"] > windowed_before
+
+
+def test_a_window_mask_read_by_a_model_itself_is_the_right_array():
+    """A model that builds its own attention from the mask gets the array
+    mlx-lm would give (computed only then)."""
+    cache = mlx_lm_models.KVCache()
+    cache.update_and_fetch(mx.zeros((1, 1, 6, 8)), mx.zeros((1, 1, 6, 8)))
+    mask = cache.make_mask(3, window_size=4)
+    expected = mlx_lm_cache.KVCache()
+    expected.update_and_fetch(mx.zeros((1, 1, 6, 8)), mx.zeros((1, 1, 6, 8)))
+    assert np.array_equal(np.array(mask), np.array(expected.make_mask(3, window_size=4, return_array=False)))
+
+
+# ---------------------------------------------------------------- quantized KV
+def test_quantized_kv_with_sinks_runs_fused_and_is_close_to_float_kv(tmp_path):
+    """gpt-oss (sinks) with an 8-bit KV cache: mlx-lm's own quantized
+    attention refuses sinks; through the seam it is mlx_attn's fused
+    quantized attention, and its logits are close to float KV's."""
+    directory = write_checkpoint(tmp_path / "oss", ARCHITECTURES["gpt_oss"])
+    model, _ = mlx_lm_models.load(directory)
+    prompt = mx.array(PROMPT)[None]
+    float_logits = model(prompt, cache=model.make_cache())[0, -1]
+    caches = model.make_cache()
+    caches = [c.to_quantized(group_size=64, bits=8) if isinstance(c, mlx_lm_models.KVCache) else c for c in caches]
+    assert any(isinstance(c, mlx_lm_models.QuantizedKVCache) for c in caches)
+    mlx_lm_models.attention_calls.clear()
+    quantized_logits = model(prompt, cache=caches)[0, -1]
+    assert mlx_lm_models.attention_calls["quantized"] == 1  # the one full-attention layer
+    # 8-bit K/V moves the logits by ~0.1% of their range here; leaving the
+    # sinks out of the quantized layer would move them by ~2.5%
+    error = float(mx.abs(quantized_logits - float_logits).max())
+    assert 0 < error < 0.01 * float(mx.abs(float_logits).max())
+    # and whole generations with --kv-bits run (quantized from the first token)
+    tokens = [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS, kv_bits=8))]
+    assert len(tokens) == NEW_TOKENS and mlx_lm_models.attention_calls["quantized"] > NEW_TOKENS
+
+
+# ---------------------------------------------------------------- loading and the command
+def test_a_hub_repo_id_is_looked_up_in_the_local_cache_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"looks like a Hugging Face Hub name .*looked in .*hub"):
+        mlx_lm_models.resolve_model_path("someone/absent-model")
+
+
+def test_a_hub_repo_id_in_the_local_cache_loads(tmp_path, monkeypatch):
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    write_checkpoint(snapshot, ARCHITECTURES["qwen3"])
+    (hub / "models--someone--tiny" / "refs").mkdir()
+    (hub / "models--someone--tiny" / "refs" / "main").write_text("0" * 40)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    assert mlx_lm_models.resolve_model_path("someone/tiny") == snapshot
+
+
+def test_mlx_attn_generate_runs_an_mlx_lm_directory(tmp_path):
+    """The command picks mlx-lm's classes for a model_type mlx_attn has no
+    model of (qwen3) and prints mlx-lm's greedy tokens as text."""
+    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    expected = mlx_lm_greedy_tokens(directory, prompt=[5, 9, 12])
+    _, wrapper = mlx_lm.utils.load(str(directory))
+    eos = wrapper.eos_token_ids
+    kept = expected[:next((i for i, t in enumerate(expected) if t in eos), len(expected))]
+    text = "".join(wrapper.decode([t]) for t in kept)
+    result = subprocess.run([sys.executable, "-m", "mlx_attn.lm", "generate", "--model", str(directory),
+                             "--prompt", "w2 w6 w9", "--max-tokens", str(NEW_TOKENS), "--ignore-chat-template",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "w2 w6 w9" + text + "\n"
