@@ -185,8 +185,14 @@ def _render(args, tokenizer, prompt: str, templated: bool, add_generation_prompt
 
 def _engine(args, model_name) -> str:
     """``--engine``, with ``auto`` decided for this model (see its help)."""
-    if args.engine != "auto":
-        return args.engine
+    return choose_engine(args.engine, model_name)
+
+
+def choose_engine(engine: str, model_name) -> str:
+    """``"own"`` or ``"mlx-lm"``: ``engine`` as given, ``"auto"`` decided for
+    this model (see ``--engine``'s help)."""
+    if engine != "auto":
+        return engine
     if model_name is None or str(model_name) in MODELS:
         return "own"
     path = Path(model_name)
@@ -200,14 +206,21 @@ def _engine(args, model_name) -> str:
 def _load(args, model_name):
     if args.device == "cpu":
         mx.set_default_device(mx.cpu)
-    if _engine(args, model_name) == "mlx-lm":
+    return load_for_engine(model_name, args.engine, args.backend)
+
+
+def load_for_engine(model_name, engine: str = "auto", backend: str = "auto"):
+    """``(model, tokenizer)``: mlx_attn's own model or mlx-lm's classes on
+    mlx_attn's kernels, as :func:`choose_engine` decides (`generate` and
+    `serve` both load through here)."""
+    if choose_engine(engine, model_name) == "mlx-lm":
         if model_name is None:
             raise ValueError("--engine mlx-lm needs --model (a model directory or a Hugging Face repo id)")
         try:
-            return mlx_lm_models.load(model_name, backend=args.backend)
+            return mlx_lm_models.load(model_name, backend=backend)
         except ImportError as error:
             raise ValueError(str(error)) from None
-    return load_model(model_name, backend=args.backend)
+    return load_model(model_name, backend=backend)
 
 
 # ---------------------------------------------------------------- prompt caches

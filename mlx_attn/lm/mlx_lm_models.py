@@ -25,6 +25,11 @@ layer of theirs goes through two seams, and mlx_attn supplies both:
    instead of a mask array. A model that reads the mask itself gets a correct
    array.
 
+A serving engine supplies a third kind of cache, a :class:`SelfAttendingCache`
+(its pages, :mod:`mlx_attn.serve.mlx_lm_paged`): the update writes the step's
+K/V rows into the engine's pages, and :func:`attention`, handed that cache,
+lets it attend (paged attention over every sequence of the ragged batch).
+
 :func:`load` reads any directory ``mlx_lm.load`` accepts (float or
 quantized), or a Hugging Face repo id found in the local Hugging Face cache
 (never the network). Needs the ``mlx-lm`` extra: ``pip install
@@ -47,7 +52,7 @@ from mlx_attn import cache as mlx_attn_cache
 from mlx_attn.ops import AttentionCall
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
 
-__all__ = ["attention", "install_attention", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
+__all__ = ["SelfAttendingCache", "attention", "install_attention", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
            "resolve_model_path", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
            "QuantizedKVCache", "INSTALL_HINT"]
 
@@ -56,7 +61,8 @@ SEAM_NAME = "scaled_dot_product_attention"
 MLX_LM_MODELS = "mlx_lm.models"
 
 # How often each kind of call went through the seam ("float", "quantized",
-# and "windowed" for the float or quantized calls that took window_size), and
+# "windowed" for the float or quantized calls that took window_size, and
+# "self-attending" for a serving engine's paged caches), and
 # which path each float call took (mlx_attn.attention_path's names): lets a
 # caller check that mlx_attn ran a model's attention, and which way.
 attention_calls: collections.Counter = collections.Counter()
@@ -201,6 +207,19 @@ def _flat(caches):
             yield cache
 
 
+class SelfAttendingCache:
+    """A cache that runs its layer's attention itself: :func:`attention`
+    handed one (mlx-lm passes each layer's cache to the call) returns
+    ``cache.attend(queries, keys, values, scale=, sinks=, softcap=)`` with the
+    ``keys``/``values`` its ``update_and_fetch`` returned, and ignores the
+    mask (the cache knows each query's keys and the layer's window).
+    Subclasses: the serving engine's paged caches."""
+
+    def attend(self, queries: mx.array, keys, values, *, scale: float, sinks: mx.array | None,
+               softcap: float | None) -> mx.array:
+        raise NotImplementedError
+
+
 # ---------------------------------------------------------------- attention
 def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, mask=None,
               sinks: mx.array | None = None, *, softcap: float | None = None) -> mx.array:
@@ -209,7 +228,10 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
     triples (what a quantized cache returns) run the fused quantized
     attention with the cache's ``group_size`` and ``bits``, sinks included. A
     mask made by this module's caches for a sliding window becomes
-    ``window_size``."""
+    ``window_size``. A :class:`SelfAttendingCache` attends itself."""
+    if isinstance(cache, SelfAttendingCache):
+        attention_calls["self-attending"] += 1
+        return cache.attend(queries, keys, values, scale=scale, sinks=sinks, softcap=softcap)
     known, window = _windowed_masks.lookup(mask)
     if known:
         mask = None if window is not None else "causal"
@@ -322,6 +344,9 @@ class MlxLmModel:
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         return self.model(inputs, cache=cache)
+
+    def parameters(self):
+        return self.model.parameters()
 
     def make_cache(self, max_kv_size: int | None = None) -> list:
         return make_cache(self.model, max_kv_size, backend=self.backend)

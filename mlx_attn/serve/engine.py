@@ -95,8 +95,29 @@ class PagedAttention(AttentionHook):
         return out.swapaxes(0, 1)[None]
 
 
+def _paged_model(model):
+    """``model`` as the engine runs it: an mlx_attn :class:`Decoder` as it
+    is, an mlx-lm model (:class:`mlx_attn.lm.mlx_lm_models.MlxLmModel`)
+    through :class:`mlx_attn.serve.mlx_lm_paged.MlxLmPagedModel`."""
+    if isinstance(model, Decoder):
+        return model
+    from mlx_attn.lm.mlx_lm_models import MlxLmModel  # noqa: PLC0415 (imports no mlx-lm itself)
+
+    if isinstance(model, MlxLmModel):
+        from mlx_attn.serve.mlx_lm_paged import MlxLmPagedModel  # noqa: PLC0415 (needs the mlx-lm extra)
+
+        return MlxLmPagedModel(model)
+    raise ValueError(f"model must be an mlx_attn.lm Decoder or an mlx-lm model (mlx_attn.lm.mlx_lm_models.load), "
+                     f"got {type(model).__name__}")
+
+
 class Engine:
     """A model, its page pool and K/V pages, and the scheduler.
+
+    ``model``: an mlx_attn :class:`Decoder`, or an mlx-lm model loaded by
+    :func:`mlx_attn.lm.mlx_lm_models.load` (run on the same paged path
+    through its attention and cache seams, :mod:`mlx_attn.serve.mlx_lm_paged`;
+    models with non-attention layers are refused with a ``ValueError``).
 
     ``kv_tokens``: the pool's capacity in tokens, all requests together
     (rounded up to whole pages); ``kv_bits``: None (pages in ``dtype``), 8 or
@@ -110,13 +131,17 @@ class Engine:
     def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
                  dtype=None, weights: str = "auto"):
-        if not isinstance(model, Decoder):
-            raise ValueError(f"model must be an mlx_attn.lm Decoder, got {type(model).__name__}")
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+        model = _paged_model(model)
         self.model = model
-        self.weights = prepare_weights(model, weights)
-        if dtype is None:  # the activations' dtype: attention then never converts the whole pool
+        paged_mlx_lm = not isinstance(model, Decoder)
+        self.weights = prepare_weights(model.weights if paged_mlx_lm else model, weights)
+        if paged_mlx_lm:
+            model.refresh_kv_layout()  # the K/V dtype follows the weights just prepared
+        if dtype is None and paged_mlx_lm:
+            dtype = model.kv_dtype
+        elif dtype is None:  # the activations' dtype: attention then never converts the whole pool
             embedding = getattr(model, "embed_tokens", None)
             # a quantized embedding looks up rows in its scales' dtype
             dtype = None if embedding is None else embedding.get("scales", embedding.weight).dtype
@@ -128,8 +153,9 @@ class Engine:
         if kv_heads is None or head_dim is None:
             raise ValueError("model must declare num_key_value_heads (config) and head_dim (attention_layers)")
         self.pool = PagePool(-(-kv_tokens // page_size), page_size)
-        self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim, dtype=dtype,
-                                  bits=kv_bits, group_size=group_size)
+        self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim,
+                                  value_dim=getattr(model, "value_dim", None), dtype=dtype, bits=kv_bits,
+                                  group_size=group_size)
         self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}

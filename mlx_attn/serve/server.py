@@ -30,7 +30,7 @@ import threading
 
 from mlx_attn.serve.server_state import ServerState
 
-__all__ = ["ServerState", "create_app", "make_state", "build_parser", "exposure_warning", "main"]
+__all__ = ["ServerState", "create_app", "make_state", "build_parser", "check_servable", "exposure_warning", "main"]
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "paged, prefix-sharing K/V).")
     parser.add_argument("--model", default=None, help="a .gguf file, a model directory or a registered name "
                                                       "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--engine", choices=["auto", "own", "mlx-lm"], default="auto",
+                        help="whose model code runs: 'own' (mlx_attn's Llama / Gemma 3, GGUF files), 'mlx-lm' "
+                             "(mlx-lm's model classes on the engine's paged attention; needs the mlx-lm extra; "
+                             "hybrid models with recurrent layers are not served yet) or 'auto': mlx-lm for a "
+                             "directory whose config.json model_type mlx_attn has no model of and for a Hugging "
+                             "Face repo id (from the local cache), else own")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--max-tokens", type=_positive, default=512,
@@ -100,6 +106,18 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
                        default_temperature=temperature, max_requests=max_requests)
 
 
+def check_servable(model) -> None:
+    """Refuse, before the server starts, a model the engine cannot page:
+    an mlx-lm model with non-attention layers (hybrid models are not served
+    yet; ``ValueError`` saying so)."""
+    from mlx_attn.lm.mlx_lm_models import MlxLmModel
+
+    if isinstance(model, MlxLmModel):
+        from mlx_attn.serve.mlx_lm_paged import check_servable_mlx_lm_model
+
+        check_servable_mlx_lm_model(model)
+
+
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """What to print when others than this machine may use the server freely."""
     if host in LOOPBACK or api_key:
@@ -116,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"mlx-attn serve needs Starlette and uvicorn ({error}): "
                            "pip install 'mlx_attn[serve]'") from None
 
-    from mlx_attn.lm.loading import load_model
+    from mlx_attn.lm.cli import load_for_engine
     from mlx_attn.lm.model_store import DEFAULT_DECODER
 
     args = build_parser().parse_args(argv)
@@ -124,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     warning = exposure_warning(args.host, api_key)
     if warning:
         print(warning, file=sys.stderr)
-    model, tokenizer = load_model(args.model, backend=args.backend)
+    model, tokenizer = load_for_engine(args.model, args.engine, args.backend)
+    check_servable(model)
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                        max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,

@@ -1,0 +1,174 @@
+"""mlx-lm's model classes on the serving engine's paged path
+(mlx_attn/serve/mlx_lm_paged.py).
+
+Tiny random-weight checkpoints written with mlx-lm's own classes (the
+helpers of test_mlx_lm_models.py). Through the engine, every request of a
+mixed batch (different prompt lengths, shared prefixes, a duplicate prompt,
+chunked prefill) gives mlx-lm's own ``generate_step`` greedy tokens for that
+prompt alone; a prefix-cache hit gives the tokens of a miss; the page
+accounting holds after every step. Without mlx-lm these tests skip, except
+on CI, where they fail."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from test_mlx_lm_models import ARCHITECTURES, _require_mlx_lm, write_checkpoint
+
+_require_mlx_lm()
+
+from mlx_lm.generate import generate_step as mlx_lm_generate_step  # noqa: E402
+import mlx_lm.models.cache as mlx_lm_cache  # noqa: E402
+import mlx_lm.utils  # noqa: E402
+
+from mlx_attn.lm import mlx_lm_models  # noqa: E402
+from mlx_attn.serve import Engine  # noqa: E402
+from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
+
+SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding"]  # gpt_oss: sinks and a window; mistral: a window
+NEW_TOKENS = 6
+
+
+@pytest.fixture(autouse=True)
+def _mlx_lm_attention_between_tests():
+    mlx_lm_models.restore_attention()
+    yield
+    mlx_lm_models.restore_attention()
+
+
+def mixed_prompts(seed: int = 0) -> dict[str, list[int]]:
+    """8 prompts of 1 to 23 tokens (the windows are 8): four share an
+    11-token system prefix, one repeats another whole (as n > 1 does)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 64, 11).tolist()
+    prompts = {f"r{i}": (system if i % 2 else []) + rng.integers(3, 64, int(rng.integers(1, 13))).tolist()
+               for i in range(7)}
+    prompts["copy"] = list(prompts["r1"])
+    return prompts
+
+
+def mlx_lm_alone(directory, prompts: dict, max_tokens: int) -> dict[str, list[int]]:
+    """mlx-lm's own generate_step (its attention, its caches), one prompt at a time."""
+    mlx_lm_models.restore_attention()
+    model, _ = mlx_lm.utils.load(str(directory))
+    return {rid: [int(t) for t, _ in mlx_lm_generate_step(mx.array(p), model, max_tokens=max_tokens)]
+            for rid, p in prompts.items()}
+
+
+def serve(engine: Engine, prompts: dict, max_tokens: int, max_steps: int = 500) -> dict[str, list[int]]:
+    """Submit all, step until idle checking the page accounting after every step."""
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, max_tokens)
+    out: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if engine.idle:
+            engine.scheduler.check_invariants()
+            assert engine.pool.held_pages == 0
+            return out
+        for result in engine.step():
+            out.setdefault(result.request_id, []).append(result.token)
+        engine.scheduler.check_invariants()
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, name):
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    prompts = mixed_prompts()
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    # 24 pages of 4 tokens for 8 requests of up to 29 tokens: preemption;
+    # 10 tokens a step: chunked prefill beside decode rows
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10)
+    mlx_lm_models.attention_calls.clear()
+    got = serve(engine, prompts, NEW_TOKENS)
+    assert got == expected
+    assert mlx_lm_models.attention_calls["self-attending"] > 0
+    assert set(mlx_lm_models.attention_calls) == {"self-attending"}  # the engine never ran dense attention
+    assert engine.scheduler.cached_prompt_tokens > 0  # the shared system prefix and the copy were hits
+    windows = [layer.window_size for layer in engine.model.attention_layers()]
+    assert windows == ([8, None] if name in ("gpt_oss", "mistral_sliding") else [None, None])
+
+    # a prefix-cache hit (every whole page of r3 is cached now) gives the miss's tokens
+    cached_before = engine.scheduler.cached_prompt_tokens
+    again = serve(engine, {"again": prompts["r3"]}, NEW_TOKENS)
+    assert engine.scheduler.cached_prompt_tokens - cached_before >= 4 * (len(prompts["r3"]) // 4) - 4
+    assert again["again"] == expected["r3"]
+
+
+def test_quantized_pages_with_sinks_and_a_window_batch_equals_alone(tmp_path):
+    """gpt-oss on 8-bit pages: each request of the batch equals it served
+    alone on the same quantized pages, and stays near float pages' tokens."""
+    directory = write_checkpoint(tmp_path / "oss", ARCHITECTURES["gpt_oss"])
+    model, _ = mlx_lm_models.load(directory)
+    prompts = mixed_prompts(seed=1)
+    options = dict(kv_bits=8, group_size=64)
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, **options)
+    assert engine.store.bits == 8
+    got = serve(engine, prompts, NEW_TOKENS)
+    for rid, prompt in prompts.items():
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompt}, NEW_TOKENS)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    agreeing = sum(got[rid][0] == expected[rid][0] for rid in prompts)
+    assert agreeing >= 6  # 8-bit K/V barely moves the logits: first tokens (nearly) all agree
+
+
+def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_path):
+    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    prompts = mixed_prompts(seed=2)
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, NEW_TOKENS)
+    out: dict[str, list[int]] = {}
+    for step in range(500):
+        if engine.idle:
+            break
+        if step == 3:
+            assert engine.cancel("r2") and engine.cancel("r5")
+            engine.scheduler.check_invariants()
+        for result in engine.step():
+            out.setdefault(result.request_id, []).append(result.token)
+        engine.scheduler.check_invariants()
+    assert engine.idle and engine.pool.held_pages == 0
+    for rid in prompts:
+        if rid not in ("r2", "r5"):
+            assert out[rid] == expected[rid], rid
+
+
+def test_a_hybrid_model_is_refused_naming_why():
+    """A model whose cache structure holds a non-attention cache (the
+    recurrent state of hybrid models) is refused, not served wrong."""
+    import mlx.nn as nn
+
+    class Hybrid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+        def make_cache(self):
+            return [mlx_lm_cache.ArraysCache(2), mlx_lm_cache.KVCache()]
+
+    wrapped = mlx_lm_models.MlxLmModel(Hybrid(), {"model_type": "hybrid", "vocab_size": 64}, "hybrid")
+    with pytest.raises(ValueError, match=r"ArraysCache.*hybrid models .* not served yet"):
+        Engine(wrapped, kv_tokens=64)
+    from mlx_attn.serve.server import check_servable
+
+    with pytest.raises(UnsupportedForServing, match="hybrid"):
+        check_servable(wrapped)
+
+
+def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):
+    from mlx_attn.lm.cli import choose_engine, load_for_engine
+    from mlx_attn.serve.server import build_parser
+
+    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    assert build_parser().parse_args(["--model", str(directory), "--engine", "mlx-lm"]).engine == "mlx-lm"
+    assert choose_engine("auto", str(directory)) == "mlx-lm"
+    model, tokenizer = load_for_engine(str(directory), "auto")
+    assert isinstance(model, mlx_lm_models.MlxLmModel)
+    engine = Engine(model, kv_tokens=64, page_size=4)
+    prompt = tokenizer.encode("w1 w2 w3", add_special_tokens=False)
+    assert serve(engine, {"a": prompt}, 4)["a"] == mlx_lm_alone(directory, {"a": prompt}, 4)["a"]
