@@ -25,7 +25,9 @@ from mlx_attn.lm import mlx_lm_models  # noqa: E402
 from mlx_attn.serve import Engine  # noqa: E402
 from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 
-SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding"]  # gpt_oss: sinks and a window; mistral: a window
+# gpt_oss: sinks and a window; mistral, gemma3_text: windows
+SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text"]
+WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None]}
 NEW_TOKENS = 6
 
 
@@ -71,23 +73,24 @@ def serve(engine: Engine, prompts: dict, max_tokens: int, max_steps: int = 500) 
     raise AssertionError("the engine did not finish")
 
 
-@pytest.mark.parametrize("name", SERVED)
-def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, name):
-    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+@pytest.mark.parametrize("name,bits", [(name, None) for name in SERVED] + [("qwen3", 4)])
+def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, name, bits):
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name], quantize_bits=bits)
     prompts = mixed_prompts()
     expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
     model, _ = mlx_lm_models.load(directory)
-    # 24 pages of 4 tokens for 8 requests of up to 29 tokens: preemption;
+    # 12 pages of 4 tokens for 8 requests of up to 29 tokens: preemption;
     # 10 tokens a step: chunked prefill beside decode rows
-    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10)
+    engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10)
     mlx_lm_models.attention_calls.clear()
     got = serve(engine, prompts, NEW_TOKENS)
     assert got == expected
     assert mlx_lm_models.attention_calls["self-attending"] > 0
     assert set(mlx_lm_models.attention_calls) == {"self-attending"}  # the engine never ran dense attention
     assert engine.scheduler.cached_prompt_tokens > 0  # the shared system prefix and the copy were hits
+    assert engine.scheduler.preemptions > 0
     windows = [layer.window_size for layer in engine.model.attention_layers()]
-    assert windows == ([8, None] if name in ("gpt_oss", "mistral_sliding") else [None, None])
+    assert windows == WINDOWS.get(name, [None, None])
 
     # a prefix-cache hit (every whole page of r3 is cached now) gives the miss's tokens
     cached_before = engine.scheduler.cached_prompt_tokens
@@ -172,3 +175,38 @@ def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):
     engine = Engine(model, kv_tokens=64, page_size=4)
     prompt = tokenizer.encode("w1 w2 w3", add_special_tokens=False)
     assert serve(engine, {"a": prompt}, 4)["a"] == mlx_lm_alone(directory, {"a": prompt}, 4)["a"]
+
+
+def test_the_server_serves_an_mlx_lm_model_with_n_choices(tmp_path):
+    """Through HTTP: a greedy completion is mlx-lm's own greedy text; ``n``
+    seeded choices share the prompt's pages and each equals a single
+    request; nothing leaks."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from test_serve_server import MODEL_NAME, serve_model
+
+    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    model, tokenizer = mlx_lm_models.load(directory)
+    server = serve_model(model, tokenizer, page_size=4, kv_cache_tokens=256)
+    try:
+        client = server.client()
+        prompt = "w5 w9 w12 w40 w33 w7 w8 w21 w60"
+        ids = tokenizer.encode(prompt)
+        want = mlx_lm_alone(directory, {"p": ids}, 5)["p"]
+        eos = tokenizer.eos_token_ids
+        want = want[:next((i + 1 for i, t in enumerate(want) if t in eos), len(want))]
+        assert not mlx_lm_models.attention_installed()  # mlx_lm_alone restored mlx-lm's: the engine reinstalls
+        greedy = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0)
+        # the word-level test tokenizer decodes one token at a time without spaces, as the server streams
+        assert greedy.choices[0].text == "".join(tokenizer.decode([t]) for t in want if t not in eos)
+        stats = lambda: server.state.call_blocking(server.state.engine.stats)  # noqa: E731
+        before = stats()["cached_prompt_tokens"]
+        result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, n=3, temperature=0.9,
+                                           seed=11)
+        assert stats()["cached_prompt_tokens"] - before >= 3 * 4  # choices found the computed full pages
+        single = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0.9,
+                                            seed=11 + i).choices[0].text for i in range(3)]
+        assert [c.text for c in result.choices] == single
+        server.check_pages()
+    finally:
+        server.stop()

@@ -52,7 +52,7 @@ from mlx_attn import cache as mlx_attn_cache
 from mlx_attn.ops import AttentionCall
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
 
-__all__ = ["SelfAttendingCache", "attention", "install_attention", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
+__all__ = ["SelfAttendingCache", "attention", "install_attention", "attention_installed", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
            "resolve_model_path", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
            "QuantizedKVCache", "INSTALL_HINT"]
 
@@ -276,6 +276,13 @@ def install_attention() -> list[str]:
             setattr(module, SEAM_NAME, attention)
             changed.append(module.__name__)
     return changed
+
+
+def attention_installed() -> bool:
+    """Whether ``mlx_lm.models.base`` calls :func:`attention` (what
+    :func:`install_attention` does and :func:`restore_attention` undoes)."""
+    base = sys.modules.get(MLX_LM_MODELS + ".base")
+    return base is not None and getattr(base, SEAM_NAME, None) is attention
 
 
 def restore_attention() -> list[str]:

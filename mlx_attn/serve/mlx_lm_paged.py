@@ -170,6 +170,8 @@ class MlxLmPagedModel:
         return list(self._layers)
 
     def __call__(self, tokens: mx.array, *, attention: AttentionHook) -> mx.array:
+        if not mlx_lm_models.attention_installed():  # mlx-lm's own attention would ignore the pages
+            mlx_lm_models.install_attention()
         caches = [PagedLayerCache(attention, layer.index, layer.window_size) for layer in self._layers]
         logits = self.model(tokens.reshape(-1, 1), cache=caches)[:, 0]
         if attention.logit_rows is not None:
