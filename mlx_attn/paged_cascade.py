@@ -1,0 +1,181 @@
+"""Cascade (shared-prefix) paged attention: the host-side plan and the merge.
+
+A group of sequences whose keys begin with the same pages (a shared system
+prompt, ``n`` > 1 choices) attends in three passes of the ordinary fused
+paged kernel, then merges:
+
+- **prefix pass**: all the group's query rows, stacked, as the rows of one
+  pseudo-sequence over the shared pages, not causal (every such row sits at or
+  after the prefix's last key and its window covers key 0, so it sees the
+  whole prefix). The kernel's tile is (kv head, block of rows x GQA group),
+  so each prefix page is read once per tile of up to 128 rows instead of once
+  per sequence;
+- **suffix pass**: each sequence's rows over its own pages, causal and
+  windowed as asked (bottom-right alignment over the own keys is the full
+  causal rule restricted to them);
+- **direct rows**: rows the prefix pass cannot take (causal rows inside the
+  prefix, rows whose sliding window starts after key 0) are computed whole,
+  over the sequence's full table (prefix pages then own pages), with sinks.
+  The fused kernel skips the key blocks a window hides, so these cost what
+  today's paged op costs for them.
+
+Prefix and suffix partials merge by their log-sum-exp
+(:func:`mlx_attn.distributed.merge_partials`, the split-K merge); sinks are
+left out of both passes and folded in once, in the merge (a sink is a
+partial with value zero and log-sum-exp ``sink``). Softcap applies to every
+logit, so to both passes.
+
+This module only plans (plain Python / NumPy on the host values already read
+for validation) and merges; :mod:`mlx_attn.paged` runs the passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_attn.distributed import merge_partials
+from mlx_attn.reference import _saturate
+
+__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "merge_cascade", "fold_sinks"]
+
+
+@dataclass
+class PassPlan:
+    """One call of the fused paged kernel: pseudo-sequences over some table
+    rows. ``rows`` are indices into the caller's ``q`` (in pass order)."""
+
+    table: list[list[int]] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def add(self, pages: list[int], kv_len: int, rows: list[int], *, bottom_aligned: bool) -> None:
+        """A pseudo-sequence of ``rows`` over the first ``kv_len`` keys of
+        ``pages``. Not bottom-aligned (no causal rule), the rows are cut into
+        pieces of at most ``kv_len`` (the kernel wants ``q_len <= kv_len``)."""
+        if not rows:
+            return
+        if bottom_aligned:
+            assert len(rows) <= kv_len, (len(rows), kv_len)
+            pieces = [rows]
+        else:
+            assert kv_len > 0
+            pieces = [rows[i : i + kv_len] for i in range(0, len(rows), kv_len)]
+        for piece in pieces:
+            self.table.append(pages)
+            self.kv_lens.append(kv_len)
+            self.q_lens.append(len(piece))
+            self.rows.extend(piece)
+
+    def arrays(self):
+        """``(block_table, kv_lens, q_lens, rows)`` as int32 MLX arrays."""
+        width = max(1, max((len(p) for p in self.table), default=1))
+        table = np.full((len(self.table), width), 0, np.int32)  # unread entries: any valid value
+        for i, pages in enumerate(self.table):
+            table[i, : len(pages)] = pages
+        as_mx = lambda a: mx.array(np.asarray(a, np.int32))  # noqa: E731
+        return mx.array(table), as_mx(self.kv_lens), as_mx(self.q_lens), as_mx(self.rows)
+
+
+@dataclass
+class CascadePlan:
+    """The three passes and, per query row of the call, where its partials
+    are (``-1``: none). A row is either direct (``direct_index >= 0``) or
+    merged from its prefix and suffix partials."""
+
+    prefix: PassPlan
+    suffix: PassPlan
+    direct: PassPlan
+    prefix_index: np.ndarray
+    suffix_index: np.ndarray
+    direct_index: np.ndarray
+
+
+def plan_cascade(q_lens, kv_lens, own_pages, prefix_pages, prefix_lens, groups, page_size, *, causal,
+                 window_size) -> CascadePlan:
+    """The passes of a checked cascade call (host ints). ``own_pages[b]``:
+    the pages of sequence ``b``'s own keys (after its group's prefix);
+    ``prefix_pages[g]`` / ``prefix_lens[g]``: group ``g``'s shared pages and
+    keys; ``groups[b]``: ``b``'s group or ``-1``."""
+    total_q = int(sum(q_lens))
+    prefix_index = np.full(total_q, -1, np.int64)
+    suffix_index = np.full(total_q, -1, np.int64)
+    direct_index = np.full(total_q, -1, np.int64)
+    prefix, suffix, direct = PassPlan(), PassPlan(), PassPlan()
+    group_rows: dict[int, list[int]] = {}
+
+    start = 0
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        g = groups[b]
+        shared = prefix_lens[g] if g >= 0 else 0
+        first = kv_len - q_len  # position of row 0
+        rows = list(range(start, start + q_len))
+        start += q_len
+        if shared == 0 or not causal:
+            lo, hi = 0, q_len  # every row takes the cascade
+        else:
+            # causal rows at or after the prefix's last key whose window covers key 0
+            lo = min(q_len, max(0, shared - 1 - first))
+            hi = q_len if window_size is None else max(lo, min(q_len, window_size - first))
+        full_pages = (prefix_pages[g] if g >= 0 else []) + own_pages[b]
+        for a, c in ((0, lo), (hi, q_len)):  # direct rows: over the full table, bottom-aligned at their last row
+            if c > a:
+                direct_index[rows[a:c]] = np.arange(len(direct.rows), len(direct.rows) + c - a)
+                end_keys = first + c if causal else kv_len
+                direct.add(full_pages[: -(-end_keys // page_size)], end_keys, rows[a:c], bottom_aligned=causal)
+        if hi <= lo:
+            continue
+        if shared:
+            group_rows.setdefault(g, []).extend(rows[lo:hi])
+        # suffix: the rows' own keys; a causal row at the prefix's last key has none
+        s_lo = max(lo, shared - first) if causal else lo
+        own_keys = (first + hi - shared) if causal else (kv_len - shared)
+        if hi > s_lo and own_keys > 0:
+            suffix_index[rows[s_lo:hi]] = np.arange(len(suffix.rows), len(suffix.rows) + hi - s_lo)
+            suffix.add(own_pages[b], own_keys, rows[s_lo:hi], bottom_aligned=causal)
+
+    for g, rows in group_rows.items():  # one pseudo-sequence (or a few) per group: the shared read
+        prefix_index[rows] = np.arange(len(prefix.rows), len(prefix.rows) + len(rows))
+        prefix.add(prefix_pages[g], prefix_lens[g], rows, bottom_aligned=False)
+    return CascadePlan(prefix, suffix, direct, prefix_index, suffix_index, direct_index)
+
+
+def _pick(out, lse, index: np.ndarray):
+    """Rows ``index`` of a pass's ``(out, lse)``; ``-1`` gives an empty
+    partial (zeros, ``-inf``)."""
+    heads, value_dim = out.shape[1], out.shape[2]
+    out = mx.concatenate([out, mx.zeros((1, heads, value_dim), out.dtype)])
+    lse = mx.concatenate([lse, mx.full((1, heads), -mx.inf, mx.float32)])
+    where = mx.array(np.where(index < 0, out.shape[0] - 1, index).astype(np.int32))
+    return mx.take(out, where, axis=0), mx.take(lse, where, axis=0)
+
+
+def fold_sinks(out: mx.array, lse: mx.array, sinks: mx.array):
+    """Adds the sink logits ``[Hq]`` to merged partials ``out [T, Hq, Dv]``,
+    ``lse [T, Hq]`` (float32): a sink is one more partial, of value zero."""
+    sink = _saturate(sinks.astype(mx.float32))[None, :]
+    total = mx.logaddexp(lse, sink)
+    weight = mx.where(lse == -mx.inf, 0.0, mx.exp(lse - total))
+    return out * weight[..., None], total
+
+
+def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim, dtype, sinks):
+    """The call's ``(out, lse)`` from the passes' ``(out, lse)`` (None for a
+    pass without rows): prefix and suffix merged, sinks once, direct rows
+    taken as they are."""
+    empty = (mx.zeros((0, heads, value_dim), dtype), mx.zeros((0, heads), mx.float32))
+    prefix, suffix, direct = (p if p is not None else empty for p in (prefix, suffix, direct))
+    out_p, lse_p = _pick(*prefix, plan.prefix_index)
+    out_s, lse_s = _pick(*suffix, plan.suffix_index)
+    out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
+    if (plan.direct_index >= 0).any():
+        out_d, lse_d = _pick(*direct, plan.direct_index)
+        is_direct = mx.array(plan.direct_index >= 0)
+        out = mx.where(is_direct[:, None, None], out_d.astype(mx.float32), out)
+        lse = mx.where(is_direct[:, None], lse_d, lse)
+    return out.astype(dtype), lse
