@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -412,6 +413,16 @@ def quantized_paged_attention(
 CascadePath = str  # "cascade-cpu", or the full-table call's path ("fused-metal", "reference")
 
 
+@functools.cache
+def _cpu_kernel_threads() -> int:
+    """The fused CPU kernel's pool size (csrc/cpu/thread_pool.cpp's rule)."""
+    try:
+        forced = int(os.environ.get("MLX_ATTN_NUM_THREADS", "0"))
+    except ValueError:
+        forced = 0
+    return forced if forced > 0 else (os.cpu_count() or 1)
+
+
 def _cascade_tables(q, num_pages, page_size, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens):
     """The shared level checked against the own level: ``(own pages per
     sequence, prefix pages per group, prefix lens, groups, full table)``
@@ -439,37 +450,53 @@ def _cascade_tables(q, num_pages, page_size, prefix_table, prefix_lens, prefix_g
         b = int(np.argmax((groups < -1) | (groups >= num_groups)))
         raise ValueError(f"prefix_groups[{b}] = {int(groups[b])} is not a group in [0, {num_groups}) or -1 (none)")
 
-    def pages_of(table, name, row, count, what):
+    def first_bad_entry(table, name, counts, what):
+        """Raises for the first read entry (the first ``counts[r]`` of row
+        ``r``) outside ``[0, num_pages)`` or beyond the table's columns."""
         columns = table.shape[1]
-        if count > columns:
-            raise ValueError(f"{what} needs {count} pages of {page_size} keys but {name} has only {columns} columns")
-        pages = table[row, :count]
-        bad = (pages < 0) | (pages >= num_pages)
+        if counts.size and counts.max() > columns:
+            r = int(np.argmax(counts > columns))
+            raise ValueError(f"{what(r)} needs {int(counts[r])} pages of {page_size} keys but {name} has only "
+                             f"{columns} columns")
+        read = np.arange(columns)[None, :] < counts[:, None]
+        bad = read & ((table < 0) | (table >= num_pages))
         if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(f"{name}[{row}, {j}] = {int(pages[j])} is not a page index in [0, {num_pages}) ({what})")
-        return pages.tolist()
+            r, j = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{name}[{r}, {j}] = {int(table[r, j])} is not a page index in [0, {num_pages}) "
+                             f"({what(r)})")
 
-    prefix_pages = [pages_of(shared_table, "prefix_table", g, -(-int(shared[g]) // page_size),
-                             f"prefix_lens[{g}] = {int(shared[g])}") for g in range(num_groups)]
-    own_pages, full_pages = [], []
-    for b in range(batch):
-        g = int(groups[b])
-        before = int(shared[g]) if g >= 0 else 0
-        if before > kv[b]:
-            raise ValueError(f"prefix_lens[{g}] = {before} is longer than sequence {b} of its group "
-                             f"(kv_lens[{b}] = {int(kv[b])})")
-        own = int(kv[b]) - before
-        if own and before % page_size:
-            raise ValueError(f"prefix_lens[{g}] = {before} must be a multiple of page_size ({page_size}): "
-                             f"sequence {b} has own keys after it, which start on a fresh page")
-        own_pages.append(pages_of(own_table, "block_table", b, -(-own // page_size),
-                                  f"sequence {b}'s {own} own keys after its prefix"))
-        full_pages.append((prefix_pages[g] if g >= 0 else []) + own_pages[-1])
-    full = np.full((batch, max(1, max((len(p) for p in full_pages), default=1))), -1, np.int32)
-    for b, pages in enumerate(full_pages):
-        full[b, : len(pages)] = pages
-    return own_pages, prefix_pages, shared.tolist(), groups.tolist(), mx.array(full)
+    prefix_counts = -(-shared.astype(np.int64) // page_size)
+    first_bad_entry(shared_table, "prefix_table", prefix_counts, lambda g: f"prefix_lens[{g}] = {int(shared[g])}")
+    before = np.where(groups >= 0, shared[np.maximum(groups, 0)] if num_groups else 0, 0).astype(np.int64)
+    if (before > kv).any():
+        b = int(np.argmax(before > kv))
+        raise ValueError(f"prefix_lens[{int(groups[b])}] = {int(before[b])} is longer than sequence {b} of its "
+                         f"group (kv_lens[{b}] = {int(kv[b])})")
+    own = kv - before
+    unaligned = (own > 0) & (before % page_size != 0)
+    if unaligned.any():
+        b = int(np.argmax(unaligned))
+        raise ValueError(f"prefix_lens[{int(groups[b])}] = {int(before[b])} must be a multiple of page_size "
+                         f"({page_size}): sequence {b} has own keys after it, which start on a fresh page")
+    own_counts = -(-own // page_size)
+    first_bad_entry(own_table, "block_table", own_counts,
+                    lambda b: f"sequence {b}'s {int(own[b])} own keys after its prefix")
+
+    prefix_pages = [shared_table[g, : prefix_counts[g]].tolist() for g in range(num_groups)]
+    own_pages = [own_table[b, : own_counts[b]].tolist() for b in range(batch)]
+    # the full tables: prefix pages, then own pages (what paged_attention would take)
+    lead = np.where(groups >= 0, prefix_counts[np.maximum(groups, 0)] if num_groups else 0, 0)
+    width = max(1, int((lead + own_counts).max(initial=0)))
+    column = np.arange(width)[None, :]
+    own_column = column - lead[:, None]
+    full = np.full((batch, width), -1, np.int32)
+    if num_groups and shared_columns:
+        from_prefix = shared_table[np.maximum(groups, 0)][:, np.minimum(column[0], shared_columns - 1)]
+        full = np.where(column < lead[:, None], from_prefix, full)
+    if own_columns:
+        from_own = np.take_along_axis(own_table, np.clip(own_column, 0, own_columns - 1), axis=1)
+        full = np.where((own_column >= 0) & (own_column < own_counts[:, None]), from_own, full)
+    return own_pages, prefix_pages, shared.tolist(), groups.tolist(), mx.array(full.astype(np.int32))
 
 
 @dataclass(frozen=True, eq=False)
@@ -557,7 +584,8 @@ def _prepare_cascade(q, k_parts, v_parts, prefix_table, prefix_lens, prefix_grou
     full = _PagedCall.build(q, k_parts, v_parts, dtype, layout, full_table, kv_lens, q_lens, sinks, options,
                             "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size)
     plan = plan_cascade(layout.q_lens, layout.kv_lens, own_pages, prefix_pages, shared, groups, layout.page_size,
-                        causal=full.causal, window_size=full.window_size)
+                        causal=full.causal, window_size=full.window_size, kv_heads=layout.kv_heads,
+                        gqa=layout.heads // layout.kv_heads, threads=_cpu_kernel_threads())
     call = _CascadeCall(full, plan, backend)
     call.path  # noqa: B018  (backend="fused" raises here, at the call)
     return call

@@ -84,7 +84,8 @@ class PassPlan:
 class CascadePlan:
     """The three passes and, per query row of the call, where its partials
     are (``-1``: none). A row is either direct (``direct_index >= 0``) or
-    merged from its prefix and suffix partials."""
+    merged from its suffix partial and its prefix partials, one per key
+    split of its group's prefix (``prefix_index[split, row]``)."""
 
     prefix: PassPlan
     suffix: PassPlan
@@ -94,25 +95,47 @@ class CascadePlan:
     direct_index: np.ndarray
 
 
+# Split-K of the prefix pass: a split holds at least this many keys, and a
+# group's prefix is split until its work items (kv heads x row tiles x
+# splits) give every kernel thread two.
+MIN_SPLIT_KEYS = 512
+ROWS_PER_TILE = 128  # the CPU kernel's kMaxRows (csrc/cpu/kernels.h): query rows x GQA group
+
+
+def prefix_splits(prefix_keys: int, rows: int, *, kv_heads: int, gqa: int, threads: int, page_size: int):
+    """``[(first page, pages, keys), ...]``: the key splits of one group's
+    prefix pass."""
+    pages = -(-prefix_keys // page_size)
+    tiles = kv_heads * -(-rows * gqa // ROWS_PER_TILE)
+    wanted = max(1, min(-(-2 * threads // tiles), prefix_keys // MIN_SPLIT_KEYS))
+    per_split = -(-pages // wanted)
+    return [(first, min(per_split, pages - first),
+             min(prefix_keys, (first + per_split) * page_size) - first * page_size)
+            for first in range(0, pages, per_split)]
+
+
 def plan_cascade(q_lens, kv_lens, own_pages, prefix_pages, prefix_lens, groups, page_size, *, causal,
-                 window_size) -> CascadePlan:
+                 window_size, kv_heads=1, gqa=1, threads=1) -> CascadePlan:
     """The passes of a checked cascade call (host ints). ``own_pages[b]``:
     the pages of sequence ``b``'s own keys (after its group's prefix);
     ``prefix_pages[g]`` / ``prefix_lens[g]``: group ``g``'s shared pages and
-    keys; ``groups[b]``: ``b``'s group or ``-1``."""
+    keys; ``groups[b]``: ``b``'s group or ``-1``. ``kv_heads``, ``gqa`` and
+    ``threads`` size the prefix pass's key splits."""
     total_q = int(sum(q_lens))
-    prefix_index = np.full(total_q, -1, np.int64)
-    suffix_index = np.full(total_q, -1, np.int64)
-    direct_index = np.full(total_q, -1, np.int64)
+    # plain lists while planning (a few host microseconds per sequence), arrays at the end
+    suffix_index, direct_index = [-1] * total_q, [-1] * total_q
     prefix, suffix, direct = PassPlan(), PassPlan(), PassPlan()
     group_rows: dict[int, list[int]] = {}
+
+    def place(index, plan, rows):
+        index[rows.start : rows.stop] = range(len(plan.rows), len(plan.rows) + len(rows))
 
     start = 0
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         g = groups[b]
         shared = prefix_lens[g] if g >= 0 else 0
         first = kv_len - q_len  # position of row 0
-        rows = list(range(start, start + q_len))
+        rows = range(start, start + q_len)
         start += q_len
         if shared == 0 or not causal:
             lo, hi = 0, q_len  # every row takes the cascade
@@ -120,12 +143,13 @@ def plan_cascade(q_lens, kv_lens, own_pages, prefix_pages, prefix_lens, groups, 
             # causal rows at or after the prefix's last key whose window covers key 0
             lo = min(q_len, max(0, shared - 1 - first))
             hi = q_len if window_size is None else max(lo, min(q_len, window_size - first))
-        full_pages = (prefix_pages[g] if g >= 0 else []) + own_pages[b]
         for a, c in ((0, lo), (hi, q_len)):  # direct rows: over the full table, bottom-aligned at their last row
             if c > a:
-                direct_index[rows[a:c]] = np.arange(len(direct.rows), len(direct.rows) + c - a)
+                place(direct_index, direct, rows[a:c])
                 end_keys = first + c if causal else kv_len
-                direct.add(full_pages[: -(-end_keys // page_size)], end_keys, rows[a:c], bottom_aligned=causal)
+                full_pages = (prefix_pages[g] if g >= 0 else []) + own_pages[b]
+                direct.add(full_pages[: -(-end_keys // page_size)], end_keys, list(rows[a:c]),
+                           bottom_aligned=causal)
         if hi <= lo:
             continue
         if shared:
@@ -134,18 +158,31 @@ def plan_cascade(q_lens, kv_lens, own_pages, prefix_pages, prefix_lens, groups, 
         s_lo = max(lo, shared - first) if causal else lo
         own_keys = (first + hi - shared) if causal else (kv_len - shared)
         if hi > s_lo and own_keys > 0:
-            suffix_index[rows[s_lo:hi]] = np.arange(len(suffix.rows), len(suffix.rows) + hi - s_lo)
-            suffix.add(own_pages[b], own_keys, rows[s_lo:hi], bottom_aligned=causal)
+            place(suffix_index, suffix, rows[s_lo:hi])
+            suffix.add(own_pages[b], own_keys, list(rows[s_lo:hi]), bottom_aligned=causal)
 
-    for g, rows in group_rows.items():  # one pseudo-sequence (or a few) per group: the shared read
-        prefix_index[rows] = np.arange(len(prefix.rows), len(prefix.rows) + len(rows))
-        prefix.add(prefix_pages[g], prefix_lens[g], rows, bottom_aligned=False)
+    # one pseudo-sequence (or a few) per group and key split: the shared read
+    split_index = []
+    for g, rows in group_rows.items():
+        splits = prefix_splits(prefix_lens[g], len(rows), kv_heads=kv_heads, gqa=gqa, threads=threads,
+                               page_size=page_size)
+        while len(split_index) < len(splits):
+            split_index.append([-1] * total_q)
+        for (first, count, keys), index in zip(splits, split_index):
+            for i, row in enumerate(rows, start=len(prefix.rows)):
+                index[row] = i
+            prefix.add(prefix_pages[g][first : first + count], keys, rows, bottom_aligned=False)
+    prefix_index = np.asarray(split_index, np.int64).reshape(len(split_index), total_q)
+    suffix_index, direct_index = np.asarray(suffix_index, np.int64), np.asarray(direct_index, np.int64)
     return CascadePlan(prefix, suffix, direct, prefix_index, suffix_index, direct_index)
 
 
 def _pick(out, lse, index: np.ndarray):
     """Rows ``index`` of a pass's ``(out, lse)``; ``-1`` gives an empty
     partial (zeros, ``-inf``)."""
+    if index.size and index[0] >= 0 and (np.diff(index) == 1).all():
+        first = int(index[0])  # consecutive rows (a decode batch, a key split): a slice, no gather
+        return out[first : first + index.size], lse[first : first + index.size]
     heads, value_dim = out.shape[1], out.shape[2]
     out = mx.concatenate([out, mx.zeros((1, heads, value_dim), out.dtype)])
     lse = mx.concatenate([lse, mx.full((1, heads), -mx.inf, mx.float32)])
@@ -168,9 +205,9 @@ def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim
     taken as they are."""
     empty = (mx.zeros((0, heads, value_dim), dtype), mx.zeros((0, heads), mx.float32))
     prefix, suffix, direct = (p if p is not None else empty for p in (prefix, suffix, direct))
-    out_p, lse_p = _pick(*prefix, plan.prefix_index)
-    out_s, lse_s = _pick(*suffix, plan.suffix_index)
-    out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
+    out, lse = _pick(*suffix, plan.suffix_index)
+    for split in plan.prefix_index:
+        out, lse = merge_partials(*_pick(*prefix, split), out, lse)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     if (plan.direct_index >= 0).any():

@@ -281,3 +281,20 @@ def test_random_cascades(p):
     seed, page_size, groups, loose, kv_heads, options = p
     case = make_case(np.random.default_rng(seed), groups, loose, heads=2, kv_heads=kv_heads, page_size=page_size)
     check(case, **options)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_prefix_key_splits_merge_exactly(monkeypatch, threads):
+    """A long prefix is cut into key splits (split-K) to give every kernel
+    thread work; the splits' partials merge back to the paged result."""
+    import mlx_attn.paged as paged
+
+    monkeypatch.setattr(paged, "_cpu_kernel_threads", lambda: threads)
+    case = make_case(np.random.default_rng(11), [(129, [(1, 9), (3, 20), (1, 1)]), (40, [(2, 5)])], [(1, 30)],
+                     page_size=16)
+    plan = _plan(case, causal=True, window_size=None)
+    splits = plan.prefix_index.shape[0]
+    assert (splits == 1) if threads == 1 else (splits > 1)
+    assert all(kv <= 129 * 16 for kv in plan.prefix.kv_lens) and sum(plan.prefix.kv_lens[:splits]) >= 2064
+    check(case, sinks=mx.array([1.0, 2.0, -1.0, 0.0]), softcap=3.0)
+    check(case, window_size=2070)
