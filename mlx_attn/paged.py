@@ -69,7 +69,7 @@ import numpy as np
 from mlx_attn import _native, self_check
 from mlx_attn.core.attention_arguments import (as_flag, as_scale, as_softcap, check_sinks, check_window_size,
                                                device_type)
-from mlx_attn.core.paged_layout import (PagedLayout, _check_int32, check_float_array, check_paged_layout,
+from mlx_attn.core.paged_layout import (PagedLayout, check_float_array, check_int32_values, check_paged_layout,
                                         page_shape)
 from mlx_attn.core.path_choice import PagedPath, check_backend
 from mlx_attn.core.quantization import check_quantization, check_triple
@@ -427,22 +427,22 @@ def _cascade_tables(q, num_pages, page_size, prefix_table, prefix_lens, prefix_g
     """The shared level checked against the own level: ``(own pages per
     sequence, prefix pages per group, prefix lens, groups, full table)``
     (host ints; the full table is what paged_attention would take)."""
-    own_table = _check_int32("block_table", block_table, 2, "[batch, max_pages]")
+    own_table = check_int32_values("block_table", block_table, 2, "[batch, max_pages]")
     batch, own_columns = own_table.shape
-    kv = _check_int32("kv_lens", kv_lens, 1, "[batch]")
+    kv = check_int32_values("kv_lens", kv_lens, 1, "[batch]")
     if kv.shape[0] != batch:
         raise ValueError(f"kv_lens must have shape [batch] = [{batch}] (block_table's rows), got {kv.shape}")
     if (kv < 0).any():
         raise ValueError(f"kv_lens must be >= 0, got {kv.tolist()}")
-    shared_table = _check_int32("prefix_table", prefix_table, 2, "[groups, max_prefix_pages]")
+    shared_table = check_int32_values("prefix_table", prefix_table, 2, "[groups, max_prefix_pages]")
     num_groups, shared_columns = shared_table.shape
-    shared = _check_int32("prefix_lens", prefix_lens, 1, "[groups]")
+    shared = check_int32_values("prefix_lens", prefix_lens, 1, "[groups]")
     if shared.shape[0] != num_groups:
         raise ValueError(
             f"prefix_lens must have shape [groups] = [{num_groups}] (prefix_table's rows), got {shared.shape}")
     if (shared < 0).any():
         raise ValueError(f"prefix_lens must be >= 0, got {shared.tolist()}")
-    groups = _check_int32("prefix_groups", prefix_groups, 1, "[batch]")
+    groups = check_int32_values("prefix_groups", prefix_groups, 1, "[batch]")
     if groups.shape[0] != batch:
         raise ValueError(
             f"prefix_groups must have shape [batch] = [{batch}] (block_table's rows), got {groups.shape}")

@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_attn.distributed import merge_partials
-from mlx_attn.reference import _saturate
+from mlx_attn.reference import LOGIT_LIMIT
 
 __all__ = ["CascadePlan", "PassPlan", "plan_cascade", "merge_cascade", "fold_sinks"]
 
@@ -193,7 +193,7 @@ def _pick(out, lse, index: np.ndarray):
 def fold_sinks(out: mx.array, lse: mx.array, sinks: mx.array):
     """Adds the sink logits ``[Hq]`` to merged partials ``out [T, Hq, Dv]``,
     ``lse [T, Hq]`` (float32): a sink is one more partial, of value zero."""
-    sink = _saturate(sinks.astype(mx.float32))[None, :]
+    sink = mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]  # saturated, as the kernels do
     total = mx.logaddexp(lse, sink)
     weight = mx.where(lse == -mx.inf, 0.0, mx.exp(lse - total))
     return out * weight[..., None], total
