@@ -20,8 +20,9 @@ paged kernel, then merges:
   today's paged op costs for them.
 
 Prefix and suffix partials merge by their log-sum-exp
-(:func:`mlx_attn.distributed.merge_partials`, the split-K merge); sinks are
-left out of both passes and folded in once, in the merge (a sink is a
+(:func:`merge_partials_and_sinks`: :func:`mlx_attn.distributed.merge_partials`,
+the split-K merge, over any number of partials); sinks
+are left out of both passes and counted once, in the merge (a sink is a
 partial with value zero and log-sum-exp ``sink``). Softcap applies to every
 logit, so to both passes.
 
@@ -36,10 +37,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlx_attn.distributed import merge_partials
 from mlx_attn.reference import LOGIT_LIMIT
 
-__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "merge_cascade", "fold_sinks"]
+__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks"]
 
 
 @dataclass
@@ -190,29 +190,51 @@ def _pick(out, lse, index: np.ndarray):
     return mx.take(out, where, axis=0), mx.take(lse, where, axis=0)
 
 
-def fold_sinks(out: mx.array, lse: mx.array, sinks: mx.array):
-    """Adds the sink logits ``[Hq]`` to merged partials ``out [T, Hq, Dv]``,
-    ``lse [T, Hq]`` (float32): a sink is one more partial, of value zero."""
-    sink = mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]  # saturated, as the kernels do
-    total = mx.logaddexp(lse, sink)
-    weight = mx.where(lse == -mx.inf, 0.0, mx.exp(lse - total))
-    return out * weight[..., None], total
+# Plain ops, not mx.compile: on the CPU a compiled graph is C++ compiled on first use
+# of each shape (seconds), and a serving step's row count changes every step.
+def _merge_all(outs: list, lses: list, sink: mx.array, like: mx.array):
+    """The merge of :func:`merge_partials_and_sinks`; the output in ``like``'s dtype."""
+    lses = [lse.astype(mx.float32) for lse in lses]
+    top = sink
+    for lse in lses:
+        top = mx.maximum(top, lse)
+    top = mx.where(top == -mx.inf, 0.0, top)  # no key and no sink: any finite shift
+    weights = [mx.exp(lse - top) for lse in lses]
+    total = mx.exp(sink - top)
+    out = 0.0
+    for weight, part in zip(weights, outs):
+        total = total + weight
+        out = out + part.astype(mx.float32) * weight[..., None]
+    safe = mx.where(total == 0, 1.0, total)
+    lse = mx.where(total == 0, -mx.inf, top + mx.log(safe))
+    return (out / safe[..., None]).astype(like.dtype), lse
+
+
+def merge_partials_and_sinks(outs: list, lses: list, sinks: mx.array | None, dtype):
+    """:func:`mlx_attn.distributed.merge_partials` over any number of
+    partials ``out [T, Hq, Dv]``, ``lse [T, Hq]`` of disjoint key sets, with
+    the sink logits ``[Hq]`` counted once (a sink is one more partial, of
+    value zero). A side with ``lse = -inf`` adds nothing; a row with no key
+    and no sink gives zeros and ``-inf``. Returns ``(out in dtype, lse float32)``."""
+    heads = lses[0].shape[1]
+    if sinks is None:
+        sink = mx.full((1, heads), -mx.inf, mx.float32)
+    else:  # saturated, as the kernels do
+        sink = mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]
+    return _merge_all(list(outs), list(lses), sink, mx.zeros((), dtype))
 
 
 def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim, dtype, sinks):
     """The call's ``(out, lse)`` from the passes' ``(out, lse)`` (None for a
-    pass without rows): prefix and suffix merged, sinks once, direct rows
-    taken as they are."""
+    pass without rows): suffix and prefix splits merged, sinks once, direct
+    rows taken as they are."""
     empty = (mx.zeros((0, heads, value_dim), dtype), mx.zeros((0, heads), mx.float32))
     prefix, suffix, direct = (p if p is not None else empty for p in (prefix, suffix, direct))
-    out, lse = _pick(*suffix, plan.suffix_index)
-    for split in plan.prefix_index:
-        out, lse = merge_partials(*_pick(*prefix, split), out, lse)
-    if sinks is not None:
-        out, lse = fold_sinks(out, lse, sinks)
+    parts = [_pick(*suffix, plan.suffix_index)] + [_pick(*prefix, split) for split in plan.prefix_index]
+    out, lse = merge_partials_and_sinks([o for o, _ in parts], [l for _, l in parts], sinks, dtype)
     if (plan.direct_index >= 0).any():
         out_d, lse_d = _pick(*direct, plan.direct_index)
         is_direct = mx.array(plan.direct_index >= 0)
-        out = mx.where(is_direct[:, None, None], out_d.astype(mx.float32), out)
+        out = mx.where(is_direct[:, None, None], out_d, out)
         lse = mx.where(is_direct[:, None], lse_d, lse)
-    return out.astype(dtype), lse
+    return out, lse

@@ -192,18 +192,27 @@ def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
     case = make_case(np.random.default_rng(6), GROUPS, LOOSE)
     sinks = mx.array([2.0, -1.0, 0.5, 3.0])
     check(case, sinks=sinks)
-    merge = paged_cascade.merge_partials
-    monkeypatch.setattr(paged_cascade, "merge_partials", lambda oa, la, ob, lb: (oa, la))  # drops the suffix
+    merge = paged_cascade.merge_partials_and_sinks
+
+    def drop(keep):
+        return lambda outs, lses, sinks, dtype: merge(keep(outs), keep(lses), sinks, dtype)
+
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", drop(lambda parts: parts[:1]))  # suffix only
     with pytest.raises(AssertionError):
         check(case)
-    monkeypatch.setattr(paged_cascade, "merge_partials", lambda oa, la, ob, lb: (ob, lb))  # drops the prefix
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", drop(lambda parts: parts[1:]))  # prefix only
     with pytest.raises(AssertionError):
         check(case)
-    monkeypatch.setattr(paged_cascade, "merge_partials", merge)
-    fold = paged_cascade.fold_sinks
-    monkeypatch.setattr(paged_cascade, "fold_sinks", lambda o, l, s: fold(*fold(o, l, s), s))  # sinks twice
+
+    def sinks_twice(outs, lses, sinks, dtype):
+        sink = mx.broadcast_to(sinks.astype(mx.float32)[None], lses[0].shape)
+        return merge(outs + [mx.zeros_like(outs[0])], lses + [sink], sinks, dtype)
+
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", sinks_twice)
     with pytest.raises(AssertionError):
         check(case, sinks=sinks)
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", merge)
+    check(case, sinks=sinks)
 
 
 def test_reference_backend_and_paths():
