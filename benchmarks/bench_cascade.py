@@ -177,7 +177,7 @@ def grid(full: bool):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=61)
     p.add_argument("--full", action="store_true", help="the whole grid (many minutes)")
     p.add_argument("--quick", action="store_true", help="two tiny rows, for a smoke test")
     args = p.parse_args(argv)
