@@ -89,10 +89,13 @@ def calls_of(batch, scale, bits):
 
 def timed_side_by_side(calls, repeats):
     """Median and best seconds of each call and its result: one warm-up run
-    each, then the calls alternate, so a burst of load on a shared machine
-    hits both."""
+    each, then the calls alternate (fewer times for slow calls), so a burst
+    of load on a shared machine hits both."""
+    start = time.perf_counter()
     results = {name: fn() for name, fn in calls.items()}
     mx.eval(*results.values())
+    warm_up = time.perf_counter() - start
+    repeats = max(3, min(repeats, int(5.0 / max(warm_up, 1e-6))))  # about 5 s a row at most
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
@@ -180,11 +183,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=61)
     p.add_argument("--full", action="store_true", help="the whole grid (many minutes)")
     p.add_argument("--quick", action="store_true", help="two tiny rows, for a smoke test")
+    p.add_argument("--case", action="append", default=[], metavar="S,P,OWN,D,PAGES",
+                   help="only this row (repeatable), e.g. 64,4096,64,64,4-bit")
     args = p.parse_args(argv)
     if _native.ext is None:
         raise SystemExit("bench_cascade needs the native extension mlx_attn._ext")
     mx.set_default_device(mx.cpu)
     cases = [(4, 64, 16, 64, "fp16"), (4, 64, 16, 64, "4-bit")] if args.quick else grid(args.full)
+    if args.case:
+        cases = [tuple(int(x) for x in c.split(",")[:4]) + (c.split(",")[4],) for c in args.case]
     repeats = 2 if args.quick else args.repeats
     rows = []
     for i, (sequences, prefix, own, d, pages) in enumerate(cases):
@@ -196,7 +203,7 @@ def main(argv=None):
     print()
     print(table)
     command = "python benchmarks/bench_cascade.py" + (" --full" if args.full else "") + (
-        " --quick" if args.quick else "")
+        " --quick" if args.quick else "") + "".join(f" --case {c}" for c in args.case)
     result = {"command": command, "cpu": cpu_model(), "cpu_isa": _native.ext.cpu_isa(), "kv_heads": KV_HEADS,
               "gqa": GQA, "page_size": PAGE_SIZE, "repeats": repeats, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -423,19 +424,35 @@ def _cpu_kernel_threads() -> int:
     return forced if forced > 0 else (os.cpu_count() or 1)
 
 
+class _FullPages(Sequence):
+    """The pages each sequence reads, prefix then own, joined when asked
+    for (the reference path asks; the cascade does not)."""
+
+    def __init__(self, prefix_pages, own_pages, groups):
+        self.prefix_pages, self.own_pages, self.groups = prefix_pages, own_pages, groups
+
+    def __len__(self):
+        return len(self.own_pages)
+
+    def __getitem__(self, b):
+        g = self.groups[b]
+        return (self.prefix_pages[g] if g >= 0 else []) + self.own_pages[b]
+
+
 def _cascade_tables(q, num_pages, page_size, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens):
     """The shared level checked against the own level: ``(own pages per
-    sequence, prefix pages per group, prefix lens, groups, full table)``
-    (host ints; the full table is what paged_attention would take)."""
+    sequence, prefix pages per group, full pages per sequence, prefix lens,
+    groups, full table)`` (host ints; the full table is what
+    paged_attention would take)."""
     own_table = check_int32_values("block_table", block_table, 2, "[batch, max_pages]")
-    batch, own_columns = own_table.shape
+    batch = own_table.shape[0]
     kv = check_int32_values("kv_lens", kv_lens, 1, "[batch]")
     if kv.shape[0] != batch:
         raise ValueError(f"kv_lens must have shape [batch] = [{batch}] (block_table's rows), got {kv.shape}")
     if (kv < 0).any():
         raise ValueError(f"kv_lens must be >= 0, got {kv.tolist()}")
     shared_table = check_int32_values("prefix_table", prefix_table, 2, "[groups, max_prefix_pages]")
-    num_groups, shared_columns = shared_table.shape
+    num_groups = shared_table.shape[0]
     shared = check_int32_values("prefix_lens", prefix_lens, 1, "[groups]")
     if shared.shape[0] != num_groups:
         raise ValueError(
@@ -484,19 +501,21 @@ def _cascade_tables(q, num_pages, page_size, prefix_table, prefix_lens, prefix_g
 
     prefix_pages = [shared_table[g, : prefix_counts[g]].tolist() for g in range(num_groups)]
     own_pages = [own_table[b, : own_counts[b]].tolist() for b in range(batch)]
-    # the full tables: prefix pages, then own pages (what paged_attention would take)
+    full_pages = _FullPages(prefix_pages, own_pages, groups.tolist())
+    # the full tables: prefix pages, then own pages (what paged_attention would take), built
+    # in NumPy: a Python list of every entry costs ~0.1 ms per 4k entries
     lead = np.where(groups >= 0, prefix_counts[np.maximum(groups, 0)] if num_groups else 0, 0)
     width = max(1, int((lead + own_counts).max(initial=0)))
     column = np.arange(width)[None, :]
-    own_column = column - lead[:, None]
     full = np.full((batch, width), -1, np.int32)
-    if num_groups and shared_columns:
-        from_prefix = shared_table[np.maximum(groups, 0)][:, np.minimum(column[0], shared_columns - 1)]
+    if num_groups and shared_table.shape[1]:
+        from_prefix = shared_table[np.maximum(groups, 0)][:, np.minimum(column[0], shared_table.shape[1] - 1)]
         full = np.where(column < lead[:, None], from_prefix, full)
-    if own_columns:
-        from_own = np.take_along_axis(own_table, np.clip(own_column, 0, own_columns - 1), axis=1)
+    if own_table.shape[1]:
+        own_column = column - lead[:, None]
+        from_own = np.take_along_axis(own_table, np.clip(own_column, 0, own_table.shape[1] - 1), axis=1)
         full = np.where((own_column >= 0) & (own_column < own_counts[:, None]), from_own, full)
-    return own_pages, prefix_pages, shared.tolist(), groups.tolist(), mx.array(full.astype(np.int32))
+    return own_pages, prefix_pages, full_pages, shared.tolist(), groups.tolist(), mx.array(full.astype(np.int32))
 
 
 @dataclass(frozen=True, eq=False)
@@ -577,9 +596,10 @@ def _prepare_cascade(q, k_parts, v_parts, prefix_table, prefix_lens, prefix_grou
     k_shape, v_shape = page_shape(k_parts[0], bits), page_shape(v_parts[0], bits)
     if k_shape[2] == 0:
         raise ValueError(f"k_pages must have page_size >= 1, got shape {k_shape}")
-    own_pages, prefix_pages, shared, groups, full_table = _cascade_tables(
+    own_pages, prefix_pages, full_pages, shared, groups, full_table = _cascade_tables(
         q, k_shape[0], k_shape[2], prefix_table, prefix_lens, prefix_groups, block_table, kv_lens)
-    layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], full_table, kv_lens, q_lens)
+    layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], full_table, kv_lens, q_lens,
+                                checked_pages=full_pages)
     options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     full = _PagedCall.build(q, k_parts, v_parts, dtype, layout, full_table, kv_lens, q_lens, sinks, options,
                             "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size)

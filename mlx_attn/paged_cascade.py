@@ -73,11 +73,8 @@ class PassPlan:
     def arrays(self):
         """``(block_table, kv_lens, q_lens, rows)`` as int32 MLX arrays."""
         width = max(1, max((len(p) for p in self.table), default=1))
-        table = np.full((len(self.table), width), 0, np.int32)  # unread entries: any valid value
-        for i, pages in enumerate(self.table):
-            table[i, : len(pages)] = pages
-        as_mx = lambda a: mx.array(np.asarray(a, np.int32))  # noqa: E731
-        return mx.array(table), as_mx(self.kv_lens), as_mx(self.q_lens), as_mx(self.rows)
+        table = [pages + [0] * (width - len(pages)) for pages in self.table]  # unread entries: any valid page
+        return tuple(mx.array(a, dtype=mx.int32) for a in (table, self.kv_lens, self.q_lens, self.rows))
 
 
 @dataclass

@@ -5,6 +5,7 @@ the shapes of q and the pages, and what each sequence reads. Shared by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ class PagedLayout:
 
     q_lens: list[int]
     kv_lens: list[int]
-    pages: list[list[int]]  # the pages each sequence reads, in key order
+    pages: Sequence[list[int]]  # the pages each sequence reads, in key order
     heads: int
     kv_heads: int
     page_size: int
@@ -48,9 +49,12 @@ def check_int32_values(name: str, a, ndim: int, meaning: str) -> np.ndarray:
     return np.asarray(a) if a.size else np.zeros(a.shape, np.int32)
 
 
-def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens) -> PagedLayout:
+def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens, *,
+                       checked_pages: Sequence[list[int]] | None = None) -> PagedLayout:
     """Shapes of q and the pages (given as 4-d shapes) and the values of the
-    integer arguments, checked on the host."""
+    integer arguments, checked on the host. ``checked_pages``: the pages each
+    sequence reads, already checked by the caller (the cascade, which checks
+    its two tables and builds ``block_table`` from them), so not checked again."""
     total_q, heads, head_dim = q.shape
     _, kv_heads, page_size, k_dim = k_shape
     if k_shape[:3] != v_shape[:3]:
@@ -99,6 +103,8 @@ def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_l
             f"kv_lens[{b}] = {int(kv[b])} needs {int(needed[b])} pages of {page_size} keys but block_table "
             f"has only {max_pages} columns"
         )
+    if checked_pages is not None:
+        return PagedLayout(ql.tolist(), kv.tolist(), checked_pages, heads, kv_heads, page_size, v_shape[3])
     pages = []
     for b in range(batch):
         row = table[b, : needed[b]]
