@@ -30,6 +30,12 @@ arguments' values (one small device-to-host read of ``block_table``,
 :func:`quantized_paged_attention` is the sibling for pages stored in the
 ``QuantizedKVCache`` format (``mx.quantize`` triples per page, 4 or 8 bits).
 
+:func:`cascade_paged_attention` (and :func:`quantized_cascade_paged_attention`)
+takes a shared level in front of each sequence's own pages: groups of
+sequences whose keys begin with the same pages read them once per group
+(three passes of the fused paged kernel merged by log-sum-exp on the CPU,
+:mod:`mlx_attn.paged_cascade`; docs/paged.md, "Cascade").
+
 Implementations (:func:`paged_attention_path` says which one a call takes):
 
 - ``"fused-cpu"``: the fused CPU kernel (``csrc/cpu/``): the dense kernel's

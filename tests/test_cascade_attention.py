@@ -307,3 +307,18 @@ def test_prefix_key_splits_merge_exactly(monkeypatch, threads):
     assert all(kv <= 129 * 16 for kv in plan.prefix.kv_lens) and sum(plan.prefix.kv_lens[:splits]) >= 2064
     check(case, sinks=mx.array([1.0, 2.0, -1.0, 0.0]), softcap=3.0)
     check(case, window_size=2070)
+
+
+def test_head_dims_the_kernel_cannot_run_fall_back_or_raise():
+    """D = 1032 is past the CPU kernel's head dims (kMaxHeadDim 1024): "auto"
+    runs the paged op over the full tables (its reference path), "fused"
+    says why not."""
+    case = make_case(np.random.default_rng(12), [(1, [(1, 3), (2, 2)])], [(1, 5)], dim=1032)
+    args = [case[n] for n in ("q", "k", "v", "prefix_table", "prefix_lens", "prefix_groups", "block_table",
+                              "kv_lens")]
+    assert cascade_paged_attention_path(*args, q_lens=case["q_lens"]) == "reference"
+    out, _ = cascade(case, scale=0.05)
+    want, _ = oracle_full(case, scale=0.05)
+    np.testing.assert_allclose(as64(out), want, atol=3e-5, rtol=3e-5)
+    with pytest.raises(ValueError, match="backend='fused' is not possible"):
+        cascade(case, scale=0.05, backend="fused")
