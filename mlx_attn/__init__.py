@@ -35,6 +35,8 @@ _EXPORTS = {
     "quantized_attention_path": "mlx_attn.quantized",
     "paged_attention": "mlx_attn.paged",
     "quantized_paged_attention": "mlx_attn.paged",
+    "cascade_paged_attention": "mlx_attn.paged",
+    "quantized_cascade_paged_attention": "mlx_attn.paged",
 }
 
 __all__ = [*_EXPORTS, "use_system_blas", "blas_choice"]
@@ -44,7 +46,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from mlx_attn.attention import MultiHeadAttention
     from mlx_attn.cache import ConcatKVCache, KVCache, QuantizedKVCache, RotatingKVCache
     from mlx_attn.ops import attention_path, scaled_dot_product_attention
-    from mlx_attn.paged import paged_attention, quantized_paged_attention
+    from mlx_attn.paged import (cascade_paged_attention, paged_attention, quantized_cascade_paged_attention,
+                                quantized_paged_attention)
     from mlx_attn.quantized import quantized_attention_path, quantized_scaled_dot_product_attention
     from mlx_attn.reference import reference_attention
     from mlx_attn.rope import RoPE

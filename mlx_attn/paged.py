@@ -30,6 +30,12 @@ arguments' values (one small device-to-host read of ``block_table``,
 :func:`quantized_paged_attention` is the sibling for pages stored in the
 ``QuantizedKVCache`` format (``mx.quantize`` triples per page, 4 or 8 bits).
 
+:func:`cascade_paged_attention` (and :func:`quantized_cascade_paged_attention`)
+takes a shared level in front of each sequence's own pages: groups of
+sequences whose keys begin with the same pages read them once per group
+(three passes of the fused paged kernel merged by log-sum-exp on the CPU,
+:mod:`mlx_attn.paged_cascade`; docs/paged.md, "Cascade").
+
 Implementations (:func:`paged_attention_path` says which one a call takes):
 
 - ``"fused-cpu"``: the fused CPU kernel (``csrc/cpu/``): the dense kernel's
@@ -58,17 +64,23 @@ reference. Inference only: asking for a gradient raises ``ValueError``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_attn import _native, self_check
 from mlx_attn.core.attention_arguments import (as_flag, as_scale, as_softcap, check_sinks, check_window_size,
                                                device_type)
-from mlx_attn.core.paged_layout import PagedLayout, check_float_array, check_paged_layout, page_shape
+from mlx_attn.core.paged_layout import (PagedLayout, check_float_array, check_int32_values, check_paged_layout,
+                                        page_shape)
 from mlx_attn.core.path_choice import PagedPath, check_backend
 from mlx_attn.core.quantization import check_quantization, check_triple
+from mlx_attn.paged_cascade import CascadePlan, merge_cascade, plan_cascade
 from mlx_attn.paged_reference import gather_pages, paged_reference_attention
 
 __all__ = [
@@ -76,6 +88,9 @@ __all__ = [
     "quantized_paged_attention",
     "paged_attention_path",
     "quantized_paged_attention_path",
+    "cascade_paged_attention",
+    "quantized_cascade_paged_attention",
+    "cascade_paged_attention_path",
     "gather_pages",
     "check_paged_layout",
     "PagedPath",
@@ -396,6 +411,280 @@ def quantized_paged_attention(
     """
     return _prepare_quantized(q, k_pages, v_pages, block_table, kv_lens, q_lens, scale, group_size, bits, causal,
                               window_size, sinks, backend, return_lse, stream, softcap).run()
+
+
+# ---------------------------------------------------------------- cascade (shared prefix)
+# A shared level in front of each sequence's own pages (docs/paged.md, "Cascade").
+# The passes and the merge: mlx_attn/paged_cascade.py.
+
+CascadePath = str  # "cascade-cpu", or the full-table call's path ("fused-metal", "reference")
+
+
+@functools.cache
+def _cpu_kernel_threads() -> int:
+    """The fused CPU kernel's pool size (csrc/cpu/thread_pool.cpp's rule)."""
+    try:
+        forced = int(os.environ.get("MLX_ATTN_NUM_THREADS", "0"))
+    except ValueError:
+        forced = 0
+    return forced if forced > 0 else (os.cpu_count() or 1)
+
+
+class _FullPages(Sequence):
+    """The pages each sequence reads, prefix then own, joined when asked
+    for (the reference path asks; the cascade does not)."""
+
+    def __init__(self, prefix_pages, own_pages, groups):
+        self.prefix_pages, self.own_pages, self.groups = prefix_pages, own_pages, groups
+
+    def __len__(self):
+        return len(self.own_pages)
+
+    def __getitem__(self, b):
+        g = self.groups[b]
+        return (self.prefix_pages[g] if g >= 0 else []) + self.own_pages[b]
+
+
+def _cascade_tables(q, num_pages, page_size, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens):
+    """The shared level checked against the own level: ``(own pages per
+    sequence, prefix pages per group, full pages per sequence, prefix lens,
+    groups, full table)`` (host ints; the full table is what
+    paged_attention would take)."""
+    own_table = check_int32_values("block_table", block_table, 2, "[batch, max_pages]")
+    batch = own_table.shape[0]
+    kv = check_int32_values("kv_lens", kv_lens, 1, "[batch]")
+    if kv.shape[0] != batch:
+        raise ValueError(f"kv_lens must have shape [batch] = [{batch}] (block_table's rows), got {kv.shape}")
+    if (kv < 0).any():
+        raise ValueError(f"kv_lens must be >= 0, got {kv.tolist()}")
+    shared_table = check_int32_values("prefix_table", prefix_table, 2, "[groups, max_prefix_pages]")
+    num_groups = shared_table.shape[0]
+    shared = check_int32_values("prefix_lens", prefix_lens, 1, "[groups]")
+    if shared.shape[0] != num_groups:
+        raise ValueError(
+            f"prefix_lens must have shape [groups] = [{num_groups}] (prefix_table's rows), got {shared.shape}")
+    if (shared < 0).any():
+        raise ValueError(f"prefix_lens must be >= 0, got {shared.tolist()}")
+    groups = check_int32_values("prefix_groups", prefix_groups, 1, "[batch]")
+    if groups.shape[0] != batch:
+        raise ValueError(
+            f"prefix_groups must have shape [batch] = [{batch}] (block_table's rows), got {groups.shape}")
+    if ((groups < -1) | (groups >= num_groups)).any():
+        b = int(np.argmax((groups < -1) | (groups >= num_groups)))
+        raise ValueError(f"prefix_groups[{b}] = {int(groups[b])} is not a group in [0, {num_groups}) or -1 (none)")
+
+    def first_bad_entry(table, name, counts, what):
+        """Raises for the first read entry (the first ``counts[r]`` of row
+        ``r``) outside ``[0, num_pages)`` or beyond the table's columns."""
+        columns = table.shape[1]
+        if counts.size and counts.max() > columns:
+            r = int(np.argmax(counts > columns))
+            raise ValueError(f"{what(r)} needs {int(counts[r])} pages of {page_size} keys but {name} has only "
+                             f"{columns} columns")
+        read = np.arange(columns)[None, :] < counts[:, None]
+        bad = read & ((table < 0) | (table >= num_pages))
+        if bad.any():
+            r, j = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{name}[{r}, {j}] = {int(table[r, j])} is not a page index in [0, {num_pages}) "
+                             f"({what(r)})")
+
+    prefix_counts = -(-shared.astype(np.int64) // page_size)
+    first_bad_entry(shared_table, "prefix_table", prefix_counts, lambda g: f"prefix_lens[{g}] = {int(shared[g])}")
+    before = np.where(groups >= 0, shared[np.maximum(groups, 0)] if num_groups else 0, 0).astype(np.int64)
+    if (before > kv).any():
+        b = int(np.argmax(before > kv))
+        raise ValueError(f"prefix_lens[{int(groups[b])}] = {int(before[b])} is longer than sequence {b} of its "
+                         f"group (kv_lens[{b}] = {int(kv[b])})")
+    own = kv - before
+    unaligned = (own > 0) & (before % page_size != 0)
+    if unaligned.any():
+        b = int(np.argmax(unaligned))
+        raise ValueError(f"prefix_lens[{int(groups[b])}] = {int(before[b])} must be a multiple of page_size "
+                         f"({page_size}): sequence {b} has own keys after it, which start on a fresh page")
+    own_counts = -(-own // page_size)
+    first_bad_entry(own_table, "block_table", own_counts,
+                    lambda b: f"sequence {b}'s {int(own[b])} own keys after its prefix")
+
+    prefix_pages = [shared_table[g, : prefix_counts[g]].tolist() for g in range(num_groups)]
+    own_pages = [own_table[b, : own_counts[b]].tolist() for b in range(batch)]
+    full_pages = _FullPages(prefix_pages, own_pages, groups.tolist())
+    # the full tables: prefix pages, then own pages (what paged_attention would take), built
+    # in NumPy: a Python list of every entry costs ~0.1 ms per 4k entries
+    lead = np.where(groups >= 0, prefix_counts[np.maximum(groups, 0)] if num_groups else 0, 0)
+    width = max(1, int((lead + own_counts).max(initial=0)))
+    column = np.arange(width)[None, :]
+    full = np.full((batch, width), -1, np.int32)
+    if num_groups and shared_table.shape[1]:
+        from_prefix = shared_table[np.maximum(groups, 0)][:, np.minimum(column[0], shared_table.shape[1] - 1)]
+        full = np.where(column < lead[:, None], from_prefix, full)
+    if own_table.shape[1]:
+        own_column = column - lead[:, None]
+        from_own = np.take_along_axis(own_table, np.clip(own_column, 0, own_table.shape[1] - 1), axis=1)
+        full = np.where((own_column >= 0) & (own_column < own_counts[:, None]), from_own, full)
+    return own_pages, prefix_pages, full_pages, shared.tolist(), groups.tolist(), mx.array(full.astype(np.int32))
+
+
+@dataclass(frozen=True, eq=False)
+class _CascadeCall:
+    """A checked cascade call: the equivalent paged call over the full tables
+    (what the reference and the no-cascade fallback run) and the passes."""
+
+    full: _PagedCall
+    plan: CascadePlan
+    backend: str
+
+    @functools.cached_property
+    def path(self) -> CascadePath:
+        if self.backend == "reference":
+            return "reference"
+        reason = self.cascade_unsupported_reason()
+        if reason is None:
+            return "cascade-cpu"
+        if self.backend == "fused":
+            raise ValueError(f"backend='fused' is not possible: {reason}")
+        return self.full.path  # today's paged op over the full tables
+
+    def cascade_unsupported_reason(self) -> str | None:
+        if self.full.device != mx.cpu:
+            return f"no cascade paged attention for {self.full.device} yet (the full tables go to the paged op)"
+        # the passes are fused CPU paged calls that return their log-sum-exp
+        return dataclasses.replace(self.full, return_lse=True).fused_unsupported_reason()
+
+    def run(self):
+        if self.path != "cascade-cpu":
+            return self.full.run()
+        call = self.full
+        arrays = [call.q, *call.k, *call.v] + ([call.sinks] if call.sinks is not None else [])
+        with _stream_scope(call.stream):
+            outputs = _inference_only(lambda *a: _run_cascade_cpu(call, self.plan, *a), arrays)
+        return tuple(outputs) if call.return_lse else outputs[0]
+
+
+def _run_cascade_cpu(call: _PagedCall, plan: CascadePlan, *arrays):
+    q, k_parts, v_parts, sinks = call.split(arrays)
+
+    def run_pass(pass_plan, *, causal, window_size, sinks):
+        if not pass_plan.rows:
+            return None
+        table, kv_lens, q_lens, rows = pass_plan.arrays()
+        out, lse = _native.ext.paged_attention(
+            mx.take(q, rows, axis=0), list(k_parts), list(v_parts), table, kv_lens, q_lens, scale=call.scale,
+            causal=causal, window_size=window_size or 0, sinks=sinks, output_lse=True, bits=call.bits,
+            group_size=call.group_size, softcap=call.softcap or 0.0, stream=call.stream)
+        return out, lse
+
+    # sinks join the softmax once: in the merge for merged rows, in the direct rows' own pass
+    prefix = run_pass(plan.prefix, causal=False, window_size=None, sinks=None)
+    suffix = run_pass(plan.suffix, causal=call.causal, window_size=call.window_size, sinks=None)
+    direct = run_pass(plan.direct, causal=call.causal, window_size=call.window_size, sinks=sinks)
+    out, lse = merge_cascade(plan, prefix, suffix, direct, heads=call.layout.heads, value_dim=call.layout.value_dim,
+                             dtype=q.dtype, sinks=sinks)
+    return [out, lse] if call.return_lse else [out]
+
+
+def _prepare_cascade(q, k_parts, v_parts, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens,
+                     scale, causal, window_size, sinks, backend, return_lse, stream, softcap, bits=0,
+                     group_size=0) -> _CascadeCall:
+    check_float_array("q", q, 3, "[total_q, q_heads, head_dim]")
+    if bits:
+        group_size, bits = check_quantization(group_size, bits)
+        k_parts = _check_quantized_pages("k_pages", k_parts, group_size, bits)
+        v_parts = _check_quantized_pages("v_pages", v_parts, group_size, bits)
+        if k_parts[1].dtype != v_parts[1].dtype:
+            raise ValueError(
+                f"k_pages and v_pages scales need one dtype, got {k_parts[1].dtype} and {v_parts[1].dtype}")
+        dtype = mx.result_type(q.dtype, k_parts[1].dtype)
+    else:
+        check_float_array("k_pages", k_parts, 4, "[num_pages, kv_heads, page_size, head_dim]")
+        check_float_array("v_pages", v_parts, 4, "[num_pages, kv_heads, page_size, value_dim]")
+        dtype = mx.result_type(q.dtype, k_parts.dtype, v_parts.dtype)
+        k_parts, v_parts = (k_parts,), (v_parts,)
+    k_shape, v_shape = page_shape(k_parts[0], bits), page_shape(v_parts[0], bits)
+    if k_shape[2] == 0:
+        raise ValueError(f"k_pages must have page_size >= 1, got shape {k_shape}")
+    own_pages, prefix_pages, full_pages, shared, groups, full_table = _cascade_tables(
+        q, k_shape[0], k_shape[2], prefix_table, prefix_lens, prefix_groups, block_table, kv_lens)
+    layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], full_table, kv_lens, q_lens,
+                                checked_pages=full_pages)
+    options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
+    full = _PagedCall.build(q, k_parts, v_parts, dtype, layout, full_table, kv_lens, q_lens, sinks, options,
+                            "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size)
+    plan = plan_cascade(layout.q_lens, layout.kv_lens, own_pages, prefix_pages, shared, groups, layout.page_size,
+                        causal=full.causal, window_size=full.window_size, kv_heads=layout.kv_heads,
+                        gqa=layout.heads // layout.kv_heads, threads=_cpu_kernel_threads())
+    call = _CascadeCall(full, plan, backend)
+    call.path  # noqa: B018  (backend="fused" raises here, at the call)
+    return call
+
+
+def cascade_paged_attention_path(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table,
+                                 kv_lens, *, q_lens=None, scale=1.0, causal=True, window_size=None, sinks=None,
+                                 backend="auto", return_lse=False, stream=None, softcap=None, bits=0,
+                                 group_size=64) -> CascadePath:
+    """Which implementation :func:`cascade_paged_attention` uses:
+    ``"cascade-cpu"`` (the three passes on the fused CPU kernel), else the
+    path of the equivalent paged call over the full tables (``"fused-metal"``
+    or ``"reference"``). ``bits`` > 0: quantized ``(packed, scales,
+    biases)`` pages as :func:`quantized_cascade_paged_attention` takes them."""
+    return _prepare_cascade(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens,
+                            q_lens, scale, causal, window_size, sinks, backend, return_lse, stream, softcap,
+                            bits, group_size if bits else 0).path
+
+
+def cascade_paged_attention(
+    q: mx.array,
+    k_pages: mx.array,
+    v_pages: mx.array,
+    prefix_table: mx.array,
+    prefix_lens: mx.array,
+    prefix_groups: mx.array,
+    block_table: mx.array,
+    kv_lens: mx.array,
+    *,
+    q_lens: mx.array | None = None,
+    scale: float,
+    causal: bool = True,
+    window_size: int | None = None,
+    sinks: mx.array | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    stream: mx.Stream | mx.Device | None = None,
+    softcap: float | None = None,
+) -> mx.array | tuple[mx.array, mx.array]:
+    """:func:`paged_attention` with a shared level: groups of sequences whose
+    keys begin with the same pages, read once per group (docs/paged.md,
+    "Cascade").
+
+    Sequence ``b`` of group ``g = prefix_groups[b]`` has the keys of
+    ``paged_attention`` over the full table ``prefix_table[g,
+    :ceil(prefix_lens[g] / page_size)]`` followed by ``block_table[b]``:
+
+    Args:
+        prefix_table: int32 ``[G, max_prefix_pages]``, each group's shared pages.
+        prefix_lens: int32 ``[G]``, each group's shared keys; a multiple of
+            ``page_size`` where a member has keys after it.
+        prefix_groups: int32 ``[B]``, the group of each sequence, ``-1`` for none.
+        block_table: int32 ``[B, max_pages]``, each sequence's own pages
+            (the keys after its prefix).
+        kv_lens: int32 ``[B]``, ALL keys of each sequence, prefix included
+            (as in :func:`paged_attention`), ``>= prefix_lens[g]``.
+
+    Everything else, the result and the errors as :func:`paged_attention`
+    over the full tables (equal to it within float rounding).
+    """
+    return _prepare_cascade(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens,
+                            q_lens, scale, causal, window_size, sinks, backend, return_lse, stream, softcap).run()
+
+
+def quantized_cascade_paged_attention(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table,
+                                      kv_lens, *, q_lens=None, scale: float, group_size: int = 64, bits: int = 8,
+                                      causal=True, window_size=None, sinks=None, backend="auto", return_lse=False,
+                                      stream=None, softcap=None):
+    """:func:`cascade_paged_attention` over quantized pages (``(packed,
+    scales, biases)`` triples, as :func:`quantized_paged_attention`)."""
+    return _prepare_cascade(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens,
+                            q_lens, scale, causal, window_size, sinks, backend, return_lse, stream, softcap,
+                            bits, group_size).run()
 
 
 # ---------------------------------------------------------------- fused Metal kernels

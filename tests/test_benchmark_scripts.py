@@ -89,6 +89,19 @@ def test_paged_benchmark_quick_run(tmp_path):
 
 
 
+def test_cascade_benchmark_quick_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_cascade", BENCH.parent / "bench_cascade.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_cascade.json").read_text())
+    assert (tmp_path / "bench_cascade.png").stat().st_size > 10_000
+    assert saved["rows"] == result["rows"] and [r["pages"] for r in saved["rows"]] == ["fp16", "4-bit"]
+    for row in saved["rows"]:
+        assert row["path"] == "cascade-cpu" and row["paged_ms"] > 0 and row["cascade_ms"] > 0
+        assert row["max_abs_diff"] < 2e-3  # both compute the same rows (fp16 outputs)
+
+
 def test_compile_benchmark_times_the_per_variant_sources_the_host_compiles():
     """benchmarks/bench_metal_compile.py times the sources the Mac host
     compiles on first use (_ext.metal_variant_source): each of its kernels

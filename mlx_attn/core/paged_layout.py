@@ -5,6 +5,7 @@ the shapes of q and the pages, and what each sequence reads. Shared by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -14,7 +15,7 @@ from mlx_attn.core.attention_arguments import shape_text
 from mlx_attn.core.checks import FLOAT_DTYPES
 from mlx_attn.core.quantization import quantized_head_dim
 
-__all__ = ["PagedLayout", "check_paged_layout", "check_float_array", "page_shape"]
+__all__ = ["PagedLayout", "check_paged_layout", "check_float_array", "check_int32_values", "page_shape"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class PagedLayout:
 
     q_lens: list[int]
     kv_lens: list[int]
-    pages: list[list[int]]  # the pages each sequence reads, in key order
+    pages: Sequence[list[int]]  # the pages each sequence reads, in key order
     heads: int
     kv_heads: int
     page_size: int
@@ -39,16 +40,21 @@ def _check_rank(name: str, a, ndim: int, meaning: str) -> mx.array:
     return a
 
 
-def _check_int32(name: str, a, ndim: int, meaning: str) -> np.ndarray:
+def check_int32_values(name: str, a, ndim: int, meaning: str) -> np.ndarray:
+    """The host values of ``a``, an int32 array of rank ``ndim`` (else a
+    ValueError naming ``name``)."""
     _check_rank(name, a, ndim, meaning)
     if a.dtype != mx.int32:
         raise ValueError(f"{name} must be int32, got {a.dtype}")
     return np.asarray(a) if a.size else np.zeros(a.shape, np.int32)
 
 
-def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens) -> PagedLayout:
+def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_lens, *,
+                       checked_pages: Sequence[list[int]] | None = None) -> PagedLayout:
     """Shapes of q and the pages (given as 4-d shapes) and the values of the
-    integer arguments, checked on the host."""
+    integer arguments, checked on the host. ``checked_pages``: the pages each
+    sequence reads, already checked by the caller (the cascade, which checks
+    its two tables and builds ``block_table`` from them), so not checked again."""
     total_q, heads, head_dim = q.shape
     _, kv_heads, page_size, k_dim = k_shape
     if k_shape[:3] != v_shape[:3]:
@@ -65,16 +71,16 @@ def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_l
     if page_size == 0:
         raise ValueError(f"k_pages must have page_size >= 1, got shape {k_shape}")
 
-    table = _check_int32("block_table", block_table, 2, "[batch, max_pages]")
+    table = check_int32_values("block_table", block_table, 2, "[batch, max_pages]")
     batch, max_pages = table.shape
-    kv = _check_int32("kv_lens", kv_lens, 1, "[batch]")
+    kv = check_int32_values("kv_lens", kv_lens, 1, "[batch]")
     if kv.shape[0] != batch:
         raise ValueError(f"kv_lens must have shape [batch] = [{batch}] (block_table's rows), got {kv.shape}")
     if q_lens is None:
         ql = np.ones(batch, np.int32)
         what = "q_lens (None: one query row per sequence)"
     else:
-        ql = _check_int32("q_lens", q_lens, 1, "[batch]")
+        ql = check_int32_values("q_lens", q_lens, 1, "[batch]")
         what = "q_lens"
         if ql.shape[0] != batch:
             raise ValueError(f"q_lens must have shape [batch] = [{batch}] (block_table's rows), got {ql.shape}")
@@ -97,6 +103,8 @@ def check_paged_layout(q, k_shape, v_shape, num_pages, block_table, kv_lens, q_l
             f"kv_lens[{b}] = {int(kv[b])} needs {int(needed[b])} pages of {page_size} keys but block_table "
             f"has only {max_pages} columns"
         )
+    if checked_pages is not None:
+        return PagedLayout(ql.tolist(), kv.tolist(), checked_pages, heads, kv_heads, page_size, v_shape[3])
     pages = []
     for b in range(batch):
         row = table[b, : needed[b]]

@@ -1,0 +1,324 @@
+"""Cascade (shared-prefix) paged attention on the CPU: against the paged op
+over the full tables (prefix pages then each sequence's own pages) and
+against the float64 oracle of tests/paged_cases.py on those tables."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlx_attn import _native, paged_cascade
+from mlx_attn.paged import (
+    cascade_paged_attention,
+    cascade_paged_attention_path,
+    paged_attention,
+    quantized_cascade_paged_attention,
+    quantized_paged_attention,
+)
+from paged_cases import as64, oracle
+
+pytestmark = pytest.mark.skipif(_native.ext is None, reason="the cascade runs the fused paged kernel")
+
+TOLERANCE = {mx.float32: 3e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+ints = lambda a: mx.array(np.asarray(a, np.int32))  # noqa: E731
+
+
+def make_case(rng, groups, loose=(), *, heads=4, kv_heads=2, dim=16, page_size=4, dtype=mx.float32):
+    """``groups``: ``[(prefix_pages, [(q_len, own_keys), ...]), ...]``;
+    ``loose``: ``[(q_len, kv_len), ...]`` without a group. Pages scattered in
+    a pool, the sequences in a shuffled batch order."""
+    seqs = [(g, q_len, own) for g, (_, members) in enumerate(groups) for q_len, own in members]
+    seqs += [(-1, q_len, kv) for q_len, kv in loose]
+    seqs = [seqs[i] for i in rng.permutation(len(seqs))]
+    prefix_lens = [n * page_size for n, _ in groups]
+    own_needed = [math.ceil(own / page_size) for _, _, own in seqs]
+    num_pages = sum(n for n, _ in groups) + sum(own_needed) + 3
+    pool = rng.permutation(num_pages).tolist()
+    prefix_pages = [[pool.pop() for _ in range(n)] for n, _ in groups]
+    own_pages = [[pool.pop() for _ in range(n)] for n in own_needed]
+    prefix_table = np.full((max(1, len(groups)), max([1] + [n for n, _ in groups])), -1, np.int32)
+    for g, pages in enumerate(prefix_pages):
+        prefix_table[g, : len(pages)] = pages
+    block_table = np.full((len(seqs), max([1] + own_needed)), -1, np.int32)
+    full_rows = []
+    for b, pages in enumerate(own_pages):
+        block_table[b, : len(pages)] = pages
+        g = seqs[b][0]
+        full_rows.append((prefix_pages[g] if g >= 0 else []) + pages)
+    full_table = np.full((len(seqs), max(1, max((len(r) for r in full_rows), default=1))), -1, np.int32)
+    for b, row in enumerate(full_rows):
+        full_table[b, : len(row)] = row
+    kv_lens = [(prefix_lens[g] if g >= 0 else 0) + own for g, _, own in seqs]
+    q_lens = [q_len for _, q_len, _ in seqs]
+    as_dtype = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    return dict(
+        q=as_dtype(rng.standard_normal((sum(q_lens), heads, dim))),
+        k=as_dtype(rng.standard_normal((num_pages, kv_heads, page_size, dim))),
+        v=as_dtype(rng.standard_normal((num_pages, kv_heads, page_size, dim))),
+        prefix_table=ints(prefix_table), prefix_lens=ints(prefix_lens or [0]),
+        prefix_groups=ints([g for g, _, _ in seqs]), block_table=ints(block_table), kv_lens=ints(kv_lens),
+        q_lens=ints(q_lens), full_table=full_table, kv_list=kv_lens, q_list=q_lens)
+
+
+def cascade(case, **options):
+    return cascade_paged_attention(case["q"], case["k"], case["v"], case["prefix_table"], case["prefix_lens"],
+                                   case["prefix_groups"], case["block_table"], case["kv_lens"],
+                                   q_lens=case["q_lens"], return_lse=True, **options)
+
+
+def paged_full(case, **options):
+    return paged_attention(case["q"], case["k"], case["v"], ints(case["full_table"]), case["kv_lens"],
+                           q_lens=case["q_lens"], return_lse=True, **options)
+
+
+def oracle_full(case, *, scale, causal=True, window_size=None, sinks=None, softcap=None):
+    return oracle(as64(case["q"]), as64(case["k"]), as64(case["v"]), case["full_table"], case["kv_list"],
+                  case["q_list"], scale, causal, window_size, None if sinks is None else as64(sinks), softcap)
+
+
+def check(case, dtype=mx.float32, **options):
+    """The cascade against the paged op over the full tables (float32: within
+    1e-6) and against the float64 oracle."""
+    options.setdefault("scale", 0.37)
+    out, lse = cascade(case, backend="fused", **options)
+    assert out.dtype == dtype and out.shape == case["q"].shape and lse.dtype == mx.float32
+    want, want_lse = oracle_full(case, **options)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(as64(out), want, atol=tol, rtol=tol)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], atol=1e-4, rtol=1e-4)
+    if dtype == mx.float32:
+        paged_out, paged_lse = paged_full(case, backend="fused", **options)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(paged_out), atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(paged_lse), atol=1e-6, rtol=1e-6)
+    return out, lse
+
+
+# two groups (3 and 5 sequences) plus loose sequences: decode rows, chunks,
+# own suffixes of 0 to 30 keys, a waiting sequence, a row at the prefix's last key
+GROUPS = [(2, [(1, 5), (6, 9), (1, 1), (0, 3)]), (3, [(1, 30), (4, 4), (1, 0), (2, 17), (1, 12)]),
+          (1, [(1, 2)])]
+LOOSE = [(1, 7), (3, 10)]
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    dict(window_size=14),  # a window that ends inside the prefix for some rows
+    dict(window_size=3),  # windows that exclude the prefix entirely
+    dict(window_size=60),  # windows that hold everything
+    dict(sinks=mx.array([2.0, -1.0, 0.5, 3.0])),
+    dict(softcap=1.2, scale=0.9),
+    dict(causal=False),
+    dict(window_size=11, sinks=mx.array([1.0, 0.0, -2.0, 2.5]), softcap=2.0),
+], ids=["causal", "window-in-prefix", "window-past-prefix", "window-all", "sinks", "softcap", "not-causal",
+        "window-sinks-softcap"])
+def test_matches_paged_over_full_tables_and_oracle(options):
+    check(make_case(np.random.default_rng(1), GROUPS, LOOSE), **options)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_16_bit(dtype):
+    case = make_case(np.random.default_rng(2), GROUPS, LOOSE, dim=32, page_size=16, dtype=dtype)
+    check(case, dtype, window_size=40, sinks=mx.array([0.5, 1.0, -1.0, 0.0]).astype(dtype))
+
+
+def test_group_sizes_prefix_lengths_gqa_and_long_prefixes():
+    rng = np.random.default_rng(3)
+    for members in range(1, 6):
+        for prefix_pages in (1, 2, 3):
+            groups = [(prefix_pages, [(int(rng.integers(0, 3)) or 1, int(rng.integers(1, 9)))
+                                      for _ in range(members)])]
+            for kv_heads in (1, 4):
+                check(make_case(rng, groups, heads=4, kv_heads=kv_heads), scale=0.5)
+    # several 64-key blocks in the prefix, pages that do not divide 64, GQA 4
+    long = [(11, [(1, 20), (33, 40), (1, 1), (1, 70)]), (5, [(1, 3)] * 5)]
+    check(make_case(rng, long, [(1, 90)], heads=8, kv_heads=2, dim=64, page_size=7), window_size=100)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_pages(bits):
+    rng = np.random.default_rng(4)
+    case = make_case(rng, GROUPS, LOOSE, dim=64, page_size=16)
+    kq, vq = (mx.quantize(case[n], group_size=32, bits=bits) for n in ("k", "v"))
+    args = (case["q"], kq, vq, case["prefix_table"], case["prefix_lens"], case["prefix_groups"],
+            case["block_table"], case["kv_lens"])
+    options = dict(q_lens=case["q_lens"], scale=0.2, group_size=32, bits=bits, window_size=40,
+                   sinks=mx.array([0.3, 1.0, 2.0, -1.0]), return_lse=True)
+    assert cascade_paged_attention_path(*args, **{k: v for k, v in options.items() if k != "return_lse"}) \
+        == "cascade-cpu"
+    out, lse = quantized_cascade_paged_attention(*args, backend="fused", **options)
+    want, want_lse = quantized_paged_attention(case["q"], kq, vq, ints(case["full_table"]), case["kv_lens"],
+                                               backend="fused", **options)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-6, rtol=1e-6)
+    deq = {n: mx.dequantize(*t, group_size=32, bits=bits) for n, t in (("k", kq), ("v", vq))}
+    want64, _ = oracle_full(dict(case, **deq), scale=0.2, window_size=40, sinks=options["sinks"])
+    np.testing.assert_allclose(as64(out), want64, atol=1e-4, rtol=1e-4)
+
+
+def test_the_prefix_is_one_pass_per_group():
+    """16 decode rows over one shared prefix: one pseudo-sequence of 16 rows
+    over the prefix pages, one per sequence over its own pages, no direct row."""
+    case = make_case(np.random.default_rng(5), [(4, [(1, 6)] * 16)], page_size=16)
+    q_lens, kv_lens = case["q_list"], case["kv_list"]
+    plan = _plan(case, causal=True, window_size=None)
+    assert plan.prefix.q_lens == [16] and plan.prefix.kv_lens == [64]
+    assert plan.suffix.q_lens == [1] * 16 and plan.suffix.kv_lens == [6] * 16
+    assert not plan.direct.rows and len(q_lens) == len(kv_lens) == 16
+    # a window past key 0 sends a row to the direct pass (its whole table); others stay
+    plan = _plan(case, causal=True, window_size=69)  # row 69 sees keys 1..69
+    assert not plan.prefix.rows and plan.direct.q_lens == [1] * 16
+    check(case, window_size=69)
+    assert not _plan(case, causal=True, window_size=70).direct.rows  # keys 0..69: the cascade
+
+
+def _plan(case, **options):
+    from mlx_attn.paged import _prepare_cascade
+
+    call = _prepare_cascade(case["q"], case["k"], case["v"], case["prefix_table"], case["prefix_lens"],
+                            case["prefix_groups"], case["block_table"], case["kv_lens"], case["q_lens"], 0.3,
+                            options["causal"], options["window_size"], None, "auto", False, None, None)
+    return call.plan
+
+
+def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
+    """The checks above catch the two faults a cascade merge invites."""
+    case = make_case(np.random.default_rng(6), GROUPS, LOOSE)
+    sinks = mx.array([2.0, -1.0, 0.5, 3.0])
+    check(case, sinks=sinks)
+    merge = paged_cascade.merge_partials_and_sinks
+
+    def drop(keep):
+        return lambda outs, lses, sinks, dtype: merge(keep(outs), keep(lses), sinks, dtype)
+
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", drop(lambda parts: parts[:1]))  # suffix only
+    with pytest.raises(AssertionError):
+        check(case)
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", drop(lambda parts: parts[1:]))  # prefix only
+    with pytest.raises(AssertionError):
+        check(case)
+
+    def sinks_twice(outs, lses, sinks, dtype):
+        sink = mx.broadcast_to(sinks.astype(mx.float32)[None], lses[0].shape)
+        return merge(outs + [mx.zeros_like(outs[0])], lses + [sink], sinks, dtype)
+
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", sinks_twice)
+    with pytest.raises(AssertionError):
+        check(case, sinks=sinks)
+    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", merge)
+    check(case, sinks=sinks)
+
+
+def test_reference_backend_and_paths():
+    case = make_case(np.random.default_rng(7), GROUPS, LOOSE)
+    args = [case[n] for n in ("q", "k", "v", "prefix_table", "prefix_lens", "prefix_groups", "block_table",
+                              "kv_lens")]
+    assert cascade_paged_attention_path(*args, q_lens=case["q_lens"]) == "cascade-cpu"
+    assert cascade_paged_attention_path(*args, q_lens=case["q_lens"], backend="reference") == "reference"
+    fused = cascade(case, scale=0.3, window_size=9, sinks=mx.array([1.0, 0.0, 0.0, -1.0]))
+    ref = cascade(case, scale=0.3, window_size=9, sinks=mx.array([1.0, 0.0, 0.0, -1.0]), backend="reference")
+    for a, b in zip(fused, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=2e-6)
+    single = cascade_paged_attention(*args, q_lens=case["q_lens"], scale=0.3)
+    assert isinstance(single, mx.array) and single.shape == case["q"].shape
+    with pytest.raises(ValueError, match="inference only"):
+        mx.grad(lambda q: cascade_paged_attention(q, *args[1:], q_lens=case["q_lens"], scale=0.3).sum())(args[0])
+
+
+def test_no_groups_at_all_is_the_paged_op():
+    case = make_case(np.random.default_rng(8), [], [(1, 9), (4, 12), (0, 3)])
+    check(case, window_size=5)
+
+
+def test_bad_shared_levels_raise_naming_the_argument():
+    case = make_case(np.random.default_rng(9), [(2, [(1, 5), (2, 3)])], [(1, 4)])
+    names = ("q", "k", "v", "prefix_table", "prefix_lens", "prefix_groups", "block_table", "kv_lens")
+
+    def call(**changes):
+        args = [changes.get(n, case[n]) for n in names]
+        return cascade_paged_attention(*args, q_lens=changes.get("q_lens", case["q_lens"]), scale=0.3)
+
+    groups = np.asarray(case["prefix_groups"])
+    member = int(np.argmax(groups == 0))
+    cases = [
+        (dict(prefix_groups=ints(np.where(groups == 0, 1, groups))), r"prefix_groups\[\d\] = 1 is not a group"),
+        (dict(prefix_groups=ints(np.where(groups == 0, -2, groups))), r"prefix_groups\[\d\] = -2"),
+        (dict(prefix_groups=ints(groups[:2])), "prefix_groups must have shape"),
+        (dict(prefix_groups=mx.array(groups.astype(np.int64))), "prefix_groups must be int32"),
+        (dict(prefix_lens=ints([-4])), "prefix_lens must be >= 0"),
+        (dict(prefix_lens=ints([8, 8])), "prefix_lens must have shape"),
+        (dict(prefix_lens=ints([6])), r"prefix_lens\[0\] = 6 must be a multiple of page_size"),
+        (dict(prefix_lens=ints([12])), r"prefix_lens\[0\] = 12 needs 3 pages .* prefix_table has only 2"),
+        (dict(prefix_table=ints([[0, 99]])), r"prefix_table\[0, 1\] = 99 is not a page index"),
+        (dict(prefix_table=ints([0, 1])), "prefix_table must have rank 2"),
+        (dict(kv_lens=ints(np.where(groups == 0, 7, np.asarray(case["kv_lens"])))),
+         rf"prefix_lens\[0\] = 8 is longer than sequence {member}"),
+        (dict(block_table=ints(np.full_like(np.asarray(case["block_table"]), -1))), r"block_table\[\d, 0\] = -1"),
+        (dict(block_table=ints(np.asarray(case["block_table"])[:, :0])), "block_table has only 0 columns"),
+        (dict(q_lens=ints(np.asarray(case["q_lens"]) + 1)), "q has .* rows but q_lens sums to"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call(**changes)
+    with pytest.raises(ValueError, match="window_size needs causal=True"):
+        cascade_paged_attention(*[case[n] for n in names], q_lens=case["q_lens"], scale=0.3, causal=False,
+                                window_size=3)
+
+
+@st.composite
+def cascades(draw):
+    page_size = draw(st.sampled_from([1, 3, 4, 16]))
+    groups = [(draw(st.integers(1, 3)),
+               [(draw(st.integers(0, 3)), draw(st.integers(0, 20))) for _ in range(draw(st.integers(1, 5)))])
+              for _ in range(draw(st.integers(0, 3)))]
+    groups = [(n, [(min(q, n * page_size + own), own) for q, own in members]) for n, members in groups]
+    loose = [(draw(st.integers(0, 2)), draw(st.integers(2, 20))) for _ in range(draw(st.integers(0, 2)))]
+    options = draw(st.sampled_from([{}, {"window_size": 5}, {"window_size": 17}, {"causal": False},
+                                    {"sinks": mx.array([1.5, -0.5])}, {"softcap": 1.0}]))
+    return draw(st.integers(0, 2**31 - 1)), page_size, groups, loose, draw(st.sampled_from([1, 2])), options
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cascades())
+def test_random_cascades(p):
+    seed, page_size, groups, loose, kv_heads, options = p
+    case = make_case(np.random.default_rng(seed), groups, loose, heads=2, kv_heads=kv_heads, page_size=page_size)
+    check(case, **options)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_prefix_key_splits_merge_exactly(monkeypatch, threads):
+    """A long prefix is cut into key splits (split-K) to give every kernel
+    thread work; the splits' partials merge back to the paged result."""
+    import mlx_attn.paged as paged
+
+    monkeypatch.setattr(paged, "_cpu_kernel_threads", lambda: threads)
+    case = make_case(np.random.default_rng(11), [(129, [(1, 9), (3, 20), (1, 1)]), (40, [(2, 5)])], [(1, 30)],
+                     page_size=16)
+    plan = _plan(case, causal=True, window_size=None)
+    splits = plan.prefix_index.shape[0]
+    assert (splits == 1) if threads == 1 else (splits > 1)
+    assert all(kv <= 129 * 16 for kv in plan.prefix.kv_lens) and sum(plan.prefix.kv_lens[:splits]) >= 2064
+    check(case, sinks=mx.array([1.0, 2.0, -1.0, 0.0]), softcap=3.0)
+    check(case, window_size=2070)
+
+
+def test_head_dims_the_kernel_cannot_run_fall_back_or_raise():
+    """D = 1032 is past the CPU kernel's head dims (kMaxHeadDim 1024): "auto"
+    runs the paged op over the full tables (its reference path), "fused"
+    says why not."""
+    case = make_case(np.random.default_rng(12), [(1, [(1, 3), (2, 2)])], [(1, 5)], dim=1032)
+    args = [case[n] for n in ("q", "k", "v", "prefix_table", "prefix_lens", "prefix_groups", "block_table",
+                              "kv_lens")]
+    assert cascade_paged_attention_path(*args, q_lens=case["q_lens"]) == "reference"
+    out, _ = cascade(case, scale=0.05)
+    want, _ = oracle_full(case, scale=0.05)
+    np.testing.assert_allclose(as64(out), want, atol=3e-5, rtol=3e-5)
+    with pytest.raises(ValueError, match="backend='fused' is not possible"):
+        cascade(case, scale=0.05, backend="fused")
