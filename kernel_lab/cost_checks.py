@@ -47,7 +47,7 @@ def group_only_splits(rows: int, kv_len: int, kv_heads: int, d: int, cores: int)
 
 
 def planned(q_len: int, kv_len: int, d: int, heads: int, kv_heads: int, causal: bool, gpu=MODEL_GPU) -> dict:
-    """Our launch plan for the problem (csrc/launch_plan.cpp, through the extension)."""
+    """Our launch plan for the problem (csrc/metal/launch_plan.cpp, through the extension)."""
     from mlx_attn.metal_support import launch_plan
 
     q = mx.zeros((1, heads, q_len, d), mx.float16)
@@ -161,7 +161,7 @@ def plan_decode_shape(plan) -> dict:
 def decode_shapes(batch: int, kv_heads: int, rows: int, kv_len: int, d: int, gpu=MODEL_GPU,
                   dequantized: bool = False) -> dict:
     """The plan's two decode shapes for a problem, each with its split count,
-    and which one it chooses (csrc/launch_plan.cpp decode_shape; over
+    and which one it chooses (csrc/metal/launch_plan.cpp decode_shape; over
     dequantized keys: the quantized plan's choice)."""
     from mlx_attn import _ext
 
@@ -538,7 +538,7 @@ QUANTIZED_PREFILL_TARGET = 1.2  # issue #23: quantized prefill <= 1.2x dequantiz
 
 def quantized_prefill_key_block(d: int, bits: int, group_size: int, gpu=MODEL_GPU, t: int = 2048) -> int:
     """BK of the quantized prefill kernel our plan picks for the GPU
-    (csrc/quantized_launch_plan.cpp, through the extension)."""
+    (csrc/metal/quantized_launch_plan.cpp, through the extension)."""
     from mlx_attn import _ext
 
     q = mx.zeros((1, 1, t, d), mx.float16)
@@ -642,7 +642,7 @@ PAGED_PAGE_SIZE = 16
 def paged_decode_plan(sequences: int, kv_heads: int, group: int, t: int, d: int, decode_shape: str,
                       gpu=MODEL_GPU) -> dict:
     """The paged plan's decode shape (rows, simdgroups) and splits for a
-    uniform decode batch (csrc/paged_launch_plan.cpp, through the extension)."""
+    uniform decode batch (csrc/metal/paged_launch_plan.cpp, through the extension)."""
     from mlx_attn import _ext
 
     pages = sequences * -(-t // PAGED_PAGE_SIZE)

@@ -1,4 +1,4 @@
-"""The dense decode plan's rule, written apart from csrc/launch_plan.cpp as
+"""The dense decode plan's rule, written apart from csrc/metal/launch_plan.cpp as
 docs/metal_kernels.md ("Decode") states it: the oracle the plan tests hold
 the launch plan to.
 

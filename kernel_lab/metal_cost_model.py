@@ -678,7 +678,7 @@ def _backward_pass(name: str, owned: int, streamed: int, d: int, dv: int, heads:
 
 def backward_kernels(d: int, dv: int, q_len: int, kv_len: int, heads: int, kv_heads: int, causal: bool, gpu: Gpu,
                      split_keys: bool, split_queries: bool, batch: int = 1, elem_bytes: int = 2) -> list:
-    """The backward's dispatches (csrc/backward_launch_plan.cpp): delta (a
+    """The backward's dispatches (csrc/metal/backward_launch_plan.cpp): delta (a
     simdgroup per row: rowsum(dO * O), DRAM-bound), dK/dV, dQ."""
     rows = batch * heads * q_len
     delta_bytes = rows * (2 * dv * elem_bytes + 8)
@@ -744,7 +744,7 @@ def quantized_decode_structure_kernels(batch: int, heads: int, kv_heads: int, q_
                                        elem_bytes: int = 2) -> list:
     """The quantized decode kernel on prefill rows (metal/attention_quantized.h,
     what served them before the quantized prefill kernel): our_decode_kernels
-    with group x q_len rows in chunks of R (csrc/launch_plan.cpp
+    with group x q_len rows in chunks of R (csrc/metal/launch_plan.cpp
     decode_splits), each chunk re-reading and re-dequantizing its key range
     (dequantize_slice: per key and lane D / 32 features of K and of V, 3
     shuffles each for the shared word, scale and bias); causal: a chunk's

@@ -218,7 +218,7 @@ class EmulatedMetal:
     def quantized(self, q, k_quant, v_quant, *, scale, bits, group_size, mask=None, sinks=None, window_size=None,
                   return_lse=False, softcap=None, gpu_target: dict | None = None):
         """The kernels over quantized K/V, launched from their plan
-        (csrc/quantized_launch_plan.cpp): q and each part of the
+        (csrc/metal/quantized_launch_plan.cpp): q and each part of the
         (packed, scales, biases) triples an array or a View, scales and
         biases in q's dtype; otherwise as __call__ (gpu_target included:
         the decode's shape too)."""
@@ -265,7 +265,7 @@ class RealMetal:
 
 
 def backward_launch_plan(q, k, v, *, scale=1.0, mask=None, sinks=None, window_size=None, softcap=None):
-    """The Metal backward's launch plan (csrc/backward_launch_plan.cpp) for
+    """The Metal backward's launch plan (csrc/metal/backward_launch_plan.cpp) for
     the forward problem of these arrays, as the Mac host would build it."""
     problem = _ext.describe_attention(  # a window implies causal (as ops.AttentionCall says)
         q, k, v, scale=scale, causal=isinstance(mask, str) or window_size is not None,

@@ -79,7 +79,7 @@ def _libraries(d: int):
 
     directory = msl_emulator.cache_dir() / "paged_metal_rows"
     directory.mkdir(parents=True, exist_ok=True)
-    bk = {64: 32, 128: 16}[d]  # the default target's prefill keys per block (csrc/launch_plan.cpp)
+    bk = {64: 32, 128: 16}[d]  # the default target's prefill keys per block (csrc/metal/launch_plan.cpp)
     sources = trimmed_sources(directory, [f"float16, half, {d}"], prefill_instances=[f"float16, half, {d}, {bk}"])
     decode = directory / f"attention_decode_d{d}.metal"
     text = (REPO / "metal" / "attention_decode.metal").read_text()

@@ -1,5 +1,5 @@
 """Run the fused Metal paged attention the way the Mac host does: from the C++
-launch plan (csrc/paged_launch_plan.cpp, _ext.paged_metal_launch_plan), every
+launch plan (csrc/metal/paged_launch_plan.cpp, _ext.paged_metal_launch_plan), every
 dispatch in the MSL emulator with the bindings the plan names; and a float64
 NumPy oracle of paged attention that shares no code with mlx_attn."""
 

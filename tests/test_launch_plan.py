@@ -263,7 +263,7 @@ def evaluated(x: mx.array) -> mx.array:
 def test_vector_loads_need_every_row_start_aligned(tq):
     """The plan lets the kernels read q/k/v as 4-element vectors only when the
     last dim is contiguous and every batch/head/position stride and the
-    buffer offset are multiples of 4 elements (csrc/launch_plan.cpp)."""
+    buffer offset are multiples of 4 elements (csrc/metal/launch_plan.cpp)."""
     q = evaluated(mx.zeros((1, 4, tq, 64), mx.float16))
     wide = evaluated(mx.zeros((1, 2, 50, 68), mx.float16))
     odd = evaluated(mx.zeros((1, 2, 50, 65), mx.float16))

@@ -1,6 +1,6 @@
 """The fused Metal paged attention kernels (metal/attention_paged.h,
 metal/attention_paged_quantized.h), launched from their C++ plan
-(csrc/paged_launch_plan.cpp) in the MSL emulator against a float64 NumPy
+(csrc/metal/paged_launch_plan.cpp) in the MSL emulator against a float64 NumPy
 oracle that reads the pages key by key: ragged batches with shared pages,
 page sizes that divide no length, empty sequences, decode rows mixed with
 chunked-prefill rows, GQA, causal / window / sinks, the log-sum-exp, and
@@ -317,7 +317,7 @@ def sequences(plan) -> list[dict]:
 
 
 def test_plan_routes_long_chunks_to_the_prefill_kernel():
-    """The routing rule (csrc/paged_launch_plan.h paged_rows_take_prefill):
+    """The routing rule (csrc/metal/paged_launch_plan.h paged_rows_take_prefill):
     more than 8 positions, or more than 32 rows (GQA group x positions), go to
     the prefill kernel's query blocks of 32 rows, packed in batch order; the
     rest to the decode kernel, whose grid is sized for its own sequences."""

@@ -1,5 +1,5 @@
 """The Metal kernels over quantized K/V (metal/attention_quantized.metal),
-launched from their C++ plan (csrc/quantized_launch_plan.cpp) in the MSL
+launched from their C++ plan (csrc/metal/quantized_launch_plan.cpp) in the MSL
 emulator, precise and fast math, against dequantize-then-reference
 (mx.dequantize in float32, then mlx_attn.reference). A representative sample
 of the grid bits x group size x D x GQA x mask x query length x dtype runs by
@@ -116,7 +116,7 @@ AXES = {
 
 
 def takes_prefill(p: dict) -> bool:
-    """Rows the quantized prefill kernel takes (csrc/quantized_launch_plan.h
+    """Rows the quantized prefill kernel takes (csrc/metal/quantized_launch_plan.h
     quantized_rows_take_prefill; tests/test_quantized_prefill_metal.py)."""
     return p["d"] <= 128 and (p["q_len"] > 8 or p["gqa"] * p["q_len"] > 32)
 
@@ -326,7 +326,7 @@ def test_plan_binds_placeholders_for_absent_mask_sinks_and_lse():
 
 @needs_ext
 def test_one_split_plans_one_dispatch_and_no_scratch():
-    """As the float decode (csrc/launch_plan.cpp): with one split the partial
+    """As the float decode (csrc/metal/launch_plan.cpp): with one split the partial
     kernel writes out, sinks and lse itself; no partials, no merge."""
     # 16 rows on the group shape: a split keeps 64 dequantized keys
     plan = plan_for(mask=mx.ones((4, 64), dtype=mx.bool_), sinks=True, output_lse=True, q_len=4, kv_len=64)

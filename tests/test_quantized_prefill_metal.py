@@ -1,6 +1,6 @@
 """The quantized prefill kernel (metal/attention_quantized_prefill.metal: the
 dense prefill kernel's MMA tiles with a loader that dequantizes while
-staging), launched from its C++ plan (csrc/quantized_launch_plan.cpp) in the
+staging), launched from its C++ plan (csrc/metal/quantized_launch_plan.cpp) in the
 MSL emulator, against the float64 oracle of the paged tests
 (kernel_lab/paged_metal_runner.py, each batch entry one page) on the dequantized
 K/V, and, for bool and additive masks, against dequantize-then-reference
@@ -41,7 +41,7 @@ MASK_KINDS = {"bool": ("_mask_bool", "MLX_ATTN_MASK_BOOL"), "additive": ("_mask_
 
 
 def key_block(d: int) -> int:
-    """The conservative target's keys per block (csrc/launch_plan.cpp kSteelKeyBlocks)."""
+    """The conservative target's keys per block (csrc/metal/launch_plan.cpp kSteelKeyBlocks)."""
     return 32 if d == 64 else 16
 
 
@@ -208,7 +208,7 @@ def test_batches_and_strided_triples_from_a_cache(run):
 
 @needs_ext
 def test_prefill_rows_take_the_quantized_prefill_kernel():
-    """The routing rule (csrc/quantized_launch_plan.h quantized_rows_take_prefill):
+    """The routing rule (csrc/metal/quantized_launch_plan.h quantized_rows_take_prefill):
     more than 8 positions or 32 rows (GQA group x positions) at D = 64 / 128
     take one dispatch of the prefill kernel on the dense prefill's grid;
     decode rows, short chunks and D = 256 stay on the decode structure."""
