@@ -103,13 +103,8 @@ template <typename T, int D, int BK>
     const device T* sinks [[buffer(5)]],
     device T* out [[buffer(6)]],                  // [total_q, Hq, D]
     device float* lse [[buffer(7)]],              // [total_q, Hq] when output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
+  constexpr int THREADS = PrefillGroup::THREADS;
   threadgroup KeyValueTiles<T, D, BK> tiles;
   threadgroup PagedKeyRows<BK> key_rows[2];
 
@@ -122,8 +117,9 @@ template <typename T, int D, int BK>
   }
   constant PagedSequence& seq = sequences[b];
   constant AttentionParams& p = seq.attn;
-  const QueryRows rows = query_rows<BQ>(p, uint3(uint(block - seq.query_block_start), group_id.y, 0u), sg, lane);
-  const int h = rows.h, c = rows.c, qi = rows.qi;
+  const QueryRows rows =
+      query_rows<PrefillGroup::ROWS>(p, uint3(uint(block - seq.query_block_start), group_id.y, 0u), sg, lane);
+  const int h = rows.h, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
@@ -155,13 +151,6 @@ template <typename T, int D, int BK>
     buffer = 1 - buffer;
   }
 
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
-  if (qi < p.q_len) {
-    const long row = (seq.q_start + qi) * p.q_heads + h;
-    prefill_store_row<T, D>(out + row * D, o_tiles, factor, c);
-    if (p.output_lse != 0 && c == 0) {
-      lse[row] = prefill_row_lse(m_row, l_row);
-    }
-  }
+  const long row = (seq.q_start + qi) * p.q_heads + h;
+  prefill_write_row<T, D>(p, sinks, rows, row, D, 0, true, out, lse, o_tiles, m_row, l_row);
 }

@@ -100,18 +100,13 @@ template <typename T, int D, int BK, int BITS, int MASK>
     const device uchar* mask [[buffer(10)]],
     const device T* sinks [[buffer(11)]],
     device float* lse [[buffer(12)]],  // [B, Hq, Tq] when p.output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
+  constexpr int THREADS = PrefillGroup::THREADS;
   threadgroup KeyValueTiles<T, D, BK> tiles;
 
   // this lane's rows and columns of the 8x8 tiles, the visible keys
-  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
-  const int b = rows.b, h = rows.h, c = rows.c, qi = rows.qi;
+  const QueryRows rows = query_rows<PrefillGroup::ROWS>(p, group_id, sg, lane);
+  const int b = rows.b, h = rows.h, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
@@ -134,13 +129,6 @@ template <typename T, int D, int BK, int BITS, int MASK>
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block's staging overwrites the tiles
   }
 
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
-  if (qi < p.q_len) {
-    const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
-    prefill_store_row<T, D>(out + row * D, o_tiles, factor, c);
-    if (p.output_lse != 0 && c == 0) {
-      lse[row] = prefill_row_lse(m_row, l_row);
-    }
-  }
+  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+  prefill_write_row<T, D>(p, sinks, rows, row, D, 0, true, out, lse, o_tiles, m_row, l_row);
 }

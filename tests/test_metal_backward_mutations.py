@@ -63,7 +63,8 @@ MUTANTS = {
     "mask: additive mask not added": ("replace", "const float sum = logit.value + added;", "const float sum = logit.value;"),
     # sinks
     "sinks: gradient sign flipped": ("replace", "sum -= fast::exp2((sink - lse[", "sum += fast::exp2((sink - lse["),
-    "sinks: stride assumed contiguous": ("replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
+    "sinks: stride assumed contiguous": ("replace", "float raw = float(sinks[h * p.sinks_stride]);",
+                                         "float raw = float(sinks[h]);"),
     "sinks: one batch only": ("replace", "for (int b = 0; b < p.batch; ++b) {\n    const long head_rows", "for (int b = 0; b < 1; ++b) {\n    const long head_rows"),
     # staging, fragments and stores
     "dkdv: Q/dO staging bound off by one": ("replace", "e < BQ * D; e += THREADS", "e < BQ * D - 1; e += THREADS"),

@@ -47,10 +47,9 @@ MUTANTS = {
     "Q read at the chunk's first dims": ("replace", "q_row + (d0 + d * 8 + c) * p.q_strides[3]",
                                          "q_row + (d * 8 + c) * p.q_strides[3]"),
     "V staged from the first value chunk": ("replace", "(v0 + col) * p.v_strides[3]", "col * p.v_strides[3]"),
-    "output written at the first value chunk": ("replace", "out[row * DV + v0 + d * 8 + c + t]",
-                                                "out[row * DV + d * 8 + c + t]"),
-    # (occurrence 1: the split kernel's; 0 is the inlined register-resident kernel's)
-    "the pass's O not rescaled by the new max": ("remove", "prefill_rescale<VC / 8>(o_tiles, alpha)", 1),
+    "output written at the first value chunk": ("replace", "DV, v0, v0 == 0,", "DV, 0, v0 == 0,"),
+    # (the register-resident kernel, inlined too, rescales D / 8 tiles)
+    "the pass's O not rescaled by the new max": ("remove", "prefill_rescale<VC / 8>(o_tiles, alpha)", 0),
     "V tile read shifted in later passes": ("replace", "* Tiles::LDV + d * 8 + c + t]", "* Tiles::LDV - v0 / 32 + d * 8 + c + t]"),
 }
 DEFAULT_MUTANTS = ["the last key-dim chunk skipped", "the last value pass skipped"]
