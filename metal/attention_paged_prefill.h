@@ -13,7 +13,7 @@
 // threadgroup memory with the paged loader below, then runs the dense
 // kernel's steps (metal/attention_prefill.h: prefill_attend_block, i.e. the
 // scores, the logit step, prefill_online_softmax and O += P . V; then
-// prefill_normalizer and prefill_row_lse).
+// prefill_write_row: sinks, normalize, out and lse).
 //
 // The paged loader: simdgroup 0 finds where each key of the next block is
 // (a PageWindow, metal/attention_paged.h: lane l reads the block's page l,
@@ -104,7 +104,6 @@ template <typename T, int D, int BK>
     device T* out [[buffer(6)]],                  // [total_q, Hq, D]
     device float* lse [[buffer(7)]],              // [total_q, Hq] when output_lse
     MLX_ATTN_THREAD_POSITION) {
-  constexpr int THREADS = PrefillGroup::THREADS;
   threadgroup KeyValueTiles<T, D, BK> tiles;
   threadgroup PagedKeyRows<BK> key_rows[2];
 
@@ -139,8 +138,8 @@ template <typename T, int D, int BK>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   int buffer = 0;
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
-    stage_paged_key_block<T, D, BK, THREADS>(p, k_pages, v_pages, key_rows[buffer], kb, kv_end, vector_loads, tid,
-                                             tiles);
+    stage_paged_key_block<T, D, BK, PrefillGroup::THREADS>(p, k_pages, v_pages, key_rows[buffer], kb, kv_end,
+                                                           vector_loads, tid, tiles);
     if (sg == 0) {  // the other buffer's last reader staged the previous block
       locate_paged_keys<BK>(p, table_row, seq.page_size, rows.kv_head, kb + BK, kv_end, lane, key_rows[1 - buffer]);
     }

@@ -1,7 +1,8 @@
 // Fused attention forward for prefill (FlashAttention-2 style, in registers):
 // the kernel template; metal/attention_prefill.metal instantiates it.
 //
-// One threadgroup of NSG = 4 simdgroups (128 threads) owns BQ = 32 query rows of one
+// One threadgroup of NSG = 4 simdgroups (128 threads; PrefillGroup,
+// metal/attention_steps.h) owns BQ = 32 query rows of one
 // (batch, query head); each simdgroup owns 8 rows, held as D/8 8x8 float
 // simdgroup matrices of Q and of the output accumulator O. Key/value blocks
 // of BK keys are staged in threadgroup memory in the input dtype (rows padded
@@ -17,6 +18,7 @@
 //              most blocks skip the rescale; prefill_online_softmax)
 //   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join l; O *= 1 / l (rows that saw nothing: 0)
+//              (row_normalizer, the decode kernels' step too; prefill_write_row)
 // S, P, the row max / sum and the rescale never leave registers: each lane
 // works on the two elements per 8x8 tile it owns (thread_elements(): row
 // (lane / 16) * 4 + (lane / 2) % 4, columns c, c + 1 with
@@ -218,7 +220,6 @@ template <typename T, int D, int BK, int MASK>
     const device T* sinks [[buffer(6)]],
     device float* lse [[buffer(7)]],  // [B, Hq, Tq] when p.output_lse
     MLX_ATTN_THREAD_POSITION) {
-  constexpr int THREADS = PrefillGroup::THREADS;
   using Tiles = KeyValueTiles<T, D, BK>;
   threadgroup Tiles tiles;
 
@@ -242,7 +243,7 @@ template <typename T, int D, int BK, int MASK>
   const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
     // stage K/V in the input dtype
-    stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
+    stage_key_block<T, D, BK, PrefillGroup::THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     prefill_attend_block<T, D, BK, MASK>(p, mask, tiles, rows, kb, q_tiles, o_tiles, m_row, l_row);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles

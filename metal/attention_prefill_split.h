@@ -86,7 +86,8 @@ inline void stage_split_block(
 template <typename T, int D, int VC, int BK>
 inline void split_block_scores(constant AttentionParams& p, const device T* q, attn_int64 q_row,
                                thread const QueryRows& rows, bool vector_loads,
-                               threadgroup SplitKeyValueTiles<T, D, VC, BK>& tiles, thread simdgroup_float8x8* s_tiles) {
+                               threadgroup SplitKeyValueTiles<T, D, VC, BK>& tiles,
+                               thread simdgroup_float8x8* s_tiles) {
   using Tiles = SplitKeyValueTiles<T, D, VC, BK>;
   constexpr int QC = MLX_ATTN_SPLIT_QUERY_CHUNK;
   const int r = rows.r, c = rows.c;
@@ -145,7 +146,6 @@ template <typename T, int D, int DV, int BK, int MASK>
     const device T* sinks [[buffer(6)]],
     device float* lse [[buffer(7)]],  // [B, Hq, Tq] when p.output_lse
     MLX_ATTN_THREAD_POSITION) {
-  constexpr int THREADS = PrefillGroup::THREADS;
   constexpr int QC = MLX_ATTN_SPLIT_QUERY_CHUNK;
   constexpr int VC = DV < MLX_ATTN_SPLIT_VALUE_CHUNK ? DV : MLX_ATTN_SPLIT_VALUE_CHUNK;
   static_assert(D % QC == 0 && DV % VC == 0 && VC % 8 == 0, "head dims: whole query and value chunks");
@@ -171,7 +171,8 @@ template <typename T, int D, int DV, int BK, int MASK>
     float l_row = 0.0f;
 
     for (int kb = kv_begin; kb < kv_end; kb += BK) {
-      stage_split_block<T, D, VC, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, v0, vector_loads, tid, tiles);
+      stage_split_block<T, D, VC, BK, PrefillGroup::THREADS>(p, k, v, k_head, v_head,
+                                                      kb, kv_end, v0, vector_loads, tid, tiles);
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
       simdgroup_float8x8 s_tiles[BK / 8];

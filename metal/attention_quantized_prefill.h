@@ -6,7 +6,7 @@
 // query head), Q and O in registers as 8x8 float tiles; per key block it
 // stages K/V in threadgroup memory, in q's dtype, then runs the dense
 // kernel's steps (prefill_attend_block: scores, the logit step, the online
-// softmax, O += P . V; then prefill_normalizer and prefill_row_lse). The
+// softmax, O += P . V; then prefill_write_row). The
 // only new part is the block loader: it reads the packed uint32 codes and
 // the per-group scales and biases (metal/attention_quantized_params.h) and
 // writes scale * code + bias, computed in float as the decode loader does
@@ -101,7 +101,6 @@ template <typename T, int D, int BK, int BITS, int MASK>
     const device T* sinks [[buffer(11)]],
     device float* lse [[buffer(12)]],  // [B, Hq, Tq] when p.output_lse
     MLX_ATTN_THREAD_POSITION) {
-  constexpr int THREADS = PrefillGroup::THREADS;
   threadgroup KeyValueTiles<T, D, BK> tiles;
 
   // this lane's rows and columns of the 8x8 tiles, the visible keys
@@ -123,7 +122,7 @@ template <typename T, int D, int BK, int BITS, int MASK>
   const int kv_begin = rows.keys.begin;
   const int kv_end = rows.keys.end;
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
-    stage_quantized_key_block<T, D, BK, BITS, THREADS>(kv, kb, kv_end, tid, tiles);
+    stage_quantized_key_block<T, D, BK, BITS, PrefillGroup::THREADS>(kv, kb, kv_end, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     prefill_attend_block<T, D, BK, MASK>(p, mask, tiles, rows, kb, q_tiles, o_tiles, m_row, l_row);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block's staging overwrites the tiles

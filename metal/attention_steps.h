@@ -1,7 +1,9 @@
 // Kernel steps shared by the Metal kernel families (prefill, decode,
-// quantized, backward): the 8x8 tile lane layout, the logit step (scale,
-// visibility, mask) specialized at compile time, and the staging of a K/V
-// block in threadgroup memory. The rules themselves (saturation, visibility,
+// quantized, backward): the kernels' thread position (their one signature
+// macro) and tile geometry, the 8x8 tile lane layout, the logit step (scale,
+// visibility, mask) specialized at compile time, the sink join / normalize
+// step and the row log-sum-exp, and the staging of a K/V block in
+// threadgroup memory. The rules themselves (saturation, visibility,
 // key ranges, mask offsets, the sentinel) live in metal/attention_rules.h,
 // shared with the CPU kernels.
 //
