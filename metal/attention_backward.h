@@ -98,6 +98,103 @@ inline void stage_row_statistics(
   }
 }
 
+// The keys of a dK/dV threadgroup, BK = 8 x simdgroups keys from k0 of one
+// (batch, KV head) (grid (key blocks, Hkv, B)): this lane's row and first
+// column in every 8x8 tile, its key (its row of K, V, dK, dV) and that
+// key's K and V rows, and the query rows that may see a key of the block
+// (as the CPU backward's). The dK/dV kernels' prologue.
+struct KeyRows {
+  int b, kv_head, k0;
+  int r, c;
+  int key;
+  attn_int64 k_row, v_row;
+  QueryRange queries;
+};
+template <int BK>
+inline KeyRows key_rows(constant AttentionParams& p, uint3 group_id, uint sg, uint lane) {
+  KeyRows keys;
+  keys.b = int(group_id.z);
+  keys.kv_head = int(group_id.y);
+  keys.k0 = int(group_id.x) * BK;
+  const TileLane at = tile_lane(lane);
+  keys.r = at.row;
+  keys.c = at.col;
+  keys.key = keys.k0 + int(sg) * 8 + keys.r;
+  keys.k_row = keys.b * p.k_strides[0] + keys.kv_head * p.k_strides[1] + keys.key * p.k_strides[2];
+  keys.v_row = keys.b * p.v_strides[0] + keys.kv_head * p.v_strides[1] + keys.key * p.v_strides[2];
+  keys.queries = block_query_range(p, keys.k0, min(keys.k0 + BK, p.kv_len) - 1);
+  return keys;
+}
+
+// Query head g of the keys' GQA group (the dK/dV kernels sum over the
+// group): its index, q's offset of the head and the first of its rows in
+// [B, Hq, Tq] order (lse, delta, dO).
+struct GroupQueryHead {
+  int h;
+  attn_int64 q_head;
+  attn_int64 rows;
+};
+inline GroupQueryHead group_query_head(constant AttentionParams& p, thread const KeyRows& keys, int g) {
+  GroupQueryHead head;
+  head.h = keys.kv_head * p.group + g;
+  head.q_head = keys.b * p.q_strides[0] + head.h * p.q_strides[1];
+  head.rows = (long(keys.b) * p.q_heads + head.h) * p.q_len;
+  return head;
+}
+
+// This lane's row of K and V (its key's; zeros past kv_len) into the
+// A-operand tiles of the register-resident dK/dV kernel, its dK and dV
+// accumulators zeroed.
+template <typename T, int D>
+inline void load_key_rows(constant AttentionParams& p, const device T* k, const device T* v,
+                          thread const KeyRows& keys, thread simdgroup_float8x8* k_rows,
+                          thread simdgroup_float8x8* v_rows, thread simdgroup_float8x8* dk_acc,
+                          thread simdgroup_float8x8* dv_acc) {
+  const bool inside = keys.key < p.kv_len;
+  for (int d = 0; d < D / 8; ++d) {
+    for (int t = 0; t < 2; ++t) {
+      const int col = d * 8 + keys.c + t;
+      k_rows[d].thread_elements()[t] = inside ? float(k[keys.k_row + col * p.k_strides[3]]) : 0.0f;
+      v_rows[d].thread_elements()[t] = inside ? float(v[keys.v_row + col * p.v_strides[3]]) : 0.0f;
+      dk_acc[d].thread_elements()[t] = 0.0f;
+      dv_acc[d].thread_elements()[t] = 0.0f;
+    }
+  }
+}
+
+// Stages Q and dO (as float, LD floats a row) of the query rows qs .. qs + BQ
+// of one head for the register-resident dK/dV kernel; rows at or past q_end
+// see none of the block's keys (causal / window): zeros, not read.
+template <typename T, int D, int BQ, int LD, int THREADS>
+inline void stage_query_block(constant AttentionParams& p, const device T* q, const device T* d_out,
+                              thread const GroupQueryHead& head, int qs, int q_end, uint tid,
+                              threadgroup float* q_tile, threadgroup float* d_out_tile) {
+  for (int e = int(tid); e < BQ * D; e += THREADS) {
+    const int i = e / D;
+    const int col = e % D;
+    const int qi = qs + i;
+    const bool inside = qi < q_end;
+    q_tile[i * LD + col] = inside ? float(q[head.q_head + qi * p.q_strides[2] + col * p.q_strides[3]]) : 0.0f;
+    d_out_tile[i * LD + col] = inside ? float(d_out[(head.rows + qi) * D + col]) : 0.0f;
+  }
+}
+
+// P^T and dS^T, in place, of this simdgroup's 8 keys against the staged
+// query rows j*8 .. (the block from qs; lse and delta staged with them):
+// the tile gradients, interior tiles without the per-element tests.
+template <typename T, int MASK>
+inline void key_tile_gradients(
+    constant AttentionParams& p, const device uchar* mask, thread const KeyRows& keys, int h, int qs, int j, uint sg,
+    threadgroup const float* lse_tile, threadgroup const float* delta_tile, thread simdgroup_float8x8& s_t,
+    thread simdgroup_float8x8& dp_t) {
+  const int first_query = qs + j * 8;
+  const bool edge = key_tile_needs_tests(p, keys.k0 + int(sg) * 8, first_query, keys.queries.end);
+  const int i = j * 8 + keys.c;
+  tile_gradients<T, MASK>(p, mask, s_t, dp_t, float2(lse_tile[i], lse_tile[i + 1]),
+                          float2(delta_tile[i], delta_tile[i + 1]), keys.b, h, int2(qs + i, qs + i + 1),
+                          int2(keys.key, keys.key), edge);
+}
+
 // delta[row] = rowsum(dO * O) - dlse[row]; out, d_out, d_lse row-contiguous
 // (the host makes them so). One simdgroup per row.
 template <typename T, int D>
@@ -107,9 +204,7 @@ template <typename T, int D>
     const device float* d_lse [[buffer(2)]],
     device float* delta [[buffer(3)]],
     constant AttentionParams& p [[buffer(4)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   const long rows = long(p.batch) * p.q_heads * p.q_len;
   const long row = long(group_id.x) * 4 + sg;
   if (row >= rows) return;  // the whole simdgroup: no collective is split
@@ -137,64 +232,30 @@ template <typename T, int D, int BQ, int MASK>
     device T* dv [[buffer(7)]],
     constant AttentionParams& p [[buffer(8)]],
     const device uchar* mask [[buffer(9)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = 4;
-  constexpr int BK = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
+  constexpr int BK = BackwardGroup::ROWS;
+  constexpr int THREADS = BackwardGroup::THREADS;
   constexpr int LD = D + 4;  // padded float row
   threadgroup float q_tile[BQ * LD];
   threadgroup float d_out_tile[BQ * LD];
   threadgroup float lse_tile[BQ];
   threadgroup float delta_tile[BQ];
 
-  const int b = int(group_id.z);
-  const int kv_head = int(group_id.y);
-  const int k0 = int(group_id.x) * BK;
-  const TileLane at = tile_lane(lane);
-  const int r = at.row;
-  const int c = at.col;
-  const int key = k0 + int(sg) * 8 + r;  // this lane's row of K, V, dK, dV
+  const KeyRows keys = key_rows<BK>(p, group_id, sg, lane);
+  const int r = keys.r, c = keys.c, key = keys.key;
 
   simdgroup_float8x8 k_rows[D / 8];
   simdgroup_float8x8 v_rows[D / 8];
   simdgroup_float8x8 dk_acc[D / 8];
   simdgroup_float8x8 dv_acc[D / 8];
-  const long k_row = b * p.k_strides[0] + kv_head * p.k_strides[1] + key * p.k_strides[2];
-  const long v_row = b * p.v_strides[0] + kv_head * p.v_strides[1] + key * p.v_strides[2];
-  for (int d = 0; d < D / 8; ++d) {
-    for (int t = 0; t < 2; ++t) {
-      const int col = d * 8 + c + t;
-      k_rows[d].thread_elements()[t] = key < p.kv_len ? float(k[k_row + col * p.k_strides[3]]) : 0.0f;
-      v_rows[d].thread_elements()[t] = key < p.kv_len ? float(v[v_row + col * p.v_strides[3]]) : 0.0f;
-      dk_acc[d].thread_elements()[t] = 0.0f;
-      dv_acc[d].thread_elements()[t] = 0.0f;
-    }
-  }
+  load_key_rows<T, D>(p, k, v, keys, k_rows, v_rows, dk_acc, dv_acc);
 
-  // Query rows that can see a key of this block (as the CPU backward's).
-  const QueryRange queries = block_query_range(p, k0, min(k0 + BK, p.kv_len) - 1);
-  const int q_begin = queries.begin;
-  const int q_end = queries.end;
-
+  const int q_end = keys.queries.end;
   for (int g = 0; g < p.group; ++g) {
-    const int h = kv_head * p.group + g;
-    const long q_head = b * p.q_strides[0] + h * p.q_strides[1];
-    const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
-    for (int qs = q_begin; qs < q_end; qs += BQ) {
-      // stage Q, dO (float), lse and delta of rows qs ..; rows past q_end
-      // see none of this block's keys (causal / window): zeros
-      for (int e = int(tid); e < BQ * D; e += THREADS) {
-        const int i = e / D;
-        const int col = e % D;
-        const int qi = qs + i;
-        const bool inside = qi < q_end;
-        q_tile[i * LD + col] = inside ? float(q[q_head + qi * p.q_strides[2] + col * p.q_strides[3]]) : 0.0f;
-        d_out_tile[i * LD + col] = inside ? float(d_out[(head_rows + qi) * D + col]) : 0.0f;
-      }
-      stage_row_statistics<BQ, THREADS>(lse, delta, head_rows, qs, q_end, tid, lse_tile, delta_tile);
+    const GroupQueryHead head = group_query_head(p, keys, g);
+    for (int qs = keys.queries.begin; qs < q_end; qs += BQ) {
+      stage_query_block<T, D, BQ, LD, THREADS>(p, q, d_out, head, qs, q_end, tid, q_tile, d_out_tile);
+      stage_row_statistics<BQ, THREADS>(lse, delta, head.rows, qs, q_end, tid, lse_tile, delta_tile);
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
       for (int j = 0; j < BQ / 8; ++j) {
@@ -211,15 +272,8 @@ template <typename T, int D, int BQ, int MASK>
           simdgroup_multiply_accumulate(s_t, k_rows[d], q_t, s_t);
           simdgroup_multiply_accumulate(dp_t, v_rows[d], d_out_t, dp_t);
         }
-        // this simdgroup's 8 keys against queries qs + j*8 ..: interior
-        // tiles skip the per-element visibility tests
-        const int first_query = qs + j * 8;
-        const bool edge = key_tile_needs_tests(p, k0 + int(sg) * 8, first_query, q_end);
-        const int i = j * 8 + c;
-        tile_gradients<T, MASK>(p, mask, s_t, dp_t, float2(lse_tile[i], lse_tile[i + 1]),
-                                float2(delta_tile[i], delta_tile[i + 1]), b, h, int2(qs + i, qs + i + 1),
-                                int2(key, key), edge);  // s_t: P^T, dp_t: dS^T
-        // dV += P^T . dO, dK += dS^T . Q (rows queries j*8 .., columns dims)
+        key_tile_gradients<T, MASK>(p, mask, keys, head.h, qs, j, sg, lse_tile, delta_tile, s_t, dp_t);
+        // s_t: P^T, dp_t: dS^T; dV += P^T . dO, dK += dS^T . Q (rows queries j*8 .., columns dims)
         for (int d = 0; d < D / 8; ++d) {
           simdgroup_float8x8 q_part;
           simdgroup_float8x8 d_out_part;
@@ -236,7 +290,7 @@ template <typename T, int D, int BQ, int MASK>
   }
 
   if (key < p.kv_len) {
-    const long row = (long(b) * p.kv_heads + kv_head) * p.kv_len + key;
+    const long row = (long(keys.b) * p.kv_heads + keys.kv_head) * p.kv_len + key;
     for (int d = 0; d < D / 8; ++d) {
       for (int t = 0; t < 2; ++t) {
         dk[row * D + d * 8 + c + t] = T(dk_acc[d].thread_elements()[t] * p.scale);
@@ -260,18 +314,13 @@ template <typename T, int D, int BK, int MASK>
     device T* dq [[buffer(6)]],
     constant AttentionParams& p [[buffer(7)]],
     const device uchar* mask [[buffer(8)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = 4;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
+  constexpr int THREADS = BackwardGroup::THREADS;
   using Tiles = KeyValueTiles<T, D, BK>;
   constexpr int LD = Tiles::LD;
   threadgroup Tiles tiles;
 
-  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
+  const QueryRows rows = query_rows<BackwardGroup::ROWS>(p, group_id, sg, lane);
   const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
   const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
 
@@ -350,8 +399,7 @@ template <typename T>
     const device float* delta [[buffer(2)]],
     device T* d_sinks [[buffer(3)]],
     constant AttentionParams& p [[buffer(4)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   const int h = int(group_id.x);
   const float raw = float(sinks[h * p.sinks_stride]);
   const float sink = saturate_logit(raw);

@@ -116,13 +116,9 @@ template <typename T, int D, int DV, int C, int BQ, int MASK>
     device T* dv [[buffer(7)]],
     constant AttentionParams& p [[buffer(8)]],
     const device uchar* mask [[buffer(9)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = 4;
-  constexpr int BK = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
+  constexpr int BK = BackwardGroup::ROWS;
+  constexpr int THREADS = BackwardGroup::THREADS;
   constexpr int KC = D / C;  // chunks of dK
   constexpr int VC = DV / C;  // chunks of dV
   constexpr int CHUNKS = KC > VC ? KC : VC;
@@ -133,15 +129,10 @@ template <typename T, int D, int DV, int C, int BQ, int MASK>
   threadgroup float lse_tile[BQ];
   threadgroup float delta_tile[BQ];
 
-  const int b = int(group_id.z);
-  const int kv_head = int(group_id.y);
   const int own = int(group_id.x) % CHUNKS;
-  const int k0 = int(group_id.x) / CHUNKS * BK;
-  const TileLane at = tile_lane(lane);
-  const int r = at.row;
-  const int c = at.col;
-  const int key = k0 + int(sg) * 8 + r;  // this lane's row of K, V, dK, dV
-  const bool key_inside = key < p.kv_len;
+  const KeyRows keys = key_rows<BK>(p, uint3(group_id.x / CHUNKS, group_id.y, group_id.z), sg, lane);
+  const int r = keys.r, c = keys.c;
+  const bool key_inside = keys.key < p.kv_len;
   const bool vector_loads = p.vector_loads != 0;
 
   simdgroup_float8x8 dk_acc[C / 8];
@@ -150,19 +141,12 @@ template <typename T, int D, int DV, int C, int BQ, int MASK>
     dk_acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     dv_acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-  const long k_row = b * p.k_strides[0] + kv_head * p.k_strides[1] + key * p.k_strides[2];
-  const long v_row = b * p.v_strides[0] + kv_head * p.v_strides[1] + key * p.v_strides[2];
 
-  // Query rows that can see a key of this block (as the CPU backward's).
-  const QueryRange queries = block_query_range(p, k0, min(k0 + BK, p.kv_len) - 1);
-  const int q_begin = queries.begin;
-  const int q_end = queries.end;
-
+  const int q_end = keys.queries.end;
+  // one unit: the chunk loop leaves the own chunk staged for the gradient products after it
   for (int g = 0; g < p.group; ++g) {
-    const int h = kv_head * p.group + g;
-    const long q_head = b * p.q_strides[0] + h * p.q_strides[1];
-    const long head_rows = (long(b) * p.q_heads + h) * p.q_len;
-    for (int qs = q_begin; qs < q_end; qs += BQ) {
+    const GroupQueryHead head = group_query_head(p, keys, g);
+    for (int qs = keys.queries.begin; qs < q_end; qs += BQ) {
       // S^T = K . Q^T and dP^T = V . dO^T (rows keys, columns queries qs ..),
       // summed over the chunks; rows past q_end see none of this block's
       // keys (causal / window): zeros
@@ -176,22 +160,22 @@ template <typename T, int D, int DV, int C, int BQ, int MASK>
         const int q0 = streamed_chunk(own, i, KC) * C;
         const int o0 = streamed_chunk(own, i, VC) * C;
         if (i < KC) {
-          stage_column_chunk<T, C, BQ, LD, THREADS>(q, q_head, p.q_strides[2], p.q_strides[3], qs, q_end, q0, tid,
-                                                    q_tile);
+          stage_column_chunk<T, C, BQ, LD, THREADS>(q, head.q_head, p.q_strides[2], p.q_strides[3], qs, q_end, q0,
+                                                    tid, q_tile);
         }
         if (i < VC) {
-          stage_column_chunk<T, C, BQ, LD, THREADS>(d_out, head_rows * DV, DV, 1, qs, q_end, o0, tid, d_out_tile);
+          stage_column_chunk<T, C, BQ, LD, THREADS>(d_out, head.rows * DV, DV, 1, qs, q_end, o0, tid, d_out_tile);
         }
         if (i == CHUNKS - 1) {
-          stage_row_statistics<BQ, THREADS>(lse, delta, head_rows, qs, q_end, tid, lse_tile, delta_tile);
+          stage_row_statistics<BQ, THREADS>(lse, delta, head.rows, qs, q_end, tid, lse_tile, delta_tile);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (i < KC) {
-          accumulate_chunk_scores<T, C, BQ, LD>(s_t, k, k_row, p.k_strides[3], key_inside, vector_loads, q0, q_tile,
-                                                r, c);
+          accumulate_chunk_scores<T, C, BQ, LD>(s_t, k, keys.k_row, p.k_strides[3], key_inside, vector_loads, q0,
+                                                q_tile, r, c);
         }
         if (i < VC) {
-          accumulate_chunk_scores<T, C, BQ, LD>(dp_t, v, v_row, p.v_strides[3], key_inside, vector_loads, o0,
+          accumulate_chunk_scores<T, C, BQ, LD>(dp_t, v, keys.v_row, p.v_strides[3], key_inside, vector_loads, o0,
                                                 d_out_tile, r, c);
         }
         if (i < CHUNKS - 1) {
@@ -201,12 +185,7 @@ template <typename T, int D, int DV, int C, int BQ, int MASK>
       // the tiles now hold the own chunk: P, dS per 8 queries, then
       // dV += P^T . dO[:, own], dK += dS^T . Q[:, own]
       for (int j = 0; j < BQ / 8; ++j) {
-        const int first_query = qs + j * 8;
-        const bool edge = key_tile_needs_tests(p, k0 + int(sg) * 8, first_query, q_end);
-        const int e = j * 8 + c;
-        tile_gradients<T, MASK>(p, mask, s_t[j], dp_t[j], float2(lse_tile[e], lse_tile[e + 1]),
-                                float2(delta_tile[e], delta_tile[e + 1]), b, h, int2(qs + e, qs + e + 1),
-                                int2(key, key), edge);  // s_t: P^T, dp_t: dS^T
+        key_tile_gradients<T, MASK>(p, mask, keys, head.h, qs, j, sg, lse_tile, delta_tile, s_t[j], dp_t[j]);
         if (own < VC) accumulate_chunk_gradient<C, LD>(dv_acc, s_t[j], d_out_tile, j, r, c);
         if (own < KC) accumulate_chunk_gradient<C, LD>(dk_acc, dp_t[j], q_tile, j, r, c);
       }
@@ -215,7 +194,7 @@ template <typename T, int D, int DV, int C, int BQ, int MASK>
   }
 
   if (key_inside) {
-    const long row = (long(b) * p.kv_heads + kv_head) * p.kv_len + key;
+    const long row = (long(keys.b) * p.kv_heads + keys.kv_head) * p.kv_len + keys.key;
     for (int d = 0; d < C / 8; ++d) {
       for (int t = 0; t < 2; ++t) {
         const int col = own * C + d * 8 + c + t;
@@ -240,13 +219,9 @@ template <typename T, int D, int DV, int C, int BK, int MASK>
     device T* dq [[buffer(6)]],
     constant AttentionParams& p [[buffer(7)]],
     const device uchar* mask [[buffer(8)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = 4;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
+  constexpr int BQ = BackwardGroup::ROWS;
+  constexpr int THREADS = BackwardGroup::THREADS;
   constexpr int KC = D / C;  // chunks of dQ
   constexpr int VC = DV / C;
   constexpr int CHUNKS = KC > VC ? KC : VC;
@@ -275,6 +250,7 @@ template <typename T, int D, int DV, int C, int BK, int MASK>
   const int kv_end = rows.keys.end;
   const long k_head = b * p.k_strides[0] + rows.kv_head * p.k_strides[1];
   const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
+  // one unit: the chunk loop leaves the own K chunk staged for dQ += dS . K after it
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
     // S = Q . K^T and dP = dO . V^T (rows queries, columns keys kb ..),
     // summed over the chunks

@@ -302,28 +302,20 @@ inline bool combine_simdgroup_states(
 
 // A row's final step, once its splits are combined (running max m, sum l and
 // this lane's output slice o, element e at head dim Layout::dim(lane, e)):
-// sinks join the sum, normalize (rows that saw nothing give zeros), write
-// the output row and, when lse_row is not null, the row log-sum-exp. Query
-// head h. Shared by the merge and the one-split partial.
+// sinks join the sum, normalize (row_normalizer, the prefill kernels' step:
+// rows that saw nothing give zeros), write the output row and, when lse_row
+// is not null, the row log-sum-exp. Query head h. Shared by the merge and
+// the one-split partial.
 template <typename T, int SLICE, typename Layout>
 inline void decode_write_row(
     float m, float l, thread const float* o, const device T* sinks, constant AttentionParams& p, int h,
     device T* out_row, device float* lse_row, uint lane) {
-  float correction = 1.0f;
-  if (p.has_sinks != 0) {
-    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-    const float m_final = max(m, sink);
-    correction = fast::exp2((m - m_final) * MLX_ATTN_LOG2E);
-    l = l * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
-    m = m_final;
-  }
-  const float factor = l > 0.0f ? correction / l : 0.0f;
+  const float factor = row_normalizer(p, sinks, h, m, l);
   for (int e = 0; e < SLICE; ++e) {
     out_row[Layout::dim(lane, e)] = T(o[e] * factor);
   }
   if (lse_row != nullptr && lane == 0) {
-    // a row that saw nothing: -inf, written as bits (fast math has no infinities)
-    *lse_row = l > 0.0f ? m + log(l) : as_type<float>(0xff800000u);
+    *lse_row = row_log_sum_exp(m, l);
   }
 }
 
@@ -459,10 +451,7 @@ template <typename T, int D, int MASK, int R, int NSG>
     const device T* sinks [[buffer(7)]],
     device T* out [[buffer(8)]],                // one split: written here, no merge
     device float* lse [[buffer(9)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup DecodeStates<D, NSG, R> states;
   ContiguousKV<T, D> kv;
   kv.k = k;
@@ -555,9 +544,7 @@ template <typename T, int D>
     constant AttentionParams& p [[buffer(4)]],
     constant int& splits [[buffer(5)]],
     device float* lse [[buffer(6)]],  // [B, Hq, Tq] when p.output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup MergeStates<D> states;
   const int r = int(group_id.x);
   const int kv_head = int(group_id.y);

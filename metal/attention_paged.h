@@ -143,10 +143,7 @@ template <typename T, int D, int R, int NSG>
     const device T* sinks [[buffer(7)]],
     device T* out [[buffer(8)]],                  // [total_q, Hq, D]: sequences of one split
     device float* lse [[buffer(9)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup DecodeStates<D, NSG, R> states;
   PagedKV<ContiguousKV<T, D>, PagedWindowRounds<R>::value> kv;
   kv.rows.k = k_pages;
@@ -166,9 +163,7 @@ template <typename T, int D>
     device T* out [[buffer(3)]],
     constant PagedSequence* sequences [[buffer(4)]],
     device float* lse [[buffer(5)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup MergeStates<D> states;
   constant PagedSequence& seq = sequences[group_id.z];
   constant AttentionParams& p = seq.attn;

@@ -13,7 +13,7 @@
 // threadgroup memory with the paged loader below, then runs the dense
 // kernel's steps (metal/attention_prefill.h: prefill_attend_block, i.e. the
 // scores, the logit step, prefill_online_softmax and O += P . V; then
-// prefill_normalizer and prefill_row_lse).
+// prefill_write_row: sinks, normalize, out and lse).
 //
 // The paged loader: simdgroup 0 finds where each key of the next block is
 // (a PageWindow, metal/attention_paged.h: lane l reads the block's page l,
@@ -103,13 +103,7 @@ template <typename T, int D, int BK>
     const device T* sinks [[buffer(5)]],
     device T* out [[buffer(6)]],                  // [total_q, Hq, D]
     device float* lse [[buffer(7)]],              // [total_q, Hq] when output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup KeyValueTiles<T, D, BK> tiles;
   threadgroup PagedKeyRows<BK> key_rows[2];
 
@@ -122,8 +116,9 @@ template <typename T, int D, int BK>
   }
   constant PagedSequence& seq = sequences[b];
   constant AttentionParams& p = seq.attn;
-  const QueryRows rows = query_rows<BQ>(p, uint3(uint(block - seq.query_block_start), group_id.y, 0u), sg, lane);
-  const int h = rows.h, c = rows.c, qi = rows.qi;
+  const QueryRows rows =
+      query_rows<PrefillGroup::ROWS>(p, uint3(uint(block - seq.query_block_start), group_id.y, 0u), sg, lane);
+  const int h = rows.h, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
@@ -143,8 +138,8 @@ template <typename T, int D, int BK>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   int buffer = 0;
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
-    stage_paged_key_block<T, D, BK, THREADS>(p, k_pages, v_pages, key_rows[buffer], kb, kv_end, vector_loads, tid,
-                                             tiles);
+    stage_paged_key_block<T, D, BK, PrefillGroup::THREADS>(p, k_pages, v_pages, key_rows[buffer], kb, kv_end,
+                                                           vector_loads, tid, tiles);
     if (sg == 0) {  // the other buffer's last reader staged the previous block
       locate_paged_keys<BK>(p, table_row, seq.page_size, rows.kv_head, kb + BK, kv_end, lane, key_rows[1 - buffer]);
     }
@@ -155,13 +150,6 @@ template <typename T, int D, int BK>
     buffer = 1 - buffer;
   }
 
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
-  if (qi < p.q_len) {
-    const long row = (seq.q_start + qi) * p.q_heads + h;
-    prefill_store_row<T, D>(out + row * D, o_tiles, factor, c);
-    if (p.output_lse != 0 && c == 0) {
-      lse[row] = prefill_row_lse(m_row, l_row);
-    }
-  }
+  const long row = (seq.q_start + qi) * p.q_heads + h;
+  prefill_write_row<T, D>(p, sinks, rows, row, D, 0, true, out, lse, o_tiles, m_row, l_row);
 }

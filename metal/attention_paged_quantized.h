@@ -30,10 +30,7 @@ template <typename T, int D, int BITS, int R, int NSG>
     const device T* sinks [[buffer(12)]],
     device T* out [[buffer(13)]],  // [total_q, Hq, D]: sequences of one split
     device float* lse [[buffer(14)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup DecodeStates<D, NSG, R> states;
   PagedKV<QuantizedKV<T, D, BITS>, PagedWindowRounds<R>::value> kv;
   kv.rows = quantized_kv<T, D, BITS>(k_pages, k_scales, k_biases, v_pages, v_scales, v_biases, qp);

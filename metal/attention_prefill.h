@@ -1,7 +1,8 @@
 // Fused attention forward for prefill (FlashAttention-2 style, in registers):
 // the kernel template; metal/attention_prefill.metal instantiates it.
 //
-// One threadgroup of NSG = 4 simdgroups (128 threads) owns BQ = 32 query rows of one
+// One threadgroup of NSG = 4 simdgroups (128 threads; PrefillGroup,
+// metal/attention_steps.h) owns BQ = 32 query rows of one
 // (batch, query head); each simdgroup owns 8 rows, held as D/8 8x8 float
 // simdgroup matrices of Q and of the output accumulator O. Key/value blocks
 // of BK keys are staged in threadgroup memory in the input dtype (rows padded
@@ -17,6 +18,7 @@
 //              most blocks skip the rescale; prefill_online_softmax)
 //   accumulate P = exp(S - m_new); l = l * alpha + rowsum P; O += P . V
 //   normalize  sinks join l; O *= 1 / l (rows that saw nothing: 0)
+//              (row_normalizer, the decode kernels' step too; prefill_write_row)
 // S, P, the row max / sum and the rescale never leave registers: each lane
 // works on the two elements per 8x8 tile it owns (thread_elements(): row
 // (lane / 16) * 4 + (lane / 2) % 4, columns c, c + 1 with
@@ -121,31 +123,6 @@ inline void prefill_rescale(thread simdgroup_float8x8* o_tiles, float alpha) {
   }
 }
 
-// normalize: the head's sink joins the row's max and sum, so (m, l) become
-// the final ones (the log-sum-exp's); returns the factor that scales the O
-// row (0 for a row that saw nothing).
-template <typename T>
-inline float prefill_normalizer(constant AttentionParams& p, const device T* sinks, int h, thread float& m_row,
-                                thread float& l_row) {
-  float correction = 1.0f;
-  if (p.has_sinks != 0) {
-    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
-    const float m_final = max(m_row, sink);
-    correction = fast::exp2((m_row - m_final) * MLX_ATTN_LOG2E);
-    l_row = l_row * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
-    m_row = m_final;
-  }
-  return l_row > 0.0f ? correction / l_row : 0.0f;
-}
-
-// a row's log-sum-exp from its final max and sum: -inf for a row that saw
-// nothing, written as bits (fast math has no infinities)
-inline float prefill_row_lse(float m_final, float l_final) {
-  return l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
-}
-
-
-
 // Q rows of this lane (query row rows.qi, element `q_row` on) into the 8x8
 // tiles, zeros past q_len; the output accumulator O zeroed.
 template <typename T, int D>
@@ -209,39 +186,46 @@ inline void prefill_attend_block(constant AttentionParams& p, const device uchar
   }
 }
 
-// One output row of this lane's columns, O scaled by the normalizer's factor.
-template <typename T, int D>
-inline void prefill_store_row(device T* out_row, thread simdgroup_float8x8* o_tiles, float factor, int c) {
-  for (int d = 0; d < D / 8; ++d) {
-    for (int t = 0; t < 2; ++t) {
-      out_row[d * 8 + c + t] = T(o_tiles[d].thread_elements()[t] * factor);
+// normalize and write: the head's sink joins the row's max and sum
+// (row_normalizer); this lane's columns of O (COLUMNS of them), scaled, go to
+// output row `row` (`width` elements, the pass's first column `first`) and,
+// when `writes_lse`, its log-sum-exp to lse[row]. Rows that saw nothing give
+// zeros; rows past q_len write nothing. The four prefill kernels' last step.
+template <typename T, int COLUMNS>
+inline void prefill_write_row(constant AttentionParams& p, const device T* sinks, thread const QueryRows& rows,
+                              attn_int64 row, int width, int first, bool writes_lse, device T* out,
+                              device float* lse, thread simdgroup_float8x8* o_tiles, float m_row, float l_row) {
+  const float factor = row_normalizer(p, sinks, rows.h, m_row, l_row);
+  if (rows.qi < p.q_len) {
+    device T* out_row = out + row * width + first;
+    for (int d = 0; d < COLUMNS / 8; ++d) {
+      for (int t = 0; t < 2; ++t) {
+        out_row[d * 8 + rows.c + t] = T(o_tiles[d].thread_elements()[t] * factor);
+      }
+    }
+    if (writes_lse && p.output_lse != 0 && rows.c == 0) {
+      lse[row] = row_log_sum_exp(m_row, l_row);
     }
   }
 }
 
 template <typename T, int D, int BK, int MASK>
 [[kernel]] void attention_prefill(
-    const device T* q [[buffer(0)]],
-    const device T* k [[buffer(1)]],
-    const device T* v [[buffer(2)]],
-    device T* out [[buffer(3)]],
+    const device T* q [[buffer(0)]],    // [B, Hq, Tq, D]
+    const device T* k [[buffer(1)]],    // [B, Hkv, Tkv, D]
+    const device T* v [[buffer(2)]],    // [B, Hkv, Tkv, D]
+    device T* out [[buffer(3)]],        // [B, Hq, Tq, D]
     constant AttentionParams& p [[buffer(4)]],
     const device uchar* mask [[buffer(5)]],
     const device T* sinks [[buffer(6)]],
     device float* lse [[buffer(7)]],  // [B, Hq, Tq] when p.output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
   using Tiles = KeyValueTiles<T, D, BK>;
   threadgroup Tiles tiles;
 
   // this lane's rows and columns of the 8x8 tiles, the visible keys
-  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
-  const int b = rows.b, h = rows.h, c = rows.c, qi = rows.qi;
+  const QueryRows rows = query_rows<PrefillGroup::ROWS>(p, group_id, sg, lane);
+  const int b = rows.b, h = rows.h, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
@@ -259,19 +243,12 @@ template <typename T, int D, int BK, int MASK>
   const long v_head = b * p.v_strides[0] + rows.kv_head * p.v_strides[1];
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
     // stage K/V in the input dtype
-    stage_key_block<T, D, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
+    stage_key_block<T, D, BK, PrefillGroup::THREADS>(p, k, v, k_head, v_head, kb, kv_end, vector_loads, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     prefill_attend_block<T, D, BK, MASK>(p, mask, tiles, rows, kb, q_tiles, o_tiles, m_row, l_row);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles
   }
 
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
-  if (qi < p.q_len) {
-    const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
-    prefill_store_row<T, D>(out + row * D, o_tiles, factor, c);
-    if (p.output_lse != 0 && c == 0) {
-      lse[row] = prefill_row_lse(m_row, l_row);
-    }
-  }
+  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+  prefill_write_row<T, D>(p, sinks, rows, row, D, 0, true, out, lse, o_tiles, m_row, l_row);
 }

@@ -79,30 +79,80 @@ inline void stage_split_block(
   }
 }
 
+// score: S[8 x BK] = sum over the D chunks of Q[:, chunk] . K[:, chunk]^T,
+// this simdgroup's rows against the staged keys. Each chunk of QC dims of
+// this lane's Q row is read from device memory (cached) into QC/8 fragments,
+// used for all BK keys, and dropped.
+template <typename T, int D, int VC, int BK>
+inline void split_block_scores(constant AttentionParams& p, const device T* q, attn_int64 q_row,
+                               thread const QueryRows& rows, bool vector_loads,
+                               threadgroup SplitKeyValueTiles<T, D, VC, BK>& tiles,
+                               thread simdgroup_float8x8* s_tiles) {
+  using Tiles = SplitKeyValueTiles<T, D, VC, BK>;
+  constexpr int QC = MLX_ATTN_SPLIT_QUERY_CHUNK;
+  const int r = rows.r, c = rows.c;
+  for (int j = 0; j < BK / 8; ++j) {
+    s_tiles[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (int d0 = 0; d0 < D; d0 += QC) {
+    simdgroup_float8x8 q_tiles[QC / 8];
+    for (int d = 0; d < QC / 8; ++d) {
+      float pair[2] = {0.0f, 0.0f};
+      if (rows.qi < p.q_len) {
+        RowLoad<T, 2>::read(q, q_row + (d0 + d * 8 + c) * p.q_strides[3], p.q_strides[3], vector_loads, pair);
+      }
+      for (int t = 0; t < 2; ++t) {
+        q_tiles[d].thread_elements()[t] = pair[t];
+      }
+    }
+    for (int j = 0; j < BK / 8; ++j) {
+      for (int d = 0; d < QC / 8; ++d) {
+        simdgroup_float8x8 k_t;  // K^T block: row = dim d0 + d*8 + r, column = key j*8 + c
+        for (int t = 0; t < 2; ++t) {
+          k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * Tiles::LDK + d0 + d * 8 + r]);
+        }
+        simdgroup_multiply_accumulate(s_tiles[j], q_tiles[d], k_t, s_tiles[j]);
+      }
+    }
+  }
+}
+
+// O += P . V[:, v0 .. v0 + VC): this pass's O slice (VC/8 tiles) from P (the
+// S tiles after the online softmax) and the staged value slice.
+template <typename T, int D, int VC, int BK>
+inline void split_accumulate_values(threadgroup SplitKeyValueTiles<T, D, VC, BK>& tiles,
+                                    thread simdgroup_float8x8* s_tiles, thread simdgroup_float8x8* o_tiles, int r,
+                                    int c) {
+  using Tiles = SplitKeyValueTiles<T, D, VC, BK>;
+  for (int d = 0; d < VC / 8; ++d) {
+    for (int j = 0; j < BK / 8; ++j) {
+      simdgroup_float8x8 v_part;  // row = key j*8 + r, column = value dim v0 + d*8 + c
+      for (int t = 0; t < 2; ++t) {
+        v_part.thread_elements()[t] = float(tiles.v[(j * 8 + r) * Tiles::LDV + d * 8 + c + t]);
+      }
+      simdgroup_multiply_accumulate(o_tiles[d], s_tiles[j], v_part, o_tiles[d]);
+    }
+  }
+}
+
 template <typename T, int D, int DV, int BK, int MASK>
 [[kernel]] void attention_prefill_split(
-    const device T* q [[buffer(0)]],
-    const device T* k [[buffer(1)]],
-    const device T* v [[buffer(2)]],
-    device T* out [[buffer(3)]],
+    const device T* q [[buffer(0)]],    // [B, Hq, Tq, D]
+    const device T* k [[buffer(1)]],    // [B, Hkv, Tkv, D]
+    const device T* v [[buffer(2)]],    // [B, Hkv, Tkv, DV]
+    device T* out [[buffer(3)]],        // [B, Hq, Tq, DV]
     constant AttentionParams& p [[buffer(4)]],
     const device uchar* mask [[buffer(5)]],
     const device T* sinks [[buffer(6)]],
     device float* lse [[buffer(7)]],  // [B, Hq, Tq] when p.output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
   constexpr int QC = MLX_ATTN_SPLIT_QUERY_CHUNK;
   constexpr int VC = DV < MLX_ATTN_SPLIT_VALUE_CHUNK ? DV : MLX_ATTN_SPLIT_VALUE_CHUNK;
   static_assert(D % QC == 0 && DV % VC == 0 && VC % 8 == 0, "head dims: whole query and value chunks");
   using Tiles = SplitKeyValueTiles<T, D, VC, BK>;
   threadgroup Tiles tiles;
 
-  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
+  const QueryRows rows = query_rows<PrefillGroup::ROWS>(p, group_id, sg, lane);
   const int b = rows.b, h = rows.h, r = rows.r, c = rows.c, qi = rows.qi;
   const long q_row = b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2];
   const bool vector_loads = p.vector_loads != 0;
@@ -121,35 +171,12 @@ template <typename T, int D, int DV, int BK, int MASK>
     float l_row = 0.0f;
 
     for (int kb = kv_begin; kb < kv_end; kb += BK) {
-      stage_split_block<T, D, VC, BK, THREADS>(p, k, v, k_head, v_head, kb, kv_end, v0, vector_loads, tid, tiles);
+      stage_split_block<T, D, VC, BK, PrefillGroup::THREADS>(p, k, v, k_head, v_head,
+                                                      kb, kv_end, v0, vector_loads, tid, tiles);
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
-      // score: S[8 x BK] = sum over chunks of Q[:, chunk] . K[:, chunk]^T
       simdgroup_float8x8 s_tiles[BK / 8];
-      for (int j = 0; j < BK / 8; ++j) {
-        s_tiles[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      }
-      for (int d0 = 0; d0 < D; d0 += QC) {
-        simdgroup_float8x8 q_tiles[QC / 8];
-        for (int d = 0; d < QC / 8; ++d) {
-          float pair[2] = {0.0f, 0.0f};
-          if (qi < p.q_len) {
-            RowLoad<T, 2>::read(q, q_row + (d0 + d * 8 + c) * p.q_strides[3], p.q_strides[3], vector_loads, pair);
-          }
-          for (int t = 0; t < 2; ++t) {
-            q_tiles[d].thread_elements()[t] = pair[t];
-          }
-        }
-        for (int j = 0; j < BK / 8; ++j) {
-          for (int d = 0; d < QC / 8; ++d) {
-            simdgroup_float8x8 k_t;  // K^T block: row = dim d0 + d*8 + r, column = key j*8 + c
-            for (int t = 0; t < 2; ++t) {
-              k_t.thread_elements()[t] = float(tiles.k[(j * 8 + c + t) * Tiles::LDK + d0 + d * 8 + r]);
-            }
-            simdgroup_multiply_accumulate(s_tiles[j], q_tiles[d], k_t, s_tiles[j]);
-          }
-        }
-      }
+      split_block_scores<T, D, VC, BK>(p, q, q_row, rows, vector_loads, tiles, s_tiles);
 
       // scale, mask, online max / rescale (as the register-resident kernel)
       const bool edge = key_block_on_edge(p, rows, kb, BK);
@@ -160,29 +187,11 @@ template <typename T, int D, int DV, int BK, int MASK>
 
       // rescale this pass's O slice by alpha, then O += P . V[:, v0 .. v0 + VC)
       prefill_rescale<VC / 8>(o_tiles, alpha);
-      for (int d = 0; d < VC / 8; ++d) {
-        for (int j = 0; j < BK / 8; ++j) {
-          simdgroup_float8x8 v_part;  // row = key j*8 + r, column = value dim v0 + d*8 + c
-          for (int t = 0; t < 2; ++t) {
-            v_part.thread_elements()[t] = float(tiles.v[(j * 8 + r) * Tiles::LDV + d * 8 + c + t]);
-          }
-          simdgroup_multiply_accumulate(o_tiles[d], s_tiles[j], v_part, o_tiles[d]);
-        }
-      }
+      split_accumulate_values<T, D, VC, BK>(tiles, s_tiles, o_tiles, r, c);
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block overwrites the tiles
     }
 
-    // normalize this pass's slice: sinks join the sum; rows that saw nothing give zeros
-    const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
-    if (qi < p.q_len) {
-      for (int d = 0; d < VC / 8; ++d) {
-        for (int t = 0; t < 2; ++t) {
-          out[row * DV + v0 + d * 8 + c + t] = T(o_tiles[d].thread_elements()[t] * factor);
-        }
-      }
-      if (p.output_lse != 0 && c == 0 && v0 == 0) {
-        lse[row] = prefill_row_lse(m_row, l_row);
-      }
-    }
+    // normalize this pass's slice; the row's log-sum-exp once, from the first pass
+    prefill_write_row<T, VC>(p, sinks, rows, row, DV, v0, v0 == 0, out, lse, o_tiles, m_row, l_row);
   }
 }

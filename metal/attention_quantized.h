@@ -152,10 +152,7 @@ template <typename T, int D, int BITS, int MASK, int R, int NSG>
     const device T* sinks [[buffer(12)]],
     device T* out [[buffer(13)]],                // one split: written here, no merge
     device float* lse [[buffer(14)]],
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup DecodeStates<D, NSG, R> states;
   QuantizedKV<T, D, BITS> kv = quantized_kv<T, D, BITS>(k, k_scales, k_biases, v, v_scales, v_biases, qp);
   const DecodeOutputs<T> outputs = decode_launch_outputs(partial_out, partial_stats, sinks, out, lse, p, groups);

@@ -6,7 +6,7 @@
 // query head), Q and O in registers as 8x8 float tiles; per key block it
 // stages K/V in threadgroup memory, in q's dtype, then runs the dense
 // kernel's steps (prefill_attend_block: scores, the logit step, the online
-// softmax, O += P . V; then prefill_normalizer and prefill_row_lse). The
+// softmax, O += P . V; then prefill_write_row). The
 // only new part is the block loader: it reads the packed uint32 codes and
 // the per-group scales and biases (metal/attention_quantized_params.h) and
 // writes scale * code + bias, computed in float as the decode loader does
@@ -100,18 +100,12 @@ template <typename T, int D, int BK, int BITS, int MASK>
     const device uchar* mask [[buffer(10)]],
     const device T* sinks [[buffer(11)]],
     device float* lse [[buffer(12)]],  // [B, Hq, Tq] when p.output_lse
-    uint3 group_id [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = MLX_ATTN_PREFILL_SIMDGROUPS;
-  constexpr int BQ = 8 * NSG;
-  constexpr int THREADS = 32 * NSG;
+    MLX_ATTN_THREAD_POSITION) {
   threadgroup KeyValueTiles<T, D, BK> tiles;
 
   // this lane's rows and columns of the 8x8 tiles, the visible keys
-  const QueryRows rows = query_rows<BQ>(p, group_id, sg, lane);
-  const int b = rows.b, h = rows.h, c = rows.c, qi = rows.qi;
+  const QueryRows rows = query_rows<PrefillGroup::ROWS>(p, group_id, sg, lane);
+  const int b = rows.b, h = rows.h, qi = rows.qi;
 
   simdgroup_float8x8 q_tiles[D / 8];
   simdgroup_float8x8 o_tiles[D / 8];
@@ -128,19 +122,12 @@ template <typename T, int D, int BK, int BITS, int MASK>
   const int kv_begin = rows.keys.begin;
   const int kv_end = rows.keys.end;
   for (int kb = kv_begin; kb < kv_end; kb += BK) {
-    stage_quantized_key_block<T, D, BK, BITS, THREADS>(kv, kb, kv_end, tid, tiles);
+    stage_quantized_key_block<T, D, BK, BITS, PrefillGroup::THREADS>(kv, kb, kv_end, tid, tiles);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     prefill_attend_block<T, D, BK, MASK>(p, mask, tiles, rows, kb, q_tiles, o_tiles, m_row, l_row);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next block's staging overwrites the tiles
   }
 
-  // normalize: sinks join the sum; rows that saw nothing give zeros
-  const float factor = prefill_normalizer(p, sinks, h, m_row, l_row);
-  if (qi < p.q_len) {
-    const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
-    prefill_store_row<T, D>(out + row * D, o_tiles, factor, c);
-    if (p.output_lse != 0 && c == 0) {
-      lse[row] = prefill_row_lse(m_row, l_row);
-    }
-  }
+  const long row = (long(b) * p.q_heads + h) * p.q_len + qi;
+  prefill_write_row<T, D>(p, sinks, rows, row, D, 0, true, out, lse, o_tiles, m_row, l_row);
 }

@@ -1,7 +1,9 @@
 // Kernel steps shared by the Metal kernel families (prefill, decode,
-// quantized, backward): the 8x8 tile lane layout, the logit step (scale,
-// visibility, mask) specialized at compile time, and the staging of a K/V
-// block in threadgroup memory. The rules themselves (saturation, visibility,
+// quantized, backward): the kernels' thread position (their one signature
+// macro) and tile geometry, the 8x8 tile lane layout, the logit step (scale,
+// visibility, mask) specialized at compile time, the sink join / normalize
+// step and the row log-sum-exp, and the staging of a K/V block in
+// threadgroup memory. The rules themselves (saturation, visibility,
 // key ranges, mask offsets, the sentinel) live in metal/attention_rules.h,
 // shared with the CPU kernels.
 //
@@ -20,6 +22,28 @@
 #include "metal/attention_rules.h"
 
 using namespace metal;
+
+// Every kernel's thread position, its last parameters. Metal passes these
+// builtins only as kernel parameters (no struct can carry them), so this is
+// the kernels' one signature macro; a kernel reads the ones it needs.
+#define MLX_ATTN_THREAD_POSITION                   \
+  uint3 group_id [[threadgroup_position_in_grid]], \
+  uint3 groups [[threadgroups_per_grid]],          \
+  uint tid [[thread_index_in_threadgroup]],        \
+  uint sg [[simdgroup_index_in_threadgroup]],      \
+  uint lane [[thread_index_in_simdgroup]]
+
+// The threadgroup of the kernels whose simdgroups own 8-row tiles: NSG
+// simdgroups of 32 lanes, 8 query rows (or keys) each.
+template <int NSG>
+struct TileGroup {
+  static constexpr int ROWS = 8 * NSG;
+  static constexpr int THREADS = 32 * NSG;
+};
+// The four prefill kernels' (dense, D-split, paged, quantized).
+using PrefillGroup = TileGroup<MLX_ATTN_PREFILL_SIMDGROUPS>;
+// The backward dK/dV and dQ kernels' (csrc/backward_launch_plan.cpp kThreads).
+using BackwardGroup = TileGroup<4>;
 
 // The two elements a lane owns in every 8x8 simdgroup matrix (Apple's
 // layout): row (lane / 16) * 4 + (lane / 2) % 4, columns col and col + 1
@@ -77,6 +101,30 @@ inline MaskedLogit masked_logit(
     logit.exact = logit.exact && logit.value == sum;
   }
   return logit;
+}
+
+// normalize: the head's sink joins the row's running max and sum, so (m, l)
+// become the final ones (the log-sum-exp's); returns the factor that scales
+// the row's output (0 for a row that saw nothing). The prefill kernels' last
+// step and the decode kernels' (decode_write_row).
+template <typename T>
+inline float row_normalizer(constant AttentionParams& p, const device T* sinks, int h, thread float& m_row,
+                            thread float& l_row) {
+  float correction = 1.0f;
+  if (p.has_sinks != 0) {
+    const float sink = saturate_logit(float(sinks[h * p.sinks_stride]));
+    const float m_final = max(m_row, sink);
+    correction = fast::exp2((m_row - m_final) * MLX_ATTN_LOG2E);
+    l_row = l_row * correction + fast::exp2((sink - m_final) * MLX_ATTN_LOG2E);
+    m_row = m_final;
+  }
+  return l_row > 0.0f ? correction / l_row : 0.0f;
+}
+
+// A row's log-sum-exp from its final max and sum: -inf for a row that saw
+// nothing, written as bits (fast math has no infinities).
+inline float row_log_sum_exp(float m_final, float l_final) {
+  return l_final > 0.0f ? m_final + log(l_final) : as_type<float>(0xff800000u);
 }
 
 // Whether a key block needs the per-element visibility tests (EDGE): the

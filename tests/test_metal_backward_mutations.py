@@ -45,7 +45,7 @@ MUTANTS = {
     "lse: rows past the query length visible": ("replace", "key < p.kv_len && qi < p.q_len && key_visible", "key < p.kv_len && key_visible"),
     # the GQA reduction of dK/dV and the head mapping of dQ
     "gqa: dK/dV from the first query head of the group only": ("replace", "for (int g = 0; g < p.group; ++g)", "for (int g = 0; g < 1; ++g)"),
-    "gqa: dK/dV query head mapping wrong": ("replace", "const int h = kv_head * p.group + g;", "const int h = kv_head + g;"),
+    "gqa: dK/dV query head mapping wrong": ("replace", "head.h = keys.kv_head * p.group + g;", "head.h = keys.kv_head + g;"),
     "gqa: dQ reads the wrong K/V head": ("replace", "rows.kv_head = rows.h / p.group;", "rows.kv_head = rows.h % p.kv_heads;"),
     # causal / window bounds
     "causal: comparison flipped": ("replace", "key <= pos &&", "key < pos &&"),
@@ -63,7 +63,8 @@ MUTANTS = {
     "mask: additive mask not added": ("replace", "const float sum = logit.value + added;", "const float sum = logit.value;"),
     # sinks
     "sinks: gradient sign flipped": ("replace", "sum -= fast::exp2((sink - lse[", "sum += fast::exp2((sink - lse["),
-    "sinks: stride assumed contiguous": ("replace", "sinks[h * p.sinks_stride]", "sinks[h]"),
+    "sinks: stride assumed contiguous": ("replace", "float raw = float(sinks[h * p.sinks_stride]);",
+                                         "float raw = float(sinks[h]);"),
     "sinks: one batch only": ("replace", "for (int b = 0; b < p.batch; ++b) {\n    const long head_rows", "for (int b = 0; b < 1; ++b) {\n    const long head_rows"),
     # staging, fragments and stores
     "dkdv: Q/dO staging bound off by one": ("replace", "e < BQ * D; e += THREADS", "e < BQ * D - 1; e += THREADS"),
@@ -73,7 +74,7 @@ MUTANTS = {
     "dkdv: last key row not stored": ("replace", "if (key < p.kv_len) {", "if (key < p.kv_len - 1) {"),
     "dq: K fragment reads the wrong key": ("replace", "tiles.k[(j * 8 + r) * LD + d * 8 + c + t]", "tiles.k[(j * 8 + c) * LD + d * 8 + c + t]"),
     "dq: key sequence stride assumed contiguous": ("replace", "k[k_head + key * p.k_strides[2]", "k[k_head + key * D"),
-    "dkdv: query sequence stride assumed contiguous": ("replace", "q[q_head + qi * p.q_strides[2]", "q[q_head + qi * D"),
+    "dkdv: query sequence stride assumed contiguous": ("replace", "q[head.q_head + qi * p.q_strides[2]", "q[head.q_head + qi * D"),
     # the interior-tile shortcut: only edge tiles test causal / window / bounds
     "interior shortcut: a key past the diagonal taken as interior": (
         "replace", "first_key + keys - 1 > first_pos;", "first_key + keys - 2 > first_pos;"),

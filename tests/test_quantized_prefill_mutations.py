@@ -30,7 +30,7 @@ def replaced(a: str, b: str) -> tuple:
     return ("replace", a, b)
 
 
-STAGE_CALL = "stage_quantized_key_block<T, D, BK, BITS, THREADS>(kv, kb, kv_end, tid, tiles);"
+STAGE_CALL = "stage_quantized_key_block<T, D, BK, BITS, PrefillGroup::THREADS>(kv, kb, kv_end, tid, tiles);"
 DEQUANTIZE = "row[w * CODES_PER_WORD + c] = T(scale * float((word >> (c * BITS)) & CODE_MASK) + bias);"
 MUTANTS = {
     "group of a run taken as the first": replaced("const int group = col / kv.group_size;", "const int group = 0;"),
