@@ -1,6 +1,6 @@
 // Fused attention backward (FlashAttention-2 style): the kernel templates;
 // metal/attention_backward.metal instantiates them. Launched through
-// csrc/backward_launch_plan.cpp. The forward's row log-sum-exp lets every
+// csrc/metal/backward_launch_plan.cpp. The forward's row log-sum-exp lets every
 // tile recompute P = exp(S - lse) directly; with delta = rowsum(dO * O) -
 // dlse the softmax derivative is dS = P * (dP - delta), dP = dO . V^T.
 // Four dispatches, each writing disjoint memory (no atomics):

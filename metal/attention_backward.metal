@@ -24,7 +24,7 @@
       attention_backward_sinks<type>) attention_backward_sinks<type>;
 
 // BQ: query rows per staged block of dkdv (backward_query_block); BK: keys per
-// staged block of dq (prefill_key_block), both in csrc/backward_launch_plan.cpp.
+// staged block of dq (prefill_key_block), both in csrc/metal/backward_launch_plan.cpp.
 #if __METAL_VERSION__ >= 310
 #define MLX_ATTN_BACKWARD_BFLOAT16(d, bq, bk) MLX_ATTN_BACKWARD(bfloat16, bfloat, d, bq, bk)
 #define MLX_ATTN_BACKWARD_DQ_BFLOAT16(d, bk) MLX_ATTN_BACKWARD_DQ(bfloat16, bfloat, d, bk)

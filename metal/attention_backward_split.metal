@@ -21,7 +21,7 @@
   MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_BACKWARD_SPLIT_DQ_MASK, tname, type, d, dv, 32)
 
 // C = 64 columns per chunk, BQ = BK = 32 rows per streamed block: the plan's
-// kBackwardChunk and kSplitStreamRows (csrc/backward_launch_plan.cpp).
+// kBackwardChunk and kSplitStreamRows (csrc/metal/backward_launch_plan.cpp).
 #if __METAL_VERSION__ >= 310
 #define MLX_ATTN_BACKWARD_SPLIT_BFLOAT16(d, dv) MLX_ATTN_BACKWARD_SPLIT(bfloat16, bfloat, d, dv)
 #define MLX_ATTN_BACKWARD_SPLIT_DKDV_BFLOAT16(d, dv) MLX_ATTN_BACKWARD_SPLIT_DKDV(bfloat16, bfloat, d, dv)
@@ -38,7 +38,7 @@
   MLX_ATTN_BACKWARD_SPLIT_DKDV(float16, half, d, dv)  \
   MLX_ATTN_BACKWARD_SPLIT_DKDV_BFLOAT16(d, dv)
 
-// (D, DV): csrc/backward_launch_plan.cpp backward_splits_head_dims; at D = 128
+// (D, DV): csrc/metal/backward_launch_plan.cpp backward_splits_head_dims; at D = 128
 // only the dK/dV pass (its dQ pass stays register-resident: 96 floats a lane)
 MLX_ATTN_BACKWARD_SPLIT_DKDV_TYPES(128, 128)
 MLX_ATTN_BACKWARD_SPLIT_TYPES(192, 128)

@@ -163,7 +163,7 @@ inline void decode_key(
 }
 
 // The decode loop's registers per lane, the cost model's estimate
-// (benchmarks/metal_cost_model.py decode_loop_registers): q and o of R rows
+// (kernel_lab/metal_cost_model.py decode_loop_registers): q and o of R rows
 // (2 x R x SLICE), their max and sum (2 R), the key's K and V slices
 // (2 x SLICE, twice when the next key's are loaded ahead), ~20 of addresses
 // and loop state, and the loader's own (KV::REGISTERS).
@@ -356,7 +356,7 @@ inline DecodeOutputs<T> decode_launch_outputs(
 // key once for all R rows; the row shape (one row, up to 32 simdgroups, as
 // MLX's sdpa_vector) gives each simdgroup fewer keys, for contexts too short
 // to keep many split threadgroups busy. The launch plan picks the shape
-// (csrc/launch_plan.cpp decode_shape).
+// (csrc/metal/launch_plan.cpp decode_shape).
 template <typename T, int D, int MASK, typename KV, int NSG, int R>
 inline void decode_split(
     thread KV& kv, const device T* q, constant AttentionParams& p, const device uchar* mask,

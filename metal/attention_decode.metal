@@ -12,7 +12,7 @@
 // simdgroups) and MLX_ATTN_DECODE_MERGE (a first-use compile builds one,
 // csrc/metal/metal_sources.cpp). Each head dim has two threadgroup shapes
 // (decode_split): the group shape (`group_rows` rows, 4 simdgroups) and the
-// row shape (1 row, `row_simdgroups` simdgroups); csrc/launch_plan.cpp
+// row shape (1 row, `row_simdgroups` simdgroups); csrc/metal/launch_plan.cpp
 // (kDecodeShapes) names the same numbers.
 #define MLX_ATTN_DECODE(tname, type, d, group_rows, row_simdgroups)                       \
   MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_DECODE_PARTIAL, tname, type, d, group_rows, 4)          \

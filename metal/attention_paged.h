@@ -14,7 +14,7 @@
 // grid.z, each with its own AttentionParams (its lengths: the causal, window
 // and key-range rules apply as written). Float and quantized pages have the
 // dense decode's two threadgroup shapes (R rows on 4 simdgroups, or 1 row on
-// NSG). The plan (csrc/paged_launch_plan.cpp) picks the shape and sizes the
+// NSG). The plan (csrc/metal/paged_launch_plan.cpp) picks the shape and sizes the
 // grid for the largest sequence; threadgroups past a sequence's splits or
 // rows return at once.
 //

@@ -26,7 +26,7 @@
   MLX_ATTN_PAGED_BFLOAT16(__VA_ARGS__)
 
 // head dim, the group shape's rows, the row shape's simdgroups
-// (csrc/launch_plan.cpp decode_group_shape / decode_row_shape)
+// (csrc/metal/launch_plan.cpp decode_group_shape / decode_row_shape)
 MLX_ATTN_PAGED_TYPES(64, 8, 32)
 MLX_ATTN_PAGED_TYPES(96, 8, 32)
 MLX_ATTN_PAGED_TYPES(128, 8, 32)

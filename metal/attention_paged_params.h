@@ -1,5 +1,5 @@
 // Parameters of the paged attention kernels (metal/attention_paged.metal),
-// shared with their launch plan (csrc/paged_launch_plan.cpp) so the layout
+// shared with their launch plan (csrc/metal/paged_launch_plan.cpp) so the layout
 // cannot drift. One PagedSequence per sequence of the batch, in a constant
 // buffer: its own AttentionParams (q_len / kv_len are the sequence's, so
 // every rule of metal/attention_rules.h applies unchanged) and where its rows,
@@ -10,7 +10,7 @@
 
 // Block-table entries a lane of the decode kernel holds (PageWindow), per
 // threadgroup shape: a split covers at most 32 x this - 1 whole pages (its
-// first key may sit mid-page), csrc/paged_launch_plan.h
+// first key may sit mid-page), csrc/metal/paged_launch_plan.h
 // paged_max_pages_per_split. The row shape's splits are long (1024 keys and
 // more: 4 entries fit pages of 16 keys with room) and its registers are
 // free; the group shape's are short (64 keys and up) and its registers near
@@ -30,7 +30,7 @@ struct PagedSequence {
   attn_int32 page_size;
   // the paged prefill kernel's query blocks of this sequence: blocks
   // [query_block_start, + query_blocks) of its grid (0 blocks: the decode
-  // kernel serves its rows; csrc/paged_launch_plan.h paged_rows_take_prefill)
+  // kernel serves its rows; csrc/metal/paged_launch_plan.h paged_rows_take_prefill)
   attn_int32 query_block_start;
   attn_int32 query_blocks;
 };

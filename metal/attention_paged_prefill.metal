@@ -7,7 +7,7 @@
       attention_paged_prefill<type, d, bk>) attention_paged_prefill<type, d, bk>;
 
 // BK: the dense prefill kernel's keys per block, from the launch plan's
-// per-family table (csrc/launch_plan.cpp prefill_key_block); the head dims
+// per-family table (csrc/metal/launch_plan.cpp prefill_key_block); the head dims
 // both the paged decode and the register-resident prefill kernels serve.
 // bfloat exists from Metal 3.1 on: an older target builds the other dtypes.
 #if __METAL_VERSION__ >= 310

@@ -1,5 +1,5 @@
 // Parameters and constants of the fused attention, shared by the .metal
-// sources, the C++ host and the CPU kernel (through csrc/attention_problem.h),
+// sources, the C++ host and the CPU kernel (through csrc/core/attention_problem.h),
 // so neither the layout nor a constant can drift.
 // 64-bit members first: both sides then lay the struct out without padding.
 #pragma once
@@ -46,7 +46,7 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 #define MLX_ATTN_MASKED_LOGIT (-1.701411834604692317e38f)
 
 // Simdgroups per prefill threadgroup (BQ = 8 rows each); the launch plan's
-// per-GPU-family table must agree (csrc/launch_plan.cpp checks it).
+// per-GPU-family table must agree (csrc/metal/launch_plan.cpp checks it).
 #define MLX_ATTN_PREFILL_SIMDGROUPS 4
 // Simdgroups per decode threadgroup; their states are combined into one
 // partial per (row, split) before the merge.
@@ -62,7 +62,7 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 #define MLX_ATTN_DECODE_ROW_FLOATS 32
 // The register figures the decode's prefetch rule (DecodePrefetch,
 // metal/attention_decode.h) holds a threadgroup to, the cost model's
-// (benchmarks/metal_cost_model.py Gpu): 32-bit registers a thread holds
+// (kernel_lab/metal_cost_model.py Gpu): 32-bit registers a thread holds
 // before the compiler spills (assumed), and a core's register file (208 KB
 // on Apple7/8, Turner's metal-benchmarks) in 32-bit registers.
 #define MLX_ATTN_REGISTER_BUDGET 128
@@ -84,7 +84,7 @@ typedef mlx_attn::MaskKind attn_mask_kind;
 #define MLX_ATTN_VECTOR_WIDTH 4
 
 // What the kernels read of a problem. The host's description
-// (AttentionProblem, csrc/attention_problem.h) extends this struct, so the
+// (AttentionProblem, csrc/core/attention_problem.h) extends this struct, so the
 // launch plan hands it to the GPU as is: no field-by-field copy.
 struct AttentionParams {
   attn_int64 q_strides[4];     // in elements, [batch, head, position, dim]

@@ -29,9 +29,9 @@
 // Metal compiles with fast math.
 // K/V head = query head / group: keys and values are never repeated.
 // Device loads: W = 4-element vectors (Q: pairs) when params.vector_loads
-// says every row start is aligned (csrc/launch_plan.cpp), else per element.
+// says every row start is aligned (csrc/metal/launch_plan.cpp), else per element.
 // Threadgroup memory: 2 * BK * (D + 16 / sizeof(T)) * sizeof(T) bytes
-// (csrc/launch_plan.cpp, docs/metal_kernels.md).
+// (csrc/metal/launch_plan.cpp, docs/metal_kernels.md).
 #pragma once
 
 #include <metal_stdlib>

@@ -8,7 +8,7 @@
 #define MLX_ATTN_PREFILL(tname, type, d, bk) MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_PREFILL_MASK, tname, type, d, bk)
 
 // BK: keys per block, chosen per GPU family, head dim and element size by
-// the launch plan's table (csrc/launch_plan.cpp, docs/metal_kernels.md).
+// the launch plan's table (csrc/metal/launch_plan.cpp, docs/metal_kernels.md).
 // bfloat exists from Metal 3.1 on: an older target builds the other dtypes.
 #if __METAL_VERSION__ >= 310
 #define MLX_ATTN_PREFILL_BFLOAT16(d, bk) MLX_ATTN_PREFILL(bfloat16, bfloat, d, bk)

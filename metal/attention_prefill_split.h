@@ -20,7 +20,7 @@
 //              256, 4 at 512): the score work repeats, the registers do not
 //              grow.
 // Threadgroup memory: BK * (D + 16 / sizeof(T)) + BK * (VC + 16 / sizeof(T))
-// elements of T (csrc/launch_plan.cpp).
+// elements of T (csrc/metal/launch_plan.cpp).
 #pragma once
 
 #include <metal_stdlib>

@@ -9,8 +9,8 @@
 #define MLX_ATTN_PREFILL_SPLIT(tname, type, d, dv, bk) \
   MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_PREFILL_SPLIT_MASK, tname, type, d, dv, bk)
 
-// (D, DV) pairs: csrc/launch_plan.h kSplitPrefillHeadDims; BK: the family
-// table's D = 256 column (csrc/launch_plan.cpp, docs/metal_kernels.md).
+// (D, DV) pairs: csrc/metal/launch_plan.h kSplitPrefillHeadDims; BK: the family
+// table's D = 256 column (csrc/metal/launch_plan.cpp, docs/metal_kernels.md).
 #if __METAL_VERSION__ >= 310
 #define MLX_ATTN_PREFILL_SPLIT_BFLOAT16(d, dv, bk) MLX_ATTN_PREFILL_SPLIT(bfloat16, bfloat, d, dv, bk)
 #else

@@ -1,6 +1,6 @@
 // Parameters of the kernels over quantized K/V (metal/attention_quantized.metal)
 // beyond AttentionParams, shared with the launch plan
-// (csrc/quantized_launch_plan.cpp) so the layout cannot drift. K/V packed
+// (csrc/metal/quantized_launch_plan.cpp) so the layout cannot drift. K/V packed
 // words are read through AttentionParams::k_strides / v_strides (in uint32
 // words); scales and biases through these.
 #pragma once

@@ -9,10 +9,10 @@
   MLX_ATTN_FOR_EACH_MASK(MLX_ATTN_QUANTIZED_PREFILL_MASK, tname, type, d, bits, bk)
 
 // BK: the dense prefill kernel's keys per block, from the launch plan's
-// per-family table (csrc/launch_plan.cpp prefill_key_block); the head dims
+// per-family table (csrc/metal/launch_plan.cpp prefill_key_block); the head dims
 // both the quantized decode and the register-resident prefill kernels serve
 // (64, 128: D = 256 prefill stays on the decode structure, see
-// csrc/quantized_launch_plan.h quantized_rows_take_prefill).
+// csrc/metal/quantized_launch_plan.h quantized_rows_take_prefill).
 // bfloat exists from Metal 3.1 on: an older target builds the other dtypes.
 #if __METAL_VERSION__ >= 310
 #define MLX_ATTN_QUANTIZED_PREFILL_BFLOAT16(d, bits, bk) MLX_ATTN_QUANTIZED_PREFILL(bfloat16, bfloat, d, bits, bk)

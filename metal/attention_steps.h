@@ -42,7 +42,7 @@ struct TileGroup {
 };
 // The four prefill kernels' (dense, D-split, paged, quantized).
 using PrefillGroup = TileGroup<MLX_ATTN_PREFILL_SIMDGROUPS>;
-// The backward dK/dV and dQ kernels' (csrc/backward_launch_plan.cpp kThreads).
+// The backward dK/dV and dQ kernels' (csrc/metal/backward_launch_plan.cpp kThreads).
 using BackwardGroup = TileGroup<4>;
 
 // The two elements a lane owns in every 8x8 simdgroup matrix (Apple's
@@ -221,7 +221,7 @@ inline void stage_key_block(
 
 // The kernels are instantiated once per mask kind; the host name ends with
 // the kind's suffix (none: no suffix), the one the launch plans name
-// (csrc/launch_plan.cpp mask_kernel_suffix). INSTANCE(suffix, mask, args...)
+// (csrc/metal/launch_plan.cpp mask_kernel_suffix). INSTANCE(suffix, mask, args...)
 // is the family's single-instantiation macro.
 #define MLX_ATTN_FOR_EACH_MASK(INSTANCE, ...)                    \
   INSTANCE("", MLX_ATTN_MASK_NONE, __VA_ARGS__)                  \
