@@ -16,6 +16,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from mlx_attn.cache import QuantizedKVCache, RotatingKVCache
+from mlx_attn.lm.compiled_decode import CompiledDecodeStep, compilable
 from mlx_attn.lm.models.base import check_cache_list, check_max_kv_size
 from mlx_attn.lm.sampling import (
     apply_repetition_penalty,
@@ -52,6 +53,9 @@ class GenerationConfig:
     logprobs: bool = False  # put each step's log-probabilities over the vocabulary in the response
     max_kv_size: int | None = None  # a rotating cache of this many tokens (when no cache is passed)
     pipelined: bool = True  # False: build each step only after reading the previous token (for comparison)
+    # replay one traced decode step (mx.compile) where the caches allow it;
+    # False: build every step's graph in Python (for comparison)
+    compiled: bool = True
     # quantized KV cache (mlx-lm's options): with kv_bits (4 or 8) the float
     # caches become QuantizedKVCache once they hold quantized_kv_start tokens
     kv_bits: int | None = None
@@ -70,7 +74,7 @@ class GenerationConfig:
         self.prefill_chunk = require_int("prefill_chunk", self.prefill_chunk, 1)
         if self.max_kv_size is not None:
             self.max_kv_size = check_max_kv_size(self.max_kv_size)
-        for field in ("stop_at_eos", "logprobs", "pipelined"):
+        for field in ("stop_at_eos", "logprobs", "pipelined", "compiled"):
             require_bool(field, getattr(self, field))
         if self.kv_bits is not None:
             self.kv_group_size, self.kv_bits = check_quantization(self.kv_group_size, self.kv_bits)
@@ -228,10 +232,13 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     if config.max_tokens == 0:
         return
     sampling = TokenSampling(config, prompt)
+    # a quantized cache changes type mid-generation: that path stays eager
+    compiled = config.compiled and config.kv_bits is None and compilable(model, cache)
+    forward = CompiledDecodeStep(model, cache) if compiled else (lambda inputs: model(inputs, cache=cache)[:, -1])
 
     def step(inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         _maybe_quantize(cache, config)
-        logits = sampling.penalized(model(inputs, cache=cache)[:, -1])
+        logits = sampling.penalized(forward(inputs))
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
         token = sampling.sample(logits)
         sampling.remember(token)
