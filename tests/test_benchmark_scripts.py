@@ -123,3 +123,17 @@ def test_compile_benchmark_times_the_per_variant_sources_the_host_compiles():
             text = bench_metal_compile.one_variant_source(family, kind)
             last = text.rstrip().splitlines()[-1]
             assert last.startswith("MLX_ATTN_") and "float16, half, " in last, (kernel, last)
+
+
+def test_decode_step_benchmark_quick_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_decode_step", BENCH.parent / "bench_decode_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--models", "tiny", "--tokens", "12", "--repeats", "1", "--out", str(tmp_path / "decode")])
+    saved = json.loads((tmp_path / "decode.json").read_text())
+    assert saved["rows"] == result["rows"] and [r["model"] for r in saved["rows"]] == ["tiny"]
+    row = saved["rows"][0]
+    for mode in ("off", "on"):
+        assert row[mode]["ms_per_step"] > 0 and len(row[mode]["runs_ms"]) == 1
+    assert row["same_tokens"] is True  # compiled and eager steps decode the same greedy tokens
+    assert (tmp_path / "decode.png").stat().st_size > 10_000
