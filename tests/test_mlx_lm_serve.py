@@ -164,7 +164,7 @@ def test_a_hybrid_model_is_refused_naming_why():
 
 
 def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):
-    from mlx_attn.lm.cli import choose_engine, load_for_engine
+    from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
     from mlx_attn.serve.server import build_parser
 
     directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])

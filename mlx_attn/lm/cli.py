@@ -19,7 +19,6 @@ template) ends with exit code 2 and one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -32,9 +31,8 @@ from mlx_attn.doctor import run_doctor
 from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, GenerationConfig, check_kv_quantization,
                                   format_statistics, prefill, stream_generate)
 from mlx_attn.lm import mlx_lm_models
-from mlx_attn.lm.loading import load_model
-from mlx_attn.lm.models.registry import is_registered_hf_model_type
-from mlx_attn.lm.model_store import DEFAULT_DECODER, MODELS, decoder_names
+from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
+from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
 from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
@@ -188,39 +186,10 @@ def _engine(args, model_name) -> str:
     return choose_engine(args.engine, model_name)
 
 
-def choose_engine(engine: str, model_name) -> str:
-    """``"own"`` or ``"mlx-lm"``: ``engine`` as given, ``"auto"`` decided for
-    this model (see ``--engine``'s help)."""
-    if engine != "auto":
-        return engine
-    if model_name is None or str(model_name) in MODELS:
-        return "own"
-    path = Path(model_name)
-    if path.is_dir():
-        model_type = mlx_lm_models.model_type_of(path)
-        return "mlx-lm" if model_type is not None and not is_registered_hf_model_type(model_type) else "own"
-    hub_name = not path.exists() and len(str(model_name).split("/")) == 2 and not str(model_name).endswith(".gguf")
-    return "mlx-lm" if hub_name and importlib.util.find_spec("mlx_lm") is not None else "own"
-
-
 def _load(args, model_name):
     if args.device == "cpu":
         mx.set_default_device(mx.cpu)
     return load_for_engine(model_name, args.engine, args.backend)
-
-
-def load_for_engine(model_name, engine: str = "auto", backend: str = "auto"):
-    """``(model, tokenizer)``: mlx_attn's own model or mlx-lm's classes on
-    mlx_attn's kernels, as :func:`choose_engine` decides (`generate` and
-    `serve` both load through here)."""
-    if choose_engine(engine, model_name) == "mlx-lm":
-        if model_name is None:
-            raise ValueError("--engine mlx-lm needs --model (a model directory or a Hugging Face repo id)")
-        try:
-            return mlx_lm_models.load(model_name, backend=backend)
-        except ImportError as error:
-            raise ValueError(str(error)) from None
-    return load_model(model_name, backend=backend)
 
 
 # ---------------------------------------------------------------- prompt caches

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"mlx-attn serve needs Starlette and uvicorn ({error}): "
                            "pip install 'mlx_attn[serve]'") from None
 
-    from mlx_attn.lm.cli import load_for_engine
+    from mlx_attn.lm.engine_choice import load_for_engine
     from mlx_attn.lm.model_store import DEFAULT_DECODER
 
     args = build_parser().parse_args(argv)
