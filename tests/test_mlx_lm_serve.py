@@ -25,8 +25,9 @@ from mlx_attn.lm import mlx_lm_models  # noqa: E402
 from mlx_attn.serve import Engine  # noqa: E402
 from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 
-# gpt_oss: sinks and a window; mistral, gemma3_text: windows
-SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text"]
+# gpt_oss: sinks and a window; mistral, gemma3_text: windows; qwen3_moe: experts
+SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text", "qwen2", "phi3", "qwen3_moe", "olmo2",
+          "smollm3"]
 WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None]}
 NEW_TOKENS = 6
 
@@ -73,7 +74,7 @@ def serve(engine: Engine, prompts: dict, max_tokens: int, max_steps: int = 500) 
     raise AssertionError("the engine did not finish")
 
 
-@pytest.mark.parametrize("name,bits", [(name, None) for name in SERVED] + [("qwen3", 4)])
+@pytest.mark.parametrize("name,bits", [(name, None) for name in SERVED] + [("qwen3", 4), ("qwen3_moe", 4)])
 def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, name, bits):
     directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name], quantize_bits=bits)
     prompts = mixed_prompts()
