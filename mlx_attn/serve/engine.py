@@ -20,6 +20,7 @@ loaded: MLX's quantized GPU matmuls read 4 to 8 times fewer bytes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
 __all__ = ["PagedAttention", "Engine", "Output", "prepare_weights", "WEIGHT_CHOICES"]
 
 WEIGHT_CHOICES = ("auto", "float32", "as-loaded")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,12 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
 class PagedAttention(AttentionHook):
     """The attention hook of one step: K/V into pages, paged attention out."""
 
-    def __init__(self, store: PagedKVStore, arrays: dict[str, np.ndarray], logit_rows: np.ndarray | None = None):
+    def __init__(self, store: PagedKVStore, arrays: dict[str, np.ndarray], logit_rows: np.ndarray | None = None,
+                 request_ids: Sequence[Hashable] = ()):
         self.store = store
+        # the host arrays and each row's request: models that keep a state per
+        # request (hybrid mlx-lm models) split the step by request
+        self.host_arrays, self.host_logit_rows, self.request_ids = arrays, logit_rows, tuple(request_ids)
         self.arrays = {name: mx.array(value) for name, value in arrays.items()}
         self.logit_rows = None if logit_rows is None else mx.array(logit_rows, dtype=mx.int32)
 
@@ -117,7 +123,9 @@ class Engine:
     ``model``: an mlx_attn :class:`Decoder`, or an mlx-lm model loaded by
     :func:`mlx_attn.lm.mlx_lm_models.load` (run on the same paged path
     through its attention and cache seams, :mod:`mlx_attn.serve.mlx_lm_paged`;
-    models with non-attention layers are refused with a ``ValueError``).
+    hybrid models keep a recurrent state per request and are served without
+    prefix reuse, logged and in :meth:`stats`; other caches are refused with a
+    ``ValueError``).
 
     ``kv_tokens``: the pool's capacity in tokens, all requests together
     (rounded up to whole pages); ``kv_bits``: None (pages in ``dtype``), 8 or
@@ -156,7 +164,12 @@ class Engine:
         self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim,
                                   value_dim=getattr(model, "value_dim", None), dtype=dtype, bits=kv_bits,
                                   group_size=group_size)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        self.prefix_reuse = getattr(model, "prefix_reuse", True)
+        if not self.prefix_reuse:
+            log.warning("prefix reuse is off: layers %s of this model keep a recurrent state per request, which "
+                        "cached pages cannot stand in for; every prompt is computed whole",
+                        getattr(model, "recurrent_layers", "?"))
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse)
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
 
@@ -208,10 +221,18 @@ class Engine:
     def _forget(self, request_id: Hashable) -> None:
         for table in (self.sampling, self.generated):
             table.pop(request_id, None)
+        self._drop_state(request_id)
+
+    def _drop_state(self, request_id: Hashable) -> None:
+        forget = getattr(self.model, "forget_request", None)
+        if forget is not None:
+            forget(request_id)
 
     def step(self) -> list[Output]:
         """Schedule, run the model on the plan, commit the sampled tokens."""
         plan = self.scheduler.schedule()
+        for request_id in plan.preempted:  # recomputed from its first token when readmitted
+            self._drop_state(request_id)
         if not plan.rows:
             return []
         sampled = self._run(plan)
@@ -232,12 +253,14 @@ class Engine:
         ends = np.cumsum(arrays["q_lens"]) - 1
         sampling = [(row.request_id, int(end)) for row, end in zip(plan.rows, ends) if row.sample]
         # logits of the sampling rows only (a prefill chunk's other rows need none)
-        hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32))
+        hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32),
+                              [row.request_id for row in plan.rows])
         rows = self.model(mx.array(arrays["tokens"])[None], attention=hook)[0]
+        states = self.model.state_arrays() if hasattr(self.model, "state_arrays") else []
         if not sampling:
-            mx.eval(self.store.keys, self.store.values)  # a step of prefill chunks only: no logit row
+            mx.eval(self.store.keys, self.store.values, states)  # a step of prefill chunks only: no logit row
             return {}
-        mx.eval(rows, self.store.keys, self.store.values)
+        mx.eval(rows, self.store.keys, self.store.values, states)
         rids = [rid for rid, _ in sampling]
         params = [self.sampling[rid] for rid in rids]
         # a request's tokens are only read by a repetition penalty

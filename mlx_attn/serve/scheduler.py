@@ -126,13 +126,17 @@ def pages_needed(length: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None):
+    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None,
+                 prefix_reuse: bool = True):
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
                                         or max_running < 1):
             raise ValueError(f"max_running must be a positive integer or None, got {max_running!r}")
         self.pool, self.max_batch_tokens, self.max_running = pool, max_batch_tokens, max_running
+        # False for models whose output at a position depends on more than the
+        # cached pages (a recurrent state): every prompt is then computed whole
+        self.prefix_reuse = bool(prefix_reuse)
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []  # admission order
         self._all: dict[Hashable, _Sequence] = {}
@@ -231,7 +235,7 @@ class Scheduler:
         """Give the head of the queue pages for its whole token list, sharing
         its cached prefix; False (nothing changed) when they are not there."""
         pool, size, rid = self.pool, self.pool.page_size, sequence.request.request_id
-        matched = pool.lookup(sequence.tokens)
+        matched = pool.lookup(sequence.tokens) if self.prefix_reuse else []
         total = pages_needed(len(sequence.tokens), size)
         whole = len(matched) * size == len(sequence.tokens)  # the last token must still be computed
         fresh = total - len(matched) + (1 if whole else 0)
@@ -338,6 +342,7 @@ class Scheduler:
             "copies": self.copies, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prefix_reuse": int(self.prefix_reuse),
         }
 
     # ------------------------------------------------------------ checks

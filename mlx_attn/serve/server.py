@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=["auto", "own", "mlx-lm"], default="auto",
                         help="whose model code runs: 'own' (mlx_attn's Llama / Gemma 3, GGUF files), 'mlx-lm' "
                              "(mlx-lm's model classes on the engine's paged attention; needs the mlx-lm extra; "
-                             "hybrid models with recurrent layers are not served yet) or 'auto': mlx-lm for a "
+                             "hybrid models with recurrent layers are served without prefix reuse) or 'auto': "
+                             "mlx-lm for a "
                              "directory whose config.json model_type mlx_attn has no model of and for a Hugging "
                              "Face repo id (from the local cache), else own")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -108,8 +109,8 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
 def check_servable(model) -> None:
     """Refuse, before the server starts, a model the engine cannot page:
-    an mlx-lm model with non-attention layers (hybrid models are not served
-    yet; ``ValueError`` saying so)."""
+    an mlx-lm model with caches other than attention K/V and recurrent
+    states (``ValueError`` saying so)."""
     from mlx_attn.lm.mlx_lm_models import MlxLmModel
 
     if isinstance(model, MlxLmModel):
