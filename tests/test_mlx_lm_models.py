@@ -307,3 +307,39 @@ def test_mlx_attn_generate_runs_an_mlx_lm_directory(tmp_path):
                              "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "w2 w6 w9" + text + "\n"
+
+
+# ---------------------------------------------------------------- the project's own models, same weights
+# Checkpoints both loaders read: mlx_attn's own Llama has no RoPE scaling
+# (it refuses rope_scaling), so a plain llama; Gemma 3 with its own head
+# (its config says so: mlx_attn's loader ties by default, as transformers does).
+OWN_MODEL_CHECKPOINTS = {
+    "llama": (dict(BASE, model_type="llama", rope_theta=500000.0, tie_word_embeddings=False), None),
+    "llama-4bit": (dict(BASE, model_type="llama", rope_theta=500000.0, tie_word_embeddings=False), 4),
+    "gemma3_text": (dict(ARCHITECTURES["gemma3_text"], tie_word_embeddings=False), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_MODEL_CHECKPOINTS))
+def test_the_own_model_and_mlx_lm_s_class_give_the_same_tokens_on_the_same_weights(tmp_path, name):
+    """``--engine own`` (mlx_attn's Llama / Gemma 3) and ``--engine mlx-lm``
+    (mlx-lm's class on mlx_attn's kernels) load one checkpoint: greedy
+    tokens equal each other and mlx-lm's own, and through the serving engine
+    each request of a mixed batch equals too."""
+    from mlx_attn.lm.engine_choice import load_for_engine
+    from mlx_attn.lm.models.base import Decoder
+    from mlx_attn.serve import Engine
+    from test_mlx_lm_serve import mixed_prompts, serve
+
+    config, bits = OWN_MODEL_CHECKPOINTS[name]
+    directory = write_checkpoint(tmp_path / name, config, quantize_bits=bits)
+    expected = mlx_lm_greedy_tokens(directory)
+    tokens, served = {}, {}
+    prompts = {rid: p for rid, p in list(mixed_prompts(seed=3).items())[:4]}
+    for engine in ("own", "mlx-lm"):
+        model, _ = load_for_engine(str(directory), engine)
+        assert isinstance(model, Decoder) == (engine == "own")
+        tokens[engine] = [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))]
+        served[engine] = serve(Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16), prompts, 4)
+    assert tokens["own"] == tokens["mlx-lm"] == expected
+    assert served["own"] == served["mlx-lm"]
