@@ -177,6 +177,41 @@ def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, 
     assert len(engine.model.states) == 0
 
 
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp_path, name):
+    """With ``state_snapshots``, a prompt that begins with cached pages
+    resumes from the recurrent state saved at the last of them: the mixed
+    batch (shared system prefix, a duplicate, preemption) still equals
+    mlx-lm alone, and a later hit gives the miss's tokens."""
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    prompts = mixed_prompts()
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    with pytest.raises(ValueError, match="state_snapshots"):
+        Engine(model, kv_tokens=48, page_size=4, state_snapshots=-1)
+    engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10, state_snapshots=64)
+    got = serve(engine, prompts, NEW_TOKENS)
+    assert got == expected
+    stats = engine.stats()
+    assert stats["prefix_reuse"] == 1 and stats["cached_prompt_tokens"] > 0 and stats["state_snapshots"] > 0
+    assert engine.scheduler.preemptions > 0
+    assert len(engine.model.states) == 0
+    cached_before = engine.scheduler.cached_prompt_tokens
+    again = serve(engine, {"again": prompts["r3"]}, NEW_TOKENS)
+    # every whole page before the last token, resumed from the state saved at its end
+    assert engine.scheduler.cached_prompt_tokens - cached_before == 4 * ((len(prompts["r3"]) - 1) // 4)
+    assert again["again"] == expected["r3"]
+
+
+def test_serve_takes_state_snapshots_as_a_non_negative_count():
+    from mlx_attn.serve.server import build_parser
+
+    assert build_parser().parse_args(["--state-snapshots", "8"]).state_snapshots == 8
+    assert build_parser().parse_args([]).state_snapshots == 0
+    with pytest.raises(ValueError, match="--state-snapshots: must be a non-negative integer"):
+        build_parser().parse_args(["--state-snapshots", "-1"])
+
+
 def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact(tmp_path):
     directory = write_checkpoint(tmp_path / "lfm2", ARCHITECTURES["lfm2"])
     prompts = mixed_prompts(seed=2)

@@ -124,8 +124,9 @@ class Engine:
     :func:`mlx_attn.lm.mlx_lm_models.load` (run on the same paged path
     through its attention and cache seams, :mod:`mlx_attn.serve.mlx_lm_paged`;
     hybrid models keep a recurrent state per request and are served without
-    prefix reuse, logged and in :meth:`stats`; other caches are refused with a
-    ``ValueError``).
+    prefix reuse, logged and in :meth:`stats`, unless ``state_snapshots``
+    > 0: then up to that many states saved at page boundaries let a request
+    resume after cached pages; other caches are refused with a ``ValueError``).
 
     ``kv_tokens``: the pool's capacity in tokens, all requests together
     (rounded up to whole pages); ``kv_bits``: None (pages in ``dtype``), 8 or
@@ -138,7 +139,7 @@ class Engine:
 
     def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
-                 dtype=None, weights: str = "auto"):
+                 dtype=None, weights: str = "auto", state_snapshots: int = 0):
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
         model = _paged_model(model)
@@ -164,12 +165,23 @@ class Engine:
         self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim,
                                   value_dim=getattr(model, "value_dim", None), dtype=dtype, bits=kv_bits,
                                   group_size=group_size)
+        if isinstance(state_snapshots, bool) or not isinstance(state_snapshots, int) or state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be a non-negative integer, got {state_snapshots!r}")
         self.prefix_reuse = getattr(model, "prefix_reuse", True)
-        if not self.prefix_reuse:
+        reusable_pages = None
+        self._states = getattr(model, "states", None)  # hybrid models' recurrent states
+        if self._states is not None and state_snapshots > 0:
+            model.enable_state_snapshots(state_snapshots)
+            self.prefix_reuse, reusable_pages = True, self._states.reusable_pages
+            log.info("prefix reuse through recurrent states saved at page boundaries (layers %s; at most %d "
+                     "states)", model.recurrent_layers, state_snapshots)
+        elif not self.prefix_reuse:
             log.warning("prefix reuse is off: layers %s of this model keep a recurrent state per request, which "
-                        "cached pages cannot stand in for; every prompt is computed whole",
+                        "cached pages cannot stand in for; every prompt is computed whole (state_snapshots "
+                        "turns on reuse from states saved at page boundaries)",
                         getattr(model, "recurrent_layers", "?"))
-        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse,
+                                   reusable_pages=reusable_pages)
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
 
@@ -208,7 +220,10 @@ class Engine:
 
     def stats(self) -> dict[str, int | float]:
         """Requests, pages, prefix-cache hits, preemptions (see :meth:`Scheduler.stats`)."""
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self._states is not None:
+            stats["state_snapshots"] = self._states.snapshots
+        return stats
 
     def cached_tokens(self, request_id: Hashable) -> int:
         """Prompt tokens a queued or running request found in the prefix
@@ -238,6 +253,8 @@ class Engine:
         sampled = self._run(plan)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
         results = self.scheduler.commit(plan, {rid: s.token for rid, s in sampled.items()})
+        if self._states is not None:
+            self._states.prune(self.pool.has_key)  # states of evicted pages
         outputs = []
         for result in results:
             if result.finished:
@@ -255,12 +272,19 @@ class Engine:
         # logits of the sampling rows only (a prefill chunk's other rows need none)
         hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32),
                               [row.request_id for row in plan.rows])
+        if self._states is not None:
+            for row in plan.rows:  # a request admitted after cached pages resumes from their saved state
+                if row.start > 0 and row.request_id not in self._states:
+                    self._states.restore(row.request_id,
+                                         self.scheduler.page_key(row.request_id, row.start // self.pool.page_size - 1))
         rows = self.model(mx.array(arrays["tokens"])[None], attention=hook)[0]
-        states = self.model.state_arrays() if hasattr(self.model, "state_arrays") else []
+        states = self._states.arrays() if self._states is not None else []
         if not sampling:
             mx.eval(self.store.keys, self.store.values, states)  # a step of prefill chunks only: no logit row
+            self._save_states()
             return {}
         mx.eval(rows, self.store.keys, self.store.values, states)
+        self._save_states()
         rids = [rid for rid, _ in sampling]
         params = [self.sampling[rid] for rid in rids]
         # a request's tokens are only read by a repetition penalty
@@ -269,6 +293,14 @@ class Engine:
         for rid in rids:
             self.generated[rid] += 1
         return dict(zip(rids, drawn))
+
+    def _save_states(self) -> None:
+        """File the states the step recorded at page boundaries under those
+        pages' prefix-cache keys (before the commit forgets finished requests)."""
+        if self._states is None:
+            return
+        for request_id, position, state in self._states.take_recorded():
+            self._states.save(self.scheduler.page_key(request_id, position // self.pool.page_size - 1), state)
 
     def run_until_idle(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; the generated tokens of each."""

@@ -30,13 +30,20 @@ rows run as one batch ``[R, 1]`` with their states merged (mlx-lm's
 ``[1, L]`` from its request's state. The attention layers of these calls
 still read and write the engine's pages. A state summarises every earlier
 token, so pages found in the prefix cache cannot stand in for it: these
-models are served without prefix reuse (:attr:`MlxLmPagedModel.prefix_reuse`).
+models are served without prefix reuse (:attr:`MlxLmPagedModel.prefix_reuse`),
+unless the engine saves states at page boundaries (``state_snapshots``):
+prefill chunks then run in pieces that end at page boundaries, the state at
+each boundary is saved under that page's prefix-cache key, and a request
+whose prompt begins with cached pages resumes from the last saved state
+among them.
 Other caches (``ChunkedKVCache``, ``CacheList``, a ring with kept tokens)
 are refused with a :class:`ValueError` naming the layer.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import types
 
@@ -110,11 +117,21 @@ class RecurrentStates:
     """Each running request's recurrent state: the non-attention caches of
     mlx-lm's ``make_prompt_cache`` for the model (one list per request, in
     layer order). A request starting at position 0 starts from a fresh
-    state (its first chunk, or again after a preemption)."""
+    state (its first chunk, or again after a preemption).
 
-    def __init__(self, model: nn.Module, slots: list[int]):
+    With ``max_snapshots`` > 0, states are also kept at page boundaries
+    (:meth:`record` during a step, :meth:`save` under the page's prefix-cache
+    key after it, at most ``max_snapshots``, least recently used dropped
+    first): a request whose prompt begins with cached pages resumes from the
+    state saved at the last of them (:meth:`restore`). A state depends only
+    on the tokens before it, as the pages do, so a key names one state."""
+
+    def __init__(self, model: nn.Module, slots: list[int], max_snapshots: int = 0):
         self._model, self._slots = model, slots
         self._by_request: dict = {}
+        self.max_snapshots = max_snapshots
+        self._snapshots: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+        self._recorded: list[tuple] = []
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -140,7 +157,56 @@ class RecurrentStates:
 
     def arrays(self) -> list[mx.array]:
         """Every state's arrays (to evaluate them with a step's outputs)."""
-        return [a for state in self._by_request.values() for cache in state for a in cache.cache if a is not None]
+        states = list(self._by_request.values()) + [state for _, _, state in self._recorded]
+        return [a for state in states for cache in state for a in cache.cache if a is not None]
+
+    # ------------------------------------------------------------ snapshots
+    @staticmethod
+    def _copy(state: list) -> list:
+        """Caches of their own holding the same (immutable) arrays: updates
+        rebind a cache's entries, never change an array."""
+        copies = []
+        for cache in state:
+            duplicate = copy.copy(cache)
+            duplicate.cache = list(cache.cache)
+            copies.append(duplicate)
+        return copies
+
+    @property
+    def snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def record(self, request_id, position: int) -> None:
+        """Remember the request's state as it is now, after ``position`` tokens
+        (a page boundary); :meth:`take_recorded` hands it to the engine."""
+        if self.max_snapshots > 0:
+            self._recorded.append((request_id, position, self._copy(self._by_request[request_id])))
+
+    def take_recorded(self) -> list[tuple]:
+        """``(request_id, position, state)`` recorded since the last call."""
+        recorded, self._recorded = self._recorded, []
+        return recorded
+
+    def save(self, key: bytes, state: list) -> None:
+        self._snapshots[key] = state
+        self._snapshots.move_to_end(key)
+        while len(self._snapshots) > self.max_snapshots:
+            self._snapshots.popitem(last=False)
+
+    def reusable_pages(self, keys: list[bytes]) -> int:
+        """How many leading pages of a found prefix (their keys) a request may
+        resume after: up to the last one with a saved state."""
+        return next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in self._snapshots), 0)
+
+    def restore(self, request_id, key: bytes) -> None:
+        """Give a request the state saved under ``key`` (a copy)."""
+        self._snapshots.move_to_end(key)
+        self._by_request[request_id] = self._copy(self._snapshots[key])
+
+    def prune(self, is_indexed) -> None:
+        """Drop the states of pages no longer in the prefix cache."""
+        for key in [key for key in self._snapshots if not is_indexed(key)]:
+            del self._snapshots[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,10 +335,6 @@ class MlxLmPagedModel:
         if self.states is not None:
             self.states.forget(request_id)
 
-    def state_arrays(self) -> list[mx.array]:
-        """The recurrent states' arrays (none for attention-only models)."""
-        return [] if self.states is None else self.states.arrays()
-
     def __call__(self, tokens: mx.array, *, attention: AttentionHook) -> mx.array:
         if not mlx_lm_models.attention_installed():  # mlx-lm's own attention would ignore the pages
             mlx_lm_models.install_attention()
@@ -285,23 +347,46 @@ class MlxLmPagedModel:
         return logits[None]
 
     # ------------------------------------------------------------ hybrid models
+    def enable_state_snapshots(self, max_snapshots: int) -> None:
+        """Keep recurrent states at page boundaries for prefix reuse (at most
+        ``max_snapshots``; see :class:`RecurrentStates`). Prefill chunks then
+        run in pieces that end at page boundaries."""
+        if self.states is None:
+            raise ValueError("state snapshots are for models with recurrent layers; this one has none")
+        self.states.max_snapshots = max_snapshots
+
     def _hybrid_call(self, hook) -> mx.array:
         """The step's rows in calls that run each request's tokens in order
         through its recurrent state: the decode rows in one batched call,
-        each other row alone. The logits of the last token of each row whose
-        last token the hook's ``logit_rows`` name."""
+        each other row alone (in pieces ending at page boundaries when states
+        are saved there). The logits of the last token of each row whose last
+        token the hook's ``logit_rows`` name."""
         host = hook.host_arrays
-        q_lens = host["q_lens"]
+        q_lens, positions = host["q_lens"], host["positions"]
         ends = np.cumsum(q_lens)
         starts = ends - q_lens
-        first_positions = host["positions"][starts]
-        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and first_positions[b] > 0]
-        groups = ([decode] if decode else []) + [[b] for b in range(len(q_lens)) if b not in set(decode)]
+        size = hook.store.page_size
+        snapshots = self.states.max_snapshots > 0
+        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and positions[starts[b]] > 0]
+        calls = [[(b, starts[b], ends[b]) for b in decode]] if decode else []
+        for b in range(len(q_lens)):
+            if b in set(decode):
+                continue
+            cuts = [int(starts[b])]
+            if snapshots:  # token indices where a page boundary falls inside the row
+                first = int(positions[starts[b]])
+                cuts += [int(starts[b]) + p - first for p in range((first // size + 1) * size,
+                                                                   first + int(q_lens[b]), size)]
+            cuts.append(int(ends[b]))
+            calls += [[(b, lo, hi)] for lo, hi in zip(cuts, cuts[1:])]
         last_logits = {}
-        for rows in groups:
-            logits = self._run_rows(hook, rows, starts, ends, first_positions)
-            for i, b in enumerate(rows):
+        for pieces in calls:
+            logits = self._run_pieces(hook, pieces)
+            for i, (b, _, hi) in enumerate(pieces):
                 last_logits[b] = logits[i]
+                end_position = int(positions[hi - 1]) + 1
+                if snapshots and end_position % size == 0:
+                    self.states.record(hook.request_ids[b], end_position)
         row_of_end = {int(end) - 1: b for b, end in enumerate(ends)}
         wanted = (range(len(q_lens)) if hook.host_logit_rows is None
                   else [row_of_end[int(end)] for end in hook.host_logit_rows])
@@ -309,19 +394,23 @@ class MlxLmPagedModel:
             return mx.zeros((1, 0, self.config.vocab_size))
         return mx.stack([last_logits[b] for b in wanted])[None]
 
-    def _run_rows(self, hook, rows: list[int], starts, ends, first_positions) -> mx.array:
-        """Run ``rows`` (several of one token each, or one row) as
-        ``[len(rows), L]``; the logits of each row's last token."""
+    def _run_pieces(self, hook, pieces: list[tuple[int, int, int]]) -> mx.array:
+        """Run ``pieces`` (``(row, first token, end token)`` of the step's
+        tokens: several of one token each, or one) as ``[len(pieces), L]``;
+        the logits of each piece's last token."""
         host, ids = hook.host_arrays, hook.request_ids
-        tokens = np.concatenate([np.arange(starts[b], ends[b]) for b in rows])
+        tokens = np.concatenate([np.arange(lo, hi) for _, lo, hi in pieces])
+        rows = [b for b, _, _ in pieces]
         sub = {name: mx.array(host[name][tokens]) for name in ("tokens", "positions", "write_pages", "write_slots")}
-        sub.update(q_lens=mx.array(host["q_lens"][rows]), kv_lens=mx.array(host["kv_lens"][rows]),
+        length = pieces[0][2] - pieces[0][1]
+        first_positions = [int(host["positions"][lo]) for _, lo, _ in pieces]
+        sub.update(q_lens=mx.array(np.full(len(pieces), length, np.int32)),
+                   kv_lens=mx.array(np.array([p + length for p in first_positions], np.int32)),
                    block_table=mx.array(host["block_table"][rows]))
         view = types.SimpleNamespace(store=hook.store, arrays=sub)
-        length = int(host["q_lens"][rows[0]])
-        states = [self.states.get(ids[b], int(first_positions[b])) for b in rows]
-        if len(rows) == 1:
-            merged, offset = states[0], int(first_positions[rows[0]])
+        states = [self.states.get(ids[b], p) for b, p in zip(rows, first_positions)]
+        if len(pieces) == 1:
+            merged, offset = states[0], first_positions[0]
         else:  # one batch: mlx-lm's own merge of the rows' states
             merged = [type(column[0]).merge(list(column)) for column in zip(*states)]
             offset = sub["positions"]
@@ -330,8 +419,8 @@ class MlxLmPagedModel:
             caches[slot] = PagedLayerCache(view, layer.index, layer.window_size, length, offset)
         for slot, cache in zip(self._recurrent_slots, merged):
             caches[slot] = cache
-        logits = self.model(sub["tokens"].reshape(len(rows), length), cache=caches)[:, -1]
-        if len(rows) > 1:
+        logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=caches)[:, -1]
+        if len(pieces) > 1:
             for i, b in enumerate(rows):
                 self.states.put(ids[b], [cache.extract(i) for cache in merged])
         return logits
