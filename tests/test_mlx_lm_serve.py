@@ -203,6 +203,25 @@ def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp
     assert again["again"] == expected["r3"]
 
 
+def test_a_hybrid_model_on_8_bit_pages_with_saved_states_batch_equals_alone(tmp_path):
+    """lfm2 with head_dim 32 (quantizable in groups of 32) on 8-bit pages,
+    resuming prefixes from saved states: each request of the batch equals it
+    served alone on the same pages, and 8-bit K/V keeps mlx-lm's first tokens."""
+    config = dict(ARCHITECTURES["lfm2"], num_attention_heads=2, num_key_value_heads=1)
+    directory = write_checkpoint(tmp_path / "lfm2-hd32", config)
+    model, _ = mlx_lm_models.load(directory)
+    prompts = mixed_prompts(seed=1)
+    options = dict(kv_bits=8, group_size=32)
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, state_snapshots=16, **options)
+    got = serve(engine, prompts, NEW_TOKENS)
+    assert engine.stats()["cached_prompt_tokens"] > 0
+    for rid, prompt in prompts.items():
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompt}, NEW_TOKENS)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    assert sum(got[rid][0] == expected[rid][0] for rid in prompts) >= 6
+
+
 def test_serve_takes_state_snapshots_as_a_non_negative_count():
     from mlx_attn.serve.server import build_parser
 
