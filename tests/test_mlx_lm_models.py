@@ -343,3 +343,20 @@ def test_the_own_model_and_mlx_lm_s_class_give_the_same_tokens_on_the_same_weigh
         served[engine] = serve(Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16), prompts, 4)
     assert tokens["own"] == tokens["mlx-lm"] == expected
     assert served["own"] == served["mlx-lm"]
+
+
+def test_engine_auto_takes_mlx_lm_for_a_config_the_own_model_refuses(tmp_path):
+    """A llama directory with Llama 3 RoPE scaling: mlx_attn's own Llama
+    refuses it (naming rope_scaling), so ``auto`` runs mlx-lm's class; a
+    plain llama stays on the own model."""
+    from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
+
+    scaled = write_checkpoint(tmp_path / "llama3", ARCHITECTURES["llama3"])
+    with pytest.raises(ValueError, match="rope_scaling"):
+        load_for_engine(str(scaled), "own")
+    assert choose_engine("auto", str(scaled)) == "mlx-lm"
+    model, _ = load_for_engine(str(scaled), "auto")
+    assert [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))] == \
+        mlx_lm_greedy_tokens(scaled)
+    plain = write_checkpoint(tmp_path / "llama", OWN_MODEL_CHECKPOINTS["llama"][0])
+    assert choose_engine("auto", str(plain)) == "own"

@@ -71,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=["auto", "own", "mlx-lm"], default="auto",
                         help="whose model code runs: 'own' (mlx_attn's Llama / Gemma 3, GGUF files), 'mlx-lm' "
                              "(mlx-lm's model classes on the engine's paged attention; needs the mlx-lm extra; "
-                             "hybrid models with recurrent layers are served without prefix reuse) or 'auto': "
-                             "mlx-lm for a "
-                             "directory whose config.json model_type mlx_attn has no model of and for a Hugging "
-                             "Face repo id (from the local cache), else own")
+                             "hybrid models with recurrent layers are served without prefix reuse unless "
+                             "--state-snapshots) or 'auto': mlx-lm for a directory whose config.json model_type "
+                             "mlx_attn has no model of or whose config its own model refuses (e.g. Llama 3 RoPE "
+                             "scaling) and for a Hugging Face repo id (from the local cache), else own")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--max-tokens", type=_positive, default=512,
