@@ -61,8 +61,30 @@ ARCHITECTURES = {
     "gpt_oss": dict(BASE, model_type="gpt_oss", num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
                     layer_types=["sliding_attention", "full_attention"]),
+    "qwen2": dict(BASE, model_type="qwen2", rope_theta=1000000.0, tie_word_embeddings=False),
+    "phi3": dict(BASE, model_type="phi3", partial_rotary_factor=0.5, rope_theta=10000.0),
+    "qwen3_moe": dict(BASE, model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, rope_theta=1000000.0,
+                      tie_word_embeddings=False, norm_topk_prob=True),
+    "olmo2": dict(BASE, model_type="olmo2", rope_theta=500000.0, tie_word_embeddings=False),
+    # no_rope_layers: the second layer skips RoPE
+    "smollm3": dict(BASE, model_type="smollm3", rope_theta=5000000.0, tie_word_embeddings=False,
+                    no_rope_layer_interval=2),
+    # hybrid: short-convolution layers around one attention layer
+    "lfm2": dict(model_type="lfm2", vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                 block_dim=64, block_ff_dim=96, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv"]),
+    # hybrid: gated-delta linear attention, full attention every 2nd layer, MoE
+    "qwen3_next": dict(BASE, model_type="qwen3_next", num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                       shared_expert_intermediate_size=32, mlp_only_layers=[], moe_intermediate_size=32,
+                       rope_theta=1000000.0, partial_rotary_factor=0.25, full_attention_interval=2),
 }
 WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss"}
+# hybrid models: the attention layers among their layers (the others keep a recurrent state)
+ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -82,16 +104,22 @@ def write_tokenizer(directory):
         "model_max_length": 4096}))
 
 
-def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = None, seed: int = 0):
+# seeds whose random weights give greedy tokens that vary (seed 0 repeats one token)
+CHECKPOINT_SEEDS = {"qwen2": 3}
+
+
+def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = None, seed: int | None = None):
     """A random-weight checkpoint of mlx-lm's class for ``config``, saved with
     mlx-lm's helpers (4-bit with ``quantize_bits=4``)."""
-    mx.random.seed(seed)
+    mx.random.seed(CHECKPOINT_SEEDS.get(config["model_type"], 0) if seed is None else seed)
     model_type = config["model_type"]
     module = importlib.import_module(f"mlx_lm.models.{mlx_lm.utils.MODEL_REMAPPING.get(model_type, model_type)}")
     model = module.Model(module.ModelArgs.from_dict(config))
     if config["model_type"] == "gpt_oss":  # sinks that matter: mlx-lm initialises them to 0
         for layer in model.layers:
             layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    if config["model_type"] == "lfm2":  # tied embeddings: small, so the layers (not the last token) decide
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.05
     mx.eval(model.parameters())
     config = dict(config)
     if quantize_bits is not None:
@@ -125,7 +153,7 @@ def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
     mlx_lm_models.attention_paths.clear()
     got = our_greedy_tokens(directory)
     assert got == expected
-    layers = ARCHITECTURES[name]["num_hidden_layers"]
+    layers = ATTENTION_LAYERS.get(name, ARCHITECTURES[name]["num_hidden_layers"])
     steps = NEW_TOKENS + 1  # the prefill, then one step per token (the last is queued ahead)
     assert mlx_lm_models.attention_calls["float"] >= layers * steps
     assert mlx_lm_models.attention_paths == {"fused-cpu": mlx_lm_models.attention_calls["float"]}
@@ -135,8 +163,9 @@ def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
         assert mlx_lm_models.attention_calls["windowed"] == 0
 
 
-def test_a_4_bit_quantized_checkpoint_gives_mlx_lm_tokens(tmp_path):
-    directory = write_checkpoint(tmp_path / "qwen3-4bit", ARCHITECTURES["qwen3"], quantize_bits=4)
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])  # the MoE: quantized expert weights (gather_qmm)
+def test_a_4_bit_quantized_checkpoint_gives_mlx_lm_tokens(tmp_path, name):
+    directory = write_checkpoint(tmp_path / f"{name}-4bit", ARCHITECTURES[name], quantize_bits=4)
     assert json.loads((directory / "config.json").read_text())["quantization"]["bits"] == 4
     expected = mlx_lm_greedy_tokens(directory)
     mlx_lm_models.attention_calls.clear()
@@ -278,3 +307,56 @@ def test_mlx_attn_generate_runs_an_mlx_lm_directory(tmp_path):
                              "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "w2 w6 w9" + text + "\n"
+
+
+# ---------------------------------------------------------------- the project's own models, same weights
+# Checkpoints both loaders read: mlx_attn's own Llama has no RoPE scaling
+# (it refuses rope_scaling), so a plain llama; Gemma 3 with its own head
+# (its config says so: mlx_attn's loader ties by default, as transformers does).
+OWN_MODEL_CHECKPOINTS = {
+    "llama": (dict(BASE, model_type="llama", rope_theta=500000.0, tie_word_embeddings=False), None),
+    "llama-4bit": (dict(BASE, model_type="llama", rope_theta=500000.0, tie_word_embeddings=False), 4),
+    "gemma3_text": (dict(ARCHITECTURES["gemma3_text"], tie_word_embeddings=False), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_MODEL_CHECKPOINTS))
+def test_the_own_model_and_mlx_lm_s_class_give_the_same_tokens_on_the_same_weights(tmp_path, name):
+    """``--engine own`` (mlx_attn's Llama / Gemma 3) and ``--engine mlx-lm``
+    (mlx-lm's class on mlx_attn's kernels) load one checkpoint: greedy
+    tokens equal each other and mlx-lm's own, and through the serving engine
+    each request of a mixed batch equals too."""
+    from mlx_attn.lm.engine_choice import load_for_engine
+    from mlx_attn.lm.models.base import Decoder
+    from mlx_attn.serve import Engine
+    from test_mlx_lm_serve import mixed_prompts, serve
+
+    config, bits = OWN_MODEL_CHECKPOINTS[name]
+    directory = write_checkpoint(tmp_path / name, config, quantize_bits=bits)
+    expected = mlx_lm_greedy_tokens(directory)
+    tokens, served = {}, {}
+    prompts = {rid: p for rid, p in list(mixed_prompts(seed=3).items())[:4]}
+    for engine in ("own", "mlx-lm"):
+        model, _ = load_for_engine(str(directory), engine)
+        assert isinstance(model, Decoder) == (engine == "own")
+        tokens[engine] = [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))]
+        served[engine] = serve(Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16), prompts, 4)
+    assert tokens["own"] == tokens["mlx-lm"] == expected
+    assert served["own"] == served["mlx-lm"]
+
+
+def test_engine_auto_takes_mlx_lm_for_a_config_the_own_model_refuses(tmp_path):
+    """A llama directory with Llama 3 RoPE scaling: mlx_attn's own Llama
+    refuses it (naming rope_scaling), so ``auto`` runs mlx-lm's class; a
+    plain llama stays on the own model."""
+    from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
+
+    scaled = write_checkpoint(tmp_path / "llama3", ARCHITECTURES["llama3"])
+    with pytest.raises(ValueError, match="rope_scaling"):
+        load_for_engine(str(scaled), "own")
+    assert choose_engine("auto", str(scaled)) == "mlx-lm"
+    model, _ = load_for_engine(str(scaled), "auto")
+    assert [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))] == \
+        mlx_lm_greedy_tokens(scaled)
+    plain = write_checkpoint(tmp_path / "llama", OWN_MODEL_CHECKPOINTS["llama"][0])
+    assert choose_engine("auto", str(plain)) == "own"

@@ -25,8 +25,9 @@ from mlx_attn.lm import mlx_lm_models  # noqa: E402
 from mlx_attn.serve import Engine  # noqa: E402
 from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 
-# gpt_oss: sinks and a window; mistral, gemma3_text: windows
-SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text"]
+# gpt_oss: sinks and a window; mistral, gemma3_text: windows; qwen3_moe: experts
+SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text", "qwen2", "phi3", "qwen3_moe", "olmo2",
+          "smollm3"]
 WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None]}
 NEW_TOKENS = 6
 
@@ -73,7 +74,7 @@ def serve(engine: Engine, prompts: dict, max_tokens: int, max_steps: int = 500) 
     raise AssertionError("the engine did not finish")
 
 
-@pytest.mark.parametrize("name,bits", [(name, None) for name in SERVED] + [("qwen3", 4)])
+@pytest.mark.parametrize("name,bits", [(name, None) for name in SERVED] + [("qwen3", 4), ("qwen3_moe", 4)])
 def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, name, bits):
     directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name], quantize_bits=bits)
     prompts = mixed_prompts()
@@ -141,25 +142,140 @@ def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_pa
             assert out[rid] == expected[rid], rid
 
 
-def test_a_hybrid_model_is_refused_naming_why():
-    """A model whose cache structure holds a non-attention cache (the
-    recurrent state of hybrid models) is refused, not served wrong."""
+HYBRIDS = {"lfm2": [1], "qwen3_next": [1, 3]}  # each hybrid's attention layers (the others keep a state)
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, name, monkeypatch, caplog):
+    """Recurrent layers beside paged attention: each request of the mixed
+    batch (preemptions, chunked prefill, a duplicate prompt) gives mlx-lm's
+    tokens alone; decode rows ran batched (their states merged); no prompt
+    token came from the prefix cache, and the engine said so; every state
+    is dropped when its request ends."""
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    prompts = mixed_prompts()
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    merged_batches = []
+    merge = mlx_lm_cache.ArraysCache.merge.__func__
+    monkeypatch.setattr(mlx_lm_cache.ArraysCache, "merge",
+                        classmethod(lambda cls, caches: merged_batches.append(len(caches)) or merge(cls, caches)))
+    with caplog.at_level("WARNING", logger="mlx_attn.serve.engine"):
+        engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10)
+    assert "prefix reuse is off" in caplog.text
+    assert engine.model.recurrent_layers == [i for i in range(ARCHITECTURES[name]["num_hidden_layers"])
+                                             if i not in HYBRIDS[name]]
+    assert len(engine.model.attention_layers()) == len(HYBRIDS[name]) == len(engine.store.keys)
+    mlx_lm_models.attention_calls.clear()
+    got = serve(engine, prompts, NEW_TOKENS)
+    assert got == expected
+    assert set(mlx_lm_models.attention_calls) == {"self-attending"}
+    assert max(merged_batches) > 1  # several requests decoded in one call
+    assert engine.scheduler.preemptions > 0
+    stats = engine.stats()
+    assert stats["prefix_reuse"] == 0 and stats["cached_prompt_tokens"] == 0
+    assert len(engine.model.states) == 0
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp_path, name):
+    """With ``state_snapshots``, a prompt that begins with cached pages
+    resumes from the recurrent state saved at the last of them: the mixed
+    batch (shared system prefix, a duplicate, preemption) still equals
+    mlx-lm alone, and a later hit gives the miss's tokens."""
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    prompts = mixed_prompts()
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    with pytest.raises(ValueError, match="state_snapshots"):
+        Engine(model, kv_tokens=48, page_size=4, state_snapshots=-1)
+    engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10, state_snapshots=64)
+    got = serve(engine, prompts, NEW_TOKENS)
+    assert got == expected
+    stats = engine.stats()
+    assert stats["prefix_reuse"] == 1 and stats["cached_prompt_tokens"] > 0 and stats["state_snapshots"] > 0
+    assert engine.scheduler.preemptions > 0
+    assert len(engine.model.states) == 0
+    cached_before = engine.scheduler.cached_prompt_tokens
+    again = serve(engine, {"again": prompts["r3"]}, NEW_TOKENS)
+    # every whole page before the last token, resumed from the state saved at its end
+    assert engine.scheduler.cached_prompt_tokens - cached_before == 4 * ((len(prompts["r3"]) - 1) // 4)
+    assert again["again"] == expected["r3"]
+
+
+def test_a_hybrid_model_on_8_bit_pages_with_saved_states_batch_equals_alone(tmp_path):
+    """lfm2 with head_dim 32 (quantizable in groups of 32) on 8-bit pages,
+    resuming prefixes from saved states: each request of the batch equals it
+    served alone on the same pages, and 8-bit K/V keeps mlx-lm's first tokens."""
+    config = dict(ARCHITECTURES["lfm2"], num_attention_heads=2, num_key_value_heads=1)
+    directory = write_checkpoint(tmp_path / "lfm2-hd32", config)
+    model, _ = mlx_lm_models.load(directory)
+    prompts = mixed_prompts(seed=1)
+    options = dict(kv_bits=8, group_size=32)
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, state_snapshots=16, **options)
+    got = serve(engine, prompts, NEW_TOKENS)
+    assert engine.stats()["cached_prompt_tokens"] > 0
+    for rid, prompt in prompts.items():
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompt}, NEW_TOKENS)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    assert sum(got[rid][0] == expected[rid][0] for rid in prompts) >= 6
+
+
+def test_serve_takes_state_snapshots_as_a_non_negative_count():
+    from mlx_attn.serve.server import build_parser
+
+    assert build_parser().parse_args(["--state-snapshots", "8"]).state_snapshots == 8
+    assert build_parser().parse_args([]).state_snapshots == 0
+    with pytest.raises(ValueError, match="--state-snapshots: must be a non-negative integer"):
+        build_parser().parse_args(["--state-snapshots", "-1"])
+
+
+def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact(tmp_path):
+    directory = write_checkpoint(tmp_path / "lfm2", ARCHITECTURES["lfm2"])
+    prompts = mixed_prompts(seed=2)
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16)
+    for rid, prompt in prompts.items():
+        engine.submit(rid, prompt, NEW_TOKENS)
+    out: dict[str, list[int]] = {}
+    for step in range(500):
+        if engine.idle:
+            break
+        if step == 3:
+            assert "r2" in engine.model.states
+            assert engine.cancel("r2") and engine.cancel("r5")
+            assert "r2" not in engine.model.states and "r5" not in engine.model.states
+        for result in engine.step():
+            out.setdefault(result.request_id, []).append(result.token)
+        engine.scheduler.check_invariants()
+    assert engine.idle and engine.pool.held_pages == 0 and len(engine.model.states) == 0
+    for rid in prompts:
+        if rid not in ("r2", "r5"):
+            assert out[rid] == expected[rid], rid
+
+
+def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
+    """A cache that is neither attention K/V nor a recurrent state (here a
+    nested CacheList) is refused, not served wrong."""
     import mlx.nn as nn
 
-    class Hybrid(nn.Module):
+    class Nested(nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
 
         def make_cache(self):
-            return [mlx_lm_cache.ArraysCache(2), mlx_lm_cache.KVCache()]
+            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), mlx_lm_cache.KVCache()),
+                    mlx_lm_cache.KVCache()]
 
-    wrapped = mlx_lm_models.MlxLmModel(Hybrid(), {"model_type": "hybrid", "vocab_size": 64}, "hybrid")
-    with pytest.raises(ValueError, match=r"ArraysCache.*hybrid models .* not served yet"):
+    wrapped = mlx_lm_models.MlxLmModel(Nested(), {"model_type": "nested", "vocab_size": 64}, "nested")
+    with pytest.raises(ValueError, match=r"layer cache 0 is mlx-lm's CacheList.*nested cache lists"):
         Engine(wrapped, kv_tokens=64)
     from mlx_attn.serve.server import check_servable
 
-    with pytest.raises(UnsupportedForServing, match="hybrid"):
+    with pytest.raises(UnsupportedForServing, match="CacheList"):
         check_servable(wrapped)
 
 
@@ -208,5 +324,39 @@ def test_the_server_serves_an_mlx_lm_model_with_n_choices(tmp_path):
                                             seed=11 + i).choices[0].text for i in range(3)]
         assert [c.text for c in result.choices] == single
         server.check_pages()
+    finally:
+        server.stop()
+
+
+def test_the_server_serves_a_hybrid_model_and_says_prefix_reuse_is_off(tmp_path):
+    """lfm2 over HTTP: greedy text is mlx-lm's; ``n`` seeded choices each
+    equal a single request (every choice computes the prompt: no shared
+    pages); ``/metrics`` reports prefix reuse off."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from test_serve_server import MODEL_NAME, raw, serve_model
+
+    directory = write_checkpoint(tmp_path / "lfm2", ARCHITECTURES["lfm2"])
+    model, tokenizer = mlx_lm_models.load(directory)
+    server = serve_model(model, tokenizer, page_size=4, kv_cache_tokens=256)
+    try:
+        client = server.client()
+        prompt = "w5 w9 w12 w40 w33 w7 w8 w21 w60"
+        want = mlx_lm_alone(directory, {"p": tokenizer.encode(prompt)}, 5)["p"]
+        eos = tokenizer.eos_token_ids
+        want = want[:next((i + 1 for i, t in enumerate(want) if t in eos), len(want))]
+        greedy = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0)
+        assert greedy.choices[0].text == "".join(tokenizer.decode([t]) for t in want if t not in eos)
+        result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, n=2, temperature=0.9,
+                                           seed=5)
+        single = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0.9,
+                                            seed=5 + i).choices[0].text for i in range(2)]
+        assert [c.text for c in result.choices] == single
+        status, metrics = raw(server, "GET", "/metrics")
+        assert status == 200
+        assert "\nmlx_attn_prefix_reuse_enabled 0\n" in metrics
+        assert "\nmlx_attn_prefix_cache_hit_rate 0.0\n" in metrics
+        server.check_pages()
+        assert server.state.call_blocking(lambda: len(server.state.engine.model.states)) == 0
     finally:
         server.stop()

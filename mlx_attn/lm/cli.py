@@ -74,7 +74,8 @@ def _add_model_options(parser) -> None:
                         help="whose model code runs: 'own' (mlx_attn's Llama / Gemma 3, GGUF files), 'mlx-lm' "
                              "(mlx-lm's model classes on mlx_attn's attention and caches; needs the mlx-lm extra) "
                              "or 'auto': mlx-lm for a directory whose config.json model_type mlx_attn has no "
-                             "model of and for a Hugging Face repo id (from the local cache), else own")
+                             "model of or whose config its own model refuses (e.g. Llama 3 RoPE scaling) and for a "
+                             "Hugging Face repo id (from the local cache), else own")
     parser.add_argument("--device", choices=["default", "cpu"], default="default")
 
 

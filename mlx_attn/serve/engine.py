@@ -20,6 +20,7 @@ loaded: MLX's quantized GPU matmuls read 4 to 8 times fewer bytes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
 __all__ = ["PagedAttention", "Engine", "Output", "prepare_weights", "WEIGHT_CHOICES"]
 
 WEIGHT_CHOICES = ("auto", "float32", "as-loaded")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,12 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
 class PagedAttention(AttentionHook):
     """The attention hook of one step: K/V into pages, paged attention out."""
 
-    def __init__(self, store: PagedKVStore, arrays: dict[str, np.ndarray], logit_rows: np.ndarray | None = None):
+    def __init__(self, store: PagedKVStore, arrays: dict[str, np.ndarray], logit_rows: np.ndarray | None = None,
+                 request_ids: Sequence[Hashable] = ()):
         self.store = store
+        # the host arrays and each row's request: models that keep a state per
+        # request (hybrid mlx-lm models) split the step by request
+        self.host_arrays, self.host_logit_rows, self.request_ids = arrays, logit_rows, tuple(request_ids)
         self.arrays = {name: mx.array(value) for name, value in arrays.items()}
         self.logit_rows = None if logit_rows is None else mx.array(logit_rows, dtype=mx.int32)
 
@@ -117,7 +123,10 @@ class Engine:
     ``model``: an mlx_attn :class:`Decoder`, or an mlx-lm model loaded by
     :func:`mlx_attn.lm.mlx_lm_models.load` (run on the same paged path
     through its attention and cache seams, :mod:`mlx_attn.serve.mlx_lm_paged`;
-    models with non-attention layers are refused with a ``ValueError``).
+    hybrid models keep a recurrent state per request and are served without
+    prefix reuse, logged and in :meth:`stats`, unless ``state_snapshots``
+    > 0: then up to that many states saved at page boundaries let a request
+    resume after cached pages; other caches are refused with a ``ValueError``).
 
     ``kv_tokens``: the pool's capacity in tokens, all requests together
     (rounded up to whole pages); ``kv_bits``: None (pages in ``dtype``), 8 or
@@ -130,7 +139,7 @@ class Engine:
 
     def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
-                 dtype=None, weights: str = "auto"):
+                 dtype=None, weights: str = "auto", state_snapshots: int = 0):
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
         model = _paged_model(model)
@@ -156,7 +165,23 @@ class Engine:
         self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim,
                                   value_dim=getattr(model, "value_dim", None), dtype=dtype, bits=kv_bits,
                                   group_size=group_size)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        if isinstance(state_snapshots, bool) or not isinstance(state_snapshots, int) or state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be a non-negative integer, got {state_snapshots!r}")
+        self.prefix_reuse = getattr(model, "prefix_reuse", True)
+        reusable_pages = None
+        self._states = getattr(model, "states", None)  # hybrid models' recurrent states
+        if self._states is not None and state_snapshots > 0:
+            model.enable_state_snapshots(state_snapshots)
+            self.prefix_reuse, reusable_pages = True, self._states.reusable_pages
+            log.info("prefix reuse through recurrent states saved at page boundaries (layers %s; at most %d "
+                     "states)", model.recurrent_layers, state_snapshots)
+        elif not self.prefix_reuse:
+            log.warning("prefix reuse is off: layers %s of this model keep a recurrent state per request, which "
+                        "cached pages cannot stand in for; every prompt is computed whole (state_snapshots "
+                        "turns on reuse from states saved at page boundaries)",
+                        getattr(model, "recurrent_layers", "?"))
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse,
+                                   reusable_pages=reusable_pages)
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
 
@@ -195,7 +220,10 @@ class Engine:
 
     def stats(self) -> dict[str, int | float]:
         """Requests, pages, prefix-cache hits, preemptions (see :meth:`Scheduler.stats`)."""
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self._states is not None:
+            stats["state_snapshots"] = self._states.snapshots
+        return stats
 
     def cached_tokens(self, request_id: Hashable) -> int:
         """Prompt tokens a queued or running request found in the prefix
@@ -208,15 +236,25 @@ class Engine:
     def _forget(self, request_id: Hashable) -> None:
         for table in (self.sampling, self.generated):
             table.pop(request_id, None)
+        self._drop_state(request_id)
+
+    def _drop_state(self, request_id: Hashable) -> None:
+        forget = getattr(self.model, "forget_request", None)
+        if forget is not None:
+            forget(request_id)
 
     def step(self) -> list[Output]:
         """Schedule, run the model on the plan, commit the sampled tokens."""
         plan = self.scheduler.schedule()
+        for request_id in plan.preempted:  # recomputed from its first token when readmitted
+            self._drop_state(request_id)
         if not plan.rows:
             return []
         sampled = self._run(plan)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
         results = self.scheduler.commit(plan, {rid: s.token for rid, s in sampled.items()})
+        if self._states is not None:
+            self._states.prune(self.pool.has_key)  # states of evicted pages
         outputs = []
         for result in results:
             if result.finished:
@@ -232,12 +270,21 @@ class Engine:
         ends = np.cumsum(arrays["q_lens"]) - 1
         sampling = [(row.request_id, int(end)) for row, end in zip(plan.rows, ends) if row.sample]
         # logits of the sampling rows only (a prefill chunk's other rows need none)
-        hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32))
+        hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32),
+                              [row.request_id for row in plan.rows])
+        if self._states is not None:
+            for row in plan.rows:  # a request admitted after cached pages resumes from their saved state
+                if row.start > 0 and row.request_id not in self._states:
+                    self._states.restore(row.request_id,
+                                         self.scheduler.page_key(row.request_id, row.start // self.pool.page_size - 1))
         rows = self.model(mx.array(arrays["tokens"])[None], attention=hook)[0]
+        states = self._states.arrays() if self._states is not None else []
         if not sampling:
-            mx.eval(self.store.keys, self.store.values)  # a step of prefill chunks only: no logit row
+            mx.eval(self.store.keys, self.store.values, states)  # a step of prefill chunks only: no logit row
+            self._save_states()
             return {}
-        mx.eval(rows, self.store.keys, self.store.values)
+        mx.eval(rows, self.store.keys, self.store.values, states)
+        self._save_states()
         rids = [rid for rid, _ in sampling]
         params = [self.sampling[rid] for rid in rids]
         # a request's tokens are only read by a repetition penalty
@@ -246,6 +293,14 @@ class Engine:
         for rid in rids:
             self.generated[rid] += 1
         return dict(zip(rids, drawn))
+
+    def _save_states(self) -> None:
+        """File the states the step recorded at page boundaries under those
+        pages' prefix-cache keys (before the commit forgets finished requests)."""
+        if self._states is None:
+            return
+        for request_id, position, state in self._states.take_recorded():
+            self._states.save(self.scheduler.page_key(request_id, position // self.pool.page_size - 1), state)
 
     def run_until_idle(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; the generated tokens of each."""

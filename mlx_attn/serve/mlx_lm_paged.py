@@ -18,23 +18,44 @@ the pages' rule is causal per request, within the layer's window.
 Each layer's rule comes from mlx-lm's own cache structure
 (``make_prompt_cache``): a ``KVCache`` is full attention, a
 ``RotatingKVCache`` without kept tokens a sliding window of its size. The
-K/V shapes and dtype come from a one-token probe forward. Models with other
-caches (hybrid models' recurrent state, ``ChunkedKVCache``, ``CacheList``)
-are refused in this slice with a :class:`ValueError` saying so.
+K/V shapes and dtype come from a one-token probe forward.
+
+**Hybrid models** (layers that keep a recurrent state in mlx-lm's
+``ArraysCache`` / ``MambaCache``: linear attention, short convolutions,
+state-space blocks) cannot run as one-token sequences: a state runs through
+a request's tokens in order. Each request keeps its own state (one list of
+mlx-lm's caches per request, :class:`RecurrentStates`); the step's decode
+rows run as one batch ``[R, 1]`` with their states merged (mlx-lm's
+``merge``) and split again after, and each prefill chunk runs alone
+``[1, L]`` from its request's state. The attention layers of these calls
+still read and write the engine's pages. A state summarises every earlier
+token, so pages found in the prefix cache cannot stand in for it: these
+models are served without prefix reuse (:attr:`MlxLmPagedModel.prefix_reuse`),
+unless the engine saves states at page boundaries (``state_snapshots``):
+prefill chunks then run in pieces that end at page boundaries, the state at
+each boundary is saved under that page's prefix-cache key, and a request
+whose prompt begins with cached pages resumes from the last saved state
+among them.
+Other caches (``ChunkedKVCache``, ``CacheList``, a ring with kept tokens)
+are refused with a :class:`ValueError` naming the layer.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import types
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.models.base import AttentionHook, LayerAttention
 
-__all__ = ["MlxLmPagedModel", "PagedLayerCache", "UnsupportedForServing", "check_servable_mlx_lm_model"]
+__all__ = ["MlxLmPagedModel", "PagedLayerCache", "RecurrentStates", "UnsupportedForServing",
+           "check_servable_mlx_lm_model"]
 
 
 class UnsupportedForServing(ValueError):
@@ -42,40 +63,150 @@ class UnsupportedForServing(ValueError):
 
 
 class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
-    """One attention layer's view of the engine's pages for one step.
+    """One attention layer's view of the engine's pages for one model call.
 
-    ``hook``: the engine's :class:`~mlx_attn.serve.engine.PagedAttention` of
-    the step (its store and the step's arrays); ``layer``: the store's layer
-    index; ``window``: the layer's sliding window (None: full attention)."""
+    ``hook``: the step's store and arrays (the engine's
+    :class:`~mlx_attn.serve.engine.PagedAttention`, or the part of it one
+    call of a hybrid model runs); ``layer``: the store's layer index;
+    ``window``: the layer's sliding window (None: full attention). The call's
+    input is ``[B, L]``: ``B`` sequences of ``L`` tokens each, in the order
+    of the hook's tokens (``[T, 1]`` for the flat step; ``[1, L]`` or
+    ``[R, 1]`` for a hybrid model's calls); ``offset``: each sequence's first
+    position (default: the hook's positions, one per one-token sequence)."""
 
-    def __init__(self, hook, layer: int, window: int | None):
+    def __init__(self, hook, layer: int, window: int | None, queries_per_sequence: int = 1, offset=None):
         self.hook, self.layer, self.window = hook, layer, window
+        self.queries_per_sequence = queries_per_sequence
+        self._offset = offset
 
     def __bool__(self) -> bool:  # mlx-lm tests `if cache and ...`
         return True
 
     @property
-    def offset(self) -> mx.array:
-        """Each one-token sequence's position (RoPE's per-sequence offset)."""
-        return self.hook.arrays["positions"]
+    def offset(self):
+        """Each sequence's first position (RoPE's per-sequence offset)."""
+        return self.hook.arrays["positions"] if self._offset is None else self._offset
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if N != 1:
-            raise ValueError(f"the paged step runs one token per sequence, the model asked a mask for {N}")
-        return None
+        if N != self.queries_per_sequence:
+            raise ValueError(f"the paged call runs {self.queries_per_sequence} tokens per sequence, "
+                             f"the model asked a mask for {N}")
+        return None  # the pages' rule: causal per request, within the layer's window
+
+    @staticmethod
+    def _rows(x: mx.array) -> mx.array:
+        """``[B, H, L, D]`` -> ``[B * L, H, D]`` (token order)."""
+        return x.swapaxes(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Store the step's rows (``[T, Hkv, 1, D]``) in their pages; returns
-        them (the model never reads them: :meth:`attend` reads the pages)."""
+        """Store the call's rows in their pages; returns them (the model
+        never reads them: :meth:`attend` reads the pages)."""
         a = self.hook.arrays
-        self.hook.store.write(self.layer, a["write_pages"], a["write_slots"], keys[:, :, 0], values[:, :, 0])
+        self.hook.store.write(self.layer, a["write_pages"], a["write_slots"], self._rows(keys), self._rows(values))
         return keys, values
 
     def attend(self, queries, keys, values, *, scale, sinks, softcap):
         a = self.hook.arrays
-        out = self.hook.store.attend(self.layer, queries[:, :, 0], a["block_table"], a["kv_lens"], a["q_lens"],
+        batch, heads, length, _ = queries.shape
+        out = self.hook.store.attend(self.layer, self._rows(queries), a["block_table"], a["kv_lens"], a["q_lens"],
                                      scale=scale, window_size=self.window, sinks=sinks, softcap=softcap)
-        return out[:, :, None]
+        return out.reshape(batch, length, heads, out.shape[-1]).swapaxes(1, 2)
+
+
+class RecurrentStates:
+    """Each running request's recurrent state: the non-attention caches of
+    mlx-lm's ``make_prompt_cache`` for the model (one list per request, in
+    layer order). A request starting at position 0 starts from a fresh
+    state (its first chunk, or again after a preemption).
+
+    With ``max_snapshots`` > 0, states are also kept at page boundaries
+    (:meth:`record` during a step, :meth:`save` under the page's prefix-cache
+    key after it, at most ``max_snapshots``, least recently used dropped
+    first): a request whose prompt begins with cached pages resumes from the
+    state saved at the last of them (:meth:`restore`). A state depends only
+    on the tokens before it, as the pages do, so a key names one state."""
+
+    def __init__(self, model: nn.Module, slots: list[int], max_snapshots: int = 0):
+        self._model, self._slots = model, slots
+        self._by_request: dict = {}
+        self.max_snapshots = max_snapshots
+        self._snapshots: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+        self._recorded: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._by_request
+
+    def get(self, request_id, start: int) -> list:
+        if start == 0:
+            import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+            caches = mlx_lm_cache.make_prompt_cache(self._model)
+            self._by_request[request_id] = [caches[i] for i in self._slots]
+        elif request_id not in self._by_request:
+            raise RuntimeError(f"request {request_id!r} continues at position {start} without its recurrent state")
+        return self._by_request[request_id]
+
+    def put(self, request_id, state: list) -> None:
+        self._by_request[request_id] = state
+
+    def forget(self, request_id) -> None:
+        self._by_request.pop(request_id, None)
+
+    def arrays(self) -> list[mx.array]:
+        """Every state's arrays (to evaluate them with a step's outputs)."""
+        states = list(self._by_request.values()) + [state for _, _, state in self._recorded]
+        return [a for state in states for cache in state for a in cache.cache if a is not None]
+
+    # ------------------------------------------------------------ snapshots
+    @staticmethod
+    def _copy(state: list) -> list:
+        """Caches of their own holding the same (immutable) arrays: updates
+        rebind a cache's entries, never change an array."""
+        copies = []
+        for cache in state:
+            duplicate = copy.copy(cache)
+            duplicate.cache = list(cache.cache)
+            copies.append(duplicate)
+        return copies
+
+    @property
+    def snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def record(self, request_id, position: int) -> None:
+        """Remember the request's state as it is now, after ``position`` tokens
+        (a page boundary); :meth:`take_recorded` hands it to the engine."""
+        if self.max_snapshots > 0:
+            self._recorded.append((request_id, position, self._copy(self._by_request[request_id])))
+
+    def take_recorded(self) -> list[tuple]:
+        """``(request_id, position, state)`` recorded since the last call."""
+        recorded, self._recorded = self._recorded, []
+        return recorded
+
+    def save(self, key: bytes, state: list) -> None:
+        self._snapshots[key] = state
+        self._snapshots.move_to_end(key)
+        while len(self._snapshots) > self.max_snapshots:
+            self._snapshots.popitem(last=False)
+
+    def reusable_pages(self, keys: list[bytes]) -> int:
+        """How many leading pages of a found prefix (their keys) a request may
+        resume after: up to the last one with a saved state."""
+        return next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in self._snapshots), 0)
+
+    def restore(self, request_id, key: bytes) -> None:
+        """Give a request the state saved under ``key`` (a copy)."""
+        self._snapshots.move_to_end(key)
+        self._by_request[request_id] = self._copy(self._snapshots[key])
+
+    def prune(self, is_indexed) -> None:
+        """Drop the states of pages no longer in the prefix cache."""
+        for key in [key for key in self._snapshots if not is_indexed(key)]:
+            del self._snapshots[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,73 +217,104 @@ class _KVShape:
     dtype: mx.Dtype
 
 
-def _layer_windows(model: nn.Module) -> list[int | None]:
+_RECURRENT = "recurrent"  # a layer rule: the layer keeps a recurrent state, not K/V
+
+
+def _layer_rules(model: nn.Module) -> list:
     """Each cache slot's rule from mlx-lm's cache structure: None (full
-    attention) or the sliding window; :class:`UnsupportedForServing` for
-    any other cache."""
+    attention), the sliding window (an int), or ``"recurrent"`` (an
+    ``ArraysCache``, ``MambaCache``...: a state per request);
+    :class:`UnsupportedForServing` for any other cache."""
     import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
 
-    windows = []
+    rules = []
     for i, cache in enumerate(mlx_lm_cache.make_prompt_cache(model)):
         if type(cache) is mlx_lm_cache.KVCache:
-            windows.append(None)
+            rules.append(None)
         elif type(cache) is mlx_lm_cache.RotatingKVCache and cache.keep == 0:
-            windows.append(cache.max_size)
+            rules.append(cache.max_size)
+        elif isinstance(cache, mlx_lm_cache.ArraysCache):
+            rules.append(_RECURRENT)
         else:
             raise UnsupportedForServing(
                 f"layer cache {i} is mlx-lm's {type(cache).__name__}: the serving engine pages attention layers "
-                "only (KVCache, sliding-window RotatingKVCache); hybrid models (recurrent or state-space "
-                "layers) and chunked attention are not served yet, use `mlx-attn generate` for them")
-    return windows
+                "(KVCache, sliding-window RotatingKVCache) and keeps recurrent states (ArraysCache, "
+                "MambaCache); chunked attention and nested cache lists are not served yet, use "
+                "`mlx-attn generate` for them")
+    if all(rule == _RECURRENT for rule in rules):
+        raise UnsupportedForServing("the model has no attention layer: the serving engine needs one to page")
+    return rules
 
 
 def check_servable_mlx_lm_model(wrapped: mlx_lm_models.MlxLmModel) -> None:
     """:class:`UnsupportedForServing` when the engine cannot page the
-    model's layers (see :func:`_layer_windows`)."""
-    _layer_windows(wrapped.model)
+    model's layers (see :func:`_layer_rules`)."""
+    _layer_rules(wrapped.model)
 
 
-def _probe_kv_shapes(model: nn.Module) -> list[_KVShape]:
+def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
     """Run one token through the model with mlx_attn's dense caches and read
-    each layer's K/V shape and dtype."""
+    each attention layer's K/V shape and dtype (None for a recurrent layer)."""
     caches = mlx_lm_models.make_cache(model)
     mx.eval(model(mx.array([[0]]), cache=caches))
     shapes = []
     for cache in caches:
-        keys, values = cache.keys, cache.values
-        shapes.append(_KVShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype))
+        keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+        shapes.append(None if keys is None else _KVShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype))
     return shapes
 
 
 class MlxLmPagedModel:
     """An mlx-lm model as the engine drives a :class:`Decoder`:
-    ``attention_layers()``, ``config`` (``vocab_size``,
-    ``max_position_embeddings``, ``num_key_value_heads``), ``value_dim``,
-    ``kv_dtype``, ``weights`` (the ``nn.Module`` whose weights the engine
-    prepares) and ``model(tokens [1, T], attention=hook)`` -> logits
-    ``[1, R, vocab]`` of the hook's ``logit_rows`` (all ``T`` without)."""
+    ``attention_layers()`` (the attention layers only: the store's layers),
+    ``config`` (``vocab_size``, ``max_position_embeddings``,
+    ``num_key_value_heads``), ``value_dim``, ``kv_dtype``, ``weights`` (the
+    ``nn.Module`` whose weights the engine prepares), ``prefix_reuse``
+    (False for hybrid models), ``forget_request(rid)`` (drop a finished,
+    cancelled or preempted request's recurrent state) and
+    ``model(tokens [1, T], attention=hook)`` -> logits ``[1, R, vocab]`` of
+    the hook's ``logit_rows`` (all ``T`` without; a hybrid model's rows are
+    each row's last token, and it needs the hook's ``request_ids``)."""
 
     def __init__(self, wrapped: mlx_lm_models.MlxLmModel):
         self.model = wrapped.model
-        self._windows = _layer_windows(self.model)
+        self._rules = _layer_rules(self.model)
+        self._recurrent_slots = [i for i, rule in enumerate(self._rules) if rule == _RECURRENT]
+        self.states = RecurrentStates(self.model, self._recurrent_slots) if self._recurrent_slots else None
         self._source = wrapped.source
         self._config = wrapped.config
         self.refresh_kv_layout()
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether pages found in the prefix cache may stand in for computing
+        a prompt's first tokens: not when a layer keeps a recurrent state."""
+        return self.states is None
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """The layers (cache slots) that keep a recurrent state."""
+        return list(self._recurrent_slots)
 
     def refresh_kv_layout(self) -> None:
         """Probe the K/V layout (again after the weights' dtype changed)."""
         mlx_lm_models.install_attention()
         shapes = _probe_kv_shapes(self.model)
-        if len(shapes) != len(self._windows):
-            raise UnsupportedForServing(f"{len(shapes)} probed caches, {len(self._windows)} in mlx-lm's structure")
-        first = shapes[0]
-        for i, shape in enumerate(shapes):
-            if dataclasses.replace(shape, dtype=first.dtype) != dataclasses.replace(first, dtype=first.dtype):
+        if len(shapes) != len(self._rules):
+            raise UnsupportedForServing(f"{len(shapes)} probed caches, {len(self._rules)} in mlx-lm's structure")
+        attention = [(slot, shape) for slot, shape in enumerate(shapes) if shape is not None]
+        if [slot for slot, _ in attention] != [i for i, rule in enumerate(self._rules) if rule != _RECURRENT]:
+            raise UnsupportedForServing("the probe's attention layers differ from mlx-lm's cache structure")
+        first_slot, first = attention[0]
+        for slot, shape in attention:
+            if dataclasses.replace(shape, dtype=first.dtype) != first:
                 raise UnsupportedForServing(
-                    f"layer {i} keeps K/V of {shape.kv_heads} heads x {shape.head_dim}/{shape.value_dim} features, "
-                    f"layer 0 of {first.kv_heads} x {first.head_dim}/{first.value_dim}: the engine's pages have one "
-                    "shape for every layer")
-        self._layers = [LayerAttention(i, 1.0, window, first.head_dim) for i, window in enumerate(self._windows)]
+                    f"layer {slot} keeps K/V of {shape.kv_heads} heads x {shape.head_dim}/{shape.value_dim} "
+                    f"features, layer {first_slot} of {first.kv_heads} x {first.head_dim}/{first.value_dim}: "
+                    "the engine's pages have one shape for every layer")
+        self._attention_slots = [slot for slot, _ in attention]  # store layer i is cache slot [i]
+        self._layers = [LayerAttention(i, 1.0, self._rules[slot], first.head_dim)
+                        for i, slot in enumerate(self._attention_slots)]
         self.value_dim, self.kv_dtype = first.value_dim, first.dtype
         self._paged_config = types.SimpleNamespace(**vars(self._config), num_key_value_heads=first.kv_heads)
 
@@ -165,15 +327,100 @@ class MlxLmPagedModel:
         return self._paged_config
 
     def attention_layers(self) -> list[LayerAttention]:
-        """Each layer's window and head width (the scale is the model's own:
-        it passes it to the attention call)."""
+        """Each attention layer's window and head width (the scale is the
+        model's own: it passes it to the attention call)."""
         return list(self._layers)
+
+    def forget_request(self, request_id) -> None:
+        if self.states is not None:
+            self.states.forget(request_id)
 
     def __call__(self, tokens: mx.array, *, attention: AttentionHook) -> mx.array:
         if not mlx_lm_models.attention_installed():  # mlx-lm's own attention would ignore the pages
             mlx_lm_models.install_attention()
+        if self.states is not None:
+            return self._hybrid_call(attention)
         caches = [PagedLayerCache(attention, layer.index, layer.window_size) for layer in self._layers]
         logits = self.model(tokens.reshape(-1, 1), cache=caches)[:, 0]
         if attention.logit_rows is not None:
             logits = logits[attention.logit_rows]
         return logits[None]
+
+    # ------------------------------------------------------------ hybrid models
+    def enable_state_snapshots(self, max_snapshots: int) -> None:
+        """Keep recurrent states at page boundaries for prefix reuse (at most
+        ``max_snapshots``; see :class:`RecurrentStates`). Prefill chunks then
+        run in pieces that end at page boundaries."""
+        if self.states is None:
+            raise ValueError("state snapshots are for models with recurrent layers; this one has none")
+        self.states.max_snapshots = max_snapshots
+
+    def _hybrid_call(self, hook) -> mx.array:
+        """The step's rows in calls that run each request's tokens in order
+        through its recurrent state: the decode rows in one batched call,
+        each other row alone (in pieces ending at page boundaries when states
+        are saved there). The logits of the last token of each row whose last
+        token the hook's ``logit_rows`` name."""
+        host = hook.host_arrays
+        q_lens, positions = host["q_lens"], host["positions"]
+        ends = np.cumsum(q_lens)
+        starts = ends - q_lens
+        size = hook.store.page_size
+        snapshots = self.states.max_snapshots > 0
+        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and positions[starts[b]] > 0]
+        calls = [[(b, starts[b], ends[b]) for b in decode]] if decode else []
+        for b in range(len(q_lens)):
+            if b in set(decode):
+                continue
+            cuts = [int(starts[b])]
+            if snapshots:  # token indices where a page boundary falls inside the row
+                first = int(positions[starts[b]])
+                cuts += [int(starts[b]) + p - first for p in range((first // size + 1) * size,
+                                                                   first + int(q_lens[b]), size)]
+            cuts.append(int(ends[b]))
+            calls += [[(b, lo, hi)] for lo, hi in zip(cuts, cuts[1:])]
+        last_logits = {}
+        for pieces in calls:
+            logits = self._run_pieces(hook, pieces)
+            for i, (b, _, hi) in enumerate(pieces):
+                last_logits[b] = logits[i]
+                end_position = int(positions[hi - 1]) + 1
+                if snapshots and end_position % size == 0:
+                    self.states.record(hook.request_ids[b], end_position)
+        row_of_end = {int(end) - 1: b for b, end in enumerate(ends)}
+        wanted = (range(len(q_lens)) if hook.host_logit_rows is None
+                  else [row_of_end[int(end)] for end in hook.host_logit_rows])
+        if not wanted:
+            return mx.zeros((1, 0, self.config.vocab_size))
+        return mx.stack([last_logits[b] for b in wanted])[None]
+
+    def _run_pieces(self, hook, pieces: list[tuple[int, int, int]]) -> mx.array:
+        """Run ``pieces`` (``(row, first token, end token)`` of the step's
+        tokens: several of one token each, or one) as ``[len(pieces), L]``;
+        the logits of each piece's last token."""
+        host, ids = hook.host_arrays, hook.request_ids
+        tokens = np.concatenate([np.arange(lo, hi) for _, lo, hi in pieces])
+        rows = [b for b, _, _ in pieces]
+        sub = {name: mx.array(host[name][tokens]) for name in ("tokens", "positions", "write_pages", "write_slots")}
+        length = pieces[0][2] - pieces[0][1]
+        first_positions = [int(host["positions"][lo]) for _, lo, _ in pieces]
+        sub.update(q_lens=mx.array(np.full(len(pieces), length, np.int32)),
+                   kv_lens=mx.array(np.array([p + length for p in first_positions], np.int32)),
+                   block_table=mx.array(host["block_table"][rows]))
+        view = types.SimpleNamespace(store=hook.store, arrays=sub)
+        states = [self.states.get(ids[b], p) for b, p in zip(rows, first_positions)]
+        if len(pieces) == 1:
+            merged, offset = states[0], first_positions[0]
+        else:  # one batch: mlx-lm's own merge of the rows' states
+            merged = [type(column[0]).merge(list(column)) for column in zip(*states)]
+            offset = sub["positions"]
+        caches = [None] * len(self._rules)
+        for layer, slot in zip(self._layers, self._attention_slots):
+            caches[slot] = PagedLayerCache(view, layer.index, layer.window_size, length, offset)
+        for slot, cache in zip(self._recurrent_slots, merged):
+            caches[slot] = cache
+        logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=caches)[:, -1]
+        if len(pieces) > 1:
+            for i, b in enumerate(rows):
+                self.states.put(ids[b], [cache.extract(i) for cache in merged])
+        return logits

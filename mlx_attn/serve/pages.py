@@ -96,6 +96,14 @@ class PagePool:
     def is_indexed(self, page: int) -> bool:
         return page in self._indexed
 
+    def key_of(self, page: int) -> bytes:
+        """The prefix-cache key of an indexed page."""
+        return self._indexed[page].key
+
+    def has_key(self, key: bytes) -> bool:
+        """Whether a page is indexed under ``key``."""
+        return key in self._index
+
     def indexed_tokens(self, page: int) -> tuple[int, ...]:
         """The tokens an indexed page holds."""
         return self._indexed[page].tokens

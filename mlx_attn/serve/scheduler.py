@@ -26,12 +26,12 @@ positions, indexes the pages that became full and appends the sampled tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted
+from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted, chain_hash
 
 __all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult"]
 
@@ -126,13 +126,21 @@ def pages_needed(length: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None):
+    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None,
+                 prefix_reuse: bool = True, reusable_pages: Callable[[list[bytes]], int] | None = None):
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
                                         or max_running < 1):
             raise ValueError(f"max_running must be a positive integer or None, got {max_running!r}")
         self.pool, self.max_batch_tokens, self.max_running = pool, max_batch_tokens, max_running
+        # False for models whose output at a position depends on more than the
+        # cached pages (a recurrent state): every prompt is then computed whole
+        self.prefix_reuse = bool(prefix_reuse)
+        # for models that resume a found prefix from more than its pages (a
+        # recurrent state saved at a page boundary): given the keys of the
+        # pages a lookup found, how many leading ones may be reused
+        self.reusable_pages = reusable_pages
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []  # admission order
         self._all: dict[Hashable, _Sequence] = {}
@@ -183,6 +191,20 @@ class Scheduler:
     def cached_tokens(self, request_id: Hashable) -> int:
         return self._all[request_id].cached_tokens or 0
 
+    def page_key(self, request_id: Hashable, index: int) -> bytes:
+        """The prefix-cache key full page ``index`` of a request's tokens has
+        (or gets when it is computed)."""
+        sequence, size = self._all[request_id], self.pool.page_size
+        if (index + 1) * size > len(sequence.tokens):
+            raise ValueError(f"request {request_id!r} has no full page {index}")
+        keys = sequence.keys
+        if index < len(keys):
+            return keys[index]
+        key = keys[-1] if keys else ROOT_HASH
+        for i in range(len(keys), index + 1):
+            key = chain_hash(key, sequence.tokens[i * size : (i + 1) * size])
+        return key
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
@@ -231,7 +253,11 @@ class Scheduler:
         """Give the head of the queue pages for its whole token list, sharing
         its cached prefix; False (nothing changed) when they are not there."""
         pool, size, rid = self.pool, self.pool.page_size, sequence.request.request_id
-        matched = pool.lookup(sequence.tokens)
+        matched = pool.lookup(sequence.tokens) if self.prefix_reuse else []
+        if self.reusable_pages is not None and matched:
+            # resumed at a page boundary, and never a whole prompt: its last token is computed
+            matched = matched[: (len(sequence.tokens) - 1) // size]
+            matched = matched[: self.reusable_pages([pool.key_of(page) for page in matched])]
         total = pages_needed(len(sequence.tokens), size)
         whole = len(matched) * size == len(sequence.tokens)  # the last token must still be computed
         fresh = total - len(matched) + (1 if whole else 0)
@@ -338,6 +364,7 @@ class Scheduler:
             "copies": self.copies, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prefix_reuse": int(self.prefix_reuse),
         }
 
     # ------------------------------------------------------------ checks

@@ -56,6 +56,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlx-attn serve", description="An OpenAI-compatible server (continuous batching over "
                                                         "paged, prefix-sharing K/V).")
@@ -64,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=["auto", "own", "mlx-lm"], default="auto",
                         help="whose model code runs: 'own' (mlx_attn's Llama / Gemma 3, GGUF files), 'mlx-lm' "
                              "(mlx-lm's model classes on the engine's paged attention; needs the mlx-lm extra; "
-                             "hybrid models with recurrent layers are not served yet) or 'auto': mlx-lm for a "
-                             "directory whose config.json model_type mlx_attn has no model of and for a Hugging "
-                             "Face repo id (from the local cache), else own")
+                             "hybrid models with recurrent layers are served without prefix reuse unless "
+                             "--state-snapshots) or 'auto': mlx-lm for a directory whose config.json model_type "
+                             "mlx_attn has no model of or whose config its own model refuses (e.g. Llama 3 RoPE "
+                             "scaling) and for a Hugging Face repo id (from the local cache), else own")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--max-tokens", type=_positive, default=512,
@@ -85,13 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the engine holds the weights: auto is float32 on MLX's CPU device (batched BLAS "
                              "matmuls), as loaded on a GPU (quantized matmuls)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
+    parser.add_argument("--state-snapshots", type=_non_negative, default=0,
+                        help="hybrid models (recurrent layers): keep up to this many recurrent states saved at page "
+                             "boundaries, so prompts that begin with cached pages reuse them (default 0: no prefix "
+                             "reuse for hybrid models)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
-               temperature: float = 0.0, max_requests: int = 256, weights: str = "auto") -> ServerState:
+               temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
+               state_snapshots: int = 0) -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -100,7 +113,7 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens, weights=weights)
+                      max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
@@ -108,8 +121,8 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
 def check_servable(model) -> None:
     """Refuse, before the server starts, a model the engine cannot page:
-    an mlx-lm model with non-attention layers (hybrid models are not served
-    yet; ``ValueError`` saying so)."""
+    an mlx-lm model with caches other than attention K/V and recurrent
+    states (``ValueError`` saying so)."""
     from mlx_attn.lm.mlx_lm_models import MlxLmModel
 
     if isinstance(model, MlxLmModel):
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                        max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
-                       weights=args.weights)
+                       weights=args.weights, state_snapshots=args.state_snapshots)
     app = create_app(state, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()

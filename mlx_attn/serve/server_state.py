@@ -184,6 +184,12 @@ class ServerState:
         metric("pages_free", "gauge", "Free pages.", stats["pages_free"])
         metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / prompt tokens.",
                stats["prefix_hit_rate"])
+        metric("prefix_reuse_enabled", "gauge", "1 when cached pages may serve a prompt's prefix; 0 for models "
+               "with recurrent layers (hybrid) without saved states, whose prompts are computed whole.",
+               stats["prefix_reuse"])
+        if "state_snapshots" in stats:
+            metric("state_snapshots", "gauge", "Recurrent states saved at page boundaries for prefix reuse "
+                   "(hybrid models).", stats["state_snapshots"])
         metric("requests_cancelled_total", "counter", "Requests cancelled before they ended.",
                self.cancelled_requests)
         metric("preemptions_total", "counter", "Requests preempted for pages.", stats["preemptions"])
