@@ -14,13 +14,15 @@ import json
 import re
 
 from mlx_attn.serve.api_error import APIError
-from mlx_attn.serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from mlx_attn.serve.request_fields import check_fields
+from mlx_attn.serve.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other, the body itself included
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_CHOICES = 16  # n: choices of one request, each an engine request
+MAX_LOGIT_BIAS_TOKENS = 1024
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # the roles whose messages are rendered as given
 
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # escapes included
@@ -212,13 +214,36 @@ def _sampling(state, body: dict, n: int, logprobs: bool, top_logprobs: int) -> l
     min_p = _number(body, "min_p", 0.0, lambda p: 0 <= p <= 1)
     penalty = _number(body, "repetition_penalty", 1.0, lambda p: p > 0)
     seed = _field(body, "seed", int, None, lambda s: 0 <= s < 2**63)
+    presence = _number(body, "presence_penalty", 0.0, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY)
+    frequency = _number(body, "frequency_penalty", 0.0, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY)
+    bias = _logit_bias(state, body)
     try:
         return [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=penalty, seed=None if seed is None else (seed + i) % 2**63,
-                               logprobs=logprobs, top_logprobs=top_logprobs)
+                               logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=presence,
+                               frequency_penalty=frequency, logit_bias=bias)
                 for i in range(n)]
     except ValueError as error:
         raise APIError(400, str(error)) from None
+
+
+def _logit_bias(state, body: dict) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object from token ids (as strings, OpenAI's form)
+    to biases in [-100, 100]."""
+    bias = _field(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise APIError(400, f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} tokens", "logit_bias")
+    vocab = state.engine.model.config.vocab_size
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise APIError(400, f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                f"got {value!r} for token {key}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 # ---------------------------------------------------------------- the request
@@ -241,6 +266,7 @@ def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest
     """A chat (``chat``) or plain completion request; its fields are checked
     in this order, the first bad one answered (a 400 naming it, 404 for an
     unknown model)."""
+    check_fields(body, "chat" if chat else "completions")
     _check_model(state, body)
     n = _field(body, "n", int, 1, lambda count: 1 <= count <= MAX_CHOICES)
     logprobs, top_logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
