@@ -27,6 +27,7 @@ class TextStream:
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the text
         self.logprobs: list = []  # (token, logprob, top) of outputs not yet sent
 
     def add(self, output) -> str:
@@ -55,7 +56,7 @@ class TextStream:
             at = self.buffer.find(stop)
             if at >= 0:
                 self.buffer = self.buffer[:at]
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_string = "stop", stop
 
     def _flush(self) -> str:
         text, self.buffer = self.buffer, ""

@@ -108,7 +108,7 @@ def _stop_strings(body: dict) -> list[str]:
     return stops
 
 
-def _check_model(state, body: dict) -> None:
+def check_model(state, body: dict) -> None:
     model = _field(body, "model", str, state.model_name)
     if model != state.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
@@ -204,9 +204,13 @@ def _completion_prompt(state, body: dict) -> list[int]:
 
 
 def _prompt(state, body: dict, chat: bool, tool_use: ToolUse | None) -> list[int]:
-    """The prompt's tokens: not empty, shorter than the model's context."""
     prompt = chat_prompt(state, chat_messages(body), tool_use) if chat else _completion_prompt(state, body)
-    field, context = "messages" if chat else "prompt", state.context
+    return check_prompt_length(state, prompt, "messages" if chat else "prompt")
+
+
+def check_prompt_length(state, prompt: list[int], field: str) -> list[int]:
+    """The prompt's tokens: not empty, shorter than the model's context."""
+    context = state.context
     if not prompt:
         raise APIError(400, "the prompt is empty", field)
     if context is not None and len(prompt) >= context:
@@ -295,7 +299,7 @@ def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest
     in this order, the first bad one answered (a 400 naming it, 404 for an
     unknown model)."""
     check_fields(body, "chat" if chat else "completions")
-    _check_model(state, body)
+    check_model(state, body)
     n = _field(body, "n", int, 1, lambda count: 1 <= count <= MAX_CHOICES)
     logprobs, top_logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     stream = _field(body, "stream", bool, False)
@@ -303,6 +307,15 @@ def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest
     stops = _stop_strings(body)
     tool_use = parse_tool_use(body) if chat else None
     prompt = _prompt(state, body, chat, tool_use)
+    return completion_request(state, body, prompt, chat=chat, n=n, logprobs=logprobs, top_logprobs=top_logprobs,
+                              stream=stream, include_usage=include_usage, stops=stops, tool_use=tool_use)
+
+
+def completion_request(state, body: dict, prompt: list[int], *, stream: bool, stops: list[str],
+                       tool_use: ToolUse | None = None, chat: bool = True, n: int = 1, logprobs: bool = False,
+                       top_logprobs: int = 0, include_usage: bool = False) -> CompletionRequest:
+    """The request for ``prompt`` (checked), its ``max_tokens`` and sampling
+    fields read from ``body`` (also for the Anthropic API, whose names match)."""
     max_tokens = _max_tokens(state, body, chat, len(prompt))
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,

@@ -28,7 +28,7 @@ from mlx_attn.serve.api_error import APIError
 __all__ = ["ToolUse", "ToolCallFormat", "ToolCallStream", "parse_tool_use", "tool_call_format", "render_chat",
            "assistant_tool_calls", "new_call_id"]
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -77,7 +77,7 @@ def _tool(tool, index: int) -> dict:
         raise APIError(400, f'{field} must be {{"type": "function", "function": {{...}}}}', field)
     function = tool["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise APIError(400, f"{field}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
                        f"{field}.function.name")
     description = function.get("description")
