@@ -111,3 +111,18 @@ def test_ignored_fields_and_defaults_are_accepted(server):
     plain = {"prompt": "the", "max_tokens": 1, "user": "u1", "echo": False, "best_of": 1, "suffix": None}
     status, got = raw(server, "POST", "/v1/completions", plain)
     assert status == 200 and got["usage"]["completion_tokens"] == 1, got
+
+
+def test_docs_list_every_field_each_api_honours_or_ignores():
+    """docs/serving.md names every field request_fields.py lets through, so
+    none is silently ignored without being listed."""
+    import pathlib
+    import re
+
+    from mlx_attn.serve.request_fields import HONOURED, IGNORED
+
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+    named = set(re.findall(r"`([a-z_]+)`", docs.read_text()))
+    for api in HONOURED:
+        missing = (HONOURED[api] | IGNORED[api]) - named
+        assert not missing, (api, sorted(missing))
