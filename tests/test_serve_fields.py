@@ -126,3 +126,27 @@ def test_docs_list_every_field_each_api_honours_or_ignores():
     for api in HONOURED:
         missing = (HONOURED[api] | IGNORED[api]) - named
         assert not missing, (api, sorted(missing))
+
+
+def test_rows_with_different_penalties_and_biases_in_one_batch_each_sample_as_alone():
+    from mlx_attn.serve.sampling import SamplingParams, sample_rows
+
+    logits = mx.random.normal((5, 263), key=mx.random.key(0))
+    previous = [[1, 5, 5, 9], [5, 7, 7, 7, 7], [3, 3], [4], [8, 8, 8]]
+    params = [SamplingParams(frequency_penalty=1.5), SamplingParams(presence_penalty=-2.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=4, logit_bias=((3, 5.0), (11, -1.0)), frequency_penalty=0.4),
+              SamplingParams(), SamplingParams(temperature=1.2, seed=9, presence_penalty=2.0)]
+    indices = [3, 4, 1, 0, 2]
+    together = sample_rows(logits, params, previous, indices)
+    alone = [sample_rows(logits[r:r + 1], params[r:r + 1], previous[r:r + 1], indices[r:r + 1])[0]
+             for r in range(len(params))]
+    assert together == alone
+    # the greedy rows as the oracle computes them
+    row = np.array(logits[0], dtype=np.float64)
+    generated = previous[0][-indices[0]:]  # the prompt's token 1 does not count
+    for token in set(generated):
+        row[token] -= 1.5 * generated.count(token)
+    assert together[0].token == int(np.argmax(row))
+    assert not SamplingParams(logit_bias=((1, 0.5),)).greedy and SamplingParams().greedy
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
