@@ -354,3 +354,23 @@ def test_smollm2_served_answers_a_named_tool_choice_well_formed():
         assert reply.message.content != '<tool_call>\n{"name": "get_weather", "arguments": '
     finally:
         running.stop()
+
+
+def test_an_mlx_lm_model_uses_mlx_lms_own_tool_parser(tmp_path):
+    """A model served through mlx-lm (--engine mlx-lm) is parsed by the
+    parser mlx-lm infers for its template, as mlx_lm.server does."""
+    pytest.importorskip("mlx_lm")
+    from mlx_attn.lm import mlx_lm_models
+    from test_mlx_lm_models import ARCHITECTURES, write_checkpoint
+
+    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = NATIVE_TEMPLATE.replace("c.function.name", "tool_call.name")  # what mlx-lm looks for
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    _, tokenizer = mlx_lm_models.load(directory)
+    fmt = tool_call_format(tokenizer)
+    assert fmt.name == "mlx-lm" and fmt.start == "<tool_call>" and fmt.end == "</tool_call>" and fmt.native
+    text = render_chat(tokenizer, [{"role": "user", "content": "x"}], ToolUse((WEATHER,), "get_weather"))
+    assert '"name": "get_weather"' in text and text.endswith("<|im_start|>assistant\n<tool_call>")
+    assert run_stream(fmt, "ok " + call_text("get_weather", {"city": "Bern"})) == (
+        "ok ", [("get_weather", {"city": "Bern"})])
