@@ -18,7 +18,8 @@ from mlx_attn.serve.request_fields import check_fields
 from mlx_attn.serve.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 from mlx_attn.serve.tool_calls import ToolUse, assistant_tool_calls, parse_tool_use, render_chat
 
-__all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
+__all__ = ["CompletionRequest", "parse_completion_request", "completion_request", "chat_messages", "chat_prompt",
+           "check_model", "check_prompt_length", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other, the body itself included
 MAX_STOP_STRINGS = 4  # as OpenAI

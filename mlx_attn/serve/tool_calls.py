@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from mlx_attn.serve.api_error import APIError
 
-__all__ = ["ToolUse", "ToolCallFormat", "ToolCallStream", "parse_tool_use", "tool_call_format", "render_chat",
-           "assistant_tool_calls", "new_call_id"]
+__all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "parse_tool_use", "tool_call_format",
+           "render_chat", "assistant_tool_calls", "new_call_id", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
