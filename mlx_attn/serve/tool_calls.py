@@ -237,28 +237,20 @@ def _mistral_parse(text: str):
 
 
 def tool_call_format(tokenizer) -> ToolCallFormat:
-    """The tool-call format of the model behind ``tokenizer``."""
-    cached = getattr(tokenizer, "_mlx_attn_tool_format", None)
-    if cached is not None:
-        return cached
+    """The tool-call format of the model behind ``tokenizer`` (a few
+    substring tests of its template: cheap enough for every request)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     wrapper = getattr(tokenizer, "wrapper", None)  # an mlx-lm tokenizer: its own parser, as mlx_lm.server uses
     if wrapper is not None and getattr(wrapper, "has_tool_calling", False):
-        fmt = ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "",
-                             lambda text: wrapper.tool_parser(text, None), "tools" in template)
-    elif "<tool_call>" in template:
-        fmt = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, True)
-    elif "[TOOL_CALLS]" in template:
-        fmt = ToolCallFormat("mistral", "[TOOL_CALLS]", "", _mistral_parse, True)
-    elif "<|python_tag|>" in template or ("ipython" in template and "tools" in template):
-        fmt = ToolCallFormat("llama3", None, "", _json_calls, True, arguments_key="parameters")
-    else:
-        fmt = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, False)
-    try:
-        tokenizer._mlx_attn_tool_format = fmt
-    except AttributeError:
-        pass
-    return fmt
+        return ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "",
+                              lambda text: wrapper.tool_parser(text, None), "tools" in template)
+    if "<tool_call>" in template:
+        return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, True)
+    if "[TOOL_CALLS]" in template:
+        return ToolCallFormat("mistral", "[TOOL_CALLS]", "", _mistral_parse, True)
+    if "<|python_tag|>" in template or ("ipython" in template and "tools" in template):
+        return ToolCallFormat("llama3", None, "", _json_calls, True, arguments_key="parameters")
+    return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, False)
 
 
 def _calls_of(parsed) -> list[tuple[str, dict]]:
