@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 
 import mlx_attn.serve.engine as engine_module  # noqa: E402
 from mlx_attn.serve.sampling import Sampled  # noqa: E402
-from mlx_attn.serve.tool_calls import ToolCallStream, ToolUse, render_chat, tool_call_format  # noqa: E402
+from mlx_attn.serve.tool_calls import ToolCallStream, ToolUse, call_stream, render_chat, tool_call_format  # noqa: E402
 
 from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary  # noqa: E402
 from test_serve_server import MODEL_NAME, raw, serve_model  # noqa: E402
@@ -243,7 +243,7 @@ def test_the_stream_parser_on_every_split_of_a_text():
 
 
 def run_stream(fmt, text, pieces=3, choice="auto"):
-    stream = ToolCallStream(fmt, ToolUse((WEATHER, TIME), choice))
+    stream = call_stream(fmt, ToolUse((WEATHER, TIME), choice))
     size = max(1, len(text) // pieces)
     content, calls = "", []
     for at in range(0, len(text), size):
@@ -268,6 +268,49 @@ def test_mistral_and_llama3_formats(template, text, expected):
     assert fmt.native
     for pieces in (1, 3, len(text)):
         assert run_stream(fmt, text, pieces) == expected, pieces
+
+
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}<|start|>assistant"
+                    "{% endif %}{# a harmony template: <|channel|> #}")
+
+
+def harmony(channel, body, to=None, end="<|end|><|start|>assistant"):
+    return f"<|channel|>{channel}" + (f" to={to} <|constrain|>json" if to else "") + f"<|message|>{body}{end}"
+
+
+@pytest.mark.parametrize("text, expected", [
+    (harmony("analysis", "the user wants weather") + harmony("commentary", '{"city": "Oslo"}',
+                                                               "functions.get_weather", end=""),
+     ("", [("get_weather", {"city": "Oslo"})])),
+    (harmony("analysis", "think") + harmony("final", "Hello there", end=""), ("Hello there", [])),
+    (harmony("commentary", "Checking.") + harmony("commentary", "{}", "functions.get_time") +
+     harmony("commentary", '{"city": "Rome"}', "functions.get_weather", end=""),
+     ("Checking.", [("get_time", {}), ("get_weather", {"city": "Rome"})])),
+    (harmony("commentary", "{oops", "functions.get_time", end=""), ("to=functions.get_time<|message|>{oops", [])),
+])
+def test_harmony_messages(text, expected):
+    fmt = tool_call_format(make_tokenizer(HARMONY_TEMPLATE))
+    assert fmt.name == "harmony" and fmt.native
+    for pieces in (1, 4, len(text)):
+        assert run_stream(fmt, text, pieces) == expected, pieces
+
+
+def test_harmony_served_named_and_auto(model):
+    running = serve_model(model, make_tokenizer(HARMONY_TEMPLATE), kv_cache_tokens=8192, page_size=8,
+                          max_batch_tokens=64)
+    try:
+        client = running.client()
+        ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], tools=[WEATHER, TIME],
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   seed=script(301, '{"city": "Kyiv"}'), max_tokens=100)
+        assert whole(client, **ask) == ("", [("get_weather", {"city": "Kyiv"})], "tool_calls") == \
+            streamed(client, **ask)
+        auto = dict(ask, tool_choice="auto", seed=script(302, harmony("analysis", "hm") +
+                                                          harmony("final", "Fine.", end="")))
+        assert whole(client, **auto) == ("Fine.", [], "stop") == streamed(client, **auto)
+    finally:
+        running.stop()
 
 
 def test_mistral_header_calls_through_mlx_lms_parser():

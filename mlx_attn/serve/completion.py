@@ -11,7 +11,7 @@ import uuid
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.choice_stream import Choice, LogprobFormatter, TextStream
 from mlx_attn.serve.request_parsing import CompletionRequest
-from mlx_attn.serve.tool_calls import ToolCallStream, tool_call_format
+from mlx_attn.serve.tool_calls import call_stream, tool_call_format
 
 __all__ = ["Completion"]
 
@@ -43,7 +43,7 @@ class Completion:
         tool_use = request.tool_use
         calls = None
         if tool_use is not None and tool_use.choice != "none":
-            calls = ToolCallStream(tool_call_format(state.tokenizer), tool_use)
+            calls = call_stream(tool_call_format(state.tokenizer), tool_use)
         choice = Choice(index, rid, queue, TextStream(state.tokenizer, request.stops), logprobs, calls)
         self.choices.append(choice)
         return choice

@@ -5,7 +5,8 @@ model's own tool-call text parsed back into calls as it streams.
 The model's format is found from its tokenizer (:func:`tool_call_format`):
 an mlx-lm tokenizer's own parser (mlx-lm's ``tool_parsers``) where it has
 one; else from the chat template: Hermes / Qwen ``<tool_call>{json}</tool_call>``,
-Mistral ``[TOOL_CALLS]``, Llama 3 JSON. A template that does not render tools
+Mistral ``[TOOL_CALLS]``, Llama 3 JSON, gpt-oss's harmony messages
+(:class:`HarmonyStream`). A template that does not render tools
 gets them in a system message asking for the Hermes format, which is then
 parsed.
 
@@ -25,7 +26,8 @@ from collections.abc import Callable
 
 from mlx_attn.serve.api_error import APIError
 
-__all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "parse_tool_use", "tool_call_format",
+__all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
+           "parse_tool_use", "tool_call_format",
            "render_chat", "assistant_tool_calls", "new_call_id", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -218,6 +220,8 @@ class ToolCallFormat:
 
     def forced_opening(self, name: str) -> str:
         """The answer's opening that makes it a call (of ``name`` unless it is "")."""
+        if self.name == "harmony":
+            return "<|channel|>commentary to=functions." + (f"{name} <|constrain|>json<|message|>" if name else "")
         opening = self.start or ""
         if self.name == "hermes":
             opening += "\n"
@@ -244,6 +248,8 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
     if wrapper is not None and getattr(wrapper, "has_tool_calling", False):
         return ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "",
                               lambda text: wrapper.tool_parser(text, None), "tools" in template)
+    if "<|channel|>" in template:  # gpt-oss
+        return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True)
     if "<tool_call>" in template:
         return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, True)
     if "[TOOL_CALLS]" in template:
@@ -427,6 +433,81 @@ class ToolCallStream:
             return "", made
         content, self.space = self.space + content, ""
         return content, made
+
+
+class HarmonyStream:
+    """gpt-oss's harmony messages -> (content, calls), the interface of
+    :class:`ToolCallStream`. The answer is a run of messages, each a header
+    (``<|channel|>`` name, ``to=`` recipient, ``<|constrain|>``) then
+    ``<|message|>`` and a body up to ``<|end|>`` (or the answer's end: the
+    ``<|call|>`` and ``<|return|>`` tokens end it). A body addressed
+    ``to=functions.NAME`` is a call of NAME with the body as its JSON
+    arguments; ``final`` and addressed-to-no-one ``commentary`` bodies are
+    the content, streamed; ``analysis`` (the model's reasoning) is left out."""
+
+    def __init__(self, fmt: ToolCallFormat, tool_use: ToolUse):
+        self.tool_use = tool_use
+        self.buffer = fmt.forced_opening(tool_use.forced) if tool_use.forced is not None else ""
+        self.header: tuple[str, str | None] | None = None  # (channel, recipient) of the message being read
+        self.calls: list[ToolCall] = []
+
+    def _visible(self) -> bool:
+        channel, recipient = self.header
+        return recipient is None and channel in ("final", "commentary")
+
+    def _close(self, body: str) -> tuple[str, list[ToolCall]]:
+        visible, (_, recipient), self.header = self._visible(), self.header, None
+        if recipient is not None and recipient.startswith("functions."):
+            try:
+                arguments = json.loads(body)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):  # given back as written
+                return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
+            if not self.tool_use.parallel and self.calls:
+                return "", []
+            call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments)
+            self.calls.append(call)
+            return "", [call]
+        return (body if visible else ""), []
+
+    def add(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += text
+        content, made = "", []
+        while True:
+            if self.header is None:
+                at = self.buffer.find(_HARMONY_MESSAGE)
+                if at < 0:
+                    return content, made
+                head, self.buffer = self.buffer[:at], self.buffer[at + len(_HARMONY_MESSAGE):]
+                channel = re.search(r"<\|channel\|>\s*(\w+)", head)
+                recipient = re.search(r"to=([^\s<]+)", head)
+                self.header = (channel.group(1) if channel else "", recipient.group(1) if recipient else None)
+                continue
+            at = self.buffer.find(_HARMONY_END)
+            if at < 0:
+                if self._visible():  # send what cannot be the end marker's beginning
+                    cut = len(self.buffer) - _partial_suffix(self.buffer, _HARMONY_END)
+                    content, self.buffer = content + self.buffer[:cut], self.buffer[cut:]
+                return content, made
+            body, self.buffer = self.buffer[:at], self.buffer[at + len(_HARMONY_END):]
+            text_back, calls = self._close(body)
+            content, made = content + text_back, made + calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self.header is None:  # no message begun (or only a header): nothing to show
+            self.buffer = ""
+            return "", []
+        body, self.buffer = self.buffer, ""
+        return self._close(body)
+
+
+_HARMONY_MESSAGE, _HARMONY_END = "<|message|>", "<|end|>"
+
+
+def call_stream(fmt: ToolCallFormat, tool_use: ToolUse):
+    """The stream that reads calls in ``fmt`` out of an answer."""
+    return HarmonyStream(fmt, tool_use) if fmt.name == "harmony" else ToolCallStream(fmt, tool_use)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
