@@ -180,6 +180,20 @@ def test_parallel_calls_and_parallel_tool_calls_false(server):
     assert whole(client, **one) == ("", expected[1][:1], "tool_calls") == streamed(client, **one)
 
 
+def test_n_choices_stream_their_own_calls_with_their_own_indices(server):
+    both = call_text("get_weather", {"city": "Rome"}) + call_text("get_time", {})
+    script(401, both)
+    script(402, call_text("get_time", {}))
+    calls = {}
+    for chunk in server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], tools=[WEATHER, TIME], seed=401, n=2,
+            max_tokens=200, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                calls.setdefault(choice.index, []).append((delta.index, delta.function.name))
+    assert calls == {0: [(0, "get_weather"), (1, "get_time")], 1: [(0, "get_time")]}
+
+
 def test_text_that_is_not_a_call_stays_text(server):
     client = server.client()
     cases = {104: "a <tool_call> that is {not json</tool_call> end",  # does not parse: given back as written

@@ -89,8 +89,7 @@ class Completion:
         if delta:
             change = {"content": piece} if piece else {}
             if calls:
-                first = len(choice.calls) - len(calls)  # the calls' indices within the answer
-                change["tool_calls"] = [call.openai(first + i) for i, call in enumerate(calls)]
+                change["tool_calls"] = [call.openai(delta=True) for call in calls]
             return {"index": choice.index, "delta": change, "logprobs": logprobs, "finish_reason": finish}
         message = {"role": "assistant", "content": piece if piece or not calls else None}
         if calls:

@@ -329,14 +329,17 @@ def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None) -> st
 # ---------------------------------------------------------------- the answer
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
+    """A call the answer made: its ``index`` among the answer's calls."""
+
     id: str
     name: str
     arguments: dict
+    index: int = 0
 
-    def openai(self, index: int | None = None) -> dict:
+    def openai(self, delta: bool = False) -> dict:
         out = {"id": self.id, "type": "function",
                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
-        return out if index is None else {"index": index, **out}
+        return {"index": self.index, **out} if delta else out
 
 
 class ToolCallStream:
@@ -366,7 +369,8 @@ class ToolCallStream:
             return as_written, []
         if not self.tool_use.parallel:
             calls = calls[: max(0, 1 - len(self.calls))]
-        made = [ToolCall(new_call_id(), name, arguments) for name, arguments in calls]
+        made = [ToolCall(new_call_id(), name, arguments, len(self.calls) + i)
+                for i, (name, arguments) in enumerate(calls)]
         self.calls += made
         return "", made
 
@@ -466,7 +470,7 @@ class HarmonyStream:
                 return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
             if not self.tool_use.parallel and self.calls:
                 return "", []
-            call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments)
+            call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments, len(self.calls))
             self.calls.append(call)
             return "", [call]
         return (body if visible else ""), []
