@@ -157,3 +157,31 @@ def test_keys_and_errors_in_anthropics_format(server):
     status, body = raw(server, "POST", "/v1/messages", deep, {"x-api-key": API_KEY})
     assert status == 400 and body["type"] == "error" and "deeper than" in body["error"]["message"]
     assert json.dumps(body)  # a plain JSON body
+
+
+TOOL_HOSTILE = [
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [null]}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": 5}]}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}}',
+    b'{"max_tokens": 1, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": 1}]}]}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": []}]}]}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": [null, 3, "x"]}]}',
+    b'{"max_tokens": 1, "system": [{"type": "text", "text": "\\ud800"}], "messages": [{"role": "user", "content": "x"}]}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "stop_sequences": [""]}',
+    b'{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": '
+    b'{"type": "object"}}], "tool_choice": {"type": "any", "disable_parallel_tool_use": "no"}}',
+]
+
+
+def test_no_body_makes_a_traceback_on_the_messages_endpoints(server):
+    from test_serve_server import HOSTILE_BODIES, LoggedErrors
+
+    with LoggedErrors() as logged:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            for body in HOSTILE_BODIES + TOOL_HOSTILE:
+                status, got = raw(server, "POST", path, body, {"x-api-key": API_KEY})
+                assert status in (200, 400, 404), (path, body[:80], status, got)
+                if status != 200:
+                    assert got["type"] == "error" and got["error"]["message"], got
+    assert not logged, [record.getMessage() for record in logged]

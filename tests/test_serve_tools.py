@@ -431,3 +431,26 @@ def test_an_mlx_lm_model_uses_mlx_lms_own_tool_parser(tmp_path):
     assert '"name": "get_weather"' in text and text.endswith("<|im_start|>assistant\n<tool_call>")
     assert run_stream(fmt, "ok " + call_text("get_weather", {"city": "Bern"})) == (
         "ok ", [("get_weather", {"city": "Bern"})])
+
+
+def test_no_tool_body_makes_a_traceback(server):
+    from test_serve_server import LoggedErrors
+
+    hostile = [{"tools": [None]}, {"tools": [{"type": "function", "function": None}]},
+               {"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+               {"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]},
+               {"tools": [WEATHER], "tool_choice": {"type": "function"}}, {"tools": [WEATHER], "tool_choice": 3},
+               {"messages": [{"role": "assistant", "tool_calls": "x"}]},
+               {"messages": [{"role": "assistant", "tool_calls": [None]}]},
+               {"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
+                                                                                         "arguments": "[1]"}}]}]},
+               {"messages": [{"role": "tool", "tool_call_id": ["x"], "content": "r"}]},
+               {"messages": [{"role": "user", "content": "\ud800"}], "tools": [WEATHER], "tool_choice": "required"}]
+    with LoggedErrors() as logged:
+        for extra in hostile:
+            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **extra}
+            status, got = raw(server, "POST", "/v1/chat/completions", body)
+            assert status in (200, 400), (extra, got)
+            if status == 400:
+                assert got["error"]["param"] and got["error"]["message"], got
+    assert not logged, [record.getMessage() for record in logged]
