@@ -392,12 +392,13 @@ class MlxLmTokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         return self.wrapper.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use plain prompts")
         try:
             return self.wrapper.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                    tokenize=False)
+                                                    tokenize=False, tools=tools)
         except Exception as error:  # noqa: BLE001 (the template is the model file's code)
             raise ValueError(f"the model's chat template failed: {type(error).__name__}: {error}") from None
 

@@ -68,8 +68,11 @@ class Tokenizer:
         ids = [require_int(f"token id at position {i}", t, 0, last) for i, t in enumerate(ids)]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (Jinja2, as Hugging Face does)."""
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render the model's chat template (Jinja2, as Hugging Face does);
+        ``tools``: function definitions (OpenAI's form) for templates that
+        render them. Messages may carry more keys (``tool_calls``, ...)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use plain prompts")
         if not isinstance(messages, list) or not all(
@@ -90,7 +93,8 @@ class Tokenizer:
         try:
             template = env.from_string(self.chat_template)
             rendered = template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+                tools=tools,
             )
         except Exception as error:  # noqa: BLE001
             raise ValueError(f"the model's chat template failed: {type(error).__name__}: {error}") from None

@@ -27,6 +27,7 @@ class TextStream:
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the text
         self.logprobs: list = []  # (token, logprob, top) of outputs not yet sent
 
     def add(self, output) -> str:
@@ -55,7 +56,7 @@ class TextStream:
             at = self.buffer.find(stop)
             if at >= 0:
                 self.buffer = self.buffer[:at]
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_string = "stop", stop
 
     def _flush(self) -> str:
         text, self.buffer = self.buffer, ""
@@ -101,20 +102,40 @@ class LogprobFormatter:
 
 
 class Choice:
-    """One of a request's ``n`` choices: its engine request and its text."""
+    """One of a request's ``n`` choices: its engine request, its text and,
+    when the request offers tools, the calls parsed from it (``tool_calls``,
+    a :class:`~mlx_attn.serve.tool_calls.ToolCallStream`)."""
 
     def __init__(self, index: int, rid: Hashable, queue: asyncio.Queue, text: TextStream,
-                 logprobs: LogprobFormatter | None):
+                 logprobs: LogprobFormatter | None, tool_calls=None):
         self.index, self.rid, self.queue, self.text, self.logprobs = index, rid, queue, text, logprobs
+        self.tool_calls = tool_calls
         self.content = ""
+        self.calls: list = []  # every ToolCall made so far
 
     def take_logprobs(self) -> dict | None:
         return self.logprobs.format(self.text.take_logprobs()) if self.logprobs else None
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The text's, except ``tool_calls`` for an answer that called tools and ended by itself."""
+        reason = self.text.finish_reason
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    def _split(self, piece: str, last: bool) -> tuple[str, list]:
+        if self.tool_calls is None:
+            return piece, []
+        content, calls = self.tool_calls.add(piece)
+        if last:
+            rest, more = self.tool_calls.finish()
+            content, calls = content + rest, calls + more
+        self.calls += calls
+        return content, calls
+
     async def pieces(self, state):
-        """Text pieces until the request ends; cancels it in the engine
-        (``state.cancel``) when the consumer goes away early (disconnect) or
-        it stops on a stop string."""
+        """``(text, tool calls)`` pieces until the request ends; cancels it in
+        the engine (``state.cancel``) when the consumer goes away early
+        (disconnect) or it stops on a stop string."""
         ended = False
         try:
             while self.text.finish_reason is None:
@@ -122,9 +143,9 @@ class Choice:
                 if isinstance(output, Exception):
                     raise APIError(500, f"the model failed: {type(output).__name__}: {output}")
                 ended = output.finished
-                piece = self.text.add(output)
-                if piece:
-                    yield piece
+                text, calls = self._split(self.text.add(output), self.text.finish_reason is not None)
+                if text or calls:
+                    yield text, calls
                 if ended:
                     break
         finally:

@@ -11,6 +11,7 @@ import uuid
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.choice_stream import Choice, LogprobFormatter, TextStream
 from mlx_attn.serve.request_parsing import CompletionRequest
+from mlx_attn.serve.tool_calls import call_stream, tool_call_format
 
 __all__ = ["Completion"]
 
@@ -39,7 +40,11 @@ class Completion:
         except ValueError as error:  # can never fit the pool, or the model's own checks
             raise APIError(400, str(error), "max_tokens") from None
         logprobs = LogprobFormatter(state.tokenizer, self.chat) if request.logprobs else None
-        choice = Choice(index, rid, queue, TextStream(state.tokenizer, request.stops), logprobs)
+        tool_use = request.tool_use
+        calls = None
+        if tool_use is not None and tool_use.choice != "none":
+            calls = call_stream(tool_call_format(state.tokenizer), tool_use)
+        choice = Choice(index, rid, queue, TextStream(state.tokenizer, request.stops), logprobs, calls)
         self.choices.append(choice)
         return choice
 
@@ -67,23 +72,29 @@ class Completion:
         return True
 
     async def _collect(self, choice: Choice) -> None:
-        choice.content = "".join([piece async for piece in choice.pieces(self.state)])
+        choice.content = "".join([text async for text, _ in choice.pieces(self.state)])
 
     def whole_body(self) -> dict:
         choices = sorted(self.choices, key=lambda c: c.index)
-        return self.envelope([self.choice_body(c, c.content, c.text.finish_reason, False) for c in choices],
+        return self.envelope([self.choice_body(c, c.content, c.finish_reason, False, c.calls) for c in choices],
                              self.usage())
 
     # ------------------------------------------------------------ bodies
-    def choice_body(self, choice: Choice, piece: str | None, finish: str | None, delta: bool) -> dict:
+    def choice_body(self, choice: Choice, piece: str | None, finish: str | None, delta: bool,
+                    calls: list = ()) -> dict:
+        """``calls``: tool calls made by this piece (delta) or the whole answer."""
         logprobs = choice.take_logprobs()
         if not self.chat:
             return {"index": choice.index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         if delta:
-            return {"index": choice.index, "delta": {"content": piece} if piece else {}, "logprobs": logprobs,
-                    "finish_reason": finish}
-        return {"index": choice.index, "message": {"role": "assistant", "content": piece}, "logprobs": logprobs,
-                "finish_reason": finish}
+            change = {"content": piece} if piece else {}
+            if calls:
+                change["tool_calls"] = [call.openai(delta=True) for call in calls]
+            return {"index": choice.index, "delta": change, "logprobs": logprobs, "finish_reason": finish}
+        message = {"role": "assistant", "content": piece if piece or not calls else None}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def role_chunk(self, choice: Choice) -> dict:
         """A chat stream's first chunk of a choice: the assistant's role."""

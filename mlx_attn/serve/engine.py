@@ -287,8 +287,8 @@ class Engine:
         self._save_states()
         rids = [rid for rid, _ in sampling]
         params = [self.sampling[rid] for rid in rids]
-        # a request's tokens are only read by a repetition penalty
-        previous = [self.scheduler.tokens(rid) if p.repetition_penalty != 1.0 else () for rid, p in zip(rids, params)]
+        # a request's tokens are only read by a penalty
+        previous = [self.scheduler.tokens(rid) if p.reads_history else () for rid, p in zip(rids, params)]
         drawn = sample_rows(rows, params, previous, [self.generated[rid] for rid in rids])
         for rid in rids:
             self.generated[rid] += 1

@@ -50,7 +50,7 @@ async def sse_events(completion: Completion):
 
 async def _pump(completion: Completion, choice: Choice, merged: asyncio.Queue) -> None:
     try:
-        async for piece in choice.pieces(completion.state):
+        async for piece in choice.pieces(completion.state):  # (text, tool calls)
             merged.put_nowait((choice, piece))
         merged.put_nowait((choice, None))
     except APIError as error:
@@ -67,9 +67,10 @@ async def _chunks(completion: Completion, merged: asyncio.Queue):
             raise piece
         if piece is None:
             running -= 1
-            yield completion.envelope([completion.choice_body(choice, None, choice.text.finish_reason, True)],
+            yield completion.envelope([completion.choice_body(choice, None, choice.finish_reason, True)],
                                       chunk=True)
         else:
-            yield completion.envelope([completion.choice_body(choice, piece, None, True)], chunk=True)
+            text, calls = piece
+            yield completion.envelope([completion.choice_body(choice, text, None, True, calls)], chunk=True)
     if completion.request.include_usage:
         yield completion.envelope([], completion.usage(), chunk=True)

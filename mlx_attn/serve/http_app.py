@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlx_attn.serve.anthropic_api import count_tokens, message_body, message_events, parse_messages_request
+from mlx_attn.serve.anthropic_api import error_body as anthropic_error_body
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.completion import Completion
 from mlx_attn.serve.event_stream import SSE_HEADERS, sse_events
@@ -46,6 +48,9 @@ def build_app(state, api_key: str | None = None) -> Starlette:
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/messages", guarded(messages, errors=anthropic_error_body), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(messages_count_tokens, errors=anthropic_error_body),
+              methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=_lifespan, exception_handlers={404: _not_found, 405: _not_found})
     app.state.serving, app.state.api_key, app.state.static = state, api_key, _static_files()
@@ -62,30 +67,34 @@ async def _lifespan(app: Starlette):
 
 
 # ---------------------------------------------------------------- around every endpoint
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def error_response(error: APIError, errors=APIError.body) -> JSONResponse:
+    return JSONResponse(errors(error), status_code=error.status)
 
 
-def guarded(handler, auth: bool = True):
-    """``handler`` behind the API key (when ``auth``), its APIErrors answered as JSON."""
+def guarded(handler, auth: bool = True, errors=APIError.body):
+    """``handler`` behind the API key (when ``auth``), its APIErrors answered
+    as JSON (``errors``: the API's error body, OpenAI's by default)."""
     async def endpoint(request: Request):
         try:
             if auth:
                 authorize(request)
             return await handler(request)
         except APIError as error:
-            return error_response(error)
+            return error_response(error, errors)
     return endpoint
 
 
 def authorize(request: Request) -> None:
+    """The key as ``Authorization: Bearer <key>`` or (Anthropic's) ``x-api-key: <key>``."""
     api_key = request.app.state.api_key
     if api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)", None, "invalid_api_key")
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    offered = [token.strip()] if scheme.lower() == "bearer" else []
+    offered += [request.headers["x-api-key"].strip()] if "x-api-key" in request.headers else []
+    if not any(hmac.compare_digest(key.encode(), api_key.encode()) for key in offered):
+        raise APIError(401, "a valid API key is required (Authorization: Bearer <key> or x-api-key: <key>)",
+                       None, "invalid_api_key")
 
 
 async def _not_found(request: Request, exc):
@@ -163,6 +172,28 @@ async def _complete(request: Request, chat: bool):
     if done is None:
         return PlainTextResponse("", status_code=499)
     return JSONResponse(completion.whole_body())
+
+
+# ---------------------------------------------------------------- the Anthropic Messages API
+async def messages(request: Request):
+    state = request.app.state.serving
+    parsed = parse_messages_request(state, await read_json(request))
+    state.check_room(1)
+    completion = Completion(state, parsed, chat=True)
+    await completion.start()
+    if parsed.stream:
+        return StreamingResponse(message_events(completion), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        done = await wait_or_disconnect(request, completion.collect())
+    finally:
+        completion.cancel_all()
+    if done is None:
+        return PlainTextResponse("", status_code=499)
+    return JSONResponse(message_body(completion))
+
+
+async def messages_count_tokens(request: Request):
+    return JSONResponse(count_tokens(request.app.state.serving, await read_json(request)))
 
 
 async def wait_or_disconnect(request: Request, work):

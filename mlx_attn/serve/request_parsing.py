@@ -14,14 +14,18 @@ import json
 import re
 
 from mlx_attn.serve.api_error import APIError
-from mlx_attn.serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from mlx_attn.serve.request_fields import check_fields
+from mlx_attn.serve.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
+from mlx_attn.serve.tool_calls import ToolUse, assistant_tool_calls, parse_tool_use, render_chat
 
-__all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
+__all__ = ["CompletionRequest", "parse_completion_request", "completion_request", "chat_messages", "chat_prompt",
+           "check_model", "check_prompt_length", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other, the body itself included
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_CHOICES = 16  # n: choices of one request, each an engine request
-CHAT_ROLES = ("system", "developer", "user", "assistant")  # the roles whose messages are rendered as given
+MAX_LOGIT_BIAS_TOKENS = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # tool: a call's result
 
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # escapes included
 _NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
@@ -105,7 +109,7 @@ def _stop_strings(body: dict) -> list[str]:
     return stops
 
 
-def _check_model(state, body: dict) -> None:
+def check_model(state, body: dict) -> None:
     model = _field(body, "model", str, state.model_name)
     if model != state.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
@@ -134,25 +138,51 @@ def _message_text(content, index: int) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"messages[{index}].content must be a string or a list of text parts", "messages")
+    raise APIError(400, f"messages[{index}].content must be a string or a list of text parts",
+                   f"messages[{index}].content")
 
 
-def _chat_message(message, index: int) -> dict:
+def _chat_message(message, index: int, call_names: dict[str, str]) -> dict:
+    """One message as chat templates read it (``content`` a string; an
+    assistant's ``tool_calls`` with arguments as objects; a tool result with
+    its call's id and name). ``call_names``: the ids of the calls made so
+    far, to their tools' names (a tool message answers one of them)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise APIError(400, f"messages[{index}] must be an object with a string role", "messages")
-    if message["role"] not in CHAT_ROLES:
+    role = message["role"]
+    if role not in CHAT_ROLES:
+        hint = " (function messages are the deprecated form of tool messages)" if role == "function" else ""
         raise APIError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
-                            f"{message['role']!r}", f"messages[{index}].role")
-    return {"role": message["role"], "content": _message_text(message.get("content"), index)}
+                            f"{role!r}{hint}", f"messages[{index}].role")
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = assistant_tool_calls(message["tool_calls"], index)
+        call_names.update((call["id"], call["function"]["name"]) for call in calls)
+        content = message.get("content")
+        text = "" if content is None else _message_text(content, index)
+        return {"role": role, "content": text, "tool_calls": calls}
+    text = _message_text(message.get("content"), index)
+    if role != "tool":
+        return {"role": role, "content": text}
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or call_id not in call_names:
+        raise APIError(400, f"messages[{index}].tool_call_id must name a tool call of an earlier assistant "
+                            f"message, got {call_id!r}", f"messages[{index}].tool_call_id")
+    return {"role": role, "content": text, "tool_call_id": call_id, "name": call_names[call_id]}
 
 
-def _chat_prompt(state, body: dict) -> list[int]:
+def chat_messages(body: dict) -> list[dict]:
+    """``messages`` checked and shaped as chat templates read them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    rendered = [_chat_message(message, i) for i, message in enumerate(messages)]
+    call_names: dict[str, str] = {}
+    return [_chat_message(message, i, call_names) for i, message in enumerate(messages)]
+
+
+def chat_prompt(state, messages: list[dict], tool_use: ToolUse | None) -> list[int]:
+    """The tokens of ``messages`` (and the tools) through the model's chat template."""
     try:
-        text = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        text = render_chat(state.tokenizer, messages, tool_use)
         return state.tokenizer.encode(text, add_special_tokens=False)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
@@ -174,10 +204,14 @@ def _completion_prompt(state, body: dict) -> list[int]:
     raise APIError(400, f"prompt must be a string or a list of token ids in [0, {vocab})", "prompt")
 
 
-def _prompt(state, body: dict, chat: bool) -> list[int]:
+def _prompt(state, body: dict, chat: bool, tool_use: ToolUse | None) -> list[int]:
+    prompt = chat_prompt(state, chat_messages(body), tool_use) if chat else _completion_prompt(state, body)
+    return check_prompt_length(state, prompt, "messages" if chat else "prompt")
+
+
+def check_prompt_length(state, prompt: list[int], field: str) -> list[int]:
     """The prompt's tokens: not empty, shorter than the model's context."""
-    prompt = _chat_prompt(state, body) if chat else _completion_prompt(state, body)
-    field, context = "messages" if chat else "prompt", state.context
+    context = state.context
     if not prompt:
         raise APIError(400, "the prompt is empty", field)
     if context is not None and len(prompt) >= context:
@@ -212,13 +246,36 @@ def _sampling(state, body: dict, n: int, logprobs: bool, top_logprobs: int) -> l
     min_p = _number(body, "min_p", 0.0, lambda p: 0 <= p <= 1)
     penalty = _number(body, "repetition_penalty", 1.0, lambda p: p > 0)
     seed = _field(body, "seed", int, None, lambda s: 0 <= s < 2**63)
+    presence = _number(body, "presence_penalty", 0.0, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY)
+    frequency = _number(body, "frequency_penalty", 0.0, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY)
+    bias = _logit_bias(state, body)
     try:
         return [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=penalty, seed=None if seed is None else (seed + i) % 2**63,
-                               logprobs=logprobs, top_logprobs=top_logprobs)
+                               logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=presence,
+                               frequency_penalty=frequency, logit_bias=bias)
                 for i in range(n)]
     except ValueError as error:
         raise APIError(400, str(error)) from None
+
+
+def _logit_bias(state, body: dict) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object from token ids (as strings, OpenAI's form)
+    to biases in [-100, 100]."""
+    bias = _field(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise APIError(400, f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} tokens", "logit_bias")
+    vocab = state.engine.model.config.vocab_size
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise APIError(400, f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                f"got {value!r} for token {key}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 # ---------------------------------------------------------------- the request
@@ -235,21 +292,33 @@ class CompletionRequest:
     prompt: list[int]
     max_tokens: int
     sampling: list[SamplingParams]  # one per choice
+    tool_use: ToolUse | None = None  # chat: the tools, tool_choice and parallel_tool_calls
 
 
 def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest:
     """A chat (``chat``) or plain completion request; its fields are checked
     in this order, the first bad one answered (a 400 naming it, 404 for an
     unknown model)."""
-    _check_model(state, body)
+    check_fields(body, "chat" if chat else "completions")
+    check_model(state, body)
     n = _field(body, "n", int, 1, lambda count: 1 <= count <= MAX_CHOICES)
     logprobs, top_logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     stream = _field(body, "stream", bool, False)
     include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage", False))
     stops = _stop_strings(body)
-    prompt = _prompt(state, body, chat)
+    tool_use = parse_tool_use(body) if chat else None
+    prompt = _prompt(state, body, chat, tool_use)
+    return completion_request(state, body, prompt, chat=chat, n=n, logprobs=logprobs, top_logprobs=top_logprobs,
+                              stream=stream, include_usage=include_usage, stops=stops, tool_use=tool_use)
+
+
+def completion_request(state, body: dict, prompt: list[int], *, stream: bool, stops: list[str],
+                       tool_use: ToolUse | None = None, chat: bool = True, n: int = 1, logprobs: bool = False,
+                       top_logprobs: int = 0, include_usage: bool = False) -> CompletionRequest:
+    """The request for ``prompt`` (checked), its ``max_tokens`` and sampling
+    fields read from ``body`` (also for the Anthropic API, whose names match)."""
     max_tokens = _max_tokens(state, body, chat, len(prompt))
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
                              include_usage=include_usage, stops=stops, prompt=prompt, max_tokens=max_tokens,
-                             sampling=sampling)
+                             sampling=sampling, tool_use=tool_use)

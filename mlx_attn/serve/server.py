@@ -2,9 +2,11 @@
 
     mlx-attn serve --model model.gguf --host 127.0.0.1 --port 8080
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent
-events with ``"stream": true``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text).
+Endpoints: ``POST /v1/chat/completions`` (with tool calling),
+``POST /v1/completions`` (server-sent events with ``"stream": true``),
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (the Anthropic
+Messages API), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text).
 
 Layers, imports pointing one way (down):
 
@@ -88,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-requests", type=_positive, default=256,
                         help="requests served at once (running or waiting for pages); more are answered 429")
     parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV} if set)")
+                        help=f"require 'Authorization: Bearer <key>' or 'x-api-key: <key>' (default: "
+                             f"${API_KEY_ENV} if set)")
     parser.add_argument("--weights", choices=["auto", "float32", "as-loaded"], default="auto",
                         help="how the engine holds the weights: auto is float32 on MLX's CPU device (batched BLAS "
                              "matmuls), as loaded on a GPU (quantized matmuls)")
