@@ -273,3 +273,24 @@ def test_quantized_layers_multiply_few_rows_within_the_bound(bits, rows):
     w, scaled_codes = _float_parts(layer["weight"], layer["scales"], layer["biases"], 32, bits)
     got = np.array(layer(x)[0], dtype=np.float64) - np.array(layer["bias"], dtype=np.float64)
     _assert_within_bound(got, x[0], w, scaled_codes, 16)
+
+
+@pytest.mark.parametrize("product,limit", [("int16", quantized_matmul.INTEGER_MATVEC_ROWS),
+                                           ("int8", quantized_matmul.INTEGER_MATVEC_ROWS),
+                                           ("float", quantized_matmul.DEQUANTIZED_MATMUL_ROWS)])
+def test_integer_products_take_rows_up_to_their_own_limit(monkeypatch, product, limit):
+    import mlx.nn as nn
+
+    from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
+
+    monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", product)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    nn.quantize(model, group_size=32, bits=4)
+    layer = use_row_adaptive_matmuls(model).layers[0]
+    calls = []
+    for name in ("dequantized_matmul", "fused_matvec"):
+        monkeypatch.setattr(quantized_matmul, name,
+                            lambda x, lay, name=name: calls.append((name, x.shape[-2])) or mx.zeros((*x.shape[:-1], 32)))
+    for rows in (1, limit - 1, limit):
+        layer(mx.ones((rows, 64)))
+    assert calls == [("fused_matvec", 1), ("fused_matvec", limit - 1), ("dequantized_matmul", limit)]

@@ -38,7 +38,11 @@ activations are spiky (a block's largest ``|x|`` is 10-30x its mean): int8
 moves its logits by up to ~3 (greedy tokens change at near-ties and the
 transformers reference tests fail), int16 by ~0.01, for about the same time
 at one row (the weight's unpacking dominates). ``"float"`` is the float32
-product above (``_ext.quantized_matvec``).
+product above (``_ext.quantized_matvec``). With an integer product, rows
+below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
+(24): it is faster than the BLAS on a held float32 weight up to there, so
+a serving engine need not hold one (``mlx_attn.serve.engine.prepare_weights``,
+``"packed"``).
 
 ``benchmarks/bench_generate.py`` and ``benchmarks/bench_gemma3.py`` measure
 the effect on prompt speed; ``benchmarks/bench_int8_matvec.py`` the integer
@@ -54,7 +58,8 @@ import mlx.nn as nn
 
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
-           "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound"]
+           "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
+           "INTEGER_MATVEC_ROWS"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -70,6 +75,12 @@ if MATVEC_PRODUCT not in MATVEC_PRODUCTS:
     raise ValueError(f"MLX_ATTN_MATVEC must be one of {', '.join(MATVEC_PRODUCTS)}, got {MATVEC_PRODUCT!r}")
 # columns per int8 activation block (csrc/cpu/int8_matvec_kernels.h)
 INT8_BLOCK = 32
+# rows from which the CPU multiplies a dequantized float32 weight when few rows take an integer
+# product: measured on SmolLM2's layers (system OpenBLAS, 2 cores), the int16 product is faster
+# than the BLAS on a held float32 weight up to 64 rows (q_proj 1.23 against 1.39 ms, gate_proj
+# 3.2 against 4.0) and about level at 128 (2.58 against 2.68), and faster than dequantizing
+# per call and the BLAS at every count measured
+INTEGER_MATVEC_ROWS = 128
 
 # weights the fused CPU matrix-vector product reads (affine mode)
 FUSED_MATVEC_BITS = (4, 8)
@@ -84,8 +95,13 @@ def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim else 0
 
 
+def _matvec_rows_limit() -> int:
+    """Rows from which the CPU takes the dequantized float32 product."""
+    return DEQUANTIZED_MATMUL_ROWS if MATVEC_PRODUCT == "float" else INTEGER_MATVEC_ROWS
+
+
 def _dequantized_rows(x: mx.array) -> bool:
-    return _rows(x) >= DEQUANTIZED_MATMUL_ROWS and mx.default_device() == mx.cpu
+    return _rows(x) >= _matvec_rows_limit() and mx.default_device() == mx.cpu
 
 
 def _cpu_affine(layer, bits: tuple) -> bool:
@@ -97,7 +113,7 @@ def _cpu_affine(layer, bits: tuple) -> bool:
 
 
 def _fused_matvec_rows(x: mx.array, layer) -> bool:
-    return 0 < _rows(x) < DEQUANTIZED_MATMUL_ROWS and _cpu_affine(layer, FUSED_MATVEC_BITS)
+    return 0 < _rows(x) < _matvec_rows_limit() and _cpu_affine(layer, FUSED_MATVEC_BITS)
 
 
 def fused_matvec(x: mx.array, layer) -> mx.array:
