@@ -36,9 +36,9 @@ largest ``|x|`` of the column's block / 32767 or / 127;
 ``int8_error_bound``). int8 is llama.cpp's q8 scheme, but SmolLM2's
 activations are spiky (a block's largest ``|x|`` is 10-30x its mean): int8
 moves its logits by up to ~3 (greedy tokens change at near-ties and the
-transformers reference tests fail), int16 by ~0.01, for about the same time
-at one row (the weight's unpacking dominates). ``"float"`` is the float32
-product above (``_ext.quantized_matvec``). With an integer product, rows
+transformers reference tests fail), int16 by at most ~0.03, for 20-35% more
+time at one row (measured on SmolLM2's layers; ~65% at 8 rows). ``"float"``
+is the float32 product above (``_ext.quantized_matvec``). With an integer product, rows
 below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
 (24): it is faster than the BLAS on a held float32 weight up to there, so
 a serving engine need not hold one (``mlx_attn.serve.engine.prepare_weights``,
