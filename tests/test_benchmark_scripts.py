@@ -137,3 +137,52 @@ def test_decode_step_benchmark_quick_run(tmp_path):
         assert row[mode]["ms_per_step"] > 0 and len(row[mode]["runs_ms"]) == 1
     assert row["same_tokens"] is True  # compiled and eager steps decode the same greedy tokens
     assert (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+def _load_llama_cpp_bench():
+    spec = importlib.util.spec_from_file_location("bench_llama_cpp", BENCH.parent / "bench_llama_cpp.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _fake_mlx_attn(bench, monkeypatch):
+    """No model: the prompt and mlx-attn generate's statistics stand in."""
+    monkeypatch.setattr(bench, "prompt_of", lambda gguf, tokens: "x " * tokens)
+    monkeypatch.setattr(bench, "run_mlx_attn", lambda gguf, prompt, gen, threads: {
+        "prompt_tokens": 128, "prompt_tps": 50.0, "gen_tokens": gen, "gen_tps": 20.0})
+
+
+def test_llama_cpp_benchmark_skips_llama_cpp_rows_without_its_binaries(tmp_path, monkeypatch, capsys):
+    bench = _load_llama_cpp_bench()
+    _fake_mlx_attn(bench, monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    result = bench.main(["--gguf", str(tmp_path / "m.gguf"), "--llama-cpp-dir", str(tmp_path), "--repeats", "1",
+                         "--threads", "2", "--out", str(tmp_path / "llama")])
+    out = capsys.readouterr().out
+    assert "llama.cpp rows skipped: no llama-bench found" in out
+    assert "| prompt tokens/s (`llama-bench` pp128) | 50.0 | skipped | - |" in out
+    assert "llama_cpp" not in result and result["mlx_attn"] == {"prompt_tps": 50.0, "gen_tps": 20.0}
+    assert (tmp_path / "llama.png").stat().st_size > 5_000
+
+
+def test_llama_cpp_benchmark_reads_llama_bench_json(tmp_path, monkeypatch, capsys):
+    """A stand-in llama-bench (a script printing llama-bench's JSON rows and
+    its arguments): the table's ratios are mlx_attn over llama.cpp, at the
+    same threads and token counts."""
+    bench = _load_llama_cpp_bench()
+    _fake_mlx_attn(bench, monkeypatch)
+    fake = tmp_path / "bin" / "llama-bench"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\n"
+                    "echo '[{\"n_prompt\": 128, \"n_gen\": 0, \"avg_ts\": 200.0},"
+                    " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 80.0}]'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))  # found under its bin/
+    result = bench.main(["--gguf", str(tmp_path / "m.gguf"), "--repeats", "2", "--threads", "3"])
+    assert (fake.parent / "args").read_text().split() == ["-m", str(tmp_path / "m.gguf"), "-t", "3", "-p", "128",
+                                                          "-n", "64", "-r", "1", "-o", "json"]
+    assert result["llama_cpp"] == {"prompt_tps": 200.0, "gen_tps": 80.0}
+    assert result["ratio"] == {"prompt_tps": 0.25, "gen_tps": 0.25}
+    assert "| decode tokens/s (`llama-bench` tg64) | 20.0 | 80.0 | 0.25x |" in capsys.readouterr().out

@@ -2,7 +2,9 @@
 many rows multiply a dequantized float32 weight, a few rows go through the
 fused matrix-vector product (``_ext.quantized_matvec``); both give x @ W.T
 for the dequantized W (a float64 NumPy product of codes, scales and biases
-is the oracle)."""
+is the oracle). Few rows take the float product here (``MATVEC_PRODUCT``);
+tests/test_int8_matvec.py holds the int8 product, the default, to its
+bound."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,6 +14,11 @@ import pytest
 from mlx_attn.lm import quantized_matmul
 from mlx_attn.lm.quantized_matmul import (RowAdaptiveQuantizedEmbedding, RowAdaptiveQuantizedLinear,
                                           use_row_adaptive_matmuls)
+
+
+@pytest.fixture(autouse=True)
+def float_matvec_product(monkeypatch):
+    monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", "float")
 
 
 def _dequantized(layer) -> np.ndarray:

@@ -497,8 +497,50 @@ def test_quantized_model_batch_greedy_equals_each_request_alone():
         assert got[rid] == solo.run_until_idle()[rid], rid
 
 
-def test_prepare_weights_float32_is_the_dequantized_model():
+def test_prepare_weights_packed_holds_no_float32_weight(monkeypatch):
+    """"packed" (auto on the CPU with an integer matvec product): float
+    weights in float32, quantized layers row-adaptive with only their codes;
+    the engine's greedy tokens are the dense decode's. With the float
+    product, auto holds float32 weights as before."""
     import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlx_attn.lm import quantized_matmul
+    from mlx_attn.lm.quantized_matmul import RowAdaptiveQuantizedEmbedding, RowAdaptiveQuantizedLinear, float32_weight
+    from mlx_attn.serve import Engine
+    from mlx_attn.serve.engine import prepare_weights
+
+    model = tiny_llama(seed=6, head_dim=32)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % 32 == 0)
+    prompt = mx.array([[3, 9, 27, 1, 44]])
+    logits = np.array(model(prompt))
+    assert prepare_weights(model, "packed") == "packed"
+    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert quantized and all(isinstance(m, (RowAdaptiveQuantizedLinear, RowAdaptiveQuantizedEmbedding))
+                             for m in quantized)
+    assert all(float32_weight(m) is None for m in quantized)
+    assert all(a.dtype in (mx.float32, mx.uint32) for _, a in tree_flatten(model.parameters()))
+    # int16 activations (5 rows: the integer product): measured within 0.1% of the logits' largest magnitude
+    np.testing.assert_allclose(np.array(model(prompt)), logits, rtol=0, atol=2e-3 * np.abs(logits).max())
+    engine = Engine(model, kv_tokens=64, page_size=4, weights="packed")
+    engine.submit("a", [3, 9, 27, 1, 44], 5)
+    assert engine.run_until_idle()["a"] == greedy_alone(model, [3, 9, 27, 1, 44], 5)
+    if mx.default_device() == mx.cpu:
+        assert prepare_weights(model, "auto") == "packed"
+        monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", "float")
+        assert prepare_weights(model, "auto") == "float32"
+        assert all(float32_weight(m) is not None for m in quantized)
+
+
+def test_prepare_weights_float32_is_the_dequantized_model(monkeypatch):
+    """With the float matrix-vector product (the int16 one rounds the
+    activations: test_prepare_weights_packed_holds_no_float32_weight)."""
+    import mlx.nn as nn
+
+    from mlx_attn.lm import quantized_matmul
+
+    monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", "float")
 
     from mlx_attn.lm.quantized_matmul import float32_weight
     from mlx_attn.serve import Engine

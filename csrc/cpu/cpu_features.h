@@ -24,6 +24,10 @@ inline bool avx512() {
 inline bool avx512bf16() {
   return avx512() && __builtin_cpu_supports("avx512bf16");
 }
+// Integer dot products of unsigned with signed bytes (vpdpbusd).
+inline bool avx512vnni() {
+  return avx512() && __builtin_cpu_supports("avx512vnni");
+}
 #endif
 
 #if defined(__aarch64__)

@@ -6,9 +6,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "csrc/cpu/cpu_features.h"
 #include "csrc/cpu/host.h"
+#include "csrc/cpu/int8_matvec_kernels.h"
 #include "csrc/cpu/matvec_kernels.h"
 #include "csrc/cpu/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -50,6 +52,55 @@ void run(const cpu::MatvecCall& call) {
       }
 #endif
       cpu::generic::quantized_matvec(part, begin, end);
+    }
+  });
+}
+
+// The int8 copy for the active CPU kernel ISA (MLX_ATTN_CPU_ISA /
+// set_cpu_isa): generic stays generic, avx2 stays avx2, an AVX-512 choice
+// takes vpdpbusd where the CPU has it.
+using Int8Matvec = void (*)(const cpu::Int8MatvecCall&, int64_t, int64_t);
+Int8Matvec int8_copy() {
+#ifdef MLX_ATTN_X86_KERNELS
+  const std::string isa = cpu::current_isa();
+  if (isa.rfind("avx512", 0) == 0 && cpu::features::avx512vnni()) return cpu::avx512vnni::int8_matvec;
+  if (isa != "generic" && cpu::features::avx2()) return cpu::avx2::int8_matvec;
+#endif
+  return cpu::generic::int8_matvec;
+}
+
+// Quantizes x's rows (one pass, on the calling thread), then splits the
+// output features over the pool; each task runs every row chunk over its
+// features while their weights are in cache.
+void run_int8(const float* x, cpu::Int8MatvecCall call, int rows) {
+  const int64_t lanes = call.k / cpu::kInt8Block * 8;
+  const size_t code_bytes = call.activation_bits / 8;
+  std::vector<int16_t> codes(size_t(rows) * call.k * code_bytes / 2 + 1);
+  std::vector<float> xd(size_t(rows) * lanes), xsum(size_t(rows) * lanes);
+  for (int r = 0; r < rows; ++r) {
+    if (call.activation_bits == 16) {
+      cpu::quantize_activations(x + r * call.k, call.k, call.bits, codes.data() + r * call.k, xd.data() + r * lanes,
+                                xsum.data() + r * lanes);
+    } else {
+      cpu::quantize_activations(x + r * call.k, call.k, call.bits, reinterpret_cast<int8_t*>(codes.data()) + r * call.k,
+                                xd.data() + r * lanes, xsum.data() + r * lanes);
+    }
+  }
+  const char* xq = reinterpret_cast<const char*>(codes.data());
+  const Int8Matvec kernel = int8_copy();
+  const int64_t tasks = (call.n + kOutputsPerTask - 1) / kOutputsPerTask;
+  float* out = call.out;
+  cpu::thread_pool().parallel_for(tasks, [&](int64_t task, int) {
+    const int64_t begin = task * kOutputsPerTask;
+    const int64_t end = std::min(call.n, begin + kOutputsPerTask);
+    for (int r = 0; r < rows; r += cpu::kInt8MatvecMaxRows) {
+      cpu::Int8MatvecCall part = call;
+      part.rows = std::min(cpu::kInt8MatvecMaxRows, rows - r);
+      part.xq = xq + r * call.k * code_bytes;
+      part.xd = xd.data() + r * lanes;
+      part.xsum = xsum.data() + r * lanes;
+      part.out = out + r * call.n;
+      kernel(part, begin, end);
     }
   });
 }
@@ -276,6 +327,79 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   call.biases = inputs[3].data<void>();
   call.out = out.data<float>();
   encoder.dispatch([call]() { run(call); });
+}
+
+mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, const mx::array& scales,
+                                const mx::array& biases, int group_size, int bits, int activation_bits,
+                                mx::StreamOrDevice s) {
+  constexpr const char* op = "mlx_attn.quantized_matvec_int8";
+  if (bits != 4 && bits != 8) throw_invalid(op, "bits must be 4 or 8, got " + std::to_string(bits));
+  if (activation_bits != 8 && activation_bits != 16) {
+    throw_invalid(op, "activation_bits must be 8 or 16, got " + std::to_string(activation_bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw_invalid(op, "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (x.ndim() != 2) throw_invalid(op, "x must be [rows, k], got " + shape_string(x));
+  if (x.dtype() != mx::float32) throw_invalid(op, "x must be float32, got " + dtype_string(x.dtype()));
+  if (codes.ndim() != 2 || codes.dtype() != mx::uint32) throw_invalid(op, "codes must be uint32 [n, k * bits / 32]");
+  const int64_t k = x.shape(1);
+  const int64_t n = codes.shape(0);
+  if (k % group_size != 0 || int64_t(codes.shape(1)) * 32 != k * bits) {
+    throw_invalid(op, "codes " + shape_string(codes) + " do not hold " + std::to_string(k) + " columns of " +
+                          std::to_string(bits) + " bits in groups of " + std::to_string(group_size));
+  }
+  check_scales(op, scales, biases, n, k / group_size);
+  auto stream = mx::to_stream(s);
+  if (stream.device.type != mx::Device::cpu) throw_invalid(op, "runs on the CPU only (the GPU has MLX's quantized kernels)");
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, stream), mx::contiguous(codes, false, stream),
+                                   mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
+  return mx::array(mx::Shape{x.shape(0), int(n)}, mx::float32,
+                   std::make_shared<QuantizedMatvecInt8>(stream, group_size, bits, activation_bits), std::move(inputs));
+}
+
+std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[1].shape(0)}};
+}
+
+std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& primals,
+                                                const std::vector<mx::array>& cotangents,
+                                                const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  for (int arg : argnums) {
+    if (arg != 0) throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x only, not to the weight");
+  }
+  // the float product's gradient (the activations' rounding passes straight through)
+  return {mx::astype(mx::quantized_matmul(cotangents[0], primals[1], primals[2], primals[3], false, group_size_,
+                                          bits_, "affine", stream()),
+                     mx::float32, stream())};
+}
+
+void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  cpu::Int8MatvecCall call{};
+  const int rows = inputs[0].shape(0);
+  call.k = inputs[0].shape(1);
+  call.n = inputs[1].shape(0);
+  call.scale_type = *float_elem_type(inputs[2].dtype());
+  call.group_size = group_size_;
+  call.bits = bits_;
+  call.activation_bits = activation_bits_;
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  const float* x = inputs[0].data<float>();
+  call.codes = inputs[1].data<uint32_t>();
+  call.scales = inputs[2].data<void>();
+  call.biases = inputs[3].data<void>();
+  call.out = out.data<float>();
+  encoder.dispatch([x, call, rows]() { run_int8(x, call, rows); });
+}
+
+bool QuantizedMatvecInt8::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const QuantizedMatvecInt8*>(&other);
+  return QuantizedWeightPrimitive::is_equivalent(other) && o != nullptr && o->activation_bits_ == activation_bits_;
 }
 
 void QuantizedWeightPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -19,6 +19,14 @@ namespace mx = mlx::core;
 mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {});
 
+// As quantized_matvec, through integer dot products: each row of x is
+// quantized to int8 or int16 (activation_bits) per block of 32 columns
+// (csrc/cpu/int8_matvec_kernels.h states the error bound against the float
+// product), any number of rows.
+mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, const mx::array& scales,
+                                const mx::array& biases, int group_size, int bits, int activation_bits = 8,
+                                mx::StreamOrDevice s = {});
+
 // codes uint32 [n, k * bits / 32] (bits 2, 3, 4, 5, 6 or 8: code i of a row
 // at bit i * bits of its little-endian bit stream, MLX's affine packing);
 // scales, biases [n, k / group_size] in one float dtype. Returns the float32
@@ -80,6 +88,28 @@ class QuantizedMatvec : public QuantizedWeightPrimitive {
   const char* op_name() const override {
     return "quantized_matvec";
   }
+};
+
+class QuantizedMatvecInt8 : public QuantizedWeightPrimitive {
+ public:
+  QuantizedMatvecInt8(mx::Stream stream, int group_size, int bits, int activation_bits)
+      : QuantizedWeightPrimitive(stream, group_size, bits), activation_bits_(activation_bits) {}
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // The float product's gradient, to x only.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "QuantizedMatvecInt8";
+  }
+  const char* op_name() const override {
+    return "quantized_matvec_int8";
+  }
+
+ private:
+  int activation_bits_;
 };
 
 }  // namespace mlx_attn

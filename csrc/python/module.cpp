@@ -176,6 +176,11 @@ NB_MODULE(_ext, m) {
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(codes, scales, biases).T on the CPU for a few float32 rows x [rows, k] and a 4- "
         "or 8-bit MLX affine weight: float32 [rows, n], each weight read once for all rows.");
+  m.def("quantized_matvec_int8", &mlx_attn::quantized_matvec_int8, "x"_a, "codes"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
+        "As quantized_matvec through integer dot products: x's rows quantized to int8 (or int16: "
+        "activation_bits=16) per 32 columns, multiplied with the 4- or 8-bit codes as integers "
+        "(AVX512-VNNI, AVX2 or plain C++).");
   m.def("dequantize_affine", &mlx_attn::dequantize_affine, "codes"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The float32 weight [n, k] of an MLX affine-quantized one (2, 3, 4, 5, 6 or 8 bits), "

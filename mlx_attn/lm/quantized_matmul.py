@@ -24,18 +24,42 @@ there. The stored weights stay quantized either way; a caller that decodes
 many rows often (the serving engine) may also hold each layer's float32
 weight (:func:`hold_float32_weights`) instead of dequantizing it per call.
 
+Few rows multiply in one of three ways (``MATVEC_PRODUCT``, or the
+``MLX_ATTN_MATVEC`` environment variable at import). ``"int16"`` (the
+default) and ``"int8"`` quantize each activation row per block of 32 columns
+and multiply the packed codes as integers (``_ext.quantized_matvec_int8``,
+csrc/cpu/int8_matvec_impl.h: AVX512-VNNI ``vpdpwssd`` / ``vpdpbusd``, AVX2
+``vpmaddwd`` / ``vpmaddubsw``, or plain C++, chosen at run time); only the
+activations are rounded, so each output is within
+``sum_k |scale * code| * d_b / 2`` of the float product (``d_b`` = the
+largest ``|x|`` of the column's block / 32767 or / 127;
+``int8_error_bound``). int8 is llama.cpp's q8 scheme, but SmolLM2's
+activations are spiky (a block's largest ``|x|`` is 10-30x its mean): int8
+moves its logits by up to ~3 (greedy tokens change at near-ties and the
+transformers reference tests fail), int16 by at most ~0.03, for 20-35% more
+time at one row (measured on SmolLM2's layers; ~65% at 8 rows). ``"float"``
+is the float32 product above (``_ext.quantized_matvec``). With an integer product, rows
+below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
+(24): it is faster than the BLAS on a held float32 weight up to there, so
+a serving engine need not hold one (``mlx_attn.serve.engine.prepare_weights``,
+``"packed"``).
+
 ``benchmarks/bench_generate.py`` and ``benchmarks/bench_gemma3.py`` measure
-the effect on prompt speed.
+the effect on prompt speed; ``benchmarks/bench_int8_matvec.py`` the integer
+products against the float one.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
-           "hold_float32_weights", "float32_weight"]
+           "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
+           "INTEGER_MATVEC_ROWS"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -43,6 +67,20 @@ DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and
 # would otherwise be 671 MB of float32 at once)
 DEQUANTIZED_SLICE_ROWS = 16384
 
+
+# how few rows multiply on the CPU: integer dot products on int16 or int8 activations, or float32
+MATVEC_PRODUCTS = ("int16", "int8", "float")
+MATVEC_PRODUCT = os.environ.get("MLX_ATTN_MATVEC", "int16")
+if MATVEC_PRODUCT not in MATVEC_PRODUCTS:
+    raise ValueError(f"MLX_ATTN_MATVEC must be one of {', '.join(MATVEC_PRODUCTS)}, got {MATVEC_PRODUCT!r}")
+# columns per int8 activation block (csrc/cpu/int8_matvec_kernels.h)
+INT8_BLOCK = 32
+# rows from which the CPU multiplies a dequantized float32 weight when few rows take an integer
+# product: measured on SmolLM2's layers (system OpenBLAS, 2 cores), the int16 product is faster
+# than the BLAS on a held float32 weight up to 64 rows (q_proj 1.23 against 1.39 ms, gate_proj
+# 3.2 against 4.0) and about level at 128 (2.58 against 2.68), and faster than dequantizing
+# per call and the BLAS at every count measured
+INTEGER_MATVEC_ROWS = 128
 
 # weights the fused CPU matrix-vector product reads (affine mode)
 FUSED_MATVEC_BITS = (4, 8)
@@ -57,8 +95,13 @@ def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim else 0
 
 
+def _matvec_rows_limit() -> int:
+    """Rows from which the CPU takes the dequantized float32 product."""
+    return DEQUANTIZED_MATMUL_ROWS if MATVEC_PRODUCT == "float" else INTEGER_MATVEC_ROWS
+
+
 def _dequantized_rows(x: mx.array) -> bool:
-    return _rows(x) >= DEQUANTIZED_MATMUL_ROWS and mx.default_device() == mx.cpu
+    return _rows(x) >= _matvec_rows_limit() and mx.default_device() == mx.cpu
 
 
 def _cpu_affine(layer, bits: tuple) -> bool:
@@ -70,18 +113,42 @@ def _cpu_affine(layer, bits: tuple) -> bool:
 
 
 def _fused_matvec_rows(x: mx.array, layer) -> bool:
-    return 0 < _rows(x) < DEQUANTIZED_MATMUL_ROWS and _cpu_affine(layer, FUSED_MATVEC_BITS)
+    return 0 < _rows(x) < _matvec_rows_limit() and _cpu_affine(layer, FUSED_MATVEC_BITS)
 
 
 def fused_matvec(x: mx.array, layer) -> mx.array:
-    """``x @ W.T`` for a few rows through ``_ext.quantized_matvec``, in
+    """``x @ W.T`` for a few rows through ``_ext.quantized_matvec_int8`` (int16
+    or int8 activations) or ``_ext.quantized_matvec`` (``MATVEC_PRODUCT``), in
     ``x``'s dtype."""
     from mlx_attn import _ext
 
+    if MATVEC_PRODUCT not in MATVEC_PRODUCTS:
+        raise ValueError(f"MATVEC_PRODUCT must be one of {', '.join(MATVEC_PRODUCTS)}, got {MATVEC_PRODUCT!r}")
     rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    out = _ext.quantized_matvec(rows, layer["weight"], layer["scales"], layer["biases"], layer.group_size,
-                                layer.bits)
+    args = (rows, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+    if MATVEC_PRODUCT == "float":
+        out = _ext.quantized_matvec(*args)
+    else:
+        out = _ext.quantized_matvec_int8(*args, 16 if MATVEC_PRODUCT == "int16" else 8)
     return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+
+
+def int8_error_bound(x, weight, activation_bits: int = 8) -> "np.ndarray":
+    """The largest ``|integer product - float product|`` the integer
+    matrix-vector product may give, per output, for float rows ``x`` [rows,
+    k] and the dequantized weight's ``|scale * code|`` [n, k] (``weight``;
+    NumPy or MLX): rounding x to ``activation_bits`` per 32-column block
+    moves each value by at most d / 2, d = the block's largest |x| / 127
+    (8 bits) or / 32767 (16 bits). Float32 rounding of the sums comes on
+    top (relative ~1e-6 of ``|x| @ |W|.T``)."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    weight = np.abs(np.asarray(weight, dtype=np.float64))
+    blocks = x.reshape(x.shape[0], -1, INT8_BLOCK)
+    largest_code = {8: 127, 16: 32767}[activation_bits]
+    half_step = np.abs(blocks).max(axis=-1, keepdims=True) / largest_code / 2
+    return np.broadcast_to(half_step, blocks.shape).reshape(x.shape) @ weight.T
 
 
 class _Held:

@@ -9,12 +9,15 @@ block table. The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
-(:func:`prepare_weights`): on MLX's CPU device quantized layers also hold
-their float32 weight, whose batched matmuls go through the BLAS (a system
-OpenBLAS with :func:`mlx_attn.use_system_blas`), where MLX's CPU quantized
-matmul gains nothing from a batch, while a step of a few rows reads the
-packed weight through mlx_attn's fused matrix-vector product; on a GPU (a Mac's Metal device) the weights stay as
-loaded: MLX's quantized GPU matmuls read 4 to 8 times fewer bytes.
+(:func:`prepare_weights`): on MLX's CPU device quantized layers keep only
+their packed weight, which steps of up to 127 rows read through mlx_attn's
+integer matrix-vector product and larger ones (prompt chunks) dequantize
+per call for the BLAS (a system OpenBLAS with
+:func:`mlx_attn.use_system_blas`), where MLX's CPU quantized matmul gains
+nothing from a batch; ``"float32"`` also holds each layer's float32 weight
+for the BLAS (4x the 4-bit model's memory). On a GPU (a Mac's Metal device)
+the weights stay as loaded: MLX's quantized GPU matmuls read 4 to 8 times
+fewer bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 from mlx.utils import tree_map_with_path
 
 from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
-from mlx_attn.lm.quantized_matmul import hold_float32_weights
+from mlx_attn.lm import quantized_matmul
+from mlx_attn.lm.quantized_matmul import hold_float32_weights, use_row_adaptive_matmuls
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
 from mlx_attn.serve.sampling import SamplingParams, sample_rows
@@ -36,7 +40,7 @@ from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
 
 __all__ = ["PagedAttention", "Engine", "Output", "prepare_weights", "WEIGHT_CHOICES"]
 
-WEIGHT_CHOICES = ("auto", "float32", "as-loaded")
+WEIGHT_CHOICES = ("auto", "packed", "float32", "as-loaded")
 log = logging.getLogger(__name__)
 
 
@@ -63,17 +67,24 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
     does well), a step of fewer rows (one request decoding) reads the packed
     weight through the fused CPU matrix-vector product, both with the same
     float32 weight values. ``"as-loaded"``: untouched (quantized matmuls:
-    what MLX's GPU does well). ``"auto"``: ``"float32"`` when MLX's default
-    device is the CPU, else ``"as-loaded"``."""
+    what MLX's GPU does well). ``"packed"``: as ``"float32"`` without the
+    held float32 weights: up to ``INTEGER_MATVEC_ROWS`` - 1 rows read the
+    packed weight through the integer matrix-vector product (faster than
+    the BLAS on a held weight there), more rows dequantize it per call.
+    ``"auto"``: on MLX's CPU device ``"packed"`` (``"float32"`` when
+    ``MATVEC_PRODUCT`` is ``"float"``), else ``"as-loaded"``."""
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
     if weights == "auto":
-        weights = "float32" if mx.default_device() == mx.cpu else "as-loaded"
-    if weights == "float32":
+        if mx.default_device() != mx.cpu:
+            weights = "as-loaded"
+        else:
+            weights = "float32" if quantized_matmul.MATVEC_PRODUCT == "float" else "packed"
+    if weights in ("float32", "packed"):
         model.update(tree_map_with_path(
             lambda _, a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
         mx.eval(model.parameters())
-        hold_float32_weights(model)
+        (hold_float32_weights if weights == "float32" else use_row_adaptive_matmuls)(model)
     return weights
 
 

@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer <key>' or 'x-api-key: <key>' (default: "
                              f"${API_KEY_ENV} if set)")
-    parser.add_argument("--weights", choices=["auto", "float32", "as-loaded"], default="auto",
-                        help="how the engine holds the weights: auto is float32 on MLX's CPU device (batched BLAS "
-                             "matmuls), as loaded on a GPU (quantized matmuls)")
+    parser.add_argument("--weights", choices=["auto", "packed", "float32", "as-loaded"], default="auto",
+                        help="how the engine holds the weights: auto is packed on MLX's CPU device (integer "
+                             "matvecs up to 127 rows, BLAS on per-call dequantized weights beyond), float32 also "
+                             "holds float32 weights for the BLAS (4x the memory), as loaded on a GPU")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     parser.add_argument("--state-snapshots", type=_non_negative, default=0,
                         help="hybrid models (recurrent layers): keep up to this many recurrent states saved at page "

@@ -1,0 +1,387 @@
+// The integer-dot quantized matrix-vector product (csrc/cpu/int8_matvec_kernels.h)
+// for one instruction set: include after defining MLX_ATTN_ISA and its isa_*.h.
+//
+// Per output feature, per unit of columns (64 with AVX512-VNNI: two blocks,
+// 32 otherwise: one block), for every row at once: the weight codes are
+// unpacked to one byte each (4-bit: a block's 16 bytes give its even columns
+// from the low nibbles, then its odd columns from the high ones, the order
+// the activations were quantized in), dotted with the row's int8 codes into
+// int32 lanes, converted to float and accumulated as
+//   acc += dot * (d * scale) + (block sum / 8) * bias
+// lane by lane; the lanes are summed once per output.
+#pragma once
+
+#include "csrc/cpu/elements.h"
+#include "csrc/cpu/int8_matvec_kernels.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace mlx_attn::cpu::MLX_ATTN_ISA {
+namespace {
+
+// Scales and biases are converted to float32 this many groups at a time.
+constexpr int kInt8ScaleChunk = 256;
+
+inline void convert_scales(ElemType type, float* dst, const void* src, int64_t offset, int n) {
+  switch (type) {
+    case ElemType::float32: return convert_contiguous<ElemType::float32>(dst, src, offset, n);
+    case ElemType::float16: return convert_contiguous<ElemType::float16>(dst, src, offset, n);
+    case ElemType::bfloat16: return convert_contiguous<ElemType::bfloat16>(dst, src, offset, n);
+  }
+}
+
+#if defined(__AVX512VNNI__)
+
+inline float lanes_sum(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// Two blocks' weight codes as 64 bytes, block by block in the activations' order.
+template <int Bits>
+inline __m512i two_blocks(const uint8_t* w, int64_t block) {
+  if constexpr (Bits == 8) {
+    return _mm512_loadu_si512(w + block * 32);
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + block * 16));
+    const __m256i low = _mm256_and_si256(raw, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    const __m512i lows_highs = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    return _mm512_shuffle_i64x2(lows_highs, lows_highs, _MM_SHUFFLE(3, 1, 2, 0));  // low0 high0 low1 high1
+  }
+}
+
+template <int Bits>
+inline __m256i one_block(const uint8_t* w, int64_t block) {
+  if constexpr (Bits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + block * 32));
+  } else {
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + block * 16));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+  }
+}
+
+template <int Bits, int Rows>
+void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const int8_t* xq = static_cast<const int8_t*>(c.xq);
+  const int64_t groups = c.k / c.group_size;
+  // blocks per group: 1, 2 or 4, as a shift (a division per block would cost more than the block)
+  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
+  const int64_t row_bytes = c.k * Bits / 8;
+  const int64_t lane_stride = c.k / kInt8Block * 8;
+  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
+    __m512 acc[Rows], bias_acc[Rows];
+    __m256 tail[Rows];
+    for (int r = 0; r < Rows; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      bias_acc[r] = _mm512_setzero_ps();
+      tail[r] = _mm256_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
+      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int64_t first = (g0 << group_shift);
+      const int64_t last = ((g0 + chunk) << group_shift);
+      int64_t b = first;
+      for (; b + 2 <= last; b += 2) {
+        const __m512i codes = two_blocks<Bits>(w, b);
+        const int64_t g = (b - first) >> group_shift;
+        __m512 scale = _mm512_set1_ps(scales[g]);
+        __m512 bias = _mm512_set1_ps(biases[g]);
+        if ((b + 1 - first) >> group_shift != g) {  // the blocks straddle two groups
+          scale = _mm512_insertf32x8(scale, _mm256_set1_ps(scales[g + 1]), 1);
+          bias = _mm512_insertf32x8(bias, _mm256_set1_ps(biases[g + 1]), 1);
+        }
+        for (int r = 0; r < Rows; ++r) {
+          const __m512i x = _mm512_loadu_si512(xq + r * c.k + b * kInt8Block);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x);
+          const __m512 d = _mm512_loadu_ps(c.xd + r * lane_stride + b * 8);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), acc[r]);
+          bias_acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(c.xsum + r * lane_stride + b * 8), bias, bias_acc[r]);
+        }
+      }
+      if (b < last) {
+        const __m256i codes = one_block<Bits>(w, b);
+        const int64_t g = (b - first) >> group_shift;
+        const __m256 scale = _mm256_set1_ps(scales[g]);
+        const __m256 bias = _mm256_set1_ps(biases[g]);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * c.k + b * kInt8Block));
+          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);
+          const __m256 d = _mm256_loadu_ps(c.xd + r * lane_stride + b * 8);
+          tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, scale), tail[r]);
+          tail[r] = _mm256_fmadd_ps(_mm256_loadu_ps(c.xsum + r * lane_stride + b * 8), bias, tail[r]);
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      c.out[r * c.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], bias_acc[r])) + lanes_sum(tail[r]);
+    }
+  }
+}
+
+
+// int16 activations: a block's 32 codes widen to 32 words, one vpdpwssd per
+// row gives the block's 16 int32 lanes, scaled by one broadcast d * scale.
+template <int Bits>
+inline __m512i block_words(const uint8_t* w, int64_t block) {
+  return _mm512_cvtepu8_epi16(one_block<Bits>(w, block));
+}
+
+template <int Bits, int Rows>
+void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const int16_t* xq = static_cast<const int16_t*>(c.xq);
+  const int64_t groups = c.k / c.group_size;
+  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
+  const int64_t row_bytes = c.k * Bits / 8;
+  const int64_t lane_stride = c.k / kInt8Block * 8;
+  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
+    __m512 acc[Rows];
+    float bias_sum[Rows];
+    for (int r = 0; r < Rows; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      bias_sum[r] = 0.0f;
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
+      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int64_t first = g0 << group_shift;
+      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        const __m512i codes = block_words<Bits>(w, b);
+        for (int r = 0; r < Rows; ++r) {
+          const __m512i x = _mm512_loadu_si512(xq + r * c.k + b * kInt8Block);
+          const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), codes, x);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(c.xd[r * lane_stride + b * 8] * scales[g]),
+                                   acc[r]);
+          bias_sum[r] += c.xsum[r * lane_stride + b * 8] * 8.0f * biases[g];
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = _mm512_reduce_add_ps(acc[r]) + bias_sum[r];
+  }
+}
+
+#elif defined(__AVX2__)
+
+inline float lanes_sum(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// A block's int32 dot products (8 lanes of 4 columns) of unsigned weight
+// codes with signed activation codes. vpmaddubsw saturates pairs at int16:
+// 4-bit codes (15 * 127 * 2) fit, 8-bit codes are split into nibbles.
+template <int Bits>
+inline __m256i block_dot(const uint8_t* w, int64_t block, const int8_t* xq) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Bits == 8) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + block * 32));
+    const __m256i low = _mm256_and_si256(raw, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(high, x), _mm256_set1_epi16(16)));
+  } else {
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + block * 16));
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+  }
+}
+
+template <int Bits, int Rows>
+void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const int8_t* xq = static_cast<const int8_t*>(c.xq);
+  const int64_t groups = c.k / c.group_size;
+  // blocks per group: 1, 2 or 4, as a shift (a division per block would cost more than the block)
+  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
+  const int64_t row_bytes = c.k * Bits / 8;
+  const int64_t lane_stride = c.k / kInt8Block * 8;
+  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
+    __m256 acc[Rows], bias_acc[Rows];
+    for (int r = 0; r < Rows; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      bias_acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
+      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int64_t first = (g0 << group_shift);
+      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        const __m256 scale = _mm256_set1_ps(scales[g]);
+        const __m256 bias = _mm256_set1_ps(biases[g]);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i dot = block_dot<Bits>(w, b, xq + r * c.k + b * kInt8Block);
+          const __m256 d = _mm256_loadu_ps(c.xd + r * lane_stride + b * 8);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, scale), acc[r]);
+          bias_acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(c.xsum + r * lane_stride + b * 8), bias, bias_acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = lanes_sum(_mm256_add_ps(acc[r], bias_acc[r]));
+  }
+}
+
+
+// int16 activations: a block's 32 codes widen to two vectors of 16 words,
+// vpmaddwd with the row's words gives 8 int32 lanes of 4 columns each.
+template <int Bits, int Rows>
+void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const int16_t* xq = static_cast<const int16_t*>(c.xq);
+  const int64_t groups = c.k / c.group_size;
+  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
+  const int64_t row_bytes = c.k * Bits / 8;
+  const int64_t lane_stride = c.k / kInt8Block * 8;
+  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
+    __m256 acc[Rows];
+    float bias_sum[Rows];
+    for (int r = 0; r < Rows; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      bias_sum[r] = 0.0f;
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
+      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int64_t first = g0 << group_shift;
+      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        __m128i low, high;  // the block's first and last 16 codes, in the activations' order
+        if constexpr (Bits == 8) {
+          low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 32));
+          high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 32 + 16));
+        } else {
+          const __m128i nibble = _mm_set1_epi8(15);
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+          low = _mm_and_si128(raw, nibble);
+          high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        }
+        const __m256i first_words = _mm256_cvtepu8_epi16(low);
+        const __m256i last_words = _mm256_cvtepu8_epi16(high);
+        for (int r = 0; r < Rows; ++r) {
+          const int16_t* x = xq + r * c.k + b * kInt8Block;
+          const __m256i dot = _mm256_add_epi32(
+              _mm256_madd_epi16(first_words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+              _mm256_madd_epi16(last_words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(c.xd[r * lane_stride + b * 8] * scales[g]),
+                                   acc[r]);
+          bias_sum[r] += c.xsum[r * lane_stride + b * 8] * 8.0f * biases[g];
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = lanes_sum(acc[r]) + bias_sum[r];
+  }
+}
+
+#else
+
+// Plain C++: the same sums, one block at a time (the reference the vector
+// copies are tested against).
+template <int Bits, int Rows, typename Code>
+void integer_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const Code* xq = static_cast<const Code*>(c.xq);
+  const int64_t groups = c.k / c.group_size;
+  // blocks per group: 1, 2 or 4, as a shift (a division per block would cost more than the block)
+  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
+  const int64_t row_bytes = c.k * Bits / 8;
+  const int64_t lane_stride = c.k / kInt8Block * 8;
+  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
+    float acc[Rows] = {};
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
+      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int64_t first = (g0 << group_shift);
+      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        uint8_t codes[kInt8Block];
+        for (int i = 0; i < kInt8Block; ++i) {
+          if constexpr (Bits == 8) {
+            codes[i] = w[b * 32 + i];
+          } else {
+            const uint8_t byte = w[b * 16 + i % 16];
+            codes[i] = i < 16 ? byte & 15 : byte >> 4;
+          }
+        }
+        for (int r = 0; r < Rows; ++r) {
+          const Code* x = xq + r * c.k + b * kInt8Block;
+          int32_t dot = 0;
+          for (int i = 0; i < kInt8Block; ++i) dot += int32_t(codes[i]) * int32_t(x[i]);
+          const float d = c.xd[r * lane_stride + b * 8];
+          const float block_sum = c.xsum[r * lane_stride + b * 8] * 8.0f;
+          acc[r] += float(dot) * (d * scales[g]) + block_sum * biases[g];
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = acc[r];
+  }
+}
+
+template <int Bits, int Rows>
+void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  integer_rows<Bits, Rows, int8_t>(c, begin, end);
+}
+
+template <int Bits, int Rows>
+void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  integer_rows<Bits, Rows, int16_t>(c, begin, end);
+}
+
+#endif
+
+template <int Bits, int Rows>
+void rows_of(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  if (c.activation_bits == 16) {
+    int16_rows<Bits, Rows>(c, begin, end);
+  } else {
+    int8_rows<Bits, Rows>(c, begin, end);
+  }
+}
+
+template <int Bits>
+void int8_bits(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  switch (c.rows) {
+    case 1: return rows_of<Bits, 1>(c, begin, end);
+    case 2: return rows_of<Bits, 2>(c, begin, end);
+    case 3: return rows_of<Bits, 3>(c, begin, end);
+    case 4: return rows_of<Bits, 4>(c, begin, end);
+    case 5: return rows_of<Bits, 5>(c, begin, end);
+    case 6: return rows_of<Bits, 6>(c, begin, end);
+    case 7: return rows_of<Bits, 7>(c, begin, end);
+    default: return rows_of<Bits, 8>(c, begin, end);
+  }
+}
+
+}  // namespace
+
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end) {
+  if (call.bits == 8) {
+    int8_bits<8>(call, begin, end);
+  } else {
+    int8_bits<4>(call, begin, end);
+  }
+}
+
+}  // namespace mlx_attn::cpu::MLX_ATTN_ISA
