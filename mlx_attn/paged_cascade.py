@@ -51,6 +51,7 @@ class PassPlan:
     kv_lens: list[int] = field(default_factory=list)
     q_lens: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    _arrays: tuple | None = field(default=None, repr=False, compare=False)
 
     def add(self, pages: list[int], kv_len: int, rows: list[int], *, bottom_aligned: bool) -> None:
         """A pseudo-sequence of ``rows`` over the first ``kv_len`` keys of
@@ -71,7 +72,13 @@ class PassPlan:
             self.rows.extend(piece)
 
     def arrays(self):
-        """``(block_table, kv_lens, q_lens, rows)`` as int32 MLX arrays."""
+        """``(block_table, kv_lens, q_lens, rows)`` as int32 MLX arrays (made
+        once: a plan serves every layer of a step)."""
+        if self._arrays is None:
+            self._arrays = self._make_arrays()
+        return self._arrays
+
+    def _make_arrays(self):
         width = max(1, max((len(p) for p in self.table), default=1))
         table = [pages + [0] * (width - len(pages)) for pages in self.table]  # unread entries: any valid page
         return tuple(mx.array(a, dtype=mx.int32) for a in (table, self.kv_lens, self.q_lens, self.rows))
@@ -90,6 +97,8 @@ class CascadePlan:
     prefix_index: np.ndarray
     suffix_index: np.ndarray
     direct_index: np.ndarray
+    # the merge's gather indices and direct-row mask as MLX arrays, made once per plan
+    merge_arrays: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 # Split-K of the prefix pass: a split holds at least this many keys, and a
@@ -174,16 +183,22 @@ def plan_cascade(q_lens, kv_lens, own_pages, prefix_pages, prefix_lens, groups, 
     return CascadePlan(prefix, suffix, direct, prefix_index, suffix_index, direct_index)
 
 
-def _pick(out, lse, index: np.ndarray):
+def _pick(out, lse, index: np.ndarray, made: dict | None = None, name=None):
     """Rows ``index`` of a pass's ``(out, lse)``; ``-1`` gives an empty
-    partial (zeros, ``-inf``)."""
+    partial (zeros, ``-inf``). ``made``: the plan's cache of index arrays,
+    where this index is kept under ``name``."""
     if index.size and index[0] >= 0 and (np.diff(index) == 1).all():
         first = int(index[0])  # consecutive rows (a decode batch, a key split): a slice, no gather
         return out[first : first + index.size], lse[first : first + index.size]
     heads, value_dim = out.shape[1], out.shape[2]
     out = mx.concatenate([out, mx.zeros((1, heads, value_dim), out.dtype)])
     lse = mx.concatenate([lse, mx.full((1, heads), -mx.inf, mx.float32)])
-    where = mx.array(np.where(index < 0, out.shape[0] - 1, index).astype(np.int32))
+    key = (name, out.shape[0])
+    where = None if made is None or name is None else made.get(key)
+    if where is None:
+        where = mx.array(np.where(index < 0, out.shape[0] - 1, index).astype(np.int32))
+        if made is not None and name is not None:
+            made[key] = where
     return mx.take(out, where, axis=0), mx.take(lse, where, axis=0)
 
 
@@ -227,11 +242,15 @@ def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim
     rows taken as they are."""
     empty = (mx.zeros((0, heads, value_dim), dtype), mx.zeros((0, heads), mx.float32))
     prefix, suffix, direct = (p if p is not None else empty for p in (prefix, suffix, direct))
-    parts = [_pick(*suffix, plan.suffix_index)] + [_pick(*prefix, split) for split in plan.prefix_index]
+    made = plan.merge_arrays
+    parts = [_pick(*suffix, plan.suffix_index, made, "suffix")]
+    parts += [_pick(*prefix, split, made, ("prefix", i)) for i, split in enumerate(plan.prefix_index)]
     out, lse = merge_partials_and_sinks([o for o, _ in parts], [l for _, l in parts], sinks, dtype)
     if (plan.direct_index >= 0).any():
-        out_d, lse_d = _pick(*direct, plan.direct_index)
-        is_direct = mx.array(plan.direct_index >= 0)
+        out_d, lse_d = _pick(*direct, plan.direct_index, made, "direct")
+        if "is_direct" not in made:
+            made["is_direct"] = mx.array(plan.direct_index >= 0)
+        is_direct = made["is_direct"]
         out = mx.where(is_direct[:, None, None], out_d, out)
         lse = mx.where(is_direct[:, None], lse_d, lse)
     return out, lse

@@ -179,11 +179,12 @@ def test_the_prefix_is_one_pass_per_group():
 
 
 def _plan(case, **options):
-    from mlx_attn.paged import _prepare_cascade
+    from mlx_attn.paged import CascadeTables, _prepare_cascade
 
-    call = _prepare_cascade(case["q"], case["k"], case["v"], case["prefix_table"], case["prefix_lens"],
-                            case["prefix_groups"], case["block_table"], case["kv_lens"], case["q_lens"], 0.3,
-                            options["causal"], options["window_size"], None, "auto", False, None, None)
+    tables = CascadeTables(case["prefix_table"], case["prefix_lens"], case["prefix_groups"], case["block_table"],
+                           case["kv_lens"], case["q_lens"])
+    call = _prepare_cascade(case["q"], case["k"], case["v"], tables, 0.3, options["causal"], options["window_size"],
+                            None, "auto", False, None, None)
     return call.plan
 
 
@@ -322,3 +323,41 @@ def test_head_dims_the_kernel_cannot_run_fall_back_or_raise():
     np.testing.assert_allclose(as64(out), want, atol=3e-5, rtol=3e-5)
     with pytest.raises(ValueError, match="backend='fused' is not possible"):
         cascade(case, scale=0.05, backend="fused")
+
+
+def test_one_cascade_tables_serves_every_layer():
+    """A serving step reads, checks and plans its tables once
+    (:class:`CascadeTables`) and attends each layer through them: every
+    layer's result is the one-off call's, each window rule planned once."""
+    from mlx_attn.paged import CascadeTables
+
+    rng = np.random.default_rng(21)
+    case = make_case(rng, GROUPS, LOOSE)
+    names = ("prefix_table", "prefix_lens", "prefix_groups", "block_table", "kv_lens")
+    tables = CascadeTables(*(case[n] for n in names), case["q_lens"])
+    for layer, window in enumerate([None, 5, None, 14]):
+        pages = {n: mx.array(rng.standard_normal(case[n].shape).astype(np.float32)) for n in ("k", "v")}
+        layer_case = dict(case, **pages)
+        got = tables.attention(case["q"], pages["k"], pages["v"], scale=0.3 + layer, window_size=window,
+                               return_lse=True)
+        want = cascade(layer_case, scale=0.3 + layer, window_size=window)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        paged_out, _ = paged_full(layer_case, scale=0.3 + layer, window_size=window)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(paged_out), atol=1e-6, rtol=1e-6)
+    assert len(tables._plans) == 3 and len(tables._checked) == 1
+    # quantized pages through the same tables
+    k8, v8 = (mx.quantize(mx.array(rng.standard_normal((case["k"].shape[0], 2, 4, 32)).astype(np.float32)),
+                          group_size=32, bits=8) for _ in range(2))
+    q32 = mx.array(rng.standard_normal((case["q"].shape[0], 4, 32)).astype(np.float32))
+    got = tables.quantized_attention(q32, k8, v8, scale=0.2, group_size=32, bits=8)
+    want = quantized_paged_attention(q32, k8, v8, ints(case["full_table"]), case["kv_lens"], q_lens=case["q_lens"],
+                                     scale=0.2, group_size=32, bits=8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # bad tables raise at the first call, naming the argument, and again at the next
+    bad_table = np.asarray(case["prefix_table"]).copy()
+    bad_table[0, 0] = 10_000
+    bad = CascadeTables(ints(bad_table), *(case[n] for n in names[1:]), case["q_lens"])
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"prefix_table\[0, 0\] = 10000"):
+            bad.attention(case["q"], case["k"], case["v"], scale=0.3)
