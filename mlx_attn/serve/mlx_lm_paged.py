@@ -74,7 +74,8 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
     def attend(self, queries, keys, values, *, scale, sinks, softcap):
         a = self.hook.arrays
         out = self.hook.store.attend(self.layer, queries[:, :, 0], a["block_table"], a["kv_lens"], a["q_lens"],
-                                     scale=scale, window_size=self.window, sinks=sinks, softcap=softcap)
+                                     scale=scale, window_size=self.window, sinks=sinks, softcap=softcap,
+                                     cascade=self.hook.cascade)
         return out[:, :, None]
 
 
