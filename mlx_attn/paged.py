@@ -169,7 +169,7 @@ class _PagedCall:
 
     @classmethod
     def build(cls, q, k, v, dtype, layout, block_table, kv_lens, q_lens, sinks, options, backend, return_lse,
-              stream, bits=0, group_size=0) -> "_PagedCall":
+              stream, bits=0, group_size=0, resolve_path=True) -> "_PagedCall":
         scale, causal, window_size, softcap = options
         cast = lambda a: a.astype(dtype) if a.dtype != dtype else a  # noqa: E731
         q = cast(q)
@@ -180,7 +180,8 @@ class _PagedCall:
         sinks = cast(sinks) if sinks is not None else None
         call = cls(q, k, v, block_table, kv_lens, q_lens, sinks, layout, scale, causal, window_size,
                    bool(return_lse), stream, backend, bits, group_size, softcap)
-        call.path  # noqa: B018  (backend="fused" raises here, at the call)
+        if resolve_path:  # the cascade resolves its own path first (this call is its fallback)
+            call.path  # noqa: B018  (backend="fused" raises here, at the call)
         return call
 
     @property
@@ -533,6 +534,7 @@ class _CascadeCall:
     full: _PagedCall
     plan: CascadePlan
     backend: str
+    support: dict = dataclasses.field(default_factory=dict)  # the tables' cache of support answers
 
     @functools.cached_property
     def path(self) -> CascadePath:
@@ -548,8 +550,14 @@ class _CascadeCall:
     def cascade_unsupported_reason(self) -> str | None:
         if self.full.device != mx.cpu:
             return f"no cascade paged attention for {self.full.device} yet (the full tables go to the paged op)"
-        # the passes are fused CPU paged calls that return their log-sum-exp
-        return dataclasses.replace(self.full, return_lse=True).fused_unsupported_reason()
+        # the passes are fused CPU paged calls that return their log-sum-exp; the answer
+        # depends on dtypes, shapes and options only, so every layer alike asks once
+        full = self.full
+        key = (full.q.dtype, *(tuple(a.shape) for a in (full.q, *full.k, *full.v)), full.bits, full.group_size,
+               full.sinks is not None, full.causal, full.window_size, full.softcap)
+        if key not in self.support:
+            self.support[key] = dataclasses.replace(full, return_lse=True).fused_unsupported_reason()
+        return self.support[key]
 
     def run(self):
         if self.path != "cascade-cpu":
@@ -568,8 +576,9 @@ def _run_cascade_cpu(call: _PagedCall, plan: CascadePlan, *arrays):
         if not pass_plan.rows:
             return None
         table, kv_lens, q_lens, rows = pass_plan.arrays()
+        pass_q = q if pass_plan.takes_all_in_order(q.shape[0]) else mx.take(q, rows, axis=0)
         out, lse = _native.ext.paged_attention(
-            mx.take(q, rows, axis=0), list(k_parts), list(v_parts), table, kv_lens, q_lens, scale=call.scale,
+            pass_q, list(k_parts), list(v_parts), table, kv_lens, q_lens, scale=call.scale,
             causal=causal, window_size=window_size or 0, sinks=sinks, output_lse=True, bits=call.bits,
             group_size=call.group_size, softcap=call.softcap or 0.0, stream=call.stream)
         return out, lse
@@ -602,6 +611,7 @@ class CascadeTables:
         self._checked: dict = {}  # (num_pages, page_size) -> _cascade_tables(...)
         self._layouts: dict = {}  # shapes of q and the pages -> PagedLayout
         self._plans: dict = {}  # (shapes, causal, window, threads) -> CascadePlan
+        self._support: dict = {}  # dtypes, shapes, options -> why the fused CPU passes cannot run (None: they can)
 
     def checked(self, q, num_pages: int, page_size: int):
         key = (num_pages, page_size)
@@ -663,10 +673,11 @@ def _prepare_cascade(q, k_parts, v_parts, tables: CascadeTables, scale, causal, 
     layout = tables.layout(q, k_shape, v_shape, full_table, full_pages)
     options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
     full = _PagedCall.build(q, k_parts, v_parts, dtype, layout, full_table, tables.arrays[4], tables.q_lens, sinks,
-                            options, "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size)
+                            options, "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size,
+                            resolve_path=False)
     plan = tables.plan(layout, own_pages, prefix_pages, shared, groups, causal=full.causal,
                        window_size=full.window_size)
-    call = _CascadeCall(full, plan, backend)
+    call = _CascadeCall(full, plan, backend, tables._support)
     call.path  # noqa: B018  (backend="fused" raises here, at the call)
     return call
 

@@ -37,9 +37,17 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from mlx_attn import _native
 from mlx_attn.reference import LOGIT_LIMIT
 
-__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks"]
+__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks",
+           "FUSED_MERGE"]
+
+# The merge as one C++ primitive (csrc/ops/cascade_merge.cpp) where the extension
+# is built; the MLX-op merge below is the same computation (and what a test
+# seeds faults into).
+FUSED_MERGE = True
+MAX_FUSED_SPLITS = 62  # key splits the C++ merge takes per row
 
 
 @dataclass
@@ -52,6 +60,7 @@ class PassPlan:
     q_lens: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     _arrays: tuple | None = field(default=None, repr=False, compare=False)
+    _in_order: bool | None = field(default=None, repr=False, compare=False)
 
     def add(self, pages: list[int], kv_len: int, rows: list[int], *, bottom_aligned: bool) -> None:
         """A pseudo-sequence of ``rows`` over the first ``kv_len`` keys of
@@ -77,6 +86,13 @@ class PassPlan:
         if self._arrays is None:
             self._arrays = self._make_arrays()
         return self._arrays
+
+    def takes_all_in_order(self, total_q: int) -> bool:
+        """Whether the pass's rows are the call's rows 0 .. total_q - 1 in
+        order (then the pass reads ``q`` itself, no gather)."""
+        if self._in_order is None:
+            self._in_order = self.rows == list(range(len(self.rows)))
+        return self._in_order and len(self.rows) == total_q
 
     def _make_arrays(self):
         width = max(1, max((len(p) for p in self.table), default=1))
@@ -228,12 +244,31 @@ def merge_partials_and_sinks(outs: list, lses: list, sinks: mx.array | None, dty
     the sink logits ``[Hq]`` counted once (a sink is one more partial, of
     value zero). A side with ``lse = -inf`` adds nothing; a row with no key
     and no sink gives zeros and ``-inf``. Returns ``(out in dtype, lse float32)``."""
-    heads = lses[0].shape[1]
-    if sinks is None:
-        sink = mx.full((1, heads), -mx.inf, mx.float32)
-    else:  # saturated, as the kernels do
-        sink = mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]
+    sink = _saturated_sinks(sinks, lses[0].shape[1])  # saturated, as the kernels do
     return _merge_all(list(outs), list(lses), sink, mx.zeros((), dtype))
+
+
+def _saturated_sinks(sinks: mx.array | None, heads: int) -> mx.array:
+    if sinks is None:
+        return mx.full((1, heads), -mx.inf, mx.float32)
+    return mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]
+
+
+def _fused_merge(plan: CascadePlan, prefix, suffix, direct, *, dtype, sinks, heads):
+    """:func:`merge_cascade` in one C++ primitive: every index array made
+    once per plan, no gather, no per-row MLX op."""
+    made = plan.merge_arrays
+    if "fused" not in made:
+        made["fused"] = tuple(mx.array(a.astype(np.int32)) for a in (plan.suffix_index, plan.prefix_index,
+                                                                    plan.direct_index))
+    if sinks is None:
+        if "no sinks" not in made:
+            made["no sinks"] = mx.full((heads,), -mx.inf, mx.float32)
+        sink = made["no sinks"]
+    else:
+        sink = _saturated_sinks(sinks, heads)[0]
+    out, lse = _native.ext.cascade_merge(*suffix, *prefix, *direct, *made["fused"], sink, dtype)
+    return out, lse
 
 
 def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim, dtype, sinks):
@@ -242,6 +277,8 @@ def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim
     rows taken as they are."""
     empty = (mx.zeros((0, heads, value_dim), dtype), mx.zeros((0, heads), mx.float32))
     prefix, suffix, direct = (p if p is not None else empty for p in (prefix, suffix, direct))
+    if FUSED_MERGE and _native.ext is not None and plan.prefix_index.shape[0] <= MAX_FUSED_SPLITS:
+        return _fused_merge(plan, prefix, suffix, direct, dtype=dtype, sinks=sinks, heads=heads)
     made = plan.merge_arrays
     parts = [_pick(*suffix, plan.suffix_index, made, "suffix")]
     parts += [_pick(*prefix, split, made, ("prefix", i)) for i, split in enumerate(plan.prefix_index)]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_attn import _native, paged_cascade
+from mlx_attn import _native, paged, paged_cascade
 from mlx_attn.paged import (
     cascade_paged_attention,
     cascade_paged_attention_path,
@@ -189,7 +189,9 @@ def _plan(case, **options):
 
 
 def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
-    """The checks above catch the two faults a cascade merge invites."""
+    """The checks above catch the two faults a cascade merge invites (in the
+    MLX-op merge; the C++ merge's: the next test)."""
+    monkeypatch.setattr(paged_cascade, "FUSED_MERGE", False)
     case = make_case(np.random.default_rng(6), GROUPS, LOOSE)
     sinks = mx.array([2.0, -1.0, 0.5, 3.0])
     check(case, sinks=sinks)
@@ -213,6 +215,62 @@ def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
     with pytest.raises(AssertionError):
         check(case, sinks=sinks)
     monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", merge)
+    check(case, sinks=sinks)
+
+
+def test_the_fused_merge_equals_the_mlx_merge_and_its_faults_fail(monkeypatch):
+    """The C++ merge (csrc/ops/cascade_merge.cpp) gives the MLX-op merge's
+    result (key splits, direct rows, sinks, rows that see nothing), and the
+    checks catch it merging without the suffix, without the prefix, or with
+    the sinks twice."""
+    import types
+
+    monkeypatch.setattr(paged, "_cpu_kernel_threads", lambda: 4)  # key splits
+    case = make_case(np.random.default_rng(16), [(40, [(1, 9), (3, 20), (1, 0)]), (2, [(2, 5), (0, 3)])],
+                     [(1, 30), (0, 0)], page_size=16)
+    sinks = mx.array([1.0, -2.0, 0.5, 3.0])
+    for dtype_case, options in ((case, dict(sinks=sinks, window_size=650)), (case, dict(softcap=2.0)),
+                                (case, dict(causal=False))):
+        fused = cascade(dtype_case, scale=0.4, **options)
+        monkeypatch.setattr(paged_cascade, "FUSED_MERGE", False)
+        plain = cascade(dtype_case, scale=0.4, **options)
+        monkeypatch.setattr(paged_cascade, "FUSED_MERGE", True)
+        np.testing.assert_allclose(np.asarray(fused[0]), np.asarray(plain[0]), atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(fused[1]), np.asarray(plain[1]), atol=1e-6, rtol=1e-6)
+        check(dtype_case, **options)
+    half = make_case(np.random.default_rng(17), GROUPS, LOOSE, dim=32, page_size=16, dtype=mx.float16)
+    check(half, mx.float16, sinks=mx.array([0.5, 1.0, -1.0, 0.0]).astype(mx.float16))
+
+    real = paged_cascade._native.ext
+
+    def seeded(fault):
+        def merge(s_out, s_lse, p_out, p_lse, d_out, d_lse, s_index, p_index, d_index, sink, dtype):
+            args = fault(list((s_out, s_lse, p_out, p_lse, d_out, d_lse, s_index, p_index, d_index, sink)))
+            return real.cascade_merge(*args, dtype)
+
+        return types.SimpleNamespace(ext=types.SimpleNamespace(cascade_merge=merge))
+
+    def no_suffix(a):
+        a[6] = mx.full(a[6].shape, -1, mx.int32)
+        return a
+
+    def no_prefix(a):
+        a[7] = mx.full(a[7].shape, -1, mx.int32)
+        return a
+
+    def sinks_twice(a):  # the sink once more as a partial: a prefix "split" of value zero and lse = sink
+        rows, heads = a[6].shape[0], a[9].shape[0]
+        a[2] = mx.concatenate([a[2], mx.zeros((rows,) + a[2].shape[1:], a[2].dtype)])
+        a[3] = mx.concatenate([a[3], mx.broadcast_to(a[9][None], (rows, heads))])
+        extra = mx.arange(rows, dtype=mx.int32) + a[2].shape[0] - rows
+        a[7] = mx.concatenate([a[7], extra[None]])
+        return a
+
+    for fault in (no_suffix, no_prefix, sinks_twice):
+        monkeypatch.setattr(paged_cascade, "_native", seeded(fault))
+        with pytest.raises(AssertionError):
+            check(case, sinks=sinks)
+    monkeypatch.setattr(paged_cascade, "_native", seeded(lambda a: a))
     check(case, sinks=sinks)
 
 

@@ -7,6 +7,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "csrc/ops/cascade_merge.h"
 #include "csrc/ops/paged_attention.h"
 #include "csrc/python/options.h"
 
@@ -46,6 +47,13 @@ void bind_paged(nb::module_& m) {
       "sinks"_a = nb::none(), "stream"_a = nb::none(), "options"_a,
       "Fused paged attention; k_parts / v_parts are [pages] (bits=0) or (packed, scales, biases). Returns [out] "
       "or [out, lse]. Raises ValueError on any invalid input.");
+
+  m.def(
+      "cascade_merge", &cascade_merge, "suffix_out"_a, "suffix_lse"_a, "prefix_out"_a, "prefix_lse"_a,
+      "direct_out"_a, "direct_lse"_a, "suffix_index"_a, "prefix_index"_a, "direct_index"_a, "sinks"_a, "dtype"_a,
+      nb::kw_only(), "stream"_a = nb::none(),
+      "The cascade's merge (csrc/ops/cascade_merge.h): [out, lse] of every call row from the passes' partials "
+      "by log-sum-exp, sinks once, direct rows as they are. CPU only.");
 
   m.def(
       "paged_unsupported_reason",
