@@ -59,9 +59,9 @@ def test_the_rule_keeps_only_groups_that_pay():
     assert shared_prefix_groups(tables, kv, 4, CascadeRule(min_saved_keys=3 * 16)) is not None
     assert shared_prefix_groups(tables, kv, 4, CascadeRule(min_saved_keys=3 * 16 + 1)) is None
     assert CascadeRule(1).pays(2, 1) and not CascadeRule(1).pays(1, 100) and not CascadeRule(1).pays(5, 0)
-    # the default (docs/paged.md): 16 sequences over 1k keys and 2 over 4k pay, 4 over 1k and 16 over 256 do not
-    assert DEFAULT_CASCADE_RULE.pays(16, 1024) and DEFAULT_CASCADE_RULE.pays(2, 4096)
-    assert not DEFAULT_CASCADE_RULE.pays(4, 1024) and not DEFAULT_CASCADE_RULE.pays(16, 256)
+    # the default (docs/paged.md): 2 sequences over 256 keys and 16 over 64 pay, 2 over 64 and 16 over 16 do not
+    assert DEFAULT_CASCADE_RULE.pays(2, 256) and DEFAULT_CASCADE_RULE.pays(16, 64)
+    assert not DEFAULT_CASCADE_RULE.pays(2, 64) and not DEFAULT_CASCADE_RULE.pays(16, 16)
     for bad in (0, -3, 1.5, True):
         with pytest.raises(ValueError, match="min_saved_keys"):
             CascadeRule(min_saved_keys=bad)

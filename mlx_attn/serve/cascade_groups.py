@@ -47,9 +47,10 @@ class CascadeRule:
 
 
 # Measured on this project's CPU (docs/paged.md, "When the engine uses it"): a
-# layer's cascade call breaks even with the paged op at about 3-4k saved key reads
-# per row (4 sequences over 1k keys: 1.0x; 16 over 256: 1.1x; 8 over 256: 0.7-0.9x).
-DEFAULT_CASCADE_RULE = CascadeRule(min_saved_keys=4096)
+# layer's cascade call (tables checked once per step, the C++ merge) breaks even
+# with the paged op at about 100 to 200 saved key reads per row (2 sequences over
+# 64 keys: 0.95x to 1.02x; 16 over 16: 0.94x to 1.02x; 2 over 256: 1.07x to 1.15x).
+DEFAULT_CASCADE_RULE = CascadeRule(min_saved_keys=256)
 
 
 @dataclass(frozen=True)
