@@ -36,6 +36,7 @@ and short questions, on one server then the other: aggregate tokens/s and
 TTFT p50 / p95 side by side (writes PATH_cascade.json):
 
     python benchmarks/bench_serve.py --cascade --system-tokens 4096 --max-tokens 32
+    python benchmarks/bench_serve.py --cascade --system-tokens 0 --max-tokens 32   # the control: no shared prompt
 """
 
 from __future__ import annotations
@@ -186,8 +187,8 @@ def prefix_phase(port: int, system_tokens_text: str, cold: int, warm: int) -> di
 def shared_prompt_phase(port: int, system: str, concurrency: int, max_tokens: int, first_question: int) -> dict:
     """``concurrency`` chat requests at once, each the shared system prompt
     and its own short question."""
-    prompts = [[{"role": "system", "content": system},
-                {"role": "user", "content": QUESTIONS[(first_question + i) % len(QUESTIONS)]}]
+    system_message = [{"role": "system", "content": system}] if system else []  # "": no shared prompt
+    prompts = [system_message + [{"role": "user", "content": QUESTIONS[(first_question + i) % len(QUESTIONS)]}]
                for i in range(concurrency)]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -212,7 +213,8 @@ def cascade_comparison(model_dir: Path, system_text: str, args, logs: Path) -> d
                        "--port", str(port)]
             sides[side] = (port, Server(f"mlx-attn serve --cascade {side}", command, port, logs / f"cascade_{side}.log"))
         for side, (port, _) in sides.items():  # the system prompt's pages into each server's prefix cache
-            chat(port, [{"role": "system", "content": system_text}, {"role": "user", "content": QUESTIONS[0]}], 2)
+            system_message = [{"role": "system", "content": system_text}] if system_text else []
+            chat(port, system_message + [{"role": "user", "content": QUESTIONS[0]}], 2)
         for round_index in range(args.cascade_rounds):
             order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]  # drift falls on both sides
             for side in order:
@@ -233,7 +235,8 @@ def cascade_table(results: dict, system_tokens: int, concurrency: int, max_token
     def median(side, key):
         return statistics.median(p[key] for p in results[side])
 
-    rows = [f"| c{concurrency}, {system_tokens}-token shared system prompt, {max_tokens} tokens each "
+    shared = f"{system_tokens}-token shared system prompt" if system_tokens else "no system prompt"
+    rows = [f"| c{concurrency}, {shared}, {max_tokens} tokens each "
             "| cascade on | cascade off | on / off |", "|---|---|---|---|"]
     for key, label, fmt in (("tokens_per_s", "aggregate tokens/s", "{:.1f}"), ("ttft_p50", "TTFT p50 (s)", "{:.2f}"),
                             ("ttft_p95", "TTFT p95 (s)", "{:.2f}")):
@@ -377,6 +380,8 @@ def main(argv=None) -> int:
 
     _, tokenizer = load_model(str(model_dir))
     system_text = system_prompt(tokenizer, args.system_tokens)
+    if args.cascade and args.system_tokens == 0:  # the control: questions alone, nothing shared by design
+        system_text = ""
     if args.cascade:
         return run_cascade_comparison(model_dir, tokenizer, system_text, args)
     levels = (1, 4, 16)
@@ -430,7 +435,7 @@ def run_cascade_comparison(model_dir: Path, tokenizer, system_text: str, args) -
 
     logs = Path(tempfile.mkdtemp(prefix="bench_serve_cascade_"))
     results = cascade_comparison(model_dir, system_text, args, logs)
-    system_tokens = len(tokenizer.encode(system_text))
+    system_tokens = len(tokenizer.encode(system_text)) if system_text else 0
     cpu = platform.processor() or platform.machine()
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout.splitlines():

@@ -152,3 +152,4 @@ def test_serve_benchmark_cascade_table():
     assert "c16, 4105-token shared system prompt, 32 tokens each" in table
     assert "| aggregate tokens/s (median of 2 rounds) | 16.0 | 8.0 | 2.00x |" in table
     assert "| TTFT p50 (s) (median of 2 rounds) | 1.50 | 3.00 | 0.50x |" in table
+    assert "c16, no system prompt, 32 tokens each" in bench.cascade_table(rounds, 0, 16, 32)

@@ -7,8 +7,9 @@ for each layer the hook writes the new tokens' keys and values into their
 pages and calls :func:`mlx_attn.paged.paged_attention` over every sequence's
 block table, or, where sequences of the step share prefix pages (a system
 prompt, ``n`` > 1 choices) and the :class:`~mlx_attn.serve.cascade_groups.CascadeRule`
-says the shared read pays, :func:`mlx_attn.paged.cascade_paged_attention`
-with those groups (``cascade=False`` turns that off). The logits of each sampling row's last token give its next token
+says the shared read pays, cascade attention with those groups (one
+:class:`mlx_attn.paged.CascadeTables` per step; ``cascade=False`` turns that
+off). The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
