@@ -80,7 +80,7 @@ from mlx_attn.core.paged_layout import (PagedLayout, check_float_array, check_in
                                         page_shape)
 from mlx_attn.core.path_choice import PagedPath, check_backend
 from mlx_attn.core.quantization import check_quantization, check_triple
-from mlx_attn.paged_cascade import CascadePlan, merge_cascade, plan_cascade
+from mlx_attn.paged_cascade import CascadePlan, merge_cascade, plan_cascade, run_fused_cascade
 from mlx_attn.paged_reference import gather_pages, paged_reference_attention
 
 __all__ = [
@@ -571,6 +571,11 @@ class _CascadeCall:
 
 def _run_cascade_cpu(call: _PagedCall, plan: CascadePlan, *arrays):
     q, k_parts, v_parts, sinks = call.split(arrays)
+    fused = run_fused_cascade(plan, q, k_parts, v_parts, sinks, heads=call.layout.heads, stream=call.stream,
+                              options=dict(scale=call.scale, causal=call.causal, window_size=call.window_size or 0,
+                                           bits=call.bits, group_size=call.group_size, softcap=call.softcap or 0.0))
+    if fused is not None:
+        return list(fused) if call.return_lse else [fused[0]]
 
     def run_pass(pass_plan, *, causal, window_size, sinks):
         if not pass_plan.rows:

@@ -41,11 +41,12 @@ from mlx_attn import _native
 from mlx_attn.reference import LOGIT_LIMIT
 
 __all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks",
-           "FUSED_MERGE"]
+           "run_fused_cascade", "FUSED_MERGE"]
 
-# The merge as one C++ primitive (csrc/ops/cascade_merge.cpp) where the extension
-# is built; the MLX-op merge below is the same computation (and what a test
-# seeds faults into).
+# The passes and the merge as one C++ primitive (csrc/ops/cascade_attention.cpp),
+# or the merge alone as one (csrc/ops/cascade_merge.cpp), where the extension is
+# built; the MLX-op merge below is the same computation (and what a test seeds
+# faults into). False: the passes and the MLX-op merge.
 FUSED_MERGE = True
 MAX_FUSED_SPLITS = 62  # key splits the C++ merge takes per row
 
@@ -93,6 +94,13 @@ class PassPlan:
         if self._in_order is None:
             self._in_order = self.rows == list(range(len(self.rows)))
         return self._in_order and len(self.rows) == total_q
+
+    def kernel_arrays(self):
+        """:meth:`arrays`, or empty int32 arrays of the same ranks for a pass
+        without rows (the one-primitive cascade takes all three passes)."""
+        if self.rows:
+            return self.arrays()
+        return (mx.zeros((0, 1), mx.int32), *(mx.zeros((0,), mx.int32) for _ in range(3)))
 
     def _make_arrays(self):
         width = max(1, max((len(p) for p in self.table), default=1))
@@ -254,20 +262,43 @@ def _saturated_sinks(sinks: mx.array | None, heads: int) -> mx.array:
     return mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]
 
 
-def _fused_merge(plan: CascadePlan, prefix, suffix, direct, *, dtype, sinks, heads):
-    """:func:`merge_cascade` in one C++ primitive: every index array made
-    once per plan, no gather, no per-row MLX op."""
+def _merge_inputs(plan: CascadePlan, sinks, heads: int):
+    """The C++ merge's index arrays (made once per plan) and sinks."""
     made = plan.merge_arrays
     if "fused" not in made:
         made["fused"] = tuple(mx.array(a.astype(np.int32)) for a in (plan.suffix_index, plan.prefix_index,
                                                                     plan.direct_index))
-    if sinks is None:
-        if "no sinks" not in made:
-            made["no sinks"] = mx.full((heads,), -mx.inf, mx.float32)
-        sink = made["no sinks"]
-    else:
-        sink = _saturated_sinks(sinks, heads)[0]
-    out, lse = _native.ext.cascade_merge(*suffix, *prefix, *direct, *made["fused"], sink, dtype)
+    if sinks is not None:
+        return made["fused"], _saturated_sinks(sinks, heads)[0]
+    if "no sinks" not in made:
+        made["no sinks"] = mx.full((heads,), -mx.inf, mx.float32)
+    return made["fused"], made["no sinks"]
+
+
+def run_fused_cascade(plan: CascadePlan, q, k_parts, v_parts, sinks, *, heads: int, options: dict, stream):
+    """``[out, lse]`` of the whole cascade as one C++ primitive
+    (csrc/ops/cascade_attention.cpp: the three passes over their gathered
+    rows, then the merge, in one evaluation), or None where the extension has
+    none (then the passes run as separate paged calls and
+    :func:`merge_cascade` merges). ``options``: the paged kernel's (scale,
+    causal, window, softcap, bits, group size)."""
+    ext = _native.ext
+    if (not FUSED_MERGE or ext is None or not hasattr(ext, "cascade_paged_attention")
+            or plan.prefix_index.shape[0] > MAX_FUSED_SPLITS):
+        return None
+    made = plan.merge_arrays
+    if "passes" not in made:
+        made["passes"] = [a for p in (plan.prefix, plan.suffix, plan.direct) for a in p.kernel_arrays()]
+    indices, sink = _merge_inputs(plan, sinks, heads)
+    return ext.cascade_paged_attention(q, list(k_parts), list(v_parts), made["passes"], *indices, sink, sinks=sinks,
+                                       stream=stream, output_lse=True, **options)
+
+
+def _fused_merge(plan: CascadePlan, prefix, suffix, direct, *, dtype, sinks, heads):
+    """:func:`merge_cascade` in one C++ primitive: every index array made
+    once per plan, no gather, no per-row MLX op."""
+    indices, sink = _merge_inputs(plan, sinks, heads)
+    out, lse = _native.ext.cascade_merge(*suffix, *prefix, *direct, *indices, sink, dtype)
     return out, lse
 
 

@@ -219,10 +219,12 @@ def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
 
 
 def test_the_fused_merge_equals_the_mlx_merge_and_its_faults_fail(monkeypatch):
-    """The C++ merge (csrc/ops/cascade_merge.cpp) gives the MLX-op merge's
-    result (key splits, direct rows, sinks, rows that see nothing), and the
-    checks catch it merging without the suffix, without the prefix, or with
-    the sinks twice."""
+    """The one-primitive cascade (csrc/ops/cascade_attention.cpp: passes and
+    merge) gives the separate passes' MLX-op merge's result (key splits,
+    direct rows, sinks, rows that see nothing); the separate passes' C++
+    merge (csrc/ops/cascade_merge.cpp, the rows' merge both share) passes
+    the checks, which catch it merging without the suffix, without the
+    prefix, or with the sinks twice."""
     import types
 
     monkeypatch.setattr(paged, "_cpu_kernel_threads", lambda: 4)  # key splits
