@@ -15,7 +15,7 @@ from mlx_attn.serve import CascadeRule, Engine, SamplingParams
 from mlx_attn.serve import engine as engine_module
 from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, shared_prefix_groups
 
-ANY_SHARED_PAGE = CascadeRule(min_saved_keys=1)  # every group of two or more over one full page
+ANY_SHARED_PAGE = CascadeRule(min_saved_keys=1, max_query_rows=1000)  # any 2+ sequences over one full page
 
 
 # ---------------------------------------------------------------- the groups
@@ -65,6 +65,12 @@ def test_the_rule_keeps_only_groups_that_pay():
     for bad in (0, -3, 1.5, True):
         with pytest.raises(ValueError, match="min_saved_keys"):
             CascadeRule(min_saved_keys=bad)
+        with pytest.raises(ValueError, match="max_query_rows"):
+            CascadeRule(min_saved_keys=1, max_query_rows=bad)
+    # a prefill chunk joins no group by default: its rows share each page read in the tile already
+    q_lens = [1, 1, 1, 1, 7]
+    levels = shared_prefix_groups(tables + [[1, 2, 3, 4, 99]], kv + [20], 4, CascadeRule(16), q_lens)
+    assert levels.prefix_groups.tolist() == [0, 0, 0, 0, -1]
 
 
 # ---------------------------------------------------------------- the engine, on against off
@@ -130,8 +136,8 @@ def recorded_groups(monkeypatch):
     calls = []
     real = engine_module.shared_prefix_groups
 
-    def recording(tables, kv_lens, page_size, rule):
-        levels = real(tables, kv_lens, page_size, rule)
+    def recording(tables, kv_lens, page_size, rule, q_lens=None):
+        levels = real(tables, kv_lens, page_size, rule, q_lens)
         calls.append((list(tables), levels))
         return levels
 

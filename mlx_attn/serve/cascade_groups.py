@@ -33,14 +33,18 @@ __all__ = ["CascadeRule", "SharedPrefixLevels", "shared_prefix_groups", "DEFAULT
 class CascadeRule:
     """When a group pays: ``(sequences - 1) * prefix_keys >= min_saved_keys``
     (the key reads per query row the shared pass saves), with at least two
-    sequences and one full page shared."""
+    sequences and one full page shared; only sequences bringing at most
+    ``max_query_rows`` rows to the step join a group (a prefill chunk's rows
+    already share each page read in the paged kernel's tile)."""
 
     min_saved_keys: int
+    max_query_rows: int = 1
 
     def __post_init__(self):
-        if isinstance(self.min_saved_keys, bool) or not isinstance(self.min_saved_keys, int) \
-                or self.min_saved_keys < 1:
-            raise ValueError(f"min_saved_keys must be a positive integer, got {self.min_saved_keys!r}")
+        for name in ("min_saved_keys", "max_query_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def pays(self, sequences: int, prefix_keys: int) -> bool:
         return sequences >= 2 and prefix_keys > 0 and (sequences - 1) * prefix_keys >= self.min_saved_keys
@@ -49,8 +53,9 @@ class CascadeRule:
 # Measured on this project's CPU (docs/paged.md, "When the engine uses it"): a
 # layer's cascade call (tables checked once per step, the C++ merge) breaks even
 # with the paged op at about 100 to 200 saved key reads per row (2 sequences over
-# 64 keys: 0.95x to 1.02x; 16 over 16: 0.94x to 1.02x; 2 over 256: 1.07x to 1.15x).
-DEFAULT_CASCADE_RULE = CascadeRule(min_saved_keys=256)
+# 64 keys: 0.95x to 1.02x; 16 over 16: 0.94x to 1.02x; 2 over 256: 1.07x to 1.15x)
+# for decode rows; 16 chunks of 30 rows over 4k keys: 0.8x, so decode rows only.
+DEFAULT_CASCADE_RULE = CascadeRule(min_saved_keys=256, max_query_rows=1)
 
 
 @dataclass(frozen=True)
@@ -101,11 +106,11 @@ def _best_partition(table, members, start, limit, page_size, rule) -> tuple[int,
 
 
 def shared_prefix_groups(tables: Sequence[Sequence[int]], kv_lens: Sequence[int], page_size: int,
-                         rule: CascadeRule) -> SharedPrefixLevels | None:
+                         rule: CascadeRule, q_lens: Sequence[int] | None = None) -> SharedPrefixLevels | None:
     """The step's groups from its block tables (``tables[b]``: sequence
-    ``b``'s pages, ``kv_lens[b]`` its keys), or None when no group pays.
-    Only whole pages every member has computed are shared (a prefix ends at
-    or before each member's last key)."""
+    ``b``'s pages, ``kv_lens[b]`` its keys, ``q_lens[b]`` its rows, None:
+    one each), or None when no group pays. Only whole pages every member has
+    computed are shared (a prefix ends at or before each member's last key)."""
     batch = len(tables)
     if batch < 2:
         return None
@@ -114,6 +119,8 @@ def shared_prefix_groups(tables: Sequence[Sequence[int]], kv_lens: Sequence[int]
     for b, pages in enumerate(tables):
         table[b, : len(pages)] = pages
     limit = np.minimum([len(t) for t in tables], np.asarray(kv_lens, np.int64) // page_size)
+    if q_lens is not None:  # sequences with more rows join no group
+        limit = np.where(np.asarray(q_lens) > rule.max_query_rows, 0, limit)
     by_first: dict[int, list[int]] = {}
     for b in range(batch):
         if limit[b] > 0:

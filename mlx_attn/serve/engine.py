@@ -258,7 +258,7 @@ class Engine:
         cascade = None
         if self.cascade:
             cascade = shared_prefix_groups([row.block_table for row in plan.rows], arrays["kv_lens"],
-                                           plan.page_size, self.cascade_rule)
+                                           plan.page_size, self.cascade_rule, arrays["q_lens"])
             self.cascade_steps += cascade is not None
         # logits of the sampling rows only (a prefill chunk's other rows need none)
         hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32), cascade)
