@@ -40,9 +40,14 @@ class _BufferAttention(AttentionHook):
 
     def __init__(self, keys: list, values: list, position: mx.array, backend: str):
         self.keys, self.values, self.position, self.backend = list(keys), list(values), position, backend
+        self._positions = None
 
     def positions(self, length: int) -> mx.array:
-        return self.position
+        # one position per token ([1]), the same array for every layer: RoPE
+        # then computes the step's cos/sin once, not twice per layer
+        if self._positions is None:
+            self._positions = self.position.reshape(1)
+        return self._positions
 
     def __call__(self, layer, queries, keys, values):
         i, start = layer.index, self.position.reshape(1)

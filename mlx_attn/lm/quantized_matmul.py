@@ -59,7 +59,7 @@ import mlx.nn as nn
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
-           "INTEGER_MATVEC_ROWS"]
+           "INTEGER_MATVEC_ROWS", "fused_matvecs"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -131,6 +131,32 @@ def fused_matvec(x: mx.array, layer) -> mx.array:
     else:
         out = _ext.quantized_matvec_int8(*args, 16 if MATVEC_PRODUCT == "int16" else 8)
     return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+
+
+def fused_matvecs(x: mx.array, layers: list) -> list | None:
+    """``[layer(x) for layer in layers]`` in one ``_ext.quantized_matvec_int8_many``
+    call (x quantized once, one pass over the threads for all weights: a
+    layer's Q/K/V or gate/up projections), or None where that does not apply:
+    a float product, too many rows, a layer the integer product does not read
+    or layers of different bit widths or group sizes."""
+    if MATVEC_PRODUCT == "float" or not layers:
+        return None
+    first = layers[0]
+    if not all(isinstance(layer, RowAdaptiveQuantizedLinear) and _fused_matvec_rows(x, layer)
+               and layer.bits == first.bits and layer.group_size == first.group_size for layer in layers):
+        return None
+    from mlx_attn import _ext
+
+    rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    outs = _ext.quantized_matvec_int8_many(rows, [layer["weight"] for layer in layers],
+                                           [layer["scales"] for layer in layers],
+                                           [layer["biases"] for layer in layers], first.group_size, first.bits,
+                                           16 if MATVEC_PRODUCT == "int16" else 8)
+    results = []
+    for layer, out in zip(layers, outs):
+        y = out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+        results.append(y + layer["bias"] if "bias" in layer else y)
+    return results
 
 
 def int8_error_bound(x, weight, activation_bits: int = 8) -> "np.ndarray":
