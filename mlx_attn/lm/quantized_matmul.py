@@ -44,6 +44,12 @@ below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
 a serving engine need not hold one (``mlx_attn.serve.engine.prepare_weights``,
 ``"packed"``).
 
+Projections that read the same activations (a Llama layer's Q/K/V, its
+gate/up) multiply in one call (:func:`fused_matvecs`,
+``_ext.quantized_matvec_int8_many``): the row is quantized once and all
+weights' outputs go to the threads in one pass, the results bit-identical
+to one call per weight. The weights stay separate (no concatenated copy).
+
 ``benchmarks/bench_generate.py`` and ``benchmarks/bench_gemma3.py`` measure
 the effect on prompt speed; ``benchmarks/bench_int8_matvec.py`` the integer
 products against the float one.
