@@ -102,6 +102,19 @@ def test_several_weights_in_one_call_equal_one_call_each(isa, activation_bits, b
     np.testing.assert_array_equal(np.array(strided[0]), np.array(together[0]))
 
 
+def test_leading_axes_of_x_pass_through():
+    codes, scales, biases = _weight(40, 64, 4, 32, mx.float16, seed=8)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(8))
+    got = _ext.quantized_matvec_int8(x, codes, scales, biases, 32, 4, 16)
+    assert got.shape == (2, 3, 40)
+    flat = _ext.quantized_matvec_int8(x.reshape(6, 64), codes, scales, biases, 32, 4, 16)
+    np.testing.assert_array_equal(np.array(got).reshape(6, 40), np.array(flat))
+    # no columns: zeros of the right shape
+    empty = _ext.quantized_matvec_int8(mx.zeros((2, 3, 0)), codes[:, :0], scales[:, :0], biases[:, :0], 32, 4, 16)
+    assert empty.shape == (2, 3, 40)
+    np.testing.assert_array_equal(np.array(empty), np.zeros((2, 3, 40), np.float32))
+
+
 def test_gradient_of_several_weights_sums_over_them():
     weights = [_weight(n, 64, 4, 32, mx.float32, seed=n) for n in (48, 16)]
     x = mx.random.normal((2, 64), key=mx.random.key(4))

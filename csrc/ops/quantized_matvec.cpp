@@ -366,9 +366,9 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
                           std::to_string(codes.size()) + ", " + std::to_string(scales.size()) + " and " +
                           std::to_string(biases.size()));
   }
-  if (x.ndim() != 2) throw_invalid(op, "x must be [rows, k], got " + shape_string(x));
+  if (x.ndim() < 2) throw_invalid(op, "x must be [rows, k] (or [..., rows, k]), got " + shape_string(x));
   if (x.dtype() != mx::float32) throw_invalid(op, "x must be float32, got " + dtype_string(x.dtype()));
-  const int64_t k = x.shape(1);
+  const int64_t k = x.shape(-1);
   auto stream = mx::to_stream(s);
   if (stream.device.type != mx::Device::cpu) throw_invalid(op, "runs on the CPU only (the GPU has MLX's quantized kernels)");
   std::vector<mx::array> inputs = {row_contiguous(x, stream)};
@@ -384,7 +384,9 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
     }
     check_scales(op, scales[w], biases[w], n, k / group_size);
     for (const mx::array* a : {&codes[w], &scales[w], &biases[w]}) inputs.push_back(row_contiguous(*a, stream));
-    shapes.push_back({x.shape(0), int(n)});
+    mx::Shape shape = x.shape();  // [..., rows, n]: no reshape around the call
+    shape.back() = int(n);
+    shapes.push_back(std::move(shape));
   }
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   return mx::array::make_arrays(std::move(shapes), dtypes,
@@ -400,7 +402,11 @@ mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, cons
 
 std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> shapes;
-  for (size_t w = 1; w + 2 < inputs.size(); w += 3) shapes.push_back({inputs[0].shape(0), inputs[w].shape(0)});
+  for (size_t w = 1; w + 2 < inputs.size(); w += 3) {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[w].shape(0);
+    shapes.push_back(std::move(shape));
+  }
   return shapes;
 }
 
@@ -424,14 +430,17 @@ void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   std::vector<cpu::Int8MatvecCall> calls;
-  const int rows = inputs[0].shape(0);
+  const int64_t k = inputs[0].shape(-1);
+  int64_t leading = 1;  // the rows of x [..., rows, k]
+  for (int d = 0; d + 1 < inputs[0].ndim(); ++d) leading *= inputs[0].shape(d);
+  const int rows = int(leading);
   for (size_t w = 0; w < outputs.size(); ++w) {
     mx::array& out = outputs[w];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     encoder.set_output_array(out);
     if (out.size() == 0) continue;
     cpu::Int8MatvecCall call{};
-    call.k = inputs[0].shape(1);
+    call.k = k;
     call.n = inputs[1 + 3 * w].shape(0);
     call.scale_type = *float_elem_type(inputs[2 + 3 * w].dtype());
     call.group_size = group_size_;

@@ -130,13 +130,15 @@ def fused_matvec(x: mx.array, layer) -> mx.array:
 
     if MATVEC_PRODUCT not in MATVEC_PRODUCTS:
         raise ValueError(f"MATVEC_PRODUCT must be one of {', '.join(MATVEC_PRODUCTS)}, got {MATVEC_PRODUCT!r}")
-    rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    args = (rows, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+    weight = (layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
     if MATVEC_PRODUCT == "float":
-        out = _ext.quantized_matvec(*args)
-    else:
-        out = _ext.quantized_matvec_int8(*args, 16 if MATVEC_PRODUCT == "int16" else 8)
-    return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+        rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        out = _ext.quantized_matvec(rows, *weight)
+        return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+    # the integer product takes x [..., k] as it is (no reshape nodes in a step's graph)
+    x2 = x if x.ndim >= 2 else x.reshape(1, -1)
+    out = _ext.quantized_matvec_int8(x2.astype(mx.float32), *weight, 16 if MATVEC_PRODUCT == "int16" else 8)
+    return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype) if x.ndim < 2 else out.astype(x.dtype)
 
 
 def fused_matvecs(x: mx.array, layers: list) -> list | None:
@@ -153,14 +155,14 @@ def fused_matvecs(x: mx.array, layers: list) -> list | None:
         return None
     from mlx_attn import _ext
 
-    rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    rows = (x if x.ndim >= 2 else x.reshape(1, -1)).astype(mx.float32)
     outs = _ext.quantized_matvec_int8_many(rows, [layer["weight"] for layer in layers],
                                            [layer["scales"] for layer in layers],
                                            [layer["biases"] for layer in layers], first.group_size, first.bits,
                                            16 if MATVEC_PRODUCT == "int16" else 8)
     results = []
     for layer, out in zip(layers, outs):
-        y = out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+        y = (out if x.ndim >= 2 else out.reshape(-1)).astype(x.dtype)
         results.append(y + layer["bias"] if "bias" in layer else y)
     return results
 
