@@ -51,7 +51,7 @@ def rope_angles(positions: mx.array, dims: int, base: float, scale: float) -> mx
     return (scale * positions.astype(mx.float32))[:, None] * inv_freq[None, :]
 
 
-# (dims, base, scale) -> (positions array, cos, sin) of the last per-step
+# (dims, base, scale, traditional) -> (positions array, cos, sin) of the last per-step
 # positions rotated: one entry per parameter set, so it stays small
 _LAST_ROTATION: dict[tuple, tuple[mx.array, mx.array, mx.array]] = {}
 
@@ -91,10 +91,11 @@ class RoPE(nn.Module):
         return mx.arange(length) + offset
 
     def _rotation(self, length: int, offset) -> tuple[mx.array, mx.array]:
-        """cos and sin of the angles; a position array met again (a step's
-        packed positions, passed to every layer's queries and keys) reuses the
-        graph of its last rotation with the same parameters."""
-        key = (self.dims, self.base, self.scale)
+        """cos and sin of the angles ``[T, dims/2]``; traditional: per pair
+        ``[T, dims/2, 2]``, (cos, cos) and (-sin, sin). A position array met
+        again (a step's packed positions, passed to every layer's queries and
+        keys) reuses the graph of its last rotation with the same parameters."""
+        key = (self.dims, self.base, self.scale, self.traditional)
         if isinstance(offset, mx.array) and offset.ndim == 1:
             last = _LAST_ROTATION.get(key)
             if last is not None and last[0] is offset and offset.shape[0] == length:
@@ -102,6 +103,8 @@ class RoPE(nn.Module):
         positions = self._positions(length, offset)
         angles = rope_angles(positions, self.dims, self.base, self.scale)
         cos, sin = mx.cos(angles), mx.sin(angles)
+        if self.traditional:
+            cos, sin = mx.stack([cos, cos], axis=-1), mx.stack([-sin, sin], axis=-1)
         if isinstance(offset, mx.array) and offset.ndim == 1:
             _LAST_ROTATION[key] = (offset, cos, sin)  # holds offset: its id cannot be reused meanwhile
         return cos, sin
@@ -112,15 +115,16 @@ class RoPE(nn.Module):
             raise ValueError(f"RoPE expects [..., T, features], got shape {x.shape}")
         if x.shape[-1] < self.dims:
             raise ValueError(f"RoPE over {self.dims} dims but x has only {x.shape[-1]} features")
-        cos, sin = self._rotation(x.shape[-2], offset)  # [T, dims/2]
+        cos, sin = self._rotation(x.shape[-2], offset)
 
         rotated, rest = x[..., : self.dims], x[..., self.dims :]
         rotated = rotated.astype(mx.float32)
         if self.traditional:
+            # each pair (a, b) -> (a cos - b sin, b cos + a sin) as one elementwise
+            # expression over [..., dims/2, 2] (the pair read forwards and reversed):
+            # compiled, one kernel per call instead of a stack of two
             pairs = rotated.reshape(*rotated.shape[:-1], self.dims // 2, 2)
-            first, second = pairs[..., 0], pairs[..., 1]
-            out = mx.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
-            out = out.reshape(rotated.shape)
+            out = (pairs * cos + pairs[..., ::-1] * sin).reshape(rotated.shape)
         else:
             half = self.dims // 2
             first, second = rotated[..., :half], rotated[..., half:]

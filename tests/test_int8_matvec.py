@@ -85,6 +85,84 @@ def test_rows_of_many_scale_chunks_and_every_row_alike(isa, activation_bits):
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
 @pytest.mark.parametrize("bits", [4, 8])
+def test_several_weights_in_one_call_equal_one_call_each(isa, activation_bits, bits):
+    # a layer's Q/K/V: weights of different widths (70: a partial thread task), scale dtypes, one x
+    weights = [_weight(n, 128, bits, 32, dtype, seed=n) for n, dtype in
+               ((70, mx.float16), (32, mx.bfloat16), (96, mx.float32))]
+    x = mx.random.normal((5, 128), key=mx.random.key(3))
+    together = _ext.quantized_matvec_int8_many(x, [w[0] for w in weights], [w[1] for w in weights],
+                                               [w[2] for w in weights], 32, bits, activation_bits)
+    assert [t.shape for t in together] == [(5, 70), (5, 32), (5, 96)]
+    for got, (codes, scales, biases) in zip(together, weights):
+        alone = _ext.quantized_matvec_int8(x, codes, scales, biases, 32, bits, activation_bits)
+        np.testing.assert_array_equal(np.array(got), np.array(alone))
+    # a transposed (strided) x reads as its values
+    strided = _ext.quantized_matvec_int8_many(mx.array(np.array(x).T.copy()).T, [weights[0][0]], [weights[0][1]],
+                                              [weights[0][2]], 32, bits, activation_bits)
+    np.testing.assert_array_equal(np.array(strided[0]), np.array(together[0]))
+
+
+def test_leading_axes_of_x_pass_through():
+    codes, scales, biases = _weight(40, 64, 4, 32, mx.float16, seed=8)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(8))
+    got = _ext.quantized_matvec_int8(x, codes, scales, biases, 32, 4, 16)
+    assert got.shape == (2, 3, 40)
+    flat = _ext.quantized_matvec_int8(x.reshape(6, 64), codes, scales, biases, 32, 4, 16)
+    np.testing.assert_array_equal(np.array(got).reshape(6, 40), np.array(flat))
+    # no columns: zeros of the right shape
+    empty = _ext.quantized_matvec_int8(mx.zeros((2, 3, 0)), codes[:, :0], scales[:, :0], biases[:, :0], 32, 4, 16)
+    assert empty.shape == (2, 3, 40)
+    np.testing.assert_array_equal(np.array(empty), np.zeros((2, 3, 40), np.float32))
+
+
+def test_gradient_of_several_weights_sums_over_them():
+    weights = [_weight(n, 64, 4, 32, mx.float32, seed=n) for n in (48, 16)]
+    x = mx.random.normal((2, 64), key=mx.random.key(4))
+    cotangents = [mx.random.normal((2, n), key=mx.random.key(n)) for n in (48, 16)]
+
+    def loss(v):
+        outs = _ext.quantized_matvec_int8_many(v, *[[w[i] for w in weights] for i in range(3)], 32, 4, 16)
+        return sum((out * c).sum() for out, c in zip(outs, cotangents))
+
+    expected = sum(np.array(c, dtype=np.float64) @ _float_parts(*w, 32, 4)[0] for c, w in zip(cotangents, weights))
+    np.testing.assert_allclose(np.array(mx.grad(loss)(x)), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_llama_decode_multiplies_qkv_and_gate_up_in_one_call_each(monkeypatch):
+    import mlx.nn as nn
+
+    from mlx_attn.lm.models import llama
+    from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
+
+    mx.random.seed(0)
+    model = llama.Llama(llama.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    nn.quantize(model, group_size=32, bits=4)
+    use_row_adaptive_matmuls(model)
+    calls = []
+    many = _ext.quantized_matvec_int8_many
+    monkeypatch.setattr(_ext, "quantized_matvec_int8_many", lambda x, codes, *a: calls.append(len(codes)) or
+                        many(x, codes, *a))
+    tokens = mx.array([[3]])
+    fused = model(tokens)
+    assert calls == [3, 2, 3, 2]  # per layer: Q/K/V, then gate/up
+    monkeypatch.setattr(llama, "fused_matvecs", lambda x, layers: None)
+    np.testing.assert_array_equal(np.array(fused), np.array(model(tokens)))
+
+
+def test_several_weights_reject_lists_of_different_lengths():
+    codes, scales, biases = _weight(32, 64, 4, 32, mx.float16, seed=1)
+    x = mx.zeros((1, 64))
+    with pytest.raises(ValueError, match="one entry per weight"):
+        _ext.quantized_matvec_int8_many(x, [codes, codes], [scales], [biases], 32, 4, 16)
+    with pytest.raises(ValueError, match="one entry per weight"):
+        _ext.quantized_matvec_int8_many(x, [], [], [], 32, 4, 16)
+    with pytest.raises(ValueError, match="do not hold"):
+        _ext.quantized_matvec_int8_many(x, [codes, codes[:, :4]], [scales, scales], [biases, biases], 32, 4, 16)
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits", [4, 8])
 def test_every_copy_computes_the_generic_sums(bits, activation_bits):
     codes, scales, biases = _weight(64, 256, bits, 64, mx.bfloat16, seed=9)
     x = mx.random.normal((9, 256), key=mx.random.key(10))

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,26 +73,34 @@ Int8Matvec int8_copy() {
 // Quantizes x's rows (one pass, on the calling thread), then splits the
 // output features over the pool; each task runs every row chunk over its
 // features while their weights are in cache.
-void run_int8(const float* x, cpu::Int8MatvecCall call, int rows) {
-  const int64_t lanes = call.k / cpu::kInt8Block * 8;
-  const size_t code_bytes = call.activation_bits / 8;
-  std::vector<int16_t> codes(size_t(rows) * call.k * code_bytes / 2 + 1);
+void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int rows) {
+  // every call shares x's quantization: the same k and bits (checked on construction)
+  const cpu::Int8MatvecCall& first = calls.front();
+  const int64_t lanes = first.k / cpu::kInt8Block * 8;
+  const size_t code_bytes = first.activation_bits / 8;
+  std::vector<int16_t> codes(size_t(rows) * first.k * code_bytes / 2 + 1);
   std::vector<float> xd(size_t(rows) * lanes), xsum(size_t(rows) * lanes);
   for (int r = 0; r < rows; ++r) {
-    if (call.activation_bits == 16) {
-      cpu::quantize_activations(x + r * call.k, call.k, call.bits, codes.data() + r * call.k, xd.data() + r * lanes,
-                                xsum.data() + r * lanes);
-    } else {
-      cpu::quantize_activations(x + r * call.k, call.k, call.bits, reinterpret_cast<int8_t*>(codes.data()) + r * call.k,
+    if (first.activation_bits == 16) {
+      cpu::quantize_activations(x + r * first.k, first.k, first.bits, codes.data() + r * first.k,
                                 xd.data() + r * lanes, xsum.data() + r * lanes);
+    } else {
+      cpu::quantize_activations(x + r * first.k, first.k, first.bits,
+                                reinterpret_cast<int8_t*>(codes.data()) + r * first.k, xd.data() + r * lanes,
+                                xsum.data() + r * lanes);
     }
   }
   const char* xq = reinterpret_cast<const char*>(codes.data());
   const Int8Matvec kernel = int8_copy();
-  const int64_t tasks = (call.n + kOutputsPerTask - 1) / kOutputsPerTask;
-  float* out = call.out;
-  cpu::thread_pool().parallel_for(tasks, [&](int64_t task, int) {
-    const int64_t begin = task * kOutputsPerTask;
+  // the tasks of all weights in one pool call: one wake-up per step, not per weight
+  std::vector<int64_t> first_task(calls.size() + 1, 0);
+  for (size_t w = 0; w < calls.size(); ++w) {
+    first_task[w + 1] = first_task[w] + (calls[w].n + kOutputsPerTask - 1) / kOutputsPerTask;
+  }
+  cpu::thread_pool().parallel_for(first_task.back(), [&](int64_t task, int) {
+    const size_t w = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    const cpu::Int8MatvecCall& call = calls[w];
+    const int64_t begin = (task - first_task[w]) * kOutputsPerTask;
     const int64_t end = std::min(call.n, begin + kOutputsPerTask);
     for (int r = 0; r < rows; r += cpu::kInt8MatvecMaxRows) {
       cpu::Int8MatvecCall part = call;
@@ -99,7 +108,7 @@ void run_int8(const float* x, cpu::Int8MatvecCall call, int rows) {
       part.xq = xq + r * call.k * code_bytes;
       part.xd = xd.data() + r * lanes;
       part.xsum = xsum.data() + r * lanes;
-      part.out = out + r * call.n;
+      part.out = call.out + r * call.n;
       kernel(part, begin, end);
     }
   });
@@ -329,9 +338,21 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.dispatch([call]() { run(call); });
 }
 
-mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, const mx::array& scales,
-                                const mx::array& biases, int group_size, int bits, int activation_bits,
-                                mx::StreamOrDevice s) {
+namespace {
+
+// An input the CPU op reads as row-contiguous memory: an evaluated
+// row-contiguous array as it is (a weight: no Contiguous node per call in
+// every step's graph), anything else through mx::contiguous.
+mx::array row_contiguous(const mx::array& a, const mx::Stream& stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
+}
+
+}  // namespace
+
+std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std::vector<mx::array>& codes,
+                                                  const std::vector<mx::array>& scales,
+                                                  const std::vector<mx::array>& biases, int group_size, int bits,
+                                                  int activation_bits, mx::StreamOrDevice s) {
   constexpr const char* op = "mlx_attn.quantized_matvec_int8";
   if (bits != 4 && bits != 8) throw_invalid(op, "bits must be 4 or 8, got " + std::to_string(bits));
   if (activation_bits != 8 && activation_bits != 16) {
@@ -340,26 +361,53 @@ mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, cons
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw_invalid(op, "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   }
-  if (x.ndim() != 2) throw_invalid(op, "x must be [rows, k], got " + shape_string(x));
-  if (x.dtype() != mx::float32) throw_invalid(op, "x must be float32, got " + dtype_string(x.dtype()));
-  if (codes.ndim() != 2 || codes.dtype() != mx::uint32) throw_invalid(op, "codes must be uint32 [n, k * bits / 32]");
-  const int64_t k = x.shape(1);
-  const int64_t n = codes.shape(0);
-  if (k % group_size != 0 || int64_t(codes.shape(1)) * 32 != k * bits) {
-    throw_invalid(op, "codes " + shape_string(codes) + " do not hold " + std::to_string(k) + " columns of " +
-                          std::to_string(bits) + " bits in groups of " + std::to_string(group_size));
+  if (codes.empty() || scales.size() != codes.size() || biases.size() != codes.size()) {
+    throw_invalid(op, "codes, scales and biases must be lists of one length (one entry per weight), got " +
+                          std::to_string(codes.size()) + ", " + std::to_string(scales.size()) + " and " +
+                          std::to_string(biases.size()));
   }
-  check_scales(op, scales, biases, n, k / group_size);
+  if (x.ndim() < 2) throw_invalid(op, "x must be [rows, k] (or [..., rows, k]), got " + shape_string(x));
+  if (x.dtype() != mx::float32) throw_invalid(op, "x must be float32, got " + dtype_string(x.dtype()));
+  const int64_t k = x.shape(-1);
   auto stream = mx::to_stream(s);
   if (stream.device.type != mx::Device::cpu) throw_invalid(op, "runs on the CPU only (the GPU has MLX's quantized kernels)");
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, stream), mx::contiguous(codes, false, stream),
-                                   mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
-  return mx::array(mx::Shape{x.shape(0), int(n)}, mx::float32,
-                   std::make_shared<QuantizedMatvecInt8>(stream, group_size, bits, activation_bits), std::move(inputs));
+  std::vector<mx::array> inputs = {row_contiguous(x, stream)};
+  std::vector<mx::Shape> shapes;
+  for (size_t w = 0; w < codes.size(); ++w) {
+    if (codes[w].ndim() != 2 || codes[w].dtype() != mx::uint32) {
+      throw_invalid(op, "codes must be uint32 [n, k * bits / 32]");
+    }
+    const int64_t n = codes[w].shape(0);
+    if (k % group_size != 0 || int64_t(codes[w].shape(1)) * 32 != k * bits) {
+      throw_invalid(op, "codes " + shape_string(codes[w]) + " do not hold " + std::to_string(k) + " columns of " +
+                            std::to_string(bits) + " bits in groups of " + std::to_string(group_size));
+    }
+    check_scales(op, scales[w], biases[w], n, k / group_size);
+    for (const mx::array* a : {&codes[w], &scales[w], &biases[w]}) inputs.push_back(row_contiguous(*a, stream));
+    mx::Shape shape = x.shape();  // [..., rows, n]: no reshape around the call
+    shape.back() = int(n);
+    shapes.push_back(std::move(shape));
+  }
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<QuantizedMatvecInt8>(stream, group_size, bits, activation_bits),
+                                std::move(inputs));
+}
+
+mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, const mx::array& scales,
+                                const mx::array& biases, int group_size, int bits, int activation_bits,
+                                mx::StreamOrDevice s) {
+  return quantized_matvec_int8_many(x, {codes}, {scales}, {biases}, group_size, bits, activation_bits, s)[0];
 }
 
 std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  std::vector<mx::Shape> shapes;
+  for (size_t w = 1; w + 2 < inputs.size(); w += 3) {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[w].shape(0);
+    shapes.push_back(std::move(shape));
+  }
+  return shapes;
 }
 
 std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& primals,
@@ -368,33 +416,45 @@ std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& pr
   for (int arg : argnums) {
     if (arg != 0) throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x only, not to the weight");
   }
-  // the float product's gradient (the activations' rounding passes straight through)
-  return {mx::astype(mx::quantized_matmul(cotangents[0], primals[1], primals[2], primals[3], false, group_size_,
-                                          bits_, "affine", stream()),
-                     mx::float32, stream())};
+  // the float product's gradient (the activations' rounding passes straight through), summed over the weights
+  std::optional<mx::array> dx;
+  for (size_t w = 0; w < cotangents.size(); ++w) {
+    mx::array part = mx::quantized_matmul(cotangents[w], primals[1 + 3 * w], primals[2 + 3 * w], primals[3 + 3 * w],
+                                          false, group_size_, bits_, "affine", stream());
+    dx = dx ? mx::add(*dx, part, stream()) : part;
+  }
+  return {mx::astype(*dx, mx::float32, stream())};
 }
 
 void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (out.size() == 0) return;
-  cpu::Int8MatvecCall call{};
-  const int rows = inputs[0].shape(0);
-  call.k = inputs[0].shape(1);
-  call.n = inputs[1].shape(0);
-  call.scale_type = *float_elem_type(inputs[2].dtype());
-  call.group_size = group_size_;
-  call.bits = bits_;
-  call.activation_bits = activation_bits_;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
+  std::vector<cpu::Int8MatvecCall> calls;
+  const int64_t k = inputs[0].shape(-1);
+  int64_t leading = 1;  // the rows of x [..., rows, k]
+  for (int d = 0; d + 1 < inputs[0].ndim(); ++d) leading *= inputs[0].shape(d);
+  const int rows = int(leading);
+  for (size_t w = 0; w < outputs.size(); ++w) {
+    mx::array& out = outputs[w];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    if (out.size() == 0) continue;
+    cpu::Int8MatvecCall call{};
+    call.k = k;
+    call.n = inputs[1 + 3 * w].shape(0);
+    call.scale_type = *float_elem_type(inputs[2 + 3 * w].dtype());
+    call.group_size = group_size_;
+    call.bits = bits_;
+    call.activation_bits = activation_bits_;
+    call.codes = inputs[1 + 3 * w].data<uint32_t>();
+    call.scales = inputs[2 + 3 * w].data<void>();
+    call.biases = inputs[3 + 3 * w].data<void>();
+    call.out = out.data<float>();
+    calls.push_back(call);
+  }
+  if (calls.empty()) return;
   const float* x = inputs[0].data<float>();
-  call.codes = inputs[1].data<uint32_t>();
-  call.scales = inputs[2].data<void>();
-  call.biases = inputs[3].data<void>();
-  call.out = out.data<float>();
-  encoder.dispatch([x, call, rows]() { run_int8(x, call, rows); });
+  encoder.dispatch([x, calls = std::move(calls), rows]() { run_int8(x, calls, rows); });
 }
 
 bool QuantizedMatvecInt8::is_equivalent(const mx::Primitive& other) const {

@@ -27,6 +27,15 @@ mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, cons
                                 const mx::array& biases, int group_size, int bits, int activation_bits = 8,
                                 mx::StreamOrDevice s = {});
 
+// quantized_matvec_int8 of one x against several weights of one bit width
+// and group size (a layer's Q/K/V or gate/up projections): x quantized once
+// and every weight's outputs in one thread-pool call. Returns one float32
+// [rows, n_i] per weight.
+std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std::vector<mx::array>& codes,
+                                                  const std::vector<mx::array>& scales,
+                                                  const std::vector<mx::array>& biases, int group_size, int bits,
+                                                  int activation_bits = 8, mx::StreamOrDevice s = {});
+
 // codes uint32 [n, k * bits / 32] (bits 2, 3, 4, 5, 6 or 8: code i of a row
 // at bit i * bits of its little-endian bit stream, MLX's affine packing);
 // scales, biases [n, k / group_size] in one float dtype. Returns the float32

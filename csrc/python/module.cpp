@@ -181,6 +181,11 @@ NB_MODULE(_ext, m) {
         "As quantized_matvec through integer dot products: x's rows quantized to int8 (or int16: "
         "activation_bits=16) per 32 columns, multiplied with the 4- or 8-bit codes as integers "
         "(AVX512-VNNI, AVX2 or plain C++).");
+  m.def("quantized_matvec_int8_many", &mlx_attn::quantized_matvec_int8_many, "x"_a, "codes"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
+        "quantized_matvec_int8 of x against several weights of one bit width and group size (lists of "
+        "codes, scales and biases): x quantized once, all products in one pass over the threads; a list "
+        "of float32 [rows, n_i].");
   m.def("dequantize_affine", &mlx_attn::dequantize_affine, "codes"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The float32 weight [n, k] of an MLX affine-quantized one (2, 3, 4, 5, 6 or 8 bits), "

@@ -44,6 +44,12 @@ below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
 a serving engine need not hold one (``mlx_attn.serve.engine.prepare_weights``,
 ``"packed"``).
 
+Projections that read the same activations (a Llama layer's Q/K/V, its
+gate/up) multiply in one call (:func:`fused_matvecs`,
+``_ext.quantized_matvec_int8_many``): the row is quantized once and all
+weights' outputs go to the threads in one pass, the results bit-identical
+to one call per weight. The weights stay separate (no concatenated copy).
+
 ``benchmarks/bench_generate.py`` and ``benchmarks/bench_gemma3.py`` measure
 the effect on prompt speed; ``benchmarks/bench_int8_matvec.py`` the integer
 products against the float one.
@@ -59,7 +65,7 @@ import mlx.nn as nn
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
-           "INTEGER_MATVEC_ROWS"]
+           "INTEGER_MATVEC_ROWS", "fused_matvecs"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -124,13 +130,41 @@ def fused_matvec(x: mx.array, layer) -> mx.array:
 
     if MATVEC_PRODUCT not in MATVEC_PRODUCTS:
         raise ValueError(f"MATVEC_PRODUCT must be one of {', '.join(MATVEC_PRODUCTS)}, got {MATVEC_PRODUCT!r}")
-    rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    args = (rows, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+    weight = (layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
     if MATVEC_PRODUCT == "float":
-        out = _ext.quantized_matvec(*args)
-    else:
-        out = _ext.quantized_matvec_int8(*args, 16 if MATVEC_PRODUCT == "int16" else 8)
-    return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+        rows = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        out = _ext.quantized_matvec(rows, *weight)
+        return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype)
+    # the integer product takes x [..., k] as it is (no reshape nodes in a step's graph)
+    x2 = x if x.ndim >= 2 else x.reshape(1, -1)
+    out = _ext.quantized_matvec_int8(x2.astype(mx.float32), *weight, 16 if MATVEC_PRODUCT == "int16" else 8)
+    return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype) if x.ndim < 2 else out.astype(x.dtype)
+
+
+def fused_matvecs(x: mx.array, layers: list) -> list | None:
+    """``[layer(x) for layer in layers]`` in one ``_ext.quantized_matvec_int8_many``
+    call (x quantized once, one pass over the threads for all weights: a
+    layer's Q/K/V or gate/up projections), or None where that does not apply:
+    a float product, too many rows, a layer the integer product does not read
+    or layers of different bit widths or group sizes."""
+    if MATVEC_PRODUCT == "float" or not layers:
+        return None
+    first = layers[0]
+    if not all(isinstance(layer, RowAdaptiveQuantizedLinear) and _fused_matvec_rows(x, layer)
+               and layer.bits == first.bits and layer.group_size == first.group_size for layer in layers):
+        return None
+    from mlx_attn import _ext
+
+    rows = (x if x.ndim >= 2 else x.reshape(1, -1)).astype(mx.float32)
+    outs = _ext.quantized_matvec_int8_many(rows, [layer["weight"] for layer in layers],
+                                           [layer["scales"] for layer in layers],
+                                           [layer["biases"] for layer in layers], first.group_size, first.bits,
+                                           16 if MATVEC_PRODUCT == "int16" else 8)
+    results = []
+    for layer, out in zip(layers, outs):
+        y = (out if x.ndim >= 2 else out.reshape(-1)).astype(x.dtype)
+        results.append(y + layer["bias"] if "bias" in layer else y)
+    return results
 
 
 def int8_error_bound(x, weight, activation_bits: int = 8) -> "np.ndarray":

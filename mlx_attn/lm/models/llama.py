@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_attn.lm.models.base import (AttentionHook, Decoder, LayerAttention, decoder_weight_shapes,
                                      projection_shapes, rename_weights)
 from mlx_attn.lm.models.registry import GGUF_TENSOR_NAMES, Architecture, register
+from mlx_attn.lm.quantized_matmul import fused_matvecs
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
 
@@ -188,7 +189,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj])
+        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -209,9 +212,11 @@ class Attention(nn.Module):
     def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
         b, t, _ = x.shape
         heads = lambda a, n: a.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
-        q = self.rope(heads(self.q_proj(x), self.n_heads), offset=positions)
-        k = self.rope(heads(self.k_proj(x), self.n_kv_heads), offset=positions)
-        v = heads(self.v_proj(x), self.n_kv_heads)
+        qkv = fused_matvecs(x, [self.q_proj, self.k_proj, self.v_proj])
+        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = self.rope(heads(q, self.n_heads), offset=positions)
+        k = self.rope(heads(k, self.n_kv_heads), offset=positions)
+        v = heads(v, self.n_kv_heads)
         out = attention(layer, q, k, v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
