@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 import json
 import re
 
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from mlx_attn.serve.structured_output import response_format_constraint
 
 __all__ = ["CompletionRequest", "parse_completion_request", "decode_json_object", "MAX_JSON_DEPTH", "CHAT_ROLES"]
 
@@ -235,6 +237,7 @@ class CompletionRequest:
     prompt: list[int]
     max_tokens: int
     sampling: list[SamplingParams]  # one per choice
+    constraint: Callable | None = None  # a fresh Constraint per call (one per choice), or None: unconstrained
 
 
 def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest:
@@ -250,6 +253,7 @@ def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest
     prompt = _prompt(state, body, chat)
     max_tokens = _max_tokens(state, body, chat, len(prompt))
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
+    constraint = response_format_constraint(state, body)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
                              include_usage=include_usage, stops=stops, prompt=prompt, max_tokens=max_tokens,
-                             sampling=sampling)
+                             sampling=sampling, constraint=constraint)
