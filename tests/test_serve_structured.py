@@ -11,6 +11,7 @@ MLX_ATTN_FULL_GRID=1 runs a few hundred."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -175,6 +176,24 @@ def test_any_constraint_plugs_into_the_engine(tiny):
     assert all(t % 2 == 0 for t in out["r"]) and constraint.count == len(out["r"])
 
 
+class NothingAllowed(Constraint):
+    def allowed_mask(self):
+        return np.zeros(10, np.int32)
+
+    def advance(self, token):
+        pass
+
+
+def test_a_constraint_that_allows_nothing_ends_its_request_at_once(tiny):
+    """No way on: the request's end token, never a NaN draw; the other row is untouched."""
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("go")
+    free = run_engine(model, [("free", prompt, SamplingParams(), None)], max_tokens=8)
+    both = run_engine(model, [("stuck", prompt, SamplingParams(temperature=1.0, seed=1), NothingAllowed()),
+                              ("free", prompt, SamplingParams(), None)], max_tokens=8)
+    assert both["stuck"] == [EOS] and both["free"] == free["free"]
+
+
 def test_the_engine_refuses_a_constraint_of_the_wrong_type(tiny):
     engine = Engine(tiny[0], kv_tokens=256)
     with pytest.raises(ValueError, match="constraint"):
@@ -206,12 +225,17 @@ def json_schema_format(schema, name="answer"):
 
 
 def test_chat_json_schema_through_the_openai_client(server):
-    client = server.client()
-    for schema in generated_schemas(4, seed=11):
-        reply = client.chat.completions.create(model="tiny-test-model", messages=[{"role": "user", "content": "hi"}],
-                                               response_format=json_schema_format(schema), temperature=1.0,
-                                               seed=2, max_tokens=MAX_TOKENS)
-        choice = reply.choices[0]
+    """Concurrent requests (one batch in the engine), each with its own schema."""
+    schemas = generated_schemas(4, seed=11)
+
+    def ask(schema):
+        return server.client().chat.completions.create(
+            model="tiny-test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=MAX_TOKENS,
+            response_format=json_schema_format(schema), temperature=1.0, seed=2).choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(len(schemas)) as pool:
+        choices = list(pool.map(ask, schemas))
+    for schema, choice in zip(schemas, choices):
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), schema)
 
@@ -288,25 +312,29 @@ def test_text_format_is_unconstrained(server):
 
 # ---------------------------------------------------------------- the default model
 def test_the_default_model_answers_in_the_schema():
+    """Two requests served together on SmolLM2: each answer matches its schema."""
     model, tokenizer = smollm2()
     running = serve_model(model, tokenizer, kv_cache_tokens=4096, page_size=16, max_batch_tokens=256)
+    schemas = [{"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "country": {"enum": ["France", "Italy", "Spain"]}},
+                "required": ["city", "country"], "additionalProperties": False},
+               {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green",
+                                                                                          "blue", "yellow"]},
+                                                            "minItems": 2, "maxItems": 3}},
+                "required": ["colors"], "additionalProperties": False}]
+    questions = ["What is the capital of France? Answer in JSON.", "Name two colors, in JSON."]
+
+    def ask(schema, question):
+        return running.client().chat.completions.create(
+            model="tiny-test-model", max_tokens=40, messages=[{"role": "user", "content": question}],
+            response_format=json_schema_format(schema)).choices[0]
+
     try:
-        client = running.client()
-        schemas = [{"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "country": {"enum": ["France", "Italy", "Spain"]},
-                                                     "population_millions": {"type": "integer", "minimum": 0,
-                                                                             "maximum": 100}},
-                    "required": ["city", "country", "population_millions"], "additionalProperties": False},
-                   {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string",
-                                                                                          "maxLength": 10},
-                                                                "minItems": 2, "maxItems": 3}},
-                    "required": ["colors"], "additionalProperties": False}]
-        questions = ["What is the capital of France? Answer in JSON.", "Name a few colors, in JSON."]
-        for schema, question in zip(schemas, questions):
-            reply = client.chat.completions.create(model="tiny-test-model", max_tokens=80,
-                                                   messages=[{"role": "user", "content": question}],
-                                                   response_format=json_schema_format(schema))
-            assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
-            jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            choices = list(pool.map(ask, schemas, questions))
     finally:
         running.stop()
+    for schema, choice in zip(schemas, choices):
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    assert json.loads(choices[0].message.content)["city"] == "Paris"  # greedy: the model's own answer

@@ -83,8 +83,10 @@ class GrammarConstraint(Constraint):
         return self.mask
 
     def advance(self, token: int) -> None:
-        if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        # a token outside the mask only comes from the engine's way out of an
+        # empty mask (an end token): the matcher keeps its error state, its
+        # masks stay empty, and the request ends; nothing is raised into a step
+        self.matcher.consume_token(int(token))
 
     @property
     def accepting(self) -> bool:

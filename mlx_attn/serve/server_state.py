@@ -96,9 +96,11 @@ class ServerState:
         rid = f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
 
+        constrained = {} if constraint is None else {"constraint": constraint}  # engines without constraints too
+
         def submit():
             self.engine.submit(rid, prompt, max_tokens, stop_token_ids=sorted(self.tokenizer.eos_token_ids),
-                               sampling=sampling, constraint=constraint)
+                               sampling=sampling, **constrained)
 
         self._active[rid] = _Active(queue)  # counts against the limit from now on
         try:
