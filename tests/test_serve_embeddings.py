@@ -16,12 +16,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
+from mlx_attn.lm.models.bert import SentenceEncoder  # noqa: E402
 from mlx_attn.serve.embeddings import EmbeddingModel  # noqa: E402
 
 from model_fixtures import minilm, random_llama, tiny_tokenizer, tiny_vocabulary  # noqa: E402
 from test_serve_server import raw, serve_model  # noqa: E402
 
 NAME = "all-minilm-l6-v2"
+SERVED_CONTEXT = 48  # the served encoder's context: short, so the boundary test encodes little
 TEXTS = ["The cat sat on the mat.", "A quick brown fox", "embeddings, batched", "ok"]
 
 
@@ -34,7 +36,8 @@ def encoder():
 def server(encoder):
     vocab = len(tiny_vocabulary()[0])
     model = random_llama(seed=1, vocab_size=vocab, max_position_embeddings=256)
-    running = serve_model(model, tiny_tokenizer(), embeddings=EmbeddingModel(encoder, NAME), kv_cache_tokens=512)
+    served = SentenceEncoder(encoder.model, encoder.tokenizer, max_length=SERVED_CONTEXT)
+    running = serve_model(model, tiny_tokenizer(), embeddings=EmbeddingModel(served, NAME), kv_cache_tokens=512)
     yield running
     running.stop()
 
@@ -77,8 +80,8 @@ def test_token_arrays_embed_as_their_text(server, encoder):
         np.testing.assert_allclose(item.embedding, direct(encoder, text), atol=2e-5)
 
 
-def test_past_the_encoder_context_is_a_400(server, encoder):
-    context = encoder.max_length
+def test_past_the_encoder_context_is_a_400(server):
+    context = SERVED_CONTEXT
     long_text = "word " * (context + 10)
     for body in ({"input": long_text}, {"input": [TEXTS[0], long_text]}, {"input": [5] * (context - 1)}):
         status, reply = raw(server, "POST", "/v1/embeddings", {"model": NAME, **body})
@@ -91,7 +94,7 @@ def test_past_the_encoder_context_is_a_400(server, encoder):
     ({"input": []}, "input"), ({"input": [""] * 3000}, "input"), ({"input": 5}, "input"),
     ({"input": [[1, 2], "x"], "encoding_format": "int8"}, "encoding_format"), ({"input": [[]]}, "input"),
     ({"input": [[10**9]]}, "input"), ({"input": [True]}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
-    ({"input": "x", "model": "other"}, "model"),
+    ({"input": "x", "model": "other"}, "model"), ({"input": ["ok", "\ud800"]}, "input"),
 ])
 def test_bad_embedding_requests_name_the_field(server, body, param):
     status, reply = raw(server, "POST", "/v1/embeddings", {"model": NAME, **body})

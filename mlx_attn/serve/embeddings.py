@@ -48,6 +48,10 @@ class EmbeddingModel:
         sequences = []
         for i, item in enumerate(value):
             if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate from the JSON body
+                    raise APIError(400, f"input[{i}] is not valid UTF-8 text", "input") from None
                 ids = self.encoder.tokenizer.encode(item).ids
             elif _is_token_list(item) and item:
                 if not all(0 <= t < self.vocab_size for t in item):
