@@ -111,3 +111,15 @@ def test_without_an_embedding_model_the_endpoint_is_a_400():
         assert "--embedding-model" in caught.value.body["message"]
     finally:
         running.stop()
+
+
+def test_the_embedding_model_flag_loads_the_encoder():
+    from mlx_attn.serve.server import build_parser, load_embedding_model
+
+    assert build_parser().parse_args([]).embedding_model is None and load_embedding_model(None) is None
+    args = build_parser().parse_args(["--embedding-model", NAME])
+    served = load_embedding_model(args.embedding_model)
+    assert served.name == NAME and served.context == 256
+    assert served.prefix == [101] and served.suffix == [102]  # [CLS] ... [SEP]
+    with pytest.raises(ValueError):
+        load_embedding_model("/nonexistent/encoder")

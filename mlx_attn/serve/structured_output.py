@@ -23,7 +23,12 @@ def schema_constraint(state, schema: dict, field: str) -> Callable[[], Constrain
     The seam for anything else that constrains output to a schema."""
     if not isinstance(schema, dict):
         raise APIError(400, f"{field}: a JSON schema must be an object, got {type(schema).__name__}", field)
-    grammars = json_grammars(state.tokenizer, state.engine.model.config.vocab_size)
+    try:
+        grammars = json_grammars(state.tokenizer, state.engine.model.config.vocab_size)
+    except ImportError:
+        raise APIError(400, f"{field} needs llguidance on the server: pip install 'mlx_attn[serve]'", field) from None
+    except (ValueError, RuntimeError) as error:  # llguidance cannot read this tokenizer
+        raise APIError(400, f"{field}: this model's tokenizer cannot be constrained: {error}", field) from None
     try:
         return grammars.factory(schema)
     except SchemaError as error:
