@@ -121,5 +121,5 @@ def test_the_embedding_model_flag_loads_the_encoder():
     served = load_embedding_model(args.embedding_model)
     assert served.name == NAME and served.context == 256
     assert served.prefix == [101] and served.suffix == [102]  # [CLS] ... [SEP]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="--embedding-model /nonexistent/encoder: config.json not found"):
         load_embedding_model("/nonexistent/encoder")

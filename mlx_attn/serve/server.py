@@ -119,7 +119,10 @@ def load_embedding_model(name: str | None, backend: str = "auto"):
     from mlx_attn.lm.model_store import DEFAULT_ENCODER
     from mlx_attn.serve.embeddings import EmbeddingModel
 
-    encoder = load_sentence_encoder(None if name == DEFAULT_ENCODER else name, backend)
+    try:
+        encoder = load_sentence_encoder(None if name == DEFAULT_ENCODER else name, backend)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--embedding-model {name}: {error}") from None
     return EmbeddingModel(encoder, name)
 
 
