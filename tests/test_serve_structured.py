@@ -338,3 +338,24 @@ def test_the_default_model_answers_in_the_schema():
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
     assert json.loads(choices[0].message.content)["city"] == "Paris"  # greedy: the model's own answer
+
+
+def test_the_openai_clients_parse_helper_with_a_pydantic_model(server):
+    """What agents' code sends: a pydantic model's schema ($defs, $ref, titles), parsed back by the client."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Step(BaseModel):
+        tool: Literal["search", "read", "write"]
+        retries: int = Field(ge=0, le=3)
+
+    class Plan(BaseModel):
+        steps: list[Step] = Field(min_length=1, max_length=3)
+        done: bool
+
+    reply = server.client().chat.completions.parse(
+        model="tiny-test-model", messages=[{"role": "user", "content": "plan"}], response_format=Plan,
+        temperature=1.0, seed=4, max_tokens=MAX_TOKENS)
+    plan = reply.choices[0].message.parsed
+    assert isinstance(plan, Plan) and 1 <= len(plan.steps) <= 3
