@@ -8,7 +8,9 @@ request's logits row only; after sampling it calls
 :meth:`Constraint.advance` with the token. A request without a constraint
 is sampled as before. End-of-sequence tokens are allowed only where the
 constraint says so (the grammar accepts), so a constrained request stops
-with a complete answer or runs out of ``max_tokens``.
+with a complete answer or runs out of ``max_tokens``. A mask with no bit
+set (no way on) lets the request's stop tokens through: it ends, never
+draws from an all ``-inf`` row.
 
 :class:`JsonGrammars` builds constraints from JSON schemas with llguidance
 (chosen by ``benchmarks/bench_grammar_mask.py``: about a millisecond per
@@ -33,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 __all__ = ["Constraint", "GrammarConstraint", "JsonGrammars", "SchemaError", "json_grammars", "mask_words",
-           "masks_to_bias"]
+           "masks_to_bias", "JSON_OBJECT_SCHEMA"]
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # response_format {"type": "json_object"}
 _CACHED_GRAMMARS = 256  # compiled schemas kept per tokenizer
@@ -55,7 +57,8 @@ class Constraint:
     """What the engine asks of a constrained request (subclass it)."""
 
     def allowed_mask(self) -> np.ndarray:
-        """The tokens allowed next: ``int32 [mask_words(vocab)]``, bit set = allowed."""
+        """The tokens allowed next: ``int32 [mask_words(vocab)]`` (the model's
+        vocabulary), bit set = allowed."""
         raise NotImplementedError
 
     def advance(self, token: int) -> None:
