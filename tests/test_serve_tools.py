@@ -241,6 +241,11 @@ def test_named_and_required_tool_choice_open_the_call_in_the_prompt(native_serve
     # required: the prompt ends with the opening marker; the model picks the tool
     req = dict(ask, tool_choice="required", seed=script(110, '{"name": "get_time", "arguments": {}}\n</tool_call>'))
     assert whole(client, **req) == ("", [("get_time", {})], "tool_calls") == streamed(client, **req)
+    # both scripts are calls the constraint lets through; one outside the schema is not
+    assert not [seed for seed, _ in FORBIDDEN if seed in (109, 110)]
+    whole(client, **dict(ask, seed=script(111, '{"town": "Lima"}}\n</tool_call>')))
+    whole(client, **dict(req, seed=script(112, '{"name": "get_date", "arguments": {}}\n</tool_call>')))
+    assert {seed for seed, _ in FORBIDDEN} >= {111, 112}
 
 
 def test_the_stream_parser_on_every_split_of_a_text():

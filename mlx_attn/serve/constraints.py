@@ -35,13 +35,13 @@ from collections.abc import Callable
 import numpy as np
 
 __all__ = ["Constraint", "GrammarConstraint", "JsonGrammars", "SchemaError", "json_grammars", "mask_words",
-           "masks_to_bias", "JSON_OBJECT_SCHEMA"]
+           "masks_to_bias", "JSON_OBJECT_SCHEMA", "JSON_OPTIONS"]
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # response_format {"type": "json_object"}
 _CACHED_GRAMMARS = 256  # compiled schemas kept per tokenizer
 # One JSON text per schema: no free whitespace between tokens (a model, small
 # ones above all, can otherwise emit whitespace until max_tokens).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class SchemaError(ValueError):
@@ -120,7 +120,7 @@ class JsonGrammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
         try:
-            grammar = self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            grammar = self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as error:
             raise SchemaError(str(error)) from None
         problem = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
@@ -131,6 +131,29 @@ class JsonGrammars:
             while len(self._grammars) > _CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def lark(self, text: str) -> str:
+        """The compiled grammar of an llguidance lark grammar (cached, as
+        :meth:`grammar`); ``SchemaError`` when llguidance rejects it."""
+        with self._lock:
+            if text in self._grammars:
+                self._grammars.move_to_end(text)
+                return self._grammars[text]
+        grammar = self._llg.LLMatcher.grammar_from_lark(text)
+        problem = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if problem:
+            raise SchemaError(problem)
+        with self._lock:
+            self._grammars[text] = grammar
+            while len(self._grammars) > _CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def lark_factory(self, text: str) -> Callable[[], GrammarConstraint]:
+        """:meth:`factory` for a lark grammar."""
+        grammar = self.lark(text)
+        self.constraint(grammar)
+        return lambda: self.constraint(grammar)
 
     def constraint(self, grammar: str) -> GrammarConstraint:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar)
