@@ -83,7 +83,7 @@ def test_penalties_and_bias_shape_greedy_decoding_as_openai_defines_them(server,
     ({"guided_json": {}}, "guided_json"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy"}}, "audio"),
 ])

@@ -47,10 +47,11 @@ def free_port() -> int:
 class RunningServer:
     """uvicorn serving a fresh state in a thread, on 127.0.0.1."""
 
-    def __init__(self, state, api_key=None):
+    def __init__(self, state, api_key=None, embeddings=None):
         self.state = state
         self.port = free_port()
-        config = uvicorn.Config(create_app(self.state, api_key=api_key), host="127.0.0.1", port=self.port,
+        config = uvicorn.Config(create_app(self.state, api_key=api_key, embeddings=embeddings), host="127.0.0.1",
+                                port=self.port,
                                 log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -83,8 +84,8 @@ class RunningServer:
         assert not self.thread.is_alive()
 
 
-def serve_model(model, tokenizer, api_key=None, **state_options) -> RunningServer:
-    return RunningServer(make_state(model, tokenizer, MODEL_NAME, **state_options), api_key)
+def serve_model(model, tokenizer, api_key=None, embeddings=None, **state_options) -> RunningServer:
+    return RunningServer(make_state(model, tokenizer, MODEL_NAME, **state_options), api_key, embeddings)
 
 
 def raw(server, method, path, body=None, headers=None):

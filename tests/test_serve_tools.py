@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -43,18 +44,23 @@ NATIVE_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 SCRIPTS: dict[int, list[int]] = {}  # seed -> the tokens a request with that seed generates
+FORBIDDEN: list[tuple[int, int]] = []  # (seed, token): a scripted token the row's constraint forbade
 
 
 @pytest.fixture(scope="module", autouse=True)
 def scripted_sampler():
     real = engine_module.sample_rows
 
-    def sample_rows(logits, params, previous, indices):
-        out = real(logits, params, previous, indices)
+    def sample_rows(logits, params, previous, indices, bias=None):
+        out = real(logits, params, previous, indices, bias)
+        constrained = {} if bias is None else dict(zip(bias[0], np.array(bias[1])))
         for r, p in enumerate(params):
             script = SCRIPTS.get(p.seed)
             if script is not None:
-                out[r] = Sampled(script[min(indices[r], len(script) - 1)], 0.0)
+                token = script[min(indices[r], len(script) - 1)]
+                if r in constrained and not np.isfinite(constrained[r][token]):
+                    FORBIDDEN.append((p.seed, token))
+                out[r] = Sampled(token, 0.0)
         return out
 
     engine_module.sample_rows = sample_rows
@@ -235,6 +241,11 @@ def test_named_and_required_tool_choice_open_the_call_in_the_prompt(native_serve
     # required: the prompt ends with the opening marker; the model picks the tool
     req = dict(ask, tool_choice="required", seed=script(110, '{"name": "get_time", "arguments": {}}\n</tool_call>'))
     assert whole(client, **req) == ("", [("get_time", {})], "tool_calls") == streamed(client, **req)
+    # both scripts are calls the constraint lets through; one outside the schema is not
+    assert not [seed for seed, _ in FORBIDDEN if seed in (109, 110)]
+    whole(client, **dict(ask, seed=script(111, '{"town": "Lima"}}\n</tool_call>')))
+    whole(client, **dict(req, seed=script(112, '{"name": "get_date", "arguments": {}}\n</tool_call>')))
+    assert {seed for seed, _ in FORBIDDEN} >= {111, 112}
 
 
 def test_the_stream_parser_on_every_split_of_a_text():

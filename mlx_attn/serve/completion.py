@@ -36,7 +36,9 @@ class Completion:
     async def submit(self, index: int) -> Choice:
         state, request = self.state, self.request
         try:
-            rid, queue = await state.submit(request.prompt, request.max_tokens, request.sampling[index])
+            constraint = request.constraint() if request.constraint is not None else None
+            rid, queue = await state.submit(request.prompt, request.max_tokens, request.sampling[index],
+                                            constraint=constraint)
         except ValueError as error:  # can never fit the pool, or the model's own checks
             raise APIError(400, str(error), "max_tokens") from None
         logprobs = LogprobFormatter(state.tokenizer, self.chat) if request.logprobs else None

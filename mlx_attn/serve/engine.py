@@ -39,6 +39,7 @@ from mlx_attn.lm import quantized_matmul
 from mlx_attn.lm.quantized_matmul import hold_float32_weights, use_row_adaptive_matmuls
 from mlx_attn.paged import CascadeTables
 from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, CascadeRule, SharedPrefixLevels, shared_prefix_groups
+from mlx_attn.serve.constraints import Constraint, masks_to_bias
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
 from mlx_attn.serve.sampling import SamplingParams, sample_rows
@@ -219,12 +220,16 @@ class Engine:
                                    reusable_pages=reusable_pages)
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
+        self.constraints: dict[Hashable, tuple[Constraint, list[int]]] = {}  # and the request's stop tokens
 
     def submit(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
-               stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None) -> None:
+               stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None,
+               constraint: Constraint | None = None) -> None:
         """Queue a request; ``ValueError`` naming ``prompt`` or ``max_tokens``
         when its tokens are not the model's or it outgrows the model's
-        context, and the scheduler's errors (can never fit the pool)."""
+        context, and the scheduler's errors (can never fit the pool).
+        ``constraint``: the tokens it may sample, asked before each
+        (:mod:`mlx_attn.serve.constraints`)."""
         config = self.model.config
         vocab = config.vocab_size
         tokens = np.asarray(prompt)
@@ -238,10 +243,14 @@ class Engine:
                              f"context of {context} positions")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint or None, got {type(constraint).__name__}")
         self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
                                       frozenset(int(t) for t in stop_token_ids)))
         self.sampling[request_id] = sampling or SamplingParams()
         self.generated[request_id] = 0
+        if constraint is not None:
+            self.constraints[request_id] = (constraint, sorted(int(t) for t in stop_token_ids))
 
     def cancel(self, request_id: Hashable) -> bool:
         """Stop a request and free its pages at once; False if unknown."""
@@ -269,7 +278,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is neither queued nor running") from None
 
     def _forget(self, request_id: Hashable) -> None:
-        for table in (self.sampling, self.generated):
+        for table in (self.sampling, self.generated, self.constraints):
             table.pop(request_id, None)
         self._drop_state(request_id)
 
@@ -329,9 +338,11 @@ class Engine:
         params = [self.sampling[rid] for rid in rids]
         # a request's tokens are only read by a penalty
         previous = [self.scheduler.tokens(rid) if p.reads_history else () for rid, p in zip(rids, params)]
-        drawn = sample_rows(rows, params, previous, [self.generated[rid] for rid in rids])
-        for rid in rids:
+        drawn = sample_rows(rows, params, previous, [self.generated[rid] for rid in rids], self._bias(rids))
+        for rid, sampled in zip(rids, drawn):
             self.generated[rid] += 1
+            if rid in self.constraints:
+                self.constraints[rid][0].advance(sampled.token)
         return dict(zip(rids, drawn))
 
     def _save_states(self) -> None:
@@ -341,6 +352,20 @@ class Engine:
             return
         for request_id, position, state in self._states.take_recorded():
             self._states.save(self.scheduler.page_key(request_id, position // self.pool.page_size - 1), state)
+
+    def _bias(self, rids: list) -> tuple[list[int], mx.array] | None:
+        """The constrained rows of a step and the ``-inf`` bias of their
+        forbidden tokens (None when no row is constrained)."""
+        constrained = [(r, *self.constraints[rid]) for r, rid in enumerate(rids) if rid in self.constraints]
+        if not constrained:
+            return None
+        masks = np.stack([constraint.allowed_mask() for _, constraint, _ in constrained])
+        vocab = self.model.config.vocab_size
+        bias = masks_to_bias(masks, vocab)
+        for row, (_, _, stops) in zip(bias, constrained):
+            if not np.isfinite(row).any():  # a grammar with no way on: end the request rather than draw NaN
+                row[[t for t in stops if t < vocab]] = 0
+        return [r for r, _, _ in constrained], mx.array(bias)
 
     def run_until_idle(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; the generated tokens of each."""

@@ -38,8 +38,10 @@ _STATIC_TYPES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/java
                  "chat.css": "text/css; charset=utf-8"}
 
 
-def build_app(state, api_key: str | None = None) -> Starlette:
-    """The application serving ``state`` (a :class:`ServerState`)."""
+def build_app(state, api_key: str | None = None, embeddings=None) -> Starlette:
+    """The application serving ``state`` (a :class:`ServerState`) and
+    ``embeddings`` (an :class:`~mlx_attn.serve.embeddings.EmbeddingModel`, or
+    None: ``/v1/embeddings`` answers 400)."""
     routes = [
         Route("/", guarded(page, auth=False), methods=["GET"]),
         Route("/static/{name}", guarded(page, auth=False), methods=["GET"]),
@@ -51,9 +53,11 @@ def build_app(state, api_key: str | None = None) -> Starlette:
         Route("/v1/messages", guarded(messages, errors=anthropic_error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(messages_count_tokens, errors=anthropic_error_body),
               methods=["POST"]),
+        Route("/v1/embeddings", guarded(embeddings_endpoint), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=_lifespan, exception_handlers={404: _not_found, 405: _not_found})
     app.state.serving, app.state.api_key, app.state.static = state, api_key, _static_files()
+    app.state.embeddings = embeddings
     return app
 
 
@@ -194,6 +198,15 @@ async def messages(request: Request):
 
 async def messages_count_tokens(request: Request):
     return JSONResponse(count_tokens(request.app.state.serving, await read_json(request)))
+
+
+# ---------------------------------------------------------------- embeddings
+async def embeddings_endpoint(request: Request):
+    body = await read_json(request)
+    embeddings = request.app.state.embeddings
+    if embeddings is None:
+        raise APIError(400, "this server has no embedding model (start it with --embedding-model)", "model")
+    return JSONResponse(await embeddings.answer(request.app.state.serving, body))
 
 
 async def wait_or_disconnect(request: Request, work):

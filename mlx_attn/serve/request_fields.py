@@ -14,7 +14,7 @@ _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "r
 HONOURED = {
     "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                    "tool_choice", "parallel_tool_calls", "response_format", "modalities")),
-    "completions": frozenset(_SAMPLING + ("prompt", "logprobs", "echo", "suffix", "best_of")),
+    "completions": frozenset(_SAMPLING + ("prompt", "logprobs", "echo", "suffix", "best_of", "response_format")),
     "messages": frozenset(("model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
                            "stop_sequences", "stream", "tools", "tool_choice")),
     "count_tokens": frozenset(("model", "messages", "system", "tools", "tool_choice")),
@@ -35,7 +35,6 @@ _ONLY = {
     "echo": (False, "echo is not supported"),
     "suffix": ("", "suffix (fill in the middle) is not supported"),
     "best_of": (1, "best_of is not supported; use n"),
-    "response_format": ({"type": "text"}, "response_format json_object / json_schema is not supported yet"),
 }
 
 # fields of the APIs this server refuses whatever their value, and why

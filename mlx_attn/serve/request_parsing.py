@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 import json
 import re
 
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.request_fields import check_fields
 from mlx_attn.serve.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
+from mlx_attn.serve.structured_output import response_format_constraint, tool_choice_constraint
 from mlx_attn.serve.tool_calls import ToolUse, assistant_tool_calls, parse_tool_use, render_chat
 
 __all__ = ["CompletionRequest", "parse_completion_request", "completion_request", "chat_messages", "chat_prompt",
@@ -293,6 +295,7 @@ class CompletionRequest:
     max_tokens: int
     sampling: list[SamplingParams]  # one per choice
     tool_use: ToolUse | None = None  # chat: the tools, tool_choice and parallel_tool_calls
+    constraint: Callable | None = None  # a fresh Constraint per call (one per choice), or None: unconstrained
 
 
 def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest:
@@ -319,6 +322,8 @@ def completion_request(state, body: dict, prompt: list[int], *, stream: bool, st
     fields read from ``body`` (also for the Anthropic API, whose names match)."""
     max_tokens = _max_tokens(state, body, chat, len(prompt))
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
+    # a forced tool call is the answer: its grammar, not response_format's (that shapes text answers)
+    constraint = tool_choice_constraint(state, tool_use) or response_format_constraint(state, body)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
                              include_usage=include_usage, stops=stops, prompt=prompt, max_tokens=max_tokens,
-                             sampling=sampling, tool_use=tool_use)
+                             sampling=sampling, tool_use=tool_use, constraint=constraint)

@@ -124,14 +124,21 @@ def _draw(logits: mx.array, params: SamplingParams, previous: Sequence[int], ind
 
 
 def sample_rows(logits: mx.array, params: Sequence[SamplingParams], previous: Sequence[Sequence[int]],
-                indices: Sequence[int]) -> list[Sampled]:
+                indices: Sequence[int], bias: tuple[Sequence[int], mx.array] | None = None) -> list[Sampled]:
     """Row ``r`` of ``logits [R, vocab]`` gives the ``indices[r]``-th
     generated token of a request with ``params[r]`` and tokens so far
     ``previous[r]`` (read by penalties only; its last ``indices[r]`` are the
     generated ones); one evaluation for all rows. Bias tokens must lie in the
-    vocabulary (the server's parser checks them)."""
+    vocabulary (the server's parser checks them).
+
+    ``bias``: ``(rows, values [len(rows), vocab])`` added to those rows'
+    logits before the token is chosen (a constraint's ``-inf`` on the tokens
+    it forbids), before penalties and ``logit_bias``; the other rows are
+    untouched, and every reported log-probability stays the model's."""
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if bias is not None:
+        logits = logits.at[mx.array(bias[0], dtype=mx.int32)].add(bias[1])
     tokens = mx.argmax(logits, axis=-1)
     drawn = [r for r, p in enumerate(params) if not p.greedy]
     if drawn:

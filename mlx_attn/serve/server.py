@@ -32,17 +32,19 @@ import threading
 
 from mlx_attn.serve.server_state import ServerState
 
-__all__ = ["ServerState", "create_app", "make_state", "state_from_args", "build_parser", "check_servable", "exposure_warning", "main"]
+__all__ = ["ServerState", "create_app", "make_state", "state_from_args", "build_parser", "check_servable",
+           "exposure_warning", "load_embedding_model", "main"]
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def create_app(state: ServerState, *, api_key: str | None = None):
-    """The Starlette application serving ``state``."""
+def create_app(state: ServerState, *, api_key: str | None = None, embeddings=None):
+    """The Starlette application serving ``state`` (and ``embeddings``, an
+    :class:`~mlx_attn.serve.embeddings.EmbeddingModel`, at ``/v1/embeddings``)."""
     from mlx_attn.serve.http_app import build_app
 
-    return build_app(state, api_key)
+    return build_app(state, api_key, embeddings)
 
 
 # ---------------------------------------------------------------- the command
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the engine holds the weights: auto is packed on MLX's CPU device (integer "
                              "matvecs up to 127 rows, BLAS on per-call dequantized weights beyond), float32 also "
                              "holds float32 weights for the BLAS (4x the memory), as loaded on a GPU")
+    parser.add_argument("--embedding-model", default=None,
+                        help="serve POST /v1/embeddings with this sentence encoder: a BERT directory, or "
+                             "'all-minilm-l6-v2' (fetched on first use)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     parser.add_argument("--state-snapshots", type=_non_negative, default=0,
                         help="hybrid models (recurrent layers): keep up to this many recurrent states saved at page "
@@ -136,6 +141,19 @@ def state_from_args(args: argparse.Namespace, model, tokenizer) -> ServerState:
                       page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
                       weights=args.weights, state_snapshots=args.state_snapshots, cascade=args.cascade == "on")
+def load_embedding_model(name: str | None, backend: str = "auto"):
+    """The ``--embedding-model``: None, a registered encoder's name or a BERT directory."""
+    if name is None:
+        return None
+    from mlx_attn.lm import load_sentence_encoder
+    from mlx_attn.lm.model_store import DEFAULT_ENCODER
+    from mlx_attn.serve.embeddings import EmbeddingModel
+
+    try:
+        encoder = load_sentence_encoder(None if name == DEFAULT_ENCODER else name, backend)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--embedding-model {name}: {error}") from None
+    return EmbeddingModel(encoder, name)
 
 
 def check_servable(model) -> None:
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_for_engine(args.model, args.engine, args.backend)
     check_servable(model)
     state = state_from_args(args, model, tokenizer)
-    app = create_app(state, api_key=api_key)
+    app = create_app(state, api_key=api_key, embeddings=load_embedding_model(args.embedding_model, args.backend))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()
     return 0

@@ -90,14 +90,17 @@ class ServerState:
             raise APIError(429, f"the server is serving its limit of {self.max_requests} requests; retry later",
                            None, "rate_limit_exceeded")
 
-    async def submit(self, prompt: list[int], max_tokens: int, sampling) -> tuple[Hashable, asyncio.Queue]:
+    async def submit(self, prompt: list[int], max_tokens: int, sampling,
+                     constraint=None) -> tuple[Hashable, asyncio.Queue]:
         self.check_room(1)
         rid = f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
 
+        constrained = {} if constraint is None else {"constraint": constraint}  # engines without constraints too
+
         def submit():
             self.engine.submit(rid, prompt, max_tokens, stop_token_ids=sorted(self.tokenizer.eos_token_ids),
-                               sampling=sampling)
+                               sampling=sampling, **constrained)
 
         self._active[rid] = _Active(queue)  # counts against the limit from now on
         try:

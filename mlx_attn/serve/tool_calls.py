@@ -12,8 +12,9 @@ parsed.
 
 ``tool_choice`` ``required`` or a named function is met by starting the
 answer with the format's call opening (for a named function, up to its
-arguments): the model then writes the call. Constrained decoding (the
-arguments held to the tool's schema) plugs in at :attr:`ToolUse.constraint`."""
+arguments): the model then writes the call, held by constrained decoding
+(:func:`forced_call_grammar`) to one call of an offered tool whose
+arguments match the tool's JSON schema."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from mlx_attn.serve.api_error import APIError
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
-           "parse_tool_use", "tool_call_format",
+           "parse_tool_use", "tool_call_format", "forced_call_grammar",
            "render_chat", "assistant_tool_calls", "new_call_id", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -64,9 +65,8 @@ class ToolUse:
     @property
     def constraint(self) -> dict | None:
         """What constrained decoding must hold the answer to (None: nothing):
-        a call of one of ``tools`` (their ``parameters`` schemas). Today the
-        opening of the call is forced by the prompt and the call checked when
-        parsed; a grammar built from this seam would hold the arguments too."""
+        a call of one of ``tools`` (their ``parameters`` schemas), built into
+        a grammar by :func:`forced_call_grammar`."""
         if self.forced is None:
             return None
         tools = [t for t in self.tools if self.forced in ("", t["function"]["name"])]
@@ -230,6 +230,50 @@ class ToolCallFormat:
         return opening
 
 
+def _lark_json(schema: dict, json_options: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": json_options})
+
+
+def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: dict) -> str | None:
+    """An llguidance (lark) grammar for what the model writes after
+    :meth:`ToolCallFormat.forced_opening`: one call of a tool
+    :attr:`ToolUse.constraint` allows, its arguments matching the tool's
+    ``parameters`` (JSON written with ``json_options``), the call closed as
+    the format closes it; then the answer may only end. None when nothing is
+    forced or the format's call text is not JSON this grammar can spell
+    (harmony's ``required``: the tool name sits among special tokens;
+    mlx-lm parsers other than its JSON one)."""
+    wanted = tool_use.constraint
+    if wanted is None:
+        return None
+    tools = wanted["tools"]
+    named = tool_use.forced != ""
+    rules = [f"args{i}: {_lark_json(tool['function']['parameters'], json_options)}" for i, tool in enumerate(tools)]
+    key = fmt.arguments_key
+
+    def calls() -> str:  # a whole call object, of any of the tools
+        for i, tool in enumerate(tools):
+            opening = f'{fmt.call_prefix}{json.dumps(tool["function"]["name"])}, "{key}": '
+            rules.append(f"call{i}: {json.dumps(opening)} args{i} " + json.dumps("}"))
+        return " | ".join(f"call{i}" for i in range(len(tools)))
+
+    close = json.dumps("\n</tool_call>")
+    if fmt.name == "hermes":  # the opening ends with "<tool_call>\n", named: with '"arguments": '
+        start = "args0 " + json.dumps("}\n</tool_call>") if named else f"({calls()}) {close}"
+    elif fmt.name == "llama3":
+        start = 'args0 "}"' if named else calls()
+    elif fmt.name == "mistral":
+        start = '"[" (' + calls() + ') "]"'
+    elif fmt.name == "harmony" and named:
+        start = "args0"  # the model's <|call|> ends it: an end token
+    elif fmt.name == "mlx-lm" and fmt.start == "<tool_call>" and fmt.end == "</tool_call>" \
+            and getattr(fmt.parse, "json_tools", False):
+        start = f'{json.dumps(chr(10))} ({calls()}) {close}'  # the opening ends with "<tool_call>"
+    else:
+        return None
+    return "\n".join([f"start: {start}", *rules]) + "\n"
+
+
 def _hermes_parse(text: str):
     parser = _mlx_lm_parser("json_tools")
     return parser(text) if parser is not None else json.loads(text.strip())
@@ -246,8 +290,13 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
     template = getattr(tokenizer, "chat_template", None) or ""
     wrapper = getattr(tokenizer, "wrapper", None)  # an mlx-lm tokenizer: its own parser, as mlx_lm.server uses
     if wrapper is not None and getattr(wrapper, "has_tool_calling", False):
-        return ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "",
-                              lambda text: wrapper.tool_parser(text, None), "tools" in template)
+        def parse(text):
+            return wrapper.tool_parser(text, None)
+
+        # mlx-lm's JSON parser reads calls a grammar can spell (forced_call_grammar)
+        parse.json_tools = getattr(wrapper.tool_parser, "__module__", "").endswith(".json_tools")
+        return ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "", parse,
+                              "tools" in template)
     if "<|channel|>" in template:  # gpt-oss
         return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True)
     if "<tool_call>" in template:

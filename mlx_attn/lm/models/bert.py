@@ -175,7 +175,12 @@ class SentenceEncoder:
             raise ValueError("no sentences to encode")
         if not all(isinstance(sentence, str) for sentence in sentences):
             raise ValueError("sentences must be strings")
-        ids = self.tokenize(sentences)
+        return self.encode_tokens(self.tokenize(sentences))
+
+    def encode_tokens(self, ids: list[list[int]]) -> mx.array:
+        """``[len(ids), hidden]`` unit-norm embeddings of token sequences
+        as :meth:`tokenize` gives them (special tokens included), padded
+        into one batch."""
         lengths = [len(seq) for seq in ids]
         width = max(lengths)
         tokens = mx.array([seq + [0] * (width - len(seq)) for seq in ids])
