@@ -372,3 +372,29 @@ def test_integer_products_take_rows_up_to_their_own_limit(monkeypatch, product, 
     for rows in (1, limit - 1, limit):
         layer(mx.ones((rows, 64)))
     assert calls == [("fused_matvec", 1), ("fused_matvec", limit - 1), ("dequantized_matmul", limit)]
+
+
+def test_packed_layers_take_the_integer_product_at_any_row_count(monkeypatch):
+    """``use_row_adaptive_matmuls(dequantize_many_rows=False)`` (the engine's
+    packed weights): a 300-row step reads the packed codes through the
+    integer product, never a per-call dequantized weight; the default still
+    dequantizes from ``INTEGER_MATVEC_ROWS`` rows."""
+    import mlx.nn as nn
+
+    from mlx_attn.lm import quantized_matmul
+
+    if quantized_matmul.MATVEC_PRODUCT == "float":
+        pytest.skip("MLX_ATTN_MATVEC=float: the packed engine holds float32 weights instead")
+    x = mx.random.normal((300, 64), key=mx.random.key(11))
+    dequantized = []
+    real = quantized_matmul._dequantized
+    monkeypatch.setattr(quantized_matmul, "_dequantized", lambda *a, **k: dequantized.append(1) or real(*a, **k))
+    for many_rows in (False, True):
+        layer = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+        quantized_matmul.use_row_adaptive_matmuls(nn.Sequential(layer), dequantize_many_rows=many_rows)
+        out = np.array(layer(x))
+        assert bool(dequantized) == many_rows
+        integer = np.array(_ext.quantized_matvec_int8(x, layer["weight"], layer["scales"], layer["biases"], 32, 4, 16
+                                                      if quantized_matmul.MATVEC_PRODUCT == "int16" else 8))
+        if not many_rows:
+            np.testing.assert_array_equal(out, integer)

@@ -75,9 +75,9 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
     weight through the fused CPU matrix-vector product, both with the same
     float32 weight values. ``"as-loaded"``: untouched (quantized matmuls:
     what MLX's GPU does well). ``"packed"``: as ``"float32"`` without the
-    held float32 weights: up to ``INTEGER_MATVEC_ROWS`` - 1 rows read the
-    packed weight through the integer matrix-vector product (faster than
-    the BLAS on a held weight there), more rows dequantize it per call.
+    held float32 weights: every step reads the packed weight through the
+    integer matrix-vector product (faster than the BLAS on a held weight up
+    to ~64 rows, about level past it, and no dequantized weight per call).
     ``"auto"``: on MLX's CPU device ``"packed"`` (``"float32"`` when
     ``MATVEC_PRODUCT`` is ``"float"``), else ``"as-loaded"``."""
     if weights not in WEIGHT_CHOICES:
@@ -91,7 +91,10 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
         model.update(tree_map_with_path(
             lambda _, a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
         mx.eval(model.parameters())
-        (hold_float32_weights if weights == "float32" else use_row_adaptive_matmuls)(model)
+        if weights == "float32":
+            hold_float32_weights(model)
+        else:  # packed: the integer product at every row count, no dequantized transients
+            use_row_adaptive_matmuls(model, dequantize_many_rows=quantized_matmul.MATVEC_PRODUCT == "float")
     return weights
 
 

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"${API_KEY_ENV} if set)")
     parser.add_argument("--weights", choices=["auto", "packed", "float32", "as-loaded"], default="auto",
                         help="how the engine holds the weights: auto is packed on MLX's CPU device (integer "
-                             "matvecs up to 127 rows, BLAS on per-call dequantized weights beyond), float32 also "
+                             "matvecs at every step size, no float32 copy), float32 also "
                              "holds float32 weights for the BLAS (4x the memory), as loaded on a GPU")
     parser.add_argument("--embedding-model", default=None,
                         help="serve POST /v1/embeddings with this sentence encoder: a BERT directory, or "
