@@ -14,6 +14,10 @@ with a word-level tokenizer and a small chat template written here:
 
 The output row of the end-of-text token is zeroed so that greedy decoding
 of random weights never stops early (every run decodes its full count).
+The float weights (scales, norms, embeddings) are float32: on MLX's CPU
+device a 4-bit matmul with bfloat16 scales runs ~12x slower than with
+float32 ones and with float16 ~70x (a Mac checkpoint's bfloat16 would
+measure MLX's CPU fallbacks here, not the attention paths; ``--dtype``).
 
 Measured:
 
@@ -122,7 +126,7 @@ def write_tokenizer(directory: Path, size: int) -> None:
         "model_max_length": 131072, "chat_template": CHAT_TEMPLATE}))
 
 
-def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, dtype: str = "bfloat16", bits: int = 4,
+def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, dtype: str = "float32", bits: int = 4,
                      group_size: int = 64) -> Path:
     """A random-weight checkpoint of mlx-lm's class for ``config``: cast to
     ``dtype`` and quantized to ``bits`` with mlx-lm's helpers (as
@@ -154,15 +158,15 @@ def write_checkpoint(directory: Path, config: dict, *, seed: int = 0, dtype: str
     return directory
 
 
-def checkpoint(work: Path, name: str, config: dict, seed: int = 0) -> Path:
+def checkpoint(work: Path, name: str, config: dict, seed: int = 0, dtype: str = "float32") -> Path:
     """``write_checkpoint``'s directory for this config under ``work``,
-    written once (keyed by the config, the seed and the writer's version)."""
-    key = hashlib.sha256(json.dumps([config, seed, WRITER_VERSION], sort_keys=True).encode()).hexdigest()[:12]
+    written once (keyed by the config, seed, dtype and the writer's version)."""
+    key = hashlib.sha256(json.dumps([config, seed, dtype, WRITER_VERSION], sort_keys=True).encode()).hexdigest()[:12]
     directory = work / f"{name}-4bit-{key}"
     if not (directory / "config.json").exists():
         work.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
-        write_checkpoint(partial / "model", config, seed=seed)
+        write_checkpoint(partial / "model", config, seed=seed, dtype=dtype)
         (partial / "model").rename(directory)
         partial.rmdir()
     return directory
@@ -383,12 +387,14 @@ def main(argv=None) -> dict:
                         help="the Python that runs mlx_lm.generate / mlx_lm.server (default: this one)")
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 2048], help="prompt tokens of generate")
-    parser.add_argument("--decode", type=int, default=64, help="tokens each generate run decodes")
+    parser.add_argument("--decode", type=int, default=32, help="tokens each generate run decodes")
     parser.add_argument("--repeats", type=int, default=2, help="generate runs per side (alternating; median)")
     parser.add_argument("--other-repeats", type=int, default=1, help="--repeats for the models other than qwen3")
-    parser.add_argument("--requests", type=int, nargs=3, default=[3, 8, 16], metavar=("C1", "C4", "C16"),
+    parser.add_argument("--requests", type=int, nargs=3, default=[2, 8, 16], metavar=("C1", "C4", "C16"),
                         help="requests of each serving concurrency")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens of each serving request")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens of each serving request")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="the checkpoints' float weights and quantization scales")
     parser.add_argument("--no-serve", action="store_true", help="leave the serving phase out")
     parser.add_argument("--work-dir", default=None, help="where the checkpoints are kept (default: a cache dir)")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="folder for the .json and .png")
@@ -410,7 +416,7 @@ def main(argv=None) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="bench_mlx_lm_models_"))
     started = time.perf_counter()
     for name in args.models:
-        model_dir = checkpoint(work, name, shapes[name])
+        model_dir = checkpoint(work, name, shapes[name], dtype=args.dtype)
         entry = results["models"][name] = {"directory": str(model_dir), "parameters": parameter_count(model_dir)}
         print(f"{name}: {entry['parameters'] / 1e6:.0f}M parameters, 4-bit, {model_dir}", flush=True)
         repeats = args.repeats if name == "qwen3" else args.other_repeats
