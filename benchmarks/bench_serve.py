@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     try:
         for key, (name, command) in servers.items():
             port = free_port()
-            running[key] = (port, Server(name, [*command, "--port", str(port)], port, logs / f"{key}.log"))
+            running[key] = (port, Server(name, [*command, "--port", str(port)], port, logs / f"{key}.log", cwd=logs))
             results.setdefault(key, {})["load"] = []
         # each load level runs on one server, then on the other (the idle one uses no CPU): a drift in
         # this shared machine's load lands on both sides of a ratio alike
