@@ -5,12 +5,17 @@ The checkpoints are random-weight, 4-bit models written (seeded, once, into a
 cache dir) with mlx-lm's own model classes and its quantize / save helpers,
 with a word-level tokenizer and a small chat template written here:
 
-- ``qwen3``: Qwen3-shaped (head_dim 128, GQA 16/8, q/k norms, tied
-  embeddings), ~160M parameters;
+- ``qwen3``: Qwen3-shaped (head_dim 128, GQA 2:1, q/k norms, tied
+  embeddings), ~40M parameters;
 - ``gpt_oss``: gpt-oss-shaped (attention sinks, 128-token sliding window on
-  every other layer, MoE), for the sinks + window paths;
-- ``gemma3_text``: Gemma-3-shaped (270M's layers, 512-token sliding window on
-  5 of every 6 layers), for the window path.
+  every other layer, 8 experts, 2 active), for the sinks + window paths;
+- ``gemma3_text``: Gemma-3-shaped (270M's layer shape, 512-token sliding
+  window on 5 of every 6 layers), for the window path.
+
+They are smaller than the models users run because a shared 2-core CPU
+prefills 4-bit weights slowly on both sides: ``--large`` takes a ~160M
+Qwen3 shape (hidden 1024) instead, whose 2k-token prompt took ~7 minutes
+per run here under load.
 
 The output row of the end-of-text token is zeroed so that greedy decoding
 of random weights never stops early (every run decodes its full count).
@@ -23,7 +28,8 @@ Measured:
 
 - ``mlx-attn generate --engine mlx-lm`` against ``mlx_lm.generate`` (each a
   fresh process, the CLI's own statistics lines): prompt and decode tokens/s
-  at 128 and 2k prompt tokens, every model;
+  at 128 and 2k prompt tokens on qwen3, at 128 and 1k (past both windows) on
+  the others;
 - ``mlx-attn serve --engine mlx-lm`` against ``mlx_lm.server`` on the qwen3
   model at concurrency 1, 4 and 16 (streamed greedy chat requests):
   aggregate generated tokens/s, time to first token p50 / p95;
@@ -74,21 +80,23 @@ PROSE = ("Attention lets every token look at every other token . A query is comp
          "are turned into weights by a softmax , and the weights average the values . Long contexts make this "
          "quadratic , which is why fused kernels never store the whole score matrix . ")
 
-# name -> mlx-lm config (the full run); QUICK_SHAPES shrink them for --quick
+# name -> mlx-lm config (the full run); LARGE_SHAPES and QUICK_SHAPES for --large and --quick
 SHAPES = {
-    "qwen3": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=8, intermediate_size=3072,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                  vocab_size=32768, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
-    "gpt_oss": dict(model_type="gpt_oss", hidden_size=1024, num_hidden_layers=8, intermediate_size=768,
-                    num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=8,
+    "qwen3": dict(model_type="qwen3", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                  vocab_size=16384, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=512, num_hidden_layers=8, intermediate_size=512,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=8,
                     num_experts_per_tok=2, sliding_window=128, rope_theta=150000.0, rms_norm_eps=1e-5,
-                    vocab_size=32768, max_position_embeddings=131072,
+                    vocab_size=16384, max_position_embeddings=131072,
                     layer_types=["sliding_attention", "full_attention"] * 4),
-    "gemma3_text": dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=18, intermediate_size=2048,
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=12, intermediate_size=2048,
                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
-                        rms_norm_eps=1e-6, vocab_size=32768, max_position_embeddings=32768, sliding_window=512,
+                        rms_norm_eps=1e-6, vocab_size=16384, max_position_embeddings=32768, sliding_window=512,
                         sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0),
 }
+LARGE_SHAPES = dict(SHAPES, qwen3=dict(SHAPES["qwen3"], hidden_size=1024, intermediate_size=3072,
+                                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32768))
 QUICK_SHAPES = {
     "qwen3": dict(SHAPES["qwen3"], hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512),
@@ -229,12 +237,14 @@ def generate_once(side: str, python: str, model_dir: Path, prompt_tokens: int, m
     return result
 
 
-def generate_phase(pythons: dict, model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: int) -> dict:
+def generate_phase(pythons: dict, model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: int,
+                   turn: int = 0) -> dict:
     """Each side ``repeats`` times, alternating (the order flips every
-    repeat); the median of each measure per side."""
+    repeat); the median of each measure per side. The side that runs first
+    takes the turn after an earlier phase's last: no side always starts."""
     runs = {side: [] for side in pythons}
     sides = list(pythons)
-    for repeat in range(repeats):
+    for repeat in range(turn, turn + repeats):
         for side in (sides if repeat % 2 == 0 else sides[::-1]):
             runs[side].append(generate_once(side, pythons[side], model_dir, prompt_tokens, max_tokens))
     out = {side: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for side, rs in runs.items()}
@@ -386,10 +396,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--mlx-lm-python", default=sys.executable,
                         help="the Python that runs mlx_lm.generate / mlx_lm.server (default: this one)")
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 2048], help="prompt tokens of generate")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 2048], help="qwen3's generate prompt tokens")
+    parser.add_argument("--other-prompts", type=int, nargs="+", default=[128, 1024],
+                        help="the other models' generate prompt tokens")
     parser.add_argument("--decode", type=int, default=32, help="tokens each generate run decodes")
-    parser.add_argument("--repeats", type=int, default=2, help="generate runs per side (alternating; median)")
-    parser.add_argument("--other-repeats", type=int, default=1, help="--repeats for the models other than qwen3")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="generate runs per side (alternating; median) of qwen3's prompts under 1024 tokens")
+    parser.add_argument("--long-repeats", type=int, default=1, help="generate runs per side of the other phases")
+    parser.add_argument("--large", action="store_true", help="a ~160M-parameter qwen3 (slow here: see above)")
     parser.add_argument("--requests", type=int, nargs=3, default=[2, 8, 16], metavar=("C1", "C4", "C16"),
                         help="requests of each serving concurrency")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens of each serving request")
@@ -400,10 +414,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(ROOT / "docs"), help="folder for the .json and .png")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, short prompts, few requests")
     args = parser.parse_args(argv)
-    shapes = SHAPES
+    shapes = LARGE_SHAPES if args.large else SHAPES
     if args.quick:
         shapes = QUICK_SHAPES
-        args.prompts, args.decode, args.repeats, args.other_repeats = [32, 96], 4, 1, 1
+        args.prompts, args.other_prompts, args.decode, args.repeats, args.long_repeats = [32, 96], [32, 96], 4, 1, 1
         args.requests, args.max_tokens = [1, 4, 16], 4
 
     from mlx_attn.lm.model_store import cache_dir
@@ -415,14 +429,16 @@ def main(argv=None) -> dict:
     results = {"title": "", "cpu": cpu, "config": vars(args), "models": {}}
     logs = Path(tempfile.mkdtemp(prefix="bench_mlx_lm_models_"))
     started = time.perf_counter()
+    turn = 0  # generate phases continue one alternation: the side that ran last starts the next
     for name in args.models:
         model_dir = checkpoint(work, name, shapes[name], dtype=args.dtype)
         entry = results["models"][name] = {"directory": str(model_dir), "parameters": parameter_count(model_dir)}
         print(f"{name}: {entry['parameters'] / 1e6:.0f}M parameters, 4-bit, {model_dir}", flush=True)
-        repeats = args.repeats if name == "qwen3" else args.other_repeats
         entry["generate"] = {}
-        for length in args.prompts:
-            phase = generate_phase(pythons, model_dir, length, args.decode, repeats)
+        for length in (args.prompts if name == "qwen3" else args.other_prompts):
+            repeats = args.repeats if name == "qwen3" and length < 1024 else args.long_repeats
+            phase = generate_phase(pythons, model_dir, length, args.decode, repeats, turn)
+            turn += repeats
             entry["generate"][length] = phase
             print(f"  generate {length}: decode {phase['mlx_attn']['generation_tps']:.1f} vs "
                   f"{phase['mlx_lm']['generation_tps']:.1f} tok/s, prompt {phase['mlx_attn']['prompt_tps']:.1f} vs "
