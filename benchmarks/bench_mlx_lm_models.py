@@ -327,7 +327,7 @@ def table(results: dict) -> str:
             label = f"generate, {length}-token prompt"
             row(name, f"{label}: prompt tok/s", ours["prompt_tps"], theirs["prompt_tps"], "{:.1f}")
             target = decode_targets.get(length, "") if name == "qwen3" else ""
-            row(name, f"{label}: decode tok/s ({ours['generation_tokens']} tokens)", ours["generation_tps"],
+            row(name, f"{label}: decode tok/s ({ours['generation_tokens']:.0f} tokens)", ours["generation_tps"],
                 theirs["generation_tps"], "{:.1f}", target)
     for name, model in results["models"].items():
         serve = model.get("serve")
