@@ -30,12 +30,26 @@ from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
 from mlx_attn.lm.quantized_matmul import hold_float32_weights
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
-from mlx_attn.serve.sampling import SamplingParams, sample_rows
-from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
+from mlx_attn.lm.ngram_draft import NgramDrafter
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_num_draft_tokens
+from mlx_attn.serve.sampling import SamplingParams, sample_rows, verify_draft_rows
+from mlx_attn.serve.scheduler import Request, Scheduler, Speculation, StepPlan
 
 __all__ = ["PagedAttention", "Engine", "Output", "prepare_weights", "WEIGHT_CHOICES"]
 
 WEIGHT_CHOICES = ("auto", "float32", "as-loaded")
+# rows up to which a step may hold drafts (the back-off rule, Speculation)
+DEFAULT_SPECULATIVE_ROWS = 48
+
+
+def _speculation(kind: str | None, num_draft_tokens: int, step_rows: int) -> Speculation | None:
+    if kind is None:
+        return None
+    if kind not in SPECULATIVE_CHOICES:
+        raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or None, got {kind!r}")
+    if isinstance(step_rows, bool) or not isinstance(step_rows, int) or step_rows < 1:
+        raise ValueError(f"speculative_rows must be a positive integer, got {step_rows!r}")
+    return Speculation(NgramDrafter(), check_num_draft_tokens(num_draft_tokens), step_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +140,18 @@ class Engine:
     activations' (float32 after ``weights="float32"``): paged attention
     computes in the promotion of the queries' and the pages' dtypes and would
     otherwise convert every page of the pool each layer; ``weights``: see
-    :func:`prepare_weights` (it changes ``model`` in place)."""
+    :func:`prepare_weights` (it changes ``model`` in place).
+
+    ``speculative="ngram"``: decoding requests propose up to
+    ``num_draft_tokens`` tokens found after their last n-gram earlier in
+    their own tokens and verify them in the same step, ``k + 1`` rows each
+    (lossless: :mod:`mlx_attn.lm.speculative`); drafts fill a step only up
+    to ``speculative_rows`` rows (:class:`Speculation` says why)."""
 
     def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
-                 dtype=None, weights: str = "auto"):
+                 dtype=None, weights: str = "auto", speculative: str | None = None,
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, speculative_rows: int = DEFAULT_SPECULATIVE_ROWS):
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
         model = _paged_model(model)
@@ -156,15 +177,20 @@ class Engine:
         self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim,
                                   value_dim=getattr(model, "value_dim", None), dtype=dtype, bits=kv_bits,
                                   group_size=group_size)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running,
+                                   _speculation(speculative, num_draft_tokens, speculative_rows))
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
 
     def submit(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
-               stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None) -> None:
+               stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None,
+               speculative: bool = True) -> None:
         """Queue a request; ``ValueError`` naming ``prompt`` or ``max_tokens``
         when its tokens are not the model's or it outgrows the model's
-        context, and the scheduler's errors (can never fit the pool)."""
+        context, and the scheduler's errors (can never fit the pool).
+        ``speculative=False``: this request never drafts (when the engine does)."""
+        if not isinstance(speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {speculative!r}")
         config = self.model.config
         vocab = config.vocab_size
         tokens = np.asarray(prompt)
@@ -179,7 +205,7 @@ class Engine:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
-                                      frozenset(int(t) for t in stop_token_ids)))
+                                      frozenset(int(t) for t in stop_token_ids), speculative))
         self.sampling[request_id] = sampling or SamplingParams()
         self.generated[request_id] = 0
 
@@ -214,38 +240,52 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
-        sampled = self._run(plan)
+        sampled = self._run(plan)  # request -> the tokens it keeps, in order
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
-        results = self.scheduler.commit(plan, {rid: s.token for rid, s in sampled.items()})
-        outputs = []
+        results = self.scheduler.commit(plan, {rid: [s.token for s in kept] for rid, kept in sampled.items()})
+        outputs, seen = [], {}
         for result in results:
+            rid = result.request_id
             if result.finished:
-                self._forget(result.request_id)
-            s = sampled[result.request_id]
-            outputs.append(Output(result.request_id, result.token, s.logprob, result.finished, s.top_logprobs,
-                                  cached[result.request_id]))
+                self._forget(rid)
+            s = sampled[rid][seen.get(rid, 0)]
+            seen[rid] = seen.get(rid, 0) + 1
+            outputs.append(Output(rid, result.token, s.logprob, result.finished, s.top_logprobs, cached[rid]))
         return outputs
 
     def _run(self, plan: StepPlan) -> dict:
         arrays = plan.arrays()
         self.store.copy(plan.copies)
         ends = np.cumsum(arrays["q_lens"]) - 1
-        sampling = [(row.request_id, int(end)) for row, end in zip(plan.rows, ends) if row.sample]
-        # logits of the sampling rows only (a prefill chunk's other rows need none)
-        hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32))
+        sampling = [row for row in plan.rows if row.sample]
+        # logits of the sampling rows only (a prefill chunk's other rows need
+        # none): the last row, and a drafting row's rows that verify its drafts
+        logit_rows = [np.arange(end - row.drafts, end + 1) for row, end in zip(plan.rows, ends) if row.sample]
+        hook = PagedAttention(self.store, arrays, np.concatenate(logit_rows) if logit_rows else np.zeros(0, np.int32))
         rows = self.model(mx.array(arrays["tokens"])[None], attention=hook)[0]
         if not sampling:
             mx.eval(self.store.keys, self.store.values)  # a step of prefill chunks only: no logit row
             return {}
         mx.eval(rows, self.store.keys, self.store.values)
-        rids = [rid for rid, _ in sampling]
-        params = [self.sampling[rid] for rid in rids]
+        firsts = np.cumsum([0] + [row.drafts + 1 for row in sampling])
+        params = [self.sampling[row.request_id] for row in sampling]
         # a request's tokens are only read by a repetition penalty
-        previous = [self.scheduler.tokens(rid) if p.repetition_penalty != 1.0 else () for rid, p in zip(rids, params)]
-        drawn = sample_rows(rows, params, previous, [self.generated[rid] for rid in rids])
-        for rid in rids:
-            self.generated[rid] += 1
-        return dict(zip(rids, drawn))
+        previous = [self.scheduler.tokens(row.request_id) if p.repetition_penalty != 1.0 else ()
+                    for row, p in zip(sampling, params)]
+        kept: dict[Hashable, list] = {}
+        plain = [b for b, row in enumerate(sampling) if not row.drafts]
+        if plain:  # one draw for every row without drafts
+            drawn = sample_rows(rows[mx.array(firsts[plain].astype(np.int32))], [params[b] for b in plain],
+                                [previous[b] for b in plain], [self.generated[sampling[b].request_id] for b in plain])
+            kept.update((sampling[b].request_id, [d]) for b, d in zip(plain, drawn))
+        for b, row in enumerate(sampling):
+            if row.drafts:
+                rid = row.request_id
+                kept[rid] = verify_draft_rows(rows[int(firsts[b]):int(firsts[b + 1])], params[b], previous[b],
+                                              self.generated[rid], row.tokens[len(row.tokens) - row.drafts:])
+        for rid, tokens in kept.items():
+            self.generated[rid] += len(tokens)
+        return kept
 
     def run_until_idle(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; the generated tokens of each."""

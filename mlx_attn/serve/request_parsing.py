@@ -235,6 +235,7 @@ class CompletionRequest:
     prompt: list[int]
     max_tokens: int
     sampling: list[SamplingParams]  # one per choice
+    speculative: bool = True  # False: this request never drafts (when the server drafts)
 
 
 def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest:
@@ -250,6 +251,7 @@ def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest
     prompt = _prompt(state, body, chat)
     max_tokens = _max_tokens(state, body, chat, len(prompt))
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
+    speculative = _field(body, "speculative", bool, True)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
                              include_usage=include_usage, stops=stops, prompt=prompt, max_tokens=max_tokens,
-                             sampling=sampling)
+                             sampling=sampling, speculative=speculative)

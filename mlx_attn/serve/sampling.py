@@ -22,9 +22,10 @@ import mlx.core as mx
 
 from mlx_attn.lm.sampling import apply_repetition_penalty, check_repetition_penalty, check_sampling_parameters, \
     make_sampler
+from mlx_attn.lm.speculative import penalized_rows, verify_drafts
 from mlx_attn.lm.validate import require_int
 
-__all__ = ["SamplingParams", "Sampled", "sample_rows", "sample_token", "MAX_TOP_LOGPROBS"]
+__all__ = ["SamplingParams", "Sampled", "sample_rows", "sample_token", "MAX_TOP_LOGPROBS", "verify_draft_rows"]
 
 _SEED_LIMIT = 2**63
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
@@ -124,3 +125,42 @@ def sample_token(logits: mx.array, params: SamplingParams, previous: list[int], 
     and its log-probability under the model (before any filter)."""
     sampled = sample_rows(logits[None], [params], [previous], [index])[0]
     return sampled.token, sampled.logprob
+
+
+def verify_draft_rows(logits: mx.array, params: SamplingParams, previous: Sequence[int], index: int,
+                      drafts: Sequence[int]) -> list[Sampled]:
+    """The tokens a request keeps from one verification: ``logits [k + 1,
+    vocab]`` of its rows fed ``[last token] + drafts``; ``index``: the
+    generated-token index of the first of them. Greedy rows keep drafts
+    while they are the argmax; drawn rows use speculative sampling
+    (:func:`mlx_attn.lm.speculative.verify_drafts`) over the same filters
+    and penalty as :func:`sample_rows`, from the request's seed and
+    ``index``, so a seeded request is reproducible. Returns the accepted
+    drafts and one token more, each with its log-probabilities."""
+    logits = logits.astype(mx.float32)
+    if params.greedy:
+        kept = verify_drafts(logits, drafts, 0.0)
+    else:
+        # the plain sampler penalizes over every token before the drawn one
+        shaped = penalized_rows(logits, previous, drafts, params.repetition_penalty, None)
+        mx.random.seed((params.seed * 1_000_003 + index) % _SEED_LIMIT)
+        kept = verify_drafts(shaped, drafts, params.temperature, params.top_k, params.top_p, params.min_p)
+    rows = logits[: len(kept)]
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(kept)[:, None], axis=-1)[:, 0]
+    top = params.top_logprobs
+    if top:
+        best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
+        mx.eval(chosen, best, best_logprobs)
+        best, best_logprobs = best.tolist(), best_logprobs.tolist()
+    else:
+        mx.eval(chosen)
+    out = []
+    for r, (token, logprob) in enumerate(zip(kept, chosen.tolist())):
+        ranked = ()
+        if top:
+            pairs = sorted(zip(best_logprobs[r], best[r]), key=lambda pair: (-pair[0], pair[1]))
+            ranked = tuple((int(t), float(lp)) for lp, t in pairs[:top])
+        out.append(Sampled(int(token), float(logprob), ranked))
+    return out

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, DraftLength
 from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted
 
-__all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult"]
+__all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult", "Speculation"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Request:
     prompt: tuple[int, ...]
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
+    speculate: bool = True  # False: never draft for this request (when the scheduler drafts)
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,15 @@ class ScheduledRow:
     """One request's rows in a step: the tokens at positions
     ``start .. start + len(tokens) - 1``, attending to keys ``0 .. kv_len - 1``
     in the pages of ``block_table``; ``sample``: the last row's logits give
-    the request's next token."""
+    the request's next token (with ``drafts``, the logits of the last
+    ``drafts + 1`` rows verify the drafts and give one token more)."""
 
     request_id: Hashable
     start: int
     tokens: tuple[int, ...]
     block_table: tuple[int, ...]
     sample: bool
+    drafts: int = 0  # the last ``drafts`` tokens are proposed, to be verified by their logits
 
     @property
     def kv_len(self) -> int:
@@ -115,6 +119,7 @@ class _Sequence:
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     admitted: int = -1  # admission clock, for the preemption order
     preempted: bool = False  # waiting again after a preemption
+    draft_length: DraftLength | None = None  # None: this request does not draft
 
     @property
     def pending(self) -> int:
@@ -125,8 +130,26 @@ def pages_needed(length: int, page_size: int) -> int:
     return math.ceil(length / page_size)
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Drafting in the batched step. ``num_draft_tokens``: the most drafts
+    per request and step (each request adapts its own, :class:`DraftLength`).
+    ``step_rows``: the back-off rule. Drafts only fill a step up to
+    ``step_rows`` rows in all (decode rows, prefill continuations and
+    drafts): below that a step costs about what reading the weights once
+    costs, so a draft row is nearly free; above it the step is
+    compute-bound, every row adds its own matmul time and a rejected draft
+    is a loss, so the step holds no drafts (requests beyond ``step_rows``
+    decode one token each, oldest requests draft first)."""
+
+    drafter: object  # propose(tokens, count) -> list[int]
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    step_rows: int = 48
+
+
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None):
+    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None,
+                 speculation: Speculation | None = None):
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
@@ -141,6 +164,9 @@ class Scheduler:
         self.copies = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.speculation = speculation
+        self.draft_tokens = 0  # proposed and verified
+        self.accepted_draft_tokens = 0
 
     # ------------------------------------------------------------ requests
     def submit(self, request: Request) -> None:
@@ -162,6 +188,8 @@ class Scheduler:
             )
         self._clock += 1
         sequence = _Sequence(request, list(request.prompt), arrival=self._clock)
+        if self.speculation is not None and request.speculate:
+            sequence.draft_length = DraftLength(self.speculation.num_draft_tokens)
         self._all[request.request_id] = sequence
         self.waiting.append(sequence)
 
@@ -194,16 +222,21 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Hashable] = []
         planned: set[Hashable] = set()
+        ordered = sorted(self.running, key=lambda s: (s.pending > 1, s.admitted))
+        draft_room = self._draft_room(ordered, budget)
         # decode rows first, then prefill continuations, each oldest first
-        for sequence in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted)):
+        for sequence in ordered:
             if budget == 0:
                 break
             if sequence not in self.running:  # preempted earlier in this step
                 continue
             count = min(sequence.pending, budget)
-            if not self._reserve(sequence, count, copies, planned, preempted):
+            drafts = self._drafts(sequence, min(draft_room, budget - count)) if sequence.pending == 1 else []
+            if not self._reserve(sequence, count + len(drafts), copies, planned, preempted):
                 continue
-            rows.append(self._row(sequence, count))
+            draft_room -= len(drafts)
+            budget -= len(drafts)
+            rows.append(self._row(sequence, count, drafts))
             planned.add(sequence.request.request_id)
             budget -= count
         # no admission in a step that preempted: the pool is short (and the
@@ -220,11 +253,31 @@ class Scheduler:
         self.copies += len(copies)
         return StepPlan(tuple(rows), tuple(copies), tuple(preempted), self.pool.page_size)
 
-    def _row(self, sequence: _Sequence, count: int) -> ScheduledRow:
+    def _draft_room(self, ordered: list[_Sequence], budget: int) -> int:
+        """Draft rows this step may hold (the rule of :class:`Speculation`)."""
+        if self.speculation is None:
+            return 0
+        planned = 0
+        for sequence in ordered:
+            planned += min(sequence.pending, budget - planned)
+        return max(0, min(self.speculation.step_rows, budget) - planned)
+
+    def _drafts(self, sequence: _Sequence, room: int) -> list[int]:
+        """Tokens proposed to follow a decoding request, at most ``room`` and
+        one fewer than it may still generate (the step adds a token of its own)."""
+        if sequence.draft_length is None or room <= 0:
+            return []
+        count = min(sequence.draft_length.next(), room, sequence.request.max_tokens - sequence.generated - 1)
+        if count <= 0:
+            return []
+        return [int(t) for t in self.speculation.drafter.propose(sequence.tokens, count)][:count]
+
+    def _row(self, sequence: _Sequence, count: int, drafts: Sequence[int] = ()) -> ScheduledRow:
         start = sequence.num_computed
         return ScheduledRow(
-            sequence.request.request_id, start, tuple(sequence.tokens[start : start + count]),
+            sequence.request.request_id, start, tuple(sequence.tokens[start : start + count]) + tuple(drafts),
             tuple(self.pool.tables[sequence.request.request_id]), sample=start + count == len(sequence.tokens),
+            drafts=len(drafts),
         )
 
     def _admit(self, sequence: _Sequence, copies: list) -> bool:
@@ -296,10 +349,15 @@ class Scheduler:
         self.preemptions += 1
 
     # ------------------------------------------------------------ after the forward
-    def commit(self, plan: StepPlan, sampled: dict[Hashable, int]) -> list[StepResult]:
+    def commit(self, plan: StepPlan, sampled: dict[Hashable, int | Sequence[int]]) -> list[StepResult]:
         """Record a plan the model ran: ``sampled`` maps each row with
-        ``sample=True`` to the token sampled from its last position.
-        Requests cancelled since the plan are skipped."""
+        ``sample=True`` to the token sampled from its last position, or for a
+        row with drafts to the tokens its verification kept (the accepted
+        drafts, then one token of the model's own). The K/V of rejected
+        drafts is dropped: the computed positions stop after the accepted
+        ones and the pages past the request's tokens are released, so no
+        indexed page ever covers an unaccepted token. Requests cancelled
+        since the plan are skipped."""
         results = []
         size = self.pool.page_size
         for row in plan.rows:
@@ -307,26 +365,47 @@ class Scheduler:
             if sequence is None or sequence not in self.running or sequence.num_computed != row.start:
                 continue
             rid = row.request_id
-            sequence.num_computed = row.kv_len
+            kept = [] if not row.sample else self._kept_tokens(row, sampled)
+            accepted = max(0, len(kept) - 1)
+            if row.drafts:
+                self.draft_tokens += row.drafts
+                self.accepted_draft_tokens += accepted
+                sequence.draft_length.record(row.drafts, accepted)
+            sequence.num_computed = row.kv_len - row.drafts + accepted
             table = self.pool.tables[rid]
+            computed = sequence.tokens + kept[:accepted]  # the accepted drafts' K/V is in the pages
             while (len(sequence.keys) + 1) * size <= sequence.num_computed:
                 i = len(sequence.keys)
                 parent = sequence.keys[-1] if sequence.keys else ROOT_HASH
-                sequence.keys.append(self.pool.register(table[i], parent, sequence.tokens[i * size : (i + 1) * size]))
+                sequence.keys.append(self.pool.register(table[i], parent, computed[i * size : (i + 1) * size]))
             if not row.sample:
                 continue
-            if rid not in sampled:
-                raise ValueError(f"sampled has no token for request {rid!r}, whose row samples")
-            token = int(sampled[rid])
-            sequence.tokens.append(token)
-            sequence.generated += 1
-            done = sequence.generated >= sequence.request.max_tokens or token in sequence.request.stop_token_ids
-            if done:
-                self.pool.release(rid)
-                self.running.remove(sequence)
-                del self._all[rid]
-            results.append(StepResult(rid, token, done))
+            for token in kept:
+                sequence.tokens.append(token)
+                sequence.generated += 1
+                done = sequence.generated >= sequence.request.max_tokens or token in sequence.request.stop_token_ids
+                results.append(StepResult(rid, token, done))
+                if done:
+                    self.pool.release(rid)
+                    self.running.remove(sequence)
+                    del self._all[rid]
+                    break
+            else:
+                if row.drafts:  # pages that held only rejected drafts
+                    self.pool.truncate(rid, pages_needed(len(sequence.tokens), size))
         return results
+
+    def _kept_tokens(self, row: ScheduledRow, sampled: dict) -> list[int]:
+        rid = row.request_id
+        if rid not in sampled:
+            raise ValueError(f"sampled has no token for request {rid!r}, whose row samples")
+        value = sampled[rid]
+        kept = [int(value)] if isinstance(value, (int, np.integer)) else [int(t) for t in value]
+        drafts = row.tokens[len(row.tokens) - row.drafts:]
+        if not 1 <= len(kept) <= row.drafts + 1 or tuple(kept[:-1]) != drafts[:len(kept) - 1]:
+            raise ValueError(f"the tokens kept for request {rid!r} must be a prefix of its {row.drafts} drafts "
+                             f"and one token more, got {kept}")
+        return kept
 
     def stats(self) -> dict[str, int | float]:
         """Counts for metrics: requests, pages, prefix-cache hits, preemptions."""
@@ -337,6 +416,7 @@ class Scheduler:
             "pages_free": pool.free_pages, "evictions": pool.evictions, "preemptions": self.preemptions,
             "copies": self.copies, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
             "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         }
 

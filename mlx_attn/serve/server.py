@@ -85,13 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the engine holds the weights: auto is float32 on MLX's CPU device (batched BLAS "
                              "matmuls), as loaded on a GPU (quantized matmuls)")
     parser.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
+    parser.add_argument("--speculative", choices=["ngram"], default=None,
+                        help="ngram: decoding requests propose tokens that followed their last n-gram earlier in "
+                             "their prompt or output and verify them in the same step (same outputs, fewer steps)")
+    parser.add_argument("--num-draft-tokens", type=_positive, default=4,
+                        help="with --speculative: the most tokens a request proposes per step")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
-               temperature: float = 0.0, max_requests: int = 256, weights: str = "auto") -> ServerState:
+               temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
+               speculative: str | None = None, num_draft_tokens: int = 4) -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -100,7 +106,8 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens, weights=weights)
+                      max_batch_tokens=max_batch_tokens, weights=weights, speculative=speculative,
+                      num_draft_tokens=num_draft_tokens)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                        max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
-                       weights=args.weights)
+                       weights=args.weights, speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
     app = create_app(state, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()
