@@ -62,6 +62,18 @@ def test_greedy_with_repetition_penalty_identical():
     assert drafted == plain
 
 
+def test_a_rotating_cache_drafts_until_its_window_slides():
+    model = tiny_llama(seed=3)
+    base = dict(max_tokens=30, stop_at_eos=False, max_kv_size=48)
+    plain = list(generate_tokens(model, REPETITIVE, GenerationConfig(**base)))
+    config = GenerationConfig(**base, speculative="ngram")
+    cache = model.make_cache(48)
+    length = DraftLength(config.num_draft_tokens)
+    drafted = [t for t, _ in speculative_steps(model, REPETITIVE, config, cache, length)]
+    assert drafted == plain
+    assert length.accepted > 0 and cache[0].offset > 48  # drafted early, then slid past the window
+
+
 def test_seeded_speculative_sampling_is_reproducible():
     model = tiny_llama()
     config = GenerationConfig(max_tokens=20, temperature=1.0, seed=7, speculative="ngram", stop_at_eos=False)

@@ -291,7 +291,7 @@ def _draft_room(cache: list, rows: int) -> bool:
     for c in cache:
         if not hasattr(c, "trim") or not c.is_trimmable():
             return False
-        if isinstance(c, RotatingKVCache) and c.offset + rows >= c.max_size:
+        if getattr(c, "max_size", None) is not None and c.offset + rows >= c.max_size:  # a window (ours or mlx-lm's)
             return False
     return True
 
