@@ -137,3 +137,19 @@ def test_decode_step_benchmark_quick_run(tmp_path):
         assert row[mode]["ms_per_step"] > 0 and len(row[mode]["runs_ms"]) == 1
     assert row["same_tokens"] is True  # compiled and eager steps decode the same greedy tokens
     assert (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+def test_speculative_benchmark_quick_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH.parent / "bench_speculative.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--out", str(tmp_path / "spec")])
+    saved = json.loads((tmp_path / "spec.json").read_text())
+    assert set(saved["phases"]) == {"edit-c1", "edit-c4", "edit-c16", "chat-c1", "chat-c4", "chat-c16",
+                                    "generate-edit", "generate-chat"}
+    for pair in saved["phases"].values():
+        assert pair["identical"] is True  # greedy outputs with and without drafts
+        assert pair["off"]["draft_tokens"] == 0 and pair["on"]["generated"] > 0
+    assert saved["phases"]["edit-c1"]["on"]["draft_tokens"] > 0
+    assert [r["rows"] for r in result["rows"]] == [1, 2]
+    assert (tmp_path / "spec.png").stat().st_size > 10_000

@@ -172,3 +172,24 @@ def test_cli_speculative_ngram_prints_the_same_text(capsys):
     assert cli_main(["generate", "x", "--speculative", "ngram", "--num-draft-tokens", "0"]) == 2
     err = capsys.readouterr().err
     assert "--num-draft-tokens" in err and "Traceback" not in err
+
+
+def test_step_cost_fits_the_measured_line_and_backs_off_when_compute_bound():
+    from mlx_attn.lm.speculative import StepCost
+
+    memory_bound, compute_bound = StepCost(), StepCost()
+    assert memory_bound.fit() == (1.0, 0.02)  # the prior before any step
+    for rows in [1, 2, 5, 9, 16, 3, 7, 12] * 3:
+        memory_bound.record(rows, 0.100 + 0.001 * rows)
+        compute_bound.record(rows, 0.010 + 0.050 * rows)
+    fixed, per_row = memory_bound.fit()
+    assert fixed == pytest.approx(0.100, rel=1e-6) and per_row == pytest.approx(0.001, rel=1e-6)
+    # 16 decode rows: a draft kept one time in three pays on a memory-bound step, not on a compute-bound one
+    assert memory_bound.worth(0.33, decode_rows=16, rows=16)
+    assert not compute_bound.worth(0.33, decode_rows=16, rows=16)
+    assert not compute_bound.worth(0.9, decode_rows=16, rows=16)
+    assert compute_bound.worth(0.9, decode_rows=1, rows=1)  # one request: a likely draft still pays
+    constant = StepCost()
+    for _ in range(20):
+        constant.record(4, 0.2)  # no spread of rows: the slope is the prior's
+    assert constant.fit()[1] == pytest.approx(0.02 * constant.fit()[0])

@@ -180,6 +180,21 @@ def test_opted_out_and_backed_off_requests_draft_nothing():
     assert harness.scheduler.draft_tokens > 0
 
 
+def test_compute_bound_steps_draft_less():
+    drafted = {}
+    for label, fixed, per_row in (("memory", 0.100, 0.001), ("compute", 0.010, 0.050)):
+        harness = SpeculativeHarness(num_pages=128, page_size=4, max_batch_tokens=128)
+        for rows in [1, 2, 5, 9, 16, 3, 7, 12] * 2:
+            harness.scheduler.speculation.cost.record(rows, fixed + per_row * rows)
+        for i in range(8):
+            harness.submit(f"r{i}", [0, 1, 2, i % VOCAB, 1], max_tokens=16)
+        harness.drain()
+        for i in range(8):
+            assert harness.outputs[f"r{i}"] == alone([0, 1, 2, i % VOCAB, 1], 16)
+        drafted[label] = harness.scheduler.draft_tokens
+    assert drafted["compute"] < drafted["memory"] / 2
+
+
 def test_commit_refuses_kept_tokens_that_are_not_a_draft_prefix():
     harness = SpeculativeHarness(num_pages=16, page_size=4, max_batch_tokens=16)
     harness.submit("a", [0, 1, 2, 0, 1], max_tokens=8)

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_attn.lm.sampling import apply_repetition_penalty, filtered_logprobs
 from mlx_attn.lm.validate import require_int
 
-__all__ = ["verify_drafts", "penalized_rows", "DraftLength", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
+__all__ = ["verify_drafts", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
            "MAX_NUM_DRAFT_TOKENS", "check_num_draft_tokens"]
 
 SPECULATIVE_CHOICES = ("ngram",)
@@ -121,3 +121,48 @@ class DraftLength:
         tested = accepted + (1 if accepted < proposed else 0)
         weight = self.memory ** tested  # each tested draft is one observation
         self.rate = weight * self.rate + (1 - weight) * (accepted / tested)
+
+
+class StepCost:
+    """A batched step's time as ``fixed + per_row * rows``, fitted by least
+    squares to the steps measured (each older step weighs ``memory`` times
+    less), and the rule that decides whether one more draft row pays.
+
+    Adding a draft row to a step of ``rows`` rows that yields about
+    ``decode_rows`` tokens raises the tokens per second when the draft is
+    kept with probability ``p`` and ``p * (fixed + per_row * rows) > per_row
+    * decode_rows`` (``(n + p) / (T + b) > n / T``). While the step is
+    memory-bound (``per_row`` small against ``fixed``) nearly every draft
+    pays; once it is compute-bound (``per_row * rows`` dominates) only drafts
+    almost sure to be kept do, so speculation backs off by itself. Until the
+    measured steps differ enough in rows to fit a slope, ``per_row`` is
+    ``prior_ratio`` times ``fixed``."""
+
+    def __init__(self, prior_ratio: float = 0.02, memory: float = 0.98, min_steps: int = 8):
+        self.prior_ratio, self.memory, self.min_steps = prior_ratio, memory, min_steps
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.steps = 0
+
+    def record(self, rows: int, seconds: float) -> None:
+        m = self.memory
+        self._w, self._x, self._y = m * self._w + 1, m * self._x + rows, m * self._y + seconds
+        self._xx, self._xy = m * self._xx + rows * rows, m * self._xy + rows * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float]:
+        """``(fixed, per_row)`` in seconds (``(1, prior_ratio)`` before any step)."""
+        if self._w == 0:
+            return 1.0, self.prior_ratio
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if self.steps >= self.min_steps and var_x > 0.25:
+            per_row = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+            fixed = mean_y - per_row * mean_x
+            if fixed > 0:
+                return fixed, per_row
+        fixed = mean_y / (1 + self.prior_ratio * mean_x)
+        return fixed, self.prior_ratio * fixed
+
+    def worth(self, probability: float, decode_rows: int, rows: int) -> bool:
+        fixed, per_row = self.fit()
+        return probability * (fixed + per_row * rows) > per_row * decode_rows

@@ -20,6 +20,7 @@ loaded: MLX's quantized GPU matmuls read 4 to 8 times fewer bytes.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
@@ -240,7 +241,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
+        started = time.perf_counter()
         sampled = self._run(plan)  # request -> the tokens it keeps, in order
+        if self.scheduler.speculation is not None:  # what a step of this many rows costs (the back-off rule)
+            self.scheduler.speculation.cost.record(plan.num_tokens, time.perf_counter() - started)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
         results = self.scheduler.commit(plan, {rid: [s.token for s in kept] for rid, kept in sampled.items()})
         outputs, seen = [], {}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, DraftLength
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, DraftLength, StepCost
 from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted
 
 __all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult", "Speculation"]
@@ -134,17 +134,18 @@ def pages_needed(length: int, page_size: int) -> int:
 class Speculation:
     """Drafting in the batched step. ``num_draft_tokens``: the most drafts
     per request and step (each request adapts its own, :class:`DraftLength`).
-    ``step_rows``: the back-off rule. Drafts only fill a step up to
-    ``step_rows`` rows in all (decode rows, prefill continuations and
-    drafts): below that a step costs about what reading the weights once
-    costs, so a draft row is nearly free; above it the step is
-    compute-bound, every row adds its own matmul time and a rejected draft
-    is a loss, so the step holds no drafts (requests beyond ``step_rows``
-    decode one token each, oldest requests draft first)."""
+    The back-off rule: a request's ``j``-th draft goes into the step only
+    if, kept with probability ``rate ** j`` (its acceptance rate), it raises
+    the step's tokens per second under the measured cost of a step
+    (:class:`StepCost`: ``fixed + per_row * rows``, fitted to the engine's
+    steps), so drafts stop as the step turns compute-bound; and never past
+    ``step_rows`` rows in all (decode rows, prefill continuations, drafts).
+    Oldest requests draft first."""
 
     drafter: object  # propose(tokens, count) -> list[int]
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     step_rows: int = 48
+    cost: StepCost = field(default_factory=StepCost)
 
 
 class Scheduler:
@@ -223,7 +224,7 @@ class Scheduler:
         preempted: list[Hashable] = []
         planned: set[Hashable] = set()
         ordered = sorted(self.running, key=lambda s: (s.pending > 1, s.admitted))
-        draft_room = self._draft_room(ordered, budget)
+        draft_room, decode_rows, rows_planned = self._draft_room(ordered, budget)
         # decode rows first, then prefill continuations, each oldest first
         for sequence in ordered:
             if budget == 0:
@@ -231,10 +232,12 @@ class Scheduler:
             if sequence not in self.running:  # preempted earlier in this step
                 continue
             count = min(sequence.pending, budget)
-            drafts = self._drafts(sequence, min(draft_room, budget - count)) if sequence.pending == 1 else []
+            drafts = (self._drafts(sequence, min(draft_room, budget - count), decode_rows, rows_planned)
+                      if sequence.pending == 1 else [])
             if not self._reserve(sequence, count + len(drafts), copies, planned, preempted):
                 continue
             draft_room -= len(drafts)
+            rows_planned += len(drafts)
             budget -= len(drafts)
             rows.append(self._row(sequence, count, drafts))
             planned.add(sequence.request.request_id)
@@ -253,21 +256,30 @@ class Scheduler:
         self.copies += len(copies)
         return StepPlan(tuple(rows), tuple(copies), tuple(preempted), self.pool.page_size)
 
-    def _draft_room(self, ordered: list[_Sequence], budget: int) -> int:
-        """Draft rows this step may hold (the rule of :class:`Speculation`)."""
+    def _draft_room(self, ordered: list[_Sequence], budget: int) -> tuple[int, int, int]:
+        """(draft rows this step may hold at most, its decode rows, its rows
+        without drafts) for the rule of :class:`Speculation`."""
         if self.speculation is None:
-            return 0
-        planned = 0
+            return 0, 0, 0
+        planned = decoding = 0
         for sequence in ordered:
-            planned += min(sequence.pending, budget - planned)
-        return max(0, min(self.speculation.step_rows, budget) - planned)
+            rows = min(sequence.pending, budget - planned)
+            planned += rows
+            decoding += sequence.pending == 1 and rows == 1
+        return max(0, min(self.speculation.step_rows, budget) - planned), decoding, planned
 
-    def _drafts(self, sequence: _Sequence, room: int) -> list[int]:
-        """Tokens proposed to follow a decoding request, at most ``room`` and
-        one fewer than it may still generate (the step adds a token of its own)."""
+    def _drafts(self, sequence: _Sequence, room: int, decode_rows: int, rows: int) -> list[int]:
+        """Tokens proposed to follow a decoding request: at most ``room``,
+        one fewer than it may still generate (the step adds a token of its
+        own), and only those worth their row in a step of ``rows`` rows."""
         if sequence.draft_length is None or room <= 0:
             return []
         count = min(sequence.draft_length.next(), room, sequence.request.max_tokens - sequence.generated - 1)
+        rate, cost = sequence.draft_length.rate, self.speculation.cost
+        worth = 0
+        while worth < count and cost.worth(rate ** (worth + 1), decode_rows, rows + worth):
+            worth += 1
+        count = worth
         if count <= 0:
             return []
         return [int(t) for t in self.speculation.drafter.propose(sequence.tokens, count)][:count]
