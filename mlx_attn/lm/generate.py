@@ -29,6 +29,7 @@ from mlx_attn.lm.speculative import (
     DEFAULT_NUM_DRAFT_TOKENS,
     SPECULATIVE_CHOICES,
     DraftLength,
+    StepCost,
     check_num_draft_tokens,
     penalized_rows,
     verify_drafts,
@@ -307,7 +308,7 @@ def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache:
     whose counters then tell how many drafts were proposed and accepted."""
     if config.seed is not None:
         mx.random.seed(config.seed)
-    drafter = NgramDrafter()
+    drafter, cost = NgramDrafter(), StepCost()  # drafts only where they pay for their rows (StepCost)
     length = length if length is not None else DraftLength(config.num_draft_tokens)
     history = list(prompt)  # prompt and accepted tokens: what the drafter searches
     prefill(model, prompt[:-1], cache, config)
@@ -315,11 +316,15 @@ def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache:
     while produced < config.max_tokens:
         # the step's last token is the target's own: at most max_tokens - produced - 1 drafts
         count = min(length.next(), config.max_tokens - produced - 1)
+        while count > 0 and not cost.worth(length.rate ** count, 1, count):
+            count -= 1
         drafts = drafter.propose(history, count) if count > 0 and _draft_room(cache, count + 1) else []
+        started = time.perf_counter()
         _maybe_quantize(cache, config)
         logits = model(mx.array([[pending] + drafts]), cache=cache)[0].astype(mx.float32)
         logits = penalized_rows(logits, history, drafts, config.repetition_penalty, config.repetition_context)
         tokens = verify_drafts(logits, drafts, config.temperature, config.top_k, config.top_p, config.min_p)
+        cost.record(len(drafts) + 1, time.perf_counter() - started)
         accepted = len(tokens) - 1
         length.record(len(drafts), accepted)
         rejected = len(drafts) - accepted
