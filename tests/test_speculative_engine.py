@@ -233,12 +233,13 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     prompts["long"] = rng.integers(0, 64, 60).tolist()  # chunked prefill beside drafting rows
     opted_out = {"rep1", "rand2"}
     seeded = {"rand3": SamplingParams(temperature=0.8, seed=5)}
+    asked = {"rep0": SamplingParams(top_logprobs=3), "rand0": SamplingParams(top_logprobs=2)}
     results = {}
     for speculative in (None, "ngram"):
         engine = Engine(model, kv_tokens=192, page_size=4, max_batch_tokens=24, dtype=mx.float32,
                         speculative=speculative, num_draft_tokens=5)
         for rid, prompt in prompts.items():
-            engine.submit(rid, prompt, 24, sampling=seeded.get(rid), speculative=rid not in opted_out)
+            engine.submit(rid, prompt, 24, sampling=seeded.get(rid, asked.get(rid)), speculative=rid not in opted_out)
         outputs = {}
         for _ in range(400):
             if engine.idle:
@@ -256,6 +257,10 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
             continue
         assert [o.token for o in drafted[rid]] == [o.token for o in plain[rid]], rid
         np.testing.assert_allclose([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
+        for a, b in zip(drafted[rid], plain[rid]):
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            np.testing.assert_allclose([lp for _, lp in a.top_logprobs], [lp for _, lp in b.top_logprobs], atol=1e-4)
+    assert len(drafted["rep0"][0].top_logprobs) == 3 and len(drafted["rand0"][0].top_logprobs) == 2
     assert stats["accepted_draft_tokens"] > 0 and stats["draft_tokens"] >= stats["accepted_draft_tokens"]
     assert results[None][1]["draft_tokens"] == 0
 

@@ -33,7 +33,7 @@ from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
 from mlx_attn.lm.ngram_draft import NgramDrafter
 from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_num_draft_tokens
-from mlx_attn.serve.sampling import SamplingParams, sample_rows, verify_draft_rows
+from mlx_attn.serve.sampling import SamplingParams, sample_rows, verify_draft_rows, verify_greedy_drafts
 from mlx_attn.serve.scheduler import Request, Scheduler, Speculation, StepPlan
 
 __all__ = ["PagedAttention", "Engine", "Output", "prepare_weights", "WEIGHT_CHOICES"]
@@ -282,8 +282,15 @@ class Engine:
             drawn = sample_rows(rows[mx.array(firsts[plain].astype(np.int32))], [params[b] for b in plain],
                                 [previous[b] for b in plain], [self.generated[sampling[b].request_id] for b in plain])
             kept.update((sampling[b].request_id, [d]) for b, d in zip(plain, drawn))
-        for b, row in enumerate(sampling):
-            if row.drafts:
+        drafting = [b for b, row in enumerate(sampling) if row.drafts]
+        greedy = [b for b in drafting if params[b].greedy]
+        if greedy:  # every greedy drafting request verified at once
+            groups = [(int(firsts[b]), sampling[b].tokens[len(sampling[b].tokens) - sampling[b].drafts:],
+                       params[b].top_logprobs) for b in greedy]
+            kept.update((sampling[b].request_id, v) for b, v in zip(greedy, verify_greedy_drafts(rows, groups)))
+        for b in drafting:
+            row = sampling[b]
+            if not params[b].greedy:
                 rid = row.request_id
                 kept[rid] = verify_draft_rows(rows[int(firsts[b]):int(firsts[b + 1])], params[b], previous[b],
                                               self.generated[rid], row.tokens[len(row.tokens) - row.drafts:])

@@ -25,7 +25,8 @@ from mlx_attn.lm.sampling import apply_repetition_penalty, check_repetition_pena
 from mlx_attn.lm.speculative import penalized_rows, verify_drafts
 from mlx_attn.lm.validate import require_int
 
-__all__ = ["SamplingParams", "Sampled", "sample_rows", "sample_token", "MAX_TOP_LOGPROBS", "verify_draft_rows"]
+__all__ = ["SamplingParams", "Sampled", "sample_rows", "sample_token", "MAX_TOP_LOGPROBS", "verify_draft_rows",
+           "verify_greedy_drafts"]
 
 _SEED_LIMIT = 2**63
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
@@ -163,4 +164,46 @@ def verify_draft_rows(logits: mx.array, params: SamplingParams, previous: Sequen
             pairs = sorted(zip(best_logprobs[r], best[r]), key=lambda pair: (-pair[0], pair[1]))
             ranked = tuple((int(t), float(lp)) for lp, t in pairs[:top])
         out.append(Sampled(int(token), float(logprob), ranked))
+    return out
+
+
+def verify_greedy_drafts(logits: mx.array, groups: Sequence[tuple[int, Sequence[int], int]]) -> list[list[Sampled]]:
+    """:func:`verify_draft_rows` for every greedy request of a step at once
+    (one argmax, one gather, two evaluations in all, not two per request).
+    ``groups``: ``(first row in logits, drafts, top_logprobs)`` per request;
+    its rows are ``first .. first + len(drafts)``."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    best = mx.argmax(logits, axis=-1).tolist()
+    kept_rows, kept_tokens, out_tokens = [], [], []
+    for first, drafts, _ in groups:
+        kept = 0
+        while kept < len(drafts) and best[first + kept] == drafts[kept]:
+            kept += 1
+        tokens = list(drafts[:kept]) + [best[first + kept]]
+        kept_rows += range(first, first + len(tokens))
+        kept_tokens += tokens
+        out_tokens.append(tokens)
+    rows = mx.array(kept_rows, dtype=mx.int32)
+    chosen = logprobs[rows, mx.array(kept_tokens, dtype=mx.int32)]
+    top = max((t for _, _, t in groups), default=0)
+    if top:
+        ranked_ids = mx.argpartition(-logprobs[rows], kth=top - 1, axis=-1)[:, :top]
+        ranked_logprobs = mx.take_along_axis(logprobs[rows], ranked_ids, axis=-1)
+        mx.eval(chosen, ranked_ids, ranked_logprobs)
+        ranked_ids, ranked_logprobs = ranked_ids.tolist(), ranked_logprobs.tolist()
+    else:
+        mx.eval(chosen)
+    chosen = chosen.tolist()
+    out, r = [], 0
+    for (_, _, want), tokens in zip(groups, out_tokens):
+        sampled = []
+        for token in tokens:
+            ranked = ()
+            if want:
+                pairs = sorted(zip(ranked_logprobs[r], ranked_ids[r]), key=lambda pair: (-pair[0], pair[1]))
+                ranked = tuple((int(t), float(lp)) for lp, t in pairs[:want])
+            sampled.append(Sampled(int(token), float(chosen[r]), ranked))
+            r += 1
+        out.append(sampled)
     return out
