@@ -157,9 +157,9 @@ class StepCost:
         var_x = self._xx / self._w - mean_x * mean_x
         if self.steps >= self.min_steps and var_x > 0.25:
             per_row = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
-            fixed = mean_y - per_row * mean_x
-            if fixed > 0:
-                return fixed, per_row
+            # rows dominate: a line through (nearly) the origin, fixed kept positive
+            fixed = max(mean_y - per_row * mean_x, 0.05 * mean_y)
+            return fixed, per_row
         fixed = mean_y / (1 + self.prior_ratio * mean_x)
         return fixed, self.prior_ratio * fixed
 

@@ -243,7 +243,8 @@ class Engine:
             return []
         started = time.perf_counter()
         sampled = self._run(plan)  # request -> the tokens it keeps, in order
-        if self.scheduler.speculation is not None:  # what a step of this many rows costs (the back-off rule)
+        if self.scheduler.speculation is not None and all(len(row.tokens) == row.drafts + 1 for row in plan.rows):
+            # what a decoding step of this many rows costs (the back-off rule); prefill chunks cost otherwise
             self.scheduler.speculation.cost.record(plan.num_tokens, time.perf_counter() - started)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
         results = self.scheduler.commit(plan, {rid: [s.token for s in kept] for rid, kept in sampled.items()})
