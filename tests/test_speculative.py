@@ -85,6 +85,10 @@ def test_refused_settings_name_the_field():
         GenerationConfig(speculative="medusa")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         GenerationConfig(speculative="ngram", num_draft_tokens=0)
+    from mlx_attn.lm.distributed_generate import check_distributed_config
+
+    with pytest.raises(ValueError, match="speculative"):
+        check_distributed_config(GenerationConfig(speculative="ngram"))
 
 
 # ---------------------------------------------------------------- the distribution

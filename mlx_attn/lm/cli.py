@@ -270,8 +270,6 @@ def _distributed_group(args, config: GenerationConfig):
     from mlx_attn import distributed  # noqa: PLC0415 (only --distributed needs it)
     from mlx_attn.lm.distributed_generate import LAUNCH_HINT, check_distributed_config  # noqa: PLC0415
 
-    if config.speculative is not None:
-        raise ValueError("--speculative cannot be combined with --distributed: the ranks decode one token a step")
     if args.prompt_cache_file:
         raise ValueError("--prompt-cache-file cannot be combined with --distributed: a prompt cache is one "
                          "process's whole KV cache, not a shard")
