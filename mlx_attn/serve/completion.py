@@ -36,7 +36,8 @@ class Completion:
     async def submit(self, index: int) -> Choice:
         state, request = self.state, self.request
         try:
-            rid, queue = await state.submit(request.prompt, request.max_tokens, request.sampling[index])
+            rid, queue = await state.submit(request.prompt, request.max_tokens, request.sampling[index],
+                                            request.drafts)
         except ValueError as error:  # can never fit the pool, or the model's own checks
             raise APIError(400, str(error), "max_tokens") from None
         logprobs = LogprobFormatter(state.tokenizer, self.chat) if request.logprobs else None

@@ -293,6 +293,14 @@ class CompletionRequest:
     max_tokens: int
     sampling: list[SamplingParams]  # one per choice
     tool_use: ToolUse | None = None  # chat: the tools, tool_choice and parallel_tool_calls
+    speculative: bool = True  # False: this request never drafts (when the server drafts)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the request may draft (when the server drafts): not opted
+        out and without a constraint (a grammar's mask cannot verify drafts;
+        the engine's ``drafts_for`` says the same)."""
+        return self.speculative and getattr(self, "constraint", None) is None
 
 
 def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest:
@@ -319,6 +327,7 @@ def completion_request(state, body: dict, prompt: list[int], *, stream: bool, st
     fields read from ``body`` (also for the Anthropic API, whose names match)."""
     max_tokens = _max_tokens(state, body, chat, len(prompt))
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
+    speculative = _field(body, "speculative", bool, True)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
                              include_usage=include_usage, stops=stops, prompt=prompt, max_tokens=max_tokens,
-                             sampling=sampling, tool_use=tool_use)
+                             sampling=sampling, tool_use=tool_use, speculative=speculative)

@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hybrid models (recurrent layers): keep up to this many recurrent states saved at page "
                              "boundaries, so prompts that begin with cached pages reuse them (default 0: no prefix "
                              "reuse for hybrid models)")
+    parser.add_argument("--speculative", choices=["ngram"], default=None,
+                        help="ngram: decoding requests propose tokens that followed their last n-gram earlier in "
+                             "their prompt or output and verify them in the same step (same outputs, fewer steps)")
+    parser.add_argument("--num-draft-tokens", type=_positive, default=4,
+                        help="with --speculative: the most tokens a request proposes per step")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -108,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
                temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
-               state_snapshots: int = 0) -> ServerState:
+               state_snapshots: int = 0, speculative: str | None = None, num_draft_tokens: int = 4) -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -117,7 +122,8 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots)
+                      max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
+                      speculative=speculative, num_draft_tokens=num_draft_tokens)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
@@ -164,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                        page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                        max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
-                       weights=args.weights, state_snapshots=args.state_snapshots)
+                       weights=args.weights, state_snapshots=args.state_snapshots, speculative=args.speculative,
+                       num_draft_tokens=args.num_draft_tokens)
     app = create_app(state, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()
