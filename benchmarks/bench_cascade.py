@@ -9,15 +9,20 @@ heads), pages of 16 keys scattered in the pool. Methods:
 - ``paged``: :func:`mlx_attn.paged_attention` over the full block tables
   (prefix pages then own pages): every sequence reads the prefix itself;
 - ``cascade``: :func:`mlx_attn.paged.cascade_paged_attention` with the
-  prefix as the shared level: the prefix pages read once per group.
+  prefix as the shared level: the prefix pages read once per group;
+- ``layer``: the same through a :class:`mlx_attn.paged.CascadeTables` made
+  once (what the serving engine calls for each layer of a step: the tables
+  read, checked and planned once per step, not per layer).
 
-Both include their host-side checks (the block tables read on the host).
+``paged`` and ``cascade`` include their host-side checks (the block tables
+read on the host).
 The two alternate, ``--repeats`` times each after a warm-up; ``speedup``
 is paged / cascade of the medians (and of the best times, less exposed to
 other jobs on a shared machine). Prints a table, saves JSON and a PNG plot.
 
     python benchmarks/bench_cascade.py --out docs          # default grid (< 2 min)
     python benchmarks/bench_cascade.py --full --out docs   # 4/16/64 x 1k/4k/16k, suffixes 16..256, 4-bit
+    python benchmarks/bench_cascade.py --rule --out /tmp    # 2..16 sequences x 256..4k: the engine's rule
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_attn import _native
-from mlx_attn.paged import (cascade_paged_attention, cascade_paged_attention_path, paged_attention,
+from mlx_attn.paged import (CascadeTables, cascade_paged_attention, cascade_paged_attention_path, paged_attention,
                             quantized_cascade_paged_attention, quantized_paged_attention)
 
 KV_HEADS = 2
@@ -66,6 +71,7 @@ def make_batch(sequences, prefix, own, head_dim, dtype, seed):
 
 def calls_of(batch, scale, bits):
     b = batch
+    tables = CascadeTables(b["prefix_table"], b["prefix_lens"], b["prefix_groups"], b["block_table"], b["kv_lens"])
     if bits:
         k, v = (mx.quantize(b[n], group_size=QUANT_GROUP, bits=bits) for n in ("k", "v"))
         mx.eval(k, v)
@@ -75,6 +81,7 @@ def calls_of(batch, scale, bits):
         cascade = lambda: quantized_cascade_paged_attention(  # noqa: E731
             b["q"], k, v, b["prefix_table"], b["prefix_lens"], b["prefix_groups"], b["block_table"], b["kv_lens"],
             scale=scale, **quant)
+        layer = lambda: tables.quantized_attention(b["q"], k, v, scale=scale, **quant)  # noqa: E731
         path = cascade_paged_attention_path(b["q"], k, v, b["prefix_table"], b["prefix_lens"], b["prefix_groups"],
                                             b["block_table"], b["kv_lens"], **quant)
     else:
@@ -82,9 +89,11 @@ def calls_of(batch, scale, bits):
         cascade = lambda: cascade_paged_attention(  # noqa: E731
             b["q"], b["k"], b["v"], b["prefix_table"], b["prefix_lens"], b["prefix_groups"], b["block_table"],
             b["kv_lens"], scale=scale)
+        layer = lambda: tables.attention(b["q"], b["k"], b["v"], scale=scale)  # noqa: E731
         path = cascade_paged_attention_path(b["q"], b["k"], b["v"], b["prefix_table"], b["prefix_lens"],
                                             b["prefix_groups"], b["block_table"], b["kv_lens"])
-    return {"paged": paged, "cascade": cascade}, path
+    layer()  # the tables read, checked and planned: once per serving step
+    return {"paged": paged, "cascade": cascade, "layer": layer}, path
 
 
 def timed_side_by_side(calls, repeats):
@@ -117,6 +126,8 @@ def measure(sequences, prefix, own, head_dim, pages, repeats, seed):
         row[f"{name}_ms"], row[f"{name}_best_ms"] = 1e3 * median, 1e3 * best
     row["speedup"] = row["paged_ms"] / row["cascade_ms"]
     row["speedup_best"] = row["paged_best_ms"] / row["cascade_best_ms"]
+    row["layer_speedup"] = row["paged_ms"] / row["layer_ms"]
+    row["layer_speedup_best"] = row["paged_best_ms"] / row["layer_best_ms"]
     row["max_abs_diff"] = float(mx.abs(results["paged"].astype(mx.float32)
                                        - results["cascade"].astype(mx.float32)).max())
     return row
@@ -134,12 +145,12 @@ def cpu_model() -> str:
 
 def summary_table(rows) -> str:
     head = ("| sequences | prefix | own | D | pages | paged ms | cascade ms | speedup (medians) "
-            "| speedup (best times) | max abs diff |")
+            "| speedup (best times) | layer ms (tables once) | layer speedup | max abs diff |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['sequences']} | {r['prefix']} | {r['own']} | {r['D']} | {r['pages']} "
                      f"| {r['paged_ms']:.2f} | {r['cascade_ms']:.2f} | {r['speedup']:.2f}x | {r['speedup_best']:.2f}x "
-                     f"| {r['max_abs_diff']:.1e} |")
+                     f"| {r['layer_ms']:.2f} | {r['layer_speedup']:.2f}x | {r['max_abs_diff']:.1e} |")
     return "\n".join(lines)
 
 
@@ -169,7 +180,9 @@ def plot(rows, path: Path):
     plt.close(fig)
 
 
-def grid(full: bool):
+def grid(full: bool, rule: bool = False):
+    if rule:  # where the cascade starts to pay: the engine's rule (serve/cascade_groups.py)
+        return [(s, p, 64, 64, "fp16") for s in (2, 4, 8, 16) for p in (256, 1024, 4096)]
     if not full:
         return [(s, p, 64, d, "fp16") for d in (64, 128) for s in (4, 16) for p in (1024, 4096)]
     rows = [(s, p, 64, d, pages) for pages in ("fp16", "4-bit") for d in (64, 128) for s in (4, 16, 64)
@@ -183,13 +196,14 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=61)
     p.add_argument("--full", action="store_true", help="the whole grid (many minutes)")
     p.add_argument("--quick", action="store_true", help="two tiny rows, for a smoke test")
+    p.add_argument("--rule", action="store_true", help="2..16 sequences x 256..4k prefixes (the engine's rule)")
     p.add_argument("--case", action="append", default=[], metavar="S,P,OWN,D,PAGES",
                    help="only this row (repeatable), e.g. 64,4096,64,64,4-bit")
     args = p.parse_args(argv)
     if _native.ext is None:
         raise SystemExit("bench_cascade needs the native extension mlx_attn._ext")
     mx.set_default_device(mx.cpu)
-    cases = [(4, 64, 16, 64, "fp16"), (4, 64, 16, 64, "4-bit")] if args.quick else grid(args.full)
+    cases = [(4, 64, 16, 64, "fp16"), (4, 64, 16, 64, "4-bit")] if args.quick else grid(args.full, args.rule)
     if args.case:
         cases = [tuple(int(x) for x in c.split(",")[:4]) + (c.split(",")[4],) for c in args.case]
     repeats = 2 if args.quick else args.repeats
@@ -198,11 +212,13 @@ def main(argv=None):
         row = measure(sequences, prefix, own, d, pages, repeats, seed=200 + i)
         rows.append(row)
         print(f"{sequences:3d} seqs x {prefix:5d} prefix + {own:3d} own, D={d:3d} {pages:5s}: paged "
-              f"{row['paged_ms']:8.2f} ms, cascade {row['cascade_ms']:8.2f} ms ({row['speedup']:.2f}x)", flush=True)
+              f"{row['paged_ms']:8.2f} ms, cascade {row['cascade_ms']:8.2f} ms ({row['speedup']:.2f}x), layer "
+              f"{row['layer_ms']:8.2f} ms ({row['layer_speedup']:.2f}x)", flush=True)
     table = summary_table(rows)
     print()
     print(table)
     command = "python benchmarks/bench_cascade.py" + (" --full" if args.full else "") + (
+        " --rule" if args.rule else "") + (
         " --quick" if args.quick else "") + "".join(f" --case {c}" for c in args.case)
     result = {"command": command, "cpu": cpu_model(), "cpu_isa": _native.ext.cpu_isa(), "kv_heads": KV_HEADS,
               "gqa": GQA, "page_size": PAGE_SIZE, "repeats": repeats, "rows": rows}

@@ -27,6 +27,16 @@ shared machine's load falls on both sides of a ratio alike:
 
 Every request, server start and phase is bounded in count and time. Writes
 docs/bench_serve.png and docs/bench_serve.json (``--out``).
+
+``--cascade`` runs only the cascade comparison: two ``mlx-attn serve``
+processes, ``--cascade on`` and ``--cascade off``, up at once; each gets the
+shared system prompt once (its pages then in the prefix cache), then rounds
+of ``concurrency`` streamed chat requests with that ~4k-token system prompt
+and short questions, on one server then the other: aggregate tokens/s and
+TTFT p50 / p95 side by side (writes PATH_cascade.json):
+
+    python benchmarks/bench_serve.py --cascade --system-tokens 4096 --max-tokens 32
+    python benchmarks/bench_serve.py --cascade --system-tokens 0 --max-tokens 32   # the control: no shared prompt
 """
 
 from __future__ import annotations
@@ -174,6 +184,68 @@ def prefix_phase(port: int, system_tokens_text: str, cold: int, warm: int) -> di
             "cold": cold_ttfts, "warm": warm_ttfts}
 
 
+def shared_prompt_phase(port: int, system: str, concurrency: int, max_tokens: int, first_question: int) -> dict:
+    """``concurrency`` chat requests at once, each the shared system prompt
+    and its own short question."""
+    system_message = [{"role": "system", "content": system}] if system else []  # "": no shared prompt
+    prompts = [system_message + [{"role": "user", "content": QUESTIONS[(first_question + i) % len(QUESTIONS)]}]
+               for i in range(concurrency)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda m: chat(port, m, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    ttfts = [r["ttft"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "ttft_p50": statistics.median(ttfts),
+            "ttft_p95": percentile(ttfts, 0.95)}
+
+
+def cascade_comparison(model_dir: Path, system_text: str, args, logs: Path) -> dict:
+    """``mlx-attn serve --cascade on`` against ``--cascade off``, both up at
+    once, the rounds alternating between them."""
+    sides = {"on": None, "off": None}
+    results: dict = {side: [] for side in sides}
+    try:
+        for side in sides:
+            port = free_port()
+            command = [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir), "--log-level",
+                       "warning", "--max-tokens", str(args.max_tokens), "--cascade", side, *args.serve_args.split(),
+                       "--port", str(port)]
+            sides[side] = (port, Server(f"mlx-attn serve --cascade {side}", command, port, logs / f"cascade_{side}.log"))
+        for side, (port, _) in sides.items():  # the system prompt's pages into each server's prefix cache
+            system_message = [{"role": "system", "content": system_text}] if system_text else []
+            chat(port, system_message + [{"role": "user", "content": QUESTIONS[0]}], 2)
+        for round_index in range(args.cascade_rounds):
+            order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]  # drift falls on both sides
+            for side in order:
+                phase = shared_prompt_phase(sides[side][0], system_text, args.cascade_concurrency, args.max_tokens,
+                                            first_question=round_index * args.cascade_concurrency)
+                results[side].append(phase)
+                print(f"cascade {side:3s} round {round_index}: {phase['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                      f"{phase['ttft_p50']:.2f} s, p95 {phase['ttft_p95']:.2f} s", flush=True)
+    finally:
+        for entry in sides.values():
+            if entry is not None:
+                entry[1].stop()
+    return results
+
+
+def cascade_table(results: dict, system_tokens: int, concurrency: int, max_tokens: int) -> str:
+    """Medians over the rounds, cascade on against off."""
+    def median(side, key):
+        return statistics.median(p[key] for p in results[side])
+
+    shared = f"{system_tokens}-token shared system prompt" if system_tokens else "no system prompt"
+    rows = [f"| c{concurrency}, {shared}, {max_tokens} tokens each "
+            "| cascade on | cascade off | on / off |", "|---|---|---|---|"]
+    for key, label, fmt in (("tokens_per_s", "aggregate tokens/s", "{:.1f}"), ("ttft_p50", "TTFT p50 (s)", "{:.2f}"),
+                            ("ttft_p95", "TTFT p95 (s)", "{:.2f}")):
+        on, off = median("on", key), median("off", key)
+        rows.append(f"| {label} (median of {len(results['on'])} rounds) | {fmt.format(on)} | {fmt.format(off)} "
+                    f"| {on / off:.2f}x |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------- memory
 def memory_per_request(model_dir: Path, tokens_per_request: int, page_size: int) -> dict:
     """K/V bytes a request of ``tokens_per_request`` holds, per page format."""
@@ -283,6 +355,10 @@ def main(argv=None) -> int:
     parser.add_argument("--serve-args", default="", help="more flags for mlx-attn serve")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench_serve"), help="PATH.png and PATH.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: few, short requests")
+    parser.add_argument("--cascade", action="store_true",
+                        help="only the cascade comparison: --cascade on against off on the shared system prompt")
+    parser.add_argument("--cascade-concurrency", type=int, default=16)
+    parser.add_argument("--cascade-rounds", type=int, default=4, help="rounds per side, alternating")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_tokens, args.requests, args.system_tokens, args.prefix_requests = 8, [1, 4, 16], 256, [1, 1]
@@ -304,6 +380,10 @@ def main(argv=None) -> int:
 
     _, tokenizer = load_model(str(model_dir))
     system_text = system_prompt(tokenizer, args.system_tokens)
+    if args.cascade and args.system_tokens == 0:  # the control: questions alone, nothing shared by design
+        system_text = ""
+    if args.cascade:
+        return run_cascade_comparison(model_dir, tokenizer, system_text, args)
     levels = (1, 4, 16)
     results = {"title": "", "mlx_attn": {}, "config": vars(args)}
     logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
@@ -347,6 +427,33 @@ def main(argv=None) -> int:
     print(results["title"])
     print(table(results))
     print(f"wrote {out.with_suffix('.png')} and {out.with_suffix('.json')}; server logs in {logs}")
+    return 0
+
+
+def run_cascade_comparison(model_dir: Path, tokenizer, system_text: str, args) -> int:
+    import platform
+
+    logs = Path(tempfile.mkdtemp(prefix="bench_serve_cascade_"))
+    results = cascade_comparison(model_dir, system_text, args, logs)
+    system_tokens = len(tokenizer.encode(system_text)) if system_text else 0
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    record = {"model": model_dir.name, "cpu": cpu, "cpus": os.cpu_count(), "load_average_after": load,
+              "system_tokens": system_tokens, "concurrency": args.cascade_concurrency,
+              "max_tokens": args.max_tokens, "rounds": results, "config": vars(args)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.with_name(out.name + "_cascade.json")
+    path.write_text(json.dumps(record, indent=1))
+    print(f"{model_dir.name}; CPU {cpu}, {os.cpu_count()} CPUs; load average after: {load}")
+    print(cascade_table(results, system_tokens, args.cascade_concurrency, args.max_tokens))
+    print(f"wrote {path}; server logs in {logs}")
     return 0
 
 

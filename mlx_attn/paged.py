@@ -80,7 +80,7 @@ from mlx_attn.core.paged_layout import (PagedLayout, check_float_array, check_in
                                         page_shape)
 from mlx_attn.core.path_choice import PagedPath, check_backend
 from mlx_attn.core.quantization import check_quantization, check_triple
-from mlx_attn.paged_cascade import CascadePlan, merge_cascade, plan_cascade
+from mlx_attn.paged_cascade import CascadePlan, merge_cascade, plan_cascade, run_fused_cascade
 from mlx_attn.paged_reference import gather_pages, paged_reference_attention
 
 __all__ = [
@@ -91,6 +91,7 @@ __all__ = [
     "cascade_paged_attention",
     "quantized_cascade_paged_attention",
     "cascade_paged_attention_path",
+    "CascadeTables",
     "gather_pages",
     "check_paged_layout",
     "PagedPath",
@@ -168,7 +169,7 @@ class _PagedCall:
 
     @classmethod
     def build(cls, q, k, v, dtype, layout, block_table, kv_lens, q_lens, sinks, options, backend, return_lse,
-              stream, bits=0, group_size=0) -> "_PagedCall":
+              stream, bits=0, group_size=0, resolve_path=True) -> "_PagedCall":
         scale, causal, window_size, softcap = options
         cast = lambda a: a.astype(dtype) if a.dtype != dtype else a  # noqa: E731
         q = cast(q)
@@ -179,7 +180,8 @@ class _PagedCall:
         sinks = cast(sinks) if sinks is not None else None
         call = cls(q, k, v, block_table, kv_lens, q_lens, sinks, layout, scale, causal, window_size,
                    bool(return_lse), stream, backend, bits, group_size, softcap)
-        call.path  # noqa: B018  (backend="fused" raises here, at the call)
+        if resolve_path:  # the cascade resolves its own path first (this call is its fallback)
+            call.path  # noqa: B018  (backend="fused" raises here, at the call)
         return call
 
     @property
@@ -532,6 +534,7 @@ class _CascadeCall:
     full: _PagedCall
     plan: CascadePlan
     backend: str
+    support: dict = dataclasses.field(default_factory=dict)  # the tables' cache of support answers
 
     @functools.cached_property
     def path(self) -> CascadePath:
@@ -547,8 +550,14 @@ class _CascadeCall:
     def cascade_unsupported_reason(self) -> str | None:
         if self.full.device != mx.cpu:
             return f"no cascade paged attention for {self.full.device} yet (the full tables go to the paged op)"
-        # the passes are fused CPU paged calls that return their log-sum-exp
-        return dataclasses.replace(self.full, return_lse=True).fused_unsupported_reason()
+        # the passes are fused CPU paged calls that return their log-sum-exp; the answer
+        # depends on dtypes, shapes and options only, so every layer alike asks once
+        full = self.full
+        key = (full.q.dtype, *(tuple(a.shape) for a in (full.q, *full.k, *full.v)), full.bits, full.group_size,
+               full.sinks is not None, full.causal, full.window_size, full.softcap)
+        if key not in self.support:
+            self.support[key] = dataclasses.replace(full, return_lse=True).fused_unsupported_reason()
+        return self.support[key]
 
     def run(self):
         if self.path != "cascade-cpu":
@@ -562,13 +571,19 @@ class _CascadeCall:
 
 def _run_cascade_cpu(call: _PagedCall, plan: CascadePlan, *arrays):
     q, k_parts, v_parts, sinks = call.split(arrays)
+    fused = run_fused_cascade(plan, q, k_parts, v_parts, sinks, heads=call.layout.heads, stream=call.stream,
+                              options=dict(scale=call.scale, causal=call.causal, window_size=call.window_size or 0,
+                                           bits=call.bits, group_size=call.group_size, softcap=call.softcap or 0.0))
+    if fused is not None:
+        return list(fused) if call.return_lse else [fused[0]]
 
     def run_pass(pass_plan, *, causal, window_size, sinks):
         if not pass_plan.rows:
             return None
         table, kv_lens, q_lens, rows = pass_plan.arrays()
+        pass_q = q if pass_plan.takes_all_in_order(q.shape[0]) else mx.take(q, rows, axis=0)
         out, lse = _native.ext.paged_attention(
-            mx.take(q, rows, axis=0), list(k_parts), list(v_parts), table, kv_lens, q_lens, scale=call.scale,
+            pass_q, list(k_parts), list(v_parts), table, kv_lens, q_lens, scale=call.scale,
             causal=causal, window_size=window_size or 0, sinks=sinks, output_lse=True, bits=call.bits,
             group_size=call.group_size, softcap=call.softcap or 0.0, stream=call.stream)
         return out, lse
@@ -582,9 +597,66 @@ def _run_cascade_cpu(call: _PagedCall, plan: CascadePlan, *arrays):
     return [out, lse] if call.return_lse else [out]
 
 
-def _prepare_cascade(q, k_parts, v_parts, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens,
-                     scale, causal, window_size, sinks, backend, return_lse, stream, softcap, bits=0,
-                     group_size=0) -> _CascadeCall:
+class CascadeTables:
+    """The integer arguments of cascade calls over the same tables
+    (``prefix_table``, ``prefix_lens``, ``prefix_groups``, ``block_table``,
+    ``kv_lens``, ``q_lens`` as :func:`cascade_paged_attention` takes them),
+    read and checked once and planned once per layer rule, for many calls:
+    each layer of a serving step attends through one object, so the host
+    reads, checks and plans once per step, not once per layer.
+
+    ``tables.attention(q, k_pages, v_pages, scale=..., ...)`` is
+    :func:`cascade_paged_attention` with these tables;
+    ``tables.quantized_attention`` is :func:`quantized_cascade_paged_attention`.
+    The arrays are read when first used: change none of them in place after."""
+
+    def __init__(self, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens=None):
+        self.arrays = (prefix_table, prefix_lens, prefix_groups, block_table, kv_lens)
+        self.q_lens = q_lens
+        self._checked: dict = {}  # (num_pages, page_size) -> _cascade_tables(...)
+        self._layouts: dict = {}  # shapes of q and the pages -> PagedLayout
+        self._plans: dict = {}  # (shapes, causal, window, threads) -> CascadePlan
+        self._support: dict = {}  # dtypes, shapes, options -> why the fused CPU passes cannot run (None: they can)
+
+    def checked(self, q, num_pages: int, page_size: int):
+        key = (num_pages, page_size)
+        if key not in self._checked:
+            self._checked[key] = _cascade_tables(q, num_pages, page_size, *self.arrays)
+        return self._checked[key]
+
+    def layout(self, q, k_shape, v_shape, full_table, full_pages) -> PagedLayout:
+        key = (tuple(q.shape), k_shape, v_shape)
+        if key not in self._layouts:
+            self._layouts[key] = check_paged_layout(q, k_shape, v_shape, k_shape[0], full_table, self.arrays[4],
+                                                    self.q_lens, checked_pages=full_pages)
+        return self._layouts[key]
+
+    def plan(self, layout: PagedLayout, own_pages, prefix_pages, shared, groups, *, causal, window_size):
+        threads = _cpu_kernel_threads()
+        key = (layout.heads, layout.kv_heads, layout.page_size, causal, window_size, threads)
+        if key not in self._plans:
+            self._plans[key] = plan_cascade(layout.q_lens, layout.kv_lens, own_pages, prefix_pages, shared, groups,
+                                            layout.page_size, causal=causal, window_size=window_size,
+                                            kv_heads=layout.kv_heads, gqa=layout.heads // layout.kv_heads,
+                                            threads=threads)
+        return self._plans[key]
+
+    def attention(self, q, k_pages, v_pages, *, scale: float, causal=True, window_size=None, sinks=None,
+                  backend="auto", return_lse=False, stream=None, softcap=None):
+        """:func:`cascade_paged_attention` over these tables."""
+        return _prepare_cascade(q, k_pages, v_pages, self, scale, causal, window_size, sinks, backend, return_lse,
+                                stream, softcap).run()
+
+    def quantized_attention(self, q, k_pages, v_pages, *, scale: float, group_size: int = 64, bits: int = 8,
+                            causal=True, window_size=None, sinks=None, backend="auto", return_lse=False,
+                            stream=None, softcap=None):
+        """:func:`quantized_cascade_paged_attention` over these tables."""
+        return _prepare_cascade(q, k_pages, v_pages, self, scale, causal, window_size, sinks, backend, return_lse,
+                                stream, softcap, bits, group_size).run()
+
+
+def _prepare_cascade(q, k_parts, v_parts, tables: CascadeTables, scale, causal, window_size, sinks, backend,
+                     return_lse, stream, softcap, bits=0, group_size=0) -> _CascadeCall:
     check_float_array("q", q, 3, "[total_q, q_heads, head_dim]")
     if bits:
         group_size, bits = check_quantization(group_size, bits)
@@ -602,17 +674,15 @@ def _prepare_cascade(q, k_parts, v_parts, prefix_table, prefix_lens, prefix_grou
     k_shape, v_shape = page_shape(k_parts[0], bits), page_shape(v_parts[0], bits)
     if k_shape[2] == 0:
         raise ValueError(f"k_pages must have page_size >= 1, got shape {k_shape}")
-    own_pages, prefix_pages, full_pages, shared, groups, full_table = _cascade_tables(
-        q, k_shape[0], k_shape[2], prefix_table, prefix_lens, prefix_groups, block_table, kv_lens)
-    layout = check_paged_layout(q, k_shape, v_shape, k_shape[0], full_table, kv_lens, q_lens,
-                                checked_pages=full_pages)
+    own_pages, prefix_pages, full_pages, shared, groups, full_table = tables.checked(q, k_shape[0], k_shape[2])
+    layout = tables.layout(q, k_shape, v_shape, full_table, full_pages)
     options = _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
-    full = _PagedCall.build(q, k_parts, v_parts, dtype, layout, full_table, kv_lens, q_lens, sinks, options,
-                            "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size)
-    plan = plan_cascade(layout.q_lens, layout.kv_lens, own_pages, prefix_pages, shared, groups, layout.page_size,
-                        causal=full.causal, window_size=full.window_size, kv_heads=layout.kv_heads,
-                        gqa=layout.heads // layout.kv_heads, threads=_cpu_kernel_threads())
-    call = _CascadeCall(full, plan, backend)
+    full = _PagedCall.build(q, k_parts, v_parts, dtype, layout, full_table, tables.arrays[4], tables.q_lens, sinks,
+                            options, "auto" if backend == "fused" else backend, return_lse, stream, bits, group_size,
+                            resolve_path=False)
+    plan = tables.plan(layout, own_pages, prefix_pages, shared, groups, causal=full.causal,
+                       window_size=full.window_size)
+    call = _CascadeCall(full, plan, backend, tables._support)
     call.path  # noqa: B018  (backend="fused" raises here, at the call)
     return call
 
@@ -626,9 +696,9 @@ def cascade_paged_attention_path(q, k_pages, v_pages, prefix_table, prefix_lens,
     path of the equivalent paged call over the full tables (``"fused-metal"``
     or ``"reference"``). ``bits`` > 0: quantized ``(packed, scales,
     biases)`` pages as :func:`quantized_cascade_paged_attention` takes them."""
-    return _prepare_cascade(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens,
-                            q_lens, scale, causal, window_size, sinks, backend, return_lse, stream, softcap,
-                            bits, group_size if bits else 0).path
+    tables = CascadeTables(prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens)
+    return _prepare_cascade(q, k_pages, v_pages, tables, scale, causal, window_size, sinks, backend, return_lse,
+                            stream, softcap, bits, group_size if bits else 0).path
 
 
 def cascade_paged_attention(
@@ -672,8 +742,9 @@ def cascade_paged_attention(
     Everything else, the result and the errors as :func:`paged_attention`
     over the full tables (equal to it within float rounding).
     """
-    return _prepare_cascade(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens,
-                            q_lens, scale, causal, window_size, sinks, backend, return_lse, stream, softcap).run()
+    return CascadeTables(prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens).attention(
+        q, k_pages, v_pages, scale=scale, causal=causal, window_size=window_size, sinks=sinks, backend=backend,
+        return_lse=return_lse, stream=stream, softcap=softcap)
 
 
 def quantized_cascade_paged_attention(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table,
@@ -682,9 +753,9 @@ def quantized_cascade_paged_attention(q, k_pages, v_pages, prefix_table, prefix_
                                       stream=None, softcap=None):
     """:func:`cascade_paged_attention` over quantized pages (``(packed,
     scales, biases)`` triples, as :func:`quantized_paged_attention`)."""
-    return _prepare_cascade(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens,
-                            q_lens, scale, causal, window_size, sinks, backend, return_lse, stream, softcap,
-                            bits, group_size).run()
+    return CascadeTables(prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens).quantized_attention(
+        q, k_pages, v_pages, scale=scale, group_size=group_size, bits=bits, causal=causal, window_size=window_size,
+        sinks=sinks, backend=backend, return_lse=return_lse, stream=stream, softcap=softcap)
 
 
 # ---------------------------------------------------------------- fused Metal kernels

@@ -37,9 +37,18 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from mlx_attn import _native
 from mlx_attn.reference import LOGIT_LIMIT
 
-__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks"]
+__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks",
+           "run_fused_cascade", "FUSED_MERGE"]
+
+# The passes and the merge as one C++ primitive (csrc/ops/cascade_attention.cpp),
+# or the merge alone as one (csrc/ops/cascade_merge.cpp), where the extension is
+# built; the MLX-op merge below is the same computation (and what a test seeds
+# faults into). False: the passes and the MLX-op merge.
+FUSED_MERGE = True
+MAX_FUSED_SPLITS = 62  # key splits the C++ merge takes per row
 
 
 @dataclass
@@ -51,6 +60,8 @@ class PassPlan:
     kv_lens: list[int] = field(default_factory=list)
     q_lens: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    _arrays: tuple | None = field(default=None, repr=False, compare=False)
+    _in_order: bool | None = field(default=None, repr=False, compare=False)
 
     def add(self, pages: list[int], kv_len: int, rows: list[int], *, bottom_aligned: bool) -> None:
         """A pseudo-sequence of ``rows`` over the first ``kv_len`` keys of
@@ -71,7 +82,27 @@ class PassPlan:
             self.rows.extend(piece)
 
     def arrays(self):
-        """``(block_table, kv_lens, q_lens, rows)`` as int32 MLX arrays."""
+        """``(block_table, kv_lens, q_lens, rows)`` as int32 MLX arrays (made
+        once: a plan serves every layer of a step)."""
+        if self._arrays is None:
+            self._arrays = self._make_arrays()
+        return self._arrays
+
+    def takes_all_in_order(self, total_q: int) -> bool:
+        """Whether the pass's rows are the call's rows 0 .. total_q - 1 in
+        order (then the pass reads ``q`` itself, no gather)."""
+        if self._in_order is None:
+            self._in_order = self.rows == list(range(len(self.rows)))
+        return self._in_order and len(self.rows) == total_q
+
+    def kernel_arrays(self):
+        """:meth:`arrays`, or empty int32 arrays of the same ranks for a pass
+        without rows (the one-primitive cascade takes all three passes)."""
+        if self.rows:
+            return self.arrays()
+        return (mx.zeros((0, 1), mx.int32), *(mx.zeros((0,), mx.int32) for _ in range(3)))
+
+    def _make_arrays(self):
         width = max(1, max((len(p) for p in self.table), default=1))
         table = [pages + [0] * (width - len(pages)) for pages in self.table]  # unread entries: any valid page
         return tuple(mx.array(a, dtype=mx.int32) for a in (table, self.kv_lens, self.q_lens, self.rows))
@@ -90,6 +121,8 @@ class CascadePlan:
     prefix_index: np.ndarray
     suffix_index: np.ndarray
     direct_index: np.ndarray
+    # the merge's gather indices and direct-row mask as MLX arrays, made once per plan
+    merge_arrays: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 # Split-K of the prefix pass: a split holds at least this many keys, and a
@@ -174,16 +207,22 @@ def plan_cascade(q_lens, kv_lens, own_pages, prefix_pages, prefix_lens, groups, 
     return CascadePlan(prefix, suffix, direct, prefix_index, suffix_index, direct_index)
 
 
-def _pick(out, lse, index: np.ndarray):
+def _pick(out, lse, index: np.ndarray, made: dict | None = None, name=None):
     """Rows ``index`` of a pass's ``(out, lse)``; ``-1`` gives an empty
-    partial (zeros, ``-inf``)."""
+    partial (zeros, ``-inf``). ``made``: the plan's cache of index arrays,
+    where this index is kept under ``name``."""
     if index.size and index[0] >= 0 and (np.diff(index) == 1).all():
         first = int(index[0])  # consecutive rows (a decode batch, a key split): a slice, no gather
         return out[first : first + index.size], lse[first : first + index.size]
     heads, value_dim = out.shape[1], out.shape[2]
     out = mx.concatenate([out, mx.zeros((1, heads, value_dim), out.dtype)])
     lse = mx.concatenate([lse, mx.full((1, heads), -mx.inf, mx.float32)])
-    where = mx.array(np.where(index < 0, out.shape[0] - 1, index).astype(np.int32))
+    key = (name, out.shape[0])
+    where = None if made is None or name is None else made.get(key)
+    if where is None:
+        where = mx.array(np.where(index < 0, out.shape[0] - 1, index).astype(np.int32))
+        if made is not None and name is not None:
+            made[key] = where
     return mx.take(out, where, axis=0), mx.take(lse, where, axis=0)
 
 
@@ -213,12 +252,54 @@ def merge_partials_and_sinks(outs: list, lses: list, sinks: mx.array | None, dty
     the sink logits ``[Hq]`` counted once (a sink is one more partial, of
     value zero). A side with ``lse = -inf`` adds nothing; a row with no key
     and no sink gives zeros and ``-inf``. Returns ``(out in dtype, lse float32)``."""
-    heads = lses[0].shape[1]
-    if sinks is None:
-        sink = mx.full((1, heads), -mx.inf, mx.float32)
-    else:  # saturated, as the kernels do
-        sink = mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]
+    sink = _saturated_sinks(sinks, lses[0].shape[1])  # saturated, as the kernels do
     return _merge_all(list(outs), list(lses), sink, mx.zeros((), dtype))
+
+
+def _saturated_sinks(sinks: mx.array | None, heads: int) -> mx.array:
+    if sinks is None:
+        return mx.full((1, heads), -mx.inf, mx.float32)
+    return mx.clip(sinks.astype(mx.float32), -LOGIT_LIMIT, LOGIT_LIMIT)[None, :]
+
+
+def _merge_inputs(plan: CascadePlan, sinks, heads: int):
+    """The C++ merge's index arrays (made once per plan) and sinks."""
+    made = plan.merge_arrays
+    if "fused" not in made:
+        made["fused"] = tuple(mx.array(a.astype(np.int32)) for a in (plan.suffix_index, plan.prefix_index,
+                                                                    plan.direct_index))
+    if sinks is not None:
+        return made["fused"], _saturated_sinks(sinks, heads)[0]
+    if "no sinks" not in made:
+        made["no sinks"] = mx.full((heads,), -mx.inf, mx.float32)
+    return made["fused"], made["no sinks"]
+
+
+def run_fused_cascade(plan: CascadePlan, q, k_parts, v_parts, sinks, *, heads: int, options: dict, stream):
+    """``[out, lse]`` of the whole cascade as one C++ primitive
+    (csrc/ops/cascade_attention.cpp: the three passes over their gathered
+    rows, then the merge, in one evaluation), or None where the extension has
+    none (then the passes run as separate paged calls and
+    :func:`merge_cascade` merges). ``options``: the paged kernel's (scale,
+    causal, window, softcap, bits, group size)."""
+    ext = _native.ext
+    if (not FUSED_MERGE or ext is None or not hasattr(ext, "cascade_paged_attention")
+            or plan.prefix_index.shape[0] > MAX_FUSED_SPLITS):
+        return None
+    made = plan.merge_arrays
+    if "passes" not in made:
+        made["passes"] = [a for p in (plan.prefix, plan.suffix, plan.direct) for a in p.kernel_arrays()]
+    indices, sink = _merge_inputs(plan, sinks, heads)
+    return ext.cascade_paged_attention(q, list(k_parts), list(v_parts), made["passes"], *indices, sink, sinks=sinks,
+                                       stream=stream, output_lse=True, **options)
+
+
+def _fused_merge(plan: CascadePlan, prefix, suffix, direct, *, dtype, sinks, heads):
+    """:func:`merge_cascade` in one C++ primitive: every index array made
+    once per plan, no gather, no per-row MLX op."""
+    indices, sink = _merge_inputs(plan, sinks, heads)
+    out, lse = _native.ext.cascade_merge(*suffix, *prefix, *direct, *indices, sink, dtype)
+    return out, lse
 
 
 def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim, dtype, sinks):
@@ -227,11 +308,17 @@ def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim
     rows taken as they are."""
     empty = (mx.zeros((0, heads, value_dim), dtype), mx.zeros((0, heads), mx.float32))
     prefix, suffix, direct = (p if p is not None else empty for p in (prefix, suffix, direct))
-    parts = [_pick(*suffix, plan.suffix_index)] + [_pick(*prefix, split) for split in plan.prefix_index]
+    if FUSED_MERGE and _native.ext is not None and plan.prefix_index.shape[0] <= MAX_FUSED_SPLITS:
+        return _fused_merge(plan, prefix, suffix, direct, dtype=dtype, sinks=sinks, heads=heads)
+    made = plan.merge_arrays
+    parts = [_pick(*suffix, plan.suffix_index, made, "suffix")]
+    parts += [_pick(*prefix, split, made, ("prefix", i)) for i, split in enumerate(plan.prefix_index)]
     out, lse = merge_partials_and_sinks([o for o, _ in parts], [l for _, l in parts], sinks, dtype)
     if (plan.direct_index >= 0).any():
-        out_d, lse_d = _pick(*direct, plan.direct_index)
-        is_direct = mx.array(plan.direct_index >= 0)
+        out_d, lse_d = _pick(*direct, plan.direct_index, made, "direct")
+        if "is_direct" not in made:
+            made["is_direct"] = mx.array(plan.direct_index >= 0)
+        is_direct = made["is_direct"]
         out = mx.where(is_direct[:, None, None], out_d, out)
         lse = mx.where(is_direct[:, None], lse_d, lse)
     return out, lse

@@ -216,3 +216,19 @@ def test_speculative_benchmark_quick_run(tmp_path, model):
     assert sum(pair["on"]["draft_tokens"] for pair in saved["phases"].values()) > 0
     assert [r["rows"] for r in result["rows"]] == [1, 2]
     assert (tmp_path / "spec.png").stat().st_size > 10_000
+
+
+def test_serve_benchmark_cascade_table():
+    """bench_serve.py --cascade's table: medians of the rounds, on / off."""
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH.parent / "bench_serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rounds = {"on": [{"tokens_per_s": 12.0, "ttft_p50": 2.0, "ttft_p95": 3.0},
+                     {"tokens_per_s": 20.0, "ttft_p50": 1.0, "ttft_p95": 1.5}],
+              "off": [{"tokens_per_s": 8.0, "ttft_p50": 4.0, "ttft_p95": 4.0},
+                      {"tokens_per_s": 8.0, "ttft_p50": 2.0, "ttft_p95": 4.0}]}
+    table = bench.cascade_table(rounds, 4105, 16, 32)
+    assert "c16, 4105-token shared system prompt, 32 tokens each" in table
+    assert "| aggregate tokens/s (median of 2 rounds) | 16.0 | 8.0 | 2.00x |" in table
+    assert "| TTFT p50 (s) (median of 2 rounds) | 1.50 | 3.00 | 0.50x |" in table
+    assert "c16, no system prompt, 32 tokens each" in bench.cascade_table(rounds, 0, 16, 32)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_attn import _native, paged_cascade
+from mlx_attn import _native, paged, paged_cascade
 from mlx_attn.paged import (
     cascade_paged_attention,
     cascade_paged_attention_path,
@@ -179,16 +179,19 @@ def test_the_prefix_is_one_pass_per_group():
 
 
 def _plan(case, **options):
-    from mlx_attn.paged import _prepare_cascade
+    from mlx_attn.paged import CascadeTables, _prepare_cascade
 
-    call = _prepare_cascade(case["q"], case["k"], case["v"], case["prefix_table"], case["prefix_lens"],
-                            case["prefix_groups"], case["block_table"], case["kv_lens"], case["q_lens"], 0.3,
-                            options["causal"], options["window_size"], None, "auto", False, None, None)
+    tables = CascadeTables(case["prefix_table"], case["prefix_lens"], case["prefix_groups"], case["block_table"],
+                           case["kv_lens"], case["q_lens"])
+    call = _prepare_cascade(case["q"], case["k"], case["v"], tables, 0.3, options["causal"], options["window_size"],
+                            None, "auto", False, None, None)
     return call.plan
 
 
 def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
-    """The checks above catch the two faults a cascade merge invites."""
+    """The checks above catch the two faults a cascade merge invites (in the
+    MLX-op merge; the C++ merge's: the next test)."""
+    monkeypatch.setattr(paged_cascade, "FUSED_MERGE", False)
     case = make_case(np.random.default_rng(6), GROUPS, LOOSE)
     sinks = mx.array([2.0, -1.0, 0.5, 3.0])
     check(case, sinks=sinks)
@@ -212,6 +215,64 @@ def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
     with pytest.raises(AssertionError):
         check(case, sinks=sinks)
     monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", merge)
+    check(case, sinks=sinks)
+
+
+def test_the_fused_merge_equals_the_mlx_merge_and_its_faults_fail(monkeypatch):
+    """The one-primitive cascade (csrc/ops/cascade_attention.cpp: passes and
+    merge) gives the separate passes' MLX-op merge's result (key splits,
+    direct rows, sinks, rows that see nothing); the separate passes' C++
+    merge (csrc/ops/cascade_merge.cpp, the rows' merge both share) passes
+    the checks, which catch it merging without the suffix, without the
+    prefix, or with the sinks twice."""
+    import types
+
+    monkeypatch.setattr(paged, "_cpu_kernel_threads", lambda: 4)  # key splits
+    case = make_case(np.random.default_rng(16), [(40, [(1, 9), (3, 20), (1, 0)]), (2, [(2, 5), (0, 3)])],
+                     [(1, 30), (0, 0)], page_size=16)
+    sinks = mx.array([1.0, -2.0, 0.5, 3.0])
+    for dtype_case, options in ((case, dict(sinks=sinks, window_size=650)), (case, dict(softcap=2.0)),
+                                (case, dict(causal=False))):
+        fused = cascade(dtype_case, scale=0.4, **options)
+        monkeypatch.setattr(paged_cascade, "FUSED_MERGE", False)
+        plain = cascade(dtype_case, scale=0.4, **options)
+        monkeypatch.setattr(paged_cascade, "FUSED_MERGE", True)
+        np.testing.assert_allclose(np.asarray(fused[0]), np.asarray(plain[0]), atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(fused[1]), np.asarray(plain[1]), atol=1e-6, rtol=1e-6)
+        check(dtype_case, **options)
+    half = make_case(np.random.default_rng(17), GROUPS, LOOSE, dim=32, page_size=16, dtype=mx.float16)
+    check(half, mx.float16, sinks=mx.array([0.5, 1.0, -1.0, 0.0]).astype(mx.float16))
+
+    real = paged_cascade._native.ext
+
+    def seeded(fault):
+        def merge(s_out, s_lse, p_out, p_lse, d_out, d_lse, s_index, p_index, d_index, sink, dtype):
+            args = fault(list((s_out, s_lse, p_out, p_lse, d_out, d_lse, s_index, p_index, d_index, sink)))
+            return real.cascade_merge(*args, dtype)
+
+        return types.SimpleNamespace(ext=types.SimpleNamespace(cascade_merge=merge))
+
+    def no_suffix(a):
+        a[6] = mx.full(a[6].shape, -1, mx.int32)
+        return a
+
+    def no_prefix(a):
+        a[7] = mx.full(a[7].shape, -1, mx.int32)
+        return a
+
+    def sinks_twice(a):  # the sink once more as a partial: a prefix "split" of value zero and lse = sink
+        rows, heads = a[6].shape[0], a[9].shape[0]
+        a[2] = mx.concatenate([a[2], mx.zeros((rows,) + a[2].shape[1:], a[2].dtype)])
+        a[3] = mx.concatenate([a[3], mx.broadcast_to(a[9][None], (rows, heads))])
+        extra = mx.arange(rows, dtype=mx.int32) + a[2].shape[0] - rows
+        a[7] = mx.concatenate([a[7], extra[None]])
+        return a
+
+    for fault in (no_suffix, no_prefix, sinks_twice):
+        monkeypatch.setattr(paged_cascade, "_native", seeded(fault))
+        with pytest.raises(AssertionError):
+            check(case, sinks=sinks)
+    monkeypatch.setattr(paged_cascade, "_native", seeded(lambda a: a))
     check(case, sinks=sinks)
 
 
@@ -322,3 +383,41 @@ def test_head_dims_the_kernel_cannot_run_fall_back_or_raise():
     np.testing.assert_allclose(as64(out), want, atol=3e-5, rtol=3e-5)
     with pytest.raises(ValueError, match="backend='fused' is not possible"):
         cascade(case, scale=0.05, backend="fused")
+
+
+def test_one_cascade_tables_serves_every_layer():
+    """A serving step reads, checks and plans its tables once
+    (:class:`CascadeTables`) and attends each layer through them: every
+    layer's result is the one-off call's, each window rule planned once."""
+    from mlx_attn.paged import CascadeTables
+
+    rng = np.random.default_rng(21)
+    case = make_case(rng, GROUPS, LOOSE)
+    names = ("prefix_table", "prefix_lens", "prefix_groups", "block_table", "kv_lens")
+    tables = CascadeTables(*(case[n] for n in names), case["q_lens"])
+    for layer, window in enumerate([None, 5, None, 14]):
+        pages = {n: mx.array(rng.standard_normal(case[n].shape).astype(np.float32)) for n in ("k", "v")}
+        layer_case = dict(case, **pages)
+        got = tables.attention(case["q"], pages["k"], pages["v"], scale=0.3 + layer, window_size=window,
+                               return_lse=True)
+        want = cascade(layer_case, scale=0.3 + layer, window_size=window)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        paged_out, _ = paged_full(layer_case, scale=0.3 + layer, window_size=window)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(paged_out), atol=1e-6, rtol=1e-6)
+    assert len(tables._plans) == 3 and len(tables._checked) == 1
+    # quantized pages through the same tables
+    k8, v8 = (mx.quantize(mx.array(rng.standard_normal((case["k"].shape[0], 2, 4, 32)).astype(np.float32)),
+                          group_size=32, bits=8) for _ in range(2))
+    q32 = mx.array(rng.standard_normal((case["q"].shape[0], 4, 32)).astype(np.float32))
+    got = tables.quantized_attention(q32, k8, v8, scale=0.2, group_size=32, bits=8)
+    want = quantized_paged_attention(q32, k8, v8, ints(case["full_table"]), case["kv_lens"], q_lens=case["q_lens"],
+                                     scale=0.2, group_size=32, bits=8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # bad tables raise at the first call, naming the argument, and again at the next
+    bad_table = np.asarray(case["prefix_table"]).copy()
+    bad_table[0, 0] = 10_000
+    bad = CascadeTables(ints(bad_table), *(case[n] for n in names[1:]), case["q_lens"])
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"prefix_table\[0, 0\] = 10000"):
+            bad.attention(case["q"], case["k"], case["v"], scale=0.3)

@@ -118,6 +118,20 @@ def test_quantized_pages_with_sinks_and_a_window_batch_equals_alone(tmp_path):
     assert agreeing >= 6  # 8-bit K/V barely moves the logits: first tokens (nearly) all agree
 
 
+def test_cascade_attention_gives_mlx_lm_s_tokens_alone(tmp_path):
+    """gpt-oss (sinks, a sliding window) with every shared page grouped
+    (cascade attention through the mlx-lm seam): mlx-lm's tokens alone."""
+    from mlx_attn.serve import CascadeRule
+
+    directory = write_checkpoint(tmp_path / "oss", ARCHITECTURES["gpt_oss"])
+    prompts = mixed_prompts(seed=2)
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=10, cascade_rule=CascadeRule(1))
+    assert serve(engine, prompts, NEW_TOKENS) == expected
+    assert engine.cascade_steps > 0
+
+
 def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_path):
     directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
     prompts = mixed_prompts(seed=2)

@@ -7,6 +7,8 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "csrc/ops/cascade_attention.h"
+#include "csrc/ops/cascade_merge.h"
 #include "csrc/ops/paged_attention.h"
 #include "csrc/python/options.h"
 
@@ -46,6 +48,27 @@ void bind_paged(nb::module_& m) {
       "sinks"_a = nb::none(), "stream"_a = nb::none(), "options"_a,
       "Fused paged attention; k_parts / v_parts are [pages] (bits=0) or (packed, scales, biases). Returns [out] "
       "or [out, lse]. Raises ValueError on any invalid input.");
+
+  m.def(
+      "cascade_merge", &cascade_merge, "suffix_out"_a, "suffix_lse"_a, "prefix_out"_a, "prefix_lse"_a,
+      "direct_out"_a, "direct_lse"_a, "suffix_index"_a, "prefix_index"_a, "direct_index"_a, "sinks"_a, "dtype"_a,
+      nb::kw_only(), "stream"_a = nb::none(),
+      "The cascade's merge (csrc/ops/cascade_merge.h): [out, lse] of every call row from the passes' partials "
+      "by log-sum-exp, sinks once, direct rows as they are. CPU only.");
+
+  m.def(
+      "cascade_paged_attention",
+      [](const mx::array& q, const std::vector<mx::array>& k_parts, const std::vector<mx::array>& v_parts,
+         const std::vector<mx::array>& passes, const mx::array& suffix_index, const mx::array& prefix_index,
+         const mx::array& direct_index, const mx::array& merge_sinks, std::optional<mx::array> sinks,
+         mx::StreamOrDevice s, const nb::kwargs& options) {
+        return cascade_paged_attention(q, k_parts, v_parts, passes, suffix_index, prefix_index, direct_index,
+                                       merge_sinks, sinks, options_from(options, kPagedDefaults), s);
+      },
+      "q"_a, "k_parts"_a, "v_parts"_a, "passes"_a, "suffix_index"_a, "prefix_index"_a, "direct_index"_a,
+      "merge_sinks"_a, nb::kw_only(), "sinks"_a = nb::none(), "stream"_a = nb::none(), "options"_a,
+      "Cascade paged attention in one primitive (csrc/ops/cascade_attention.h): the prefix, suffix and direct "
+      "passes, each (block_table, kv_lens, q_lens, rows), then the merge. Returns [out, lse]. CPU only.");
 
   m.def(
       "paged_unsupported_reason",

@@ -5,7 +5,11 @@ position per token) and runs ``model(tokens, attention=PagedAttention(...))``
 (the decoder's attention hook, :class:`mlx_attn.lm.models.base.AttentionHook`):
 for each layer the hook writes the new tokens' keys and values into their
 pages and calls :func:`mlx_attn.paged.paged_attention` over every sequence's
-block table. The logits of each sampling row's last token give its next token
+block table, or, where sequences of the step share prefix pages (a system
+prompt, ``n`` > 1 choices) and the :class:`~mlx_attn.serve.cascade_groups.CascadeRule`
+says the shared read pays, cascade attention with those groups (one
+:class:`mlx_attn.paged.CascadeTables` per step; ``cascade=False`` turns that
+off). The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
@@ -34,6 +38,8 @@ from mlx.utils import tree_map_with_path
 from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
 from mlx_attn.lm import quantized_matmul
 from mlx_attn.lm.quantized_matmul import hold_float32_weights, use_row_adaptive_matmuls
+from mlx_attn.paged import CascadeTables
+from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, CascadeRule, SharedPrefixLevels, shared_prefix_groups
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
 from mlx_attn.lm.ngram_draft import NgramDrafter
@@ -107,13 +113,17 @@ class PagedAttention(AttentionHook):
     """The attention hook of one step: K/V into pages, paged attention out."""
 
     def __init__(self, store: PagedKVStore, arrays: dict[str, np.ndarray], logit_rows: np.ndarray | None = None,
-                 request_ids: Sequence[Hashable] = ()):
+                 request_ids: Sequence[Hashable] = (), cascade: SharedPrefixLevels | None = None):
         self.store = store
         # the host arrays and each row's request: models that keep a state per
         # request (hybrid mlx-lm models) split the step by request
         self.host_arrays, self.host_logit_rows, self.request_ids = arrays, logit_rows, tuple(request_ids)
         self.arrays = {name: mx.array(value) for name, value in arrays.items()}
         self.logit_rows = None if logit_rows is None else mx.array(logit_rows, dtype=mx.int32)
+        # the step's shared-prefix groups, checked and planned once for every layer (None: plain paged)
+        self.cascade = None if cascade is None else CascadeTables(
+            *(mx.array(a) for a in (cascade.prefix_table, cascade.prefix_lens, cascade.prefix_groups,
+                                    cascade.block_table)), self.arrays["kv_lens"], self.arrays["q_lens"])
 
     def positions(self, length: int) -> mx.array:
         return self.arrays["positions"]
@@ -123,7 +133,7 @@ class PagedAttention(AttentionHook):
         rows = lambda x: x[0].swapaxes(0, 1)  # noqa: E731  [1, H, T, D] -> [T, H, D]
         self.store.write(layer.index, a["write_pages"], a["write_slots"], rows(keys), rows(values))
         out = self.store.attend(layer.index, rows(queries), a["block_table"], a["kv_lens"], a["q_lens"],
-                                scale=layer.scale, window_size=layer.window_size)
+                                scale=layer.scale, window_size=layer.window_size, cascade=self.cascade)
         return out.swapaxes(0, 1)[None]
 
 
@@ -163,18 +173,33 @@ class Engine:
     otherwise convert every page of the pool each layer; ``weights``: see
     :func:`prepare_weights` (it changes ``model`` in place).
 
+    ``cascade``: attend sequences that share prefix pages as groups
+    (cascade attention) where ``cascade_rule`` says it pays (default:
+    :data:`~mlx_attn.serve.cascade_groups.DEFAULT_CASCADE_RULE`, measured on
+    the CPU); ``False``: every step through the plain paged op. The outputs
+    are the same either way, within float rounding.
+
     ``speculative="ngram"``: decoding requests propose up to
     ``num_draft_tokens`` tokens found after their last n-gram earlier in
     their own tokens and verify them in the same step, ``k + 1`` rows each
     (lossless: :mod:`mlx_attn.lm.speculative`); drafts fill a step only up
-    to ``speculative_rows`` rows (:class:`Speculation` says why)."""
+    to ``speculative_rows`` rows (:class:`Speculation` says why). A drafting
+    request's rows join no cascade group (decode rows only)."""
 
     def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
-                 dtype=None, weights: str = "auto", state_snapshots: int = 0, speculative: str | None = None,
+                 dtype=None, weights: str = "auto", state_snapshots: int = 0, cascade: bool = True,
+                 cascade_rule: CascadeRule | None = None, speculative: str | None = None,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, speculative_rows: int = DEFAULT_SPECULATIVE_ROWS):
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+        if not isinstance(cascade, (bool, np.bool_)):
+            raise ValueError(f"cascade must be True or False, got {cascade!r}")
+        if cascade_rule is not None and not isinstance(cascade_rule, CascadeRule):
+            raise ValueError(f"cascade_rule must be a CascadeRule or None, got {type(cascade_rule).__name__}")
+        self.cascade = bool(cascade)
+        self.cascade_rule = cascade_rule or DEFAULT_CASCADE_RULE
+        self.cascade_steps = 0  # steps that attended through shared-prefix groups (for tests and metrics)
         model = _paged_model(model)
         self.model = model
         paged_mlx_lm = not isinstance(model, Decoder)
@@ -328,11 +353,16 @@ class Engine:
         self.store.copy(plan.copies)
         ends = np.cumsum(arrays["q_lens"]) - 1
         sampling = [row for row in plan.rows if row.sample]
+        cascade = None
+        if self.cascade:
+            cascade = shared_prefix_groups([row.block_table for row in plan.rows], arrays["kv_lens"],
+                                           plan.page_size, self.cascade_rule, arrays["q_lens"])
+            self.cascade_steps += cascade is not None
         # logits of the sampling rows only (a prefill chunk's other rows need
         # none): the last row, and a drafting row's rows that verify its drafts
         logit_rows = [np.arange(end - row.drafts, end + 1) for row, end in zip(plan.rows, ends) if row.sample]
         hook = PagedAttention(self.store, arrays, np.concatenate(logit_rows) if logit_rows else np.zeros(0, np.int32),
-                              [row.request_id for row in plan.rows])
+                              [row.request_id for row in plan.rows], cascade)
         if self._states is not None:
             for row in plan.rows:  # a request admitted after cached pages resumes from their saved state
                 if row.start > 0 and row.request_id not in self._states:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_attn import quantized
-from mlx_attn.paged import paged_attention, quantized_paged_attention
+from mlx_attn.paged import CascadeTables, paged_attention, quantized_paged_attention
 
 __all__ = ["PagedKVStore"]
 
@@ -72,8 +72,17 @@ class PagedKVStore:
         self.values = [moved(x) for x in self.values]
 
     def attend(self, layer: int, q: mx.array, block_table: mx.array, kv_lens: mx.array, q_lens: mx.array, *,
-               scale: float, **options) -> mx.array:
-        """:func:`mlx_attn.paged.paged_attention` over this layer's pages."""
+               scale: float, cascade: CascadeTables | None = None, **options) -> mx.array:
+        """:func:`mlx_attn.paged.paged_attention` over this layer's pages;
+        with ``cascade`` (the step's shared-prefix groups, checked once for
+        every layer) cascade attention instead, ``block_table``, ``kv_lens``
+        and ``q_lens`` then unused (``cascade`` holds them: the same keys,
+        the shared pages read once per group)."""
+        if cascade is not None:
+            if self.bits is None:
+                return cascade.attention(q, self.keys[layer], self.values[layer], scale=scale, **options)
+            return cascade.quantized_attention(q, self.keys[layer], self.values[layer], scale=scale,
+                                               group_size=self.group_size, bits=self.bits, **options)
         if self.bits is None:
             return paged_attention(q, self.keys[layer], self.values[layer], block_table, kv_lens, q_lens=q_lens,
                                    scale=scale, **options)

@@ -109,7 +109,8 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
         a = self.hook.arrays
         batch, heads, length, _ = queries.shape
         out = self.hook.store.attend(self.layer, self._rows(queries), a["block_table"], a["kv_lens"], a["q_lens"],
-                                     scale=scale, window_size=self.window, sinks=sinks, softcap=softcap)
+                                     scale=scale, window_size=self.window, sinks=sinks, softcap=softcap,
+                                     cascade=getattr(self.hook, "cascade", None))  # a hybrid call's sub-hook: none
         return out.reshape(batch, length, heads, out.shape[-1]).swapaxes(1, 2)
 
 

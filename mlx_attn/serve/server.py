@@ -32,7 +32,7 @@ import threading
 
 from mlx_attn.serve.server_state import ServerState
 
-__all__ = ["ServerState", "create_app", "make_state", "build_parser", "check_servable", "exposure_warning", "main"]
+__all__ = ["ServerState", "create_app", "make_state", "state_from_args", "build_parser", "check_servable", "exposure_warning", "main"]
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hybrid models (recurrent layers): keep up to this many recurrent states saved at page "
                              "boundaries, so prompts that begin with cached pages reuse them (default 0: no prefix "
                              "reuse for hybrid models)")
+    parser.add_argument("--cascade", choices=["on", "off"], default="on",
+                        help="cascade attention: running requests that share prefix pages (a system prompt, n > 1 "
+                             "choices) read them once per group where that pays (default on; off: every request "
+                             "reads its own, for measurement and diagnosis)")
     parser.add_argument("--speculative", choices=["ngram"], default=None,
                         help="ngram: decoding requests propose tokens that followed their last n-gram earlier in "
                              "their prompt or output and verify them in the same step (same outputs, fewer steps)")
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
                temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
-               state_snapshots: int = 0, speculative: str | None = None, num_draft_tokens: int = 4) -> ServerState:
+               state_snapshots: int = 0, cascade: bool = True, speculative: str | None = None,
+               num_draft_tokens: int = 4) -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -123,10 +128,21 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
                       max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
-                      speculative=speculative, num_draft_tokens=num_draft_tokens)
+                      cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
+
+
+def state_from_args(args: argparse.Namespace, model, tokenizer) -> ServerState:
+    """The server's state as the parsed flags of ``mlx-attn serve`` ask."""
+    from mlx_attn.lm.model_store import DEFAULT_DECODER
+
+    return make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
+                      page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
+                      max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
+                      weights=args.weights, state_snapshots=args.state_snapshots, cascade=args.cascade == "on",
+                      speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
 
 
 def check_servable(model) -> None:
@@ -158,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
                            "pip install 'mlx_attn[serve]'") from None
 
     from mlx_attn.lm.engine_choice import load_for_engine
-    from mlx_attn.lm.model_store import DEFAULT_DECODER
 
     args = build_parser().parse_args(argv)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -167,11 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(warning, file=sys.stderr)
     model, tokenizer = load_for_engine(args.model, args.engine, args.backend)
     check_servable(model)
-    state = make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
-                       page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
-                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
-                       weights=args.weights, state_snapshots=args.state_snapshots, speculative=args.speculative,
-                       num_draft_tokens=args.num_draft_tokens)
+    state = state_from_args(args, model, tokenizer)
     app = create_app(state, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()
