@@ -32,6 +32,7 @@ from mlx_attn.lm.speculative import (
     StepCost,
     check_num_draft_tokens,
     penalized_rows,
+    verify_by_drawing,
     verify_drafts,
 )
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
@@ -301,14 +302,17 @@ def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache:
                       length: DraftLength | None = None) -> Iterator[tuple[int, mx.array | None]]:
     """:func:`generate_step` with n-gram drafts (``config.speculative``;
     ``prompt`` and ``cache`` as checked there): each forward feeds the last
-    token and up to ``num_draft_tokens`` proposed ones, keeps what
-    :func:`verify_drafts` accepts and trims the K/V of the rest. A step
+    token and up to ``num_draft_tokens`` proposed ones, keeps what the
+    verification accepts (greedy: :func:`verify_drafts`; sampled: each
+    token drawn as without drafts, :func:`verify_by_drawing`) and trims the
+    K/V of the rest. A step
     yields its tokens one by one; stopping early leaves the cache holding
     the last step's accepted tokens. ``length``: the draft-length policy,
     whose counters then tell how many drafts were proposed and accepted."""
     if config.seed is not None:
         mx.random.seed(config.seed)
     drafter, cost = NgramDrafter(), StepCost()  # drafts only where they pay for their rows (StepCost)
+    sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
     length = length if length is not None else DraftLength(config.num_draft_tokens)
     history = list(prompt)  # prompt and accepted tokens: what the drafter searches
     prefill(model, prompt[:-1], cache, config)
@@ -323,7 +327,10 @@ def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache:
         _maybe_quantize(cache, config)
         logits = model(mx.array([[pending] + drafts]), cache=cache)[0].astype(mx.float32)
         logits = penalized_rows(logits, history, drafts, config.repetition_penalty, config.repetition_context)
-        tokens = verify_drafts(logits, drafts, config.temperature, config.top_k, config.top_p, config.min_p)
+        if config.temperature == 0:
+            tokens = verify_drafts(logits, drafts, 0.0)
+        else:  # each token drawn as without drafts: a seeded generation is the same whatever was drafted
+            tokens = verify_by_drawing(logits, drafts, sampler)
         cost.record(len(drafts) + 1, time.perf_counter() - started)
         accepted = len(tokens) - 1
         length.record(len(drafts), accepted)

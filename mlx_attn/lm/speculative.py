@@ -13,7 +13,10 @@ renormalised, and stop. A token then has probability
 ``(1 - p(t)) * p(x) / (1 - p(t)) = p(x)`` for any other ``x``: exactly ``p``.
 When every draft is accepted the last row draws one more token from its
 ``p``. Greedy (temperature 0) accepts while the draft is the row's argmax:
-token for token what decoding without drafts gives.
+token for token what decoding without drafts gives. Decoding uses the
+coupled form, :func:`verify_by_drawing`: each row's token drawn as plain
+sampling draws it, a draft kept while it is that draw (the same law, and
+a seeded generation's tokens whatever was drafted).
 
 :class:`DraftLength` adapts ``k`` to a sequence's acceptance rate."""
 
@@ -27,7 +30,7 @@ import mlx.core as mx
 from mlx_attn.lm.sampling import apply_repetition_penalty, filtered_logprobs
 from mlx_attn.lm.validate import require_int
 
-__all__ = ["verify_drafts", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
+__all__ = ["verify_drafts", "verify_by_drawing", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
            "MAX_NUM_DRAFT_TOKENS", "check_num_draft_tokens"]
 
 SPECULATIVE_CHOICES = ("ngram",)
@@ -89,6 +92,25 @@ def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, t
         if not accept[i]:
             return list(drafts[:i]) + [replacements[i]]
     return list(drafts) + [int(bonus.item())]
+
+
+def verify_by_drawing(logits: mx.array, drafts: Sequence[int], draw) -> list[int]:
+    """The tokens kept when each row's token is drawn as decoding without
+    drafts draws it: ``draw(logits [1, vocab]) -> [1]`` (the plain sampler,
+    drawing from MLX's global random state), called for row ``i`` only when
+    the drafts before it were kept, so the random state advances once per
+    kept token, as without drafts. Drafts are kept while they are the drawn
+    token, then the first other draw: a draft ``t`` is kept with probability
+    ``p(t)``, otherwise the token is distributed as ``p`` without ``t``
+    (speculative sampling for a point-mass draft), and a seeded generation
+    gives the tokens it gives without drafts, whatever was drafted."""
+    kept = []
+    for i in range(len(drafts) + 1):
+        token = int(draw(logits[i:i + 1]).item())
+        kept.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return kept
 
 
 class DraftLength:

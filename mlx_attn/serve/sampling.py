@@ -171,21 +171,27 @@ def verify_draft_rows(logits: mx.array, params: SamplingParams, previous: Sequen
     """The tokens a request keeps from one verification: ``logits [k + 1,
     vocab]`` of its rows fed ``[last token] + drafts``; ``index``: the
     generated-token index of the first of them. Greedy rows keep drafts
-    while they are the argmax; drawn rows use speculative sampling
-    (:func:`mlx_attn.lm.speculative.verify_drafts`) over the same filters,
-    penalties and logit bias as :func:`sample_rows`, from the request's seed and
-    ``index``, so a seeded request is reproducible. Returns the accepted
-    drafts and one token more, each with its log-probabilities."""
+    while they are the argmax. Other rows draw row ``i``'s token exactly as
+    :func:`sample_rows` draws the request's ``index + i``-th token (its
+    penalties over the tokens before it, accepted drafts included, its logit
+    bias and filters, its seed and that index) and keep drafts while they
+    are the drawn token: a draft is kept with its probability ``p(t)`` and
+    otherwise the token is the draw, distributed as ``p`` without ``t``:
+    speculative sampling for a point-mass draft, coupled to the plain
+    sampler, so a seeded request gives the tokens it gives without drafts
+    whatever was drafted. Returns the accepted drafts and one token more,
+    each with its log-probabilities."""
     logits = logits.astype(mx.float32)
     if params.greedy:
         kept = verify_drafts(logits, drafts, 0.0)
     else:
-        # row i as the plain sampler would shape it: its history and the
-        # generated tokens then include the drafts before it
-        shaped = mx.stack([_shaped(logits[i], params, [*previous, *drafts[:i]], index + i)
-                           for i in range(len(drafts) + 1)])
-        mx.random.seed((params.seed * 1_000_003 + index) % _SEED_LIMIT)
-        kept = verify_drafts(shaped, drafts, params.temperature, params.top_k, params.top_p, params.min_p)
+        draws = mx.stack([_draw(logits[i], params, [*previous, *drafts[:i]], index + i)
+                          for i in range(len(drafts) + 1)]).tolist()
+        kept = []
+        for i, token in enumerate(draws):
+            kept.append(int(token))
+            if i == len(drafts) or token != drafts[i]:
+                break
     rows = logits[: len(kept)]
     logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, mx.array(kept)[:, None], axis=-1)[:, 0]
