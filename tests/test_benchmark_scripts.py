@@ -2,7 +2,10 @@
 
 import importlib.util
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sdpa_cpu.py"
 
@@ -186,6 +189,35 @@ def test_llama_cpp_benchmark_reads_llama_bench_json(tmp_path, monkeypatch, capsy
     assert result["llama_cpp"] == {"prompt_tps": 200.0, "gen_tps": 80.0}
     assert result["ratio"] == {"prompt_tps": 0.25, "gen_tps": 0.25}
     assert "| decode tokens/s (`llama-bench` tg64) | 20.0 | 80.0 | 0.25x |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_speculative_benchmark_quick_run(tmp_path, model):
+    """Every phase on a tiny random model; on the default model (minutes on
+    2 cores) with MLX_ATTN_FULL_GRID=1."""
+    if model == "default" and os.environ.get("MLX_ATTN_FULL_GRID") != "1":
+        pytest.skip("the default model's smoke run takes minutes here: MLX_ATTN_FULL_GRID=1 runs it")
+    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH.parent / "bench_speculative.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    loaded = None
+    if model == "tiny":
+        from model_fixtures import random_llama, tiny_tokenizer, tiny_vocabulary
+
+        loaded = (random_llama(seed=1, vocab_size=len(tiny_vocabulary()[0]), max_position_embeddings=8192),
+                  tiny_tokenizer())
+    result = bench.main(["--quick", "--out", str(tmp_path / "spec")], loaded=loaded)
+    saved = json.loads((tmp_path / "spec.json").read_text())
+    assert set(saved["phases"]) == {"edit-c1", "edit-c4", "edit-c16", "chat-c1", "chat-c4", "chat-c16",
+                                    "generate-edit", "generate-chat"}
+    for pair in saved["phases"].values():
+        assert pair["identical"] is True  # greedy outputs with and without drafts
+        assert pair["off"]["draft_tokens"] == 0 and pair["on"]["generated"] > 0
+    assert sum(pair["on"]["draft_tokens"] for pair in saved["phases"].values()) > 0
+    assert [r["rows"] for r in result["rows"]] == [1, 2]
+    assert (tmp_path / "spec.png").stat().st_size > 10_000
+
+
 def test_serve_benchmark_cascade_table():
     """bench_serve.py --cascade's table: medians of the rounds, on / off."""
     spec = importlib.util.spec_from_file_location("bench_serve", BENCH.parent / "bench_serve.py")

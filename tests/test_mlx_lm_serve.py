@@ -236,6 +236,42 @@ def test_a_hybrid_model_on_8_bit_pages_with_saved_states_batch_equals_alone(tmp_
     assert sum(got[rid][0] == expected[rid][0] for rid in prompts) >= 6
 
 
+def _repetitive_prompts(seed: int) -> dict[str, list[int]]:
+    """Prompts that repeat a loop, so the n-gram drafter finds matches."""
+    rng = np.random.default_rng(seed)
+    loops = [rng.integers(3, 64, 4 + i).tolist() for i in range(3)]
+    return {f"loop{i}": loop * 3 + loop[:2] for i, loop in enumerate(loops)}
+
+
+def test_a_hybrid_model_does_not_draft_and_says_why(tmp_path, caplog):
+    """A recurrent state cannot roll back rejected drafts: under
+    ``speculative="ngram"`` a hybrid model's engine drafts nothing, says
+    so, and gives mlx-lm's tokens."""
+    directory = write_checkpoint(tmp_path / "lfm2", ARCHITECTURES["lfm2"])
+    prompts = _repetitive_prompts(3)
+    expected = mlx_lm_alone(directory, prompts, 10)
+    model, _ = mlx_lm_models.load(directory)
+    with caplog.at_level("WARNING", logger="mlx_attn.serve.engine"):
+        engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16, speculative="ngram")
+    assert "speculative decoding is off" in caplog.text and "recurrent state" in caplog.text
+    assert "roll back" in engine.speculation_refused and not engine.drafts_for()
+    assert serve(engine, prompts, 10) == expected
+    assert engine.stats()["draft_tokens"] == 0
+
+
+def test_an_attention_only_mlx_lm_model_drafts_and_gives_mlx_lm_s_tokens(tmp_path):
+    """The paged mlx-lm path with several logit rows per drafting request:
+    greedy tokens still those of mlx-lm alone."""
+    directory = write_checkpoint(tmp_path / "qwen3", ARCHITECTURES["qwen3"])
+    prompts = _repetitive_prompts(4)
+    expected = mlx_lm_alone(directory, prompts, 10)
+    model, _ = mlx_lm_models.load(directory)
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16, speculative="ngram")
+    assert engine.speculation_refused is None and engine.drafts_for()
+    assert serve(engine, prompts, 10) == expected
+    assert engine.stats()["draft_tokens"] > 0
+
+
 def test_serve_takes_state_snapshots_as_a_non_negative_count():
     from mlx_attn.serve.server import build_parser
 

@@ -674,7 +674,7 @@ class ScriptedEngine:
     def idle(self):
         return not self.requests
 
-    def submit(self, rid, prompt, max_tokens, stop_token_ids=(), sampling=None):
+    def submit(self, rid, prompt, max_tokens, stop_token_ids=(), sampling=None, speculative=True):
         self.requests[rid] = [0, max_tokens]
 
     def cancel(self, rid):

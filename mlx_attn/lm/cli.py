@@ -9,6 +9,7 @@
     mlx-attn serve --model model.gguf --port 8080     # OpenAI-compatible server, many requests at once
     mlx-attn doctor > report.md                       # what this machine runs, checked
     mlx-attn generate --kv-bits 8 "..."              # quantized KV cache (4 or 8 bits)
+    mlx-attn generate --speculative ngram "..."      # draft from the prompt, verify several tokens a step
     mlx.launch -n 2 --backend ring -- mlx-attn generate --distributed --prompt "$(cat long.txt)"
 
 A model's chat template applies by default (``--ignore-chat-template`` turns
@@ -33,6 +34,7 @@ from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, Generatio
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
 from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES
 from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
@@ -119,6 +121,11 @@ def _add_generation_options(parser) -> None:
     parser.add_argument("--verbose", nargs="?", type=_bool, const=True, default=False,
                         help="print as mlx-lm does: the text between ========== lines, then the statistics")
     parser.add_argument("--quiet", action="store_true", help="no statistics line")
+    parser.add_argument("--speculative", choices=list(SPECULATIVE_CHOICES), default=None,
+                        help="ngram: propose tokens found after the same n-gram earlier in the prompt or output "
+                             "and verify them in one forward (same output, fewer steps)")
+    parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                        help="with --speculative: the most tokens proposed per step")
     parser.add_argument("--distributed", action="store_true",
                         help="split the prompt and KV cache across the ranks started by mlx.launch "
                              "(--backend ring); rank 0 prints the text")
@@ -138,6 +145,8 @@ def _generation_config(args) -> GenerationConfig:
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
     )
 
 
@@ -145,7 +154,8 @@ def _generation_config(args) -> GenerationConfig:
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
          "prefill_chunk": "--prefill-step-size/--prefill-chunk", "max_kv_size": "--max-kv-size",
-         "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+         "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start",
+         "speculative": "--speculative", "num_draft_tokens": "--num-draft-tokens"}
 
 
 # ---------------------------------------------------------------- prompts

@@ -58,6 +58,9 @@ def check_distributed_config(config: GenerationConfig) -> None:
                          "the sharded KV cache is not quantized")
     if config.logprobs:
         raise ValueError("logprobs are not returned by distributed generation")
+    if config.speculative is not None:
+        raise ValueError("speculative (--speculative) cannot be combined with distributed generation: "
+                         "the ranks decode one token a step")
 
 
 def _check_group(group) -> mx.distributed.Group:

@@ -24,13 +24,24 @@ from mlx_attn.lm.sampling import (
     check_sampling_parameters,
     make_sampler,
 )
+from mlx_attn.lm.ngram_draft import NgramDrafter
+from mlx_attn.lm.speculative import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SPECULATIVE_CHOICES,
+    DraftLength,
+    StepCost,
+    check_num_draft_tokens,
+    penalized_rows,
+    verify_by_drawing,
+    verify_drafts,
+)
 from mlx_attn.lm.tokenizer import StreamingDetokenizer
 from mlx_attn.lm.validate import FieldError, require_bool, require_int
 from mlx_attn.quantized import check_quantization
 
 __all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
            "generate", "format_statistics", "check_kv_quantization", "prefill", "DEFAULT_PREFILL_CHUNK",
-           "check_prompt", "response_stream"]
+           "check_prompt", "response_stream", "speculative_steps"]
 
 # prompt tokens per prefill step: mlx-lm's prefill_step_size (compare sizes with
 # benchmarks/bench_generate.py --prefill-chunks; results never depend on it)
@@ -61,6 +72,10 @@ class GenerationConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    # "ngram": propose tokens from the prompt and output (prompt lookup) and
+    # verify them several per forward (lossless, mlx_attn.lm.speculative)
+    speculative: str | None = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # the most drafted per step
 
     def __post_init__(self):
         self.max_tokens = require_int("max_tokens", self.max_tokens, 0)
@@ -79,6 +94,10 @@ class GenerationConfig:
         if self.kv_bits is not None:
             self.kv_group_size, self.kv_bits = check_quantization(self.kv_group_size, self.kv_bits)
         self.quantized_kv_start = require_int("quantized_kv_start", self.quantized_kv_start, 0)
+        if self.speculative is not None and self.speculative not in SPECULATIVE_CHOICES:
+            raise FieldError("speculative", f"must be one of {', '.join(SPECULATIVE_CHOICES)} or None, "
+                             f"got {self.speculative!r}")
+        self.num_draft_tokens = check_num_draft_tokens(self.num_draft_tokens)
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise ValueError("kv_bits and max_kv_size cannot be combined: a rotating KV cache is not quantized")
 
@@ -231,6 +250,9 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     prompt = check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
     if config.max_tokens == 0:
         return
+    if config.speculative is not None:
+        yield from speculative_steps(model, prompt, config, cache)
+        return
     sampling = TokenSampling(config, prompt)
     # a quantized cache changes type mid-generation: that path stays eager
     compiled = config.compiled and config.kv_bits is None and compilable(model, cache)
@@ -263,6 +285,65 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
             queued = queue(token.reshape(1, 1))
         if queued is not None:
             token, logprobs = queued
+
+
+def _draft_room(cache: list, rows: int) -> bool:
+    """Whether every cache can take ``rows`` tokens and trim those rejected
+    (a rotating cache only before its window slides; a recurrent state never)."""
+    for c in cache:
+        if not hasattr(c, "trim") or not c.is_trimmable():
+            return False
+        if getattr(c, "max_size", None) is not None and c.offset + rows >= c.max_size:  # a window (ours or mlx-lm's)
+            return False
+    return True
+
+
+def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache: list,
+                      length: DraftLength | None = None) -> Iterator[tuple[int, mx.array | None]]:
+    """:func:`generate_step` with n-gram drafts (``config.speculative``;
+    ``prompt`` and ``cache`` as checked there): each forward feeds the last
+    token and up to ``num_draft_tokens`` proposed ones, keeps what the
+    verification accepts (greedy: :func:`verify_drafts`; sampled: each
+    token drawn as without drafts, :func:`verify_by_drawing`) and trims the
+    K/V of the rest. A step
+    yields its tokens one by one; stopping early leaves the cache holding
+    the last step's accepted tokens. ``length``: the draft-length policy,
+    whose counters then tell how many drafts were proposed and accepted."""
+    if config.seed is not None:
+        mx.random.seed(config.seed)
+    drafter, cost = NgramDrafter(), StepCost()  # drafts only where they pay for their rows (StepCost)
+    sampler = make_sampler(config.temperature, config.top_k, config.top_p, config.min_p)
+    length = length if length is not None else DraftLength(config.num_draft_tokens)
+    history = list(prompt)  # prompt and accepted tokens: what the drafter searches
+    prefill(model, prompt[:-1], cache, config)
+    produced, pending = 0, prompt[-1]  # pending: the newest token, not yet in the cache
+    while produced < config.max_tokens:
+        # the step's last token is the target's own: at most max_tokens - produced - 1 drafts
+        count = min(length.next(), config.max_tokens - produced - 1)
+        while count > 0 and not cost.worth(length.rate ** count, 1, count):
+            count -= 1
+        drafts = drafter.propose(history, count) if count > 0 and _draft_room(cache, count + 1) else []
+        started = time.perf_counter()
+        _maybe_quantize(cache, config)
+        logits = model(mx.array([[pending] + drafts]), cache=cache)[0].astype(mx.float32)
+        logits = penalized_rows(logits, history, drafts, config.repetition_penalty, config.repetition_context)
+        if config.temperature == 0:
+            tokens = verify_drafts(logits, drafts, 0.0)
+        else:  # each token drawn as without drafts: a seeded generation is the same whatever was drafted
+            tokens = verify_by_drawing(logits, drafts, sampler)
+        cost.record(len(drafts) + 1, time.perf_counter() - started)
+        accepted = len(tokens) - 1
+        length.record(len(drafts), accepted)
+        rejected = len(drafts) - accepted
+        if rejected:
+            for c in cache:
+                c.trim(rejected)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
+        for i, token in enumerate(tokens):
+            history.append(token)
+            produced += 1
+            yield token, (logprobs[i] if logprobs is not None else None)
+        pending = tokens[-1]
 
 
 def response_stream(model, detokenizer: StreamingDetokenizer, prompt: list[int], config: GenerationConfig,

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from mlx_attn.lm.validate import require_float, require_int
 
-__all__ = ["make_sampler", "apply_repetition_penalty", "check_sampling_parameters", "check_repetition_penalty"]
+__all__ = ["make_sampler", "filtered_logprobs", "apply_repetition_penalty", "check_sampling_parameters", "check_repetition_penalty"]
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -68,27 +68,37 @@ def make_sampler(
         return lambda logits: mx.argmax(logits, axis=-1)
 
     def sample(logits: mx.array) -> mx.array:
-        # shifted so the best logit is 0: a tiny temperature then gives -inf
-        # for the others, never inf - inf = NaN
-        logits = logits.astype(mx.float32)
-        scaled = (logits - logits.max(axis=-1, keepdims=True)) / temperature
-        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-        if top_k and top_k < logits.shape[-1]:
-            # ranked on the logits as given: shifting and scaling can round
-            # distinct logits to ties
-            kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
-            logprobs = mx.where(logits >= kth, logprobs, -mx.inf)
-        if top_p < 1.0:
-            order = mx.argsort(-logprobs, axis=-1)
-            sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
-            before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of strictly better tokens
-            keep_sorted = before < top_p  # always keeps the best token
-            keep = mx.zeros_like(keep_sorted)
-            keep = mx.put_along_axis(keep, order, keep_sorted, axis=-1)
-            logprobs = mx.where(keep, logprobs, -mx.inf)
-        if min_p > 0.0:
-            best = logprobs.max(axis=-1, keepdims=True)
-            logprobs = mx.where(logprobs >= best + mx.log(mx.array(min_p)), logprobs, -mx.inf)
-        return mx.random.categorical(logprobs, axis=-1)
+        return mx.random.categorical(filtered_logprobs(logits, temperature, top_k, top_p, min_p), axis=-1)
 
     return sample
+
+
+def filtered_logprobs(logits: mx.array, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> mx.array:
+    """The log-probabilities ``[..., vocab]`` the sampler draws from at
+    ``temperature > 0``: scaled by the temperature, then top-k, top-p and
+    min-p set the removed tokens to ``-inf`` (not renormalised: a
+    categorical draw renormalises). Speculative verification reads the same
+    distribution (:mod:`mlx_attn.lm.speculative`)."""
+    # shifted so the best logit is 0: a tiny temperature then gives -inf
+    # for the others, never inf - inf = NaN
+    logits = logits.astype(mx.float32)
+    scaled = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+    logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    if top_k and top_k < logits.shape[-1]:
+        # ranked on the logits as given: shifting and scaling can round
+        # distinct logits to ties
+        kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
+        logprobs = mx.where(logits >= kth, logprobs, -mx.inf)
+    if top_p < 1.0:
+        order = mx.argsort(-logprobs, axis=-1)
+        sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
+        before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of strictly better tokens
+        keep_sorted = before < top_p  # always keeps the best token
+        keep = mx.zeros_like(keep_sorted)
+        keep = mx.put_along_axis(keep, order, keep_sorted, axis=-1)
+        logprobs = mx.where(keep, logprobs, -mx.inf)
+    if min_p > 0.0:
+        best = logprobs.max(axis=-1, keepdims=True)
+        logprobs = mx.where(logprobs >= best + mx.log(mx.array(min_p)), logprobs, -mx.inf)
+    return logprobs

@@ -38,7 +38,7 @@ class Completion:
         try:
             constraint = request.constraint() if request.constraint is not None else None
             rid, queue = await state.submit(request.prompt, request.max_tokens, request.sampling[index],
-                                            constraint=constraint)
+                                            constraint=constraint, speculative=request.drafts)
         except ValueError as error:  # can never fit the pool, or the model's own checks
             raise APIError(400, str(error), "max_tokens") from None
         logprobs = LogprobFormatter(state.tokenizer, self.chat) if request.logprobs else None

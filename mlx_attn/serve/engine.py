@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
@@ -42,13 +43,27 @@ from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, CascadeRule, Sha
 from mlx_attn.serve.constraints import Constraint, masks_to_bias
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
-from mlx_attn.serve.sampling import SamplingParams, sample_rows
-from mlx_attn.serve.scheduler import Request, Scheduler, StepPlan
+from mlx_attn.lm.ngram_draft import NgramDrafter
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_num_draft_tokens
+from mlx_attn.serve.sampling import SamplingParams, sample_rows, verify_draft_rows, verify_greedy_drafts
+from mlx_attn.serve.scheduler import Request, Scheduler, Speculation, StepPlan
 
 __all__ = ["PagedAttention", "Engine", "Output", "prepare_weights", "WEIGHT_CHOICES"]
 
 WEIGHT_CHOICES = ("auto", "packed", "float32", "as-loaded")
 log = logging.getLogger(__name__)
+# rows up to which a step may hold drafts (the back-off rule, Speculation)
+DEFAULT_SPECULATIVE_ROWS = 48
+
+
+def _speculation(kind: str | None, num_draft_tokens: int, step_rows: int) -> Speculation | None:
+    if kind is None:
+        return None
+    if kind not in SPECULATIVE_CHOICES:
+        raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or None, got {kind!r}")
+    if isinstance(step_rows, bool) or not isinstance(step_rows, int) or step_rows < 1:
+        raise ValueError(f"speculative_rows must be a positive integer, got {step_rows!r}")
+    return Speculation(NgramDrafter(), check_num_draft_tokens(num_draft_tokens), step_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,12 +181,20 @@ class Engine:
     (cascade attention) where ``cascade_rule`` says it pays (default:
     :data:`~mlx_attn.serve.cascade_groups.DEFAULT_CASCADE_RULE`, measured on
     the CPU); ``False``: every step through the plain paged op. The outputs
-    are the same either way, within float rounding."""
+    are the same either way, within float rounding.
+
+    ``speculative="ngram"``: decoding requests propose up to
+    ``num_draft_tokens`` tokens found after their last n-gram earlier in
+    their own tokens and verify them in the same step, ``k + 1`` rows each
+    (lossless: :mod:`mlx_attn.lm.speculative`); drafts fill a step only up
+    to ``speculative_rows`` rows (:class:`Speculation` says why). A drafting
+    request's rows join no cascade group (decode rows only)."""
 
     def __init__(self, model: Decoder, *, kv_tokens: int, page_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int | None = None, kv_bits: int | None = None, group_size: int = 64,
                  dtype=None, weights: str = "auto", state_snapshots: int = 0, cascade: bool = True,
-                 cascade_rule: CascadeRule | None = None):
+                 cascade_rule: CascadeRule | None = None, speculative: str | None = None,
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, speculative_rows: int = DEFAULT_SPECULATIVE_ROWS):
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
         if not isinstance(cascade, (bool, np.bool_)):
@@ -219,20 +242,33 @@ class Engine:
                         "cached pages cannot stand in for; every prompt is computed whole (state_snapshots "
                         "turns on reuse from states saved at page boundaries)",
                         getattr(model, "recurrent_layers", "?"))
+        speculation = _speculation(speculative, num_draft_tokens, speculative_rows)
+        # why this engine does not draft although asked to (None: it drafts, or was not asked)
+        self.speculation_refused: str | None = None
+        if speculation is not None and self._states is not None:
+            # a recurrent state has no per-token K/V to drop: rejected drafts could not be rolled back
+            self.speculation_refused = (f"speculative decoding is off: layers {getattr(model, 'recurrent_layers', '?')}"
+                                        f" of this model keep a recurrent state per request, which cannot roll "
+                                        f"back rejected drafts")
+            log.warning("%s", self.speculation_refused)
+            speculation = None
         self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse,
-                                   reusable_pages=reusable_pages)
+                                   reusable_pages=reusable_pages, speculation=speculation)
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
         self.constraints: dict[Hashable, tuple[Constraint, list[int]]] = {}  # and the request's stop tokens
 
     def submit(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int,
                stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None,
-               constraint: Constraint | None = None) -> None:
+               constraint: Constraint | None = None, speculative: bool = True) -> None:
         """Queue a request; ``ValueError`` naming ``prompt`` or ``max_tokens``
         when its tokens are not the model's or it outgrows the model's
         context, and the scheduler's errors (can never fit the pool).
         ``constraint``: the tokens it may sample, asked before each
-        (:mod:`mlx_attn.serve.constraints`)."""
+        (:mod:`mlx_attn.serve.constraints`); ``speculative=False``: this
+        request never drafts (when the engine does)."""
+        if not isinstance(speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {speculative!r}")
         config = self.model.config
         vocab = config.vocab_size
         tokens = np.asarray(prompt)
@@ -249,11 +285,19 @@ class Engine:
         if constraint is not None and not isinstance(constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint or None, got {type(constraint).__name__}")
         self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
-                                      frozenset(int(t) for t in stop_token_ids)))
+                                      frozenset(int(t) for t in stop_token_ids),
+                                      self.drafts_for(speculative, constraint)))
         self.sampling[request_id] = sampling or SamplingParams()
         self.generated[request_id] = 0
         if constraint is not None:
             self.constraints[request_id] = (constraint, sorted(int(t) for t in stop_token_ids))
+
+    def drafts_for(self, speculative: bool = True, constraint=None) -> bool:
+        """Whether a request drafts: the engine speculates and the request did
+        not opt out. Never a request with a ``constraint`` (a grammar's mask
+        follows each sampled token; verifying drafts would need the masks of
+        tokens not yet accepted). Every reason a request does not draft is here."""
+        return self.scheduler.speculation is not None and speculative and constraint is None
 
     def cancel(self, request_id: Hashable) -> bool:
         """Stop a request and free its pages at once; False if unknown."""
@@ -297,32 +341,39 @@ class Engine:
             self._drop_state(request_id)
         if not plan.rows:
             return []
-        sampled = self._run(plan)
+        started = time.perf_counter()
+        sampled = self._run(plan)  # request -> the tokens it keeps, in order
+        if self.scheduler.speculation is not None and all(len(row.tokens) == row.drafts + 1 for row in plan.rows):
+            # what a decoding step of this many rows costs (the back-off rule); prefill chunks cost otherwise
+            self.scheduler.speculation.cost.record(plan.num_tokens, time.perf_counter() - started)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
-        results = self.scheduler.commit(plan, {rid: s.token for rid, s in sampled.items()})
+        results = self.scheduler.commit(plan, {rid: [s.token for s in kept] for rid, kept in sampled.items()})
         if self._states is not None:
             self._states.prune(self.pool.has_key)  # states of evicted pages
-        outputs = []
+        outputs, seen = [], {}
         for result in results:
+            rid = result.request_id
             if result.finished:
-                self._forget(result.request_id)
-            s = sampled[result.request_id]
-            outputs.append(Output(result.request_id, result.token, s.logprob, result.finished, s.top_logprobs,
-                                  cached[result.request_id]))
+                self._forget(rid)
+            s = sampled[rid][seen.get(rid, 0)]
+            seen[rid] = seen.get(rid, 0) + 1
+            outputs.append(Output(rid, result.token, s.logprob, result.finished, s.top_logprobs, cached[rid]))
         return outputs
 
     def _run(self, plan: StepPlan) -> dict:
         arrays = plan.arrays()
         self.store.copy(plan.copies)
         ends = np.cumsum(arrays["q_lens"]) - 1
-        sampling = [(row.request_id, int(end)) for row, end in zip(plan.rows, ends) if row.sample]
+        sampling = [row for row in plan.rows if row.sample]
         cascade = None
         if self.cascade:
             cascade = shared_prefix_groups([row.block_table for row in plan.rows], arrays["kv_lens"],
                                            plan.page_size, self.cascade_rule, arrays["q_lens"])
             self.cascade_steps += cascade is not None
-        # logits of the sampling rows only (a prefill chunk's other rows need none)
-        hook = PagedAttention(self.store, arrays, np.array([end for _, end in sampling], np.int32),
+        # logits of the sampling rows only (a prefill chunk's other rows need
+        # none): the last row, and a drafting row's rows that verify its drafts
+        logit_rows = [np.arange(end - row.drafts, end + 1) for row, end in zip(plan.rows, ends) if row.sample]
+        hook = PagedAttention(self.store, arrays, np.concatenate(logit_rows) if logit_rows else np.zeros(0, np.int32),
                               [row.request_id for row in plan.rows], cascade)
         if self._states is not None:
             for row in plan.rows:  # a request admitted after cached pages resumes from their saved state
@@ -337,16 +388,37 @@ class Engine:
             return {}
         mx.eval(rows, self.store.keys, self.store.values, states)
         self._save_states()
-        rids = [rid for rid, _ in sampling]
-        params = [self.sampling[rid] for rid in rids]
+        firsts = np.cumsum([0] + [row.drafts + 1 for row in sampling])
+        params = [self.sampling[row.request_id] for row in sampling]
         # a request's tokens are only read by a penalty
-        previous = [self.scheduler.tokens(rid) if p.reads_history else () for rid, p in zip(rids, params)]
-        drawn = sample_rows(rows, params, previous, [self.generated[rid] for rid in rids], self._bias(rids))
-        for rid, sampled in zip(rids, drawn):
-            self.generated[rid] += 1
-            if rid in self.constraints:
-                self.constraints[rid][0].advance(sampled.token)
-        return dict(zip(rids, drawn))
+        previous = [self.scheduler.tokens(row.request_id) if p.reads_history else ()
+                    for row, p in zip(sampling, params)]
+        kept: dict[Hashable, list] = {}
+        plain = [b for b, row in enumerate(sampling) if not row.drafts]
+        if plain:  # one draw for every row without drafts (constrained rows never draft)
+            plain_ids = [sampling[b].request_id for b in plain]
+            drawn = sample_rows(rows[mx.array(firsts[plain].astype(np.int32))], [params[b] for b in plain],
+                                [previous[b] for b in plain], [self.generated[rid] for rid in plain_ids],
+                                self._bias(plain_ids))
+            kept.update((rid, [d]) for rid, d in zip(plain_ids, drawn))
+            for rid, sampled in zip(plain_ids, drawn):
+                if rid in self.constraints:
+                    self.constraints[rid][0].advance(sampled.token)
+        drafting = [b for b, row in enumerate(sampling) if row.drafts]
+        greedy = [b for b in drafting if params[b].greedy]
+        if greedy:  # every greedy drafting request verified at once
+            groups = [(int(firsts[b]), sampling[b].tokens[len(sampling[b].tokens) - sampling[b].drafts:],
+                       params[b].top_logprobs) for b in greedy]
+            kept.update((sampling[b].request_id, v) for b, v in zip(greedy, verify_greedy_drafts(rows, groups)))
+        for b in drafting:
+            row = sampling[b]
+            if not params[b].greedy:
+                rid = row.request_id
+                kept[rid] = verify_draft_rows(rows[int(firsts[b]):int(firsts[b + 1])], params[b], previous[b],
+                                              self.generated[rid], row.tokens[len(row.tokens) - row.drafts:])
+        for rid, tokens in kept.items():
+            self.generated[rid] += len(tokens)
+        return kept
 
     def _save_states(self) -> None:
         """File the states the step recorded at page boundaries under those

@@ -9,14 +9,15 @@ from mlx_attn.serve.api_error import APIError
 __all__ = ["HONOURED", "IGNORED", "check_fields"]
 
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "logit_bias", "seed", "n", "stop", "stream", "stream_options")
+             "presence_penalty", "frequency_penalty", "logit_bias", "seed", "n", "stop", "stream", "stream_options",
+             "speculative")
 
 HONOURED = {
     "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                    "tool_choice", "parallel_tool_calls", "response_format", "modalities")),
     "completions": frozenset(_SAMPLING + ("prompt", "logprobs", "echo", "suffix", "best_of", "response_format")),
     "messages": frozenset(("model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
-                           "stop_sequences", "stream", "tools", "tool_choice")),
+                           "stop_sequences", "stream", "tools", "tool_choice", "speculative")),
     "count_tokens": frozenset(("model", "messages", "system", "tools", "tool_choice")),
 }
 

@@ -296,6 +296,14 @@ class CompletionRequest:
     sampling: list[SamplingParams]  # one per choice
     tool_use: ToolUse | None = None  # chat: the tools, tool_choice and parallel_tool_calls
     constraint: Callable | None = None  # a fresh Constraint per call (one per choice), or None: unconstrained
+    speculative: bool = True  # False: this request never drafts (when the server drafts)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the request may draft (when the server drafts): not opted
+        out and without a constraint (a grammar's mask cannot verify drafts;
+        the engine's ``drafts_for`` says the same)."""
+        return self.speculative and self.constraint is None
 
 
 def parse_completion_request(state, body: dict, chat: bool) -> CompletionRequest:
@@ -324,6 +332,7 @@ def completion_request(state, body: dict, prompt: list[int], *, stream: bool, st
     sampling = _sampling(state, body, n, logprobs, top_logprobs)
     # a forced tool call is the answer: its grammar, not response_format's (that shapes text answers)
     constraint = tool_choice_constraint(state, tool_use) or response_format_constraint(state, body)
+    speculative = _field(body, "speculative", bool, True)
     return CompletionRequest(n=n, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
                              include_usage=include_usage, stops=stops, prompt=prompt, max_tokens=max_tokens,
-                             sampling=sampling, tool_use=tool_use, constraint=constraint)
+                             sampling=sampling, tool_use=tool_use, constraint=constraint, speculative=speculative)

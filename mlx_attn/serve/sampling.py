@@ -23,10 +23,11 @@ import numpy as np
 
 from mlx_attn.lm.sampling import apply_repetition_penalty, check_repetition_penalty, check_sampling_parameters, \
     make_sampler
+from mlx_attn.lm.speculative import verify_drafts
 from mlx_attn.lm.validate import require_float, require_int
 
 __all__ = ["SamplingParams", "Sampled", "sample_rows", "sample_token", "MAX_TOP_LOGPROBS", "MAX_PENALTY",
-           "MAX_LOGIT_BIAS"]
+           "MAX_LOGIT_BIAS", "verify_draft_rows", "verify_greedy_drafts"]
 
 _SEED_LIMIT = 2**63
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
@@ -170,3 +171,92 @@ def sample_token(logits: mx.array, params: SamplingParams, previous: list[int], 
     and its log-probability under the model (before any filter)."""
     sampled = sample_rows(logits[None], [params], [previous], [index])[0]
     return sampled.token, sampled.logprob
+
+
+def verify_draft_rows(logits: mx.array, params: SamplingParams, previous: Sequence[int], index: int,
+                      drafts: Sequence[int]) -> list[Sampled]:
+    """The tokens a request keeps from one verification: ``logits [k + 1,
+    vocab]`` of its rows fed ``[last token] + drafts``; ``index``: the
+    generated-token index of the first of them. Greedy rows keep drafts
+    while they are the argmax. Other rows draw row ``i``'s token exactly as
+    :func:`sample_rows` draws the request's ``index + i``-th token (its
+    penalties over the tokens before it, accepted drafts included, its logit
+    bias and filters, its seed and that index) and keep drafts while they
+    are the drawn token: a draft is kept with its probability ``p(t)`` and
+    otherwise the token is the draw, distributed as ``p`` without ``t``:
+    speculative sampling for a point-mass draft, coupled to the plain
+    sampler, so a seeded request gives the tokens it gives without drafts
+    whatever was drafted. Returns the accepted drafts and one token more,
+    each with its log-probabilities."""
+    logits = logits.astype(mx.float32)
+    if params.greedy:
+        kept = verify_drafts(logits, drafts, 0.0)
+    else:
+        draws = mx.stack([_draw(logits[i], params, [*previous, *drafts[:i]], index + i)
+                          for i in range(len(drafts) + 1)]).tolist()
+        kept = []
+        for i, token in enumerate(draws):
+            kept.append(int(token))
+            if i == len(drafts) or token != drafts[i]:
+                break
+    rows = logits[: len(kept)]
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(kept)[:, None], axis=-1)[:, 0]
+    top = params.top_logprobs
+    if top:
+        best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
+        mx.eval(chosen, best, best_logprobs)
+        best, best_logprobs = best.tolist(), best_logprobs.tolist()
+    else:
+        mx.eval(chosen)
+    out = []
+    for r, (token, logprob) in enumerate(zip(kept, chosen.tolist())):
+        ranked = ()
+        if top:
+            pairs = sorted(zip(best_logprobs[r], best[r]), key=lambda pair: (-pair[0], pair[1]))
+            ranked = tuple((int(t), float(lp)) for lp, t in pairs[:top])
+        out.append(Sampled(int(token), float(logprob), ranked))
+    return out
+
+
+def verify_greedy_drafts(logits: mx.array, groups: Sequence[tuple[int, Sequence[int], int]]) -> list[list[Sampled]]:
+    """:func:`verify_draft_rows` for every greedy request of a step at once
+    (one argmax, one gather, two evaluations in all, not two per request).
+    ``groups``: ``(first row in logits, drafts, top_logprobs)`` per request;
+    its rows are ``first .. first + len(drafts)``."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    best = mx.argmax(logits, axis=-1).tolist()
+    kept_rows, kept_tokens, out_tokens = [], [], []
+    for first, drafts, _ in groups:
+        kept = 0
+        while kept < len(drafts) and best[first + kept] == drafts[kept]:
+            kept += 1
+        tokens = list(drafts[:kept]) + [best[first + kept]]
+        kept_rows += range(first, first + len(tokens))
+        kept_tokens += tokens
+        out_tokens.append(tokens)
+    rows = mx.array(kept_rows, dtype=mx.int32)
+    chosen = logprobs[rows, mx.array(kept_tokens, dtype=mx.int32)]
+    top = max((t for _, _, t in groups), default=0)
+    if top:
+        ranked_ids = mx.argpartition(-logprobs[rows], kth=top - 1, axis=-1)[:, :top]
+        ranked_logprobs = mx.take_along_axis(logprobs[rows], ranked_ids, axis=-1)
+        mx.eval(chosen, ranked_ids, ranked_logprobs)
+        ranked_ids, ranked_logprobs = ranked_ids.tolist(), ranked_logprobs.tolist()
+    else:
+        mx.eval(chosen)
+    chosen = chosen.tolist()
+    out, r = [], 0
+    for (_, _, want), tokens in zip(groups, out_tokens):
+        sampled = []
+        for token in tokens:
+            ranked = ()
+            if want:
+                pairs = sorted(zip(ranked_logprobs[r], ranked_ids[r]), key=lambda pair: (-pair[0], pair[1]))
+                ranked = tuple((int(t), float(lp)) for lp, t in pairs[:want])
+            sampled.append(Sampled(int(token), float(chosen[r]), ranked))
+            r += 1
+        out.append(sampled)
+    return out

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, DraftLength, StepCost
 from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted, chain_hash
 
-__all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult"]
+__all__ = ["Request", "ScheduledRow", "StepPlan", "Scheduler", "StepResult", "Speculation"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Request:
     prompt: tuple[int, ...]
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
+    speculate: bool = True  # False: never draft for this request (when the scheduler drafts)
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,15 @@ class ScheduledRow:
     """One request's rows in a step: the tokens at positions
     ``start .. start + len(tokens) - 1``, attending to keys ``0 .. kv_len - 1``
     in the pages of ``block_table``; ``sample``: the last row's logits give
-    the request's next token."""
+    the request's next token (with ``drafts``, the logits of the last
+    ``drafts + 1`` rows verify the drafts and give one token more)."""
 
     request_id: Hashable
     start: int
     tokens: tuple[int, ...]
     block_table: tuple[int, ...]
     sample: bool
+    drafts: int = 0  # the last ``drafts`` tokens are proposed, to be verified by their logits
 
     @property
     def kv_len(self) -> int:
@@ -115,6 +119,7 @@ class _Sequence:
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     admitted: int = -1  # admission clock, for the preemption order
     preempted: bool = False  # waiting again after a preemption
+    draft_length: DraftLength | None = None  # None: this request does not draft
 
     @property
     def pending(self) -> int:
@@ -125,9 +130,28 @@ def pages_needed(length: int, page_size: int) -> int:
     return math.ceil(length / page_size)
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Drafting in the batched step. ``num_draft_tokens``: the most drafts
+    per request and step (each request adapts its own, :class:`DraftLength`).
+    The back-off rule: a request's ``j``-th draft goes into the step only
+    if, kept with probability ``rate ** j`` (its acceptance rate), it raises
+    the step's tokens per second under the measured cost of a step
+    (:class:`StepCost`: ``fixed + per_row * rows``, fitted to the engine's
+    steps), so drafts stop as the step turns compute-bound; and never past
+    ``step_rows`` rows in all (decode rows, prefill continuations, drafts).
+    Oldest requests draft first."""
+
+    drafter: object  # propose(tokens, count) -> list[int]
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    step_rows: int = 48
+    cost: StepCost = field(default_factory=StepCost)
+
+
 class Scheduler:
     def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None,
-                 prefix_reuse: bool = True, reusable_pages: Callable[[list[bytes]], int] | None = None):
+                 prefix_reuse: bool = True, reusable_pages: Callable[[list[bytes]], int] | None = None,
+                 speculation: Speculation | None = None):
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
@@ -149,6 +173,9 @@ class Scheduler:
         self.copies = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.speculation = speculation
+        self.draft_tokens = 0  # proposed and verified
+        self.accepted_draft_tokens = 0
 
     # ------------------------------------------------------------ requests
     def submit(self, request: Request) -> None:
@@ -170,6 +197,8 @@ class Scheduler:
             )
         self._clock += 1
         sequence = _Sequence(request, list(request.prompt), arrival=self._clock)
+        if self.speculation is not None and request.speculate:
+            sequence.draft_length = DraftLength(self.speculation.num_draft_tokens)
         self._all[request.request_id] = sequence
         self.waiting.append(sequence)
 
@@ -216,16 +245,23 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Hashable] = []
         planned: set[Hashable] = set()
+        ordered = sorted(self.running, key=lambda s: (s.pending > 1, s.admitted))
+        draft_room, decode_rows, rows_planned = self._draft_room(ordered, budget)
         # decode rows first, then prefill continuations, each oldest first
-        for sequence in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted)):
+        for sequence in ordered:
             if budget == 0:
                 break
             if sequence not in self.running:  # preempted earlier in this step
                 continue
             count = min(sequence.pending, budget)
-            if not self._reserve(sequence, count, copies, planned, preempted):
+            drafts = (self._drafts(sequence, min(draft_room, budget - count), decode_rows, rows_planned)
+                      if sequence.pending == 1 else [])
+            if not self._reserve(sequence, count + len(drafts), copies, planned, preempted):
                 continue
-            rows.append(self._row(sequence, count))
+            draft_room -= len(drafts)
+            rows_planned += len(drafts)
+            budget -= len(drafts)
+            rows.append(self._row(sequence, count, drafts))
             planned.add(sequence.request.request_id)
             budget -= count
         # no admission in a step that preempted: the pool is short (and the
@@ -242,11 +278,40 @@ class Scheduler:
         self.copies += len(copies)
         return StepPlan(tuple(rows), tuple(copies), tuple(preempted), self.pool.page_size)
 
-    def _row(self, sequence: _Sequence, count: int) -> ScheduledRow:
+    def _draft_room(self, ordered: list[_Sequence], budget: int) -> tuple[int, int, int]:
+        """(draft rows this step may hold at most, its decode rows, its rows
+        without drafts) for the rule of :class:`Speculation`."""
+        if self.speculation is None:
+            return 0, 0, 0
+        planned = decoding = 0
+        for sequence in ordered:
+            rows = min(sequence.pending, budget - planned)
+            planned += rows
+            decoding += sequence.pending == 1 and rows == 1
+        return max(0, min(self.speculation.step_rows, budget) - planned), decoding, planned
+
+    def _drafts(self, sequence: _Sequence, room: int, decode_rows: int, rows: int) -> list[int]:
+        """Tokens proposed to follow a decoding request: at most ``room``,
+        one fewer than it may still generate (the step adds a token of its
+        own), and only those worth their row in a step of ``rows`` rows."""
+        if sequence.draft_length is None or room <= 0:
+            return []
+        count = min(sequence.draft_length.next(), room, sequence.request.max_tokens - sequence.generated - 1)
+        rate, cost = sequence.draft_length.rate, self.speculation.cost
+        worth = 0
+        while worth < count and cost.worth(rate ** (worth + 1), decode_rows, rows + worth):
+            worth += 1
+        count = worth
+        if count <= 0:
+            return []
+        return [int(t) for t in self.speculation.drafter.propose(sequence.tokens, count)][:count]
+
+    def _row(self, sequence: _Sequence, count: int, drafts: Sequence[int] = ()) -> ScheduledRow:
         start = sequence.num_computed
         return ScheduledRow(
-            sequence.request.request_id, start, tuple(sequence.tokens[start : start + count]),
+            sequence.request.request_id, start, tuple(sequence.tokens[start : start + count]) + tuple(drafts),
             tuple(self.pool.tables[sequence.request.request_id]), sample=start + count == len(sequence.tokens),
+            drafts=len(drafts),
         )
 
     def _admit(self, sequence: _Sequence, copies: list) -> bool:
@@ -322,10 +387,15 @@ class Scheduler:
         self.preemptions += 1
 
     # ------------------------------------------------------------ after the forward
-    def commit(self, plan: StepPlan, sampled: dict[Hashable, int]) -> list[StepResult]:
+    def commit(self, plan: StepPlan, sampled: dict[Hashable, int | Sequence[int]]) -> list[StepResult]:
         """Record a plan the model ran: ``sampled`` maps each row with
-        ``sample=True`` to the token sampled from its last position.
-        Requests cancelled since the plan are skipped."""
+        ``sample=True`` to the token sampled from its last position, or for a
+        row with drafts to the tokens its verification kept (the accepted
+        drafts, then one token of the model's own). The K/V of rejected
+        drafts is dropped: the computed positions stop after the accepted
+        ones and the pages past the request's tokens are released, so no
+        indexed page ever covers an unaccepted token. Requests cancelled
+        since the plan are skipped."""
         results = []
         size = self.pool.page_size
         for row in plan.rows:
@@ -333,26 +403,47 @@ class Scheduler:
             if sequence is None or sequence not in self.running or sequence.num_computed != row.start:
                 continue
             rid = row.request_id
-            sequence.num_computed = row.kv_len
+            kept = [] if not row.sample else self._kept_tokens(row, sampled)
+            accepted = max(0, len(kept) - 1)
+            if row.drafts:
+                self.draft_tokens += row.drafts
+                self.accepted_draft_tokens += accepted
+                sequence.draft_length.record(row.drafts, accepted)
+            sequence.num_computed = row.kv_len - row.drafts + accepted
             table = self.pool.tables[rid]
+            computed = sequence.tokens + kept[:accepted]  # the accepted drafts' K/V is in the pages
             while (len(sequence.keys) + 1) * size <= sequence.num_computed:
                 i = len(sequence.keys)
                 parent = sequence.keys[-1] if sequence.keys else ROOT_HASH
-                sequence.keys.append(self.pool.register(table[i], parent, sequence.tokens[i * size : (i + 1) * size]))
+                sequence.keys.append(self.pool.register(table[i], parent, computed[i * size : (i + 1) * size]))
             if not row.sample:
                 continue
-            if rid not in sampled:
-                raise ValueError(f"sampled has no token for request {rid!r}, whose row samples")
-            token = int(sampled[rid])
-            sequence.tokens.append(token)
-            sequence.generated += 1
-            done = sequence.generated >= sequence.request.max_tokens or token in sequence.request.stop_token_ids
-            if done:
-                self.pool.release(rid)
-                self.running.remove(sequence)
-                del self._all[rid]
-            results.append(StepResult(rid, token, done))
+            for token in kept:
+                sequence.tokens.append(token)
+                sequence.generated += 1
+                done = sequence.generated >= sequence.request.max_tokens or token in sequence.request.stop_token_ids
+                results.append(StepResult(rid, token, done))
+                if done:
+                    self.pool.release(rid)
+                    self.running.remove(sequence)
+                    del self._all[rid]
+                    break
+            else:
+                if row.drafts:  # pages that held only rejected drafts
+                    self.pool.truncate(rid, pages_needed(len(sequence.tokens), size))
         return results
+
+    def _kept_tokens(self, row: ScheduledRow, sampled: dict) -> list[int]:
+        rid = row.request_id
+        if rid not in sampled:
+            raise ValueError(f"sampled has no token for request {rid!r}, whose row samples")
+        value = sampled[rid]
+        kept = [int(value)] if isinstance(value, (int, np.integer)) else [int(t) for t in value]
+        drafts = row.tokens[len(row.tokens) - row.drafts:]
+        if not 1 <= len(kept) <= row.drafts + 1 or tuple(kept[:-1]) != drafts[:len(kept) - 1]:
+            raise ValueError(f"the tokens kept for request {rid!r} must be a prefix of its {row.drafts} drafts "
+                             f"and one token more, got {kept}")
+        return kept
 
     def stats(self) -> dict[str, int | float]:
         """Counts for metrics: requests, pages, prefix-cache hits, preemptions."""
@@ -363,6 +454,7 @@ class Scheduler:
             "pages_free": pool.free_pages, "evictions": pool.evictions, "preemptions": self.preemptions,
             "copies": self.copies, "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
             "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "prefix_reuse": int(self.prefix_reuse),
         }

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cascade attention: running requests that share prefix pages (a system prompt, n > 1 "
                              "choices) read them once per group where that pays (default on; off: every request "
                              "reads its own, for measurement and diagnosis)")
+    parser.add_argument("--speculative", choices=["ngram"], default=None,
+                        help="ngram: decoding requests propose tokens that followed their last n-gram earlier in "
+                             "their prompt or output and verify them in the same step (same outputs, fewer steps)")
+    parser.add_argument("--num-draft-tokens", type=_positive, default=4,
+                        help="with --speculative: the most tokens a request proposes per step")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -117,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 16384, page_size: int = 16,
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
                temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
-               state_snapshots: int = 0, cascade: bool = True) -> ServerState:
+               state_snapshots: int = 0, cascade: bool = True, speculative: str | None = None,
+               num_draft_tokens: int = 4) -> ServerState:
     from mlx_attn.serve.engine import Engine
 
     import mlx.core as mx
@@ -127,7 +133,7 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
                       max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
-                      cascade=cascade)
+                      cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens)
 
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
@@ -140,7 +146,10 @@ def state_from_args(args: argparse.Namespace, model, tokenizer) -> ServerState:
     return make_state(model, tokenizer, args.model or DEFAULT_DECODER, kv_cache_tokens=args.kv_cache_tokens,
                       page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
-                      weights=args.weights, state_snapshots=args.state_snapshots, cascade=args.cascade == "on")
+                      weights=args.weights, state_snapshots=args.state_snapshots, cascade=args.cascade == "on",
+                      speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
+
+
 def load_embedding_model(name: str | None, backend: str = "auto"):
     """The ``--embedding-model``: None, a registered encoder's name or a BERT directory."""
     if name is None:

@@ -91,7 +91,7 @@ class ServerState:
                            None, "rate_limit_exceeded")
 
     async def submit(self, prompt: list[int], max_tokens: int, sampling,
-                     constraint=None) -> tuple[Hashable, asyncio.Queue]:
+                     constraint=None, speculative: bool = True) -> tuple[Hashable, asyncio.Queue]:
         self.check_room(1)
         rid = f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
@@ -100,7 +100,7 @@ class ServerState:
 
         def submit():
             self.engine.submit(rid, prompt, max_tokens, stop_token_ids=sorted(self.tokenizer.eos_token_ids),
-                               sampling=sampling, **constrained)
+                               sampling=sampling, speculative=speculative, **constrained)
 
         self._active[rid] = _Active(queue)  # counts against the limit from now on
         try:
@@ -197,6 +197,10 @@ class ServerState:
                self.cancelled_requests)
         metric("preemptions_total", "counter", "Requests preempted for pages.", stats["preemptions"])
         metric("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens)
+        metric("draft_tokens_total", "counter", "Tokens proposed by speculative drafting and verified.",
+               stats["draft_tokens"])
+        metric("accepted_draft_tokens_total", "counter", "Proposed tokens the model accepted.",
+               stats["accepted_draft_tokens"])
         metric("generated_tokens_per_second", "gauge", "Tokens generated per second since start.",
                self.generated_tokens / elapsed)
         return "\n".join(lines) + "\n"

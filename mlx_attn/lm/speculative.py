@@ -1,0 +1,190 @@
+"""Lossless speculative decoding: verify ``k`` proposed tokens with one
+forward of ``k + 1`` rows and keep the longest prefix the target model
+agrees with, plus one token of its own.
+
+The drafts are a point mass (the n-gram drafter is deterministic), so
+speculative (rejection) sampling reduces to: with the target distribution
+``p`` of a row (after the repetition penalty, temperature, top-k, top-p and
+min-p exactly as the plain sampler applies them,
+:func:`mlx_attn.lm.sampling.filtered_logprobs`), accept the draft ``t`` with
+probability ``p(t)``; otherwise draw from ``p`` with ``t`` removed and
+renormalised, and stop. A token then has probability
+``p(t) + (1 - p(t)) * 0 = p(t)`` for ``t`` the draft and
+``(1 - p(t)) * p(x) / (1 - p(t)) = p(x)`` for any other ``x``: exactly ``p``.
+When every draft is accepted the last row draws one more token from its
+``p``. Greedy (temperature 0) accepts while the draft is the row's argmax:
+token for token what decoding without drafts gives. Decoding uses the
+coupled form, :func:`verify_by_drawing`: each row's token drawn as plain
+sampling draws it, a draft kept while it is that draw (the same law, and
+a seeded generation's tokens whatever was drafted).
+
+:class:`DraftLength` adapts ``k`` to a sequence's acceptance rate."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from mlx_attn.lm.sampling import apply_repetition_penalty, filtered_logprobs
+from mlx_attn.lm.validate import require_int
+
+__all__ = ["verify_drafts", "verify_by_drawing", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
+           "MAX_NUM_DRAFT_TOKENS", "check_num_draft_tokens"]
+
+SPECULATIVE_CHOICES = ("ngram",)
+DEFAULT_NUM_DRAFT_TOKENS = 4
+MAX_NUM_DRAFT_TOKENS = 32
+
+
+def check_num_draft_tokens(count) -> int:
+    return require_int("num_draft_tokens", count, 1, MAX_NUM_DRAFT_TOKENS)
+
+
+def penalized_rows(logits: mx.array, history: Sequence[int], drafts: Sequence[int], penalty: float,
+                   context: int | None) -> mx.array:
+    """``logits [k + 1, vocab]`` with the repetition penalty row ``i`` would
+    get in plain decoding: over ``history`` plus the first ``i`` drafts (the
+    last ``context`` of them, all when None)."""
+    if penalty == 1.0:
+        return logits
+    rows = []
+    for i in range(logits.shape[0]):
+        seen = list(history) + list(drafts[:i])
+        if context is not None:
+            seen = seen[-context:]
+        rows.append(apply_repetition_penalty(logits[i], seen, penalty))
+    return mx.stack(rows)
+
+
+def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> list[int]:
+    """The tokens decoding keeps from one verification: ``logits [k + 1,
+    vocab]`` (already penalized) of the rows fed ``[last token] + drafts``;
+    returns the accepted drafts followed by one token of the target's own
+    (1 to k + 1 tokens). Draws from MLX's global random state; one
+    evaluation."""
+    k = len(drafts)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"logits must have one row more than the {k} drafts, got {logits.shape[0]}")
+    if temperature == 0:
+        best = mx.argmax(logits, axis=-1).tolist()
+        kept = 0
+        while kept < k and best[kept] == drafts[kept]:
+            kept += 1
+        return list(drafts[:kept]) + [best[kept]]
+    logprobs = filtered_logprobs(logits, temperature, top_k, top_p, min_p)
+    if k == 0:
+        return [int(mx.random.categorical(logprobs[0]).item())]
+    index = mx.array(drafts, dtype=mx.int32)
+    draft_logprobs = mx.take_along_axis(logprobs[:k], index[:, None], axis=-1)[:, 0]
+    uniforms = mx.random.uniform(shape=(k,))
+    # the residual of row i: p with the draft removed (categorical renormalises)
+    residual = mx.array(logprobs[:k])
+    residual[mx.arange(k), index] = -mx.inf
+    replacements = mx.random.categorical(residual, axis=-1)
+    bonus = mx.random.categorical(logprobs[k])
+    accept = uniforms < mx.exp(draft_logprobs)
+    mx.eval(accept, replacements, bonus)
+    accept, replacements = accept.tolist(), replacements.tolist()
+    for i in range(k):
+        if not accept[i]:
+            return list(drafts[:i]) + [replacements[i]]
+    return list(drafts) + [int(bonus.item())]
+
+
+def verify_by_drawing(logits: mx.array, drafts: Sequence[int], draw) -> list[int]:
+    """The tokens kept when each row's token is drawn as decoding without
+    drafts draws it: ``draw(logits [1, vocab]) -> [1]`` (the plain sampler,
+    drawing from MLX's global random state), called for row ``i`` only when
+    the drafts before it were kept, so the random state advances once per
+    kept token, as without drafts. Drafts are kept while they are the drawn
+    token, then the first other draw: a draft ``t`` is kept with probability
+    ``p(t)``, otherwise the token is distributed as ``p`` without ``t``
+    (speculative sampling for a point-mass draft), and a seeded generation
+    gives the tokens it gives without drafts, whatever was drafted."""
+    kept = []
+    for i in range(len(drafts) + 1):
+        token = int(draw(logits[i:i + 1]).item())
+        kept.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return kept
+
+
+class DraftLength:
+    """How many tokens to draft next for one sequence, from its acceptance
+    rate: the rate ``a`` is a running mean over proposed tokens (a draft is
+    accepted only if those before it were, so the ``j``-th draft is kept
+    with probability about ``a ** j``); ``k`` is the largest ``j <= limit``
+    with ``a ** j >= min_keep`` (a draft row worth less than ``min_keep``
+    of a token is not proposed), never below 1, so a sequence whose drafts
+    start to match again is noticed."""
+
+    def __init__(self, limit: int, min_keep: float = 0.25, memory: float = 0.8):
+        self.limit, self.min_keep, self.memory = check_num_draft_tokens(limit), min_keep, memory
+        self.rate = 1.0  # optimistic start: the first proposals go in whole
+        self.proposed = self.accepted = 0
+
+    def next(self) -> int:
+        if self.rate >= 1.0:
+            return self.limit
+        if self.rate <= 0.0:
+            return 1
+        return max(1, min(self.limit, int(math.log(self.min_keep) / math.log(self.rate))))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.proposed += proposed
+        self.accepted += accepted
+        # drafts after the first rejected one were never tested
+        tested = accepted + (1 if accepted < proposed else 0)
+        weight = self.memory ** tested  # each tested draft is one observation
+        self.rate = weight * self.rate + (1 - weight) * (accepted / tested)
+
+
+class StepCost:
+    """A batched step's time as ``fixed + per_row * rows``, fitted by least
+    squares to the steps measured (each older step weighs ``memory`` times
+    less), and the rule that decides whether one more draft row pays.
+
+    Adding a draft row to a step of ``rows`` rows that yields about
+    ``decode_rows`` tokens raises the tokens per second when the draft is
+    kept with probability ``p`` and ``p * (fixed + per_row * rows) > per_row
+    * decode_rows`` (``(n + p) / (T + b) > n / T``). While the step is
+    memory-bound (``per_row`` small against ``fixed``) nearly every draft
+    pays; once it is compute-bound (``per_row * rows`` dominates) only drafts
+    almost sure to be kept do, so speculation backs off by itself. Until the
+    measured steps differ enough in rows to fit a slope, ``per_row`` is
+    ``prior_ratio`` times ``fixed``."""
+
+    def __init__(self, prior_ratio: float = 0.02, memory: float = 0.98, min_steps: int = 8):
+        self.prior_ratio, self.memory, self.min_steps = prior_ratio, memory, min_steps
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.steps = 0
+
+    def record(self, rows: int, seconds: float) -> None:
+        m = self.memory
+        self._w, self._x, self._y = m * self._w + 1, m * self._x + rows, m * self._y + seconds
+        self._xx, self._xy = m * self._xx + rows * rows, m * self._xy + rows * seconds
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float]:
+        """``(fixed, per_row)`` in seconds (``(1, prior_ratio)`` before any step)."""
+        if self._w == 0:
+            return 1.0, self.prior_ratio
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if self.steps >= self.min_steps and var_x > 0.25:
+            per_row = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+            # rows dominate: a line through (nearly) the origin, fixed kept positive
+            fixed = max(mean_y - per_row * mean_x, 0.05 * mean_y)
+            return fixed, per_row
+        fixed = mean_y / (1 + self.prior_ratio * mean_x)
+        return fixed, self.prior_ratio * fixed
+
+    def worth(self, probability: float, decode_rows: int, rows: int) -> bool:
+        fixed, per_row = self.fit()
+        return probability * (fixed + per_row * rows) > per_row * decode_rows
