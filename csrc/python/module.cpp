@@ -126,6 +126,28 @@ void bind_attention_support(nb::module_& m) {
       "'phase' and whether the Metal backward's plan takes it ('backward_supported').");
 }
 
+// The CPU quantized products of the models' linear layers (not attention).
+void bind_quantized_matvecs(nb::module_& m) {
+  m.def("quantized_matvec", &quantized_matvec, "x"_a, "codes"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ dequantize(codes, scales, biases).T on the CPU for a few float32 rows x [rows, k] and a 4- "
+        "or 8-bit MLX affine weight: float32 [rows, n], each weight read once for all rows.");
+  m.def("quantized_matvec_int8", &quantized_matvec_int8, "x"_a, "codes"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
+        "As quantized_matvec through integer dot products: x's rows quantized to int8 (or int16: "
+        "activation_bits=16) per 32 columns, multiplied with the 4- or 8-bit codes as integers "
+        "(AVX512-VNNI, AVX2 or plain C++).");
+  m.def("quantized_matvec_int8_many", &quantized_matvec_int8_many, "x"_a, "codes"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
+        "quantized_matvec_int8 of x against several weights of one bit width and group size (lists of "
+        "codes, scales and biases): x quantized once, all products in one pass over the threads; a list "
+        "of float32 [rows, n_i].");
+  m.def("dequantize_affine", &dequantize_affine, "codes"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "The float32 weight [n, k] of an MLX affine-quantized one (2, 3, 4, 5, 6 or 8 bits), "
+        "fma(scale, code, bias) per weight, on the CPU, in one pass that writes only the output.");
+}
+
 }  // namespace
 }  // namespace mlx_attn
 
@@ -172,24 +194,6 @@ NB_MODULE(_ext, m) {
       }, "Kernel instruction sets this CPU can run, widest first.");
   m.def("has_metal", &mlx_attn::metal::available, "Whether this build contains the Metal kernels.");
 
-  m.def("quantized_matvec", &mlx_attn::quantized_matvec, "x"_a, "codes"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ dequantize(codes, scales, biases).T on the CPU for a few float32 rows x [rows, k] and a 4- "
-        "or 8-bit MLX affine weight: float32 [rows, n], each weight read once for all rows.");
-  m.def("quantized_matvec_int8", &mlx_attn::quantized_matvec_int8, "x"_a, "codes"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
-        "As quantized_matvec through integer dot products: x's rows quantized to int8 (or int16: "
-        "activation_bits=16) per 32 columns, multiplied with the 4- or 8-bit codes as integers "
-        "(AVX512-VNNI, AVX2 or plain C++).");
-  m.def("quantized_matvec_int8_many", &mlx_attn::quantized_matvec_int8_many, "x"_a, "codes"_a, "scales"_a,
-        "biases"_a, "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
-        "quantized_matvec_int8 of x against several weights of one bit width and group size (lists of "
-        "codes, scales and biases): x quantized once, all products in one pass over the threads; a list "
-        "of float32 [rows, n_i].");
-  m.def("dequantize_affine", &mlx_attn::dequantize_affine, "codes"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "The float32 weight [n, k] of an MLX affine-quantized one (2, 3, 4, 5, 6 or 8 bits), "
-        "fma(scale, code, bias) per weight, on the CPU, in one pass that writes only the output.");
   m.def("forget_thread_compile_cache", [] {
         mx::detail::compile_clear_cache(mx::detail::compile_cache());
       },
@@ -209,4 +213,5 @@ NB_MODULE(_ext, m) {
   mlx_attn::bind_metal_sources(m);
   mlx_attn::bind_paged_metal(m);
   mlx_attn::bind_paged(m);
+  mlx_attn::bind_quantized_matvecs(m);
 }
