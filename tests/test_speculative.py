@@ -204,3 +204,21 @@ def test_step_cost_fits_the_measured_line_and_backs_off_when_compute_bound():
     for _ in range(20):
         constant.record(4, 0.2)  # no spread of rows: the slope is the prior's
     assert constant.fit()[1] == pytest.approx(0.02 * constant.fit()[0])
+
+
+def test_drafts_must_beat_the_compiled_plain_step():
+    """PlainStepCost: a drafting step (eager, 20 ms + 1 ms a row here) pays
+    only if its expected tokens per second beat the plain step's (10 ms)."""
+    from mlx_attn.lm.generate import PlainStepCost
+    from mlx_attn.lm.speculative import StepCost
+
+    eager = StepCost()
+    for rows in (1, 2, 3, 4, 5) * 4:
+        eager.record(rows, 0.020 + 0.001 * rows)
+    plain = PlainStepCost(forward=lambda tokens: None)
+    assert plain.beaten_by(eager, 0.1, 1)  # the plain step not measured yet: draft and measure
+    plain.record(0.010)
+    assert not plain.beaten_by(eager, 0.1, 1)  # 1.1 tokens in 22 ms < 1 token in 10 ms
+    assert not plain.beaten_by(eager, 0.5, 4)  # ~1.94 tokens in 25 ms
+    assert plain.beaten_by(eager, 1.0, 4)  # 5 tokens in 25 ms
+    assert PlainStepCost(forward=None).beaten_by(eager, 0.1, 1)  # no compiled step: the eager rule alone
