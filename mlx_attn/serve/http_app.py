@@ -165,17 +165,22 @@ async def _complete(request: Request, chat: bool):
     state = request.app.state.serving
     parsed = parse_completion_request(state, await read_json(request), chat)
     state.check_room(parsed.n)
-    completion = Completion(state, parsed, chat)
+    return await _answer(request, Completion(state, parsed, chat), parsed.stream, sse_events, Completion.whole_body)
+
+
+async def _answer(request: Request, completion: Completion, stream: bool, events, whole_body):
+    """Start ``completion``; stream ``events(completion)`` or wait for the
+    whole answer, ``whole_body(completion)`` (499 if the client left)."""
     await completion.start()
-    if parsed.stream:
-        return StreamingResponse(sse_events(completion), media_type="text/event-stream", headers=SSE_HEADERS)
+    if stream:
+        return StreamingResponse(events(completion), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         done = await wait_or_disconnect(request, completion.collect())
     finally:
         completion.cancel_all()
     if done is None:
         return PlainTextResponse("", status_code=499)
-    return JSONResponse(completion.whole_body())
+    return JSONResponse(whole_body(completion))
 
 
 # ---------------------------------------------------------------- the Anthropic Messages API
@@ -183,17 +188,7 @@ async def messages(request: Request):
     state = request.app.state.serving
     parsed = parse_messages_request(state, await read_json(request))
     state.check_room(1)
-    completion = Completion(state, parsed, chat=True)
-    await completion.start()
-    if parsed.stream:
-        return StreamingResponse(message_events(completion), media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        done = await wait_or_disconnect(request, completion.collect())
-    finally:
-        completion.cancel_all()
-    if done is None:
-        return PlainTextResponse("", status_code=499)
-    return JSONResponse(message_body(completion))
+    return await _answer(request, Completion(state, parsed, chat=True), parsed.stream, message_events, message_body)
 
 
 async def messages_count_tokens(request: Request):
