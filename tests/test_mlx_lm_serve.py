@@ -132,25 +132,37 @@ def test_cascade_attention_gives_mlx_lm_s_tokens_alone(tmp_path):
     assert engine.cascade_steps > 0
 
 
-def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_path):
-    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
-    prompts = mixed_prompts(seed=2)
-    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
-    model, _ = mlx_lm_models.load(directory)
-    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16)
+def serve_cancelling(engine, prompts, cancelled, at_step=3, check_cancelled=None):
+    """Serve `prompts`, cancel `cancelled` at step `at_step`, check the page
+    invariants every step; `check_cancelled(cancelled, before_cancel)` runs
+    just before and after the cancel. Returns each request's tokens."""
     for rid, prompt in prompts.items():
         engine.submit(rid, prompt, NEW_TOKENS)
     out: dict[str, list[int]] = {}
     for step in range(500):
         if engine.idle:
             break
-        if step == 3:
-            assert engine.cancel("r2") and engine.cancel("r5")
+        if step == at_step:
+            if check_cancelled:
+                check_cancelled(cancelled, True)
+            assert all(engine.cancel(rid) for rid in cancelled)
+            if check_cancelled:
+                check_cancelled(cancelled, False)
             engine.scheduler.check_invariants()
         for result in engine.step():
             out.setdefault(result.request_id, []).append(result.token)
         engine.scheduler.check_invariants()
     assert engine.idle and engine.pool.held_pages == 0
+    return out
+
+
+def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_path):
+    directory = write_checkpoint(tmp_path / "q", ARCHITECTURES["qwen3"])
+    prompts = mixed_prompts(seed=2)
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16)
+    out = serve_cancelling(engine, prompts, ("r2", "r5"))
     for rid in prompts:
         if rid not in ("r2", "r5"):
             assert out[rid] == expected[rid], rid
@@ -287,20 +299,15 @@ def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact
     expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
     model, _ = mlx_lm_models.load(directory)
     engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16)
-    for rid, prompt in prompts.items():
-        engine.submit(rid, prompt, NEW_TOKENS)
-    out: dict[str, list[int]] = {}
-    for step in range(500):
-        if engine.idle:
-            break
-        if step == 3:
-            assert "r2" in engine.model.states
-            assert engine.cancel("r2") and engine.cancel("r5")
-            assert "r2" not in engine.model.states and "r5" not in engine.model.states
-        for result in engine.step():
-            out.setdefault(result.request_id, []).append(result.token)
-        engine.scheduler.check_invariants()
-    assert engine.idle and engine.pool.held_pages == 0 and len(engine.model.states) == 0
+
+    def states_held(cancelled, before_cancel):
+        if before_cancel:  # r2 is running by step 3; r5 may still wait
+            assert cancelled[0] in engine.model.states
+        else:
+            assert not any(rid in engine.model.states for rid in cancelled)
+
+    out = serve_cancelling(engine, prompts, ("r2", "r5"), check_cancelled=states_held)
+    assert len(engine.model.states) == 0
     for rid in prompts:
         if rid not in ("r2", "r5"):
             assert out[rid] == expected[rid], rid
