@@ -6,7 +6,9 @@ The model's format is found from its tokenizer (:func:`tool_call_format`):
 an mlx-lm tokenizer's own parser (mlx-lm's ``tool_parsers``) where it has
 one; else from the chat template: Hermes / Qwen ``<tool_call>{json}</tool_call>``,
 Mistral ``[TOOL_CALLS]``, Llama 3 JSON, gpt-oss's harmony messages
-(:class:`HarmonyStream`). A template that does not render tools
+(rendered and parsed by ``openai-harmony`` where it and its vocabulary can be
+had offline, :mod:`mlx_attn.serve.harmony`; else the chat template and
+:class:`HarmonyStream`). A template that does not render tools
 gets them in a system message asking for the Hermes format, which is then
 parsed.
 
@@ -26,6 +28,7 @@ import uuid
 from collections.abc import Callable
 
 from mlx_attn.serve.api_error import APIError
+from mlx_attn.serve.harmony import HarmonyLibraryStream, harmony_encoding, render_harmony
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
            "parse_tool_use", "tool_call_format", "forced_call_grammar",
@@ -217,6 +220,7 @@ class ToolCallFormat:
     native: bool
     call_prefix: str = '{"name": '  # what a call's text starts with, up to the quoted name
     arguments_key: str = "arguments"
+    harmony: object = None  # harmony: openai-harmony's encoding, None where it cannot be had
 
     def forced_opening(self, name: str) -> str:
         """The answer's opening that makes it a call (of ``name`` unless it is "")."""
@@ -298,7 +302,8 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
         return ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "", parse,
                               "tools" in template)
     if "<|channel|>" in template:  # gpt-oss
-        return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True)
+        return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True,
+                              harmony=harmony_encoding(tokenizer))
     if "<tool_call>" in template:
         return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, True)
     if "[TOOL_CALLS]" in template:
@@ -364,9 +369,11 @@ def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None) -> st
     fmt = tool_call_format(tokenizer)
     offered = list(tool_use.tools) if tool_use is not None and tool_use.choice != "none" else None
     uses_tools = offered or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    if not uses_tools:
+    if fmt.harmony is not None:  # gpt-oss: every conversation through the library
+        text = render_harmony(fmt.harmony, messages, offered)
+    elif not uses_tools:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if fmt.native:
+    elif fmt.native:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=offered)
     else:
         text = tokenizer.apply_chat_template(_hermes_messages(messages, offered), add_generation_prompt=True)
@@ -515,7 +522,7 @@ class HarmonyStream:
                 arguments = json.loads(body)
             except ValueError:
                 arguments = None
-            if not isinstance(arguments, dict):  # given back as written
+            if not isinstance(arguments, dict) or self.tool_use.choice == "none":  # given back as written
                 return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
             if not self.tool_use.parallel and self.calls:
                 return "", []
@@ -560,7 +567,12 @@ _HARMONY_MESSAGE, _HARMONY_END = "<|message|>", "<|end|>"
 
 def call_stream(fmt: ToolCallFormat, tool_use: ToolUse):
     """The stream that reads calls in ``fmt`` out of an answer."""
-    return HarmonyStream(fmt, tool_use) if fmt.name == "harmony" else ToolCallStream(fmt, tool_use)
+    if fmt.name != "harmony":
+        return ToolCallStream(fmt, tool_use)
+    if fmt.harmony is not None:
+        opening = fmt.forced_opening(tool_use.forced) if tool_use.forced is not None else ""
+        return HarmonyLibraryStream(fmt.harmony, tool_use, opening)
+    return HarmonyStream(fmt, tool_use)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
