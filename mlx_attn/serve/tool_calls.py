@@ -5,7 +5,9 @@ model's own tool-call text parsed back into calls as it streams.
 The model's format is found from its tokenizer (:func:`tool_call_format`):
 an mlx-lm tokenizer's own parser (mlx-lm's ``tool_parsers``) where it has
 one; else from the chat template: Hermes / Qwen ``<tool_call>{json}</tool_call>``,
-Mistral ``[TOOL_CALLS]``, Llama 3 JSON, gpt-oss's harmony messages
+Mistral ``[TOOL_CALLS]``, Llama 3 JSON, Gemma 3's Python list of calls and
+FunctionGemma's ``call:NAME{...}`` (:mod:`mlx_attn.serve.gemma_tools`),
+gpt-oss's harmony messages
 (rendered and parsed by ``openai-harmony`` where it and its vocabulary can be
 had offline, :mod:`mlx_attn.serve.harmony`; else the chat template and
 :class:`HarmonyStream`). A template that does not render tools
@@ -28,6 +30,7 @@ import uuid
 from collections.abc import Callable
 
 from mlx_attn.serve.api_error import APIError
+from mlx_attn.serve.gemma_tools import function_gemma_call, gemma_messages, gemma_python_calls
 from mlx_attn.serve.harmony import HarmonyLibraryStream, harmony_encoding, render_harmony
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
@@ -221,6 +224,7 @@ class ToolCallFormat:
     call_prefix: str = '{"name": '  # what a call's text starts with, up to the quoted name
     arguments_key: str = "arguments"
     harmony: object = None  # harmony: openai-harmony's encoding, None where it cannot be had
+    openings: tuple[str, ...] = ("{", "[")  # without ``start``: how an answer that is a call begins
 
     def forced_opening(self, name: str) -> str:
         """The answer's opening that makes it a call (of ``name`` unless it is "")."""
@@ -231,6 +235,10 @@ class ToolCallFormat:
             opening += "\n"
         if name and self.name in ("hermes", "llama3"):
             opening += f'{self.call_prefix}{json.dumps(name)}, "{self.arguments_key}": '
+        elif self.name == "gemma":
+            opening = "[" + (f"{name}(" if name else "")
+        elif name and self.name == "function-gemma":
+            opening += f"call:{name}{{"
         return opening
 
 
@@ -304,12 +312,17 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
     if "<|channel|>" in template:  # gpt-oss
         return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True,
                               harmony=harmony_encoding(tokenizer))
+    if "<start_function_call>" in template:  # FunctionGemma
+        return ToolCallFormat("function-gemma", "<start_function_call>", "<end_function_call>",
+                              function_gemma_call, True)
     if "<tool_call>" in template:
         return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, True)
     if "[TOOL_CALLS]" in template:
         return ToolCallFormat("mistral", "[TOOL_CALLS]", "", _mistral_parse, True)
     if "<|python_tag|>" in template or ("ipython" in template and "tools" in template):
         return ToolCallFormat("llama3", None, "", _json_calls, True, arguments_key="parameters")
+    if "<start_of_turn>" in template:  # Gemma 3: no tools in its template; Google's prompted format
+        return ToolCallFormat("gemma", None, "", gemma_python_calls, False, openings=("[", "```"))
     return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, False)
 
 
@@ -375,6 +388,8 @@ def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None) -> st
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     elif fmt.native:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=offered)
+    elif fmt.name == "gemma":
+        text = tokenizer.apply_chat_template(gemma_messages(messages, offered), add_generation_prompt=True)
     else:
         text = tokenizer.apply_chat_template(_hermes_messages(messages, offered), add_generation_prompt=True)
     if tool_use is not None and tool_use.forced is not None:
@@ -446,8 +461,11 @@ class ToolCallStream:
             stripped = self.buffer.lstrip()
             if not stripped:
                 return "", []
+            if not any(stripped.startswith(o) for o in self.fmt.openings) and \
+                    any(o.startswith(stripped) for o in self.fmt.openings):
+                return "", []  # may still open a call
             self.decided = True
-            self.inside = stripped[0] in "{["
+            self.inside = any(stripped.startswith(o) for o in self.fmt.openings)
         while True:
             if self.inside:
                 if fmt.end and fmt.end in self.buffer:
