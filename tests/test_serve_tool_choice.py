@@ -85,6 +85,45 @@ def test_the_grammar_spells_each_formats_call():
     assert forced_call_grammar(hermes, ToolUse(tools, "auto"), JSON_OPTIONS) is None
 
 
+def grammar_takes(tokenizer, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` lets the tokens of ``text`` through and accepts them as a whole answer."""
+    from mlx_attn.serve.constraints import json_grammars
+
+    constraint = json_grammars(tokenizer, len(tiny_vocabulary()[0])).lark_factory(grammar)()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        constraint.advance(token)
+        if constraint.matcher.is_error():
+            return False
+    return constraint.accepting
+
+
+@pytest.mark.parametrize("template, opening, between, close", [
+    (None, "", "\n<tool_call>\n", "\n</tool_call>"),  # Hermes (offered in the system message)
+    ("{{ '[TOOL_CALLS]' }}", "[", ", ", "]"),  # Mistral
+])
+def test_required_with_parallel_calls_takes_several_constrained_calls(template, opening, between, close):
+    """``required``: one call, or more with ``parallel_tool_calls``, each of
+    an offered tool with arguments in its schema; a named choice stays one."""
+    tokenizer = tiny_tokenizer()
+    if template is not None:
+        tokenizer.chat_template = template
+    fmt = tool_call_format(tokenizer)
+    tools = (WEATHER, function("get_time", {"type": "object", "properties": {}}))
+    weather = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    clock = '{"name": "get_time", "arguments": {}}'
+    wrap = (lambda call: call + close) if fmt.name == "hermes" else (lambda call: call)
+    one = opening + wrap(weather) + ("" if fmt.name == "hermes" else close)
+    two = opening + wrap(weather) + between + wrap(clock) + ("" if fmt.name == "hermes" else close)
+    bad_second = two.replace(clock, '{"name": "get_weather", "arguments": {"city": 5}}')
+    parallel = forced_call_grammar(fmt, ToolUse(tools, "required", parallel=True), JSON_OPTIONS)
+    single = forced_call_grammar(fmt, ToolUse(tools, "required", parallel=False), JSON_OPTIONS)
+    assert grammar_takes(tokenizer, parallel, one) and grammar_takes(tokenizer, parallel, two)
+    assert not grammar_takes(tokenizer, parallel, bad_second)  # the second call's arguments: its schema too
+    assert grammar_takes(tokenizer, single, one) and not grammar_takes(tokenizer, single, two)
+    named = forced_call_grammar(fmt, ToolUse(tools, "get_weather", parallel=True), JSON_OPTIONS)
+    assert "get_time" not in named
+
+
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_a_named_tool_choice_gives_arguments_in_the_schema_every_time(server, api):
     count = 48 if FULL_GRID else 6

@@ -251,7 +251,9 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
     :meth:`ToolCallFormat.forced_opening`: one call of a tool
     :attr:`ToolUse.constraint` allows, its arguments matching the tool's
     ``parameters`` (JSON written with ``json_options``), the call closed as
-    the format closes it; then the answer may only end. None when nothing is
+    the format closes it; then the answer may only end, or (``required``
+    with ``parallel_tool_calls``, in the Hermes, mlx-lm JSON and Mistral
+    formats) go on with more such calls. None when nothing is
     forced or the format's call text is not JSON this grammar can spell
     (harmony's ``required``: the tool name sits among special tokens;
     mlx-lm parsers other than its JSON one)."""
@@ -270,17 +272,25 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
         return " | ".join(f"call{i}" for i in range(len(tools)))
 
     close = json.dumps("\n</tool_call>")
+    more = wanted["parallel"] and not named  # a named choice is one call of that tool
+    another = json.dumps("\n<tool_call>\n")  # a further Hermes block: "</tool_call>\n<tool_call>\n{...}"
     if fmt.name == "hermes":  # the opening ends with "<tool_call>\n", named: with '"arguments": '
-        start = "args0 " + json.dumps("}\n</tool_call>") if named else f"({calls()}) {close}"
+        if named:
+            start = "args0 " + json.dumps("}\n</tool_call>")
+        else:
+            any_call = calls()
+            start = f"({any_call}) {close}" + (f" ({another} ({any_call}) {close})*" if more else "")
     elif fmt.name == "llama3":
         start = 'args0 "}"' if named else calls()
     elif fmt.name == "mistral":
-        start = '"[" (' + calls() + ') "]"'
+        any_call = calls()
+        start = f'"[" ({any_call})' + (f' ("," " " ({any_call}))*' if more else "") + ' "]"'
     elif fmt.name == "harmony" and named:
         start = "args0"  # the model's <|call|> ends it: an end token
     elif fmt.name == "mlx-lm" and fmt.start == "<tool_call>" and fmt.end == "</tool_call>" \
             and getattr(fmt.parse, "json_tools", False):
-        start = f'{json.dumps(chr(10))} ({calls()}) {close}'  # the opening ends with "<tool_call>"
+        any_call = calls()  # the opening ends with "<tool_call>"
+        start = f'{json.dumps(chr(10))} ({any_call}) {close}' + (f" ({another} ({any_call}) {close})*" if more else "")
     else:
         return None
     return "\n".join([f"start: {start}", *rules]) + "\n"
