@@ -249,9 +249,10 @@ def compare_endpoints(port: int, args, server, thread) -> dict:
         load(port, args.max_tokens, 0)  # warm: batch-16 steps
         load(port, args.max_tokens, 0, "anthropic")
         openai_rounds, anthropic_rounds = [], []
-        for _ in range(args.rounds):
-            openai_rounds.append(load(port, args.max_tokens, 0))
-            anthropic_rounds.append(load(port, args.max_tokens, 0, "anthropic"))
+        for i in range(args.rounds):  # the order flips each round: neither side always runs first
+            for endpoint in (("openai", "anthropic") if i % 2 == 0 else ("anthropic", "openai")):
+                (openai_rounds if endpoint == "openai" else anthropic_rounds).append(
+                    load(port, args.max_tokens, 0, endpoint))
     finally:
         server.should_exit = True
         thread.join(60)
