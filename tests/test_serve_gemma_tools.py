@@ -16,8 +16,8 @@ from mlx_attn.serve.tool_calls import ToolUse, render_chat, tool_call_format  # 
 
 from model_fixtures import tiny_vocabulary  # noqa: E402
 from test_serve_server import MODEL_NAME  # noqa: E402
-from test_serve_tools import (TIME, WEATHER, make_tokenizer, run_stream, script, scripted_sampler,  # noqa: E402,F401
-                              serve_model, streamed, whole)
+from test_serve_tools import (TIME, WEATHER, anthropic_weather_request, make_tokenizer, run_stream,  # noqa: E402,F401
+                              script, scripted_sampler, serve_model, streamed, whole)
 
 # Gemma 3's template as it behaves: the system text opens the first user turn, roles must alternate
 GEMMA3_TEMPLATE = (
@@ -52,8 +52,8 @@ def test_gemma_python_calls():
     assert python_calls('[get_weather(city="Oslo", opts={"a": [1, true, null]}), get_time()]') == [
         {"name": "get_weather", "arguments": {"city": "Oslo", "opts": {"a": [1, True, None]}}},
         {"name": "get_time", "arguments": {}}]
-    assert gemma_python_calls('```tool_code\n[get_weather(city="Rome")]\n```') in (
-        {"name": "get_weather", "arguments": {"city": "Rome"}}, [{"name": "get_weather", "arguments": {"city": "Rome"}}])
+    rome = {"name": "get_weather", "arguments": {"city": "Rome"}}
+    assert gemma_python_calls('```tool_code\n[get_weather(city="Rome")]\n```') in (rome, [rome])
     for bad in ("[1, 2]", "get_weather('Oslo')", "[f(**x)]", "hello"):
         with pytest.raises(ValueError):
             python_calls(bad)
@@ -144,17 +144,7 @@ def test_a_tool_loop_on_our_own_gemma3_over_both_apis(gemma_server, monkeypatch)
     answer = dict(auto, messages=follow, seed=script(503, "Clear, 9 am."))
     assert whole(client, **answer) == ("Clear, 9 am.", [], "stop") == streamed(client, **answer)
 
-    anthropic = pytest.importorskip("anthropic")
-    from mlx_attn.serve import anthropic_api
-
-    seed = script(504, '[get_weather(city="Lviv")]')
-    real = anthropic_api.completion_request
-    monkeypatch.setattr(anthropic_api, "completion_request",
-                        lambda state, body, prompt, **options: real(state, {**body, "seed": seed}, prompt, **options))
-    claude = anthropic.Anthropic(base_url=gemma_server.base, api_key="unused", timeout=60, max_retries=0)
-    tool = {"name": "get_weather", "description": "The weather in a city.",
-            "input_schema": WEATHER["function"]["parameters"]}
-    message = claude.messages.create(model=MODEL_NAME, max_tokens=100, tools=[tool],
-                                     messages=[{"role": "user", "content": "Weather in Lviv?"}])
+    pytest.importorskip("anthropic")
+    message = anthropic_weather_request(gemma_server, monkeypatch, script(504, '[get_weather(city="Lviv")]'))
     assert message.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {"city": "Lviv"})]

@@ -26,8 +26,9 @@ from mlx_attn.serve import harmony  # noqa: E402
 from mlx_attn.serve.tool_calls import ToolUse, call_stream, render_chat, tool_call_format  # noqa: E402
 
 from test_serve_server import MODEL_NAME  # noqa: E402
-from test_serve_tools import (HARMONY_TEMPLATE, TIME, WEATHER, harmony as harmony_text, make_tokenizer,  # noqa: E402,F401
-                              model, run_stream, script, scripted_sampler, serve_model, streamed, whole)
+from test_serve_tools import (HARMONY_TEMPLATE, TIME, WEATHER, anthropic_weather_request,  # noqa: E402,F401
+                              harmony as harmony_text, make_tokenizer, model, run_stream, script,
+                              scripted_sampler, serve_model, streamed, whole)
 
 
 def o200k_ranks() -> list[bytes]:
@@ -200,20 +201,10 @@ def test_harmony_served_through_the_library_over_both_apis(library, model, monke
         assert whole(client, **plain) == ("Hello.", [], "stop") == streamed(client, **plain)
 
         # the Anthropic API: a harmony call is a tool_use block (no seed in that API: pinned at the seam)
-        anthropic = pytest.importorskip("anthropic")
-        from mlx_attn.serve import anthropic_api
-
+        pytest.importorskip("anthropic")
         seed = script(404, harmony_text("analysis", "weather") + harmony_text("commentary", "Looking.") +
                       harmony_text("commentary", '{"city": "Lviv"}', "functions.get_weather", end=""))
-        real = anthropic_api.completion_request
-        monkeypatch.setattr(anthropic_api, "completion_request",
-                            lambda state, body, prompt, **options: real(state, {**body, "seed": seed}, prompt,
-                                                                        **options))
-        claude = anthropic.Anthropic(base_url=running.base, api_key="unused", timeout=60, max_retries=0)
-        tool = {"name": "get_weather", "description": "The weather in a city.",
-                "input_schema": WEATHER["function"]["parameters"]}
-        message = claude.messages.create(model=MODEL_NAME, max_tokens=300, tools=[tool],
-                                         messages=[{"role": "user", "content": "Weather in Lviv?"}])
+        message = anthropic_weather_request(running, monkeypatch, seed, max_tokens=300)
         assert message.stop_reason == "tool_use"
         assert [(b.type, b.text if b.type == "text" else (b.name, b.input)) for b in message.content] == \
             [("text", "Looking."), ("tool_use", ("get_weather", {"city": "Lviv"}))]

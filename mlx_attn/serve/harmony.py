@@ -239,9 +239,9 @@ class HarmonyLibraryStream:
         self.sent_of_message = False  # some of the current message went out as content
         self.broken = False  # the parser refused the text: the rest is content as written
         self.done = 0  # messages of the parser already handled
-        from mlx_attn.serve.tool_calls import ToolCall, new_call_id
+        from mlx_attn.serve.tool_calls import harmony_call  # (that module imports this one)
 
-        self._call, self._call_id = ToolCall, new_call_id
+        self._harmony_call = harmony_call
         self.calls: list = []
 
     def _feed(self, text: str) -> tuple[str, list]:
@@ -282,17 +282,7 @@ class HarmonyLibraryStream:
         if message.author.role != self.h.Role.ASSISTANT or not recipient.startswith("functions."):
             return "", []
         body = "".join(getattr(part, "text", "") for part in message.content)
-        try:
-            arguments = json.loads(body)
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict) or self.tool_use.choice == "none":  # given back as written
-            return f"to={recipient}<|message|>{body}", []
-        if not self.tool_use.parallel and self.calls:
-            return "", []
-        call = self._call(self._call_id(), recipient.removeprefix("functions."), arguments, len(self.calls))
-        self.calls.append(call)
-        return "", [call]
+        return self._harmony_call(recipient, body, self.tool_use, self.calls)
 
     def add(self, text: str) -> tuple[str, list]:
         self.pending += text

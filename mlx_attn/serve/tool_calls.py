@@ -34,7 +34,7 @@ from mlx_attn.serve.gemma_tools import function_gemma_call, gemma_messages, gemm
 from mlx_attn.serve.harmony import HarmonyLibraryStream, harmony_encoding, render_harmony
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
-           "parse_tool_use", "tool_call_format", "forced_call_grammar",
+           "harmony_call", "parse_tool_use", "tool_call_format", "forced_call_grammar",
            "render_chat", "assistant_tool_calls", "new_call_id", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -251,9 +251,7 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
     :meth:`ToolCallFormat.forced_opening`: one call of a tool
     :attr:`ToolUse.constraint` allows, its arguments matching the tool's
     ``parameters`` (JSON written with ``json_options``), the call closed as
-    the format closes it; then the answer may only end, or (``required``
-    with ``parallel_tool_calls``, in the Hermes, mlx-lm JSON and Mistral
-    formats) go on with more such calls. None when nothing is
+    the format closes it; then the answer may only end. None when nothing is
     forced or the format's call text is not JSON this grammar can spell
     (harmony's ``required``: the tool name sits among special tokens;
     mlx-lm parsers other than its JSON one)."""
@@ -272,25 +270,17 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
         return " | ".join(f"call{i}" for i in range(len(tools)))
 
     close = json.dumps("\n</tool_call>")
-    more = wanted["parallel"] and not named  # a named choice is one call of that tool
-    another = json.dumps("\n<tool_call>\n")  # a further Hermes block: "</tool_call>\n<tool_call>\n{...}"
     if fmt.name == "hermes":  # the opening ends with "<tool_call>\n", named: with '"arguments": '
-        if named:
-            start = "args0 " + json.dumps("}\n</tool_call>")
-        else:
-            any_call = calls()
-            start = f"({any_call}) {close}" + (f" ({another} ({any_call}) {close})*" if more else "")
+        start = "args0 " + json.dumps("}\n</tool_call>") if named else f"({calls()}) {close}"
     elif fmt.name == "llama3":
         start = 'args0 "}"' if named else calls()
     elif fmt.name == "mistral":
-        any_call = calls()
-        start = f'"[" ({any_call})' + (f' ("," " " ({any_call}))*' if more else "") + ' "]"'
+        start = '"[" (' + calls() + ') "]"'
     elif fmt.name == "harmony" and named:
         start = "args0"  # the model's <|call|> ends it: an end token
     elif fmt.name == "mlx-lm" and fmt.start == "<tool_call>" and fmt.end == "</tool_call>" \
             and getattr(fmt.parse, "json_tools", False):
-        any_call = calls()  # the opening ends with "<tool_call>"
-        start = f'{json.dumps(chr(10))} ({any_call}) {close}' + (f" ({another} ({any_call}) {close})*" if more else "")
+        start = f'{json.dumps(chr(10))} ({calls()}) {close}'  # the opening ends with "<tool_call>"
     else:
         return None
     return "\n".join([f"start: {start}", *rules]) + "\n"
@@ -546,17 +536,7 @@ class HarmonyStream:
     def _close(self, body: str) -> tuple[str, list[ToolCall]]:
         visible, (_, recipient), self.header = self._visible(), self.header, None
         if recipient is not None and recipient.startswith("functions."):
-            try:
-                arguments = json.loads(body)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict) or self.tool_use.choice == "none":  # given back as written
-                return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
-            if not self.tool_use.parallel and self.calls:
-                return "", []
-            call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments, len(self.calls))
-            self.calls.append(call)
-            return "", [call]
+            return harmony_call(recipient, body, self.tool_use, self.calls)
         return (body if visible else ""), []
 
     def add(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -591,6 +571,23 @@ class HarmonyStream:
 
 
 _HARMONY_MESSAGE, _HARMONY_END = "<|message|>", "<|end|>"
+
+
+def harmony_call(recipient: str, body: str, tool_use: ToolUse, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+    """A harmony message addressed ``to=functions.NAME``: (content, made
+    calls), the call appended to ``calls``. A body that is not a JSON
+    object, or a call where none may be made, is given back as written."""
+    try:
+        arguments = json.loads(body)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict) or tool_use.choice == "none":
+        return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
+    if not tool_use.parallel and calls:
+        return "", []
+    call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments, len(calls))
+    calls.append(call)
+    return "", [call]
 
 
 def call_stream(fmt: ToolCallFormat, tool_use: ToolUse):
