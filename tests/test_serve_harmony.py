@@ -23,7 +23,7 @@ pytest.importorskip("quicktok")
 pytest.importorskip("openai")
 
 from mlx_attn.serve import harmony  # noqa: E402
-from mlx_attn.serve.tool_calls import ToolUse, call_stream, render_chat, tool_call_format  # noqa: E402
+from mlx_attn.serve.tool_calls import ToolUse, call_stream, prepare_tokenizer, render_chat, tool_call_format  # noqa: E402
 
 from test_serve_server import MODEL_NAME  # noqa: E402
 from test_serve_tools import (HARMONY_TEMPLATE, TIME, WEATHER, anthropic_weather_request,  # noqa: E402,F401
@@ -98,6 +98,10 @@ def test_the_vocabulary_comes_from_the_served_models_own(ranks, tmp_path, monkey
     assert hashlib.sha256(written).hexdigest() == harmony.VOCABULARY_SHA256
     assert encoding.decode_utf8(encoding.encode("Hello harmony")) == "Hello harmony"
     assert harmony.harmony_encoding(gpt_oss) is encoding  # decided once per tokenizer
+    # TIKTOKEN_ENCODINGS_BASE naming a folder without the file: the model's vocabulary still serves
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "empty"))
+    assert harmony.harmony_encoding(VocabularyOnly(vocabulary)) is not None
     # one token swapped, a short vocabulary, a non-byte-level one: not o200k_base, no encoding
     swapped = dict(vocabulary)
     first, second = (t for t, r in vocabulary.items() if r in (500, 501))
@@ -105,6 +109,20 @@ def test_the_vocabulary_comes_from_the_served_models_own(ranks, tmp_path, monkey
     assert harmony.o200k_file_from_vocabulary(swapped) is None
     assert harmony.harmony_encoding(VocabularyOnly({"a": 0, "b": 1})) is None
     assert harmony.harmony_encoding(make_tokenizer(HARMONY_TEMPLATE)) is None  # the tiny tokenizer
+
+
+def test_harmonys_turn_endings_become_end_tokens():
+    tokenizer = make_tokenizer(HARMONY_TEMPLATE)
+    tokenizer.backend.add_special_tokens(["<|return|>", "<|call|>"])
+    before = set(tokenizer.eos_token_ids)
+    assert prepare_tokenizer(tokenizer).name == "harmony"
+    ends = {tokenizer.token_to_id("<|return|>"), tokenizer.token_to_id("<|call|>")}
+    assert None not in ends and tokenizer.eos_token_ids == before | ends
+    plain = make_tokenizer()
+    plain.backend.add_special_tokens(["<|call|>"])
+    prepare_tokenizer(plain)
+    assert plain.eos_token_ids == {2}  # not a harmony model: unchanged
+    prepare_tokenizer(make_tokenizer(HARMONY_TEMPLATE))  # no such tokens here: nothing to add, no error
 
 
 def test_without_the_vocabulary_the_template_and_own_parser_serve(monkeypatch, tmp_path):

@@ -5,7 +5,8 @@ results as harmony messages) and the answer read by its streaming parser.
 The library needs the o200k_base vocabulary file and would download it on
 first use; this server never lets it. The file is taken from, in order:
 ``$TIKTOKEN_ENCODINGS_BASE`` (a folder holding ``o200k_base.tiktoken``, the
-library's own setting), else the served model's own vocabulary (a gpt-oss
+library's own setting), else (or where that folder has no good file) the
+served model's own vocabulary (a gpt-oss
 tokenizer holds o200k_base's 199,998 ranks as its first ids) written once to
 ``<cache>/harmony/o200k_base.tiktoken``; the library checks the file's
 SHA-256 either way. Without the library or the file,
@@ -136,10 +137,8 @@ def harmony_encoding(tokenizer):
             return _by_tokenizer[tokenizer]
         except (KeyError, TypeError):  # TypeError: a tokenizer no weak reference can hold: decided each time
             pass
-        encoding = None
-        if os.environ.get(_ENV):
-            encoding = _load_from(os.environ[_ENV])
-        else:
+        encoding = _load_from(os.environ[_ENV]) if os.environ.get(_ENV) else None
+        if encoding is None:
             vocabulary = _vocabulary(tokenizer)
             text = o200k_file_from_vocabulary(vocabulary) if vocabulary else None
             folder = _derived_folder(text) if text is not None else None

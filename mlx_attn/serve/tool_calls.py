@@ -34,7 +34,7 @@ from mlx_attn.serve.gemma_tools import function_gemma_call, gemma_messages, gemm
 from mlx_attn.serve.harmony import HarmonyLibraryStream, harmony_encoding, render_harmony
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
-           "harmony_call", "parse_tool_use", "tool_call_format", "forced_call_grammar",
+           "harmony_call", "parse_tool_use", "tool_call_format", "forced_call_grammar", "prepare_tokenizer",
            "render_chat", "assistant_tool_calls", "new_call_id", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -324,6 +324,21 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
     if "<start_of_turn>" in template:  # Gemma 3: no tools in its template; Google's prompted format
         return ToolCallFormat("gemma", None, "", gemma_python_calls, False, openings=("[", "```"))
     return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, False)
+
+
+def prepare_tokenizer(tokenizer) -> ToolCallFormat:
+    """Before serving: the model's format decided once (gpt-oss: openai-harmony's
+    vocabulary had now, not in the first request), and harmony's turn
+    endings (``<|call|>`` after a call, ``<|return|>`` after the answer)
+    made end tokens where the vocabulary has them."""
+    fmt = tool_call_format(tokenizer)
+    if fmt.name == "harmony":
+        for token in ("<|return|>", "<|call|>"):
+            try:
+                tokenizer.add_eos_token(token)
+            except (ValueError, AttributeError):  # not a token here: the parsers read its text
+                pass
+    return fmt
 
 
 def _calls_of(parsed) -> list[tuple[str, dict]]:
