@@ -263,11 +263,17 @@ class HarmonyLibraryStream:
     def _visible(self) -> bool:
         return self.parser.current_recipient is None and self.parser.current_channel in ("final", "commentary")
 
-    def _after_token(self) -> tuple[str, list]:
+    def _after_token(self, ended: bool = False) -> tuple[str, list]:
         parser, content, made = self.parser, "", []
-        if parser.state == self.h.StreamState.CONTENT and self._visible() and parser.last_content_delta:
-            content, self.sent_of_message = parser.last_content_delta, True
-        messages = parser.messages
+        state = parser.state
+        if state == self.h.StreamState.CONTENT:
+            if self._visible() and parser.last_content_delta:
+                content, self.sent_of_message = parser.last_content_delta, True
+            if not ended:
+                return content, made
+        elif state == self.h.StreamState.HEADER and not ended:
+            return content, made
+        messages = parser.messages  # a message is done: only then read them (each read builds them all)
         while self.done < len(messages):
             message = messages[self.done]
             self.done += 1
@@ -298,5 +304,5 @@ class HarmonyLibraryStream:
             self.parser.process_eos()  # the <|call|> / <|return|> that ended the answer
         except Exception:  # noqa: BLE001  (ended inside a header: no message to show)
             return content, made
-        more, calls = self._after_token()
+        more, calls = self._after_token(ended=True)
         return content + more, made + calls
