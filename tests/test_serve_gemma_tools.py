@@ -6,6 +6,8 @@ answers scripted through test_serve_tools.py's sampler seam)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("openai")
@@ -113,6 +115,31 @@ def test_gemma3_renders_the_tools_calls_and_results_in_alternating_turns():
     assert named.endswith("<start_of_turn>model\n[get_weather(")
 
 
+def test_gemma3_forced_calls_are_held_to_the_schema_by_a_grammar():
+    from test_serve_tool_choice import JSON_OPTIONS, function, grammar_takes
+
+    from mlx_attn.serve.tool_calls import forced_call_grammar
+
+    tokenizer = make_tokenizer(GEMMA3_TEMPLATE)
+    fmt = tool_call_format(tokenizer)
+    plan = function("plan", {"type": "object", "required": ["days"], "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}, "ok": {"type": "boolean"}}})
+    tools = (WEATHER, plan, TIME)
+    named = forced_call_grammar(fmt, ToolUse(tools, "plan"), JSON_OPTIONS)  # after the opening "[plan("
+    for text, takes in [('days=3)]', True), ('city="Oslo", days=3, ok=true)]', True), ('days=3, ok=false)]', True),
+                        ('city="Oslo")]', False), ('days=0)]', False), ('ok=true, days=3)]', False), ("days=3", False)]:
+        assert grammar_takes(tokenizer, named, text) == takes, text
+    required = forced_call_grammar(fmt, ToolUse(tools, "required"), JSON_OPTIONS)  # after the opening "["
+    for text, takes in [("get_time()]", True), ('get_weather(city="Oslo")]', True), ("get_weather()]", False),
+                        ("plan(days=2)]", True), ("get_time(), get_time()]", False), ("other()]", False)]:
+        assert grammar_takes(tokenizer, required, text) == takes, text
+    # keyword arguments Python cannot take, or a schema that is not plain properties: the opening only
+    odd = function("odd", {"type": "object", "properties": {"class": {"type": "string"}}})
+    assert forced_call_grammar(fmt, ToolUse((odd,), "odd"), JSON_OPTIONS) is None
+    union = function("union", {"anyOf": [{"type": "object"}]})
+    assert forced_call_grammar(fmt, ToolUse((union,), "union"), JSON_OPTIONS) is None
+
+
 @pytest.fixture(scope="module")
 def gemma_server():
     from test_gemma3 import tiny_gemma
@@ -148,3 +175,22 @@ def test_a_tool_loop_on_our_own_gemma3_over_both_apis(gemma_server, monkeypatch)
     message = anthropic_weather_request(gemma_server, monkeypatch, script(504, '[get_weather(city="Lviv")]'))
     assert message.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {"city": "Lviv"})]
+
+
+def test_gemma3_named_calls_keep_generated_schemas(gemma_server):
+    """Sampling at temperature 1, the grammar alone keeps each call's arguments in its schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from test_serve_structured import generated_schemas
+
+    schemas = generated_schemas(4, seed=31)
+    client = gemma_server.client()
+    for i, schema in enumerate(schemas):
+        tool = {"type": "function", "function": {"name": f"record_{i}", "parameters": schema}}
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "go"}], tools=[WEATHER, tool], seed=i,
+            tool_choice={"type": "function", "function": {"name": f"record_{i}"}}, temperature=1.0, max_tokens=400)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", (i, choice)
+        [call] = choice.message.tool_calls
+        assert call.function.name == f"record_{i}"
+        jsonschema.validate(json.loads(call.function.arguments), schema)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import keyword
 import re
 
-__all__ = ["function_gemma_call", "python_calls", "gemma_python_calls", "gemma_messages", "GEMMA_FENCES"]
+__all__ = ["function_gemma_call", "python_calls", "gemma_python_calls", "gemma_messages", "python_call_grammar",
+           "GEMMA_FENCES"]
 
 ESCAPE = "<escape>"
 GEMMA_FENCES = ("```tool_code", "```python", "```")
@@ -156,6 +158,54 @@ def gemma_python_calls(text: str):
 def python_call_text(name: str, arguments: dict) -> str:
     """A call as Gemma 3 writes one: keyword values as JSON (read back by both parsers)."""
     return f"{name}(" + ", ".join(f"{key}={json.dumps(value)}" for key, value in arguments.items()) + ")"
+
+
+def _keyword_arguments(rule: str, schema: dict, json_options: dict, rules: list[str]) -> bool:
+    """Lark rules ``rule``: an object schema's properties as keyword
+    arguments, in the schema's order, each value JSON in its own schema,
+    the required ones present (False: a schema this cannot spell)."""
+    if set(schema) - {"type", "properties", "required", "additionalProperties", "description", "title"}:
+        return False
+    properties, required = schema.get("properties") or {}, set(schema.get("required") or ())
+    if schema.get("type", "object") != "object" or not isinstance(properties, dict) or \
+            not all(isinstance(p, dict) for p in properties.values()) or required - set(properties):
+        return False
+    names = list(properties)
+    if not all(n.isidentifier() and not keyword.iskeyword(n) for n in names):
+        return False
+    # {rule}_{k}_{s}: the arguments from the k-th on; s: one came before (a ", " first)
+    for k in range(len(names), -1, -1):
+        for sep in (0, 1):
+            here = f"{rule}_{k}_{sep}"
+            if k == len(names):
+                rules.append(f'{here}: ""')
+                continue
+            value = f"{rule}_v{k}"
+            if sep == 0:
+                rules.append(f"{value}: %json " + json.dumps({**properties[names[k]], "x-guidance": json_options}))
+            item = ('", " ' if sep else "") + json.dumps(names[k] + "=") + f" {value} {rule}_{k + 1}_1"
+            rules.append(f"{here}: {item}" if names[k] in required else f"{here}: {item} | {rule}_{k + 1}_{sep}")
+    rules.append(f"{rule}: {rule}_0_0")
+    return True
+
+
+def python_call_grammar(tools: list[dict], named: bool, json_options: dict) -> str | None:
+    """An llguidance (lark) grammar for what follows Gemma 3's forced opening
+    (``[NAME(`` for a named tool, else ``[``): one call of an offered tool,
+    its keyword arguments as JSON values in their schemas, then ``)]`` and
+    the end. None when a tool's schema is not plain properties with names
+    Python takes as keywords (then only the opening holds the answer)."""
+    rules: list[str] = []
+    for i, tool in enumerate(tools):
+        if not _keyword_arguments(f"kwargs{i}", tool["function"]["parameters"], json_options, rules):
+            return None
+    if named:
+        start = 'kwargs0 ")]"'
+    else:
+        calls = " | ".join(json.dumps(tool["function"]["name"] + "(") + f' kwargs{i} ")"'
+                           for i, tool in enumerate(tools))
+        start = f'({calls}) "]"'
+    return "\n".join([f"start: {start}", *rules]) + "\n"
 
 
 _GEMMA_PROMPT = (

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 
 from mlx_attn.serve.api_error import APIError
-from mlx_attn.serve.gemma_tools import function_gemma_call, gemma_messages, gemma_python_calls
+from mlx_attn.serve.gemma_tools import function_gemma_call, gemma_messages, gemma_python_calls, python_call_grammar
 from mlx_attn.serve.harmony import HarmonyLibraryStream, harmony_encoding, render_harmony
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
@@ -254,6 +254,7 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
     the format closes it; then the answer may only end. None when nothing is
     forced or the format's call text is not JSON this grammar can spell
     (harmony's ``required``: the tool name sits among special tokens;
+    FunctionGemma; Gemma 3 tools whose schemas are not plain properties;
     mlx-lm parsers other than its JSON one)."""
     wanted = tool_use.constraint
     if wanted is None:
@@ -278,6 +279,8 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
         start = '"[" (' + calls() + ') "]"'
     elif fmt.name == "harmony" and named:
         start = "args0"  # the model's <|call|> ends it: an end token
+    elif fmt.name == "gemma":  # Python call syntax: keyword arguments, each a JSON value
+        return python_call_grammar(tools, named, json_options)
     elif fmt.name == "mlx-lm" and fmt.start == "<tool_call>" and fmt.end == "</tool_call>" \
             and getattr(fmt.parse, "json_tools", False):
         start = f'{json.dumps(chr(10))} ({calls()}) {close}'  # the opening ends with "<tool_call>"
