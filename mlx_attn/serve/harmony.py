@@ -99,8 +99,7 @@ def _load_from(folder: str):
     try:
         encoding = openai_harmony.load_harmony_encoding(openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
     except Exception as error:  # noqa: BLE001  (a missing or wrong file: the fallback serves)
-        log.warning("openai-harmony could not load %s from %s (%s); gpt-oss answers go through the chat "
-                    "template and mlx_attn's own harmony parser", VOCABULARY_FILE, folder, error)
+        log.warning("openai-harmony could not load %s from %s (%s)", VOCABULARY_FILE, folder, error)
         encoding = None
     finally:
         if previous is None:
@@ -144,6 +143,9 @@ def harmony_encoding(tokenizer):
             folder = _derived_folder(text) if text is not None else None
             if folder is not None:
                 encoding = _load_from(folder)
+        if encoding is None:
+            log.warning("gpt-oss without openai-harmony or its o200k_base vocabulary: prompts go through the "
+                        "chat template and answers through mlx_attn's own harmony parser (docs/serving.md)")
         try:
             _by_tokenizer[tokenizer] = encoding
         except TypeError:
