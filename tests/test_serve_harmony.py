@@ -23,7 +23,8 @@ pytest.importorskip("quicktok")
 pytest.importorskip("openai")
 
 from mlx_attn.serve import harmony  # noqa: E402
-from mlx_attn.serve.tool_calls import ToolUse, call_stream, prepare_tokenizer, render_chat, tool_call_format  # noqa: E402
+from mlx_attn.serve.tool_calls import (ToolUse, call_stream, prepare_tokenizer, render_chat,  # noqa: E402
+                                        tool_call_format)
 
 from test_serve_server import MODEL_NAME  # noqa: E402
 from test_serve_tools import (HARMONY_TEMPLATE, TIME, WEATHER, anthropic_weather_request,  # noqa: E402,F401
@@ -160,6 +161,10 @@ def test_the_library_renders_tools_calls_and_results(library):
                           "<|message|>")
     plain = render_chat(tokenizer, [{"role": "user", "content": "Hi"}], None)
     assert "<|start|>user<|message|>Hi<|end|><|start|>assistant" in plain and "namespace" not in plain
+    # reasoning_effort: the system message's Reasoning (the library's default: medium)
+    assert "\nReasoning: medium\n" in plain
+    for effort, written in (("high", "high"), ("low", "low"), ("minimal", "low")):
+        assert f"\nReasoning: {written}\n" in render_chat(tokenizer, [{"role": "user", "content": "Hi"}], None, effort)
 
 
 @pytest.mark.parametrize("text, expected", [

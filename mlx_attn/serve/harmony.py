@@ -161,14 +161,21 @@ def _parameters(schema: dict | None) -> dict | None:
     return schema
 
 
-def render_harmony(encoding, messages: list[dict], tools: list[dict] | None) -> str:
+def render_harmony(encoding, messages: list[dict], tools: list[dict] | None,
+                   reasoning_effort: str | None = None) -> str:
     """The prompt text of chat ``messages`` (as request_parsing shapes them)
     and OpenAI-form ``tools``, rendered by the library up to the assistant's
     turn: leading system and developer messages are the developer message's
-    instructions, later ones developer messages in place."""
+    instructions, later ones developer messages in place;
+    ``reasoning_effort`` (``minimal`` as ``low``, gpt-oss's least) the
+    system message's ``Reasoning:``, the library's default (medium) when None."""
     import openai_harmony as h
 
-    out = [h.Message.from_role_and_content(h.Role.SYSTEM, h.SystemContent.new())]
+    system = h.SystemContent.new()
+    if reasoning_effort is not None:
+        level = "low" if reasoning_effort == "minimal" else reasoning_effort
+        system = system.with_reasoning_effort(h.ReasoningEffort(level.capitalize()))
+    out = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
     at, instructions = 0, []
     while at < len(messages) and messages[at]["role"] in ("system", "developer"):
         instructions.append(messages[at]["content"])

@@ -393,15 +393,17 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None) -> str:
+def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None, reasoning_effort: str | None = None
+                ) -> str:
     """The prompt text: ``messages`` (assistant ``tool_calls`` with arguments
     as objects, ``tool`` messages) through the chat template with the
-    request's tools, and the forced opening of a required call."""
+    request's tools, and the forced opening of a required call.
+    ``reasoning_effort``: gpt-oss's, set where openai-harmony renders."""
     fmt = tool_call_format(tokenizer)
     offered = list(tool_use.tools) if tool_use is not None and tool_use.choice != "none" else None
     uses_tools = offered or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if fmt.harmony is not None:  # gpt-oss: every conversation through the library
-        text = render_harmony(fmt.harmony, messages, offered)
+        text = render_harmony(fmt.harmony, messages, offered, reasoning_effort)
     elif not uses_tools:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     elif fmt.native:
