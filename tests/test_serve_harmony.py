@@ -163,7 +163,8 @@ def test_the_library_renders_tools_calls_and_results(library):
     assert "<|start|>user<|message|>Hi<|end|><|start|>assistant" in plain and "namespace" not in plain
     # reasoning_effort: the system message's Reasoning (the library's default: medium)
     assert "\nReasoning: medium\n" in plain
-    for effort, written in (("high", "high"), ("low", "low"), ("minimal", "low")):
+    for effort, written in (("high", "high"), ("low", "low"), ("minimal", "low"), ("none", "low"),
+                            ("xhigh", "high")):
         assert f"\nReasoning: {written}\n" in render_chat(tokenizer, [{"role": "user", "content": "Hi"}], None, effort)
 
 

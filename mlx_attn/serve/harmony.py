@@ -167,13 +167,14 @@ def render_harmony(encoding, messages: list[dict], tools: list[dict] | None,
     and OpenAI-form ``tools``, rendered by the library up to the assistant's
     turn: leading system and developer messages are the developer message's
     instructions, later ones developer messages in place;
-    ``reasoning_effort`` (``minimal`` as ``low``, gpt-oss's least) the
-    system message's ``Reasoning:``, the library's default (medium) when None."""
+    ``reasoning_effort`` the system message's ``Reasoning:`` (gpt-oss has
+    low, medium, high: ``none`` and ``minimal`` as low, ``xhigh`` as high),
+    the library's default (medium) when None."""
     import openai_harmony as h
 
     system = h.SystemContent.new()
     if reasoning_effort is not None:
-        level = "low" if reasoning_effort == "minimal" else reasoning_effort
+        level = {"none": "low", "minimal": "low", "xhigh": "high"}.get(reasoning_effort, reasoning_effort)
         system = system.with_reasoning_effort(h.ReasoningEffort(level.capitalize()))
     out = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
     at, instructions = 0, []

@@ -181,7 +181,7 @@ def chat_messages(body: dict) -> list[dict]:
     return [_chat_message(message, i, call_names) for i, message in enumerate(messages)]
 
 
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
 
 
 def _reasoning_effort(body: dict) -> str | None:
