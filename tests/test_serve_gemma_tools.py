@@ -94,6 +94,15 @@ def test_function_gemma_answers(text, expected):
     assert named.endswith("<start_of_turn>model\n<start_function_call>call:get_weather{")
 
 
+def test_function_gemma_stops_where_a_function_response_would_begin():
+    from mlx_attn.serve.tool_calls import prepare_tokenizer
+
+    tokenizer = make_tokenizer(FUNCTION_GEMMA_TEMPLATE)
+    tokenizer.backend.add_special_tokens(["<start_function_response>"])
+    assert prepare_tokenizer(tokenizer).name == "function-gemma"
+    assert tokenizer.eos_token_ids == {2, tokenizer.token_to_id("<start_function_response>")}
+
+
 def test_gemma3_renders_the_tools_calls_and_results_in_alternating_turns():
     conversation = [
         {"role": "system", "content": "Be brief."},

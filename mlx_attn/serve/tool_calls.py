@@ -331,16 +331,17 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
 
 def prepare_tokenizer(tokenizer) -> ToolCallFormat:
     """Before serving: the model's format decided once (gpt-oss: openai-harmony's
-    vocabulary had now, not in the first request), and harmony's turn
-    endings (``<|call|>`` after a call, ``<|return|>`` after the answer)
-    made end tokens where the vocabulary has them."""
+    vocabulary had now, not in the first request), and the tokens that end
+    a turn in its format made end tokens where the vocabulary has them:
+    harmony's ``<|call|>`` (after a call) and ``<|return|>``; FunctionGemma's
+    ``<start_function_response>`` (the model would go on to invent the result)."""
     fmt = tool_call_format(tokenizer)
-    if fmt.name == "harmony":
-        for token in ("<|return|>", "<|call|>"):
-            try:
-                tokenizer.add_eos_token(token)
-            except (ValueError, AttributeError):  # not a token here: the parsers read its text
-                pass
+    ends = {"harmony": ("<|return|>", "<|call|>"), "function-gemma": ("<start_function_response>",)}
+    for token in ends.get(fmt.name, ()):
+        try:
+            tokenizer.add_eos_token(token)
+        except (ValueError, AttributeError):  # not a token here: the parsers read its text
+            pass
     return fmt
 
 
