@@ -83,13 +83,50 @@ def chat(port: int, question: str, max_tokens: int, response_format: dict | None
     return {"ttft": first, "tokens": usage["completion_tokens"], "seconds": time.perf_counter() - start}
 
 
-def load(port: int, max_tokens: int, constrained: int) -> dict:
-    """16 requests at once, the first ``constrained`` of them to INVENTORY."""
+def anthropic_message(port: int, question: str, max_tokens: int) -> dict:
+    """One streamed greedy request to the Anthropic endpoint, read as chat() reads OpenAI's."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_LIMIT_S)
+    first, tokens = None, None
+    try:
+        conn.request("POST", "/v1/messages", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+        for _ in range(100_000):  # bounded: one line per event
+            line = response.readline().strip()
+            if not line.startswith(b"data:"):
+                if not line and response.isclosed():
+                    break
+                continue
+            event = json.loads(line[5:])
+            if event["type"] == "content_block_delta" and first is None and event["delta"].get("text"):
+                first = time.perf_counter() - start
+            elif event["type"] == "message_delta":
+                tokens = event["usage"]["output_tokens"]
+            elif event["type"] == "message_stop":
+                break
+    finally:
+        conn.close()
+    return {"ttft": first, "tokens": tokens, "seconds": time.perf_counter() - start}
+
+
+def load(port: int, max_tokens: int, constrained: int, endpoint: str = "openai") -> dict:
+    """16 requests at once, the first ``constrained`` of them to INVENTORY
+    (``endpoint`` "anthropic": none constrained, sent to /v1/messages)."""
     jobs = [(QUESTIONS[i % len(QUESTIONS)], schema_format(INVENTORY) if i < constrained else None)
             for i in range(16)]
+
+    def send(job):
+        if endpoint == "anthropic":
+            return anthropic_message(port, job[0], max_tokens)
+        return chat(port, job[0], max_tokens, job[1])
+
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda job: chat(port, job[0], max_tokens, job[1]), jobs))
+        results = list(pool.map(send, jobs))
     wall = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
@@ -144,6 +181,8 @@ def main(argv=None) -> dict:
     from mlx_attn.serve.constraints import json_grammars
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["structured", "endpoints"], default="structured",
+                        help="structured: constrained decoding's cost; endpoints: Anthropic against OpenAI tokens/s")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--ttft-requests", type=int, default=5)
@@ -159,6 +198,8 @@ def main(argv=None) -> dict:
     timers.wrap(Engine, "_bias", "grammar")  # the masks and their bias
     timers.wrap(GrammarConstraint, "advance", "grammar")
     server, thread, (tokenizer, vocab) = serve(port)
+    if args.mode == "endpoints":
+        return compare_endpoints(port, args, server, thread)
     try:
         chat(port, QUESTIONS[0], 4, schema_format(INVENTORY))  # warm: the grammar's tokenizer, the first steps
         load(port, args.max_tokens, 8)  # warm: batch-16 steps
@@ -200,6 +241,31 @@ def main(argv=None) -> dict:
                  f"p50 {1e3 * statistics.median(compiles):.2f} ms")
     print("\n".join(lines))
     return {"plain": plain, "mixed": mixed, "grammar_share": shares, "ttft_p50_ms": p50, "compile_ms": [1e3 * c for c in compiles]}
+
+
+def compare_endpoints(port: int, args, server, thread) -> dict:
+    """The same unconstrained concurrency-16 load through both APIs, alternating."""
+    try:
+        load(port, args.max_tokens, 0)  # warm: batch-16 steps
+        load(port, args.max_tokens, 0, "anthropic")
+        openai_rounds, anthropic_rounds = [], []
+        for i in range(args.rounds):  # the order flips each round: neither side always runs first
+            for endpoint in (("openai", "anthropic") if i % 2 == 0 else ("anthropic", "openai")):
+                (openai_rounds if endpoint == "openai" else anthropic_rounds).append(
+                    load(port, args.max_tokens, 0, endpoint))
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    openai_tps = statistics.median(r["tokens_per_s"] for r in openai_rounds)
+    anthropic_tps = statistics.median(r["tokens_per_s"] for r in anthropic_rounds)
+    print("\n".join([
+        "| endpoint (concurrency 16, greedy, unconstrained) | tokens | tokens/s per round | median tokens/s |",
+        "|---|---|---|---|",
+        f"| /v1/chat/completions | {openai_rounds[0]['tokens']} | {rates(openai_rounds)} | {openai_tps:.1f} |",
+        f"| /v1/messages | {anthropic_rounds[0]['tokens']} | {rates(anthropic_rounds)} | {anthropic_tps:.1f} |",
+        f"\nAnthropic against OpenAI: {100 * (anthropic_tps / openai_tps - 1):+.1f} % aggregate tokens/s "
+        f"(medians of {args.rounds} alternating rounds)"]))
+    return {"openai": openai_rounds, "anthropic": anthropic_rounds}
 
 
 if __name__ == "__main__":

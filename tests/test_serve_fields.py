@@ -86,6 +86,7 @@ def test_penalties_and_bias_shape_greedy_decoding_as_openai_defines_them(server,
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
 ])
 def test_a_chat_field_not_honoured_is_refused_naming_it(server, extra, param):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "the"}], "max_tokens": 1, **extra}

@@ -85,6 +85,44 @@ def test_the_grammar_spells_each_formats_call():
     assert forced_call_grammar(hermes, ToolUse(tools, "auto"), JSON_OPTIONS) is None
 
 
+def grammar_takes(tokenizer, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` lets the tokens of ``text`` through and accepts them as a whole answer."""
+    from mlx_attn.serve.constraints import json_grammars
+
+    constraint = json_grammars(tokenizer, len(tiny_vocabulary()[0])).lark_factory(grammar)()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        constraint.advance(token)
+        if constraint.matcher.is_error():
+            return False
+    return constraint.accepting
+
+
+@pytest.mark.parametrize("template, opening, between, close", [
+    (None, "", "\n<tool_call>\n", "\n</tool_call>"),  # Hermes (offered in the system message)
+    ("{{ '[TOOL_CALLS]' }}", "[", ", ", "]"),  # Mistral
+])
+def test_a_forced_answer_is_one_constrained_call_even_with_parallel_calls(template, opening, between, close):
+    """``required`` with ``parallel_tool_calls`` too: the grammar takes one
+    call of an offered tool and then only the end (a grammar that took more
+    let SmolLM2, greedy, write calls until ``max_tokens``: docs/serving.md)."""
+    tokenizer = tiny_tokenizer()
+    if template is not None:
+        tokenizer.chat_template = template
+    fmt = tool_call_format(tokenizer)
+    tools = (WEATHER, function("get_time", {"type": "object", "properties": {}}))
+    weather = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    clock = '{"name": "get_time", "arguments": {}}'
+    if fmt.name == "hermes":
+        one, two = weather + close, weather + close + between + clock + close
+    else:
+        one, two = opening + weather + close, opening + weather + between + clock + close
+    for parallel in (True, False):
+        grammar = forced_call_grammar(fmt, ToolUse(tools, "required", parallel=parallel), JSON_OPTIONS)
+        assert grammar_takes(tokenizer, grammar, one)
+        assert not grammar_takes(tokenizer, grammar, one.replace('"Oslo"', "5"))  # arguments in the schema
+        assert not grammar_takes(tokenizer, grammar, two)
+
+
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_a_named_tool_choice_gives_arguments_in_the_schema_every_time(server, api):
     count = 48 if FULL_GRID else 6

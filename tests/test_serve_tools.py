@@ -120,6 +120,24 @@ def streamed(client, **request):
     return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
 
 
+def anthropic_weather_request(running, monkeypatch, seed: int, max_tokens: int = 100):
+    """The Anthropic client's answer to "Weather in Lviv?" with get_weather offered,
+    its rows sampled with ``seed`` (the script's key; Anthropic's API has no
+    seed field, so it is set at the request seam)."""
+    import anthropic
+
+    from mlx_attn.serve import anthropic_api
+
+    real = anthropic_api.completion_request
+    monkeypatch.setattr(anthropic_api, "completion_request",
+                        lambda state, body, prompt, **options: real(state, {**body, "seed": seed}, prompt, **options))
+    claude = anthropic.Anthropic(base_url=running.base, api_key="unused", timeout=60, max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}
+    return claude.messages.create(model=MODEL_NAME, max_tokens=max_tokens, tools=[tool],
+                                  messages=[{"role": "user", "content": "Weather in Lviv?"}])
+
+
 def whole(client, **request):
     reply = client.chat.completions.create(**request).choices[0]
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in reply.message.tool_calls or []]

@@ -11,7 +11,7 @@ import uuid
 from mlx_attn.serve.api_error import APIError
 from mlx_attn.serve.choice_stream import Choice, LogprobFormatter, TextStream
 from mlx_attn.serve.request_parsing import CompletionRequest
-from mlx_attn.serve.tool_calls import call_stream, tool_call_format
+from mlx_attn.serve.tool_calls import ToolUse, call_stream, tool_call_format
 
 __all__ = ["Completion"]
 
@@ -44,8 +44,11 @@ class Completion:
         logprobs = LogprobFormatter(state.tokenizer, self.chat) if request.logprobs else None
         tool_use = request.tool_use
         calls = None
+        fmt = tool_call_format(state.tokenizer) if self.chat or tool_use is not None else None
         if tool_use is not None and tool_use.choice != "none":
-            calls = call_stream(tool_call_format(state.tokenizer), tool_use)
+            calls = call_stream(fmt, tool_use)
+        elif fmt is not None and fmt.name == "harmony":  # gpt-oss: its messages read, the reasoning left out
+            calls = call_stream(fmt, tool_use or ToolUse((), "none"))
         choice = Choice(index, rid, queue, TextStream(state.tokenizer, request.stops), logprobs, calls)
         self.choices.append(choice)
         return choice

@@ -14,7 +14,8 @@ _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "r
 
 HONOURED = {
     "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                   "tool_choice", "parallel_tool_calls", "response_format", "modalities")),
+                                   "tool_choice", "parallel_tool_calls", "response_format", "modalities",
+                                   "reasoning_effort")),
     "completions": frozenset(_SAMPLING + ("prompt", "logprobs", "echo", "suffix", "best_of", "response_format")),
     "messages": frozenset(("model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
                            "stop_sequences", "stream", "tools", "tool_choice", "speculative")),
@@ -24,7 +25,7 @@ HONOURED = {
 # accepted and ignored: they change nothing a local server computes (bookkeeping, billing, caching hints)
 IGNORED = {
     "chat": frozenset(("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                       "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction")),
+                       "prompt_cache_retention", "verbosity", "prediction")),
     "completions": frozenset(("user",)),
     "messages": frozenset(("metadata", "service_tier", "thinking")),
     "count_tokens": frozenset(("thinking",)),

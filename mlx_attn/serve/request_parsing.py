@@ -181,10 +181,23 @@ def chat_messages(body: dict) -> list[dict]:
     return [_chat_message(message, i, call_names) for i, message in enumerate(messages)]
 
 
-def chat_prompt(state, messages: list[dict], tool_use: ToolUse | None) -> list[int]:
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
+
+
+def _reasoning_effort(body: dict) -> str | None:
+    """``reasoning_effort``: gpt-oss's ``Reasoning:`` (other models have none to set)."""
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       "reasoning_effort")
+    return effort
+
+
+def chat_prompt(state, messages: list[dict], tool_use: ToolUse | None, reasoning_effort: str | None = None
+                ) -> list[int]:
     """The tokens of ``messages`` (and the tools) through the model's chat template."""
     try:
-        text = render_chat(state.tokenizer, messages, tool_use)
+        text = render_chat(state.tokenizer, messages, tool_use, reasoning_effort)
         return state.tokenizer.encode(text, add_special_tokens=False)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
@@ -207,7 +220,8 @@ def _completion_prompt(state, body: dict) -> list[int]:
 
 
 def _prompt(state, body: dict, chat: bool, tool_use: ToolUse | None) -> list[int]:
-    prompt = chat_prompt(state, chat_messages(body), tool_use) if chat else _completion_prompt(state, body)
+    prompt = chat_prompt(state, chat_messages(body), tool_use, _reasoning_effort(body)) if chat \
+        else _completion_prompt(state, body)
     return check_prompt_length(state, prompt, "messages" if chat else "prompt")
 
 

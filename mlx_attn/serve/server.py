@@ -135,6 +135,9 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
                       max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
                       cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens)
 
+    from mlx_attn.serve.tool_calls import prepare_tokenizer
+
+    prepare_tokenizer(tokenizer)
     return ServerState(make_engine, tokenizer, model_name, default_max_tokens=max_tokens,
                        default_temperature=temperature, max_requests=max_requests)
 

@@ -5,8 +5,12 @@ model's own tool-call text parsed back into calls as it streams.
 The model's format is found from its tokenizer (:func:`tool_call_format`):
 an mlx-lm tokenizer's own parser (mlx-lm's ``tool_parsers``) where it has
 one; else from the chat template: Hermes / Qwen ``<tool_call>{json}</tool_call>``,
-Mistral ``[TOOL_CALLS]``, Llama 3 JSON, gpt-oss's harmony messages
-(:class:`HarmonyStream`). A template that does not render tools
+Mistral ``[TOOL_CALLS]``, Llama 3 JSON, Gemma 3's Python list of calls and
+FunctionGemma's ``call:NAME{...}`` (:mod:`mlx_attn.serve.gemma_tools`),
+gpt-oss's harmony messages
+(rendered and parsed by ``openai-harmony`` where it and its vocabulary can be
+had offline, :mod:`mlx_attn.serve.harmony`; else the chat template and
+:class:`HarmonyStream`). A template that does not render tools
 gets them in a system message asking for the Hermes format, which is then
 parsed.
 
@@ -26,9 +30,11 @@ import uuid
 from collections.abc import Callable
 
 from mlx_attn.serve.api_error import APIError
+from mlx_attn.serve.gemma_tools import function_gemma_call, gemma_messages, gemma_python_calls, python_call_grammar
+from mlx_attn.serve.harmony import HarmonyLibraryStream, harmony_encoding, render_harmony
 
 __all__ = ["ToolUse", "ToolCall", "ToolCallFormat", "ToolCallStream", "HarmonyStream", "call_stream",
-           "parse_tool_use", "tool_call_format", "forced_call_grammar",
+           "harmony_call", "parse_tool_use", "tool_call_format", "forced_call_grammar", "prepare_tokenizer",
            "render_chat", "assistant_tool_calls", "new_call_id", "TOOL_NAME"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -217,6 +223,8 @@ class ToolCallFormat:
     native: bool
     call_prefix: str = '{"name": '  # what a call's text starts with, up to the quoted name
     arguments_key: str = "arguments"
+    harmony: object = None  # harmony: openai-harmony's encoding, None where it cannot be had
+    openings: tuple[str, ...] = ("{", "[")  # without ``start``: how an answer that is a call begins
 
     def forced_opening(self, name: str) -> str:
         """The answer's opening that makes it a call (of ``name`` unless it is "")."""
@@ -227,6 +235,10 @@ class ToolCallFormat:
             opening += "\n"
         if name and self.name in ("hermes", "llama3"):
             opening += f'{self.call_prefix}{json.dumps(name)}, "{self.arguments_key}": '
+        elif self.name == "gemma":
+            opening = "[" + (f"{name}(" if name else "")
+        elif name and self.name == "function-gemma":
+            opening += f"call:{name}{{"
         return opening
 
 
@@ -242,6 +254,7 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
     the format closes it; then the answer may only end. None when nothing is
     forced or the format's call text is not JSON this grammar can spell
     (harmony's ``required``: the tool name sits among special tokens;
+    FunctionGemma; Gemma 3 tools whose schemas are not plain properties;
     mlx-lm parsers other than its JSON one)."""
     wanted = tool_use.constraint
     if wanted is None:
@@ -266,6 +279,8 @@ def forced_call_grammar(fmt: ToolCallFormat, tool_use: ToolUse, json_options: di
         start = '"[" (' + calls() + ') "]"'
     elif fmt.name == "harmony" and named:
         start = "args0"  # the model's <|call|> ends it: an end token
+    elif fmt.name == "gemma":  # Python call syntax: keyword arguments, each a JSON value
+        return python_call_grammar(tools, named, json_options)
     elif fmt.name == "mlx-lm" and fmt.start == "<tool_call>" and fmt.end == "</tool_call>" \
             and getattr(fmt.parse, "json_tools", False):
         start = f'{json.dumps(chr(10))} ({calls()}) {close}'  # the opening ends with "<tool_call>"
@@ -298,14 +313,36 @@ def tool_call_format(tokenizer) -> ToolCallFormat:
         return ToolCallFormat("mlx-lm", wrapper.tool_call_start, wrapper.tool_call_end or "", parse,
                               "tools" in template)
     if "<|channel|>" in template:  # gpt-oss
-        return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True)
+        return ToolCallFormat("harmony", "<|channel|>", "<|end|>", json.loads, True,
+                              harmony=harmony_encoding(tokenizer))
+    if "<start_function_call>" in template:  # FunctionGemma
+        return ToolCallFormat("function-gemma", "<start_function_call>", "<end_function_call>",
+                              function_gemma_call, True)
     if "<tool_call>" in template:
         return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, True)
     if "[TOOL_CALLS]" in template:
         return ToolCallFormat("mistral", "[TOOL_CALLS]", "", _mistral_parse, True)
     if "<|python_tag|>" in template or ("ipython" in template and "tools" in template):
         return ToolCallFormat("llama3", None, "", _json_calls, True, arguments_key="parameters")
+    if "<start_of_turn>" in template:  # Gemma 3: no tools in its template; Google's prompted format
+        return ToolCallFormat("gemma", None, "", gemma_python_calls, False, openings=("[", "```"))
     return ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _hermes_parse, False)
+
+
+def prepare_tokenizer(tokenizer) -> ToolCallFormat:
+    """Before serving: the model's format decided once (gpt-oss: openai-harmony's
+    vocabulary had now, not in the first request), and the tokens that end
+    a turn in its format made end tokens where the vocabulary has them:
+    harmony's ``<|call|>`` (after a call) and ``<|return|>``; FunctionGemma's
+    ``<start_function_response>`` (the model would go on to invent the result)."""
+    fmt = tool_call_format(tokenizer)
+    ends = {"harmony": ("<|return|>", "<|call|>"), "function-gemma": ("<start_function_response>",)}
+    for token in ends.get(fmt.name, ()):
+        try:
+            tokenizer.add_eos_token(token)
+        except (ValueError, AttributeError):  # not a token here: the parsers read its text
+            pass
+    return fmt
 
 
 def _calls_of(parsed) -> list[tuple[str, dict]]:
@@ -357,17 +394,23 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None) -> str:
+def render_chat(tokenizer, messages: list[dict], tool_use: ToolUse | None, reasoning_effort: str | None = None
+                ) -> str:
     """The prompt text: ``messages`` (assistant ``tool_calls`` with arguments
     as objects, ``tool`` messages) through the chat template with the
-    request's tools, and the forced opening of a required call."""
+    request's tools, and the forced opening of a required call.
+    ``reasoning_effort``: gpt-oss's, set where openai-harmony renders."""
     fmt = tool_call_format(tokenizer)
     offered = list(tool_use.tools) if tool_use is not None and tool_use.choice != "none" else None
     uses_tools = offered or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    if not uses_tools:
+    if fmt.harmony is not None:  # gpt-oss: every conversation through the library
+        text = render_harmony(fmt.harmony, messages, offered, reasoning_effort)
+    elif not uses_tools:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if fmt.native:
+    elif fmt.native:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=offered)
+    elif fmt.name == "gemma":
+        text = tokenizer.apply_chat_template(gemma_messages(messages, offered), add_generation_prompt=True)
     else:
         text = tokenizer.apply_chat_template(_hermes_messages(messages, offered), add_generation_prompt=True)
     if tool_use is not None and tool_use.forced is not None:
@@ -439,8 +482,11 @@ class ToolCallStream:
             stripped = self.buffer.lstrip()
             if not stripped:
                 return "", []
+            if not any(stripped.startswith(o) for o in self.fmt.openings) and \
+                    any(o.startswith(stripped) for o in self.fmt.openings):
+                return "", []  # may still open a call
             self.decided = True
-            self.inside = stripped[0] in "{["
+            self.inside = any(stripped.startswith(o) for o in self.fmt.openings)
         while True:
             if self.inside:
                 if fmt.end and fmt.end in self.buffer:
@@ -511,17 +557,7 @@ class HarmonyStream:
     def _close(self, body: str) -> tuple[str, list[ToolCall]]:
         visible, (_, recipient), self.header = self._visible(), self.header, None
         if recipient is not None and recipient.startswith("functions."):
-            try:
-                arguments = json.loads(body)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):  # given back as written
-                return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
-            if not self.tool_use.parallel and self.calls:
-                return "", []
-            call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments, len(self.calls))
-            self.calls.append(call)
-            return "", [call]
+            return harmony_call(recipient, body, self.tool_use, self.calls)
         return (body if visible else ""), []
 
     def add(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -558,9 +594,31 @@ class HarmonyStream:
 _HARMONY_MESSAGE, _HARMONY_END = "<|message|>", "<|end|>"
 
 
+def harmony_call(recipient: str, body: str, tool_use: ToolUse, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+    """A harmony message addressed ``to=functions.NAME``: (content, made
+    calls), the call appended to ``calls``. A body that is not a JSON
+    object, or a call where none may be made, is given back as written."""
+    try:
+        arguments = json.loads(body)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict) or tool_use.choice == "none":
+        return f"to={recipient}{_HARMONY_MESSAGE}{body}", []
+    if not tool_use.parallel and calls:
+        return "", []
+    call = ToolCall(new_call_id(), recipient.removeprefix("functions."), arguments, len(calls))
+    calls.append(call)
+    return "", [call]
+
+
 def call_stream(fmt: ToolCallFormat, tool_use: ToolUse):
     """The stream that reads calls in ``fmt`` out of an answer."""
-    return HarmonyStream(fmt, tool_use) if fmt.name == "harmony" else ToolCallStream(fmt, tool_use)
+    if fmt.name != "harmony":
+        return ToolCallStream(fmt, tool_use)
+    if fmt.harmony is not None:
+        opening = fmt.forced_opening(tool_use.forced) if tool_use.forced is not None else ""
+        return HarmonyLibraryStream(fmt.harmony, tool_use, opening)
+    return HarmonyStream(fmt, tool_use)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
