@@ -61,18 +61,18 @@ def library():
     return build(64, ["float32", "float16"])
 
 
-def cascade_case(dtype, d, *, groups, loners=(), gqa=4, kv_heads=2, page_size=16, seed=0):
+def cascade_case(dtype, d, *, groups, loners=(), gqa=4, kv_heads=2, page_size=16, seed=0, shuffle=True):
     """A batch of cascade groups and sequences outside any: groups = [(prefix
     keys, [(q_len, own keys), ...])], loners = [(q_len, kv_len)]; sequences
-    interleaved (group members and loners alternate). Returns q, k, v (in
-    dtype), the own table, prefix table, q_lens, kv_lens, prefix_lens and
-    prefix_groups."""
+    shuffled (group members and loners interleaved) unless not `shuffle`.
+    Returns q, k, v (in dtype), the own table, prefix table, q_lens, kv_lens,
+    prefix_lens and prefix_groups."""
     rng = np.random.default_rng(seed)
     sequences = []  # (group, q_len, own keys)
     for g, (_, members) in enumerate(groups):
         sequences += [(g, q_len, own) for q_len, own in members]
     sequences += [(-1, q_len, kv_len) for q_len, kv_len in loners]
-    order = rng.permutation(len(sequences))
+    order = rng.permutation(len(sequences)) if shuffle else range(len(sequences))
     sequences = [sequences[i] for i in order]
     prefix_pages = [-(-prefix // page_size) for prefix, _ in groups]
     own_pages = [-(-own // page_size) for _, _, own in sequences]
