@@ -27,7 +27,7 @@ from kernel_lab.cascade_bytes import cascade_vs_paged, groups_of, modelled_bytes
 from kernel_lab.metal_runner import REPO
 from kernel_lab.paged_metal_runner import (as_float, cascade_plan, device_bytes, full_table, oracle, own_lengths,
                                            paged_plan, run_cascade, run_paged, trimmed_sources)
-from mlx_attn import _native
+from mlx_attn import _native, self_check
 from sdpa_cases import TOLERANCE
 
 pytestmark = [pytest.mark.skipif(_native.ext is None, reason="the native extension is not built"),
@@ -235,3 +235,64 @@ def test_sixteen_sequences_over_a_4k_prefix_read_at_most_0_15x_the_bytes():
     own keys each, D 64, float16 (2 KV heads x GQA 4)."""
     row = cascade_vs_paged(sequences=16, prefix=4096, own=64, d=64)
     assert row["cascade / paged"] <= 0.15, row
+
+
+# ---------------------------------------------------------------- first-use self-check and doctor
+
+def emulated_cascade_runner(library):
+    """The cascade self-check's run_kernel over the emulated kernels."""
+
+    def run(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, *, q_lens, scale,
+            causal=True, window_size=None, sinks=None, bits=0, group_size=0):
+        k_parts, v_parts = (list(x) if bits else [x] for x in (k_pages, v_pages))
+        out, *_ = run_cascade(library, q, k_parts, v_parts, block_table, prefix_table, np.array(q_lens).tolist(),
+                              np.array(kv_lens).tolist(), np.array(prefix_lens).tolist(),
+                              np.array(prefix_groups).tolist(), scale=scale, causal=causal, window_size=window_size,
+                              sinks=sinks, bits=bits, group_size=group_size)
+        return mx.array(as_float(out, q.dtype).astype(np.float32)).astype(q.dtype)
+
+    return run
+
+
+@pytest.mark.parametrize("variant", [self_check.CascadeVariant("float32", 64),
+                                     self_check.CascadeVariant("float16", 64, 4, 32)], ids=str)
+def test_self_check_passes_the_emulated_kernels_and_fails_a_broken_one(library, variant):
+    run = emulated_cascade_runner(library)
+    result = self_check.check_cascade_variant(variant, run)
+    assert result.passed and result.cases == len(self_check.cascade_cases(variant)), result.error
+
+    failed = self_check.check_cascade_variant(variant, lambda *a, **kw: run(*a, **kw) * 1.05)
+    assert not failed.passed and "max abs error" in failed.error
+
+
+def test_doctor_lists_the_cascade_variants(library):
+    from mlx_attn.doctor import run_doctor
+
+    variant = self_check.CascadeVariant("float32", 64)
+    report = run_doctor(metal_cascade=emulated_cascade_runner(library), cascade_variants=[variant],
+                        paged_variants=[], timings=False, variants=[], backward_variants=[], metal_runner=None)
+    assert "## Cascade Metal kernels against the paged reference path" in report.markdown
+    cases = len(self_check.cascade_cases(variant))
+    assert f"| cascade/float32/D=64 | {cases} |" in report.markdown
+    assert [r.passed for r in report.cascade_results] == [True]
+
+
+def test_the_python_dispatch_names_why_the_metal_cascade_cannot_run_here():
+    """Without a Metal build the reason says so (a CPU stream keeps the CPU
+    cascade); the plan's own reasons otherwise."""
+    from mlx_attn import paged
+
+    q, k, v, own_table, prefix_table, q_lens, kv_lens, prefix_lens, prefix_groups = cascade_case(
+        "float32", 64, groups=GROUPS, loners=LONERS)
+    tables = paged.CascadeTables(prefix_table, mx.array(prefix_lens, mx.int32), mx.array(prefix_groups, mx.int32),
+                                 own_table, mx.array(kv_lens, mx.int32), mx.array(q_lens, mx.int32))
+    _, _, full_pages, shared, groups, full = tables.checked(q, k.shape[0], k.shape[2])
+    layout = tables.layout(q, tuple(k.shape), tuple(v.shape), full, full_pages)
+    levels = tables.levels(shared, groups, layout)
+    assert levels.own_kv_lens == own_lengths(kv_lens, prefix_lens, prefix_groups)
+    reason = paged.metal_cascade_reason(q, [k], [v], levels, layout)
+    assert reason == ("" if _native.ext.has_metal() else "this build of mlx_attn has no Metal kernels")
+    assert paged.cascade_paged_attention_path(q, k, v, prefix_table, mx.array(prefix_lens, mx.int32),
+                                              mx.array(prefix_groups, mx.int32), own_table,
+                                              mx.array(kv_lens, mx.int32), q_lens=mx.array(q_lens, mx.int32),
+                                              scale=0.125, stream=mx.cpu) == "cascade-cpu"

@@ -312,23 +312,24 @@ std::string cascade_unsupported_reason(const CascadeProblem& c, const GpuTarget&
 
 }  // namespace
 
-LaunchPlan plan_cascade_paged_attention(const CascadeProblem& c, const GpuTarget& target) {
-  using R = BufferRole;
+namespace {
+
+// The groups' records and member rows, and each sequence's prefix splits.
+struct CascadeLevel {
+  std::vector<CascadeGroup> groups;
+  std::vector<CascadeRow> rows;
+  std::vector<int> prefix_splits;  // per sequence
+  int max_splits = 0, max_tiles = 0;
+};
+
+CascadeLevel cascade_level(const CascadeProblem& c, const GpuTarget& target) {
   const PagedProblem& s = c.own;
   const AttentionProblem& a = s.attention;
-  if (std::string reason = unsupported_reason(s); !reason.empty() || !(reason = cascade_unsupported_reason(c, target)).empty()) {
-    LaunchPlan plan;
-    plan.target = {target.family, gpu_cores(target)};
-    plan.problem = a;
-    plan.reason = reason;
-    return plan;
-  }
   const int sequences = int(s.q_lens.size());
   const int groups = int(c.prefix_lens.size());
   const int group = a.group_size();
   const int key_block = prefill_key_block(a.head_dim, a.dtype, target);
-
-  // each group's member rows (sequence, query) and tiles of CascadeTile rows
+  // each group's member rows (sequence, query) and tiles of kCascadeTileRows rows
   std::vector<std::vector<CascadeRow>> members(groups);
   for (int b = 0; b < sequences; ++b) {
     const int g = c.prefix_groups[b];
@@ -339,19 +340,17 @@ LaunchPlan plan_cascade_paged_attention(const CascadeProblem& c, const GpuTarget
   for (const auto& rows : members) all_tiles += (int(rows.size()) * group + kCascadeTileRows - 1) / kCascadeTileRows;
   // prefix splits: enough threadgroups for the target, each split at least
   // kCascadeMinSplitKeys keys (its partial stays small next to its K/V), whole key blocks
-  const int wanted = std::max(1, (gpu_cores(target) * gpu_tuning(target.family).decode_threadgroups_per_core +
-                                  a.kv_heads * all_tiles - 1) / std::max(1, a.kv_heads * all_tiles));
-  std::vector<CascadeGroup> records(groups);
-  std::vector<CascadeRow> rows;
-  std::vector<int> prefix_splits(sequences, 0);
-  int max_splits = 0, max_tiles = 0;
+  const int tiles = std::max(1, a.kv_heads * all_tiles);
+  const int wanted = (gpu_cores(target) * gpu_tuning(target.family).decode_threadgroups_per_core + tiles - 1) / tiles;
+  CascadeLevel level;
+  level.groups.resize(groups);
+  level.prefix_splits.assign(sequences, 0);
   for (int g = 0; g < groups; ++g) {
-    CascadeGroup& record = records[g];
+    CascadeGroup& record = level.groups[g];
     record = {};
-    record.attn = {};
     const int prefix = c.prefix_lens[g];
     const int tile_rows = int(members[g].size()) * group;
-    record.row_start = int(rows.size());
+    record.row_start = int(level.rows.size());
     record.rows = int(members[g].size());
     record.page_size = s.page_size;
     record.table_start = int64_t(g) * c.prefix_table_stride;
@@ -361,41 +360,30 @@ LaunchPlan plan_cascade_paged_attention(const CascadeProblem& c, const GpuTarget
     record.keys_per_split = (per_split + key_block - 1) / key_block * key_block;
     record.splits = (prefix + record.keys_per_split - 1) / record.keys_per_split;
     record.tiles = (tile_rows + kCascadeTileRows - 1) / kCascadeTileRows;
-    rows.insert(rows.end(), members[g].begin(), members[g].end());
-    for (const CascadeRow& row : members[g]) prefix_splits[row.sequence] = record.splits;
-    max_splits = std::max(max_splits, record.splits);
-    max_tiles = std::max(max_tiles, record.tiles);
+    level.rows.insert(level.rows.end(), members[g].begin(), members[g].end());
+    for (const CascadeRow& row : members[g]) level.prefix_splits[row.sequence] = record.splits;
+    level.max_splits = std::max(level.max_splits, record.splits);
+    level.max_tiles = std::max(level.max_tiles, record.tiles);
   }
+  return level;
+}
 
-  // the suffix pass and the merge: the paged plan over the own keys, with
-  // room for each member's prefix partials; the prefix table is the last input
-  LaunchPlan plan = plan_paged(s, target, DecodeShapeChoice::automatic, prefix_splits, c.prefix_groups,
-                               {R::prefix_table});
-  if (!plan.supported || max_splits == 0) return plan;  // no member rows: the paged plan alone
-  for (int g = 0; g < groups; ++g) {
-    records[g].attn = plan.params;  // the shared parameters, with the prefix as the keys
-    records[g].attn.kv_len = c.prefix_lens[g];
-    records[g].attn.q_len = records[g].rows * group;
-  }
-  plan.cascade_groups.resize(records.size() * sizeof(CascadeGroup));
-  std::memcpy(plan.cascade_groups.data(), records.data(), plan.cascade_groups.size());
-  plan.cascade_rows.resize(rows.size() * sizeof(CascadeRow));
-  std::memcpy(plan.cascade_rows.data(), rows.data(), plan.cascade_rows.size());
-
-  // dispatch 0 (suffix partial) and 1 (prefix) write the partials, 2 (merge) reads them
-  for (ScratchBuffer& buffer : plan.scratch) {
-    buffer.writers = 2;
-    buffer.consumer = 2;
-  }
-  PrimitiveLayout layout;
+// The prefix pass's dispatch (index 1, between the suffix partial and the merge).
+KernelDispatch cascade_prefix_dispatch(const CascadeProblem& c, const GpuTarget& target, const CascadeLevel& level,
+                                       const std::vector<ScratchBuffer>& scratch) {
+  using R = BufferRole;
+  const PagedProblem& s = c.own;
+  const AttentionProblem& a = s.attention;
   const bool float_pages = s.quantized.bits == 0;
+  const int key_block = prefill_key_block(a.head_dim, a.dtype, target);
+  PrimitiveLayout layout;
   layout.inputs = float_pages ? std::vector<R>{R::q, R::k, R::v, R::block_table}
                               : std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
                                                R::block_table};
   if (a.has_sinks) layout.inputs.push_back(R::sinks);
   layout.inputs.push_back(R::prefix_table);
   KernelDispatch prefix;
-  prefix.grid = {max_splits, a.kv_heads * max_tiles, groups};
+  prefix.grid = {level.max_splits, a.kv_heads * level.max_tiles, int(level.groups.size())};
   prefix.threadgroup = {32 * kCascadeSimdgroups, 1, 1};
   const int element_bytes = a.dtype == ElemType::float32 ? 4 : 2;
   const int tiles_bytes = 2 * key_block * (a.head_dim * element_bytes + 16);
@@ -405,18 +393,54 @@ LaunchPlan plan_cascade_paged_attention(const CascadeProblem& c, const GpuTarget
     prefix.bindings = bind_roles(layout,
                                  {R::q, R::k, R::v, R::prefix_table, R::sequences, R::cascade_groups, R::cascade_rows,
                                   R::partial_out, R::partial_stats},
-                                 plan.scratch, 1);
+                                 scratch, 1);
     prefix.threadgroup_memory_bytes = tiles_bytes + 2 * key_block * 8 + positions_bytes;  // PagedKeyRows
   } else {
-    prefix.id = kernel_id(KernelFamily::paged_cascade_quantized_prefix, a).with("b", s.quantized.bits).with("bk", key_block);
+    prefix.id =
+        kernel_id(KernelFamily::paged_cascade_quantized_prefix, a).with("b", s.quantized.bits).with("bk", key_block);
     prefix.bindings = bind_roles(layout,
                                  {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
                                   R::prefix_table, R::sequences, R::quantized_params, R::cascade_groups,
                                   R::cascade_rows, R::partial_out, R::partial_stats},
-                                 plan.scratch, 1);
+                                 scratch, 1);
     prefix.threadgroup_memory_bytes = tiles_bytes + key_block * 4 + positions_bytes;  // PagedKeyPages
   }
-  plan.dispatches.insert(plan.dispatches.begin() + 1, prefix);
+  return prefix;
+}
+
+}  // namespace
+
+LaunchPlan plan_cascade_paged_attention(const CascadeProblem& c, const GpuTarget& target) {
+  const PagedProblem& s = c.own;
+  if (std::string reason = unsupported_reason(s); !reason.empty() || !(reason = cascade_unsupported_reason(c, target)).empty()) {
+    LaunchPlan plan;
+    plan.target = {target.family, gpu_cores(target)};
+    plan.problem = s.attention;
+    plan.reason = reason;
+    return plan;
+  }
+  CascadeLevel level = cascade_level(c, target);
+  // the suffix pass and the merge: the paged plan over the own keys, with
+  // room for each member's prefix partials; the prefix table is the last input
+  LaunchPlan plan = plan_paged(s, target, DecodeShapeChoice::automatic, level.prefix_splits, c.prefix_groups,
+                               {BufferRole::prefix_table});
+  if (!plan.supported || level.max_splits == 0) return plan;  // no member rows: the paged plan alone
+  for (size_t g = 0; g < level.groups.size(); ++g) {
+    CascadeGroup& record = level.groups[g];
+    record.attn = plan.params;  // the shared parameters, with the prefix as the keys
+    record.attn.kv_len = c.prefix_lens[g];
+    record.attn.q_len = record.rows * s.attention.group_size();
+  }
+  plan.cascade_groups.resize(level.groups.size() * sizeof(CascadeGroup));
+  std::memcpy(plan.cascade_groups.data(), level.groups.data(), plan.cascade_groups.size());
+  plan.cascade_rows.resize(level.rows.size() * sizeof(CascadeRow));
+  std::memcpy(plan.cascade_rows.data(), level.rows.data(), plan.cascade_rows.size());
+  // dispatch 0 (suffix partial) and 1 (prefix) write the partials, 2 (merge) reads them
+  for (ScratchBuffer& buffer : plan.scratch) {
+    buffer.writers = 2;
+    buffer.consumer = 2;
+  }
+  plan.dispatches.insert(plan.dispatches.begin() + 1, cascade_prefix_dispatch(c, target, level, plan.scratch));
   return plan;
 }
 
