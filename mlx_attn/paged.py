@@ -690,9 +690,8 @@ class CascadeTables:
         """The tables and lengths the Metal cascade kernels take (made once)."""
         if not hasattr(self, "_levels"):
             own_kv = [n - (shared[g] if g >= 0 else 0) for n, g in zip(layout.kv_lens, groups)]
-            as_table = lambda a: mx.array(np.asarray(a, np.int32).reshape(len(np.asarray(a)), -1))  # noqa: E731
-            self._levels = _CascadeLevels(as_table(self.arrays[3]), as_table(self.arrays[0]), own_kv, list(shared),
-                                          list(groups))
+            own_table, prefix_table = (mx.array(np.asarray(a, np.int32)) for a in (self.arrays[3], self.arrays[0]))
+            self._levels = _CascadeLevels(own_table, prefix_table, own_kv, list(shared), list(groups))
         return self._levels
 
     def attention(self, q, k_pages, v_pages, *, scale: float, causal=True, window_size=None, sinks=None,

@@ -448,6 +448,16 @@ def make_paged_inputs(variant: PagedVariant, case: PagedCase, seed: int = 0) -> 
     return (q, k_pages, v_pages, mx.array(table), mx.array(np.array(case.kv_lens, np.int32))), kwargs
 
 
+def _quantized_pages(variant: PagedVariant | CascadeVariant, q, k_pages, v_pages) -> tuple:
+    """``(quantization keywords, k triple, v triple)``: the pages quantized
+    as the variant's, scales and biases in q's dtype."""
+    quantization = {"group_size": variant.group_size, "bits": variant.bits}
+    k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
+                              for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
+                        for x in (k_pages, v_pages))
+    return quantization, k_quant, v_quant
+
+
 def check_paged_variant(variant: PagedVariant, run_kernel: RunKernel,
                         cases: list[PagedCase] | None = None) -> CheckResult:
     """Runs ``cases`` (default: :func:`paged_cases`) through
@@ -462,10 +472,7 @@ def check_paged_variant(variant: PagedVariant, run_kernel: RunKernel,
         if not variant.bits:
             return (lambda: run_kernel(q, k_pages, v_pages, table, kv_lens, **kwargs),
                     lambda: paged_reference_on_cpu(variant, q, (k_pages,), (v_pages,), table, kv_lens, **kwargs))
-        quantization = {"group_size": variant.group_size, "bits": variant.bits}
-        k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
-                                  for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
-                            for x in (k_pages, v_pages))
+        quantization, k_quant, v_quant = _quantized_pages(variant, q, k_pages, v_pages)
         return (lambda: run_kernel(q, k_quant, v_quant, table, kv_lens, **quantization, **kwargs),
                 lambda: paged_reference_on_cpu(variant, q, k_quant, v_quant, table, kv_lens, **kwargs))
 
@@ -567,10 +574,7 @@ def check_cascade_variant(variant: CascadeVariant, run_kernel: RunKernel,
         if not variant.bits:
             return (lambda: run_kernel(q, k_pages, v_pages, *tables, kv_lens, **kwargs),
                     lambda: paged_reference_on_cpu(variant, q, (k_pages,), (v_pages,), full, kv_lens, **kwargs))
-        quantization = {"group_size": variant.group_size, "bits": variant.bits}
-        k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
-                                  for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
-                            for x in (k_pages, v_pages))
+        quantization, k_quant, v_quant = _quantized_pages(variant, q, k_pages, v_pages)
         return (lambda: run_kernel(q, k_quant, v_quant, *tables, kv_lens, **quantization, **kwargs),
                 lambda: paged_reference_on_cpu(variant, q, k_quant, v_quant, full, kv_lens, **kwargs))
 
