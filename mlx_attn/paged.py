@@ -746,7 +746,8 @@ def cascade_paged_attention_path(q, k_pages, v_pages, prefix_table, prefix_lens,
                                  backend="auto", return_lse=False, stream=None, softcap=None, bits=0,
                                  group_size=64) -> CascadePath:
     """Which implementation :func:`cascade_paged_attention` uses:
-    ``"cascade-cpu"`` (the three passes on the fused CPU kernel), else the
+    ``"cascade-cpu"`` (the three passes on the fused CPU kernel),
+    ``"cascade-metal"`` (the Metal cascade kernels, GPU streams), else the
     path of the equivalent paged call over the full tables (``"fused-metal"``
     or ``"reference"``). ``bits`` > 0: quantized ``(packed, scales,
     biases)`` pages as :func:`quantized_cascade_paged_attention` takes them."""

@@ -152,7 +152,10 @@ def check(library, dtype, d, *, bits=0, group_size=32, causal=True, window_size=
     assert np.isfinite(got).all(), "a row no kernel wrote, or a NaN"
     err = np.abs(got - want).max()
     assert err <= TOLERANCE[q.dtype], f"max error {err}"
-    assert np.allclose(lse, want_lse, rtol=1e-5, atol=1e-4), np.abs(lse - want_lse).max()
+    # quantized pages in 2-byte dtypes: the prefix tile stages the dequantized K rounded to q's dtype (as the
+    # quantized prefill kernel does); the oracle and the decode loader keep it in float
+    atol = TOLERANCE[q.dtype] if bits and q.dtype != mx.float32 else 1e-4
+    assert np.allclose(lse, want_lse, rtol=1e-5, atol=atol), np.abs(lse - want_lse).max()
     return plan
 
 
