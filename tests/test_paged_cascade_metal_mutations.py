@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.skipif(not msl_emulator.clang_available(), reason="cla
 
 CASCADE = REPO / "metal" / "attention_paged_cascade.metal"
 PAGED = REPO / "metal" / "attention_paged.metal"
+QUANTIZED = REPO / "metal" / "attention_paged_quantized.metal"
 FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 
 
@@ -82,6 +83,16 @@ MERGE_MUTANTS = {
     "suffix partials laid out by the own splits only": replaced(
         "outputs.partial_splits = seq.splits + seq.prefix_splits;", "outputs.partial_splits = seq.splits;"),
 }
+# the quantized prefix staging (CascadeQuantizedPages): run on 8-bit pages
+QUANTIZED_MUTANTS = {
+    "quantized: every key of a block read from its first key's page": replaced(
+        "on_page.select_head(p, at.page[j], kv_head);", "on_page.select_head(p, at.page[0], kv_head);"),
+    "quantized: a key's slot taken as the key": replaced(
+        "(kb + j) % page_size, value, col, row);", "kb + j, value, col, row);"),
+    "quantized: value runs dequantized from the key's codes": replaced(
+        "const device uint* packed = value ? kv.v : kv.k;", "const device uint* packed = kv.k;"),
+}
+QUANTIZED_NAMES = list(QUANTIZED_MUTANTS) if FULL_GRID else []
 DEFAULT = ["wrong log-sum-exp base: the prefix max in log2 units",
            "prefix rows at their own-key positions (the prefix not counted)",
            "prefix dropped from the merge", "sinks counted twice: the suffix partial joins the sink too"]
@@ -124,6 +135,38 @@ def caught(run) -> bool:
     return False
 
 
+def caught_quantized(run) -> bool:
+    """Two groups beside sequences of their own on 8-bit pages, windows into and past the prefix, and a
+    third group whose prefix (one page) is shorter than a key block."""
+    q, k, v, own_table, prefix_table, q_lens, kv_lens, prefix_lens, prefix_groups = cascade_case(
+        "float32", 64, groups=GROUPS + [(8, [(1, 4), (1, 2)])], loners=LONERS, page_size=8)
+    k_parts, v_parts = (mx.quantize(x, group_size=32, bits=8) for x in (k, v))
+    try:
+        out, lse, _, _ = run_cascade(run.library, q, list(k_parts), list(v_parts), own_table, prefix_table, q_lens,
+                                     kv_lens, prefix_lens, prefix_groups, scale=0.125, window_size=12,
+                                     return_lse=True, bits=8, group_size=32)
+    except msl_emulator.EmulatorError:
+        return True
+    k64, v64 = (np.array(mx.dequantize(*parts, group_size=32, bits=8), np.float64) for parts in (k_parts, v_parts))
+    table = full_table(own_table, prefix_table, prefix_lens, prefix_groups, kv_lens, k.shape[2])
+    want, want_lse = oracle(f64(q), k64, v64, table, q_lens, kv_lens, scale=0.125, window_size=12)
+    got = as_float(out, mx.float32)
+    return (not np.isfinite(got).all() or np.abs(got - want).max() > TOLERANCE[mx.float32]
+            or not np.allclose(lse, want_lse, rtol=1e-5, atol=1e-4))
+
+
+def quantized_sources(workdir, cascade_text: str, name: str) -> list:
+    """The paged decode (float and 8-bit, float32 D 64) and this cascade text with its 8-bit prefix kernel."""
+    paged = write(workdir, only_float32_d64(kernel_text(PAGED)), "original attention_paged")
+    text = re.sub(r"^MLX_ATTN_PAGED_QUANTIZED_BITS\(.*\)$", "", kernel_text(QUANTIZED), flags=re.M)
+    quantized = write(workdir, text + "\nMLX_ATTN_PAGED_QUANTIZED(float32, float, 64, 8, 8, 32)\n",
+                      "original attention_paged_quantized")
+    cascade_text = re.sub(r"^MLX_ATTN_PAGED_CASCADE_(2BYTE_)?TYPES\(.*\)$", "", cascade_text, flags=re.M)
+    cascade = write(workdir, cascade_text + "\nMLX_ATTN_PAGED_CASCADE_QUANTIZED_PREFIX(float32, float, 64, 8, 32)\n",
+                    name)
+    return [paged, quantized, cascade]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cascade_mutants")
@@ -138,8 +181,20 @@ def test_unmutated_kernels_pass_the_battery(workdir):
     assert not caught(EmulatedMetal(fast_math=True, sources=originals(workdir)))
 
 
+@pytest.mark.skipif(not FULL_GRID, reason="the quantized battery compiles three more sources: MLX_ATTN_FULL_GRID=1")
+def test_unmutated_quantized_kernels_pass_the_battery(workdir):
+    sources = quantized_sources(workdir, kernel_text(CASCADE), "original quantized attention_paged_cascade")
+    assert not caught_quantized(EmulatedMetal(fast_math=True, sources=sources))
+
+
+@pytest.mark.parametrize("name", QUANTIZED_NAMES)
+def test_quantized_mutant_is_caught(workdir, name):
+    text = mutated(kernel_text(CASCADE), *QUANTIZED_MUTANTS[name])
+    assert_caught(name, quantized_sources(workdir, text, f"cascade {name}"), caught_quantized)
+
+
 def test_every_mutation_target_exists():
-    for source, mutants in ((CASCADE, PREFIX_MUTANTS), (PAGED, MERGE_MUTANTS)):
+    for source, mutants in ((CASCADE, PREFIX_MUTANTS), (CASCADE, QUANTIZED_MUTANTS), (PAGED, MERGE_MUTANTS)):
         text = kernel_text(source)
         for mutation in mutants.values():
             mutated(text, *mutation)  # asserts the target occurs exactly once
