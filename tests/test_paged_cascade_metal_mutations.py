@@ -92,7 +92,6 @@ QUANTIZED_MUTANTS = {
     "quantized: value runs dequantized from the key's codes": replaced(
         "const device uint* packed = value ? kv.v : kv.k;", "const device uint* packed = kv.k;"),
 }
-QUANTIZED_NAMES = list(QUANTIZED_MUTANTS) if FULL_GRID else []
 DEFAULT = ["wrong log-sum-exp base: the prefix max in log2 units",
            "prefix rows at their own-key positions (the prefix not counted)",
            "prefix dropped from the merge", "sinks counted twice: the suffix partial joins the sink too"]
@@ -181,13 +180,18 @@ def test_unmutated_kernels_pass_the_battery(workdir):
     assert not caught(EmulatedMetal(fast_math=True, sources=originals(workdir)))
 
 
-@pytest.mark.skipif(not FULL_GRID, reason="the quantized battery compiles three more sources: MLX_ATTN_FULL_GRID=1")
+QUANTIZED_BATTERY = pytest.mark.skipif(
+    not FULL_GRID, reason="the quantized battery compiles three more sources: runs under MLX_ATTN_FULL_GRID=1")
+
+
+@QUANTIZED_BATTERY
 def test_unmutated_quantized_kernels_pass_the_battery(workdir):
     sources = quantized_sources(workdir, kernel_text(CASCADE), "original quantized attention_paged_cascade")
     assert not caught_quantized(EmulatedMetal(fast_math=True, sources=sources))
 
 
-@pytest.mark.parametrize("name", QUANTIZED_NAMES)
+@QUANTIZED_BATTERY
+@pytest.mark.parametrize("name", list(QUANTIZED_MUTANTS))
 def test_quantized_mutant_is_caught(workdir, name):
     text = mutated(kernel_text(CASCADE), *QUANTIZED_MUTANTS[name])
     assert_caught(name, quantized_sources(workdir, text, f"cascade {name}"), caught_quantized)
