@@ -23,6 +23,13 @@ other jobs on a shared machine). Prints a table, saves JSON and a PNG plot.
     python benchmarks/bench_cascade.py --out docs          # default grid (< 2 min)
     python benchmarks/bench_cascade.py --full --out docs   # 4/16/64 x 1k/4k/16k, suffixes 16..256, 4-bit
     python benchmarks/bench_cascade.py --rule --out /tmp    # 2..16 sequences x 256..4k: the engine's rule
+    python benchmarks/bench_cascade.py --metal               # Metal: MODELLED device bytes, no timing
+
+``--metal`` prints the Metal kernels' modelled device bytes of one decode
+step (kernel_lab/cascade_bytes.py: counted from the C++ plans the way the
+kernels read and write, held to the MSL emulator's counting build by
+tests/test_paged_cascade_metal.py), cascade against today's paged decode:
+modelled, not measured (no Mac here).
 """
 
 from __future__ import annotations
@@ -180,6 +187,32 @@ def plot(rows, path: Path):
     plt.close(fig)
 
 
+METAL_GRID = [(s, p, 64, d) for d in (64, 128) for s, p in ((4, 1024), (16, 4096), (64, 16384))]
+
+
+def metal_table(rows) -> str:
+    head = ("| sequences | prefix | own | D | paged MiB (modelled) | cascade MiB (modelled) "
+            "| cascade / paged (modelled) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['sequences']} | {r['prefix']} | {r['own']} | {r['D']} | {r['paged MiB']:.2f} "
+                     f"| {r['cascade MiB']:.2f} | {r['cascade / paged']:.3f}x |")
+    return "\n".join(lines)
+
+
+def metal_rows(cases=METAL_GRID) -> list[dict]:
+    """The Metal rows: modelled device bytes of one decode step (fp16, GQA 4,
+    pages of 16), cascade plan against the paged plan over the full tables."""
+    from kernel_lab.cascade_bytes import cascade_vs_paged
+
+    rows = []
+    for sequences, prefix, own, d in cases:
+        row = cascade_vs_paged(sequences=sequences, prefix=prefix, own=own, d=d, kv_heads=KV_HEADS, gqa=GQA,
+                               page_size=PAGE_SIZE)
+        rows.append({k: v for k, v in row.items() if k != "cascade parts"})
+    return rows
+
+
 def grid(full: bool, rule: bool = False):
     if rule:  # where the cascade starts to pay: the engine's rule (serve/cascade_groups.py)
         return [(s, p, 64, 64, "fp16") for s in (2, 4, 8, 16) for p in (256, 1024, 4096)]
@@ -199,9 +232,16 @@ def main(argv=None):
     p.add_argument("--rule", action="store_true", help="2..16 sequences x 256..4k prefixes (the engine's rule)")
     p.add_argument("--case", action="append", default=[], metavar="S,P,OWN,D,PAGES",
                    help="only this row (repeatable), e.g. 64,4096,64,64,4-bit")
+    p.add_argument("--metal", action="store_true",
+                   help="the Metal kernels' MODELLED device bytes, cascade vs paged decode (no timing)")
     args = p.parse_args(argv)
     if _native.ext is None:
         raise SystemExit("bench_cascade needs the native extension mlx_attn._ext")
+    if args.metal:
+        rows = metal_rows()
+        print("Metal, one decode step, device bytes MODELLED from the launch plans (not measured: no Mac):")
+        print(metal_table(rows))
+        return {"command": "python benchmarks/bench_cascade.py --metal", "modelled": True, "rows": rows}
     mx.set_default_device(mx.cpu)
     cases = [(4, 64, 16, 64, "fp16"), (4, 64, 16, 64, "4-bit")] if args.quick else grid(args.full, args.rule)
     if args.case:

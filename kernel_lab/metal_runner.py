@@ -301,17 +301,18 @@ def run_plan(library, plan: dict, inputs: list[np.ndarray], outputs: list[np.nda
                 bound[binding.index] = outputs[index]
             elif source == "scratch":
                 buffer = plan.scratch[index]
+                writers = range(buffer.producer, buffer.producer + buffer.writers)
                 if binding.access == "write":
-                    assert position == buffer.producer
+                    assert position in writers
                 else:
-                    assert buffer.producer < position <= buffer.consumer
+                    assert writers.stop <= position <= buffer.consumer
                 bound[binding.index] = scratch[index]
             elif source == "params":
                 bound[binding.index] = plan.params
             elif source == "quantized_params":
                 bound[binding.index] = plan.quantized_params
-            elif source == "sequences":  # a paged plan's PagedSequence array
-                bound[binding.index] = np.frombuffer(plan.sequences, np.uint8).copy()
+            elif source in ("sequences", "cascade_groups", "cascade_rows"):  # a paged / cascade plan's arrays
+                bound[binding.index] = np.frombuffer(getattr(plan, source), np.uint8).copy()
             else:
                 bound[binding.index] = struct.pack("i", plan.splits)
         results.append(library.dispatch(step.kernel, step.grid, step.threadgroup, bound))

@@ -17,6 +17,8 @@ from kernel_lab.metal_runner import REPO, from_numpy, nan_filled, run_plan, to_n
 # the decode kernels (and their merge), the prefill kernel, the quantized decode
 FLOAT_SOURCES = [REPO / "metal" / "attention_paged.metal", REPO / "metal" / "attention_paged_prefill.metal"]
 QUANTIZED_SOURCES = FLOAT_SOURCES + [REPO / "metal" / "attention_paged_quantized.metal"]
+# cascade attention's prefix pass (its suffix pass and merge are the paged decode's)
+CASCADE_SOURCE = REPO / "metal" / "attention_paged_cascade.metal"
 
 
 def paged_shape_numbers(d: int) -> tuple[int, int]:
@@ -37,12 +39,14 @@ def paged_instantiation(dtype_args: str, d: int) -> str:
     return f"MLX_ATTN_PAGED({dtype_args}, {d}, {rows}, {simdgroups})"
 
 
-def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_instances=()) -> list:
+def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_instances=(),
+                    cascade_instances=()) -> list:
     """The paged .metal sources with only these instantiations (quick builds):
     float_instances "tname, type, d" (MLX_ATTN_PAGED, both shapes:
     paged_instantiation), quantized_instances "tname, type, d, bits"
     (MLX_ATTN_PAGED_QUANTIZED), prefill_instances "tname, type, d, bk"
-    (MLX_ATTN_PAGED_PREFILL)."""
+    (MLX_ATTN_PAGED_PREFILL), cascade_instances "tname, type, d, bk" (float
+    pages) or "tname, type, d, bits, bk" (the cascade prefix kernels)."""
     float_lines, quantized_lines = [], []
     for instance in float_instances:
         tname, type_, d = (part.strip() for part in instance.split(","))
@@ -52,12 +56,14 @@ def trimmed_sources(directory, float_instances, quantized_instances=(), prefill_
         rows, simdgroups = paged_shape_numbers(int(d))
         quantized_lines.append(f"MLX_ATTN_PAGED_QUANTIZED({tname}, {type_}, {d}, {bits}, {rows}, {simdgroups})")
     paths = []
+    cascade_lines = [f"MLX_ATTN_PAGED_CASCADE_{'QUANTIZED_' if i.count(',') == 4 else ''}PREFIX({i})"
+                     for i in cascade_instances]
     for source, lines in ((FLOAT_SOURCES[0], float_lines),
                           (FLOAT_SOURCES[1], [f"MLX_ATTN_PAGED_PREFILL({i})" for i in prefill_instances]),
-                          (QUANTIZED_SOURCES[2], quantized_lines)):
+                          (QUANTIZED_SOURCES[2], quantized_lines), (CASCADE_SOURCE, cascade_lines)):
         if not lines:
             continue
-        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED|_PREFILL)?_(TYPES|BITS|2BYTE_TYPES)\(.*\)$", "",
+        text = re.sub(r"^MLX_ATTN_PAGED(_QUANTIZED|_PREFILL|_CASCADE)?_(TYPES|BITS|2BYTE_TYPES)\(.*\)$", "",
                       source.read_text(), flags=re.M)
         path = directory / source.name
         path.write_text(text + "\n" + "\n".join(lines) + "\n")
@@ -115,6 +121,57 @@ def run_paged(library, q, k_parts, v_parts, block_table, q_lens, kv_lens, *, sca
     assert plan.supported, plan.reason
     if not vector_loads:
         plan = scalar_loads(plan)
+    memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]
+    total_q, heads, d = q.shape
+    out = nan_filled((total_q, heads, d), memory[0].dtype)
+    lse = np.full((total_q, heads), np.nan, np.float32)
+    results = run_plan(library, plan, memory, [out, lse] if return_lse else [out])
+    return out, (lse if return_lse else None), plan, results
+
+
+def cascade_plan(arrays: list, q_lens, own_kv_lens, prefix_lens, prefix_groups, *, scale, causal=True,
+                 window_size=None, has_sinks=False, return_lse=False, bits=0, group_size=0,
+                 gpu_target: dict | None = None, softcap=None):
+    """The C++ cascade plan (csrc/metal/paged_launch_plan.cpp
+    plan_cascade_paged_attention) of the primitive's inputs: the paged inputs
+    with the own pages' block table, then the prefix table."""
+    return _native.ext.cascade_metal_launch_plan(
+        arrays, [int(x) for x in q_lens], [int(x) for x in own_kv_lens], [int(x) for x in prefix_lens],
+        [int(x) for x in prefix_groups], scale=scale, causal=causal, window_size=window_size or 0,
+        has_sinks=has_sinks, output_lse=return_lse, bits=bits, group_size=group_size, softcap=softcap or 0.0,
+        **(gpu_target or {}))
+
+
+def own_lengths(kv_lens, prefix_lens, prefix_groups) -> list[int]:
+    """Each sequence's keys after its group's prefix."""
+    return [int(n) - (int(prefix_lens[g]) if g >= 0 else 0) for n, g in zip(kv_lens, prefix_groups)]
+
+
+def full_table(own_table, prefix_table, prefix_lens, prefix_groups, kv_lens, page_size) -> np.ndarray:
+    """The block table of the equivalent paged call: each sequence's group
+    prefix pages, then its own pages (-1 past them)."""
+    own_table, prefix_table = np.asarray(own_table), np.asarray(prefix_table)
+    rows = []
+    for b, g in enumerate(prefix_groups):
+        shared = list(prefix_table[g, : -(-int(prefix_lens[g]) // page_size)]) if g >= 0 else []
+        own = own_lengths(kv_lens, prefix_lens, prefix_groups)[b]
+        rows.append(shared + list(own_table[b, : -(-own // page_size)]))
+    width = max(1, max(len(r) for r in rows))
+    return np.array([r + [-1] * (width - len(r)) for r in rows], np.int32)
+
+
+def run_cascade(library, q, k_parts, v_parts, own_table, prefix_table, q_lens, kv_lens, prefix_lens, prefix_groups, *,
+                scale, causal=True, window_size=None, sinks=None, return_lse=False, bits=0, group_size=0,
+                gpu_target=None, softcap=None):
+    """Launches the cascade plan in `library` (kv_lens: every key of each
+    sequence, its group's prefix included). Returns (out, lse or None, plan,
+    per-dispatch results) as run_paged."""
+    arrays = ([q, *k_parts, *v_parts, own_table] + ([sinks] if sinks is not None else []) + [prefix_table])
+    plan = cascade_plan(arrays, q_lens, own_lengths(kv_lens, prefix_lens, prefix_groups), prefix_lens, prefix_groups,
+                        scale=scale, causal=causal, window_size=window_size, has_sinks=sinks is not None,
+                        return_lse=return_lse, bits=bits, group_size=group_size, gpu_target=gpu_target,
+                        softcap=softcap)
+    assert plan.supported, plan.reason
     memory = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in arrays]
     total_q, heads, d = q.shape
     out = nan_filled((total_q, heads, d), memory[0].dtype)

@@ -335,6 +335,7 @@ struct DecodeOutputs {
   device float* lse;  // one per row, when p.output_lse
   int head_rows;
   int position_rows;
+  int partial_splits;  // partials per row in partial_out: the launch's splits (cascade: plus its prefix splits)
 };
 
 // The outputs of a launch of `groups` partial threadgroups: direct when the
@@ -345,7 +346,7 @@ template <typename T>
 inline DecodeOutputs<T> decode_launch_outputs(
     device float* partial_out, device float* partial_stats, const device T* sinks, device T* out, device float* lse,
     constant AttentionParams& p, uint3 groups) {
-  return {partial_out, partial_stats, groups.x == 1, sinks, out, lse, p.q_len, 1};
+  return {partial_out, partial_stats, groups.x == 1, sinks, out, lse, p.q_len, 1, int(groups.x)};
 }
 
 // The partial kernel's body for any K/V loader; `states`: the kernel's
@@ -426,7 +427,7 @@ inline void decode_split(
                                      p.output_lse != 0 ? outputs.lse + row : nullptr, lane);
       continue;
     }
-    const long base = ((long(b) * p.kv_heads + kv_head) * splits + split) * row_count + r0 + i;
+    const long base = ((long(b) * p.kv_heads + kv_head) * outputs.partial_splits + split) * row_count + r0 + i;
     for (int e = 0; e < SLICE; ++e) {
       outputs.partial_out[base * D + KV::dim(lane, e)] = rows.o[i][e];
     }

@@ -124,6 +124,9 @@ inline void paged_decode_partial(
                                                    lse + first_row, p, sequence_groups);
   outputs.head_rows = 1;  // packed rows: position-major
   outputs.position_rows = p.q_heads;
+  // a cascade member's partials are followed by its prefix's: it never writes its rows itself
+  outputs.partial_splits = seq.splits + seq.prefix_splits;
+  outputs.direct = outputs.partial_splits == 1;
   decode_split<T, D, MLX_ATTN_MASK_NONE>(kv, q + seq.q_start * p.q_strides[2], p, (const device uchar*)q, outputs,
                                          states, uint3(uint(split), uint(kv_head * chunks + chunk), 0u),
                                          sequence_groups, sg, lane);
@@ -153,8 +156,10 @@ template <typename T, int D, int R, int NSG>
 }
 
 // One threadgroup of MLX_ATTN_DECODE_MERGE_SIMDGROUPS simdgroups per (row, KV
-// head, sequence): merge the sequence's splits into its packed output row
-// [total_q, Hq, D] (and log-sum-exp [total_q, Hq]).
+// head, sequence): merge the sequence's splits (and, in a cascade, its
+// group's prefix splits: the log-sum-exp merge is merge_splits either way)
+// into its packed output row [total_q, Hq, D] (and log-sum-exp [total_q, Hq]);
+// the sinks join once, here.
 template <typename T, int D>
 [[kernel]] void attention_paged_decode_merge(
     const device float* partial_out [[buffer(0)]],
@@ -169,13 +174,14 @@ template <typename T, int D>
   constant AttentionParams& p = seq.attn;
   const int rows = p.group * p.q_len;
   const int r = int(group_id.x);
-  if (r >= rows || seq.splits <= 1) {
+  const int partials = seq.splits + seq.prefix_splits;  // its own splits', then its cascade prefix's
+  if (r >= rows || partials <= 1) {
     return;  // (the whole threadgroup) past its rows, the paged prefill kernel serves them, or one split wrote them
   }
   const int kv_head = int(group_id.y);
   const int h = kv_head * p.group + r / p.q_len;
   const long row = (seq.q_start + r % p.q_len) * p.q_heads + h;
-  merge_splits<T, D>(partial_out, partial_stats, seq.partial_start + long(kv_head) * seq.splits * rows + r, rows,
-                     seq.splits, sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, states, sg,
+  merge_splits<T, D>(partial_out, partial_stats, seq.partial_start + long(kv_head) * partials * rows + r, rows,
+                     partials, sinks, p, h, out + row * D, p.output_lse != 0 ? lse + row : nullptr, states, sg,
                      lane);
 }

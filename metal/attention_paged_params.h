@@ -33,8 +33,41 @@ struct PagedSequence {
   // kernel serves its rows; csrc/metal/paged_launch_plan.h paged_rows_take_prefill)
   attn_int32 query_block_start;
   attn_int32 query_blocks;
+  // cascade (metal/attention_paged_cascade.h): its group's prefix partials,
+  // merged after its own splits' (its partial rows are [Hkv, splits +
+  // prefix_splits, rows]); 0 outside a cascade group
+  attn_int32 prefix_splits;
+  attn_int32 prefix_group;  // its cascade group, -1: none
+};
+
+// Simdgroups of a cascade prefix tile (metal/attention_paged_cascade.h), 8
+// rows each: a tile holds 64 rows (16 decode rows x a GQA group of 4 read
+// the prefix once).
+#define MLX_ATTN_CASCADE_SIMDGROUPS 8
+
+// Cascade attention's shared level, one per group of sequences whose keys
+// begin with the same pages: the prefix pass (attention_paged_cascade_prefix)
+// reads the group's prefix pages once per tile of its query rows.
+struct CascadeGroup {
+  // kv_len: the prefix keys; q_len: the group's tile rows per KV head (its
+  // member rows x GQA group); the rest as every sequence's
+  AttentionParams attn;
+  attn_int64 table_start;  // its prefix_table row, in int32 elements
+  attn_int32 row_start;    // its first CascadeRow
+  attn_int32 rows;         // its member rows (one per (sequence, query position))
+  attn_int32 splits;       // prefix key splits (threadgroups along the prefix)
+  attn_int32 keys_per_split;  // a multiple of the prefix kernel's key block
+  attn_int32 page_size;
+  attn_int32 tiles;        // tiles of tile rows per KV head
+};
+
+// One member row of a cascade group: sequence `sequence`'s query `query`.
+struct CascadeRow {
+  attn_int32 sequence;
+  attn_int32 query;
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(PagedSequence) == sizeof(AttentionParams) + 3 * 8 + 4 * 4, "PagedSequence layout");
+static_assert(sizeof(PagedSequence) == sizeof(AttentionParams) + 3 * 8 + 6 * 4, "PagedSequence layout");
+static_assert(sizeof(CascadeGroup) == sizeof(AttentionParams) + 8 + 6 * 4, "CascadeGroup layout");
 #endif

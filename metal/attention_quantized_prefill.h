@@ -41,6 +41,30 @@ inline QuantizedRowAt quantized_row_at(thread const KV& kv, int key) {
           kv.at[FIRST + 2][0] + key * kv.at[FIRST + 2][1], kv.at[FIRST + 2][2]};
 }
 
+// Dequantizes one run of MLX_ATTN_QUANTIZED_STAGE_RUN features (from column
+// `col`) of row `key` of the entry `kv` selected, its key (value: its value)
+// row, into `row`. The run reads one scale, one bias and BITS words.
+template <typename T, int D, int BITS>
+inline void stage_quantized_run(thread const QuantizedKV<T, D, BITS>& kv, int key, bool value, int col,
+                                threadgroup T* row) {
+  constexpr int CODES_PER_WORD = 32 / BITS;
+  constexpr int RUN_WORDS = MLX_ATTN_QUANTIZED_STAGE_RUN / CODES_PER_WORD;
+  constexpr uint CODE_MASK = (1u << BITS) - 1u;
+  const QuantizedRowAt at = value ? quantized_row_at<3>(kv, key) : quantized_row_at<0>(kv, key);
+  const device uint* packed = value ? kv.v : kv.k;
+  const device T* scales = value ? kv.v_scales : kv.k_scales;
+  const device T* biases = value ? kv.v_biases : kv.k_biases;
+  const int group = col / kv.group_size;
+  const float scale = float(scales[at.scales + group * at.scale_stride]);
+  const float bias = float(biases[at.biases + group * at.bias_stride]);
+  for (int w = 0; w < RUN_WORDS; ++w) {
+    const uint word = packed[at.words + (col / CODES_PER_WORD + w) * at.word_stride];
+    for (int c = 0; c < CODES_PER_WORD; ++c) {
+      row[w * CODES_PER_WORD + c] = T(scale * float((word >> (c * BITS)) & CODE_MASK) + bias);
+    }
+  }
+}
+
 // Stages keys [kb, kb + BK) of the head `kv` selected into `tiles`,
 // dequantized: the block's K runs then its V runs are dealt out to the
 // threads (BK * D / 32 runs each; K and V split between simdgroups when that
@@ -50,11 +74,8 @@ inline void stage_quantized_key_block(thread const QuantizedKV<T, D, BITS>& kv, 
                                       threadgroup KeyValueTiles<T, D, BK>& tiles) {
   constexpr int LD = KeyValueTiles<T, D, BK>::LD;
   constexpr int RUN = MLX_ATTN_QUANTIZED_STAGE_RUN;
-  constexpr int CODES_PER_WORD = 32 / BITS;
-  constexpr int RUN_WORDS = RUN / CODES_PER_WORD;
   constexpr int ROW_RUNS = D / RUN;
   constexpr int TILE_RUNS = BK * ROW_RUNS;
-  constexpr uint CODE_MASK = (1u << BITS) - 1u;
   static_assert(D % RUN == 0, "whole runs per row");
   for (int u = int(tid); u < 2 * TILE_RUNS; u += THREADS) {
     const bool value = u >= TILE_RUNS;
@@ -69,19 +90,7 @@ inline void stage_quantized_key_block(thread const QuantizedKV<T, D, BITS>& kv, 
       }
       continue;
     }
-    const QuantizedRowAt at = value ? quantized_row_at<3>(kv, key) : quantized_row_at<0>(kv, key);
-    const device uint* packed = value ? kv.v : kv.k;
-    const device T* scales = value ? kv.v_scales : kv.k_scales;
-    const device T* biases = value ? kv.v_biases : kv.k_biases;
-    const int group = col / kv.group_size;
-    const float scale = float(scales[at.scales + group * at.scale_stride]);
-    const float bias = float(biases[at.biases + group * at.bias_stride]);
-    for (int w = 0; w < RUN_WORDS; ++w) {
-      const uint word = packed[at.words + (col / CODES_PER_WORD + w) * at.word_stride];
-      for (int c = 0; c < CODES_PER_WORD; ++c) {
-        row[w * CODES_PER_WORD + c] = T(scale * float((word >> (c * BITS)) & CODE_MASK) + bias);
-      }
-    }
+    stage_quantized_run<T, D, BITS>(kv, key, value, col, row);
   }
 }
 

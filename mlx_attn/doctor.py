@@ -23,7 +23,7 @@ from mlx_attn import _native, self_check
 from mlx_attn._blas import blas_choice
 from mlx_attn._timing import median_seconds
 from mlx_attn.ops import metal_backward_runner, metal_kernel_runner
-from mlx_attn.self_check import BackwardVariant, Case, CheckResult, PagedVariant, Variant
+from mlx_attn.self_check import BackwardVariant, Case, CascadeVariant, CheckResult, PagedVariant, Variant
 
 __all__ = ["DoctorReport", "run_doctor", "metal_grid", "cpu_grid", "backward_grid"]
 
@@ -33,6 +33,7 @@ METAL_HEAD_DIMS = (64, 80, 96, 128, 256)
 BACKWARD_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (512, 512), (576, 512))
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 PAGED_HEAD_DIMS = (64, 96, 128, 256)  # the paged kernels' (csrc/metal/paged_launch_plan.cpp)
+CASCADE_HEAD_DIMS = (64, 96, 128)  # the cascade prefix kernel's (metal/attention_paged_cascade.metal)
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class DoctorReport:
     metal_results: list[CheckResult]
     backward_results: list[CheckResult] = dataclasses.field(default_factory=list)
     paged_results: list[CheckResult] = dataclasses.field(default_factory=list)
+    cascade_results: list[CheckResult] = dataclasses.field(default_factory=list)
 
 
 def _extra_cases(variant: Variant) -> list[Case]:
@@ -184,6 +186,22 @@ def _checked_section(title: str, unavailable: str, runner: Callable | None, vari
     return lines + _check_rows(results, **row_options), results
 
 
+def _paged_sections(no_metal: str, metal_paged, paged_variants, metal_cascade, cascade_variants) -> tuple:
+    """The paged and the cascade kernels' sections: (lines, results) of each."""
+    if paged_variants is None:
+        paged_variants = [PagedVariant(dt, d) for dt in DTYPE_NAMES for d in PAGED_HEAD_DIMS]
+        paged_variants += [PagedVariant(dt, d, bits, 64) for dt in DTYPE_NAMES for d in (64, 128) for bits in (4, 8)]
+    paged = _checked_section("Paged Metal kernels against the paged reference path", no_metal, metal_paged,
+                             paged_variants, self_check.check_paged_variant)
+    if cascade_variants is None:
+        cascade_variants = [CascadeVariant(dt, d) for dt in DTYPE_NAMES for d in CASCADE_HEAD_DIMS]
+        cascade_variants += [CascadeVariant(dt, d, bits, 64) for dt in DTYPE_NAMES for d in (64, 128)
+                             for bits in (4, 8)]
+    cascade = _checked_section("Cascade Metal kernels against the paged reference path", no_metal, metal_cascade,
+                               cascade_variants, self_check.check_cascade_variant)
+    return (*paged, *cascade)
+
+
 def run_doctor(
     *,
     metal_runner: Callable | None = None,
@@ -192,6 +210,8 @@ def run_doctor(
     backward_variants: list[BackwardVariant] | None = None,
     metal_paged: Callable | None = None,
     paged_variants: list[PagedVariant] | None = None,
+    metal_cascade: Callable | None = None,
+    cascade_variants: list[CascadeVariant] | None = None,
     timings: bool = True,
     lengths: tuple[int, ...] = (256, 1024),
     repeats: int = 3,
@@ -209,6 +229,10 @@ def run_doctor(
             from mlx_attn.paged import metal_paged_runner
 
             metal_paged = metal_paged_runner(mx.gpu)
+        if metal_cascade is None:
+            from mlx_attn.paged import metal_cascade_runner
+
+            metal_cascade = metal_cascade_runner(mx.gpu)
     lines = ["# mlx_attn doctor report", "", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in _environment_rows(native)]
     cpu_lines, cpu_results = _cpu_section(native)
@@ -229,15 +253,12 @@ def run_doctor(
         "Metal backward against the reference path's gradients", no_metal, metal_backward, backward_variants,
         lambda v, run: self_check.check_backward_variant(v, run, backward_grid(v)),
         error="max error / largest gradient")
-    if paged_variants is None:
-        paged_variants = [PagedVariant(dt, d) for dt in DTYPE_NAMES for d in PAGED_HEAD_DIMS]
-        paged_variants += [PagedVariant(dt, d, bits, 64) for dt in DTYPE_NAMES for d in (64, 128) for bits in (4, 8)]
-    paged_lines, paged_results = _checked_section(
-        "Paged Metal kernels against the paged reference path", no_metal, metal_paged, paged_variants,
-        self_check.check_paged_variant)
-    lines += cpu_lines + metal_lines + backward_lines + paged_lines
-    ok = native is not None and all(r.passed for r in cpu_results + metal_results + backward_results + paged_results)
-    failed = [str(r.variant) for r in metal_results + backward_results + paged_results if not r.passed]
+    paged_lines, paged_results, cascade_lines, cascade_results = _paged_sections(
+        no_metal, metal_paged, paged_variants, metal_cascade, cascade_variants)
+    lines += cpu_lines + metal_lines + backward_lines + paged_lines + cascade_lines
+    gpu_results = metal_results + backward_results + paged_results + cascade_results
+    ok = native is not None and all(r.passed for r in cpu_results + gpu_results)
+    failed = [str(r.variant) for r in gpu_results if not r.passed]
     if failed:
         lines += ["", f"Variants that would be disabled by the first-use self-check: {', '.join(failed)}."]
 
@@ -249,4 +270,5 @@ def run_doctor(
         lines += _timing_lines(mx.gpu if on_gpu else mx.cpu, dtype, lengths, repeats)
 
     lines += ["", f"**Result: {'all checks passed' if ok else 'MISMATCHES FOUND (see above)'}**", ""]
-    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results, backward_results, paged_results)
+    return DoctorReport("\n".join(lines), bool(ok), cpu_results, metal_results, backward_results, paged_results,
+                        cascade_results)

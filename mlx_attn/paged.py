@@ -419,7 +419,20 @@ def quantized_paged_attention(
 # A shared level in front of each sequence's own pages (docs/paged.md, "Cascade").
 # The passes and the merge: mlx_attn/paged_cascade.py.
 
-CascadePath = str  # "cascade-cpu", or the full-table call's path ("fused-metal", "reference")
+CascadePath = str  # "cascade-cpu", "cascade-metal", or the full-table call's path ("fused-metal", "reference")
+
+
+@dataclass(frozen=True, eq=False)  # arrays do not compare as values
+class _CascadeLevels:
+    """The two levels as the Metal cascade kernels take them: the own pages'
+    and the prefix pages' tables (int32 MLX arrays) and the host lengths
+    (own_kv_lens: each sequence's keys after its group's prefix)."""
+
+    own_table: mx.array
+    prefix_table: mx.array
+    own_kv_lens: list
+    prefix_lens: list
+    prefix_groups: list
 
 
 @functools.cache
@@ -535,6 +548,7 @@ class _CascadeCall:
     plan: CascadePlan
     backend: str
     support: dict = dataclasses.field(default_factory=dict)  # the tables' cache of support answers
+    levels: _CascadeLevels | None = None
 
     @functools.cached_property
     def path(self) -> CascadePath:
@@ -542,14 +556,16 @@ class _CascadeCall:
             return "reference"
         reason = self.cascade_unsupported_reason()
         if reason is None:
-            return "cascade-cpu"
+            return "cascade-metal" if self.full.device == mx.gpu else "cascade-cpu"
         if self.backend == "fused":
             raise ValueError(f"backend='fused' is not possible: {reason}")
         return self.full.path  # today's paged op over the full tables
 
     def cascade_unsupported_reason(self) -> str | None:
+        if self.full.device == mx.gpu:
+            return self._metal_unsupported_reason()
         if self.full.device != mx.cpu:
-            return f"no cascade paged attention for {self.full.device} yet (the full tables go to the paged op)"
+            return f"no cascade paged attention for {self.full.device} (the full tables go to the paged op)"
         # the passes are fused CPU paged calls that return their log-sum-exp; the answer
         # depends on dtypes, shapes and options only, so every layer alike asks once
         full = self.full
@@ -559,13 +575,42 @@ class _CascadeCall:
             self.support[key] = dataclasses.replace(full, return_lse=True).fused_unsupported_reason()
         return self.support[key]
 
+    def _metal_unsupported_reason(self) -> str | None:
+        """What the Metal cascade plan refuses (decode rows only, head dims
+        64 / 96 / 128), or a variant that failed its self-check."""
+        full = self.full
+        key = ("metal", full.q.dtype, *(tuple(a.shape) for a in (full.q, *full.k, *full.v)), full.bits,
+               full.group_size, full.sinks is not None, full.causal, full.window_size, full.softcap, full.return_lse)
+        if key not in self.support:
+            reason = metal_cascade_reason(full.q, full.k, full.v, self.levels, full.layout,
+                                          window_size=full.window_size, sinks=full.sinks,
+                                          return_lse=full.return_lse, bits=full.bits, group_size=full.group_size,
+                                          softcap=full.softcap) or None
+            self.support[key] = reason
+        if self.support[key] is not None:
+            return self.support[key]
+        if not metal_cascade_trusted(full.q.dtype, full.q.shape[-1], bits=full.bits, group_size=full.group_size,
+                                     stream=full.stream):
+            return "the Metal cascade kernel variant failed its self-check on this GPU (see the warning)"
+        return None
+
     def run(self):
-        if self.path != "cascade-cpu":
+        if self.path not in ("cascade-cpu", "cascade-metal"):
             return self.full.run()
         call = self.full
         arrays = [call.q, *call.k, *call.v] + ([call.sinks] if call.sinks is not None else [])
+        if self.path == "cascade-metal":
+            def run(*a):
+                q, k_parts, v_parts, sinks = call.split(a)
+                return fused_metal_cascade_attention(
+                    q, k_parts, v_parts, self.levels, call.layout, scale=call.scale, causal=call.causal,
+                    window_size=call.window_size, sinks=sinks, return_lse=call.return_lse, bits=call.bits,
+                    group_size=call.group_size, softcap=call.softcap, stream=call.stream)
+        else:
+            def run(*a):
+                return _run_cascade_cpu(call, self.plan, *a)
         with _stream_scope(call.stream):
-            outputs = _inference_only(lambda *a: _run_cascade_cpu(call, self.plan, *a), arrays)
+            outputs = _inference_only(run, arrays)
         return tuple(outputs) if call.return_lse else outputs[0]
 
 
@@ -641,6 +686,14 @@ class CascadeTables:
                                             threads=threads)
         return self._plans[key]
 
+    def levels(self, shared, groups, layout: PagedLayout) -> _CascadeLevels:
+        """The tables and lengths the Metal cascade kernels take (made once)."""
+        if not hasattr(self, "_levels"):
+            own_kv = [n - (shared[g] if g >= 0 else 0) for n, g in zip(layout.kv_lens, groups)]
+            own_table, prefix_table = (mx.array(np.asarray(a, np.int32)) for a in (self.arrays[3], self.arrays[0]))
+            self._levels = _CascadeLevels(own_table, prefix_table, own_kv, list(shared), list(groups))
+        return self._levels
+
     def attention(self, q, k_pages, v_pages, *, scale: float, causal=True, window_size=None, sinks=None,
                   backend="auto", return_lse=False, stream=None, softcap=None):
         """:func:`cascade_paged_attention` over these tables."""
@@ -682,7 +735,8 @@ def _prepare_cascade(q, k_parts, v_parts, tables: CascadeTables, scale, causal, 
                             resolve_path=False)
     plan = tables.plan(layout, own_pages, prefix_pages, shared, groups, causal=full.causal,
                        window_size=full.window_size)
-    call = _CascadeCall(full, plan, backend, tables._support)
+    levels = tables.levels(shared, groups, layout) if full.device == mx.gpu else None
+    call = _CascadeCall(full, plan, backend, tables._support, levels)
     call.path  # noqa: B018  (backend="fused" raises here, at the call)
     return call
 
@@ -692,7 +746,8 @@ def cascade_paged_attention_path(q, k_pages, v_pages, prefix_table, prefix_lens,
                                  backend="auto", return_lse=False, stream=None, softcap=None, bits=0,
                                  group_size=64) -> CascadePath:
     """Which implementation :func:`cascade_paged_attention` uses:
-    ``"cascade-cpu"`` (the three passes on the fused CPU kernel), else the
+    ``"cascade-cpu"`` (the three passes on the fused CPU kernel),
+    ``"cascade-metal"`` (the Metal cascade kernels, GPU streams), else the
     path of the equivalent paged call over the full tables (``"fused-metal"``
     or ``"reference"``). ``bits`` > 0: quantized ``(packed, scales,
     biases)`` pages as :func:`quantized_cascade_paged_attention` takes them."""
@@ -794,6 +849,65 @@ def fused_metal_paged_attention(q, k_parts, v_parts, block_table, layout: PagedL
         _metal_inputs(q, k_parts, v_parts, block_table, sinks), layout.q_lens, layout.kv_lens, scale=scale,
         causal=causal, window_size=window_size or 0, has_sinks=sinks is not None, output_lse=return_lse, bits=bits,
         group_size=group_size, softcap=softcap or 0.0, stream=stream if stream is not None else mx.gpu)
+
+
+def _metal_cascade_inputs(q, k_parts, v_parts, levels: _CascadeLevels, sinks) -> list:
+    return _metal_inputs(q, k_parts, v_parts, levels.own_table, sinks) + [levels.prefix_table]
+
+
+def metal_cascade_reason(q, k_parts, v_parts, levels: _CascadeLevels, layout: PagedLayout, *, window_size=None,
+                         sinks=None, return_lse=False, bits=0, group_size=0, softcap=None) -> str:
+    """Why the Metal cascade kernels cannot run this checked call ("" when
+    they can): no Metal build, or what the cascade plan refuses."""
+    ext = _native.ext
+    if ext is None or not ext.has_metal():
+        return "this build of mlx_attn has no Metal kernels"
+    plan = ext.cascade_metal_launch_plan(
+        _metal_cascade_inputs(q, k_parts, v_parts, levels, sinks), layout.q_lens, levels.own_kv_lens,
+        levels.prefix_lens, levels.prefix_groups, window_size=window_size or 0, has_sinks=sinks is not None,
+        output_lse=return_lse, bits=bits, group_size=group_size, softcap=softcap or 0.0)
+    return "" if plan.supported else plan.reason
+
+
+def fused_metal_cascade_attention(q, k_parts, v_parts, levels: _CascadeLevels, layout: PagedLayout, *, scale, causal,
+                                  window_size, sinks, return_lse, bits=0, group_size=0, softcap=None,
+                                  stream=None) -> list:
+    """Cascade attention on the Metal kernels (metal/attention_paged_cascade.h):
+    ``[out]`` or ``[out, lse]``; arguments checked and in one dtype."""
+    return _native.ext.metal_cascade_paged_attention(
+        _metal_cascade_inputs(q, k_parts, v_parts, levels, sinks), layout.q_lens, levels.own_kv_lens,
+        levels.prefix_lens, levels.prefix_groups, scale=scale, causal=causal, window_size=window_size or 0,
+        has_sinks=sinks is not None, output_lse=return_lse, bits=bits, group_size=group_size,
+        softcap=softcap or 0.0, stream=stream if stream is not None else mx.gpu)
+
+
+def metal_cascade_runner(stream):
+    """``run(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups,
+    block_table, kv_lens, *, q_lens, scale, causal, window_size, sinks,
+    bits=0, group_size=0)`` on the Metal cascade kernels: the runner of
+    :func:`mlx_attn.self_check.check_cascade_variant` and ``mlx-attn doctor``."""
+
+    def run(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, *, q_lens=None,
+            scale, causal=True, window_size=None, sinks=None, bits=0, group_size=0):
+        tables = CascadeTables(prefix_table, prefix_lens, prefix_groups, block_table, kv_lens, q_lens)
+        k_parts = tuple(k_pages) if bits else (k_pages,)
+        v_parts = tuple(v_pages) if bits else (v_pages,)
+        k_shape, v_shape = page_shape(k_parts[0], bits), page_shape(v_parts[0], bits)
+        _, _, full_pages, shared, groups, full_table = tables.checked(q, k_shape[0], k_shape[2])
+        layout = tables.layout(q, k_shape, v_shape, full_table, full_pages)
+        return fused_metal_cascade_attention(q, k_parts, v_parts, tables.levels(shared, groups, layout), layout,
+                                             scale=scale, causal=causal, window_size=window_size, sinks=sinks,
+                                             return_lse=False, bits=bits, group_size=group_size, stream=stream)[0]
+
+    return run
+
+
+def metal_cascade_trusted(dtype, head_dim: int, *, bits: int = 0, group_size: int = 0, stream=None) -> bool:
+    """Whether the cascade kernel variant for this dtype and head dim passed
+    its first-use self-check (run now if it has not; a failure warns once
+    and disables it: cascade calls then take the paged op over the full tables)."""
+    variant = self_check.CascadeVariant(str(dtype).split(".")[-1], head_dim, bits, group_size)
+    return self_check.trusted(variant, metal_cascade_runner(stream if stream is not None else mx.gpu))
 
 
 def metal_paged_runner(stream):

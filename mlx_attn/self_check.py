@@ -42,6 +42,9 @@ __all__ = [
     "BackwardVariant",
     "PagedVariant",
     "check_paged_variant",
+    "CascadeVariant",
+    "check_cascade_variant",
+    "cascade_cases",
     "paged_reference_on_cpu",
     "paged_cases",
     "check_quantized_variant",
@@ -151,7 +154,26 @@ class PagedVariant:
         return f"paged/{self.dtype}/D={self.head_dim}{pages}"
 
 
-AnyVariant = Variant | QuantizedVariant | BackwardVariant | PagedVariant
+@dataclasses.dataclass(frozen=True)
+class CascadeVariant:
+    """Cascade attention's Metal kernels (metal/attention_paged_cascade.metal's
+    prefix pass, with the paged decode as its suffix pass and the paged merge)
+    of one element type and head dim, float or quantized pages."""
+
+    dtype: str
+    head_dim: int
+    bits: int = 0
+    group_size: int = 0
+
+    def __post_init__(self):
+        _check_dtype(self.dtype)
+
+    def __str__(self) -> str:
+        pages = f"/{self.bits}-bit/group {self.group_size}" if self.bits else ""
+        return f"cascade/{self.dtype}/D={self.head_dim}{pages}"
+
+
+AnyVariant = Variant | QuantizedVariant | BackwardVariant | PagedVariant | CascadeVariant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +448,16 @@ def make_paged_inputs(variant: PagedVariant, case: PagedCase, seed: int = 0) -> 
     return (q, k_pages, v_pages, mx.array(table), mx.array(np.array(case.kv_lens, np.int32))), kwargs
 
 
+def _quantized_pages(variant: PagedVariant | CascadeVariant, q, k_pages, v_pages) -> tuple:
+    """``(quantization keywords, k triple, v triple)``: the pages quantized
+    as the variant's, scales and biases in q's dtype."""
+    quantization = {"group_size": variant.group_size, "bits": variant.bits}
+    k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
+                              for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
+                        for x in (k_pages, v_pages))
+    return quantization, k_quant, v_quant
+
+
 def check_paged_variant(variant: PagedVariant, run_kernel: RunKernel,
                         cases: list[PagedCase] | None = None) -> CheckResult:
     """Runs ``cases`` (default: :func:`paged_cases`) through
@@ -440,17 +472,14 @@ def check_paged_variant(variant: PagedVariant, run_kernel: RunKernel,
         if not variant.bits:
             return (lambda: run_kernel(q, k_pages, v_pages, table, kv_lens, **kwargs),
                     lambda: paged_reference_on_cpu(variant, q, (k_pages,), (v_pages,), table, kv_lens, **kwargs))
-        quantization = {"group_size": variant.group_size, "bits": variant.bits}
-        k_quant, v_quant = (tuple(a.astype(q.dtype) if i else a
-                                  for i, a in enumerate(mx.quantize(x, stream=mx.cpu, **quantization)))
-                            for x in (k_pages, v_pages))
+        quantization, k_quant, v_quant = _quantized_pages(variant, q, k_pages, v_pages)
         return (lambda: run_kernel(q, k_quant, v_quant, table, kv_lens, **quantization, **kwargs),
                 lambda: paged_reference_on_cpu(variant, q, k_quant, v_quant, table, kv_lens, **kwargs))
 
     return _compare(variant, cases, outputs)
 
 
-def paged_reference_on_cpu(variant: PagedVariant, q, k_parts, v_parts, block_table, kv_lens, *, q_lens, scale,
+def paged_reference_on_cpu(variant: PagedVariant | CascadeVariant, q, k_parts, v_parts, block_table, kv_lens, *, q_lens, scale,
                            causal, window_size, sinks=None) -> mx.array:
     """The paged reference path's output for a case's inputs (one dtype
     already), on the CPU: what :func:`check_paged_variant` compares with."""
@@ -460,6 +489,96 @@ def paged_reference_on_cpu(variant: PagedVariant, q, k_parts, v_parts, block_tab
         return paged_reference_attention(q, k_parts, v_parts, layout, scale=scale, causal=causal,
                                          window_size=window_size, sinks=sinks, return_lse=False,
                                          bits=variant.bits, group_size=variant.group_size)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeCase:
+    """Cascade groups ((prefix keys, ((q_len, own keys), ...)), ...) beside
+    sequences of their own ((q_len, kv_len), ...), over pages of page_size."""
+
+    name: str
+    groups: tuple
+    loners: tuple
+    page_size: int
+    q_heads: int = 8
+    kv_heads: int = 2
+    causal: bool = True
+    window_size: int | None = None
+    sinks: bool = False
+
+
+def cascade_cases(variant: CascadeVariant) -> list[CascadeCase]:
+    """Two groups with decode rows and a two-row chunk beside sequences of
+    their own; windows that end inside the prefix and that exclude it, with
+    sinks (counted once); a prefix of two splits; MQA without causality."""
+    return [
+        CascadeCase("two groups beside sequences of their own", ((64, ((1, 5), (1, 17), (2, 9))), (32, ((1, 3),))),
+                    ((1, 40),), 16),
+        CascadeCase("windows into and past the prefix, sinks", ((48, ((1, 4), (1, 30))),), ((1, 9),), 8,
+                    window_size=20, sinks=True),
+        CascadeCase("a prefix of two splits", ((1040, ((1, 3), (1, 2))),), (), 16, sinks=True),
+        CascadeCase("not causal, MQA", ((40, ((1, 7), (1, 2))),), (), 5, q_heads=4, kv_heads=1, causal=False),
+    ]
+
+
+def make_cascade_inputs(variant: CascadeVariant, case: CascadeCase, seed: int = 0) -> tuple[tuple, dict, np.ndarray]:
+    """``(q, k_pages, v_pages, prefix_table, prefix_lens, prefix_groups,
+    block_table, kv_lens), kwargs, full_table`` of a case: pages in a
+    shuffled pool, unused entries -1; ``full_table`` is the equivalent paged
+    call's (each group's prefix pages, then the sequence's own)."""
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[variant.dtype]
+    sequences = [(g, q_len, own) for g, (_, members) in enumerate(case.groups) for q_len, own in members]
+    sequences += [(-1, q_len, kv_len) for q_len, kv_len in case.loners]
+    prefix_lens = [prefix for prefix, _ in case.groups]
+    prefix_pages = [-(-prefix // case.page_size) for prefix in prefix_lens]
+    own_pages = [-(-own // case.page_size) for _, _, own in sequences]
+    pool = iter(rng.permutation(sum(prefix_pages) + sum(own_pages)).tolist())
+    prefix_table = np.full((len(prefix_lens), max(prefix_pages) + 1), -1, np.int32)
+    for g, count in enumerate(prefix_pages):
+        prefix_table[g, :count] = [next(pool) for _ in range(count)]
+    own_table = np.full((len(sequences), max(own_pages) + 1), -1, np.int32)
+    full = np.full((len(sequences), max(prefix_pages) + max(own_pages) + 1), -1, np.int32)
+    for b, (g, _, _) in enumerate(sequences):
+        own_table[b, :own_pages[b]] = [next(pool) for _ in range(own_pages[b])]
+        shared = list(prefix_table[g, :prefix_pages[g]]) if g >= 0 else []
+        full[b, :len(shared) + own_pages[b]] = shared + list(own_table[b, :own_pages[b]])
+    q_lens = [q_len for _, q_len, _ in sequences]
+    kv_lens = [own + (prefix_lens[g] if g >= 0 else 0) for g, _, own in sequences]
+    shape = (sum(prefix_pages) + sum(own_pages), case.kv_heads, case.page_size, variant.head_dim)
+    q = _normal(rng, (sum(q_lens), case.q_heads, variant.head_dim), dtype)
+    k_pages, v_pages = _normal(rng, shape, dtype), _normal(rng, shape, dtype)
+    kwargs: dict = {"scale": variant.head_dim**-0.5, "causal": case.causal, "window_size": case.window_size,
+                    "q_lens": mx.array(np.array(q_lens, np.int32))}
+    if case.sinks:
+        kwargs["sinks"] = _normal(rng, (case.q_heads,), dtype)
+    arrays = (q, k_pages, v_pages, mx.array(prefix_table), mx.array(np.array(prefix_lens, np.int32)),
+              mx.array(np.array([g for g, _, _ in sequences], np.int32)), mx.array(own_table),
+              mx.array(np.array(kv_lens, np.int32)))
+    return arrays, kwargs, full
+
+
+def check_cascade_variant(variant: CascadeVariant, run_kernel: RunKernel,
+                          cases: list[CascadeCase] | None = None) -> CheckResult:
+    """Runs ``cases`` (default: :func:`cascade_cases`) through
+    ``run_kernel(q, k_pages, v_pages, prefix_table, prefix_lens,
+    prefix_groups, block_table, kv_lens, **kwargs)`` (quantized variants:
+    the pages as ``mx.quantize`` triples and ``bits`` / ``group_size``
+    keywords) and compares each with the paged reference path over the
+    full tables on the CPU."""
+    cases = cascade_cases(variant) if cases is None else cases
+
+    def outputs(index, case):
+        (q, k_pages, v_pages, *tables, kv_lens), kwargs, full = make_cascade_inputs(variant, case, seed=index)
+        full = mx.array(full)
+        if not variant.bits:
+            return (lambda: run_kernel(q, k_pages, v_pages, *tables, kv_lens, **kwargs),
+                    lambda: paged_reference_on_cpu(variant, q, (k_pages,), (v_pages,), full, kv_lens, **kwargs))
+        quantization, k_quant, v_quant = _quantized_pages(variant, q, k_pages, v_pages)
+        return (lambda: run_kernel(q, k_quant, v_quant, *tables, kv_lens, **quantization, **kwargs),
+                lambda: paged_reference_on_cpu(variant, q, k_quant, v_quant, full, kv_lens, **kwargs))
+
+    return _compare(variant, cases, outputs)
 
 
 GRADIENT_NAMES = ("dq", "dk", "dv", "d_sinks")
@@ -511,12 +630,13 @@ _lock = threading.RLock()  # re-entrant: a check's kernel calls may ask about a 
 _thread = threading.local()
 
 _CHECKS = {Variant: check_variant, QuantizedVariant: check_quantized_variant, BackwardVariant: check_backward_variant,
-           PagedVariant: check_paged_variant}
+           PagedVariant: check_paged_variant, CascadeVariant: check_cascade_variant}
 _FALLBACKS = {
     Variant: "calls fall back to mx.fast or the reference path",
     QuantizedVariant: "calls fall back to the reference path",
     BackwardVariant: "gradients come from the reference path's autodiff",
     PagedVariant: "calls fall back to the paged reference path",
+    CascadeVariant: "cascade calls fall back to the paged op over the full tables",
 }
 
 

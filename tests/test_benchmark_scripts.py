@@ -105,6 +105,19 @@ def test_cascade_benchmark_quick_run(tmp_path):
         assert row["max_abs_diff"] < 2e-3  # both compute the same rows (fp16 outputs)
 
 
+def test_cascade_benchmark_metal_rows_are_modelled(capsys):
+    """--metal: the modelled device bytes (no emulator run, no timing),
+    labelled as modelled; the 16 x 4k row meets the issue's 0.15x."""
+    spec = importlib.util.spec_from_file_location("bench_cascade", BENCH.parent / "bench_cascade.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--metal"])
+    assert result["modelled"] and "MODELLED" in capsys.readouterr().out
+    row = next(r for r in result["rows"] if (r["sequences"], r["prefix"], r["D"]) == (16, 4096, 64))
+    assert row["cascade / paged"] <= 0.15
+    assert all(r["cascade / paged"] < 1 for r in result["rows"])
+
+
 def test_compile_benchmark_times_the_per_variant_sources_the_host_compiles():
     """benchmarks/bench_metal_compile.py times the sources the Mac host
     compiles on first use (_ext.metal_variant_source): each of its kernels

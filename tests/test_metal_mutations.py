@@ -132,7 +132,7 @@ MUTANTS = {
     **({"decode: every split writes the output directly": (DECODE, "replace", "partial_stats, groups.x == 1, sinks", "partial_stats, true, sinks"),
         "decode: one split takes the group's first query head": (DECODE, "replace", "const int h = kv_head * p.group + (r0 + i) / p.q_len;", "const int h = kv_head * p.group;"),
         "decode: one split writes no lse": (DECODE, "replace", "p.output_lse != 0 ? outputs.lse + row : nullptr", "nullptr"),
-        "decode: one split writes position-major rows": (DECODE, "replace", "out, lse, p.q_len, 1};", "out, lse, 1, p.q_heads};"),
+        "decode: one split writes position-major rows": (DECODE, "replace", "out, lse, p.q_len, 1, int(groups.x)};", "out, lse, 1, p.q_heads, int(groups.x)};"),
         "decode: first key not prefetched": (DECODE, "replace", "if (PREFETCH && key < kv_end) {", "if (false) {"),
         "decode: prefetch skips the last key": (DECODE, "replace", "if (next < kv_end) {", "if (next < kv_end - 1) {"),
         "decode: merge max taken from one lane": (DECODE, "replace", "const float m = simd_max(lane_max);", "const float m = lane_max;"),

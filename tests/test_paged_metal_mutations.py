@@ -78,12 +78,12 @@ MUTANTS = {
         "const int h = kv_head * p.group + r / p.q_len;\n  const long row = (seq.q_start",
         "const int h = kv_head * p.group;\n  const long row = (seq.q_start"),
     "merge: partials of the first split only": replaced(
-        "rows,\n                     seq.splits, sinks, p, h,", "rows,\n                     1, sinks, p, h,"),
+        "rows,\n                     partials, sinks, p, h,", "rows,\n                     1, sinks, p, h,"),
     # a sequence of one split writes its packed rows in the partial dispatch
     "one split: packed rows written head-major": replaced(
         "outputs.position_rows = p.q_heads;", "outputs.position_rows = 1;"),
     "one split: rows written from the batch's first": replaced("out + first_row * D,", "out,"),
-    "merge: one-split sequences merged again": replaced("seq.splits <= 1", "seq.splits == 0"),
+    "merge: one-split sequences merged again": replaced("partials <= 1", "partials == 0"),
     # the row shape (one row per threadgroup): its row chunks are its rows
     "row chunks counted in the group shape's rows": replaced(
         "const int chunks = (rows + R - 1) / R;", "const int chunks = (rows + 7) / 8;"),

@@ -36,8 +36,8 @@ MUTANTS = {
     "group of a run taken as the first": replaced("const int group = col / kv.group_size;", "const int group = 0;"),
     "code shift of a 4-bit word": replaced(DEQUANTIZE, DEQUANTIZE.replace("(c * BITS)", "(c * 4)")),
     "code mask one bit short": replaced(
-        "constexpr uint CODE_MASK = (1u << BITS) - 1u;\n  static_assert(D % RUN",
-        "constexpr uint CODE_MASK = (1u << (BITS - 1)) - 1u;\n  static_assert(D % RUN"),
+        "constexpr uint CODE_MASK = (1u << BITS) - 1u;\n  const QuantizedRowAt at",
+        "constexpr uint CODE_MASK = (1u << (BITS - 1)) - 1u;\n  const QuantizedRowAt at"),
     "scale and bias swapped": replaced(DEQUANTIZE, DEQUANTIZE.replace("T(scale * float", "T(bias * float")
                                        .replace("+ bias)", "+ scale)")),
     "a run's second word skipped": replaced("(col / CODES_PER_WORD + w) * at.word_stride",

@@ -44,12 +44,19 @@ void encode_launch_plan(
     scratch.emplace_back(mx::Shape{int(buffer.elements)}, mx::float32, nullptr, std::vector<mx::array>{});
     scratch.back().set_data(mx::allocator::malloc(scratch.back().nbytes()));
   }
-  // a paged plan's per-sequence parameters: a buffer (setBytes stops at 4 KB)
-  mx::array sequences(mx::Shape{int(plan.sequences.size())}, mx::uint8, nullptr, std::vector<mx::array>{});
-  if (!plan.sequences.empty()) {
-    sequences.set_data(mx::allocator::malloc(sequences.nbytes()));
-    std::memcpy(sequences.data<uint8_t>(), plan.sequences.data(), plan.sequences.size());
-  }
+  // a paged plan's per-sequence parameters (and a cascade's groups and
+  // rows): buffers (setBytes stops at 4 KB)
+  const auto bytes_buffer = [](const std::vector<uint8_t>& bytes) {
+    mx::array buffer(mx::Shape{int(bytes.size())}, mx::uint8, nullptr, std::vector<mx::array>{});
+    if (!bytes.empty()) {
+      buffer.set_data(mx::allocator::malloc(buffer.nbytes()));
+      std::memcpy(buffer.data<uint8_t>(), bytes.data(), bytes.size());
+    }
+    return buffer;
+  };
+  mx::array sequences = bytes_buffer(plan.sequences);
+  mx::array cascade_groups = bytes_buffer(plan.cascade_groups);
+  mx::array cascade_rows = bytes_buffer(plan.cascade_rows);
 
   auto& device = mx::metal::device(stream.device);
   auto& encoder = mx::metal::get_command_encoder(stream);
@@ -70,6 +77,8 @@ void encode_launch_plan(
           encoder.set_bytes(plan.quantized_params.data(), int(plan.quantized_params.size()), b.index);
           break;
         case Source::sequences: encoder.set_input_array(sequences, b.index); break;
+        case Source::cascade_groups: encoder.set_input_array(cascade_groups, b.index); break;
+        case Source::cascade_rows: encoder.set_input_array(cascade_rows, b.index); break;
       }
     }
     encoder.dispatch_threadgroups(
@@ -78,6 +87,8 @@ void encode_launch_plan(
   }
   for (auto& buffer : scratch) encoder.add_temporary(std::move(buffer));
   if (!plan.sequences.empty()) encoder.add_temporary(std::move(sequences));
+  if (!plan.cascade_groups.empty()) encoder.add_temporary(std::move(cascade_groups));
+  if (!plan.cascade_rows.empty()) encoder.add_temporary(std::move(cascade_rows));
 }
 
 }  // namespace mlx_attn::metal

@@ -41,4 +41,12 @@ void MetalPagedAttention::eval_gpu(const std::vector<mx::array>& inputs, std::ve
   metal::encode_launch_plan(stream(), plan_paged_attention(problem, metal::gpu_target(stream())), inputs, outputs);
 }
 
+void MetalCascadePagedAttention::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  allocate(outputs);
+  const CascadeProblem problem =
+      describe_cascade_paged_attention(inputs, options_, lengths_[0], lengths_[1], lengths_[2], lengths_[3]);
+  metal::encode_launch_plan(stream(), plan_cascade_paged_attention(problem, metal::gpu_target(stream())), inputs,
+                            outputs);
+}
+
 }  // namespace mlx_attn

@@ -34,6 +34,8 @@ constexpr std::array<FamilyRow, kKernelFamilyCount> kFamilies = {{
     {KernelFamily::backward_sinks, "backward_sinks", KernelPhase::backward, {}, false},
     {KernelFamily::backward_split_dkdv, "backward_split_dkdv", KernelPhase::backward, {"d", "dv", "bk"}, true},
     {KernelFamily::backward_split_dq, "backward_split_dq", KernelPhase::backward, {"d", "dv", "bk"}, true},
+    {KernelFamily::paged_cascade_prefix, "paged_cascade_prefix", KernelPhase::decode, {"d", "bk"}, false},
+    {KernelFamily::paged_cascade_quantized_prefix, "paged_cascade_quantized_prefix", KernelPhase::decode, {"d", "b", "bk"}, false},
 }};
 
 constexpr std::string_view kPrefix = "attention_";

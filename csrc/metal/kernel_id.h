@@ -20,8 +20,10 @@ enum class KernelFamily : int32_t {
   quantized_prefill, quantized_decode_partial,
   paged_prefill, paged_decode_partial, paged_quantized_decode_partial, paged_decode_merge,
   backward_delta, backward_dkdv, backward_dq, backward_sinks, backward_split_dkdv, backward_split_dq,
+  // cascade attention's prefix pass (metal/attention_paged_cascade.h)
+  paged_cascade_prefix, paged_cascade_quantized_prefix,
 };
-inline constexpr int kKernelFamilyCount = int(KernelFamily::backward_split_dq) + 1;
+inline constexpr int kKernelFamilyCount = int(KernelFamily::paged_cascade_quantized_prefix) + 1;
 
 // What a self-check vouches for: the step of attention a family computes.
 enum class KernelPhase : int32_t { prefill, decode, backward };

@@ -256,6 +256,9 @@ const char* role_name(BufferRole role) {
     case BufferRole::delta: return "delta";
     case BufferRole::block_table: return "block_table";
     case BufferRole::sequences: return "sequences";
+    case BufferRole::prefix_table: return "prefix_table";
+    case BufferRole::cascade_groups: return "cascade_groups";
+    case BufferRole::cascade_rows: return "cascade_rows";
   }
   return "?";
 }
@@ -269,6 +272,8 @@ const char* source_name(Source source) {
     case Source::splits: return "splits";
     case Source::quantized_params: return "quantized_params";
     case Source::sequences: return "sequences";
+    case Source::cascade_groups: return "cascade_groups";
+    case Source::cascade_rows: return "cascade_rows";
   }
   return "?";
 }
@@ -318,12 +323,18 @@ std::vector<Binding> bind_roles(
       b.source = Source::quantized_params;
     } else if (b.role == BufferRole::sequences) {
       b.source = Source::sequences;
+    } else if (b.role == BufferRole::cascade_groups) {
+      b.source = Source::cascade_groups;
+    } else if (b.role == BufferRole::cascade_rows) {
+      b.source = Source::cascade_rows;
     } else if (std::any_of(scratch.begin(), scratch.end(), [&](const ScratchBuffer& x) { return x.role == b.role; })) {
       for (int j = 0; j < int(scratch.size()); ++j) {
         if (scratch[j].role == b.role) {
           b.source = Source::scratch;
           b.source_index = j;
-          b.access = scratch[j].producer == dispatch_index ? Access::write : Access::read;
+          const bool writes = dispatch_index >= scratch[j].producer &&
+              dispatch_index < scratch[j].producer + scratch[j].writers;
+          b.access = writes ? Access::write : Access::read;
         }
       }
     } else if ((at = find(layout.outputs, b.role)) >= 0) {

@@ -62,6 +62,8 @@ enum class BufferRole : int32_t {
   d_out, d_lse, dq, dk, dv, d_sinks, delta,
   // the paged kernels' (csrc/metal/paged_launch_plan.h)
   block_table, sequences,
+  // cascade attention's (csrc/metal/paged_launch_plan.h plan_cascade_paged_attention)
+  prefix_table, cascade_groups, cascade_rows,
 };
 enum class Access : int32_t { read, write };
 // Where the bound memory comes from.
@@ -73,6 +75,8 @@ enum class Source : int32_t {
   splits,   // LaunchPlan::splits (int32), as bytes
   quantized_params,  // LaunchPlan::quantized_params, as bytes
   sequences,  // LaunchPlan::sequences, as a buffer (may exceed setBytes' 4 KB)
+  cascade_groups,  // LaunchPlan::cascade_groups, as a buffer
+  cascade_rows,    // LaunchPlan::cascade_rows, as a buffer
 };
 
 struct Binding {
@@ -92,12 +96,14 @@ struct KernelDispatch {
 };
 
 // A float32 buffer allocated for the duration of the call: written by
-// dispatches[producer], read by dispatches[consumer].
+// dispatches[producer] (and the `writers` - 1 after it: a cascade's suffix
+// and prefix passes write one partial buffer), read by dispatches[consumer].
 struct ScratchBuffer {
   BufferRole role = BufferRole::partial_out;
   int64_t elements = 0;
   int producer = 0;
   int consumer = 0;
+  int writers = 1;
 };
 
 struct LaunchPlan {
@@ -114,13 +120,16 @@ struct LaunchPlan {
   std::vector<uint8_t> quantized_params;
   // the PagedSequence array (metal/attention_paged_params.h) of a paged plan
   std::vector<uint8_t> sequences;
+  // a cascade plan's CascadeGroup and CascadeRow arrays (metal/attention_paged_params.h)
+  std::vector<uint8_t> cascade_groups;
+  std::vector<uint8_t> cascade_rows;
   int keys_per_split = 0;  // a paged plan's keys per decode split
 };
 
 const char* role_name(BufferRole role);
 const char* source_name(Source source);
 // Every BufferRole, in declaration order (for role_names() and the doc check).
-inline constexpr int kBufferRoleCount = int(BufferRole::sequences) + 1;
+inline constexpr int kBufferRoleCount = int(BufferRole::cascade_rows) + 1;
 
 // The primitive's inputs and outputs by role, in order: what a binding's
 // source_index points at. One table drives the bindings of every plan

@@ -71,6 +71,8 @@ constexpr VariantFamily kVariantFamilies[] = {
     {KernelFamily::backward_split_dkdv, "MLX_ATTN_BACKWARD_SPLIT_DKDV_MASK"},
     {KernelFamily::backward_split_dq, "MLX_ATTN_BACKWARD_SPLIT_DQ_MASK"},
     {KernelFamily::paged_prefill, "MLX_ATTN_PAGED_PREFILL"},
+    {KernelFamily::paged_cascade_prefix, "MLX_ATTN_PAGED_CASCADE_PREFIX"},
+    {KernelFamily::paged_cascade_quantized_prefix, "MLX_ATTN_PAGED_CASCADE_QUANTIZED_PREFIX"},
 };
 
 const char* mask_macro(MaskKind mask) {

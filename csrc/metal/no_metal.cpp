@@ -32,4 +32,8 @@ void MetalPagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx
   no_gpu_kernels();
 }
 
+void MetalCascadePagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  no_gpu_kernels();
+}
+
 }  // namespace mlx_attn

@@ -53,13 +53,14 @@ std::string unsupported_reason(const PagedProblem& s) {
 // writes its rows in the partial dispatch (metal/attention_paged.h); when
 // every sequence has one, there is no merge and no scratch.
 void plan_paged_decode(const PagedProblem& s, const DecodeShape& shape, const PrimitiveLayout& layout, int max_rows,
-                       int max_splits, int64_t partials, LaunchPlan& plan) {
+                       int max_splits, int max_partials, int64_t partials, LaunchPlan& plan) {
   using R = BufferRole;
   const AttentionProblem& a = s.attention;
   const bool float_pages = s.quantized.bits == 0;
   const int sequences = int(s.q_lens.size());
-  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them
-  const bool merges = max_splits > 1;
+  // dispatch 0 (partial) writes them, dispatch 1 (merge) reads them; a
+  // sequence's partials: its splits' (and in a cascade its prefix's)
+  const bool merges = max_partials > 1;
   if (merges) {
     plan.scratch = {{R::partial_out, std::max<int64_t>(1, partials) * a.head_dim, 0, 1},
                     {R::partial_stats, std::max<int64_t>(1, partials) * 2, 0, 1}};
@@ -192,7 +193,14 @@ int paged_keys_per_split(const PagedProblem& s, const DecodeShape& shape, const 
   return int(pages * s.page_size);
 }
 
-LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice) {
+namespace {
+
+// The paged plan, and in a cascade its suffix pass: `prefix_splits[b]` (empty:
+// none) partials of sequence b's group prefix are merged after its own
+// splits' (PagedSequence::prefix_splits, prefix_group).
+LaunchPlan plan_paged(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice,
+                      const std::vector<int>& prefix_splits, const std::vector<int32_t>& prefix_groups,
+                      std::vector<BufferRole> extra_inputs) {
   LaunchPlan plan;
   plan.target = {target.family, gpu_cores(target)};
   plan.problem = s.attention;
@@ -221,7 +229,7 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, 
   const int query_block = 8 * gpu_tuning(target.family).prefill_simdgroups;  // BQ of the prefill kernel
   std::vector<PagedSequence> table(sequences);
   int64_t q_start = 0, partials = 0;
-  int max_splits = 0, max_rows = 0, query_blocks = 0;
+  int max_splits = 0, max_partials = 0, max_rows = 0, query_blocks = 0;
   for (int b = 0; b < sequences; ++b) {
     PagedSequence& seq = table[b];
     seq = {};
@@ -233,6 +241,7 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, 
     seq.partial_start = partials;
     seq.page_size = s.page_size;
     seq.query_block_start = query_blocks;
+    seq.prefix_group = prefix_groups.empty() ? -1 : prefix_groups[b];
     q_start += s.q_lens[b];
     if (paged_rows_take_prefill(s, s.q_lens[b])) {
       seq.query_blocks = (s.q_lens[b] + query_block - 1) / query_block;
@@ -241,8 +250,10 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, 
     }
     const int rows = group * s.q_lens[b];
     seq.splits = rows == 0 ? 0 : (s.kv_lens[b] + keys_per_split - 1) / keys_per_split;
-    partials += int64_t(a.kv_heads) * seq.splits * rows;
+    seq.prefix_splits = rows == 0 || prefix_splits.empty() ? 0 : prefix_splits[b];
+    partials += int64_t(a.kv_heads) * (seq.splits + seq.prefix_splits) * rows;
     max_splits = std::max(max_splits, seq.splits);
+    max_partials = std::max(max_partials, seq.splits + seq.prefix_splits);
     max_rows = std::max(max_rows, rows);
   }
   plan.sequences.resize(table.size() * sizeof(PagedSequence));
@@ -256,10 +267,180 @@ LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, 
                               : std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
                                                R::block_table};
   if (a.has_sinks) layout.inputs.push_back(R::sinks);
+  layout.inputs.insert(layout.inputs.end(), extra_inputs.begin(), extra_inputs.end());
   layout.outputs = {R::out};
   if (a.output_lse) layout.outputs.push_back(R::lse);
-  if (max_rows > 0) plan_paged_decode(s, shape, layout, max_rows, max_splits, partials, plan);
+  if (max_rows > 0) plan_paged_decode(s, shape, layout, max_rows, max_splits, max_partials, partials, plan);
   if (query_blocks > 0) plan_paged_prefill(s, target, layout, query_blocks, plan);
+  return plan;
+}
+
+}  // namespace
+
+LaunchPlan plan_paged_attention(const PagedProblem& s, const GpuTarget& target, DecodeShapeChoice decode_choice) {
+  return plan_paged(s, target, decode_choice, {}, {}, {});
+}
+
+namespace {
+
+// Why the cascade plan cannot run this problem ("" when it can), past the paged plan's reasons.
+std::string cascade_unsupported_reason(const CascadeProblem& c, const GpuTarget& target) {
+  const PagedProblem& s = c.own;
+  const AttentionProblem& a = s.attention;
+  const int sequences = int(s.q_lens.size());
+  if (int(c.prefix_groups.size()) != sequences) return "prefix_groups needs one entry per sequence";
+  // metal/attention_paged_cascade.metal's instantiations: the paged prefill's head dims
+  if (a.head_dim > kRegisterPrefillMaxHeadDim || prefill_key_block(a.head_dim, a.dtype, target) == 0) {
+    return "the Metal cascade prefix kernel supports head dims 64, 96 and 128, got " + std::to_string(a.head_dim);
+  }
+  if (s.quantized.bits != 0 && a.head_dim == 96) {
+    return "the quantized Metal cascade prefix kernel supports head dims 64 and 128";
+  }
+  for (int b = 0; b < sequences; ++b) {
+    const int g = c.prefix_groups[b];
+    if (g < -1 || g >= int(c.prefix_lens.size())) return "prefix_groups[b] must be a group or -1";
+    if (paged_rows_take_prefill(s, s.q_lens[b])) {
+      return "the Metal cascade serves decode rows (at most " + std::to_string(kDecodeMaxQueries) +
+          " positions, " + std::to_string(kDecodeMaxRows) + " rows a sequence); a longer chunk takes the paged op";
+    }
+    if (g >= 0 && c.prefix_lens[g] > 0 && s.q_lens[b] > 0 && s.kv_lens[b] < s.q_lens[b]) {
+      return "a cascade member's query rows must follow its group's prefix (q_lens[b] <= its own keys)";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+namespace {
+
+// The groups' records and member rows, and each sequence's prefix splits.
+struct CascadeLevel {
+  std::vector<CascadeGroup> groups;
+  std::vector<CascadeRow> rows;
+  std::vector<int> prefix_splits;  // per sequence
+  int max_splits = 0, max_tiles = 0;
+};
+
+CascadeLevel cascade_level(const CascadeProblem& c, const GpuTarget& target) {
+  const PagedProblem& s = c.own;
+  const AttentionProblem& a = s.attention;
+  const int sequences = int(s.q_lens.size());
+  const int groups = int(c.prefix_lens.size());
+  const int group = a.group_size();
+  const int key_block = prefill_key_block(a.head_dim, a.dtype, target);
+  // each group's member rows (sequence, query) and tiles of kCascadeTileRows rows
+  std::vector<std::vector<CascadeRow>> members(groups);
+  for (int b = 0; b < sequences; ++b) {
+    const int g = c.prefix_groups[b];
+    if (g < 0 || c.prefix_lens[g] == 0) continue;
+    for (int i = 0; i < s.q_lens[b]; ++i) members[g].push_back({b, i});
+  }
+  int all_tiles = 0;
+  for (const auto& rows : members) all_tiles += (int(rows.size()) * group + kCascadeTileRows - 1) / kCascadeTileRows;
+  // prefix splits: enough threadgroups for the target, each split at least
+  // kCascadeMinSplitKeys keys (its partial stays small next to its K/V), whole key blocks
+  const int tiles = std::max(1, a.kv_heads * all_tiles);
+  const int wanted = (gpu_cores(target) * gpu_tuning(target.family).decode_threadgroups_per_core + tiles - 1) / tiles;
+  CascadeLevel level;
+  level.groups.resize(groups);
+  level.prefix_splits.assign(sequences, 0);
+  for (int g = 0; g < groups; ++g) {
+    CascadeGroup& record = level.groups[g];
+    record = {};
+    const int prefix = c.prefix_lens[g];
+    const int tile_rows = int(members[g].size()) * group;
+    record.row_start = int(level.rows.size());
+    record.rows = int(members[g].size());
+    record.page_size = s.page_size;
+    record.table_start = int64_t(g) * c.prefix_table_stride;
+    if (tile_rows == 0) continue;  // no member rows: no pass
+    const int splits = std::clamp(wanted, 1, std::max(1, prefix / kCascadeMinSplitKeys));
+    const int per_split = (prefix + splits - 1) / splits;
+    record.keys_per_split = (per_split + key_block - 1) / key_block * key_block;
+    record.splits = (prefix + record.keys_per_split - 1) / record.keys_per_split;
+    record.tiles = (tile_rows + kCascadeTileRows - 1) / kCascadeTileRows;
+    level.rows.insert(level.rows.end(), members[g].begin(), members[g].end());
+    for (const CascadeRow& row : members[g]) level.prefix_splits[row.sequence] = record.splits;
+    level.max_splits = std::max(level.max_splits, record.splits);
+    level.max_tiles = std::max(level.max_tiles, record.tiles);
+  }
+  return level;
+}
+
+// The prefix pass's dispatch (index 1, between the suffix partial and the merge).
+KernelDispatch cascade_prefix_dispatch(const CascadeProblem& c, const GpuTarget& target, const CascadeLevel& level,
+                                       const std::vector<ScratchBuffer>& scratch) {
+  using R = BufferRole;
+  const PagedProblem& s = c.own;
+  const AttentionProblem& a = s.attention;
+  const bool float_pages = s.quantized.bits == 0;
+  const int key_block = prefill_key_block(a.head_dim, a.dtype, target);
+  PrimitiveLayout layout;
+  layout.inputs = float_pages ? std::vector<R>{R::q, R::k, R::v, R::block_table}
+                              : std::vector<R>{R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
+                                               R::block_table};
+  if (a.has_sinks) layout.inputs.push_back(R::sinks);
+  layout.inputs.push_back(R::prefix_table);
+  KernelDispatch prefix;
+  prefix.grid = {level.max_splits, a.kv_heads * level.max_tiles, int(level.groups.size())};
+  prefix.threadgroup = {32 * kCascadeSimdgroups, 1, 1};
+  const int element_bytes = a.dtype == ElemType::float32 ? 4 : 2;
+  const int tiles_bytes = 2 * key_block * (a.head_dim * element_bytes + 16);
+  const int positions_bytes = 2 * kCascadeSimdgroups * 4;
+  if (float_pages) {
+    prefix.id = kernel_id(KernelFamily::paged_cascade_prefix, a).with("bk", key_block);
+    prefix.bindings = bind_roles(layout,
+                                 {R::q, R::k, R::v, R::prefix_table, R::sequences, R::cascade_groups, R::cascade_rows,
+                                  R::partial_out, R::partial_stats},
+                                 scratch, 1);
+    prefix.threadgroup_memory_bytes = tiles_bytes + 2 * key_block * 8 + positions_bytes;  // PagedKeyRows
+  } else {
+    prefix.id =
+        kernel_id(KernelFamily::paged_cascade_quantized_prefix, a).with("b", s.quantized.bits).with("bk", key_block);
+    prefix.bindings = bind_roles(layout,
+                                 {R::q, R::k, R::k_scales, R::k_biases, R::v, R::v_scales, R::v_biases,
+                                  R::prefix_table, R::sequences, R::quantized_params, R::cascade_groups,
+                                  R::cascade_rows, R::partial_out, R::partial_stats},
+                                 scratch, 1);
+    prefix.threadgroup_memory_bytes = tiles_bytes + key_block * 4 + positions_bytes;  // PagedKeyPages
+  }
+  return prefix;
+}
+
+}  // namespace
+
+LaunchPlan plan_cascade_paged_attention(const CascadeProblem& c, const GpuTarget& target) {
+  const PagedProblem& s = c.own;
+  if (std::string reason = unsupported_reason(s); !reason.empty() || !(reason = cascade_unsupported_reason(c, target)).empty()) {
+    LaunchPlan plan;
+    plan.target = {target.family, gpu_cores(target)};
+    plan.problem = s.attention;
+    plan.reason = reason;
+    return plan;
+  }
+  CascadeLevel level = cascade_level(c, target);
+  // the suffix pass and the merge: the paged plan over the own keys, with
+  // room for each member's prefix partials; the prefix table is the last input
+  LaunchPlan plan = plan_paged(s, target, DecodeShapeChoice::automatic, level.prefix_splits, c.prefix_groups,
+                               {BufferRole::prefix_table});
+  if (!plan.supported || level.max_splits == 0) return plan;  // no member rows: the paged plan alone
+  for (size_t g = 0; g < level.groups.size(); ++g) {
+    CascadeGroup& record = level.groups[g];
+    record.attn = plan.params;  // the shared parameters, with the prefix as the keys
+    record.attn.kv_len = c.prefix_lens[g];
+    record.attn.q_len = record.rows * s.attention.group_size();
+  }
+  plan.cascade_groups.resize(level.groups.size() * sizeof(CascadeGroup));
+  std::memcpy(plan.cascade_groups.data(), level.groups.data(), plan.cascade_groups.size());
+  plan.cascade_rows.resize(level.rows.size() * sizeof(CascadeRow));
+  std::memcpy(plan.cascade_rows.data(), level.rows.data(), plan.cascade_rows.size());
+  // dispatch 0 (suffix partial) and 1 (prefix) write the partials, 2 (merge) reads them
+  for (ScratchBuffer& buffer : plan.scratch) {
+    buffer.writers = 2;
+    buffer.consumer = 2;
+  }
+  plan.dispatches.insert(plan.dispatches.begin() + 1, cascade_prefix_dispatch(c, target, level, plan.scratch));
   return plan;
 }
 

@@ -73,4 +73,31 @@ bool paged_rows_take_prefill(const PagedProblem& problem, int q_len);
 LaunchPlan plan_paged_attention(const PagedProblem& problem, const GpuTarget& target = {},
                                 DecodeShapeChoice decode_choice = DecodeShapeChoice::automatic);
 
+// Cascade (shared-prefix) attention (metal/attention_paged_cascade.h): `own`
+// is the paged problem of every sequence's own keys (kv_lens: the keys after
+// its group's prefix; block_table: its own pages; outside a group, all its
+// keys); group g's prefix is prefix_lens[g] keys on row g of the prefix table
+// (page_size keys a page, prefix_table_stride elements between rows).
+struct CascadeProblem {
+  PagedProblem own;
+  std::vector<int32_t> prefix_lens;    // per group
+  std::vector<int32_t> prefix_groups;  // per sequence: its group, -1 none
+  int64_t prefix_table_stride = 0;
+};
+
+// The prefix pass's tile: MLX_ATTN_CASCADE_SIMDGROUPS simdgroups of 8 rows.
+inline constexpr int kCascadeSimdgroups = MLX_ATTN_CASCADE_SIMDGROUPS;
+inline constexpr int kCascadeTileRows = 8 * kCascadeSimdgroups;
+// A prefix split holds at least this many keys (unless the prefix is shorter).
+inline constexpr int kCascadeMinSplitKeys = 512;
+
+// Inputs: the paged plan's (q, pages, block_table = the own pages, [sinks]),
+// then prefix_table int32 [groups, max_prefix_pages]; outputs out, [lse].
+// Dispatches: the paged decode partial over the own keys (dispatch 0), the
+// prefix pass (1: attention_paged_cascade_prefix, or _quantized_prefix),
+// both writing partials, and the paged merge (2), which merges each member's
+// own and prefix partials and joins the sinks once. Decode rows only (a
+// chunk the paged prefill kernel would take makes the plan unsupported).
+LaunchPlan plan_cascade_paged_attention(const CascadeProblem& problem, const GpuTarget& target = {});
+
 }  // namespace mlx_attn

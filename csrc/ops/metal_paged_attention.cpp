@@ -111,6 +111,58 @@ bool MetalPagedAttention::is_equivalent(const mx::Primitive& other) const {
   return options_ == o.options_ && q_lens_ == o.q_lens_ && kv_lens_ == o.kv_lens_;
 }
 
+CascadeProblem describe_cascade_paged_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<int32_t>& own_kv_lens, const std::vector<int32_t>& prefix_lens,
+    const std::vector<int32_t>& prefix_groups) {
+  if (inputs.size() < 2) invalid("the number of inputs");
+  const mx::array& prefix_table = inputs.back();
+  if (prefix_table.ndim() != 2 || prefix_table.dtype() != mx::int32) invalid("prefix_table int32 [groups, pages]");
+  if (int(prefix_lens.size()) != prefix_table.shape(0) || prefix_groups.size() != q_lens.size()) {
+    invalid("one prefix length per group, one group per sequence");
+  }
+  CascadeProblem c;
+  c.own = describe_paged_attention({inputs.begin(), inputs.end() - 1}, options, q_lens, own_kv_lens);
+  for (size_t g = 0; g < prefix_lens.size(); ++g) {
+    const int64_t pages = (int64_t(prefix_lens[g]) + c.own.page_size - 1) / c.own.page_size;
+    if (prefix_lens[g] < 0 || pages > prefix_table.shape(1)) invalid("prefix_lens within the prefix table");
+  }
+  c.prefix_lens = prefix_lens;
+  c.prefix_groups = prefix_groups;
+  c.prefix_table_stride = prefix_table.strides()[0];
+  return c;
+}
+
+void MetalCascadePagedAttention::eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlx_attn] MetalCascadePagedAttention runs on a GPU stream only");
+}
+
+bool MetalCascadePagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const MetalCascadePagedAttention&>(other);
+  return options_ == o.options_ && lengths_ == o.lengths_;
+}
+
+std::vector<mx::array> metal_cascade_paged_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<int32_t>& own_kv_lens, const std::vector<int32_t>& prefix_lens,
+    const std::vector<int32_t>& prefix_groups, mx::StreamOrDevice s) {
+  const CascadeProblem problem =
+      describe_cascade_paged_attention(inputs, options, q_lens, own_kv_lens, prefix_lens, prefix_groups);
+  if (const std::string reason = plan_cascade_paged_attention(problem).reason; !reason.empty()) {
+    throw std::invalid_argument("[mlx_attn.cascade_paged_attention] " + reason);
+  }
+  const mx::array& q = inputs[0];
+  std::vector<mx::Shape> shapes = {{q.shape(0), q.shape(1), problem.own.attention.value_dim}};
+  std::vector<mx::Dtype> dtypes = {q.dtype()};
+  if (options.output_lse) {
+    shapes.push_back({q.shape(0), q.shape(1)});
+    dtypes.push_back(mx::float32);
+  }
+  auto primitive = std::make_shared<MetalCascadePagedAttention>(
+      mx::to_stream(s), options, std::vector<std::vector<int32_t>>{q_lens, own_kv_lens, prefix_lens, prefix_groups});
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes), primitive, inputs);
+}
+
 std::vector<mx::array> metal_paged_attention(
     const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
     const std::vector<int32_t>& kv_lens, mx::StreamOrDevice s) {

@@ -38,6 +38,37 @@ class MetalPagedAttention : public mx::Primitive {
   std::vector<int32_t> q_lens_, kv_lens_;
 };
 
+// Cascade attention on the GPU (csrc/metal/paged_launch_plan.h
+// plan_cascade_paged_attention): inputs as describe_paged_attention with the
+// own pages' block_table, then prefix_table int32 [groups, max_prefix_pages];
+// own_kv_lens: each sequence's keys after its group's prefix.
+CascadeProblem describe_cascade_paged_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<int32_t>& own_kv_lens, const std::vector<int32_t>& prefix_lens,
+    const std::vector<int32_t>& prefix_groups);
+
+class MetalCascadePagedAttention : public mx::Primitive {
+ public:
+  MetalCascadePagedAttention(mx::Stream stream, AttentionOptions options, std::vector<std::vector<int32_t>> lengths)
+      : mx::Primitive(stream), options_(options), lengths_(std::move(lengths)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MetalCascadePagedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  AttentionOptions options_;
+  std::vector<std::vector<int32_t>> lengths_;  // q_lens, own_kv_lens, prefix_lens, prefix_groups
+};
+
+// [out] or [out, lse] of cascade attention on a GPU stream; inputs as
+// describe_cascade_paged_attention.
+std::vector<mx::array> metal_cascade_paged_attention(
+    const std::vector<mx::array>& inputs, const AttentionOptions& options, const std::vector<int32_t>& q_lens,
+    const std::vector<int32_t>& own_kv_lens, const std::vector<int32_t>& prefix_lens,
+    const std::vector<int32_t>& prefix_groups, mx::StreamOrDevice s = {});
+
 // out [total_q, Hq, D] (and lse float32 [total_q, Hq] with output_lse) on a
 // GPU stream; inputs as describe_paged_attention.
 std::vector<mx::array> metal_paged_attention(

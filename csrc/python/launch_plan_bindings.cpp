@@ -68,7 +68,8 @@ void bind_plan_types(nb::module_& m) {
       .def_prop_ro("role", [](const ScratchBuffer& b) { return std::string(role_name(b.role)); })
       .def_ro("elements", &ScratchBuffer::elements)
       .def_ro("producer", &ScratchBuffer::producer)
-      .def_ro("consumer", &ScratchBuffer::consumer);
+      .def_ro("consumer", &ScratchBuffer::consumer)
+      .def_ro("writers", &ScratchBuffer::writers);
   nb::class_<LaunchPlan>(m, "LaunchPlan", "How the Metal kernels run a problem (csrc/metal/launch_plan.h).")
       .def_ro("supported", &LaunchPlan::supported)
       .def_ro("reason", &LaunchPlan::reason)
@@ -84,6 +85,10 @@ void bind_plan_types(nb::module_& m) {
       .def_prop_ro("quantized_params",
                    [](const LaunchPlan& p) { return as_bytes(p.quantized_params.data(), p.quantized_params.size()); })
       .def_prop_ro("sequences", [](const LaunchPlan& p) { return as_bytes(p.sequences.data(), p.sequences.size()); })
+      .def_prop_ro("cascade_groups",
+                   [](const LaunchPlan& p) { return as_bytes(p.cascade_groups.data(), p.cascade_groups.size()); })
+      .def_prop_ro("cascade_rows",
+                   [](const LaunchPlan& p) { return as_bytes(p.cascade_rows.data(), p.cascade_rows.size()); })
       .def_ro("keys_per_split", &LaunchPlan::keys_per_split);
 }
 
