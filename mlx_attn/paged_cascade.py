@@ -20,7 +20,7 @@ paged kernel, then merges:
   today's paged op costs for them.
 
 Prefix and suffix partials merge by their log-sum-exp
-(:func:`merge_partials_and_sinks`: :func:`mlx_attn.distributed.merge_partials`,
+(:func:`merge_splits`: :func:`mlx_attn.distributed.merge_partials`,
 the split-K merge, over any number of partials); sinks
 are left out of both passes and counted once, in the merge (a sink is a
 partial with value zero and log-sum-exp ``sink``). Softcap applies to every
@@ -40,7 +40,7 @@ import numpy as np
 from mlx_attn import _native
 from mlx_attn.reference import LOGIT_LIMIT
 
-__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_partials_and_sinks",
+__all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_splits",
            "run_fused_cascade", "FUSED_MERGE"]
 
 # The passes and the merge as one C++ primitive (csrc/ops/cascade_attention.cpp),
@@ -229,7 +229,7 @@ def _pick(out, lse, index: np.ndarray, made: dict | None = None, name=None):
 # Plain ops, not mx.compile: on the CPU a compiled graph is C++ compiled on first use
 # of each shape (seconds), and a serving step's row count changes every step.
 def _merge_all(outs: list, lses: list, sink: mx.array, like: mx.array):
-    """The merge of :func:`merge_partials_and_sinks`; the output in ``like``'s dtype."""
+    """The merge of :func:`merge_splits`; the output in ``like``'s dtype."""
     lses = [lse.astype(mx.float32) for lse in lses]
     top = sink
     for lse in lses:
@@ -246,7 +246,7 @@ def _merge_all(outs: list, lses: list, sink: mx.array, like: mx.array):
     return (out / safe[..., None]).astype(like.dtype), lse
 
 
-def merge_partials_and_sinks(outs: list, lses: list, sinks: mx.array | None, dtype):
+def merge_splits(outs: list, lses: list, sinks: mx.array | None, dtype):
     """:func:`mlx_attn.distributed.merge_partials` over any number of
     partials ``out [T, Hq, Dv]``, ``lse [T, Hq]`` of disjoint key sets, with
     the sink logits ``[Hq]`` counted once (a sink is one more partial, of
@@ -313,7 +313,7 @@ def merge_cascade(plan: CascadePlan, prefix, suffix, direct, *, heads, value_dim
     made = plan.merge_arrays
     parts = [_pick(*suffix, plan.suffix_index, made, "suffix")]
     parts += [_pick(*prefix, split, made, ("prefix", i)) for i, split in enumerate(plan.prefix_index)]
-    out, lse = merge_partials_and_sinks([o for o, _ in parts], [l for _, l in parts], sinks, dtype)
+    out, lse = merge_splits([o for o, _ in parts], [l for _, l in parts], sinks, dtype)
     if (plan.direct_index >= 0).any():
         out_d, lse_d = _pick(*direct, plan.direct_index, made, "direct")
         if "is_direct" not in made:

@@ -195,15 +195,15 @@ def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
     case = make_case(np.random.default_rng(6), GROUPS, LOOSE)
     sinks = mx.array([2.0, -1.0, 0.5, 3.0])
     check(case, sinks=sinks)
-    merge = paged_cascade.merge_partials_and_sinks
+    merge = paged_cascade.merge_splits
 
     def drop(keep):
         return lambda outs, lses, sinks, dtype: merge(keep(outs), keep(lses), sinks, dtype)
 
-    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", drop(lambda parts: parts[:1]))  # suffix only
+    monkeypatch.setattr(paged_cascade, "merge_splits", drop(lambda parts: parts[:1]))  # suffix only
     with pytest.raises(AssertionError):
         check(case)
-    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", drop(lambda parts: parts[1:]))  # prefix only
+    monkeypatch.setattr(paged_cascade, "merge_splits", drop(lambda parts: parts[1:]))  # prefix only
     with pytest.raises(AssertionError):
         check(case)
 
@@ -211,10 +211,10 @@ def test_a_merge_that_drops_a_side_or_counts_sinks_twice_fails(monkeypatch):
         sink = mx.broadcast_to(sinks.astype(mx.float32)[None], lses[0].shape)
         return merge(outs + [mx.zeros_like(outs[0])], lses + [sink], sinks, dtype)
 
-    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", sinks_twice)
+    monkeypatch.setattr(paged_cascade, "merge_splits", sinks_twice)
     with pytest.raises(AssertionError):
         check(case, sinks=sinks)
-    monkeypatch.setattr(paged_cascade, "merge_partials_and_sinks", merge)
+    monkeypatch.setattr(paged_cascade, "merge_splits", merge)
     check(case, sinks=sinks)
 
 

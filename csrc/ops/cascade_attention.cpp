@@ -8,7 +8,7 @@
 #include "csrc/core/argument_checks.h"
 #include "csrc/cpu/paged_host.h"
 #include "csrc/cpu/host.h"
-#include "csrc/ops/cascade_merge_rows.h"
+#include "csrc/ops/cascade_merge_splits.h"
 #include "csrc/ops/paged_attention.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -239,7 +239,7 @@ void CascadePagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::
         gather_rows(r, view);
         cpu::run_paged_attention(r.call, scratch_data);
       }
-      merge_rows(c);
+      merge_splits(c);
     });
   };
   switch (q.dtype()) {

@@ -2,7 +2,7 @@
 // (mlx_attn/paged.py's runner; the plan: mlx_attn/paged_cascade.py): the
 // prefix, suffix and direct passes of the fused paged kernel, each over its
 // rows of q (gathered when the primitive runs), then the log-sum-exp merge
-// (csrc/ops/cascade_merge_rows.h), in one evaluation. Inference only.
+// (csrc/ops/cascade_merge_splits.h), in one evaluation. Inference only.
 #pragma once
 
 #include <optional>

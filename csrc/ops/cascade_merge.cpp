@@ -6,7 +6,7 @@
 #include <string>
 
 #include "csrc/core/argument_checks.h"
-#include "csrc/ops/cascade_merge_rows.h"
+#include "csrc/ops/cascade_merge_splits.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace mlx_attn {
@@ -95,7 +95,7 @@ void CascadeMerge::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
     c.splits = inputs[7].shape(0);
     c.out = outputs[0].data<T>();
     c.lse = outputs[1].data<float>();
-    encoder.dispatch([c]() { merge_rows(c); });
+    encoder.dispatch([c]() { merge_splits(c); });
   };
   switch (outputs[0].dtype()) {
     case mx::float32: fill(float{}); break;

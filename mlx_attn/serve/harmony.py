@@ -238,7 +238,7 @@ class HarmonyLibraryStream:
     streamed; ``analysis`` (the reasoning) is left out. Text the parser
     refuses (not harmony messages) is given back as written."""
 
-    def __init__(self, encoding, tool_use, opening: str = ""):
+    def __init__(self, encoding, tool_use, read_call, opening: str = ""):
         import openai_harmony as h
 
         self.h, self.encoding, self.tool_use = h, encoding, tool_use
@@ -248,9 +248,7 @@ class HarmonyLibraryStream:
         self.sent_of_message = False  # some of the current message went out as content
         self.broken = False  # the parser refused the text: the rest is content as written
         self.done = 0  # messages of the parser already handled
-        from mlx_attn.serve.tool_calls import harmony_call  # (that module imports this one)
-
-        self._harmony_call = harmony_call
+        self._harmony_call = read_call  # tool_calls.harmony_call, passed in: that module imports this one
         self.calls: list = []
 
     def _feed(self, text: str) -> tuple[str, list]:

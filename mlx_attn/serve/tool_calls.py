@@ -617,7 +617,7 @@ def call_stream(fmt: ToolCallFormat, tool_use: ToolUse):
         return ToolCallStream(fmt, tool_use)
     if fmt.harmony is not None:
         opening = fmt.forced_opening(tool_use.forced) if tool_use.forced is not None else ""
-        return HarmonyLibraryStream(fmt.harmony, tool_use, opening)
+        return HarmonyLibraryStream(fmt.harmony, tool_use, harmony_call, opening)
     return HarmonyStream(fmt, tool_use)
 
 

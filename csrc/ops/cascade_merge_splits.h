@@ -51,7 +51,7 @@ struct MergeCall {
 // largest lse (or sink) as the shift, each partial weighted by exp(lse - top),
 // the sink adding exp(sink - top) to the total and nothing to the output.
 template <typename T>
-void merge_rows(const MergeCall<T>& c) {
+void merge_splits(const MergeCall<T>& c) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr int kMaxParts = 64;
   const Partials* from[kMaxParts];
