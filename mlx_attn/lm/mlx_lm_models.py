@@ -39,6 +39,7 @@ quantized), or a Hugging Face repo id found in the local Hugging Face cache
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import sys
@@ -53,7 +54,7 @@ from mlx_attn.ops import AttentionCall
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
 
 __all__ = ["SelfAttendingCache", "attention", "install_attention", "attention_installed", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
-           "resolve_model_path", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
+           "resolve_model_path", "seam_problems", "SeamCall", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
            "QuantizedKVCache", "INSTALL_HINT"]
 
 INSTALL_HINT = "mlx-lm models need the mlx-lm extra: pip install 'mlx_attn[mlx-lm]'"
@@ -229,6 +230,8 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
     attention with the cache's ``group_size`` and ``bits``, sinks included. A
     mask made by this module's caches for a sliding window becomes
     ``window_size``. A :class:`SelfAttendingCache` attends itself."""
+    if _seam_recorders:
+        _seam_recorders[-1].append(SeamCall(cache, keys, values, mask))
     if isinstance(cache, SelfAttendingCache):
         attention_calls["self-attending"] += 1
         return cache.attend(queries, keys, values, scale=scale, sinks=sinks, softcap=softcap)
@@ -247,6 +250,96 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
     call = AttentionCall.build(queries, keys, values, **options)
     attention_paths[call.path] += 1
     return call.run()
+
+
+# ---------------------------------------------------------------- what went through the seam
+@dataclasses.dataclass(frozen=True)
+class SeamCall:
+    """One call of :func:`attention`, as a model made it."""
+
+    cache: object
+    keys: object
+    values: object
+    mask: object
+
+
+_seam_recorders: list[list[SeamCall]] = []
+
+
+def _record_cache_returns(cache, returned: dict) -> None:
+    """Make ``cache`` remember (in ``returned``, by its id) what its
+    ``update_and_fetch`` handed the model last."""
+    update = cache.update_and_fetch
+
+    def update_and_fetch(keys, values):
+        returned[id(cache)] = update(keys, values)
+        return returned[id(cache)]
+
+    cache.update_and_fetch = update_and_fetch
+
+
+def seam_problems(model, tokens: int = 2) -> dict[int, str]:
+    """Run ``tokens`` tokens, then one more, through ``model`` with this
+    module's caches and check, for each attention cache (its slot in the
+    cache list, nested lists flattened), that its layer attends through the
+    seam exactly as a cache that attends itself needs: one call of
+    :func:`attention` per forward, handed that cache, the keys and values
+    its ``update_and_fetch`` returned (not transformed), and a mask that is
+    none, ``"causal"`` or one this module's caches made. Returns
+    ``{slot: what differs}`` for the layers that do not (slot None: a
+    layer attending without a cache, reading no cache's keys; empty: every
+    attention layer conforms). A layer that computes attention itself
+    (mlx-lm's gemma2), mixes scores of its own into the mask (multi-head
+    latent attention, deepseek_v3) or reads another layer's keys (KV-shared
+    layers) is named here; dense generation still runs them, a paged cache
+    cannot."""
+    install_attention()
+    caches = make_cache(model)
+    flat = list(_flat(caches))
+    attention_slots = {id(cache): slot for slot, cache in enumerate(flat)
+                       if isinstance(cache, (_MlxLmMasks, RotatingKVCache))}
+    returned: dict[int, tuple] = {}
+    for cache in flat:
+        if id(cache) in attention_slots:
+            _record_cache_returns(cache, returned)
+    problems: dict[int, str] = {}
+    for inputs in (mx.zeros((1, tokens), mx.int32), mx.zeros((1, 1), mx.int32)):
+        returned.clear()
+        calls: list[SeamCall] = []
+        _seam_recorders.append(calls)
+        try:
+            mx.eval(model(inputs, cache=caches))
+        finally:
+            _seam_recorders.pop()
+        by_cache = collections.defaultdict(list)
+        for call in calls:
+            by_cache[id(call.cache)].append(call)
+            if id(call.cache) not in attention_slots:  # a layer without a cache of its own
+                source = next((attention_slots[i] for i, (k, _) in returned.items() if k is call.keys), None)
+                problems.setdefault(source, "its keys and values are also attended by a layer that has no cache of "
+                                            "its own (KV sharing)" if source is not None else
+                                    "a layer attends without a cache of its own")
+        for cache_id, slot in attention_slots.items():
+            if slot in problems:
+                continue
+            made = by_cache.get(cache_id, [])
+            keys, values = returned.get(cache_id, (None, None))
+            if not made:
+                problems[slot] = "its layer computes attention itself, not through mlx-lm's scaled_dot_product_attention"
+            elif len(made) > 1:
+                problems[slot] = f"its layer called the attention {len(made)} times in one forward"
+            elif made[0].keys is not keys or made[0].values is not values:
+                problems[slot] = ("its layer attends to keys/values other than those the cache returned "
+                                  "(computed from them, as multi-head latent attention does)")
+            elif not _seam_mask(made[0].mask):
+                problems[slot] = "its layer passes a mask array of its own (scores or positions the cache cannot know)"
+    return problems
+
+
+def _seam_mask(mask) -> bool:
+    """Whether a mask handed to :func:`attention` is one a cache that
+    attends itself may ignore: none, ``"causal"``, or made by our caches."""
+    return mask is None or isinstance(mask, str) or _windowed_masks.lookup(mask)[0]
 
 
 _mlx_lm_attention = None  # mlx-lm's own function, kept by install_attention for restore_attention
