@@ -36,8 +36,14 @@ prefill chunks then run in pieces that end at page boundaries, the state at
 each boundary is saved under that page's prefix-cache key, and a request
 whose prompt begins with cached pages resumes from the last saved state
 among them.
-Other caches (``ChunkedKVCache``, ``CacheList``, a ring with kept tokens)
-are refused with a :class:`ValueError` naming the layer.
+A layer's ``CacheList`` (Falcon-H1: attention and a state-space block side
+by side) counts as its entries, each kept by its kind. Other caches
+(``ChunkedKVCache``, a ring with kept tokens) are refused with a
+:class:`ValueError` naming the layer, and so is a model whose attention
+layers do not attend through the seam with their cache's own keys and
+values (:func:`mlx_lm_models.seam_problems`: attention computed by the
+model itself, multi-head latent attention, KV-shared layers), which pages
+would serve wrong.
 """
 
 from __future__ import annotations
@@ -142,9 +148,7 @@ class RecurrentStates:
 
     def get(self, request_id, start: int) -> list:
         if start == 0:
-            import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
-
-            caches = mlx_lm_cache.make_prompt_cache(self._model)
+            caches = _flat_prompt_cache(self._model)
             self._by_request[request_id] = [caches[i] for i in self._slots]
         elif request_id not in self._by_request:
             raise RuntimeError(f"request {request_id!r} continues at position {start} without its recurrent state")
@@ -221,15 +225,59 @@ class _KVShape:
 _RECURRENT = "recurrent"  # a layer rule: the layer keeps a recurrent state, not K/V
 
 
+def _flatten(caches: list) -> list:
+    """mlx-lm's caches with every ``CacheList`` replaced by its entries, in
+    order (a layer with attention and a state-space block beside it, as
+    Falcon-H1's, keeps both in one ``CacheList``): the cache slots."""
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    flat = []
+    for cache in caches:
+        flat += _flatten(cache.caches) if isinstance(cache, mlx_lm_cache.CacheList) else [cache]
+    return flat
+
+
+def _flat_prompt_cache(model: nn.Module) -> list:
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    return _flatten(mlx_lm_cache.make_prompt_cache(model))
+
+
+def _cache_nesting(model: nn.Module) -> list:
+    """mlx-lm's cache structure for ``model`` with each cache slot's number
+    in place of the cache (a tuple for a ``CacheList``)."""
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    numbers = iter(range(1 << 30))
+
+    def number(cache):
+        if isinstance(cache, mlx_lm_cache.CacheList):
+            return tuple(number(inner) for inner in cache.caches)
+        return next(numbers)
+
+    return [number(cache) for cache in mlx_lm_cache.make_prompt_cache(model)]
+
+
+def _nested(nesting: list, flat: list) -> list:
+    """The caches of the cache slots ``flat`` in ``nesting`` (each
+    ``CacheList`` rebuilt around its slots), as the model indexes them."""
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    def build(entry):
+        return mlx_lm_cache.CacheList(*(build(e) for e in entry)) if isinstance(entry, tuple) else flat[entry]
+
+    return [build(entry) for entry in nesting]
+
+
 def _layer_rules(model: nn.Module) -> list:
-    """Each cache slot's rule from mlx-lm's cache structure: None (full
-    attention), the sliding window (an int), or ``"recurrent"`` (an
-    ``ArraysCache``, ``MambaCache``...: a state per request);
-    :class:`UnsupportedForServing` for any other cache."""
+    """Each cache slot's rule from mlx-lm's cache structure (nested cache
+    lists flattened): None (full attention), the sliding window (an int),
+    or ``"recurrent"`` (an ``ArraysCache``, ``MambaCache``...: a state per
+    request); :class:`UnsupportedForServing` for any other cache."""
     import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
 
     rules = []
-    for i, cache in enumerate(mlx_lm_cache.make_prompt_cache(model)):
+    for i, cache in enumerate(_flat_prompt_cache(model)):
         if type(cache) is mlx_lm_cache.KVCache:
             rules.append(None)
         elif type(cache) is mlx_lm_cache.RotatingKVCache and cache.keep == 0:
@@ -240,17 +288,37 @@ def _layer_rules(model: nn.Module) -> list:
             raise UnsupportedForServing(
                 f"layer cache {i} is mlx-lm's {type(cache).__name__}: the serving engine pages attention layers "
                 "(KVCache, sliding-window RotatingKVCache) and keeps recurrent states (ArraysCache, "
-                "MambaCache); chunked attention and nested cache lists are not served yet, use "
-                "`mlx-attn generate` for them")
+                "MambaCache); chunked attention is not served yet, use `mlx-attn generate` for it")
     if all(rule == _RECURRENT for rule in rules):
-        raise UnsupportedForServing("the model has no attention layer: the serving engine needs one to page")
+        raise UnsupportedForServing("the model has no attention layer: the serving engine needs one to page; "
+                                    "`mlx-attn generate` runs it")
     return rules
+
+
+def _check_attention_seam(model: nn.Module, model_type) -> None:
+    """:class:`UnsupportedForServing` naming each attention layer whose
+    attention a paged cache cannot run (see
+    :func:`mlx_lm_models.seam_problems`): the pages would be ignored and
+    the tokens wrong."""
+    problems = mlx_lm_models.seam_problems(model)
+    if problems:
+        slots_by_reason = collections.defaultdict(list)
+        for slot, why in problems.items():
+            slots_by_reason[why].append(slot)
+        named = "; ".join(why if None in slots else
+                          f"layer cache{'s' if len(slots) > 1 else ''} {', '.join(map(str, sorted(slots)))}: {why}"
+                          for why, slots in slots_by_reason.items())
+        raise UnsupportedForServing(
+            f"mlx-lm's {model_type or 'model'} cannot be served on pages: {named}. The engine's pages need every "
+            "attention layer to attend through mlx-lm's scaled_dot_product_attention with its cache's own keys "
+            "and values; `mlx-attn generate` runs this model")
 
 
 def check_servable_mlx_lm_model(wrapped: mlx_lm_models.MlxLmModel) -> None:
     """:class:`UnsupportedForServing` when the engine cannot page the
-    model's layers (see :func:`_layer_rules`)."""
+    model's layers (see :func:`_layer_rules` and :func:`_check_attention_seam`)."""
     _layer_rules(wrapped.model)
+    _check_attention_seam(wrapped.model, wrapped.config.model_type)
 
 
 def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
@@ -259,7 +327,7 @@ def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
     caches = mlx_lm_models.make_cache(model)
     mx.eval(model(mx.array([[0]]), cache=caches))
     shapes = []
-    for cache in caches:
+    for cache in _flatten(caches):
         keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
         shapes.append(None if keys is None else _KVShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype))
     return shapes
@@ -280,6 +348,8 @@ class MlxLmPagedModel:
     def __init__(self, wrapped: mlx_lm_models.MlxLmModel):
         self.model = wrapped.model
         self._rules = _layer_rules(self.model)
+        self._nesting = _cache_nesting(self.model)
+        _check_attention_seam(self.model, wrapped.config.model_type)
         self._recurrent_slots = [i for i, rule in enumerate(self._rules) if rule == _RECURRENT]
         self.states = RecurrentStates(self.model, self._recurrent_slots) if self._recurrent_slots else None
         self._source = wrapped.source
@@ -341,7 +411,8 @@ class MlxLmPagedModel:
             mlx_lm_models.install_attention()
         if self.states is not None:
             return self._hybrid_call(attention)
-        caches = [PagedLayerCache(attention, layer.index, layer.window_size) for layer in self._layers]
+        caches = _nested(self._nesting, [PagedLayerCache(attention, layer.index, layer.window_size)
+                                         for layer in self._layers])
         logits = self.model(tokens.reshape(-1, 1), cache=caches)[:, 0]
         if attention.logit_rows is not None:
             logits = logits[attention.logit_rows]
@@ -420,7 +491,7 @@ class MlxLmPagedModel:
             caches[slot] = PagedLayerCache(view, layer.index, layer.window_size, length, offset)
         for slot, cache in zip(self._recurrent_slots, merged):
             caches[slot] = cache
-        logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=caches)[:, -1]
+        logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=_nested(self._nesting, caches))[:, -1]
         if len(pieces) > 1:
             for i, b in enumerate(rows):
                 self.states.put(ids[b], [cache.extract(i) for cache in merged])
