@@ -46,6 +46,10 @@ VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]  # 64 tokens
 NEW_TOKENS = 16
 PROMPT = [1, 5, 9, 12, 40, 33, 7, 8, 21, 60, 19, 44, 3, 50]  # 14 tokens: longer than the windows (8)
 
+QWEN3_5_ROPE = {"type": "default", "mrope_section": [1, 1, 0], "rope_theta": 100000, "partial_rotary_factor": 0.25}
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.1}
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             rms_norm_eps=1e-5, vocab_size=len(VOCAB), max_position_embeddings=4096)
 ARCHITECTURES = {
@@ -81,10 +85,115 @@ ARCHITECTURES = {
                        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                        shared_expert_intermediate_size=32, mlp_only_layers=[], moe_intermediate_size=32,
                        rope_theta=1000000.0, partial_rotary_factor=0.25, full_attention_interval=2),
+    # hybrid: gated-delta linear attention beside full attention (Qwen3.5); and its MoE under a text_config
+    "qwen3_5": dict(BASE, model_type="qwen3_5", num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+                    rope_parameters=QWEN3_5_ROPE),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", text_config=dict(
+        BASE, model_type="qwen3_5_moe_text", num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        full_attention_interval=2, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
+        moe_intermediate_size=32, tie_word_embeddings=False, rope_parameters=QWEN3_5_ROPE)),
+    # hybrids with Mamba-2 blocks: Granite 4.0 (MoE), Nemotron-H (an MLP-only layer too), Jamba; Falcon-H1
+    # runs attention and Mamba side by side in each layer (a CacheList per layer)
+    "granitemoehybrid": dict(BASE, model_type="granitemoehybrid", num_hidden_layers=3, attention_bias=False,
+                             embedding_multiplier=6.0, attention_multiplier=0.2, logits_scaling=2.0,
+                             residual_multiplier=0.5, layer_types=["mamba", "attention", "mamba"],
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+                             mamba_n_heads=4, mamba_d_head=32, mamba_proj_bias=False, mamba_d_state=16,
+                             mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True, rope_theta=10000.0,
+                             tie_word_embeddings=False),
+    "nemotron_h": dict(model_type="nemotron_h", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                       max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+                       ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+                       use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-", "M"]),
+    "jamba": dict(BASE, model_type="jamba", num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2,
+                  expert_layer_offset=1, expert_layer_period=2, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2,
+                  num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "falcon_h1": dict(model_type="falcon_h1", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                      head_dim=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_n_groups=1,
+                      mamba_n_heads=4, mamba_chunk_size=16, max_position_embeddings=4096, rope_theta=10000.0,
+                      tie_word_embeddings=False),
+    "lfm2_moe": dict(model_type="lfm2_moe", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                     moe_intermediate_size=32, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                     norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                     use_expert_bias=True, num_dense_layers=1, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                     layer_types=["conv", "full_attention", "conv"]),
+    "granite": dict(BASE, model_type="granite", logits_scaling=2.0, attention_multiplier=0.2,
+                    embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False, mlp_bias=False,
+                    rope_theta=10000.0, tie_word_embeddings=False),
+    "granitemoe": dict(BASE, model_type="granitemoe", logits_scaling=2.0, attention_multiplier=0.2,
+                       embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False, rope_theta=10000.0,
+                       num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    # Ministral 3: YaRN with Llama 4's attention scaling, a sliding layer; Mistral 3: its text_config wrapper
+    "ministral3": dict(BASE, model_type="ministral3", head_dim=16, tie_word_embeddings=False, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"], rope_parameters=MINISTRAL3_ROPE),
+    "mistral3": dict(model_type="mistral3", text_config=dict(BASE, model_type="ministral3", head_dim=16,
+                                                             tie_word_embeddings=False,
+                                                             rope_parameters=MINISTRAL3_ROPE)),
+    # the multimodal wrapper mlx-community's Gemma 3 checkpoints have (language_model under text_config)
+    "gemma3": dict(model_type="gemma3", vocab_size=len(VOCAB), text_config=dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16, sliding_window=8,
+        sliding_window_pattern=3, rope_theta=1000000.0, rope_local_base_freq=10000.0)),
+    # mlx-lm's gemma2 computes its (softcapped) attention itself: generate runs it on our caches only
+    "gemma2": dict(BASE, model_type="gemma2", head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, rope_theta=10000.0),
+    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, intermediate_size_mlp=96, rope_theta=500000.0,
+                        tie_word_embeddings=False, no_rope_layers=[1, 0], use_qk_norm=True),
+    # chunked attention layers (mlx-lm's ChunkedKVCache) every 3 of 4, MoE
+    "llama4": dict(model_type="llama4", text_config=dict(
+        BASE, model_type="llama4_text", num_hidden_layers=4, head_dim=16, intermediate_size_mlp=96,
+        attention_bias=False, attention_chunk_size=8, interleave_moe_layer_step=1, num_local_experts=4,
+        num_experts_per_tok=1, rope_scaling=None, rope_theta=500000.0, use_qk_norm=True)),
+    "glm4": dict(BASE, model_type="glm4", head_dim=16, attention_bias=True, partial_rotary_factor=0.5,
+                 rope_theta=10000.0),
+    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+                     moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                     routed_scaling_factor=1.0, use_qk_norm=True, rope_scaling=None, rope_theta=10000.0,
+                     tie_word_embeddings=False),
+    "exaone4": dict(BASE, model_type="exaone4", num_hidden_layers=4, head_dim=16, rope_theta=1000000.0,
+                    tie_word_embeddings=False, rope_scaling=None, sliding_window=8, sliding_window_pattern="LLLG",
+                    layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "cohere2": dict(BASE, model_type="cohere2", head_dim=16, num_hidden_layers=4, layer_norm_eps=1e-5,
+                    logit_scale=0.25, sliding_window=8, sliding_window_pattern=4, rope_theta=50000.0),
+    "olmo3": dict(BASE, model_type="olmo3", head_dim=16, sliding_window=8, rope_theta=500000.0,
+                  layer_types=["sliding_attention", "full_attention"]),
+    # multi-head latent attention: the layer attends to keys computed from the cached latent
+    "deepseek_v3": dict(BASE, model_type="deepseek_v3", moe_intermediate_size=32, n_shared_experts=1,
+                        n_routed_experts=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+                        qk_nope_head_dim=16, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                        topk_group=1, rope_theta=10000.0),
+    "gpt_neox": dict(model_type="gpt_neox", max_position_embeddings=4096, hidden_size=64, num_attention_heads=4,
+                     num_hidden_layers=2, layer_norm_eps=1e-5, vocab_size=len(VOCAB), rotary_emb_base=10000,
+                     rotary_pct=0.25),
+    "starcoder2": dict(BASE, model_type="starcoder2", norm_epsilon=1e-5, rope_theta=100000.0,
+                       tie_word_embeddings=False),
+    "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+    "phimoe": dict(BASE, model_type="phimoe", num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
+                   original_max_position_embeddings=4096, rope_scaling=None),
+    # two KV-shared layers attend to earlier layers' caches (no cache of their own)
+    "gemma4_text": dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                        num_attention_heads=4, head_dim=16, global_head_dim=16, rms_norm_eps=1e-6,
+                        vocab_size=len(VOCAB), vocab_size_per_layer_input=len(VOCAB), num_key_value_heads=2,
+                        num_kv_shared_layers=2, hidden_size_per_layer_input=8, sliding_window=8,
+                        sliding_window_pattern=2, max_position_embeddings=4096, use_double_wide_mlp=False),
+    # no attention layer at all (Mamba-2 blocks only): generate runs it, the engine has nothing to page
+    "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, vocab_size=len(VOCAB), hidden_size=64,
+                   intermediate_size=128, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+                   conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+                   time_step_limit=[0.0, 1e9], time_step_rank=8),
 }
-WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss"}
-# hybrid models: the attention layers among their layers (the others keep a recurrent state)
-ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2}
+WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3", "exaone4", "cohere2", "olmo3",
+            "gemma4_text"}
+# the attention layers that go through the seam, where not every layer does: hybrid models (the
+# others keep a recurrent state, and mamba2 has no other); gemma2 (its layers compute attention themselves)
+ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
+                    "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0}
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +214,11 @@ def write_tokenizer(directory):
 
 
 # seeds whose random weights give greedy tokens that vary (seed 0 repeats one token)
-CHECKPOINT_SEEDS = {"qwen2": 3}
+CHECKPOINT_SEEDS = {"qwen2": 3, "falcon_h1": 2, "gemma2": 5, "glm4": 2, "exaone4": 1, "gpt_neox": 1, "starcoder2": 3,
+                    "phimoe": 1, "granitemoe": 1}
+
+
+SMALL_EMBEDDINGS = {"lfm2", "lfm2_moe", "cohere2"}
 
 
 def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = None, seed: int | None = None):
@@ -118,7 +231,7 @@ def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = Non
     if config["model_type"] == "gpt_oss":  # sinks that matter: mlx-lm initialises them to 0
         for layer in model.layers:
             layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
-    if config["model_type"] == "lfm2":  # tied embeddings: small, so the layers (not the last token) decide
+    if config["model_type"] in SMALL_EMBEDDINGS:  # tied embeddings: small, so the layers (not the last token) decide
         model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.05
     mx.eval(model.parameters())
     config = dict(config)
@@ -153,24 +266,33 @@ def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
     mlx_lm_models.attention_paths.clear()
     got = our_greedy_tokens(directory)
     assert got == expected
-    layers = ATTENTION_LAYERS.get(name, ARCHITECTURES[name]["num_hidden_layers"])
+    config = ARCHITECTURES[name]
+    layers = ATTENTION_LAYERS[name] if name in ATTENTION_LAYERS else config.get("text_config", config)["num_hidden_layers"]
     steps = NEW_TOKENS + 1  # the prefill, then one step per token (the last is queued ahead)
     assert mlx_lm_models.attention_calls["float"] >= layers * steps
-    assert mlx_lm_models.attention_paths == {"fused-cpu": mlx_lm_models.attention_calls["float"]}
+    if layers == 0:  # nothing went through the seam: the tokens are mlx-lm's own attention on our caches
+        assert mlx_lm_models.attention_calls["float"] == 0
+    assert set(mlx_lm_models.attention_paths) <= {"fused-cpu"}
+    assert mlx_lm_models.attention_paths["fused-cpu"] == mlx_lm_models.attention_calls["float"]
     if name in WINDOWED:  # the sliding layers took window_size, not a mask array
         assert mlx_lm_models.attention_calls["windowed"] > 0
     else:
         assert mlx_lm_models.attention_calls["windowed"] == 0
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])  # the MoE: quantized expert weights (gather_qmm)
+# the MoE: quantized expert weights (gather_qmm); qwen3_5: a hybrid whose first attention layer is layer 1;
+# gemma3: the multimodal wrapper (mlx-community's 4-bit Gemma 3 checkpoints)
+QUANTIZED_ATTENTION_LAYER = {"qwen3": 0, "qwen3_moe": 0, "qwen3_5": 1, "gemma3": 0}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED_ATTENTION_LAYER))
 def test_a_4_bit_quantized_checkpoint_gives_mlx_lm_tokens(tmp_path, name):
     directory = write_checkpoint(tmp_path / f"{name}-4bit", ARCHITECTURES[name], quantize_bits=4)
     assert json.loads((directory / "config.json").read_text())["quantization"]["bits"] == 4
     expected = mlx_lm_greedy_tokens(directory)
     mlx_lm_models.attention_calls.clear()
     model, _ = mlx_lm_models.load(directory)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(model.model.layers[QUANTIZED_ATTENTION_LAYER[name]].self_attn.q_proj, nn.QuantizedLinear)
     assert [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))] == expected
     assert mlx_lm_models.attention_calls["float"] > 0
 

@@ -25,10 +25,13 @@ from mlx_attn.lm import mlx_lm_models  # noqa: E402
 from mlx_attn.serve import Engine  # noqa: E402
 from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 
-# gpt_oss: sinks and a window; mistral, gemma3_text: windows; qwen3_moe: experts
+# gpt_oss: sinks and a window; mistral, gemma3_text and others: windows; qwen3_moe and others: experts;
+# gemma3, mistral3: a text_config wrapper
 SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text", "qwen2", "phi3", "qwen3_moe", "olmo2",
-          "smollm3"]
-WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None]}
+          "smollm3", "granite", "granitemoe", "ministral3", "mistral3", "gemma3", "llama4_text", "glm4", "glm4_moe",
+          "exaone4", "cohere2", "olmo3", "gpt_neox", "starcoder2", "mixtral", "phimoe"]
+WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None], "gemma3": [8, 8, None],
+           "ministral3": [8, None], "olmo3": [8, None], "exaone4": [8, 8, 8, None], "cohere2": [8, 8, 8, None]}
 NEW_TOKENS = 6
 
 
@@ -156,7 +159,11 @@ def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_pa
             assert out[rid] == expected[rid], rid
 
 
-HYBRIDS = {"lfm2": [1], "qwen3_next": [1, 3]}  # each hybrid's attention layers (the others keep a state)
+# each hybrid's attention layers and how many cache slots it has (a state in each other slot; Falcon-H1's
+# layers each hold a state and attention, two slots)
+HYBRIDS = {"lfm2": ([1], 3), "qwen3_next": ([1, 3], 4), "qwen3_5": ([1, 3], 4), "qwen3_5_moe": ([1, 3], 4),
+           "granitemoehybrid": ([1], 3), "nemotron_h": ([1], 3), "jamba": ([1, 3], 4), "falcon_h1": ([1, 3], 4),
+           "lfm2_moe": ([1], 3)}
 
 
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
@@ -177,9 +184,9 @@ def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, 
     with caplog.at_level("WARNING", logger="mlx_attn.serve.engine"):
         engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10)
     assert "prefix reuse is off" in caplog.text
-    assert engine.model.recurrent_layers == [i for i in range(ARCHITECTURES[name]["num_hidden_layers"])
-                                             if i not in HYBRIDS[name]]
-    assert len(engine.model.attention_layers()) == len(HYBRIDS[name]) == len(engine.store.keys)
+    attention_slots, slots = HYBRIDS[name]
+    assert engine.model.recurrent_layers == [i for i in range(slots) if i not in attention_slots]
+    assert len(engine.model.attention_layers()) == len(attention_slots) == len(engine.store.keys)
     mlx_lm_models.attention_calls.clear()
     got = serve(engine, prompts, NEW_TOKENS)
     assert got == expected
@@ -307,8 +314,9 @@ def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact
 
 
 def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
-    """A cache that is neither attention K/V nor a recurrent state (here a
-    nested CacheList) is refused, not served wrong."""
+    """A cache that is neither attention K/V nor a recurrent state (here
+    chunked attention inside a layer's CacheList, counted as cache slot 1)
+    is refused, not served wrong."""
     import mlx.nn as nn
 
     class Nested(nn.Module):
@@ -317,16 +325,45 @@ def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
             self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
 
         def make_cache(self):
-            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), mlx_lm_cache.KVCache()),
+            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), mlx_lm_cache.ChunkedKVCache(8)),
                     mlx_lm_cache.KVCache()]
 
     wrapped = mlx_lm_models.MlxLmModel(Nested(), {"model_type": "nested", "vocab_size": 64}, "nested")
-    with pytest.raises(ValueError, match=r"layer cache 0 is mlx-lm's CacheList.*nested cache lists"):
+    with pytest.raises(ValueError, match=r"layer cache 1 is mlx-lm's ChunkedKVCache.*chunked attention"):
         Engine(wrapped, kv_tokens=64)
     from mlx_attn.serve.server import check_servable
 
-    with pytest.raises(UnsupportedForServing, match="CacheList"):
+    with pytest.raises(UnsupportedForServing, match="ChunkedKVCache"):
         check_servable(wrapped)
+
+
+# architectures whose attention pages cannot run, and what the refusal names
+REFUSED = {
+    "gemma2": r"layer caches 0, 1: its layer computes attention itself",
+    "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
+    "gemma4_text": r"layer caches 0, 1: its keys and values are also attended by a layer that has no cache of its "
+                   r"own \(KV sharing\)",
+    "llama4": r"layer cache 0 is mlx-lm's ChunkedKVCache",
+    "mamba2": r"no attention layer",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path, name):
+    """Served on pages these layers would give wrong tokens (the model
+    reads or transforms the keys itself, or shares them between layers), so
+    the engine and the server's start refuse them, naming the cache slots
+    and pointing at `mlx-attn generate` (whose tokens equal mlx-lm's:
+    test_mlx_lm_models.py)."""
+    from mlx_attn.serve.server import check_servable
+
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    model, _ = mlx_lm_models.load(directory)
+    with pytest.raises(UnsupportedForServing, match=REFUSED[name]) as refused:
+        Engine(model, kv_tokens=64, page_size=4)
+    assert "mlx-attn generate" in str(refused.value)
+    with pytest.raises(UnsupportedForServing, match=REFUSED[name]):
+        check_servable(model)
 
 
 def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):
