@@ -81,28 +81,32 @@ def _import_mlx_lm():
 
 
 # ---------------------------------------------------------------- masks
-class _WindowedMasks:
-    """Mask arrays made by this module's caches, each remembered (weakly)
-    with the lower-right causal window it encodes (None: plain causal), so
-    :func:`attention` can pass the window instead of the array."""
+class _ArrayNotes:
+    """A note kept beside each of some arrays while the array lives (by
+    identity, weakly): which window a mask this module's caches made
+    encodes, or which self-attending cache handed out some keys."""
 
     def __init__(self):
-        self._by_id: dict[int, tuple[weakref.ref, int | None]] = {}
+        self._by_id: dict[int, tuple[weakref.ref, object]] = {}
 
-    def remember(self, mask: mx.array, window: int | None) -> mx.array:
-        key = id(mask)
-        self._by_id[key] = (weakref.ref(mask, lambda _, key=key: self._by_id.pop(key, None)), window)
-        return mask
+    def remember(self, array: mx.array, note) -> mx.array:
+        key = id(array)
+        self._by_id[key] = (weakref.ref(array, lambda _, key=key: self._by_id.pop(key, None)), note)
+        return array
 
-    def lookup(self, mask) -> tuple[bool, int | None]:
-        """``(known, window)`` for a mask argument."""
-        entry = self._by_id.get(id(mask))
-        if entry is None or entry[0]() is not mask:
+    def lookup(self, array) -> tuple[bool, object]:
+        """``(known, note)`` for an argument."""
+        entry = self._by_id.get(id(array))
+        if entry is None or entry[0]() is not array:
             return False, None
         return True, entry[1]
 
 
-_windowed_masks = _WindowedMasks()
+# mask arrays made by this module's caches, each with the lower-right causal window it encodes (None:
+# plain causal), so attention() can pass the window instead of the array
+_windowed_masks = _ArrayNotes()
+# keys handed out by self-attending caches: (their values, a weak reference to the cache)
+_handed_out = _ArrayNotes()
 
 
 def _causal_mask(n_queries: int, n_keys: int, window: int | None) -> mx.array:
@@ -214,11 +218,31 @@ class SelfAttendingCache:
     ``cache.attend(queries, keys, values, scale=, sinks=, softcap=)`` with the
     ``keys``/``values`` its ``update_and_fetch`` returned, and ignores the
     mask (the cache knows each query's keys and the layer's window).
+
+    A KV-shared layer (Gemma 4's later layers) has no cache: it calls the
+    attention with ``cache=None`` and the keys and values an earlier layer's
+    cache returned. ``update_and_fetch`` hands them out through
+    :meth:`hand_out`, so :func:`attention` knows them and lets that cache
+    attend for the shared layer too, with its window (mlx-lm's models share
+    a layer's K/V only with layers of its own kind).
     Subclasses: the serving engine's paged caches."""
+
+    def hand_out(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``(keys, values)``, remembered (weakly) as this cache's."""
+        _handed_out.remember(keys, (values, weakref.ref(self)))
+        return keys, values
 
     def attend(self, queries: mx.array, keys, values, *, scale: float, sinks: mx.array | None,
                softcap: float | None) -> mx.array:
         raise NotImplementedError
+
+
+def _owner_of(keys, values) -> SelfAttendingCache | None:
+    """The self-attending cache that handed out exactly ``keys`` and ``values``."""
+    known, entry = _handed_out.lookup(keys)
+    if not known or entry[0] is not values:
+        return None
+    return entry[1]()
 
 
 # ---------------------------------------------------------------- attention
@@ -232,6 +256,8 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
     ``window_size``. A :class:`SelfAttendingCache` attends itself."""
     if _seam_recorders:
         _seam_recorders[-1].append(SeamCall(cache, keys, values, mask))
+    if cache is None and isinstance(keys, mx.array):  # a KV-shared layer: keys another layer's cache returned
+        cache = _owner_of(keys, values) or cache
     if isinstance(cache, SelfAttendingCache):
         attention_calls["self-attending"] += 1
         return cache.attend(queries, keys, values, scale=scale, sinks=sinks, softcap=softcap)
@@ -290,9 +316,10 @@ def seam_problems(model, tokens: int = 2) -> dict[int, str]:
     layer attending without a cache, reading no cache's keys; empty: every
     attention layer conforms). A layer that computes attention itself
     (mlx-lm's gemma2), mixes scores of its own into the mask (multi-head
-    latent attention, deepseek_v3) or reads another layer's keys (KV-shared
-    layers) is named here; dense generation still runs them, a paged cache
-    cannot."""
+    latent attention, deepseek_v3) is named here; dense generation still
+    runs them, a paged cache cannot. A layer without a cache (KV sharing)
+    passes when it attends to exactly the keys and values another cache
+    returned (:class:`SelfAttendingCache` attends for it)."""
     install_attention()
     caches = make_cache(model)
     flat = list(_flat(caches))
@@ -315,10 +342,11 @@ def seam_problems(model, tokens: int = 2) -> dict[int, str]:
         for call in calls:
             by_cache[id(call.cache)].append(call)
             if id(call.cache) not in attention_slots:  # a layer without a cache of its own
-                source = next((attention_slots[i] for i, (k, _) in returned.items() if k is call.keys), None)
-                problems.setdefault(source, "its keys and values are also attended by a layer that has no cache of "
-                                            "its own (KV sharing)" if source is not None else
-                                    "a layer attends without a cache of its own")
+                source = next((attention_slots[i] for i, (k, v) in returned.items()
+                               if k is call.keys and v is call.values), None)
+                if source is None:  # KV sharing reads a cache's keys and values as they are; this does not
+                    problems.setdefault(None, "a layer attends without a cache of its own, to keys and values "
+                                              "no cache returned")
         for cache_id, slot in attention_slots.items():
             if slot in problems:
                 continue

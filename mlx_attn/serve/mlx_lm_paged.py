@@ -109,7 +109,7 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
         never reads them: :meth:`attend` reads the pages)."""
         a = self.hook.arrays
         self.hook.store.write(self.layer, a["write_pages"], a["write_slots"], self._rows(keys), self._rows(values))
-        return keys, values
+        return self.hand_out(keys, values)  # a KV-shared layer attending to them reaches these pages
 
     def attend(self, queries, keys, values, *, scale, sinks, softcap):
         a = self.hook.arrays
@@ -376,16 +376,13 @@ class MlxLmPagedModel:
         attention = [(slot, shape) for slot, shape in enumerate(shapes) if shape is not None]
         if [slot for slot, _ in attention] != [i for i, rule in enumerate(self._rules) if rule != _RECURRENT]:
             raise UnsupportedForServing("the probe's attention layers differ from mlx-lm's cache structure")
-        first_slot, first = attention[0]
-        for slot, shape in attention:
-            if dataclasses.replace(shape, dtype=first.dtype) != first:
-                raise UnsupportedForServing(
-                    f"layer {slot} keeps K/V of {shape.kv_heads} heads x {shape.head_dim}/{shape.value_dim} "
-                    f"features, layer {first_slot} of {first.kv_heads} x {first.head_dim}/{first.value_dim}: "
-                    "the engine's pages have one shape for every layer")
+        first = attention[0][1]
         self._attention_slots = [slot for slot, _ in attention]  # store layer i is cache slot [i]
-        self._layers = [LayerAttention(i, 1.0, self._rules[slot], first.head_dim)
-                        for i, slot in enumerate(self._attention_slots)]
+        self._layers = [LayerAttention(i, 1.0, self._rules[slot], shape.head_dim)
+                        for i, (slot, shape) in enumerate(attention)]
+        layer_shapes = [(shape.kv_heads, shape.head_dim, shape.value_dim) for _, shape in attention]
+        # pages of each layer's own shape where the layers differ (Gemma 4's full-attention layers are wider)
+        self.kv_layer_shapes = layer_shapes if len(set(layer_shapes)) > 1 else None
         self.value_dim, self.kv_dtype = first.value_dim, first.dtype
         self._paged_config = types.SimpleNamespace(**vars(self._config), num_key_value_heads=first.kv_heads)
 
