@@ -176,9 +176,11 @@ ARCHITECTURES = {
     "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
     "phimoe": dict(BASE, model_type="phimoe", num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
                    original_max_position_embeddings=4096, rope_scaling=None),
-    # two KV-shared layers attend to earlier layers' caches (no cache of their own)
+    # Gemma 4's shapes: two KV-shared layers attend to earlier layers' caches (no cache of their own);
+    # full-attention layers twice as wide, with one KV head and keys as values
     "gemma4_text": dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
-                        num_attention_heads=4, head_dim=16, global_head_dim=16, rms_norm_eps=1e-6,
+                        num_attention_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, rms_norm_eps=1e-6,
                         vocab_size=len(VOCAB), vocab_size_per_layer_input=len(VOCAB), num_key_value_heads=2,
                         num_kv_shared_layers=2, hidden_size_per_layer_input=8, sliding_window=8,
                         sliding_window_pattern=2, max_position_embeddings=4096, use_double_wide_mlp=False),

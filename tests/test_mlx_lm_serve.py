@@ -29,9 +29,12 @@ from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 # gemma3, mistral3: a text_config wrapper
 SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text", "qwen2", "phi3", "qwen3_moe", "olmo2",
           "smollm3", "granite", "granitemoe", "ministral3", "mistral3", "gemma3", "llama4_text", "glm4", "glm4_moe",
-          "exaone4", "cohere2", "olmo3", "gpt_neox", "starcoder2", "mixtral", "phimoe"]
+          "exaone4", "cohere2", "olmo3", "gpt_neox", "starcoder2", "mixtral", "phimoe", "gemma4_text"]
 WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None], "gemma3": [8, 8, None],
-           "ministral3": [8, None], "olmo3": [8, None], "exaone4": [8, 8, 8, None], "cohere2": [8, 8, 8, None]}
+           "ministral3": [8, None], "olmo3": [8, None], "exaone4": [8, 8, 8, None], "cohere2": [8, 8, 8, None],
+           "gemma4_text": [8, None]}  # gemma4_text: two more layers read these two layers' pages
+# pages of each layer's own (KV heads, head dim), where the layers differ
+PAGE_SHAPES = {"gemma4_text": [(2, 16), (1, 32)]}
 NEW_TOKENS = 6
 
 
@@ -95,6 +98,8 @@ def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, nam
     assert engine.scheduler.preemptions > 0
     windows = [layer.window_size for layer in engine.model.attention_layers()]
     assert windows == WINDOWS.get(name, [None, None])
+    if name in PAGE_SHAPES:
+        assert [(k.shape[1], k.shape[3]) for k in engine.store.keys] == PAGE_SHAPES[name]
 
     # a prefix-cache hit (every whole page of r3 is cached now) gives the miss's tokens
     cached_before = engine.scheduler.cached_prompt_tokens
@@ -341,8 +346,6 @@ def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
 REFUSED = {
     "gemma2": r"layer caches 0, 1: its layer computes attention itself",
     "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
-    "gemma4_text": r"layer caches 0, 1: its keys and values are also attended by a layer that has no cache of its "
-                   r"own \(KV sharing\)",
     "llama4": r"layer cache 0 is mlx-lm's ChunkedKVCache",
     "mamba2": r"no attention layer",
 }
