@@ -270,8 +270,9 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
         attention_calls["windowed"] += 1
     if isinstance(keys, (tuple, list)):
         attention_calls["quantized"] += 1
+        group_size, bits = (cache.group_size, cache.bits) if hasattr(cache, "bits") else _quantization_of(queries, keys)
         return quantized_scaled_dot_product_attention(queries, tuple(keys), tuple(values),
-                                                      group_size=cache.group_size, bits=cache.bits, **options)
+                                                      group_size=group_size, bits=bits, **options)
     attention_calls["float"] += 1
     call = AttentionCall.build(queries, keys, values, **options)
     attention_paths[call.path] += 1
@@ -368,6 +369,16 @@ def _seam_mask(mask) -> bool:
     """Whether a mask handed to :func:`attention` is one a cache that
     attends itself may ignore: none, ``"causal"``, or made by our caches."""
     return mask is None or isinstance(mask, str) or _windowed_masks.lookup(mask)[0]
+
+
+def _quantization_of(queries: mx.array, keys) -> tuple[int, int]:
+    """``(group_size, bits)`` of a quantized key triple read from its shapes
+    (packed 32-bit words, one scale per group) and the queries' head dim:
+    for a KV-shared layer, which gets an earlier layer's triples without
+    its cache."""
+    packed, scales = keys[0], keys[1]
+    head_dim = queries.shape[-1]
+    return head_dim // scales.shape[-1], packed.shape[-1] * 32 // head_dim
 
 
 _mlx_lm_attention = None  # mlx-lm's own function, kept by install_attention for restore_attention
