@@ -394,6 +394,28 @@ def test_quantized_kv_with_sinks_runs_fused_and_is_close_to_float_kv(tmp_path):
     assert len(tokens) == NEW_TOKENS and mlx_lm_models.attention_calls["quantized"] > NEW_TOKENS
 
 
+def test_kv_shared_layers_read_an_earlier_layer_s_quantized_kv(tmp_path):
+    """Gemma 4's KV-shared layers get an earlier layer's quantized triples
+    without a cache (mlx-lm's own attention fails there): the seam reads
+    the quantization from the triples, and the logits stay close to float
+    KV's."""
+    config = dict(ARCHITECTURES["gemma4_text"], num_attention_heads=2, head_dim=32, global_head_dim=64)
+    directory = write_checkpoint(tmp_path / "g4", config)
+    model, _ = mlx_lm_models.load(directory)
+    prompt = mx.array(PROMPT)[None]
+    float_logits = model(prompt, cache=model.make_cache())[0, -1]
+    caches = [c.to_quantized(group_size=32, bits=8) if isinstance(c, mlx_lm_models.KVCache) else c
+              for c in model.make_cache()]
+    mlx_lm_models.attention_calls.clear()
+    quantized_logits = model(prompt, cache=caches)[0, -1]
+    assert mlx_lm_models.attention_calls["quantized"] == 2  # the full-attention layer, and the layer sharing its KV
+    error = float(mx.abs(quantized_logits - float_logits).max())
+    assert 0 < error < 0.01 * float(mx.abs(float_logits).max())
+    tokens = [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS, kv_bits=8,
+                                                                          kv_group_size=32))]
+    assert len(tokens) == NEW_TOKENS
+
+
 # ---------------------------------------------------------------- loading and the command
 def test_a_hub_repo_id_is_looked_up_in_the_local_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

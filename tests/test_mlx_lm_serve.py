@@ -126,6 +126,25 @@ def test_quantized_pages_with_sinks_and_a_window_batch_equals_alone(tmp_path):
     assert agreeing >= 6  # 8-bit K/V barely moves the logits: first tokens (nearly) all agree
 
 
+def test_gemma_4_on_8_bit_pages_of_two_widths_batch_equals_alone(tmp_path):
+    """Gemma 4's layout (KV-shared layers, full-attention layers twice as
+    wide) on 8-bit pages: requests of the batch equal them served alone on
+    the same pages, and 8-bit K/V keeps mlx-lm's first tokens."""
+    config = dict(ARCHITECTURES["gemma4_text"], num_attention_heads=2, head_dim=32, global_head_dim=64)
+    directory = write_checkpoint(tmp_path / "g4", config, seed=1)
+    model, _ = mlx_lm_models.load(directory)
+    prompts = mixed_prompts(seed=1)
+    options = dict(kv_bits=8, group_size=32)
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, **options)
+    assert [k[0].shape[3] * 32 // 8 for k in engine.store.keys] == [32, 64]  # packed words back to dims
+    got = serve(engine, prompts, NEW_TOKENS)
+    for rid in ("r1", "r4"):
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompts[rid]}, NEW_TOKENS)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    assert sum(got[rid][0] == expected[rid][0] for rid in prompts) >= 6
+
+
 def test_cascade_attention_gives_mlx_lm_s_tokens_alone(tmp_path):
     """gpt-oss (sinks, a sliding window) with every shared page grouped
     (cascade attention through the mlx-lm seam): mlx-lm's tokens alone."""
