@@ -139,18 +139,36 @@ class _MlxLmMasks:
         return _contiguous_mask(N, self.offset + N, window_size, return_array)
 
 
-class QuantizedKVCache(_MlxLmMasks, mlx_attn_cache.QuantizedKVCache):
+class _KeysAndValues:
+    """mlx-lm's ``keys_and_values()``: the keys and values the last
+    ``update_and_fetch`` returned, the same arrays (a KV-shared layer of
+    Gemma 3n reads its source layer's cache this way after that layer's
+    update, and attends with a mask of the source layer's kind)."""
+
+    _returned = None
+
+    def update_and_fetch(self, keys, values):
+        self._returned = super().update_and_fetch(keys, values)
+        return self._returned
+
+    def keys_and_values(self):
+        if self._returned is None:
+            raise ValueError("keys_and_values() of a cache no update has reached yet")
+        return self._returned
+
+
+class QuantizedKVCache(_MlxLmMasks, _KeysAndValues, mlx_attn_cache.QuantizedKVCache):
     """:class:`mlx_attn.cache.QuantizedKVCache` with mlx-lm's mask interface."""
 
 
-class KVCache(_MlxLmMasks, mlx_attn_cache.KVCache):
+class KVCache(_MlxLmMasks, _KeysAndValues, mlx_attn_cache.KVCache):
     """:class:`mlx_attn.cache.KVCache` with mlx-lm's mask interface;
     ``to_quantized`` gives this module's :class:`QuantizedKVCache`."""
 
     QUANTIZED_CACHE = QuantizedKVCache
 
 
-class RotatingKVCache(mlx_attn_cache.RotatingKVCache):
+class RotatingKVCache(_KeysAndValues, mlx_attn_cache.RotatingKVCache):
     """:class:`mlx_attn.cache.RotatingKVCache` with mlx-lm's mask interface.
 
     The window is ``window_size`` or, as in mlx-lm, ``max_size``. While the
@@ -355,12 +373,11 @@ def seam_problems(model, tokens: int = 2) -> dict[int, str]:
             keys, values = returned.get(cache_id, (None, None))
             if not made:
                 problems[slot] = "its layer computes attention itself, not through mlx-lm's scaled_dot_product_attention"
-            elif len(made) > 1:
-                problems[slot] = f"its layer called the attention {len(made)} times in one forward"
-            elif made[0].keys is not keys or made[0].values is not values:
+            # several calls with one cache: KV-shared layers handed the source layer's cache (Gemma 3n)
+            elif any(call.keys is not keys or call.values is not values for call in made):
                 problems[slot] = ("its layer attends to keys/values other than those the cache returned "
                                   "(computed from them, as multi-head latent attention does)")
-            elif not _seam_mask(made[0].mask):
+            elif not all(_seam_mask(call.mask) for call in made):
                 problems[slot] = "its layer passes a mask array of its own (scores or positions the cache cannot know)"
     return problems
 

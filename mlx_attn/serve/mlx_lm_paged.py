@@ -109,7 +109,14 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
         never reads them: :meth:`attend` reads the pages)."""
         a = self.hook.arrays
         self.hook.store.write(self.layer, a["write_pages"], a["write_slots"], self._rows(keys), self._rows(values))
-        return self.hand_out(keys, values)  # a KV-shared layer attending to them reaches these pages
+        self._handed = self.hand_out(keys, values)  # a KV-shared layer attending to them reaches these pages
+        return self._handed
+
+    def keys_and_values(self):
+        """What the last update returned (mlx-lm's ``keys_and_values``, read
+        by Gemma 3n's KV-shared layers: the seam then lets this cache attend
+        for them too)."""
+        return self._handed
 
     def attend(self, queries, keys, values, *, scale, sinks, softcap):
         a = self.hook.arrays
