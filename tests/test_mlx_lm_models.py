@@ -184,6 +184,18 @@ ARCHITECTURES = {
                         vocab_size=len(VOCAB), vocab_size_per_layer_input=len(VOCAB), num_key_value_heads=2,
                         num_kv_shared_layers=2, hidden_size_per_layer_input=8, sliding_window=8,
                         sliding_window_pattern=2, max_position_embeddings=4096, use_double_wide_mlp=False),
+    # Gemma 3n: KV-shared layers read their source layer's cache (keys_and_values), AltUp, LAuReL
+    "gemma3n": dict(model_type="gemma3n", text_config=dict(
+        model_type="gemma3n_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
+        head_dim=16, rms_norm_eps=1e-6, vocab_size=len(VOCAB), num_key_value_heads=2, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=len(VOCAB), sliding_window=8, max_position_embeddings=4096,
+        rope_local_base_freq=10000.0, rope_theta=1000000.0, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+        hidden_size_per_layer_input=8, altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=8)),
+    # Qwen3-VL's language model under its text_config (the vision tower is not loaded)
+    "qwen3_vl": dict(model_type="qwen3_vl", text_config=dict(BASE, model_type="qwen3", head_dim=16,
+                                                              rope_theta=1000000.0, tie_word_embeddings=False)),
     # no attention layer at all (Mamba-2 blocks only): generate runs it, the engine has nothing to page
     "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, vocab_size=len(VOCAB), hidden_size=64,
                    intermediate_size=128, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
@@ -191,7 +203,7 @@ ARCHITECTURES = {
                    time_step_limit=[0.0, 1e9], time_step_rank=8),
 }
 WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3", "exaone4", "cohere2", "olmo3",
-            "gemma4_text"}
+            "gemma4_text", "gemma3n"}
 # the attention layers that go through the seam, where not every layer does: hybrid models (the
 # others keep a recurrent state, and mamba2 has no other); gemma2 (its layers compute attention themselves)
 ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
@@ -217,7 +229,7 @@ def write_tokenizer(directory):
 
 # seeds whose random weights give greedy tokens that vary (seed 0 repeats one token)
 CHECKPOINT_SEEDS = {"qwen2": 3, "falcon_h1": 2, "gemma2": 5, "glm4": 2, "exaone4": 1, "gpt_neox": 1, "starcoder2": 3,
-                    "phimoe": 1, "granitemoe": 1}
+                    "phimoe": 1, "granitemoe": 1, "gemma3n": 1}
 
 
 SMALL_EMBEDDINGS = {"lfm2", "lfm2_moe", "cohere2"}
@@ -328,6 +340,20 @@ def test_non_attention_caches_are_kept_as_mlx_lm_makes_them():
     arrays = mlx_lm_cache.ArraysCache(2)
     ours = mlx_lm_models._our_cache(mlx_lm_cache.CacheList(arrays, mlx_lm_cache.KVCache()), mlx_lm_cache)
     assert ours.caches[0] is arrays and isinstance(ours.caches[1], mlx_lm_models.KVCache)
+
+
+@pytest.mark.parametrize("make", [mlx_lm_models.KVCache, lambda: mlx_lm_models.RotatingKVCache(max_size=4),
+                                  lambda: mlx_lm_models.QuantizedKVCache(group_size=32, bits=8)])
+def test_keys_and_values_are_what_the_last_update_returned(make):
+    """mlx-lm's ``keys_and_values()`` (Gemma 3n's KV-shared layers read it):
+    the very arrays the last update returned, whose attention a paged or
+    dense call recognises."""
+    cache = make()
+    with pytest.raises(ValueError, match="no update"):
+        cache.keys_and_values()
+    for n in (6, 1):
+        returned = cache.update_and_fetch(mx.ones((1, 2, n, 32)), mx.zeros((1, 2, n, 32)))
+        assert cache.keys_and_values() is returned
 
 
 # ---------------------------------------------------------------- masks

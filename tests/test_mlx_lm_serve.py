@@ -29,10 +29,11 @@ from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 # gemma3, mistral3: a text_config wrapper
 SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text", "qwen2", "phi3", "qwen3_moe", "olmo2",
           "smollm3", "granite", "granitemoe", "ministral3", "mistral3", "gemma3", "llama4_text", "glm4", "glm4_moe",
-          "exaone4", "cohere2", "olmo3", "gpt_neox", "starcoder2", "mixtral", "phimoe", "gemma4_text"]
+          "exaone4", "cohere2", "olmo3", "gpt_neox", "starcoder2", "mixtral", "phimoe", "gemma4_text",
+          "gemma3n", "qwen3_vl"]
 WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None], "gemma3": [8, 8, None],
            "ministral3": [8, None], "olmo3": [8, None], "exaone4": [8, 8, 8, None], "cohere2": [8, 8, 8, None],
-           "gemma4_text": [8, None]}  # gemma4_text: two more layers read these two layers' pages
+           "gemma4_text": [8, None], "gemma3n": [8, None]}  # two more layers read these two layers' pages
 # pages of each layer's own (KV heads, head dim), where the layers differ
 PAGE_SHAPES = {"gemma4_text": [(2, 16), (1, 32)]}
 NEW_TOKENS = 6
