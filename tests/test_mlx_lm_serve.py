@@ -389,6 +389,20 @@ def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path
         check_servable(model)
 
 
+def test_mlx_attn_serve_refuses_such_a_model_before_it_starts(tmp_path, capsys):
+    """`mlx-attn serve --model DIR` (``--engine auto`` takes mlx-lm's class:
+    mlx_attn has no gemma2 of its own) exits with the refusal on one line,
+    and no server starts."""
+    pytest.importorskip("uvicorn")
+    from mlx_attn.lm.cli import USAGE_ERROR, main
+
+    directory = write_checkpoint(tmp_path / "gemma2", ARCHITECTURES["gemma2"])
+    assert main(["serve", "--model", str(directory), "--port", "1"]) == USAGE_ERROR
+    error = capsys.readouterr().err
+    assert error.startswith("mlx-attn: error: mlx-lm's gemma2 cannot be served on pages: layer caches 0, 1: ")
+    assert "`mlx-attn generate` runs this model" in error and error.count("\n") == 1
+
+
 def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):
     from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
     from mlx_attn.serve.server import build_parser
