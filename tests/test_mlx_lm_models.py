@@ -196,6 +196,34 @@ ARCHITECTURES = {
     # Qwen3-VL's language model under its text_config (the vision tower is not loaded)
     "qwen3_vl": dict(model_type="qwen3_vl", text_config=dict(BASE, model_type="qwen3", head_dim=16,
                                                               rope_theta=1000000.0, tie_word_embeddings=False)),
+    # ---- the breadth behind MLX_ATTN_FULL_GRID=1 (FULL_GRID_ONLY): more of what MLX users run
+    "minimax": dict(BASE, model_type="minimax", head_dim=16, num_experts_per_tok=2, num_local_experts=4,
+                    shared_intermediate_size=0, rope_theta=5000000.0, rotary_dim=8, tie_word_embeddings=False),
+    "olmo_hybrid": dict(BASE, model_type="olmo_hybrid", num_hidden_layers=4, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, tie_word_embeddings=False,
+                        attention_bias=False, head_dim=16),
+    "hunyuan_v1_dense": dict(BASE, model_type="hunyuan_v1_dense", head_dim=16, rope_theta=10000.0,
+                             use_qk_norm=True, tie_word_embeddings=False),
+    "bailing_moe": dict(BASE, model_type="bailing_moe", moe_intermediate_size=32, num_experts=4,
+                        num_shared_experts=1, norm_topk_prob=True, num_experts_per_tok=2, first_k_dense_replace=1,
+                        rope_theta=10000.0, topk_group=1, use_qk_norm=True),
+    "ernie4_5": dict(BASE, model_type="ernie4_5", head_dim=16, rope_theta=500000.0, use_bias=False,
+                     tie_word_embeddings=False),
+    "seed_oss": dict(BASE, model_type="seed_oss", head_dim=16, attention_bias=True, attention_out_bias=False,
+                     mlp_bias=False, rope_theta=10000.0, tie_word_embeddings=False),
+    "apertus": dict(BASE, model_type="apertus", rope_theta=10000.0, qk_norm=True, tie_word_embeddings=False,
+                    post_norm=False, mlp_bias=False, attention_bias=False),
+    "cohere": dict(BASE, model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.25, rope_theta=10000.0,
+                   use_qk_norm=False),
+    "phi": dict(model_type="phi", vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=4, partial_rotary_factor=0.5, layer_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=4096),
+    "olmoe": dict(BASE, model_type="olmoe", num_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
+                  norm_topk_prob=False, tie_word_embeddings=False),
+    "qwen2_moe": dict(BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                      mlp_only_layers=[], moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      rope_theta=1000000.0, tie_word_embeddings=False),
     # no attention layer at all (Mamba-2 blocks only): generate runs it, the engine has nothing to page
     "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, vocab_size=len(VOCAB), hidden_size=64,
                    intermediate_size=128, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
@@ -207,7 +235,23 @@ WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3",
 # the attention layers that go through the seam, where not every layer does: hybrid models (the
 # others keep a recurrent state, and mamba2 has no other); gemma2 (its layers compute attention themselves)
 ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
-                    "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0}
+                    "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0,
+                    "olmo_hybrid": 1}
+FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
+FULL_GRID_ONLY = {"minimax", "olmo_hybrid", "hunyuan_v1_dense", "bailing_moe", "ernie4_5", "seed_oss", "apertus",
+                  "cohere", "phi", "olmoe", "qwen2_moe"}
+
+
+def grid(cases):
+    """``cases`` (names, or tuples led by a name) as pytest parameters, those
+    of FULL_GRID_ONLY skipped (saying so) unless MLX_ATTN_FULL_GRID=1: the
+    default run keeps CI's budget."""
+    skip = pytest.mark.skipif(not FULL_GRID, reason="breadth beyond the default sample: MLX_ATTN_FULL_GRID=1 runs it")
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        params.append(pytest.param(*values, marks=skip) if values[0] in FULL_GRID_ONLY else case)
+    return params
 
 
 @pytest.fixture(autouse=True)
@@ -229,10 +273,10 @@ def write_tokenizer(directory):
 
 # seeds whose random weights give greedy tokens that vary (seed 0 repeats one token)
 CHECKPOINT_SEEDS = {"qwen2": 3, "falcon_h1": 2, "gemma2": 5, "glm4": 2, "exaone4": 1, "gpt_neox": 1, "starcoder2": 3,
-                    "phimoe": 1, "granitemoe": 1, "gemma3n": 1}
+                    "phimoe": 1, "granitemoe": 1, "gemma3n": 1, "seed_oss": 1, "cohere": 5, "phi": 1}
 
 
-SMALL_EMBEDDINGS = {"lfm2", "lfm2_moe", "cohere2"}
+SMALL_EMBEDDINGS = {"lfm2", "lfm2_moe", "cohere2", "cohere"}
 
 
 def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = None, seed: int | None = None):
@@ -272,7 +316,7 @@ def our_greedy_tokens(directory, prompt=PROMPT, **options):
     return [token for token, _ in generate_step(model, prompt, config)]
 
 
-@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("name", grid(sorted(ARCHITECTURES)))
 def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
     directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
     expected = mlx_lm_greedy_tokens(directory)
