@@ -321,11 +321,62 @@ def _check_attention_seam(model: nn.Module, model_type) -> None:
             "and values; `mlx-attn generate` runs this model")
 
 
+class _PositionsProbeCache(mlx_lm_models.SelfAttendingCache):
+    """An attention layer's cache for :func:`_check_positions_per_sequence`:
+    two one-token sequences at different positions (``offset`` an array, as
+    the engine's steps give), attention answered with zeros."""
+
+    offset = None  # set per instance: int32 [2]
+
+    def __bool__(self) -> bool:
+        return True
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return None
+
+    def update_and_fetch(self, keys, values):
+        self._handed = self.hand_out(keys, values)
+        return self._handed
+
+    def keys_and_values(self):
+        return self._handed
+
+    def attend(self, queries, keys, values, *, scale, sinks, softcap):
+        return mx.zeros((*queries.shape[:-1], values.shape[-1]), queries.dtype)
+
+
+def _check_positions_per_sequence(model: nn.Module, model_type) -> None:
+    """:class:`UnsupportedForServing` when the model cannot run sequences
+    at different positions in one call (RoPE given one offset per sequence,
+    an array): the engine's steps do that. mlx-lm's dynamic-NTK RoPE, say,
+    needs one integer position."""
+    rules = _layer_rules(model)
+    states = iter(_flat_prompt_cache(model))
+    flat = []
+    for rule in rules:
+        state = next(states)
+        if rule == _RECURRENT:
+            flat.append(type(state).merge([state, copy.deepcopy(state)]))
+        else:
+            probe = _PositionsProbeCache()
+            probe.offset = mx.array([0, 3], mx.int32)
+            flat.append(probe)
+    try:
+        mx.eval(model(mx.zeros((2, 1), mx.int32), cache=_nested(_cache_nesting(model), flat)))
+    except Exception as error:  # noqa: BLE001 (whatever the model's code raises, it cannot be served)
+        raise UnsupportedForServing(
+            f"mlx-lm's {model_type or 'model'} cannot run sequences at different positions in one call (the "
+            f"engine's steps give one position per sequence, an array): {type(error).__name__}: "
+            f"{' '.join(str(error).split())}; `mlx-attn generate` runs this model") from None
+
+
 def check_servable_mlx_lm_model(wrapped: mlx_lm_models.MlxLmModel) -> None:
     """:class:`UnsupportedForServing` when the engine cannot page the
-    model's layers (see :func:`_layer_rules` and :func:`_check_attention_seam`)."""
+    model's layers (see :func:`_layer_rules`, :func:`_check_attention_seam`
+    and :func:`_check_positions_per_sequence`)."""
     _layer_rules(wrapped.model)
     _check_attention_seam(wrapped.model, wrapped.config.model_type)
+    _check_positions_per_sequence(wrapped.model, wrapped.config.model_type)
 
 
 def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
@@ -357,6 +408,7 @@ class MlxLmPagedModel:
         self._rules = _layer_rules(self.model)
         self._nesting = _cache_nesting(self.model)
         _check_attention_seam(self.model, wrapped.config.model_type)
+        _check_positions_per_sequence(self.model, wrapped.config.model_type)
         self._recurrent_slots = [i for i, rule in enumerate(self._rules) if rule == _RECURRENT]
         self.states = RecurrentStates(self.model, self._recurrent_slots) if self._recurrent_slots else None
         self._source = wrapped.source
