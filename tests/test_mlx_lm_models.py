@@ -196,6 +196,9 @@ ARCHITECTURES = {
     # Qwen3-VL's language model under its text_config (the vision tower is not loaded)
     "qwen3_vl": dict(model_type="qwen3_vl", text_config=dict(BASE, model_type="qwen3", head_dim=16,
                                                               rope_theta=1000000.0, tie_word_embeddings=False)),
+    # dynamic-NTK RoPE needs one integer position per call: generate runs it, the engine refuses
+    "llama_dynamic_rope": dict(BASE, model_type="llama", rope_theta=10000.0, tie_word_embeddings=False,
+                               rope_scaling={"type": "dynamic", "factor": 2.0}),
     # ---- the breadth behind MLX_ATTN_FULL_GRID=1 (FULL_GRID_ONLY): more of what MLX users run
     "minimax": dict(BASE, model_type="minimax", head_dim=16, num_experts_per_tok=2, num_local_experts=4,
                     shared_intermediate_size=0, rope_theta=5000000.0, rotary_dim=8, tie_word_embeddings=False),

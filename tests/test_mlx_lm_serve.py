@@ -371,6 +371,7 @@ REFUSED = {
     "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
     "llama4": r"layer cache 0 is mlx-lm's ChunkedKVCache",
     "mamba2": r"no attention layer",
+    "llama_dynamic_rope": r"mlx-lm's llama cannot run sequences at different positions in one call",
 }
 
 
