@@ -489,6 +489,25 @@ def test_kv_shared_layers_read_an_earlier_layer_s_quantized_kv(tmp_path):
     assert len(tokens) == NEW_TOKENS
 
 
+def test_kv_bits_quantize_the_attention_caches_inside_a_layer_s_cache_list(tmp_path):
+    """Falcon-H1 keeps each layer's attention cache in a CacheList beside
+    its Mamba state: ``kv_bits`` quantizes those (the state stays as it is),
+    every attention call runs over quantized K/V, and 8-bit K/V keeps
+    mlx-lm's greedy tokens here."""
+    config = dict(ARCHITECTURES["falcon_h1"], num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    directory = write_checkpoint(tmp_path / "falcon", config)
+    expected = mlx_lm_greedy_tokens(directory)
+    model, _ = mlx_lm_models.load(directory)
+    cache = model.make_cache()
+    mlx_lm_models.attention_calls.clear()
+    config = GenerationConfig(max_tokens=NEW_TOKENS, kv_bits=8, kv_group_size=32)
+    tokens = [t for t, _ in generate_step(model, PROMPT, config, cache=cache)]
+    assert [type(c).__name__ for layer in cache for c in layer.caches] == ["ArraysCache", "QuantizedKVCache"] * 2
+    assert mlx_lm_models.attention_calls["float"] == 0
+    assert mlx_lm_models.attention_calls["quantized"] >= 2 * NEW_TOKENS
+    assert tokens == expected
+
+
 # ---------------------------------------------------------------- loading and the command
 def test_a_hub_repo_id_is_looked_up_in_the_local_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
