@@ -18,7 +18,11 @@ the pages' rule is causal per request, within the layer's window.
 Each layer's rule comes from mlx-lm's own cache structure
 (``make_prompt_cache``): a ``KVCache`` is full attention, a
 ``RotatingKVCache`` without kept tokens a sliding window of its size. The
-K/V shapes and dtype come from a one-token probe forward.
+K/V shapes and dtype come from a one-token probe forward; layers of
+different shapes (Gemma 4's wider full-attention layers) get pages of their
+own shape (``kv_layer_shapes``). A KV-shared layer (Gemma 3n, Gemma 4: no
+cache of its own, the keys and values an earlier layer's cache returned)
+is attended by that cache, on its pages.
 
 **Hybrid models** (layers that keep a recurrent state in mlx-lm's
 ``ArraysCache`` / ``MambaCache``: linear attention, short convolutions,
@@ -42,8 +46,9 @@ by side) counts as its entries, each kept by its kind. Other caches
 :class:`ValueError` naming the layer, and so is a model whose attention
 layers do not attend through the seam with their cache's own keys and
 values (:func:`mlx_lm_models.seam_problems`: attention computed by the
-model itself, multi-head latent attention, KV-shared layers), which pages
-would serve wrong.
+model itself, multi-head latent attention), which pages would serve wrong,
+and one that cannot run sequences at different positions in one call
+(dynamic-NTK RoPE).
 """
 
 from __future__ import annotations
