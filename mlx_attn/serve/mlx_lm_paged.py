@@ -371,7 +371,7 @@ def _check_positions_per_sequence(model: nn.Module, model_type) -> None:
     except Exception as error:  # noqa: BLE001 (whatever the model's code raises, it cannot be served)
         raise UnsupportedForServing(
             f"mlx-lm's {model_type or 'model'} cannot run sequences at different positions in one call (the "
-            f"engine's steps give one position per sequence, an array): {type(error).__name__}: "
+            f"engine's steps give one position per sequence, an array, and no mask array): {type(error).__name__}: "
             f"{' '.join(str(error).split())}; `mlx-attn generate` runs this model") from None
 
 
