@@ -199,7 +199,7 @@ ARCHITECTURES = {
     # dynamic-NTK RoPE needs one integer position per call: generate runs it, the engine refuses
     "llama_dynamic_rope": dict(BASE, model_type="llama", rope_theta=10000.0, tie_word_embeddings=False,
                                rope_scaling={"type": "dynamic", "factor": 2.0}),
-    # ---- the breadth behind MLX_ATTN_FULL_GRID=1 (FULL_GRID_ONLY): more of what MLX users run
+    # ---- more of what MLX users run
     "minimax": dict(BASE, model_type="minimax", head_dim=16, num_experts_per_tok=2, num_local_experts=4,
                     shared_intermediate_size=0, rope_theta=5000000.0, rotary_dim=8, tie_word_embeddings=False),
     "olmo_hybrid": dict(BASE, model_type="olmo_hybrid", num_hidden_layers=4, linear_num_key_heads=2,
@@ -240,21 +240,6 @@ WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3",
 ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
                     "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0,
                     "olmo_hybrid": 1}
-FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
-FULL_GRID_ONLY = {"minimax", "olmo_hybrid", "hunyuan_v1_dense", "bailing_moe", "ernie4_5", "seed_oss", "apertus",
-                  "cohere", "phi", "olmoe", "qwen2_moe"}
-
-
-def grid(cases):
-    """``cases`` (names, or tuples led by a name) as pytest parameters, those
-    of FULL_GRID_ONLY skipped (saying so) unless MLX_ATTN_FULL_GRID=1: the
-    default run keeps CI's budget."""
-    skip = pytest.mark.skipif(not FULL_GRID, reason="breadth beyond the default sample: MLX_ATTN_FULL_GRID=1 runs it")
-    params = []
-    for case in cases:
-        values = case if isinstance(case, tuple) else (case,)
-        params.append(pytest.param(*values, marks=skip) if values[0] in FULL_GRID_ONLY else case)
-    return params
 
 
 @pytest.fixture(autouse=True)
@@ -319,7 +304,7 @@ def our_greedy_tokens(directory, prompt=PROMPT, **options):
     return [token for token, _ in generate_step(model, prompt, config)]
 
 
-@pytest.mark.parametrize("name", grid(sorted(ARCHITECTURES)))
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
     directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
     expected = mlx_lm_greedy_tokens(directory)
