@@ -331,7 +331,8 @@ class _PositionsProbeCache(mlx_lm_models.SelfAttendingCache):
     two one-token sequences at different positions (``offset`` an array, as
     the engine's steps give), attention answered with zeros."""
 
-    offset = None  # set per instance: int32 [2]
+    def __init__(self, offset: mx.array):
+        self.offset = offset
 
     def __bool__(self) -> bool:
         return True
@@ -355,17 +356,12 @@ def _check_positions_per_sequence(model: nn.Module, model_type) -> None:
     at different positions in one call (RoPE given one offset per sequence,
     an array): the engine's steps do that. mlx-lm's dynamic-NTK RoPE, say,
     needs one integer position."""
-    rules = _layer_rules(model)
-    states = iter(_flat_prompt_cache(model))
     flat = []
-    for rule in rules:
-        state = next(states)
-        if rule == _RECURRENT:
+    for rule, state in zip(_layer_rules(model), _flat_prompt_cache(model)):
+        if rule == _RECURRENT:  # two fresh states side by side, as the engine's decode rows run
             flat.append(type(state).merge([state, copy.deepcopy(state)]))
         else:
-            probe = _PositionsProbeCache()
-            probe.offset = mx.array([0, 3], mx.int32)
-            flat.append(probe)
+            flat.append(_PositionsProbeCache(mx.array([0, 3], mx.int32)))
     try:
         mx.eval(model(mx.zeros((2, 1), mx.int32), cache=_nested(_cache_nesting(model), flat)))
     except Exception as error:  # noqa: BLE001 (whatever the model's code raises, it cannot be served)
