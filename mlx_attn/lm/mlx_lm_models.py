@@ -53,7 +53,7 @@ from mlx_attn import cache as mlx_attn_cache
 from mlx_attn.ops import AttentionCall
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
 
-__all__ = ["SelfAttendingCache", "attention", "install_attention", "attention_installed", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
+__all__ = ["SelfAttendingCache", "attention", "contiguous_mask", "install_attention", "attention_installed", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
            "resolve_model_path", "seam_problems", "SeamCall", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
            "QuantizedKVCache", "INSTALL_HINT"]
 
@@ -118,7 +118,7 @@ def _causal_mask(n_queries: int, n_keys: int, window: int | None) -> mx.array:
     return visible & (key > query - window) if window is not None else visible
 
 
-def _contiguous_mask(n_queries: int, n_keys: int, window: int | None, return_array: bool):
+def contiguous_mask(n_queries: int, n_keys: int, window: int | None, return_array: bool):
     """The mask of ``n_queries`` new queries over ``n_keys`` keys held in time
     order and ending at the newest query: ``None`` / ``"causal"`` where no
     window bites and no array is asked for, else a lazy array remembered with
@@ -136,7 +136,7 @@ class _MlxLmMasks:
     attention_backend = "auto"  # the backend= of :func:`attention` for this cache's layer
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return _contiguous_mask(N, self.offset + N, window_size, return_array)
+        return contiguous_mask(N, self.offset + N, window_size, return_array)
 
 
 class _KeysAndValues:
@@ -187,7 +187,7 @@ class RotatingKVCache(_KeysAndValues, mlx_attn_cache.RotatingKVCache):
         n_keys = self.keys_after_update(N)
         in_time_order = n_keys == self.offset + N or (N > 1 and self.keep == 0)
         if in_time_order:
-            return _contiguous_mask(N, n_keys, window, return_array)
+            return contiguous_mask(N, n_keys, window, return_array)
         positions = self.key_positions_after_update(N)[None]
         query = mx.arange(self.offset, self.offset + N)[:, None]
         return (positions <= query) & (positions > query - window)

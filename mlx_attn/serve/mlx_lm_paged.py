@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import logging
 import types
 
 import mlx.core as mx
@@ -65,7 +66,9 @@ import numpy as np
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.models.base import AttentionHook, LayerAttention
 
-__all__ = ["MlxLmPagedModel", "PagedLayerCache", "RecurrentStates", "UnsupportedForServing",
+log = logging.getLogger(__name__)
+
+__all__ = ["MlxLmPagedModel", "PagedLayerCache", "GatheringPagedCache", "RecurrentStates", "UnsupportedForServing",
            "check_servable_mlx_lm_model"]
 
 
@@ -130,6 +133,51 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
                                      scale=scale, window_size=self.window, sinks=sinks, softcap=softcap,
                                      cascade=getattr(self.hook, "cascade", None))  # a hybrid call's sub-hook: none
         return out.reshape(batch, length, heads, out.shape[-1]).swapaxes(1, 2)
+
+
+class GatheringPagedCache:
+    """One attention layer's cache for one request's call of ``L`` tokens
+    (``[1, L]``, first position ``offset``, an int) where the layer does not
+    let the cache attend (it computes attention itself, as mlx-lm's gemma2,
+    or from keys computed from the cache's, as multi-head latent attention):
+    ``update_and_fetch`` writes the rows into the layer's pages and returns
+    the request's every key and value gathered from its pages in time order
+    (dequantized from quantized pages), ``make_mask`` the causal mask over
+    them within the layer's window, as a dense cache would. The pages keep
+    what prefix sharing needs; the call costs a gather per layer."""
+
+    def __init__(self, store, layer: int, window: int | None, writes: tuple, block_row: np.ndarray, offset: int):
+        self.store, self.layer, self.window = store, layer, window
+        self.write_pages, self.write_slots = writes
+        self.block_row, self.offset = block_row, offset
+        self._fetched = None
+
+    def __bool__(self) -> bool:
+        return True
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return mlx_lm_models.contiguous_mask(N, self.offset + N, window_size or self.window, return_array)
+
+    def _gathered(self, stored, pages: mx.array, n_keys: int, dtype) -> mx.array:
+        if isinstance(stored, tuple):
+            rows = mx.dequantize(*(part[pages] for part in stored), group_size=self.store.group_size,
+                                 bits=self.store.bits)
+        else:
+            rows = stored[pages]
+        count, heads, size, dim = rows.shape
+        return rows.swapaxes(0, 1).reshape(heads, count * size, dim)[None, :, :n_keys].astype(dtype)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.store.write(self.layer, self.write_pages, self.write_slots, PagedLayerCache._rows(keys),
+                         PagedLayerCache._rows(values))
+        n_keys = self.offset + keys.shape[2]
+        pages = mx.array(self.block_row[: -(-n_keys // self.store.page_size)])
+        self._fetched = (self._gathered(self.store.keys[self.layer], pages, n_keys, keys.dtype),
+                         self._gathered(self.store.values[self.layer], pages, n_keys, values.dtype))
+        return self._fetched
+
+    def keys_and_values(self):
+        return self._fetched
 
 
 class RecurrentStates:
@@ -307,23 +355,40 @@ def _layer_rules(model: nn.Module) -> list:
     return rules
 
 
-def _check_attention_seam(model: nn.Module, model_type) -> None:
-    """:class:`UnsupportedForServing` naming each attention layer whose
-    attention a paged cache cannot run (see
-    :func:`mlx_lm_models.seam_problems`): the pages would be ignored and
-    the tokens wrong."""
+def _seam_problem(model: nn.Module) -> tuple[str | None, bool]:
+    """``(what keeps paged caches from attending for the model's layers, or
+    None; whether a gathering cache can serve it instead)``, from
+    :func:`mlx_lm_models.seam_problems`: a layer that computes attention
+    itself, or from keys computed from the cache's, reads what a cache
+    returns, which a :class:`GatheringPagedCache` gives it; a layer that
+    attends without a cache to keys no cache returned cannot be served."""
     problems = mlx_lm_models.seam_problems(model)
-    if problems:
-        slots_by_reason = collections.defaultdict(list)
-        for slot, why in problems.items():
-            slots_by_reason[why].append(slot)
-        named = "; ".join(why if None in slots else
-                          f"layer cache{'s' if len(slots) > 1 else ''} {', '.join(map(str, sorted(slots)))}: {why}"
-                          for why, slots in slots_by_reason.items())
+    if not problems:
+        return None, True
+    slots_by_reason = collections.defaultdict(list)
+    for slot, why in problems.items():
+        slots_by_reason[why].append(slot)
+    named = "; ".join(why if None in slots else
+                      f"layer cache{'s' if len(slots) > 1 else ''} {', '.join(map(str, sorted(slots)))}: {why}"
+                      for why, slots in slots_by_reason.items())
+    return named, None not in problems
+
+
+def _fast_path_problem(model: nn.Module, model_type, hybrid: bool) -> str | None:
+    """Why the engine's flat paged step cannot run the model (None: it can):
+    then it is served with :class:`GatheringPagedCache` (one request a call),
+    or refused (:class:`UnsupportedForServing`) where that cannot serve it
+    either (a hybrid model, or a layer attending to keys no cache returned)."""
+    why, gatherable = _seam_problem(model)
+    if why is None:
+        why = _positions_problem(model)
+    if why is not None and (hybrid or not gatherable):
         raise UnsupportedForServing(
-            f"mlx-lm's {model_type or 'model'} cannot be served on pages: {named}. The engine's pages need every "
+            f"mlx-lm's {model_type or 'model'} cannot be served on pages: {why}. The engine's pages need every "
             "attention layer to attend through mlx-lm's scaled_dot_product_attention with its cache's own keys "
-            "and values; `mlx-attn generate` runs this model")
+            "and values, one position per sequence" + (" (a hybrid model is not served one request at a time)"
+                                                      if hybrid else "") + "; `mlx-attn generate` runs this model")
+    return why
 
 
 class _PositionsProbeCache(mlx_lm_models.SelfAttendingCache):
@@ -351,11 +416,11 @@ class _PositionsProbeCache(mlx_lm_models.SelfAttendingCache):
         return mx.zeros((*queries.shape[:-1], values.shape[-1]), queries.dtype)
 
 
-def _check_positions_per_sequence(model: nn.Module, model_type) -> None:
-    """:class:`UnsupportedForServing` when the model cannot run sequences
-    at different positions in one call (RoPE given one offset per sequence,
-    an array): the engine's steps do that. mlx-lm's dynamic-NTK RoPE, say,
-    needs one integer position."""
+def _positions_problem(model: nn.Module) -> str | None:
+    """Why the model cannot run sequences at different positions in one
+    call (RoPE given one offset per sequence, an array), as the engine's
+    flat steps do (None: it can). mlx-lm's dynamic-NTK RoPE, say, needs one
+    integer position."""
     flat = []
     for rule, state in zip(_layer_rules(model), _flat_prompt_cache(model)):
         if rule == _RECURRENT:  # two fresh states side by side, as the engine's decode rows run
@@ -364,20 +429,17 @@ def _check_positions_per_sequence(model: nn.Module, model_type) -> None:
             flat.append(_PositionsProbeCache(mx.array([0, 3], mx.int32)))
     try:
         mx.eval(model(mx.zeros((2, 1), mx.int32), cache=_nested(_cache_nesting(model), flat)))
-    except Exception as error:  # noqa: BLE001 (whatever the model's code raises, it cannot be served)
-        raise UnsupportedForServing(
-            f"mlx-lm's {model_type or 'model'} cannot run sequences at different positions in one call (the "
-            f"engine's steps give one position per sequence, an array, and no mask array): {type(error).__name__}: "
-            f"{' '.join(str(error).split())}; `mlx-attn generate` runs this model") from None
+    except Exception as error:  # noqa: BLE001 (whatever the model's code raises, the flat step cannot run it)
+        return (f"it cannot run sequences at different positions in one call (one position per sequence, an "
+                f"array, and no mask array): {type(error).__name__}: {' '.join(str(error).split())}")
+    return None
 
 
 def check_servable_mlx_lm_model(wrapped: mlx_lm_models.MlxLmModel) -> None:
     """:class:`UnsupportedForServing` when the engine cannot page the
-    model's layers (see :func:`_layer_rules`, :func:`_check_attention_seam`
-    and :func:`_check_positions_per_sequence`)."""
-    _layer_rules(wrapped.model)
-    _check_attention_seam(wrapped.model, wrapped.config.model_type)
-    _check_positions_per_sequence(wrapped.model, wrapped.config.model_type)
+    model's layers (see :func:`_layer_rules` and :func:`_fast_path_problem`)."""
+    rules = _layer_rules(wrapped.model)
+    _fast_path_problem(wrapped.model, wrapped.config.model_type, _RECURRENT in rules)
 
 
 def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
@@ -408,8 +470,12 @@ class MlxLmPagedModel:
         self.model = wrapped.model
         self._rules = _layer_rules(self.model)
         self._nesting = _cache_nesting(self.model)
-        _check_attention_seam(self.model, wrapped.config.model_type)
-        _check_positions_per_sequence(self.model, wrapped.config.model_type)
+        # why each request runs alone over K/V gathered from its pages (None: the flat paged step)
+        self.gathering = _fast_path_problem(self.model, wrapped.config.model_type, _RECURRENT in self._rules)
+        if self.gathering:
+            log.warning("each request runs alone in a step, over K/V gathered from its pages (slower than the "
+                        "batched paged step, which cannot run mlx-lm's %s: %s)", wrapped.config.model_type,
+                        self.gathering)
         self._recurrent_slots = [i for i, rule in enumerate(self._rules) if rule == _RECURRENT]
         self.states = RecurrentStates(self.model, self._recurrent_slots) if self._recurrent_slots else None
         self._source = wrapped.source
@@ -468,12 +534,34 @@ class MlxLmPagedModel:
             mlx_lm_models.install_attention()
         if self.states is not None:
             return self._hybrid_call(attention)
+        if self.gathering:
+            return self._gathering_call(attention)
         caches = _nested(self._nesting, [PagedLayerCache(attention, layer.index, layer.window_size)
                                          for layer in self._layers])
         logits = self.model(tokens.reshape(-1, 1), cache=caches)[:, 0]
         if attention.logit_rows is not None:
             logits = logits[attention.logit_rows]
         return logits[None]
+
+    def _gathering_call(self, hook) -> mx.array:
+        """Each row of the step alone (``[1, L]``, its first position an
+        int) with :class:`GatheringPagedCache` for its attention layers; the
+        logits of the hook's ``logit_rows`` (every token without)."""
+        host = hook.host_arrays
+        ends = np.cumsum(host["q_lens"])
+        by_token = {}
+        for b, (lo, hi) in enumerate(zip(ends - host["q_lens"], ends)):
+            tokens = np.arange(lo, hi)
+            writes = (mx.array(host["write_pages"][tokens]), mx.array(host["write_slots"][tokens]))
+            first = int(host["positions"][lo])
+            caches = [GatheringPagedCache(hook.store, layer.index, layer.window_size, writes, host["block_table"][b],
+                                          first) for layer in self._layers]
+            logits = self.model(mx.array(host["tokens"][tokens])[None], cache=_nested(self._nesting, caches))[0]
+            by_token.update(zip(tokens.tolist(), logits))
+        wanted = range(len(host["tokens"])) if hook.host_logit_rows is None else hook.host_logit_rows.tolist()
+        if not wanted:
+            return mx.zeros((1, 0, self.config.vocab_size))
+        return mx.stack([by_token[t] for t in wanted])[None]
 
     # ------------------------------------------------------------ hybrid models
     def enable_state_snapshots(self, max_snapshots: int) -> None:
