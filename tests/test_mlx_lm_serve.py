@@ -9,6 +9,8 @@ prompt alone; a prefix-cache hit gives the tokens of a miss; the page
 accounting holds after every step. Without mlx-lm these tests skip, except
 on CI, where they fail."""
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -363,22 +365,18 @@ def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
         check_servable(wrapped)
 
 
-# architectures whose attention pages cannot run, and what the refusal names
+# architectures the engine cannot serve, and what the refusal names
 REFUSED = {
-    "gemma2": r"layer caches 0, 1: its layer computes attention itself",
-    "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
     "llama4": r"layer cache 0 is mlx-lm's ChunkedKVCache",
     "mamba2": r"no attention layer",
-    "llama_dynamic_rope": r"mlx-lm's llama cannot run sequences at different positions in one call",
 }
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path, name):
-    """Served on pages these layers would give wrong tokens (the model
-    reads or transforms the keys itself, or shares them between layers), so
-    the engine and the server's start refuse them, naming the cache slots
-    and pointing at `mlx-attn generate` (whose tokens equal mlx-lm's:
+    """Chunked attention and a model without attention layers: the engine
+    and the server's start refuse them, naming the cache slot and pointing
+    at `mlx-attn generate` (whose tokens equal mlx-lm's:
     test_mlx_lm_models.py)."""
     from mlx_attn.serve.server import check_servable
 
@@ -393,16 +391,69 @@ def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path
 
 def test_mlx_attn_serve_refuses_such_a_model_before_it_starts(tmp_path, capsys):
     """`mlx-attn serve --model DIR` (``--engine auto`` takes mlx-lm's class:
-    mlx_attn has no gemma2 of its own) exits with the refusal on one line,
+    mlx_attn has no Llama 4 of its own) exits with the refusal on one line,
     and no server starts."""
     pytest.importorskip("uvicorn")
     from mlx_attn.lm.cli import USAGE_ERROR, main
 
-    directory = write_checkpoint(tmp_path / "gemma2", ARCHITECTURES["gemma2"])
+    directory = write_checkpoint(tmp_path / "llama4", ARCHITECTURES["llama4"])
     assert main(["serve", "--model", str(directory), "--port", "1"]) == USAGE_ERROR
     error = capsys.readouterr().err
-    assert error.startswith("mlx-attn: error: mlx-lm's gemma2 cannot be served on pages: layer caches 0, 1: ")
-    assert "`mlx-attn generate` runs this model" in error and error.count("\n") == 1
+    assert error.startswith("mlx-attn: error: layer cache 0 is mlx-lm's ChunkedKVCache")
+    assert "`mlx-attn generate`" in error and error.count("\n") == 1
+
+
+# architectures the batched paged step cannot run, served one request a call over K/V gathered
+# from the pages, and why
+GATHERED = {
+    "gemma2": r"layer caches 0, 1: its layer computes attention itself",
+    "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
+    "llama_dynamic_rope": r"it cannot run sequences at different positions in one call",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_a_model_the_paged_step_cannot_run_is_served_over_gathered_kv(tmp_path, name, caplog):
+    """Softcapped attention computed by the model (gemma2), multi-head
+    latent attention (deepseek_v3) and dynamic-NTK RoPE: each request of
+    the mixed batch (shared prefixes, preemption, chunked prefill) gives
+    mlx-lm's tokens alone, a prefix-cache hit the miss's, the pages add up;
+    the engine says why it gathers."""
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    prompts = mixed_prompts()
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    with caplog.at_level("WARNING", logger="mlx_attn.serve.mlx_lm_paged"):
+        engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10)
+    assert re.search(GATHERED[name], engine.model.gathering)
+    assert "over K/V gathered from its pages" in caplog.text
+    mlx_lm_models.attention_calls.clear()
+    assert serve(engine, prompts, NEW_TOKENS) == expected
+    assert "self-attending" not in mlx_lm_models.attention_calls
+    assert engine.scheduler.cached_prompt_tokens > 0 and engine.scheduler.preemptions > 0
+    cached_before = engine.scheduler.cached_prompt_tokens
+    assert serve(engine, {"again": prompts["r3"]}, NEW_TOKENS)["again"] == expected["r3"]
+    assert engine.scheduler.cached_prompt_tokens - cached_before >= 4 * (len(prompts["r3"]) // 4) - 4
+
+
+def test_gathered_kv_from_8_bit_pages_with_drafts_batch_equals_alone(tmp_path):
+    """gemma2 (head dim 32) on 8-bit pages with n-gram drafts: each request
+    of the batch equals it served alone on the same pages (drafted rows'
+    logits included), and 8-bit K/V keeps mlx-lm's first tokens."""
+    config = dict(ARCHITECTURES["gemma2"], num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    directory = write_checkpoint(tmp_path / "gemma2-hd32", config)
+    model, _ = mlx_lm_models.load(directory)
+    prompts = _repetitive_prompts(5)
+    options = dict(kv_bits=8, group_size=32, speculative="ngram")
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16, **options)
+    assert engine.model.gathering and engine.speculation_refused is None
+    got = serve(engine, prompts, 10)
+    assert engine.stats()["draft_tokens"] > 0
+    for rid, prompt in prompts.items():
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompt}, 10)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, 10)
+    assert all(got[rid][0] == expected[rid][0] for rid in prompts)
 
 
 def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):
