@@ -158,8 +158,13 @@ class GatheringPagedCache:
         self.block_row, self.offset = block_row, offset
         self._fetched = None
 
+    start_position = 0  # ChunkedKVCache's: the first key returned (every key is)
+
     def __bool__(self) -> bool:
         return True
+
+    def maybe_trim_front(self) -> None:
+        """ChunkedKVCache's: keys before the chunk stay (the model's chunk mask hides them)."""
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return mlx_lm_models.contiguous_mask(N, self.offset + N, window_size or self.window, return_array)
@@ -289,6 +294,7 @@ class _KVShape:
 
 
 _RECURRENT = "recurrent"  # a layer rule: the layer keeps a recurrent state, not K/V
+_CHUNKED = "chunked"  # a layer rule: chunked attention (the model makes its mask over every key)
 
 
 def _flatten(caches: list) -> list:
@@ -338,7 +344,8 @@ def _nested(nesting: list, flat: list) -> list:
 def _layer_rules(model: nn.Module) -> list:
     """Each cache slot's rule from mlx-lm's cache structure (nested cache
     lists flattened): None (full attention), the sliding window (an int),
-    or ``"recurrent"`` (an ``ArraysCache``, ``MambaCache``...: a state per
+    ``"chunked"`` (a ``ChunkedKVCache``: Llama 4's chunked attention) or
+    ``"recurrent"`` (an ``ArraysCache``, ``MambaCache``...: a state per
     request); :class:`UnsupportedForServing` for any other cache."""
     import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
 
@@ -348,13 +355,15 @@ def _layer_rules(model: nn.Module) -> list:
             rules.append(None)
         elif type(cache) is mlx_lm_cache.RotatingKVCache and cache.keep == 0:
             rules.append(cache.max_size)
+        elif type(cache) is mlx_lm_cache.ChunkedKVCache:
+            rules.append(_CHUNKED)
         elif isinstance(cache, mlx_lm_cache.ArraysCache):
             rules.append(_RECURRENT)
         else:
             raise UnsupportedForServing(
                 f"layer cache {i} is mlx-lm's {type(cache).__name__}: the serving engine pages attention layers "
-                "(KVCache, sliding-window RotatingKVCache) and keeps recurrent states (ArraysCache, "
-                "MambaCache); chunked attention is not served yet, use `mlx-attn generate` for it")
+                "(KVCache, sliding-window RotatingKVCache, ChunkedKVCache) and keeps recurrent states "
+                "(ArraysCache, MambaCache); use `mlx-attn generate` for it")
     if all(rule == _RECURRENT for rule in rules):
         raise UnsupportedForServing("the model has no attention layer: the serving engine needs one to page; "
                                     "`mlx-attn generate` runs it")
@@ -380,12 +389,17 @@ def _seam_problem(model: nn.Module) -> tuple[str | None, bool]:
     return named, None not in problems
 
 
-def _fast_path_problem(model: nn.Module, model_type, hybrid: bool) -> str | None:
+def _fast_path_problem(model: nn.Module, model_type, rules: list) -> str | None:
     """Why the engine's flat paged step cannot run the model (None: it can):
     then it is served with :class:`GatheringPagedCache` (one request a call),
     or refused (:class:`UnsupportedForServing`) where that cannot serve it
-    either (a hybrid model, or a layer attending to keys no cache returned)."""
-    why, gatherable = _seam_problem(model)
+    either (a hybrid model, or a layer attending to keys no cache returned).
+    ``rules``: :func:`_layer_rules`'s."""
+    hybrid = _RECURRENT in rules
+    chunked = [slot for slot, rule in enumerate(rules) if rule == _CHUNKED]
+    why, gatherable = (f"layer cache{'s' if len(chunked) > 1 else ''} {', '.join(map(str, chunked))}: chunked "
+                       "attention (mlx-lm's ChunkedKVCache; the model makes its mask over the keys)", True
+                       ) if chunked else _seam_problem(model)
     if why is None:
         why = _positions_problem(model)
     if why is not None and (hybrid or not gatherable):
@@ -444,8 +458,7 @@ def _positions_problem(model: nn.Module) -> str | None:
 def check_servable_mlx_lm_model(wrapped: mlx_lm_models.MlxLmModel) -> None:
     """:class:`UnsupportedForServing` when the engine cannot page the
     model's layers (see :func:`_layer_rules` and :func:`_fast_path_problem`)."""
-    rules = _layer_rules(wrapped.model)
-    _fast_path_problem(wrapped.model, wrapped.config.model_type, _RECURRENT in rules)
+    _fast_path_problem(wrapped.model, wrapped.config.model_type, _layer_rules(wrapped.model))
 
 
 def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
@@ -477,7 +490,7 @@ class MlxLmPagedModel:
         self._rules = _layer_rules(self.model)
         self._nesting = _cache_nesting(self.model)
         # why each request runs alone over K/V gathered from its pages (None: the flat paged step)
-        self.gathering = _fast_path_problem(self.model, wrapped.config.model_type, _RECURRENT in self._rules)
+        self.gathering = _fast_path_problem(self.model, wrapped.config.model_type, self._rules)
         if self.gathering:
             log.warning("each request runs alone in a step, over K/V gathered from its pages (slower than the "
                         "batched paged step, which cannot run mlx-lm's %s: %s)", wrapped.config.model_type,
@@ -510,7 +523,8 @@ class MlxLmPagedModel:
             raise UnsupportedForServing("the probe's attention layers differ from mlx-lm's cache structure")
         first = attention[0][1]
         self._attention_slots = [slot for slot, _ in attention]  # store layer i is cache slot [i]
-        self._layers = [LayerAttention(i, 1.0, self._rules[slot], shape.head_dim)
+        windows = [rule if isinstance(rule, int) else None for rule in self._rules]  # chunked: every key gathered
+        self._layers = [LayerAttention(i, 1.0, windows[slot], shape.head_dim)
                         for i, (slot, shape) in enumerate(attention)]
         layer_shapes = [(shape.kv_heads, shape.head_dim, shape.value_dim) for _, shape in attention]
         # pages of each layer's own shape where the layers differ (Gemma 4's full-attention layers are wider)
