@@ -342,41 +342,45 @@ def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact
 
 
 def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
-    """A cache that is neither attention K/V nor a recurrent state (here
-    chunked attention inside a layer's CacheList, counted as cache slot 1)
-    is refused, not served wrong."""
+    """A cache that is neither attention K/V nor a recurrent state (a ring
+    with kept first tokens, counted as cache slot 1 after a layer's
+    CacheList is flattened) is refused, not served wrong; so is a hybrid
+    layer whose chunked attention only gathering could serve."""
     import mlx.nn as nn
 
     class Nested(nn.Module):
-        def __init__(self):
+        def __init__(self, attention):
             super().__init__()
             self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+            self.attention = attention
 
         def make_cache(self):
-            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), mlx_lm_cache.ChunkedKVCache(8)),
-                    mlx_lm_cache.KVCache()]
+            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), self.attention()), mlx_lm_cache.KVCache()]
 
-    wrapped = mlx_lm_models.MlxLmModel(Nested(), {"model_type": "nested", "vocab_size": 64}, "nested")
-    with pytest.raises(ValueError, match=r"layer cache 1 is mlx-lm's ChunkedKVCache.*chunked attention"):
-        Engine(wrapped, kv_tokens=64)
     from mlx_attn.serve.server import check_servable
 
-    with pytest.raises(UnsupportedForServing, match="ChunkedKVCache"):
+    wrapped = mlx_lm_models.MlxLmModel(Nested(lambda: mlx_lm_cache.RotatingKVCache(8, keep=4)),
+                                       {"model_type": "nested", "vocab_size": 64}, "nested")
+    with pytest.raises(ValueError, match=r"layer cache 1 is mlx-lm's RotatingKVCache"):
+        Engine(wrapped, kv_tokens=64)
+    with pytest.raises(UnsupportedForServing, match="RotatingKVCache"):
+        check_servable(wrapped)
+    wrapped = mlx_lm_models.MlxLmModel(Nested(lambda: mlx_lm_cache.ChunkedKVCache(8)),
+                                       {"model_type": "nested", "vocab_size": 64}, "nested")
+    with pytest.raises(UnsupportedForServing, match=r"layer cache 1: chunked attention.*a hybrid model is not served"):
         check_servable(wrapped)
 
 
 # architectures the engine cannot serve, and what the refusal names
 REFUSED = {
-    "llama4": r"layer cache 0 is mlx-lm's ChunkedKVCache",
     "mamba2": r"no attention layer",
 }
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path, name):
-    """Chunked attention and a model without attention layers: the engine
-    and the server's start refuse them, naming the cache slot and pointing
-    at `mlx-attn generate` (whose tokens equal mlx-lm's:
+    """A model without attention layers: the engine and the server's start
+    refuse it, pointing at `mlx-attn generate` (whose tokens equal mlx-lm's:
     test_mlx_lm_models.py)."""
     from mlx_attn.serve.server import check_servable
 
@@ -391,15 +395,15 @@ def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path
 
 def test_mlx_attn_serve_refuses_such_a_model_before_it_starts(tmp_path, capsys):
     """`mlx-attn serve --model DIR` (``--engine auto`` takes mlx-lm's class:
-    mlx_attn has no Llama 4 of its own) exits with the refusal on one line,
+    mlx_attn has no Mamba-2 of its own) exits with the refusal on one line,
     and no server starts."""
     pytest.importorskip("uvicorn")
     from mlx_attn.lm.cli import USAGE_ERROR, main
 
-    directory = write_checkpoint(tmp_path / "llama4", ARCHITECTURES["llama4"])
+    directory = write_checkpoint(tmp_path / "mamba2", ARCHITECTURES["mamba2"])
     assert main(["serve", "--model", str(directory), "--port", "1"]) == USAGE_ERROR
     error = capsys.readouterr().err
-    assert error.startswith("mlx-attn: error: layer cache 0 is mlx-lm's ChunkedKVCache")
+    assert error.startswith("mlx-attn: error: the model has no attention layer")
     assert "`mlx-attn generate`" in error and error.count("\n") == 1
 
 
@@ -409,13 +413,15 @@ GATHERED = {
     "gemma2": r"layer caches 0, 1: its layer computes attention itself",
     "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
     "llama_dynamic_rope": r"it cannot run sequences at different positions in one call",
+    "llama4": r"layer caches 0, 1, 2: chunked attention",
 }
 
 
 @pytest.mark.parametrize("name", sorted(GATHERED))
 def test_a_model_the_paged_step_cannot_run_is_served_over_gathered_kv(tmp_path, name, caplog):
     """Softcapped attention computed by the model (gemma2), multi-head
-    latent attention (deepseek_v3) and dynamic-NTK RoPE: each request of
+    latent attention (deepseek_v3), dynamic-NTK RoPE and chunked attention
+    with its mask made by the model (llama4): each request of
     the mixed batch (shared prefixes, preemption, chunked prefill) gives
     mlx-lm's tokens alone, a prefix-cache hit the miss's, the pages add up;
     the engine says why it gathers."""
