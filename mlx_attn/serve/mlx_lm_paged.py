@@ -41,16 +41,16 @@ each boundary is saved under that page's prefix-cache key, and a request
 whose prompt begins with cached pages resumes from the last saved state
 among them.
 A layer's ``CacheList`` (Falcon-H1: attention and a state-space block side
-by side) counts as its entries, each kept by its kind. Other caches
-(``ChunkedKVCache``, a ring with kept tokens) are refused with a
-:class:`ValueError` naming the layer.
+by side) counts as its entries, each kept by its kind. Other caches (a ring
+with kept tokens) are refused with a :class:`ValueError` naming the layer.
 
 **Gathering.** A model whose attention layers do not attend through the
 seam with their cache's own keys and values
 (:func:`mlx_lm_models.seam_problems`: attention computed by the model
 itself, multi-head latent attention), or that cannot run sequences at
-different positions in one call (dynamic-NTK RoPE), would be served wrong
-by the flat step. It runs each request of a step alone with a
+different positions in one call (dynamic-NTK RoPE), or that has chunked
+attention layers (``ChunkedKVCache``: Llama 4 makes their mask over the
+keys itself), would be served wrong by the flat step. It runs each request of a step alone with a
 :class:`GatheringPagedCache` per attention layer instead: the rows go into
 the pages and the request's whole K/V comes back gathered from them, as a
 dense cache would hand it over (:attr:`MlxLmPagedModel.gathering` says
