@@ -54,7 +54,7 @@ keys itself), would be served wrong by the flat step. It runs each request of a 
 :class:`GatheringPagedCache` per attention layer instead: the rows go into
 the pages and the request's whole K/V comes back gathered from them, as a
 dense cache would hand it over (:attr:`MlxLmPagedModel.gathering` says
-why). A hybrid model that would need this is refused.
+why); a hybrid model's decode rows then run alone too.
 """
 
 from __future__ import annotations
@@ -393,21 +393,19 @@ def _fast_path_problem(model: nn.Module, model_type, rules: list) -> str | None:
     """Why the engine's flat paged step cannot run the model (None: it can):
     then it is served with :class:`GatheringPagedCache` (one request a call),
     or refused (:class:`UnsupportedForServing`) where that cannot serve it
-    either (a hybrid model, or a layer attending to keys no cache returned).
+    either (a layer attending to keys no cache returned).
     ``rules``: :func:`_layer_rules`'s."""
-    hybrid = _RECURRENT in rules
     chunked = [slot for slot, rule in enumerate(rules) if rule == _CHUNKED]
     why, gatherable = (f"layer cache{'s' if len(chunked) > 1 else ''} {', '.join(map(str, chunked))}: chunked "
                        "attention (mlx-lm's ChunkedKVCache; the model makes its mask over the keys)", True
                        ) if chunked else _seam_problem(model)
     if why is None:
         why = _positions_problem(model)
-    if why is not None and (hybrid or not gatherable):
+    if why is not None and not gatherable:
         raise UnsupportedForServing(
             f"mlx-lm's {model_type or 'model'} cannot be served on pages: {why}. The engine's pages need every "
             "attention layer to attend through mlx-lm's scaled_dot_product_attention with its cache's own keys "
-            "and values, one position per sequence" + (" (a hybrid model is not served one request at a time)"
-                                                      if hybrid else "") + "; `mlx-attn generate` runs this model")
+            "and values, or to read them from its cache; `mlx-attn generate` runs this model")
     return why
 
 
@@ -604,7 +602,8 @@ class MlxLmPagedModel:
         starts = ends - q_lens
         size = hook.store.page_size
         snapshots = self.states.max_snapshots > 0
-        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and positions[starts[b]] > 0]
+        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and positions[starts[b]] > 0
+                  and not self.gathering]  # gathering: each row alone
         calls = [[(b, starts[b], ends[b]) for b in decode]] if decode else []
         for b in range(len(q_lens)):
             if b in set(decode):
@@ -653,7 +652,10 @@ class MlxLmPagedModel:
             offset = sub["positions"]
         caches = [None] * len(self._rules)
         for layer, slot in zip(self._layers, self._attention_slots):
-            caches[slot] = PagedLayerCache(view, layer.index, layer.window_size, length, offset)
+            caches[slot] = (GatheringPagedCache(hook.store, layer.index, layer.window_size,
+                                                (sub["write_pages"], sub["write_slots"]), host["block_table"][rows[0]],
+                                                offset) if self.gathering else
+                            PagedLayerCache(view, layer.index, layer.window_size, length, offset))
         for slot, cache in zip(self._recurrent_slots, merged):
             caches[slot] = cache
         logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=_nested(self._nesting, caches))[:, -1]
