@@ -199,6 +199,13 @@ ARCHITECTURES = {
     # dynamic-NTK RoPE needs one integer position per call: generate runs it, the engine refuses
     "llama_dynamic_rope": dict(BASE, model_type="llama", rope_theta=10000.0, tie_word_embeddings=False,
                                rope_scaling={"type": "dynamic", "factor": 2.0}),
+    "qwen3_next_dynamic_rope": dict(BASE, model_type="qwen3_next", num_hidden_layers=4, head_dim=16,
+                                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                                    num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=32,
+                                    mlp_only_layers=[], moe_intermediate_size=32, rope_theta=1000000.0,
+                                    partial_rotary_factor=0.25, full_attention_interval=2,
+                                    rope_scaling={"type": "dynamic", "factor": 2.0}),
     # ---- more of what MLX users run
     "minimax": dict(BASE, model_type="minimax", head_dim=16, num_experts_per_tok=2, num_local_experts=4,
                     shared_intermediate_size=0, rope_theta=5000000.0, rotary_dim=8, tie_word_embeddings=False),
@@ -239,7 +246,7 @@ WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3",
 # others keep a recurrent state, and mamba2 has no other); gemma2 (its layers compute attention themselves)
 ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
                     "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0,
-                    "olmo_hybrid": 1}
+                    "olmo_hybrid": 1, "qwen3_next_dynamic_rope": 2}
 
 
 @pytest.fixture(autouse=True)

@@ -226,7 +226,8 @@ def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, 
     assert len(engine.model.states) == 0
 
 
-@pytest.mark.parametrize("name", sorted(HYBRIDS))
+# qwen3_next_dynamic_rope: gathered (each row alone, decode rows too)
+@pytest.mark.parametrize("name", sorted(HYBRIDS) + ["qwen3_next_dynamic_rope"])
 def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp_path, name):
     """With ``state_snapshots``, a prompt that begins with cached pages
     resumes from the recurrent state saved at the last of them: the mixed
@@ -239,6 +240,7 @@ def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp
     with pytest.raises(ValueError, match="state_snapshots"):
         Engine(model, kv_tokens=48, page_size=4, state_snapshots=-1)
     engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10, state_snapshots=64)
+    assert bool(engine.model.gathering) == (name == "qwen3_next_dynamic_rope")
     got = serve(engine, prompts, NEW_TOKENS)
     assert got == expected
     stats = engine.stats()
@@ -344,8 +346,7 @@ def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact
 def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
     """A cache that is neither attention K/V nor a recurrent state (a ring
     with kept first tokens, counted as cache slot 1 after a layer's
-    CacheList is flattened) is refused, not served wrong; so is a hybrid
-    layer whose chunked attention only gathering could serve."""
+    CacheList is flattened) is refused, not served wrong."""
     import mlx.nn as nn
 
     class Nested(nn.Module):
@@ -365,9 +366,38 @@ def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
         Engine(wrapped, kv_tokens=64)
     with pytest.raises(UnsupportedForServing, match="RotatingKVCache"):
         check_servable(wrapped)
-    wrapped = mlx_lm_models.MlxLmModel(Nested(lambda: mlx_lm_cache.ChunkedKVCache(8)),
-                                       {"model_type": "nested", "vocab_size": 64}, "nested")
-    with pytest.raises(UnsupportedForServing, match=r"layer cache 1: chunked attention.*a hybrid model is not served"):
+
+
+def test_a_layer_attending_to_keys_no_cache_returned_is_refused():
+    """A layer that attends without a cache to keys no cache handed out
+    (neither KV sharing nor anything a gathering cache could give it): the
+    pages would hold nothing it reads, so the engine refuses it."""
+    import mlx.nn as nn
+
+    class Uncached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 8)
+            self.layers = [nn.Linear(8, 64)]
+
+        def make_cache(self):
+            return [mlx_lm_cache.KVCache()]
+
+        def __call__(self, inputs, cache=None):
+            h = self.embed(inputs)[:, None]  # [B, 1 head, L, 8]
+            keys, values = cache[0].update_and_fetch(h, h)
+            mask = cache[0].make_mask(h.shape[2])
+            out = mlx_lm_models.attention(h, keys, values, cache=cache[0], scale=1.0, mask=mask)
+            out = mlx_lm_models.attention(out, out * 2, out, cache=None, scale=1.0, mask=mask)
+            return self.layers[0](out[:, 0])
+
+    from mlx_attn.serve.server import check_servable
+
+    wrapped = mlx_lm_models.MlxLmModel(Uncached(), {"model_type": "uncached", "vocab_size": 64}, "uncached")
+    with pytest.raises(UnsupportedForServing, match=r"uncached cannot be served on pages: a layer attends without a "
+                                                     r"cache of its own, to keys and values no cache returned"):
+        Engine(wrapped, kv_tokens=64)
+    with pytest.raises(UnsupportedForServing, match="no cache returned"):
         check_servable(wrapped)
 
 
