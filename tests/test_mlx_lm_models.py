@@ -206,6 +206,15 @@ ARCHITECTURES = {
                                     mlp_only_layers=[], moe_intermediate_size=32, rope_theta=1000000.0,
                                     partial_rotary_factor=0.25, full_attention_interval=2,
                                     rope_scaling={"type": "dynamic", "factor": 2.0}),
+    # Kimi-Linear: multi-head latent attention beside KDA linear attention (a gathered hybrid in the engine)
+    "kimi_linear": dict(model_type="kimi_linear", vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, head_dim=16,
+                        rope_theta=10000.0, rms_norm_eps=1e-5, model_max_length=4096,
+                        linear_attn_config={"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
+                                            "short_conv_kernel_size": 4},
+                        num_experts=4, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, num_experts_per_token=2, num_shared_experts=1,
+                        first_k_dense_replace=1, tie_word_embeddings=False),
     # ---- more of what MLX users run
     "minimax": dict(BASE, model_type="minimax", head_dim=16, num_experts_per_tok=2, num_local_experts=4,
                     shared_intermediate_size=0, rope_theta=5000000.0, rotary_dim=8, tie_word_embeddings=False),
@@ -246,7 +255,7 @@ WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3",
 # others keep a recurrent state, and mamba2 has no other); gemma2 (its layers compute attention themselves)
 ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
                     "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0,
-                    "olmo_hybrid": 1, "qwen3_next_dynamic_rope": 2}
+                    "olmo_hybrid": 1, "qwen3_next_dynamic_rope": 2, "kimi_linear": 2}
 
 
 @pytest.fixture(autouse=True)

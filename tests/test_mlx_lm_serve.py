@@ -226,8 +226,11 @@ def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, 
     assert len(engine.model.states) == 0
 
 
-# qwen3_next_dynamic_rope: gathered (each row alone, decode rows too)
-@pytest.mark.parametrize("name", sorted(HYBRIDS) + ["qwen3_next_dynamic_rope"])
+# gathered hybrids (each row alone, decode rows too): dynamic-NTK RoPE; Kimi-Linear's MLA
+GATHERED_HYBRIDS = ["qwen3_next_dynamic_rope", "kimi_linear"]
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS) + GATHERED_HYBRIDS)
 def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp_path, name):
     """With ``state_snapshots``, a prompt that begins with cached pages
     resumes from the recurrent state saved at the last of them: the mixed
@@ -240,7 +243,7 @@ def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp
     with pytest.raises(ValueError, match="state_snapshots"):
         Engine(model, kv_tokens=48, page_size=4, state_snapshots=-1)
     engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10, state_snapshots=64)
-    assert bool(engine.model.gathering) == (name == "qwen3_next_dynamic_rope")
+    assert bool(engine.model.gathering) == (name in GATHERED_HYBRIDS)
     got = serve(engine, prompts, NEW_TOKENS)
     assert got == expected
     stats = engine.stats()
