@@ -327,18 +327,20 @@ def seam_problems(model, tokens: int = 2) -> dict[int, str]:
     """Run ``tokens`` tokens, then one more, through ``model`` with this
     module's caches and check, for each attention cache (its slot in the
     cache list, nested lists flattened), that its layer attends through the
-    seam exactly as a cache that attends itself needs: one call of
-    :func:`attention` per forward, handed that cache, the keys and values
-    its ``update_and_fetch`` returned (not transformed), and a mask that is
-    none, ``"causal"`` or one this module's caches made. Returns
-    ``{slot: what differs}`` for the layers that do not (slot None: a
-    layer attending without a cache, reading no cache's keys; empty: every
-    attention layer conforms). A layer that computes attention itself
-    (mlx-lm's gemma2), mixes scores of its own into the mask (multi-head
-    latent attention, deepseek_v3) is named here; dense generation still
-    runs them, a paged cache cannot. A layer without a cache (KV sharing)
-    passes when it attends to exactly the keys and values another cache
-    returned (:class:`SelfAttendingCache` attends for it)."""
+    seam exactly as a cache that attends itself needs: calls of
+    :func:`attention` handed that cache (several: KV-shared layers handed
+    their source's cache), each with the keys and values its
+    ``update_and_fetch`` returned (not transformed) and a mask that is none,
+    ``"causal"`` or one this module's caches made. Returns ``{slot: what
+    differs}`` for the layers that do not (slot None: a layer attending
+    without a cache to keys no cache returned; empty: every attention layer
+    conforms). A layer that computes attention itself (mlx-lm's gemma2) or
+    attends to keys computed from the cache's, with scores of its own in the
+    mask (multi-head latent attention, deepseek_v3), is named here: dense
+    generation runs them as they are, the serving engine gathers their K/V
+    from its pages. A layer without a cache (KV sharing) passes when it
+    attends to exactly the keys and values another cache returned
+    (:class:`SelfAttendingCache` attends for it)."""
     install_attention()
     caches = make_cache(model)
     flat = list(_flat(caches))
