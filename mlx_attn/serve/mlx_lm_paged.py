@@ -152,13 +152,13 @@ class GatheringPagedCache:
     them within the layer's window, as a dense cache would. The pages keep
     what prefix sharing needs; the call costs a gather per layer."""
 
+    start_position = 0  # ChunkedKVCache's: the first key returned (every key is)
+
     def __init__(self, store, layer: int, window: int | None, writes: tuple, block_row: np.ndarray, offset: int):
         self.store, self.layer, self.window = store, layer, window
         self.write_pages, self.write_slots = writes
         self.block_row, self.offset = block_row, offset
         self._fetched = None
-
-    start_position = 0  # ChunkedKVCache's: the first key returned (every key is)
 
     def __bool__(self) -> bool:
         return True
