@@ -46,6 +46,10 @@ VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]  # 64 tokens
 NEW_TOKENS = 16
 PROMPT = [1, 5, 9, 12, 40, 33, 7, 8, 21, 60, 19, 44, 3, 50]  # 14 tokens: longer than the windows (8)
 
+QWEN3_5_ROPE = {"type": "default", "mrope_section": [1, 1, 0], "rope_theta": 100000, "partial_rotary_factor": 0.25}
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.1}
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             rms_norm_eps=1e-5, vocab_size=len(VOCAB), max_position_embeddings=4096)
 ARCHITECTURES = {
@@ -81,10 +85,177 @@ ARCHITECTURES = {
                        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                        shared_expert_intermediate_size=32, mlp_only_layers=[], moe_intermediate_size=32,
                        rope_theta=1000000.0, partial_rotary_factor=0.25, full_attention_interval=2),
+    # hybrid: gated-delta linear attention beside full attention (Qwen3.5); and its MoE under a text_config
+    "qwen3_5": dict(BASE, model_type="qwen3_5", num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+                    rope_parameters=QWEN3_5_ROPE),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", text_config=dict(
+        BASE, model_type="qwen3_5_moe_text", num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        full_attention_interval=2, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
+        moe_intermediate_size=32, tie_word_embeddings=False, rope_parameters=QWEN3_5_ROPE)),
+    # hybrids with Mamba-2 blocks: Granite 4.0 (MoE), Nemotron-H (an MLP-only layer too), Jamba; Falcon-H1
+    # runs attention and Mamba side by side in each layer (a CacheList per layer)
+    "granitemoehybrid": dict(BASE, model_type="granitemoehybrid", num_hidden_layers=3, attention_bias=False,
+                             embedding_multiplier=6.0, attention_multiplier=0.2, logits_scaling=2.0,
+                             residual_multiplier=0.5, layer_types=["mamba", "attention", "mamba"],
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+                             mamba_n_heads=4, mamba_d_head=32, mamba_proj_bias=False, mamba_d_state=16,
+                             mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True, rope_theta=10000.0,
+                             tie_word_embeddings=False),
+    "nemotron_h": dict(model_type="nemotron_h", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                       max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+                       ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+                       use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-", "M"]),
+    "jamba": dict(BASE, model_type="jamba", num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2,
+                  expert_layer_offset=1, expert_layer_period=2, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2,
+                  num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "falcon_h1": dict(model_type="falcon_h1", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                      head_dim=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_n_groups=1,
+                      mamba_n_heads=4, mamba_chunk_size=16, max_position_embeddings=4096, rope_theta=10000.0,
+                      tie_word_embeddings=False),
+    "lfm2_moe": dict(model_type="lfm2_moe", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                     moe_intermediate_size=32, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                     norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                     use_expert_bias=True, num_dense_layers=1, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                     layer_types=["conv", "full_attention", "conv"]),
+    "granite": dict(BASE, model_type="granite", logits_scaling=2.0, attention_multiplier=0.2,
+                    embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False, mlp_bias=False,
+                    rope_theta=10000.0, tie_word_embeddings=False),
+    "granitemoe": dict(BASE, model_type="granitemoe", logits_scaling=2.0, attention_multiplier=0.2,
+                       embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False, rope_theta=10000.0,
+                       num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    # Ministral 3: YaRN with Llama 4's attention scaling, a sliding layer; Mistral 3: its text_config wrapper
+    "ministral3": dict(BASE, model_type="ministral3", head_dim=16, tie_word_embeddings=False, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"], rope_parameters=MINISTRAL3_ROPE),
+    "mistral3": dict(model_type="mistral3", text_config=dict(BASE, model_type="ministral3", head_dim=16,
+                                                             tie_word_embeddings=False,
+                                                             rope_parameters=MINISTRAL3_ROPE)),
+    # the multimodal wrapper mlx-community's Gemma 3 checkpoints have (language_model under text_config)
+    "gemma3": dict(model_type="gemma3", vocab_size=len(VOCAB), text_config=dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16, sliding_window=8,
+        sliding_window_pattern=3, rope_theta=1000000.0, rope_local_base_freq=10000.0)),
+    # mlx-lm's gemma2 computes its (softcapped) attention itself: generate runs it on our caches only
+    "gemma2": dict(BASE, model_type="gemma2", head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, rope_theta=10000.0),
+    "llama4_text": dict(BASE, model_type="llama4_text", head_dim=16, intermediate_size_mlp=96, rope_theta=500000.0,
+                        tie_word_embeddings=False, no_rope_layers=[1, 0], use_qk_norm=True),
+    # chunked attention layers (mlx-lm's ChunkedKVCache) every 3 of 4, MoE
+    "llama4": dict(model_type="llama4", text_config=dict(
+        BASE, model_type="llama4_text", num_hidden_layers=4, head_dim=16, intermediate_size_mlp=96,
+        attention_bias=False, attention_chunk_size=8, interleave_moe_layer_step=1, num_local_experts=4,
+        num_experts_per_tok=1, rope_scaling=None, rope_theta=500000.0, use_qk_norm=True)),
+    "glm4": dict(BASE, model_type="glm4", head_dim=16, attention_bias=True, partial_rotary_factor=0.5,
+                 rope_theta=10000.0),
+    "glm4_moe": dict(BASE, model_type="glm4_moe", head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+                     moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                     routed_scaling_factor=1.0, use_qk_norm=True, rope_scaling=None, rope_theta=10000.0,
+                     tie_word_embeddings=False),
+    "exaone4": dict(BASE, model_type="exaone4", num_hidden_layers=4, head_dim=16, rope_theta=1000000.0,
+                    tie_word_embeddings=False, rope_scaling=None, sliding_window=8, sliding_window_pattern="LLLG",
+                    layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "cohere2": dict(BASE, model_type="cohere2", head_dim=16, num_hidden_layers=4, layer_norm_eps=1e-5,
+                    logit_scale=0.25, sliding_window=8, sliding_window_pattern=4, rope_theta=50000.0),
+    "olmo3": dict(BASE, model_type="olmo3", head_dim=16, sliding_window=8, rope_theta=500000.0,
+                  layer_types=["sliding_attention", "full_attention"]),
+    # multi-head latent attention: the layer attends to keys computed from the cached latent
+    "deepseek_v3": dict(BASE, model_type="deepseek_v3", moe_intermediate_size=32, n_shared_experts=1,
+                        n_routed_experts=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+                        qk_nope_head_dim=16, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                        topk_group=1, rope_theta=10000.0),
+    "gpt_neox": dict(model_type="gpt_neox", max_position_embeddings=4096, hidden_size=64, num_attention_heads=4,
+                     num_hidden_layers=2, layer_norm_eps=1e-5, vocab_size=len(VOCAB), rotary_emb_base=10000,
+                     rotary_pct=0.25),
+    "starcoder2": dict(BASE, model_type="starcoder2", norm_epsilon=1e-5, rope_theta=100000.0,
+                       tie_word_embeddings=False),
+    "mixtral": dict(BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+    "phimoe": dict(BASE, model_type="phimoe", num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
+                   original_max_position_embeddings=4096, rope_scaling=None),
+    # Gemma 4's shapes: two KV-shared layers attend to earlier layers' caches (no cache of their own);
+    # full-attention layers twice as wide, with one KV head and keys as values
+    "gemma4_text": dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                        num_attention_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, rms_norm_eps=1e-6,
+                        vocab_size=len(VOCAB), vocab_size_per_layer_input=len(VOCAB), num_key_value_heads=2,
+                        num_kv_shared_layers=2, hidden_size_per_layer_input=8, sliding_window=8,
+                        sliding_window_pattern=2, max_position_embeddings=4096, use_double_wide_mlp=False),
+    # Gemma 3n: KV-shared layers read their source layer's cache (keys_and_values), AltUp, LAuReL
+    "gemma3n": dict(model_type="gemma3n", text_config=dict(
+        model_type="gemma3n_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
+        head_dim=16, rms_norm_eps=1e-6, vocab_size=len(VOCAB), num_key_value_heads=2, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=len(VOCAB), sliding_window=8, max_position_embeddings=4096,
+        rope_local_base_freq=10000.0, rope_theta=1000000.0, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+        hidden_size_per_layer_input=8, altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=8)),
+    # Qwen3-VL's language model under its text_config (the vision tower is not loaded)
+    "qwen3_vl": dict(model_type="qwen3_vl", text_config=dict(BASE, model_type="qwen3", head_dim=16,
+                                                              rope_theta=1000000.0, tie_word_embeddings=False)),
+    # dynamic-NTK RoPE needs one integer position per call: generate runs it, the engine refuses
+    "llama_dynamic_rope": dict(BASE, model_type="llama", rope_theta=10000.0, tie_word_embeddings=False,
+                               rope_scaling={"type": "dynamic", "factor": 2.0}),
+    "qwen3_next_dynamic_rope": dict(BASE, model_type="qwen3_next", num_hidden_layers=4, head_dim=16,
+                                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                                    num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=32,
+                                    mlp_only_layers=[], moe_intermediate_size=32, rope_theta=1000000.0,
+                                    partial_rotary_factor=0.25, full_attention_interval=2,
+                                    rope_scaling={"type": "dynamic", "factor": 2.0}),
+    # Kimi-Linear: multi-head latent attention beside KDA linear attention (a gathered hybrid in the engine)
+    "kimi_linear": dict(model_type="kimi_linear", vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, head_dim=16,
+                        rope_theta=10000.0, rms_norm_eps=1e-5, model_max_length=4096,
+                        linear_attn_config={"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
+                                            "short_conv_kernel_size": 4},
+                        num_experts=4, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, num_experts_per_token=2, num_shared_experts=1,
+                        first_k_dense_replace=1, tie_word_embeddings=False),
+    # ---- more of what MLX users run
+    "minimax": dict(BASE, model_type="minimax", head_dim=16, num_experts_per_tok=2, num_local_experts=4,
+                    shared_intermediate_size=0, rope_theta=5000000.0, rotary_dim=8, tie_word_embeddings=False),
+    "olmo_hybrid": dict(BASE, model_type="olmo_hybrid", num_hidden_layers=4, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, tie_word_embeddings=False,
+                        attention_bias=False, head_dim=16),
+    "hunyuan_v1_dense": dict(BASE, model_type="hunyuan_v1_dense", head_dim=16, rope_theta=10000.0,
+                             use_qk_norm=True, tie_word_embeddings=False),
+    "bailing_moe": dict(BASE, model_type="bailing_moe", moe_intermediate_size=32, num_experts=4,
+                        num_shared_experts=1, norm_topk_prob=True, num_experts_per_tok=2, first_k_dense_replace=1,
+                        rope_theta=10000.0, topk_group=1, use_qk_norm=True),
+    "ernie4_5": dict(BASE, model_type="ernie4_5", head_dim=16, rope_theta=500000.0, use_bias=False,
+                     tie_word_embeddings=False),
+    "seed_oss": dict(BASE, model_type="seed_oss", head_dim=16, attention_bias=True, attention_out_bias=False,
+                     mlp_bias=False, rope_theta=10000.0, tie_word_embeddings=False),
+    "apertus": dict(BASE, model_type="apertus", rope_theta=10000.0, qk_norm=True, tie_word_embeddings=False,
+                    post_norm=False, mlp_bias=False, attention_bias=False),
+    "cohere": dict(BASE, model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.25, rope_theta=10000.0,
+                   use_qk_norm=False),
+    "phi": dict(model_type="phi", vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=4, partial_rotary_factor=0.5, layer_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=4096),
+    "olmoe": dict(BASE, model_type="olmoe", num_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
+                  norm_topk_prob=False, tie_word_embeddings=False),
+    "qwen2_moe": dict(BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                      mlp_only_layers=[], moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      rope_theta=1000000.0, tie_word_embeddings=False),
+    # no attention layer at all (Mamba-2 blocks only): generate runs it, the engine has nothing to page
+    "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, vocab_size=len(VOCAB), hidden_size=64,
+                   intermediate_size=128, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+                   conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+                   time_step_limit=[0.0, 1e9], time_step_rank=8),
 }
-WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss"}
-# hybrid models: the attention layers among their layers (the others keep a recurrent state)
-ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2}
+WINDOWED = {"mistral_sliding", "gemma3_text", "gpt_oss", "ministral3", "gemma3", "exaone4", "cohere2", "olmo3",
+            "gemma4_text", "gemma3n"}
+# the attention layers that go through the seam, where not every layer does: hybrid models (the
+# others keep a recurrent state, and mamba2 has no other); gemma2 (its layers compute attention themselves)
+ATTENTION_LAYERS = {"lfm2": 1, "qwen3_next": 2, "qwen3_5": 2, "qwen3_5_moe": 2, "granitemoehybrid": 1,
+                    "nemotron_h": 1, "jamba": 2, "falcon_h1": 2, "lfm2_moe": 1, "gemma2": 0, "mamba2": 0,
+                    "olmo_hybrid": 1, "qwen3_next_dynamic_rope": 2, "kimi_linear": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +276,11 @@ def write_tokenizer(directory):
 
 
 # seeds whose random weights give greedy tokens that vary (seed 0 repeats one token)
-CHECKPOINT_SEEDS = {"qwen2": 3}
+CHECKPOINT_SEEDS = {"qwen2": 3, "falcon_h1": 2, "gemma2": 5, "glm4": 2, "exaone4": 1, "gpt_neox": 1, "starcoder2": 3,
+                    "phimoe": 1, "granitemoe": 1, "gemma3n": 1, "seed_oss": 1, "cohere": 5, "phi": 1}
+
+
+SMALL_EMBEDDINGS = {"lfm2", "lfm2_moe", "cohere2", "cohere"}
 
 
 def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = None, seed: int | None = None):
@@ -118,7 +293,7 @@ def write_checkpoint(directory, config: dict, *, quantize_bits: int | None = Non
     if config["model_type"] == "gpt_oss":  # sinks that matter: mlx-lm initialises them to 0
         for layer in model.layers:
             layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
-    if config["model_type"] == "lfm2":  # tied embeddings: small, so the layers (not the last token) decide
+    if config["model_type"] in SMALL_EMBEDDINGS:  # tied embeddings: small, so the layers (not the last token) decide
         model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.05
     mx.eval(model.parameters())
     config = dict(config)
@@ -153,24 +328,33 @@ def test_greedy_tokens_equal_mlx_lm(tmp_path, name):
     mlx_lm_models.attention_paths.clear()
     got = our_greedy_tokens(directory)
     assert got == expected
-    layers = ATTENTION_LAYERS.get(name, ARCHITECTURES[name]["num_hidden_layers"])
+    config = ARCHITECTURES[name]
+    layers = ATTENTION_LAYERS[name] if name in ATTENTION_LAYERS else config.get("text_config", config)["num_hidden_layers"]
     steps = NEW_TOKENS + 1  # the prefill, then one step per token (the last is queued ahead)
     assert mlx_lm_models.attention_calls["float"] >= layers * steps
-    assert mlx_lm_models.attention_paths == {"fused-cpu": mlx_lm_models.attention_calls["float"]}
+    if layers == 0:  # nothing went through the seam: the tokens are mlx-lm's own attention on our caches
+        assert mlx_lm_models.attention_calls["float"] == 0
+    assert set(mlx_lm_models.attention_paths) <= {"fused-cpu"}
+    assert mlx_lm_models.attention_paths["fused-cpu"] == mlx_lm_models.attention_calls["float"]
     if name in WINDOWED:  # the sliding layers took window_size, not a mask array
         assert mlx_lm_models.attention_calls["windowed"] > 0
     else:
         assert mlx_lm_models.attention_calls["windowed"] == 0
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])  # the MoE: quantized expert weights (gather_qmm)
+# the MoE: quantized expert weights (gather_qmm); qwen3_5: a hybrid whose first attention layer is layer 1;
+# gemma3: the multimodal wrapper (mlx-community's 4-bit Gemma 3 checkpoints)
+QUANTIZED_ATTENTION_LAYER = {"qwen3": 0, "qwen3_moe": 0, "qwen3_5": 1, "gemma3": 0}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED_ATTENTION_LAYER))
 def test_a_4_bit_quantized_checkpoint_gives_mlx_lm_tokens(tmp_path, name):
     directory = write_checkpoint(tmp_path / f"{name}-4bit", ARCHITECTURES[name], quantize_bits=4)
     assert json.loads((directory / "config.json").read_text())["quantization"]["bits"] == 4
     expected = mlx_lm_greedy_tokens(directory)
     mlx_lm_models.attention_calls.clear()
     model, _ = mlx_lm_models.load(directory)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(model.model.layers[QUANTIZED_ATTENTION_LAYER[name]].self_attn.q_proj, nn.QuantizedLinear)
     assert [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS))] == expected
     assert mlx_lm_models.attention_calls["float"] > 0
 
@@ -204,6 +388,20 @@ def test_non_attention_caches_are_kept_as_mlx_lm_makes_them():
     arrays = mlx_lm_cache.ArraysCache(2)
     ours = mlx_lm_models._our_cache(mlx_lm_cache.CacheList(arrays, mlx_lm_cache.KVCache()), mlx_lm_cache)
     assert ours.caches[0] is arrays and isinstance(ours.caches[1], mlx_lm_models.KVCache)
+
+
+@pytest.mark.parametrize("make", [mlx_lm_models.KVCache, lambda: mlx_lm_models.RotatingKVCache(max_size=4),
+                                  lambda: mlx_lm_models.QuantizedKVCache(group_size=32, bits=8)])
+def test_keys_and_values_are_what_the_last_update_returned(make):
+    """mlx-lm's ``keys_and_values()`` (Gemma 3n's KV-shared layers read it):
+    the very arrays the last update returned, whose attention a paged or
+    dense call recognises."""
+    cache = make()
+    with pytest.raises(ValueError, match="no update"):
+        cache.keys_and_values()
+    for n in (6, 1):
+        returned = cache.update_and_fetch(mx.ones((1, 2, n, 32)), mx.zeros((1, 2, n, 32)))
+        assert cache.keys_and_values() is returned
 
 
 # ---------------------------------------------------------------- masks
@@ -268,6 +466,47 @@ def test_quantized_kv_with_sinks_runs_fused_and_is_close_to_float_kv(tmp_path):
     # and whole generations with --kv-bits run (quantized from the first token)
     tokens = [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS, kv_bits=8))]
     assert len(tokens) == NEW_TOKENS and mlx_lm_models.attention_calls["quantized"] > NEW_TOKENS
+
+
+def test_kv_shared_layers_read_an_earlier_layer_s_quantized_kv(tmp_path):
+    """Gemma 4's KV-shared layers get an earlier layer's quantized triples
+    without a cache (mlx-lm's own attention fails there): the seam reads
+    the quantization from the triples, and the logits stay close to float
+    KV's."""
+    config = dict(ARCHITECTURES["gemma4_text"], num_attention_heads=2, head_dim=32, global_head_dim=64)
+    directory = write_checkpoint(tmp_path / "g4", config)
+    model, _ = mlx_lm_models.load(directory)
+    prompt = mx.array(PROMPT)[None]
+    float_logits = model(prompt, cache=model.make_cache())[0, -1]
+    caches = [c.to_quantized(group_size=32, bits=8) if isinstance(c, mlx_lm_models.KVCache) else c
+              for c in model.make_cache()]
+    mlx_lm_models.attention_calls.clear()
+    quantized_logits = model(prompt, cache=caches)[0, -1]
+    assert mlx_lm_models.attention_calls["quantized"] == 2  # the full-attention layer, and the layer sharing its KV
+    error = float(mx.abs(quantized_logits - float_logits).max())
+    assert 0 < error < 0.01 * float(mx.abs(float_logits).max())
+    tokens = [t for t, _ in generate_step(model, PROMPT, GenerationConfig(max_tokens=NEW_TOKENS, kv_bits=8,
+                                                                          kv_group_size=32))]
+    assert len(tokens) == NEW_TOKENS
+
+
+def test_kv_bits_quantize_the_attention_caches_inside_a_layer_s_cache_list(tmp_path):
+    """Falcon-H1 keeps each layer's attention cache in a CacheList beside
+    its Mamba state: ``kv_bits`` quantizes those (the state stays as it is),
+    every attention call runs over quantized K/V, and 8-bit K/V keeps
+    mlx-lm's greedy tokens here."""
+    config = dict(ARCHITECTURES["falcon_h1"], num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    directory = write_checkpoint(tmp_path / "falcon", config)
+    expected = mlx_lm_greedy_tokens(directory)
+    model, _ = mlx_lm_models.load(directory)
+    cache = model.make_cache()
+    mlx_lm_models.attention_calls.clear()
+    config = GenerationConfig(max_tokens=NEW_TOKENS, kv_bits=8, kv_group_size=32)
+    tokens = [t for t, _ in generate_step(model, PROMPT, config, cache=cache)]
+    assert [type(c).__name__ for layer in cache for c in layer.caches] == ["ArraysCache", "QuantizedKVCache"] * 2
+    assert mlx_lm_models.attention_calls["float"] == 0
+    assert mlx_lm_models.attention_calls["quantized"] >= 2 * NEW_TOKENS
+    assert tokens == expected
 
 
 # ---------------------------------------------------------------- loading and the command

@@ -9,6 +9,8 @@ prompt alone; a prefix-cache hit gives the tokens of a miss; the page
 accounting holds after every step. Without mlx-lm these tests skip, except
 on CI, where they fail."""
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -25,10 +27,18 @@ from mlx_attn.lm import mlx_lm_models  # noqa: E402
 from mlx_attn.serve import Engine  # noqa: E402
 from mlx_attn.serve.mlx_lm_paged import UnsupportedForServing  # noqa: E402
 
-# gpt_oss: sinks and a window; mistral, gemma3_text: windows; qwen3_moe: experts
+# gpt_oss: sinks and a window; mistral, gemma3_text and others: windows; qwen3_moe and others: experts;
+# gemma3, mistral3: a text_config wrapper
 SERVED = ["llama3", "qwen3", "gpt_oss", "mistral_sliding", "gemma3_text", "qwen2", "phi3", "qwen3_moe", "olmo2",
-          "smollm3"]
-WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None]}
+          "smollm3", "granite", "granitemoe", "ministral3", "mistral3", "gemma3", "llama4_text", "glm4", "glm4_moe",
+          "exaone4", "cohere2", "olmo3", "gpt_neox", "starcoder2", "mixtral", "phimoe", "gemma4_text",
+          "gemma3n", "qwen3_vl", "minimax", "hunyuan_v1_dense", "bailing_moe", "ernie4_5", "seed_oss", "apertus", "cohere", "phi", "olmoe",
+          "qwen2_moe"]
+WINDOWS = {"gpt_oss": [8, None], "mistral_sliding": [8, None], "gemma3_text": [8, 8, None], "gemma3": [8, 8, None],
+           "ministral3": [8, None], "olmo3": [8, None], "exaone4": [8, 8, 8, None], "cohere2": [8, 8, 8, None],
+           "gemma4_text": [8, None], "gemma3n": [8, None]}  # two more layers read these two layers' pages
+# pages of each layer's own (KV heads, head dim), where the layers differ
+PAGE_SHAPES = {"gemma4_text": [(2, 16), (1, 32)]}
 NEW_TOKENS = 6
 
 
@@ -92,6 +102,8 @@ def test_each_request_of_a_mixed_batch_gives_mlx_lm_s_tokens_alone(tmp_path, nam
     assert engine.scheduler.preemptions > 0
     windows = [layer.window_size for layer in engine.model.attention_layers()]
     assert windows == WINDOWS.get(name, [None, None])
+    if name in PAGE_SHAPES:
+        assert [(k.shape[1], k.shape[3]) for k in engine.store.keys] == PAGE_SHAPES[name]
 
     # a prefix-cache hit (every whole page of r3 is cached now) gives the miss's tokens
     cached_before = engine.scheduler.cached_prompt_tokens
@@ -116,6 +128,25 @@ def test_quantized_pages_with_sinks_and_a_window_batch_equals_alone(tmp_path):
     expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
     agreeing = sum(got[rid][0] == expected[rid][0] for rid in prompts)
     assert agreeing >= 6  # 8-bit K/V barely moves the logits: first tokens (nearly) all agree
+
+
+def test_gemma_4_on_8_bit_pages_of_two_widths_batch_equals_alone(tmp_path):
+    """Gemma 4's layout (KV-shared layers, full-attention layers twice as
+    wide) on 8-bit pages: requests of the batch equal them served alone on
+    the same pages, and 8-bit K/V keeps mlx-lm's first tokens."""
+    config = dict(ARCHITECTURES["gemma4_text"], num_attention_heads=2, head_dim=32, global_head_dim=64)
+    directory = write_checkpoint(tmp_path / "g4", config, seed=1)
+    model, _ = mlx_lm_models.load(directory)
+    prompts = mixed_prompts(seed=1)
+    options = dict(kv_bits=8, group_size=32)
+    engine = Engine(model, kv_tokens=96, page_size=4, max_batch_tokens=10, **options)
+    assert [k[0].shape[3] * 32 // 8 for k in engine.store.keys] == [32, 64]  # packed words back to dims
+    got = serve(engine, prompts, NEW_TOKENS)
+    for rid in ("r1", "r4"):
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompts[rid]}, NEW_TOKENS)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    assert sum(got[rid][0] == expected[rid][0] for rid in prompts) >= 6
 
 
 def test_cascade_attention_gives_mlx_lm_s_tokens_alone(tmp_path):
@@ -168,7 +199,11 @@ def test_cancelling_a_request_frees_its_pages_and_leaves_the_others_exact(tmp_pa
             assert out[rid] == expected[rid], rid
 
 
-HYBRIDS = {"lfm2": [1], "qwen3_next": [1, 3]}  # each hybrid's attention layers (the others keep a state)
+# each hybrid's attention layers and how many cache slots it has (a state in each other slot; Falcon-H1's
+# layers each hold a state and attention, two slots)
+HYBRIDS = {"lfm2": ([1], 3), "qwen3_next": ([1, 3], 4), "qwen3_5": ([1, 3], 4), "qwen3_5_moe": ([1, 3], 4),
+           "granitemoehybrid": ([1], 3), "nemotron_h": ([1], 3), "jamba": ([1, 3], 4), "falcon_h1": ([1, 3], 4),
+           "lfm2_moe": ([1], 3), "olmo_hybrid": ([3], 4)}
 
 
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
@@ -189,9 +224,9 @@ def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, 
     with caplog.at_level("WARNING", logger="mlx_attn.serve.engine"):
         engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10)
     assert "prefix reuse is off" in caplog.text
-    assert engine.model.recurrent_layers == [i for i in range(ARCHITECTURES[name]["num_hidden_layers"])
-                                             if i not in HYBRIDS[name]]
-    assert len(engine.model.attention_layers()) == len(HYBRIDS[name]) == len(engine.store.keys)
+    attention_slots, slots = HYBRIDS[name]
+    assert engine.model.recurrent_layers == [i for i in range(slots) if i not in attention_slots]
+    assert len(engine.model.attention_layers()) == len(attention_slots) == len(engine.store.keys)
     mlx_lm_models.attention_calls.clear()
     got = serve(engine, prompts, NEW_TOKENS)
     assert got == expected
@@ -203,7 +238,11 @@ def test_a_hybrid_model_keeps_a_state_per_request_and_no_prefix_reuse(tmp_path, 
     assert len(engine.model.states) == 0
 
 
-@pytest.mark.parametrize("name", sorted(HYBRIDS))
+# gathered hybrids (each row alone, decode rows too): dynamic-NTK RoPE; Kimi-Linear's MLA
+GATHERED_HYBRIDS = ["qwen3_next_dynamic_rope", "kimi_linear"]
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS) + GATHERED_HYBRIDS)
 def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp_path, name):
     """With ``state_snapshots``, a prompt that begins with cached pages
     resumes from the recurrent state saved at the last of them: the mixed
@@ -216,6 +255,7 @@ def test_a_hybrid_model_reuses_prefixes_from_states_saved_at_page_boundaries(tmp
     with pytest.raises(ValueError, match="state_snapshots"):
         Engine(model, kv_tokens=48, page_size=4, state_snapshots=-1)
     engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10, state_snapshots=64)
+    assert bool(engine.model.gathering) == (name in GATHERED_HYBRIDS)
     got = serve(engine, prompts, NEW_TOKENS)
     assert got == expected
     stats = engine.stats()
@@ -314,26 +354,152 @@ def test_cancelling_a_hybrid_request_drops_its_state_and_leaves_the_others_exact
 
 
 def test_a_model_with_caches_the_engine_cannot_keep_is_refused_naming_why():
-    """A cache that is neither attention K/V nor a recurrent state (here a
-    nested CacheList) is refused, not served wrong."""
+    """A cache that is neither attention K/V nor a recurrent state (a ring
+    with kept first tokens, counted as cache slot 1 after a layer's
+    CacheList is flattened) is refused, not served wrong."""
     import mlx.nn as nn
 
     class Nested(nn.Module):
-        def __init__(self):
+        def __init__(self, attention):
             super().__init__()
             self.layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+            self.attention = attention
 
         def make_cache(self):
-            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), mlx_lm_cache.KVCache()),
-                    mlx_lm_cache.KVCache()]
+            return [mlx_lm_cache.CacheList(mlx_lm_cache.ArraysCache(2), self.attention()), mlx_lm_cache.KVCache()]
 
-    wrapped = mlx_lm_models.MlxLmModel(Nested(), {"model_type": "nested", "vocab_size": 64}, "nested")
-    with pytest.raises(ValueError, match=r"layer cache 0 is mlx-lm's CacheList.*nested cache lists"):
-        Engine(wrapped, kv_tokens=64)
     from mlx_attn.serve.server import check_servable
 
-    with pytest.raises(UnsupportedForServing, match="CacheList"):
+    wrapped = mlx_lm_models.MlxLmModel(Nested(lambda: mlx_lm_cache.RotatingKVCache(8, keep=4)),
+                                       {"model_type": "nested", "vocab_size": 64}, "nested")
+    with pytest.raises(ValueError, match=r"layer cache 1 is mlx-lm's RotatingKVCache"):
+        Engine(wrapped, kv_tokens=64)
+    with pytest.raises(UnsupportedForServing, match="RotatingKVCache"):
         check_servable(wrapped)
+
+
+def test_a_layer_attending_to_keys_no_cache_returned_is_refused():
+    """A layer that attends without a cache to keys no cache handed out
+    (neither KV sharing nor anything a gathering cache could give it): the
+    pages would hold nothing it reads, so the engine refuses it."""
+    import mlx.nn as nn
+
+    class Uncached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 8)
+            self.layers = [nn.Linear(8, 64)]
+
+        def make_cache(self):
+            return [mlx_lm_cache.KVCache()]
+
+        def __call__(self, inputs, cache=None):
+            h = self.embed(inputs)[:, None]  # [B, 1 head, L, 8]
+            keys, values = cache[0].update_and_fetch(h, h)
+            mask = cache[0].make_mask(h.shape[2])
+            out = mlx_lm_models.attention(h, keys, values, cache=cache[0], scale=1.0, mask=mask)
+            out = mlx_lm_models.attention(out, out * 2, out, cache=None, scale=1.0, mask=mask)
+            return self.layers[0](out[:, 0])
+
+    from mlx_attn.serve.server import check_servable
+
+    wrapped = mlx_lm_models.MlxLmModel(Uncached(), {"model_type": "uncached", "vocab_size": 64}, "uncached")
+    with pytest.raises(UnsupportedForServing, match=r"uncached cannot be served on pages: a layer attends without a "
+                                                     r"cache of its own, to keys and values no cache returned"):
+        Engine(wrapped, kv_tokens=64)
+    with pytest.raises(UnsupportedForServing, match="no cache returned"):
+        check_servable(wrapped)
+
+
+# architectures the engine cannot serve, and what the refusal names
+REFUSED = {
+    "mamba2": r"no attention layer",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_an_architecture_pages_cannot_serve_is_refused_naming_the_layer(tmp_path, name):
+    """A model without attention layers: the engine and the server's start
+    refuse it, pointing at `mlx-attn generate` (whose tokens equal mlx-lm's:
+    test_mlx_lm_models.py)."""
+    from mlx_attn.serve.server import check_servable
+
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    model, _ = mlx_lm_models.load(directory)
+    with pytest.raises(UnsupportedForServing, match=REFUSED[name]) as refused:
+        Engine(model, kv_tokens=64, page_size=4)
+    assert "mlx-attn generate" in str(refused.value)
+    with pytest.raises(UnsupportedForServing, match=REFUSED[name]):
+        check_servable(model)
+
+
+def test_mlx_attn_serve_refuses_such_a_model_before_it_starts(tmp_path, capsys):
+    """`mlx-attn serve --model DIR` (``--engine auto`` takes mlx-lm's class:
+    mlx_attn has no Mamba-2 of its own) exits with the refusal on one line,
+    and no server starts."""
+    pytest.importorskip("uvicorn")
+    from mlx_attn.lm.cli import USAGE_ERROR, main
+
+    directory = write_checkpoint(tmp_path / "mamba2", ARCHITECTURES["mamba2"])
+    assert main(["serve", "--model", str(directory), "--port", "1"]) == USAGE_ERROR
+    error = capsys.readouterr().err
+    assert error.startswith("mlx-attn: error: the model has no attention layer")
+    assert "`mlx-attn generate`" in error and error.count("\n") == 1
+
+
+# architectures the batched paged step cannot run, served one request a call over K/V gathered
+# from the pages, and why
+GATHERED = {
+    "gemma2": r"layer caches 0, 1: its layer computes attention itself",
+    "deepseek_v3": r"layer caches 0, 1: its layer attends to keys/values other than those the cache returned",
+    "llama_dynamic_rope": r"it cannot run sequences at different positions in one call",
+    "llama4": r"layer caches 0, 1, 2: chunked attention",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_a_model_the_paged_step_cannot_run_is_served_over_gathered_kv(tmp_path, name, caplog):
+    """Softcapped attention computed by the model (gemma2), multi-head
+    latent attention (deepseek_v3), dynamic-NTK RoPE and chunked attention
+    with its mask made by the model (llama4): each request of
+    the mixed batch (shared prefixes, preemption, chunked prefill) gives
+    mlx-lm's tokens alone, a prefix-cache hit the miss's, the pages add up;
+    the engine says why it gathers."""
+    directory = write_checkpoint(tmp_path / name, ARCHITECTURES[name])
+    prompts = mixed_prompts()
+    expected = mlx_lm_alone(directory, prompts, NEW_TOKENS)
+    model, _ = mlx_lm_models.load(directory)
+    with caplog.at_level("WARNING", logger="mlx_attn.serve.mlx_lm_paged"):
+        engine = Engine(model, kv_tokens=48, page_size=4, max_batch_tokens=10)
+    assert re.search(GATHERED[name], engine.model.gathering)
+    assert "over K/V gathered from its pages" in caplog.text
+    mlx_lm_models.attention_calls.clear()
+    assert serve(engine, prompts, NEW_TOKENS) == expected
+    assert "self-attending" not in mlx_lm_models.attention_calls
+    assert engine.scheduler.cached_prompt_tokens > 0 and engine.scheduler.preemptions > 0
+    cached_before = engine.scheduler.cached_prompt_tokens
+    assert serve(engine, {"again": prompts["r3"]}, NEW_TOKENS)["again"] == expected["r3"]
+    assert engine.scheduler.cached_prompt_tokens - cached_before >= 4 * (len(prompts["r3"]) // 4) - 4
+
+
+def test_gathered_kv_from_8_bit_pages_with_drafts_batch_equals_alone(tmp_path):
+    """gemma2 (head dim 32) on 8-bit pages with n-gram drafts: each request
+    of the batch equals it served alone on the same pages (drafted rows'
+    logits included), and 8-bit K/V keeps mlx-lm's first tokens."""
+    config = dict(ARCHITECTURES["gemma2"], num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    directory = write_checkpoint(tmp_path / "gemma2-hd32", config)
+    model, _ = mlx_lm_models.load(directory)
+    prompts = _repetitive_prompts(5)
+    options = dict(kv_bits=8, group_size=32, speculative="ngram")
+    engine = Engine(model, kv_tokens=128, page_size=4, max_batch_tokens=16, **options)
+    assert engine.model.gathering and engine.speculation_refused is None
+    got = serve(engine, prompts, 10)
+    assert engine.stats()["draft_tokens"] > 0
+    for rid, prompt in prompts.items():
+        alone = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=64, **options)
+        assert serve(alone, {rid: prompt}, 10)[rid] == got[rid], rid
+    expected = mlx_lm_alone(directory, prompts, 10)
+    assert all(got[rid][0] == expected[rid][0] for rid in prompts)
 
 
 def test_serve_loads_an_mlx_lm_directory_with_engine_auto_and_mlx_lm(tmp_path):

@@ -173,6 +173,33 @@ def test_store_write_copy_and_attend(bits):
         assert store.nbytes < PagedKVStore(5, 4, 2, 2, 32, dtype=mx.float32).nbytes * (0.35 if bits == 4 else 0.6)
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_store_layers_of_their_own_shapes(bits):
+    """``layer_shapes``: each layer's pages have its KV heads and dims
+    (Gemma 4's wider full-attention layers); a write and attend on the wide
+    layer leaves the narrow one as it was; the count of shapes must match."""
+    shapes = [(2, 32, 32), (1, 64, 64)]
+    store = PagedKVStore(3, 4, 2, 0, 0, dtype=mx.float32, bits=bits, group_size=32, layer_shapes=shapes)
+    first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731 (packed words of a quantized triple)
+    assert [(first(k).shape[1], first(v).shape[1]) for k, v in zip(store.keys, store.values)] == [(2, 2), (1, 1)]
+    if bits is None:
+        assert [k.shape[3] for k in store.keys] == [32, 64]
+    narrow_before = np.asarray(first(store.keys[0])).copy()
+    rng = np.random.default_rng(1)
+    keys, values = (mx.array(rng.standard_normal((3, 1, 64)).astype(np.float32)) for _ in range(2))
+    store.write(1, mx.array([2, 2, 2]), mx.array([0, 1, 2]), keys, values)
+    q = mx.array(rng.standard_normal((1, 2, 64)).astype(np.float32))
+    out = store.attend(1, q, mx.array([[2]], dtype=mx.int32), mx.array([3], dtype=mx.int32),
+                       mx.array([1], dtype=mx.int32), scale=0.125)
+    want = reference_attention(q.swapaxes(0, 1)[None], keys.swapaxes(0, 1)[None], values.swapaxes(0, 1)[None],
+                               scale=0.125)[0].swapaxes(0, 1)
+    assert out.shape == (1, 2, 64)
+    assert np.abs(np.asarray(out) - np.asarray(want)).max() < (1e-5 if bits is None else 0.05)
+    assert np.array_equal(np.asarray(first(store.keys[0])), narrow_before)
+    with pytest.raises(ValueError, match="layer_shapes has 2 entries for 3 layers"):
+        PagedKVStore(3, 4, 3, 0, 0, layer_shapes=shapes)
+
+
 # ---------------------------------------------------------------- the scheduler
 def test_batch_equals_alone_with_shared_prefixes_and_preemption():
     harness = Harness(num_pages=12, page_size=4, max_batch_tokens=10)

@@ -143,7 +143,21 @@ def _config(config: GenerationConfig | None, options: dict) -> GenerationConfig:
 def _cache_offset(cache: list) -> int:
     """Tokens the caches hold: the first attention cache's offset (a hybrid
     model's recurrent-state caches have none)."""
-    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+    return next((c.offset for c in _flat(cache) if hasattr(c, "offset")), 0)
+
+
+def _is_cache_list(cache) -> bool:
+    """mlx-lm's ``CacheList``: one layer's caches side by side (Falcon-H1's
+    attention and Mamba state), told by its ``caches`` and no ``offset``."""
+    return hasattr(cache, "caches") and not hasattr(cache, "offset")
+
+
+def _flat(cache: list):
+    for c in cache:
+        if _is_cache_list(c):
+            yield from _flat(c.caches)
+        else:
+            yield c
 
 
 def _quantizable(cache) -> bool:
@@ -174,10 +188,17 @@ def _maybe_quantize(cache: list, config: GenerationConfig) -> None:
     """Swap the float caches (in place) for quantized ones once they hold
     ``config.quantized_kv_start`` tokens, when ``config.kv_bits`` asks (a
     windowed layer's rotating cache stays float: it holds only the window)."""
-    if config.kv_bits is None or not cache or any(isinstance(c, QuantizedKVCache) for c in cache):
+    if config.kv_bits is None or not cache or any(isinstance(c, QuantizedKVCache) for c in _flat(cache)):
         return
+
+    def quantized(c):
+        if _is_cache_list(c):  # its attention caches quantized in place: the list is the model's
+            c.caches = tuple(quantized(inner) for inner in c.caches)
+            return c
+        return c.to_quantized(config.kv_group_size, config.kv_bits) if _quantizable(c) else c
+
     if _cache_offset(cache) >= config.quantized_kv_start:
-        cache[:] = [c.to_quantized(config.kv_group_size, config.kv_bits) if _quantizable(c) else c for c in cache]
+        cache[:] = [quantized(c) for c in cache]
 
 
 def check_kv_quantization(model, config: GenerationConfig) -> None:

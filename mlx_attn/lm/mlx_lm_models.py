@@ -39,6 +39,7 @@ quantized), or a Hugging Face repo id found in the local Hugging Face cache
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import sys
@@ -52,8 +53,8 @@ from mlx_attn import cache as mlx_attn_cache
 from mlx_attn.ops import AttentionCall
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
 
-__all__ = ["SelfAttendingCache", "attention", "install_attention", "attention_installed", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
-           "resolve_model_path", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
+__all__ = ["SelfAttendingCache", "attention", "contiguous_mask", "install_attention", "attention_installed", "restore_attention", "attention_calls", "attention_paths", "make_cache", "load",
+           "resolve_model_path", "seam_problems", "SeamCall", "MlxLmModel", "MlxLmTokenizer", "KVCache", "RotatingKVCache",
            "QuantizedKVCache", "INSTALL_HINT"]
 
 INSTALL_HINT = "mlx-lm models need the mlx-lm extra: pip install 'mlx_attn[mlx-lm]'"
@@ -80,28 +81,32 @@ def _import_mlx_lm():
 
 
 # ---------------------------------------------------------------- masks
-class _WindowedMasks:
-    """Mask arrays made by this module's caches, each remembered (weakly)
-    with the lower-right causal window it encodes (None: plain causal), so
-    :func:`attention` can pass the window instead of the array."""
+class _ArrayNotes:
+    """A note kept beside each of some arrays while the array lives (by
+    identity, weakly): which window a mask this module's caches made
+    encodes, or which self-attending cache handed out some keys."""
 
     def __init__(self):
-        self._by_id: dict[int, tuple[weakref.ref, int | None]] = {}
+        self._by_id: dict[int, tuple[weakref.ref, object]] = {}
 
-    def remember(self, mask: mx.array, window: int | None) -> mx.array:
-        key = id(mask)
-        self._by_id[key] = (weakref.ref(mask, lambda _, key=key: self._by_id.pop(key, None)), window)
-        return mask
+    def remember(self, array: mx.array, note) -> mx.array:
+        key = id(array)
+        self._by_id[key] = (weakref.ref(array, lambda _, key=key: self._by_id.pop(key, None)), note)
+        return array
 
-    def lookup(self, mask) -> tuple[bool, int | None]:
-        """``(known, window)`` for a mask argument."""
-        entry = self._by_id.get(id(mask))
-        if entry is None or entry[0]() is not mask:
+    def lookup(self, array) -> tuple[bool, object]:
+        """``(known, note)`` for an argument."""
+        entry = self._by_id.get(id(array))
+        if entry is None or entry[0]() is not array:
             return False, None
         return True, entry[1]
 
 
-_windowed_masks = _WindowedMasks()
+# mask arrays made by this module's caches, each with the lower-right causal window it encodes (None:
+# plain causal), so attention() can pass the window instead of the array
+_windowed_masks = _ArrayNotes()
+# keys handed out by self-attending caches: (their values, a weak reference to the cache)
+_handed_out = _ArrayNotes()
 
 
 def _causal_mask(n_queries: int, n_keys: int, window: int | None) -> mx.array:
@@ -113,7 +118,7 @@ def _causal_mask(n_queries: int, n_keys: int, window: int | None) -> mx.array:
     return visible & (key > query - window) if window is not None else visible
 
 
-def _contiguous_mask(n_queries: int, n_keys: int, window: int | None, return_array: bool):
+def contiguous_mask(n_queries: int, n_keys: int, window: int | None, return_array: bool):
     """The mask of ``n_queries`` new queries over ``n_keys`` keys held in time
     order and ending at the newest query: ``None`` / ``"causal"`` where no
     window bites and no array is asked for, else a lazy array remembered with
@@ -131,21 +136,39 @@ class _MlxLmMasks:
     attention_backend = "auto"  # the backend= of :func:`attention` for this cache's layer
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return _contiguous_mask(N, self.offset + N, window_size, return_array)
+        return contiguous_mask(N, self.offset + N, window_size, return_array)
 
 
-class QuantizedKVCache(_MlxLmMasks, mlx_attn_cache.QuantizedKVCache):
+class _KeysAndValues:
+    """mlx-lm's ``keys_and_values()``: the keys and values the last
+    ``update_and_fetch`` returned, the same arrays (a KV-shared layer of
+    Gemma 3n reads its source layer's cache this way after that layer's
+    update, and attends with a mask of the source layer's kind)."""
+
+    _returned = None
+
+    def update_and_fetch(self, keys, values):
+        self._returned = super().update_and_fetch(keys, values)
+        return self._returned
+
+    def keys_and_values(self):
+        if self._returned is None:
+            raise ValueError("keys_and_values() of a cache no update has reached yet")
+        return self._returned
+
+
+class QuantizedKVCache(_MlxLmMasks, _KeysAndValues, mlx_attn_cache.QuantizedKVCache):
     """:class:`mlx_attn.cache.QuantizedKVCache` with mlx-lm's mask interface."""
 
 
-class KVCache(_MlxLmMasks, mlx_attn_cache.KVCache):
+class KVCache(_MlxLmMasks, _KeysAndValues, mlx_attn_cache.KVCache):
     """:class:`mlx_attn.cache.KVCache` with mlx-lm's mask interface;
     ``to_quantized`` gives this module's :class:`QuantizedKVCache`."""
 
     QUANTIZED_CACHE = QuantizedKVCache
 
 
-class RotatingKVCache(mlx_attn_cache.RotatingKVCache):
+class RotatingKVCache(_KeysAndValues, mlx_attn_cache.RotatingKVCache):
     """:class:`mlx_attn.cache.RotatingKVCache` with mlx-lm's mask interface.
 
     The window is ``window_size`` or, as in mlx-lm, ``max_size``. While the
@@ -164,7 +187,7 @@ class RotatingKVCache(mlx_attn_cache.RotatingKVCache):
         n_keys = self.keys_after_update(N)
         in_time_order = n_keys == self.offset + N or (N > 1 and self.keep == 0)
         if in_time_order:
-            return _contiguous_mask(N, n_keys, window, return_array)
+            return contiguous_mask(N, n_keys, window, return_array)
         positions = self.key_positions_after_update(N)[None]
         query = mx.arange(self.offset, self.offset + N)[:, None]
         return (positions <= query) & (positions > query - window)
@@ -213,11 +236,31 @@ class SelfAttendingCache:
     ``cache.attend(queries, keys, values, scale=, sinks=, softcap=)`` with the
     ``keys``/``values`` its ``update_and_fetch`` returned, and ignores the
     mask (the cache knows each query's keys and the layer's window).
+
+    A KV-shared layer (Gemma 4's later layers) has no cache: it calls the
+    attention with ``cache=None`` and the keys and values an earlier layer's
+    cache returned. ``update_and_fetch`` hands them out through
+    :meth:`hand_out`, so :func:`attention` knows them and lets that cache
+    attend for the shared layer too, with its window (mlx-lm's models share
+    a layer's K/V only with layers of its own kind).
     Subclasses: the serving engine's paged caches."""
+
+    def hand_out(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``(keys, values)``, remembered (weakly) as this cache's."""
+        _handed_out.remember(keys, (values, weakref.ref(self)))
+        return keys, values
 
     def attend(self, queries: mx.array, keys, values, *, scale: float, sinks: mx.array | None,
                softcap: float | None) -> mx.array:
         raise NotImplementedError
+
+
+def _owner_of(keys, values) -> SelfAttendingCache | None:
+    """The self-attending cache that handed out exactly ``keys`` and ``values``."""
+    known, entry = _handed_out.lookup(keys)
+    if not known or entry[0] is not values:
+        return None
+    return entry[1]()
 
 
 # ---------------------------------------------------------------- attention
@@ -229,6 +272,10 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
     attention with the cache's ``group_size`` and ``bits``, sinks included. A
     mask made by this module's caches for a sliding window becomes
     ``window_size``. A :class:`SelfAttendingCache` attends itself."""
+    if _seam_recorders:
+        _seam_recorders[-1].append(SeamCall(cache, keys, values, mask))
+    if cache is None and isinstance(keys, mx.array):  # a KV-shared layer: keys another layer's cache returned
+        cache = _owner_of(keys, values) or cache
     if isinstance(cache, SelfAttendingCache):
         attention_calls["self-attending"] += 1
         return cache.attend(queries, keys, values, scale=scale, sinks=sinks, softcap=softcap)
@@ -241,12 +288,116 @@ def attention(queries: mx.array, keys, values, cache=None, scale: float = 1.0, m
         attention_calls["windowed"] += 1
     if isinstance(keys, (tuple, list)):
         attention_calls["quantized"] += 1
+        group_size, bits = (cache.group_size, cache.bits) if hasattr(cache, "bits") else _quantization_of(queries, keys)
         return quantized_scaled_dot_product_attention(queries, tuple(keys), tuple(values),
-                                                      group_size=cache.group_size, bits=cache.bits, **options)
+                                                      group_size=group_size, bits=bits, **options)
     attention_calls["float"] += 1
     call = AttentionCall.build(queries, keys, values, **options)
     attention_paths[call.path] += 1
     return call.run()
+
+
+# ---------------------------------------------------------------- what went through the seam
+@dataclasses.dataclass(frozen=True)
+class SeamCall:
+    """One call of :func:`attention`, as a model made it."""
+
+    cache: object
+    keys: object
+    values: object
+    mask: object
+
+
+_seam_recorders: list[list[SeamCall]] = []
+
+
+def _record_cache_returns(cache, returned: dict) -> None:
+    """Make ``cache`` remember (in ``returned``, by its id) what its
+    ``update_and_fetch`` handed the model last."""
+    update = cache.update_and_fetch
+
+    def update_and_fetch(keys, values):
+        returned[id(cache)] = update(keys, values)
+        return returned[id(cache)]
+
+    cache.update_and_fetch = update_and_fetch
+
+
+def seam_problems(model, tokens: int = 2) -> dict[int, str]:
+    """Run ``tokens`` tokens, then one more, through ``model`` with this
+    module's caches and check, for each attention cache (its slot in the
+    cache list, nested lists flattened), that its layer attends through the
+    seam exactly as a cache that attends itself needs: calls of
+    :func:`attention` handed that cache (several: KV-shared layers handed
+    their source's cache), each with the keys and values its
+    ``update_and_fetch`` returned (not transformed) and a mask that is none,
+    ``"causal"`` or one this module's caches made. Returns ``{slot: what
+    differs}`` for the layers that do not (slot None: a layer attending
+    without a cache to keys no cache returned; empty: every attention layer
+    conforms). A layer that computes attention itself (mlx-lm's gemma2) or
+    attends to keys computed from the cache's, with scores of its own in the
+    mask (multi-head latent attention, deepseek_v3), is named here: dense
+    generation runs them as they are, the serving engine gathers their K/V
+    from its pages. A layer without a cache (KV sharing) passes when it
+    attends to exactly the keys and values another cache returned
+    (:class:`SelfAttendingCache` attends for it)."""
+    install_attention()
+    caches = make_cache(model)
+    flat = list(_flat(caches))
+    attention_slots = {id(cache): slot for slot, cache in enumerate(flat)
+                       if isinstance(cache, (_MlxLmMasks, RotatingKVCache))}
+    returned: dict[int, tuple] = {}
+    for cache in flat:
+        if id(cache) in attention_slots:
+            _record_cache_returns(cache, returned)
+    problems: dict[int, str] = {}
+    for inputs in (mx.zeros((1, tokens), mx.int32), mx.zeros((1, 1), mx.int32)):
+        returned.clear()
+        calls: list[SeamCall] = []
+        _seam_recorders.append(calls)
+        try:
+            mx.eval(model(inputs, cache=caches))
+        finally:
+            _seam_recorders.pop()
+        by_cache = collections.defaultdict(list)
+        for call in calls:
+            by_cache[id(call.cache)].append(call)
+            if id(call.cache) not in attention_slots:  # a layer without a cache of its own
+                source = next((attention_slots[i] for i, (k, v) in returned.items()
+                               if k is call.keys and v is call.values), None)
+                if source is None:  # KV sharing reads a cache's keys and values as they are; this does not
+                    problems.setdefault(None, "a layer attends without a cache of its own, to keys and values "
+                                              "no cache returned")
+        for cache_id, slot in attention_slots.items():
+            if slot in problems:
+                continue
+            made = by_cache.get(cache_id, [])
+            keys, values = returned.get(cache_id, (None, None))
+            if not made:
+                problems[slot] = "its layer computes attention itself, not through mlx-lm's scaled_dot_product_attention"
+            # several calls with one cache: KV-shared layers handed the source layer's cache (Gemma 3n)
+            elif any(call.keys is not keys or call.values is not values for call in made):
+                problems[slot] = ("its layer attends to keys/values other than those the cache returned "
+                                  "(computed from them, as multi-head latent attention does)")
+            elif not all(_seam_mask(call.mask) for call in made):
+                problems[slot] = "its layer passes a mask array of its own (scores or positions the cache cannot know)"
+    return problems
+
+
+def _seam_mask(mask) -> bool:
+    """Whether a mask handed to :func:`attention` is one a cache that
+    attends itself may ignore: none, ``"causal"``, or made by our caches."""
+    return mask is None or isinstance(mask, str) or _windowed_masks.lookup(mask)[0]
+
+
+def _quantization_of(queries: mx.array, keys) -> tuple[int, int]:
+    """``(group_size, bits)`` of a quantized key triple read from its shapes
+    (packed 32-bit words, one scale per group) and the queries' head dim:
+    for a KV-shared layer, which gets an earlier layer's triples without
+    its cache."""
+    packed, scales = keys[0], keys[1]
+    head_dim = queries.shape[-1]
+    return head_dim // scales.shape[-1], packed.shape[-1] * 32 // head_dim
 
 
 _mlx_lm_attention = None  # mlx-lm's own function, kept by install_attention for restore_attention

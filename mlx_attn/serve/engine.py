@@ -226,7 +226,7 @@ class Engine:
         self.pool = PagePool(-(-kv_tokens // page_size), page_size)
         self.store = PagedKVStore(self.pool.num_pages, page_size, len(layers), kv_heads, head_dim,
                                   value_dim=getattr(model, "value_dim", None), dtype=dtype, bits=kv_bits,
-                                  group_size=group_size)
+                                  group_size=group_size, layer_shapes=getattr(model, "kv_layer_shapes", None))
         if isinstance(state_snapshots, bool) or not isinstance(state_snapshots, int) or state_snapshots < 0:
             raise ValueError(f"state_snapshots must be a non-negative integer, got {state_snapshots!r}")
         self.prefix_reuse = getattr(model, "prefix_reuse", True)

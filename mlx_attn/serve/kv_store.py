@@ -14,22 +14,32 @@ __all__ = ["PagedKVStore"]
 
 
 class PagedKVStore:
+    """``layer_shapes``: ``(n_kv_heads, head_dim, value_dim)`` of each layer
+    where the layers differ (then ``n_kv_heads``, ``head_dim`` and
+    ``value_dim`` are unused); by default every layer has the one shape."""
+
     def __init__(self, num_pages: int, page_size: int, n_layers: int, n_kv_heads: int, head_dim: int,
-                 value_dim: int | None = None, dtype=mx.float16, bits: int | None = None, group_size: int = 64):
+                 value_dim: int | None = None, dtype=mx.float16, bits: int | None = None, group_size: int = 64,
+                 layer_shapes: list[tuple[int, int, int]] | None = None):
         value_dim = head_dim if value_dim is None else value_dim
+        if layer_shapes is None:
+            layer_shapes = [(n_kv_heads, head_dim, value_dim)] * n_layers
+        elif len(layer_shapes) != n_layers:
+            raise ValueError(f"layer_shapes has {len(layer_shapes)} entries for {n_layers} layers")
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.bits, self.group_size = bits, group_size
         if bits is not None:
             self.group_size, self.bits = quantized.check_quantization(group_size, bits)
-            for name, dim in (("head_dim", head_dim), ("value_dim", value_dim)):
+            for name, dim in sorted({("head_dim", d) for _, d, _ in layer_shapes} |
+                                    {("value_dim", d) for _, _, d in layer_shapes}):
                 quantized.check_quantizable_dim(name, dim, group_size)
 
-        def empty(dim):
-            pages = mx.zeros((num_pages, n_kv_heads, page_size, dim), dtype=dtype)
+        def empty(heads, dim):
+            pages = mx.zeros((num_pages, heads, page_size, dim), dtype=dtype)
             return pages if bits is None else tuple(mx.quantize(pages, group_size=group_size, bits=bits))
 
-        self.keys = [empty(head_dim) for _ in range(n_layers)]
-        self.values = [empty(value_dim) for _ in range(n_layers)]
+        self.keys = [empty(heads, dim) for heads, dim, _ in layer_shapes]
+        self.values = [empty(heads, dim) for heads, _, dim in layer_shapes]
 
     @property
     def nbytes(self) -> int:

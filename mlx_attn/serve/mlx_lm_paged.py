@@ -18,7 +18,11 @@ the pages' rule is causal per request, within the layer's window.
 Each layer's rule comes from mlx-lm's own cache structure
 (``make_prompt_cache``): a ``KVCache`` is full attention, a
 ``RotatingKVCache`` without kept tokens a sliding window of its size. The
-K/V shapes and dtype come from a one-token probe forward.
+K/V shapes and dtype come from a one-token probe forward; layers of
+different shapes (Gemma 4's wider full-attention layers) get pages of their
+own shape (``kv_layer_shapes``). A KV-shared layer (Gemma 3n, Gemma 4: no
+cache of its own, the keys and values an earlier layer's cache returned)
+is attended by that cache, on its pages.
 
 **Hybrid models** (layers that keep a recurrent state in mlx-lm's
 ``ArraysCache`` / ``MambaCache``: linear attention, short convolutions,
@@ -36,8 +40,21 @@ prefill chunks then run in pieces that end at page boundaries, the state at
 each boundary is saved under that page's prefix-cache key, and a request
 whose prompt begins with cached pages resumes from the last saved state
 among them.
-Other caches (``ChunkedKVCache``, ``CacheList``, a ring with kept tokens)
-are refused with a :class:`ValueError` naming the layer.
+A layer's ``CacheList`` (Falcon-H1: attention and a state-space block side
+by side) counts as its entries, each kept by its kind. Other caches (a ring
+with kept tokens) are refused with a :class:`ValueError` naming the layer.
+
+**Gathering.** A model whose attention layers do not attend through the
+seam with their cache's own keys and values
+(:func:`mlx_lm_models.seam_problems`: attention computed by the model
+itself, multi-head latent attention), or that cannot run sequences at
+different positions in one call (dynamic-NTK RoPE), or that has chunked
+attention layers (``ChunkedKVCache``: Llama 4 makes their mask over the
+keys itself), would be served wrong by the flat step. It runs each request of a step alone with a
+:class:`GatheringPagedCache` per attention layer instead: the rows go into
+the pages and the request's whole K/V comes back gathered from them, as a
+dense cache would hand it over (:attr:`MlxLmPagedModel.gathering` says
+why); a hybrid model's decode rows then run alone too.
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import logging
 import types
 
 import mlx.core as mx
@@ -54,7 +72,9 @@ import numpy as np
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.models.base import AttentionHook, LayerAttention
 
-__all__ = ["MlxLmPagedModel", "PagedLayerCache", "RecurrentStates", "UnsupportedForServing",
+log = logging.getLogger(__name__)
+
+__all__ = ["MlxLmPagedModel", "PagedLayerCache", "GatheringPagedCache", "RecurrentStates", "UnsupportedForServing",
            "check_servable_mlx_lm_model"]
 
 
@@ -103,7 +123,14 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
         never reads them: :meth:`attend` reads the pages)."""
         a = self.hook.arrays
         self.hook.store.write(self.layer, a["write_pages"], a["write_slots"], self._rows(keys), self._rows(values))
-        return keys, values
+        self._handed = self.hand_out(keys, values)  # a KV-shared layer attending to them reaches these pages
+        return self._handed
+
+    def keys_and_values(self):
+        """What the last update returned (mlx-lm's ``keys_and_values``, read
+        by Gemma 3n's KV-shared layers: the seam then lets this cache attend
+        for them too)."""
+        return self._handed
 
     def attend(self, queries, keys, values, *, scale, sinks, softcap):
         a = self.hook.arrays
@@ -112,6 +139,56 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
                                      scale=scale, window_size=self.window, sinks=sinks, softcap=softcap,
                                      cascade=getattr(self.hook, "cascade", None))  # a hybrid call's sub-hook: none
         return out.reshape(batch, length, heads, out.shape[-1]).swapaxes(1, 2)
+
+
+class GatheringPagedCache:
+    """One attention layer's cache for one request's call of ``L`` tokens
+    (``[1, L]``, first position ``offset``, an int) where the layer does not
+    let the cache attend (it computes attention itself, as mlx-lm's gemma2,
+    or from keys computed from the cache's, as multi-head latent attention):
+    ``update_and_fetch`` writes the rows into the layer's pages and returns
+    the request's every key and value gathered from its pages in time order
+    (dequantized from quantized pages), ``make_mask`` the causal mask over
+    them within the layer's window, as a dense cache would. The pages keep
+    what prefix sharing needs; the call costs a gather per layer."""
+
+    start_position = 0  # ChunkedKVCache's: the first key returned (every key is)
+
+    def __init__(self, store, layer: int, window: int | None, writes: tuple, block_row: np.ndarray, offset: int):
+        self.store, self.layer, self.window = store, layer, window
+        self.write_pages, self.write_slots = writes
+        self.block_row, self.offset = block_row, offset
+        self._fetched = None
+
+    def __bool__(self) -> bool:
+        return True
+
+    def maybe_trim_front(self) -> None:
+        """ChunkedKVCache's: keys before the chunk stay (the model's chunk mask hides them)."""
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return mlx_lm_models.contiguous_mask(N, self.offset + N, window_size or self.window, return_array)
+
+    def _gathered(self, stored, pages: mx.array, n_keys: int, dtype) -> mx.array:
+        if isinstance(stored, tuple):
+            rows = mx.dequantize(*(part[pages] for part in stored), group_size=self.store.group_size,
+                                 bits=self.store.bits)
+        else:
+            rows = stored[pages]
+        count, heads, size, dim = rows.shape
+        return rows.swapaxes(0, 1).reshape(heads, count * size, dim)[None, :, :n_keys].astype(dtype)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.store.write(self.layer, self.write_pages, self.write_slots, PagedLayerCache._rows(keys),
+                         PagedLayerCache._rows(values))
+        n_keys = self.offset + keys.shape[2]
+        pages = mx.array(self.block_row[: -(-n_keys // self.store.page_size)])
+        self._fetched = (self._gathered(self.store.keys[self.layer], pages, n_keys, keys.dtype),
+                         self._gathered(self.store.values[self.layer], pages, n_keys, values.dtype))
+        return self._fetched
+
+    def keys_and_values(self):
+        return self._fetched
 
 
 class RecurrentStates:
@@ -142,9 +219,7 @@ class RecurrentStates:
 
     def get(self, request_id, start: int) -> list:
         if start == 0:
-            import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
-
-            caches = mlx_lm_cache.make_prompt_cache(self._model)
+            caches = _flat_prompt_cache(self._model)
             self._by_request[request_id] = [caches[i] for i in self._slots]
         elif request_id not in self._by_request:
             raise RuntimeError(f"request {request_id!r} continues at position {start} without its recurrent state")
@@ -219,38 +294,169 @@ class _KVShape:
 
 
 _RECURRENT = "recurrent"  # a layer rule: the layer keeps a recurrent state, not K/V
+_CHUNKED = "chunked"  # a layer rule: chunked attention (the model makes its mask over every key)
+
+
+def _flatten(caches: list) -> list:
+    """mlx-lm's caches with every ``CacheList`` replaced by its entries, in
+    order (a layer with attention and a state-space block beside it, as
+    Falcon-H1's, keeps both in one ``CacheList``): the cache slots."""
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    flat = []
+    for cache in caches:
+        flat += _flatten(cache.caches) if isinstance(cache, mlx_lm_cache.CacheList) else [cache]
+    return flat
+
+
+def _flat_prompt_cache(model: nn.Module) -> list:
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    return _flatten(mlx_lm_cache.make_prompt_cache(model))
+
+
+def _cache_nesting(model: nn.Module) -> list:
+    """mlx-lm's cache structure for ``model`` with each cache slot's number
+    in place of the cache (a tuple for a ``CacheList``)."""
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    numbers = iter(range(1 << 30))
+
+    def number(cache):
+        if isinstance(cache, mlx_lm_cache.CacheList):
+            return tuple(number(inner) for inner in cache.caches)
+        return next(numbers)
+
+    return [number(cache) for cache in mlx_lm_cache.make_prompt_cache(model)]
+
+
+def _nested(nesting: list, flat: list) -> list:
+    """The caches of the cache slots ``flat`` in ``nesting`` (each
+    ``CacheList`` rebuilt around its slots), as the model indexes them."""
+    import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
+
+    def build(entry):
+        return mlx_lm_cache.CacheList(*(build(e) for e in entry)) if isinstance(entry, tuple) else flat[entry]
+
+    return [build(entry) for entry in nesting]
 
 
 def _layer_rules(model: nn.Module) -> list:
-    """Each cache slot's rule from mlx-lm's cache structure: None (full
-    attention), the sliding window (an int), or ``"recurrent"`` (an
-    ``ArraysCache``, ``MambaCache``...: a state per request);
-    :class:`UnsupportedForServing` for any other cache."""
+    """Each cache slot's rule from mlx-lm's cache structure (nested cache
+    lists flattened): None (full attention), the sliding window (an int),
+    ``"chunked"`` (a ``ChunkedKVCache``: Llama 4's chunked attention) or
+    ``"recurrent"`` (an ``ArraysCache``, ``MambaCache``...: a state per
+    request); :class:`UnsupportedForServing` for any other cache."""
     import mlx_lm.models.cache as mlx_lm_cache  # noqa: PLC0415 (optional dependency)
 
     rules = []
-    for i, cache in enumerate(mlx_lm_cache.make_prompt_cache(model)):
+    for i, cache in enumerate(_flat_prompt_cache(model)):
         if type(cache) is mlx_lm_cache.KVCache:
             rules.append(None)
         elif type(cache) is mlx_lm_cache.RotatingKVCache and cache.keep == 0:
             rules.append(cache.max_size)
+        elif type(cache) is mlx_lm_cache.ChunkedKVCache:
+            rules.append(_CHUNKED)
         elif isinstance(cache, mlx_lm_cache.ArraysCache):
             rules.append(_RECURRENT)
         else:
             raise UnsupportedForServing(
                 f"layer cache {i} is mlx-lm's {type(cache).__name__}: the serving engine pages attention layers "
-                "(KVCache, sliding-window RotatingKVCache) and keeps recurrent states (ArraysCache, "
-                "MambaCache); chunked attention and nested cache lists are not served yet, use "
-                "`mlx-attn generate` for them")
+                "(KVCache, sliding-window RotatingKVCache, ChunkedKVCache) and keeps recurrent states "
+                "(ArraysCache, MambaCache); use `mlx-attn generate` for it")
     if all(rule == _RECURRENT for rule in rules):
-        raise UnsupportedForServing("the model has no attention layer: the serving engine needs one to page")
+        raise UnsupportedForServing("the model has no attention layer: the serving engine needs one to page; "
+                                    "`mlx-attn generate` runs it")
     return rules
+
+
+def _seam_problem(model: nn.Module) -> tuple[str | None, bool]:
+    """``(what keeps paged caches from attending for the model's layers, or
+    None; whether a gathering cache can serve it instead)``, from
+    :func:`mlx_lm_models.seam_problems`: a layer that computes attention
+    itself, or from keys computed from the cache's, reads what a cache
+    returns, which a :class:`GatheringPagedCache` gives it; a layer that
+    attends without a cache to keys no cache returned cannot be served."""
+    problems = mlx_lm_models.seam_problems(model)
+    if not problems:
+        return None, True
+    slots_by_reason = collections.defaultdict(list)
+    for slot, why in problems.items():
+        slots_by_reason[why].append(slot)
+    named = "; ".join(why if None in slots else
+                      f"layer cache{'s' if len(slots) > 1 else ''} {', '.join(map(str, sorted(slots)))}: {why}"
+                      for why, slots in slots_by_reason.items())
+    return named, None not in problems
+
+
+def _fast_path_problem(model: nn.Module, model_type, rules: list) -> str | None:
+    """Why the engine's flat paged step cannot run the model (None: it can):
+    then it is served with :class:`GatheringPagedCache` (one request a call),
+    or refused (:class:`UnsupportedForServing`) where that cannot serve it
+    either (a layer attending to keys no cache returned).
+    ``rules``: :func:`_layer_rules`'s."""
+    chunked = [slot for slot, rule in enumerate(rules) if rule == _CHUNKED]
+    why, gatherable = (f"layer cache{'s' if len(chunked) > 1 else ''} {', '.join(map(str, chunked))}: chunked "
+                       "attention (mlx-lm's ChunkedKVCache; the model makes its mask over the keys)", True
+                       ) if chunked else _seam_problem(model)
+    if why is None:
+        why = _positions_problem(model)
+    if why is not None and not gatherable:
+        raise UnsupportedForServing(
+            f"mlx-lm's {model_type or 'model'} cannot be served on pages: {why}. The engine's pages need every "
+            "attention layer to attend through mlx-lm's scaled_dot_product_attention with its cache's own keys "
+            "and values, or to read them from its cache; `mlx-attn generate` runs this model")
+    return why
+
+
+class _PositionsProbeCache(mlx_lm_models.SelfAttendingCache):
+    """An attention layer's cache for :func:`_check_positions_per_sequence`:
+    two one-token sequences at different positions (``offset`` an array, as
+    the engine's steps give), attention answered with zeros."""
+
+    def __init__(self, offset: mx.array):
+        self.offset = offset
+
+    def __bool__(self) -> bool:
+        return True
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return None
+
+    def update_and_fetch(self, keys, values):
+        self._handed = self.hand_out(keys, values)
+        return self._handed
+
+    def keys_and_values(self):
+        return self._handed
+
+    def attend(self, queries, keys, values, *, scale, sinks, softcap):
+        return mx.zeros((*queries.shape[:-1], values.shape[-1]), queries.dtype)
+
+
+def _positions_problem(model: nn.Module) -> str | None:
+    """Why the model cannot run sequences at different positions in one
+    call (RoPE given one offset per sequence, an array), as the engine's
+    flat steps do (None: it can). mlx-lm's dynamic-NTK RoPE, say, needs one
+    integer position."""
+    flat = []
+    for rule, state in zip(_layer_rules(model), _flat_prompt_cache(model)):
+        if rule == _RECURRENT:  # two fresh states side by side, as the engine's decode rows run
+            flat.append(type(state).merge([state, copy.deepcopy(state)]))
+        else:
+            flat.append(_PositionsProbeCache(mx.array([0, 3], mx.int32)))
+    try:
+        mx.eval(model(mx.zeros((2, 1), mx.int32), cache=_nested(_cache_nesting(model), flat)))
+    except Exception as error:  # noqa: BLE001 (whatever the model's code raises, the flat step cannot run it)
+        return (f"it cannot run sequences at different positions in one call (one position per sequence, an "
+                f"array, and no mask array): {type(error).__name__}: {' '.join(str(error).split())}")
+    return None
 
 
 def check_servable_mlx_lm_model(wrapped: mlx_lm_models.MlxLmModel) -> None:
     """:class:`UnsupportedForServing` when the engine cannot page the
-    model's layers (see :func:`_layer_rules`)."""
-    _layer_rules(wrapped.model)
+    model's layers (see :func:`_layer_rules` and :func:`_fast_path_problem`)."""
+    _fast_path_problem(wrapped.model, wrapped.config.model_type, _layer_rules(wrapped.model))
 
 
 def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
@@ -259,7 +465,7 @@ def _probe_kv_shapes(model: nn.Module) -> list[_KVShape | None]:
     caches = mlx_lm_models.make_cache(model)
     mx.eval(model(mx.array([[0]]), cache=caches))
     shapes = []
-    for cache in caches:
+    for cache in _flatten(caches):
         keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
         shapes.append(None if keys is None else _KVShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype))
     return shapes
@@ -280,6 +486,13 @@ class MlxLmPagedModel:
     def __init__(self, wrapped: mlx_lm_models.MlxLmModel):
         self.model = wrapped.model
         self._rules = _layer_rules(self.model)
+        self._nesting = _cache_nesting(self.model)
+        # why each request runs alone over K/V gathered from its pages (None: the flat paged step)
+        self.gathering = _fast_path_problem(self.model, wrapped.config.model_type, self._rules)
+        if self.gathering:
+            log.warning("each request runs alone in a step, over K/V gathered from its pages (slower than the "
+                        "batched paged step, which cannot run mlx-lm's %s: %s)", wrapped.config.model_type,
+                        self.gathering)
         self._recurrent_slots = [i for i, rule in enumerate(self._rules) if rule == _RECURRENT]
         self.states = RecurrentStates(self.model, self._recurrent_slots) if self._recurrent_slots else None
         self._source = wrapped.source
@@ -306,16 +519,14 @@ class MlxLmPagedModel:
         attention = [(slot, shape) for slot, shape in enumerate(shapes) if shape is not None]
         if [slot for slot, _ in attention] != [i for i, rule in enumerate(self._rules) if rule != _RECURRENT]:
             raise UnsupportedForServing("the probe's attention layers differ from mlx-lm's cache structure")
-        first_slot, first = attention[0]
-        for slot, shape in attention:
-            if dataclasses.replace(shape, dtype=first.dtype) != first:
-                raise UnsupportedForServing(
-                    f"layer {slot} keeps K/V of {shape.kv_heads} heads x {shape.head_dim}/{shape.value_dim} "
-                    f"features, layer {first_slot} of {first.kv_heads} x {first.head_dim}/{first.value_dim}: "
-                    "the engine's pages have one shape for every layer")
+        first = attention[0][1]
         self._attention_slots = [slot for slot, _ in attention]  # store layer i is cache slot [i]
-        self._layers = [LayerAttention(i, 1.0, self._rules[slot], first.head_dim)
-                        for i, slot in enumerate(self._attention_slots)]
+        windows = [rule if isinstance(rule, int) else None for rule in self._rules]  # chunked: every key gathered
+        self._layers = [LayerAttention(i, 1.0, windows[slot], shape.head_dim)
+                        for i, (slot, shape) in enumerate(attention)]
+        layer_shapes = [(shape.kv_heads, shape.head_dim, shape.value_dim) for _, shape in attention]
+        # pages of each layer's own shape where the layers differ (Gemma 4's full-attention layers are wider)
+        self.kv_layer_shapes = layer_shapes if len(set(layer_shapes)) > 1 else None
         self.value_dim, self.kv_dtype = first.value_dim, first.dtype
         self._paged_config = types.SimpleNamespace(**vars(self._config), num_key_value_heads=first.kv_heads)
 
@@ -341,11 +552,34 @@ class MlxLmPagedModel:
             mlx_lm_models.install_attention()
         if self.states is not None:
             return self._hybrid_call(attention)
-        caches = [PagedLayerCache(attention, layer.index, layer.window_size) for layer in self._layers]
+        if self.gathering:
+            return self._gathering_call(attention)
+        caches = _nested(self._nesting, [PagedLayerCache(attention, layer.index, layer.window_size)
+                                         for layer in self._layers])
         logits = self.model(tokens.reshape(-1, 1), cache=caches)[:, 0]
         if attention.logit_rows is not None:
             logits = logits[attention.logit_rows]
         return logits[None]
+
+    def _gathering_call(self, hook) -> mx.array:
+        """Each row of the step alone (``[1, L]``, its first position an
+        int) with :class:`GatheringPagedCache` for its attention layers; the
+        logits of the hook's ``logit_rows`` (every token without)."""
+        host = hook.host_arrays
+        ends = np.cumsum(host["q_lens"])
+        by_token = {}
+        for b, (lo, hi) in enumerate(zip(ends - host["q_lens"], ends)):
+            tokens = np.arange(lo, hi)
+            writes = (mx.array(host["write_pages"][tokens]), mx.array(host["write_slots"][tokens]))
+            first = int(host["positions"][lo])
+            caches = [GatheringPagedCache(hook.store, layer.index, layer.window_size, writes, host["block_table"][b],
+                                          first) for layer in self._layers]
+            logits = self.model(mx.array(host["tokens"][tokens])[None], cache=_nested(self._nesting, caches))[0]
+            by_token.update(zip(tokens.tolist(), logits))
+        wanted = range(len(host["tokens"])) if hook.host_logit_rows is None else hook.host_logit_rows.tolist()
+        if not wanted:
+            return mx.zeros((1, 0, self.config.vocab_size))
+        return mx.stack([by_token[t] for t in wanted])[None]
 
     # ------------------------------------------------------------ hybrid models
     def enable_state_snapshots(self, max_snapshots: int) -> None:
@@ -368,7 +602,8 @@ class MlxLmPagedModel:
         starts = ends - q_lens
         size = hook.store.page_size
         snapshots = self.states.max_snapshots > 0
-        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and positions[starts[b]] > 0]
+        decode = [b for b in range(len(q_lens)) if q_lens[b] == 1 and positions[starts[b]] > 0
+                  and not self.gathering]  # gathering: each row alone
         calls = [[(b, starts[b], ends[b]) for b in decode]] if decode else []
         for b in range(len(q_lens)):
             if b in set(decode):
@@ -417,10 +652,13 @@ class MlxLmPagedModel:
             offset = sub["positions"]
         caches = [None] * len(self._rules)
         for layer, slot in zip(self._layers, self._attention_slots):
-            caches[slot] = PagedLayerCache(view, layer.index, layer.window_size, length, offset)
+            caches[slot] = (GatheringPagedCache(hook.store, layer.index, layer.window_size,
+                                                (sub["write_pages"], sub["write_slots"]), host["block_table"][rows[0]],
+                                                offset) if self.gathering else
+                            PagedLayerCache(view, layer.index, layer.window_size, length, offset))
         for slot, cache in zip(self._recurrent_slots, merged):
             caches[slot] = cache
-        logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=caches)[:, -1]
+        logits = self.model(sub["tokens"].reshape(len(pieces), length), cache=_nested(self._nesting, caches))[:, -1]
         if len(pieces) > 1:
             for i, b in enumerate(rows):
                 self.states.put(ids[b], [cache.extract(i) for cache in merged])
