@@ -129,21 +129,11 @@ void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 }
 
 
-// int16 activations: a block's 32 codes widen to 32 words (4-bit: the 16
-// bytes twice, the upper copy shifted to its high nibbles), one vpdpwssd per
-// row gives the block's 16 int32 lanes, scaled by one broadcast d * scale
-// (precomputed per chunk of groups, so a block costs no scalar arithmetic);
-// the bias term is sum_g bias * (x summed over group g), in vectors.
+// int16 activations: a block's 32 codes widen to 32 words, one vpdpwssd per
+// row gives the block's 16 int32 lanes, scaled by one broadcast d * scale.
 template <int Bits>
 inline __m512i block_words(const uint8_t* w, int64_t block) {
-  if constexpr (Bits == 8) {
-    return _mm512_cvtepu8_epi16(one_block<Bits>(w, block));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + block * 16));
-    const __m512i twice = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(raw));
-    const __m512i high_half_by_4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(twice, high_half_by_4), _mm512_set1_epi16(15));
-  }
+  return _mm512_cvtepu8_epi16(one_block<Bits>(w, block));
 }
 
 template <int Bits, int Rows>
@@ -151,48 +141,35 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   const int16_t* xq = static_cast<const int16_t*>(c.xq);
   const int64_t groups = c.k / c.group_size;
   const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
-  const int64_t blocks = c.k / kInt8Block;
   const int64_t row_bytes = c.k * Bits / 8;
+  const int64_t lane_stride = c.k / kInt8Block * 8;
   float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
-  // d * scale of each block of the chunk, per row (at most 4 blocks a group)
-  alignas(64) float block_scale[Rows][kInt8ScaleChunk * 4];
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
-    __m512 acc[Rows], bias_acc[Rows];
+    __m512 acc[Rows];
+    float bias_sum[Rows];
     for (int r = 0; r < Rows; ++r) {
       acc[r] = _mm512_setzero_ps();
-      bias_acc[r] = _mm512_setzero_ps();
+      bias_sum[r] = 0.0f;
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
       const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
       convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
       convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
       const int64_t first = g0 << group_shift;
-      const int chunk_blocks = chunk << group_shift;
-      for (int r = 0; r < Rows; ++r) {
-        const float* d = c.xd_block + r * blocks + first;
-        for (int j = 0; j < chunk_blocks; ++j) block_scale[r][j] = d[j] * scales[j >> group_shift];
-        const float* sums = c.xsum_group + r * groups + g0;
-        int g = 0;
-        for (; g + 16 <= chunk; g += 16) {
-          bias_acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(sums + g), _mm512_loadu_ps(biases + g), bias_acc[r]);
-        }
-        if (g < chunk) {
-          const __mmask16 left = __mmask16((1u << (chunk - g)) - 1);
-          bias_acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(left, sums + g), _mm512_maskz_loadu_ps(left, biases + g),
-                                        bias_acc[r]);
-        }
-      }
-      for (int j = 0; j < chunk_blocks; ++j) {
-        const __m512i codes = block_words<Bits>(w, first + j);
+      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        const __m512i codes = block_words<Bits>(w, b);
         for (int r = 0; r < Rows; ++r) {
-          const __m512i x = _mm512_loadu_si512(xq + r * c.k + (first + j) * kInt8Block);
+          const __m512i x = _mm512_loadu_si512(xq + r * c.k + b * kInt8Block);
           const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), codes, x);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(block_scale[r][j]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(c.xd[r * lane_stride + b * 8] * scales[g]),
+                                   acc[r]);
+          bias_sum[r] += c.xsum[r * lane_stride + b * 8] * 8.0f * biases[g];
         }
       }
     }
-    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], bias_acc[r]));
+    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = _mm512_reduce_add_ps(acc[r]) + bias_sum[r];
   }
 }
 

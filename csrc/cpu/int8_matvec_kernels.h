@@ -38,11 +38,6 @@ struct Int8MatvecCall {
   // [rows, k / 32 * 8]: each block's float sum of x divided by 8, repeated
   // 8 times (the bias term, spread over the same lanes).
   const float* xsum;
-  // [rows, k / 32]: each block's scale d once (a copy that broadcasts it per block reads this).
-  const float* xd_block;
-  // [rows, k / group_size]: the float sum of x over each weight group, the
-  // bias term's factor (a copy that sums the bias term in vectors reads this).
-  const float* xsum_group;
   int rows;
   int64_t k;               // input features (a multiple of group_size)
   int64_t n;               // output features

@@ -90,16 +90,6 @@ void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int
                                 xsum.data() + r * lanes);
     }
   }
-  // the same scales per block once, and the sums per weight group (every copy's bias term is sum_g bias * these)
-  const int64_t blocks = first.k / cpu::kInt8Block, groups = first.k / first.group_size;
-  const int64_t blocks_per_group = first.group_size / cpu::kInt8Block;
-  std::vector<float> xd_block(size_t(rows) * blocks), xsum_group(size_t(rows) * groups, 0.0f);
-  for (int r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      xd_block[r * blocks + b] = xd[r * lanes + b * 8];
-      xsum_group[r * groups + b / blocks_per_group] += xsum[r * lanes + b * 8] * 8.0f;
-    }
-  }
   const char* xq = reinterpret_cast<const char*>(codes.data());
   const Int8Matvec kernel = int8_copy();
   // the tasks of all weights in one pool call: one wake-up per step, not per weight
@@ -118,8 +108,6 @@ void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int
       part.xq = xq + r * call.k * code_bytes;
       part.xd = xd.data() + r * lanes;
       part.xsum = xsum.data() + r * lanes;
-      part.xd_block = xd_block.data() + r * blocks;
-      part.xsum_group = xsum_group.data() + r * groups;
       part.out = call.out + r * call.n;
       kernel(part, begin, end);
     }
