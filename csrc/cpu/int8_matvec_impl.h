@@ -35,6 +35,27 @@ inline void convert_scales(ElemType type, float* dst, const void* src, int64_t o
   }
 }
 
+// What each copy's loop derives from the call once.
+struct Int8Layout {
+  int64_t groups;       // weight groups per output feature
+  int group_shift;      // blocks per group (1, 2 or 4) as a shift: a division per block would cost more than the block
+  int64_t row_bytes;    // one output feature's packed codes
+  int64_t lane_stride;  // one row's entries of xd and xsum
+  Int8Layout(const Int8MatvecCall& c, int bits)
+      : groups(c.k / c.group_size), group_shift(c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2)),
+        row_bytes(c.k * bits / 8), lane_stride(c.k / kInt8Block * 8) {}
+};
+
+// Output feature n's scales and biases of the chunk of groups from g0, in
+// float32; returns the chunk's group count.
+inline int convert_chunk(const Int8MatvecCall& c, int64_t groups, int64_t n, int64_t g0, float* scales,
+                         float* biases) {
+  const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+  convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
+  convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+  return chunk;
+}
+
 // The loop every block-at-a-time copy shares (Step: one instruction set's
 // block product, below): per output feature, per chunk of groups (their
 // scales and biases converted to float32), per block of 32 columns the
@@ -45,20 +66,16 @@ template <typename Step, int Bits, int Rows>
 void block_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   using Code = typename Step::Code;
   const Code* xq = static_cast<const Code*>(c.xq);
-  const int64_t groups = c.k / c.group_size;
-  // blocks per group: 1, 2 or 4, as a shift (a division per block would cost more than the block)
-  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
-  const int64_t row_bytes = c.k * Bits / 8;
-  const int64_t lane_stride = c.k / kInt8Block * 8;
+  const Int8Layout layout(c, Bits);
+  const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
+  const int group_shift = layout.group_shift;
   float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
     typename Step::Sums sums[Rows];
     for (int r = 0; r < Rows; ++r) sums[r] = Step::zero();
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
-      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
-      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
-      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int chunk = convert_chunk(c, groups, n, g0, scales, biases);
       const int64_t first = g0 << group_shift;
       for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
         const int64_t g = (b - first) >> group_shift;
@@ -112,11 +129,9 @@ inline __m256i one_block(const uint8_t* w, int64_t block) {
 template <int Bits, int Rows>
 void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   const int8_t* xq = static_cast<const int8_t*>(c.xq);
-  const int64_t groups = c.k / c.group_size;
-  // blocks per group: 1, 2 or 4, as a shift (a division per block would cost more than the block)
-  const int group_shift = c.group_size == 32 ? 0 : (c.group_size == 64 ? 1 : 2);
-  const int64_t row_bytes = c.k * Bits / 8;
-  const int64_t lane_stride = c.k / kInt8Block * 8;
+  const Int8Layout layout(c, Bits);
+  const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
+  const int group_shift = layout.group_shift;
   float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
@@ -128,9 +143,7 @@ void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
       tail[r] = _mm256_setzero_ps();
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
-      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
-      convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
-      convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
+      const int chunk = convert_chunk(c, groups, n, g0, scales, biases);
       const int64_t first = (g0 << group_shift);
       const int64_t last = ((g0 + chunk) << group_shift);
       int64_t b = first;
