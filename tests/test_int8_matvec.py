@@ -181,6 +181,12 @@ def test_rms_norm_inside_the_product_is_the_product_of_the_norm(rows):
     float_weight = mx.dequantize(codes, scales, biases, group_size=32, bits=4)
     expected_grad = mx.grad(lambda a: ((mx.fast.rms_norm(a, norm_weight, 1e-5) @ float_weight.T) * cotangent).sum())(x)
     np.testing.assert_allclose(np.array(grad), np.array(expected_grad), rtol=1e-4, atol=1e-5)
+    # the norm's weight stays trainable (a quantized model's RMSNorms are float parameters)
+    norm_grad = mx.grad(lambda g: (_ext.quantized_matvec_int8_many(x, [codes], [scales], [biases], 32, 4, 16,
+                                                                   norm_weight=g)[0] * cotangent).sum())(norm_weight)
+    expected_norm_grad = mx.grad(lambda g: ((mx.fast.rms_norm(x, g, 1e-5) @ float_weight.T) * cotangent).sum())(
+        norm_weight)
+    np.testing.assert_allclose(np.array(norm_grad), np.array(expected_norm_grad), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -449,9 +449,10 @@ std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::
 std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& primals,
                                                 const std::vector<mx::array>& cotangents,
                                                 const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const int norm_arg = normalized_ ? int(primals.size()) - 1 : -1;
   for (int arg : argnums) {
-    if (arg != 0) {
-      throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x only, not to the weight or the norm");
+    if (arg != 0 && arg != norm_arg) {
+      throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x and the norm's weight, not to the weight");
     }
   }
   // the float product's gradient (the activations' rounding passes straight through), summed over the weights
@@ -463,14 +464,16 @@ std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& pr
   }
   mx::array d_normalized = mx::astype(*dx, mx::float32, stream());
   if (!normalized_) return {d_normalized};
-  // and back through the norm: RMSNorm's own vjp, the norm's weight held fixed
-  const mx::array norm_weight = primals.back();
+  // and back through the norm: RMSNorm's own vjp, to x and to the norm's weight
   const float eps = norm_eps_;
   const mx::Stream on = stream();
-  auto norm = [norm_weight, eps, on](const std::vector<mx::array>& in) -> std::vector<mx::array> {
-    return {mx::fast::rms_norm(in[0], norm_weight, eps, on)};
+  auto norm = [eps, on](const std::vector<mx::array>& in) -> std::vector<mx::array> {
+    return {mx::fast::rms_norm(in[0], in[1], eps, on)};
   };
-  return {mx::vjp(norm, {primals[0]}, {d_normalized}).second[0]};
+  const std::vector<mx::array> grads = mx::vjp(norm, {primals[0], primals.back()}, {d_normalized}).second;
+  std::vector<mx::array> out;
+  for (int arg : argnums) out.push_back(arg == 0 ? grads[0] : grads[1]);
+  return out;
 }
 
 void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -115,7 +115,7 @@ class QuantizedMatvecInt8 : public QuantizedWeightPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  // The float product's gradient (through the norm when normalized), to x only.
+  // The float product's gradient, to x (through the norm when normalized) and the norm's weight.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   const char* name() const override {
