@@ -37,12 +37,13 @@ def free_port() -> int:
 class Server:
     """A server process on 127.0.0.1, stopped on exit. ``cwd``: where it
     runs (outside a source checkout, so ``python -m`` imports the installed
-    package)."""
+    package); ``env``: variables set for it on top of this process's."""
 
-    def __init__(self, name: str, command: list[str], port: int, log: Path, cwd: Path | None = None):
+    def __init__(self, name: str, command: list[str], port: int, log: Path, cwd: Path | None = None,
+                 env: dict | None = None):
         self.name, self.port = name, port
         self.log = open(log, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         end = time.monotonic() + START_LIMIT_S
         while True:
@@ -59,6 +60,18 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.5)
+
+    def peak_memory(self) -> int | None:
+        """The process's peak resident memory in bytes so far (Linux's
+        VmHWM), or None where /proc does not say."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+        return None
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -175,7 +175,7 @@ def test_llama_cpp_benchmark_skips_llama_cpp_rows_without_its_binaries(tmp_path,
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
     result = bench.main(["--gguf", str(tmp_path / "m.gguf"), "--llama-cpp-dir", str(tmp_path), "--repeats", "1",
-                         "--threads", "2", "--out", str(tmp_path / "llama")])
+                         "--threads", "2", "--out", str(tmp_path / "llama"), "--rows", "generate"])
     out = capsys.readouterr().out
     assert "llama.cpp rows skipped: no llama-bench found" in out
     assert "| prompt tokens/s (`llama-bench` pp128) | 50.0 | skipped | - |" in out
@@ -196,12 +196,85 @@ def test_llama_cpp_benchmark_reads_llama_bench_json(tmp_path, monkeypatch, capsy
                     " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 80.0}]'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))  # found under its bin/
-    result = bench.main(["--gguf", str(tmp_path / "m.gguf"), "--repeats", "2", "--threads", "3"])
+    result = bench.main(["--gguf", str(tmp_path / "m.gguf"), "--repeats", "2", "--threads", "3", "--rows", "generate"])
     assert (fake.parent / "args").read_text().split() == ["-m", str(tmp_path / "m.gguf"), "-t", "3", "-p", "128",
                                                           "-n", "64", "-r", "1", "-o", "json"]
     assert result["llama_cpp"] == {"prompt_tps": 200.0, "gen_tps": 80.0}
     assert result["ratio"] == {"prompt_tps": 0.25, "gen_tps": 0.25}
     assert "| decode tokens/s (`llama-bench` tg64) | 20.0 | 80.0 | 0.25x |" in capsys.readouterr().out
+
+
+def _fake_servers(monkeypatch, peak_memory: dict):
+    """kernel_lab.serving_load without processes: each Server records its
+    command and environment, each load phase answers per server."""
+    import kernel_lab.serving_load as serving_load
+
+    started = {}
+
+    class FakeServer:
+        def __init__(self, name, command, port, log, cwd=None, env=None):
+            self.name, self.stopped = name, False
+            started[name] = (command, env, self)
+
+        def peak_memory(self):
+            return peak_memory[self.name]
+
+        def stop(self):
+            self.stopped = True
+
+    ports = iter(range(9000, 9100))
+    monkeypatch.setattr(serving_load, "Server", FakeServer)
+    monkeypatch.setattr(serving_load, "free_port", lambda: next(ports))
+    mine = lambda port: started["mlx-attn serve"][0][-1] == str(port)
+    monkeypatch.setattr(serving_load, "load_phase", lambda port, c, n, max_tokens: {
+        "concurrency": c, "requests": n, "max_tokens": max_tokens, "tokens": n * max_tokens, "seconds": 1.0,
+        "tokens_per_s": (10.0 if mine(port) else 40.0) * c, "ttft_p50": 0.5 if mine(port) else 0.25,
+        "ttft_p95": 1.0 if mine(port) else 0.5})
+    return started
+
+
+def test_llama_cpp_benchmark_serve_rows(tmp_path, monkeypatch, capsys):
+    """Serve rows: both servers on 127.0.0.1 with the same GGUF and threads
+    (llama-server with 16 slots), every level on each, ratios mlx_attn over
+    llama.cpp, peak memory per server, both servers stopped."""
+    bench = _load_llama_cpp_bench()
+    server_binary = tmp_path / "bin" / "llama-server"
+    server_binary.parent.mkdir()
+    server_binary.write_text("#!/bin/sh\n")
+    server_binary.chmod(0o755)
+    started = _fake_servers(monkeypatch, {"mlx-attn serve": 300 * 2**20, "llama-server -np 16": 100 * 2**20})
+    gguf = tmp_path / "m.gguf"
+    result = bench.main(["--gguf", str(gguf), "--llama-cpp-dir", str(tmp_path), "--threads", "3", "--rows", "serve",
+                         "--requests", "2", "4", "8", "--max-tokens", "5", "--out", str(tmp_path / "serve")])
+    ours, _, our_server = started["mlx-attn serve"]
+    theirs, their_env, their_server = started["llama-server -np 16"]
+    assert ours[ours.index("--model") + 1] == str(gguf) and started["mlx-attn serve"][1] == {"MLX_ATTN_NUM_THREADS": "3"}
+    assert [theirs[theirs.index(flag) + 1] for flag in ("-m", "-t", "-np", "--host")] == [str(gguf), "3", "16",
+                                                                                          "127.0.0.1"]
+    assert our_server.stopped and their_server.stopped
+    serve = result["serve"]
+    assert [p["concurrency"] for p in serve["mlx_attn"]["load"]] == [1, 4, 16] == \
+        [p["concurrency"] for p in serve["llama_cpp"]["load"]]
+    assert [p["requests"] for p in serve["llama_cpp"]["load"]] == [2, 4, 8]
+    out = capsys.readouterr().out
+    assert "| serve c16: aggregate tokens/s (8 requests x 5 tokens) | 160.0 | 640.0 | 0.25x |" in out
+    assert "| serve c4: TTFT p50 (s) | 0.50 | 0.25 | 2.00x |" in out
+    assert "| serve: server peak resident memory (MiB) | 300 | 100 | 3.00x |" in out
+    assert (tmp_path / "serve.png").stat().st_size > 5_000
+
+
+def test_llama_cpp_benchmark_skips_llama_server_rows_without_it(tmp_path, monkeypatch, capsys):
+    bench = _load_llama_cpp_bench()
+    started = _fake_servers(monkeypatch, {"mlx-attn serve": None})
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    result = bench.main(["--gguf", str(tmp_path / "m.gguf"), "--llama-cpp-dir", str(tmp_path), "--rows", "serve",
+                         "--requests", "1", "1", "1"])
+    out = capsys.readouterr().out
+    assert "llama.cpp serve rows skipped: no llama-server found" in out
+    assert list(started) == ["mlx-attn serve"] and "llama_cpp" not in result["serve"]
+    assert "| serve c1: aggregate tokens/s (1 requests x 48 tokens) | 10.0 | skipped | - |" in out
+    assert "| serve: server peak resident memory (MiB) | - | skipped | - |" in out
 
 
 @pytest.mark.parametrize("model", ["tiny", "default"])

@@ -141,13 +141,63 @@ def test_llama_decode_multiplies_qkv_and_gate_up_in_one_call_each(monkeypatch):
     use_row_adaptive_matmuls(model)
     calls = []
     many = _ext.quantized_matvec_int8_many
-    monkeypatch.setattr(_ext, "quantized_matvec_int8_many", lambda x, codes, *a: calls.append(len(codes)) or
-                        many(x, codes, *a))
+    monkeypatch.setattr(_ext, "quantized_matvec_int8_many", lambda x, codes, *a, **kw: calls.append(
+        (len(codes), "norm_weight" in kw)) or many(x, codes, *a, **kw))
     tokens = mx.array([[3]])
+    normalized_inside = model(tokens)
+    # per layer: Q/K/V, then gate/up, each taking its RMSNorm inside the call
+    assert calls == [(3, True), (2, True), (3, True), (2, True)]
+    monkeypatch.setattr(quantized_matmul, "fusable_norm", lambda norm: False)  # the norms as MLX ops
     fused = model(tokens)
-    assert calls == [3, 2, 3, 2]  # per layer: Q/K/V, then gate/up
-    monkeypatch.setattr(llama, "fused_matvecs", lambda x, layers: None)
+    assert calls[4:] == [(3, False), (2, False), (3, False), (2, False)]
+    monkeypatch.setattr(llama, "fused_matvecs", lambda x, layers, norm=None: None)
     np.testing.assert_array_equal(np.array(fused), np.array(model(tokens)))
+    # the norm inside the call rounds its sum in another order than MLX's: float32 rounding apart
+    np.testing.assert_allclose(np.array(normalized_inside), np.array(fused), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rms_norm_inside_the_product_is_the_product_of_the_norm(rows):
+    """norm_weight: the product of RMSNorm(x) (MLX's own), within float32
+    rounding of the norm (the integer products are the same code path);
+    its gradient to x goes through the norm."""
+    mx.random.seed(1)
+    k = 96
+    x = mx.random.normal((rows, k)) * 3.0
+    weight = mx.random.normal((40, k))
+    codes, scales, biases = mx.quantize(weight, group_size=32, bits=4)
+    norm_weight = mx.random.uniform(0.5, 1.5, (k,))
+    got = _ext.quantized_matvec_int8_many(x, [codes], [scales], [biases], 32, 4, 16, norm_weight=norm_weight,
+                                          norm_eps=1e-5)[0]
+    normed = mx.fast.rms_norm(x, norm_weight, 1e-5)
+    expected = _ext.quantized_matvec_int8(normed, codes, scales, biases, 32, 4, 16)
+    scale = float(mx.abs(expected).max())
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=0, atol=1e-5 * scale)
+    assert not np.allclose(np.array(got), np.array(_ext.quantized_matvec_int8(x, codes, scales, biases, 32, 4, 16)),
+                           atol=1e-2 * scale)  # the norm did change the product
+    cotangent = mx.random.normal((rows, 40))
+    grad = mx.grad(lambda a: (_ext.quantized_matvec_int8_many(a, [codes], [scales], [biases], 32, 4, 16,
+                                                              norm_weight=norm_weight)[0] * cotangent).sum())(x)
+    float_weight = mx.dequantize(codes, scales, biases, group_size=32, bits=4)
+    expected_grad = mx.grad(lambda a: ((mx.fast.rms_norm(a, norm_weight, 1e-5) @ float_weight.T) * cotangent).sum())(x)
+    np.testing.assert_allclose(np.array(grad), np.array(expected_grad), rtol=1e-4, atol=1e-5)
+    # the norm's weight stays trainable (a quantized model's RMSNorms are float parameters)
+    norm_grad = mx.grad(lambda g: (_ext.quantized_matvec_int8_many(x, [codes], [scales], [biases], 32, 4, 16,
+                                                                   norm_weight=g)[0] * cotangent).sum())(norm_weight)
+    expected_norm_grad = mx.grad(lambda g: ((mx.fast.rms_norm(x, g, 1e-5) @ float_weight.T) * cotangent).sum())(
+        norm_weight)
+    np.testing.assert_allclose(np.array(norm_grad), np.array(expected_norm_grad), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(norm_weight=mx.ones((95,))), r"norm_weight must be float32 \[96\]"),
+    (dict(norm_weight=mx.ones((96,), dtype=mx.float16)), r"norm_weight must be float32 \[96\]"),
+    (dict(norm_weight=mx.ones((96,)), norm_eps=float("nan")), "norm_eps must be finite"),
+])
+def test_bad_norm_arguments_are_named(change, message):
+    codes, scales, biases = mx.quantize(mx.ones((8, 96)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match=message):
+        _ext.quantized_matvec_int8_many(mx.ones((1, 96)), [codes], [scales], [biases], 32, 4, 16, **change)
 
 
 def test_several_weights_reject_lists_of_different_lengths():

@@ -15,6 +15,8 @@
 #include "csrc/cpu/matvec_kernels.h"
 #include "csrc/cpu/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/transforms.h"
 
 namespace mlx_attn {
 namespace {
@@ -70,12 +72,32 @@ Int8Matvec int8_copy() {
   return cpu::generic::int8_matvec;
 }
 
-// Quantizes x's rows (one pass, on the calling thread), then splits the
-// output features over the pool; each task runs every row chunk over its
-// features while their weights are in cache.
-void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int rows) {
+// x's rows times rsqrt(mean(x^2) + eps) times the norm's weight, as MLX's RMSNorm computes it in float32.
+std::vector<float> rms_normalized(const float* x, int rows, int64_t k, const float* weight, float eps) {
+  std::vector<float> out(size_t(rows) * k);
+  for (int r = 0; r < rows; ++r) {
+    const float* row = x + r * k;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < k; ++i) squares += row[i] * row[i];
+    const float inverse = 1.0f / std::sqrt(squares / float(k) + eps);
+    for (int64_t i = 0; i < k; ++i) out[r * k + i] = (row[i] * inverse) * weight[i];
+  }
+  return out;
+}
+
+// Quantizes x's rows (one pass, on the calling thread; RMSNorm first when
+// norm_weight is given), then splits the output features over the pool;
+// each task runs every row chunk over its features while their weights are
+// in cache.
+void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int rows, const float* norm_weight,
+              float norm_eps) {
   // every call shares x's quantization: the same k and bits (checked on construction)
   const cpu::Int8MatvecCall& first = calls.front();
+  std::vector<float> normalized;
+  if (norm_weight != nullptr) {
+    normalized = rms_normalized(x, rows, first.k, norm_weight, norm_eps);
+    x = normalized.data();
+  }
   const int64_t lanes = first.k / cpu::kInt8Block * 8;
   const size_t code_bytes = first.activation_bits / 8;
   std::vector<int16_t> codes(size_t(rows) * first.k * code_bytes / 2 + 1);
@@ -352,7 +374,8 @@ mx::array row_contiguous(const mx::array& a, const mx::Stream& stream) {
 std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std::vector<mx::array>& codes,
                                                   const std::vector<mx::array>& scales,
                                                   const std::vector<mx::array>& biases, int group_size, int bits,
-                                                  int activation_bits, mx::StreamOrDevice s) {
+                                                  int activation_bits, const std::optional<mx::array>& norm_weight,
+                                                  float norm_eps, mx::StreamOrDevice s) {
   constexpr const char* op = "mlx_attn.quantized_matvec_int8";
   if (bits != 4 && bits != 8) throw_invalid(op, "bits must be 4 or 8, got " + std::to_string(bits));
   if (activation_bits != 8 && activation_bits != 16) {
@@ -388,16 +411,29 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
     shape.back() = int(n);
     shapes.push_back(std::move(shape));
   }
+  if (norm_weight) {
+    if (norm_weight->dtype() != mx::float32 || norm_weight->ndim() != 1 || norm_weight->shape(0) != k) {
+      throw_invalid(op, "norm_weight must be float32 [" + std::to_string(k) + "] (x's last axis), got " +
+                            dtype_string(norm_weight->dtype()) + " " + shape_string(*norm_weight));
+    }
+    if (!(norm_eps >= 0.0f) || !std::isfinite(norm_eps)) {
+      throw_invalid(op, "norm_eps must be finite and >= 0, got " + std::to_string(norm_eps));
+    }
+    inputs.push_back(row_contiguous(*norm_weight, stream));
+  }
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  return mx::array::make_arrays(std::move(shapes), dtypes,
-                                std::make_shared<QuantizedMatvecInt8>(stream, group_size, bits, activation_bits),
-                                std::move(inputs));
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes,
+      std::make_shared<QuantizedMatvecInt8>(stream, group_size, bits, activation_bits, norm_weight.has_value(),
+                                            norm_eps),
+      std::move(inputs));
 }
 
 mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, const mx::array& scales,
                                 const mx::array& biases, int group_size, int bits, int activation_bits,
                                 mx::StreamOrDevice s) {
-  return quantized_matvec_int8_many(x, {codes}, {scales}, {biases}, group_size, bits, activation_bits, s)[0];
+  return quantized_matvec_int8_many(x, {codes}, {scales}, {biases}, group_size, bits, activation_bits, std::nullopt,
+                                    1e-5f, s)[0];
 }
 
 std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::array>& inputs) {
@@ -413,8 +449,11 @@ std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::
 std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& primals,
                                                 const std::vector<mx::array>& cotangents,
                                                 const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const int norm_arg = normalized_ ? int(primals.size()) - 1 : -1;
   for (int arg : argnums) {
-    if (arg != 0) throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x only, not to the weight");
+    if (arg != 0 && arg != norm_arg) {
+      throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x and the norm's weight, not to the weight");
+    }
   }
   // the float product's gradient (the activations' rounding passes straight through), summed over the weights
   std::optional<mx::array> dx;
@@ -423,7 +462,18 @@ std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& pr
                                           false, group_size_, bits_, "affine", stream());
     dx = dx ? mx::add(*dx, part, stream()) : part;
   }
-  return {mx::astype(*dx, mx::float32, stream())};
+  mx::array d_normalized = mx::astype(*dx, mx::float32, stream());
+  if (!normalized_) return {d_normalized};
+  // and back through the norm: RMSNorm's own vjp, to x and to the norm's weight
+  const float eps = norm_eps_;
+  const mx::Stream on = stream();
+  auto norm = [eps, on](const std::vector<mx::array>& in) -> std::vector<mx::array> {
+    return {mx::fast::rms_norm(in[0], in[1], eps, on)};
+  };
+  const std::vector<mx::array> grads = mx::vjp(norm, {primals[0], primals.back()}, {d_normalized}).second;
+  std::vector<mx::array> out;
+  for (int arg : argnums) out.push_back(arg == 0 ? grads[0] : grads[1]);
+  return out;
 }
 
 void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -434,6 +484,7 @@ void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   int64_t leading = 1;  // the rows of x [..., rows, k]
   for (int d = 0; d + 1 < inputs[0].ndim(); ++d) leading *= inputs[0].shape(d);
   const int rows = int(leading);
+  const float* norm_weight = normalized_ ? inputs.back().data<float>() : nullptr;
   for (size_t w = 0; w < outputs.size(); ++w) {
     mx::array& out = outputs[w];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -454,12 +505,15 @@ void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   }
   if (calls.empty()) return;
   const float* x = inputs[0].data<float>();
-  encoder.dispatch([x, calls = std::move(calls), rows]() { run_int8(x, calls, rows); });
+  encoder.dispatch([x, calls = std::move(calls), rows, norm_weight, eps = norm_eps_]() {
+    run_int8(x, calls, rows, norm_weight, eps);
+  });
 }
 
 bool QuantizedMatvecInt8::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const QuantizedMatvecInt8*>(&other);
-  return QuantizedWeightPrimitive::is_equivalent(other) && o != nullptr && o->activation_bits_ == activation_bits_;
+  return QuantizedWeightPrimitive::is_equivalent(other) && o != nullptr && o->activation_bits_ == activation_bits_ &&
+         o->normalized_ == normalized_ && o->norm_eps_ == norm_eps_;
 }
 
 void QuantizedWeightPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -30,11 +30,16 @@ mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, cons
 // quantized_matvec_int8 of one x against several weights of one bit width
 // and group size (a layer's Q/K/V or gate/up projections): x quantized once
 // and every weight's outputs in one thread-pool call. Returns one float32
-// [rows, n_i] per weight.
+// [rows, n_i] per weight. With norm_weight (float32 [k]) the products take
+// RMSNorm(x) = x / sqrt(mean(x^2) + norm_eps) * norm_weight instead of x,
+// normalized in the same pass that quantizes it (no graph nodes for the
+// norm in a decode step).
 std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std::vector<mx::array>& codes,
                                                   const std::vector<mx::array>& scales,
                                                   const std::vector<mx::array>& biases, int group_size, int bits,
-                                                  int activation_bits = 8, mx::StreamOrDevice s = {});
+                                                  int activation_bits = 8,
+                                                  const std::optional<mx::array>& norm_weight = std::nullopt,
+                                                  float norm_eps = 1e-5f, mx::StreamOrDevice s = {});
 
 // codes uint32 [n, k * bits / 32] (bits 2, 3, 4, 5, 6 or 8: code i of a row
 // at bit i * bits of its little-endian bit stream, MLX's affine packing);
@@ -101,13 +106,16 @@ class QuantizedMatvec : public QuantizedWeightPrimitive {
 
 class QuantizedMatvecInt8 : public QuantizedWeightPrimitive {
  public:
-  QuantizedMatvecInt8(mx::Stream stream, int group_size, int bits, int activation_bits)
-      : QuantizedWeightPrimitive(stream, group_size, bits), activation_bits_(activation_bits) {}
+  // normalized: the last input is an RMSNorm weight applied to x first (quantized_matvec_int8_many).
+  QuantizedMatvecInt8(mx::Stream stream, int group_size, int bits, int activation_bits, bool normalized = false,
+                      float norm_eps = 0.0f)
+      : QuantizedWeightPrimitive(stream, group_size, bits), activation_bits_(activation_bits),
+        normalized_(normalized), norm_eps_(norm_eps) {}
   bool is_equivalent(const mx::Primitive& other) const override;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  // The float product's gradient, to x only.
+  // The float product's gradient, to x (through the norm when normalized) and the norm's weight.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -119,6 +127,8 @@ class QuantizedMatvecInt8 : public QuantizedWeightPrimitive {
 
  private:
   int activation_bits_;
+  bool normalized_;
+  float norm_eps_;
 };
 
 }  // namespace mlx_attn

@@ -65,7 +65,7 @@ import mlx.nn as nn
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
-           "INTEGER_MATVEC_ROWS", "fused_matvecs"]
+           "INTEGER_MATVEC_ROWS", "fused_matvecs", "fusable_norm"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -143,13 +143,22 @@ def fused_matvec(x: mx.array, layer) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1]).astype(x.dtype) if x.ndim < 2 else out.astype(x.dtype)
 
 
-def fused_matvecs(x: mx.array, layers: list) -> list | None:
+def fusable_norm(norm) -> bool:
+    """Whether :func:`fused_matvecs` applies ``norm`` in its own pass: a plain
+    ``nn.RMSNorm`` with a float32 weight (the product normalizes in float32)."""
+    return type(norm) is nn.RMSNorm and "weight" in norm and norm["weight"].dtype == mx.float32
+
+
+def fused_matvecs(x: mx.array, layers: list, norm=None) -> list | None:
     """``[layer(x) for layer in layers]`` in one ``_ext.quantized_matvec_int8_many``
     call (x quantized once, one pass over the threads for all weights: a
     layer's Q/K/V or gate/up projections), or None where that does not apply:
     a float product, too many rows, a layer the integer product does not read
-    or layers of different bit widths or group sizes."""
-    if MATVEC_PRODUCT == "float" or not layers:
+    or layers of different bit widths or group sizes. ``norm``: an RMSNorm the
+    layers take ``norm(x)`` through, computed inside the call (no graph
+    nodes of its own in a decode step); None is also returned when it is not
+    :func:`fusable_norm`, and the caller then applies it itself."""
+    if MATVEC_PRODUCT == "float" or not layers or (norm is not None and not fusable_norm(norm)):
         return None
     first = layers[0]
     if not all(isinstance(layer, RowAdaptiveQuantizedLinear) and _fused_matvec_rows(x, layer)
@@ -158,13 +167,16 @@ def fused_matvecs(x: mx.array, layers: list) -> list | None:
     from mlx_attn import _ext
 
     rows = (x if x.ndim >= 2 else x.reshape(1, -1)).astype(mx.float32)
+    norm_options = {} if norm is None else {"norm_weight": norm["weight"], "norm_eps": norm.eps}
     outs = _ext.quantized_matvec_int8_many(rows, [layer["weight"] for layer in layers],
                                            [layer["scales"] for layer in layers],
                                            [layer["biases"] for layer in layers], first.group_size, first.bits,
-                                           16 if MATVEC_PRODUCT == "int16" else 8)
+                                           16 if MATVEC_PRODUCT == "int16" else 8, **norm_options)
+    # the dtype the layers would see: norm(x) is float32 (a float32 norm weight promotes x's dtype)
+    dtype = x.dtype if norm is None else mx.float32
     results = []
     for layer, out in zip(layers, outs):
-        y = (out if x.ndim >= 2 else out.reshape(-1)).astype(x.dtype)
+        y = (out if x.ndim >= 2 else out.reshape(-1)).astype(dtype)
         results.append(y + layer["bias"] if "bias" in layer else y)
     return results
 

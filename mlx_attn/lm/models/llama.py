@@ -188,9 +188,13 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
-    def __call__(self, x):
-        gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj])
-        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+    def __call__(self, x, norm=None):
+        """``norm``: an RMSNorm to apply to ``x`` first (inside the fused product where it can)."""
+        gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj], norm)
+        if gate_up is None:
+            x = x if norm is None else norm(x)
+            gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj]) or (self.gate_proj(x), self.up_proj(x))
+        gate, up = gate_up
         return self.down_proj(nn.silu(gate) * up)
 
 
@@ -209,11 +213,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.rope = RoPE(config.head_dim, base=config.rope_theta, traditional=config.rope_traditional)
 
-    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
+    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook, norm=None):
+        """``norm``: an RMSNorm to apply to ``x`` first (inside the fused product where it can)."""
         b, t, _ = x.shape
         heads = lambda a, n: a.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
-        qkv = fused_matvecs(x, [self.q_proj, self.k_proj, self.v_proj])
-        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        qkv = fused_matvecs(x, projections, norm)
+        if qkv is None:
+            x = x if norm is None else norm(x)
+            qkv = fused_matvecs(x, projections) or [projection(x) for projection in projections]
+        q, k, v = qkv
         q = self.rope(heads(q, self.n_heads), offset=positions)
         k = self.rope(heads(k, self.n_kv_heads), offset=positions)
         v = heads(v, self.n_kv_heads)
@@ -230,8 +239,9 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
-        x = x + self.self_attn(self.input_layernorm(x), positions, layer, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the norms run inside the fused Q/K/V and gate/up products where those apply
+        x = x + self.self_attn(x, positions, layer, attention, norm=self.input_layernorm)
+        return x + self.mlp(x, norm=self.post_attention_layernorm)
 
 
 class Llama(Decoder):
