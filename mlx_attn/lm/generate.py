@@ -333,6 +333,19 @@ class PlainStepCost:
         return expected_tokens / (fixed + per_row * (drafts + 1)) > 1 / self.seconds
 
 
+def _settle(cache: list, length: DraftLength, drafts: list[int], tokens: list[int], logits: mx.array,
+            with_logprobs: bool) -> list[tuple[int, mx.array | None]]:
+    """After a verification: count the kept drafts, trim the refused ones'
+    K/V from ``cache``; the ``(token, log-probabilities or None)`` to yield."""
+    refused = len(drafts) - (len(tokens) - 1)
+    length.record(len(drafts), len(tokens) - 1)
+    if refused:
+        for c in cache:
+            c.trim(refused)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if with_logprobs else None
+    return [(token, logprobs[i] if logprobs is not None else None) for i, token in enumerate(tokens)]
+
+
 def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache: list,
                       length: DraftLength | None = None) -> Iterator[tuple[int, mx.array | None]]:
     """:func:`generate_step` with n-gram drafts (``config.speculative``;
@@ -376,17 +389,10 @@ def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache:
         mx.eval(logits)
         (cost.record(len(drafts) + 1, time.perf_counter() - started) if drafts or plain.forward is None
          else plain.record(time.perf_counter() - started))
-        accepted = len(tokens) - 1
-        length.record(len(drafts), accepted)
-        rejected = len(drafts) - accepted
-        if rejected:
-            for c in cache:
-                c.trim(rejected)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
-        for i, token in enumerate(tokens):
+        for token, logprobs in _settle(cache, length, drafts, tokens, logits, config.logprobs):
             history.append(token)
             produced += 1
-            yield token, (logprobs[i] if logprobs is not None else None)
+            yield token, logprobs
         pending = tokens[-1]
 
 
@@ -483,17 +489,11 @@ def draft_model_steps(model, prompt: list[int], config: GenerationConfig, cache:
         logits = penalized_rows(logits, history, drafts, config.repetition_penalty, config.repetition_context)
         tokens = verify_drafts(logits, drafts, config.temperature, config.top_k, config.top_p, config.min_p,
                                draft_logprobs=q)
-        accepted = len(tokens) - 1
-        length.record(len(drafts), accepted)
-        if len(drafts) - accepted:
-            for c in cache:
-                c.trim(len(drafts) - accepted)
         draft.accept(drafts, tokens)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
-        for i, token in enumerate(tokens):
+        for token, logprobs in _settle(cache, length, drafts, tokens, logits, config.logprobs):
             history.append(token)
             produced += 1
-            yield token, (logprobs[i] if logprobs is not None else None)
+            yield token, logprobs
         pending = tokens[-1]
 
 
