@@ -29,11 +29,14 @@ def _perturbed(model, scale: float, seed: int):
     return draft
 
 
-def _run(model, prompt, config):
+def _run_with_cache(model, prompt, config, cache):
     length = DraftLength(config.num_draft_tokens)
-    cache = model.make_cache()
     tokens = [t for t, _ in draft_model_steps(model, prompt, config, cache, length)]
     return tokens, length, cache
+
+
+def _run(model, prompt, config):
+    return _run_with_cache(model, prompt, config, model.make_cache())
 
 
 @pytest.mark.parametrize("draft_kind", ["same", "close", "unrelated"])
@@ -61,6 +64,29 @@ def test_greedy_with_repetition_penalty_identical():
     plain = list(generate_tokens(model, REPETITIVE, GenerationConfig(**base)))
     config = GenerationConfig(**base, speculative="draft", draft_model=_perturbed(model, 0.02, 2))
     assert list(generate_tokens(model, REPETITIVE, config)) == plain
+
+
+def test_log_probabilities_are_those_of_decoding_without_drafts():
+    from mlx_attn.lm.generate import generate_step
+
+    model = tiny_llama(seed=3)
+    base = dict(max_tokens=12, stop_at_eos=False, logprobs=True)
+    plain = list(generate_step(model, RANDOM_PROMPT, GenerationConfig(**base)))
+    config = GenerationConfig(**base, speculative="draft", draft_model=_perturbed(model, 0.02, 4))
+    drafted = list(generate_step(model, RANDOM_PROMPT, config))
+    assert [t for t, _ in drafted] == [t for t, _ in plain]
+    for (_, ours), (_, theirs) in zip(drafted, plain):
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
+
+
+def test_rotating_caches_draft_until_their_window_slides():
+    model = tiny_llama(seed=3)
+    base = dict(max_tokens=30, stop_at_eos=False, max_kv_size=48)
+    plain = list(generate_tokens(model, REPETITIVE, GenerationConfig(**base)))
+    config = GenerationConfig(**base, speculative="draft", draft_model=tiny_llama(seed=3))
+    drafted, length, cache = _run_with_cache(model, REPETITIVE, config, model.make_cache(48))
+    assert drafted == plain
+    assert length.accepted > 0 and cache[0].offset > 48  # drafted early, then slid past the window
 
 
 @pytest.mark.parametrize("kept", [0, 1, 3])
