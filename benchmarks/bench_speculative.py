@@ -24,15 +24,33 @@ machine's load falls on both. A sweep of one forward's time by rows
 (``--rows``) is the measurement behind the back-off rule
 (:class:`mlx_attn.serve.scheduler.Speculation`).
 
+Draft-model speculation (``--speculative draft``) runs in the generate
+phases too. The draft (``--draft``) is the target's own weights
+dequantized and quantized again to 4 bits in groups of 64
+(:func:`requantized_draft`), or its first ``--draft-layers`` layers with
+its final norm and head (:func:`truncated_draft`): both share the
+tokenizer and vocabulary by construction (docs/serving.md says why the
+first, and what the others measured). With ``--mlx-lm-python`` (a Python
+with mlx-lm, e.g. the ``mlx-lm`` extra's venv), ``mlx-attn generate`` and
+``mlx_lm.generate`` each run as a command, without and with
+``--draft-model``, on the same two checkpoints (the default GGUF and its
+draft, written by ``mlx-attn convert``'s writer), alternating run by run.
+
     python benchmarks/bench_speculative.py            # docs/bench_speculative.{json,png}
     python benchmarks/bench_speculative.py --quick    # smoke run
+    python benchmarks/bench_speculative.py --only-generate --mlx-lm-python /path/to/mlx-lm-venv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,11 +61,21 @@ mlx_attn.use_system_blas()  # before MLX loads: batched float32 matmuls through 
 import numpy as np  # noqa: E402
 
 from mlx_attn.lm import load_model  # noqa: E402
-from mlx_attn.lm.generate import GenerationConfig, generate_step, speculative_steps  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlx_attn.lm.convert import save_mlx_directory  # noqa: E402
+from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls  # noqa: E402
+from mlx_attn.lm.generate import GenerationConfig, draft_model_steps, generate_step, speculative_steps  # noqa: E402
 from mlx_attn.lm.speculative import DraftLength  # noqa: E402
 from mlx_attn.serve import Engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# the draft model of the generate phases: the target's weights requantized to
+# 4 bits in groups of 64 (why, and what else was measured: docs/serving.md)
+DEFAULT_DRAFT = "requantized"
+DEFAULT_DRAFT_LAYERS = 8
 EDIT_FILES = ["mlx_attn/serve/pages.py", "mlx_attn/lm/generate.py", "mlx_attn/serve/kv_store.py"]
 QUESTIONS = [
     "Explain how a bicycle stays upright.", "Write a short poem about the sea.",
@@ -70,13 +98,17 @@ def source_file(min_lines: int, max_lines: int) -> tuple[str, str]:
     return EDIT_FILES[0], "\n".join(lines)
 
 
-def edit_prompts(tokenizer, text: str, count: int) -> list[list[int]]:
+def edit_request(text: str, i: int) -> str:
     functions = re.findall(r"^\s*def (\w+)\(", text, re.M) or ["main"]
+    name = functions[i % len(functions)]
+    return (f"Here is a Python file:\n\n```python\n{text}\n```\n\nRewrite the file with the function `{name}` "
+            f"renamed to `{name}_v{i + 2}` (and its uses). Reply with the whole file only.")
+
+
+def edit_prompts(tokenizer, text: str, count: int) -> list[list[int]]:
     prompts = []
     for i in range(count):
-        name = functions[i % len(functions)]
-        ask = (f"Here is a Python file:\n\n```python\n{text}\n```\n\nRewrite the file with the function `{name}` "
-               f"renamed to `{name}_v{i + 2}` (and its uses). Reply with the whole file only.")
+        ask = edit_request(text, i)
         prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}]),
                                         add_special_tokens=False))
     return prompts
@@ -116,12 +148,55 @@ def engine_phase(engine, prompts, concurrency: int, max_tokens: int, speculative
             "outputs": [outputs[i] for i in range(len(prompts))]}
 
 
-def generate_phase(model, prompt, max_tokens: int, speculative: str | None, eos) -> dict:
-    config = GenerationConfig(max_tokens=max_tokens, speculative=speculative)
+def truncated_draft(model, layers: int):
+    """A draft model sharing ``model``'s weights: its first ``layers``
+    decoder blocks, then its final norm and output head (the same
+    tokenizer and vocabulary by construction; no extra memory)."""
+    if not 1 <= layers <= len(model.layers):
+        raise ValueError(f"--draft-layers must be in 1..{len(model.layers)}, got {layers}")
+    config = dataclasses.replace(model.config, num_hidden_layers=layers)
+    draft = type(model)(config, backend=model.backend)  # then every module replaced by the model's own
+    draft.embed_tokens, draft.layers, draft.norm = model.embed_tokens, model.layers[:layers], model.norm
+    if "lm_head" in model:
+        draft.lm_head = model.lm_head
+    return draft
+
+
+def requantized_draft(model, bits: int = 4, group_size: int = 64):
+    """A draft model of ``model``'s own weights, dequantized and quantized
+    again with ``bits`` and ``group_size`` (a float model: quantized so)."""
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            weights[f"{name}.weight"] = mx.dequantize(module.weight, module.scales, module.biases,
+                                                      module.group_size, module.bits)
+    for name, value in tree_flatten(model.parameters()):
+        owner, _, leaf = name.rpartition(".")
+        if f"{owner}.weight" not in weights or leaf not in ("weight", "scales", "biases"):
+            weights[name] = value
+    draft = type(model)(model.config, backend=model.backend)
+    draft.load_weights(list(weights.items()))
+    # a layer whose rows do not split into whole groups stays float (the tests' tiny model)
+    nn.quantize(draft, group_size=group_size, bits=bits,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0)
+    use_row_adaptive_matmuls(draft)  # the extension's CPU matvec, as loading gives the model
+    mx.eval(draft.parameters())
+    return draft
+
+
+def make_draft(model, kind: str, layers: int):
+    """``--draft``: ``requantized`` (the default: see DEFAULT_DRAFT) or ``truncated``."""
+    return requantized_draft(model) if kind == "requantized" else truncated_draft(model, min(layers, len(model.layers)))
+
+
+def generate_phase(model, prompt, max_tokens: int, speculative: str | None, eos, draft=None) -> dict:
+    config = GenerationConfig(max_tokens=max_tokens, speculative=speculative, draft_model=draft)
     length = DraftLength(config.num_draft_tokens)
     tokens = []
     start = time.perf_counter()
-    if speculative:
+    if speculative == "draft":
+        steps = draft_model_steps(model, prompt, config, model.make_cache(), length)
+    elif speculative:
         steps = speculative_steps(model, prompt, config, model.make_cache(), length)
     else:
         steps = generate_step(model, prompt, config)
@@ -132,6 +207,70 @@ def generate_phase(model, prompt, max_tokens: int, speculative: str | None, eos)
     elapsed = time.perf_counter() - start
     return {"tokens_per_s": len(tokens) / elapsed, "generated": len(tokens), "seconds": elapsed,
             "draft_tokens": length.proposed, "accepted_draft_tokens": length.accepted, "outputs": [tokens]}
+
+
+# ---------------------------------------------------------------- the commands, against mlx_lm.generate
+STATISTICS = re.compile(r"Prompt: (\d+) tokens, ([\d.]+) tokens-per-sec\s+Generation: (\d+) tokens, ([\d.]+) "
+                        r"tokens-per-sec")
+COMMAND_LIMIT_S = 600
+
+
+def command_side(side: str, python: str, target: Path, draft: Path, prompt: str, max_tokens: int) -> list[str]:
+    """``side``: ``mlx_attn`` / ``mlx_lm``, ``+draft`` for --draft-model."""
+    tool, _, drafted = side.partition("+")
+    common = ["--model", str(target), "--prompt", prompt, "--max-tokens", str(max_tokens)]
+    if tool == "mlx_attn":
+        command = [python, "-m", "mlx_attn.lm", "generate", "--verbose", *common]
+        return command + (["--speculative", "draft", "--draft-model", str(draft)] if drafted else [])
+    return [python, "-m", "mlx_lm", "generate", *common] + (["--draft-model", str(draft)] if drafted else [])
+
+
+def run_command(command: list[str]) -> dict | None:
+    """The statistics of one run; None when it ran past COMMAND_LIMIT_S
+    (mlx-lm's CPU prefill of the edit prompt does on a loaded 2-core machine)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMMAND_LIMIT_S,
+                              cwd=tempfile.gettempdir())  # outside a checkout: the installed mlx_attn runs
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:5])} ... exited with {done.returncode}:\n{done.stderr[-2000:]}")
+    found = STATISTICS.findall(done.stdout + done.stderr)
+    if not found:
+        raise RuntimeError(f"no statistics lines in the output of {' '.join(command[:5])}:\n{done.stdout[-2000:]}")
+    prompt, _, generated, tps = found[-1]
+    text = done.stdout.split("=" * 10)[1] if done.stdout.count("=" * 10) >= 2 else ""
+    return {"prompt_tokens": int(prompt), "generated": int(generated), "tokens_per_s": float(tps), "text": text}
+
+
+def commands_phase(pythons: dict, target: Path, draft: Path, prompt: str, max_tokens: int, repeats: int) -> dict:
+    """Each side ``repeats`` times, the order of the sides turned round every
+    repeat; the median tokens/s per side."""
+    sides = [s for s in ("mlx_attn", "mlx_attn+draft", "mlx_lm", "mlx_lm+draft") if s.split("+")[0] in pythons]
+    runs = {side: [] for side in sides}
+    for repeat in range(repeats):
+        for side in (sides if repeat % 2 == 0 else sides[::-1]):
+            python = pythons[side.split("+")[0]]
+            runs[side].append(run_command(command_side(side, python, target, draft, prompt, max_tokens)))
+    out = {}
+    for side, rs in runs.items():
+        done = [r for r in rs if r is not None]
+        out[side] = ({"tokens_per_s": statistics.median(r["tokens_per_s"] for r in done),
+                      "prompt_tokens": done[0]["prompt_tokens"], "generated": done[0]["generated"],
+                      "text": done[0]["text"], "timed_out": len(rs) - len(done)} if done else
+                     {"tokens_per_s": float("nan"), "prompt_tokens": 0, "generated": 0, "text": None,
+                      "timed_out": len(rs)})
+    return out
+
+
+def write_pair(model, draft, tokenizer, name: str, work: Path) -> tuple[Path, Path]:
+    """The target and its draft as mlx-lm directories (kept under ``work``
+    between runs: the same weights for both tools)."""
+    target_dir, draft_dir = work / "target", work / f"draft-{name}"
+    for path, weights in ((target_dir, model), (draft_dir, draft)):
+        if not (path / "config.json").exists():
+            save_mlx_directory(weights, tokenizer, path)
+    return target_dir, draft_dir
 
 
 def rows_sweep(model, counts) -> list[dict]:
@@ -164,8 +303,17 @@ def table(results: dict) -> str:
         lines.append(f"| {pair['workload']} | {pair['concurrency']} | {off['tokens_per_s']:.1f} | "
                      f"{on['tokens_per_s']:.1f} | {on['tokens_per_s'] / off['tokens_per_s']:.2f}x | "
                      f"{on['accepted_draft_tokens']}/{on['draft_tokens']} ({rate:.0%}) | {pair['identical']} |")
-    lines += ["", "| rows in a step | step ms |", "|---|---|"]
-    lines += [f"| {r['rows']} | {r['step_ms']:.1f} |" for r in results["rows"]]
+    if results.get("commands"):
+        lines += ["", "| command workload | side | tok/s | vs mlx-attn generate | prompt / generated tokens | "
+                  "text as mlx-attn generate's |", "|---|---|---|---|---|---|"]
+        for workload, phase in results["commands"].items():
+            base = phase["mlx_attn"]
+            lines += [f"| {workload} | {side} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                      f"{r['prompt_tokens']} / {r['generated']} | {r['text'] == base['text']} |"
+                      for side, r in phase.items()]
+    if results.get("rows"):
+        lines += ["", "| rows in a step | step ms |", "|---|---|"]
+        lines += [f"| {r['rows']} | {r['step_ms']:.1f} |" for r in results["rows"]]
     return "\n".join(lines)
 
 
@@ -181,8 +329,8 @@ def plot(results: dict, path: Path) -> None:
     left.bar(labels, ratios, color="tab:blue")
     left.axhline(1.0, color="gray", lw=1)
     left.set_ylabel("tokens/s with drafts / without")
-    left.set_title("n-gram speculative decoding")
-    rows = results["rows"]
+    left.set_title("speculative decoding (n-gram; generate: also a draft model)")
+    rows = results.get("rows") or []
     right.plot([r["rows"] for r in rows], [r["step_ms"] for r in rows], marker="o")
     right.set_xscale("log", base=2)
     right.set_xlabel("rows in a step")
@@ -203,15 +351,75 @@ def main(argv=None, loaded=None) -> dict:
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench_speculative"), help="PATH.png and PATH.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: few, short requests")
+    parser.add_argument("--draft", choices=["requantized", "truncated"], default=DEFAULT_DRAFT,
+                        help="the draft model: the target's weights requantized to 4 bits in groups of 64, or its "
+                             "first --draft-layers layers")
+    parser.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS,
+                        help="with --draft truncated: how many of the target's layers the draft keeps")
+    parser.add_argument("--mlx-lm-python", default=None,
+                        help="a Python with mlx-lm: also time the commands, mlx-attn generate and mlx_lm.generate, "
+                             "each without and with --draft-model")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side of each command phase")
+    parser.add_argument("--command-workloads", nargs="+", choices=["edit", "chat"], default=["edit", "chat"],
+                        help="the workloads of the command phases (mlx_lm.generate's CPU prefill of the edit "
+                             f"prompt can run past {COMMAND_LIMIT_S} s on a loaded 2-core machine)")
+    parser.add_argument("--work-dir", default=None,
+                        help="where the command phases keep the two checkpoints (default: a temporary folder)")
+    parser.add_argument("--only-generate", action="store_true", help="leave the engine phases out")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_tokens, args.requests, args.rows, args.file_lines = 8, [1, 1, 2], [1, 2], [20, 60]
+        args.repeats = 1
     model, tokenizer = loaded if loaded is not None else load_model(args.model)
+    draft = make_draft(model, args.draft, args.draft_layers)
     eos = sorted(tokenizer.eos_token_ids)
     name, text = source_file(*args.file_lines)
-    concurrency = [1, 4, 16]
     results: dict = {"model": args.model or "default", "file": name, "file_lines": len(text.splitlines()),
-                     "max_tokens": args.max_tokens, "phases": {}}
+                     "max_tokens": args.max_tokens, "draft": args.draft, "draft_layers": len(draft.layers),
+                     "target_layers": len(model.layers), "phases": {}}
+    if not args.only_generate:
+        engine_phases(args, model, tokenizer, text, eos, results)
+    for workload in ("edit", "chat"):
+        prompt = (edit_prompts(tokenizer, text, 1) if workload == "edit" else chat_prompts(tokenizer, 1))[0]
+        pair = {"workload": f"generate {workload}", "concurrency": 1}
+        off = pair["off"] = generate_phase(model, prompt, args.max_tokens, None, set(eos))
+        pair["on"] = generate_phase(model, prompt, args.max_tokens, "ngram", set(eos))
+        drafted = {"workload": f"generate {workload} draft model", "concurrency": 1, "off": off,
+                   "on": generate_phase(model, prompt, args.max_tokens, "draft", set(eos), draft)}
+        for key, p in ((f"generate-{workload}", pair), (f"generate-{workload}-draft", drafted)):
+            p["identical"] = p["off"]["outputs"] == p["on"]["outputs"]
+            results["phases"][key] = p
+            print(f"{p['workload']}: {p['off']['tokens_per_s']:.1f} -> {p['on']['tokens_per_s']:.1f} tok/s, "
+                  f"accepted {p['on']['accepted_draft_tokens']}/{p['on']['draft_tokens']}, "
+                  f"identical {p['identical']}", flush=True)
+    if args.mlx_lm_python:
+        pythons = {"mlx_attn": sys.executable, "mlx_lm": args.mlx_lm_python}
+        work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_speculative_"))
+        name = "requantized-4bit-g64" if args.draft == "requantized" else f"{len(draft.layers)}-layers"
+        target_dir, draft_dir = write_pair(model, draft, tokenizer, name, work)
+        results["commands"] = {}
+        for workload in args.command_workloads:
+            ask = (edit_request(text, 0) if workload == "edit" else QUESTIONS[0])
+            phase = commands_phase(pythons, target_dir, draft_dir, ask, args.max_tokens, args.repeats)
+            results["commands"][workload] = phase
+            print(f"commands {workload}: " + ", ".join(f"{side} {r['tokens_per_s']:.1f} tok/s"
+                                                     for side, r in phase.items()), flush=True)
+    if not args.only_generate:
+        results["rows"] = rows_sweep(model, args.rows)
+    print(table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for pair in results["phases"].values():
+        for side in ("off", "on"):
+            pair[side].pop("outputs", None)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"))
+    return results
+
+
+def engine_phases(args, model, tokenizer, text: str, eos, results: dict) -> None:
+    """The engine without and with n-gram drafting, each workload and concurrency."""
+    concurrency = [1, 4, 16]
     longest = max(len(p) for p in edit_prompts(tokenizer, text, max(args.requests)))
     engine = Engine(model, kv_tokens=16 * (longest + args.max_tokens) + 4096, page_size=16,
                     max_batch_tokens=512, speculative="ngram")
@@ -227,25 +435,6 @@ def main(argv=None, loaded=None) -> dict:
             print(f"{workload} c{c}: {pair['off']['tokens_per_s']:.1f} -> {pair['on']['tokens_per_s']:.1f} tok/s, "
                   f"accepted {pair['on']['accepted_draft_tokens']}/{pair['on']['draft_tokens']}, "
                   f"identical {pair['identical']}", flush=True)
-    for workload in ("edit", "chat"):
-        prompt = (edit_prompts(tokenizer, text, 1) if workload == "edit" else chat_prompts(tokenizer, 1))[0]
-        pair = {"workload": f"generate {workload}", "concurrency": 1}
-        for side, speculative in (("off", None), ("on", "ngram")):
-            pair[side] = generate_phase(model, prompt, args.max_tokens, speculative, set(eos))
-        pair["identical"] = pair["off"]["outputs"] == pair["on"]["outputs"]
-        results["phases"][f"generate-{workload}"] = pair
-        print(f"generate {workload}: {pair['off']['tokens_per_s']:.1f} -> {pair['on']['tokens_per_s']:.1f} tok/s, "
-              f"identical {pair['identical']}", flush=True)
-    results["rows"] = rows_sweep(model, args.rows)
-    print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for pair in results["phases"].values():
-        for side in ("off", "on"):
-            pair[side].pop("outputs")
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, out.with_suffix(".png"))
-    return results
 
 
 if __name__ == "__main__":

@@ -295,7 +295,8 @@ def test_speculative_benchmark_quick_run(tmp_path, model):
     result = bench.main(["--quick", "--out", str(tmp_path / "spec")], loaded=loaded)
     saved = json.loads((tmp_path / "spec.json").read_text())
     assert set(saved["phases"]) == {"edit-c1", "edit-c4", "edit-c16", "chat-c1", "chat-c4", "chat-c16",
-                                    "generate-edit", "generate-chat"}
+                                    "generate-edit", "generate-chat", "generate-edit-draft", "generate-chat-draft"}
+    assert saved["phases"]["generate-chat-draft"]["on"]["draft_tokens"] > 0  # the draft model proposed
     for pair in saved["phases"].values():
         assert pair["identical"] is True  # greedy outputs with and without drafts
         assert pair["off"]["draft_tokens"] == 0 and pair["on"]["generated"] > 0

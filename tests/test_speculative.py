@@ -113,6 +113,14 @@ def _chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def shifted_by_two_percent(probs: np.ndarray) -> np.ndarray:
+    """``probs`` with 2 % of probability moved from the likeliest token to the next."""
+    shifted = probs.copy()
+    shifted[np.argmax(shifted)] -= 0.02
+    shifted[np.argsort(shifted)[-2]] += 0.02
+    return shifted
+
+
 def _target_probabilities(rows, params):
     """Each row's distribution as the plain sampler draws from it."""
     p = np.exp(np.array(filtered_logprobs(rows, **params)))
@@ -143,10 +151,7 @@ def test_verification_keeps_the_target_distribution(temperature):
     assert _chi_square_p_value(first, p[0]) > 1e-3
     assert _chi_square_p_value(second, p[1]) > 1e-3
     # power: a distribution moved by 2 % of probability mass is refused with these counts
-    shifted = p[0].copy()
-    shifted[np.argmax(shifted)] -= 0.02
-    shifted[np.argsort(shifted)[-2]] += 0.02
-    assert _chi_square_p_value(first, shifted) < 1e-3
+    assert _chi_square_p_value(first, shifted_by_two_percent(p[0])) < 1e-3
     assert second.sum() > draws * p[0][drafts[0]] * 0.9  # acceptance happens at the draft's probability
 
 

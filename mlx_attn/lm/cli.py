@@ -10,6 +10,7 @@
     mlx-attn doctor > report.md                       # what this machine runs, checked
     mlx-attn generate --kv-bits 8 "..."              # quantized KV cache (4 or 8 bits)
     mlx-attn generate --speculative ngram "..."      # draft from the prompt, verify several tokens a step
+    mlx-attn generate --speculative draft --draft-model small.gguf "..."  # draft with a smaller model
     mlx.launch -n 2 --backend ring -- mlx-attn generate --distributed --prompt "$(cat long.txt)"
 
 A model's chat template applies by default (``--ignore-chat-template`` turns
@@ -34,7 +35,7 @@ from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, Generatio
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
 from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
-from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES
+from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_draft_model
 from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
@@ -122,8 +123,12 @@ def _add_generation_options(parser) -> None:
                         help="print as mlx-lm does: the text between ========== lines, then the statistics")
     parser.add_argument("--quiet", action="store_true", help="no statistics line")
     parser.add_argument("--speculative", choices=list(SPECULATIVE_CHOICES), default=None,
-                        help="ngram: propose tokens found after the same n-gram earlier in the prompt or output "
-                             "and verify them in one forward (same output, fewer steps)")
+                        help="ngram: propose tokens found after the same n-gram earlier in the prompt or output; "
+                             "draft: propose them with --draft-model; either way verify them in one forward "
+                             "(the same output distribution, fewer steps)")
+    parser.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="with --speculative draft: a smaller model with the same tokenizer (a .gguf file, "
+                             "a model directory or a registered name), loaded as --model is")
     parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
                         help="with --speculative: the most tokens proposed per step")
     parser.add_argument("--distributed", action="store_true",
@@ -131,7 +136,19 @@ def _add_generation_options(parser) -> None:
                              "(--backend ring); rank 0 prints the text")
 
 
-def _generation_config(args) -> GenerationConfig:
+# stands for the --draft-model while only the flags are checked (before any model loads)
+_DRAFT_NOT_LOADED = object()
+# text whose encoding a draft model's tokenizer must reproduce
+_TOKENIZER_PROBE = "Hello, world! def f(x):\n    return {'k': x * 2}  # 12345 ünïcødé"
+
+
+def _generation_config(args, draft_model=None) -> GenerationConfig:
+    if args.speculative == "draft" and args.draft_model is None:
+        raise FieldError("draft_model", "is needed by --speculative draft (a smaller model with the same tokenizer)")
+    if args.draft_model is not None and args.speculative != "draft":
+        raise FieldError("draft_model", "is used only with --speculative draft")
+    if args.speculative == "draft" and draft_model is None:
+        draft_model = _DRAFT_NOT_LOADED
     return GenerationConfig(
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -147,7 +164,19 @@ def _generation_config(args) -> GenerationConfig:
         quantized_kv_start=args.quantized_kv_start,
         speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens,
+        draft_model=draft_model,
     )
+
+
+def _load_draft_model(args, model, tokenizer):
+    """The --draft-model, loaded as --model is; it must score the same
+    vocabulary and its tokenizer encode text as the model's does."""
+    draft, draft_tokenizer = _load(args, args.draft_model)
+    check_draft_model(model, draft)
+    if draft_tokenizer.encode(_TOKENIZER_PROBE) != tokenizer.encode(_TOKENIZER_PROBE):
+        raise FieldError("draft_model", f"{args.draft_model} has another tokenizer than the model: the same "
+                         "text encodes to different token ids")
+    return draft
 
 
 # GenerationConfig field (as a FieldError names it) -> the flag that sets it
@@ -155,7 +184,7 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_k": "--top-
          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
          "prefill_chunk": "--prefill-step-size/--prefill-chunk", "max_kv_size": "--max-kv-size",
          "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start",
-         "speculative": "--speculative", "num_draft_tokens": "--num-draft-tokens"}
+         "speculative": "--speculative", "num_draft_tokens": "--num-draft-tokens", "draft_model": "--draft-model"}
 
 
 # ---------------------------------------------------------------- prompts
@@ -294,6 +323,8 @@ def _generate(args) -> int:
     if isinstance(model, mlx_lm_models.MlxLmModel) and (cached or group is not None):
         raise ValueError(f"{'--prompt-cache-file' if cached else '--distributed'} does not run mlx-lm models yet "
                          "(--engine mlx-lm)")
+    if args.speculative == "draft":
+        config = _generation_config(args, _load_draft_model(args, model, tokenizer))
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
     templated = _uses_template(args, tokenizer)

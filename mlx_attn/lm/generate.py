@@ -22,6 +22,7 @@ from mlx_attn.lm.sampling import (
     apply_repetition_penalty,
     check_repetition_penalty,
     check_sampling_parameters,
+    filtered_logprobs,
     make_sampler,
 )
 from mlx_attn.lm.ngram_draft import NgramDrafter
@@ -30,6 +31,7 @@ from mlx_attn.lm.speculative import (
     SPECULATIVE_CHOICES,
     DraftLength,
     StepCost,
+    check_draft_model,
     check_num_draft_tokens,
     penalized_rows,
     verify_by_drawing,
@@ -41,7 +43,7 @@ from mlx_attn.quantized import check_quantization
 
 __all__ = ["GenerationConfig", "GenerationResponse", "generate_step", "generate_tokens", "stream_generate",
            "generate", "format_statistics", "check_kv_quantization", "prefill", "DEFAULT_PREFILL_CHUNK",
-           "check_prompt", "response_stream", "speculative_steps"]
+           "check_prompt", "response_stream", "speculative_steps", "draft_model_steps"]
 
 # prompt tokens per prefill step: mlx-lm's prefill_step_size (compare sizes with
 # benchmarks/bench_generate.py --prefill-chunks; results never depend on it)
@@ -72,10 +74,12 @@ class GenerationConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
-    # "ngram": propose tokens from the prompt and output (prompt lookup) and
-    # verify them several per forward (lossless, mlx_attn.lm.speculative)
+    # "ngram": propose tokens from the prompt and output (prompt lookup), or
+    # "draft": from draft_model, and verify them several per forward
+    # (lossless, mlx_attn.lm.speculative)
     speculative: str | None = None
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # the most drafted per step
+    draft_model: object | None = None  # a loaded model with the same vocabulary, for speculative="draft"
 
     def __post_init__(self):
         self.max_tokens = require_int("max_tokens", self.max_tokens, 0)
@@ -98,6 +102,11 @@ class GenerationConfig:
             raise FieldError("speculative", f"must be one of {', '.join(SPECULATIVE_CHOICES)} or None, "
                              f"got {self.speculative!r}")
         self.num_draft_tokens = check_num_draft_tokens(self.num_draft_tokens)
+        if self.speculative == "draft" and self.draft_model is None:
+            raise FieldError("draft_model", "is needed by speculative='draft': a model with the same tokenizer")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise FieldError("draft_model", f"is used only with speculative='draft', got speculative="
+                             f"{self.speculative!r}")
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise ValueError("kv_bits and max_kv_size cannot be combined: a rotating KV cache is not quantized")
 
@@ -271,6 +280,9 @@ def generate_step(model, prompt: list[int], config: GenerationConfig, cache: lis
     prompt = check_prompt(model, prompt, config.max_tokens, _cache_offset(cache))
     if config.max_tokens == 0:
         return
+    if config.speculative == "draft":
+        yield from draft_model_steps(model, prompt, config, cache)
+        return
     if config.speculative is not None:
         yield from speculative_steps(model, prompt, config, cache)
         return
@@ -342,6 +354,19 @@ class PlainStepCost:
         return expected_tokens / (fixed + per_row * (drafts + 1)) > 1 / self.seconds
 
 
+def _settle(cache: list, length: DraftLength, drafts: list[int], tokens: list[int], logits: mx.array,
+            with_logprobs: bool) -> list[tuple[int, mx.array | None]]:
+    """After a verification: count the kept drafts, trim the refused ones'
+    K/V from ``cache``; the ``(token, log-probabilities or None)`` to yield."""
+    refused = len(drafts) - (len(tokens) - 1)
+    length.record(len(drafts), len(tokens) - 1)
+    if refused:
+        for c in cache:
+            c.trim(refused)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if with_logprobs else None
+    return [(token, logprobs[i] if logprobs is not None else None) for i, token in enumerate(tokens)]
+
+
 def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache: list,
                       length: DraftLength | None = None) -> Iterator[tuple[int, mx.array | None]]:
     """:func:`generate_step` with n-gram drafts (``config.speculative``;
@@ -385,17 +410,111 @@ def speculative_steps(model, prompt: list[int], config: GenerationConfig, cache:
         mx.eval(logits)
         (cost.record(len(drafts) + 1, time.perf_counter() - started) if drafts or plain.forward is None
          else plain.record(time.perf_counter() - started))
-        accepted = len(tokens) - 1
-        length.record(len(drafts), accepted)
-        rejected = len(drafts) - accepted
-        if rejected:
-            for c in cache:
-                c.trim(rejected)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if config.logprobs else None
-        for i, token in enumerate(tokens):
+        for token, logprobs in _settle(cache, length, drafts, tokens, logits, config.logprobs):
             history.append(token)
             produced += 1
-            yield token, (logprobs[i] if logprobs is not None else None)
+            yield token, logprobs
+        pending = tokens[-1]
+
+
+class _DraftModelState:
+    """A draft model's KV cache and the tokens of the sequence it has not
+    read yet (``unread``: the newest token, and after a step whose drafts
+    were all kept, the last draft too)."""
+
+    def __init__(self, draft, prompt: list[int], config: GenerationConfig):
+        self.model, self.config = draft, config
+        self.cache = draft.make_cache(config.max_kv_size)
+        # its one-token steps replay a compiled trace where the caches allow it
+        self.forward = (CompiledDecodeStep(draft, self.cache) if config.compiled and compilable(draft, self.cache)
+                        else (lambda inputs: draft(inputs, cache=self.cache)[:, -1]))
+        prefill(draft, prompt[:-1], self.cache, dataclasses.replace(config, kv_bits=None, draft_model=None,
+                                                                    speculative=None))
+        self.unread = [prompt[-1]]
+
+    def room(self, count: int) -> bool:
+        return _draft_room(self.cache, len(self.unread) + count)
+
+    def propose(self, count: int, history: list[int]) -> tuple[list[int], mx.array | None]:
+        """``count`` tokens drawn one by one from the draft model (greedy:
+        its argmax), with the target's sampling filters and penalty, and the
+        ``[count, vocab]`` filtered log-probabilities they were drawn from
+        (None when greedy). The cache then holds all but the last draft."""
+        config = self.config
+        inputs, tokens, rows = mx.array([self.unread]), [], []
+        recent = mx.array(history[-config.repetition_context:], dtype=mx.uint32)
+        for i in range(count):
+            logits = self.forward(inputs)
+            if config.repetition_penalty != 1.0:
+                logits = apply_repetition_penalty(logits, recent, config.repetition_penalty)
+            if config.temperature == 0:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                row = filtered_logprobs(logits, config.temperature, config.top_k, config.top_p, config.min_p)
+                token = mx.random.categorical(row, axis=-1)
+                rows.append(row[0])
+            tokens.append(token)
+            if config.repetition_penalty != 1.0:
+                recent = mx.concatenate([recent, token.astype(mx.uint32)])[-config.repetition_context:]
+            if i + 1 < count:
+                inputs = token.reshape(1, 1)
+                mx.async_eval(inputs)
+        drafts = mx.concatenate(tokens)
+        q = mx.stack(rows) if rows else None
+        mx.eval(drafts, *([q] if q is not None else []))
+        self.unread = []
+        return drafts.tolist(), q
+
+    def accept(self, drafts: list[int], tokens: list[int]) -> None:
+        """After a verification: ``tokens`` (the kept drafts and the target's
+        own token) follow; drafts the target refused leave the cache."""
+        kept = len(tokens) - 1
+        if not drafts:
+            self.unread.extend(tokens)
+        elif kept == len(drafts):  # the last draft was drawn, never read
+            self.unread = [drafts[-1], tokens[-1]]
+        else:
+            if len(drafts) - 1 - kept:
+                for c in self.cache:
+                    c.trim(len(drafts) - 1 - kept)
+            self.unread = [tokens[-1]]
+
+
+def draft_model_steps(model, prompt: list[int], config: GenerationConfig, cache: list,
+                      length: DraftLength | None = None) -> Iterator[tuple[int, mx.array | None]]:
+    """:func:`generate_step` with drafts from ``config.draft_model`` (its own
+    KV cache, prefilled with the prompt): each step the draft model proposes
+    up to ``length.next()`` tokens, the target verifies them and its own
+    next token in one forward of ``k + 1`` rows (:func:`verify_drafts`:
+    greedy keeps the drafts while they are the argmax; sampled accepts with
+    ``min(1, p/q)`` against the draft's actual distribution ``q``), and both
+    caches drop the K/V of refused drafts. ``k`` follows the acceptance
+    rate only (no timing), so a seeded generation is reproducible run to run
+    (its tokens follow the target's law, but are not those of plain
+    sampling: another coupling). ``length``: as for :func:`speculative_steps`."""
+    check_draft_model(model, config.draft_model)
+    if config.seed is not None:
+        mx.random.seed(config.seed)
+    length = length if length is not None else DraftLength(config.num_draft_tokens)
+    draft = _DraftModelState(config.draft_model, prompt, config)
+    prefill(model, prompt[:-1], cache, config)
+    history = list(prompt)  # prompt and kept tokens: what the penalties look at
+    produced, pending = 0, prompt[-1]
+    while produced < config.max_tokens:
+        count = min(length.next(), config.max_tokens - produced - 1)
+        if count > 0 and not (_draft_room(cache, count + 1) and draft.room(count)):
+            count = 0  # a window about to slide: plain steps from here
+        drafts, q = draft.propose(count, history) if count > 0 else ([], None)
+        _maybe_quantize(cache, config)
+        logits = model(mx.array([[pending] + drafts]), cache=cache)[0].astype(mx.float32)
+        logits = penalized_rows(logits, history, drafts, config.repetition_penalty, config.repetition_context)
+        tokens = verify_drafts(logits, drafts, config.temperature, config.top_k, config.top_p, config.min_p,
+                               draft_logprobs=q)
+        draft.accept(drafts, tokens)
+        for token, logprobs in _settle(cache, length, drafts, tokens, logits, config.logprobs):
+            history.append(token)
+            produced += 1
+            yield token, logprobs
         pending = tokens[-1]
 
 

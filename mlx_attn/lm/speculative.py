@@ -2,7 +2,7 @@
 forward of ``k + 1`` rows and keep the longest prefix the target model
 agrees with, plus one token of its own.
 
-The drafts are a point mass (the n-gram drafter is deterministic), so
+An n-gram draft is a point mass (the drafter is deterministic), so
 speculative (rejection) sampling reduces to: with the target distribution
 ``p`` of a row (after the repetition penalty, temperature, top-k, top-p and
 min-p exactly as the plain sampler applies them,
@@ -18,6 +18,15 @@ coupled form, :func:`verify_by_drawing`: each row's token drawn as plain
 sampling draws it, a draft kept while it is that draw (the same law, and
 a seeded generation's tokens whatever was drafted).
 
+A draft model's tokens are drawn from its own distribution ``q`` (the
+same filters on its logits): :func:`verify_drafts` with ``draft_logprobs``
+accepts the draft ``t`` with probability ``min(1, p(t) / q(t))`` and
+otherwise draws from ``max(0, p - q)`` renormalised. A token ``x`` then has
+probability ``q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y)))
+max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(p, q)(x) + max(0, p -
+q)(x) = p(x)``, and a draft is kept with probability ``sum min(p, q)``,
+more than the ``sum q p`` of keeping it only when a plain draw equals it.
+
 :class:`DraftLength` adapts ``k`` to a sequence's acceptance rate."""
 
 from __future__ import annotations
@@ -28,18 +37,31 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlx_attn.lm.sampling import apply_repetition_penalty, filtered_logprobs
-from mlx_attn.lm.validate import require_int
+from mlx_attn.lm.validate import FieldError, require_int
 
-__all__ = ["verify_drafts", "verify_by_drawing", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
+__all__ = ["check_draft_model", "verify_drafts", "verify_by_drawing", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
            "MAX_NUM_DRAFT_TOKENS", "check_num_draft_tokens"]
 
-SPECULATIVE_CHOICES = ("ngram",)
+SPECULATIVE_CHOICES = ("ngram", "draft")  # prompt lookup, or a draft model with the same vocabulary
 DEFAULT_NUM_DRAFT_TOKENS = 4
 MAX_NUM_DRAFT_TOKENS = 32
 
 
 def check_num_draft_tokens(count) -> int:
     return require_int("num_draft_tokens", count, 1, MAX_NUM_DRAFT_TOKENS)
+
+
+def check_draft_model(target, draft) -> None:
+    """A draft model must score the target's vocabulary: the same number of
+    logits (a token id means the same token to both is the caller's part:
+    the same tokenizer)."""
+    if not callable(draft) or not hasattr(draft, "make_cache"):
+        raise FieldError("draft_model", f"must be a loaded model (with make_cache), got {type(draft).__name__}")
+    target_size = getattr(getattr(target, "config", None), "vocab_size", None)
+    draft_size = getattr(getattr(draft, "config", None), "vocab_size", None)
+    if target_size is None or draft_size is None or target_size != draft_size:
+        raise FieldError("draft_model", f"has a vocabulary of {draft_size} tokens, the model {target_size}: a draft "
+                         "model must share the model's tokenizer and vocabulary")
 
 
 def penalized_rows(logits: mx.array, history: Sequence[int], drafts: Sequence[int], penalty: float,
@@ -59,12 +81,14 @@ def penalized_rows(logits: mx.array, history: Sequence[int], drafts: Sequence[in
 
 
 def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  min_p: float = 0.0) -> list[int]:
+                  min_p: float = 0.0, draft_logprobs: mx.array | None = None) -> list[int]:
     """The tokens decoding keeps from one verification: ``logits [k + 1,
     vocab]`` (already penalized) of the rows fed ``[last token] + drafts``;
     returns the accepted drafts followed by one token of the target's own
-    (1 to k + 1 tokens). Draws from MLX's global random state; one
-    evaluation."""
+    (1 to k + 1 tokens). ``draft_logprobs [k, vocab]``: the distributions
+    the drafts were drawn from (a draft model's ``q``, any normalisation;
+    None: each draft a point mass). Draws from MLX's global random state;
+    one evaluation."""
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"logits must have one row more than the {k} drafts, got {logits.shape[0]}")
@@ -74,24 +98,41 @@ def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, t
         while kept < k and best[kept] == drafts[kept]:
             kept += 1
         return list(drafts[:kept]) + [best[kept]]
-    logprobs = filtered_logprobs(logits, temperature, top_k, top_p, min_p)
+    logprobs = _normalized(filtered_logprobs(logits, temperature, top_k, top_p, min_p))
     if k == 0:
         return [int(mx.random.categorical(logprobs[0]).item())]
+    if draft_logprobs is not None and draft_logprobs.shape != (k, logits.shape[-1]):
+        raise ValueError(f"draft_logprobs must be [{k}, {logits.shape[-1]}] (one row per draft), "
+                         f"got {list(draft_logprobs.shape)}")
     index = mx.array(drafts, dtype=mx.int32)
-    draft_logprobs = mx.take_along_axis(logprobs[:k], index[:, None], axis=-1)[:, 0]
+    target_of_draft = mx.take_along_axis(logprobs[:k], index[:, None], axis=-1)[:, 0]
     uniforms = mx.random.uniform(shape=(k,))
-    # the residual of row i: p with the draft removed (categorical renormalises)
-    residual = mx.array(logprobs[:k])
-    residual[mx.arange(k), index] = -mx.inf
+    if draft_logprobs is None:
+        # the residual of row i: p with the draft removed (categorical renormalises)
+        residual = mx.array(logprobs[:k])
+        residual[mx.arange(k), index] = -mx.inf
+        accept = uniforms < mx.exp(target_of_draft)
+    else:
+        q = _normalized(draft_logprobs.astype(mx.float32))
+        q_of_draft = mx.take_along_axis(q, index[:, None], axis=-1)[:, 0]
+        accept = uniforms < mx.exp(target_of_draft - q_of_draft)  # min(1, p/q): u < 1 always holds
+        excess = mx.maximum(mx.exp(logprobs[:k]) - mx.exp(q), 0.0)
+        # p == q to rounding leaves no excess, and then a rejection is (almost) impossible: draw from p
+        residual = mx.where(excess.sum(axis=-1, keepdims=True) > 0, mx.log(excess), logprobs[:k])
     replacements = mx.random.categorical(residual, axis=-1)
     bonus = mx.random.categorical(logprobs[k])
-    accept = uniforms < mx.exp(draft_logprobs)
     mx.eval(accept, replacements, bonus)
     accept, replacements = accept.tolist(), replacements.tolist()
     for i in range(k):
         if not accept[i]:
             return list(drafts[:i]) + [replacements[i]]
     return list(drafts) + [int(bonus.item())]
+
+
+def _normalized(logprobs: mx.array) -> mx.array:
+    """Log-probabilities summing to one per row (the filters leave the kept
+    tokens' values as they were before removing the others)."""
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
 
 
 def verify_by_drawing(logits: mx.array, drafts: Sequence[int], draw) -> list[int]:

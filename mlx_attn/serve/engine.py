@@ -59,6 +59,9 @@ DEFAULT_SPECULATIVE_ROWS = 48
 def _speculation(kind: str | None, num_draft_tokens: int, step_rows: int) -> Speculation | None:
     if kind is None:
         return None
+    if kind == "draft":  # generate drafts with a model; the batched step does not yet
+        raise ValueError("speculative='draft' (a draft model) runs in mlx-attn generate and the generation API, "
+                         "not yet in the engine: use speculative='ngram'")
     if kind not in SPECULATIVE_CHOICES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or None, got {kind!r}")
     if isinstance(step_rows, bool) or not isinstance(step_rows, int) or step_rows < 1:
