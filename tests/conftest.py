@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Property tests stay bounded so CI is fast; HYPOTHESIS_PROFILE=thorough for more.
@@ -14,3 +15,15 @@ import mlx.core as mx
 # The CPU-kernel tests expect the CPU; on a Mac the Metal tests pass
 # stream=mx.gpu explicitly (kernel_lab/metal_runner.py).
 mx.set_default_device(mx.cpu)
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Drafts in every step: the timed back-off (StepCost, PlainStepCost)
+    would skip them on a loaded machine, and these tests check the
+    verification, not the back-off (tested on its own in test_speculative.py)."""
+    from mlx_attn.lm.generate import PlainStepCost
+    from mlx_attn.lm.speculative import StepCost
+
+    monkeypatch.setattr(StepCost, "worth", lambda self, *args: True)
+    monkeypatch.setattr(PlainStepCost, "beaten_by", lambda self, *args: True)

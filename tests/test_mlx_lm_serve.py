@@ -311,6 +311,7 @@ def test_a_hybrid_model_does_not_draft_and_says_why(tmp_path, caplog):
     assert engine.stats()["draft_tokens"] == 0
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_an_attention_only_mlx_lm_model_drafts_and_gives_mlx_lm_s_tokens(tmp_path):
     """The paged mlx-lm path with several logit rows per drafting request:
     greedy tokens still those of mlx-lm alone."""
@@ -482,6 +483,7 @@ def test_a_model_the_paged_step_cannot_run_is_served_over_gathered_kv(tmp_path, 
     assert engine.scheduler.cached_prompt_tokens - cached_before >= 4 * (len(prompts["r3"]) // 4) - 4
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_gathered_kv_from_8_bit_pages_with_drafts_batch_equals_alone(tmp_path):
     """gemma2 (head dim 32) on 8-bit pages with n-gram drafts: each request
     of the batch equals it served alone on the same pages (drafted rows'

@@ -26,6 +26,7 @@ def _speculative_run(model, prompt, config):
 
 @pytest.mark.parametrize("prompt", [REPETITIVE, [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]], ids=["repetitive", "random"])
 @pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.usefixtures("always_draft")
 def test_greedy_tokens_identical_with_and_without_drafts(prompt, k):
     model = tiny_llama(seed=3)
     plain = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=40, stop_at_eos=False)))
@@ -39,6 +40,7 @@ def test_greedy_tokens_identical_with_and_without_drafts(prompt, k):
     assert via_config == plain
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_drafts_that_are_rejected_leave_the_cache_exact():
     # a random model rejects most drafts of a repetitive prompt it does not continue
     model = tiny_llama(seed=11)
@@ -62,6 +64,7 @@ def test_greedy_with_repetition_penalty_identical():
     assert drafted == plain
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_a_rotating_cache_drafts_until_its_window_slides():
     model = tiny_llama(seed=3)
     base = dict(max_tokens=30, stop_at_eos=False, max_kv_size=48)
@@ -74,6 +77,7 @@ def test_a_rotating_cache_drafts_until_its_window_slides():
     assert length.accepted > 0 and cache[0].offset > 48  # drafted early, then slid past the window
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_seeded_speculative_sampling_is_reproducible():
     """Each kept token is drawn as without drafts: the seeded tokens are
     those of plain sampling, whatever the (timing-dependent) drafts were."""
@@ -162,6 +166,7 @@ def test_penalized_rows_apply_the_penalty_over_history_and_earlier_drafts():
         np.testing.assert_allclose(np.array(rows[i]), np.array(apply_repetition_penalty(logits[i], seen, 1.5)))
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_draft_length_adapts_to_acceptance():
     length = DraftLength(8)
     assert length.next() == 8

@@ -222,6 +222,7 @@ def tiny_llama(seed=0):
     return model
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     from mlx_attn.serve import Engine, SamplingParams
 
@@ -262,6 +263,7 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     assert results[None][1]["draft_tokens"] == 0
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_engine_seeded_drafting_request_is_reproducible():
     from mlx_attn.serve import Engine, SamplingParams
 
@@ -292,6 +294,7 @@ def test_engine_refuses_bad_speculation_settings():
 
 
 # ---------------------------------------------------------------- the server
+@pytest.mark.usefixtures("always_draft")
 def test_server_speculative_metrics_opt_out_and_field_check():
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
@@ -403,6 +406,7 @@ def test_sampled_verification_with_penalties_and_bias_keeps_the_target_distribut
     assert _chi_square_p_value(second, target(1, generated)) < 1e-3  # the draft not counted: caught
 
 
+@pytest.mark.usefixtures("always_draft")
 def test_engine_greedy_with_penalties_and_bias_identical_with_and_without_drafts():
     """Requests with presence / frequency penalties and logit bias draft, and
     give token for token (log-probability for log-probability) what they
