@@ -34,6 +34,9 @@
 #include "csrc/cpu/micro_kernel.h"
 #include "csrc/cpu/rules.h"
 #include "csrc/cpu/simd.h"
+#if defined(MLX_ATTN_AMX_BF16)
+#include "csrc/cpu/amx_tiles.h"
+#endif
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
@@ -223,6 +226,11 @@ struct PagedLayout {
 // Keys per segment, on average, below which a block is packed rather than
 // read in place (tiny pages: many short products cost more than a copy).
 inline constexpr int kMinInPlaceRun = 16;
+// Keys per AMX accumulator tile: an AMX score product computes whole tiles.
+inline constexpr int kAmxTileKeys = 16;
+#if defined(MLX_ATTN_AMX_BF16)
+static_assert(kAmxTileKeys == kAmxTile, "amx_tiles.h and the key tiles agree");
+#endif
 
 // One thread's scratch for an item (sized by scratch_floats, kernels.h).
 struct ItemBuffers {
@@ -244,6 +252,7 @@ struct WorkItem {
   const AttentionProblem& p;
   Tile tile;
   int group, D, Dv, Dvp, rows, rp, pairs;
+  bool amx_score = false;  // the pair score product on AMX tiles (amx_tiles.h)
   ItemBuffers buf;
 
   WorkItem(const KernelCall& c, const Tile& t, float* scratch)
@@ -381,8 +390,10 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
     block.segments[block.segment_count++] = {at.outer, at.slot, j, len};
     j += len;
   }
+  // AMX tiles read whole 16-key tiles: in place only within one segment.
   const bool k_can_stay = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
-      (kPairScore && p.k_strides[3] == 1 && w.D % 2 == 0);
+      (kPairScore && p.k_strides[3] == 1 && w.D % 2 == 0 &&
+       (!w.amx_score || (block.segment_count == 1 && n % kAmxTileKeys == 0)));
   const bool v_can_stay = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && w.Dv == w.Dvp;
   const bool long_runs = block.segment_count == 1 || n >= kMinInPlaceRun * block.segment_count;
   block.k_in_place = k_can_stay && long_runs;
@@ -391,6 +402,9 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
   for (int s = 0; s < block.segment_count; ++s) {
     const KeyBlock::Segment& seg = block.segments[s];
     for (int i = 0; i < seg.n; ++i) pack_key_value_row<T, Bits, kPairScore>(w, block, seg, i);
+  }
+  if (w.amx_score && !block.k_in_place) {  // zero keys up to the whole tile
+    memset(w.k_pairs() + n * 2 * w.pairs, 0, sizeof(uint16_t) * (round_up(n, kAmxTileKeys) - n) * 2 * w.pairs);
   }
 }
 
@@ -401,6 +415,17 @@ MLX_ATTN_STEP void score_block(const WorkItem& w, const KeyBlock& block) {
   float* const scores_t = w.buf.scores_t;
   if constexpr (kPairScore) {
     using Product = typename NativePairProduct<T>::Product;
+#if defined(MLX_ATTN_AMX_BF16)
+    if (w.amx_score) {  // S^T rows n .. round_up(n, 16) are computed from zero keys, then unused
+      const uint16_t* k = block.k_in_place
+          ? static_cast<const uint16_t*>(w.call.k) + w.k_at(block.segments[0].outer, block.segments[0].slot)
+          : w.k_pairs();
+      const int64_t k_stride = block.k_in_place ? w.p.k_strides[2] : 2 * w.pairs;
+      amx_matmul_overwrite(k, k_stride, w.q_pairs(), 2 * rp, scores_t, rp, int(round_up(block.n, kAmxTileKeys)) / kAmxTile,
+                           rp / kAmxTile, w.D);
+      return;
+    }
+#endif
     if (!block.k_in_place) {
       matmul_overwrite_pairs<Product>(w.k_pairs(), 2 * w.pairs, w.q_pairs(), 2 * rp, scores_t, rp, block.n, w.pairs,
                                       rp);
@@ -577,13 +602,22 @@ template <ElemType T, int Bits, class KVLayout>
 void attention_work_item(const KernelCall& call, int64_t item, float* scratch) {
   const Tile tile = KVLayout::tile(call, item);
   if (tile.qb <= 0) return;
-  const WorkItem w(call, tile, scratch);
+  WorkItem w(call, tile, scratch);
   if constexpr (NativePairProduct<T>::kAvailable && Bits == 0) {
     load_queries<T, true>(w);
     PairScale pair = {call.problem.scale, true};  // float16 pair products are exact (FMLAL)
     if constexpr (T == ElemType::bfloat16) {
       pair = bf16_pair_scale(w.q_pairs(), int64_t(w.pairs) * 2 * w.rp, pair.scale, w.D);
     }
+#if defined(MLX_ATTN_AMX_BF16)
+    if (pair.exact && T == ElemType::bfloat16 && w.D % kAmxDepth == 0 && w.rp % kAmxTile == 0) {
+      w.amx_score = true;
+      amx_configure();
+      attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
+      amx_release();
+      return;
+    }
+#endif
     if (pair.exact) return attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
   }
   load_queries<T, false>(w);
