@@ -50,21 +50,31 @@ inline void amx_release() {
   _tile_release();
 }
 
-// C[16 m][16 n] = A[16 m][depth] . B, depth a multiple of kAmxDepth, every
+// C[16 m][16 n] (+)= A[16 m][depth] . B, depth a multiple of kAmxDepth, every
 // tile whole: A row-major bf16 (row stride a_stride elements), B the pair
 // panel Bp[depth / 2][n][2] (row stride b_stride elements), C row-major float32
-// (row stride c_stride floats). Register-blocked 2 x 2 tiles of C.
-inline void amx_matmul_overwrite(const uint16_t* A, int64_t a_stride, const uint16_t* B, int64_t b_stride,
-                                 float* C, int64_t c_stride, int row_tiles, int column_tiles, int depth) {
+// (row stride c_stride floats), overwritten or (kAccumulate) added to.
+// Register-blocked 2 x 2 tiles of C.
+template <bool kAccumulate>
+inline void amx_matmul(const uint16_t* A, int64_t a_stride, const uint16_t* B, int64_t b_stride, float* C,
+                       int64_t c_stride, int row_tiles, int column_tiles, int depth) {
   const int64_t a_bytes = 2 * a_stride, b_bytes = 2 * b_stride, c_bytes = 4 * c_stride;
   for (int mt = 0; mt < row_tiles; mt += 2) {
     const bool two_rows = mt + 1 < row_tiles;
     for (int nt = 0; nt < column_tiles; nt += 2) {
       const bool two_columns = nt + 1 < column_tiles;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      float* c = C + mt * kAmxTile * c_stride + nt * kAmxTile;
+      if constexpr (kAccumulate) {
+        _tile_loadd(0, c, c_bytes);
+        if (two_columns) _tile_loadd(1, c + kAmxTile, c_bytes);
+        if (two_rows) _tile_loadd(2, c + kAmxTile * c_stride, c_bytes);
+        if (two_rows && two_columns) _tile_loadd(3, c + kAmxTile * c_stride + kAmxTile, c_bytes);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int k = 0; k < depth; k += kAmxDepth) {
         const uint16_t* a = A + mt * kAmxTile * a_stride + k;
         const uint16_t* b = B + (k / 2) * b_stride + nt * kAmxTile * 2;
@@ -81,13 +91,34 @@ inline void amx_matmul_overwrite(const uint16_t* A, int64_t a_stride, const uint
           if (two_columns) _tile_dpbf16ps(3, 5, 7);
         }
       }
-      float* c = C + mt * kAmxTile * c_stride + nt * kAmxTile;
       _tile_stored(0, c, c_bytes);
       if (two_columns) _tile_stored(1, c + kAmxTile, c_bytes);
       if (two_rows) {
         _tile_stored(2, c + kAmxTile * c_stride, c_bytes);
         if (two_columns) _tile_stored(3, c + kAmxTile * c_stride + kAmxTile, c_bytes);
       }
+    }
+  }
+}
+
+// P^T[keys][rp] float32 (row stride rp) into the bf16 pair panel
+// Pp[keys / 2][rp][2] in place (pair row j overwrites float rows <= 2 j + 1
+// only after reading them), keys n .. round_up(n, kAmxDepth) zero.
+inline void amx_pack_probabilities(float* p_t, int rp, int n) {
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(p_t);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int padded = (n + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int j = 0; j < padded / 2; ++j) {
+    const float* even = p_t + int64_t(2 * j) * rp;
+    const float* odd = even + rp;
+    for (int c = 0; c < rp; c += 16) {
+      const __m512 e = 2 * j < n ? _mm512_loadu_ps(even + c) : zero;
+      const __m512 o = 2 * j + 1 < n ? _mm512_loadu_ps(odd + c) : zero;
+      // low 16 halves: e, high 16: o; then e0 o0 e1 o1 ...
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
+      _mm512_storeu_si512(pairs + int64_t(j) * 2 * rp + 2 * c, _mm512_permutexvar_epi16(interleave, both));
     }
   }
 }

@@ -227,9 +227,10 @@ struct PagedLayout {
 // read in place (tiny pages: many short products cost more than a copy).
 inline constexpr int kMinInPlaceRun = 16;
 // Keys per AMX accumulator tile: an AMX score product computes whole tiles.
-inline constexpr int kAmxTileKeys = 16;
+// Keys of one AMX value product step (a bf16 tile row of P's pairs).
+inline constexpr int kAmxTileKeys = 16, kAmxTileDepth = 32;
 #if defined(MLX_ATTN_AMX_BF16)
-static_assert(kAmxTileKeys == kAmxTile, "amx_tiles.h and the key tiles agree");
+static_assert(kAmxTileKeys == kAmxTile && kAmxTileDepth == kAmxDepth, "amx_tiles.h and the key tiles agree");
 #endif
 
 // One thread's scratch for an item (sized by scratch_floats, kernels.h).
@@ -252,7 +253,10 @@ struct WorkItem {
   const AttentionProblem& p;
   Tile tile;
   int group, D, Dv, Dvp, rows, rp, pairs;
-  bool amx_score = false;  // the pair score product on AMX tiles (amx_tiles.h)
+  // Both products on AMX tiles (amx_tiles.h): the bf16 pair score product,
+  // and O^T[Dvp][rp] += V^T . P^T pairs, so the output accumulator is held
+  // transposed (acc_at) and V is packed as V^T[Dvp][kKeyBlock] bf16.
+  bool amx = false;
   ItemBuffers buf;
 
   WorkItem(const KernelCall& c, const Tile& t, float* scratch)
@@ -262,7 +266,7 @@ struct WorkItem {
     buf.q_t = scratch;
     buf.scores_t = buf.q_t + D * rp;
     buf.acc = buf.scores_t + kKeyBlock * rp;
-    buf.k_rows = buf.acc + rows * Dvp;
+    buf.k_rows = buf.acc + rp * Dvp;
     buf.v_packed = buf.k_rows + kKeyBlock * D;
     buf.row_max = buf.v_packed + kKeyBlock * Dvp;
     buf.row_sum = buf.row_max + rp;
@@ -272,6 +276,9 @@ struct WorkItem {
   int query(int r) const { return tile.q_start + r % tile.qb; }  // in the tile's sequence
   uint16_t* q_pairs() const { return reinterpret_cast<uint16_t*>(buf.q_t); }
   uint16_t* k_pairs() const { return reinterpret_cast<uint16_t*>(buf.k_rows); }
+  uint16_t* v_t() const { return reinterpret_cast<uint16_t*>(buf.v_packed); }
+  // Output accumulator element (row r, feature e) in either layout.
+  float& acc_at(int r, int e) const { return amx ? buf.acc[int64_t(e) * rp + r] : buf.acc[int64_t(r) * Dvp + e]; }
   // Element offsets of (outer, slot) rows of K and V for this kv head.
   int64_t k_at(int64_t outer, int slot) const {
     return outer * p.k_strides[0] + tile.kv_head * p.k_strides[1] + slot * p.k_strides[2];
@@ -330,7 +337,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
     w.buf.row_max[r] = -INFINITY;
     w.buf.row_sum[r] = 0.0f;
   }
-  memset(w.buf.acc, 0, sizeof(float) * w.rows * w.Dvp);
+  memset(w.buf.acc, 0, sizeof(float) * w.rp * w.Dvp);
 }
 
 // Packs key j = seg.first + i of the block (K unless read in place, and V
@@ -350,6 +357,11 @@ MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, 
       uint16_t* k_pairs = w.k_pairs() + j * 2 * w.pairs;
       for (int d = 0; d < w.D; ++d) k_pairs[d] = k[d * p.k_strides[3]];
       if (w.D % 2) k_pairs[w.D] = 0;
+    }
+    if (w.amx) {  // V^T column j, raw bf16
+      const uint16_t* v = static_cast<const uint16_t*>(w.call.v) + voff;
+      for (int e = 0; e < w.Dv; ++e) w.v_t()[e * kKeyBlock + j] = v[e * p.v_strides[3]];
+      return;
     }
     if (!block.v_in_place) load_row<T>(vrow, 1, w.call.v, voff, p.v_strides[3], w.Dv, 1.0f);
   } else if constexpr (Bits == 0) {
@@ -393,7 +405,7 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
   // AMX tiles read whole 16-key tiles: in place only within one segment.
   const bool k_can_stay = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
       (kPairScore && p.k_strides[3] == 1 && w.D % 2 == 0 &&
-       (!w.amx_score || (block.segment_count == 1 && n % kAmxTileKeys == 0)));
+       (!w.amx || (block.segment_count == 1 && n % kAmxTileKeys == 0)));
   const bool v_can_stay = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && w.Dv == w.Dvp;
   const bool long_runs = block.segment_count == 1 || n >= kMinInPlaceRun * block.segment_count;
   block.k_in_place = k_can_stay && long_runs;
@@ -403,8 +415,13 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
     const KeyBlock::Segment& seg = block.segments[s];
     for (int i = 0; i < seg.n; ++i) pack_key_value_row<T, Bits, kPairScore>(w, block, seg, i);
   }
-  if (w.amx_score && !block.k_in_place) {  // zero keys up to the whole tile
+  if (w.amx && !block.k_in_place) {  // zero keys up to the whole tile
     memset(w.k_pairs() + n * 2 * w.pairs, 0, sizeof(uint16_t) * (round_up(n, kAmxTileKeys) - n) * 2 * w.pairs);
+  }
+  if (w.amx) {  // V^T: zero keys up to the whole tile depth, zero features Dv .. Dvp
+    const int padded = int(round_up(n, kAmxTileDepth));
+    for (int e = 0; e < w.Dv; ++e) memset(w.v_t() + e * kKeyBlock + n, 0, sizeof(uint16_t) * (padded - n));
+    memset(w.v_t() + w.Dv * kKeyBlock, 0, sizeof(uint16_t) * (w.Dvp - w.Dv) * kKeyBlock);
   }
 }
 
@@ -416,13 +433,13 @@ MLX_ATTN_STEP void score_block(const WorkItem& w, const KeyBlock& block) {
   if constexpr (kPairScore) {
     using Product = typename NativePairProduct<T>::Product;
 #if defined(MLX_ATTN_AMX_BF16)
-    if (w.amx_score) {  // S^T rows n .. round_up(n, 16) are computed from zero keys, then unused
+    if (w.amx) {  // S^T rows n .. round_up(n, 16) are computed from zero keys, then unused
       const uint16_t* k = block.k_in_place
           ? static_cast<const uint16_t*>(w.call.k) + w.k_at(block.segments[0].outer, block.segments[0].slot)
           : w.k_pairs();
       const int64_t k_stride = block.k_in_place ? w.p.k_strides[2] : 2 * w.pairs;
-      amx_matmul_overwrite(k, k_stride, w.q_pairs(), 2 * rp, scores_t, rp, int(round_up(block.n, kAmxTileKeys)) / kAmxTile,
-                           rp / kAmxTile, w.D);
+      amx_matmul<false>(k, k_stride, w.q_pairs(), 2 * rp, scores_t, rp, int(round_up(block.n, kAmxTileKeys)) / kAmxTile,
+                        rp / kAmxTile, w.D);
       return;
     }
 #endif
@@ -521,6 +538,13 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 
 // rescale (Metal: prefill_rescale): O *= alpha, rows whose max moved.
 MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
+  if (w.amx) {  // O^T[Dvp][rp]: a vector of rows at a time
+    for (int e = 0; e < w.Dvp; ++e) {
+      float* o = w.buf.acc + int64_t(e) * w.rp;
+      for (int c = 0; c < w.rp; c += kLanes) store(o + c, load(o + c) * load(w.buf.rescale + c));
+    }
+    return;
+  }
   for (int r = 0; r < w.rows; ++r) {
     if (w.buf.rescale[r] != 1.0f) {
       float* o = w.buf.acc + r * w.Dvp;
@@ -532,6 +556,14 @@ MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
 
 // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
 MLX_ATTN_STEP void accumulate_values(const WorkItem& w, const KeyBlock& block) {
+#if defined(MLX_ATTN_AMX_BF16)
+  if (w.amx) {  // O^T += V^T . P^T, P rounded to bf16 (its pair panel replaces P^T in place)
+    amx_pack_probabilities(w.buf.scores_t, w.rp, block.n);
+    amx_matmul<true>(w.v_t(), kKeyBlock, reinterpret_cast<const uint16_t*>(w.buf.scores_t), 2 * w.rp, w.buf.acc, w.rp,
+                     w.Dvp / kAmxTile, w.rp / kAmxTile, int(round_up(block.n, kAmxTileDepth)));
+    return;
+  }
+#endif
   if (!block.v_in_place) {
     matmul_accumulate_transposed_a(w.buf.scores_t, w.rp, w.buf.v_packed, w.Dvp, w.buf.acc, w.Dvp, w.rows, block.n,
                                    w.Dvp);
@@ -565,8 +597,7 @@ MLX_ATTN_STEP void normalize_rows(const WorkItem& w) {
     // l == 0: the row saw nothing (zeros); a NaN sum (NaN data) stays NaN
     const float factor = l == 0.0f ? 0.0f : correction / l;
     const int64_t row_index = KVLayout::out_row(w.call, w.tile, h, w.query(r));
-    const float* o = w.buf.acc + r * w.Dvp;
-    for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, o[e] * factor);
+    for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, w.acc_at(r, e) * factor);
     if (w.call.lse) w.call.lse[row_index] = l == 0.0f ? -INFINITY : m + logf(l);
   }
 }
@@ -611,7 +642,7 @@ void attention_work_item(const KernelCall& call, int64_t item, float* scratch) {
     }
 #if defined(MLX_ATTN_AMX_BF16)
     if (pair.exact && T == ElemType::bfloat16 && w.D % kAmxDepth == 0 && w.rp % kAmxTile == 0) {
-      w.amx_score = true;
+      w.amx = true;
       amx_configure();
       attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
       amx_release();

@@ -53,7 +53,7 @@ inline int64_t scratch_floats(const KernelCall& call, int lanes) {
   int64_t rows = int64_t(p.group_size()) * call.query_block;
   int64_t rows_padded = round_up(rows, lanes);
   int64_t dvp = round_up(p.value_dim, lanes);
-  return rows_padded * p.head_dim + rows_padded * kKeyBlock + rows * dvp +
+  return rows_padded * p.head_dim + rows_padded * kKeyBlock + rows_padded * dvp +
       int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 3 * rows_padded + 64;
 }
 
