@@ -358,11 +358,7 @@ MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, 
       for (int d = 0; d < w.D; ++d) k_pairs[d] = k[d * p.k_strides[3]];
       if (w.D % 2) k_pairs[w.D] = 0;
     }
-    if (w.amx) {  // V^T column j, raw bf16
-      const uint16_t* v = static_cast<const uint16_t*>(w.call.v) + voff;
-      for (int e = 0; e < w.Dv; ++e) w.v_t()[e * kKeyBlock + j] = v[e * p.v_strides[3]];
-      return;
-    }
+    if (w.amx) return;  // V^T is packed two keys at a time (pack_values_transposed)
     if (!block.v_in_place) load_row<T>(vrow, 1, w.call.v, voff, p.v_strides[3], w.Dv, 1.0f);
   } else if constexpr (Bits == 0) {
     if (!block.k_in_place) load_row<T>(w.buf.k_rows + j * w.D, 1, w.call.k, koff, p.k_strides[3], w.D, 1.0f);
@@ -384,6 +380,36 @@ MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, 
   if (!block.v_in_place) {
     for (int e = w.Dv; e < w.Dvp; ++e) vrow[e] = 0.0f;
   }
+}
+
+// V^T[Dvp][kKeyBlock] bf16 for the AMX value product, written as 32-bit
+// words of two keys (half the stores of a per-key transpose); zero from key
+// n up to the tile depth and from feature Dv to Dvp.
+MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& block) {
+  const uint16_t* rows[kKeyBlock];
+  for (int s = 0; s < block.segment_count; ++s) {
+    const KeyBlock::Segment& seg = block.segments[s];
+    for (int i = 0; i < seg.n; ++i) {
+      rows[seg.first + i] = static_cast<const uint16_t*>(w.call.v) + w.v_at(seg.outer, seg.slot + i);
+    }
+  }
+  const int64_t fs = w.p.v_strides[3];
+  const int n = block.n, padded = int(round_up(n, kAmxTileDepth));
+  constexpr int kWordsPerRow = kKeyBlock / 2;
+  uint32_t* words = reinterpret_cast<uint32_t*>(w.v_t());
+  for (int j = 0; j < padded; j += 2) {
+    uint32_t* column = words + j / 2;
+    if (j + 1 < n) {
+      const uint16_t *even = rows[j], *odd = rows[j + 1];
+      for (int e = 0; e < w.Dv; ++e) column[e * kWordsPerRow] = uint32_t(even[e * fs]) | uint32_t(odd[e * fs]) << 16;
+    } else if (j < n) {
+      const uint16_t* even = rows[j];
+      for (int e = 0; e < w.Dv; ++e) column[e * kWordsPerRow] = uint32_t(even[e * fs]);
+    } else {
+      for (int e = 0; e < w.Dv; ++e) column[e * kWordsPerRow] = 0;
+    }
+  }
+  memset(words + w.Dv * kWordsPerRow, 0, sizeof(uint32_t) * (w.Dvp - w.Dv) * kWordsPerRow);
 }
 
 // stage key block (Metal: stage_key_block): the block's segments, then K/V
@@ -418,11 +444,7 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
   if (w.amx && !block.k_in_place) {  // zero keys up to the whole tile
     memset(w.k_pairs() + n * 2 * w.pairs, 0, sizeof(uint16_t) * (round_up(n, kAmxTileKeys) - n) * 2 * w.pairs);
   }
-  if (w.amx) {  // V^T: zero keys up to the whole tile depth, zero features Dv .. Dvp
-    const int padded = int(round_up(n, kAmxTileDepth));
-    for (int e = 0; e < w.Dv; ++e) memset(w.v_t() + e * kKeyBlock + n, 0, sizeof(uint16_t) * (padded - n));
-    memset(w.v_t() + w.Dv * kKeyBlock, 0, sizeof(uint16_t) * (w.Dvp - w.Dv) * kKeyBlock);
-  }
+  if (w.amx) pack_values_transposed(w, block);
 }
 
 // score: S^T[n][rp] = K[n][D] . Q^T[D][rp], segment by segment in place.

@@ -9,7 +9,8 @@
 
 namespace mlx_attn::cpu {
 
-// Keys per key/value block and the largest number of query rows per work item.
+// Keys per key/value block and the number of query rows per work item (at
+// most; the dense AMX bf16 path takes twice as many, dispatch.cpp max_rows).
 // A work item is (batch, kv head, block of query positions); its rows are the
 // query positions of every query head of the GQA group, so each K/V block is
 // packed once per group and reused by all its rows.
