@@ -418,7 +418,8 @@ def main(argv=None):
     peaks = {isa: fma_peak_gflops(isa, threads_used()) for isa in _ext.supported_cpu_isas()}
     print(
         f"mlx {mx.__version__}, mlx_attn kernel {_ext.cpu_isa()}, {threads_used()} threads, "
-        f"torch {torch.__version__ if torch else 'not installed'}, CPU {cpu['model']}, "
+        f"torch {torch.__version__ if torch else 'not installed'}, CPU {cpu['model']} ({cpu.get('vendor_id', '?')} "
+        f"family {cpu.get('cpu_family', '?')} model {cpu.get('model_number', '?')}), "
         f"load average {load_at_start:.1f}{', one busy process added' if args.busy else ''}"
     )
     print("measured FMA peak (GFLOP/s, all threads): "

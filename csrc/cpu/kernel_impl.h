@@ -212,7 +212,7 @@ struct PagedLayout {
 // softmax runs down the key axis with whole vectors of rows (no horizontal
 // reductions). O += P . V then reads P^T as a transposed A operand.
 //
-// A key block is up to kKeyBlock keys for the softmax; its keys come in
+// A key block is up to kKeyBlock keys (kMaxKeyBlock on AMX) for the softmax; its keys come in
 // segments of consecutive rows (one for dense K/V; one per page touched for
 // paged K/V, so page_size need not divide the block). K/V read in place are
 // multiplied segment by segment; packed K/V are packed across segments.
@@ -255,8 +255,9 @@ struct WorkItem {
   int group, D, Dv, Dvp, rows, rp, pairs;
   // Both products on AMX tiles (amx_tiles.h): the bf16 pair score product,
   // and O^T[Dvp][rp] += V^T . P^T pairs, so the output accumulator is held
-  // transposed (acc_at) and V is packed as V^T[Dvp][kKeyBlock] bf16.
+  // transposed (acc_at) and V is packed as V^T[Dvp][key_block] bf16.
   bool amx = false;
+  int key_block = kKeyBlock;  // keys per block: kMaxKeyBlock with amx
   ItemBuffers buf;
 
   WorkItem(const KernelCall& c, const Tile& t, float* scratch)
@@ -265,10 +266,10 @@ struct WorkItem {
         pairs((D + 1) / 2) {
     buf.q_t = scratch;
     buf.scores_t = buf.q_t + D * rp;
-    buf.acc = buf.scores_t + kKeyBlock * rp;
+    buf.acc = buf.scores_t + kMaxKeyBlock * rp;
     buf.k_rows = buf.acc + rp * Dvp;
-    buf.v_packed = buf.k_rows + kKeyBlock * D;
-    buf.row_max = buf.v_packed + kKeyBlock * Dvp;
+    buf.v_packed = buf.k_rows + kMaxKeyBlock * D;
+    buf.row_max = buf.v_packed + kMaxKeyBlock * Dvp;
     buf.row_sum = buf.row_max + rp;
     buf.rescale = buf.row_sum + rp;
   }
@@ -297,7 +298,7 @@ struct KeyBlock {
   };
   int kb, n, segment_count;
   bool k_in_place, v_in_place;
-  Segment segments[kKeyBlock];
+  Segment segments[kMaxKeyBlock];
 };
 
 // load queries: Q^T (float, or the pair panel) with zero padding rows; the
@@ -382,11 +383,11 @@ MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, 
   }
 }
 
-// V^T[Dvp][kKeyBlock] bf16 for the AMX value product, written as 32-bit
+// V^T[Dvp][key_block] bf16 for the AMX value product, written as 32-bit
 // words of two keys (half the stores of a per-key transpose); zero from key
 // n up to the tile depth and from feature Dv to Dvp.
 MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& block) {
-  const uint16_t* rows[kKeyBlock];
+  const uint16_t* rows[kMaxKeyBlock];
   for (int s = 0; s < block.segment_count; ++s) {
     const KeyBlock::Segment& seg = block.segments[s];
     for (int i = 0; i < seg.n; ++i) {
@@ -395,7 +396,7 @@ MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& blo
   }
   const int64_t fs = w.p.v_strides[3];
   const int n = block.n, padded = int(round_up(n, kAmxTileDepth));
-  constexpr int kWordsPerRow = kKeyBlock / 2;
+  const int kWordsPerRow = w.key_block / 2;
   uint32_t* words = reinterpret_cast<uint32_t*>(w.v_t());
   for (int j = 0; j < padded; j += 2) {
     uint32_t* column = words + j / 2;
@@ -560,10 +561,13 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 
 // rescale (Metal: prefill_rescale): O *= alpha, rows whose max moved.
 MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
-  if (w.amx) {  // O^T[Dvp][rp]: a vector of rows at a time
-    for (int e = 0; e < w.Dvp; ++e) {
-      float* o = w.buf.acc + int64_t(e) * w.rp;
-      for (int c = 0; c < w.rp; c += kLanes) store(o + c, load(o + c) * load(w.buf.rescale + c));
+  if (w.amx) {  // O^T[Dvp][rp]: a vector of rows at a time, those whose max moved
+    for (int c = 0; c < w.rp; c += kLanes) {
+      const vfloat alpha = load(w.buf.rescale + c);
+      bool moved = false;
+      for (int i = 0; i < kLanes; ++i) moved |= alpha[i] != 1.0f;
+      if (!moved) continue;
+      for (int e = 0; e < w.Dvp; ++e) store(w.buf.acc + int64_t(e) * w.rp + c, load(w.buf.acc + int64_t(e) * w.rp + c) * alpha);
     }
     return;
   }
@@ -581,7 +585,7 @@ MLX_ATTN_STEP void accumulate_values(const WorkItem& w, const KeyBlock& block) {
 #if defined(MLX_ATTN_AMX_BF16)
   if (w.amx) {  // O^T += V^T . P^T, P rounded to bf16 (its pair panel replaces P^T in place)
     amx_pack_probabilities(w.buf.scores_t, w.rp, block.n);
-    amx_matmul<true>(w.v_t(), kKeyBlock, reinterpret_cast<const uint16_t*>(w.buf.scores_t), 2 * w.rp, w.buf.acc, w.rp,
+    amx_matmul<true>(w.v_t(), w.key_block, reinterpret_cast<const uint16_t*>(w.buf.scores_t), 2 * w.rp, w.buf.acc, w.rp,
                      w.Dvp / kAmxTile, w.rp / kAmxTile, int(round_up(block.n, kAmxTileDepth)));
     return;
   }
@@ -636,8 +640,8 @@ void attend_keys(const WorkItem& item, float logit_scale) {
   const int last_pos = query_position(seq, w.tile.q_start + w.tile.qb - 1);
   const KeyRange keys = block_key_range(seq, first_pos, last_pos);
   KeyBlock block;
-  for (int kb = keys.begin; kb < keys.end; kb += kKeyBlock) {
-    const int n = (keys.end - kb) < kKeyBlock ? (keys.end - kb) : kKeyBlock;
+  for (int kb = keys.begin; kb < keys.end; kb += w.key_block) {
+    const int n = (keys.end - kb) < w.key_block ? (keys.end - kb) : w.key_block;
     stage_key_block<T, Bits, kPairScore, KVLayout>(w, kb, n, block);
     score_block<T, kPairScore>(w, block);
     scale_logits(w, n, logit_scale);
@@ -665,6 +669,7 @@ void attention_work_item(const KernelCall& call, int64_t item, float* scratch) {
 #if defined(MLX_ATTN_AMX_BF16)
     if (pair.exact && T == ElemType::bfloat16 && w.D % kAmxDepth == 0 && w.rp % kAmxTile == 0) {
       w.amx = true;
+      w.key_block = kMaxKeyBlock;
       amx_configure();
       attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
       amx_release();

@@ -15,6 +15,9 @@ namespace mlx_attn::cpu {
 // query positions of every query head of the GQA group, so each K/V block is
 // packed once per group and reused by all its rows.
 inline constexpr int kKeyBlock = 64;
+// The AMX bf16 path's key block (kernel_impl.h): its output accumulator tiles
+// are loaded and stored once per block, so a longer block halves that traffic.
+inline constexpr int kMaxKeyBlock = 2 * kKeyBlock;
 inline constexpr int kMaxRows = 128;
 // Largest head dim (D and Dv) the kernel's row buffers hold: every tile is
 // sized from the problem's D and Dv (scratch_floats), only the per-row stack
@@ -54,8 +57,8 @@ inline int64_t scratch_floats(const KernelCall& call, int lanes) {
   int64_t rows = int64_t(p.group_size()) * call.query_block;
   int64_t rows_padded = round_up(rows, lanes);
   int64_t dvp = round_up(p.value_dim, lanes);
-  return rows_padded * p.head_dim + rows_padded * kKeyBlock + rows_padded * dvp +
-      int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 3 * rows_padded + 64;
+  return rows_padded * p.head_dim + rows_padded * kMaxKeyBlock + rows_padded * dvp +
+      int64_t(p.head_dim) * kMaxKeyBlock + kMaxKeyBlock * dvp + 3 * rows_padded + 64;
 }
 
 #define MLX_ATTN_DECLARE_ISA(isa)                               \
