@@ -298,7 +298,7 @@ def header():
 
 
 def print_row(row, flush=False):
-    cells = [str(row["D"]), row["dtype"], "yes" if row["causal"] else "no", str(row["T"]), row["isa"]]
+    cells = [str(row["D"]), row["dtype"], "yes" if row["causal"] else "no", str(row["T"]), row.get("isa", "-")]
     for impl in IMPLS:
         r = row.get(impl)
         cells += [f"{r['ms']:.1f}", f"{r['gflops']:.1f}"] if r else ["-", "-"]
@@ -308,7 +308,7 @@ def print_row(row, flush=False):
     cells.append(f"{row['mx.fast']['extra_peak_mib']:.0f}" if "mx.fast" in row else "-")
     for base in ("mx.fast", "torch"):
         cells.append(f"{row[base]['ms'] / row['fused']['ms']:.2f}x" if base in row else "-")
-    cells.append(f"{row['load_average']:.1f}")
+    cells.append(f"{row['load_average']:.1f}" if "load_average" in row else "-")
     print("| " + " | ".join(cells) + " |", flush=flush)
 
 
@@ -322,7 +322,7 @@ def summary_table(rows) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         f = r["fused"]
-        cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), r["isa"], f"{f['ms']:.1f}",
+        cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), r.get("isa", "-"), f"{f['ms']:.1f}",
                  f"{f['gflops']:.0f}"]
         cells.append(f"{100 * f['peak_fraction']:.0f}%" if "peak_fraction" in f else "-")
         cells.append(f"{r['mx.fast']['gflops']:.1f}" if "mx.fast" in r else "-")
@@ -330,7 +330,7 @@ def summary_table(rows) -> str:
         cells.append(f"{r['mx.fast']['ms'] / f['ms']:.0f}x" if "mx.fast" in r else "-")
         cells.append(f"{r['torch']['ms'] / f['ms']:.2f}x" if "torch" in r else "-")
         cells.append(f"{f['extra_peak_mib']:.1f}")
-        cells.append(f"{r['load_average']:.1f}")
+        cells.append(f"{r['load_average']:.1f}" if "load_average" in r else "-")
         if contention:
             c = r.get("contention")
             cells += [f"{c['quiet_median']:.2f}x", f"{c['busy_median']:.2f}x", f"{100 * c['change']:+.0f}%"] if c else ["-"] * 3
