@@ -564,9 +564,13 @@ MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
   if (w.amx) {  // O^T[Dvp][rp]: a vector of rows at a time, those whose max moved
     for (int c = 0; c < w.rp; c += kLanes) {
       const vfloat alpha = load(w.buf.rescale + c);
+#if defined(MLX_ATTN_AMX_BF16)  // one compare, not one per lane (NaN counts as moved)
+      if (_mm512_cmp_ps_mask((__m512)alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
+#else
       bool moved = false;
       for (int i = 0; i < kLanes; ++i) moved |= alpha[i] != 1.0f;
       if (!moved) continue;
+#endif
       for (int e = 0; e < w.Dvp; ++e) store(w.buf.acc + int64_t(e) * w.rp + c, load(w.buf.acc + int64_t(e) * w.rp + c) * alpha);
     }
     return;
