@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_attn
+from mlx_attn import _ext
 
 from kernel_lab.host import cpu_description
 
@@ -43,7 +44,7 @@ try:
 except ImportError:  # optional, for comparison only
     torch = None
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16}
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def threads_used() -> int:
@@ -59,6 +60,20 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(fns, repeats: int) -> list[float]:
+    """Median seconds of each function over `repeats` rounds that call them in
+    turn (after one warm-up round), so changing load hits all alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def mlx_step(backend, q, k, v, causal):
@@ -81,7 +96,7 @@ def extra_peak_mib(fn) -> float:
 
 
 def torch_step(q, k, v, causal, dtype):
-    tdtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
+    tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     tq, tk, tv = (torch.tensor(np.array(a.astype(mx.float32)), dtype=tdtype, requires_grad=True) for a in (q, k, v))
     group = tq.shape[1] // tk.shape[1]
 
@@ -108,7 +123,11 @@ def run_grid(lengths, dims, dtypes, causals, heads, repeats, max_reference_len):
                     mx.eval(q, k, v)
                     row = dict(T=t, D=d, dtype=dtype, causal=causal, heads=heads)
                     fused = mlx_step("fused", q, k, v, causal)
-                    row["fused_s"] = median_seconds(fused, repeats)
+                    if torch is not None:  # fused and torch interleaved
+                        row["fused_s"], row["torch_s"] = interleaved_medians(
+                            [fused, torch_step(q, k, v, causal, dtype)], repeats)
+                    else:
+                        row["fused_s"] = median_seconds(fused, repeats)
                     row["fused_peak_mib"] = extra_peak_mib(fused)
                     held = 4 * q.nbytes / 2**20  # dq, dk, dv and out, each the size of q here
                     row["fused_work_mib"] = row["fused_peak_mib"] - held
@@ -116,8 +135,6 @@ def run_grid(lengths, dims, dtypes, causals, heads, repeats, max_reference_len):
                         reference = mlx_step("reference", q, k, v, causal)
                         row["reference_s"] = median_seconds(reference, repeats)
                         row["reference_peak_mib"] = extra_peak_mib(reference)
-                    if torch is not None:
-                        row["torch_s"] = median_seconds(torch_step(q, k, v, causal, dtype), repeats)
                     rows.append(row)
                     print(format_row(row), flush=True)
     return rows
@@ -195,14 +212,15 @@ def main(argv=None):
         )
     cpu = cpu_description()["model"]
     load = os.getloadavg()[0]
-    print(f"CPU: {cpu}, threads: {threads_used()}, heads: {args.heads}, load average {load:.1f}, "
+    print(f"CPU: {cpu}, forward kernel {_ext.cpu_isa()}, threads: {threads_used()}, heads: {args.heads}, "
+          f"load average {load:.1f}, "
           f"PyTorch: {torch.__version__ if torch else 'not installed'}")
     print(HEADER)
     rows = run_grid(**grid, heads=args.heads, repeats=args.repeats, max_reference_len=args.max_reference_len)
     load_end = os.getloadavg()[0]
     print(f"load average at the end: {load_end:.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"threads": threads_used(), "cpu": cpu, "load_average": [load, load_end], "rows": rows}
+    record = {"threads": threads_used(), "cpu": cpu, "isa": _ext.cpu_isa(), "load_average": [load, load_end], "rows": rows}
     (args.out / "bench_backward.json").write_text(json.dumps(record, indent=1))
     plot(rows, args.out / "bench_backward.png")
     return rows

@@ -25,6 +25,11 @@ thread per core) is compiled for the copy's vector width and run.
     python benchmarks/bench_sdpa_cpu.py --quick           # a small smoke run
     python benchmarks/bench_sdpa_cpu.py --lengths 4096 --dtypes float32 float16 bfloat16 \
         --max-baseline-len 0 --long-context 0 --contention 3   # the README table
+    python benchmarks/bench_sdpa_cpu.py --isa avx512bf16 ...    # a named kernel copy
+
+Every row names the kernel copy it ran (the doctor's "CPU kernel ISA": the
+widest copy the CPU supports, or --isa / MLX_ATTN_CPU_ISA), and the header the
+CPU model.
 
 The slow unfused baselines are only run up to --max-baseline-len (they need
 O(T^2) memory and minutes per call beyond it).
@@ -100,6 +105,7 @@ int main(int argc, char** argv) {
 # avx512bf16 is measured against the float32 FMA peak too: its float32 and
 # fp16 work is float32 FMAs (vdpbf16ps, bf16 only, does twice the flops).
 PEAK_PROBES = {
+    "avx512amx": (64, ["-mavx512f", "-mfma"]),
     "avx512bf16": (64, ["-mavx512f", "-mfma"]),
     "avx512": (64, ["-mavx512f", "-mfma"]),
     "avx2": (32, ["-mavx2", "-mfma"]),
@@ -236,7 +242,7 @@ def benchmark(args, peak):
                     )
                     mx.eval(q, k, v)
                     flops = attention_flops(1, args.heads, t, t, d, d, causal)
-                    row = {"D": d, "dtype": dtype_name, "causal": causal, "T": t}
+                    row = {"D": d, "dtype": dtype_name, "causal": causal, "T": t, "isa": _ext.cpu_isa()}
                     # Fused and torch interleaved, best of --repeats each.
                     fused_fn = mlx_runner("fused", q, k, v, causal)
                     timed = {"fused": fused_fn}
@@ -258,6 +264,7 @@ def benchmark(args, peak):
                                 "gflops": flops / seconds / 1e9,
                                 "extra_peak_mib": extra_peak_memory(fn) / 2**20,
                             }
+                    row["load_average"] = os.getloadavg()[0]  # other processes' share of the run
                     rows.append(row)
                     print_row(row, flush=True)
     return rows
@@ -283,15 +290,15 @@ IMPLS = ["fused", "mx.fast", "reference", "torch"]
 
 
 def header():
-    cols = ["D", "dtype", "causal", "T"]
+    cols = ["D", "dtype", "causal", "T", "kernel"]
     for impl in IMPLS:
         cols += [f"{impl} ms", f"{impl} GFLOP/s"]
-    cols += ["fused % of FMA peak", "fused MiB", "unfused MiB", "vs mx.fast", "vs torch"]
+    cols += ["fused % of FMA peak", "fused MiB", "unfused MiB", "vs mx.fast", "vs torch", "load average"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
 def print_row(row, flush=False):
-    cells = [str(row["D"]), row["dtype"], "yes" if row["causal"] else "no", str(row["T"])]
+    cells = [str(row["D"]), row["dtype"], "yes" if row["causal"] else "no", str(row["T"]), row.get("isa", "-")]
     for impl in IMPLS:
         r = row.get(impl)
         cells += [f"{r['ms']:.1f}", f"{r['gflops']:.1f}"] if r else ["-", "-"]
@@ -300,27 +307,30 @@ def print_row(row, flush=False):
     cells.append(f"{row['fused']['extra_peak_mib']:.1f}")
     cells.append(f"{row['mx.fast']['extra_peak_mib']:.0f}" if "mx.fast" in row else "-")
     for base in ("mx.fast", "torch"):
-        cells.append(f"{row[base]['ms'] / row['fused']['ms']:.1f}x" if base in row else "-")
+        cells.append(f"{row[base]['ms'] / row['fused']['ms']:.2f}x" if base in row else "-")
+    cells.append(f"{row['load_average']:.1f}" if "load_average" in row else "-")
     print("| " + " | ".join(cells) + " |", flush=flush)
 
 
 def summary_table(rows) -> str:
     """The compact Markdown table quoted in the README."""
     contention = any("contention" in r for r in rows)
-    head = ["D", "dtype", "causal", "T", "fused ms", "fused GFLOP/s", "% of FMA peak", "mx.fast GFLOP/s",
-            "torch GFLOP/s", "fused vs mx.fast", "fused vs torch", "fused extra MiB"]
+    head = ["D", "dtype", "causal", "T", "kernel", "fused ms", "fused GFLOP/s", "% of FMA peak", "mx.fast GFLOP/s",
+            "torch ms", "torch GFLOP/s", "fused vs mx.fast", "fused vs torch", "fused extra MiB", "load average"]
     if contention:
         head += ["vs torch, quiet (median)", "vs torch, busy (median)", "change under load"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         f = r["fused"]
-        cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), f"{f['ms']:.1f}", f"{f['gflops']:.0f}"]
+        cells = [str(r["D"]), r["dtype"], "yes" if r["causal"] else "no", str(r["T"]), r.get("isa", "-"), f"{f['ms']:.1f}",
+                 f"{f['gflops']:.0f}"]
         cells.append(f"{100 * f['peak_fraction']:.0f}%" if "peak_fraction" in f else "-")
         cells.append(f"{r['mx.fast']['gflops']:.1f}" if "mx.fast" in r else "-")
-        cells.append(f"{r['torch']['gflops']:.0f}" if "torch" in r else "-")
+        cells += [f"{r['torch']['ms']:.1f}", f"{r['torch']['gflops']:.0f}"] if "torch" in r else ["-", "-"]
         cells.append(f"{r['mx.fast']['ms'] / f['ms']:.0f}x" if "mx.fast" in r else "-")
         cells.append(f"{r['torch']['ms'] / f['ms']:.2f}x" if "torch" in r else "-")
         cells.append(f"{f['extra_peak_mib']:.1f}")
+        cells.append(f"{r['load_average']:.1f}" if "load_average" in r else "-")
         if contention:
             c = r.get("contention")
             cells += [f"{c['quiet_median']:.2f}x", f"{c['busy_median']:.2f}x", f"{100 * c['change']:+.0f}%"] if c else ["-"] * 3
@@ -383,7 +393,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--isa", choices=list(_ext.supported_cpu_isas()),
+                   help="the kernel copy to run (default: the widest this CPU supports)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-baseline-len", type=int, default=4096)
@@ -398,13 +410,16 @@ def main(argv=None):
         args.lengths, args.head_dims, args.dtypes = [128, 256], [64], ["float32"]
         args.repeats, args.long_context = 1, 1024
 
+    if args.isa:
+        _ext.set_cpu_isa(args.isa)
     args.out.mkdir(parents=True, exist_ok=True)
     cpu = cpu_description()
     load_at_start = os.getloadavg()[0]
     peaks = {isa: fma_peak_gflops(isa, threads_used()) for isa in _ext.supported_cpu_isas()}
     print(
         f"mlx {mx.__version__}, mlx_attn kernel {_ext.cpu_isa()}, {threads_used()} threads, "
-        f"torch {torch.__version__ if torch else 'not installed'}, CPU {cpu['model']}, "
+        f"torch {torch.__version__ if torch else 'not installed'}, CPU {cpu['model']} ({cpu.get('vendor_id', '?')} "
+        f"family {cpu.get('cpu_family', '?')} model {cpu.get('model_number', '?')}), "
         f"load average {load_at_start:.1f}{', one busy process added' if args.busy else ''}"
     )
     print("measured FMA peak (GFLOP/s, all threads): "
@@ -435,8 +450,7 @@ def main(argv=None):
         )
     (args.out / "bench_sdpa_cpu.json").write_text(json.dumps(result, indent=1))
     table = summary_table(rows)
-    if args.contention:
-        print("\n" + table)
+    print("\n" + table)
     (args.out / "bench_sdpa_cpu.md").write_text(table + "\n")
     plot(rows, args.out / "bench_sdpa_cpu.png")
     print(f"\nsaved {args.out / 'bench_sdpa_cpu.json'}, .md and .png")

@@ -1,11 +1,12 @@
 """The CPU kernels' mutation batteries, written once: seed one fault into a
 kernel header under csrc/cpu/, build the generic (MLX_ATTN_ISA generic)
-copy of it into a standalone driver (tests/cpu_harness/*_driver.cpp), and
+copy of it (or the battery's own unit, e.g. the avx512amx copy) into a
+standalone driver (tests/cpu_harness/*_driver.cpp), and
 require the driver to fail. The unchanged header is built beside the mutant
 and must pass first, so a mutant cannot be "caught" by a broken driver.
 Needs clang (clang-19); without it the test skips with the reason, except on
-CI (CI set), where it fails. Used by tests/test_matvec_mutations.py and
-tests/test_paged_cpu_mutations.py."""
+CI (CI set), where it fails. Used by tests/test_matvec_mutations.py,
+tests/test_paged_cpu_mutations.py and tests/test_amx_cpu_mutations.py."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class CpuMutationBattery:
     unit: str  # the name of the generic translation unit and its object
     driver: str  # the driver under tests/cpu_harness/
     name: str  # what the battery checks, for its messages
+    # The translation unit's text (default: the generic copy of the header)
+    # and the compile flags it needs beyond FLAGS (a wide copy's ISA).
+    unit_source: str | None = None
+    isa_flags: tuple = ()
 
     @property
     def kernel(self) -> Path:
@@ -52,12 +57,13 @@ class CpuMutationBattery:
         (include / "csrc" / "cpu").mkdir(parents=True)
         (include / "csrc" / "cpu" / self.header).write_text(kernel_text)
         unit = out / f"{self.unit}_generic.cpp"
-        unit.write_text(f'#define MLX_ATTN_ISA generic\n#include "csrc/cpu/isa_generic.h"\n'
+        unit.write_text(self.unit_source or f'#define MLX_ATTN_ISA generic\n#include "csrc/cpu/isa_generic.h"\n'
                         f'#include "csrc/cpu/{self.header}"\n')
         driver = ROOT / "tests" / "cpu_harness" / self.driver
         obj = out / f"{self.unit}.o"
-        script = (f"{clang} {' '.join(FLAGS)} -I{include} -I{ROOT} -c {unit} -o {obj} && "
-                  f"{clang} {' '.join(FLAGS)} -I{ROOT} {driver} {obj} -lm -o {out / 'driver'}")
+        flags = " ".join([*FLAGS, *self.isa_flags])
+        script = (f"{clang} {flags} -I{include} -I{ROOT} -c {unit} -o {obj} && "
+                  f"{clang} {flags} -I{ROOT} {driver} {obj} -lm -o {out / 'driver'}")
         return subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     @staticmethod

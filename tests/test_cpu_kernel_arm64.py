@@ -108,7 +108,7 @@ def run_harness(command, args, forward=(), backward=(), sample=False):
 # csrc/cpu/kernel_<copy>.cpp) and backward copies (backward_<isa>.cpp).
 ARM64_FORWARD = ["neonbf16", "neonfhm", "neon", "generic"]
 ARM64_BACKWARD = ["neon_backward", "generic_backward"]
-X86_FORWARD = ["avx512bf16", "avx512", "avx2", "generic"]
+X86_FORWARD = ["avx512amx", "avx512bf16", "avx512", "avx2", "generic"]
 X86_BACKWARD = ["avx512_backward", "avx2_backward", "generic_backward"]
 
 

@@ -276,6 +276,10 @@ def test_sinks_views_are_read_through_their_stride(make_sinks):
 # order dispatch.cpp prefers); the expectation comes from the kernel's
 # documented rule, not from the code under test.
 X86_COPY_FLAGS = [
+    # AMX also needs Linux to grant the process the tile state (arch_prctl),
+    # which it does where the flags show (no test host refuses it).
+    ("avx512amx", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16", "avx2",
+                   "fma", "f16c"}),
     ("avx512bf16", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}),
     ("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"}),
     ("avx2", {"avx2", "fma", "f16c"}),
@@ -360,12 +364,14 @@ def test_isa_override_picks_the_named_copy_and_refuses_missing_ones():
         assert _isa_in_fresh_process(X86_COPY_FLAGS[0][0]) != X86_COPY_FLAGS[0][0]
 
 
-@pytest.fixture
-def native_bf16_copy():
-    if "avx512bf16" not in _ext.supported_cpu_isas():
-        pytest.skip("the native bf16 copy needs a CPU with AVX512_BF16 (cpuinfo flag avx512_bf16)")
+@pytest.fixture(params=["avx512bf16", "avx512amx"])
+def native_bf16_copy(request):
+    """The x86 copies with a native bf16 score product: vdpbf16ps, AMX tiles."""
+    if request.param not in _ext.supported_cpu_isas():
+        pytest.skip(f"the {request.param} copy needs a CPU with its bf16 instructions (cpuinfo flags avx512_bf16, "
+                    "amx_bf16)")
     before = _ext.cpu_isa()
-    _ext.set_cpu_isa("avx512bf16")
+    _ext.set_cpu_isa(request.param)
     yield
     _ext.set_cpu_isa(before)
 

@@ -66,6 +66,7 @@ struct ForwardCopy {
 // only in a native reduced-precision score product share one backward copy.
 inline constexpr ForwardCopy kForwardCopies[] = {
 #ifdef MLX_ATTN_X86_KERNELS
+    MLX_ATTN_FORWARD_COPY(avx512amx, features::amx_bf16, kAvx512Backward),
     MLX_ATTN_FORWARD_COPY(avx512bf16, features::avx512bf16, kAvx512Backward),
     MLX_ATTN_FORWARD_COPY(avx512, features::avx512, kAvx512Backward),
     MLX_ATTN_FORWARD_COPY(avx2, features::avx2, kAvx2Backward),

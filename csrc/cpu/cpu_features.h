@@ -4,7 +4,10 @@
 // harness (tests/cpu_harness), so both apply one rule. No STL.
 #pragma once
 
-#if defined(__aarch64__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #elif defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>
@@ -23,6 +26,26 @@ inline bool avx512() {
 }
 inline bool avx512bf16() {
   return avx512() && __builtin_cpu_supports("avx512bf16");
+}
+// AMX bf16 tiles (TDPBF16PS). Linux hands out the tile state only to a
+// process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once
+// here; a refusal leaves the copy unavailable, so dispatch falls back).
+inline bool amx_bf16() {
+#if defined(__linux__)
+  // -1: not asked yet. Racing first callers each ask; the answer is the same.
+  // (No function-local static with an initializer: the harness links no C++ runtime.)
+  static int granted = -1;
+  int state = __atomic_load_n(&granted, __ATOMIC_ACQUIRE);
+  if (state < 0) {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, fpu/xstate.h
+    state = avx512bf16() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+        syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    __atomic_store_n(&granted, state, __ATOMIC_RELEASE);
+  }
+  return state == 1;
+#else
+  return false;
+#endif
 }
 // Integer dot products of unsigned with signed bytes (vpdpbusd).
 inline bool avx512vnni() {

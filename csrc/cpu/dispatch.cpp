@@ -75,10 +75,18 @@ std::string unsupported_reason(const AttentionProblem& p) {
   return {};
 }
 
+// Rows per work item: kMaxRows, twice that for the AMX products (bf16,
+// avx512amx), whose tiles multiply so fast that the per-item packing of each
+// K/V block (V^T above all) is what more rows amortize.
+int max_rows(const AttentionProblem& p) {
+  const bool amx = std::strcmp(active_isa()->name, "avx512amx") == 0 && p.dtype == ElemType::bfloat16;
+  return amx ? 2 * kMaxRows : kMaxRows;
+}
+
 void plan_work(KernelCall& call) {
   const AttentionProblem& p = call.problem;
   const int group = p.group_size();
-  int qb = kMaxRows / group;
+  int qb = max_rows(p) / group;
   qb = qb < 1 ? 1 : (qb < p.q_len ? qb : p.q_len);
   call.query_block = qb;
   // Small problems: smaller blocks so every thread gets work (rows >= 16).

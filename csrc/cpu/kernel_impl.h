@@ -34,6 +34,9 @@
 #include "csrc/cpu/micro_kernel.h"
 #include "csrc/cpu/rules.h"
 #include "csrc/cpu/simd.h"
+#if defined(MLX_ATTN_AMX_BF16)
+#include "csrc/cpu/amx_tiles.h"
+#endif
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
 namespace {
@@ -209,7 +212,7 @@ struct PagedLayout {
 // softmax runs down the key axis with whole vectors of rows (no horizontal
 // reductions). O += P . V then reads P^T as a transposed A operand.
 //
-// A key block is up to kKeyBlock keys for the softmax; its keys come in
+// A key block is up to kKeyBlock keys (kMaxKeyBlock on AMX) for the softmax; its keys come in
 // segments of consecutive rows (one for dense K/V; one per page touched for
 // paged K/V, so page_size need not divide the block). K/V read in place are
 // multiplied segment by segment; packed K/V are packed across segments.
@@ -223,6 +226,12 @@ struct PagedLayout {
 // Keys per segment, on average, below which a block is packed rather than
 // read in place (tiny pages: many short products cost more than a copy).
 inline constexpr int kMinInPlaceRun = 16;
+// Keys per AMX accumulator tile: an AMX score product computes whole tiles.
+// Keys of one AMX value product step (a bf16 tile row of P's pairs).
+inline constexpr int kAmxTileKeys = 16, kAmxTileDepth = 32;
+#if defined(MLX_ATTN_AMX_BF16)
+static_assert(kAmxTileKeys == kAmxTile && kAmxTileDepth == kAmxDepth, "amx_tiles.h and the key tiles agree");
+#endif
 
 // One thread's scratch for an item (sized by scratch_floats, kernels.h).
 struct ItemBuffers {
@@ -244,6 +253,11 @@ struct WorkItem {
   const AttentionProblem& p;
   Tile tile;
   int group, D, Dv, Dvp, rows, rp, pairs;
+  // Both products on AMX tiles (amx_tiles.h): the bf16 pair score product,
+  // and O^T[Dvp][rp] += V^T . P^T pairs, so the output accumulator is held
+  // transposed (acc_at) and V is packed as V^T[Dvp][key_block] bf16.
+  bool amx = false;
+  int key_block = kKeyBlock;  // keys per block: kMaxKeyBlock with amx
   ItemBuffers buf;
 
   WorkItem(const KernelCall& c, const Tile& t, float* scratch)
@@ -252,10 +266,10 @@ struct WorkItem {
         pairs((D + 1) / 2) {
     buf.q_t = scratch;
     buf.scores_t = buf.q_t + D * rp;
-    buf.acc = buf.scores_t + kKeyBlock * rp;
-    buf.k_rows = buf.acc + rows * Dvp;
-    buf.v_packed = buf.k_rows + kKeyBlock * D;
-    buf.row_max = buf.v_packed + kKeyBlock * Dvp;
+    buf.acc = buf.scores_t + kMaxKeyBlock * rp;
+    buf.k_rows = buf.acc + rp * Dvp;
+    buf.v_packed = buf.k_rows + kMaxKeyBlock * D;
+    buf.row_max = buf.v_packed + kMaxKeyBlock * Dvp;
     buf.row_sum = buf.row_max + rp;
     buf.rescale = buf.row_sum + rp;
   }
@@ -263,6 +277,9 @@ struct WorkItem {
   int query(int r) const { return tile.q_start + r % tile.qb; }  // in the tile's sequence
   uint16_t* q_pairs() const { return reinterpret_cast<uint16_t*>(buf.q_t); }
   uint16_t* k_pairs() const { return reinterpret_cast<uint16_t*>(buf.k_rows); }
+  uint16_t* v_t() const { return reinterpret_cast<uint16_t*>(buf.v_packed); }
+  // Output accumulator element (row r, feature e) in either layout.
+  float& acc_at(int r, int e) const { return amx ? buf.acc[int64_t(e) * rp + r] : buf.acc[int64_t(r) * Dvp + e]; }
   // Element offsets of (outer, slot) rows of K and V for this kv head.
   int64_t k_at(int64_t outer, int slot) const {
     return outer * p.k_strides[0] + tile.kv_head * p.k_strides[1] + slot * p.k_strides[2];
@@ -281,7 +298,7 @@ struct KeyBlock {
   };
   int kb, n, segment_count;
   bool k_in_place, v_in_place;
-  Segment segments[kKeyBlock];
+  Segment segments[kMaxKeyBlock];
 };
 
 // load queries: Q^T (float, or the pair panel) with zero padding rows; the
@@ -321,7 +338,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
     w.buf.row_max[r] = -INFINITY;
     w.buf.row_sum[r] = 0.0f;
   }
-  memset(w.buf.acc, 0, sizeof(float) * w.rows * w.Dvp);
+  memset(w.buf.acc, 0, sizeof(float) * w.rp * w.Dvp);
 }
 
 // Packs key j = seg.first + i of the block (K unless read in place, and V
@@ -342,6 +359,7 @@ MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, 
       for (int d = 0; d < w.D; ++d) k_pairs[d] = k[d * p.k_strides[3]];
       if (w.D % 2) k_pairs[w.D] = 0;
     }
+    if (w.amx) return;  // V^T is packed two keys at a time (pack_values_transposed)
     if (!block.v_in_place) load_row<T>(vrow, 1, w.call.v, voff, p.v_strides[3], w.Dv, 1.0f);
   } else if constexpr (Bits == 0) {
     if (!block.k_in_place) load_row<T>(w.buf.k_rows + j * w.D, 1, w.call.k, koff, p.k_strides[3], w.D, 1.0f);
@@ -365,6 +383,36 @@ MLX_ATTN_STEP void pack_key_value_row(const WorkItem& w, const KeyBlock& block, 
   }
 }
 
+// V^T[Dvp][key_block] bf16 for the AMX value product, written as 32-bit
+// words of two keys (half the stores of a per-key transpose); zero from key
+// n up to the tile depth and from feature Dv to Dvp.
+MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& block) {
+  const uint16_t* rows[kMaxKeyBlock];
+  for (int s = 0; s < block.segment_count; ++s) {
+    const KeyBlock::Segment& seg = block.segments[s];
+    for (int i = 0; i < seg.n; ++i) {
+      rows[seg.first + i] = static_cast<const uint16_t*>(w.call.v) + w.v_at(seg.outer, seg.slot + i);
+    }
+  }
+  const int64_t fs = w.p.v_strides[3];
+  const int n = block.n, padded = int(round_up(n, kAmxTileDepth));
+  const int kWordsPerRow = w.key_block / 2;
+  uint32_t* words = reinterpret_cast<uint32_t*>(w.v_t());
+  for (int j = 0; j < padded; j += 2) {
+    uint32_t* column = words + j / 2;
+    if (j + 1 < n) {
+      const uint16_t *even = rows[j], *odd = rows[j + 1];
+      for (int e = 0; e < w.Dv; ++e) column[e * kWordsPerRow] = uint32_t(even[e * fs]) | uint32_t(odd[e * fs]) << 16;
+    } else if (j < n) {
+      const uint16_t* even = rows[j];
+      for (int e = 0; e < w.Dv; ++e) column[e * kWordsPerRow] = uint32_t(even[e * fs]);
+    } else {
+      for (int e = 0; e < w.Dv; ++e) column[e * kWordsPerRow] = 0;
+    }
+  }
+  memset(words + w.Dv * kWordsPerRow, 0, sizeof(uint32_t) * (w.Dvp - w.Dv) * kWordsPerRow);
+}
+
 // stage key block (Metal: stage_key_block): the block's segments, then K/V
 // in place or packed. Float32 K rows and V rows (of a whole number of
 // vectors) with unit feature stride can be read in place; 16-bit K for a
@@ -381,8 +429,10 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
     block.segments[block.segment_count++] = {at.outer, at.slot, j, len};
     j += len;
   }
+  // AMX tiles read whole 16-key tiles: in place only within one segment.
   const bool k_can_stay = (Bits == 0 && T == ElemType::float32 && p.k_strides[3] == 1) ||
-      (kPairScore && p.k_strides[3] == 1 && w.D % 2 == 0);
+      (kPairScore && p.k_strides[3] == 1 && w.D % 2 == 0 &&
+       (!w.amx || (block.segment_count == 1 && n % kAmxTileKeys == 0)));
   const bool v_can_stay = Bits == 0 && T == ElemType::float32 && p.v_strides[3] == 1 && w.Dv == w.Dvp;
   const bool long_runs = block.segment_count == 1 || n >= kMinInPlaceRun * block.segment_count;
   block.k_in_place = k_can_stay && long_runs;
@@ -392,6 +442,10 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
     const KeyBlock::Segment& seg = block.segments[s];
     for (int i = 0; i < seg.n; ++i) pack_key_value_row<T, Bits, kPairScore>(w, block, seg, i);
   }
+  if (w.amx && !block.k_in_place) {  // zero keys up to the whole tile
+    memset(w.k_pairs() + n * 2 * w.pairs, 0, sizeof(uint16_t) * (round_up(n, kAmxTileKeys) - n) * 2 * w.pairs);
+  }
+  if (w.amx) pack_values_transposed(w, block);
 }
 
 // score: S^T[n][rp] = K[n][D] . Q^T[D][rp], segment by segment in place.
@@ -401,6 +455,17 @@ MLX_ATTN_STEP void score_block(const WorkItem& w, const KeyBlock& block) {
   float* const scores_t = w.buf.scores_t;
   if constexpr (kPairScore) {
     using Product = typename NativePairProduct<T>::Product;
+#if defined(MLX_ATTN_AMX_BF16)
+    if (w.amx) {  // S^T rows n .. round_up(n, 16) are computed from zero keys, then unused
+      const uint16_t* k = block.k_in_place
+          ? static_cast<const uint16_t*>(w.call.k) + w.k_at(block.segments[0].outer, block.segments[0].slot)
+          : w.k_pairs();
+      const int64_t k_stride = block.k_in_place ? w.p.k_strides[2] : 2 * w.pairs;
+      amx_matmul<false>(k, k_stride, w.q_pairs(), 2 * rp, scores_t, rp, int(round_up(block.n, kAmxTileKeys)) / kAmxTile,
+                        rp / kAmxTile, w.D);
+      return;
+    }
+#endif
     if (!block.k_in_place) {
       matmul_overwrite_pairs<Product>(w.k_pairs(), 2 * w.pairs, w.q_pairs(), 2 * rp, scores_t, rp, block.n, w.pairs,
                                       rp);
@@ -496,6 +561,20 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 
 // rescale (Metal: prefill_rescale): O *= alpha, rows whose max moved.
 MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
+  if (w.amx) {  // O^T[Dvp][rp]: a vector of rows at a time, those whose max moved
+    for (int c = 0; c < w.rp; c += kLanes) {
+      const vfloat alpha = load(w.buf.rescale + c);
+#if defined(MLX_ATTN_AMX_BF16)  // one compare, not one per lane (NaN counts as moved)
+      if (_mm512_cmp_ps_mask((__m512)alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
+#else
+      bool moved = false;
+      for (int i = 0; i < kLanes; ++i) moved |= alpha[i] != 1.0f;
+      if (!moved) continue;
+#endif
+      for (int e = 0; e < w.Dvp; ++e) store(w.buf.acc + int64_t(e) * w.rp + c, load(w.buf.acc + int64_t(e) * w.rp + c) * alpha);
+    }
+    return;
+  }
   for (int r = 0; r < w.rows; ++r) {
     if (w.buf.rescale[r] != 1.0f) {
       float* o = w.buf.acc + r * w.Dvp;
@@ -507,6 +586,14 @@ MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
 
 // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
 MLX_ATTN_STEP void accumulate_values(const WorkItem& w, const KeyBlock& block) {
+#if defined(MLX_ATTN_AMX_BF16)
+  if (w.amx) {  // O^T += V^T . P^T, P rounded to bf16 (its pair panel replaces P^T in place)
+    amx_pack_probabilities(w.buf.scores_t, w.rp, block.n);
+    amx_matmul<true>(w.v_t(), w.key_block, reinterpret_cast<const uint16_t*>(w.buf.scores_t), 2 * w.rp, w.buf.acc, w.rp,
+                     w.Dvp / kAmxTile, w.rp / kAmxTile, int(round_up(block.n, kAmxTileDepth)));
+    return;
+  }
+#endif
   if (!block.v_in_place) {
     matmul_accumulate_transposed_a(w.buf.scores_t, w.rp, w.buf.v_packed, w.Dvp, w.buf.acc, w.Dvp, w.rows, block.n,
                                    w.Dvp);
@@ -540,8 +627,7 @@ MLX_ATTN_STEP void normalize_rows(const WorkItem& w) {
     // l == 0: the row saw nothing (zeros); a NaN sum (NaN data) stays NaN
     const float factor = l == 0.0f ? 0.0f : correction / l;
     const int64_t row_index = KVLayout::out_row(w.call, w.tile, h, w.query(r));
-    const float* o = w.buf.acc + r * w.Dvp;
-    for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, o[e] * factor);
+    for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, w.acc_at(r, e) * factor);
     if (w.call.lse) w.call.lse[row_index] = l == 0.0f ? -INFINITY : m + logf(l);
   }
 }
@@ -558,8 +644,8 @@ void attend_keys(const WorkItem& item, float logit_scale) {
   const int last_pos = query_position(seq, w.tile.q_start + w.tile.qb - 1);
   const KeyRange keys = block_key_range(seq, first_pos, last_pos);
   KeyBlock block;
-  for (int kb = keys.begin; kb < keys.end; kb += kKeyBlock) {
-    const int n = (keys.end - kb) < kKeyBlock ? (keys.end - kb) : kKeyBlock;
+  for (int kb = keys.begin; kb < keys.end; kb += w.key_block) {
+    const int n = (keys.end - kb) < w.key_block ? (keys.end - kb) : w.key_block;
     stage_key_block<T, Bits, kPairScore, KVLayout>(w, kb, n, block);
     score_block<T, kPairScore>(w, block);
     scale_logits(w, n, logit_scale);
@@ -577,13 +663,23 @@ template <ElemType T, int Bits, class KVLayout>
 void attention_work_item(const KernelCall& call, int64_t item, float* scratch) {
   const Tile tile = KVLayout::tile(call, item);
   if (tile.qb <= 0) return;
-  const WorkItem w(call, tile, scratch);
+  WorkItem w(call, tile, scratch);
   if constexpr (NativePairProduct<T>::kAvailable && Bits == 0) {
     load_queries<T, true>(w);
     PairScale pair = {call.problem.scale, true};  // float16 pair products are exact (FMLAL)
     if constexpr (T == ElemType::bfloat16) {
       pair = bf16_pair_scale(w.q_pairs(), int64_t(w.pairs) * 2 * w.rp, pair.scale, w.D);
     }
+#if defined(MLX_ATTN_AMX_BF16)
+    if (pair.exact && T == ElemType::bfloat16 && w.D % kAmxDepth == 0 && w.rp % kAmxTile == 0) {
+      w.amx = true;
+      w.key_block = kMaxKeyBlock;
+      amx_configure();
+      attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
+      amx_release();
+      return;
+    }
+#endif
     if (pair.exact) return attend_keys<T, Bits, true, KVLayout>(w, pair.scale);
   }
   load_queries<T, false>(w);

@@ -9,11 +9,15 @@
 
 namespace mlx_attn::cpu {
 
-// Keys per key/value block and the largest number of query rows per work item.
+// Keys per key/value block and the number of query rows per work item (at
+// most; the dense AMX bf16 path takes twice as many, dispatch.cpp max_rows).
 // A work item is (batch, kv head, block of query positions); its rows are the
 // query positions of every query head of the GQA group, so each K/V block is
 // packed once per group and reused by all its rows.
 inline constexpr int kKeyBlock = 64;
+// The AMX bf16 path's key block (kernel_impl.h): its output accumulator tiles
+// are loaded and stored once per block, so a longer block halves that traffic.
+inline constexpr int kMaxKeyBlock = 2 * kKeyBlock;
 inline constexpr int kMaxRows = 128;
 // Largest head dim (D and Dv) the kernel's row buffers hold: every tile is
 // sized from the problem's D and Dv (scratch_floats), only the per-row stack
@@ -53,8 +57,8 @@ inline int64_t scratch_floats(const KernelCall& call, int lanes) {
   int64_t rows = int64_t(p.group_size()) * call.query_block;
   int64_t rows_padded = round_up(rows, lanes);
   int64_t dvp = round_up(p.value_dim, lanes);
-  return rows_padded * p.head_dim + rows_padded * kKeyBlock + rows * dvp +
-      int64_t(p.head_dim) * kKeyBlock + kKeyBlock * dvp + 3 * rows_padded + 64;
+  return rows_padded * p.head_dim + rows_padded * kMaxKeyBlock + rows_padded * dvp +
+      int64_t(p.head_dim) * kMaxKeyBlock + kMaxKeyBlock * dvp + 3 * rows_padded + 64;
 }
 
 #define MLX_ATTN_DECLARE_ISA(isa)                               \
@@ -67,6 +71,7 @@ MLX_ATTN_DECLARE_ISA(generic)
 MLX_ATTN_DECLARE_ISA(avx2)
 MLX_ATTN_DECLARE_ISA(avx512)
 MLX_ATTN_DECLARE_ISA(avx512bf16)
+MLX_ATTN_DECLARE_ISA(avx512amx)
 #endif
 #ifdef MLX_ATTN_ARM64_KERNELS
 MLX_ATTN_DECLARE_ISA(neon)

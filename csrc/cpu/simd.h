@@ -1,7 +1,7 @@
 // Vector basics for one per-ISA copy of the CPU kernels: the float vector
 // type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation, a vectorized
-// exp2 and tanh. GCC/Clang vector extensions only (no STL, no intrinsics),
-// everything in an anonymous namespace inside the copy's namespace
+// exp2 and tanh. GCC/Clang vector extensions (no STL; intrinsics only in the
+// AVX-512 exp2), everything in an anonymous namespace inside the copy's namespace
 // MLX_ATTN_ISA, so nothing compiled for a wide instruction set can be linked
 // into code that runs on an older CPU. Shared by the forward (kernel_impl.h)
 // and any other kernel of the same copy.
@@ -10,6 +10,9 @@
 #include <stdint.h>
 
 #include "csrc/cpu/kernels.h"
+#if defined(__AVX512F__) && MLX_ATTN_VEC_BYTES == 64
+#include <immintrin.h>  // exp2_vec's rounding and scaling; always-inline, nothing leaks
+#endif
 
 #if !defined(MLX_ATTN_ISA) || !defined(MLX_ATTN_VEC_BYTES)
 #error "define MLX_ATTN_ISA and MLX_ATTN_VEC_BYTES before including simd.h"
@@ -57,10 +60,18 @@ inline vfloat exp2_vec(vfloat x) {
   const vfloat lo = splat(-126.0f);
   vfloat xc = x < lo ? lo : x;
   xc = xc > 0.0f ? splat(0.0f) : xc;
+#if defined(__AVX512F__) && MLX_ATTN_VEC_BYTES == 64
+  // One rounding and one scaling instruction (vrndscaleps, vscalefps) for
+  // the floor and the exponent bits: the softmax's exp is a third of the
+  // bf16 AMX path. Nearest differs from floor(x + 0.5) only at ties, where
+  // f = +-0.5 are both in the polynomial's range.
+  const vfloat whole = (vfloat)_mm512_roundscale_ps((__m512)xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
   vfloat shifted = xc + 0.5f;
   vfloat whole = __builtin_convertvector(
       __builtin_convertvector(shifted, vint), vfloat);
   whole = whole > shifted ? whole - 1.0f : whole;  // floor
+#endif
   vfloat f = xc - whole;
   vfloat p = splat(1.5403530393381606e-4f);
   p = p * f + 1.3333558146428443e-3f;
@@ -69,8 +80,12 @@ inline vfloat exp2_vec(vfloat x) {
   p = p * f + 2.4022650695910071e-1f;
   p = p * f + 6.9314718055994531e-1f;
   p = p * f + 1.0f;
+#if defined(__AVX512F__) && MLX_ATTN_VEC_BYTES == 64
+  const vfloat r = (vfloat)_mm512_scalef_ps((__m512)p, (__m512)whole);
+#else
   vint bits = (__builtin_convertvector(whole, vint) + 127) << 23;
   vfloat r = p * (vfloat)bits;
+#endif
   return x < lo ? splat(0.0f) : r;
 }
 

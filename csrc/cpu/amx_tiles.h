@@ -1,0 +1,127 @@
+// AMX bf16 tile products for the avx512amx copy (kernel_avx512amx.cpp, which
+// defines MLX_ATTN_AMX_BF16): TDPBF16PS multiplies a 16 x 32 bf16 tile by a
+// 16-pair x 16 pair-interleaved tile into 16 x 16 float32 accumulators, the
+// same pair sums as vdpbf16ps (micro_kernel.h Bf16PairProduct), so the same
+// exactness guard (kernel_impl.h bf16_pair_scale) covers both.
+//
+// Tile registers: 0-3 accumulators (a 2 x 2 block of 16 x 16 float32 tiles),
+// 4-5 A tiles (16 rows x 32 bf16), 6-7 B tiles (16 pairs x 16 columns x 2).
+// A thread configures them per work item (amx_configure) and releases them
+// after it (amx_release), so no tile state outlives the kernel.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#error "amx_tiles.h needs -mamx-tile -mamx-bf16 (CMakeLists.txt)"
+#endif
+
+namespace mlx_attn::cpu::MLX_ATTN_ISA {
+namespace {
+
+// Elements of the reduction dimension one tile product takes (32 bf16: 16
+// pairs, one 64-byte tile row), and rows / columns of an accumulator tile.
+inline constexpr int kAmxDepth = 32;
+inline constexpr int kAmxTile = 16;
+
+struct AmxTileConfig {  // the LDTILECFG memory layout, palette 1
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t column_bytes[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(AmxTileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+inline void amx_configure() {
+  AmxTileConfig config;
+  memset(&config, 0, sizeof config);
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.column_bytes[t] = 64;
+    config.rows[t] = kAmxTile;
+  }
+  _tile_loadconfig(&config);
+}
+
+inline void amx_release() {
+  _tile_release();
+}
+
+// C[16 m][16 n] (+)= A[16 m][depth] . B, depth a multiple of kAmxDepth, every
+// tile whole: A row-major bf16 (row stride a_stride elements), B the pair
+// panel Bp[depth / 2][n][2] (row stride b_stride elements), C row-major float32
+// (row stride c_stride floats), overwritten or (kAccumulate) added to.
+// Register-blocked 2 x 2 tiles of C.
+template <bool kAccumulate>
+inline void amx_matmul(const uint16_t* A, int64_t a_stride, const uint16_t* B, int64_t b_stride, float* C,
+                       int64_t c_stride, int row_tiles, int column_tiles, int depth) {
+  const int64_t a_bytes = 2 * a_stride, b_bytes = 2 * b_stride, c_bytes = 4 * c_stride;
+  for (int mt = 0; mt < row_tiles; mt += 2) {
+    const bool two_rows = mt + 1 < row_tiles;
+    for (int nt = 0; nt < column_tiles; nt += 2) {
+      const bool two_columns = nt + 1 < column_tiles;
+      float* c = C + mt * kAmxTile * c_stride + nt * kAmxTile;
+      if constexpr (kAccumulate) {
+        _tile_loadd(0, c, c_bytes);
+        if (two_columns) _tile_loadd(1, c + kAmxTile, c_bytes);
+        if (two_rows) _tile_loadd(2, c + kAmxTile * c_stride, c_bytes);
+        if (two_rows && two_columns) _tile_loadd(3, c + kAmxTile * c_stride + kAmxTile, c_bytes);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int k = 0; k < depth; k += kAmxDepth) {
+        const uint16_t* a = A + mt * kAmxTile * a_stride + k;
+        const uint16_t* b = B + (k / 2) * b_stride + nt * kAmxTile * 2;
+        _tile_loadd(4, a, a_bytes);
+        _tile_loadd(6, b, b_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_columns) {
+          _tile_loadd(7, b + kAmxTile * 2, b_bytes);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_rows) {
+          _tile_loadd(5, a + kAmxTile * a_stride, a_bytes);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_columns) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c, c_bytes);
+      if (two_columns) _tile_stored(1, c + kAmxTile, c_bytes);
+      if (two_rows) {
+        _tile_stored(2, c + kAmxTile * c_stride, c_bytes);
+        if (two_columns) _tile_stored(3, c + kAmxTile * c_stride + kAmxTile, c_bytes);
+      }
+    }
+  }
+}
+
+// P^T[keys][rp] float32 (row stride rp) into the bf16 pair panel
+// Pp[keys / 2][rp][2] in place (pair row j overwrites float rows <= 2 j + 1
+// only after reading them), keys n .. round_up(n, kAmxDepth) zero.
+inline void amx_pack_probabilities(float* p_t, int rp, int n) {
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(p_t);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int padded = (n + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int j = 0; j < padded / 2; ++j) {
+    const float* even = p_t + int64_t(2 * j) * rp;
+    const float* odd = even + rp;
+    for (int c = 0; c < rp; c += 16) {
+      const __m512 e = 2 * j < n ? _mm512_loadu_ps(even + c) : zero;
+      const __m512 o = 2 * j + 1 < n ? _mm512_loadu_ps(odd + c) : zero;
+      // low 16 halves: e, high 16: o; then e0 o0 e1 o1 ...
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
+      _mm512_storeu_si512(pairs + int64_t(j) * 2 * rp + 2 * c, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mlx_attn::cpu::MLX_ATTN_ISA

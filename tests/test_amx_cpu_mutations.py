@@ -1,0 +1,46 @@
+"""Mutation battery of the avx512amx copy's tile products: seed one fault
+into csrc/cpu/amx_tiles.h (the AMX score and value products, the in-place
+bf16 pair panel of P), build the avx512amx copy of the kernel with it into
+the standalone driver (tests/cpu_harness/amx_driver.cpp: dense bf16 problems
+against a double-precision attention), and require the driver to fail
+(tests/cpu_mutation_battery.py). Needs a CPU whose Linux grants AMX tiles
+(cpuinfo flag amx_bf16), else skips with the reason."""
+
+import pytest
+
+from cpu_mutation_battery import CpuMutationBattery, selected
+
+AMX_UNIT = ('#define MLX_ATTN_ISA avx512amx\n#define MLX_ATTN_NATIVE_BF16 1\n#define MLX_ATTN_AMX_BF16 1\n'
+            '#include "csrc/cpu/isa_avx512.h"\n#include "csrc/cpu/kernel_impl.h"\n')
+BATTERY = CpuMutationBattery(
+    header="amx_tiles.h", unit="kernel", driver="amx_driver.cpp", name="AMX", unit_source=AMX_UNIT,
+    isa_flags=("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+               "-mavx2", "-mfma", "-mf16c"))
+
+# (name, target text, replacement): each target occurs exactly once.
+MUTANTS = [
+    ("the value product overwrites the accumulator", "_tile_loadd(0, c, c_bytes);", "_tile_zero(0);"),
+    ("P's pairs not interleaved", "_mm512_permutexvar_epi16(interleave, both)", "both"),
+    ("the second column tile not multiplied", "_tile_dpbf16ps(1, 4, 7);", ""),
+    ("the odd key of a pair dropped", "const __m512 o = 2 * j + 1 < n ? _mm512_loadu_ps(odd + c) : zero;",
+     "const __m512 o = zero;"),
+    ("every other depth step skipped", "k += kAmxDepth", "k += 2 * kAmxDepth"),
+]
+DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[1]]
+
+SELECTED = selected(MUTANTS, DEFAULT_MUTANTS)
+
+
+def _amx_flags():
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
+@pytest.mark.skipif(not _amx_flags(), reason="the avx512amx copy needs a CPU with AMX-BF16 (cpuinfo flag amx_bf16)")
+@pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
+def test_amx_tile_mutants_are_caught(tmp_path, name, target, replacement):
+    BATTERY.assert_caught(tmp_path, name, target, replacement)
