@@ -70,6 +70,13 @@ class CpuMutationBattery:
     def driver_passes(out: Path) -> bool:
         return subprocess.run([str(out / "driver")], capture_output=True, text=True, timeout=120).returncode == 0
 
+    def assert_targets_exist(self, mutants: list) -> None:
+        """Every mutant's target occurs exactly once in the header (cheap:
+        run by default, so a refactor cannot silently strand the full grid)."""
+        source = self.kernel.read_text()
+        stranded = [name for name, target, _ in mutants if source.count(target) != 1]
+        assert not stranded, f"mutation targets not found exactly once in {self.header}: {stranded}"
+
     def assert_caught(self, tmp_path: Path, name: str, target: str, replacement: str) -> None:
         """The original and the mutant (target replaced, occurring exactly
         once) built in parallel; the original must pass its driver, the

@@ -44,3 +44,7 @@ def _amx_flags():
 @pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
 def test_amx_tile_mutants_are_caught(tmp_path, name, target, replacement):
     BATTERY.assert_caught(tmp_path, name, target, replacement)
+
+
+def test_every_mutation_target_exists():
+    BATTERY.assert_targets_exist(MUTANTS)

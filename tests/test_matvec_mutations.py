@@ -36,3 +36,7 @@ SELECTED = selected(MUTANTS, DEFAULT_MUTANTS)
 @pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
 def test_matvec_mutants_are_caught(tmp_path, name, target, replacement):
     BATTERY.assert_caught(tmp_path, name, target, replacement)
+
+
+def test_every_mutation_target_exists():
+    BATTERY.assert_targets_exist(MUTANTS)

@@ -23,16 +23,17 @@ MUTANTS = [
      "const int slot = (key + 1) % call.paged.page_size;"),
     ("segment not cut at the page end", "const int len = at.run < n - j ? at.run : n - j;", "const int len = n - j;"),
     ("the sequence's own kv_len ignored", "t.seq.kv_len = it.kv_len;", "t.seq.kv_len = p.kv_len;"),
-    ("packed q rows from the batch start", "const int64_t qi = tile.q_begin + q_start + r % qb;",
-     "const int64_t qi = q_start + r % qb;"),
+    ("packed q rows from the batch start", "const int64_t qi = w.tile.q_begin + w.query(r);",
+     "const int64_t qi = w.query(r);"),
     ("output row without its head", "return (t.q_begin + qi) * call.problem.q_heads + h;",
      "return (t.q_begin + qi) * call.problem.q_heads;"),
-    ("in-place scores of every segment at the block start", "scores_t + seg.first * rp, rp, seg.n, D, rp);",
-     "scores_t, rp, seg.n, D, rp);"),
+    ("in-place scores of every segment at the block start", "w.buf.q_t, rp, scores_t + seg.first * rp, rp, seg.n,",
+     "w.buf.q_t, rp, scores_t, rp, seg.n,"),
     ("in-place P.V of every segment from the block start",
-     "matmul_accumulate_transposed_a(scores_t + seg.first * rp, rp,", "matmul_accumulate_transposed_a(scores_t, rp,"),
-    ("packed rows all from the segment's first slot", "const int64_t koff = k_at(seg.outer, seg.slot + i);",
-     "const int64_t koff = k_at(seg.outer, seg.slot);"),
+     "matmul_accumulate_transposed_a(w.buf.scores_t + seg.first * w.rp, w.rp,",
+     "matmul_accumulate_transposed_a(w.buf.scores_t, w.rp,"),
+    ("packed rows all from the segment's first slot", "const int64_t koff = w.k_at(seg.outer, seg.slot + i);",
+     "const int64_t koff = w.k_at(seg.outer, seg.slot);"),
 ]
 DEFAULT_MUTANTS = [MUTANTS[2]]
 
@@ -42,3 +43,7 @@ SELECTED = selected(MUTANTS, DEFAULT_MUTANTS)
 @pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
 def test_paged_layout_mutants_are_caught(tmp_path, name, target, replacement):
     BATTERY.assert_caught(tmp_path, name, target, replacement)
+
+
+def test_every_mutation_target_exists():
+    BATTERY.assert_targets_exist(MUTANTS)
