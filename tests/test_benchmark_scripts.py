@@ -36,12 +36,12 @@ def test_cpu_benchmark_contention_rounds_pair_quiet_and_busy_timings():
     import time
 
     bench = _load_cpu_bench()
-    # stand-ins: "torch" takes about three times as long as "fused", whatever the load
-    timed = {"fused": lambda: time.sleep(0.02), "torch": lambda: time.sleep(0.06)}
+    # stand-ins: "torch" sleeps six times as long as "fused" (a sleep only overshoots, by load)
+    timed = {"fused": lambda: time.sleep(0.01), "torch": lambda: time.sleep(0.06)}
     c = bench.contention_ratios(timed, rounds=3, repeats=1)
     assert len(c["quiet_ratios"]) == len(c["busy_ratios"]) == 3
     for ratio in c["quiet_ratios"] + c["busy_ratios"]:
-        assert 1.5 < ratio < 6  # torch time over fused time, not its inverse
+        assert ratio > 1  # torch time over fused time, not its inverse (~0.17)
     assert abs(c["change"] - (c["busy_median"] / c["quiet_median"] - 1)) < 1e-12
     row = {"D": 64, "dtype": "float32", "causal": False, "T": 8,
            "fused": {"ms": 1.0, "gflops": 2.0, "extra_peak_mib": 0.0}, "torch": {"ms": 3.0, "gflops": 0.7},
