@@ -119,9 +119,10 @@ def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_
     return scale, causal, window_size, softcap
 
 
-def _inference_only(compute, arrays: list[mx.array]):
-    """``compute(*arrays)`` whose gradient raises a clear error (the reference
-    would differentiate, the fused kernels do not: one contract for both)."""
+def _inference_only_function(compute):
+    """``compute`` as a function whose gradient raises a clear error (the
+    reference would differentiate, the fused kernels do not: one contract for
+    both)."""
 
     @mx.custom_function
     def run(*arrays):
@@ -135,7 +136,12 @@ def _inference_only(compute, arrays: list[mx.array]):
     def _jvp(primals, tangents):
         raise ValueError(_INFERENCE_ONLY)
 
-    return run(*arrays)
+    return run
+
+
+def _inference_only(compute, arrays: list[mx.array]):
+    """``compute(*arrays)``, inference only (:func:`_inference_only_function`)."""
+    return _inference_only_function(compute)(*arrays)
 
 
 def _stream_scope(stream):
@@ -614,19 +620,7 @@ class _CascadeCall:
     def _inference_only_cpu(self):
         """The CPU cascade as an inference-only function, made once per call
         signature (making an ``mx.custom_function`` costs as much as the checks)."""
-        @mx.custom_function
-        def run(*arrays):
-            return _run_cascade_cpu(self.full, self.plan, *arrays)
-
-        @run.vjp
-        def _vjp(primals, cotangents, outputs):
-            raise ValueError(_INFERENCE_ONLY)
-
-        @run.jvp
-        def _jvp(primals, tangents):
-            raise ValueError(_INFERENCE_ONLY)
-
-        return run
+        return _inference_only_function(lambda *arrays: _run_cascade_cpu(self.full, self.plan, *arrays))
 
     def run(self):
         if self.path not in ("cascade-cpu", "cascade-metal"):
