@@ -119,9 +119,10 @@ def _check_options(q, dtype, scale, causal, window_size, sinks, backend, return_
     return scale, causal, window_size, softcap
 
 
-def _inference_only(compute, arrays: list[mx.array]):
-    """``compute(*arrays)`` whose gradient raises a clear error (the reference
-    would differentiate, the fused kernels do not: one contract for both)."""
+def _inference_only_function(compute):
+    """``compute`` as a function whose gradient raises a clear error (the
+    reference would differentiate, the fused kernels do not: one contract for
+    both)."""
 
     @mx.custom_function
     def run(*arrays):
@@ -135,7 +136,12 @@ def _inference_only(compute, arrays: list[mx.array]):
     def _jvp(primals, tangents):
         raise ValueError(_INFERENCE_ONLY)
 
-    return run(*arrays)
+    return run
+
+
+def _inference_only(compute, arrays: list[mx.array]):
+    """``compute(*arrays)``, inference only (:func:`_inference_only_function`)."""
+    return _inference_only_function(compute)(*arrays)
 
 
 def _stream_scope(stream):
@@ -594,6 +600,28 @@ class _CascadeCall:
             return "the Metal cascade kernel variant failed its self-check on this GPU (see the warning)"
         return None
 
+    def run_on(self, q, k_pages, v_pages, sinks):
+        """The fused CPU cascade of this checked call over other arrays of
+        the same shapes and dtypes (cast as the checked call cast its own)."""
+        full = self.full
+        dtype = full.q.dtype  # the call's output dtype, as checked
+        cast = lambda a: a.astype(dtype) if a.dtype != dtype else a  # noqa: E731
+        k_parts = k_pages if full.bits else (k_pages,)
+        v_parts = v_pages if full.bits else (v_pages,)
+        arrays = [cast(q), *(cast(a) if i or not full.bits else a for parts in (k_parts, v_parts)
+                             for i, a in enumerate(parts))]
+        if sinks is not None:
+            arrays.append(cast(sinks))
+        with _stream_scope(full.stream):
+            outputs = self._inference_only_cpu(*arrays)
+        return tuple(outputs) if full.return_lse else outputs[0]
+
+    @functools.cached_property
+    def _inference_only_cpu(self):
+        """The CPU cascade as an inference-only function, made once per call
+        signature (making an ``mx.custom_function`` costs as much as the checks)."""
+        return _inference_only_function(lambda *arrays: _run_cascade_cpu(self.full, self.plan, *arrays))
+
     def run(self):
         if self.path not in ("cascade-cpu", "cascade-metal"):
             return self.full.run()
@@ -662,6 +690,7 @@ class CascadeTables:
         self._layouts: dict = {}  # shapes of q and the pages -> PagedLayout
         self._plans: dict = {}  # (shapes, causal, window, threads) -> CascadePlan
         self._support: dict = {}  # dtypes, shapes, options -> why the fused CPU passes cannot run (None: they can)
+        self._prepared: dict = {}  # argument signature -> a checked cascade-cpu call, rerun on new arrays
 
     def checked(self, q, num_pages: int, page_size: int):
         key = (num_pages, page_size)
@@ -697,15 +726,57 @@ class CascadeTables:
     def attention(self, q, k_pages, v_pages, *, scale: float, causal=True, window_size=None, sinks=None,
                   backend="auto", return_lse=False, stream=None, softcap=None):
         """:func:`cascade_paged_attention` over these tables."""
-        return _prepare_cascade(q, k_pages, v_pages, self, scale, causal, window_size, sinks, backend, return_lse,
-                                stream, softcap).run()
+        return self._run(q, k_pages, v_pages, scale, causal, window_size, sinks, backend, return_lse, stream, softcap)
 
     def quantized_attention(self, q, k_pages, v_pages, *, scale: float, group_size: int = 64, bits: int = 8,
                             causal=True, window_size=None, sinks=None, backend="auto", return_lse=False,
                             stream=None, softcap=None):
         """:func:`quantized_cascade_paged_attention` over these tables."""
-        return _prepare_cascade(q, k_pages, v_pages, self, scale, causal, window_size, sinks, backend, return_lse,
-                                stream, softcap, bits, group_size).run()
+        return self._run(q, k_pages, v_pages, scale, causal, window_size, sinks, backend, return_lse, stream, softcap,
+                         bits, group_size)
+
+    def _run(self, q, k_pages, v_pages, *args):
+        """The call, checked and prepared once per argument signature (shapes,
+        dtypes, options): every layer of a serving step repeats the first
+        layer's signature, so the checks (tens of microseconds of Python, a
+        tenth of a CPU cascade layer) run once per step. Only the fused CPU
+        cascade is kept; other paths, and arguments without a signature, are
+        checked on every call."""
+        key = _cascade_signature(q, k_pages, v_pages, args)
+        prepared = self._prepared.get(key) if key is not None else None
+        if prepared is not None:
+            return prepared.run_on(q, k_pages, v_pages, args[3])
+        call = _prepare_cascade(q, k_pages, v_pages, self, *args)
+        if key is not None and call.path == "cascade-cpu":
+            self._prepared[key] = call
+        return call.run()
+
+
+def _signature_of(value):
+    """An option or array as a cache key: arrays by shape and dtype, plain
+    values with their type (``1`` must not stand for ``True``), or None."""
+    if isinstance(value, mx.array):
+        return ("array", tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        parts = tuple(_signature_of(v) for v in value)
+        return None if None in parts else (type(value), parts)
+    if isinstance(value, (mx.Stream, mx.Device)):
+        return (type(value), str(value))
+    return None
+
+
+def _cascade_signature(q, k_pages, v_pages, args):
+    """What the checks and the plan of a :class:`CascadeTables` call depend
+    on besides the tables, or None when an argument has no signature.
+    ``args``: (scale, causal, window_size, sinks, backend, return_lse, stream,
+    softcap[, bits, group_size])."""
+    if not isinstance(q, mx.array):
+        return None
+    where = args[6] if args[6] is not None else mx.default_device()  # no stream: the default device's
+    key = tuple(_signature_of(a) for a in (q, k_pages, v_pages, *args, where)) + (_cpu_kernel_threads(),)
+    return None if None in key else key
 
 
 def _prepare_cascade(q, k_parts, v_parts, tables: CascadeTables, scale, causal, window_size, sinks, backend,

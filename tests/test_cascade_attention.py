@@ -421,3 +421,51 @@ def test_one_cascade_tables_serves_every_layer():
     for _ in range(2):
         with pytest.raises(ValueError, match=r"prefix_table\[0, 0\] = 10000"):
             bad.attention(case["q"], case["k"], case["v"], scale=0.3)
+
+
+def test_tables_rerun_a_checked_call_only_for_its_signature():
+    """A :class:`CascadeTables` keeps a checked CPU cascade call per argument
+    signature and reruns it on the next layer's arrays: each rerun equals a
+    fresh call, another dtype, sinks, return_lse or option is checked and
+    planned anew, and arguments the checks refuse still raise after a good
+    call of the same shapes."""
+    from mlx_attn.paged import CascadeTables
+
+    rng = np.random.default_rng(23)
+    case = make_case(rng, GROUPS, LOOSE)
+    names = ("prefix_table", "prefix_lens", "prefix_groups", "block_table", "kv_lens")
+    tables = CascadeTables(*(case[n] for n in names), case["q_lens"])
+    sinks = mx.array([1.0, -0.5, 0.0, 2.0])
+    calls = [dict(), dict(return_lse=True), dict(sinks=sinks), dict(window_size=6), dict(causal=False),
+             dict(dtype=mx.float16), dict(dtype=mx.float16, sinks=sinks, return_lse=True),
+             dict(dtype=mx.float16, pages=mx.float32), dict(dtype=mx.float32, pages=mx.float16)]
+    for layer in range(3):
+        for options in calls:
+            options = dict(options)
+            q_dtype = options.pop("dtype", mx.float32)
+            pages_dtype = options.pop("pages", q_dtype)
+            dtype = mx.result_type(q_dtype, pages_dtype)  # the call's output dtype
+            if "sinks" in options:
+                options["sinks"] = options["sinks"].astype(dtype)
+            layer_case = dict(case, **{n: mx.array(rng.standard_normal(case[n].shape).astype(np.float32)).astype(
+                q_dtype if n == "q" else pages_dtype) for n in ("q", "k", "v")})
+            got = tables.attention(layer_case["q"], layer_case["k"], layer_case["v"], scale=0.4, **options)
+            fresh = CascadeTables(*(case[n] for n in names), case["q_lens"])
+            want = fresh.attention(layer_case["q"], layer_case["k"], layer_case["v"], scale=0.4, **options)
+            assert type(got) is type(want)
+            for a, b in zip(*((g,) if isinstance(g, mx.array) else g for g in (got, want))):
+                assert a.dtype == b.dtype == (dtype if a.ndim == 3 else mx.float32)
+                np.testing.assert_array_equal(np.asarray(a.astype(mx.float32)), np.asarray(b.astype(mx.float32)))
+            if dtype == mx.float32 and "causal" not in options:  # and each rerun is right, not only repeatable
+                want_out, _ = oracle_full(layer_case, scale=0.4, window_size=options.get("window_size"),
+                                          sinks=options.get("sinks"))
+                out = got[0] if isinstance(got, tuple) else got
+                np.testing.assert_allclose(as64(out), want_out, atol=3e-5, rtol=3e-5)
+    assert len(tables._prepared) == len(calls)
+    for bad, match in [(dict(causal=1), "causal must be True or False"), (dict(scale=float("nan")), "scale"),
+                       (dict(sinks=mx.array([1.0, 2.0])), "sinks"), (dict(return_lse=0), "return_lse")]:
+        with pytest.raises(ValueError, match=match):
+            tables.attention(case["q"], case["k"], case["v"], **{"scale": 0.4, **bad})
+    # still inference only on a rerun
+    with pytest.raises(ValueError, match="inference only"):
+        mx.grad(lambda q: tables.attention(q, case["k"], case["v"], scale=0.4).sum())(case["q"])

@@ -1,5 +1,6 @@
 // Picks the widest kernel copy this CPU supports and runs a problem over the
 // thread pool, each thread with its own scratch tile memory.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -115,6 +116,22 @@ void run_attention(const KernelCall& call, float* scratch) {
       (reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
   thread_pool().parallel_for(call.work_items(), [&](int64_t item, int slot) {
     isa->process(call, item, base + stride * slot);
+  });
+}
+
+void run_attention_calls(const KernelCall* calls, int count, float* scratch) {
+  const ForwardCopy* isa = active_isa();
+  std::vector<int64_t> first(count + 1, 0);  // calls[i]'s items are first[i] .. first[i + 1] - 1
+  int64_t stride = 0;
+  for (int i = 0; i < count; ++i) {
+    first[i + 1] = first[i] + calls[i].work_items();
+    stride = std::max(stride, scratch_stride(calls[i]));
+  }
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
+  thread_pool().parallel_for(first[count], [&](int64_t item, int slot) {
+    int i = 0;
+    while (item >= first[i + 1]) ++i;
+    isa->process(calls[i], item - first[i], base + stride * slot);
   });
 }
 

@@ -20,6 +20,10 @@ int64_t scratch_size(const KernelCall& call);
 // Runs the whole problem on the calling thread plus the kernel's worker pool;
 // `scratch` holds scratch_size(call) floats.
 void run_attention(const KernelCall& call, float* scratch);
+// Runs several calls' work items as one pool run, in call order (no barrier
+// between them: a thread done with one call's items takes the next call's);
+// `scratch` holds the largest scratch_size of the calls.
+void run_attention_calls(const KernelCall* calls, int count, float* scratch);
 
 // The instruction set in use ("generic", "avx2", "avx512", "neon") and the ones this
 // CPU and build support; set_isa overrides the choice (tests use it).

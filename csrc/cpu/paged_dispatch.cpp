@@ -64,7 +64,7 @@ void plan_paged_work(KernelCall& call) {
   call.query_block = qb < 1 ? 1 : (qb < total_q ? qb : (total_q > 0 ? total_q : 1));
 }
 
-void run_paged_attention(KernelCall call, float* scratch) {
+std::vector<PagedItem> plan_paged_items(KernelCall& call) {
   PagedKV& pg = call.paged;
   const AttentionProblem& p = call.problem;
   std::vector<PagedItem> items;
@@ -100,6 +100,11 @@ void run_paged_attention(KernelCall call, float* scratch) {
 
   pg.items = planned.data();
   pg.item_count = int64_t(planned.size());
+  return planned;
+}
+
+void run_paged_attention(KernelCall call, float* scratch) {
+  const std::vector<PagedItem> items = plan_paged_items(call);
   run_attention(call, scratch);
 }
 

@@ -1,6 +1,8 @@
 // The host side of the fused CPU kernel over paged K/V (paged_dispatch.cpp).
 #pragma once
 
+#include <vector>
+
 #include "csrc/cpu/kernels.h"
 
 namespace mlx_attn::cpu {
@@ -13,5 +15,9 @@ void plan_paged_work(KernelCall& call);
 // read) and runs them on the thread pool; `scratch` holds scratch_size(call)
 // floats.
 void run_paged_attention(KernelCall call, float* scratch);
+// The planning half of run_paged_attention: poisons the rows of unreadable
+// sequences and sets call.paged.items to the returned items (keep them alive
+// while the call runs), for run_attention_calls.
+std::vector<PagedItem> plan_paged_items(KernelCall& call);
 
 }  // namespace mlx_attn::cpu

@@ -234,11 +234,22 @@ void CascadePagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::
     c.out = outputs[0].data<T>();
     c.lse = outputs[1].data<float>();
     encoder.dispatch([=]() {
-      for (const PassRun& r : runs) {
+      // The passes as one pool run, heaviest items first (a prefix item is a
+      // tile of the group's rows over a key split, a direct row reads its
+      // whole table, a suffix row only its own pages): no barrier between the
+      // passes, so a thread that ends its prefix item early takes suffix rows.
+      cpu::KernelCall calls[kPasses];
+      std::vector<cpu::PagedItem> items[kPasses];
+      int count = 0;
+      for (int pass : {0, 2, 1}) {
+        const PassRun& r = runs[pass];
         if (r.row_count == 0) continue;
         gather_rows(r, view);
-        cpu::run_paged_attention(r.call, scratch_data);
+        calls[count] = r.call;
+        items[count] = cpu::plan_paged_items(calls[count]);
+        ++count;
       }
+      cpu::run_attention_calls(calls, count, scratch_data);
       merge_splits(c);
     });
   };
