@@ -248,6 +248,25 @@ def test_serve_cascade_flag_reaches_the_engine(flags, on):
         state._executor.shutdown(wait=True)
 
 
+@pytest.mark.parametrize("flags, group", [([], "device"), (["--prefill-group-tokens", "0"], None),
+                                          (["--prefill-group-tokens", "16"], 16)])
+def test_serve_prefill_group_flag_reaches_the_scheduler(flags, group):
+    from model_fixtures import tiny_tokenizer
+    from test_serve_engine import tiny_llama
+
+    from mlx_attn.serve.engine import DEFAULT_PREFILL_GROUP_TOKENS
+    from mlx_attn.serve.server import build_parser, state_from_args
+
+    if group == "device":  # grouped on the CPU, where a step's cost grows with its rows; one step on a GPU
+        group = DEFAULT_PREFILL_GROUP_TOKENS if mx.default_device() == mx.cpu else None
+    args = build_parser().parse_args(["--kv-cache-tokens", "64", "--page-size", "4", *flags])
+    state = state_from_args(args, tiny_llama(), tiny_tokenizer())
+    try:
+        assert state.engine.scheduler.prefill_group_tokens == group
+    finally:
+        state._executor.shutdown(wait=True)
+
+
 def test_bad_cascade_flag_is_a_one_line_error(capsys):
     from mlx_attn.lm.cli import main as cli_main
 

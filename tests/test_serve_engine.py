@@ -45,9 +45,9 @@ def fake_sample(tokens) -> int:
 class Harness:
     """A scheduler, a one-layer store and the fake model."""
 
-    def __init__(self, num_pages, page_size, max_batch_tokens, max_running=None):
+    def __init__(self, num_pages, page_size, max_batch_tokens, max_running=None, prefill_group_tokens=None):
         self.pool = PagePool(num_pages, page_size)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefill_group_tokens=prefill_group_tokens)
         self.store = PagedKVStore(num_pages, page_size, n_layers=1, n_kv_heads=1, head_dim=DIM, dtype=mx.float32)
         self.outputs: dict = {}
         self.finished: dict = {}
@@ -254,6 +254,33 @@ def test_refusal_waiting_cancel_and_budget():
     assert harness.outputs["next"] == alone([2, 2], 2)
 
 
+def test_prefill_groups_first_come_first_served():
+    harness = Harness(num_pages=64, page_size=4, max_batch_tokens=64, prefill_group_tokens=6)
+    prompts = {f"r{i}": [i % VOCAB, 1, 2] for i in range(6)}
+    for rid, prompt in prompts.items():
+        harness.submit(rid, prompt, max_tokens=4)
+    started = []  # the requests that got their first token, step by step
+    for _ in range(3):
+        harness.step()
+        started.append(sorted(rid for rid, out in harness.outputs.items() if out))
+    # two 3-token prompts fill a group of 6 rows; the started ones decode beside the next group
+    assert started == [["r0", "r1"], ["r0", "r1", "r2", "r3"], [f"r{i}" for i in range(6)]]
+    harness.drain()
+    for rid, prompt in prompts.items():
+        assert harness.outputs[rid] == alone(prompt, 4), rid
+    # a prompt longer than the group still runs in chunks of the whole budget, and nothing joins it
+    harness = Harness(num_pages=64, page_size=4, max_batch_tokens=10, prefill_group_tokens=4)
+    harness.submit("long", list(range(VOCAB)) * 5, max_tokens=2)  # 15 tokens
+    harness.submit("short", [1, 2], max_tokens=2)
+    plan = harness.step()
+    assert [(r.request_id, len(r.tokens)) for r in plan.rows] == [("long", 10)]
+    harness.drain()
+    assert harness.outputs["short"] == alone([1, 2], 2)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_group_tokens"):
+            Scheduler(PagePool(4, 4), 8, prefill_group_tokens=bad)
+
+
 def test_plan_arrays_feed_paged_attention():
     harness = Harness(num_pages=8, page_size=3, max_batch_tokens=6)
     harness.submit("a", [0, 1, 2, 0], max_tokens=3)
@@ -276,9 +303,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random submits, steps and cancels on a small pool."""
 
     @initialize(num_pages=st.integers(3, 10), page_size=st.sampled_from([1, 2, 3, 4]),
-                budget=st.integers(1, 12), max_running=st.one_of(st.none(), st.integers(1, 4)))
-    def setup(self, num_pages, page_size, budget, max_running):
-        self.harness = Harness(num_pages, page_size, budget, max_running)
+                budget=st.integers(1, 12), max_running=st.one_of(st.none(), st.integers(1, 4)),
+                group=st.one_of(st.none(), st.integers(1, 8)))
+    def setup(self, num_pages, page_size, budget, max_running, group):
+        self.harness = Harness(num_pages, page_size, budget, max_running, prefill_group_tokens=group)
         self.count = 0
         self.expected = {}
 

@@ -513,7 +513,7 @@ def test_api_key_is_required_when_set(model_and_tokenizer):
 
 @pytest.mark.parametrize("flags, message", [
     (["--kv-bits", "3"], "--kv-bits"), (["--port", "x"], "--port"), (["--page-size", "0"], "--page-size"),
-    (["--no-such-flag"], "unrecognized"),
+    (["--no-such-flag"], "unrecognized"), (["--prefill-group-tokens", "-1"], "--prefill-group-tokens"),
 ])
 def test_bad_serve_flags_are_one_line_errors(capsys, flags, message):
     from mlx_attn.lm.cli import main as cli_main

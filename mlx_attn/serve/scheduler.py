@@ -8,7 +8,11 @@ A step holds, under a token budget (``max_batch_tokens``):
 3. chunks of waiting requests, admitted first come first served while the
    pool has pages for their whole prompt (less the pages found in the prefix
    cache); a request that does not fit waits, and so do those behind it; no
-   request is admitted in a step that had to preempt.
+   request is admitted in a step that had to preempt. With
+   ``prefill_group_tokens``, a waiting request joins a step only while the
+   step's prefill rows are fewer than that: prompts that arrive together
+   are prefilled in groups, first come first served, rather than all in one
+   step (see :class:`Scheduler`).
 
 A request that can never fit (its prompt plus ``max_tokens`` need more pages
 than the pool has) is refused at :meth:`Scheduler.submit` with a
@@ -149,11 +153,26 @@ class Speculation:
 
 
 class Scheduler:
+    """``prefill_group_tokens``: admit a waiting request into a step only
+    while the step holds fewer prefill rows (admitted chunks and prefill
+    continuations) than this; ``None``: while the budget lasts. Where a
+    step's cost grows with its rows (a CPU: no batching gain past the
+    step's fixed cost), a step that prefills every waiting prompt gives all
+    of them their first token only when the last is computed; groups of
+    about this many rows give the first arrivals theirs a group's time
+    after they came, for one step's fixed cost more per group. A prompt
+    longer than the group still runs in chunks of the whole budget."""
+
     def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None,
                  prefix_reuse: bool = True, reusable_pages: Callable[[list[bytes]], int] | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, prefill_group_tokens: int | None = None):
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+        if prefill_group_tokens is not None and (isinstance(prefill_group_tokens, bool)
+                                                 or not isinstance(prefill_group_tokens, int)
+                                                 or prefill_group_tokens < 1):
+            raise ValueError(f"prefill_group_tokens must be a positive integer or None, got {prefill_group_tokens!r}")
+        self.prefill_group_tokens = prefill_group_tokens
         if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
                                         or max_running < 1):
             raise ValueError(f"max_running must be a positive integer or None, got {max_running!r}")
@@ -247,6 +266,7 @@ class Scheduler:
         planned: set[Hashable] = set()
         ordered = sorted(self.running, key=lambda s: (s.pending > 1, s.admitted))
         draft_room, decode_rows, rows_planned = self._draft_room(ordered, budget)
+        prefill_rows = 0  # rows of prompts (continuations and admissions), for prefill_group_tokens
         # decode rows first, then prefill continuations, each oldest first
         for sequence in ordered:
             if budget == 0:
@@ -264,9 +284,11 @@ class Scheduler:
             rows.append(self._row(sequence, count, drafts))
             planned.add(sequence.request.request_id)
             budget -= count
+            prefill_rows += count if sequence.pending > 1 else 0
         # no admission in a step that preempted: the pool is short (and the
         # preempted request would only be readmitted to be preempted again)
-        while (budget > 0 and self.waiting and not preempted
+        group = self.prefill_group_tokens
+        while (budget > 0 and self.waiting and not preempted and (group is None or prefill_rows < group)
                and (self.max_running is None or len(self.running) < self.max_running)):
             sequence = self.waiting[0]
             if not self._admit(sequence, copies):
@@ -275,6 +297,7 @@ class Scheduler:
             rows.append(self._row(sequence, count))
             planned.add(sequence.request.request_id)
             budget -= count
+            prefill_rows += count
         self.copies += len(copies)
         return StepPlan(tuple(rows), tuple(copies), tuple(preempted), self.pool.page_size)
 

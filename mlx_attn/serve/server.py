@@ -68,6 +68,8 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mlx_attn.serve.engine import DEFAULT_PREFILL_GROUP_TOKENS
+
     parser = _Parser(prog="mlx-attn serve", description="An OpenAI-compatible server (continuous batching over "
                                                         "paged, prefix-sharing K/V).")
     parser.add_argument("--model", default=None, help="a .gguf file, a model directory or a registered name "
@@ -89,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--page-size", type=_positive, default=16, help="tokens per page")
     parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantized K/V pages")
     parser.add_argument("--max-batch-tokens", type=_positive, default=256, help="tokens per engine step")
+    parser.add_argument("--prefill-group-tokens", type=_non_negative, default=None,
+                        help="prompts that arrive together are prefilled in groups of about this many tokens, "
+                             "first come first served, so the first stream a token sooner (docs/serving.md); "
+                             f"0: all in one step while --max-batch-tokens lasts (default: "
+                             f"{DEFAULT_PREFILL_GROUP_TOKENS} on MLX's CPU device, 0 on a GPU)")
     parser.add_argument("--max-requests", type=_positive, default=256,
                         help="requests served at once (running or waiting for pages); more are answered 429")
     parser.add_argument("--api-key", default=None,
@@ -123,8 +130,8 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
                temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
                state_snapshots: int = 0, cascade: bool = True, speculative: str | None = None,
-               num_draft_tokens: int = 4) -> ServerState:
-    from mlx_attn.serve.engine import Engine
+               num_draft_tokens: int = 4, prefill_group_tokens: int | None = None) -> ServerState:
+    from mlx_attn.serve.engine import Engine, device_prefill_group_tokens
 
     import mlx.core as mx
 
@@ -133,7 +140,9 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
                       max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
-                      cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens)
+                      cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                      prefill_group_tokens=device_prefill_group_tokens() if prefill_group_tokens is None
+                      else prefill_group_tokens or None)
 
     from mlx_attn.serve.tool_calls import prepare_tokenizer
 
@@ -150,7 +159,8 @@ def state_from_args(args: argparse.Namespace, model, tokenizer) -> ServerState:
                       page_size=args.page_size, kv_bits=args.kv_bits, max_batch_tokens=args.max_batch_tokens,
                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
                       weights=args.weights, state_snapshots=args.state_snapshots, cascade=args.cascade == "on",
-                      speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
+                      speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                      prefill_group_tokens=args.prefill_group_tokens)
 
 
 def load_embedding_model(name: str | None, backend: str = "auto"):
