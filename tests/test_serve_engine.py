@@ -552,6 +552,32 @@ def test_quantized_model_batch_greedy_equals_each_request_alone():
         assert got[rid] == solo.run_until_idle()[rid], rid
 
 
+def test_packed_weights_never_dequantize_a_model_made_row_adaptive_at_load(monkeypatch):
+    """A GGUF model is row-adaptive from its loading (many rows dequantized);
+    the engine's "packed" weights must still keep every step size on the
+    integer product (a 228-token prefill dequantizing each layer took
+    2.2-30 s against ~2 s)."""
+    import mlx.nn as nn
+
+    from mlx_attn.lm import quantized_matmul
+    from mlx_attn.lm.quantized_matmul import INTEGER_MATVEC_ROWS, use_row_adaptive_matmuls
+    from mlx_attn.serve.engine import prepare_weights
+
+    model = tiny_llama(seed=6, head_dim=32)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % 32 == 0)
+    use_row_adaptive_matmuls(model)  # as mlx_attn.lm.loading does
+    if mx.default_device() != mx.cpu or quantized_matmul.MATVEC_PRODUCT == "float":
+        pytest.skip("the packed weights' integer product is the CPU's, with an integer MATVEC_PRODUCT")
+    assert prepare_weights(model, "packed") == "packed"
+
+    def dequantized(*_):
+        raise AssertionError("a packed layer dequantized its weight")
+
+    monkeypatch.setattr(quantized_matmul, "dequantized_matmul", dequantized)
+    mx.eval(model(mx.array([[i % 50 + 1 for i in range(INTEGER_MATVEC_ROWS + 8)]])))
+
+
 def test_prepare_weights_packed_holds_no_float32_weight(monkeypatch):
     """"packed" (auto on the CPU with an integer matvec product): float
     weights in float32, quantized layers row-adaptive with only their codes;

@@ -293,6 +293,7 @@ def use_row_adaptive_matmuls(model: nn.Module, dequantize_many_rows: bool = True
         adaptive = _ROW_ADAPTIVE.get(type(module))
         if adaptive is not None:
             module.__class__ = adaptive
+        if type(module) in _ROW_ADAPTIVE.values():  # also a layer made adaptive before (at load)
             module._dequantize_many_rows = dequantize_many_rows
     return model
 
