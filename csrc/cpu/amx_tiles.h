@@ -123,5 +123,49 @@ inline void amx_pack_probabilities(float* p_t, int rp, int n) {
   }
 }
 
+// Sixteen 16 x 32-bit vectors transposed in registers: in[i][x] -> in[x][i].
+inline void amx_transpose_words(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // b[4g + k], lane L: column 4L + k of rows 4g .. 4g + 3
+    b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+    b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i u0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+}
+
+// V^T pair words from key rows with unit feature stride: words[e][jp] =
+// (rows[2 jp][e], rows[2 jp + 1][e]) for features e0 .. e0 + 15 and key pairs
+// jp0 .. jp0 + 15, keys from n on zero. Row stride of words: word_stride.
+inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, int e0, uint32_t* words,
+                                 int64_t word_stride) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) {
+    const int j = 2 * (jp0 + i);
+    const __m256i even = j < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + e0))
+                               : _mm256_setzero_si256();
+    const __m256i odd = j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j + 1] + e0))
+                                  : _mm256_setzero_si256();
+    r[i] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+  }
+  amx_transpose_words(r);
+  for (int e = 0; e < 16; ++e) _mm512_storeu_si512(words + (e0 + e) * word_stride + jp0, r[e]);
+}
+
 }  // namespace
 }  // namespace mlx_attn::cpu::MLX_ATTN_ISA
