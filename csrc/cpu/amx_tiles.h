@@ -101,13 +101,21 @@ inline void amx_matmul(const uint16_t* A, int64_t a_stride, const uint16_t* B, i
   }
 }
 
+// Two 16-row vectors of P^T (keys 2j and 2j + 1) as one pair panel row
+// segment: bf16 e0 o0 e1 o1 ... (round to nearest even).
+inline void amx_store_probability_pairs(uint16_t* dst, __m512 e, __m512 o) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // low 16 halves: e, high 16: o; then e0 o0 e1 o1 ...
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+}
+
 // P^T[keys][rp] float32 (row stride rp) into the bf16 pair panel
 // Pp[keys / 2][rp][2] in place (pair row j overwrites float rows <= 2 j + 1
 // only after reading them), keys n .. round_up(n, kAmxDepth) zero.
 inline void amx_pack_probabilities(float* p_t, int rp, int n) {
   uint16_t* pairs = reinterpret_cast<uint16_t*>(p_t);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int padded = (n + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
   const __m512 zero = _mm512_setzero_ps();
   for (int j = 0; j < padded / 2; ++j) {
@@ -116,9 +124,7 @@ inline void amx_pack_probabilities(float* p_t, int rp, int n) {
     for (int c = 0; c < rp; c += 16) {
       const __m512 e = 2 * j < n ? _mm512_loadu_ps(even + c) : zero;
       const __m512 o = 2 * j + 1 < n ? _mm512_loadu_ps(odd + c) : zero;
-      // low 16 halves: e, high 16: o; then e0 o0 e1 o1 ...
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
-      _mm512_storeu_si512(pairs + int64_t(j) * 2 * rp + 2 * c, _mm512_permutexvar_epi16(interleave, both));
+      amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * c, e, o);
     }
   }
 }
@@ -152,8 +158,8 @@ inline void amx_transpose_words(__m512i (&r)[16]) {
 // jp0 .. jp0 + 15, keys from n on zero. Row stride of words: word_stride.
 inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, int e0, uint32_t* words,
                                  int64_t word_stride) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i key_pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                             6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512i r[16];
   for (int i = 0; i < 16; ++i) {
     const int j = 2 * (jp0 + i);
@@ -161,7 +167,7 @@ inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, in
                                : _mm256_setzero_si256();
     const __m256i odd = j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j + 1] + e0))
                                   : _mm256_setzero_si256();
-    r[i] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+    r[i] = _mm512_permutexvar_epi16(key_pairs, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
   }
   amx_transpose_words(r);
   for (int e = 0; e < 16; ++e) _mm512_storeu_si512(words + (e0 + e) * word_stride + jp0, r[e]);

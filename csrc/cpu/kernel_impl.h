@@ -573,7 +573,7 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 // over S^T (blocks with no softcap, explicit mask or hidden key): the same
 // values, sums and bf16 rounding as scale_logits, online_softmax and
 // amx_pack_probabilities, without the three in-between stores of S^T / P^T.
-// Four 16-row vectors at a time: independent max and sum chains.
+// Four 16-row vectors at a time in the max pass: independent chains.
 template <int kVectors>
 MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_scale, int c) {
   const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
@@ -596,24 +596,24 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
   }
   // pair row j (keys 2j, 2j + 1) overwrites float row j's same columns, read
   // already (j <= 2j)
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   uint16_t* const pairs = reinterpret_cast<uint16_t*>(s_t);
-  for (int j = 0; j < padded / 2; ++j) {
-    for (int v = 0; v < kVectors; ++v) {
-      const int col = c + v * kLanes;
+  for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
+    const int col = c + v * kLanes;
+    const vfloat reference = m_ref[v];
+    vfloat row_sum = splat(0.0f);
+    for (int j = 0; j < padded / 2; ++j) {
       vfloat e = splat(0.0f), o = splat(0.0f);
       if (2 * j < n) {
-        e = exp2_vec((saturate(load(s_t + 2 * j * rp + col) * scale) - m_ref[v]) * kLog2e);
-        sum[v] += e;
+        e = exp2_vec((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
+        row_sum += e;
       }
       if (2 * j + 1 < n) {
-        o = exp2_vec((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - m_ref[v]) * kLog2e);
-        sum[v] += o;
+        o = exp2_vec((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
+        row_sum += o;
       }
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)o, (__m512)e);
-      _mm512_storeu_si512(pairs + int64_t(j) * 2 * rp + 2 * col, _mm512_permutexvar_epi16(interleave, both));
+      amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
     }
+    sum[v] = row_sum;
   }
   for (int v = 0; v < kVectors; ++v) {
     const int col = c + v * kLanes;
