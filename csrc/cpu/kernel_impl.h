@@ -574,6 +574,14 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 // values, sums and bf16 rounding as scale_logits, online_softmax and
 // amx_pack_probabilities, without the three in-between stores of S^T / P^T.
 // Four 16-row vectors at a time in the max pass: independent chains.
+// exp2_vec for the fused pass, whose arguments are <= 0 or NaN (scores at
+// most the reference): the same value for each, without the clamps into
+// [-126, 0] (AVX-512's rounding and scaling take any x; below -126, and
+// -inf, whose reduction is NaN, the select still gives 0).
+inline vfloat amx_exp2_nonpositive(vfloat x) {
+  return x < -126.0f ? splat(0.0f) : exp2_reduced(x);
+}
+
 template <int kVectors>
 MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_scale, int c) {
   const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
@@ -604,11 +612,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
     for (int j = 0; j < padded / 2; ++j) {
       vfloat e = splat(0.0f), o = splat(0.0f);
       if (2 * j < n) {
-        e = exp2_vec((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
+        e = amx_exp2_nonpositive((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
         row_sum += e;
       }
       if (2 * j + 1 < n) {
-        o = exp2_vec((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
+        o = amx_exp2_nonpositive((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
         row_sum += o;
       }
       amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
