@@ -25,6 +25,8 @@ MUTANTS = [
     ("the odd key of a pair dropped", "const __m512 o = 2 * j + 1 < n ? _mm512_loadu_ps(odd + c) : zero;",
      "const __m512 o = zero;"),
     ("every other depth step skipped", "k += kAmxDepth", "k += 2 * kAmxDepth"),
+    ("V^T words left untransposed", "amx_transpose_words(r);", ""),
+    ("the odd key of V^T's pairs dropped", "const __m256i odd = j + 1 < n ?", "const __m256i odd = false ?"),
 ]
 DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[1]]
 

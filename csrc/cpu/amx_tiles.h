@@ -101,13 +101,21 @@ inline void amx_matmul(const uint16_t* A, int64_t a_stride, const uint16_t* B, i
   }
 }
 
+// Two 16-row vectors of P^T (keys 2j and 2j + 1) as one pair panel row
+// segment: bf16 e0 o0 e1 o1 ... (round to nearest even).
+inline void amx_store_probability_pairs(uint16_t* dst, __m512 e, __m512 o) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // low 16 halves: e, high 16: o; then e0 o0 e1 o1 ...
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+}
+
 // P^T[keys][rp] float32 (row stride rp) into the bf16 pair panel
 // Pp[keys / 2][rp][2] in place (pair row j overwrites float rows <= 2 j + 1
 // only after reading them), keys n .. round_up(n, kAmxDepth) zero.
 inline void amx_pack_probabilities(float* p_t, int rp, int n) {
   uint16_t* pairs = reinterpret_cast<uint16_t*>(p_t);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int padded = (n + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
   const __m512 zero = _mm512_setzero_ps();
   for (int j = 0; j < padded / 2; ++j) {
@@ -116,11 +124,53 @@ inline void amx_pack_probabilities(float* p_t, int rp, int n) {
     for (int c = 0; c < rp; c += 16) {
       const __m512 e = 2 * j < n ? _mm512_loadu_ps(even + c) : zero;
       const __m512 o = 2 * j + 1 < n ? _mm512_loadu_ps(odd + c) : zero;
-      // low 16 halves: e, high 16: o; then e0 o0 e1 o1 ...
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
-      _mm512_storeu_si512(pairs + int64_t(j) * 2 * rp + 2 * c, _mm512_permutexvar_epi16(interleave, both));
+      amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * c, e, o);
     }
   }
+}
+
+// Sixteen 16 x 32-bit vectors transposed in registers: in[i][x] -> in[x][i].
+inline void amx_transpose_words(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // b[4g + k], lane L: column 4L + k of rows 4g .. 4g + 3
+    b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+    b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i u0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+}
+
+// V^T pair words from key rows with unit feature stride: words[e][jp] =
+// (rows[2 jp][e], rows[2 jp + 1][e]) for features e0 .. e0 + 15 and key pairs
+// jp0 .. jp0 + 15, keys from n on zero. Row stride of words: word_stride.
+inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, int e0, uint32_t* words,
+                                 int64_t word_stride) {
+  const __m512i key_pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                             6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) {
+    const int j = 2 * (jp0 + i);
+    const __m256i even = j < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + e0))
+                               : _mm256_setzero_si256();
+    const __m256i odd = j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j + 1] + e0))
+                                  : _mm256_setzero_si256();
+    r[i] = _mm512_permutexvar_epi16(key_pairs, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+  }
+  amx_transpose_words(r);
+  for (int e = 0; e < 16; ++e) _mm512_storeu_si512(words + (e0 + e) * word_stride + jp0, r[e]);
 }
 
 }  // namespace

@@ -398,6 +398,15 @@ MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& blo
   const int n = block.n, padded = int(round_up(n, kAmxTileDepth));
   const int kWordsPerRow = w.key_block / 2;
   uint32_t* words = reinterpret_cast<uint32_t*>(w.v_t());
+#if defined(MLX_ATTN_AMX_BF16)
+  if (fs == 1 && w.Dv % 16 == 0) {  // 16 x 16 word blocks transposed in registers
+    for (int e0 = 0; e0 < w.Dv; e0 += 16) {
+      for (int jp0 = 0; jp0 < padded / 2; jp0 += 16) amx_pack_value_words(rows, n, jp0, e0, words, kWordsPerRow);
+    }
+    memset(words + w.Dv * kWordsPerRow, 0, sizeof(uint32_t) * (w.Dvp - w.Dv) * kWordsPerRow);
+    return;
+  }
+#endif
   for (int j = 0; j < padded; j += 2) {
     uint32_t* column = words + j / 2;
     if (j + 1 < n) {
@@ -559,6 +568,76 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
   }
 }
 
+#if defined(MLX_ATTN_AMX_BF16)
+// The AMX path's scale, online softmax and P^T pair packing in two passes
+// over S^T (blocks with no softcap, explicit mask or hidden key): the same
+// values, sums and bf16 rounding as scale_logits, online_softmax and
+// amx_pack_probabilities, without the three in-between stores of S^T / P^T.
+// Four 16-row vectors at a time in the max pass: independent chains.
+// exp2_vec for the fused pass, whose arguments are <= 0 or NaN (scores at
+// most the reference): the same value for each, without the clamps into
+// [-126, 0] (AVX-512's rounding and scaling take any x; below -126, and
+// -inf, whose reduction is NaN, the select still gives 0).
+inline vfloat amx_exp2_nonpositive(vfloat x) {
+  return x < -126.0f ? splat(0.0f) : exp2_reduced(x);
+}
+
+template <int kVectors>
+MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_scale, int c) {
+  const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
+  float* const s_t = w.buf.scores_t;
+  const vfloat scale = splat(logit_scale);
+  vfloat m_old[kVectors], m_ref[kVectors], sum[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    vfloat block_max = splat(-INFINITY);
+    m_old[v] = load(w.buf.row_max + c + v * kLanes);
+    sum[v] = splat(0.0f);
+    m_ref[v] = block_max;
+  }
+  for (int j = 0; j < n; ++j) {
+    for (int v = 0; v < kVectors; ++v) m_ref[v] = vmax(m_ref[v], saturate(load(s_t + j * rp + c + v * kLanes) * scale));
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    const vfloat m_new = vmax(m_ref[v], m_old[v]);
+    store(w.buf.row_max + c + v * kLanes, m_new);
+    m_ref[v] = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
+  }
+  // pair row j (keys 2j, 2j + 1) overwrites float row j's same columns, read
+  // already (j <= 2j)
+  uint16_t* const pairs = reinterpret_cast<uint16_t*>(s_t);
+  for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
+    const int col = c + v * kLanes;
+    const vfloat reference = m_ref[v];
+    vfloat row_sum = splat(0.0f);
+    for (int j = 0; j < padded / 2; ++j) {
+      vfloat e = splat(0.0f), o = splat(0.0f);
+      if (2 * j < n) {
+        e = amx_exp2_nonpositive((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
+        row_sum += e;
+      }
+      if (2 * j + 1 < n) {
+        o = amx_exp2_nonpositive((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
+        row_sum += o;
+      }
+      amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
+    }
+    sum[v] = row_sum;
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    const int col = c + v * kLanes;
+    const vfloat alpha = exp2_vec((m_old[v] - m_ref[v]) * kLog2e);
+    store(w.buf.row_sum + col, load(w.buf.row_sum + col) * alpha + sum[v]);
+    store(w.buf.rescale + col, alpha);
+  }
+}
+
+MLX_ATTN_STEP void amx_softmax_pack(const WorkItem& w, int n, float logit_scale) {
+  int c = 0;
+  for (; c + 4 * kLanes <= w.rp; c += 4 * kLanes) amx_softmax_pack_rows<4>(w, n, logit_scale, c);
+  for (; c < w.rp; c += kLanes) amx_softmax_pack_rows<1>(w, n, logit_scale, c);
+}
+#endif
+
 // rescale (Metal: prefill_rescale): O *= alpha, rows whose max moved.
 MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
   if (w.amx) {  // O^T[Dvp][rp]: a vector of rows at a time, those whose max moved
@@ -584,13 +663,20 @@ MLX_ATTN_STEP void rescale_rows(const WorkItem& w) {
   }
 }
 
+#if defined(MLX_ATTN_AMX_BF16)
+// O^T += V^T . P^T from the P^T pair panel already in scores_t.
+MLX_ATTN_STEP void amx_accumulate_packed(const WorkItem& w, const KeyBlock& block) {
+  amx_matmul<true>(w.v_t(), w.key_block, reinterpret_cast<const uint16_t*>(w.buf.scores_t), 2 * w.rp, w.buf.acc, w.rp,
+                   w.Dvp / kAmxTile, w.rp / kAmxTile, int(round_up(block.n, kAmxTileDepth)));
+}
+#endif
+
 // accumulate: O[rows][Dvp] += P[rows][n] . V[n][Dvp]
 MLX_ATTN_STEP void accumulate_values(const WorkItem& w, const KeyBlock& block) {
 #if defined(MLX_ATTN_AMX_BF16)
   if (w.amx) {  // O^T += V^T . P^T, P rounded to bf16 (its pair panel replaces P^T in place)
     amx_pack_probabilities(w.buf.scores_t, w.rp, block.n);
-    amx_matmul<true>(w.v_t(), w.key_block, reinterpret_cast<const uint16_t*>(w.buf.scores_t), 2 * w.rp, w.buf.acc, w.rp,
-                     w.Dvp / kAmxTile, w.rp / kAmxTile, int(round_up(block.n, kAmxTileDepth)));
+    amx_accumulate_packed(w, block);
     return;
   }
 #endif
@@ -648,6 +734,15 @@ void attend_keys(const WorkItem& item, float logit_scale) {
     const int n = (keys.end - kb) < w.key_block ? (keys.end - kb) : w.key_block;
     stage_key_block<T, Bits, kPairScore, KVLayout>(w, kb, n, block);
     score_block<T, kPairScore>(w, block);
+#if defined(MLX_ATTN_AMX_BF16)
+    if (w.amx && w.p.softcap <= 0.0f && w.p.mask_kind == MaskKind::none &&
+        !block_on_edge(seq, kb, n, first_pos, last_pos)) {
+      amx_softmax_pack(w, n, logit_scale);
+      rescale_rows(w);
+      amx_accumulate_packed(w, block);
+      continue;
+    }
+#endif
     scale_logits(w, n, logit_scale);
     mask_logits<T>(w, block, first_pos, last_pos);
     online_softmax(w, n);

@@ -53,13 +53,9 @@ inline vfloat saturate(vfloat x) {
   return x > kLogitLimit ? splat(kLogitLimit) : x;
 }
 
-// 2^x for x <= 0 (all softmax arguments here are <= 0). Round-to-nearest
-// range reduction, then a degree-6 polynomial on [-0.5, 0.5] (rel. error
-// ~2e-7); arguments below -126 (including -inf) give exactly 0.
-inline vfloat exp2_vec(vfloat x) {
-  const vfloat lo = splat(-126.0f);
-  vfloat xc = x < lo ? lo : x;
-  xc = xc > 0.0f ? splat(0.0f) : xc;
+// 2^xc for xc in [-126, 0] (or NaN): round-to-nearest range reduction,
+// then a degree-6 polynomial on [-0.5, 0.5] (rel. error ~2e-7).
+inline vfloat exp2_reduced(vfloat xc) {
 #if defined(__AVX512F__) && MLX_ATTN_VEC_BYTES == 64
   // One rounding and one scaling instruction (vrndscaleps, vscalefps) for
   // the floor and the exponent bits: the softmax's exp is a third of the
@@ -86,7 +82,16 @@ inline vfloat exp2_vec(vfloat x) {
   vint bits = (__builtin_convertvector(whole, vint) + 127) << 23;
   vfloat r = p * (vfloat)bits;
 #endif
-  return x < lo ? splat(0.0f) : r;
+  return r;
+}
+
+// 2^x for x <= 0 (all softmax arguments here are <= 0); arguments below
+// -126 (including -inf) give exactly 0.
+inline vfloat exp2_vec(vfloat x) {
+  const vfloat lo = splat(-126.0f);
+  vfloat xc = x < lo ? lo : x;
+  xc = xc > 0.0f ? splat(0.0f) : xc;
+  return x < lo ? splat(0.0f) : exp2_reduced(xc);
 }
 
 // tanh on a vector, for softcap_logit (metal/attention_rules.h through
