@@ -23,23 +23,7 @@ from mlx_attn.reference import reference_attention
 from mlx_attn.serve import PagedKVStore, PagePool, PoolExhausted, Request, Scheduler, chain_hash
 from mlx_attn.serve.pages import ROOT_HASH
 
-VOCAB = 3  # a small alphabet: prompts share prefixes often
-DIM = 4
-
-
-def fake_keys(tokens, positions) -> np.ndarray:
-    """``[T, 1, DIM]`` float32 keys: (token, position, prefix hash, 1)."""
-    rows = []
-    for p in positions:
-        prefix = 0
-        for t in tokens[: p + 1]:
-            prefix = (prefix * 7 + int(t) + 1) % 997
-        rows.append([tokens[p], p, prefix, 1.0])
-    return np.asarray(rows, np.float32)[:, None, :]
-
-
-def fake_sample(tokens) -> int:
-    return (sum(tokens) * 5 + len(tokens)) % VOCAB
+from fake_model import DIM, VOCAB, fake_keys, fake_sample
 
 
 class Harness:

@@ -17,22 +17,7 @@ from mlx_attn.serve import PagedKVStore, PagePool, Request, Scheduler
 from mlx_attn.serve.pages import ROOT_HASH, chain_hash
 from mlx_attn.serve.scheduler import Speculation
 
-VOCAB = 3
-DIM = 4
-
-
-def fake_keys(tokens, positions) -> np.ndarray:
-    rows = []
-    for p in positions:
-        prefix = 0
-        for t in tokens[: p + 1]:
-            prefix = (prefix * 7 + int(t) + 1) % 997
-        rows.append([tokens[p], p, prefix, 1.0])
-    return np.asarray(rows, np.float32)[:, None, :]
-
-
-def fake_sample(tokens) -> int:
-    return (sum(tokens) * 5 + len(tokens)) % VOCAB
+from fake_model import DIM, VOCAB, fake_keys, fake_sample
 
 
 class OracleDrafter:
