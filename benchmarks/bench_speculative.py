@@ -65,6 +65,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from kernel_lab.serving_load import QUESTIONS  # noqa: E402  (bench_serve.py's open chat prompts)
 from mlx_attn.lm.convert import save_mlx_directory  # noqa: E402
 from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls  # noqa: E402
 from mlx_attn.lm.generate import GenerationConfig, draft_model_steps, generate_step, speculative_steps  # noqa: E402
@@ -77,14 +78,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = "requantized"
 DEFAULT_DRAFT_LAYERS = 8
 EDIT_FILES = ["mlx_attn/serve/pages.py", "mlx_attn/lm/generate.py", "mlx_attn/serve/kv_store.py"]
-QUESTIONS = [
-    "Explain how a bicycle stays upright.", "Write a short poem about the sea.",
-    "What is the capital of France and why is it famous?", "Give three tips for learning to cook.",
-    "Describe the water cycle.", "Why is the sky blue?", "Tell a short story about a brave mouse.",
-    "How do plants make food?", "What are the planets of the solar system?", "Explain what a computer does.",
-    "Why do we need sleep?", "Describe a day at the beach.", "How does a rainbow form?",
-    "What makes a good friend?", "Explain how bread rises.", "Why do leaves change colour in autumn?",
-]  # bench_serve.py's open chat prompts
 
 
 def source_file(min_lines: int, max_lines: int) -> tuple[str, str]:
