@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlx_attn.core.checks import check_int
+
 __all__ = ["CascadeRule", "SharedPrefixLevels", "shared_prefix_groups", "DEFAULT_CASCADE_RULE"]
 
 
@@ -42,9 +44,7 @@ class CascadeRule:
 
     def __post_init__(self):
         for name in ("min_saved_keys", "max_query_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
 
     def pays(self, sequences: int, prefix_keys: int) -> bool:
         return sequences >= 2 and prefix_keys > 0 and (sequences - 1) * prefix_keys >= self.min_saved_keys

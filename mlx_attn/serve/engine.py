@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map_with_path
 
+from mlx_attn.core.checks import check_int
 from mlx_attn.lm.models.base import AttentionHook, Decoder, LayerAttention
 from mlx_attn.lm import quantized_matmul
 from mlx_attn.lm.quantized_matmul import hold_float32_weights, use_row_adaptive_matmuls
@@ -77,8 +78,7 @@ def _speculation(kind: str | None, num_draft_tokens: int, step_rows: int) -> Spe
                          "not yet in the engine: use speculative='ngram'")
     if kind not in SPECULATIVE_CHOICES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or None, got {kind!r}")
-    if isinstance(step_rows, bool) or not isinstance(step_rows, int) or step_rows < 1:
-        raise ValueError(f"speculative_rows must be a positive integer, got {step_rows!r}")
+    step_rows = check_int("speculative_rows", step_rows, minimum=1)
     return Speculation(NgramDrafter(), check_num_draft_tokens(num_draft_tokens), step_rows)
 
 
@@ -217,8 +217,7 @@ class Engine:
                  cascade_rule: CascadeRule | None = None, speculative: str | None = None,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, speculative_rows: int = DEFAULT_SPECULATIVE_ROWS,
                  prefill_group_tokens: int | None = None):
-        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
-            raise ValueError(f"kv_tokens must be a positive integer, got {kv_tokens!r}")
+        kv_tokens = check_int("kv_tokens", kv_tokens, minimum=1)
         if not isinstance(cascade, (bool, np.bool_)):
             raise ValueError(f"cascade must be True or False, got {cascade!r}")
         if cascade_rule is not None and not isinstance(cascade_rule, CascadeRule):

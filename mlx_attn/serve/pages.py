@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlx_attn.core.checks import check_int
+
 __all__ = ["PagePool", "PoolExhausted", "chain_hash", "ROOT_HASH"]
 
 ROOT_HASH = b""  # the parent hash of a sequence's first page
@@ -59,10 +61,8 @@ class PagePool:
     """Reference-counted pages with a prefix index and LRU eviction."""
 
     def __init__(self, num_pages: int, page_size: int):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        num_pages = check_int("num_pages", num_pages, minimum=1)
+        page_size = check_int("page_size", page_size, minimum=1)
         self.num_pages, self.page_size = num_pages, page_size
         self.refcount = [0] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlx_attn.core.checks import check_int, check_optional_int
 from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, DraftLength, StepCost
 from mlx_attn.serve.pages import ROOT_HASH, PagePool, PoolExhausted, chain_hash
 
@@ -166,16 +167,9 @@ class Scheduler:
     def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int | None = None,
                  prefix_reuse: bool = True, reusable_pages: Callable[[list[bytes]], int] | None = None,
                  speculation: Speculation | None = None, prefill_group_tokens: int | None = None):
-        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
-        if prefill_group_tokens is not None and (isinstance(prefill_group_tokens, bool)
-                                                 or not isinstance(prefill_group_tokens, int)
-                                                 or prefill_group_tokens < 1):
-            raise ValueError(f"prefill_group_tokens must be a positive integer or None, got {prefill_group_tokens!r}")
-        self.prefill_group_tokens = prefill_group_tokens
-        if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
-                                        or max_running < 1):
-            raise ValueError(f"max_running must be a positive integer or None, got {max_running!r}")
+        max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, minimum=1)
+        self.prefill_group_tokens = check_optional_int("prefill_group_tokens", prefill_group_tokens, minimum=1)
+        max_running = check_optional_int("max_running", max_running, minimum=1)
         self.pool, self.max_batch_tokens, self.max_running = pool, max_batch_tokens, max_running
         # False for models whose output at a position depends on more than the
         # cached pages (a recurrent state): every prompt is then computed whole
@@ -204,8 +198,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already queued or running")
         if len(request.prompt) == 0:
             raise ValueError("prompt must hold at least one token")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        check_int("max_tokens", request.max_tokens, minimum=1)
         # the last generated token is never fed back: its K/V is never stored
         most = pages_needed(len(request.prompt) + request.max_tokens - 1, self.pool.page_size)
         if most > self.pool.num_pages:
