@@ -394,19 +394,25 @@ def check_backward_variant(variant: BackwardVariant, run_backward: RunKernel,
     return _compare(variant, cases, outputs)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedOptions:
+    """The paged op's options a case sets (by keyword)."""
+
+    q_heads: int = 8
+    kv_heads: int = 2
+    causal: bool = True
+    window_size: int | None = None
+    sinks: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
-class PagedCase:
+class PagedCase(PagedOptions):
     """A small ragged batch: per-sequence lengths over pages of page_size."""
 
     name: str
     q_lens: tuple
     kv_lens: tuple
     page_size: int
-    q_heads: int = 8
-    kv_heads: int = 2
-    causal: bool = True
-    window_size: int | None = None
-    sinks: bool = False
 
 
 def paged_cases(variant: PagedVariant) -> list[PagedCase]:
@@ -492,7 +498,7 @@ def paged_reference_on_cpu(variant: PagedVariant | CascadeVariant, q, k_parts, v
 
 
 @dataclasses.dataclass(frozen=True)
-class CascadeCase:
+class CascadeCase(PagedOptions):
     """Cascade groups ((prefix keys, ((q_len, own keys), ...)), ...) beside
     sequences of their own ((q_len, kv_len), ...), over pages of page_size."""
 
@@ -500,11 +506,6 @@ class CascadeCase:
     groups: tuple
     loners: tuple
     page_size: int
-    q_heads: int = 8
-    kv_heads: int = 2
-    causal: bool = True
-    window_size: int | None = None
-    sinks: bool = False
 
 
 def cascade_cases(variant: CascadeVariant) -> list[CascadeCase]:
