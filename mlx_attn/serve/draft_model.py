@@ -166,7 +166,8 @@ class DraftModel:
         arrays = StepPlan(tuple(rows), (), (), self.page_size).arrays()
         hook = PagedAttention(self.store, arrays, logit_rows, [row.request_id for row in rows])
         logits = self.model(mx.array(arrays["tokens"])[None], attention=hook)[0]
-        mx.eval(logits, self.store.keys, self.store.values)
+        # no logit row: the K/V only (a quantized head's matvec must not run on zero rows)
+        mx.eval(*([logits] if len(logit_rows) else []), self.store.keys, self.store.values)
         return logits
 
     def _draw(self, logits: mx.array, contexts: list, drafted: list[list[int]]) -> list[tuple[int, mx.array | None]]:
