@@ -366,6 +366,10 @@ def main(argv=None, loaded=None) -> dict:
     parser.add_argument("--no-engine-draft", dest="engine_draft", action="store_false",
                         help="leave out the engine phases drafting with the draft model (mlx-attn serve "
                              "--speculative draft)")
+    parser.add_argument("--no-draft-back-off", dest="draft_back_off", action="store_false",
+                        help="the engine drafting with the draft model proposes drafts whatever the timed "
+                             "back-off rule says (how verification and both rollbacks cost at the pair's "
+                             "acceptance rate)")
     parser.add_argument("--engine-workloads", nargs="+", choices=["edit", "chat"], default=["edit", "chat"],
                         help="the workloads of the engine phases")
     args = parser.parse_args(argv)
@@ -431,7 +435,9 @@ def engine_phases(args, model, tokenizer, text: str, eos, results: dict, draft=N
     engines = {"ngram": Engine(model, **options, speculative="ngram")}
     if draft is not None:
         engines["draft"] = Engine(model, **options, speculative="draft", draft_model=draft)
-    for engine in engines.values():
+        if not args.draft_back_off:  # measure verification and rollback at the pair's acceptance rate
+            engines["draft"].scheduler.speculation.cost.worth = lambda *rule: True
+    for engine in engines.values() if "edit" in args.engine_workloads else ():
         engine_phase(engine, edit_prompts(tokenizer, text, 1), 1, 1, False, eos)  # the file's pages, cached
     for workload in args.engine_workloads:
         for c, count in zip(concurrency, args.requests):

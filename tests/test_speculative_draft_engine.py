@@ -268,6 +268,22 @@ def test_serve_flags_name_the_draft_model():
         parser.parse_args(["--speculative", "eagle"])
 
 
+def test_serve_loads_the_draft_model_and_refuses_another_vocabulary(monkeypatch):
+    import mlx_attn.lm.engine_choice as engine_choice
+    from mlx_attn.serve.server import build_parser, load_draft_model
+    from model_fixtures import tiny_llama as other_llama, tiny_tokenizer
+
+    loaded = {"small": (tiny_llama(seed=8), tiny_tokenizer()), "other": (other_llama(), tiny_tokenizer())}
+    monkeypatch.setattr(engine_choice, "load_for_engine", lambda path, engine, backend: loaded[path])
+    parser = build_parser()
+    args = parser.parse_args(["--speculative", "draft", "--draft-model", "small"])
+    assert load_draft_model(args, tiny_llama(), tiny_tokenizer()) is loaded["small"][0]
+    assert load_draft_model(parser.parse_args([]), tiny_llama(), tiny_tokenizer()) is None
+    args = parser.parse_args(["--speculative", "draft", "--draft-model", "other"])
+    with pytest.raises(ValueError, match="--draft-model other: draft_model has a vocabulary of 97 tokens"):
+        load_draft_model(args, tiny_llama(), tiny_tokenizer())
+
+
 def test_serve_refuses_a_draft_with_another_tokenizer():
     from mlx_attn.serve.server import check_draft_tokenizer
     from model_fixtures import tiny_tokenizer
@@ -317,3 +333,25 @@ def test_server_drafts_with_a_model_and_counts_per_drafter():
         finally:
             server.stop()
     assert len(set(texts.values())) == 1 and texts[None, False]
+
+
+def test_the_draft_model_s_cost_enters_the_back_off_rule():
+    """One request decoding in 100 ms steps of ~2 ms a row: a draft kept
+    90 % of the time pays when finding it is free (n-gram), not when the
+    draft model took 100 ms for it, and does again once drafts cost 5 ms."""
+    from mlx_attn.lm.speculative import StepCost
+
+    cost = StepCost()
+    for step in range(40):
+        rows = 1 + step % 8
+        cost.record(rows, 0.100 + 0.002 * rows)
+    assert cost.worth(0.9, 1, 1)
+    cost.record_drafting(2, 0.200)
+    assert cost.draft_row == pytest.approx(0.100)
+    assert not cost.worth(0.9, 1, 1)
+    for _ in range(200):  # the running mean follows a cheaper draft
+        cost.record_drafting(4, 0.020)
+    assert cost.draft_row == pytest.approx(0.005, rel=0.05)
+    assert cost.worth(0.9, 1, 1)
+    cost.record_drafting(0, 1.0)  # a step without drafts changes nothing
+    assert cost.draft_row == pytest.approx(0.005, rel=0.05)
