@@ -366,10 +366,10 @@ def main(argv=None, loaded=None) -> dict:
     parser.add_argument("--no-engine-draft", dest="engine_draft", action="store_false",
                         help="leave out the engine phases drafting with the draft model (mlx-attn serve "
                              "--speculative draft)")
-    parser.add_argument("--no-draft-back-off", dest="draft_back_off", action="store_false",
-                        help="the engine drafting with the draft model proposes drafts whatever the timed "
-                             "back-off rule says (how verification and both rollbacks cost at the pair's "
-                             "acceptance rate)")
+    parser.add_argument("--draft-back-off", choices=["on", "off", "both"], default="on",
+                        help="the engine drafting with the draft model follows the timed back-off rule (on), "
+                             "proposes drafts whatever it says (off: how verification and both rollbacks cost "
+                             "at the pair's acceptance rate), or both engines run")
     parser.add_argument("--engine-workloads", nargs="+", choices=["edit", "chat"], default=["edit", "chat"],
                         help="the workloads of the engine phases")
     args = parser.parse_args(argv)
@@ -430,20 +430,26 @@ def engine_phases(args, model, tokenizer, text: str, eos, results: dict, draft=N
     (an n-gram engine pays nothing for them; a draft-model engine still
     runs its draft over every request's rows)."""
     concurrency = [1, 4, 16]
-    longest = max(len(p) for p in edit_prompts(tokenizer, text, max(args.requests)))
+    longest = max(len(p) for workload in args.engine_workloads for p in (
+        edit_prompts(tokenizer, text, max(args.requests)) if workload == "edit"
+        else chat_prompts(tokenizer, max(args.requests))))
     options = dict(kv_tokens=16 * (longest + args.max_tokens) + 4096, page_size=16, max_batch_tokens=512)
     engines = {"ngram": Engine(model, **options, speculative="ngram")}
-    if draft is not None:
-        engines["draft"] = Engine(model, **options, speculative="draft", draft_model=draft)
-        if not args.draft_back_off:  # measure verification and rollback at the pair's acceptance rate
-            engines["draft"].scheduler.speculation.cost.worth = lambda *rule: True
-    for engine in engines.values() if "edit" in args.engine_workloads else ():
-        engine_phase(engine, edit_prompts(tokenizer, text, 1), 1, 1, False, eos)  # the file's pages, cached
+    for name, back_off in (("draft", True), ("draft-always", False)):
+        if draft is not None and args.draft_back_off in ("both", "on" if back_off else "off"):
+            engines[name] = Engine(model, **options, speculative="draft", draft_model=draft)
+            if not back_off:  # verification and both rollbacks at the pair's acceptance rate, whatever they cost
+                engines[name].scheduler.speculation.cost.worth = lambda *rule: True
+    for engine in engines.values():  # first calls' costs out of the timed phases; every engine's cache as warm
+        engine_phase(engine, chat_prompts(tokenizer, max(args.requests)), 16, 1, False, eos)
+        if "edit" in args.engine_workloads:
+            engine_phase(engine, edit_prompts(tokenizer, text, 1), 1, 1, False, eos)
     for workload in args.engine_workloads:
         for c, count in zip(concurrency, args.requests):
             prompts = edit_prompts(tokenizer, text, count) if workload == "edit" else chat_prompts(tokenizer, count)
-            pairs = {name: {"workload": workload if name == "ngram" else f"{workload} draft model", "concurrency": c}
-                     for name in engines}
+            labels = {"ngram": workload, "draft": f"{workload} draft model",
+                      "draft-always": f"{workload} draft model, no back-off"}
+            pairs = {name: {"workload": labels[name], "concurrency": c} for name in engines}
             off = engine_phase(engines["ngram"], prompts, c, args.max_tokens, False, eos)
             for name, engine in engines.items():  # sides alternate: off, n-gram, draft model
                 pairs[name].update(off=off, on=engine_phase(engine, prompts, c, args.max_tokens, True, eos))
