@@ -27,8 +27,10 @@ machine's load falls on both. A sweep of one forward's time by rows
 Draft-model speculation (``--speculative draft``) runs in the engine
 (``Engine(speculative="draft")``, what ``mlx-attn serve --speculative draft``
 runs; its rows alternate with the two above, against the same side without
-drafts; ``--no-engine-draft`` leaves them out) and in the generate phases. The draft (``--draft``) is the target's own weights
-dequantized and quantized again to 4 bits in groups of 64
+drafts; ``--draft-back-off`` with or without the timed back-off,
+``--no-engine-draft`` leaves them out) and in the generate phases. The
+draft (``--draft``) is the target's own weights dequantized and
+quantized again to 4 bits in groups of 64
 (:func:`requantized_draft`), or its first ``--draft-layers`` layers with
 its final norm and head (:func:`truncated_draft`): both share the
 tokenizer and vocabulary by construction (docs/serving.md says why the
@@ -41,6 +43,7 @@ draft, written by ``mlx-attn convert``'s writer), alternating run by run.
     python benchmarks/bench_speculative.py            # docs/bench_speculative.{json,png}
     python benchmarks/bench_speculative.py --quick    # smoke run
     python benchmarks/bench_speculative.py --only-generate --mlx-lm-python /path/to/mlx-lm-venv/bin/python
+    python benchmarks/bench_speculative.py --only-engine --engine-workloads chat --draft-back-off both
 """
 
 from __future__ import annotations

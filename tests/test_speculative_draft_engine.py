@@ -269,6 +269,7 @@ def test_serve_flags_name_the_draft_model():
 
 
 def test_serve_loads_the_draft_model_and_refuses_another_vocabulary(monkeypatch):
+    import mlx_attn.lm.cli  # noqa: F401  imported before the patch: it binds load_for_engine when first imported
     import mlx_attn.lm.engine_choice as engine_choice
     from mlx_attn.serve.server import build_parser, load_draft_model
     from model_fixtures import tiny_llama as other_llama, tiny_tokenizer

@@ -84,7 +84,8 @@ class DraftModel:
         check_draft_model(target, draft)
         model = _paged_model(draft)
         if getattr(model, "states", None) is not None:
-            raise FieldError("draft_model", f"keeps a recurrent state in layers {getattr(model, 'recurrent_layers', '?')}"
+            layers = getattr(model, "recurrent_layers", "?")
+            raise FieldError("draft_model", f"keeps a recurrent state in layers {layers}"
                              ", which cannot roll back refused drafts: a draft model must be attention-only")
         paged_mlx_lm = model is not draft
         prepare_weights(model.weights if paged_mlx_lm else model, weights)
