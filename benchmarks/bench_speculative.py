@@ -24,9 +24,13 @@ machine's load falls on both. A sweep of one forward's time by rows
 (``--rows``) is the measurement behind the back-off rule
 (:class:`mlx_attn.serve.scheduler.Speculation`).
 
-Draft-model speculation (``--speculative draft``) runs in the generate
-phases too. The draft (``--draft``) is the target's own weights
-dequantized and quantized again to 4 bits in groups of 64
+Draft-model speculation (``--speculative draft``) runs in the engine
+(``Engine(speculative="draft")``, what ``mlx-attn serve --speculative draft``
+runs; its rows alternate with the two above, against the same side without
+drafts; ``--draft-back-off`` with or without the timed back-off,
+``--no-engine-draft`` leaves them out) and in the generate phases. The
+draft (``--draft``) is the target's own weights dequantized and
+quantized again to 4 bits in groups of 64
 (:func:`requantized_draft`), or its first ``--draft-layers`` layers with
 its final norm and head (:func:`truncated_draft`): both share the
 tokenizer and vocabulary by construction (docs/serving.md says why the
@@ -39,6 +43,7 @@ draft, written by ``mlx-attn convert``'s writer), alternating run by run.
     python benchmarks/bench_speculative.py            # docs/bench_speculative.{json,png}
     python benchmarks/bench_speculative.py --quick    # smoke run
     python benchmarks/bench_speculative.py --only-generate --mlx-lm-python /path/to/mlx-lm-venv/bin/python
+    python benchmarks/bench_speculative.py --only-engine --engine-workloads chat --draft-back-off both
 """
 
 from __future__ import annotations
@@ -359,6 +364,17 @@ def main(argv=None, loaded=None) -> dict:
     parser.add_argument("--work-dir", default=None,
                         help="where the command phases keep the two checkpoints (default: a temporary folder)")
     parser.add_argument("--only-generate", action="store_true", help="leave the engine phases out")
+    parser.add_argument("--only-engine", action="store_true",
+                        help="the engine phases only (no generate phases, no rows sweep)")
+    parser.add_argument("--no-engine-draft", dest="engine_draft", action="store_false",
+                        help="leave out the engine phases drafting with the draft model (mlx-attn serve "
+                             "--speculative draft)")
+    parser.add_argument("--draft-back-off", choices=["on", "off", "both"], default="on",
+                        help="the engine drafting with the draft model follows the timed back-off rule (on), "
+                             "proposes drafts whatever it says (off: how verification and both rollbacks cost "
+                             "at the pair's acceptance rate), or both engines run")
+    parser.add_argument("--engine-workloads", nargs="+", choices=["edit", "chat"], default=["edit", "chat"],
+                        help="the workloads of the engine phases")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_tokens, args.requests, args.rows, args.file_lines = 8, [1, 1, 2], [1, 2], [20, 60]
@@ -371,8 +387,8 @@ def main(argv=None, loaded=None) -> dict:
                      "max_tokens": args.max_tokens, "draft": args.draft, "draft_layers": len(draft.layers),
                      "target_layers": len(model.layers), "phases": {}}
     if not args.only_generate:
-        engine_phases(args, model, tokenizer, text, eos, results)
-    for workload in ("edit", "chat"):
+        engine_phases(args, model, tokenizer, text, eos, results, draft if args.engine_draft else None)
+    for workload in () if args.only_engine else ("edit", "chat"):
         prompt = (edit_prompts(tokenizer, text, 1) if workload == "edit" else chat_prompts(tokenizer, 1))[0]
         pair = {"workload": f"generate {workload}", "concurrency": 1}
         off = pair["off"] = generate_phase(model, prompt, args.max_tokens, None, set(eos))
@@ -397,7 +413,7 @@ def main(argv=None, loaded=None) -> dict:
             results["commands"][workload] = phase
             print(f"commands {workload}: " + ", ".join(f"{side} {r['tokens_per_s']:.1f} tok/s"
                                                      for side, r in phase.items()), flush=True)
-    if not args.only_generate:
+    if not args.only_generate and not args.only_engine:
         results["rows"] = rows_sweep(model, args.rows)
     print(table(results))
     out = Path(args.out)
@@ -410,24 +426,42 @@ def main(argv=None, loaded=None) -> dict:
     return results
 
 
-def engine_phases(args, model, tokenizer, text: str, eos, results: dict) -> None:
-    """The engine without and with n-gram drafting, each workload and concurrency."""
+def engine_phases(args, model, tokenizer, text: str, eos, results: dict, draft=None) -> None:
+    """The engine without and with drafting (n-gram; with ``draft``, also
+    an engine drafting with that model), each workload and concurrency.
+    The side without drafts is the n-gram engine's requests opted out
+    (an n-gram engine pays nothing for them; a draft-model engine still
+    runs its draft over every request's rows)."""
     concurrency = [1, 4, 16]
-    longest = max(len(p) for p in edit_prompts(tokenizer, text, max(args.requests)))
-    engine = Engine(model, kv_tokens=16 * (longest + args.max_tokens) + 4096, page_size=16,
-                    max_batch_tokens=512, speculative="ngram")
-    engine_phase(engine, edit_prompts(tokenizer, text, 1), 1, 1, False, eos)  # the file's pages, cached
-    for workload in ("edit", "chat"):
+    longest = max(len(p) for workload in args.engine_workloads for p in (
+        edit_prompts(tokenizer, text, max(args.requests)) if workload == "edit"
+        else chat_prompts(tokenizer, max(args.requests))))
+    options = dict(kv_tokens=16 * (longest + args.max_tokens) + 4096, page_size=16, max_batch_tokens=512)
+    engines = {"ngram": Engine(model, **options, speculative="ngram")}
+    for name, back_off in (("draft", True), ("draft-always", False)):
+        if draft is not None and args.draft_back_off in ("both", "on" if back_off else "off"):
+            engines[name] = Engine(model, **options, speculative="draft", draft_model=draft)
+            if not back_off:  # verification and both rollbacks at the pair's acceptance rate, whatever they cost
+                engines[name].scheduler.speculation.cost.worth = lambda *rule: True
+    for engine in engines.values():  # first calls' costs out of the timed phases; every engine's cache as warm
+        engine_phase(engine, chat_prompts(tokenizer, max(args.requests)), 16, 1, False, eos)
+        if "edit" in args.engine_workloads:
+            engine_phase(engine, edit_prompts(tokenizer, text, 1), 1, 1, False, eos)
+    for workload in args.engine_workloads:
         for c, count in zip(concurrency, args.requests):
             prompts = edit_prompts(tokenizer, text, count) if workload == "edit" else chat_prompts(tokenizer, count)
-            pair = {"workload": workload, "concurrency": c}
-            for side, speculative in (("off", False), ("on", True)):
-                pair[side] = engine_phase(engine, prompts, c, args.max_tokens, speculative, eos)
-            pair["identical"] = pair["off"]["outputs"] == pair["on"]["outputs"]
-            results["phases"][f"{workload}-c{c}"] = pair
-            print(f"{workload} c{c}: {pair['off']['tokens_per_s']:.1f} -> {pair['on']['tokens_per_s']:.1f} tok/s, "
-                  f"accepted {pair['on']['accepted_draft_tokens']}/{pair['on']['draft_tokens']}, "
-                  f"identical {pair['identical']}", flush=True)
+            labels = {"ngram": workload, "draft": f"{workload} draft model",
+                      "draft-always": f"{workload} draft model, no back-off"}
+            pairs = {name: {"workload": labels[name], "concurrency": c} for name in engines}
+            off = engine_phase(engines["ngram"], prompts, c, args.max_tokens, False, eos)
+            for name, engine in engines.items():  # sides alternate: off, n-gram, draft model
+                pairs[name].update(off=off, on=engine_phase(engine, prompts, c, args.max_tokens, True, eos))
+            for name, pair in pairs.items():
+                pair["identical"] = pair["off"]["outputs"] == pair["on"]["outputs"]
+                results["phases"][f"{workload}-c{c}" + ("" if name == "ngram" else f"-{name}")] = pair
+                print(f"{pair['workload']} c{c}: {pair['off']['tokens_per_s']:.1f} -> "
+                      f"{pair['on']['tokens_per_s']:.1f} tok/s, accepted {pair['on']['accepted_draft_tokens']}/"
+                      f"{pair['on']['draft_tokens']}, identical {pair['identical']}", flush=True)
 
 
 if __name__ == "__main__":

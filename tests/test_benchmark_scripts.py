@@ -294,8 +294,9 @@ def test_speculative_benchmark_quick_run(tmp_path, model):
                   tiny_tokenizer())
     result = bench.main(["--quick", "--out", str(tmp_path / "spec")], loaded=loaded)
     saved = json.loads((tmp_path / "spec.json").read_text())
-    assert set(saved["phases"]) == {"edit-c1", "edit-c4", "edit-c16", "chat-c1", "chat-c4", "chat-c16",
-                                    "generate-edit", "generate-chat", "generate-edit-draft", "generate-chat-draft"}
+    engine_phases = {f"{w}-c{c}" for w in ("edit", "chat") for c in (1, 4, 16)}
+    assert set(saved["phases"]) == engine_phases | {f"{p}-draft" for p in engine_phases} | {
+        "generate-edit", "generate-chat", "generate-edit-draft", "generate-chat-draft"}
     assert saved["phases"]["generate-chat-draft"]["on"]["draft_tokens"] > 0  # the draft model proposed
     for pair in saved["phases"].values():
         assert pair["identical"] is True  # greedy outputs with and without drafts

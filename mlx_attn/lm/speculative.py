@@ -39,7 +39,8 @@ import mlx.core as mx
 from mlx_attn.lm.sampling import apply_repetition_penalty, filtered_logprobs
 from mlx_attn.lm.validate import FieldError, require_int
 
-__all__ = ["check_draft_model", "verify_drafts", "verify_by_drawing", "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
+__all__ = ["check_draft_model", "verify_drafts", "draft_acceptance", "normalized_logprobs", "verify_by_drawing",
+           "penalized_rows", "DraftLength", "StepCost", "SPECULATIVE_CHOICES", "DEFAULT_NUM_DRAFT_TOKENS",
            "MAX_NUM_DRAFT_TOKENS", "check_num_draft_tokens"]
 
 SPECULATIVE_CHOICES = ("ngram", "draft")  # prompt lookup, or a draft model with the same vocabulary
@@ -98,7 +99,7 @@ def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, t
         while kept < k and best[kept] == drafts[kept]:
             kept += 1
         return list(drafts[:kept]) + [best[kept]]
-    logprobs = _normalized(filtered_logprobs(logits, temperature, top_k, top_p, min_p))
+    logprobs = normalized_logprobs(filtered_logprobs(logits, temperature, top_k, top_p, min_p))
     if k == 0:
         return [int(mx.random.categorical(logprobs[0]).item())]
     if draft_logprobs is not None and draft_logprobs.shape != (k, logits.shape[-1]):
@@ -113,12 +114,8 @@ def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, t
         residual[mx.arange(k), index] = -mx.inf
         accept = uniforms < mx.exp(target_of_draft)
     else:
-        q = _normalized(draft_logprobs.astype(mx.float32))
-        q_of_draft = mx.take_along_axis(q, index[:, None], axis=-1)[:, 0]
-        accept = uniforms < mx.exp(target_of_draft - q_of_draft)  # min(1, p/q): u < 1 always holds
-        excess = mx.maximum(mx.exp(logprobs[:k]) - mx.exp(q), 0.0)
-        # p == q to rounding leaves no excess, and then a rejection is (almost) impossible: draw from p
-        residual = mx.where(excess.sum(axis=-1, keepdims=True) > 0, mx.log(excess), logprobs[:k])
+        accept_probability, residual = draft_acceptance(logprobs[:k], draft_logprobs, index)
+        accept = uniforms < accept_probability
     replacements = mx.random.categorical(residual, axis=-1)
     bonus = mx.random.categorical(logprobs[k])
     mx.eval(accept, replacements, bonus)
@@ -129,7 +126,26 @@ def verify_drafts(logits: mx.array, drafts: Sequence[int], temperature: float, t
     return list(drafts) + [int(bonus.item())]
 
 
-def _normalized(logprobs: mx.array) -> mx.array:
+def draft_acceptance(target_logprobs: mx.array, draft_logprobs: mx.array, drafts: mx.array
+                     ) -> tuple[mx.array, mx.array]:
+    """The rule for tokens drawn from a draft model's ``q``: for rows ``[n,
+    vocab]`` of the target's normalised log-probabilities ``p`` (after its
+    filters) and the draft's ``q`` (any normalisation), and the ``n`` drafted
+    tokens ``t``, the probability ``min(1, p(t) / q(t))`` of keeping each and
+    the log-weights of ``max(0, p - q)`` to draw a replacement from when it
+    is refused (``p`` itself where ``p == q`` to rounding leaves no excess: a
+    refusal is then (almost) impossible)."""
+    q = normalized_logprobs(draft_logprobs.astype(mx.float32))
+    drafts = drafts.astype(mx.int32)[:, None]
+    p_of_draft = mx.take_along_axis(target_logprobs, drafts, axis=-1)[:, 0]
+    q_of_draft = mx.take_along_axis(q, drafts, axis=-1)[:, 0]
+    accept = mx.minimum(mx.exp(p_of_draft - q_of_draft), 1.0)
+    excess = mx.maximum(mx.exp(target_logprobs) - mx.exp(q), 0.0)
+    residual = mx.where(excess.sum(axis=-1, keepdims=True) > 0, mx.log(excess), target_logprobs)
+    return accept, residual
+
+
+def normalized_logprobs(logprobs: mx.array) -> mx.array:
     """Log-probabilities summing to one per row (the filters leave the kept
     tokens' values as they were before removing the others)."""
     return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
@@ -199,12 +215,25 @@ class StepCost:
     pays; once it is compute-bound (``per_row * rows`` dominates) only drafts
     almost sure to be kept do, so speculation backs off by itself. Until the
     measured steps differ enough in rows to fit a slope, ``per_row`` is
-    ``prior_ratio`` times ``fixed``."""
+    ``prior_ratio`` times ``fixed``.
+
+    A draft model's proposals cost more than their row: ``draft_row``, the
+    seconds the draft model's forwards took per draft they proposed (a
+    running mean, :meth:`record_drafting`), joins ``per_row`` on the right
+    side (``(n + p) / (T + per_row + draft_row) > n / T``); 0 for n-gram
+    drafts, which cost next to nothing to find."""
 
     def __init__(self, prior_ratio: float = 0.02, memory: float = 0.98, min_steps: int = 8):
         self.prior_ratio, self.memory, self.min_steps = prior_ratio, memory, min_steps
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.steps = 0
+        self.draft_row = 0.0
+
+    def record_drafting(self, drafts: int, seconds: float) -> None:
+        """A step's draft-model forwards took ``seconds`` for ``drafts`` proposals."""
+        if drafts > 0:  # the first measurement stands alone, later ones weigh in with their drafts
+            weight = self.memory ** drafts if self.draft_row > 0 else 0.0
+            self.draft_row = weight * self.draft_row + (1 - weight) * seconds / drafts
 
     def record(self, rows: int, seconds: float) -> None:
         m = self.memory
@@ -228,4 +257,4 @@ class StepCost:
 
     def worth(self, probability: float, decode_rows: int, rows: int) -> bool:
         fixed, per_row = self.fit()
-        return probability * (fixed + per_row * rows) > per_row * decode_rows
+        return probability * (fixed + per_row * rows) > (per_row + self.draft_row) * decode_rows

@@ -42,6 +42,7 @@ from mlx_attn.lm.quantized_matmul import hold_float32_weights, use_row_adaptive_
 from mlx_attn.paged import CascadeTables
 from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, CascadeRule, SharedPrefixLevels, shared_prefix_groups
 from mlx_attn.serve.constraints import Constraint, masks_to_bias
+from mlx_attn.serve.draft_model import DraftModel, DraftRows
 from mlx_attn.serve.kv_store import PagedKVStore
 from mlx_attn.serve.pages import PagePool
 from mlx_attn.lm.ngram_draft import NgramDrafter
@@ -70,16 +71,17 @@ def device_prefill_group_tokens() -> int | None:
     return DEFAULT_PREFILL_GROUP_TOKENS if mx.default_device() == mx.cpu else None
 
 
-def _speculation(kind: str | None, num_draft_tokens: int, step_rows: int) -> Speculation | None:
+def _speculation(kind: str | None, num_draft_tokens: int, step_rows: int, draft_model=None) -> Speculation | None:
+    if (kind == "draft") != (draft_model is not None):
+        raise ValueError("speculative='draft' needs a draft_model (a smaller model with the model's tokenizer)"
+                         if kind == "draft" else "draft_model is used only with speculative='draft'")
     if kind is None:
         return None
-    if kind == "draft":  # generate drafts with a model; the batched step does not yet
-        raise ValueError("speculative='draft' (a draft model) runs in mlx-attn generate and the generation API, "
-                         "not yet in the engine: use speculative='ngram'")
     if kind not in SPECULATIVE_CHOICES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or None, got {kind!r}")
     step_rows = check_int("speculative_rows", step_rows, minimum=1)
-    return Speculation(NgramDrafter(), check_num_draft_tokens(num_draft_tokens), step_rows)
+    drafter = DraftRows() if kind == "draft" else NgramDrafter()
+    return Speculation(drafter, check_num_draft_tokens(num_draft_tokens), step_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +207,9 @@ class Engine:
     (lossless: :mod:`mlx_attn.lm.speculative`); drafts fill a step only up
     to ``speculative_rows`` rows (:class:`Speculation` says why). A drafting
     request's rows join no cascade group (decode rows only).
+    ``speculative="draft"`` with ``draft_model`` (a smaller model with the
+    same vocabulary): the drafts come from it, its K/V in a second paged
+    store with the same pages (:mod:`mlx_attn.serve.draft_model`).
 
     ``prefill_group_tokens``: prompts that arrive together are prefilled in
     groups of about this many rows, first come first served, so the first
@@ -216,7 +221,7 @@ class Engine:
                  dtype=None, weights: str = "auto", state_snapshots: int = 0, cascade: bool = True,
                  cascade_rule: CascadeRule | None = None, speculative: str | None = None,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, speculative_rows: int = DEFAULT_SPECULATIVE_ROWS,
-                 prefill_group_tokens: int | None = None):
+                 prefill_group_tokens: int | None = None, draft_model=None):
         kv_tokens = check_int("kv_tokens", kv_tokens, minimum=1)
         if not isinstance(cascade, (bool, np.bool_)):
             raise ValueError(f"cascade must be True or False, got {cascade!r}")
@@ -263,7 +268,7 @@ class Engine:
                         "cached pages cannot stand in for; every prompt is computed whole (state_snapshots "
                         "turns on reuse from states saved at page boundaries)",
                         getattr(model, "recurrent_layers", "?"))
-        speculation = _speculation(speculative, num_draft_tokens, speculative_rows)
+        speculation = _speculation(speculative, num_draft_tokens, speculative_rows, draft_model)
         # why this engine does not draft although asked to (None: it drafts, or was not asked)
         self.speculation_refused: str | None = None
         if speculation is not None and self._states is not None:
@@ -273,6 +278,10 @@ class Engine:
                                         f"back rejected drafts")
             log.warning("%s", self.speculation_refused)
             speculation = None
+        # the draft model and its paged K/V (None: no draft model drafts)
+        self.draft = None if speculation is None or draft_model is None else DraftModel(
+            draft_model, model, num_pages=self.pool.num_pages, page_size=page_size, dtype=dtype, kv_bits=kv_bits,
+            group_size=group_size, weights=self.weights)
         self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse,
                                    reusable_pages=reusable_pages, speculation=speculation,
                                    prefill_group_tokens=prefill_group_tokens)
@@ -306,9 +315,11 @@ class Engine:
             raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         if constraint is not None and not isinstance(constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint or None, got {type(constraint).__name__}")
+        drafts = self.drafts_for(speculative, constraint)
         self.scheduler.submit(Request(request_id, tuple(int(t) for t in tokens), max_tokens,
-                                      frozenset(int(t) for t in stop_token_ids),
-                                      self.drafts_for(speculative, constraint)))
+                                      frozenset(int(t) for t in stop_token_ids), drafts))
+        if self.draft is not None and drafts:
+            self.draft.add(request_id)
         self.sampling[request_id] = sampling or SamplingParams()
         self.generated[request_id] = 0
         if constraint is not None:
@@ -334,6 +345,8 @@ class Engine:
     def stats(self) -> dict[str, int | float]:
         """Requests, pages, prefix-cache hits, preemptions (see :meth:`Scheduler.stats`)."""
         stats = self.scheduler.stats()
+        if self.scheduler.speculation is not None:  # whose drafts the draft counts are
+            stats["drafter"] = "draft" if self.draft is not None else "ngram"
         if self._states is not None:
             stats["state_snapshots"] = self._states.snapshots
         return stats
@@ -349,6 +362,8 @@ class Engine:
     def _forget(self, request_id: Hashable) -> None:
         for table in (self.sampling, self.generated, self.constraints):
             table.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)
         self._drop_state(request_id)
 
     def _drop_state(self, request_id: Hashable) -> None:
@@ -363,6 +378,9 @@ class Engine:
             self._drop_state(request_id)
         if not plan.rows:
             return []
+        if self.draft is not None:  # the drafts and the draft store's K/V; timed apart from the step
+            plan, drafted, seconds = self.draft.fill(plan, self)
+            self.scheduler.speculation.cost.record_drafting(drafted, seconds)
         started = time.perf_counter()
         sampled = self._run(plan)  # request -> the tokens it keeps, in order
         if self.scheduler.speculation is not None and all(len(row.tokens) == row.drafts + 1 for row in plan.rows):
@@ -416,7 +434,14 @@ class Engine:
         previous = [self.scheduler.tokens(row.request_id) if p.reads_history else ()
                     for row, p in zip(sampling, params)]
         kept: dict[Hashable, list] = {}
-        plain = [b for b, row in enumerate(sampling) if not row.drafts]
+        # sampled requests drafting with a model take every token by its rule
+        by_draft = set() if self.draft is None else {
+            b for b, row in enumerate(sampling) if self.draft.draws(row.request_id, params[b])}
+        for b in by_draft:
+            rid = sampling[b].request_id
+            kept[rid] = self.draft.verify(rows[int(firsts[b]):int(firsts[b + 1])], rid, params[b], previous[b],
+                                          self.generated[rid])
+        plain = [b for b, row in enumerate(sampling) if not row.drafts and b not in by_draft]
         if plain:  # one draw for every row without drafts (constrained rows never draft)
             plain_ids = [sampling[b].request_id for b in plain]
             drawn = sample_rows(rows[mx.array(firsts[plain].astype(np.int32))], [params[b] for b in plain],
@@ -434,7 +459,7 @@ class Engine:
             kept.update((sampling[b].request_id, v) for b, v in zip(greedy, verify_greedy_drafts(rows, groups)))
         for b in drafting:
             row = sampling[b]
-            if not params[b].greedy:
+            if not params[b].greedy and b not in by_draft:
                 rid = row.request_id
                 kept[rid] = verify_draft_rows(rows[int(firsts[b]):int(firsts[b + 1])], params[b], previous[b],
                                               self.generated[rid], row.tokens[len(row.tokens) - row.drafts:])

@@ -27,7 +27,8 @@ from mlx_attn.lm.speculative import verify_drafts
 from mlx_attn.lm.validate import require_float, require_int
 
 __all__ = ["SamplingParams", "Sampled", "sample_rows", "sample_token", "MAX_TOP_LOGPROBS", "MAX_PENALTY",
-           "MAX_LOGIT_BIAS", "verify_draft_rows", "verify_greedy_drafts"]
+           "MAX_LOGIT_BIAS", "verify_draft_rows", "verify_greedy_drafts",
+           "kept_with_logprobs", "shaped_logits"]
 
 _SEED_LIMIT = 2**63
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
@@ -99,7 +100,7 @@ class Sampled:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely tokens, best first
 
 
-def _shaped(logits: mx.array, params: SamplingParams, previous: Sequence[int], index: int) -> mx.array:
+def shaped_logits(logits: mx.array, params: SamplingParams, previous: Sequence[int], index: int) -> mx.array:
     """One row's logits with its penalties and bias applied; ``previous``
     ends with the ``index`` tokens the request generated so far."""
     shaped = apply_repetition_penalty(logits, previous, params.repetition_penalty)
@@ -115,7 +116,7 @@ def _shaped(logits: mx.array, params: SamplingParams, previous: Sequence[int], i
 
 def _draw(logits: mx.array, params: SamplingParams, previous: Sequence[int], index: int) -> mx.array:
     """The token of one row that does not simply take the argmax."""
-    shaped = _shaped(logits, params, previous, index)
+    shaped = shaped_logits(logits, params, previous, index)
     if params.temperature == 0:
         return mx.argmax(shaped)
     # the draw's randomness: the request's seed and the token's index only
@@ -199,10 +200,17 @@ def verify_draft_rows(logits: mx.array, params: SamplingParams, previous: Sequen
             kept.append(int(token))
             if i == len(drafts) or token != drafts[i]:
                 break
+    return kept_with_logprobs(logits, kept, params.top_logprobs)
+
+
+def kept_with_logprobs(logits: mx.array, kept: Sequence[int], top: int) -> list[Sampled]:
+    """The tokens a verification kept, row ``i`` of ``logits [>= len(kept),
+    vocab]`` giving token ``i``'s log-probability under the model (before
+    any filter) and its ``top`` most likely tokens."""
+    logits = logits.astype(mx.float32)
     rows = logits[: len(kept)]
     logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, mx.array(kept)[:, None], axis=-1)[:, 0]
-    top = params.top_logprobs
     if top:
         best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
         best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)

@@ -33,7 +33,8 @@ import threading
 from mlx_attn.serve.server_state import ServerState
 
 __all__ = ["ServerState", "create_app", "make_state", "state_from_args", "build_parser", "check_servable",
-           "exposure_warning", "load_embedding_model", "main"]
+           "exposure_warning", "load_embedding_model", "main", "check_draft_flags", "check_draft_tokenizer",
+           "load_draft_model"]
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -117,9 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cascade attention: running requests that share prefix pages (a system prompt, n > 1 "
                              "choices) read them once per group where that pays (default on; off: every request "
                              "reads its own, for measurement and diagnosis)")
-    parser.add_argument("--speculative", choices=["ngram"], default=None,
+    parser.add_argument("--speculative", choices=["ngram", "draft"], default=None,
                         help="ngram: decoding requests propose tokens that followed their last n-gram earlier in "
-                             "their prompt or output and verify them in the same step (same outputs, fewer steps)")
+                             "their prompt or output; draft: a smaller model with the same tokenizer proposes "
+                             "them (--draft-model); either way they are verified in the same step (the same "
+                             "outputs, fewer steps)")
+    parser.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="with --speculative draft: the draft model, loaded as --model is (the same --engine "
+                             "and --backend)")
     parser.add_argument("--num-draft-tokens", type=_positive, default=4,
                         help="with --speculative: the most tokens a request proposes per step")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -130,17 +136,21 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
                kv_bits: int | None = None, max_batch_tokens: int = 256, max_tokens: int = 512,
                temperature: float = 0.0, max_requests: int = 256, weights: str = "auto",
                state_snapshots: int = 0, cascade: bool = True, speculative: str | None = None,
-               num_draft_tokens: int = 4, prefill_group_tokens: int | None = None) -> ServerState:
+               num_draft_tokens: int = 4, prefill_group_tokens: int | None = None,
+               draft_model=None) -> ServerState:
     from mlx_attn.serve.engine import Engine, device_prefill_group_tokens
 
     import mlx.core as mx
 
     mx.eval(model.parameters())  # loaded here, used on the engine's thread
+    if draft_model is not None:
+        mx.eval(draft_model.parameters())
 
     def make_engine():
         return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
                       max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
                       cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                      draft_model=draft_model,
                       prefill_group_tokens=device_prefill_group_tokens() if prefill_group_tokens is None
                       else prefill_group_tokens or None)
 
@@ -151,7 +161,44 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
                        default_temperature=temperature, max_requests=max_requests)
 
 
-def state_from_args(args: argparse.Namespace, model, tokenizer) -> ServerState:
+def check_draft_flags(args: argparse.Namespace) -> None:
+    """``--speculative draft`` and ``--draft-model`` go together (a
+    ``ValueError`` naming the flag, before any model loads)."""
+    if args.speculative == "draft" and args.draft_model is None:
+        raise ValueError("--draft-model is needed by --speculative draft (a smaller model with the same tokenizer)")
+    if args.draft_model is not None and args.speculative != "draft":
+        raise ValueError("--draft-model is used only with --speculative draft")
+
+
+def check_draft_tokenizer(tokenizer, draft_tokenizer, path: str) -> None:
+    """The draft model's tokenizer must encode text to the model's ids."""
+    from mlx_attn.lm.cli import _TOKENIZER_PROBE
+
+    if draft_tokenizer.encode(_TOKENIZER_PROBE) != tokenizer.encode(_TOKENIZER_PROBE):
+        raise ValueError(f"--draft-model {path} has another tokenizer than the model: the same text encodes to "
+                         "different token ids")
+
+
+def load_draft_model(args: argparse.Namespace, model, tokenizer):
+    """The ``--draft-model`` (None without), loaded as ``--model`` is; a
+    ``ValueError`` naming ``--draft-model`` when its vocabulary or
+    tokenizer is not the model's."""
+    from mlx_attn.lm.engine_choice import load_for_engine
+    from mlx_attn.lm.speculative import check_draft_model
+
+    check_draft_flags(args)
+    if args.draft_model is None:
+        return None
+    try:
+        draft, draft_tokenizer = load_for_engine(args.draft_model, args.engine, args.backend)
+        check_draft_model(model, draft)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--draft-model {args.draft_model}: {error}") from None
+    check_draft_tokenizer(tokenizer, draft_tokenizer, args.draft_model)
+    return draft
+
+
+def state_from_args(args: argparse.Namespace, model, tokenizer, draft_model=None) -> ServerState:
     """The server's state as the parsed flags of ``mlx-attn serve`` ask."""
     from mlx_attn.lm.model_store import DEFAULT_DECODER
 
@@ -160,7 +207,7 @@ def state_from_args(args: argparse.Namespace, model, tokenizer) -> ServerState:
                       max_tokens=args.max_tokens, temperature=args.temp, max_requests=args.max_requests,
                       weights=args.weights, state_snapshots=args.state_snapshots, cascade=args.cascade == "on",
                       speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                      prefill_group_tokens=args.prefill_group_tokens)
+                      prefill_group_tokens=args.prefill_group_tokens, draft_model=draft_model)
 
 
 def load_embedding_model(name: str | None, backend: str = "auto"):
@@ -213,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     warning = exposure_warning(args.host, api_key)
     if warning:
         print(warning, file=sys.stderr)
+    check_draft_flags(args)
     model, tokenizer = load_for_engine(args.model, args.engine, args.backend)
     check_servable(model)
-    state = state_from_args(args, model, tokenizer)
+    state = state_from_args(args, model, tokenizer, load_draft_model(args, model, tokenizer))
     app = create_app(state, api_key=api_key, embeddings=load_embedding_model(args.embedding_model, args.backend))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _graceful_server_class()(config).run()

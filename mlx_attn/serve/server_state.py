@@ -201,6 +201,15 @@ class ServerState:
                stats["draft_tokens"])
         metric("accepted_draft_tokens_total", "counter", "Proposed tokens the model accepted.",
                stats["accepted_draft_tokens"])
+        drafter_lines = []
+        for counter, key, help_text in (("drafter_tokens_total", "draft_tokens", "Tokens proposed and verified, "
+                                         "by drafter (ngram: prompt lookup; draft: the draft model)."),
+                                        ("drafter_accepted_tokens_total", "accepted_draft_tokens",
+                                         "Proposed tokens the model accepted, by drafter.")):
+            drafter_lines += [f"# HELP mlx_attn_{counter} {help_text}", f"# TYPE mlx_attn_{counter} counter"]
+            drafter_lines += [f'mlx_attn_{counter}{{drafter="{name}"}} '
+                              f'{stats[key] if stats.get("drafter") == name else 0}' for name in ("ngram", "draft")]
+        lines.extend(drafter_lines)
         metric("generated_tokens_per_second", "gauge", "Tokens generated per second since start.",
                self.generated_tokens / elapsed)
         return "\n".join(lines) + "\n"
