@@ -12,6 +12,8 @@
 // graph of MLX's kernels.
 #pragma once
 
+#include <optional>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -30,13 +32,42 @@ namespace mx = mlx::core;
 // the last window_size of them). A cache input no other array holds is
 // updated in place (its buffer becomes the output's); otherwise the output is
 // a copy. A position outside [0, S) at evaluation gives NaN outputs and the
-// caches unchanged. Throws std::invalid_argument naming the argument.
+// caches unchanged. Throws std::invalid_argument naming the argument. Three
+// nodes: a DecodeCacheWrite per cache and the DecodeAttention reading them.
 std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                                         const mx::array& key_cache, const mx::array& value_cache,
                                         const mx::array& position, const mx::array& cos, const mx::array& sin,
                                         float scale, int window_size = 0, bool traditional = false,
                                         mx::StreamOrDevice s = {});
 
+// The cache buffer with the step's rows written at the position (rotated
+// first when `rotate`: inputs cache, rows, position[, cos, sin]). The buffer
+// is the output's when no other array holds it (donated), else copied.
+mx::array decode_cache_write(const mx::array& cache, const mx::array& rows, const mx::array& position,
+                             const std::optional<mx::array>& cos, const std::optional<mx::array>& sin,
+                             bool traditional, mx::Stream stream);
+
+class DecodeCacheWrite : public mx::Primitive {
+ public:
+  DecodeCacheWrite(mx::Stream stream, bool rotate, bool traditional)
+      : mx::Primitive(stream), rotate_(rotate), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  // Throws: the GPU runs the step as MLX's own operations.
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override {
+    return "DecodeCacheWrite";
+  }
+
+ private:
+  bool rotate_;
+  bool traditional_;
+};
+
+// The attention of the rotated query rows over slots [0, position] of the
+// written caches (inputs q, key_cache, value_cache, position, cos, sin).
 class DecodeAttention : public mx::Primitive {
  public:
   DecodeAttention(mx::Stream stream, float scale, int window_size, bool traditional)
