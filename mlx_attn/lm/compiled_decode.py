@@ -13,13 +13,13 @@ grows, every ``step`` tokens). Sampling stays outside.
 
 On the CPU (with the extension built) a layer whose model hands its
 projected rows to the hook (:meth:`AttentionHook.attend_projected`, the
-Llama decoder) runs its attention block as one primitive,
-``_ext.decode_attention``: RoPE of the query and key, the key/value rows
-written into the buffers, attention over the filled slots only (no mask,
-no reads past the position) and the output in the output projection's
-layout. That stands for ~20 graph operations per layer (reshapes,
-transposes, RoPE's elementwise ops, two slice updates, the attention call)
-and for reading the whole buffer. The buffers are donated: the cache holds
+Llama decoder) runs its attention block as three nodes of
+``_ext.decode_attention``: the key (rotated) and value rows written into
+the buffers, then RoPE of the query and attention over the filled slots
+only (no mask, no reads past the position), the output in the output
+projection's layout. That stands for ~20 graph operations per layer
+(reshapes, transposes, RoPE's elementwise ops, two slice updates, the
+attention call) and for reading the whole buffer. The buffers are donated: the cache holds
 the step's new buffers before anything is evaluated, so the primitive
 writes the new rows in place; a buffer still held elsewhere is copied, as
 MLX's ``slice_update`` does. On a GPU, under ``backend="reference"`` and for
@@ -51,8 +51,8 @@ def compilable(model, cache: list) -> bool:
 
 
 def fused_attention_block(backend: str) -> bool:
-    """Whether the compiled step runs each layer's attention block as one
-    ``_ext.decode_attention`` primitive: on the CPU with the extension built,
+    """Whether the compiled step runs each layer's attention block through
+    ``_ext.decode_attention``: on the CPU with the extension built,
     unless the model's backend asks for the reference path."""
     return backend != "reference" and _native.ext is not None and mx.default_device() == mx.cpu
 
