@@ -27,6 +27,7 @@ void bind_launch_plan(nb::module_& m);  // csrc/python/launch_plan_bindings.cpp
 void bind_metal_sources(nb::module_& m);  // csrc/python/metal_source_bindings.cpp
 void bind_paged_metal(nb::module_& m);  // csrc/python/paged_metal_bindings.cpp
 void bind_paged(nb::module_& m);  // csrc/python/paged_bindings.cpp
+void bind_decode_attention(nb::module_& m);  // csrc/python/decode_bindings.cpp
 
 namespace {
 
@@ -216,4 +217,5 @@ NB_MODULE(_ext, m) {
   mlx_attn::bind_paged_metal(m);
   mlx_attn::bind_paged(m);
   mlx_attn::bind_quantized_matvecs(m);
+  mlx_attn::bind_decode_attention(m);
 }

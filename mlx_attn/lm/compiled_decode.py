@@ -11,6 +11,21 @@ hides the slots past the position, so every step of a buffer size has the
 same shapes and replays the same trace (a new trace only when a buffer
 grows, every ``step`` tokens). Sampling stays outside.
 
+On the CPU (with the extension built) a layer whose model hands its
+projected rows to the hook (:meth:`AttentionHook.attend_projected`, the
+Llama decoder) runs its attention block as three nodes of
+``_ext.decode_attention``: the key (rotated) and value rows written into
+the buffers, then RoPE of the query and attention over the filled slots
+only (no mask, no reads past the position), the output in the output
+projection's layout. That stands for ~20 graph operations per layer
+(reshapes, transposes, RoPE's elementwise ops, two slice updates, the
+attention call) and for reading the whole buffer. The buffers are donated: the cache holds
+the step's new buffers before anything is evaluated, so the primitive
+writes the new rows in place; a buffer still held elsewhere is copied, as
+MLX's ``slice_update`` does. On a GPU, under ``backend="reference"`` and for
+models that attend through ``hook(layer, q, k, v)``, the step is MLX's
+operations as above.
+
 Only plain ``KVCache`` layers compile; quantized, rotating and concatenating
 caches, models that are not this package's :class:`Decoder` (mlx-lm's) and
 the distributed generator keep the eager step (:func:`compilable`)."""
@@ -19,9 +34,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_attn import _native
 from mlx_attn.cache import KVCache
 from mlx_attn.lm.models.base import AttentionHook, Decoder
 from mlx_attn.ops import scaled_dot_product_attention
+from mlx_attn.rope import RoPE, rope_angles
 
 __all__ = ["CompiledDecodeStep", "compilable"]
 
@@ -33,15 +50,44 @@ def compilable(model, cache: list) -> bool:
     return isinstance(model, Decoder) and bool(cache) and all(type(c) is KVCache for c in cache)
 
 
+def fused_attention_block(backend: str) -> bool:
+    """Whether the compiled step runs each layer's attention block through
+    ``_ext.decode_attention``: on the CPU with the extension built,
+    unless the model's backend asks for the reference path."""
+    return backend != "reference" and _native.ext is not None and mx.default_device() == mx.cpu
+
+
 class _BufferAttention(AttentionHook):
     """Attention of one new token over whole cache buffers: the token's
     key/value written at ``position`` (an int32 scalar array), the slots after
-    it masked out (and, for a windowed layer, those before its window)."""
+    it masked out (and, for a windowed layer, those before its window); with
+    ``fused``, a whole attention block per layer (:meth:`attend_projected`)."""
 
-    def __init__(self, keys: list, values: list, position: mx.array, backend: str):
+    def __init__(self, keys: list, values: list, position: mx.array, backend: str, fused: bool = False):
         self.keys, self.values, self.position, self.backend = list(keys), list(values), position, backend
+        self.fused = fused
         self._positions = None
         self._masks = {}
+        self._rotations = {}
+
+    def attend_projected(self, layer, rope, queries, keys, values):
+        if not self.fused or type(rope) is not RoPE or queries.shape[1] != 1:
+            return None
+        i = layer.index
+        cos, sin = self._rotation(rope)
+        out, self.keys[i], self.values[i] = _native.ext.decode_attention(
+            queries, keys, values, self.keys[i], self.values[i], self.position, cos, sin, scale=layer.scale,
+            window_size=layer.window_size or 0, traditional=rope.traditional)
+        return out
+
+    def _rotation(self, rope: RoPE) -> tuple[mx.array, mx.array]:
+        """The step's cos and sin ``[dims / 2]`` of ``rope``'s angles, once per
+        step and parameter set (the same angles ``rope`` computes)."""
+        key = (rope.dims, rope.base, rope.scale)
+        if key not in self._rotations:
+            angles = rope_angles(self.positions(1), rope.dims, rope.base, rope.scale).reshape(-1)
+            self._rotations[key] = (mx.cos(angles), mx.sin(angles))
+        return self._rotations[key]
 
     def positions(self, length: int) -> mx.array:
         # one position per token ([1]), the same array for every layer: RoPE
@@ -83,10 +129,11 @@ class CompiledDecodeStep:
             raise ValueError("the compiled decode step needs one of this package's decoders and a plain KVCache "
                              "per layer")
         self.model, self.cache = model, cache
+        self.fused = fused_attention_block(model.backend)
         self._forward = mx.compile(self._traced_forward)
 
     def _traced_forward(self, tokens, position, keys, values):
-        hook = _BufferAttention(keys, values, position, self.model.backend)
+        hook = _BufferAttention(keys, values, position, self.model.backend, self.fused)
         logits = self.model(tokens, attention=hook)[:, -1]
         return logits, hook.keys, hook.values
 
@@ -100,6 +147,8 @@ class CompiledDecodeStep:
             return self.model(tokens, cache=cache)[:, -1]
         logits, keys, values = self._forward(tokens, mx.array(offset, dtype=mx.int32),
                                              [c.keys for c in cache], [c.values for c in cache])
+        # the new buffers replace the old ones before anything is evaluated: the old ones are then held by
+        # the step's graph alone, so it updates them in place (donated)
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values, c.offset = k, v, offset + 1
         return logits

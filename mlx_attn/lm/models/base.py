@@ -70,6 +70,16 @@ class AttentionHook:
     def __call__(self, layer: LayerAttention, queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
         raise NotImplementedError
 
+    def attend_projected(self, layer: LayerAttention, rope, queries: mx.array, keys: mx.array,
+                         values: mx.array) -> mx.array | None:
+        """A whole attention block in one go, where the hook has one: the
+        projections' rows ``queries [B, T, Hq * D]``, ``keys``/``values
+        [B, T, Hkv * D]`` before RoPE, and the model's ``rope``; returns the
+        attention output ``[B, T, Hq * Dv]`` (the output projection's input),
+        with the keys and values stored as ``__call__`` would. None (the
+        default): the model applies RoPE, splits the heads and calls the hook."""
+        return None
+
 
 def check_cache_list(cache, layers: int) -> list:
     """``cache`` as a list of one KV cache per layer; anything else is a

@@ -223,11 +223,13 @@ class Attention(nn.Module):
             x = x if norm is None else norm(x)
             qkv = fused_matvecs(x, projections) or [projection(x) for projection in projections]
         q, k, v = qkv
-        q = self.rope(heads(q, self.n_heads), offset=positions)
-        k = self.rope(heads(k, self.n_kv_heads), offset=positions)
-        v = heads(v, self.n_kv_heads)
-        out = attention(layer, q, k, v)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        out = attention.attend_projected(layer, self.rope, q, k, v)
+        if out is None:
+            q = self.rope(heads(q, self.n_heads), offset=positions)
+            k = self.rope(heads(k, self.n_kv_heads), offset=positions)
+            v = heads(v, self.n_kv_heads)
+            out = attention(layer, q, k, v).transpose(0, 2, 1, 3).reshape(b, t, -1)
+        return self.o_proj(out)
 
 
 class DecoderBlock(nn.Module):
