@@ -541,23 +541,40 @@ MLX_ATTN_STEP void mask_logits(const WorkItem& w, const KeyBlock& block, int fir
   }
 }
 
-// online softmax (Metal: prefill_online_softmax): m_new = max(m, max S),
-// P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per row
-// into buf.rescale for rescale_rows.
+// Lazy rescaling (as in FlashAttention-4): a row's reference max m, against
+// which P = exp(S - m), l and O are taken, moves only when a block's max
+// passes it by more than kRescaleSlack (P <= 2^kRescaleSlackLog2), so after
+// the first few blocks O and l are almost never rescaled. Exact: O / l and
+// the log-sum-exp m + log l use the same reference, whichever it is.
+inline constexpr float kRescaleSlackLog2 = 8.0f;
+inline constexpr float kRescaleSlack = kRescaleSlackLog2 / kLog2e;
+
+// The row's next reference max: the old one unless the block's max passes it
+// by more than the slack (a row that saw nothing yet, m = -inf or the masked
+// sentinel, takes any larger max). A NaN block max leaves m as it is, as
+// the running max did: the NaN reaches the row through P.
+inline vfloat next_reference_max(vfloat m_old, vfloat block_max) {
+  const vfloat m_new = vmax(block_max, m_old);
+  return m_new <= m_old + kRescaleSlack ? m_old : m_new;
+}
+
+// online softmax (Metal: prefill_online_softmax): m_new = the next reference
+// max, P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per
+// row into buf.rescale for rescale_rows (1 where the reference stayed).
 MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
   const int rp = w.rp;
   for (int c = 0; c < rp; c += kLanes) {
     vfloat block_max = splat(-INFINITY);
     for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(w.buf.scores_t + j * rp + c));
     const vfloat m_old = load(w.buf.row_max + c);
-    const vfloat m_new = vmax(block_max, m_old);
+    const vfloat m_new = next_reference_max(m_old, block_max);
     // A row with nothing visible yet (m = -inf, or the masked sentinel)
     // takes its exponents against 0: its P and alpha are then 0.
     const vfloat m_ref = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
     vfloat sum = splat(0.0f);
     for (int j = 0; j < n; ++j) {
       float* s = w.buf.scores_t + j * rp + c;
-      const vfloat e = exp2_vec((load(s) - m_ref) * kLog2e);
+      const vfloat e = exp2_below((load(s) - m_ref) * kLog2e, kRescaleSlackLog2);
       store(s, e);
       sum += e;
     }
@@ -574,11 +591,11 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 // values, sums and bf16 rounding as scale_logits, online_softmax and
 // amx_pack_probabilities, without the three in-between stores of S^T / P^T.
 // Four 16-row vectors at a time in the max pass: independent chains.
-// exp2_vec for the fused pass, whose arguments are <= 0 or NaN (scores at
-// most the reference): the same value for each, without the clamps into
-// [-126, 0] (AVX-512's rounding and scaling take any x; below -126, and
-// -inf, whose reduction is NaN, the select still gives 0).
-inline vfloat amx_exp2_nonpositive(vfloat x) {
+// exp2_below for the fused pass, whose arguments are <= kRescaleSlackLog2 or
+// NaN (scores at most the reference plus the slack): the same value for each,
+// without the clamps (AVX-512's rounding and scaling take any x; below -126,
+// and -inf, whose reduction is NaN, the select still gives 0).
+inline vfloat amx_exp2_softmax(vfloat x) {
   return x < -126.0f ? splat(0.0f) : exp2_reduced(x);
 }
 
@@ -598,7 +615,7 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
     for (int v = 0; v < kVectors; ++v) m_ref[v] = vmax(m_ref[v], saturate(load(s_t + j * rp + c + v * kLanes) * scale));
   }
   for (int v = 0; v < kVectors; ++v) {
-    const vfloat m_new = vmax(m_ref[v], m_old[v]);
+    const vfloat m_new = next_reference_max(m_old[v], m_ref[v]);
     store(w.buf.row_max + c + v * kLanes, m_new);
     m_ref[v] = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
   }
@@ -612,11 +629,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
     for (int j = 0; j < padded / 2; ++j) {
       vfloat e = splat(0.0f), o = splat(0.0f);
       if (2 * j < n) {
-        e = amx_exp2_nonpositive((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
+        e = amx_exp2_softmax((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
         row_sum += e;
       }
       if (2 * j + 1 < n) {
-        o = amx_exp2_nonpositive((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
+        o = amx_exp2_softmax((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
         row_sum += o;
       }
       amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
