@@ -173,5 +173,17 @@ inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, in
   for (int e = 0; e < 16; ++e) _mm512_storeu_si512(words + (e0 + e) * word_stride + jp0, r[e]);
 }
 
+// Q^T pair words for the score product's panel from query rows with unit
+// feature stride: words[p][r] = word p of rows[r] (features 2p, 2p + 1) for
+// 16 rows r0 .. r0 + 15 and 16 pairs p0 .. p0 + 15; a null row is zero.
+inline void amx_pack_query_words(const uint16_t* const* rows, int r0, int p0, uint32_t* words, int64_t word_stride) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = rows[r0 + i] ? _mm512_loadu_si512(rows[r0 + i] + 2 * p0) : _mm512_setzero_si512();
+  }
+  amx_transpose_words(r);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(words + (p0 + p) * word_stride + r0, r[p]);
+}
+
 }  // namespace
 }  // namespace mlx_attn::cpu::MLX_ATTN_ISA

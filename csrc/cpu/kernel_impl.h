@@ -111,12 +111,18 @@ struct PairScale {
 inline constexpr float kPairScaleLimit = 18446744073709551616.0f;  // 2^64
 
 inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, int head_dim) {
-  float largest = 0.0f, smallest = INFINITY;  // of |q|, smallest over nonzero q
+  // Of |q|: the largest (NaN if any q is) and the smallest nonzero, on the
+  // magnitude bits, whose integer order is the float order (NaN above inf):
+  // an integer min / max the compiler vectorizes.
+  uint16_t largest_bits = 0, smallest_bits = 0xffff;
   for (int64_t i = 0; i < count; ++i) {
-    const float x = fabsf(bfloat_to_float(panel[i]));
-    largest = x > largest || x != x ? x : largest;
-    smallest = x > 0.0f && x < smallest ? x : smallest;
+    const uint16_t magnitude = panel[i] & 0x7fff;
+    const uint16_t nonzero = magnitude == 0 ? uint16_t(0xffff) : magnitude;
+    largest_bits = magnitude > largest_bits ? magnitude : largest_bits;
+    smallest_bits = nonzero < smallest_bits ? nonzero : smallest_bits;
   }
+  const float largest = bfloat_to_float(largest_bits);
+  const float smallest = smallest_bits >= 0x7f80 ? INFINITY : bfloat_to_float(smallest_bits);
   int e = 0;
   if (largest > 0.0f && largest < INFINITY && fabsf(scale) >= 2.0f) {
     int log2_dim = 0;  // ceil(log2 D)
@@ -307,7 +313,28 @@ template <ElemType T, bool kPairScore>
 MLX_ATTN_STEP void load_queries(const WorkItem& w) {
   const AttentionProblem& p = w.p;
   const int D = w.D, rp = w.rp;
-  for (int r = 0; r < w.rows; ++r) {
+#if defined(MLX_ATTN_AMX_BF16)
+  // bf16 rows with unit feature stride and whole 16 x 16 word blocks: the
+  // pair panel is a transpose of the rows' 32-bit words (pairs of features).
+  const bool word_transpose =
+      kPairScore && T == ElemType::bfloat16 && p.q_strides[3] == 1 && D % 32 == 0 && rp % 16 == 0 && rp <= 2 * kMaxRows;
+  if (word_transpose) {
+    const uint16_t* rows[2 * kMaxRows];
+    for (int r = 0; r < rp; ++r) {
+      const int64_t qi = w.tile.q_begin + w.query(r);
+      rows[r] = r < w.rows ? static_cast<const uint16_t*>(w.call.q) + w.tile.b * p.q_strides[0] +
+              w.head(r) * p.q_strides[1] + qi * p.q_strides[2]
+                           : nullptr;
+    }
+    uint32_t* words = reinterpret_cast<uint32_t*>(w.q_pairs());
+    for (int r0 = 0; r0 < rp; r0 += 16) {
+      for (int p0 = 0; p0 < w.pairs; p0 += 16) amx_pack_query_words(rows, r0, p0, words, rp);
+    }
+  }
+#else
+  constexpr bool word_transpose = false;
+#endif
+  for (int r = 0; r < (word_transpose ? 0 : w.rows); ++r) {
     const int64_t qi = w.tile.q_begin + w.query(r);
     const int64_t off = w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] + qi * p.q_strides[2];
     if constexpr (kPairScore) {
@@ -323,7 +350,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
   }
   if constexpr (kPairScore) {
     using Product = typename NativePairProduct<T>::Product;
-    for (int kp = 0; kp < w.pairs; ++kp) {
+    for (int kp = 0; kp < (word_transpose ? 0 : w.pairs); ++kp) {
       for (int r = w.rows; r < rp; ++r) {
         w.q_pairs()[kp * 2 * rp + Product::panel_offset(r, 0)] = 0;
         w.q_pairs()[kp * 2 * rp + Product::panel_offset(r, 1)] = 0;
