@@ -618,20 +618,54 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 // values, sums and bf16 rounding as scale_logits, online_softmax and
 // amx_pack_probabilities, without the three in-between stores of S^T / P^T.
 // Four 16-row vectors at a time in the max pass: independent chains.
-// exp2_below for the fused pass, whose arguments are <= kRescaleSlackLog2 or
-// NaN (scores at most the reference plus the slack): the same value for each,
-// without the clamps (AVX-512's rounding and scaling take any x; below -126,
-// and -inf, whose reduction is NaN, the select still gives 0).
+// exp2 for the fused pass, whose arguments are <= kRescaleSlackLog2 or NaN
+// (scores at most the reference plus the slack): exp2_reduced's range
+// reduction without clamps (AVX-512's rounding and scaling take any x; below
+// -126, and -inf, whose reduction is NaN, the select still gives 0) and a
+// degree-4 polynomial, relative error 2.7e-6: P is rounded to bf16 (2^-9)
+// next, and l's sum is off by no more than the error.
 inline vfloat amx_exp2_softmax(vfloat x) {
-  return x < -126.0f ? splat(0.0f) : exp2_reduced(x);
+  const vfloat whole = (vfloat)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat f = x - whole;
+  vfloat p = splat(9.570102207362652e-3f);
+  p = p * f + 5.591786280274391e-2f;
+  p = p * f + 2.40247443318367e-1f;
+  p = p * f + 6.931217908859253e-1f;
+  p = p * f + 9.999992847442627e-1f;
+  return x < -126.0f ? splat(0.0f) : (vfloat)_mm512_scalef_ps((__m512)p, (__m512)whole);
 }
 
-template <int kVectors>
-MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_scale, int c) {
+// kEdge: a block on the causal / window edge (block_on_edge); each row's
+// hidden keys take the masked sentinel in the max pass and P = 0, as
+// mask_hidden_keys then the softmax would give them, tested in registers
+// against the row's visible keys [first, last) of the block.
+template <int kVectors, bool kEdge>
+MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float logit_scale, int c) {
   const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
   float* const s_t = w.buf.scores_t;
   const vfloat scale = splat(logit_scale);
   vfloat m_old[kVectors], m_ref[kVectors], sum[kVectors];
+  __m512i first[kVectors], last[kVectors];
+  if constexpr (kEdge) {
+    for (int v = 0; v < kVectors; ++v) {
+      int32_t lo[kLanes], hi[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        const int r = c + v * kLanes + i;
+        lo[i] = 0, hi[i] = n;  // padding rows: nothing hidden, as mask_logits leaves them
+        if (r >= w.rows) continue;
+        const int pos = query_position(w.tile.seq, w.query(r));
+        const KeyRange seen = block_key_range(w.tile.seq, pos, pos);
+        lo[i] = seen.begin - kb < 0 ? 0 : (seen.begin - kb < n ? seen.begin - kb : n);
+        hi[i] = seen.end - kb < lo[i] ? lo[i] : (seen.end - kb < n ? seen.end - kb : n);
+      }
+      first[v] = _mm512_loadu_si512(lo);
+      last[v] = _mm512_loadu_si512(hi);
+    }
+  }
+  const auto hidden = [&](int v, int j) -> __mmask16 {
+    const __m512i key = _mm512_set1_epi32(j);
+    return _mm512_cmplt_epi32_mask(key, first[v]) | _mm512_cmpge_epi32_mask(key, last[v]);
+  };
   for (int v = 0; v < kVectors; ++v) {
     vfloat block_max = splat(-INFINITY);
     m_old[v] = load(w.buf.row_max + c + v * kLanes);
@@ -639,7 +673,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
     m_ref[v] = block_max;
   }
   for (int j = 0; j < n; ++j) {
-    for (int v = 0; v < kVectors; ++v) m_ref[v] = vmax(m_ref[v], saturate(load(s_t + j * rp + c + v * kLanes) * scale));
+    for (int v = 0; v < kVectors; ++v) {
+      vfloat x = saturate(load(s_t + j * rp + c + v * kLanes) * scale);
+      if constexpr (kEdge) x = (vfloat)_mm512_mask_mov_ps((__m512)x, hidden(v, j), _mm512_set1_ps(MLX_ATTN_MASKED_LOGIT));
+      m_ref[v] = vmax(m_ref[v], x);
+    }
   }
   for (int v = 0; v < kVectors; ++v) {
     const vfloat m_new = next_reference_max(m_old[v], m_ref[v]);
@@ -649,6 +687,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
   // pair row j (keys 2j, 2j + 1) overwrites float row j's same columns, read
   // already (j <= 2j)
   uint16_t* const pairs = reinterpret_cast<uint16_t*>(s_t);
+  const auto probability = [&](int v, int j, vfloat reference) {
+    vfloat e = amx_exp2_softmax((saturate(load(s_t + j * rp + c + v * kLanes) * scale) - reference) * kLog2e);
+    if constexpr (kEdge) e = (vfloat)_mm512_maskz_mov_ps(~hidden(v, j), (__m512)e);
+    return e;
+  };
   for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
     const int col = c + v * kLanes;
     const vfloat reference = m_ref[v];
@@ -656,11 +699,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
     for (int j = 0; j < padded / 2; ++j) {
       vfloat e = splat(0.0f), o = splat(0.0f);
       if (2 * j < n) {
-        e = amx_exp2_softmax((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
+        e = probability(v, 2 * j, reference);
         row_sum += e;
       }
       if (2 * j + 1 < n) {
-        o = amx_exp2_softmax((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
+        o = probability(v, 2 * j + 1, reference);
         row_sum += o;
       }
       amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
@@ -675,10 +718,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
   }
 }
 
-MLX_ATTN_STEP void amx_softmax_pack(const WorkItem& w, int n, float logit_scale) {
+template <bool kEdge>
+MLX_ATTN_STEP void amx_softmax_pack(const WorkItem& w, int kb, int n, float logit_scale) {
   int c = 0;
-  for (; c + 4 * kLanes <= w.rp; c += 4 * kLanes) amx_softmax_pack_rows<4>(w, n, logit_scale, c);
-  for (; c < w.rp; c += kLanes) amx_softmax_pack_rows<1>(w, n, logit_scale, c);
+  for (; c + 4 * kLanes <= w.rp; c += 4 * kLanes) amx_softmax_pack_rows<4, kEdge>(w, kb, n, logit_scale, c);
+  for (; c < w.rp; c += kLanes) amx_softmax_pack_rows<1, kEdge>(w, kb, n, logit_scale, c);
 }
 #endif
 
@@ -779,9 +823,12 @@ void attend_keys(const WorkItem& item, float logit_scale) {
     stage_key_block<T, Bits, kPairScore, KVLayout>(w, kb, n, block);
     score_block<T, kPairScore>(w, block);
 #if defined(MLX_ATTN_AMX_BF16)
-    if (w.amx && w.p.softcap <= 0.0f && w.p.mask_kind == MaskKind::none &&
-        !block_on_edge(seq, kb, n, first_pos, last_pos)) {
-      amx_softmax_pack(w, n, logit_scale);
+    if (w.amx && w.p.softcap <= 0.0f && w.p.mask_kind == MaskKind::none) {
+      if (block_on_edge(seq, kb, n, first_pos, last_pos)) {
+        amx_softmax_pack<true>(w, kb, n, logit_scale);
+      } else {
+        amx_softmax_pack<false>(w, kb, n, logit_scale);
+      }
       rescale_rows(w);
       amx_accumulate_packed(w, block);
       continue;
