@@ -114,15 +114,16 @@ inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, in
   // Of |q|: the largest (NaN if any q is) and the smallest nonzero, on the
   // magnitude bits, whose integer order is the float order (NaN above inf):
   // an integer min / max the compiler vectorizes.
-  uint16_t largest_bits = 0, smallest_bits = 0xffff;
+  // magnitude - 1 wraps 0 to 0xffff, out of the smallest's way.
+  uint16_t largest_bits = 0, smallest_less_one = 0xffff;
   for (int64_t i = 0; i < count; ++i) {
     const uint16_t magnitude = panel[i] & 0x7fff;
-    const uint16_t nonzero = magnitude == 0 ? uint16_t(0xffff) : magnitude;
+    const uint16_t less_one = uint16_t(magnitude - 1);
     largest_bits = magnitude > largest_bits ? magnitude : largest_bits;
-    smallest_bits = nonzero < smallest_bits ? nonzero : smallest_bits;
+    smallest_less_one = less_one < smallest_less_one ? less_one : smallest_less_one;
   }
   const float largest = bfloat_to_float(largest_bits);
-  const float smallest = smallest_bits >= 0x7f80 ? INFINITY : bfloat_to_float(smallest_bits);
+  const float smallest = smallest_less_one >= 0x7f80 ? INFINITY : bfloat_to_float(uint16_t(smallest_less_one + 1));
   int e = 0;
   if (largest > 0.0f && largest < INFINITY && fabsf(scale) >= 2.0f) {
     int log2_dim = 0;  // ceil(log2 D)
@@ -320,15 +321,14 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
       kPairScore && T == ElemType::bfloat16 && p.q_strides[3] == 1 && D % 32 == 0 && rp % 16 == 0 && rp <= 2 * kMaxRows;
   if (word_transpose) {
     const uint16_t* rows[2 * kMaxRows];
-    for (int r = 0; r < rp; ++r) {
+    for (int r = 0; r < w.rows; ++r) {
       const int64_t qi = w.tile.q_begin + w.query(r);
-      rows[r] = r < w.rows ? static_cast<const uint16_t*>(w.call.q) + w.tile.b * p.q_strides[0] +
-              w.head(r) * p.q_strides[1] + qi * p.q_strides[2]
-                           : nullptr;
+      rows[r] = static_cast<const uint16_t*>(w.call.q) + w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] +
+          qi * p.q_strides[2];
     }
     uint32_t* words = reinterpret_cast<uint32_t*>(w.q_pairs());
     for (int r0 = 0; r0 < rp; r0 += 16) {
-      for (int p0 = 0; p0 < w.pairs; p0 += 16) amx_pack_query_words(rows, r0, p0, words, rp);
+      for (int p0 = 0; p0 < w.pairs; p0 += 16) amx_pack_feature_pairs(rows, w.rows, r0, p0, words, rp);
     }
   }
 #else
@@ -427,7 +427,11 @@ MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& blo
   uint32_t* words = reinterpret_cast<uint32_t*>(w.v_t());
 #if defined(MLX_ATTN_AMX_BF16)
   if (fs == 1 && w.Dv % 16 == 0) {  // 16 x 16 word blocks transposed in registers
-    for (int e0 = 0; e0 < w.Dv; e0 += 16) {
+    int e0 = 0;
+    for (; e0 + 32 <= w.Dv; e0 += 32) {
+      for (int jp0 = 0; jp0 < padded / 2; jp0 += 16) amx_pack_value_words_32(rows, n, jp0, e0, words, kWordsPerRow);
+    }
+    for (; e0 < w.Dv; e0 += 16) {
       for (int jp0 = 0; jp0 < padded / 2; jp0 += 16) amx_pack_value_words(rows, n, jp0, e0, words, kWordsPerRow);
     }
     memset(words + w.Dv * kWordsPerRow, 0, sizeof(uint32_t) * (w.Dvp - w.Dv) * kWordsPerRow);
