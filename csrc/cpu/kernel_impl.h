@@ -628,6 +628,7 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 // -126, and -inf, whose reduction is NaN, the select still gives 0) and a
 // degree-4 polynomial, relative error 2.7e-6: P is rounded to bf16 (2^-9)
 // next, and l's sum is off by no more than the error.
+inline constexpr float kNearReference = 32.0f;
 inline vfloat amx_exp2_softmax(vfloat x) {
   const vfloat whole = (vfloat)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vfloat f = x - whole;
@@ -676,14 +677,19 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float
     sum[v] = splat(0.0f);
     m_ref[v] = block_max;
   }
+  // Saturation is monotonic: off the edge, the max of the scaled logits is
+  // saturated once (the same value, NaN included, as saturating each).
   for (int j = 0; j < n; ++j) {
     for (int v = 0; v < kVectors; ++v) {
-      vfloat x = saturate(load(s_t + j * rp + c + v * kLanes) * scale);
-      if constexpr (kEdge) x = (vfloat)_mm512_mask_mov_ps((__m512)x, hidden(v, j), _mm512_set1_ps(MLX_ATTN_MASKED_LOGIT));
+      vfloat x = load(s_t + j * rp + c + v * kLanes) * scale;
+      if constexpr (kEdge) {
+        x = (vfloat)_mm512_mask_mov_ps((__m512)saturate(x), hidden(v, j), _mm512_set1_ps(MLX_ATTN_MASKED_LOGIT));
+      }
       m_ref[v] = vmax(m_ref[v], x);
     }
   }
   for (int v = 0; v < kVectors; ++v) {
+    if constexpr (!kEdge) m_ref[v] = saturate(m_ref[v]);
     const vfloat m_new = next_reference_max(m_old[v], m_ref[v]);
     store(w.buf.row_max + c + v * kLanes, m_new);
     m_ref[v] = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
@@ -691,28 +697,45 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float
   // pair row j (keys 2j, 2j + 1) overwrites float row j's same columns, read
   // already (j <= 2j)
   uint16_t* const pairs = reinterpret_cast<uint16_t*>(s_t);
-  const auto probability = [&](int v, int j, vfloat reference) {
-    vfloat e = amx_exp2_softmax((saturate(load(s_t + j * rp + c + v * kLanes) * scale) - reference) * kLog2e);
-    if constexpr (kEdge) e = (vfloat)_mm512_maskz_mov_ps(~hidden(v, j), (__m512)e);
-    return e;
-  };
-  for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
+  // The exponent (saturate(s * scale) - m) * log2 e; where every lane's
+  // reference is within kNearReference of 0 (typical logits), one FMA
+  // s * (scale log2 e) - m log2 e: no saturation is needed there (a logit
+  // past it gives 0 or inf either way) and the rounding of scale log2 e
+  // and m log2 e moves an exponent whose P is above 2^-126 by under 2^-15,
+  // i.e. P by under 2^-15 relatively, against the 2^-9 of its bf16 rounding.
+  const vfloat scale_log2e = splat(logit_scale * kLog2e);
+  const auto pass = [&]<bool kNear>(int v) {
     const int col = c + v * kLanes;
-    const vfloat reference = m_ref[v];
+    const vfloat reference = m_ref[v], reference_log2e = m_ref[v] * kLog2e;
+    const auto probability = [&](int j) {
+      const vfloat s = load(s_t + j * rp + col);
+      vfloat e = kNear ? amx_exp2_softmax(s * scale_log2e - reference_log2e)
+                       : amx_exp2_softmax((saturate(s * scale) - reference) * kLog2e);
+      if constexpr (kEdge) e = (vfloat)_mm512_maskz_mov_ps(~hidden(v, j), (__m512)e);
+      return e;
+    };
     vfloat row_sum = splat(0.0f);
     for (int j = 0; j < padded / 2; ++j) {
       vfloat e = splat(0.0f), o = splat(0.0f);
       if (2 * j < n) {
-        e = probability(v, 2 * j, reference);
+        e = probability(2 * j);
         row_sum += e;
       }
       if (2 * j + 1 < n) {
-        o = probability(v, 2 * j + 1, reference);
+        o = probability(2 * j + 1);
         row_sum += o;
       }
       amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
     }
     sum[v] = row_sum;
+  };
+  for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
+    const vfloat magnitude = m_ref[v] < 0.0f ? -m_ref[v] : m_ref[v];
+    if (_mm512_cmp_ps_mask((__m512)magnitude, _mm512_set1_ps(kNearReference), _CMP_LE_OQ) == 0xffff) {
+      pass.template operator()<true>(v);
+    } else {
+      pass.template operator()<false>(v);
+    }
   }
   for (int v = 0; v < kVectors; ++v) {
     const int col = c + v * kLanes;
