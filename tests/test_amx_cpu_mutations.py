@@ -27,6 +27,9 @@ MUTANTS = [
     ("every other depth step skipped", "k += kAmxDepth", "k += 2 * kAmxDepth"),
     ("V^T words left untransposed", "amx_transpose_words(r);", ""),
     ("the odd key of V^T's pairs dropped", "const __m256i odd = j + 1 < n ?", "const __m256i odd = false ?"),
+    ("V^T's 32-feature pairs stored in lane order", "const int e = e0 + 8 * (x / 4) + x % 4;", "const int e = e0 + x;"),
+    ("Q^T's pair panel built from row 0 only", "row_words[i] = j0 + i < n ? _mm512_loadu_si512(rows[j0 + i]",
+     "row_words[i] = j0 + i < n ? _mm512_loadu_si512(rows[j0]"),
 ]
 DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[1]]
 

@@ -208,6 +208,45 @@ def test_every_kernel_copy_agrees(isa):
             assert_close(fused(q, k, v, **kw), reference(q, k, v, **kw), dtype)
 
 
+# Logit ramps over 700 keys (one value per key, added through feature 0):
+# rises below and above the kernel's rescale slack (8 / log2 e ~ 5.5) per
+# 64- or 128-key block, a late jump, a fall (the first block holds the max);
+# |logits| <= 20 keeps float32's own rounding of them (the reference path's
+# error too) well inside the tolerance.
+LOGIT_RAMPS = {
+    "slow rise": np.linspace(-10.0, 10.0, 700),
+    "fast rise": np.linspace(-20.0, 20.0, 700),
+    "late jump": np.where(np.arange(700) < 300, 0.0, 20.0),
+    "fall": np.linspace(30.0, 0.0, 700),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ramp", list(LOGIT_RAMPS))
+def test_lazy_rescaling_keeps_output_and_lse_exact(isa, dtype, ramp):
+    """A row's reference max trails its true max by up to the slack and
+    moves only when a block passes it by more, so P exceeds 1 (up to 2^8):
+    output and log-sum-exp must still match float64, causal or not, with
+    128 and 64 features (the AMX bf16 path and the pair / float paths)."""
+    from sdpa_cases import numpy_attention
+
+    for d in (64, 128):
+        rng = np.random.default_rng(d)
+        q = rng.standard_normal((1, 2, 40, d)).astype(np.float32) * 0.1
+        k = rng.standard_normal((1, 2, 700, d)).astype(np.float32) * 0.1
+        v = rng.standard_normal((1, 2, 700, d)).astype(np.float32)
+        q[..., 0] = 1.0
+        k[..., 0] = LOGIT_RAMPS[ramp]
+        q, k, v = (mx.array(x).astype(dtype) for x in (q, k, v))
+        for mask in (None, "causal"):
+            out, lse = mlx_attn.scaled_dot_product_attention(
+                q, k, v, scale=1.0, mask=mask, backend="fused", return_lse=True
+            )
+            want_out, want_lse = numpy_attention(q, k, v, scale=1.0, mask=mask, return_lse=True)
+            assert np.abs(np.array(lse) - want_lse).max() < 1e-4
+            assert np.abs(np.array(out.astype(mx.float32)) - want_out).max() <= TOLERANCE[dtype]
+
+
 def test_matches_mlx_fast_on_cpu():
     q, k, v = make_qkv(2, 8, 2, 100, 300, 64)
     for mask in (None, "causal"):

@@ -153,6 +153,30 @@ inline void amx_transpose_words(__m512i (&r)[16]) {
   }
 }
 
+// amx_pack_value_words for 32 features e0 .. e0 + 31 at once, with no word
+// permute: a 16-bit unpack of rows 2 jp and 2 jp + 1 pairs their features
+// in each 128-bit lane (low unpack: features 8 L + 0..3 of lane L, high:
+// 8 L + 4..7), and each transposed vector is stored as the row of its
+// feature.
+inline void amx_pack_value_words_32(const uint16_t* const* rows, int n, int jp0, int e0, uint32_t* words,
+                                    int64_t word_stride) {
+  __m512i low[16], high[16];
+  for (int i = 0; i < 16; ++i) {
+    const int j = 2 * (jp0 + i);
+    const __m512i even = j < n ? _mm512_loadu_si512(rows[j] + e0) : _mm512_setzero_si512();
+    const __m512i odd = j + 1 < n ? _mm512_loadu_si512(rows[j + 1] + e0) : _mm512_setzero_si512();
+    low[i] = _mm512_unpacklo_epi16(even, odd);
+    high[i] = _mm512_unpackhi_epi16(even, odd);
+  }
+  amx_transpose_words(low);
+  amx_transpose_words(high);
+  for (int x = 0; x < 16; ++x) {
+    const int e = e0 + 8 * (x / 4) + x % 4;
+    _mm512_storeu_si512(words + e * word_stride + jp0, low[x]);
+    _mm512_storeu_si512(words + (e + 4) * word_stride + jp0, high[x]);
+  }
+}
+
 // V^T pair words from key rows with unit feature stride: words[e][jp] =
 // (rows[2 jp][e], rows[2 jp + 1][e]) for features e0 .. e0 + 15 and key pairs
 // jp0 .. jp0 + 15, keys from n on zero. Row stride of words: word_stride.
@@ -171,6 +195,20 @@ inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, in
   }
   amx_transpose_words(r);
   for (int e = 0; e < 16; ++e) _mm512_storeu_si512(words + (e0 + e) * word_stride + jp0, r[e]);
+}
+
+// Rows as pairs of features, a B panel whose depth is the feature axis (the
+// backward's K and V): words[p][j] = (rows[j][2p], rows[j][2p + 1]) for
+// feature pairs p0 .. p0 + 15 and rows j0 .. j0 + 15 (unit feature stride),
+// rows from n on zero. Row stride of words: word_stride.
+inline void amx_pack_feature_pairs(const uint16_t* const* rows, int n, int j0, int p0, uint32_t* words,
+                                   int64_t word_stride) {
+  __m512i row_words[16];
+  for (int i = 0; i < 16; ++i) {
+    row_words[i] = j0 + i < n ? _mm512_loadu_si512(rows[j0 + i] + 2 * p0) : _mm512_setzero_si512();
+  }
+  amx_transpose_words(row_words);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(words + (p0 + p) * word_stride + j0, row_words[p]);
 }
 
 }  // namespace

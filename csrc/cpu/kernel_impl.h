@@ -111,12 +111,19 @@ struct PairScale {
 inline constexpr float kPairScaleLimit = 18446744073709551616.0f;  // 2^64
 
 inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, int head_dim) {
-  float largest = 0.0f, smallest = INFINITY;  // of |q|, smallest over nonzero q
+  // Of |q|: the largest (NaN if any q is) and the smallest nonzero, on the
+  // magnitude bits, whose integer order is the float order (NaN above inf):
+  // an integer min / max the compiler vectorizes.
+  // magnitude - 1 wraps 0 to 0xffff, out of the smallest's way.
+  uint16_t largest_bits = 0, smallest_less_one = 0xffff;
   for (int64_t i = 0; i < count; ++i) {
-    const float x = fabsf(bfloat_to_float(panel[i]));
-    largest = x > largest || x != x ? x : largest;
-    smallest = x > 0.0f && x < smallest ? x : smallest;
+    const uint16_t magnitude = panel[i] & 0x7fff;
+    const uint16_t less_one = uint16_t(magnitude - 1);
+    largest_bits = magnitude > largest_bits ? magnitude : largest_bits;
+    smallest_less_one = less_one < smallest_less_one ? less_one : smallest_less_one;
   }
+  const float largest = bfloat_to_float(largest_bits);
+  const float smallest = smallest_less_one >= 0x7f80 ? INFINITY : bfloat_to_float(uint16_t(smallest_less_one + 1));
   int e = 0;
   if (largest > 0.0f && largest < INFINITY && fabsf(scale) >= 2.0f) {
     int log2_dim = 0;  // ceil(log2 D)
@@ -307,7 +314,27 @@ template <ElemType T, bool kPairScore>
 MLX_ATTN_STEP void load_queries(const WorkItem& w) {
   const AttentionProblem& p = w.p;
   const int D = w.D, rp = w.rp;
-  for (int r = 0; r < w.rows; ++r) {
+#if defined(MLX_ATTN_AMX_BF16)
+  // bf16 rows with unit feature stride and whole 16 x 16 word blocks: the
+  // pair panel is a transpose of the rows' 32-bit words (pairs of features).
+  const bool word_transpose =
+      kPairScore && T == ElemType::bfloat16 && p.q_strides[3] == 1 && D % 32 == 0 && rp % 16 == 0 && rp <= 2 * kMaxRows;
+  if (word_transpose) {
+    const uint16_t* rows[2 * kMaxRows];
+    for (int r = 0; r < w.rows; ++r) {
+      const int64_t qi = w.tile.q_begin + w.query(r);
+      rows[r] = static_cast<const uint16_t*>(w.call.q) + w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] +
+          qi * p.q_strides[2];
+    }
+    uint32_t* words = reinterpret_cast<uint32_t*>(w.q_pairs());
+    for (int r0 = 0; r0 < rp; r0 += 16) {
+      for (int p0 = 0; p0 < w.pairs; p0 += 16) amx_pack_feature_pairs(rows, w.rows, r0, p0, words, rp);
+    }
+  }
+#else
+  constexpr bool word_transpose = false;
+#endif
+  for (int r = 0; r < (word_transpose ? 0 : w.rows); ++r) {
     const int64_t qi = w.tile.q_begin + w.query(r);
     const int64_t off = w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] + qi * p.q_strides[2];
     if constexpr (kPairScore) {
@@ -323,7 +350,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
   }
   if constexpr (kPairScore) {
     using Product = typename NativePairProduct<T>::Product;
-    for (int kp = 0; kp < w.pairs; ++kp) {
+    for (int kp = 0; kp < (word_transpose ? 0 : w.pairs); ++kp) {
       for (int r = w.rows; r < rp; ++r) {
         w.q_pairs()[kp * 2 * rp + Product::panel_offset(r, 0)] = 0;
         w.q_pairs()[kp * 2 * rp + Product::panel_offset(r, 1)] = 0;
@@ -400,7 +427,11 @@ MLX_ATTN_STEP void pack_values_transposed(const WorkItem& w, const KeyBlock& blo
   uint32_t* words = reinterpret_cast<uint32_t*>(w.v_t());
 #if defined(MLX_ATTN_AMX_BF16)
   if (fs == 1 && w.Dv % 16 == 0) {  // 16 x 16 word blocks transposed in registers
-    for (int e0 = 0; e0 < w.Dv; e0 += 16) {
+    int e0 = 0;
+    for (; e0 + 32 <= w.Dv; e0 += 32) {
+      for (int jp0 = 0; jp0 < padded / 2; jp0 += 16) amx_pack_value_words_32(rows, n, jp0, e0, words, kWordsPerRow);
+    }
+    for (; e0 < w.Dv; e0 += 16) {
       for (int jp0 = 0; jp0 < padded / 2; jp0 += 16) amx_pack_value_words(rows, n, jp0, e0, words, kWordsPerRow);
     }
     memset(words + w.Dv * kWordsPerRow, 0, sizeof(uint32_t) * (w.Dvp - w.Dv) * kWordsPerRow);
@@ -541,23 +572,40 @@ MLX_ATTN_STEP void mask_logits(const WorkItem& w, const KeyBlock& block, int fir
   }
 }
 
-// online softmax (Metal: prefill_online_softmax): m_new = max(m, max S),
-// P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per row
-// into buf.rescale for rescale_rows.
+// Lazy rescaling (as in FlashAttention-4): a row's reference max m, against
+// which P = exp(S - m), l and O are taken, moves only when a block's max
+// passes it by more than kRescaleSlack (P <= 2^kRescaleSlackLog2), so after
+// the first few blocks O and l are almost never rescaled. Exact: O / l and
+// the log-sum-exp m + log l use the same reference, whichever it is.
+inline constexpr float kRescaleSlackLog2 = 8.0f;
+inline constexpr float kRescaleSlack = kRescaleSlackLog2 / kLog2e;
+
+// The row's next reference max: the old one unless the block's max passes it
+// by more than the slack (a row that saw nothing yet, m = -inf or the masked
+// sentinel, takes any larger max). A NaN block max leaves m as it is, as
+// the running max did: the NaN reaches the row through P.
+inline vfloat next_reference_max(vfloat m_old, vfloat block_max) {
+  const vfloat m_new = vmax(block_max, m_old);
+  return m_new <= m_old + kRescaleSlack ? m_old : m_new;
+}
+
+// online softmax (Metal: prefill_online_softmax): m_new = the next reference
+// max, P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per
+// row into buf.rescale for rescale_rows (1 where the reference stayed).
 MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
   const int rp = w.rp;
   for (int c = 0; c < rp; c += kLanes) {
     vfloat block_max = splat(-INFINITY);
     for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(w.buf.scores_t + j * rp + c));
     const vfloat m_old = load(w.buf.row_max + c);
-    const vfloat m_new = vmax(block_max, m_old);
+    const vfloat m_new = next_reference_max(m_old, block_max);
     // A row with nothing visible yet (m = -inf, or the masked sentinel)
     // takes its exponents against 0: its P and alpha are then 0.
     const vfloat m_ref = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
     vfloat sum = splat(0.0f);
     for (int j = 0; j < n; ++j) {
       float* s = w.buf.scores_t + j * rp + c;
-      const vfloat e = exp2_vec((load(s) - m_ref) * kLog2e);
+      const vfloat e = exp2_below((load(s) - m_ref) * kLog2e, kRescaleSlackLog2);
       store(s, e);
       sum += e;
     }
@@ -574,54 +622,120 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
 // values, sums and bf16 rounding as scale_logits, online_softmax and
 // amx_pack_probabilities, without the three in-between stores of S^T / P^T.
 // Four 16-row vectors at a time in the max pass: independent chains.
-// exp2_vec for the fused pass, whose arguments are <= 0 or NaN (scores at
-// most the reference): the same value for each, without the clamps into
-// [-126, 0] (AVX-512's rounding and scaling take any x; below -126, and
-// -inf, whose reduction is NaN, the select still gives 0).
-inline vfloat amx_exp2_nonpositive(vfloat x) {
-  return x < -126.0f ? splat(0.0f) : exp2_reduced(x);
+// exp2 for the fused pass, whose arguments are <= kRescaleSlackLog2 or NaN
+// (scores at most the reference plus the slack): exp2_reduced's range
+// reduction without clamps (AVX-512's rounding and scaling take any x; below
+// -126, and -inf, whose reduction is NaN, the select still gives 0) and a
+// degree-4 polynomial, relative error 2.7e-6: P is rounded to bf16 (2^-9)
+// next, and l's sum is off by no more than the error.
+inline constexpr float kNearReference = 32.0f;
+inline vfloat amx_exp2_softmax(vfloat x) {
+  const vfloat whole = (vfloat)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat f = x - whole;
+  vfloat p = splat(9.570102207362652e-3f);
+  p = p * f + 5.591786280274391e-2f;
+  p = p * f + 2.40247443318367e-1f;
+  p = p * f + 6.931217908859253e-1f;
+  p = p * f + 9.999992847442627e-1f;
+  return x < -126.0f ? splat(0.0f) : (vfloat)_mm512_scalef_ps((__m512)p, (__m512)whole);
 }
 
-template <int kVectors>
-MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_scale, int c) {
+// kEdge: a block on the causal / window edge (block_on_edge); each row's
+// hidden keys take the masked sentinel in the max pass and P = 0, as
+// mask_hidden_keys then the softmax would give them, tested in registers
+// against the row's visible keys [first, last) of the block.
+template <int kVectors, bool kEdge>
+MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float logit_scale, int c) {
   const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
   float* const s_t = w.buf.scores_t;
   const vfloat scale = splat(logit_scale);
   vfloat m_old[kVectors], m_ref[kVectors], sum[kVectors];
+  __m512i first[kVectors], last[kVectors];
+  if constexpr (kEdge) {
+    for (int v = 0; v < kVectors; ++v) {
+      int32_t lo[kLanes], hi[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        const int r = c + v * kLanes + i;
+        lo[i] = 0, hi[i] = n;  // padding rows: nothing hidden, as mask_logits leaves them
+        if (r >= w.rows) continue;
+        const int pos = query_position(w.tile.seq, w.query(r));
+        const KeyRange seen = block_key_range(w.tile.seq, pos, pos);
+        lo[i] = seen.begin - kb < 0 ? 0 : (seen.begin - kb < n ? seen.begin - kb : n);
+        hi[i] = seen.end - kb < lo[i] ? lo[i] : (seen.end - kb < n ? seen.end - kb : n);
+      }
+      first[v] = _mm512_loadu_si512(lo);
+      last[v] = _mm512_loadu_si512(hi);
+    }
+  }
+  const auto hidden = [&](int v, int j) -> __mmask16 {
+    const __m512i key = _mm512_set1_epi32(j);
+    return _mm512_cmplt_epi32_mask(key, first[v]) | _mm512_cmpge_epi32_mask(key, last[v]);
+  };
   for (int v = 0; v < kVectors; ++v) {
     vfloat block_max = splat(-INFINITY);
     m_old[v] = load(w.buf.row_max + c + v * kLanes);
     sum[v] = splat(0.0f);
     m_ref[v] = block_max;
   }
+  // Saturation is monotonic: off the edge, the max of the scaled logits is
+  // saturated once (the same value, NaN included, as saturating each).
   for (int j = 0; j < n; ++j) {
-    for (int v = 0; v < kVectors; ++v) m_ref[v] = vmax(m_ref[v], saturate(load(s_t + j * rp + c + v * kLanes) * scale));
+    for (int v = 0; v < kVectors; ++v) {
+      vfloat x = load(s_t + j * rp + c + v * kLanes) * scale;
+      if constexpr (kEdge) {
+        x = (vfloat)_mm512_mask_mov_ps((__m512)saturate(x), hidden(v, j), _mm512_set1_ps(MLX_ATTN_MASKED_LOGIT));
+      }
+      m_ref[v] = vmax(m_ref[v], x);
+    }
   }
   for (int v = 0; v < kVectors; ++v) {
-    const vfloat m_new = vmax(m_ref[v], m_old[v]);
+    if constexpr (!kEdge) m_ref[v] = saturate(m_ref[v]);
+    const vfloat m_new = next_reference_max(m_old[v], m_ref[v]);
     store(w.buf.row_max + c + v * kLanes, m_new);
     m_ref[v] = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
   }
   // pair row j (keys 2j, 2j + 1) overwrites float row j's same columns, read
   // already (j <= 2j)
   uint16_t* const pairs = reinterpret_cast<uint16_t*>(s_t);
-  for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
+  // The exponent (saturate(s * scale) - m) * log2 e; where every lane's
+  // reference is within kNearReference of 0 (typical logits), one FMA
+  // s * (scale log2 e) - m log2 e: no saturation is needed there (a logit
+  // past it gives 0 or inf either way) and the rounding of scale log2 e
+  // and m log2 e moves an exponent whose P is above 2^-126 by under 2^-15,
+  // i.e. P by under 2^-15 relatively, against the 2^-9 of its bf16 rounding.
+  const vfloat scale_log2e = splat(logit_scale * kLog2e);
+  const auto pass = [&]<bool kNear>(int v) {
     const int col = c + v * kLanes;
-    const vfloat reference = m_ref[v];
+    const vfloat reference = m_ref[v], reference_log2e = m_ref[v] * kLog2e;
+    const auto probability = [&](int j) {
+      const vfloat s = load(s_t + j * rp + col);
+      vfloat e = kNear ? amx_exp2_softmax(s * scale_log2e - reference_log2e)
+                       : amx_exp2_softmax((saturate(s * scale) - reference) * kLog2e);
+      if constexpr (kEdge) e = (vfloat)_mm512_maskz_mov_ps(~hidden(v, j), (__m512)e);
+      return e;
+    };
     vfloat row_sum = splat(0.0f);
     for (int j = 0; j < padded / 2; ++j) {
       vfloat e = splat(0.0f), o = splat(0.0f);
       if (2 * j < n) {
-        e = amx_exp2_nonpositive((saturate(load(s_t + 2 * j * rp + col) * scale) - reference) * kLog2e);
+        e = probability(2 * j);
         row_sum += e;
       }
       if (2 * j + 1 < n) {
-        o = amx_exp2_nonpositive((saturate(load(s_t + (2 * j + 1) * rp + col) * scale) - reference) * kLog2e);
+        o = probability(2 * j + 1);
         row_sum += o;
       }
       amx_store_probability_pairs(pairs + int64_t(j) * 2 * rp + 2 * col, (__m512)e, (__m512)o);
     }
     sum[v] = row_sum;
+  };
+  for (int v = 0; v < kVectors; ++v) {  // one vector at a time: its sum stays in a register
+    const vfloat magnitude = m_ref[v] < 0.0f ? -m_ref[v] : m_ref[v];
+    if (_mm512_cmp_ps_mask((__m512)magnitude, _mm512_set1_ps(kNearReference), _CMP_LE_OQ) == 0xffff) {
+      pass.template operator()<true>(v);
+    } else {
+      pass.template operator()<false>(v);
+    }
   }
   for (int v = 0; v < kVectors; ++v) {
     const int col = c + v * kLanes;
@@ -631,10 +745,11 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int n, float logit_s
   }
 }
 
-MLX_ATTN_STEP void amx_softmax_pack(const WorkItem& w, int n, float logit_scale) {
+template <bool kEdge>
+MLX_ATTN_STEP void amx_softmax_pack(const WorkItem& w, int kb, int n, float logit_scale) {
   int c = 0;
-  for (; c + 4 * kLanes <= w.rp; c += 4 * kLanes) amx_softmax_pack_rows<4>(w, n, logit_scale, c);
-  for (; c < w.rp; c += kLanes) amx_softmax_pack_rows<1>(w, n, logit_scale, c);
+  for (; c + 4 * kLanes <= w.rp; c += 4 * kLanes) amx_softmax_pack_rows<4, kEdge>(w, kb, n, logit_scale, c);
+  for (; c < w.rp; c += kLanes) amx_softmax_pack_rows<1, kEdge>(w, kb, n, logit_scale, c);
 }
 #endif
 
@@ -735,9 +850,12 @@ void attend_keys(const WorkItem& item, float logit_scale) {
     stage_key_block<T, Bits, kPairScore, KVLayout>(w, kb, n, block);
     score_block<T, kPairScore>(w, block);
 #if defined(MLX_ATTN_AMX_BF16)
-    if (w.amx && w.p.softcap <= 0.0f && w.p.mask_kind == MaskKind::none &&
-        !block_on_edge(seq, kb, n, first_pos, last_pos)) {
-      amx_softmax_pack(w, n, logit_scale);
+    if (w.amx && w.p.softcap <= 0.0f && w.p.mask_kind == MaskKind::none) {
+      if (block_on_edge(seq, kb, n, first_pos, last_pos)) {
+        amx_softmax_pack<true>(w, kb, n, logit_scale);
+      } else {
+        amx_softmax_pack<false>(w, kb, n, logit_scale);
+      }
       rescale_rows(w);
       amx_accumulate_packed(w, block);
       continue;

@@ -94,6 +94,16 @@ inline vfloat exp2_vec(vfloat x) {
   return x < lo ? splat(0.0f) : exp2_reduced(xc);
 }
 
+// 2^x for x <= ceiling (ceiling >= 0, at most 127): exp2_vec with a higher
+// clamp, for the online softmax whose reference max may trail the row's max
+// (kernel_impl.h kRescaleSlack); arguments below -126 give exactly 0.
+inline vfloat exp2_below(vfloat x, float ceiling) {
+  const vfloat lo = splat(-126.0f);
+  vfloat xc = x < lo ? lo : x;
+  xc = xc > ceiling ? splat(ceiling) : xc;
+  return x < lo ? splat(0.0f) : exp2_reduced(xc);
+}
+
 // tanh on a vector, for softcap_logit (metal/attention_rules.h through
 // csrc/cpu/rules.h); any x: +-inf give +-1, NaN stays NaN. Where |x| < 0.5
 // the odd Taylor series to x^15 (truncation < 1e-8 relative; no
