@@ -42,6 +42,7 @@ TTFT p50 / p95 side by side (writes PATH_cascade.json):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -52,7 +53,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kernel_lab.serving_load import QUESTIONS, Server, chat, free_port, load_phase
+from kernel_lab.serving_load import QUESTIONS, Server, chat, free_port, load_phase, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM_TEXT = ("You are a careful assistant for a library. The library opens at nine and closes at six. Books may "
