@@ -103,7 +103,8 @@ def cascade_comparison(model_dir: Path, system_text: str, args, logs: Path) -> d
             command = [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir), "--log-level",
                        "warning", "--max-tokens", str(args.max_tokens), "--cascade", side, *args.serve_args.split(),
                        "--port", str(port)]
-            sides[side] = (port, Server(f"mlx-attn serve --cascade {side}", command, port, logs / f"cascade_{side}.log"))
+            sides[side] = (port, Server(f"mlx-attn serve --cascade {side}", command, port, logs / f"cascade_{side}.log",
+                                        cwd=logs))  # outside the checkout: the installed package, with _ext
         for side, (port, _) in sides.items():  # the system prompt's pages into each server's prefix cache
             system_message = [{"role": "system", "content": system_text}] if system_text else []
             chat(port, system_message + [{"role": "user", "content": QUESTIONS[0]}], 2)
