@@ -42,16 +42,18 @@ TTFT p50 / p95 side by side (writes PATH_cascade.json):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
-from kernel_lab.serving_load import QUESTIONS, Server, chat, free_port, load_phase
+from kernel_lab.serving_load import QUESTIONS, Server, chat, free_port, load_phase, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM_TEXT = ("You are a careful assistant for a library. The library opens at nine and closes at six. Books may "
@@ -101,7 +103,8 @@ def cascade_comparison(model_dir: Path, system_text: str, args, logs: Path) -> d
             command = [sys.executable, "-m", "mlx_attn.lm", "serve", "--model", str(model_dir), "--log-level",
                        "warning", "--max-tokens", str(args.max_tokens), "--cascade", side, *args.serve_args.split(),
                        "--port", str(port)]
-            sides[side] = (port, Server(f"mlx-attn serve --cascade {side}", command, port, logs / f"cascade_{side}.log"))
+            sides[side] = (port, Server(f"mlx-attn serve --cascade {side}", command, port, logs / f"cascade_{side}.log",
+                                        cwd=logs))  # outside the checkout: the installed package, with _ext
         for side, (port, _) in sides.items():  # the system prompt's pages into each server's prefix cache
             system_message = [{"role": "system", "content": system_text}] if system_text else []
             chat(port, system_message + [{"role": "user", "content": QUESTIONS[0]}], 2)

@@ -80,7 +80,7 @@ from mlx_attn.core.paged_layout import (PagedLayout, check_float_array, check_in
                                         page_shape)
 from mlx_attn.core.path_choice import PagedPath, check_backend
 from mlx_attn.core.quantization import check_quantization, check_triple
-from mlx_attn.paged_cascade import CascadePlan, merge_cascade, plan_cascade, run_fused_cascade
+from mlx_attn.paged_cascade import CascadePlan, fused_cascade_runs, merge_cascade, plan_cascade, run_fused_cascade
 from mlx_attn.paged_reference import gather_pages, paged_reference_attention
 
 __all__ = [
@@ -613,7 +613,10 @@ class _CascadeCall:
         if sinks is not None:
             arrays.append(cast(sinks))
         with _stream_scope(full.stream):
-            outputs = self._inference_only_cpu(*arrays)
+            if fused_cascade_runs(self.plan):  # the primitive refuses gradients itself
+                outputs = _run_cascade_cpu(full, self.plan, *arrays)
+            else:
+                outputs = self._inference_only_cpu(*arrays)
         return tuple(outputs) if full.return_lse else outputs[0]
 
     @functools.cached_property
@@ -638,7 +641,10 @@ class _CascadeCall:
             def run(*a):
                 return _run_cascade_cpu(call, self.plan, *a)
         with _stream_scope(call.stream):
-            outputs = _inference_only(run, arrays)
+            if self.path == "cascade-cpu" and fused_cascade_runs(self.plan):  # refuses gradients itself
+                outputs = run(*arrays)
+            else:
+                outputs = _inference_only(run, arrays)
         return tuple(outputs) if call.return_lse else outputs[0]
 
 

@@ -41,7 +41,7 @@ from mlx_attn import _native
 from mlx_attn.reference import LOGIT_LIMIT
 
 __all__ = ["CascadePlan", "PassPlan", "plan_cascade", "prefix_splits", "merge_cascade", "merge_splits",
-           "run_fused_cascade", "FUSED_MERGE"]
+           "run_fused_cascade", "fused_cascade_runs", "FUSED_MERGE"]
 
 # The passes and the merge as one C++ primitive (csrc/ops/cascade_attention.cpp),
 # or the merge alone as one (csrc/ops/cascade_merge.cpp), where the extension is
@@ -275,6 +275,15 @@ def _merge_inputs(plan: CascadePlan, sinks, heads: int):
     return made["fused"], made["no sinks"]
 
 
+def fused_cascade_runs(plan: CascadePlan) -> bool:
+    """Whether :func:`run_fused_cascade` takes ``plan`` (the extension has the
+    one-primitive cascade, and the plan's key splits fit its merge). That
+    primitive refuses gradients itself (ValueError, "inference only")."""
+    ext = _native.ext
+    return (FUSED_MERGE and ext is not None and hasattr(ext, "cascade_paged_attention")
+            and plan.prefix_index.shape[0] <= MAX_FUSED_SPLITS)
+
+
 def run_fused_cascade(plan: CascadePlan, q, k_parts, v_parts, sinks, *, heads: int, options: dict, stream):
     """``[out, lse]`` of the whole cascade as one C++ primitive
     (csrc/ops/cascade_attention.cpp: the three passes over their gathered
@@ -282,15 +291,13 @@ def run_fused_cascade(plan: CascadePlan, q, k_parts, v_parts, sinks, *, heads: i
     none (then the passes run as separate paged calls and
     :func:`merge_cascade` merges). ``options``: the paged kernel's (scale,
     causal, window, softcap, bits, group size)."""
-    ext = _native.ext
-    if (not FUSED_MERGE or ext is None or not hasattr(ext, "cascade_paged_attention")
-            or plan.prefix_index.shape[0] > MAX_FUSED_SPLITS):
+    if not fused_cascade_runs(plan):
         return None
     made = plan.merge_arrays
     if "passes" not in made:
         made["passes"] = [a for p in (plan.prefix, plan.suffix, plan.direct) for a in p.kernel_arrays()]
     indices, sink = _merge_inputs(plan, sinks, heads)
-    return ext.cascade_paged_attention(q, list(k_parts), list(v_parts), made["passes"], *indices, sink, sinks=sinks,
+    return _native.ext.cascade_paged_attention(q, list(k_parts), list(v_parts), made["passes"], *indices, sink, sinks=sinks,
                                        stream=stream, output_lse=True, **options)
 
 

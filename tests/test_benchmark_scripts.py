@@ -320,3 +320,41 @@ def test_serve_benchmark_cascade_table():
     assert "| aggregate tokens/s (median of 2 rounds) | 16.0 | 8.0 | 2.00x |" in table
     assert "| TTFT p50 (s) (median of 2 rounds) | 1.50 | 3.00 | 0.50x |" in table
     assert "c16, no system prompt, 32 tokens each" in bench.cascade_table(rounds, 0, 16, 32)
+
+
+def test_serve_benchmark_cascade_rounds_without_servers(monkeypatch, tmp_path):
+    """bench_serve.py --cascade's rounds over stand-in servers and chats: each
+    round times its 16 concurrent chats, and both servers start outside the
+    checkout (there ``python -m`` imports the installed package, with _ext)."""
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH.parent / "bench_serve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    started = []
+
+    class StandIn:
+        def __init__(self, name, command, port, log, cwd=None, env=None):
+            started.append((command, cwd))
+
+        def stop(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stop()
+
+    chats = []
+    monkeypatch.setattr(bench, "Server", StandIn)
+    monkeypatch.setattr(bench, "chat", lambda port, messages, n: chats.append(messages) or {"ttft": 0.5, "tokens": n})
+
+    class Args:
+        max_tokens, serve_args, cascade_rounds, cascade_concurrency = 8, "", 2, 16
+
+    results = bench.cascade_comparison(tmp_path, "shared", Args, tmp_path)
+    assert [c[1] for c in started] == [tmp_path, tmp_path]
+    assert sorted(c[0][c[0].index("--cascade") + 1] for c in started) == ["off", "on"]
+    assert len(chats) == 2 + 2 * 2 * 16  # one priming chat a server, then the rounds
+    for side in ("on", "off"):
+        assert len(results[side]) == 2
+        assert all(r["tokens"] == 16 * 8 and r["ttft_p50"] == 0.5 for r in results[side])

@@ -292,6 +292,23 @@ def test_reference_backend_and_paths():
         mx.grad(lambda q: cascade_paged_attention(q, *args[1:], q_lens=case["q_lens"], scale=0.3).sum())(args[0])
 
 
+def test_the_one_primitive_cascade_refuses_every_transform():
+    # the CPU runner calls the primitive without an mx.custom_function around
+    # it, so the primitive itself must refuse gradients, jvp and vmap
+    case = make_case(np.random.default_rng(17), GROUPS, LOOSE)
+    tables = paged.CascadeTables(*(case[n] for n in ("prefix_table", "prefix_lens", "prefix_groups", "block_table",
+                                               "kv_lens")), case["q_lens"])
+    run = lambda q: tables.attention(q, case["k"], case["v"], scale=0.4)  # noqa: E731
+    mx.eval(run(case["q"]))
+    assert paged_cascade.fused_cascade_runs(next(iter(tables._plans.values())))
+    with pytest.raises(ValueError, match="inference only"):
+        mx.grad(lambda q: run(q).sum())(case["q"])
+    with pytest.raises(ValueError, match="inference only"):
+        mx.jvp(run, [case["q"]], [mx.ones_like(case["q"])])
+    with pytest.raises(ValueError, match="no vmap"):
+        mx.eval(mx.vmap(run)(case["q"][None]))
+
+
 def test_no_groups_at_all_is_the_paged_op():
     case = make_case(np.random.default_rng(8), [], [(1, 9), (4, 12), (0, 3)])
     check(case, window_size=5)

@@ -828,7 +828,11 @@ MLX_ATTN_STEP void normalize_rows(const WorkItem& w) {
     // l == 0: the row saw nothing (zeros); a NaN sum (NaN data) stays NaN
     const float factor = l == 0.0f ? 0.0f : correction / l;
     const int64_t row_index = KVLayout::out_row(w.call, w.tile, h, w.query(r));
-    for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, w.acc_at(r, e) * factor);
+    if (w.amx) {  // O^T: the row is strided
+      for (int e = 0; e < w.Dv; ++e) store_elem<T>(w.call.out, row_index * w.Dv + e, w.acc_at(r, e) * factor);
+    } else {
+      store_row<T>(w.call.out, row_index * w.Dv, w.buf.acc + int64_t(r) * w.Dvp, factor, w.Dv);
+    }
     if (w.call.lse) w.call.lse[row_index] = l == 0.0f ? -INFINITY : m + logf(l);
   }
 }

@@ -111,6 +111,26 @@ std::vector<mx::Shape> CascadePagedAttention::output_shapes(const std::vector<mx
   return {{q.shape(0), q.shape(1), value_dim}, {q.shape(0), q.shape(1)}};
 }
 
+// The message of mlx_attn.paged's inference-only wrapper (_INFERENCE_ONLY), which the tests match.
+constexpr const char* kInferenceOnly =
+    "paged_attention is inference only: it has no gradient (use mlx_attn.scaled_dot_product_attention "
+    "on contiguous K/V to train)";
+
+std::vector<mx::array> CascadePagedAttention::vjp(const std::vector<mx::array>&, const std::vector<mx::array>&,
+                                                  const std::vector<int>&, const std::vector<mx::array>&) {
+  throw std::invalid_argument(kInferenceOnly);
+}
+
+std::vector<mx::array> CascadePagedAttention::jvp(const std::vector<mx::array>&, const std::vector<mx::array>&,
+                                                  const std::vector<int>&) {
+  throw std::invalid_argument(kInferenceOnly);
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> CascadePagedAttention::vmap(const std::vector<mx::array>&,
+                                                                                const std::vector<int>&) {
+  throw std::invalid_argument(std::string("[") + kOp + "] has no vmap: call it once per batch of tables");
+}
+
 bool CascadePagedAttention::is_equivalent(const mx::Primitive& other) const {
   return options_ == static_cast<const CascadePagedAttention&>(other).options_;
 }

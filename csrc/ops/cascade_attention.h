@@ -33,6 +33,15 @@ class CascadePagedAttention : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // Inference only: each transform raises (ValueError in Python), so the
+  // runner needs no mx.custom_function around the call (a node and tens of
+  // microseconds of Python per layer).
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override;
+  std::vector<mx::array> jvp(const std::vector<mx::array>&, const std::vector<mx::array>&,
+                             const std::vector<int>&) override;
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>&,
+                                                           const std::vector<int>&) override;
   bool is_equivalent(const mx::Primitive& other) const override;
   const char* name() const override {
     return "CascadePagedAttention";
