@@ -138,11 +138,13 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
     mx.eval(model.parameters())  # loaded here, used on the engine's thread
 
     def make_engine():
-        return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
-                      cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                      prefill_group_tokens=device_prefill_group_tokens() if prefill_group_tokens is None
-                      else prefill_group_tokens or None)
+        engine = Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
+                        max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
+                        cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                        prefill_group_tokens=device_prefill_group_tokens() if prefill_group_tokens is None
+                        else prefill_group_tokens or None)
+        engine.warm_up()  # the first request does not wait for the decode step's trace
+        return engine
 
     from mlx_attn.serve.tool_calls import prepare_tokenizer
 
