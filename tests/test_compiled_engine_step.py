@@ -102,3 +102,20 @@ def test_pages_of_another_dtype_keep_the_eager_step():
             assert "float16" in engine.decode_steps.disabled_reason and engine.decode_steps.steps == 0
     assert outputs[True] == outputs[False]
 
+
+
+def test_copy_on_write_updates_the_pool_in_place():
+    """Copying a page holds one page's rows more, never a second pool."""
+    store = PagedKVStore(256, 16, n_layers=4, n_kv_heads=2, head_dim=64, dtype=mx.float32)
+    store.keys = [mx.random.normal(k.shape) for k in store.keys]
+    mx.eval(store.keys, store.values)
+    before = [np.array(k[3]) for k in store.keys]
+    layer_bytes = store.keys[0].nbytes
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    store.copy([(3, 7), (3, 9)])
+    mx.eval(store.keys, store.values)
+    assert mx.get_peak_memory() - active < layer_bytes // 4
+    for k, page in zip(store.keys, before):
+        np.testing.assert_array_equal(np.array(k[7]), page)
+        np.testing.assert_array_equal(np.array(k[9]), page)
