@@ -78,8 +78,10 @@ def test_one_trace_per_rows_and_table_width():
 def test_warm_up_traces_the_one_request_step_and_leaves_outputs_alone():
     model = tiny_llama(seed=9)
     engine = Engine(model, kv_tokens=64, page_size=4, dtype=mx.float32)
-    engine.warm_up()
-    assert engine.decode_steps.traced_shapes == {(1, 16)}
+    with pytest.raises(ValueError, match="max_rows"):
+        engine.warm_up(0)
+    engine.warm_up(3)
+    assert engine.decode_steps.traced_shapes == {(1, 16), (2, 16), (3, 16)}
     engine.submit("a", [1, 2, 3, 4, 5], 6)
     engine.step()
     with pytest.raises(RuntimeError, match="idle"):

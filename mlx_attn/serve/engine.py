@@ -475,20 +475,24 @@ class Engine:
             self.generated[rid] += 1
         return kept
 
-    def warm_up(self) -> None:
-        """Trace the one-request decode step now (a server calls this before
-        serving, so its first request does not wait for the trace). Writes
-        one K/V row into page 0, which an idle engine holds free."""
+    def warm_up(self, max_rows: int = 1) -> None:
+        """Trace the decode steps of 1 to ``max_rows`` requests now (a server
+        calls this before serving, so no request waits for a trace). Writes
+        one K/V row per row into the first pages, which an idle engine holds
+        free (each row reads back its own)."""
         if self.decode_steps is None:
             return
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
         if not self.idle or self.pool.free_pages != self.pool.num_pages:
             raise RuntimeError("warm_up needs an idle engine whose pages are all free")
-        one = np.ones(1, np.int32)
-        zero = np.zeros(1, np.int32)
-        arrays = {"tokens": zero, "positions": zero, "write_pages": zero, "write_slots": zero, "q_lens": one,
-                  "kv_lens": one, "block_table": zero[:, None]}
-        logits = self.decode_steps.step(self.decode_steps.step_arrays(arrays))
-        mx.eval(logits if logits is not None else [], self.store.keys, self.store.values)
+        for rows in range(1, min(max_rows, self.pool.num_pages) + 1):
+            pages = np.arange(rows, dtype=np.int32)
+            zeros, ones = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+            arrays = {"tokens": zeros, "positions": zeros, "write_pages": pages, "write_slots": zeros,
+                      "q_lens": ones, "kv_lens": ones, "block_table": pages[:, None]}
+            logits = self.decode_steps.step(self.decode_steps.step_arrays(arrays))
+            mx.eval(logits if logits is not None else [], self.store.keys, self.store.values)
 
     def _save_states(self) -> None:
         """File the states the step recorded at page boundaries under those
