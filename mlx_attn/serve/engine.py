@@ -11,6 +11,8 @@ says the shared read pays, cascade attention with those groups (one
 :class:`mlx_attn.paged.CascadeTables` per step; ``cascade=False`` turns that
 off). The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
+A step of decode rows only runs compiled, traced once per shape
+(:mod:`mlx_attn.serve.compiled_step`), its sampling in the same evaluation.
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
 (:func:`prepare_weights`): on MLX's CPU device quantized layers keep only
