@@ -11,6 +11,8 @@ says the shared read pays, cascade attention with those groups (one
 :class:`mlx_attn.paged.CascadeTables` per step; ``cascade=False`` turns that
 off). The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
+A step of decode rows only runs compiled, traced once per shape
+(:mod:`mlx_attn.serve.compiled_step`), its sampling in the same evaluation.
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
 (:func:`prepare_weights`): on MLX's CPU device quantized layers keep only
@@ -41,6 +43,7 @@ from mlx_attn.lm import quantized_matmul
 from mlx_attn.lm.quantized_matmul import hold_float32_weights, use_row_adaptive_matmuls
 from mlx_attn.paged import CascadeTables
 from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, CascadeRule, SharedPrefixLevels, shared_prefix_groups
+from mlx_attn.serve.compiled_step import CompiledDecodeSteps
 from mlx_attn.serve.constraints import Constraint, masks_to_bias
 from mlx_attn.serve.draft_model import DraftModel, DraftRows
 from mlx_attn.serve.kv_store import PagedKVStore
@@ -285,6 +288,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch_tokens, max_running, prefix_reuse=self.prefix_reuse,
                                    reusable_pages=reusable_pages, speculation=speculation,
                                    prefill_group_tokens=prefill_group_tokens)
+        # decode-only steps traced once per shape (None: every step eager, and why; see compiled_step)
+        self.decode_steps_refused = CompiledDecodeSteps.available(model)
+        self.decode_steps = CompiledDecodeSteps(model, self.store) if self.decode_steps_refused is None else None
         self.sampling: dict[Hashable, SamplingParams] = {}
         self.generated: dict[Hashable, int] = {}
         self.constraints: dict[Hashable, tuple[Constraint, list[int]]] = {}  # and the request's stop tokens
@@ -410,6 +416,13 @@ class Engine:
             cascade = shared_prefix_groups([row.block_table for row in plan.rows], arrays["kv_lens"],
                                            plan.page_size, self.cascade_rule, arrays["q_lens"])
             self.cascade_steps += cascade is not None
+        # the compiled step replays the model it traced: not once engine.model was replaced (wrapped)
+        if cascade is None and self._states is None and self.decode_steps is not None and \
+                self.decode_steps.model is self.model and all(len(row.tokens) == 1 and row.sample
+                                                              for row in plan.rows):
+            kept = self._run_compiled_decode(plan, arrays)
+            if kept is not None:
+                return kept
         # logits of the sampling rows only (a prefill chunk's other rows need
         # none): the last row, and a drafting row's rows that verify its drafts
         logit_rows = [np.arange(end - row.drafts, end + 1) for row, end in zip(plan.rows, ends) if row.sample]
@@ -443,14 +456,9 @@ class Engine:
                                           self.generated[rid])
         plain = [b for b, row in enumerate(sampling) if not row.drafts and b not in by_draft]
         if plain:  # one draw for every row without drafts (constrained rows never draft)
-            plain_ids = [sampling[b].request_id for b in plain]
-            drawn = sample_rows(rows[mx.array(firsts[plain].astype(np.int32))], [params[b] for b in plain],
-                                [previous[b] for b in plain], [self.generated[rid] for rid in plain_ids],
-                                self._bias(plain_ids))
-            kept.update((rid, [d]) for rid, d in zip(plain_ids, drawn))
-            for rid, sampled in zip(plain_ids, drawn):
-                if rid in self.constraints:
-                    self.constraints[rid][0].advance(sampled.token)
+            kept.update(self._draw_rows(rows[mx.array(firsts[plain].astype(np.int32))],
+                                        [sampling[b].request_id for b in plain], [params[b] for b in plain],
+                                        [previous[b] for b in plain]))
         drafting = [b for b, row in enumerate(sampling) if row.drafts]
         greedy = [b for b in drafting if params[b].greedy]
         if greedy:  # every greedy drafting request verified at once
@@ -466,6 +474,51 @@ class Engine:
         for rid, tokens in kept.items():
             self.generated[rid] += len(tokens)
         return kept
+
+    def _draw_rows(self, logits: mx.array, request_ids: list, params: list, previous: list) -> dict:
+        """One token for each request from its row of ``logits`` (one draw for
+        all rows); a constrained request's grammar follows its token."""
+        drawn = sample_rows(logits, params, previous, [self.generated[rid] for rid in request_ids],
+                            self._bias(request_ids))
+        for rid, sampled in zip(request_ids, drawn):
+            if rid in self.constraints:
+                self.constraints[rid][0].advance(sampled.token)
+        return {rid: [d] for rid, d in zip(request_ids, drawn)}
+
+    def _run_compiled_decode(self, plan: StepPlan, arrays: dict) -> dict | None:
+        """A decode-only step through the compiled step (None: it cannot run
+        this model, the eager step runs). Sampling is built on the step's
+        lazy logits, so the step and its sampling are one evaluation."""
+        logits = self.decode_steps.step(self.decode_steps.step_arrays(arrays))
+        if logits is None:
+            return None
+        ids = [row.request_id for row in plan.rows]
+        params = [self.sampling[rid] for rid in ids]
+        previous = [self.scheduler.tokens(rid) if p.reads_history else () for rid, p in zip(ids, params)]
+        kept = self._draw_rows(logits, ids, params, previous)
+        mx.eval(self.store.keys, self.store.values)  # already computed: each layer's pages feed its attention
+        for rid in ids:
+            self.generated[rid] += 1
+        return kept
+
+    def warm_up(self, max_rows: int = 1) -> None:
+        """Trace the decode steps of 1 to ``max_rows`` requests now (a server
+        calls this before serving, so no request waits for a trace). Writes
+        one K/V row per row into the first pages, which an idle engine holds
+        free (each row reads back its own)."""
+        if self.decode_steps is None:
+            return
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
+        if not self.idle or self.pool.free_pages != self.pool.num_pages:
+            raise RuntimeError("warm_up needs an idle engine whose pages are all free")
+        for rows in range(1, min(max_rows, self.pool.num_pages) + 1):
+            pages = np.arange(rows, dtype=np.int32)
+            zeros, ones = np.zeros(rows, np.int32), np.ones(rows, np.int32)
+            arrays = {"tokens": zeros, "positions": zeros, "write_pages": pages, "write_slots": zeros,
+                      "q_lens": ones, "kv_lens": ones, "block_table": pages[:, None]}
+            logits = self.decode_steps.step(self.decode_steps.step_arrays(arrays))
+            mx.eval(logits if logits is not None else [], self.store.keys, self.store.values)
 
     def _save_states(self) -> None:
         """File the states the step recorded at page boundaries under those

@@ -71,15 +71,23 @@ class PagedKVStore:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
+        parts = lambda stored: stored if isinstance(stored, tuple) else (stored,)  # noqa: E731
+        # the source pages are read (evaluated) first: a write whose pool is
+        # also read by a pending gather cannot update it in place and would
+        # copy every layer's whole pool
+        sources = [[part[src] for part in parts(stored)] for stored in self.keys + self.values]
+        mx.eval(sources)
 
-        def moved(stored):
-            if isinstance(stored, tuple):
-                return tuple(moved(part) for part in stored)
-            stored[dst] = stored[src]
-            return stored
+        def moved(stored, rows):
+            out = []
+            for part, part_rows in zip(parts(stored), rows):
+                part[dst] = part_rows
+                out.append(part)
+            return tuple(out) if isinstance(stored, tuple) else out[0]
 
-        self.keys = [moved(x) for x in self.keys]
-        self.values = [moved(x) for x in self.values]
+        layers = len(self.keys)
+        self.keys = [moved(x, rows) for x, rows in zip(self.keys, sources[:layers])]
+        self.values = [moved(x, rows) for x, rows in zip(self.values, sources[layers:])]
 
     def attend(self, layer: int, q: mx.array, block_table: mx.array, kv_lens: mx.array, q_lens: mx.array, *,
                scale: float, cascade: CascadeTables | None = None, **options) -> mx.array:

@@ -38,6 +38,9 @@ __all__ = ["ServerState", "create_app", "make_state", "state_from_args", "build_
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+# decode steps of up to this many requests are traced before serving (each new
+# row count costs a trace, ~20 ms of CPU here, otherwise paid by a waiting request)
+WARM_UP_ROWS = 16
 
 
 def create_app(state: ServerState, *, api_key: str | None = None, embeddings=None):
@@ -147,12 +150,14 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
         mx.eval(draft_model.parameters())
 
     def make_engine():
-        return Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
-                      max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
-                      cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                      draft_model=draft_model,
-                      prefill_group_tokens=device_prefill_group_tokens() if prefill_group_tokens is None
-                      else prefill_group_tokens or None)
+        engine = Engine(model, kv_tokens=kv_cache_tokens, page_size=page_size, kv_bits=kv_bits,
+                        max_batch_tokens=max_batch_tokens, weights=weights, state_snapshots=state_snapshots,
+                        cascade=cascade, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                        draft_model=draft_model,
+                        prefill_group_tokens=device_prefill_group_tokens() if prefill_group_tokens is None
+                        else prefill_group_tokens or None)
+        engine.warm_up(WARM_UP_ROWS)  # no request waits for a decode step's trace
+        return engine
 
     from mlx_attn.serve.tool_calls import prepare_tokenizer
 
