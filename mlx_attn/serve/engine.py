@@ -508,8 +508,7 @@ class Engine:
         free (each row reads back its own)."""
         if self.decode_steps is None:
             return
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
+        max_rows = check_int("max_rows", max_rows, minimum=1)
         if not self.idle or self.pool.free_pages != self.pool.num_pages:
             raise RuntimeError("warm_up needs an idle engine whose pages are all free")
         for rows in range(1, min(max_rows, self.pool.num_pages) + 1):
