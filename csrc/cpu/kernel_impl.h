@@ -644,6 +644,26 @@ inline vfloat amx_exp2_softmax(vfloat x) {
 // hidden keys take the masked sentinel in the max pass and P = 0, as
 // mask_hidden_keys then the softmax would give them, tested in registers
 // against the row's visible keys [first, last) of the block.
+// Each of the kVectors x 16 rows from row c: its visible keys [first, last)
+// of the block of n keys from kb (padding rows: all, as mask_logits leaves them).
+template <int kVectors>
+MLX_ATTN_STEP void amx_visible_key_ranges(const WorkItem& w, int kb, int n, int c, __m512i* first, __m512i* last) {
+  for (int v = 0; v < kVectors; ++v) {
+    int32_t lo[kLanes], hi[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      const int r = c + v * kLanes + i;
+      lo[i] = 0, hi[i] = n;
+      if (r >= w.rows) continue;
+      const int pos = query_position(w.tile.seq, w.query(r));
+      const KeyRange seen = block_key_range(w.tile.seq, pos, pos);
+      lo[i] = seen.begin - kb < 0 ? 0 : (seen.begin - kb < n ? seen.begin - kb : n);
+      hi[i] = seen.end - kb < lo[i] ? lo[i] : (seen.end - kb < n ? seen.end - kb : n);
+    }
+    first[v] = _mm512_loadu_si512(lo);
+    last[v] = _mm512_loadu_si512(hi);
+  }
+}
+
 template <int kVectors, bool kEdge>
 MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float logit_scale, int c) {
   const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
@@ -651,22 +671,7 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float
   const vfloat scale = splat(logit_scale);
   vfloat m_old[kVectors], m_ref[kVectors], sum[kVectors];
   __m512i first[kVectors], last[kVectors];
-  if constexpr (kEdge) {
-    for (int v = 0; v < kVectors; ++v) {
-      int32_t lo[kLanes], hi[kLanes];
-      for (int i = 0; i < kLanes; ++i) {
-        const int r = c + v * kLanes + i;
-        lo[i] = 0, hi[i] = n;  // padding rows: nothing hidden, as mask_logits leaves them
-        if (r >= w.rows) continue;
-        const int pos = query_position(w.tile.seq, w.query(r));
-        const KeyRange seen = block_key_range(w.tile.seq, pos, pos);
-        lo[i] = seen.begin - kb < 0 ? 0 : (seen.begin - kb < n ? seen.begin - kb : n);
-        hi[i] = seen.end - kb < lo[i] ? lo[i] : (seen.end - kb < n ? seen.end - kb : n);
-      }
-      first[v] = _mm512_loadu_si512(lo);
-      last[v] = _mm512_loadu_si512(hi);
-    }
-  }
+  if constexpr (kEdge) amx_visible_key_ranges<kVectors>(w, kb, n, c, first, last);
   const auto hidden = [&](int v, int j) -> __mmask16 {
     const __m512i key = _mm512_set1_epi32(j);
     return _mm512_cmplt_epi32_mask(key, first[v]) | _mm512_cmpge_epi32_mask(key, last[v]);
