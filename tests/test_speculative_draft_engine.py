@@ -286,7 +286,7 @@ def test_serve_loads_the_draft_model_and_refuses_another_vocabulary(monkeypatch)
 
 
 def test_serve_refuses_a_draft_with_another_tokenizer():
-    from mlx_attn.serve.server import check_draft_tokenizer
+    from mlx_attn.lm.speculative import check_draft_tokenizer
     from model_fixtures import tiny_tokenizer
 
     class Shifted:
@@ -294,7 +294,7 @@ def test_serve_refuses_a_draft_with_another_tokenizer():
             return [t + 1 for t in tiny_tokenizer().encode(text)]
 
     check_draft_tokenizer(tiny_tokenizer(), tiny_tokenizer(), "same")
-    with pytest.raises(ValueError, match="--draft-model other has another tokenizer"):
+    with pytest.raises(ValueError, match="draft_model other has another tokenizer"):
         check_draft_tokenizer(tiny_tokenizer(), Shifted(), "other")
 
 

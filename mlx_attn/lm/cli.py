@@ -35,7 +35,8 @@ from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, Generatio
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
 from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
-from mlx_attn.lm.speculative import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_draft_model
+from mlx_attn.lm.speculative import (DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_draft_model,
+                                      check_draft_tokenizer)
 from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
@@ -138,8 +139,6 @@ def _add_generation_options(parser) -> None:
 
 # stands for the --draft-model while only the flags are checked (before any model loads)
 _DRAFT_NOT_LOADED = object()
-# text whose encoding a draft model's tokenizer must reproduce
-_TOKENIZER_PROBE = "Hello, world! def f(x):\n    return {'k': x * 2}  # 12345 ünïcødé"
 
 
 def _generation_config(args, draft_model=None) -> GenerationConfig:
@@ -173,9 +172,7 @@ def _load_draft_model(args, model, tokenizer):
     vocabulary and its tokenizer encode text as the model's does."""
     draft, draft_tokenizer = _load(args, args.draft_model)
     check_draft_model(model, draft)
-    if draft_tokenizer.encode(_TOKENIZER_PROBE) != tokenizer.encode(_TOKENIZER_PROBE):
-        raise FieldError("draft_model", f"{args.draft_model} has another tokenizer than the model: the same "
-                         "text encodes to different token ids")
+    check_draft_tokenizer(tokenizer, draft_tokenizer, args.draft_model)
     return draft
 
 

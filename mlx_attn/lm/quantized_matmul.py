@@ -41,7 +41,7 @@ time at one row (measured on SmolLM2's layers; ~65% at 8 rows). ``"float"``
 is the float32 product above (``_ext.quantized_matvec``). With an integer product, rows
 below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
 (24): it is faster than the BLAS on a held float32 weight up to there, so
-a serving engine need not hold one (``mlx_attn.serve.engine.prepare_weights``,
+a serving engine need not hold one (``mlx_attn.serve.paged_forward.prepare_weights``,
 ``"packed"``).
 
 Projections that read the same activations (a Llama layer's Q/K/V, its

@@ -65,6 +65,17 @@ def check_draft_model(target, draft) -> None:
                          "model must share the model's tokenizer and vocabulary")
 
 
+# text whose encoding a draft model's tokenizer must reproduce
+TOKENIZER_PROBE = "Hello, world! def f(x):\n    return {'k': x * 2}  # 12345 ünïcødé"
+
+
+def check_draft_tokenizer(tokenizer, draft_tokenizer, path: str) -> None:
+    """The draft model's tokenizer must encode text to the model's ids."""
+    if draft_tokenizer.encode(TOKENIZER_PROBE) != tokenizer.encode(TOKENIZER_PROBE):
+        raise FieldError("draft_model", f"{path} has another tokenizer than the model: the same text encodes to "
+                         "different token ids")
+
+
 def penalized_rows(logits: mx.array, history: Sequence[int], drafts: Sequence[int], penalty: float,
                    context: int | None) -> mx.array:
     """``logits [k + 1, vocab]`` with the repetition penalty row ``i`` would

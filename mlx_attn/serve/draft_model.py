@@ -44,6 +44,7 @@ from mlx_attn.lm.sampling import filtered_logprobs
 from mlx_attn.lm.speculative import check_draft_model, draft_acceptance, normalized_logprobs
 from mlx_attn.lm.validate import FieldError
 from mlx_attn.serve.kv_store import PagedKVStore
+from mlx_attn.serve.paged_forward import PagedAttention, paged_model, prepare_weights
 from mlx_attn.serve.sampling import SamplingParams, Sampled, kept_with_logprobs, shaped_logits
 from mlx_attn.serve.scheduler import ScheduledRow, StepPlan
 
@@ -79,10 +80,8 @@ class DraftModel:
 
     def __init__(self, draft, target, *, num_pages: int, page_size: int, dtype, kv_bits: int | None,
                  group_size: int, weights: str):
-        from mlx_attn.serve.engine import _paged_model, prepare_weights  # noqa: PLC0415 (the engine imports this)
-
         check_draft_model(target, draft)
-        model = _paged_model(draft)
+        model = paged_model(draft)
         if getattr(model, "states", None) is not None:
             layers = getattr(model, "recurrent_layers", "?")
             raise FieldError("draft_model", f"keeps a recurrent state in layers {layers}"
@@ -162,8 +161,6 @@ class DraftModel:
         return params, history, engine.generated[request_id]
 
     def _forward(self, rows: list[ScheduledRow], logit_rows: np.ndarray) -> mx.array:
-        from mlx_attn.serve.engine import PagedAttention  # noqa: PLC0415 (the engine imports this)
-
         arrays = StepPlan(tuple(rows), (), (), self.page_size).arrays()
         hook = PagedAttention(self.store, arrays, logit_rows, [row.request_id for row in rows])
         logits = self.model(mx.array(arrays["tokens"])[None], attention=hook)[0]

@@ -86,7 +86,7 @@ class PagedLayerCache(mlx_lm_models.SelfAttendingCache):
     """One attention layer's view of the engine's pages for one model call.
 
     ``hook``: the step's store and arrays (the engine's
-    :class:`~mlx_attn.serve.engine.PagedAttention`, or the part of it one
+    :class:`~mlx_attn.serve.paged_forward.PagedAttention`, or the part of it one
     call of a hybrid model runs); ``layer``: the store's layer index;
     ``window``: the layer's sliding window (None: full attention). The call's
     input is ``[B, L]``: ``B`` sequences of ``L`` tokens each, in the order

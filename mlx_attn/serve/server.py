@@ -33,7 +33,7 @@ import threading
 from mlx_attn.serve.server_state import ServerState
 
 __all__ = ["ServerState", "create_app", "make_state", "state_from_args", "build_parser", "check_servable",
-           "exposure_warning", "load_embedding_model", "main", "check_draft_flags", "check_draft_tokenizer",
+           "exposure_warning", "load_embedding_model", "main", "check_draft_flags",
            "load_draft_model"]
 
 API_KEY_ENV = "MLX_ATTN_API_KEY"
@@ -175,21 +175,12 @@ def check_draft_flags(args: argparse.Namespace) -> None:
         raise ValueError("--draft-model is used only with --speculative draft")
 
 
-def check_draft_tokenizer(tokenizer, draft_tokenizer, path: str) -> None:
-    """The draft model's tokenizer must encode text to the model's ids."""
-    from mlx_attn.lm.cli import _TOKENIZER_PROBE
-
-    if draft_tokenizer.encode(_TOKENIZER_PROBE) != tokenizer.encode(_TOKENIZER_PROBE):
-        raise ValueError(f"--draft-model {path} has another tokenizer than the model: the same text encodes to "
-                         "different token ids")
-
-
 def load_draft_model(args: argparse.Namespace, model, tokenizer):
     """The ``--draft-model`` (None without), loaded as ``--model`` is; a
     ``ValueError`` naming ``--draft-model`` when its vocabulary or
     tokenizer is not the model's."""
     from mlx_attn.lm.engine_choice import load_for_engine
-    from mlx_attn.lm.speculative import check_draft_model
+    from mlx_attn.lm.speculative import check_draft_model, check_draft_tokenizer
 
     check_draft_flags(args)
     if args.draft_model is None:
@@ -197,9 +188,9 @@ def load_draft_model(args: argparse.Namespace, model, tokenizer):
     try:
         draft, draft_tokenizer = load_for_engine(args.draft_model, args.engine, args.backend)
         check_draft_model(model, draft)
+        check_draft_tokenizer(tokenizer, draft_tokenizer, args.draft_model)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--draft-model {args.draft_model}: {error}") from None
-    check_draft_tokenizer(tokenizer, draft_tokenizer, args.draft_model)
+        raise ValueError(f"--draft-model {args.draft_model}: {getattr(error, 'problem', error)}") from None
     return draft
 
 
