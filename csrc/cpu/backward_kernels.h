@@ -71,15 +71,19 @@ inline int64_t single_pass_dq_floats(const BackwardCall& call, int lanes) {
 // clamp gate [rows][KB]; K^T [D][KB], V^T [Dv][KB], K rows [KB][Dp]; dK, dV
 // accumulators [KB][Dp], [KB][Dvp]; the dQ accumulator (a tile's [rows][Dp],
 // or the single pass's whole group [group][Tq][Dp] unless in place, else
-// nothing); lse and delta per row.
+// nothing); one tile's dQ [rows][Dp] (the AMX tiles'); lse and delta per row.
+// Rows are counted in whole 32-row tiles (kBackwardRowMultiple), as the
+// avx512amx copy's bf16 tiles take them.
+inline constexpr int kBackwardRowMultiple = 32;
+
 struct BackwardScratch {
   int64_t q_packed, d_out_packed, probs, d_scores, gate, k_t, v_t, k_rows,
-      dk_acc, dv_acc, dq_acc, lse_row, delta_row, total;
+      dk_acc, dv_acc, dq_acc, dq_tile, lse_row, delta_row, total;
 };
 
 inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   const AttentionProblem& p = call.problem;
-  const int64_t rows = int64_t(p.group_size()) * call.query_block;
+  const int64_t rows = round_up(int64_t(p.group_size()) * call.query_block, kBackwardRowMultiple);
   const int64_t dp = round_up(p.head_dim, lanes), dvp = round_up(p.value_dim, lanes);
   const int64_t dq_floats = call.single_pass ? single_pass_dq_floats(call, lanes) : rows * dp;
   BackwardScratch s{};
@@ -100,6 +104,7 @@ inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   s.dk_acc = take(kKeyBlock * dp);
   s.dv_acc = take(kKeyBlock * dvp);
   s.dq_acc = take(dq_floats);
+  s.dq_tile = take(rows * dp);
   s.lse_row = take(rows);
   s.delta_row = take(rows);
   s.total = at;
@@ -118,6 +123,7 @@ MLX_ATTN_DECLARE_BACKWARD_ISA(generic_backward)
 #ifdef MLX_ATTN_X86_KERNELS
 MLX_ATTN_DECLARE_BACKWARD_ISA(avx2_backward)
 MLX_ATTN_DECLARE_BACKWARD_ISA(avx512_backward)
+MLX_ATTN_DECLARE_BACKWARD_ISA(avx512amx_backward)
 #endif
 #ifdef MLX_ATTN_ARM64_KERNELS
 MLX_ATTN_DECLARE_BACKWARD_ISA(neon_backward)

@@ -7,8 +7,8 @@
 //
 // Build with -DHARNESS_ARM64 (forward neonbf16, neonfhm, neon, generic;
 // backward neon_backward, generic_backward) or -DHARNESS_X86 (forward
-// avx512bf16, avx512, avx2, generic; backward avx512_backward, avx2_backward,
-// generic_backward) plus the matching units.
+// avx512amx, avx512bf16, avx512, avx2, generic; backward avx512amx_backward,
+// avx512_backward, avx2_backward, generic_backward) plus the matching units.
 //
 // Usage: harness [--sample] [copy ...]   (default: every copy built in that
 // the CPU runs; --sample: every third forward case only)
