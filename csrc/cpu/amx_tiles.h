@@ -180,12 +180,12 @@ inline void amx_pack_value_words(const uint16_t* const* rows, int n, int jp0, in
 // rows from n on zero. Row stride of words: word_stride.
 inline void amx_pack_feature_pairs(const uint16_t* const* rows, int n, int j0, int p0, uint32_t* words,
                                    int64_t word_stride) {
-  __m512i r[16];
+  __m512i row_words[16];
   for (int i = 0; i < 16; ++i) {
-    r[i] = j0 + i < n ? _mm512_loadu_si512(rows[j0 + i] + 2 * p0) : _mm512_setzero_si512();
+    row_words[i] = j0 + i < n ? _mm512_loadu_si512(rows[j0 + i] + 2 * p0) : _mm512_setzero_si512();
   }
-  amx_transpose_words(r);
-  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(words + (p0 + p) * word_stride + j0, r[p]);
+  amx_transpose_words(row_words);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(words + (p0 + p) * word_stride + j0, row_words[p]);
 }
 
 // Two rows as one pair panel row, a B panel whose depth is the row axis (the

@@ -334,7 +334,9 @@ struct FloatTiles {
 //   dP   [Rp][KB]  = dO rows . V feature pairs    (depth Dv)
 //   dV^T [Dv][KB] += dO^T . P row pairs           (depth Rp)
 //   dK^T [D][KB]  += Q^T . dS row pairs           (depth Rp)
-//   dQ   [Rp][D]   = dS rows . K key pairs        (depth KB), added to dq
+//   dQ   [Rp][D]  += dS rows . K key pairs        (depth KB; in place where
+//                                                  a head's rows are whole
+//                                                  tiles, else added)
 // P and dS are rounded to bf16 only as inputs of these products (the
 // forward rounds P likewise); S, P, dP, dS and every accumulator stay
 // float32. dS leaves out the scale, which dK and dQ take when stored, so a
@@ -399,8 +401,9 @@ struct AmxTiles {
   }
 
   // Q and dO rows (zero rows up to Rp), their transposes, lse and delta;
-  // then the guard, which may move a power of two of the scale into the Q
-  // rows (the score product's A only).
+  // then the guard (bf16_pair_scale's rule on the Q rows' magnitudes,
+  // gathered while copying them), which may move a power of two of the
+  // scale into the Q rows (the score product's A only).
   void pack_rows(const TileRows& t) const {
     const AttentionProblem& p = call.problem;
     const int rows = t.rows();
@@ -408,11 +411,21 @@ struct AmxTiles {
     q_t = q_rows + int64_t(rp) * D;
     d_out_t = d_out_rows + int64_t(rp) * Dv;
     const int64_t* ds = call.d_out_strides;
+    // |q| as bf16 magnitude bits, whose integer order is the values' (NaN
+    // above infinity): the largest, and the smallest nonzero (0xffff: none)
+    const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+    __m512i largest = _mm512_setzero_si512(), smallest = _mm512_set1_epi16(-1);
     for (int r = 0; r < rows; ++r) {
       const int h = t.head(r), qi = t.query(r);
-      memcpy(q_rows + int64_t(r) * D,
-             static_cast<const uint16_t*>(call.q) + t.b * p.q_strides[0] + h * p.q_strides[1] + qi * p.q_strides[2],
-             sizeof(uint16_t) * D);
+      const uint16_t* q = static_cast<const uint16_t*>(call.q) + t.b * p.q_strides[0] + h * p.q_strides[1] +
+          qi * p.q_strides[2];
+      for (int d = 0; d < D; d += 32) {
+        const __m512i x = _mm512_loadu_si512(q + d);
+        _mm512_storeu_si512(q_rows + int64_t(r) * D + d, x);
+        const __m512i bits = _mm512_and_si512(x, magnitude);
+        largest = _mm512_max_epu16(largest, bits);
+        smallest = _mm512_mask_min_epu16(smallest, _mm512_test_epi16_mask(bits, bits), smallest, bits);
+      }
       memcpy(d_out_rows + int64_t(r) * Dv,
              static_cast<const uint16_t*>(call.d_out) + t.b * ds[0] + h * ds[1] + qi * ds[2], sizeof(uint16_t) * Dv);
       const int64_t i = row_index(p, t.b, h, qi);
@@ -423,7 +436,16 @@ struct AmxTiles {
     memset(d_out_rows + int64_t(rows) * Dv, 0, sizeof(uint16_t) * (rp - rows) * Dv);
     transpose_rows(q_rows, D, q_t);
     transpose_rows(d_out_rows, Dv, d_out_t);
-    pair = bf16_pair_scale(q_rows, int64_t(rp) * D, p.scale, D);
+    uint16_t largest_bits[32], smallest_bits[32];
+    _mm512_storeu_si512(largest_bits, largest);
+    _mm512_storeu_si512(smallest_bits, smallest);
+    uint16_t most = 0, least = 0xffff;
+    for (int i = 0; i < 32; ++i) {
+      most = largest_bits[i] > most ? largest_bits[i] : most;
+      least = smallest_bits[i] < least ? smallest_bits[i] : least;
+    }
+    pair = bf16_pair_scale_of(bfloat_to_float(most), least == 0xffff ? INFINITY : bfloat_to_float(least), p.scale, D);
+    bf16_pair_scale_move(q_rows, int64_t(rp) * D, pair.moved);
   }
 
   // rows [Rp][width] bf16 -> [width][Rp], 16 x 16 words at a time.
@@ -465,13 +487,24 @@ struct AmxTiles {
                       buf.d_scores, kKeyBlock, rp / kAmxTile, kKeyBlock / kAmxTile, Dv);  // dP = dO . V^T
     // padding rows keep S = dP = 0 (zero Q and dO): P = dS = 0 there
     score_gradient_values(buf, rows, gate, 1.0f);
-    // dS rows in bf16 (dQ's A), then P and dS as row pairs in place (B of dV, dK)
-    for (int64_t i = 0; i < int64_t(rp) * kKeyBlock; i += 32) {
-      const __m512 lo = _mm512_loadu_ps(buf.d_scores + i), hi = _mm512_loadu_ps(buf.d_scores + i + 16);
-      _mm512_storeu_si512(d_scores_rows + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    amx_pack_probabilities(buf.probs, kKeyBlock, rp);  // P as row pairs in place (dV's B)
+    pack_score_gradients();
+  }
+
+  // dS in bf16 twice from one read: as rows (dQ's A) and as row pairs in
+  // place over dS (dK's B; pair row i overwrites float row i <= 2i once read).
+  void pack_score_gradients() const {
+    uint16_t* const pairs = reinterpret_cast<uint16_t*>(buf.d_scores);
+    for (int i = 0; i < rp / 2; ++i) {
+      const float* even = buf.d_scores + int64_t(2 * i) * kKeyBlock;
+      uint16_t* even_row = d_scores_rows + int64_t(2 * i) * kKeyBlock;
+      for (int c = 0; c < kKeyBlock; c += 16) {
+        const __m512 e = _mm512_loadu_ps(even + c), o = _mm512_loadu_ps(even + kKeyBlock + c);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(even_row + c), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(even_row + kKeyBlock + c), (__m256i)_mm512_cvtneps_pbh(o));
+        amx_store_probability_pairs(pairs + int64_t(i) * 2 * kKeyBlock + 2 * c, e, o);
+      }
     }
-    amx_pack_probabilities(buf.probs, kKeyBlock, rp);
-    amx_pack_probabilities(buf.d_scores, kKeyBlock, rp);
   }
 
   void accumulate_key_gradients(const TileRows&, int) const {
@@ -482,8 +515,16 @@ struct AmxTiles {
   }
 
   void add_query_gradients(const TileRows& t, int, float* dq, int64_t head_stride) const {
-    amx_matmul<false>(d_scores_rows, kKeyBlock, reinterpret_cast<const uint16_t*>(k_key_pairs), 2 * D, buf.dq_tile, D,
-                      rp / kAmxTile, D / kAmxTile, kKeyBlock);
+    const uint16_t* k_pairs = reinterpret_cast<const uint16_t*>(k_key_pairs);
+    if (t.qb % kAmxTile == 0) {  // each head's rows are whole tiles: accumulate in place
+      for (int g = 0; g < w.group; ++g) {
+        amx_matmul<true>(d_scores_rows + int64_t(g) * t.qb * kKeyBlock, kKeyBlock, k_pairs, 2 * D,
+                         dq + g * head_stride * w.Dp, w.Dp, t.qb / kAmxTile, D / kAmxTile, kKeyBlock);
+      }
+      return;
+    }
+    amx_matmul<false>(d_scores_rows, kKeyBlock, k_pairs, 2 * D, buf.dq_tile, D, rp / kAmxTile, D / kAmxTile,
+                      kKeyBlock);
     for (int r = 0; r < t.rows(); ++r) {
       float* dst = dq + ((r / t.qb) * head_stride + r % t.qb) * w.Dp;
       const float* src = buf.dq_tile + int64_t(r) * D;

@@ -27,18 +27,15 @@ namespace {
 //    2^-126 * max(1, |q'|), so each logit is then off by under D * 2^-62.
 // Typical scales (|scale| < 2) move nothing and keep the pair product.
 struct PairScale {
-  float scale;  // what the pair product's sums are multiplied by
-  bool exact;   // whether the pair product may score this item
+  float scale;   // what the pair product's sums are multiplied by
+  bool exact;    // whether the pair product may score this item
+  int moved = 0; // e: the power of two moved into the panel
 };
 inline constexpr float kPairScaleLimit = 18446744073709551616.0f;  // 2^64
 
-inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, int head_dim) {
-  float largest = 0.0f, smallest = INFINITY;  // of |q|, smallest over nonzero q
-  for (int64_t i = 0; i < count; ++i) {
-    const float x = fabsf(bfloat_to_float(panel[i]));
-    largest = x > largest || x != x ? x : largest;
-    smallest = x > 0.0f && x < smallest ? x : smallest;
-  }
+// The rule from the panel's largest |q| and smallest nonzero |q| (a NaN
+// largest for NaN q, an infinite smallest when every q is 0).
+inline PairScale bf16_pair_scale_of(float largest, float smallest, float scale, int head_dim) {
   int e = 0;
   if (largest > 0.0f && largest < INFINITY && fabsf(scale) >= 2.0f) {
     int log2_dim = 0;  // ceil(log2 D)
@@ -47,13 +44,28 @@ inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, in
     e = room < ilogbf(scale) ? room : ilogbf(scale);
     e = e > 0 ? e : 0;
   }
-  if (e > 0) {
-    for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), e));
-  }
   const float rest = ldexpf(scale, -e);
   const float q_largest = ldexpf(largest, e);  // NaN q gives NaN logits with either product
   const bool no_subnormal_q = !(ldexpf(smallest, e) < 0x1p-126f);
-  return {rest, no_subnormal_q && fabsf(rest) * (q_largest > 1.0f ? q_largest : 1.0f) <= kPairScaleLimit};
+  return {rest, no_subnormal_q && fabsf(rest) * (q_largest > 1.0f ? q_largest : 1.0f) <= kPairScaleLimit, e};
+}
+
+// Moves 2^moved into the panel (exact for normal q).
+inline void bf16_pair_scale_move(uint16_t* panel, int64_t count, int moved) {
+  if (moved <= 0) return;
+  for (int64_t i = 0; i < count; ++i) panel[i] = float_to_bfloat(ldexpf(bfloat_to_float(panel[i]), moved));
+}
+
+inline PairScale bf16_pair_scale(uint16_t* panel, int64_t count, float scale, int head_dim) {
+  float largest = 0.0f, smallest = INFINITY;  // of |q|, smallest over nonzero q
+  for (int64_t i = 0; i < count; ++i) {
+    const float x = fabsf(bfloat_to_float(panel[i]));
+    largest = x > largest || x != x ? x : largest;
+    smallest = x > 0.0f && x < smallest ? x : smallest;
+  }
+  const PairScale pair = bf16_pair_scale_of(largest, smallest, scale, head_dim);
+  bf16_pair_scale_move(panel, count, pair.moved);
+  return pair;
 }
 
 }  // namespace
