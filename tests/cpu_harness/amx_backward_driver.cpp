@@ -50,10 +50,11 @@ uint16_t* random_bf16(int64_t count) {
 
 struct Case {
   int q_heads, kv_heads, q_len, kv_len, dim, value_dim, causal;
-  // q and k times this power of two, and the scale (0: 1/sqrt(D)): tiny q.k
-  // with a huge scale make logits of order one from products below float32's
-  // normal range, which the tiles flush (the exactness guard's case).
-  float input_magnitude = 1.0f;
+  // q and k times these powers of two, and the scale (0: 1/sqrt(D)): tiny
+  // q.k with a huge scale make logits of order one (the exactness guard's
+  // cases: its power of two moved into Q, or products below float32's normal
+  // range, which the tiles flush, scored in float32).
+  float q_magnitude = 1.0f, k_magnitude = 1.0f;
   double scale = 0.0;
 };
 
@@ -73,8 +74,8 @@ bool run_case(const Case& c, bool single_pass) {
   const int group = Hq / Hkv;
   const int64_t rows = int64_t(Hq) * Tq;
   uint16_t *q = random_bf16(rows * D), *k = random_bf16(int64_t(Hkv) * Tk * D), *v = random_bf16(int64_t(Hkv) * Tk * Dv);
-  for (int64_t i = 0; i < rows * D; ++i) q[i] = to_bfloat(float(from_bfloat(q[i])) * c.input_magnitude);
-  for (int64_t i = 0; i < int64_t(Hkv) * Tk * D; ++i) k[i] = to_bfloat(float(from_bfloat(k[i])) * c.input_magnitude);
+  for (int64_t i = 0; i < rows * D; ++i) q[i] = to_bfloat(float(from_bfloat(q[i])) * c.q_magnitude);
+  for (int64_t i = 0; i < int64_t(Hkv) * Tk * D; ++i) k[i] = to_bfloat(float(from_bfloat(k[i])) * c.k_magnitude);
   uint16_t* d_out = random_bf16(rows * Dv);
   uint16_t* out = (uint16_t*)malloc(sizeof(uint16_t) * rows * Dv);
   float* lse = (float*)malloc(sizeof(float) * rows);
@@ -199,7 +200,8 @@ int main() {
       {2, 1, 70, 100, 64, 64, 1},   // query tiles of 140 rows (padded to 160), key blocks of 64 + 36
       {4, 2, 33, 130, 32, 96, 0},   // one 32-feature tile, D != Dv, an odd last key
       {1, 1, 150, 150, 128, 128, 1}, // two query blocks (128 + 22 rows), causal edges
-      {2, 1, 20, 40, 64, 32, 0, 0x1p-65f, 0x1.8p127},  // every q.k product below 2^-126
+      {2, 1, 20, 40, 64, 32, 0, 0x1p-65f, 0x1p-65f, 0x1.8p127},  // every q.k product below 2^-126
+      {2, 1, 20, 40, 64, 32, 1, 0x1p-65f, 1.0f, 0x1p61},          // 2^56 of the scale moved into Q
   };
   bool ok = true;
   for (const Case& c : cases) {
