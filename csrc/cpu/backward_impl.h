@@ -40,6 +40,7 @@ struct TileRows {
 struct Buffers {
   float *q_packed, *d_out_packed, *probs, *d_scores, *gate, *k_t, *v_t, *k_rows,
       *dk_acc, *dv_acc, *dq_acc, *dq_tile, *lse_row, *delta_row;
+  float* past;  // backward_panel_floats(call) floats past the layout
 };
 
 Buffers buffers_of(const BackwardCall& call, float* scratch) {
@@ -48,7 +49,7 @@ Buffers buffers_of(const BackwardCall& call, float* scratch) {
           scratch + s.d_scores, scratch + s.gate,         scratch + s.k_t,
           scratch + s.v_t,      scratch + s.k_rows,       scratch + s.dk_acc,
           scratch + s.dv_acc,   scratch + s.dq_acc,       scratch + s.dq_tile,
-          scratch + s.lse_row,  scratch + s.delta_row};
+          scratch + s.lse_row,  scratch + s.delta_row,    scratch + s.total};
 }
 
 inline int64_t row_index(const AttentionProblem& p, int b, int h, int qi) {
@@ -286,7 +287,8 @@ inline Widths widths_of(const AttentionProblem& p) {
 // packing, the five products and the stores of dK / dV:
 //   FloatTiles  float32 panels through the micro-kernel (every dtype)
 //   AmxTiles    bf16 panels on AMX tiles (avx512amx copy, bf16; see there)
-// Each has pack_keys, pack_rows, gradients (P and dS of a tile),
+// Each has kGridTiles (whether a key block's query tiles start on the
+// query_block grid), pack_keys, pack_rows, gradients (P and dS of a tile),
 // accumulate_key_gradients, add_query_gradients (dQ rows (g, i) of a tile
 // into dq + (g * head_stride + i) * Dp) and store_key_gradients, and says by
 // what it multiplies dQ when stored (dq_store_scale).
@@ -296,6 +298,7 @@ struct FloatTiles {
   const Buffers& buf;
   Widths w;
 
+  static constexpr bool kGridTiles = false;
   FloatTiles(const BackwardCall& c, const Buffers& b, const Widths& widths) : call(c), buf(b), w(widths) {}
   void pack_keys(int b, int kv_head, int kb, int n) const { backward_pack_keys<T>(call, b, kv_head, kb, n, buf, w.Dp); }
   void pack_rows(const TileRows& t) const { backward_pack_rows<T>(call, t, buf, w.Dp, w.Dvp); }
@@ -367,19 +370,41 @@ struct AmxTiles {
   // computed); K and V feature pairs [D / 2][KB] words in k_t, v_t; K key
   // pairs [KB / 2][D] words in k_rows. dK^T, dV^T accumulate in dk_acc,
   // dv_acc; dq_tile [Rp][D] holds a tile's dQ.
-  uint16_t *q_rows, *d_out_rows, *d_scores_rows;
+  uint16_t* d_scores_rows;
   uint32_t *k_feature_pairs, *v_feature_pairs, *k_key_pairs;
-  // Of the current query tile (pack_rows): its rows padded (Rp), where Q^T
-  // and dO^T start, the score product's guard.
+  // The single pass revisits each query tile once per key block: its packed
+  // panels are kept (query_panels, when they fit kQueryPanelBytes), a record
+  // per query tile: a header (the guard, whether packed) and Q rows, Q^T,
+  // dO rows, dO^T. Null: every visit packs into q_packed / d_out_packed.
+  float* query_panels;
+  // Of the current query tile (pack_rows): its rows padded (Rp), its panels,
+  // the score product's guard.
   mutable int rp = 0;
-  mutable uint16_t *q_t = nullptr, *d_out_t = nullptr;
+  mutable uint16_t *q_rows = nullptr, *q_t = nullptr, *d_out_rows = nullptr, *d_out_t = nullptr;
   mutable PairScale pair = {0.0f, false};
+
+  static constexpr bool kGridTiles = true;  // query tiles keep their packed panels, by index
+  static constexpr int kPanelHeader = 16;  // floats: guard scale, exact, moved, packed
+  static constexpr int64_t kQueryPanelBytes = int64_t(16) << 20;
+  static int64_t panel_record_floats(const BackwardCall& c) {
+    const AttentionProblem& p = c.problem;
+    const int64_t rows = round_up(int64_t(p.group_size()) * c.query_block, kAmxRowMultiple);
+    return kPanelHeader + rows * (p.head_dim + p.value_dim);  // 2 x rows x (D + Dv) bf16
+  }
+  static int64_t panel_floats(const BackwardCall& c) {
+    if (!c.single_pass) return 0;
+    const int64_t floats = panel_record_floats(c) * c.query_blocks();
+    return floats * int64_t(sizeof(float)) <= kQueryPanelBytes ? floats : 0;
+  }
 
   AmxTiles(const BackwardCall& c, const Buffers& b, const Widths& widths)
       : call(c), buf(b), w(widths), D(c.problem.head_dim), Dv(c.problem.value_dim),
-        q_rows(reinterpret_cast<uint16_t*>(b.q_packed)), d_out_rows(reinterpret_cast<uint16_t*>(b.d_out_packed)),
         d_scores_rows(reinterpret_cast<uint16_t*>(b.gate)), k_feature_pairs(reinterpret_cast<uint32_t*>(b.k_t)),
-        v_feature_pairs(reinterpret_cast<uint32_t*>(b.v_t)), k_key_pairs(reinterpret_cast<uint32_t*>(b.k_rows)) {}
+        v_feature_pairs(reinterpret_cast<uint32_t*>(b.v_t)), k_key_pairs(reinterpret_cast<uint32_t*>(b.k_rows)),
+        query_panels(panel_floats(c) > 0 ? b.past : nullptr) {
+    if (!query_panels) return;
+    for (int qt = 0; qt < c.query_blocks(); ++qt) query_panels[qt * panel_record_floats(c) + 3] = 0.0f;
+  }
 
   void pack_keys(int b, int kv_head, int kb, int n) const {
     const AttentionProblem& p = call.problem;
@@ -408,8 +433,20 @@ struct AmxTiles {
     const AttentionProblem& p = call.problem;
     const int rows = t.rows();
     rp = int(round_up(rows, kAmxRowMultiple));
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = row_index(p, t.b, t.head(r), t.query(r));
+      buf.lse_row[r] = call.lse[i] == -INFINITY ? INFINITY : call.lse[i];
+      buf.delta_row[r] = call.delta[i];
+    }
+    float* record = query_panels ? query_panels + (t.q_start / call.query_block) * panel_record_floats(call) : nullptr;
+    q_rows = record ? reinterpret_cast<uint16_t*>(record + kPanelHeader) : reinterpret_cast<uint16_t*>(buf.q_packed);
     q_t = q_rows + int64_t(rp) * D;
+    d_out_rows = record ? q_t + int64_t(D) * rp : reinterpret_cast<uint16_t*>(buf.d_out_packed);
     d_out_t = d_out_rows + int64_t(rp) * Dv;
+    if (record && record[3] != 0.0f) {  // packed on an earlier key block
+      pair = {record[0], record[1] != 0.0f, int(record[2])};
+      return;
+    }
     const int64_t* ds = call.d_out_strides;
     // |q| as bf16 magnitude bits, whose integer order is the values' (NaN
     // above infinity): the largest, and the smallest nonzero (0xffff: none)
@@ -428,9 +465,6 @@ struct AmxTiles {
       }
       memcpy(d_out_rows + int64_t(r) * Dv,
              static_cast<const uint16_t*>(call.d_out) + t.b * ds[0] + h * ds[1] + qi * ds[2], sizeof(uint16_t) * Dv);
-      const int64_t i = row_index(p, t.b, h, qi);
-      buf.lse_row[r] = call.lse[i] == -INFINITY ? INFINITY : call.lse[i];
-      buf.delta_row[r] = call.delta[i];
     }
     memset(q_rows + int64_t(rows) * D, 0, sizeof(uint16_t) * (rp - rows) * D);
     memset(d_out_rows + int64_t(rows) * Dv, 0, sizeof(uint16_t) * (rp - rows) * Dv);
@@ -446,6 +480,7 @@ struct AmxTiles {
     }
     pair = bf16_pair_scale_of(bfloat_to_float(most), least == 0xffff ? INFINITY : bfloat_to_float(least), p.scale, D);
     bf16_pair_scale_move(q_rows, int64_t(rp) * D, pair.moved);
+    if (record) record[0] = pair.scale, record[1] = pair.exact, record[2] = float(pair.moved), record[3] = 1.0f;
   }
 
   // rows [Rp][width] bf16 -> [width][Rp], 16 x 16 words at a time.
@@ -557,7 +592,10 @@ void key_block_gradients(const Tiles& tiles, int b, int kv_head, int kb, int n, 
   memset(tiles.buf.dv_acc, 0, sizeof(float) * kKeyBlock * tiles.w.Dvp);
   const QueryRange range = block_query_range(call.problem, kb, kb + n - 1);
   if (range.begin < range.end) tiles.pack_keys(b, kv_head, kb, n);
-  for (int qs = range.begin; qs < range.end; qs += call.query_block) {
+  // Tiles on the query_block grid where the policy keeps packed tiles (its
+  // first tile's earlier rows see none of these keys: masked, P = 0).
+  const int first = Tiles::kGridTiles ? range.begin - range.begin % call.query_block : range.begin;
+  for (int qs = first; qs < range.end; qs += call.query_block) {
     const int qb = (range.end - qs) < call.query_block ? (range.end - qs) : call.query_block;
     const TileRows t{b, kv_head, qs, qb, tiles.w.group};
     tiles.pack_rows(t);
@@ -683,6 +721,13 @@ struct QueryBlockPass {
 }  // namespace
 
 int backward_vector_lanes() { return kLanes; }
+int64_t backward_panel_floats(const BackwardCall& call) {
+#if defined(MLX_ATTN_AMX_BF16)
+  if (amx_applies(call)) return AmxTiles::panel_floats(call);
+#endif
+  (void)call;
+  return 0;
+}
 void backward_rows(const BackwardCall& call, int64_t head) {
   switch (call.problem.dtype) {
     case ElemType::float32: return rows_pass<ElemType::float32>(call, int(head));

@@ -6,9 +6,9 @@
 // FlashAttention-2 style: the forward's row log-sum-exp lets every tile
 // recompute P = exp(S - lse) directly; delta = rowsum(dO * O) - dlse turns
 // the softmax derivative into dS = P * (dP - delta) with dP = dO . V^T.
-// A tile (query rows x kKeyBlock keys) costs five products, all through the
-// forward's micro-kernel: S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q,
-// dQ += dS K. First a rows pass writes delta per query row and the sinks'
+// A tile (query rows x kKeyBlock keys) costs five products, through the
+// forward's micro-kernel (bf16 on the avx512amx copy: on AMX tiles):
+// S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. First a rows pass writes delta per query row and the sinks'
 // gradient (per head); then one of two schemes, each writing disjoint
 // outputs (no races, no atomics):
 //   single pass  one work item per (batch, kv head): key blocks outer, query
@@ -111,9 +111,13 @@ inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   return s;
 }
 
+// Each copy: its vector width, the three passes' items, and the floats it
+// needs past backward_scratch's total per thread (backward_panel_floats: the
+// avx512amx copy's packed query tiles of a single-pass item; 0 elsewhere).
 #define MLX_ATTN_DECLARE_BACKWARD_ISA(isa)                          \
   namespace isa {                                                   \
   int backward_vector_lanes();                                      \
+  int64_t backward_panel_floats(const BackwardCall&);               \
   void backward_rows(const BackwardCall&, int64_t head);            \
   void backward_group(const BackwardCall&, int64_t, float*);        \
   void backward_key_block(const BackwardCall&, int64_t, float*);    \

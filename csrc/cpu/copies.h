@@ -17,6 +17,7 @@ inline bool always_available() {
 struct BackwardCopy {
   const char* name;
   int (*lanes)();
+  int64_t (*panel_floats)(const BackwardCall&);
   void (*rows)(const BackwardCall&, int64_t);
   void (*group)(const BackwardCall&, int64_t, float*);
   void (*key_block)(const BackwardCall&, int64_t, float*);
@@ -26,7 +27,7 @@ struct BackwardCopy {
 
 #define MLX_ATTN_BACKWARD_COPY(isa, available)                                 \
   BackwardCopy {                                                               \
-    #isa, isa::backward_vector_lanes, isa::backward_rows, isa::backward_group, \
+    #isa, isa::backward_vector_lanes, isa::backward_panel_floats, isa::backward_rows, isa::backward_group, \
         isa::backward_key_block, isa::backward_query_block, available          \
   }
 #ifdef MLX_ATTN_X86_KERNELS

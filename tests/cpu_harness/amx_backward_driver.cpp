@@ -138,7 +138,8 @@ bool run_case(const Case& c, bool single_pass) {
   int qb = kMaxRows / group;  // as plan_backward
   call.query_block = qb < Tq ? qb : Tq;
   call.single_pass = single_pass;
-  const int64_t floats = backward_scratch(call, avx512amx_backward::backward_vector_lanes()).total;
+  const int64_t floats = backward_scratch(call, avx512amx_backward::backward_vector_lanes()).total +
+      avx512amx_backward::backward_panel_floats(call);
   float* scratch = (float*)aligned_alloc(64, size_t(round_up(floats * 4, 64)));
   for (int h = 0; h < Hq; ++h) avx512amx_backward::backward_rows(call, h);
   if (single_pass) {
