@@ -39,12 +39,14 @@ MUTANTS = [
      "float logit_scale = call.problem.scale;"),
     (POLICY, "dS rows for dQ left from the previous tile",
      "_mm256_storeu_si256(reinterpret_cast<__m256i*>(even_row + c), (__m256i)_mm512_cvtneps_pbh(e));", ""),
+    (POLICY, "kept query tiles cut at a key block's query range",
+     "const int end = Tiles::kGridTiles ? call.problem.q_len : range.end;", "const int end = range.end;"),
     (POLICY, "an item reads the previous item's packed query tiles",
      "query_panels[qt * panel_record_floats(c) + 3] = 0.0f;", ""),
     (POLICY, "dQ accumulated in place into the first head's rows", "dq + g * head_stride * w.Dp, w.Dp, t.qb / kAmxTile",
      "dq, w.Dp, t.qb / kAmxTile"),
 ]
-DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[6], MUTANTS[8]]
+DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[6], MUTANTS[8], MUTANTS[10]]
 
 SELECTED = selected(MUTANTS, DEFAULT_MUTANTS)
 

@@ -592,11 +592,13 @@ void key_block_gradients(const Tiles& tiles, int b, int kv_head, int kb, int n, 
   memset(tiles.buf.dv_acc, 0, sizeof(float) * kKeyBlock * tiles.w.Dvp);
   const QueryRange range = block_query_range(call.problem, kb, kb + n - 1);
   if (range.begin < range.end) tiles.pack_keys(b, kv_head, kb, n);
-  // Tiles on the query_block grid where the policy keeps packed tiles (its
-  // first tile's earlier rows see none of these keys: masked, P = 0).
+  // Whole tiles of the query_block grid where the policy keeps packed tiles
+  // (rows of the first and last tile outside the range see none of these
+  // keys: masked, P = 0).
   const int first = Tiles::kGridTiles ? range.begin - range.begin % call.query_block : range.begin;
+  const int end = Tiles::kGridTiles ? call.problem.q_len : range.end;
   for (int qs = first; qs < range.end; qs += call.query_block) {
-    const int qb = (range.end - qs) < call.query_block ? (range.end - qs) : call.query_block;
+    const int qb = (end - qs) < call.query_block ? (end - qs) : call.query_block;
     const TileRows t{b, kv_head, qs, qb, tiles.w.group};
     tiles.pack_rows(t);
     tiles.gradients(t, kb, n);

@@ -49,7 +49,7 @@ uint16_t* random_bf16(int64_t count) {
 }
 
 struct Case {
-  int q_heads, kv_heads, q_len, kv_len, dim, value_dim, causal;
+  int q_heads, kv_heads, q_len, kv_len, dim, value_dim, causal, window;  // window > 0: causal with a window
   // q and k times these powers of two, and the scale (0: 1/sqrt(D)): tiny
   // q.k with a huge scale make logits of order one (the exactness guard's
   // cases: its power of two moved into Q, or products below float32's normal
@@ -92,7 +92,9 @@ bool run_case(const Case& c, bool single_pass) {
       for (int j = 0; j < Tk; ++j) {
         double s = 0;
         for (int d = 0; d < D; ++d) s += from_bfloat(q[row * D + d]) * from_bfloat(k[(int64_t(kvh) * Tk + j) * D + d]);
-        pr[j] = c.causal && j > Tk - Tq + i ? -INFINITY : float(scale) * s;
+        const int pos = Tk - Tq + i;
+        const bool hidden = c.causal && (j > pos || (c.window > 0 && j <= pos - c.window));
+        pr[j] = hidden ? -INFINITY : float(scale) * s;
         m = pr[j] > m ? pr[j] : m;
       }
       double l = 0;
@@ -128,6 +130,7 @@ bool run_case(const Case& c, bool single_pass) {
   }
   p.scale = float(scale);
   p.causal = c.causal;
+  p.window_size = c.window;
   p.mask_kind = MaskKind::none;
   uint16_t* dq = (uint16_t*)malloc(sizeof(uint16_t) * rows * D);
   uint16_t* dk = (uint16_t*)malloc(sizeof(uint16_t) * Hkv * Tk * D);
@@ -183,8 +186,8 @@ bool run_case(const Case& c, bool single_pass) {
                             relative_error(dv, dv_ref, int64_t(Hkv) * Tk * Dv)};
   // the harness's bf16 tolerance (tests/cpu_harness/harness.cpp tolerance)
   const bool ok = errors[0] <= 3e-2 && errors[1] <= 3e-2 && errors[2] <= 3e-2;
-  printf("Hq %d Hkv %d Tq %d Tk %d D %d Dv %d causal %d scale %g %s: dq %.3g dk %.3g dv %.3g %s\n", Hq, Hkv, Tq, Tk, D, Dv,
-         c.causal, scale, single_pass ? "single" : "two", errors[0], errors[1], errors[2], ok ? "ok" : "FAIL");
+  printf("Hq %d Hkv %d Tq %d Tk %d D %d Dv %d causal %d window %d scale %g %s: dq %.3g dk %.3g dv %.3g %s\n", Hq, Hkv, Tq, Tk, D, Dv,
+         c.causal, c.window, scale, single_pass ? "single" : "two", errors[0], errors[1], errors[2], ok ? "ok" : "FAIL");
   free(q), free(k), free(v), free(d_out), free(out), free(lse), free(probs), free(dq), free(dk), free(dv);
   free(call.delta), free(scratch), free(dq_ref), free(dk_ref), free(dv_ref);
   return ok;
@@ -198,11 +201,12 @@ int main() {
     return 2;
   }
   const Case cases[] = {
-      {2, 1, 70, 100, 64, 64, 1},   // query tiles of 140 rows (padded to 160), key blocks of 64 + 36
-      {4, 2, 33, 130, 32, 96, 0},   // one 32-feature tile, D != Dv, an odd last key
-      {1, 1, 150, 150, 128, 128, 1}, // two query blocks (128 + 22 rows), causal edges
-      {2, 1, 20, 40, 64, 32, 0, 0x1p-65f, 0x1p-65f, 0x1.8p127},  // every q.k product below 2^-126
-      {2, 1, 20, 40, 64, 32, 1, 0x1p-65f, 1.0f, 0x1p61},          // 2^56 of the scale moved into Q
+      {2, 1, 70, 100, 64, 64, 1, 0},    // query tiles of 140 rows (padded to 160), key blocks of 64 + 36
+      {4, 2, 33, 130, 32, 96, 0, 0},    // one 32-feature tile, D != Dv, an odd last key
+      {1, 1, 150, 150, 128, 128, 1, 0}, // two query blocks (128 + 22 rows), causal edges
+      {1, 1, 300, 300, 64, 64, 1, 90},  // a window: key blocks seen by some query tiles only
+      {2, 1, 20, 40, 64, 32, 0, 0, 0x1p-65f, 0x1p-65f, 0x1.8p127},  // every q.k product below 2^-126
+      {2, 1, 20, 40, 64, 32, 1, 0, 0x1p-65f, 1.0f, 0x1p61},          // 2^56 of the scale moved into Q
   };
   bool ok = true;
   for (const Case& c : cases) {
