@@ -175,6 +175,28 @@ def test_bf16_gradients_on_whole_tiles(shape, case, backward_scheme):
     assert_grads_match_reference(q, k, v, dtype=mx.bfloat16, **kw)
 
 
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_bf16_whole_tile_gradients_of_a_sum(mask, backward_scheme):
+    """The cotangent of out.sum() is a broadcast (strides 0), which the AMX
+    tiles gather into their dO rows."""
+    q, k, v = make_qkv(1, 4, 2, 70, 90, 64, 32, dtype=mx.bfloat16, seed=12)
+
+    def grads(backend, *arrays):
+        def loss(q, k, v):
+            out = mlx_attn.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, backend=backend)
+            return out.astype(mx.float32).sum()
+        result = mx.grad(loss, argnums=(0, 1, 2))(*arrays)
+        mx.eval(result)
+        return result
+
+    got = grads("fused", q, k, v)
+    want = grads("reference", _as32(q), _as32(k), _as32(v))
+    for name, g, w in zip("qkv", got, want):
+        g64, w64 = np.array(g.astype(mx.float32)).astype(np.float64), np.array(w).astype(np.float64)
+        err = float(np.abs(g64 - w64).max()) / max(1.0, float(np.abs(w64).max()))
+        assert err <= GRAD_TOLERANCE[mx.bfloat16], f"d/d{name}: relative error {err}"
+
+
 # The backward copy that serves each forward copy (csrc/cpu/copies.h): the
 # AMX forward has its own, the other avx512 copies share one.
 BACKWARD_COPY_OF = {"avx512amx": "avx512amx_backward", "avx512bf16": "avx512_backward", "avx512": "avx512_backward",

@@ -330,7 +330,8 @@ struct FloatTiles {
 
 #if defined(MLX_ATTN_AMX_BF16)
 // The avx512amx copy's bf16 tiles (amx_tiles.h), for D and Dv multiples of 32
-// with unit feature strides (amx_applies): all five products on tiles with
+// with unit feature strides of q, k, v (amx_applies; dO is gathered, any
+// strides): all five products on tiles with
 // float32 accumulation, on the float path's [rows][KB] tile, so scale, mask,
 // P and dS are the same steps:
 //   S    [Rp][KB]  = Q rows . K feature pairs     (depth D)
@@ -356,7 +357,7 @@ static_assert(kKeyBlock % kAmxDepth == 0, "a key block is whole tiles deep");
 bool amx_applies(const BackwardCall& call) {
   const AttentionProblem& p = call.problem;
   return p.dtype == ElemType::bfloat16 && p.head_dim % kAmxDepth == 0 && p.value_dim % kAmxDepth == 0 &&
-      p.q_strides[3] == 1 && p.k_strides[3] == 1 && p.v_strides[3] == 1 && call.d_out_strides[3] == 1;
+      p.q_strides[3] == 1 && p.k_strides[3] == 1 && p.v_strides[3] == 1;
 }
 
 struct AmxTiles {
@@ -463,8 +464,13 @@ struct AmxTiles {
         largest = _mm512_max_epu16(largest, bits);
         smallest = _mm512_mask_min_epu16(smallest, _mm512_test_epi16_mask(bits, bits), smallest, bits);
       }
-      memcpy(d_out_rows + int64_t(r) * Dv,
-             static_cast<const uint16_t*>(call.d_out) + t.b * ds[0] + h * ds[1] + qi * ds[2], sizeof(uint16_t) * Dv);
+      const uint16_t* d_out = static_cast<const uint16_t*>(call.d_out) + t.b * ds[0] + h * ds[1] + qi * ds[2];
+      uint16_t* d_out_row = d_out_rows + int64_t(r) * Dv;
+      if (ds[3] == 1) {
+        memcpy(d_out_row, d_out, sizeof(uint16_t) * Dv);
+      } else {  // e.g. the broadcast cotangent of a sum (strides 0)
+        for (int e = 0; e < Dv; ++e) d_out_row[e] = d_out[e * ds[3]];
+      }
     }
     memset(q_rows + int64_t(rows) * D, 0, sizeof(uint16_t) * (rp - rows) * D);
     memset(d_out_rows + int64_t(rows) * Dv, 0, sizeof(uint16_t) * (rp - rows) * Dv);
