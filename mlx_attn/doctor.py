@@ -102,6 +102,7 @@ def _environment_rows(native) -> list[tuple[str, str]]:
         return rows
     rows.append(("native extension", f"built with MLX {native.built_with_mlx}"))
     rows.append(("CPU kernel ISA", f"{native.cpu_isa()} (this CPU can run: {', '.join(native.supported_cpu_isas())})"))
+    rows.append(("CPU backward copy", native.cpu_backward_copy()))
     metal = mx.metal.is_available()
     rows.append(("Metal available (MLX)", str(metal)))
     rows.append(("Metal kernels in this build", str(native.has_metal())))

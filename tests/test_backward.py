@@ -146,6 +146,81 @@ def test_fused_gradients_every_instruction_set(isa, backward_scheme):
         _native.ext.set_cpu_isa(before)
 
 
+# bf16 problems on whole 32-feature tiles (D, Dv multiples of 32): the
+# avx512amx backward copy's AMX products where the CPU grants AMX tiles
+# (csrc/cpu/backward_impl.h AmxTiles), the float32 tiles elsewhere; the same
+# bf16 tolerance as every bf16 gradient. Padded query tiles (70 x group
+# rows), partial key blocks, GQA / MQA, D != Dv.
+WHOLE_TILE_SHAPES = [
+    (1, 4, 2, 70, 150, 64, 64),
+    (1, 2, 2, 33, 65, 32, 96),
+    (2, 2, 1, 40, 40, 128, 128),
+]
+
+
+@pytest.mark.parametrize("shape", WHOLE_TILE_SHAPES, ids=str)
+@pytest.mark.parametrize("case", ["none", "causal", "window+sinks", "bool", "softcap"])
+def test_bf16_gradients_on_whole_tiles(shape, case, backward_scheme):
+    b, hq, hkv, tq, tkv, d, dv = shape
+    q, k, v = make_qkv(b, hq, hkv, tq, tkv, d, dv, dtype=mx.bfloat16, seed=sum(shape))
+    kw = {}
+    if case == "causal":
+        kw["mask"] = "causal"
+    elif case == "window+sinks":
+        kw.update(window_size=21, sinks=mx.array(np.linspace(-1.0, 1.0, hq).astype(np.float32)).astype(mx.bfloat16))
+    elif case == "bool":
+        kw["mask"] = mx.array(np.random.default_rng(5).random((b, hq, tq, tkv)) > 0.3)
+    elif case == "softcap":
+        kw.update(softcap=2.0, mask="causal")
+    assert_grads_match_reference(q, k, v, dtype=mx.bfloat16, **kw)
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_bf16_whole_tile_gradients_of_a_sum(mask, backward_scheme):
+    """The cotangent of out.sum() is a broadcast (strides 0), which the AMX
+    tiles gather into their dO rows."""
+    q, k, v = make_qkv(1, 4, 2, 70, 90, 64, 32, dtype=mx.bfloat16, seed=12)
+
+    def grads(backend, *arrays):
+        def loss(q, k, v):
+            out = mlx_attn.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, backend=backend)
+            return out.astype(mx.float32).sum()
+        result = mx.grad(loss, argnums=(0, 1, 2))(*arrays)
+        mx.eval(result)
+        return result
+
+    got = grads("fused", q, k, v)
+    want = grads("reference", _as32(q), _as32(k), _as32(v))
+    for name, g, w in zip("qkv", got, want):
+        g64, w64 = np.array(g.astype(mx.float32)).astype(np.float64), np.array(w).astype(np.float64)
+        err = float(np.abs(g64 - w64).max()) / max(1.0, float(np.abs(w64).max()))
+        assert err <= GRAD_TOLERANCE[mx.bfloat16], f"d/d{name}: relative error {err}"
+
+
+# The backward copy that serves each forward copy (csrc/cpu/copies.h): the
+# AMX forward has its own, the other avx512 copies share one.
+BACKWARD_COPY_OF = {"avx512amx": "avx512amx_backward", "avx512bf16": "avx512_backward", "avx512": "avx512_backward",
+                    "avx2": "avx2_backward", "neonbf16": "neon_backward", "neonfhm": "neon_backward",
+                    "neon": "neon_backward", "generic": "generic_backward"}
+
+
+@pytest.mark.parametrize("isa", _native.ext.supported_cpu_isas() if _native.ext else [])
+def test_bf16_whole_tile_gradients_every_instruction_set(isa, backward_scheme):
+    """Each copy with its own backward; K with strided features (a transposed
+    view), which the AMX tiles leave to the float32 tiles, beside contiguous."""
+    before = _native.ext.cpu_isa()
+    _native.ext.set_cpu_isa(isa)
+    try:
+        assert _native.ext.cpu_backward_copy() == BACKWARD_COPY_OF[isa]
+        q, k, v = make_qkv(1, 4, 2, 45, 100, 64, 32, dtype=mx.bfloat16, seed=10)
+        sinks = mx.array([0.1, 0.2, -0.3, 1.0]).astype(mx.bfloat16)
+        assert_grads_match_reference(q, k, v, dtype=mx.bfloat16, mask="causal", sinks=sinks)
+        k_features_strided = mx.swapaxes(mx.swapaxes(k, 2, 3) + 0, 2, 3)
+        assert_grads_match_reference(q, k_features_strided, v, dtype=mx.bfloat16, mask="causal", sinks=sinks)
+    finally:
+        _native.ext.set_cpu_isa(before)
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_fully_masked_rows_give_zero_gradients(sinks, backward_scheme):
     q, k, v = make_qkv(1, 2, 1, 6, 9, 8, seed=2)

@@ -109,7 +109,7 @@ def run_harness(command, args, forward=(), backward=(), sample=False):
 ARM64_FORWARD = ["neonbf16", "neonfhm", "neon", "generic"]
 ARM64_BACKWARD = ["neon_backward", "generic_backward"]
 X86_FORWARD = ["avx512amx", "avx512bf16", "avx512", "avx2", "generic"]
-X86_BACKWARD = ["avx512_backward", "avx2_backward", "generic_backward"]
+X86_BACKWARD = ["avx512amx_backward", "avx512_backward", "avx2_backward", "generic_backward"]
 
 
 def units(forward, backward):

@@ -19,7 +19,7 @@ import pytest
 from kernel_lab import msl_emulator
 from kernel_lab.metal_runner import METAL_SOURCES, REAL_METAL, EmulatedMetal, emulated_backward
 from mutations import kernel_text
-from mlx_attn import self_check
+from mlx_attn import _native, self_check
 from mlx_attn.doctor import run_doctor
 from mlx_attn.reference import reference_attention
 from mlx_attn.self_check import BackwardVariant, Variant
@@ -155,6 +155,7 @@ def test_doctor_reports_the_cpu_kernel_on_linux():
     text = report.markdown
     assert "## Fused CPU kernel against the reference path" in text
     assert "| cpu decode/bfloat16/D=128 |" in text
+    assert f"| CPU backward copy | {_native.ext.cpu_backward_copy()} |" in text
     if not mx.metal.is_available():
         assert "Not checked: Metal is not available on this machine." in text
     assert "| prefill | 64 | 128 | True |" in text  # a timing row

@@ -7,7 +7,8 @@
 // Tile registers: 0-3 accumulators (a 2 x 2 block of 16 x 16 float32 tiles),
 // 4-5 A tiles (16 rows x 32 bf16), 6-7 B tiles (16 pairs x 16 columns x 2).
 // A thread configures them per work item (amx_configure) and releases them
-// after it (amx_release), so no tile state outlives the kernel.
+// after it (amx_release), so no tile state outlives the kernel. The backward's
+// avx512amx copy (backward_impl.h) uses the same products and panels.
 #pragma once
 
 #include <immintrin.h>
@@ -209,6 +210,20 @@ inline void amx_pack_feature_pairs(const uint16_t* const* rows, int n, int j0, i
   }
   amx_transpose_words(row_words);
   for (int p = 0; p < 16; ++p) _mm512_storeu_si512(words + (p0 + p) * word_stride + j0, row_words[p]);
+}
+
+// Two rows as one pair panel row, a B panel whose depth is the row axis (the
+// backward's K for dQ += dS . K): words[e] = (even[e], odd[e]) for e < count,
+// a multiple of 16; a null row reads as zeros.
+inline void amx_pack_row_pairs(const uint16_t* even, const uint16_t* odd, int count, uint32_t* words) {
+  const __m512i row_pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                             6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int e = 0; e < count; e += 16) {
+    const __m256i lo = even ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + e)) : _mm256_setzero_si256();
+    const __m256i hi = odd ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + e)) : _mm256_setzero_si256();
+    _mm512_storeu_si512(words + e,
+                        _mm512_permutexvar_epi16(row_pairs, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+  }
 }
 
 }  // namespace

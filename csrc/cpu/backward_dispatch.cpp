@@ -20,7 +20,8 @@ int64_t delta_floats(const BackwardCall& call) {
 }
 
 int64_t thread_stride(const BackwardCall& call) {
-  return round_up(backward_scratch(call, active_backward_copy().lanes()).total, 16);
+  const BackwardCopy& copy = active_backward_copy();
+  return round_up(backward_scratch(call, copy.lanes()).total + copy.panel_floats(call), 16);
 }
 
 // The single pass has batch x kv heads equal work items; the two passes do

@@ -6,9 +6,9 @@
 // FlashAttention-2 style: the forward's row log-sum-exp lets every tile
 // recompute P = exp(S - lse) directly; delta = rowsum(dO * O) - dlse turns
 // the softmax derivative into dS = P * (dP - delta) with dP = dO . V^T.
-// A tile (query rows x kKeyBlock keys) costs five products, all through the
-// forward's micro-kernel: S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q,
-// dQ += dS K. First a rows pass writes delta per query row and the sinks'
+// A tile (query rows x kKeyBlock keys) costs five products, through the
+// forward's micro-kernel (bf16 on the avx512amx copy: on AMX tiles):
+// S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. First a rows pass writes delta per query row and the sinks'
 // gradient (per head); then one of two schemes, each writing disjoint
 // outputs (no races, no atomics):
 //   single pass  one work item per (batch, kv head): key blocks outer, query
@@ -71,15 +71,19 @@ inline int64_t single_pass_dq_floats(const BackwardCall& call, int lanes) {
 // clamp gate [rows][KB]; K^T [D][KB], V^T [Dv][KB], K rows [KB][Dp]; dK, dV
 // accumulators [KB][Dp], [KB][Dvp]; the dQ accumulator (a tile's [rows][Dp],
 // or the single pass's whole group [group][Tq][Dp] unless in place, else
-// nothing); lse and delta per row.
+// nothing); one tile's dQ [rows][Dp] (the AMX tiles'); lse and delta per row.
+// Rows are counted in whole 32-row tiles (kBackwardRowMultiple), as the
+// avx512amx copy's bf16 tiles take them.
+inline constexpr int kBackwardRowMultiple = 32;
+
 struct BackwardScratch {
   int64_t q_packed, d_out_packed, probs, d_scores, gate, k_t, v_t, k_rows,
-      dk_acc, dv_acc, dq_acc, lse_row, delta_row, total;
+      dk_acc, dv_acc, dq_acc, dq_tile, lse_row, delta_row, total;
 };
 
 inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   const AttentionProblem& p = call.problem;
-  const int64_t rows = int64_t(p.group_size()) * call.query_block;
+  const int64_t rows = round_up(int64_t(p.group_size()) * call.query_block, kBackwardRowMultiple);
   const int64_t dp = round_up(p.head_dim, lanes), dvp = round_up(p.value_dim, lanes);
   const int64_t dq_floats = call.single_pass ? single_pass_dq_floats(call, lanes) : rows * dp;
   BackwardScratch s{};
@@ -100,15 +104,20 @@ inline BackwardScratch backward_scratch(const BackwardCall& call, int lanes) {
   s.dk_acc = take(kKeyBlock * dp);
   s.dv_acc = take(kKeyBlock * dvp);
   s.dq_acc = take(dq_floats);
+  s.dq_tile = take(rows * dp);
   s.lse_row = take(rows);
   s.delta_row = take(rows);
   s.total = at;
   return s;
 }
 
+// Each copy: its vector width, the three passes' items, and the floats it
+// needs past backward_scratch's total per thread (backward_panel_floats: the
+// avx512amx copy's packed query tiles of a single-pass item; 0 elsewhere).
 #define MLX_ATTN_DECLARE_BACKWARD_ISA(isa)                          \
   namespace isa {                                                   \
   int backward_vector_lanes();                                      \
+  int64_t backward_panel_floats(const BackwardCall&);               \
   void backward_rows(const BackwardCall&, int64_t head);            \
   void backward_group(const BackwardCall&, int64_t, float*);        \
   void backward_key_block(const BackwardCall&, int64_t, float*);    \
@@ -118,6 +127,7 @@ MLX_ATTN_DECLARE_BACKWARD_ISA(generic_backward)
 #ifdef MLX_ATTN_X86_KERNELS
 MLX_ATTN_DECLARE_BACKWARD_ISA(avx2_backward)
 MLX_ATTN_DECLARE_BACKWARD_ISA(avx512_backward)
+MLX_ATTN_DECLARE_BACKWARD_ISA(avx512amx_backward)
 #endif
 #ifdef MLX_ATTN_ARM64_KERNELS
 MLX_ATTN_DECLARE_BACKWARD_ISA(neon_backward)

@@ -17,6 +17,7 @@ inline bool always_available() {
 struct BackwardCopy {
   const char* name;
   int (*lanes)();
+  int64_t (*panel_floats)(const BackwardCall&);
   void (*rows)(const BackwardCall&, int64_t);
   void (*group)(const BackwardCall&, int64_t, float*);
   void (*key_block)(const BackwardCall&, int64_t, float*);
@@ -26,10 +27,11 @@ struct BackwardCopy {
 
 #define MLX_ATTN_BACKWARD_COPY(isa, available)                                 \
   BackwardCopy {                                                               \
-    #isa, isa::backward_vector_lanes, isa::backward_rows, isa::backward_group, \
+    #isa, isa::backward_vector_lanes, isa::backward_panel_floats, isa::backward_rows, isa::backward_group, \
         isa::backward_key_block, isa::backward_query_block, available          \
   }
 #ifdef MLX_ATTN_X86_KERNELS
+inline constexpr BackwardCopy kAvx512AmxBackward = MLX_ATTN_BACKWARD_COPY(avx512amx_backward, features::amx_bf16);
 inline constexpr BackwardCopy kAvx512Backward = MLX_ATTN_BACKWARD_COPY(avx512_backward, features::avx512);
 inline constexpr BackwardCopy kAvx2Backward = MLX_ATTN_BACKWARD_COPY(avx2_backward, features::avx2);
 #endif
@@ -41,6 +43,7 @@ inline constexpr BackwardCopy kGenericBackward = MLX_ATTN_BACKWARD_COPY(generic_
 
 inline constexpr const BackwardCopy* kBackwardCopies[] = {
 #ifdef MLX_ATTN_X86_KERNELS
+    &kAvx512AmxBackward,
     &kAvx512Backward,
     &kAvx2Backward,
 #endif
@@ -63,10 +66,11 @@ struct ForwardCopy {
     #isa, isa::vector_lanes, isa::process_work_item, available, &backward \
   }
 // Widest first. The backward computes in float32: forward copies that differ
-// only in a native reduced-precision score product share one backward copy.
+// only in a native reduced-precision score product share one backward copy,
+// except avx512amx, whose backward runs bf16 products on AMX tiles too.
 inline constexpr ForwardCopy kForwardCopies[] = {
 #ifdef MLX_ATTN_X86_KERNELS
-    MLX_ATTN_FORWARD_COPY(avx512amx, features::amx_bf16, kAvx512Backward),
+    MLX_ATTN_FORWARD_COPY(avx512amx, features::amx_bf16, kAvx512AmxBackward),
     MLX_ATTN_FORWARD_COPY(avx512bf16, features::avx512bf16, kAvx512Backward),
     MLX_ATTN_FORWARD_COPY(avx512, features::avx512, kAvx512Backward),
     MLX_ATTN_FORWARD_COPY(avx2, features::avx2, kAvx2Backward),

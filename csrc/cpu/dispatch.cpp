@@ -45,6 +45,10 @@ const BackwardCopy& active_backward_copy() {
   return *active_isa()->backward;
 }
 
+const char* current_backward_copy() {
+  return active_backward_copy().name;
+}
+
 void set_isa(const char* name) {
   const ForwardCopy* isa = select_isa(name);
   if (!isa) {

@@ -33,5 +33,7 @@ const char* const* supported_isas(int* count);
 // The backward copy that serves the forward copy in use (copies.h).
 struct BackwardCopy;
 const BackwardCopy& active_backward_copy();
+// Its name ("avx512amx_backward", "avx512_backward", ...).
+const char* current_backward_copy();
 
 }  // namespace mlx_attn::cpu

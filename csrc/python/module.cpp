@@ -187,6 +187,8 @@ NB_MODULE(_ext, m) {
 
   m.def("cpu_isa", [] { return std::string(mlx_attn::cpu::current_isa()); },
         "Instruction set the fused CPU kernel uses.");
+  m.def("cpu_backward_copy", [] { return std::string(mlx_attn::cpu::current_backward_copy()); },
+        "The fused CPU backward's kernel copy, the one that serves cpu_isa().");
   m.def("set_cpu_isa", [](const std::string& name) {
         mlx_attn::cpu::set_isa(name.c_str());
       }, "name"_a, "Use another compiled kernel copy (for tests).");

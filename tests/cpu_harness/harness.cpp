@@ -7,8 +7,8 @@
 //
 // Build with -DHARNESS_ARM64 (forward neonbf16, neonfhm, neon, generic;
 // backward neon_backward, generic_backward) or -DHARNESS_X86 (forward
-// avx512bf16, avx512, avx2, generic; backward avx512_backward, avx2_backward,
-// generic_backward) plus the matching units.
+// avx512amx, avx512bf16, avx512, avx2, generic; backward avx512amx_backward,
+// avx512_backward, avx2_backward, generic_backward) plus the matching units.
 //
 // Usage: harness [--sample] [copy ...]   (default: every copy built in that
 // the CPU runs; --sample: every third forward case only)
@@ -361,7 +361,7 @@ double run_backward_case(const BackwardCopy& copy, const Case& c, bool single_pa
   qb = qb < 1 ? 1 : qb;
   call.query_block = qb < Tq ? qb : Tq;
   call.single_pass = single_pass;
-  const int64_t floats = backward_scratch(call, copy.lanes()).total;
+  const int64_t floats = backward_scratch(call, copy.lanes()).total + copy.panel_floats(call);
   float* scratch = static_cast<float*>(aligned_alloc(64, size_t(round_up(floats * 4, 64))));
   for (int h = 0; h < Hq; ++h) copy.rows(call, h);
   const int64_t per_block = int64_t(B) * Hkv;
