@@ -455,16 +455,16 @@ def test_integer_products_take_rows_up_to_their_own_limit(monkeypatch, product, 
 
 def test_packed_layers_take_the_integer_product_at_any_row_count(monkeypatch):
     """``use_row_adaptive_matmuls(dequantize_many_rows=False)`` (the engine's
-    packed weights): a 300-row step reads the packed codes through the
-    integer product, never a per-call dequantized weight; the default still
-    dequantizes from ``INTEGER_MATVEC_ROWS`` rows."""
+    packed weights): a step of more than ``INTEGER_MATVEC_ROWS`` rows reads
+    the packed codes through the integer product, never a per-call
+    dequantized weight; the default still dequantizes from there."""
     import mlx.nn as nn
 
     from mlx_attn.lm import quantized_matmul
 
     if quantized_matmul.MATVEC_PRODUCT == "float":
         pytest.skip("MLX_ATTN_MATVEC=float: the packed engine holds float32 weights instead")
-    x = mx.random.normal((300, 64), key=mx.random.key(11))
+    x = mx.random.normal((quantized_matmul.INTEGER_MATVEC_ROWS + 44, 64), key=mx.random.key(11))
     dequantized = []
     real = quantized_matmul._dequantized
     monkeypatch.setattr(quantized_matmul, "_dequantized", lambda *a, **k: dequantized.append(1) or real(*a, **k))

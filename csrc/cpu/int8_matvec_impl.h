@@ -430,26 +430,35 @@ inline void store_tile(const Int8MatvecCall& c, const FeatureTile& tile, int row
   _mm512_mask_storeu_ps(c.out + int64_t(row) * c.n + tile.first, __mmask16((1u << tile.features) - 1), total);
 }
 
+// The tile's codes chunk by chunk, each chunk's groups' scales and biases
+// converted before it: use(first block, blocks, groups).
+template <int Bits, typename Use>
+inline void tile_chunks(const Int8MatvecCall& c, const FeatureTile& tile, const Int8Layout& layout, float* scales,
+                        float* biases, Use&& use) {
+  constexpr int chunk_blocks = kChunkBytes / (kInt8Block * Bits / 8);
+  for (int64_t g0 = 0; g0 < layout.groups; g0 += kInt8ScaleChunk) {
+    const int chunk = tile_groups(c, tile, layout.groups, g0, scales, biases);
+    const TileGroups groups{scales, biases, g0, layout.group_shift};
+    const int64_t last = (g0 + chunk) << layout.group_shift;
+    for (int64_t b = g0 << layout.group_shift; b < last; b += chunk_blocks) {
+      use(b, int(last - b < chunk_blocks ? last - b : chunk_blocks), groups);
+    }
+  }
+}
+
 // Rows <= kTileRows: each block's weight vectors go from registers straight
 // to the rows, whose sums stay in registers over the whole of k.
 template <int Bits, int Rows>
 void few_rows_tile(const Int8MatvecCall& c, const FeatureTile& tile, const Int8Layout& layout, float* scales,
                    float* biases) {
   constexpr int block_bytes = kInt8Block * Bits / 8;
-  constexpr int chunk_blocks = kChunkBytes / block_bytes;
   __m512 total[Rows];
   for (int r = 0; r < Rows; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < layout.groups; g0 += kInt8ScaleChunk) {
-    const int chunk = tile_groups(c, tile, layout.groups, g0, scales, biases);
-    const TileGroups groups{scales, biases, g0, layout.group_shift};
-    const int64_t last = (g0 + chunk) << layout.group_shift;
-    for (int64_t b = g0 << layout.group_shift; b < last; b += chunk_blocks) {
-      const int blocks = int(last - b < chunk_blocks ? last - b : chunk_blocks);
-      chunk_weights<Bits>(tile.codes, b * block_bytes, blocks * block_bytes, [&](int block, const __m512i* weights) {
-        block_product<Rows>(c, weights, b + block, groups, layout.lane_stride, 0, total);
-      });
-    }
-  }
+  tile_chunks<Bits>(c, tile, layout, scales, biases, [&](int64_t b, int blocks, const TileGroups& groups) {
+    chunk_weights<Bits>(tile.codes, b * block_bytes, blocks * block_bytes, [&](int block, const __m512i* weights) {
+      block_product<Rows>(c, weights, b + block, groups, layout.lane_stride, 0, total);
+    });
+  });
   for (int r = 0; r < Rows; ++r) store_tile(c, tile, r, total[r]);
 }
 
@@ -459,24 +468,17 @@ template <int Bits>
 void many_rows_tile(const Int8MatvecCall& c, const FeatureTile& tile, const Int8Layout& layout, float* scales,
                     float* biases) {
   constexpr int block_bytes = kInt8Block * Bits / 8;
-  constexpr int chunk_blocks = kChunkBytes / block_bytes;
-  alignas(64) __m512i panel[chunk_blocks * 16];
+  alignas(64) __m512i panel[kChunkBytes / block_bytes * 16];
   alignas(64) float sums[kPassRows * kTileOutputs];
   for (int row0 = 0; row0 < c.rows; row0 += kPassRows) {
     const int rows = c.rows - row0 < kPassRows ? c.rows - row0 : kPassRows;
     for (int i = 0; i < rows * kTileOutputs; ++i) sums[i] = 0.0f;
-    for (int64_t g0 = 0; g0 < layout.groups; g0 += kInt8ScaleChunk) {
-      const int chunk = tile_groups(c, tile, layout.groups, g0, scales, biases);
-      const TileGroups groups{scales, biases, g0, layout.group_shift};
-      const int64_t last = (g0 + chunk) << layout.group_shift;
-      for (int64_t b = g0 << layout.group_shift; b < last; b += chunk_blocks) {
-        const int blocks = int(last - b < chunk_blocks ? last - b : chunk_blocks);
-        chunk_weights<Bits>(tile.codes, b * block_bytes, blocks * block_bytes, [&](int block, const __m512i* weights) {
-          for (int j = 0; j < 16; ++j) _mm512_store_si512(panel + block * 16 + j, weights[j]);
-        });
-        panel_row_tiles(c, panel, b, blocks, groups, layout.lane_stride, row0, rows, sums);
-      }
-    }
+    tile_chunks<Bits>(c, tile, layout, scales, biases, [&](int64_t b, int blocks, const TileGroups& groups) {
+      chunk_weights<Bits>(tile.codes, b * block_bytes, blocks * block_bytes, [&](int block, const __m512i* weights) {
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(panel + block * 16 + j, weights[j]);
+      });
+      panel_row_tiles(c, panel, b, blocks, groups, layout.lane_stride, row0, rows, sums);
+    });
     for (int r = 0; r < rows; ++r) store_tile(c, tile, row0 + r, _mm512_load_ps(sums + r * kTileOutputs));
   }
 }
