@@ -36,8 +36,9 @@ largest ``|x|`` of the column's block / 32767 or / 127;
 ``int8_error_bound``). int8 is llama.cpp's q8 scheme, but SmolLM2's
 activations are spiky (a block's largest ``|x|`` is 10-30x its mean): int8
 moves its logits by up to ~3 (greedy tokens change at near-ties and the
-transformers reference tests fail), int16 by at most ~0.03, for 20-35% more
-time at one row (measured on SmolLM2's layers; ~65% at 8 rows). ``"float"``
+transformers reference tests fail), int16 by at most ~0.03, for 10-30% more
+CPU time at one row and 0.75x int8's at 8 rows (its AVX512-VNNI copy's
+16-output tiles; measured on SmolLM2's layers, load 13-18). ``"float"``
 is the float32 product above (``_ext.quantized_matvec``). With an integer product, rows
 below ``INTEGER_MATVEC_ROWS`` (2049) take it, not ``DEQUANTIZED_MATMUL_ROWS``
 (24): on AVX512-VNNI its int16 copy puts 16 outputs in the lanes and reads
