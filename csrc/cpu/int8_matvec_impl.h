@@ -11,8 +11,8 @@
 // lane by lane; the lanes are summed once per output. AVX512-VNNI's int16
 // copy instead puts 16 outputs in the lanes (int16_tiles: each weight block
 // unpacked once for every row). One loop (block_rows)
-// serves every block-at-a-time copy (AVX512-VNNI int16, AVX2 int8 and int16,
-// plain C++), each ISA giving only its block step; AVX512-VNNI's int8 copy
+// serves every block-at-a-time copy (AVX2 int8 and int16, plain C++), each
+// ISA giving only its block step; AVX512-VNNI's int8 copy
 // takes two blocks a step and has its own loop.
 #pragma once
 
@@ -186,41 +186,6 @@ void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   }
 }
 
-
-// int16 activations: a block's 32 codes widen to 32 words, one vpdpwssd per
-// row gives the block's 16 int32 lanes, scaled by one broadcast d * scale.
-template <int Bits>
-inline __m512i block_words(const uint8_t* w, int64_t block) {
-  return _mm512_cvtepu8_epi16(one_block<Bits>(w, block));
-}
-
-struct Int16Step {
-  struct Sums {
-    __m512 acc;
-    float bias;
-  };
-  using Code = int16_t;
-  using Codes = __m512i;
-  static Sums zero() { return {_mm512_setzero_ps(), 0.0f}; }
-  template <int Bits>
-  static Codes codes(const uint8_t* w, int64_t block) {
-    return block_words<Bits>(w, block);
-  }
-  template <int Bits>
-  static void add(Sums& s, const Codes& codes, int64_t, const Code* xq, const float* d, const float* sums, float scale,
-                  float bias) {
-    const __m512i x = _mm512_loadu_si512(xq);
-    const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), codes, x);
-    s.acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[0] * scale), s.acc);
-    s.bias += sums[0] * 8.0f * bias;
-  }
-  static float total(const Sums& s) { return _mm512_reduce_add_ps(s.acc) + s.bias; }
-};
-
-template <int Bits, int Rows>
-void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  block_rows<Int16Step, Bits, Rows>(c, begin, end);
-}
 
 // int16 activations, many rows a weight pass: 16 output features in the 16
 // lanes. Each 64 bytes of the 16 features' codes (4 blocks of 4-bit codes or
@@ -507,6 +472,13 @@ void int16_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
       default: many_rows_tile<Bits>(c, tile, layout, scales, biases); break;
     }
   }
+}
+
+// int16 activations take the tiles at every row count (int8_bits calls them
+// before any split into 8-row passes).
+template <int Bits, int Rows>
+void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  int16_tiles<Bits>(c, begin, end);
 }
 
 #elif defined(__AVX2__)
