@@ -376,16 +376,32 @@ struct FeatureTile {
 };
 
 // The tile's scales and biases of the groups from g0 into scales and biases
-// [group - g0][16]; returns the groups converted.
+// [group - g0][16] (a short tile's missing features as zeros); returns the
+// groups converted. Each feature's groups are converted in a row, then 16
+// groups at a time are transposed to group-major in registers.
 inline int tile_groups(const Int8MatvecCall& c, const FeatureTile& tile, int64_t groups, int64_t g0, float* scales,
                        float* biases) {
-  float feature_scales[kInt8ScaleChunk], feature_biases[kInt8ScaleChunk];
+  alignas(64) float feature_scales[kTileOutputs][kInt8ScaleChunk], feature_biases[kTileOutputs][kInt8ScaleChunk];
   int chunk = 0;
-  for (int o = 0; o < kTileOutputs; ++o) {
-    if (o < tile.features) chunk = convert_chunk(c, groups, tile.first + o, g0, feature_scales, feature_biases);
-    for (int g = 0; g < chunk; ++g) {
-      scales[g * kTileOutputs + o] = o < tile.features ? feature_scales[g] : 0.0f;
-      biases[g * kTileOutputs + o] = o < tile.features ? feature_biases[g] * 8.0f : 0.0f;
+  for (int o = 0; o < tile.features; ++o) {
+    chunk = convert_chunk(c, groups, tile.first + o, g0, feature_scales[o], feature_biases[o]);
+  }
+  for (int g = 0; g < chunk; g += 16) {  // chunk <= kInt8ScaleChunk, a multiple of 16: rows past chunk stay in bounds
+    const __mmask16 valid = chunk - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (chunk - g)) - 1);
+    __m512i group_scales[16], group_biases[16];
+    for (int o = 0; o < kTileOutputs; ++o) {
+      const bool present = o < tile.features;
+      group_scales[o] = present ? _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, feature_scales[o] + g))
+                                : _mm512_setzero_si512();
+      group_biases[o] = present ? _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, feature_biases[o] + g))
+                                : _mm512_setzero_si512();
+    }
+    transpose_dwords(group_scales);
+    transpose_dwords(group_biases);
+    for (int m = 0; m < 16; ++m) {
+      _mm512_store_ps(scales + (g + m) * kTileOutputs, _mm512_castsi512_ps(group_scales[m]));
+      _mm512_store_ps(biases + (g + m) * kTileOutputs,
+                      _mm512_mul_ps(_mm512_castsi512_ps(group_biases[m]), _mm512_set1_ps(8.0f)));
     }
   }
   return chunk;
