@@ -18,6 +18,8 @@ from mlx_attn.lm import quantized_matmul
 from mlx_attn.lm.quantized_matmul import int8_error_bound
 
 ISAS = list(_ext.supported_cpu_isas())
+# MLX_ATTN_FULL_GRID=1: more row counts of the many-row product
+FULL_GRID = os.environ.get("MLX_ATTN_FULL_GRID") == "1"
 # float32 rounding of the sums, relative to |x| @ |W|.T
 FLOAT_SUM_TOLERANCE = 2e-6
 
@@ -71,16 +73,41 @@ def test_within_the_stated_bound_of_the_float_product(isa, activation_bits, bits
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
-def test_rows_of_many_scale_chunks_and_every_row_alike(isa, activation_bits):
-    # 300 groups of 32: more than one chunk of 256 converted scales per output
+@pytest.mark.parametrize("rows", [3, 12])
+def test_rows_of_many_scale_chunks_and_every_row_alike(isa, activation_bits, rows):
+    # 300 groups of 32: more than one chunk of 256 converted scales per output;
+    # 3 rows: AVX-512's int16 register-only path, 12: its panel of weight vectors
     k = 300 * 32
     codes, scales, biases = _weight(33, k, 4, 32, mx.float16, seed=5)
-    x = mx.random.normal((3, k), key=mx.random.key(6))
+    x = mx.random.normal((rows, k), key=mx.random.key(6))
     got = _ext.quantized_matvec_int8(x, codes, scales, biases, 32, 4, activation_bits)
     _assert_within_bound(got, x, *_float_parts(codes, scales, biases, 32, 4), activation_bits)
     # a row's result does not depend on the rows beside it
     alone = _ext.quantized_matvec_int8(x[1:2], codes, scales, biases, 32, 4, activation_bits)
     np.testing.assert_array_equal(np.array(got[1:2]), np.array(alone))
+
+
+MANY_ROWS = [2, 9, 33, 130] + ([64, 128] if FULL_GRID else [])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size,k", [(32, 224), (64, 320), (128, 384)])
+@pytest.mark.parametrize("rows", MANY_ROWS)
+def test_many_rows_within_the_bound_and_each_as_alone(isa, bits, group_size, k, rows):
+    # 37 outputs: two 16-output tiles and a 5-output tail (and a partial thread
+    # task); k: 7, 10 and 12 blocks, so 4-bit chunks of 4 blocks and 8-bit ones
+    # of 2 end short; 130 rows: more than one 128-row pass
+    n = 37
+    codes, scales, biases = _weight(n, k, bits, group_size, mx.bfloat16, seed=rows * 8 + bits)
+    x = mx.random.normal((rows, k), key=mx.random.key(rows)) * mx.random.uniform(0.1, 3.0, (rows, 1),
+                                                                                 key=mx.random.key(2))
+    got = _ext.quantized_matvec_int8(x, codes, scales, biases, group_size, bits, 16)
+    assert got.shape == (rows, n)
+    error = _assert_within_bound(got, x, *_float_parts(codes, scales, biases, group_size, bits), 16)
+    assert error.max() > 0
+    for row in sorted({0, rows // 2, rows - 1}):
+        alone = _ext.quantized_matvec_int8(x[row:row + 1], codes, scales, biases, group_size, bits, 16)
+        np.testing.assert_array_equal(np.array(got[row:row + 1]), np.array(alone), err_msg=f"row {row}")
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
@@ -213,9 +240,10 @@ def test_several_weights_reject_lists_of_different_lengths():
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_every_copy_computes_the_generic_sums(bits, activation_bits):
+@pytest.mark.parametrize("rows", [9, 40])
+def test_every_copy_computes_the_generic_sums(bits, activation_bits, rows):
     codes, scales, biases = _weight(64, 256, bits, 64, mx.bfloat16, seed=9)
-    x = mx.random.normal((9, 256), key=mx.random.key(10))
+    x = mx.random.normal((rows, 256), key=mx.random.key(10))
     before = _ext.cpu_isa()
     results = {}
     try:
@@ -231,14 +259,15 @@ def test_every_copy_computes_the_generic_sums(bits, activation_bits):
 
 
 @pytest.mark.parametrize("activation_bits", [8, 16])
-def test_non_finite_activations_give_non_finite_rows_only(isa, activation_bits):
+@pytest.mark.parametrize("rows", [4, 21])
+def test_non_finite_activations_give_non_finite_rows_only(isa, activation_bits, rows):
     codes, scales, biases = _weight(40, 128, 4, 32, mx.float16, seed=2)
-    x = np.random.default_rng(0).normal(size=(4, 128)).astype(np.float32)
+    x = np.random.default_rng(0).normal(size=(rows, 128)).astype(np.float32)
     x[1, 70] = np.nan
     x[2, 3] = np.inf
     x[3] = 0.0
     got = np.array(_ext.quantized_matvec_int8(mx.array(x), codes, scales, biases, 32, 4, activation_bits))
-    assert np.all(np.isfinite(got[0]))
+    assert np.all(np.isfinite(np.delete(got, [1, 2, 3], axis=0)))
     assert np.all(np.isnan(got[1]))
     assert not np.any(np.isfinite(got[2]))
     np.testing.assert_array_equal(got[3], 0.0)
@@ -426,16 +455,16 @@ def test_integer_products_take_rows_up_to_their_own_limit(monkeypatch, product, 
 
 def test_packed_layers_take_the_integer_product_at_any_row_count(monkeypatch):
     """``use_row_adaptive_matmuls(dequantize_many_rows=False)`` (the engine's
-    packed weights): a 300-row step reads the packed codes through the
-    integer product, never a per-call dequantized weight; the default still
-    dequantizes from ``INTEGER_MATVEC_ROWS`` rows."""
+    packed weights): a step of more than ``INTEGER_MATVEC_ROWS`` rows reads
+    the packed codes through the integer product, never a per-call
+    dequantized weight; the default still dequantizes from there."""
     import mlx.nn as nn
 
     from mlx_attn.lm import quantized_matmul
 
     if quantized_matmul.MATVEC_PRODUCT == "float":
         pytest.skip("MLX_ATTN_MATVEC=float: the packed engine holds float32 weights instead")
-    x = mx.random.normal((300, 64), key=mx.random.key(11))
+    x = mx.random.normal((quantized_matmul.INTEGER_MATVEC_ROWS + 44, 64), key=mx.random.key(11))
     dequantized = []
     real = quantized_matmul._dequantized
     monkeypatch.setattr(quantized_matmul, "_dequantized", lambda *a, **k: dequantized.append(1) or real(*a, **k))

@@ -8,9 +8,11 @@
 // the activations were quantized in), dotted with the row's int8 codes into
 // int32 lanes, converted to float and accumulated as
 //   acc += dot * (d * scale) + (block sum / 8) * bias
-// lane by lane; the lanes are summed once per output. One loop (block_rows)
-// serves every block-at-a-time copy (AVX512-VNNI int16, AVX2 int8 and int16,
-// plain C++), each ISA giving only its block step; AVX512-VNNI's int8 copy
+// lane by lane; the lanes are summed once per output. AVX512-VNNI's int16
+// copy instead puts 16 outputs in the lanes (int16_tiles: each weight block
+// unpacked once for every row). One loop (block_rows)
+// serves every block-at-a-time copy (AVX2 int8 and int16, plain C++), each
+// ISA giving only its block step; AVX512-VNNI's int8 copy
 // takes two blocks a step and has its own loop.
 #pragma once
 
@@ -185,39 +187,314 @@ void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 }
 
 
-// int16 activations: a block's 32 codes widen to 32 words, one vpdpwssd per
-// row gives the block's 16 int32 lanes, scaled by one broadcast d * scale.
-template <int Bits>
-inline __m512i block_words(const uint8_t* w, int64_t block) {
-  return _mm512_cvtepu8_epi16(one_block<Bits>(w, block));
+// int16 activations, many rows a weight pass: 16 output features in the 16
+// lanes. Each 64 bytes of the 16 features' codes (4 blocks of 4-bit codes or
+// 2 of 8-bit) are transposed once into a panel of weight vectors, one per
+// (block, activation pair j): lane o holds feature o's two codes of pair j
+// as words. Every row then takes one vpdpwssd per vector with its pair j
+// broadcast, giving the block's int32 dot products of all 16 features, and
+// the per-group scaling is vector work over the 16 features.
+constexpr int kTileOutputs = 16;
+constexpr int kTileRows = 8;      // 8 int32 + 8 float32 accumulators in registers
+constexpr int kPassRows = 128;    // rows whose float sums one weight pass keeps (on the stack)
+constexpr int kChunkBytes = 64;   // one feature's codes per panel
+
+// r[o] holds feature o's 16 dwords; afterwards r[m] holds dword m of every feature (lane o).
+inline void transpose_dwords(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4i + s], 128-bit lane l: dword 4l + s of features 4i .. 4i + 3
+  __m512i u[16];
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int s = 0; s < 4; ++s) {
+    const __m512i first_halves = _mm512_shuffle_i32x4(u[s], u[4 + s], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i last_halves = _mm512_shuffle_i32x4(u[s], u[4 + s], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i first_halves2 = _mm512_shuffle_i32x4(u[8 + s], u[12 + s], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i last_halves2 = _mm512_shuffle_i32x4(u[8 + s], u[12 + s], _MM_SHUFFLE(3, 2, 3, 2));
+    r[s] = _mm512_shuffle_i32x4(first_halves, first_halves2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + s] = _mm512_shuffle_i32x4(first_halves, first_halves2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + s] = _mm512_shuffle_i32x4(last_halves, last_halves2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + s] = _mm512_shuffle_i32x4(last_halves, last_halves2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
 }
 
-struct Int16Step {
-  struct Sums {
-    __m512 acc;
-    float bias;
-  };
-  using Code = int16_t;
-  using Codes = __m512i;
-  static Sums zero() { return {_mm512_setzero_ps(), 0.0f}; }
-  template <int Bits>
-  static Codes codes(const uint8_t* w, int64_t block) {
-    return block_words<Bits>(w, block);
+// Per dword, bytes 0 and 1 (even) or 2 and 3 (odd) widened to two words.
+inline __m512i even_byte_pairs(__m512i v) {
+  return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9,
+                                                                      -128, 12, -128, 13, -128)));
+}
+inline __m512i odd_byte_pairs(__m512i v) {
+  return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128,
+                                                                      11, -128, 14, -128, 15, -128)));
+}
+
+// The 16 features' weight vectors of the chunk at byte offset `offset`
+// (`bytes` of codes, the rest read as zeros), block by block: use(block,
+// weights) with weights[j] for the block's activation pairs j = 0 .. 15.
+template <int Bits, typename Use>
+inline void chunk_weights(const uint8_t* const features[kTileOutputs], int64_t offset, int bytes, Use&& use) {
+  const __mmask64 valid = bytes == kChunkBytes ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1;
+  const int blocks = bytes / (kInt8Block * Bits / 8);
+  __m512i r[16];
+  for (int o = 0; o < kTileOutputs; ++o) r[o] = _mm512_maskz_loadu_epi8(valid, features[o] + offset);
+  transpose_dwords(r);
+  __m512i weights[16];
+  if constexpr (Bits == 8) {
+    // dword m: columns 4m .. 4m + 3 of the chunk, pairs 2m, 2m + 1 of block m / 8
+#pragma GCC unroll 2
+    for (int block = 0; block < 2; ++block) {
+      if (block >= blocks) return;
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        weights[2 * q] = even_byte_pairs(r[8 * block + q]);
+        weights[2 * q + 1] = odd_byte_pairs(r[8 * block + q]);
+      }
+      use(block, weights);
+    }
+  } else {
+    // dword m: bytes 4s .. 4s + 3 of block m / 4 (s = m % 4); their low
+    // nibbles are the pairs 2s, 2s + 1 of even columns, high ones 8 + 2s, 9 + 2s
+    const __m512i nibble = _mm512_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int block = 0; block < 4; ++block) {
+      if (block >= blocks) return;
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m512i dwords = r[4 * block + s];
+        const __m512i low = _mm512_and_si512(dwords, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble);
+        weights[2 * s] = even_byte_pairs(low);
+        weights[2 * s + 1] = odd_byte_pairs(low);
+        weights[8 + 2 * s] = even_byte_pairs(high);
+        weights[9 + 2 * s] = odd_byte_pairs(high);
+      }
+      use(block, weights);
+    }
   }
-  template <int Bits>
-  static void add(Sums& s, const Codes& codes, int64_t, const Code* xq, const float* d, const float* sums, float scale,
-                  float bias) {
-    const __m512i x = _mm512_loadu_si512(xq);
-    const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), codes, x);
-    s.acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[0] * scale), s.acc);
-    s.bias += sums[0] * 8.0f * bias;
-  }
-  static float total(const Sums& s) { return _mm512_reduce_add_ps(s.acc) + s.bias; }
+}
+
+inline int32_t word_pair(const int16_t* x) {
+  int32_t v;
+  memcpy(&v, x, 4);
+  return v;
+}
+
+// The 16 features' scales and biases of one chunk of groups, group-major.
+struct TileGroups {
+  const float* scales;  // [group - first][16]
+  const float* biases;  // likewise, times 8 (xsum holds block sums / 8)
+  int64_t first;
+  int group_shift;
 };
 
+// Rows rows from `row` (Rows <= kTileRows) times block b's 16 weight
+// vectors, added into total[Rows] (the 16 features' sums).
+template <int Rows>
+inline void block_product(const Int8MatvecCall& c, const __m512i* weights, int64_t b, const TileGroups& groups,
+                          int64_t lane_stride, int row, __m512* total) {
+  const int16_t* x = static_cast<const int16_t*>(c.xq) + int64_t(row) * c.k + b * kInt8Block;
+  const float* xd = c.xd + row * lane_stride + b * 8;
+  const float* xsum = c.xsum + row * lane_stride + b * 8;
+  // a few rows split their pairs over several sums (exact integer adds), so
+  // that enough independent vpdpwssd chains hide its latency
+  constexpr int chains = Rows >= 6 ? 1 : (Rows >= 3 ? 2 : 4);
+  __m512i dot[chains][Rows];
+#pragma GCC unroll 4
+  for (int h = 0; h < chains; ++h) {
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) dot[h][r] = _mm512_setzero_si512();
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const __m512i w = weights[j];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      dot[j % chains][r] = _mm512_dpwssd_epi32(dot[j % chains][r], w, _mm512_set1_epi32(word_pair(x + r * c.k + 2 * j)));
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 1; h < chains; ++h) {
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) dot[0][r] = _mm512_add_epi32(dot[0][r], dot[h][r]);
+  }
+  const int64_t g = (b >> groups.group_shift) - groups.first;
+  const __m512 scale = _mm512_load_ps(groups.scales + g * kTileOutputs);
+  const __m512 bias = _mm512_load_ps(groups.biases + g * kTileOutputs);
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    const __m512 d = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * lane_stride]));
+    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0][r]), d, total[r]);
+    total[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(xsum[r * lane_stride]), total[r]);
+  }
+}
+
+// The blocks [first, first + blocks) of a panel (16 weight vectors a block)
+// for Rows rows from `row`, added into sums [Rows][16].
+template <int Rows>
+inline void panel_rows(const Int8MatvecCall& c, const __m512i* panel, int64_t first, int blocks,
+                       const TileGroups& groups, int64_t lane_stride, int row, float* sums) {
+  __m512 total[Rows];
+  for (int r = 0; r < Rows; ++r) total[r] = _mm512_load_ps(sums + r * kTileOutputs);
+  for (int block = 0; block < blocks; ++block) {
+    block_product<Rows>(c, panel + block * 16, first + block, groups, lane_stride, row, total);
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_store_ps(sums + r * kTileOutputs, total[r]);
+}
+
+inline void panel_row_tiles(const Int8MatvecCall& c, const __m512i* panel, int64_t first, int blocks,
+                            const TileGroups& groups, int64_t lane_stride, int row0, int rows, float* sums) {
+  int r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) {
+    panel_rows<kTileRows>(c, panel, first, blocks, groups, lane_stride, row0 + r, sums + r * kTileOutputs);
+  }
+  float* rest = sums + r * kTileOutputs;
+  switch (rows - r) {
+    case 1: return panel_rows<1>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    case 2: return panel_rows<2>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    case 3: return panel_rows<3>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    case 4: return panel_rows<4>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    case 5: return panel_rows<5>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    case 6: return panel_rows<6>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    case 7: return panel_rows<7>(c, panel, first, blocks, groups, lane_stride, row0 + r, rest);
+    default: return;
+  }
+}
+
+// One tile of up to 16 features: the codes of each, its scales and biases.
+struct FeatureTile {
+  const uint8_t* codes[kTileOutputs];  // a short tile repeats its last feature (never stored)
+  int features;
+  int64_t first;
+};
+
+// The tile's scales and biases of the groups from g0 into scales and biases
+// [group - g0][16] (a short tile's missing features as zeros); returns the
+// groups converted. Each feature's groups are converted in a row, then 16
+// groups at a time are transposed to group-major in registers.
+inline int tile_groups(const Int8MatvecCall& c, const FeatureTile& tile, int64_t groups, int64_t g0, float* scales,
+                       float* biases) {
+  alignas(64) float feature_scales[kTileOutputs][kInt8ScaleChunk], feature_biases[kTileOutputs][kInt8ScaleChunk];
+  int chunk = 0;
+  for (int o = 0; o < tile.features; ++o) {
+    chunk = convert_chunk(c, groups, tile.first + o, g0, feature_scales[o], feature_biases[o]);
+  }
+  for (int g = 0; g < chunk; g += 16) {  // chunk <= kInt8ScaleChunk, a multiple of 16: rows past chunk stay in bounds
+    const __mmask16 valid = chunk - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (chunk - g)) - 1);
+    __m512i group_scales[16], group_biases[16];
+    for (int o = 0; o < kTileOutputs; ++o) {
+      const bool present = o < tile.features;
+      group_scales[o] = present ? _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, feature_scales[o] + g))
+                                : _mm512_setzero_si512();
+      group_biases[o] = present ? _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, feature_biases[o] + g))
+                                : _mm512_setzero_si512();
+    }
+    transpose_dwords(group_scales);
+    transpose_dwords(group_biases);
+    for (int m = 0; m < 16; ++m) {
+      _mm512_store_ps(scales + (g + m) * kTileOutputs, _mm512_castsi512_ps(group_scales[m]));
+      _mm512_store_ps(biases + (g + m) * kTileOutputs,
+                      _mm512_mul_ps(_mm512_castsi512_ps(group_biases[m]), _mm512_set1_ps(8.0f)));
+    }
+  }
+  return chunk;
+}
+
+inline void store_tile(const Int8MatvecCall& c, const FeatureTile& tile, int row, const __m512 total) {
+  _mm512_mask_storeu_ps(c.out + int64_t(row) * c.n + tile.first, __mmask16((1u << tile.features) - 1), total);
+}
+
+// The tile's codes chunk by chunk, each chunk's groups' scales and biases
+// converted before it: use(first block, blocks, groups).
+template <int Bits, typename Use>
+inline void tile_chunks(const Int8MatvecCall& c, const FeatureTile& tile, const Int8Layout& layout, float* scales,
+                        float* biases, Use&& use) {
+  constexpr int chunk_blocks = kChunkBytes / (kInt8Block * Bits / 8);
+  for (int64_t g0 = 0; g0 < layout.groups; g0 += kInt8ScaleChunk) {
+    const int chunk = tile_groups(c, tile, layout.groups, g0, scales, biases);
+    const TileGroups groups{scales, biases, g0, layout.group_shift};
+    const int64_t last = (g0 + chunk) << layout.group_shift;
+    for (int64_t b = g0 << layout.group_shift; b < last; b += chunk_blocks) {
+      use(b, int(last - b < chunk_blocks ? last - b : chunk_blocks), groups);
+    }
+  }
+}
+
+// Rows <= kTileRows: each block's weight vectors go from registers straight
+// to the rows, whose sums stay in registers over the whole of k.
+template <int Bits, int Rows>
+void few_rows_tile(const Int8MatvecCall& c, const FeatureTile& tile, const Int8Layout& layout, float* scales,
+                   float* biases) {
+  constexpr int block_bytes = kInt8Block * Bits / 8;
+  __m512 total[Rows];
+  for (int r = 0; r < Rows; ++r) total[r] = _mm512_setzero_ps();
+  tile_chunks<Bits>(c, tile, layout, scales, biases, [&](int64_t b, int blocks, const TileGroups& groups) {
+    chunk_weights<Bits>(tile.codes, b * block_bytes, blocks * block_bytes, [&](int block, const __m512i* weights) {
+      block_product<Rows>(c, weights, b + block, groups, layout.lane_stride, 0, total);
+    });
+  });
+  for (int r = 0; r < Rows; ++r) store_tile(c, tile, r, total[r]);
+}
+
+// More rows: each chunk's weight vectors are kept in a panel that every row
+// tile reads; the rows' sums wait in sums between chunks.
+template <int Bits>
+void many_rows_tile(const Int8MatvecCall& c, const FeatureTile& tile, const Int8Layout& layout, float* scales,
+                    float* biases) {
+  constexpr int block_bytes = kInt8Block * Bits / 8;
+  alignas(64) __m512i panel[kChunkBytes / block_bytes * 16];
+  alignas(64) float sums[kPassRows * kTileOutputs];
+  for (int row0 = 0; row0 < c.rows; row0 += kPassRows) {
+    const int rows = c.rows - row0 < kPassRows ? c.rows - row0 : kPassRows;
+    for (int i = 0; i < rows * kTileOutputs; ++i) sums[i] = 0.0f;
+    tile_chunks<Bits>(c, tile, layout, scales, biases, [&](int64_t b, int blocks, const TileGroups& groups) {
+      chunk_weights<Bits>(tile.codes, b * block_bytes, blocks * block_bytes, [&](int block, const __m512i* weights) {
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(panel + block * 16 + j, weights[j]);
+      });
+      panel_row_tiles(c, panel, b, blocks, groups, layout.lane_stride, row0, rows, sums);
+    });
+    for (int r = 0; r < rows; ++r) store_tile(c, tile, row0 + r, _mm512_load_ps(sums + r * kTileOutputs));
+  }
+}
+
+template <int Bits>
+void int16_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const Int8Layout layout(c, Bits);
+  alignas(64) float scales[kInt8ScaleChunk * kTileOutputs], biases[kInt8ScaleChunk * kTileOutputs];
+  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+    FeatureTile tile;
+    tile.first = n0;
+    tile.features = int(end - n0 < kTileOutputs ? end - n0 : kTileOutputs);
+    for (int o = 0; o < kTileOutputs; ++o) {
+      tile.codes[o] = reinterpret_cast<const uint8_t*>(c.codes) +
+                      (n0 + (o < tile.features ? o : tile.features - 1)) * layout.row_bytes;
+    }
+    switch (c.rows) {
+      case 1: few_rows_tile<Bits, 1>(c, tile, layout, scales, biases); break;
+      case 2: few_rows_tile<Bits, 2>(c, tile, layout, scales, biases); break;
+      case 3: few_rows_tile<Bits, 3>(c, tile, layout, scales, biases); break;
+      case 4: few_rows_tile<Bits, 4>(c, tile, layout, scales, biases); break;
+      case 5: few_rows_tile<Bits, 5>(c, tile, layout, scales, biases); break;
+      case 6: few_rows_tile<Bits, 6>(c, tile, layout, scales, biases); break;
+      case 7: few_rows_tile<Bits, 7>(c, tile, layout, scales, biases); break;
+      case 8: few_rows_tile<Bits, 8>(c, tile, layout, scales, biases); break;
+      default: many_rows_tile<Bits>(c, tile, layout, scales, biases); break;
+    }
+  }
+}
+
+// int16 activations take the tiles at every row count (int8_bits calls them
+// before any split into 8-row passes).
 template <int Bits, int Rows>
 void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  block_rows<Int16Step, Bits, Rows>(c, begin, end);
+  int16_tiles<Bits>(c, begin, end);
 }
 
 #elif defined(__AVX2__)
@@ -371,18 +648,39 @@ void rows_of(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   }
 }
 
+// The block-at-a-time copies take up to this many rows a weight pass.
+constexpr int kBlockRows = 8;
+
+template <int Bits>
+void block_passes(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  const int64_t lane_stride = c.k / kInt8Block * 8;
+  const int64_t code_bytes = c.activation_bits / 8;
+  for (int row = 0; row < c.rows; row += kBlockRows) {
+    Int8MatvecCall part = c;
+    part.rows = c.rows - row < kBlockRows ? c.rows - row : kBlockRows;
+    part.xq = static_cast<const char*>(c.xq) + row * c.k * code_bytes;
+    part.xd = c.xd + row * lane_stride;
+    part.xsum = c.xsum + row * lane_stride;
+    part.out = c.out + int64_t(row) * c.n;
+    switch (part.rows) {
+      case 1: rows_of<Bits, 1>(part, begin, end); break;
+      case 2: rows_of<Bits, 2>(part, begin, end); break;
+      case 3: rows_of<Bits, 3>(part, begin, end); break;
+      case 4: rows_of<Bits, 4>(part, begin, end); break;
+      case 5: rows_of<Bits, 5>(part, begin, end); break;
+      case 6: rows_of<Bits, 6>(part, begin, end); break;
+      case 7: rows_of<Bits, 7>(part, begin, end); break;
+      default: rows_of<Bits, 8>(part, begin, end); break;
+    }
+  }
+}
+
 template <int Bits>
 void int8_bits(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  switch (c.rows) {
-    case 1: return rows_of<Bits, 1>(c, begin, end);
-    case 2: return rows_of<Bits, 2>(c, begin, end);
-    case 3: return rows_of<Bits, 3>(c, begin, end);
-    case 4: return rows_of<Bits, 4>(c, begin, end);
-    case 5: return rows_of<Bits, 5>(c, begin, end);
-    case 6: return rows_of<Bits, 6>(c, begin, end);
-    case 7: return rows_of<Bits, 7>(c, begin, end);
-    default: return rows_of<Bits, 8>(c, begin, end);
-  }
+#if defined(__AVX512VNNI__)
+  if (c.activation_bits == 16) return int16_tiles<Bits>(c, begin, end);
+#endif
+  block_passes<Bits>(c, begin, end);
 }
 
 }  // namespace

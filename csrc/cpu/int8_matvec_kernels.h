@@ -23,8 +23,9 @@ namespace mlx_attn::cpu {
 
 // Columns per activation block (one int8 scale each); divides every group size.
 inline constexpr int kInt8Block = 32;
-// Rows up to this many are one pass over the weight; the caller splits more.
-inline constexpr int kInt8MatvecMaxRows = 8;
+// Rows up to this many are one pass over the weight (each copy takes any
+// count; the caller splits more so its buffers stay small).
+inline constexpr int kInt8MatvecMaxRows = 128;
 
 struct Int8MatvecCall {
   int activation_bits;     // 8 (xq int8) or 16 (xq int16)

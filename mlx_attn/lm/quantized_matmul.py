@@ -36,13 +36,16 @@ largest ``|x|`` of the column's block / 32767 or / 127;
 ``int8_error_bound``). int8 is llama.cpp's q8 scheme, but SmolLM2's
 activations are spiky (a block's largest ``|x|`` is 10-30x its mean): int8
 moves its logits by up to ~3 (greedy tokens change at near-ties and the
-transformers reference tests fail), int16 by at most ~0.03, for 20-35% more
-time at one row (measured on SmolLM2's layers; ~65% at 8 rows). ``"float"``
+transformers reference tests fail), int16 by at most ~0.03, for 10-30% more
+CPU time at one row and 0.75x int8's at 8 rows (its AVX512-VNNI copy's
+16-output tiles; measured on SmolLM2's layers, load 13-18). ``"float"``
 is the float32 product above (``_ext.quantized_matvec``). With an integer product, rows
-below ``INTEGER_MATVEC_ROWS`` (128) take it, not ``DEQUANTIZED_MATMUL_ROWS``
-(24): it is faster than the BLAS on a held float32 weight up to there, so
-a serving engine need not hold one (``mlx_attn.serve.paged_forward.prepare_weights``,
-``"packed"``).
+below ``INTEGER_MATVEC_ROWS`` (2049) take it, not ``DEQUANTIZED_MATMUL_ROWS``
+(24): on AVX512-VNNI its int16 copy puts 16 outputs in the lanes and reads
+each weight block once for up to 128 rows, 2.5-5.3x faster than the BLAS on a
+held float32 weight at every row count measured (64 to 2048), so a serving
+engine need not hold one (``mlx_attn.serve.paged_forward.prepare_weights``,
+``"packed"``) and prompt chunks take it too.
 
 Projections that read the same activations (a Llama layer's Q/K/V, its
 gate/up) multiply in one call (:func:`fused_matvecs`,
@@ -82,11 +85,13 @@ if MATVEC_PRODUCT not in MATVEC_PRODUCTS:
 # columns per int8 activation block (csrc/cpu/int8_matvec_kernels.h)
 INT8_BLOCK = 32
 # rows from which the CPU multiplies a dequantized float32 weight when few rows take an integer
-# product: measured on SmolLM2's layers (system OpenBLAS, 2 cores), the int16 product is faster
-# than the BLAS on a held float32 weight up to 64 rows (q_proj 1.23 against 1.39 ms, gate_proj
-# 3.2 against 4.0) and about level at 128 (2.58 against 2.68), and faster than dequantizing
-# per call and the BLAS at every count measured
-INTEGER_MATVEC_ROWS = 128
+# product: measured on all of SmolLM2's layers (system OpenBLAS, 2 cores, one token's products,
+# alternating, load average 13-18), the int16 product with 16 outputs in the lanes took
+# 0.19-0.40x the time of the BLAS on a held float32 weight and 0.12-0.38x that of dequantizing
+# per call and the BLAS at 64, 128, 256, 512, 1024 and 2048 rows; so every row count measured,
+# up to a whole default prompt chunk (generate.DEFAULT_PREFILL_CHUNK, 2048), takes the integer
+# product
+INTEGER_MATVEC_ROWS = 2049
 
 # weights the fused CPU matrix-vector product reads (affine mode)
 FUSED_MATVEC_BITS = (4, 8)
