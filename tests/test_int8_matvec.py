@@ -432,14 +432,27 @@ def test_quantized_layers_multiply_few_rows_within_the_bound(bits, rows):
     _assert_within_bound(got, x[0], w, scaled_codes, 16)
 
 
-@pytest.mark.parametrize("product,limit", [("int16", quantized_matmul.INTEGER_MATVEC_ROWS),
-                                           ("int8", quantized_matmul.INTEGER_MATVEC_ROWS),
-                                           ("float", quantized_matmul.DEQUANTIZED_MATMUL_ROWS)])
-def test_integer_products_take_rows_up_to_their_own_limit(monkeypatch, product, limit):
+def test_the_row_limit_follows_the_integer_copy(monkeypatch):
+    """Only the AVX512-VNNI int16 copy (a weight block once for 128 rows)
+    takes whole prompt chunks; the 8-rows-a-pass copies stop at 128."""
+    from mlx_attn import _native
+
+    limit = quantized_matmul.matvec_rows_limit
+    assert limit("float") == quantized_matmul.DEQUANTIZED_MATMUL_ROWS
+    assert limit("int8") == quantized_matmul.PASSED_MATVEC_ROWS
+    tiled = _native.ext.int8_matvec_copy() == "avx512vnni"
+    assert limit("int16") == (quantized_matmul.INTEGER_MATVEC_ROWS if tiled else quantized_matmul.PASSED_MATVEC_ROWS)
+    monkeypatch.setattr(_native.ext, "int8_matvec_copy", lambda: "avx2")
+    assert limit("int16") == quantized_matmul.PASSED_MATVEC_ROWS
+
+
+@pytest.mark.parametrize("product", ["int16", "int8", "float"])
+def test_integer_products_take_rows_up_to_their_own_limit(monkeypatch, product):
     import mlx.nn as nn
 
     from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
 
+    limit = quantized_matmul.matvec_rows_limit(product)
     monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", product)
     model = nn.Sequential(nn.Linear(64, 32, bias=False))
     nn.quantize(model, group_size=32, bits=4)
@@ -464,7 +477,7 @@ def test_packed_layers_take_the_integer_product_at_any_row_count(monkeypatch):
 
     if quantized_matmul.MATVEC_PRODUCT == "float":
         pytest.skip("MLX_ATTN_MATVEC=float: the packed engine holds float32 weights instead")
-    x = mx.random.normal((quantized_matmul.INTEGER_MATVEC_ROWS + 44, 64), key=mx.random.key(11))
+    x = mx.random.normal((quantized_matmul.matvec_rows_limit() + 44, 64), key=mx.random.key(11))
     dequantized = []
     real = quantized_matmul._dequantized
     monkeypatch.setattr(quantized_matmul, "_dequantized", lambda *a, **k: dequantized.append(1) or real(*a, **k))

@@ -544,7 +544,7 @@ def test_packed_weights_never_dequantize_a_model_made_row_adaptive_at_load(monke
     import mlx.nn as nn
 
     from mlx_attn.lm import quantized_matmul
-    from mlx_attn.lm.quantized_matmul import INTEGER_MATVEC_ROWS, use_row_adaptive_matmuls
+    from mlx_attn.lm.quantized_matmul import matvec_rows_limit, use_row_adaptive_matmuls
     from mlx_attn.serve.engine import prepare_weights
 
     model = tiny_llama(seed=6, head_dim=32)
@@ -559,7 +559,7 @@ def test_packed_weights_never_dequantize_a_model_made_row_adaptive_at_load(monke
         raise AssertionError("a packed layer dequantized its weight")
 
     monkeypatch.setattr(quantized_matmul, "dequantized_matmul", dequantized)
-    mx.eval(model(mx.array([[i % 50 + 1 for i in range(INTEGER_MATVEC_ROWS + 8)]])))
+    mx.eval(model(mx.array([[i % 50 + 1 for i in range(matvec_rows_limit() + 8)]])))
 
 
 def test_prepare_weights_packed_holds_no_float32_weight(monkeypatch):

@@ -613,6 +613,19 @@ MLX_ATTN_STEP void amx_visible_key_ranges(const WorkItem& w, int kb, int n, int 
   }
 }
 
+// Rows c..: the running sums rescaled from the old reference max to the
+// new one plus this block's, and the rescale factor the value product reads.
+template <int kVectors>
+MLX_ATTN_STEP void amx_commit_row_sums(const WorkItem& w, int c, const vfloat* m_old, const vfloat* m_ref,
+                                       const vfloat* sum) {
+  for (int v = 0; v < kVectors; ++v) {
+    const int col = c + v * kLanes;
+    const vfloat alpha = exp2_vec((m_old[v] - m_ref[v]) * kLog2e);
+    store(w.buf.row_sum + col, load(w.buf.row_sum + col) * alpha + sum[v]);
+    store(w.buf.rescale + col, alpha);
+  }
+}
+
 template <int kVectors, bool kEdge>
 MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float logit_scale, int c) {
   const int rp = w.rp, padded = int(round_up(n, kAmxTileDepth));
@@ -691,12 +704,7 @@ MLX_ATTN_STEP void amx_softmax_pack_rows(const WorkItem& w, int kb, int n, float
       pass.template operator()<false>(v);
     }
   }
-  for (int v = 0; v < kVectors; ++v) {
-    const int col = c + v * kLanes;
-    const vfloat alpha = exp2_vec((m_old[v] - m_ref[v]) * kLog2e);
-    store(w.buf.row_sum + col, load(w.buf.row_sum + col) * alpha + sum[v]);
-    store(w.buf.rescale + col, alpha);
-  }
+  amx_commit_row_sums<kVectors>(w, c, m_old, m_ref, sum);
 }
 
 template <bool kEdge>

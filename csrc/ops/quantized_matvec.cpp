@@ -63,14 +63,19 @@ void run(const cpu::MatvecCall& call) {
 // set_cpu_isa): generic stays generic, avx2 stays avx2, an AVX-512 choice
 // takes vpdpbusd where the CPU has it.
 using Int8Matvec = void (*)(const cpu::Int8MatvecCall&, int64_t, int64_t);
-Int8Matvec int8_copy() {
+struct NamedInt8Matvec {
+  Int8Matvec kernel;
+  const char* name;
+};
+NamedInt8Matvec named_int8_copy() {
 #ifdef MLX_ATTN_X86_KERNELS
   const std::string isa = cpu::current_isa();
-  if (isa.rfind("avx512", 0) == 0 && cpu::features::avx512vnni()) return cpu::avx512vnni::int8_matvec;
-  if (isa != "generic" && cpu::features::avx2()) return cpu::avx2::int8_matvec;
+  if (isa.rfind("avx512", 0) == 0 && cpu::features::avx512vnni()) return {cpu::avx512vnni::int8_matvec, "avx512vnni"};
+  if (isa != "generic" && cpu::features::avx2()) return {cpu::avx2::int8_matvec, "avx2"};
 #endif
-  return cpu::generic::int8_matvec;
+  return {cpu::generic::int8_matvec, "generic"};
 }
+Int8Matvec int8_copy() { return named_int8_copy().kernel; }
 
 // x's rows times rsqrt(mean(x^2) + eps) times the norm's weight, as MLX's RMSNorm computes it in float32.
 std::vector<float> rms_normalized(const float* x, int rows, int64_t k, const float* weight, float eps) {
@@ -209,6 +214,8 @@ void check_scales(const char* op, const mx::array& scales, const mx::array& bias
 }
 
 }  // namespace
+
+std::string int8_matvec_copy_name() { return named_int8_copy().name; }
 
 mx::array dequantize_affine(const mx::array& codes, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits, mx::StreamOrDevice s) {

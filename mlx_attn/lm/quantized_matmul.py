@@ -68,7 +68,7 @@ import mlx.nn as nn
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
-           "INTEGER_MATVEC_ROWS", "fused_matvecs", "fusable_norm"]
+           "INTEGER_MATVEC_ROWS", "PASSED_MATVEC_ROWS", "matvec_rows_limit", "fused_matvecs", "fusable_norm"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -90,8 +90,11 @@ INT8_BLOCK = 32
 # 0.19-0.40x the time of the BLAS on a held float32 weight and 0.12-0.38x that of dequantizing
 # per call and the BLAS at 64, 128, 256, 512, 1024 and 2048 rows; so every row count measured,
 # up to a whole default prompt chunk (generate.DEFAULT_PREFILL_CHUNK, 2048), takes the integer
-# product
+# product. That is the AVX512-VNNI int16 copy's figure; the other copies (AVX2, plain C++, the int8
+# activations') multiply 8 rows a pass and were measured faster than the BLAS up to 64 rows and
+# level at 128 (q_proj 1.23 against 1.39 ms at 64, 2.58 against 2.68 at 128): they stop there
 INTEGER_MATVEC_ROWS = 2049
+PASSED_MATVEC_ROWS = 128
 
 # weights the fused CPU matrix-vector product reads (affine mode)
 FUSED_MATVEC_BITS = (4, 8)
@@ -106,13 +109,21 @@ def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim else 0
 
 
-def _matvec_rows_limit() -> int:
-    """Rows from which the CPU takes the dequantized float32 product."""
-    return DEQUANTIZED_MATMUL_ROWS if MATVEC_PRODUCT == "float" else INTEGER_MATVEC_ROWS
+def matvec_rows_limit(product: str | None = None) -> int:
+    """Rows from which the CPU takes the dequantized float32 product, for
+    ``product`` (default ``MATVEC_PRODUCT``) on this CPU's integer copy."""
+    product = MATVEC_PRODUCT if product is None else product
+    if product == "float":
+        return DEQUANTIZED_MATMUL_ROWS
+    from mlx_attn import _native  # noqa: PLC0415 (the extension loads once, on first use)
+
+    tiled = product == "int16" and _native.ext is not None and _native.ext.int8_matvec_copy() == "avx512vnni"
+    return INTEGER_MATVEC_ROWS if tiled else PASSED_MATVEC_ROWS
+
 
 
 def _dequantized_rows(x: mx.array, layer) -> bool:
-    return (getattr(layer, "_dequantize_many_rows", True) and _rows(x) >= _matvec_rows_limit()
+    return (getattr(layer, "_dequantize_many_rows", True) and _rows(x) >= matvec_rows_limit()
             and mx.default_device() == mx.cpu)
 
 
@@ -125,7 +136,7 @@ def _cpu_affine(layer, bits: tuple) -> bool:
 
 
 def _fused_matvec_rows(x: mx.array, layer) -> bool:
-    few_rows = _rows(x) < _matvec_rows_limit() or not getattr(layer, "_dequantize_many_rows", True)
+    few_rows = _rows(x) < matvec_rows_limit() or not getattr(layer, "_dequantize_many_rows", True)
     return 0 < _rows(x) and few_rows and _cpu_affine(layer, FUSED_MATVEC_BITS)
 
 

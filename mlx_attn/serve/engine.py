@@ -16,12 +16,11 @@ A step of decode rows only runs compiled, traced once per shape
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
 (:func:`prepare_weights`): on MLX's CPU device quantized layers keep only
-their packed weight, which steps of up to 127 rows read through mlx_attn's
-integer matrix-vector product and larger ones (prompt chunks) dequantize
-per call for the BLAS (a system OpenBLAS with
-:func:`mlx_attn.use_system_blas`), where MLX's CPU quantized matmul gains
-nothing from a batch; ``"float32"`` also holds each layer's float32 weight
-for the BLAS (4x the 4-bit model's memory). On a GPU (a Mac's Metal device)
+their packed weight, which every step (decode rows, drafts, prompt chunks)
+reads through mlx_attn's integer product (on AVX512-VNNI a weight block once
+for up to 128 rows; :mod:`mlx_attn.lm.quantized_matmul`), where MLX's CPU
+quantized matmul gains nothing from a batch; ``"float32"`` also holds each
+layer's float32 weight for the BLAS (4x the 4-bit model's memory). On a GPU (a Mac's Metal device)
 the weights stay as loaded: MLX's quantized GPU matmuls read 4 to 8 times
 fewer bytes.
 """
