@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["-std=c++20", "-O1", "-ffp-contract=fast", "-fno-math-errno"]
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether /proc/cpuinfo lists AMX tiles with bf16 (the avx512amx copies' CPU)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
 def selected(mutants: list, default: list) -> list:
     """Every mutant with MLX_ATTN_FULL_GRID=1, else the default few."""
     return mutants if os.environ.get("MLX_ATTN_FULL_GRID") == "1" else default

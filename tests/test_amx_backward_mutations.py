@@ -10,8 +10,7 @@ amx_bf16), else skips with the reason."""
 
 import pytest
 
-from cpu_mutation_battery import CpuMutationBattery, selected
-from test_amx_cpu_mutations import _amx_flags
+from cpu_mutation_battery import CpuMutationBattery, cpu_has_amx_bf16, selected
 
 AMX_BACKWARD_UNIT = ('#define MLX_ATTN_ISA avx512amx_backward\n#define MLX_ATTN_AMX_BF16 1\n'
                      '#include "csrc/cpu/isa_avx512.h"\n#include "csrc/cpu/backward_impl.h"\n')
@@ -51,7 +50,7 @@ DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[6], MUTANTS[8], MUTANTS[10]]
 SELECTED = selected(MUTANTS, DEFAULT_MUTANTS)
 
 
-@pytest.mark.skipif(not _amx_flags(), reason="the avx512amx copy needs a CPU with AMX-BF16 (cpuinfo flag amx_bf16)")
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="the avx512amx copy needs a CPU with AMX-BF16 (cpuinfo flag amx_bf16)")
 @pytest.mark.parametrize("battery,name,target,replacement", SELECTED, ids=[m[1] for m in SELECTED])
 def test_amx_backward_mutants_are_caught(tmp_path, battery, name, target, replacement):
     battery.assert_caught(tmp_path, name, target, replacement)

@@ -8,7 +8,7 @@ against a double-precision attention), and require the driver to fail
 
 import pytest
 
-from cpu_mutation_battery import CpuMutationBattery, selected
+from cpu_mutation_battery import CpuMutationBattery, cpu_has_amx_bf16, selected
 
 AMX_UNIT = ('#define MLX_ATTN_ISA avx512amx\n#define MLX_ATTN_NATIVE_BF16 1\n#define MLX_ATTN_AMX_BF16 1\n'
             '#include "csrc/cpu/isa_avx512.h"\n#include "csrc/cpu/kernel_impl.h"\n')
@@ -36,16 +36,7 @@ DEFAULT_MUTANTS = [MUTANTS[0], MUTANTS[1]]
 SELECTED = selected(MUTANTS, DEFAULT_MUTANTS)
 
 
-def _amx_flags():
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
-
-
-@pytest.mark.skipif(not _amx_flags(), reason="the avx512amx copy needs a CPU with AMX-BF16 (cpuinfo flag amx_bf16)")
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="the avx512amx copy needs a CPU with AMX-BF16 (cpuinfo flag amx_bf16)")
 @pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
 def test_amx_tile_mutants_are_caught(tmp_path, name, target, replacement):
     BATTERY.assert_caught(tmp_path, name, target, replacement)

@@ -127,6 +127,15 @@ def test_several_weights_in_one_call_equal_one_call_each(isa, activation_bits, b
     strided = _ext.quantized_matvec_int8_many(mx.array(np.array(x).T.copy()).T, [weights[0][0]], [weights[0][1]],
                                               [weights[0][2]], 32, bits, activation_bits)
     np.testing.assert_array_equal(np.array(strided[0]), np.array(together[0]))
+    # so does a strided x not yet evaluated (a lazy transpose, and a slice of every other column pair)
+    lazy = (mx.array(np.array(x).T.copy()) * 1.0).T
+    lazy_out = _ext.quantized_matvec_int8_many(lazy, [weights[0][0]], [weights[0][1]], [weights[0][2]], 32, bits,
+                                               activation_bits)
+    np.testing.assert_array_equal(np.array(lazy_out[0]), np.array(together[0]))
+    wide = mx.concatenate([x[:, :, None], mx.zeros((5, 128, 1))], axis=2).reshape(5, 256)
+    sliced = _ext.quantized_matvec_int8_many(wide[:, ::2], [weights[0][0]], [weights[0][1]], [weights[0][2]], 32, bits,
+                                             activation_bits)
+    np.testing.assert_array_equal(np.array(sliced[0]), np.array(together[0]))
 
 
 def test_leading_axes_of_x_pass_through():

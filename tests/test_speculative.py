@@ -125,6 +125,17 @@ def shifted_by_two_percent(probs: np.ndarray) -> np.ndarray:
     return shifted
 
 
+def assert_draft_rule_keeps_p(first, second, first_kept: int, draws: int, p: np.ndarray, q: np.ndarray) -> None:
+    """Tokens kept by the min(1, p/q) rule at the first and second draft
+    position follow the target's p (and a 2 % shift of p is told apart);
+    the first draft is kept with probability sum min(p, q)."""
+    assert _chi_square_p_value(first, p[0]) > 1e-3
+    assert _chi_square_p_value(second, p[1]) > 1e-3
+    assert _chi_square_p_value(first, shifted_by_two_percent(p[0])) < 1e-3
+    overlap = np.minimum(p[0], q[0]).sum()
+    assert abs(first_kept / draws - overlap) < 4 * np.sqrt(overlap * (1 - overlap) / draws)
+
+
 def _target_probabilities(rows, params):
     """Each row's distribution as the plain sampler draws from it."""
     p = np.exp(np.array(filtered_logprobs(rows, **params)))

@@ -259,6 +259,13 @@ struct KeyBlock {
 
 // load queries: Q^T (float, or the pair panel) with zero padding rows; the
 // running max, sum and output of every row start empty.
+// Where query row r of the item starts in q (elements).
+MLX_ATTN_STEP int64_t query_row_offset(const WorkItem& w, int r) {
+  const AttentionProblem& p = w.p;
+  const int64_t qi = w.tile.q_begin + w.query(r);
+  return w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] + qi * p.q_strides[2];
+}
+
 template <ElemType T, bool kPairScore>
 MLX_ATTN_STEP void load_queries(const WorkItem& w) {
   const AttentionProblem& p = w.p;
@@ -270,11 +277,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
       kPairScore && T == ElemType::bfloat16 && p.q_strides[3] == 1 && D % 32 == 0 && rp % 16 == 0 && rp <= 2 * kMaxRows;
   if (word_transpose) {
     const uint16_t* rows[2 * kMaxRows];
-    for (int r = 0; r < w.rows; ++r) {
-      const int64_t qi = w.tile.q_begin + w.query(r);
-      rows[r] = static_cast<const uint16_t*>(w.call.q) + w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] +
-          qi * p.q_strides[2];
-    }
+    for (int r = 0; r < w.rows; ++r) rows[r] = static_cast<const uint16_t*>(w.call.q) + query_row_offset(w, r);
     uint32_t* words = reinterpret_cast<uint32_t*>(w.q_pairs());
     for (int r0 = 0; r0 < rp; r0 += 16) {
       for (int p0 = 0; p0 < w.pairs; p0 += 16) amx_pack_feature_pairs(rows, w.rows, r0, p0, words, rp);
@@ -284,8 +287,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
   constexpr bool word_transpose = false;
 #endif
   for (int r = 0; r < (word_transpose ? 0 : w.rows); ++r) {
-    const int64_t qi = w.tile.q_begin + w.query(r);
-    const int64_t off = w.tile.b * p.q_strides[0] + w.head(r) * p.q_strides[1] + qi * p.q_strides[2];
+    const int64_t off = query_row_offset(w, r);
     if constexpr (kPairScore) {
       using Product = typename NativePairProduct<T>::Product;
       const uint16_t* q = static_cast<const uint16_t*>(w.call.q) + off;

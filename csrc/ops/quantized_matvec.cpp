@@ -369,6 +369,22 @@ void QuantizedMatvec::eval_cpu(const std::vector<mx::array>& inputs, std::vector
 
 namespace {
 
+// x's elements in row-major order: its own memory when row-contiguous, else
+// gathered into `gathered` by its strides (a view: a slice, a transpose).
+const float* rows_of(const mx::array& x, std::vector<float>& gathered) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  gathered.resize(x.size());
+  const float* base = x.data<float>();
+  std::vector<int> index(x.ndim(), 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < x.ndim(); ++d) offset += int64_t(index[d]) * x.strides()[d];
+    gathered[i] = base[offset];
+    for (int d = x.ndim() - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
+  }
+  return gathered.data();
+}
+
 // An input the CPU op reads as row-contiguous memory: an evaluated
 // row-contiguous array as it is (a weight: no Contiguous node per call in
 // every step's graph), anything else through mx::contiguous.
@@ -401,7 +417,9 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
   const int64_t k = x.shape(-1);
   auto stream = mx::to_stream(s);
   if (stream.device.type != mx::Device::cpu) throw_invalid(op, "runs on the CPU only (the GPU has MLX's quantized kernels)");
-  std::vector<mx::array> inputs = {row_contiguous(x, stream)};
+  // x as it comes: a strided x is gathered at evaluation (rows_of), so a
+  // decode step's trace holds no Contiguous node before each product
+  std::vector<mx::array> inputs = {x};
   std::vector<mx::Shape> shapes;
   for (size_t w = 0; w < codes.size(); ++w) {
     if (codes[w].ndim() != 2 || codes[w].dtype() != mx::uint32) {
@@ -511,9 +529,10 @@ void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::ve
     calls.push_back(call);
   }
   if (calls.empty()) return;
-  const float* x = inputs[0].data<float>();
+  const mx::array x = inputs[0];
   encoder.dispatch([x, calls = std::move(calls), rows, norm_weight, eps = norm_eps_]() {
-    run_int8(x, calls, rows, norm_weight, eps);
+    std::vector<float> gathered;
+    run_int8(rows_of(x, gathered), calls, rows, norm_weight, eps);
   });
 }
 

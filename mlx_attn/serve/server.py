@@ -190,7 +190,7 @@ def load_draft_model(args: argparse.Namespace, model, tokenizer):
         check_draft_model(model, draft)
         check_draft_tokenizer(tokenizer, draft_tokenizer, args.draft_model)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--draft-model {args.draft_model}: {getattr(error, 'problem', error)}") from None
+        raise ValueError(f"--draft-model {args.draft_model}: {error}") from None
     return draft
 
 

@@ -16,6 +16,7 @@
 #define MLX_ATTN_X86_KERNELS 1
 #include "csrc/cpu/backward_kernels.h"
 #include "csrc/cpu/cpu_features.h"
+#include "tests/cpu_harness/test_values.h"
 
 using namespace mlx_attn;
 using namespace mlx_attn::cpu;
@@ -23,28 +24,10 @@ using namespace mlx_attn::cpu;
 namespace {
 
 uint32_t state = 777;
-float next_value() {  // multiples of 1/64 in [-2, 2): exact in bf16
-  state = state * 1664525u + 1013904223u;
-  return float(int((state >> 8) % 256) - 128) / 64.0f;
-}
-
-uint16_t to_bfloat(float f) {  // round to nearest even
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return uint16_t(bits >> 16);
-}
-
-double from_bfloat(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
 
 uint16_t* random_bf16(int64_t count) {
   uint16_t* x = (uint16_t*)malloc(sizeof(uint16_t) * count);
-  for (int64_t i = 0; i < count; ++i) x[i] = to_bfloat(next_value());
+  for (int64_t i = 0; i < count; ++i) x[i] = to_bfloat(next_value(state));
   return x;
 }
 

@@ -14,6 +14,7 @@
 #define MLX_ATTN_X86_KERNELS 1
 #include "csrc/cpu/cpu_features.h"
 #include "csrc/cpu/kernels.h"
+#include "tests/cpu_harness/test_values.h"
 
 using namespace mlx_attn;
 using namespace mlx_attn::cpu;
@@ -21,23 +22,6 @@ using namespace mlx_attn::cpu;
 namespace {
 
 uint32_t state = 12345;
-float next_value() {  // multiples of 1/64 in [-2, 2): exact in bf16
-  state = state * 1664525u + 1013904223u;
-  return float(int((state >> 8) % 256) - 128) / 64.0f;
-}
-
-uint16_t to_bfloat(float f) {  // exact for the values above
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  return uint16_t(bits >> 16);
-}
-
-float from_bfloat(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
 
 struct Case {
   int q_heads, kv_heads, q_len, kv_len, dim, value_dim, causal;
@@ -49,9 +33,9 @@ bool run_case(const Case& c) {
   uint16_t* k = (uint16_t*)malloc(sizeof(uint16_t) * Hkv * Tk * D);
   uint16_t* v = (uint16_t*)malloc(sizeof(uint16_t) * Hkv * Tk * Dv);
   uint16_t* out = (uint16_t*)malloc(sizeof(uint16_t) * Hq * Tq * Dv);
-  for (int i = 0; i < Hq * Tq * D; ++i) q[i] = to_bfloat(next_value());
-  for (int i = 0; i < Hkv * Tk * D; ++i) k[i] = to_bfloat(next_value());
-  for (int i = 0; i < Hkv * Tk * Dv; ++i) v[i] = to_bfloat(next_value());
+  for (int i = 0; i < Hq * Tq * D; ++i) q[i] = to_bfloat(next_value(state));
+  for (int i = 0; i < Hkv * Tk * D; ++i) k[i] = to_bfloat(next_value(state));
+  for (int i = 0; i < Hkv * Tk * Dv; ++i) v[i] = to_bfloat(next_value(state));
 
   KernelCall call{};
   AttentionProblem& p = call.problem;

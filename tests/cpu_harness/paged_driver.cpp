@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "csrc/cpu/kernels.h"
+#include "tests/cpu_harness/test_values.h"
 
 using namespace mlx_attn;
 using namespace mlx_attn::cpu;
@@ -17,10 +18,6 @@ using namespace mlx_attn::cpu;
 namespace {
 
 uint32_t state = 12345;
-float next_value() {  // multiples of 1/64 in [-2, 2)
-  state = state * 1664525u + 1013904223u;
-  return float(int((state >> 8) % 256) - 128) / 64.0f;
-}
 
 struct Case {
   int batch, heads, kv_heads, dim, page_size;
@@ -41,9 +38,9 @@ bool run_case(const Case& c) {
   float* out = (float*)malloc(sizeof(float) * total_q * Hq * D);
   float* lse = (float*)malloc(sizeof(float) * total_q * Hq);
   int32_t table[4 * max_pages];
-  for (int i = 0; i < total_q * Hq * D; ++i) q[i] = next_value();
-  for (int i = 0; i < num_pages * Hkv * P * D; ++i) k[i] = next_value(), v[i] = next_value() ;
-  for (int h = 0; h < Hq; ++h) sinks[h] = next_value();
+  for (int i = 0; i < total_q * Hq * D; ++i) q[i] = next_value(state);
+  for (int i = 0; i < num_pages * Hkv * P * D; ++i) k[i] = next_value(state), v[i] = next_value(state) ;
+  for (int h = 0; h < Hq; ++h) sinks[h] = next_value(state);
   for (int i = 0; i < 4 * max_pages; ++i) table[i] = int32_t((i * 29 + 7) % num_pages);  // scattered
   for (int b = 1; b < c.batch; ++b) table[b * max_pages] = table[0];                     // a shared page
 
