@@ -209,8 +209,9 @@ def test_every_kernel_copy_agrees(isa):
 
 
 # Logit ramps over 700 keys (one value per key, added through feature 0):
-# rises below and above the kernel's rescale slack (8 / log2 e ~ 5.5) per
-# 64- or 128-key block, a late jump, a fall (the first block holds the max);
+# rises below and above 8 / log2 e ~ 5.5 (the slack of lazy rescaling, which
+# the kernel had and dropped: kRescaleSlack) per 64- or 128-key block, a late
+# jump, a fall (the first block holds the max): every rescale pattern;
 # |logits| <= 20 keeps float32's own rounding of them (the reference path's
 # error too) well inside the tolerance.
 LOGIT_RAMPS = {
@@ -223,9 +224,9 @@ LOGIT_RAMPS = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("ramp", list(LOGIT_RAMPS))
-def test_lazy_rescaling_keeps_output_and_lse_exact(isa, dtype, ramp):
-    """A row's reference max trails its true max by up to the slack and
-    moves only when a block passes it by more, so P exceeds 1 (up to 2^8):
+def test_rescaling_keeps_output_and_lse_exact(isa, dtype, ramp):
+    """Rows whose max moves at every block, at some, or never (and, with a
+    rescale slack, a reference max that trails the true one so P exceeds 1):
     output and log-sum-exp must still match float64, causal or not, with
     128 and 64 features (the AMX bf16 path and the pair / float paths)."""
     from sdpa_cases import numpy_attention

@@ -523,12 +523,15 @@ MLX_ATTN_STEP void mask_logits(const WorkItem& w, const KeyBlock& block, int fir
   }
 }
 
-// Lazy rescaling (as in FlashAttention-4): a row's reference max m, against
-// which P = exp(S - m), l and O are taken, moves only when a block's max
-// passes it by more than kRescaleSlack (P <= 2^kRescaleSlackLog2), so after
-// the first few blocks O and l are almost never rescaled. Exact: O / l and
-// the log-sum-exp m + log l use the same reference, whichever it is.
-inline constexpr float kRescaleSlackLog2 = 8.0f;
+// A row's reference max m, against which P = exp(S - m), l and O are taken,
+// moves when a block's max passes it by more than kRescaleSlack (P <=
+// 2^kRescaleSlackLog2); exact whatever the slack (O / l and m + log l use the
+// same reference). The slack is 0, the running max: with 8 / log2 e (lazy
+// rescaling, as in FlashAttention-4; -15 % of the bf16 D=128 forward) a row's
+// rounding depended on how its keys fell into blocks, so a decode row and the
+// same row verified among drafts rounded differently and greedy speculation
+// on SmolLM2 stopped being identical (bisected to this constant).
+inline constexpr float kRescaleSlackLog2 = 0.0f;
 inline constexpr float kRescaleSlack = kRescaleSlackLog2 / kLog2e;
 
 // The row's next reference max: the old one unless the block's max passes it
