@@ -26,4 +26,5 @@ def always_draft(monkeypatch):
     from mlx_attn.lm.speculative import StepCost
 
     monkeypatch.setattr(StepCost, "worth", lambda self, *args: True)
+    monkeypatch.setattr(StepCost, "drafting_beats", lambda self, *args: True)
     monkeypatch.setattr(PlainStepCost, "beaten_by", lambda self, *args: True)

@@ -180,6 +180,42 @@ def test_compute_bound_steps_draft_less():
     assert drafted["compute"] < drafted["memory"] / 2
 
 
+def test_drafts_stop_where_the_plain_path_is_cheaper():
+    """A step's first draft moves it off the plain (compiled) path: where
+    that path costs half the drafting one, drafts kept 30 % of the time do
+    not pay and no step drafts; where it costs the same, they still do."""
+    drafted = {}
+    for label, plain_fixed in (("cheap plain path", 0.050), ("same cost", 0.100)):
+        harness = SpeculativeHarness(num_pages=128, page_size=4, max_batch_tokens=128)
+        speculation = harness.scheduler.speculation
+        for rows in [1, 2, 5, 9, 16, 3, 7, 12] * 2:
+            speculation.cost.record(rows, 0.100 + 0.001 * rows)
+            speculation.plain.record(rows, plain_fixed + 0.001 * rows)
+        for i in range(8):
+            harness.submit(f"r{i}", [0, 1, 2, i % VOCAB, 1], max_tokens=16)
+        for sequence in harness.scheduler._all.values():
+            sequence.draft_length.rate = 0.3
+        harness.drain()
+        for i in range(8):
+            assert harness.outputs[f"r{i}"] == alone([0, 1, 2, i % VOCAB, 1], 16)
+        drafted[label] = harness.scheduler.draft_tokens
+    assert drafted["cheap plain path"] == 0 < drafted["same cost"]
+
+
+def test_drafting_beats_is_true_until_both_paths_are_measured():
+    from mlx_attn.lm.speculative import StepCost
+
+    eager, plain = StepCost(), StepCost()
+    assert eager.drafting_beats(plain, 1.0, 1, 1, 4)  # nothing measured
+    for rows in [1, 2, 5, 9, 16, 3, 7, 12]:
+        eager.record(rows, 0.100 + 0.001 * rows)
+    assert eager.drafting_beats(plain, 1.0, 1, 1, 4)  # the plain path not yet measured
+    for rows in [1, 2, 5, 9, 16, 3, 7, 12]:
+        plain.record(rows, 0.010 + 0.001 * rows)
+    assert not eager.drafting_beats(plain, 1.2, 1, 1, 4)  # 1.2 tokens in 0.105 s against 1 in 0.011 s
+    assert eager.drafting_beats(plain, 12.0, 1, 1, 4)
+
+
 def test_commit_refuses_kept_tokens_that_are_not_a_draft_prefix():
     harness = SpeculativeHarness(num_pages=16, page_size=4, max_batch_tokens=16)
     harness.submit("a", [0, 1, 2, 0, 1], max_tokens=8)

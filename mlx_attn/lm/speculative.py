@@ -269,3 +269,17 @@ class StepCost:
     def worth(self, probability: float, decode_rows: int, rows: int) -> bool:
         fixed, per_row = self.fit()
         return probability * (fixed + per_row * rows) > (per_row + self.draft_row) * decode_rows
+
+    def drafting_beats(self, plain: "StepCost", expected_tokens: float, decode_rows: int, rows: int,
+                       drafts: int) -> bool:
+        """Whether a step of ``rows`` rows plus ``drafts`` drafts, yielding
+        ``expected_tokens``, at this cost beats the same step without drafts
+        at ``plain``'s cost (steps that run another, cheaper way when they
+        hold no draft: the engine's compiled decode steps). True until both
+        are measured."""
+        if self.steps == 0 or plain.steps < plain.min_steps:
+            return True
+        fixed, per_row = self.fit()
+        plain_fixed, plain_per_row = plain.fit()
+        with_drafts = fixed + (per_row + self.draft_row) * (rows + drafts)
+        return expected_tokens / with_drafts > decode_rows / (plain_fixed + plain_per_row * rows)

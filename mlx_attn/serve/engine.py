@@ -304,10 +304,15 @@ class Engine:
             plan, drafted, seconds = self.draft.fill(plan, self)
             self.scheduler.speculation.cost.record_drafting(drafted, seconds)
         started = time.perf_counter()
+        compiled_steps = self.decode_steps.steps if self.decode_steps is not None else 0
         sampled = self._run(plan)  # request -> the tokens it keeps, in order
-        if self.scheduler.speculation is not None and all(len(row.tokens) == row.drafts + 1 for row in plan.rows):
-            # what a decoding step of this many rows costs (the back-off rule); prefill chunks cost otherwise
-            self.scheduler.speculation.cost.record(plan.num_tokens, time.perf_counter() - started)
+        speculation = self.scheduler.speculation
+        if speculation is not None and all(len(row.tokens) == row.drafts + 1 for row in plan.rows):
+            # what a decoding step of this many rows costs (the back-off rule), compiled steps apart;
+            # prefill chunks cost otherwise
+            compiled = self.decode_steps is not None and self.decode_steps.steps > compiled_steps
+            (speculation.plain if compiled else speculation.cost).record(plan.num_tokens,
+                                                                        time.perf_counter() - started)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
         results = self.scheduler.commit(plan, {rid: [s.token for s in kept] for rid, kept in sampled.items()})
         if self._states is not None:

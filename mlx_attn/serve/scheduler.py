@@ -151,6 +151,9 @@ class Speculation:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     step_rows: int = 48
     cost: StepCost = field(default_factory=StepCost)
+    # decode steps that ran without drafts on a cheaper path (the engine's
+    # compiled step); a step's first draft moves it off that path
+    plain: StepCost = field(default_factory=StepCost)
 
 
 class Scheduler:
@@ -259,6 +262,8 @@ class Scheduler:
         planned: set[Hashable] = set()
         ordered = sorted(self.running, key=lambda s: (s.pending > 1, s.admitted))
         draft_room, decode_rows, rows_planned = self._draft_room(ordered, budget)
+        if not self._drafting_pays(ordered, draft_room, decode_rows, rows_planned):
+            draft_room = 0
         prefill_rows = 0  # rows of prompts (continuations and admissions), for prefill_group_tokens
         # decode rows first, then prefill continuations, each oldest first
         for sequence in ordered:
@@ -305,6 +310,28 @@ class Scheduler:
             planned += rows
             decoding += sequence.pending == 1 and rows == 1
         return max(0, min(self.speculation.step_rows, budget) - planned), decoding, planned
+
+    def _drafting_pays(self, ordered: list[_Sequence], room: int, decode_rows: int, rows: int) -> bool:
+        """Whether the drafts this step would hold (each request's as the rule
+        of :class:`Speculation` places them) yield more tokens per second
+        than the step without any, which for decode rows alone runs on the
+        plain path (``Speculation.plain``'s cost); a step holding prompt rows
+        runs the drafting path either way."""
+        if self.speculation is None or room <= 0 or rows != decode_rows:
+            return True
+        cost, expected, drafts = self.speculation.cost, float(decode_rows), 0
+        for sequence in ordered:
+            if sequence.pending != 1 or sequence.draft_length is None or drafts >= room:
+                continue
+            rate = sequence.draft_length.rate
+            count = min(sequence.draft_length.next(), room - drafts,
+                        sequence.request.max_tokens - sequence.generated - 1)
+            worth = 0
+            while worth < count and cost.worth(rate ** (worth + 1), decode_rows, rows + drafts + worth):
+                worth += 1
+            expected += sum(rate ** j for j in range(1, worth + 1))
+            drafts += worth
+        return drafts == 0 or cost.drafting_beats(self.speculation.plain, expected, decode_rows, rows, drafts)
 
     def _drafts(self, sequence: _Sequence, room: int, decode_rows: int, rows: int) -> list[int]:
         """Tokens proposed to follow a decoding request: at most ``room``,
