@@ -35,8 +35,8 @@ from mlx_attn.lm.generate import (BYTES_PER_GB, DEFAULT_PREFILL_CHUNK, Generatio
 from mlx_attn.lm import mlx_lm_models
 from mlx_attn.lm.engine_choice import choose_engine, load_for_engine
 from mlx_attn.lm.model_store import DEFAULT_DECODER, decoder_names
-from mlx_attn.lm.speculative import (DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_draft_model,
-                                      check_draft_tokenizer)
+from mlx_attn.lm.speculative import (DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_CHOICES, check_draft_flags,
+                                      check_draft_model, check_draft_tokenizer)
 from mlx_attn.lm.validate import FieldError, require_utf8
 from mlx_attn.self_check import BackwardVariant, Variant
 
@@ -142,10 +142,7 @@ _DRAFT_NOT_LOADED = object()
 
 
 def _generation_config(args, draft_model=None) -> GenerationConfig:
-    if args.speculative == "draft" and args.draft_model is None:
-        raise FieldError("draft_model", "is needed by --speculative draft (a smaller model with the same tokenizer)")
-    if args.draft_model is not None and args.speculative != "draft":
-        raise FieldError("draft_model", "is used only with --speculative draft")
+    check_draft_flags(args.speculative, args.draft_model)
     if args.speculative == "draft" and draft_model is None:
         draft_model = _DRAFT_NOT_LOADED
     return GenerationConfig(

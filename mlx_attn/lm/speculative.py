@@ -65,6 +65,15 @@ def check_draft_model(target, draft) -> None:
                          "model must share the model's tokenizer and vocabulary")
 
 
+def check_draft_flags(speculative: str | None, draft_model) -> None:
+    """``speculative="draft"`` and a draft model go together (a
+    ``FieldError`` naming ``draft_model``, before any model loads)."""
+    if speculative == "draft" and draft_model is None:
+        raise FieldError("draft_model", "is needed by --speculative draft (a smaller model with the same tokenizer)")
+    if draft_model is not None and speculative != "draft":
+        raise FieldError("draft_model", "is used only with --speculative draft")
+
+
 # text whose encoding a draft model's tokenizer must reproduce
 TOKENIZER_PROBE = "Hello, world! def f(x):\n    return {'k': x * 2}  # 12345 ünïcødé"
 

@@ -169,10 +169,13 @@ def make_state(model, tokenizer, model_name: str, *, kv_cache_tokens: int = 1638
 def check_draft_flags(args: argparse.Namespace) -> None:
     """``--speculative draft`` and ``--draft-model`` go together (a
     ``ValueError`` naming the flag, before any model loads)."""
-    if args.speculative == "draft" and args.draft_model is None:
-        raise ValueError("--draft-model is needed by --speculative draft (a smaller model with the same tokenizer)")
-    if args.draft_model is not None and args.speculative != "draft":
-        raise ValueError("--draft-model is used only with --speculative draft")
+    from mlx_attn.lm import speculative
+    from mlx_attn.lm.validate import FieldError
+
+    try:
+        speculative.check_draft_flags(args.speculative, args.draft_model)
+    except FieldError as error:
+        raise ValueError(f"--draft-model {error.problem}") from None
 
 
 def load_draft_model(args: argparse.Namespace, model, tokenizer):
