@@ -323,28 +323,28 @@ class Scheduler:
         for sequence in ordered:
             if sequence.pending != 1 or sequence.draft_length is None or drafts >= room:
                 continue
-            rate = sequence.draft_length.rate
-            count = min(sequence.draft_length.next(), room - drafts,
-                        sequence.request.max_tokens - sequence.generated - 1)
-            worth = 0
-            while worth < count and cost.worth(rate ** (worth + 1), decode_rows, rows + drafts + worth):
-                worth += 1
-            expected += sum(rate ** j for j in range(1, worth + 1))
+            worth = self._worth_drafting(sequence, room - drafts, decode_rows, rows + drafts)
+            expected += sum(sequence.draft_length.rate ** j for j in range(1, worth + 1))
             drafts += worth
         return drafts == 0 or cost.drafting_beats(self.speculation.plain, expected, decode_rows, rows, drafts)
 
-    def _drafts(self, sequence: _Sequence, room: int, decode_rows: int, rows: int) -> list[int]:
-        """Tokens proposed to follow a decoding request: at most ``room``,
-        one fewer than it may still generate (the step adds a token of its
-        own), and only those worth their row in a step of ``rows`` rows."""
-        if sequence.draft_length is None or room <= 0:
-            return []
+    def _worth_drafting(self, sequence: _Sequence, room: int, decode_rows: int, rows: int) -> int:
+        """How many drafts of a decoding request pay for their rows in a step
+        of ``rows`` rows: at most ``room`` and one fewer than it may still
+        generate (the step adds a token of its own)."""
         count = min(sequence.draft_length.next(), room, sequence.request.max_tokens - sequence.generated - 1)
         rate, cost = sequence.draft_length.rate, self.speculation.cost
         worth = 0
         while worth < count and cost.worth(rate ** (worth + 1), decode_rows, rows + worth):
             worth += 1
-        count = worth
+        return worth
+
+    def _drafts(self, sequence: _Sequence, room: int, decode_rows: int, rows: int) -> list[int]:
+        """Tokens proposed to follow a decoding request, as many as
+        :meth:`_worth_drafting` allows."""
+        if sequence.draft_length is None or room <= 0:
+            return []
+        count = self._worth_drafting(sequence, room, decode_rows, rows)
         if count <= 0:
             return []
         return [int(t) for t in self.speculation.drafter.propose(sequence.tokens, count)][:count]
