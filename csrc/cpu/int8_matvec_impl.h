@@ -10,10 +10,10 @@
 //   acc += dot * (d * scale) + (block sum / 8) * bias
 // lane by lane; the lanes are summed once per output. AVX512-VNNI's int16
 // copy instead puts 16 outputs in the lanes (int16_tiles: each weight block
-// unpacked once for every row). One loop (block_rows)
-// serves every block-at-a-time copy (AVX2 int8 and int16, plain C++), each
-// ISA giving only its block step; AVX512-VNNI's int8 copy
-// takes two blocks a step and has its own loop.
+// unpacked once for every row); its int8 copy takes two blocks a step. AVX2
+// multiplies a tile of rows times a few outputs (feature_tiles: each block's
+// activations loaded once for the tile's outputs, each output's codes
+// unpacked once for its rows); plain C++ one block at a time (block_rows).
 #pragma once
 
 #include "csrc/cpu/elements.h"
@@ -56,40 +56,6 @@ inline int convert_chunk(const Int8MatvecCall& c, int64_t groups, int64_t n, int
   convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
   convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
   return chunk;
-}
-
-// The loop every block-at-a-time copy shares (Step: one instruction set's
-// block product, below): per output feature, per chunk of groups (their
-// scales and biases converted to float32), per block of 32 columns the
-// weight codes unpacked once (Step::codes) and added into each row's sums
-// (Step::add: the block's integer dot product times d * scale, and the bias
-// term); Step::total gives the output.
-template <typename Step, int Bits, int Rows>
-void block_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  using Code = typename Step::Code;
-  const Code* xq = static_cast<const Code*>(c.xq);
-  const Int8Layout layout(c, Bits);
-  const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
-  const int group_shift = layout.group_shift;
-  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
-    typename Step::Sums sums[Rows];
-    for (int r = 0; r < Rows; ++r) sums[r] = Step::zero();
-    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
-      const int chunk = convert_chunk(c, groups, n, g0, scales, biases);
-      const int64_t first = g0 << group_shift;
-      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
-        const int64_t g = (b - first) >> group_shift;
-        const auto codes = Step::template codes<Bits>(w, b);
-        for (int r = 0; r < Rows; ++r) {
-          Step::template add<Bits>(sums[r], codes, b, xq + r * c.k + b * kInt8Block, c.xd + r * lane_stride + b * 8,
-                                   c.xsum + r * lane_stride + b * 8, scales[g], biases[g]);
-        }
-      }
-    }
-    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = Step::total(sums[r]);
-  }
 }
 
 #if defined(__AVX2__)
@@ -499,99 +465,192 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 
 #elif defined(__AVX2__)
 
-// A block's int32 dot products (8 lanes of 4 columns) of unsigned weight
-// codes with signed activation codes. vpmaddubsw saturates pairs at int16:
-// 4-bit codes (15 * 127 * 2) fit, 8-bit codes are split into nibbles.
-template <int Bits>
-inline __m256i block_dot(const uint8_t* w, int64_t block, const int8_t* xq) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Bits == 8) {
+// AVX2: a tile of Rows rows times Features output features. Per block the
+// rows' activations (scales d, sums) are loaded once for all the tile's
+// features and each feature's codes are unpacked once for all its rows; each
+// (row, feature) has its own float accumulator, so Rows * Features
+// independent FMA chains hide their latency even at one row. Lane by lane,
+//   acc += dot * (d * scale) + (block sum / 8) * bias
+// (a block's int32 dot products: 8 lanes of 4 columns); the lanes are summed
+// once per output.
+
+// Weight tiles ahead of the one being multiplied whose codes are prefetched:
+// a decode step streams every weight from memory once (they outgrow the
+// caches), and a tile reads several rows at once.
+constexpr int kPrefetchTiles = 2;
+
+// int16 activations: the block's 32 codes as two vectors of 16 words,
+// vpmaddwd with the row's words.
+struct Int16Codes {
+  using Code = int16_t;
+  struct Unpacked {
+    __m256i first, last;  // the block's first and last 16 codes, in the activations' order
+  };
+  template <int Bits>
+  static Unpacked unpack(const uint8_t* w, int64_t b) {
+    if constexpr (Bits == 8) {
+      return {_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 32))),
+              _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 32 + 16)))};
+    } else {
+      // each byte widened to a word holds its low nibble (an even column) and
+      // its high one (the odd column) in bits 0-3 and 4-7
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)));
+      return {_mm256_and_si256(bytes, _mm256_set1_epi16(15)), _mm256_srli_epi16(bytes, 4)};
+    }
+  }
+  template <int Bits>
+  static __m256i dot(const Unpacked& codes, const int16_t* x) {
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(codes.first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+        _mm256_madd_epi16(codes.last, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+  }
+};
+
+// int8 activations: unsigned codes times signed activations by vpmaddubsw
+// (pairs saturate at int16: 4-bit codes, 15 * 127 * 2, fit; 8-bit codes are
+// split into nibbles), the pairs summed to int32 by vpmaddwd.
+struct Int8Codes {
+  using Code = int8_t;
+  struct Unpacked {
+    __m256i low, high;  // 4-bit: the block's 32 codes in low; 8-bit: its low and high nibbles
+  };
+  template <int Bits>
+  static Unpacked unpack(const uint8_t* w, int64_t b) {
     const __m256i nibble = _mm256_set1_epi8(15);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + block * 32));
-    const __m256i low = _mm256_and_si256(raw, nibble);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(high, x), _mm256_set1_epi16(16)));
-  } else {
-    const __m128i nibble = _mm_set1_epi8(15);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + block * 16));
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+    if constexpr (Bits == 8) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+      return {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+      const __m128i low = _mm_and_si128(raw, _mm256_castsi256_si128(nibble));
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm256_castsi256_si128(nibble));
+      return {_mm256_set_m128i(high, low), _mm256_setzero_si256()};
+    }
+  }
+  template <int Bits>
+  static __m256i dot(const Unpacked& codes, const int8_t* xq) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    if constexpr (Bits == 8) {
+      return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(codes.low, x), _mm256_set1_epi16(1)),
+                              _mm256_madd_epi16(_mm256_maddubs_epi16(codes.high, x), _mm256_set1_epi16(16)));
+    } else {
+      return _mm256_madd_epi16(_mm256_maddubs_epi16(codes.low, x), _mm256_set1_epi16(1));
+    }
+  }
+};
+
+// Output features [begin, end) of Rows rows, Features at a time; per chunk
+// of groups their scales and biases converted to float32 (a whole tile's at
+// once when the groups are one chunk: they lie together).
+template <typename Codes, int Bits, int Rows, int Features>
+void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  using Code = typename Codes::Code;
+  const Code* xq = static_cast<const Code*>(c.xq);
+  const Int8Layout layout(c, Bits);
+  const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
+  const int group_shift = layout.group_shift;
+  float scales[Features * kInt8ScaleChunk], biases[Features * kInt8ScaleChunk];  // [feature][group - g0]
+  for (int64_t n0 = begin; n0 < end; n0 += Features) {
+    const int features = int(end - n0 < Features ? end - n0 : Features);
+    int64_t feature[Features];  // a short tile repeats its last feature (never stored)
+    const uint8_t* w[Features];
+    for (int f = 0; f < Features; ++f) {
+      feature[f] = n0 + (f < features ? f : features - 1);
+      w[f] = reinterpret_cast<const uint8_t*>(c.codes) + feature[f] * row_bytes;
+    }
+    if (kPrefetchTiles > 0) {  // the codes of the tile kPrefetchTiles ahead (they lie together)
+      const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * Features * row_bytes);
+      for (int64_t at = 0; at < Features * row_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    }
+    __m256 acc[Rows][Features];
+    for (int r = 0; r < Rows; ++r) {
+      for (int f = 0; f < Features; ++f) acc[r][f] = _mm256_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      if (chunk == groups && features == Features) {
+        convert_scales(c.scale_type, scales, c.scales, n0 * groups, Features * chunk);
+        convert_scales(c.scale_type, biases, c.biases, n0 * groups, Features * chunk);
+      } else {
+        for (int f = 0; f < Features; ++f) convert_chunk(c, groups, feature[f], g0, scales + f * chunk, biases + f * chunk);
+      }
+      const int64_t first = g0 << group_shift, last = (g0 + chunk) << group_shift;
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        __m256 d[Rows], sums[Rows];
+        for (int r = 0; r < Rows; ++r) {
+          d[r] = _mm256_loadu_ps(c.xd + r * lane_stride + b * 8);
+          sums[r] = _mm256_loadu_ps(c.xsum + r * lane_stride + b * 8);
+        }
+        for (int f = 0; f < Features; ++f) {
+          const typename Codes::Unpacked codes = Codes::template unpack<Bits>(w[f], b);
+          const __m256 scale = _mm256_set1_ps(scales[f * chunk + g]);
+          const __m256 bias = _mm256_set1_ps(biases[f * chunk + g]);
+          for (int r = 0; r < Rows; ++r) {
+            const __m256i dot = Codes::template dot<Bits>(codes, xq + r * c.k + b * kInt8Block);
+            acc[r][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[r], scale),
+                                        _mm256_fmadd_ps(sums[r], bias, acc[r][f]));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      for (int f = 0; f < features; ++f) c.out[r * c.n + n0 + f] = lanes_sum(acc[r][f]);
+    }
   }
 }
 
-// int8 activations: each block's dot products in 8 lanes, scaled lane by lane.
-struct Int8Step {
-  struct Sums {
-    __m256 acc, bias;
-  };
-  using Code = int8_t;
-  using Codes = const uint8_t*;  // the weight row; block_dot unpacks it with the activations
-  static Sums zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  template <int Bits>
-  static Codes codes(const uint8_t* w, int64_t) {
-    return w;
-  }
-  template <int Bits>
-  static void add(Sums& s, Codes w, int64_t block, const Code* xq, const float* d, const float* sums, float scale,
-                  float bias) {
-    const __m256i dot = block_dot<Bits>(w, block, xq);
-    s.acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_set1_ps(scale)), s.acc);
-    s.bias = _mm256_fmadd_ps(_mm256_loadu_ps(sums), _mm256_set1_ps(bias), s.bias);
-  }
-  static float total(const Sums& s) { return lanes_sum(_mm256_add_ps(s.acc, s.bias)); }
-};
-
-// int16 activations: a block's 32 codes widen to two vectors of 16 words,
-// vpmaddwd with the row's words gives 8 int32 lanes of 4 columns each.
-struct Int16Step {
-  struct Sums {
-    __m256 acc;
-    float bias;
-  };
-  using Code = int16_t;
-  struct Codes {
-    __m256i first_words, last_words;  // the block's first and last 16 codes, in the activations' order
-  };
-  static Sums zero() { return {_mm256_setzero_ps(), 0.0f}; }
-  template <int Bits>
-  static Codes codes(const uint8_t* w, int64_t b) {
-    __m128i low, high;
-    if constexpr (Bits == 8) {
-      low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 32));
-      high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 32 + 16));
-    } else {
-      const __m128i nibble = _mm_set1_epi8(15);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-      low = _mm_and_si128(raw, nibble);
-      high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-    }
-    return {_mm256_cvtepu8_epi16(low), _mm256_cvtepu8_epi16(high)};
-  }
-  template <int Bits>
-  static void add(Sums& s, const Codes& codes, int64_t, const Code* x, const float* d, const float* sums, float scale,
-                  float bias) {
-    const __m256i dot = _mm256_add_epi32(
-        _mm256_madd_epi16(codes.first_words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-        _mm256_madd_epi16(codes.last_words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
-    s.acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[0] * scale), s.acc);
-    s.bias += sums[0] * 8.0f * bias;
-  }
-  static float total(const Sums& s) { return lanes_sum(s.acc) + s.bias; }
-};
+// Features a tile takes at Rows rows: enough accumulators to hide the FMA
+// latency at few rows, few enough to stay in the 16 registers at more
+// (measured on SmolLM2's layers, one thread: 4 at one row, then 2; int8
+// activations at 5 to 8 rows 1).
+template <int Rows, bool Int8>
+constexpr int kTileFeatures = Rows == 1 ? 4 : (Rows <= 4 || !Int8 ? 2 : 1);
 
 template <int Bits, int Rows>
 void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  block_rows<Int8Step, Bits, Rows>(c, begin, end);
+  feature_tiles<Int8Codes, Bits, Rows, kTileFeatures<Rows, true>>(c, begin, end);
 }
 
 template <int Bits, int Rows>
 void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  block_rows<Int16Step, Bits, Rows>(c, begin, end);
+  feature_tiles<Int16Codes, Bits, Rows, kTileFeatures<Rows, false>>(c, begin, end);
 }
 
 #else
+
+// The plain C++ loop (Step: the block product, below): per output feature,
+// per chunk of groups (their scales and biases converted to float32), per
+// block of 32 columns the weight codes unpacked once (Step::codes) and added
+// into each row's sums (Step::add: the block's integer dot product times
+// d * scale, and the bias term); Step::total gives the output.
+template <typename Step, int Bits, int Rows>
+void block_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  using Code = typename Step::Code;
+  const Code* xq = static_cast<const Code*>(c.xq);
+  const Int8Layout layout(c, Bits);
+  const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
+  const int group_shift = layout.group_shift;
+  float scales[kInt8ScaleChunk], biases[kInt8ScaleChunk];
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(c.codes) + n * row_bytes;
+    typename Step::Sums sums[Rows];
+    for (int r = 0; r < Rows; ++r) sums[r] = Step::zero();
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = convert_chunk(c, groups, n, g0, scales, biases);
+      const int64_t first = g0 << group_shift;
+      for (int64_t b = first; b < ((g0 + chunk) << group_shift); ++b) {
+        const int64_t g = (b - first) >> group_shift;
+        const auto codes = Step::template codes<Bits>(w, b);
+        for (int r = 0; r < Rows; ++r) {
+          Step::template add<Bits>(sums[r], codes, b, xq + r * c.k + b * kInt8Block, c.xd + r * lane_stride + b * 8,
+                                   c.xsum + r * lane_stride + b * 8, scales[g], biases[g]);
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r) c.out[r * c.n + n] = Step::total(sums[r]);
+  }
+}
 
 // Plain C++: the same sums, one block at a time (the reference the vector
 // copies are tested against).
@@ -648,7 +707,7 @@ void rows_of(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   }
 }
 
-// The block-at-a-time copies take up to this many rows a weight pass.
+// The AVX2, AVX512-VNNI int8 and plain C++ copies take up to this many rows a weight pass.
 constexpr int kBlockRows = 8;
 
 template <int Bits>
