@@ -470,9 +470,9 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 // features and each feature's codes are unpacked once for all its rows; each
 // (row, feature) has its own float accumulator, so Rows * Features
 // independent FMA chains hide their latency even at one row. Lane by lane,
-//   acc += dot * (d * scale) + (block sum / 8) * bias
+//   acc += dot * (d * scale)
 // (a block's int32 dot products: 8 lanes of 4 columns); the lanes are summed
-// once per output.
+// once per output, plus the bias term.
 
 // Weight tiles ahead of the one being multiplied whose codes are prefetched:
 // a decode step streams every weight from memory once (they outgrow the
@@ -483,6 +483,7 @@ constexpr int kPrefetchTiles = 2;
 // vpmaddwd with the row's words.
 struct Int16Codes {
   using Code = int16_t;
+  static constexpr int activation_bits = 16;
   struct Unpacked {
     __m256i first, last;  // the block's first and last 16 codes, in the activations' order
   };
@@ -511,6 +512,7 @@ struct Int16Codes {
 // split into nibbles), the pairs summed to int32 by vpmaddwd.
 struct Int8Codes {
   using Code = int8_t;
+  static constexpr int activation_bits = 8;
   struct Unpacked {
     __m256i low, high;  // 4-bit: the block's 32 codes in low; 8-bit: its low and high nibbles
   };
@@ -539,17 +541,38 @@ struct Int8Codes {
   }
 };
 
+// Each row's sums of x over the groups [g0, g0 + chunk), row r in lane r:
+// sums[g - g0][r] (xsum holds each block's sum / 8, repeated 8 times).
+template <int Rows>
+void row_group_sums(const Int8MatvecCall& c, const Int8Layout& layout, int64_t g0, int chunk, float (*sums)[8]) {
+  for (int g = 0; g < chunk; ++g) {
+    for (int r = 0; r < 8; ++r) sums[g][r] = 0.0f;
+  }
+  const int64_t first = g0 << layout.group_shift, last = (g0 + chunk) << layout.group_shift;
+  for (int r = 0; r < Rows; ++r) {
+    for (int64_t b = first; b < last; ++b) {
+      sums[(b - first) >> layout.group_shift][r] += c.xsum[r * layout.lane_stride + b * 8] * 8.0f;
+    }
+  }
+}
+
 // Output features [begin, end) of Rows rows, Features at a time; per chunk
 // of groups their scales and biases converted to float32 (a whole tile's at
-// once when the groups are one chunk: they lie together).
-template <typename Codes, int Bits, int Rows, int Features>
+// once when the groups are one chunk: they lie together). The bias term,
+// sum over groups of bias * (the row's group sum of x), is one vector FMA
+// per feature and group for all the rows (rows in the lanes). GroupShift:
+// blocks per group (1, 2 or 4) as a shift, known to the compiler.
+template <typename Codes, int Bits, int Rows, int Features, int GroupShift>
 void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  static_assert(Rows <= 8, "the bias term holds the rows in 8 lanes");
   using Code = typename Codes::Code;
   const Code* xq = static_cast<const Code*>(c.xq);
   const Int8Layout layout(c, Bits);
   const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
-  const int group_shift = layout.group_shift;
+  const bool one_chunk = groups <= kInt8ScaleChunk;
   float scales[Features * kInt8ScaleChunk], biases[Features * kInt8ScaleChunk];  // [feature][group - g0]
+  alignas(32) float group_sums[kInt8ScaleChunk][8];
+  if (one_chunk) row_group_sums<Rows>(c, layout, 0, int(groups), group_sums);
   for (int64_t n0 = begin; n0 < end; n0 += Features) {
     const int features = int(end - n0 < Features ? end - n0 : Features);
     int64_t feature[Features];  // a short tile repeats its last feature (never stored)
@@ -562,40 +585,44 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
       const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * Features * row_bytes);
       for (int64_t at = 0; at < Features * row_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
     }
-    __m256 acc[Rows][Features];
-    for (int r = 0; r < Rows; ++r) {
-      for (int f = 0; f < Features; ++f) acc[r][f] = _mm256_setzero_ps();
+    __m256 acc[Rows][Features], bias_terms[Features];
+    for (int f = 0; f < Features; ++f) {
+      bias_terms[f] = _mm256_setzero_ps();
+      for (int r = 0; r < Rows; ++r) acc[r][f] = _mm256_setzero_ps();
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
       const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
-      if (chunk == groups && features == Features) {
+      if (one_chunk && features == Features) {
         convert_scales(c.scale_type, scales, c.scales, n0 * groups, Features * chunk);
         convert_scales(c.scale_type, biases, c.biases, n0 * groups, Features * chunk);
       } else {
         for (int f = 0; f < Features; ++f) convert_chunk(c, groups, feature[f], g0, scales + f * chunk, biases + f * chunk);
       }
-      const int64_t first = g0 << group_shift, last = (g0 + chunk) << group_shift;
+      if (!one_chunk) row_group_sums<Rows>(c, layout, g0, chunk, group_sums);
+      const int64_t first = g0 << GroupShift, last = (g0 + chunk) << GroupShift;
       for (int64_t b = first; b < last; ++b) {
-        const int64_t g = (b - first) >> group_shift;
-        __m256 d[Rows], sums[Rows];
-        for (int r = 0; r < Rows; ++r) {
-          d[r] = _mm256_loadu_ps(c.xd + r * lane_stride + b * 8);
-          sums[r] = _mm256_loadu_ps(c.xsum + r * lane_stride + b * 8);
-        }
+        const int64_t g = (b - first) >> GroupShift;
+        const bool group_start = GroupShift == 0 || ((b - first) & ((1 << GroupShift) - 1)) == 0;
+        __m256 d[Rows];
+        for (int r = 0; r < Rows; ++r) d[r] = _mm256_loadu_ps(c.xd + r * lane_stride + b * 8);
         for (int f = 0; f < Features; ++f) {
           const typename Codes::Unpacked codes = Codes::template unpack<Bits>(w[f], b);
           const __m256 scale = _mm256_set1_ps(scales[f * chunk + g]);
-          const __m256 bias = _mm256_set1_ps(biases[f * chunk + g]);
           for (int r = 0; r < Rows; ++r) {
             const __m256i dot = Codes::template dot<Bits>(codes, xq + r * c.k + b * kInt8Block);
-            acc[r][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[r], scale),
-                                        _mm256_fmadd_ps(sums[r], bias, acc[r][f]));
+            acc[r][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[r], scale), acc[r][f]);
+          }
+          if (group_start) {
+            bias_terms[f] = _mm256_fmadd_ps(_mm256_set1_ps(biases[f * chunk + g]), _mm256_load_ps(group_sums[g]),
+                                            bias_terms[f]);
           }
         }
       }
     }
-    for (int r = 0; r < Rows; ++r) {
-      for (int f = 0; f < features; ++f) c.out[r * c.n + n0 + f] = lanes_sum(acc[r][f]);
+    for (int f = 0; f < features; ++f) {
+      alignas(32) float bias_term[8];
+      _mm256_store_ps(bias_term, bias_terms[f]);
+      for (int r = 0; r < Rows; ++r) c.out[r * c.n + n0 + f] = lanes_sum(acc[r][f]) + bias_term[r];
     }
   }
 }
@@ -607,14 +634,24 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 template <int Rows, bool Int8>
 constexpr int kTileFeatures = Rows == 1 ? 4 : (Rows <= 4 || !Int8 ? 2 : 1);
 
+template <typename Codes, int Bits, int Rows>
+void tiles_of_groups(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  constexpr int features = kTileFeatures<Rows, Codes::activation_bits == 8>;
+  switch (c.group_size) {
+    case 32: return feature_tiles<Codes, Bits, Rows, features, 0>(c, begin, end);
+    case 64: return feature_tiles<Codes, Bits, Rows, features, 1>(c, begin, end);
+    default: return feature_tiles<Codes, Bits, Rows, features, 2>(c, begin, end);
+  }
+}
+
 template <int Bits, int Rows>
 void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  feature_tiles<Int8Codes, Bits, Rows, kTileFeatures<Rows, true>>(c, begin, end);
+  tiles_of_groups<Int8Codes, Bits, Rows>(c, begin, end);
 }
 
 template <int Bits, int Rows>
 void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  feature_tiles<Int16Codes, Bits, Rows, kTileFeatures<Rows, false>>(c, begin, end);
+  tiles_of_groups<Int16Codes, Bits, Rows>(c, begin, end);
 }
 
 #else
