@@ -189,10 +189,30 @@ inline constexpr int kAmxTileKeys = 16, kAmxTileDepth = 32;
 static_assert(kAmxTileKeys == kAmxTile && kAmxTileDepth == kAmxDepth, "amx_tiles.h and the key tiles agree");
 #endif
 
+// The float panels' layout, per copy (isa_<family>.h): S^T's row stride is
+// rp + kScoreRowPad floats, and with MLX_ATTN_QUERY_PANEL_TILES Q^T is held
+// in column tiles of the micro-kernel's register tile width, each its own
+// [D][width] panel (otherwise one tile of all rp columns: plain [D][rp]).
+// Only where rows of the panels fall; every product sums the same terms in
+// the same order.
+#ifndef MLX_ATTN_SCORE_ROW_PAD
+#define MLX_ATTN_SCORE_ROW_PAD 0
+#endif
+inline constexpr int kScoreRowPad = MLX_ATTN_SCORE_ROW_PAD;
+static_assert(kScoreRowPad % kLanes == 0 && kScoreRowPad <= kMaxScoreRowPad, "S^T rows stay whole vectors, in scratch");
+#if defined(MLX_ATTN_AMX_BF16)
+static_assert(kScoreRowPad == 0, "the AMX products read S^T / P^T with row stride rp");
+#endif
+#if defined(MLX_ATTN_QUERY_PANEL_TILES)
+inline constexpr int kQueryPanelTile = kTileVectors * kLanes;
+#else
+inline constexpr int kQueryPanelTile = 1 << 30;
+#endif
+
 // One thread's scratch for an item (sized by scratch_floats, kernels.h).
 struct ItemBuffers {
-  float* q_t;        // [D][rp]   Q^T (or the pair panel)
-  float* scores_t;   // [KB][rp]  S^T, then P^T
+  float* q_t;        // [D][rp]   Q^T in column tiles (or the pair panel [D_pairs][2 rp])
+  float* scores_t;   // [KB][ls]  S^T, then P^T
   float* acc;        // [rows][Dvp]
   float* k_rows;     // [KB][D]   when K is packed (or its pairs)
   float* v_packed;   // [KB][Dvp] when V is packed
@@ -209,6 +229,7 @@ struct WorkItem {
   const AttentionProblem& p;
   Tile tile;
   int group, D, Dv, Dvp, rows, rp, pairs;
+  int ls;  // row stride of S^T / P^T (floats)
   // Both products on AMX tiles (amx_tiles.h): the bf16 pair score product,
   // and O^T[Dvp][rp] += V^T . P^T pairs, so the output accumulator is held
   // transposed (acc_at) and V is packed as V^T[Dvp][key_block] bf16.
@@ -219,10 +240,10 @@ struct WorkItem {
   WorkItem(const KernelCall& c, const Tile& t, float* scratch)
       : call(c), p(c.problem), tile(t), group(p.group_size()), D(p.head_dim), Dv(p.value_dim),
         Dvp(int(round_up(Dv, kLanes))), rows(group * t.qb), rp(int(round_up(rows, kLanes))),
-        pairs((D + 1) / 2) {
+        pairs((D + 1) / 2), ls(rp + kScoreRowPad) {
     buf.q_t = scratch;
     buf.scores_t = buf.q_t + D * rp;
-    buf.acc = buf.scores_t + kMaxKeyBlock * rp;
+    buf.acc = buf.scores_t + kMaxKeyBlock * ls;
     buf.k_rows = buf.acc + rp * Dvp;
     buf.v_packed = buf.k_rows + kMaxKeyBlock * D;
     buf.row_max = buf.v_packed + kMaxKeyBlock * Dvp;
@@ -232,6 +253,13 @@ struct WorkItem {
   int head(int r) const { return tile.kv_head * group + r / tile.qb; }
   int query(int r) const { return tile.q_start + r % tile.qb; }  // in the tile's sequence
   uint16_t* q_pairs() const { return reinterpret_cast<uint16_t*>(buf.q_t); }
+  // Q^T's column tile holding row r: its first row, width and panel.
+  int query_tile_start(int r) const { return r / kQueryPanelTile * kQueryPanelTile; }
+  int query_tile_width(int c0) const { return rp - c0 < kQueryPanelTile ? rp - c0 : kQueryPanelTile; }
+  float* query_tile(int c0) const { return buf.q_t + int64_t(c0) * D; }
+  // Q^T[d][r]: where row r's features start, and the distance between them.
+  float* query_column(int r) const { return query_tile(query_tile_start(r)) + (r - query_tile_start(r)); }
+  int query_column_stride(int r) const { return query_tile_width(query_tile_start(r)); }
   uint16_t* k_pairs() const { return reinterpret_cast<uint16_t*>(buf.k_rows); }
   uint16_t* v_t() const { return reinterpret_cast<uint16_t*>(buf.v_packed); }
   // Output accumulator element (row r, feature e) in either layout.
@@ -296,7 +324,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
       }
       if (D % 2) w.q_pairs()[(w.pairs - 1) * 2 * rp + Product::panel_offset(r, 1)] = 0;
     } else {
-      load_row<T>(w.buf.q_t + r, rp, w.call.q, off, p.q_strides[3], D, 1.0f);
+      load_row<T>(w.query_column(r), w.query_column_stride(r), w.call.q, off, p.q_strides[3], D, 1.0f);
     }
   }
   if constexpr (kPairScore) {
@@ -309,7 +337,7 @@ MLX_ATTN_STEP void load_queries(const WorkItem& w) {
     }
   } else {
     for (int d = 0; d < D; ++d) {
-      for (int r = w.rows; r < rp; ++r) w.buf.q_t[d * rp + r] = 0.0f;
+      for (int r = w.rows; r < rp; ++r) w.query_column(r)[d * w.query_column_stride(r)] = 0.0f;
     }
   }
   for (int r = 0; r < rp; ++r) {
@@ -439,6 +467,15 @@ MLX_ATTN_STEP void stage_key_block(const WorkItem& w, int kb, int n, KeyBlock& b
   if (w.amx) pack_values_transposed(w, block);
 }
 
+// S^T[n][rp] = K[n][D] . Q^T[D][rp] for float K rows of stride lda, one
+// column tile of Q^T at a time.
+MLX_ATTN_STEP void score_rows(const WorkItem& w, const float* k, int64_t lda, float* scores_t, int n) {
+  for (int c0 = 0; c0 < w.rp; c0 += kQueryPanelTile) {
+    const int width = w.query_tile_width(c0);
+    matmul_overwrite(k, lda, w.query_tile(c0), width, scores_t + c0, w.ls, n, w.D, width);
+  }
+}
+
 // score: S^T[n][rp] = K[n][D] . Q^T[D][rp], segment by segment in place.
 template <ElemType T, bool kPairScore>
 MLX_ATTN_STEP void score_block(const WorkItem& w, const KeyBlock& block) {
@@ -458,25 +495,25 @@ MLX_ATTN_STEP void score_block(const WorkItem& w, const KeyBlock& block) {
     }
 #endif
     if (!block.k_in_place) {
-      matmul_overwrite_pairs<Product>(w.k_pairs(), 2 * w.pairs, w.q_pairs(), 2 * rp, scores_t, rp, block.n, w.pairs,
+      matmul_overwrite_pairs<Product>(w.k_pairs(), 2 * w.pairs, w.q_pairs(), 2 * rp, scores_t, w.ls, block.n, w.pairs,
                                       rp);
       return;
     }
     for (int s = 0; s < block.segment_count; ++s) {
       const KeyBlock::Segment& seg = block.segments[s];
       matmul_overwrite_pairs<Product>(static_cast<const uint16_t*>(w.call.k) + w.k_at(seg.outer, seg.slot),
-                                      w.p.k_strides[2], w.q_pairs(), 2 * rp, scores_t + seg.first * rp, rp, seg.n,
-                                      w.pairs, rp);
+                                      w.p.k_strides[2], w.q_pairs(), 2 * rp, scores_t + seg.first * w.ls, w.ls,
+                                      seg.n, w.pairs, rp);
     }
   } else {
     if (!block.k_in_place) {
-      matmul_overwrite(w.buf.k_rows, w.D, w.buf.q_t, rp, scores_t, rp, block.n, w.D, rp);
+      score_rows(w, w.buf.k_rows, w.D, scores_t, block.n);
       return;
     }
     for (int s = 0; s < block.segment_count; ++s) {
       const KeyBlock::Segment& seg = block.segments[s];
-      matmul_overwrite(static_cast<const float*>(w.call.k) + w.k_at(seg.outer, seg.slot), w.p.k_strides[2],
-                       w.buf.q_t, rp, scores_t + seg.first * rp, rp, seg.n, w.D, rp);
+      score_rows(w, static_cast<const float*>(w.call.k) + w.k_at(seg.outer, seg.slot), w.p.k_strides[2],
+                 scores_t + seg.first * w.ls, seg.n);
     }
   }
 }
@@ -487,10 +524,13 @@ MLX_ATTN_STEP void scale_logits(const WorkItem& w, int n, float logit_scale) {
   float* const s = w.buf.scores_t;
   const vfloat scale = splat(logit_scale);
   const float cap = w.p.softcap;
-  if (cap > 0.0f) {
-    for (int i = 0; i < n * w.rp; i += kLanes) store(s + i, softcap_logit(saturate(load(s + i) * scale), cap));
-  } else {
-    for (int i = 0; i < n * w.rp; i += kLanes) store(s + i, saturate(load(s + i) * scale));
+  for (int j = 0; j < n; ++j) {
+    float* row = s + j * w.ls;
+    if (cap > 0.0f) {
+      for (int c = 0; c < w.rp; c += kLanes) store(row + c, softcap_logit(saturate(load(row + c) * scale), cap));
+    } else {
+      for (int c = 0; c < w.rp; c += kLanes) store(row + c, saturate(load(row + c) * scale));
+    }
   }
 }
 
@@ -500,7 +540,7 @@ template <ElemType T>
 MLX_ATTN_STEP void mask_logits(const WorkItem& w, const KeyBlock& block, int first_pos, int last_pos) {
   const AttentionProblem& p = w.p;
   const AttentionParams& seq = w.tile.seq;
-  const int kb = block.kb, n = block.n, rp = w.rp;
+  const int kb = block.kb, n = block.n, ls = w.ls;
   if (p.mask_kind != MaskKind::none) {
     const int64_t ms = p.mask_strides[3];
     for (int r = 0; r < w.rows; ++r) {
@@ -508,17 +548,17 @@ MLX_ATTN_STEP void mask_logits(const WorkItem& w, const KeyBlock& block, int fir
       float* s = w.buf.scores_t + r;
       if (p.mask_kind == MaskKind::boolean) {
         const bool* m = static_cast<const bool*>(w.call.mask) + moff;
-        for (int j = 0; j < n; ++j) s[j * rp] = bool_masked_logit(s[j * rp], m[j * ms]);
+        for (int j = 0; j < n; ++j) s[j * ls] = bool_masked_logit(s[j * ls], m[j * ms]);
       } else {
         for (int j = 0; j < n; ++j) {
-          s[j * rp] = additive_masked_logit(s[j * rp], load_elem<T>(w.call.mask, moff + j * ms));
+          s[j * ls] = additive_masked_logit(s[j * ls], load_elem<T>(w.call.mask, moff + j * ms));
         }
       }
     }
   }
   if (block_on_edge(seq, kb, n, first_pos, last_pos)) {
     for (int r = 0; r < w.rows; ++r) {
-      mask_hidden_keys(seq, query_position(seq, w.query(r)), kb, n, w.buf.scores_t + r, rp);
+      mask_hidden_keys(seq, query_position(seq, w.query(r)), kb, n, w.buf.scores_t + r, ls);
     }
   }
 }
@@ -547,10 +587,10 @@ inline vfloat next_reference_max(vfloat m_old, vfloat block_max) {
 // max, P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per
 // row into buf.rescale for rescale_rows (1 where the reference stayed).
 MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
-  const int rp = w.rp;
+  const int rp = w.rp, ls = w.ls;
   for (int c = 0; c < rp; c += kLanes) {
     vfloat block_max = splat(-INFINITY);
-    for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(w.buf.scores_t + j * rp + c));
+    for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(w.buf.scores_t + j * ls + c));
     const vfloat m_old = load(w.buf.row_max + c);
     const vfloat m_new = next_reference_max(m_old, block_max);
     // A row with nothing visible yet (m = -inf, or the masked sentinel)
@@ -558,7 +598,7 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
     const vfloat m_ref = m_new <= MLX_ATTN_MASKED_LOGIT ? splat(0.0f) : m_new;
     vfloat sum = splat(0.0f);
     for (int j = 0; j < n; ++j) {
-      float* s = w.buf.scores_t + j * rp + c;
+      float* s = w.buf.scores_t + j * ls + c;
       const vfloat e = exp2_below((load(s) - m_ref) * kLog2e, kRescaleSlackLog2);
       store(s, e);
       sum += e;
@@ -763,13 +803,13 @@ MLX_ATTN_STEP void accumulate_values(const WorkItem& w, const KeyBlock& block) {
   }
 #endif
   if (!block.v_in_place) {
-    matmul_accumulate_transposed_a(w.buf.scores_t, w.rp, w.buf.v_packed, w.Dvp, w.buf.acc, w.Dvp, w.rows, block.n,
+    matmul_accumulate_transposed_a(w.buf.scores_t, w.ls, w.buf.v_packed, w.Dvp, w.buf.acc, w.Dvp, w.rows, block.n,
                                    w.Dvp);
     return;
   }
   for (int s = 0; s < block.segment_count; ++s) {
     const KeyBlock::Segment& seg = block.segments[s];
-    matmul_accumulate_transposed_a(w.buf.scores_t + seg.first * w.rp, w.rp,
+    matmul_accumulate_transposed_a(w.buf.scores_t + seg.first * w.ls, w.ls,
                                    static_cast<const float*>(w.call.v) + w.v_at(seg.outer, seg.slot),
                                    w.p.v_strides[2], w.buf.acc, w.Dvp, w.rows, seg.n, w.Dvp);
   }

@@ -19,6 +19,9 @@ inline constexpr int kKeyBlock = 64;
 // are loaded and stored once per block, so a longer block halves that traffic.
 inline constexpr int kMaxKeyBlock = 2 * kKeyBlock;
 inline constexpr int kMaxRows = 128;
+// Floats a copy may add to the row stride of its score panel S^T (the
+// copy's MLX_ATTN_SCORE_ROW_PAD, kernel_impl.h): scratch_floats holds it.
+inline constexpr int kMaxScoreRowPad = 16;
 // Largest head dim (D and Dv) the kernel's row buffers hold: every tile is
 // sized from the problem's D and Dv (scratch_floats), only the per-row stack
 // buffers (elements.h load_row, the quantized row, the backward's rows) use
@@ -57,7 +60,7 @@ inline int64_t scratch_floats(const KernelCall& call, int lanes) {
   int64_t rows = int64_t(p.group_size()) * call.query_block;
   int64_t rows_padded = round_up(rows, lanes);
   int64_t dvp = round_up(p.value_dim, lanes);
-  return rows_padded * p.head_dim + rows_padded * kMaxKeyBlock + rows_padded * dvp +
+  return rows_padded * p.head_dim + (rows_padded + kMaxScoreRowPad) * kMaxKeyBlock + rows_padded * dvp +
       int64_t(p.head_dim) * kMaxKeyBlock + kMaxKeyBlock * dvp + 3 * rows_padded + 64;
 }
 
