@@ -586,11 +586,20 @@ inline vfloat next_reference_max(vfloat m_old, vfloat block_max) {
 // online softmax (Metal: prefill_online_softmax): m_new = the next reference
 // max, P^T = exp(S^T - m_new) in place, l = l * alpha + rowsum P; alpha per
 // row into buf.rescale for rescale_rows (1 where the reference stayed).
-MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
+// kScale: S^T holds the raw products and the scale step runs here, on the
+// values as they are read (blocks scale_in_softmax takes): the same values
+// as scale_logits then this, one pass over S^T fewer. The block max is taken
+// on the raw products and scaled once: for logit_scale > 0 scaling and
+// saturating are monotonic (and keep NaN), so it is the max of the scaled.
+template <bool kScale = false>
+MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n, float logit_scale = 1.0f) {
   const int rp = w.rp, ls = w.ls;
+  const vfloat scale = splat(logit_scale);
+  const auto logit = [&](vfloat s) { return kScale ? saturate(s * scale) : s; };
   for (int c = 0; c < rp; c += kLanes) {
     vfloat block_max = splat(-INFINITY);
     for (int j = 0; j < n; ++j) block_max = vmax(block_max, load(w.buf.scores_t + j * ls + c));
+    if (n > 0) block_max = logit(block_max);
     const vfloat m_old = load(w.buf.row_max + c);
     const vfloat m_new = next_reference_max(m_old, block_max);
     // A row with nothing visible yet (m = -inf, or the masked sentinel)
@@ -599,7 +608,7 @@ MLX_ATTN_STEP void online_softmax(const WorkItem& w, int n) {
     vfloat sum = splat(0.0f);
     for (int j = 0; j < n; ++j) {
       float* s = w.buf.scores_t + j * ls + c;
-      const vfloat e = exp2_below((load(s) - m_ref) * kLog2e, kRescaleSlackLog2);
+      const vfloat e = exp2_below((logit(load(s)) - m_ref) * kLog2e, kRescaleSlackLog2);
       store(s, e);
       sum += e;
     }
@@ -844,6 +853,12 @@ MLX_ATTN_STEP void normalize_rows(const WorkItem& w) {
   }
 }
 
+// Whether online_softmax<true> may take a block's scale step (the block off
+// the causal / window edge): no softcap, no explicit mask, a positive scale.
+MLX_ATTN_STEP bool scale_in_softmax(const WorkItem& w, float logit_scale) {
+  return w.p.softcap <= 0.0f && w.p.mask_kind == MaskKind::none && logit_scale > 0.0f;
+}
+
 // The key loop of an item whose queries are loaded: every block of keys some
 // row can see, each through stage, score, scale, mask, online softmax,
 // rescale and accumulate; then normalize. logit_scale: what the score
@@ -872,9 +887,13 @@ void attend_keys(const WorkItem& item, float logit_scale) {
       continue;
     }
 #endif
-    scale_logits(w, n, logit_scale);
-    mask_logits<T>(w, block, first_pos, last_pos);
-    online_softmax(w, n);
+    if (scale_in_softmax(w, logit_scale) && !block_on_edge(seq, kb, n, first_pos, last_pos)) {
+      online_softmax<true>(w, n, logit_scale);  // nothing to mask: scale fused into the softmax
+    } else {
+      scale_logits(w, n, logit_scale);
+      mask_logits<T>(w, block, first_pos, last_pos);
+      online_softmax(w, n);
+    }
     rescale_rows(w);
     accumulate_values(w, block);
   }

@@ -1,7 +1,7 @@
 // Vector basics for one per-ISA copy of the CPU kernels: the float vector
 // type of MLX_ATTN_VEC_BYTES bytes, loads/stores, saturation, a vectorized
-// exp2 and tanh. GCC/Clang vector extensions (no STL; intrinsics only in the
-// AVX-512 exp2), everything in an anonymous namespace inside the copy's namespace
+// exp2 and tanh. GCC/Clang vector extensions (no STL; intrinsics only for
+// exp2's rounding on AVX2 / AVX-512), everything in an anonymous namespace inside the copy's namespace
 // MLX_ATTN_ISA, so nothing compiled for a wide instruction set can be linked
 // into code that runs on an older CPU. Shared by the forward (kernel_impl.h)
 // and any other kernel of the same copy.
@@ -11,7 +11,7 @@
 
 #include "csrc/cpu/kernels.h"
 #if (defined(__AVX512F__) && MLX_ATTN_VEC_BYTES == 64) || (defined(__AVX__) && MLX_ATTN_VEC_BYTES == 32)
-#include <immintrin.h>  // exp2_vec's rounding (and scaling); always-inline, nothing leaks
+#include <immintrin.h>  // exp2_vec's rounding (and scaling), vmax / vmin; always-inline, nothing leaks
 #endif
 
 #if !defined(MLX_ATTN_ISA) || !defined(MLX_ATTN_VEC_BYTES)
@@ -43,14 +43,27 @@ inline void store(float* p, vfloat x) {
 inline vfloat splat(float x) {
   return x - vfloat{};
 }
+// b where either is NaN (or both are zeros), so vmax(bound, x) and
+// vmin(bound, x) keep a NaN x. AVX2: the max / min instructions, whose
+// definition this is (GCC writes a compare and a blend for the conditional).
 inline vfloat vmax(vfloat a, vfloat b) {
+#if defined(__AVX__) && MLX_ATTN_VEC_BYTES == 32
+  return (vfloat)_mm256_max_ps((__m256)a, (__m256)b);
+#else
   return a > b ? a : b;
+#endif
+}
+inline vfloat vmin(vfloat a, vfloat b) {
+#if defined(__AVX__) && MLX_ATTN_VEC_BYTES == 32
+  return (vfloat)_mm256_min_ps((__m256)a, (__m256)b);
+#else
+  return a < b ? a : b;
+#endif
 }
 // saturate_logit (metal/attention_rules.h) on a vector: clamps to
 // [-kLogitLimit, kLogitLimit]; NaN stays NaN.
 inline vfloat saturate(vfloat x) {
-  x = x < -kLogitLimit ? splat(-kLogitLimit) : x;
-  return x > kLogitLimit ? splat(kLogitLimit) : x;
+  return vmin(splat(kLogitLimit), vmax(splat(-kLogitLimit), x));
 }
 
 // 2^xc for xc in [-126, 0] (or NaN): round-to-nearest range reduction,
@@ -93,8 +106,7 @@ inline vfloat exp2_reduced(vfloat xc) {
 // -126 (including -inf) give exactly 0.
 inline vfloat exp2_vec(vfloat x) {
   const vfloat lo = splat(-126.0f);
-  vfloat xc = x < lo ? lo : x;
-  xc = xc > 0.0f ? splat(0.0f) : xc;
+  const vfloat xc = vmin(splat(0.0f), vmax(lo, x));
   return x < lo ? splat(0.0f) : exp2_reduced(xc);
 }
 
@@ -103,8 +115,7 @@ inline vfloat exp2_vec(vfloat x) {
 // (kernel_impl.h kRescaleSlack); arguments below -126 give exactly 0.
 inline vfloat exp2_below(vfloat x, float ceiling) {
   const vfloat lo = splat(-126.0f);
-  vfloat xc = x < lo ? lo : x;
-  xc = xc > ceiling ? splat(ceiling) : xc;
+  const vfloat xc = vmin(splat(ceiling), vmax(lo, x));
   return x < lo ? splat(0.0f) : exp2_reduced(xc);
 }
 
