@@ -270,7 +270,7 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
                 outputs.setdefault(out.request_id, []).append(out)
             engine.scheduler.check_invariants()
         assert engine.idle and engine.pool.held_pages == 0
-        results[speculative] = (outputs, engine.stats())
+        results[speculative] = (outputs, engine.stats(), engine.compiled_draft_steps)
     plain, drafted = results[None][0], results["ngram"][0]
     stats = results["ngram"][1]
     for rid in prompts:  # the seeded sampled request too: its draws are the plain sampler's
@@ -282,6 +282,7 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     assert len(drafted["rep0"][0].top_logprobs) == 3 and len(drafted["rand0"][0].top_logprobs) == 2
     assert stats["accepted_draft_tokens"] > 0 and stats["draft_tokens"] >= stats["accepted_draft_tokens"]
     assert results[None][1]["draft_tokens"] == 0
+    assert results["ngram"][2] > 0  # steps of decode rows and drafts ran compiled, tokens unchanged
 
 
 @pytest.mark.usefixtures("always_draft")
