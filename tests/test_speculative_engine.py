@@ -181,8 +181,8 @@ def test_compute_bound_steps_draft_less():
 
 
 def test_drafts_stop_where_the_plain_path_is_cheaper():
-    """A step's first draft moves it off the plain (compiled) path: where
-    that path costs half the drafting one, drafts kept 30 % of the time do
+    """Steps with drafts are timed apart from plain ones: where the plain
+    path costs half the drafting one, drafts kept 30 % of the time do
     not pay and no step drafts; where it costs the same, they still do."""
     drafted = {}
     for label, plain_fixed in (("cheap plain path", 0.050), ("same cost", 0.100)):

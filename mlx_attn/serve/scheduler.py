@@ -151,8 +151,8 @@ class Speculation:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     step_rows: int = 48
     cost: StepCost = field(default_factory=StepCost)
-    # decode steps that ran without drafts on a cheaper path (the engine's
-    # compiled step); a step's first draft moves it off that path
+    # decode steps that ran without drafts (the engine's compiled one-token
+    # rows); steps with drafts are timed apart in ``cost``
     plain: StepCost = field(default_factory=StepCost)
 
 
