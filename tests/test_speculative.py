@@ -190,6 +190,21 @@ def test_draft_length_adapts_to_acceptance():
     assert length.proposed > length.accepted > 0
 
 
+def test_draft_length_observes_drafts_it_did_not_propose():
+    length = DraftLength(8, min_keep=0.25, memory=0.8)
+    length.rate = 0.3
+    assert length.next() == 1
+    length.observe(True)  # one observation weighs 1 - memory, as one tested draft does in record
+    assert length.rate == pytest.approx(0.8 * 0.3 + 0.2)
+    for _ in range(20):
+        length.observe(True)
+    assert length.next() == 8 and length.rate > 0.98
+    for _ in range(20):
+        length.observe(False)
+    assert length.next() == 1 and length.rate < 0.02
+    assert length.proposed == length.accepted == 0  # nothing was proposed
+
+
 # ---------------------------------------------------------------- the command
 def test_cli_speculative_ngram_prints_the_same_text(capsys):
     from mlx_attn.lm.cli import main as cli_main

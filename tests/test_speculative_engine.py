@@ -181,8 +181,8 @@ def test_compute_bound_steps_draft_less():
 
 
 def test_drafts_stop_where_the_plain_path_is_cheaper():
-    """A step's first draft moves it off the plain (compiled) path: where
-    that path costs half the drafting one, drafts kept 30 % of the time do
+    """Steps with drafts are timed apart from plain ones: where the plain
+    path costs half the drafting one, drafts kept 30 % of the time do
     not pay and no step drafts; where it costs the same, they still do."""
     drafted = {}
     for label, plain_fixed in (("cheap plain path", 0.050), ("same cost", 0.100)):
@@ -200,6 +200,50 @@ def test_drafts_stop_where_the_plain_path_is_cheaper():
             assert harness.outputs[f"r{i}"] == alone([0, 1, 2, i % VOCAB, 1], 16)
         drafted[label] = harness.scheduler.draft_tokens
     assert drafted["cheap plain path"] == 0 < drafted["same cost"]
+
+
+class CostlessTrueDrafter:
+    """Proposes the fake model's true continuation; finding it is free, so
+    the scheduler also looks up the first draft of rows that hold none."""
+
+    costless = True
+
+    def propose(self, tokens, count):
+        seq = list(tokens)
+        for _ in range(count):
+            seq.append(fake_sample(seq))
+        return seq[len(tokens):]
+
+
+def test_refused_requests_keep_measuring_their_rate():
+    """Requests whose rate fell to 0.3 are refused drafts while the plain
+    path costs half the drafting one; with a costless drafter each plain
+    step still checks its first proposal against the token it gave, so the
+    rate climbs back (every proposal is right here) and drafting resumes;
+    a drafter without ``costless`` is never looked up outside its drafts."""
+    drafted, rates = {}, {}
+    for label, drafter in (("costless", CostlessTrueDrafter()), ("not costless", OracleDrafter())):
+        harness = SpeculativeHarness(num_pages=128, page_size=4, max_batch_tokens=128)
+        speculation = harness.scheduler.speculation
+        harness.scheduler.speculation = Speculation(drafter, speculation.num_draft_tokens, speculation.step_rows,
+                                                    speculation.cost, speculation.plain)
+        for rows in [1, 2, 5, 9, 16, 3, 7, 12] * 2:
+            speculation.cost.record(rows, 0.100 + 0.001 * rows)
+            speculation.plain.record(rows, 0.050 + 0.001 * rows)
+        for i in range(4):
+            harness.submit(f"r{i}", [0, 1, 2, i % VOCAB, 1], max_tokens=24)
+        sequences = list(harness.scheduler._all.values())
+        for sequence in sequences:
+            sequence.draft_length.rate = 0.3
+        harness.step()  # prefill: the first tokens
+        harness.step()  # refused at rate 0.3: a plain step
+        rates[label] = [s.draft_length.rate for s in sequences]
+        harness.drain()
+        for i in range(4):
+            assert harness.outputs[f"r{i}"] == alone([0, 1, 2, i % VOCAB, 1], 24)
+        drafted[label] = harness.scheduler.draft_tokens
+    assert all(rate > 0.3 for rate in rates["costless"]) and rates["not costless"] == [0.3] * 4
+    assert drafted["not costless"] == 0 < drafted["costless"]
 
 
 def test_drafting_beats_is_true_until_both_paths_are_measured():
@@ -270,7 +314,7 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
                 outputs.setdefault(out.request_id, []).append(out)
             engine.scheduler.check_invariants()
         assert engine.idle and engine.pool.held_pages == 0
-        results[speculative] = (outputs, engine.stats())
+        results[speculative] = (outputs, engine.stats(), engine.compiled_draft_steps)
     plain, drafted = results[None][0], results["ngram"][0]
     stats = results["ngram"][1]
     for rid in prompts:  # the seeded sampled request too: its draws are the plain sampler's
@@ -282,6 +326,7 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     assert len(drafted["rep0"][0].top_logprobs) == 3 and len(drafted["rand0"][0].top_logprobs) == 2
     assert stats["accepted_draft_tokens"] > 0 and stats["draft_tokens"] >= stats["accepted_draft_tokens"]
     assert results[None][1]["draft_tokens"] == 0
+    assert results["ngram"][2] > 0  # steps of decode rows and drafts ran compiled, tokens unchanged
 
 
 @pytest.mark.usefixtures("always_draft")

@@ -46,7 +46,11 @@ def propose_ngram(tokens: Sequence[int], count: int, max_ngram: int = DEFAULT_MA
 
 class NgramDrafter:
     """``propose(tokens, count)``: :func:`propose_ngram` with this drafter's
-    n-gram lengths."""
+    n-gram lengths. ``costless``: a proposal costs next to nothing, so the
+    scheduler also looks up the first draft of a request that does not
+    draft in a step, to keep measuring its acceptance rate."""
+
+    costless = True
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM):
         self.max_ngram = require_int("max_ngram", max_ngram, 1)

@@ -211,6 +211,13 @@ class DraftLength:
             return 1
         return max(1, min(self.limit, int(math.log(self.min_keep) / math.log(self.rate))))
 
+    def observe(self, kept: bool) -> None:
+        """A first draft that was found but not proposed (the step had no
+        room for it, or the back-off refused it) turned out ``kept`` or not:
+        one observation of the rate, no proposal counted. Without it a rate
+        that fell under what a draft row costs would never be measured again."""
+        self.rate = self.memory * self.rate + (1 - self.memory) * float(kept)
+
     def record(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return

@@ -12,7 +12,8 @@ says the shared read pays, cascade attention with those groups (one
 off). The logits of each sampling row's last token give its next token
 (per-request sampling, :mod:`mlx_attn.serve.sampling`, all rows at once).
 A step of decode rows only runs compiled, traced once per shape
-(:mod:`mlx_attn.serve.compiled_step`), its sampling in the same evaluation.
+(:mod:`mlx_attn.serve.compiled_step`), its sampling in the same evaluation;
+so does a step of decode rows and their drafts (every row's logits verify).
 
 The matmuls are the model's own; ``weights`` chooses how its weights are held
 (:func:`prepare_weights`): on MLX's CPU device quantized layers keep only
@@ -149,6 +150,7 @@ class Engine:
         self.cascade = bool(cascade)
         self.cascade_rule = cascade_rule or DEFAULT_CASCADE_RULE
         self.cascade_steps = 0  # steps that attended through shared-prefix groups (for tests and metrics)
+        self.compiled_draft_steps = 0  # steps holding drafts that ran compiled (for tests and measurements)
         model = paged_model(model)
         self.model = model
         paged_mlx_lm = not isinstance(model, Decoder)
@@ -308,11 +310,12 @@ class Engine:
         sampled = self._run(plan)  # request -> the tokens it keeps, in order
         speculation = self.scheduler.speculation
         if speculation is not None and all(len(row.tokens) == row.drafts + 1 for row in plan.rows):
-            # what a decoding step of this many rows costs (the back-off rule), compiled steps apart;
-            # prefill chunks cost otherwise
+            # what a decoding step of this many rows costs (the back-off rule), compiled steps without
+            # drafts apart; prefill chunks cost otherwise
             compiled = self.decode_steps is not None and self.decode_steps.steps > compiled_steps
-            (speculation.plain if compiled else speculation.cost).record(plan.num_tokens,
-                                                                        time.perf_counter() - started)
+            plain = compiled and not any(row.drafts for row in plan.rows)
+            (speculation.plain if plain else speculation.cost).record(plan.num_tokens,
+                                                                     time.perf_counter() - started)
         cached = {rid: self.scheduler.cached_tokens(rid) for rid in sampled}
         results = self.scheduler.commit(plan, {rid: [s.token for s in kept] for rid, kept in sampled.items()})
         if self._states is not None:
@@ -337,13 +340,21 @@ class Engine:
             cascade = shared_prefix_groups([row.block_table for row in plan.rows], arrays["kv_lens"],
                                            plan.page_size, self.cascade_rule, arrays["q_lens"])
             self.cascade_steps += cascade is not None
-        # the compiled step replays the model it traced: not once engine.model was replaced (wrapped)
+        # the compiled step replays the model it traced: not once engine.model was replaced (wrapped);
+        # a step of decode rows and their drafts needs every row's logits, which is what it returns
         if cascade is None and self._states is None and self.decode_steps is not None and \
-                self.decode_steps.model is self.model and all(len(row.tokens) == 1 and row.sample
+                self.decode_steps.model is self.model and all(len(row.tokens) == row.drafts + 1 and row.sample
                                                               for row in plan.rows):
-            kept = self._run_compiled_decode(plan, arrays)
-            if kept is not None:
-                return kept
+            if not any(row.drafts for row in plan.rows):
+                kept = self._run_compiled_decode(plan, arrays)
+                if kept is not None:
+                    return kept
+            else:
+                logits = self.decode_steps.step(self.decode_steps.step_arrays(arrays))
+                if logits is not None:
+                    mx.eval(logits, self.store.keys, self.store.values)
+                    self.compiled_draft_steps += 1
+                    return self._keep_tokens(sampling, logits)
         # logits of the sampling rows only (a prefill chunk's other rows need
         # none): the last row, and a drafting row's rows that verify its drafts
         logit_rows = [np.arange(end - row.drafts, end + 1) for row, end in zip(plan.rows, ends) if row.sample]
@@ -362,6 +373,11 @@ class Engine:
             return {}
         mx.eval(rows, self.store.keys, self.store.values, states)
         self._save_states()
+        return self._keep_tokens(sampling, rows)
+
+    def _keep_tokens(self, sampling: list, rows: mx.array) -> dict:
+        """The tokens each sampling row keeps, from ``rows``: the logits of
+        every sampling row's last ``drafts + 1`` positions, in plan order."""
         firsts = np.cumsum([0] + [row.drafts + 1 for row in sampling])
         params = [self.sampling[row.request_id] for row in sampling]
         # a request's tokens are only read by a penalty

@@ -151,8 +151,8 @@ class Speculation:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     step_rows: int = 48
     cost: StepCost = field(default_factory=StepCost)
-    # decode steps that ran without drafts on a cheaper path (the engine's
-    # compiled step); a step's first draft moves it off that path
+    # decode steps that ran without drafts (the engine's compiled one-token
+    # rows); steps with drafts are timed apart in ``cost``
     plain: StepCost = field(default_factory=StepCost)
 
 
@@ -452,6 +452,8 @@ class Scheduler:
                 self.draft_tokens += row.drafts
                 self.accepted_draft_tokens += accepted
                 sequence.draft_length.record(row.drafts, accepted)
+            elif kept and len(row.tokens) == 1 and sequence.draft_length is not None:
+                self._observe_first_draft(sequence, kept[0])
             sequence.num_computed = row.kv_len - row.drafts + accepted
             table = self.pool.tables[rid]
             computed = sequence.tokens + kept[:accepted]  # the accepted drafts' K/V is in the pages
@@ -475,6 +477,18 @@ class Scheduler:
                 if row.drafts:  # pages that held only rejected drafts
                     self.pool.truncate(rid, pages_needed(len(sequence.tokens), size))
         return results
+
+    def _observe_first_draft(self, sequence: _Sequence, token: int) -> None:
+        """A decode row that held no draft: whether the drafter's first
+        proposal (when it has one and finding it is free) is the token the
+        step gave, one observation of the request's acceptance rate
+        (:meth:`DraftLength.observe`); the back-off otherwise never learns
+        that a refused request's drafts started to match again."""
+        drafter = self.speculation.drafter
+        if getattr(drafter, "costless", False):
+            proposal = drafter.propose(sequence.tokens, 1)
+            if proposal:
+                sequence.draft_length.observe(int(proposal[0]) == token)
 
     def _kept_tokens(self, row: ScheduledRow, sampled: dict) -> list[int]:
         rid = row.request_id
