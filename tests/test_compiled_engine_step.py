@@ -105,6 +105,43 @@ def test_pages_of_another_dtype_keep_the_eager_step():
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+def test_the_fused_attention_block_gives_the_eager_steps_outputs(traditional, monkeypatch):
+    """The compiled step's attention block as paged row writes, rotated
+    queries and the fused kernel (``attend_projected``), in both RoPE
+    layouts and over several requests at once: the eager step's tokens and
+    log-probabilities."""
+    from mlx_attn.serve.compiled_step import _PagedDecodeAttention
+
+    fused = []
+    attend = _PagedDecodeAttention.attend_projected
+
+    def counted(self, *args):
+        out = attend(self, *args)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_PagedDecodeAttention, "attend_projected", counted)
+    model = tiny_llama(seed=11)
+    for layer in model.layers:
+        layer.self_attn.rope.traditional = traditional
+    rng = np.random.default_rng(12)
+    requests = {f"r{i}": (rng.integers(0, 64, int(rng.integers(2, 12))).tolist(), 9, SamplingParams(top_logprobs=2))
+                for i in range(4)}
+
+    def engine(compiled):
+        made = Engine(model, kv_tokens=96, page_size=4, dtype=mx.float32)
+        if not compiled:
+            made.decode_steps = None
+        return made
+
+    eager, compiled_engine = serve(engine(False), requests), engine(True)
+    compiled = serve(compiled_engine, requests)
+    assert compiled_engine.decode_steps.steps > 0 and fused and all(fused)
+    for rid in requests:
+        assert [t for t, _, _ in compiled[rid]] == [t for t, _, _ in eager[rid]], rid
+        np.testing.assert_allclose([lp for _, lp, _ in compiled[rid]], [lp for _, lp, _ in eager[rid]], atol=1e-5)
+
 
 def test_copy_on_write_updates_the_pool_in_place():
     """Copying a page holds one page's rows more, never a second pool."""

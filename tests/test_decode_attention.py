@@ -237,3 +237,95 @@ def test_the_reference_backend_keeps_mlx_operations():
     assert CompiledDecodeStep(model, cache).fused is False
     model.set_backend("auto")
     assert CompiledDecodeStep(model, cache).fused is True
+
+
+# ---------------------------------------------------------------- the serving engine's paged rows
+def _rotated_oracle(rows, positions, rotated_dims, base, traditional, heads):
+    """``rows [T, heads * D]`` as ``[T, heads, D]``, each token's first
+    ``rotated_dims`` features rotated at its own position, in float64."""
+    x = np.asarray(rows, np.float64).reshape(rows.shape[0], heads, -1).copy()
+    pairs = rotated_dims // 2
+    angles = np.asarray(positions, np.float64)[:, None] * base ** (-np.arange(0, rotated_dims, 2) / rotated_dims)
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    a_at, b_at = (slice(0, rotated_dims, 2), slice(1, rotated_dims, 2)) if traditional else \
+        (slice(0, pairs), slice(pairs, rotated_dims))
+    a, b = x[..., a_at].copy(), x[..., b_at].copy()
+    x[..., a_at], x[..., b_at] = a * cos - b * sin, b * cos + a * sin
+    return x
+
+
+def _angles(positions, rotated_dims, base=10000.0):
+    angles = rope_angles(mx.array(positions, dtype=mx.int32), rotated_dims, base, 1.0)
+    return mx.cos(angles), mx.sin(angles)
+
+
+@pytest.mark.parametrize("traditional, rotated_dims, dtype", [(True, 32, mx.float32), (False, 32, mx.float32),
+                                                              (True, 16, mx.float16), (False, 32, mx.bfloat16)])
+def test_paged_rows_write_puts_each_rotated_row_at_its_page_and_slot(traditional, rotated_dims, dtype):
+    rng = np.random.default_rng(3)
+    num_pages, kv_heads, page_size, dim, tokens = 6, 2, 4, 32, 5
+    pages = rng.standard_normal((num_pages, kv_heads, page_size, dim)).astype(np.float32)
+    rows = rng.standard_normal((1, tokens, kv_heads * dim)).astype(np.float32)
+    positions = np.array([0, 7, 130, 3, 41])
+    write_pages, write_slots = np.array([5, 0, 2, 2, 6]), np.array([3, 0, 1, 2, 0])  # the last: outside the pool
+    cos, sin = _angles(positions, rotated_dims)
+    stored = mx.array(pages).astype(dtype)
+    out = _native.ext.paged_rows_write(stored, mx.array(rows), mx.array(write_pages, dtype=mx.int32),
+                                       mx.array(write_slots, dtype=mx.int32), cos, sin, traditional=traditional)
+    plain = _native.ext.paged_rows_write(stored, mx.array(rows), mx.array(write_pages, dtype=mx.int32),
+                                         mx.array(write_slots, dtype=mx.int32))
+    expected = np.array(stored.astype(mx.float32), np.float64)
+    expected_plain = expected.copy()
+    rotated = _rotated_oracle(rows[0], positions, rotated_dims, 10000.0, traditional, kv_heads)
+    for t, (page, slot) in enumerate(zip(write_pages, write_slots)):
+        if page < num_pages:
+            expected[page, :, slot] = rotated[t]
+            expected_plain[page, :, slot] = rows[0, t].reshape(kv_heads, dim)
+    assert out.dtype == dtype and out.shape == pages.shape
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=TOLERANCE[dtype] * 4, rtol=0)
+    np.testing.assert_allclose(np.array(plain.astype(mx.float32)), expected_plain, atol=TOLERANCE[dtype] * 4, rtol=0)
+    # the input pool is still held here: it is left as it was
+    np.testing.assert_array_equal(np.array(stored.astype(mx.float32)), np.array(mx.array(pages).astype(dtype)
+                                                                                .astype(mx.float32)))
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_rotated_rows_rotate_each_token_at_its_position(traditional):
+    rng = np.random.default_rng(4)
+    rows = rng.standard_normal((1, 3, 4 * 16)).astype(np.float32)
+    positions = np.array([2, 0, 300])
+    cos, sin = _angles(positions, 12, base=500.0)
+    out = _native.ext.rotated_rows(mx.array(rows), cos, sin, heads=4, traditional=traditional)
+    assert out.shape == (3, 4, 16) and out.dtype == mx.float32
+    np.testing.assert_allclose(np.array(out), _rotated_oracle(rows[0], positions, 12, 500.0, traditional, 4),
+                               atol=1e-4, rtol=0)
+
+
+def test_paged_rows_write_updates_a_pool_nothing_else_holds_in_place():
+    pages = mx.zeros((1 << 12, 2, 16, 64))
+    rows, where = mx.ones((1, 64 * 2)), mx.array([7], dtype=mx.int32)
+    mx.eval(pages, rows, where)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    pages = _native.ext.paged_rows_write(pages, rows, where, where)
+    mx.eval(pages)
+    assert (mx.get_peak_memory() - base) / pages.nbytes < 0.5
+    assert pages[7, :, 7].sum().item() == 128 and pages.sum().item() == 128
+
+
+@pytest.mark.parametrize("name, value", [
+    ("pages", mx.zeros((4, 2, 16))),
+    ("pages", mx.zeros((4, 2, 4, 16), dtype=mx.int32)),
+    ("rows", mx.zeros((2, 2, 32))),
+    ("rows", mx.zeros((2, 33))),
+    ("write_pages", mx.zeros((3,), dtype=mx.int32)),
+    ("write_slots", mx.zeros((2,))),
+    ("cos", mx.zeros((2, 9))),
+    ("sin", mx.zeros((2, 4))),
+])
+def test_paged_rows_write_names_a_bad_argument(name, value):
+    arguments = dict(pages=mx.zeros((4, 2, 4, 16)), rows=mx.zeros((2, 32)), write_pages=mx.zeros((2,), mx.int32),
+                     write_slots=mx.zeros((2,), mx.int32), cos=mx.zeros((2, 8)), sin=mx.zeros((2, 8)))
+    arguments[name] = value
+    with pytest.raises(ValueError, match=name):
+        _native.ext.paged_rows_write(**arguments)

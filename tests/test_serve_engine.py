@@ -428,6 +428,30 @@ def test_engine_refuses_bad_requests_and_stops_on_stop_tokens():
     assert engine.pool.held_pages == 0
 
 
+def test_sample_rows_reports_the_models_log_probabilities():
+    """Greedy, biased and top-logprob rows of one draw: each token is the
+    argmax of its (biased) row, its log-probability and its best tokens
+    those of the unbiased row's log-softmax (a float64 oracle)."""
+    from mlx_attn.serve.sampling import SamplingParams, sample_rows
+
+    rng = np.random.default_rng(21)
+    logits = rng.standard_normal((3, 500)).astype(np.float32) * 6
+    logits[1, 7] = 50.0  # the biased row's own best, forbidden below
+    bias = np.zeros((1, 500), np.float32)
+    bias[0, 7] = -np.inf
+    params = [SamplingParams(), SamplingParams(top_logprobs=4), SamplingParams(top_logprobs=2)]
+    got = sample_rows(mx.array(logits), params, [(), (), ()], [0, 0, 0], ([1], mx.array(bias)))
+    x = logits.astype(np.float64)
+    oracle = x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    chosen = (logits + np.pad(bias, ((1, 1), (0, 0)))).argmax(-1)
+    assert [s.token for s in got] == chosen.tolist() and chosen[1] != 7
+    np.testing.assert_allclose([s.logprob for s in got], oracle[np.arange(3), chosen], atol=2e-5, rtol=0)
+    for row, sampled in enumerate(got):
+        want = np.argsort(-oracle[row], kind="stable")[: params[row].top_logprobs]
+        assert [t for t, _ in sampled.top_logprobs] == want.tolist()
+        np.testing.assert_allclose([lp for _, lp in sampled.top_logprobs], oracle[row, want], atol=2e-5, rtol=0)
+
+
 def test_seeded_sampling_is_batch_independent_and_logprobs_are_the_models():
     from mlx_attn.serve import Engine, SamplingParams
 

@@ -69,22 +69,26 @@ int64_t read_position(const void* p, mx::Dtype type) {
 }
 
 // The step's rotation: pairs (2i, 2i + 1) when traditional, else (i, i + pairs); none when pairs is 0.
+// row_stride: elements between two tokens' angles (cos / sin [T, pairs]); 0 when every token shares them.
 struct Rotation {
   RowView cos, sin;
   int pairs = 0;
   bool traditional = false;
+  int64_t cos_row_stride = 0, sin_row_stride = 0;
 };
 
 // One head's row of `dim` features (`first`: its first feature's element in
 // `in`), the first 2 * pairs rotated by (cos, sin) as mlx_attn.rope.RoPE does
 // in float32, stored at out[out_first, out_first + dim) in `type`.
+// `token`: the row of the rotation's angles (0 when the tokens share them).
 void write_row(const RowView& in, int64_t first, int dim, const Rotation& rotation, void* out, ElemType type,
-               int64_t out_first) {
+               int64_t out_first, int64_t token = 0) {
+  const int64_t cos_first = token * rotation.cos_row_stride, sin_first = token * rotation.sin_row_stride;
   for (int i = 0; i < rotation.pairs; ++i) {
     const int64_t at_a = rotation.traditional ? 2 * i : i;
     const int64_t at_b = rotation.traditional ? 2 * i + 1 : i + rotation.pairs;
     const float a = in.at(first, at_a), b = in.at(first, at_b);
-    const float c = rotation.cos.at(0, i), s = rotation.sin.at(0, i);
+    const float c = rotation.cos.at(cos_first, i), s = rotation.sin.at(sin_first, i);
     store(out, type, out_first + at_a, a * c - b * s);
     store(out, type, out_first + at_b, b * c + a * s);
   }
@@ -332,6 +336,181 @@ void DecodeAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 bool DecodeAttention::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const DecodeAttention*>(&other);
   return o != nullptr && o->scale_ == scale_ && o->window_size_ == window_size_ && o->traditional_ == traditional_;
+}
+
+// ---------------------------------------------------------------- paged rows (the serving engine's decode step)
+namespace {
+
+constexpr const char* kPagedOp = "mlx_attn.paged_rows";
+
+[[noreturn]] void invalid_paged(const std::string& message) {
+  throw_invalid(kPagedOp, message);
+}
+
+// Tokens' rows [T, width] or [1, T, width]: feature i of token t at view.at(t * token_stride, i).
+struct TokenRows {
+  RowView view;
+  int64_t token_stride = 0;
+};
+
+TokenRows token_rows(const mx::array& rows) {
+  const int axis = int(rows.ndim()) - 1;
+  return {row_view(rows, axis), int64_t(rows.strides()[axis - 1])};
+}
+
+int check_token_rows(const char* name, const mx::array& rows) {
+  if (!(rows.ndim() == 2 || (rows.ndim() == 3 && rows.shape(0) == 1))) {
+    invalid_paged(std::string(name) + " must be [T, heads * dim] or [1, T, heads * dim], got " + shape_string(rows));
+  }
+  if (!float_elem_type(rows.dtype())) {
+    invalid_paged(std::string(name) + " must be float32, float16 or bfloat16, got " + dtype_string(rows.dtype()));
+  }
+  return rows.shape(-2);
+}
+
+void check_token_angles(const mx::array& cos, const mx::array& sin, int tokens, int dim) {
+  for (const auto& [name, a] : {std::pair<const char*, const mx::array&>{"cos", cos}, {"sin", sin}}) {
+    if (a.ndim() != 2 || a.shape(0) != tokens || a.dtype() != mx::float32 || a.shape(1) < 1 ||
+        2 * int64_t(a.shape(1)) > dim) {
+      invalid_paged(std::string(name) + " must be float32 [" + std::to_string(tokens) +
+                    ", rotated_dims / 2] with 0 < rotated_dims <= " + std::to_string(dim) + ", got " +
+                    shape_string(a) + " " + dtype_string(a.dtype()));
+    }
+  }
+  if (sin.shape(1) != cos.shape(1)) invalid_paged("sin " + shape_string(sin) + " must match cos " + shape_string(cos));
+}
+
+Rotation token_rotation(const mx::array& cos, const mx::array& sin, bool traditional) {
+  return Rotation{row_view(cos, 1), row_view(sin, 1), cos.shape(1), traditional, int64_t(cos.strides()[0]),
+                  int64_t(sin.strides()[0])};
+}
+
+}  // namespace
+
+mx::array paged_rows_write(const mx::array& pages, const mx::array& rows, const mx::array& write_pages,
+                           const mx::array& write_slots, const std::optional<mx::array>& cos,
+                           const std::optional<mx::array>& sin, bool traditional, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device.type != mx::Device::cpu) invalid_paged("runs on the CPU only");
+  if (pages.ndim() != 4 || pages.size() == 0) {
+    invalid_paged("pages must be [num_pages, kv_heads, page_size, dim], none empty, got " + shape_string(pages));
+  }
+  if (!float_elem_type(pages.dtype())) {
+    invalid_paged("pages must be float32, float16 or bfloat16, got " + dtype_string(pages.dtype()));
+  }
+  const int tokens = check_token_rows("rows", rows);
+  if (rows.shape(-1) != int64_t(pages.shape(1)) * pages.shape(3)) {
+    invalid_paged("rows " + shape_string(rows) + " must hold kv_heads * dim = " +
+                  std::to_string(int64_t(pages.shape(1)) * pages.shape(3)) + " features per token (pages " +
+                  shape_string(pages) + ")");
+  }
+  for (const auto& [name, a] :
+       {std::pair<const char*, const mx::array&>{"write_pages", write_pages}, {"write_slots", write_slots}}) {
+    if (a.ndim() != 1 || a.shape(0) != tokens || a.dtype() != mx::int32) {
+      invalid_paged(std::string(name) + " must be int32 [" + std::to_string(tokens) + "] (one per row), got " +
+                    shape_string(a) + " " + dtype_string(a.dtype()));
+    }
+  }
+  if (cos.has_value() != sin.has_value()) invalid_paged("cos and sin come together");
+  std::vector<mx::array> inputs = {pages, rows, write_pages, write_slots};
+  if (cos) {
+    check_token_angles(*cos, *sin, tokens, pages.shape(3));
+    inputs.insert(inputs.end(), {*cos, *sin});
+  }
+  return mx::array(pages.shape(), pages.dtype(), std::make_shared<PagedRowsWrite>(stream, cos.has_value(), traditional),
+                   std::move(inputs));
+}
+
+void PagedRowsWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& pages = inputs[0];
+  mx::array& out = outputs[0];
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  // A pool no other array holds becomes the output as it is: the step writes its rows, not a copy of the pool.
+  const bool donated = pages.is_donatable() && pages.flags().row_contiguous;
+  if (donated) {
+    out.copy_shared_buffer(pages);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  encoder.set_output_array(out);
+  Rotation rotation;
+  if (rotate_) rotation = token_rotation(inputs[4], inputs[5], traditional_);
+  encoder.dispatch([source = donated ? nullptr : pages.data<void>(), strides = pages.strides(), shape = pages.shape(),
+                    item_bytes = int64_t(pages.itemsize()), type = *float_elem_type(pages.dtype()),
+                    target = out.data<void>(), in = token_rows(inputs[1]), tokens = inputs[1].shape(-2),
+                    page_of = inputs[2].data<int32_t>(), slot_of = inputs[3].data<int32_t>(), rotation]() {
+    if (source != nullptr) copy_cache(source, strides, target, shape, item_bytes);
+    const int heads = shape[1], page_size = shape[2], dim = shape[3];
+    for (int t = 0; t < tokens; ++t) {
+      const int64_t page = page_of[t], slot = slot_of[t];
+      if (page < 0 || page >= shape[0] || slot < 0 || slot >= page_size) continue;  // outside the pool: not written
+      for (int h = 0; h < heads; ++h) {
+        write_row(in.view, t * in.token_stride + int64_t(h) * dim * in.view.stride, dim, rotation, target, type,
+                  ((page * heads + h) * page_size + slot) * dim, t);
+      }
+    }
+  });
+}
+
+std::vector<mx::Shape> PagedRowsWrite::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+bool PagedRowsWrite::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const PagedRowsWrite*>(&other);
+  return o != nullptr && o->rotate_ == rotate_ && o->traditional_ == traditional_;
+}
+
+void PagedRowsWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlx_attn.paged_rows_write] runs on the CPU only");
+}
+
+mx::array rotated_rows(const mx::array& rows, const mx::array& cos, const mx::array& sin, int heads, bool traditional,
+                       mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device.type != mx::Device::cpu) invalid_paged("runs on the CPU only");
+  const int tokens = check_token_rows("rows", rows);
+  if (heads < 1 || rows.shape(-1) % heads != 0 || rows.shape(-1) == 0) {
+    invalid_paged("rows " + shape_string(rows) + " must hold heads = " + std::to_string(heads) +
+                  " (>= 1) heads of equal width");
+  }
+  const int dim = rows.shape(-1) / heads;
+  check_token_angles(cos, sin, tokens, dim);
+  return mx::array(mx::Shape{tokens, heads, dim}, rows.dtype(), std::make_shared<RotatedRows>(stream, heads, traditional),
+                   {rows, cos, sin});
+}
+
+void RotatedRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  encoder.dispatch([in = token_rows(inputs[0]), rotation = token_rotation(inputs[1], inputs[2], traditional_),
+                    tokens = out.shape(0), heads = heads_, dim = out.shape(2), type = *float_elem_type(out.dtype()),
+                    target = out.data<void>()]() {
+    for (int t = 0; t < tokens; ++t) {
+      for (int h = 0; h < heads; ++h) {
+        write_row(in.view, t * in.token_stride + int64_t(h) * dim * in.view.stride, dim, rotation, target, type,
+                  (int64_t(t) * heads + h) * dim, t);
+      }
+    }
+  });
+}
+
+std::vector<mx::Shape> RotatedRows::output_shapes(const std::vector<mx::array>& inputs) {
+  const mx::array& rows = inputs[0];
+  return {mx::Shape{rows.shape(-2), heads_, rows.shape(-1) / heads_}};
+}
+
+bool RotatedRows::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const RotatedRows*>(&other);
+  return o != nullptr && o->heads_ == heads_ && o->traditional_ == traditional_;
+}
+
+void RotatedRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlx_attn.rotated_rows] runs on the CPU only");
 }
 
 }  // namespace mlx_attn

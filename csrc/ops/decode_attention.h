@@ -88,4 +88,60 @@ class DecodeAttention : public mx::Primitive {
   bool traditional_;
 };
 
+// The serving engine's decode step over paged K/V (mlx_attn/serve/compiled_step.py):
+// each row of a step is one token of its own sequence, at its own position.
+//
+// pages [num_pages, Hkv, page_size, D] (float) with rows [T, Hkv * D] or
+// [1, T, Hkv * D] written at (write_pages[t], write_slots[t]) (int32 [T]);
+// with cos / sin (float32 [T, R / 2]) each row rotated first by its own
+// angles, as decode_attention rotates. A row whose page or slot lies outside
+// the pool is not written. The pool nothing else holds is updated in place,
+// otherwise copied. Throws std::invalid_argument naming the argument.
+mx::array paged_rows_write(const mx::array& pages, const mx::array& rows, const mx::array& write_pages,
+                           const mx::array& write_slots, const std::optional<mx::array>& cos,
+                           const std::optional<mx::array>& sin, bool traditional = false,
+                           mx::StreamOrDevice s = {});
+
+// rows [T, heads * D] or [1, T, heads * D] as [T, heads, D] (rows' dtype), each
+// token's first R features rotated by its cos / sin (float32 [T, R / 2]):
+// the query rows paged attention reads.
+mx::array rotated_rows(const mx::array& rows, const mx::array& cos, const mx::array& sin, int heads,
+                       bool traditional = false, mx::StreamOrDevice s = {});
+
+class PagedRowsWrite : public mx::Primitive {
+ public:
+  PagedRowsWrite(mx::Stream stream, bool rotate, bool traditional)
+      : mx::Primitive(stream), rotate_(rotate), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override {
+    return "PagedRowsWrite";
+  }
+
+ private:
+  bool rotate_;
+  bool traditional_;
+};
+
+class RotatedRows : public mx::Primitive {
+ public:
+  RotatedRows(mx::Stream stream, int heads, bool traditional)
+      : mx::Primitive(stream), heads_(heads), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override {
+    return "RotatedRows";
+  }
+
+ private:
+  int heads_;
+  bool traditional_;
+};
+
 }  // namespace mlx_attn

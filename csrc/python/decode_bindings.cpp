@@ -22,6 +22,16 @@ void bind_decode_attention(nb::module_& m) {
         "`position` (an integer scalar array); q attends slots [0, position] (window_size > 0: the last "
         "window_size of them). Returns (out [B, 1, Hq * Dv], key_cache, value_cache) in the caches' dtype; a "
         "cache input nothing else holds is updated in place.");
+  m.def("paged_rows_write", &paged_rows_write, "pages"_a, "rows"_a, "write_pages"_a, "write_slots"_a,
+        "cos"_a = nb::none(), "sin"_a = nb::none(), nb::kw_only(), "traditional"_a = false, "stream"_a = nb::none(),
+        "pages [num_pages, Hkv, page_size, D] with rows [T, Hkv * D] (or [1, T, Hkv * D]) written at "
+        "(write_pages[t], write_slots[t]) (int32 [T]), each rotated first by its cos / sin row (float32 "
+        "[T, rotated_dims / 2]) when given; a row outside the pool is not written; a pool nothing else holds is "
+        "updated in place.");
+  m.def("rotated_rows", &rotated_rows, "rows"_a, "cos"_a, "sin"_a, nb::kw_only(), "heads"_a,
+        "traditional"_a = false, "stream"_a = nb::none(),
+        "rows [T, heads * D] (or [1, T, heads * D]) as [T, heads, D] in their dtype, each token's first rotated_dims "
+        "features rotated by its cos / sin row (float32 [T, rotated_dims / 2]).");
 }
 
 }  // namespace mlx_attn

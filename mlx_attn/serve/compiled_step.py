@@ -30,6 +30,7 @@ import numpy as np
 
 from mlx_attn import _native
 from mlx_attn.lm.models.base import AttentionHook, Decoder
+from mlx_attn.rope import RoPE, rope_angles
 from mlx_attn.serve.kv_store import PagedKVStore
 
 __all__ = ["CompiledDecodeSteps", "MIN_TABLE_WIDTH"]
@@ -52,9 +53,52 @@ class _PagedDecodeAttention(AttentionHook):
         self.store, self.keys, self.values = store, list(keys), list(values)
         self._positions, self.write_pages, self.write_slots = positions, write_pages, write_slots
         self.block_table, self.kv_lens, self.q_lens = block_table, kv_lens, q_lens
+        self._rotations = {}
 
     def positions(self, length: int) -> mx.array:
         return self._positions
+
+    def _rotation(self, rope: RoPE) -> tuple[mx.array, mx.array]:
+        """Each row's cos and sin ``[T, dims / 2]`` (the angles ``rope``
+        computes), once per step and parameter set."""
+        key = (rope.dims, rope.base, rope.scale)
+        if key not in self._rotations:
+            angles = rope_angles(self._positions, rope.dims, rope.base, rope.scale)
+            self._rotations[key] = (mx.cos(angles), mx.sin(angles))
+        return self._rotations[key]
+
+    def attend_projected(self, layer, rope, queries, keys, values):
+        """The attention block in four nodes (float pages, a plain RoPE):
+        the rotated keys and the values written into their pages, the
+        rotated queries, the fused paged kernel; not the ~25 reshapes,
+        transposes, RoPE operations and scatters of ``__call__``."""
+        i = layer.index
+        if self.store.bits is not None or type(rope) is not RoPE or queries.shape[0] != 1 or \
+                queries.dtype != self.keys[i].dtype:  # __call__ refuses what the eager step would convert
+            return None
+        ext = _native.ext
+        cos, sin = self._rotation(rope)
+        self.keys[i] = ext.paged_rows_write(self.keys[i], keys, self.write_pages, self.write_slots, cos, sin,
+                                            traditional=rope.traditional)
+        self.values[i] = ext.paged_rows_write(self.values[i], values, self.write_pages, self.write_slots)
+        q = ext.rotated_rows(queries, cos, sin, heads=queries.shape[-1] // layer.head_dim,
+                             traditional=rope.traditional)
+        out = self._attend(layer, q, [self.keys[i]], [self.values[i]])
+        return out.reshape(1, out.shape[0], -1)
+
+    def _attend(self, layer, q, k_parts: list, v_parts: list) -> mx.array:
+        """The fused paged kernel over one layer's pages: ``q [T, Hq, D]`` -> ``[T, Hq, Dv]``."""
+        store = self.store
+        options = dict(scale=layer.scale, causal=True, window_size=layer.window_size or 0, sinks=None,
+                       output_lse=False, bits=store.bits or 0, group_size=store.group_size if store.bits else 0,
+                       softcap=0.0)
+        ext = _native.ext
+        reason = ext.paged_unsupported_reason(q, k_parts, v_parts, self.block_table, self.kv_lens, self.q_lens,
+                                              device=mx.cpu, **options)
+        if reason:
+            raise _Unsupported(reason)
+        return ext.paged_attention(q, k_parts, v_parts, self.block_table, self.kv_lens, self.q_lens, stream=None,
+                                   **options)[0]
 
     def __call__(self, layer, queries, keys, values):
         rows = lambda x: x[0].swapaxes(0, 1)  # noqa: E731  [1, H, T, D] -> [T, H, D]
@@ -66,17 +110,7 @@ class _PagedDecodeAttention(AttentionHook):
         q = rows(queries)
         if q.dtype != k_parts[-1].dtype:  # the eager call would convert the pool; that step stays eager
             raise _Unsupported(f"queries are {q.dtype}, pages {k_parts[-1].dtype}")
-        options = dict(scale=layer.scale, causal=True, window_size=layer.window_size or 0, sinks=None,
-                       output_lse=False, bits=store.bits or 0, group_size=store.group_size if store.bits else 0,
-                       softcap=0.0)
-        ext = _native.ext
-        reason = ext.paged_unsupported_reason(q, k_parts, v_parts, self.block_table, self.kv_lens, self.q_lens,
-                                              device=mx.cpu, **options)
-        if reason:
-            raise _Unsupported(reason)
-        out = ext.paged_attention(q, k_parts, v_parts, self.block_table, self.kv_lens, self.q_lens, stream=None,
-                                  **options)[0]
-        return out.swapaxes(0, 1)[None]
+        return self._attend(layer, q, k_parts, v_parts).swapaxes(0, 1)[None]
 
 
 class CompiledDecodeSteps:

@@ -137,34 +137,41 @@ def sample_rows(logits: mx.array, params: Sequence[SamplingParams], previous: Se
     logits before the token is chosen (a constraint's ``-inf`` on the tokens
     it forbids), before penalties and ``logit_bias``; the other rows are
     untouched, and every reported log-probability stays the model's."""
-    logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if bias is not None:
-        logits = logits.at[mx.array(bias[0], dtype=mx.int32)].add(bias[1])
+    raw = logits.astype(mx.float32)
+    logits = raw if bias is None else raw.at[mx.array(bias[0], dtype=mx.int32)].add(bias[1])
     tokens = mx.argmax(logits, axis=-1)
     drawn = [r for r, p in enumerate(params) if not p.greedy]
     if drawn:
         chosen = [_draw(logits[r], params[r], previous[r], indices[r]) for r in drawn]
         tokens = mx.array(tokens)
         tokens[mx.array(drawn)] = mx.stack(chosen).astype(tokens.dtype)
-    chosen_logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    mx.eval(raw, tokens)
+    host, token_ids = np.asarray(raw), np.asarray(tokens)
+    normalizer = _log_normalizer(host)
+    chosen_logprobs = host[np.arange(len(token_ids)), token_ids] - normalizer
     top = max((p.top_logprobs for p in params), default=0)
     if top:
         # the top k of every row at once; each row keeps as many as it asked for
-        best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
-        mx.eval(tokens, chosen_logprobs, best, best_logprobs)
-        best, best_logprobs = best.tolist(), best_logprobs.tolist()
-    else:
-        mx.eval(tokens, chosen_logprobs)
+        best = np.argpartition(-host, top - 1, axis=-1)[:, :top]
+        best_logprobs = (np.take_along_axis(host, best, axis=-1) - normalizer[:, None]).tolist()
+        best = best.tolist()
     out = []
-    for r, (token, logprob) in enumerate(zip(tokens.tolist(), chosen_logprobs.tolist())):
+    for r, (token, logprob) in enumerate(zip(token_ids.tolist(), chosen_logprobs.tolist())):
         ranked = ()
         if params[r].top_logprobs:
             pairs = sorted(zip(best_logprobs[r], best[r]), key=lambda pair: (-pair[0], pair[1]))
             ranked = tuple((int(t), float(lp)) for lp, t in pairs[: params[r].top_logprobs])
         out.append(Sampled(int(token), float(logprob), ranked))
     return out
+
+
+def _log_normalizer(logits: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp of ``logits [R, vocab]`` (float32), on the host:
+    the rows are read back anyway, and numpy's vectorised exp over a
+    vocabulary costs ~1/3 of MLX's CPU one (16 rows of 49,152: 4.3 against
+    14 ms of CPU time, AMD EPYC Zen 2), a step's largest cost after the model."""
+    peak = logits.max(axis=-1, keepdims=True)
+    return peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=-1))
 
 
 def sample_token(logits: mx.array, params: SamplingParams, previous: list[int], index: int) -> tuple[int, float]:
