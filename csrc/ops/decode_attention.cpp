@@ -135,6 +135,18 @@ void check_rows(const char* name, const mx::array& rows, int batch, int64_t widt
   }
 }
 
+// A buffer no other array holds becomes `out` as it is (true: the step writes
+// its rows, not a copy of the buffer); otherwise `out` gets fresh memory.
+bool donate_or_allocate(const mx::array& buffer, mx::array& out) {
+  const bool donated = buffer.is_donatable() && buffer.flags().row_contiguous;
+  if (donated) {
+    out.copy_shared_buffer(buffer);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  return donated;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- the cache write
@@ -152,13 +164,7 @@ void DecodeCacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   mx::array& out = outputs[0];
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
-  // A buffer no other array holds becomes the output as it is: the step writes one row, not a copy of it.
-  const bool donated = cache.is_donatable() && cache.flags().row_contiguous;
-  if (donated) {
-    out.copy_shared_buffer(cache);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
+  const bool donated = donate_or_allocate(cache, out);
   encoder.set_output_array(out);
   Rotation rotation;
   if (rotate_) rotation = {row_view(inputs[3], 0), row_view(inputs[4], 0), inputs[3].shape(0), traditional_};
@@ -426,13 +432,7 @@ void PagedRowsWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   mx::array& out = outputs[0];
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
-  // A pool no other array holds becomes the output as it is: the step writes its rows, not a copy of the pool.
-  const bool donated = pages.is_donatable() && pages.flags().row_contiguous;
-  if (donated) {
-    out.copy_shared_buffer(pages);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
+  const bool donated = donate_or_allocate(pages, out);
   encoder.set_output_array(out);
   Rotation rotation;
   if (rotate_) rotation = token_rotation(inputs[4], inputs[5], traditional_);
