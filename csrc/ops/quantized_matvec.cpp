@@ -56,7 +56,7 @@ void run(const cpu::MatvecCall& call) {
 #endif
       cpu::generic::quantized_matvec(part, begin, end);
     }
-  });
+  }, /*contiguous=*/true);
 }
 
 // The int8 copy for the active CPU kernel ISA (MLX_ATTN_CPU_ISA /
@@ -124,6 +124,7 @@ void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int
   for (size_t w = 0; w < calls.size(); ++w) {
     first_task[w + 1] = first_task[w] + (calls[w].n + kOutputsPerTask - 1) / kOutputsPerTask;
   }
+  // contiguous: each thread streams its own stretch of the weights (see thread_pool.h)
   cpu::thread_pool().parallel_for(first_task.back(), [&](int64_t task, int) {
     const size_t w = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
     const cpu::Int8MatvecCall& call = calls[w];
@@ -138,7 +139,7 @@ void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int
       part.out = call.out + r * call.n;
       kernel(part, begin, end);
     }
-  });
+  }, /*contiguous=*/true);
 }
 
 // Rows of a weight per thread-pool task when dequantizing.
