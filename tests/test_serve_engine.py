@@ -122,6 +122,25 @@ def test_pool_copy_on_write_and_lru_eviction():
     pool.check_invariants()
 
 
+def test_pool_lookup_partial_finds_a_page_beginning_with_the_rest():
+    pool = PagePool(4, 4)
+    first, second = pool.allocate("a", 2)
+    parent = pool.register(first, ROOT_HASH, [1, 2, 3, 4])
+    pool.register(second, parent, [5, 6, 7, 8])
+    assert pool.lookup_partial(parent, [5, 6, 7]) == second
+    assert pool.lookup_partial(ROOT_HASH, [1, 2]) == first
+    assert pool.lookup_partial(parent, [5, 7]) is None  # a token differs
+    assert pool.lookup_partial(ROOT_HASH, [5, 6]) is None  # another parent
+    for bad in ([], [5, 6, 7, 8]):
+        with pytest.raises(ValueError, match="partial page"):
+            pool.lookup_partial(parent, bad)
+    pool.check_invariants()
+    pool.release("a")
+    pool.allocate("b", 4)  # evicts both cached pages
+    assert pool.lookup_partial(parent, [5, 6]) is None and pool.lookup_partial(ROOT_HASH, [1]) is None
+    pool.check_invariants()
+
+
 def test_chain_hash_depends_on_parent():
     assert chain_hash(ROOT_HASH, [1, 2]) != chain_hash(chain_hash(ROOT_HASH, [0, 0]), [1, 2])
     assert chain_hash(ROOT_HASH, [1, 2]) == chain_hash(ROOT_HASH, (1, 2))
@@ -214,6 +233,29 @@ def test_prefix_cache_hit_and_copy_on_write():
     stats = harness.scheduler.stats()
     assert stats["prompt_tokens"] == 16 and stats["cached_prompt_tokens"] == 7 and stats["copies"] == 1
     assert stats["pages_held"] == 0 and stats["pages_cached"] + stats["pages_free"] == 16
+
+
+def test_prompt_reuses_a_cached_page_that_begins_with_its_last_tokens():
+    """A prompt ending inside a page whose cached page (same prefix) begins
+    with its last tokens copies that page and computes only its last token;
+    a prompt that differs inside the page computes from the page start.
+    The harness checks every row reads its own tokens' keys."""
+    harness = Harness(num_pages=16, page_size=4, max_batch_tokens=64)
+    prompt = [1, 2, 0, 1, 2, 0]
+    harness.submit("first", prompt, max_tokens=3)  # its tokens fill the second page
+    harness.drain()
+    harness.submit("again", prompt, max_tokens=3)
+    plan = harness.step()
+    assert harness.scheduler.cached_tokens("again") == 5
+    assert len(plan.copies) == 1 and plan.rows[0].start == 5 and plan.rows[0].tokens == (0,)
+    harness.drain()
+    assert harness.outputs["again"] == harness.outputs["first"] == alone(prompt, 3)
+    harness.submit("differs", [1, 2, 0, 1, 9, 9], max_tokens=2)
+    plan = harness.step()
+    assert harness.scheduler.cached_tokens("differs") == 4 and not plan.copies
+    harness.drain()
+    assert harness.outputs["differs"] == alone([1, 2, 0, 1, 9, 9], 2)
+    assert harness.pool.held_pages == 0
 
 
 def test_refusal_waiting_cancel_and_budget():
@@ -406,6 +448,24 @@ def test_engine_batch_greedy_equals_each_request_alone(kv_bits):
                           kv_bits=kv_bits, group_size=32)
             solo.submit(rid, prompt, max_tokens[rid])
             assert got[rid] == solo.run_until_idle()[rid], rid
+
+
+def test_engine_reused_partial_page_gives_the_dense_models_tokens():
+    """The second of two equal prompts (ending inside a page) reuses the
+    first's cached page but its last token: the dense model's tokens."""
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama(seed=4)
+    prompt = [5, 1, 7, 3, 2, 6, 4, 1, 9, 3]  # 2 full pages of 4 and 2 tokens
+    engine = Engine(model, kv_tokens=64, page_size=4, dtype=mx.float32)
+    engine.submit("first", prompt, 5)
+    first = engine.run_until_idle()["first"]
+    engine.submit("again", prompt, 5)
+    again = [o.token for o in engine.step()]  # the reused page's copy, then the last prompt token's row
+    assert engine.cached_tokens("again") == len(prompt) - 1
+    again += engine.run_until_idle()["again"]
+    want = greedy_alone(model, prompt, 5)
+    assert first == want and again == want
 
 
 def test_engine_refuses_bad_requests_and_stops_on_stop_tokens():

@@ -17,6 +17,9 @@ before it matched too. An indexed page is immutable: a holder that must write
 into an indexed page or a page someone else holds first copies it
 (copy-on-write, :meth:`PagePool.make_private`). The index also keeps each
 page's tokens and parent hash, so a lookup compares tokens, not only hashes.
+A prompt's last, partial page may reuse an indexed page hanging from the
+same parent whose tokens begin with the prompt's rest
+(:meth:`PagePool.lookup_partial`; the holder copies it before writing).
 
 :meth:`PagePool.check_invariants` checks all of this; tests call it after
 every operation.
@@ -69,6 +72,7 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._index: dict[bytes, int] = {}
         self._indexed: dict[int, _Indexed] = {}
+        self._children: dict[bytes, set[int]] = {}  # parent key -> the indexed pages after it
         self.tables: dict[Hashable, list[int]] = {}
         self.evictions = 0
 
@@ -140,7 +144,21 @@ class PagePool:
         if key not in self._index and page not in self._indexed:
             self._index[key] = page
             self._indexed[page] = _Indexed(key, parent, tokens)
+            self._children.setdefault(parent, set()).add(page)
         return key
+
+    def lookup_partial(self, parent: bytes, tokens: Sequence[int]) -> int | None:
+        """An indexed page after the page keyed ``parent`` (``ROOT_HASH``:
+        a first page) whose tokens begin with ``tokens`` (fewer than a page),
+        or None: its first ``len(tokens)`` positions hold the K/V those
+        tokens have after that prefix (read only: nothing is acquired)."""
+        tokens = tuple(int(t) for t in tokens)
+        if not 0 < len(tokens) < self.page_size:
+            raise ValueError(f"a partial page holds 1 to {self.page_size - 1} tokens, got {len(tokens)}")
+        for page in self._children.get(parent, ()):
+            if self._indexed[page].tokens[: len(tokens)] == tokens:
+                return page
+        return None
 
     # ------------------------------------------------------------ holding
     def acquire(self, holder: Hashable, pages: Sequence[int]) -> None:
@@ -160,7 +178,12 @@ class PagePool:
             return page
         if self._cached:  # evict the least recently used cached page
             page, _ = self._cached.popitem(last=False)
-            del self._index[self._indexed.pop(page).key]
+            entry = self._indexed.pop(page)
+            del self._index[entry.key]
+            children = self._children[entry.parent]
+            children.discard(page)
+            if not children:
+                del self._children[entry.parent]
             self.evictions += 1
             return page
         raise PoolExhausted("no free or cached page left")
@@ -233,4 +256,7 @@ class PagePool:
             assert entry.key == chain_hash(entry.parent, entry.tokens), f"page {page} key is not its chain hash"
             assert page not in free, f"indexed page {page} is free"
         assert cached <= set(self._indexed), "a cached page is not indexed"
+        children = {(entry.parent, page) for page, entry in self._indexed.items()}
+        assert children == {(parent, page) for parent, pages in self._children.items() for page in pages}, \
+            "the parent index differs from the indexed pages"
         assert all(self.refcount[p] >= 0 for p in range(self.num_pages))

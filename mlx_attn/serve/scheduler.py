@@ -368,19 +368,25 @@ class Scheduler:
             matched = matched[: self.reusable_pages([pool.key_of(page) for page in matched])]
         total = pages_needed(len(sequence.tokens), size)
         whole = len(matched) * size == len(sequence.tokens)  # the last token must still be computed
+        rest = sequence.tokens[len(matched) * size:]
+        # the last page from an indexed one that begins with the prompt's rest (copied: it writes there)
+        partial = None if not 2 <= len(rest) < size or self.reusable_pages is not None or not self.prefix_reuse else \
+            pool.lookup_partial(pool.key_of(matched[-1]) if matched else ROOT_HASH, rest)
+        shared = matched + ([partial] if partial is not None else [])
         fresh = total - len(matched) + (1 if whole else 0)
-        if pool.available - sum(pool.is_cached(p) for p in matched) < fresh:
+        if pool.available - sum(pool.is_cached(p) for p in shared) < fresh:
             return False
-        pool.acquire(rid, matched)
-        pool.allocate(rid, total - len(matched))
-        sequence.num_computed = min(len(matched) * size, len(sequence.tokens) - 1)
+        pool.acquire(rid, shared)
+        pool.allocate(rid, total - len(shared))
+        sequence.num_computed = len(sequence.tokens) - 1 if partial is not None else \
+            min(len(matched) * size, len(sequence.tokens) - 1)
         sequence.keys = []
         parent = ROOT_HASH
         for i in range(len(matched)):
             parent = pool.register(matched[i], parent, sequence.tokens[i * size : (i + 1) * size])
             sequence.keys.append(parent)
-        if whole:  # copy-on-write: the shared last page gets the recomputed last token
-            copies.append(pool.make_private(rid, len(matched) - 1))
+        if whole or partial is not None:  # copy-on-write: the shared last page gets the recomputed last token
+            copies.append(pool.make_private(rid, len(shared) - 1))
         if sequence.cached_tokens is None:  # first admission: the prefix-cache hit of its prompt
             sequence.cached_tokens = sequence.num_computed
             self.prompt_tokens += len(sequence.tokens)
