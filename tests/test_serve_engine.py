@@ -669,6 +669,7 @@ def test_prepare_weights_packed_holds_no_float32_weight(monkeypatch):
     assert quantized and all(isinstance(m, (RowAdaptiveQuantizedLinear, RowAdaptiveQuantizedEmbedding))
                              for m in quantized)
     assert all(float32_weight(m) is None for m in quantized)
+    # (scales and biases as loaded: float32 here; test_packed_weights_keep_the_products_scales_as_loaded)
     assert all(a.dtype in (mx.float32, mx.uint32) for _, a in tree_flatten(model.parameters()))
     # int16 activations (5 rows: the integer product): measured within 0.1% of the logits' largest magnitude
     np.testing.assert_allclose(np.array(model(prompt)), logits, rtol=0, atol=2e-3 * np.abs(logits).max())
@@ -680,6 +681,54 @@ def test_prepare_weights_packed_holds_no_float32_weight(monkeypatch):
         monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", "float")
         assert prepare_weights(model, "auto") == "float32"
         assert all(float32_weight(m) is not None for m in quantized)
+
+
+def test_packed_weights_keep_the_products_scales_as_loaded():
+    """"packed" casts float weights to float32 but leaves the scales and
+    biases of the linear layers the integer products read as loaded (float16
+    here: half the bytes a step streams for them; the embedding's become
+    float32); logits, embedding rows and greedy tokens equal those of the
+    same model with every float cast to float32 first (the products convert
+    float16 scales to float32 exactly), bit for bit."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+
+    from mlx_attn.lm import quantized_matmul
+    from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
+    from mlx_attn.serve import Engine
+    from mlx_attn.serve.engine import prepare_weights
+
+    if mx.default_device() != mx.cpu or quantized_matmul.MATVEC_PRODUCT == "float":
+        pytest.skip("the packed weights' integer product is the CPU's, with an integer MATVEC_PRODUCT")
+
+    def half_model():
+        model = tiny_llama(seed=7, head_dim=32)
+        model.update(tree_map(lambda a: a.astype(mx.float16), model.parameters()))
+        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % 32 == 0)
+        return model
+
+    packed, cast = half_model(), half_model()
+    assert prepare_weights(packed, "packed") == "packed"
+    # the rule before: every float parameter in float32, then the integer product at every row count
+    cast.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+                         cast.parameters()))
+    use_row_adaptive_matmuls(cast, dequantize_many_rows=False)
+    dtypes = dict(tree_flatten(tree_map(lambda a: a.dtype, packed.parameters())))
+    scales = {p for p in dtypes if p.endswith((".scales", ".biases")) and not p.startswith("embed_tokens.")}
+    assert "layers.0.self_attn.q_proj.biases" in scales and "embed_tokens.scales" in dtypes
+    assert all(dtypes[p] == mx.float16 for p in scales)
+    assert all(dtypes[p] in (mx.float32, mx.uint32) for p in dtypes if p not in scales)
+    tokens = mx.array([[3, 9, 27, 1, 44]])
+    got, want = packed.embed_tokens(tokens), cast.embed_tokens(tokens)
+    assert got.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    for prompt in (tokens, tokens[:, :1]):
+        np.testing.assert_array_equal(np.array(packed(prompt)), np.array(cast(prompt)))
+    engines = [Engine(m, kv_tokens=64, page_size=4, weights="as-loaded") for m in (packed, cast)]
+    for engine in engines:
+        engine.submit("a", [3, 9, 27, 1, 44], 6)
+    assert engines[0].run_until_idle()["a"] == engines[1].run_until_idle()["a"]
 
 
 def test_prepare_weights_float32_is_the_dequantized_model(monkeypatch):

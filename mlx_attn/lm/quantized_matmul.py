@@ -68,7 +68,8 @@ import mlx.nn as nn
 __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BITS", "FUSED_MATVEC_GROUP_SIZES",
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
-           "INTEGER_MATVEC_ROWS", "PASSED_MATVEC_ROWS", "matvec_rows_limit", "fused_matvecs", "fusable_norm"]
+           "INTEGER_MATVEC_ROWS", "PASSED_MATVEC_ROWS", "matvec_rows_limit", "fused_matvecs", "fusable_norm",
+           "product_reads"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -133,6 +134,12 @@ def _cpu_affine(layer, bits: tuple) -> bool:
     return (mx.default_device() == mx.cpu and getattr(layer, "mode", "affine") == "affine"
             and layer.get("biases") is not None and layer.bits in bits
             and layer.group_size in FUSED_MATVEC_GROUP_SIZES)
+
+
+def product_reads(layer) -> bool:
+    """Whether the extension's fused CPU products read ``layer``'s packing
+    (they convert its scales and biases to float32 themselves, exactly)."""
+    return _cpu_affine(layer, FUSED_MATVEC_BITS)
 
 
 def _fused_matvec_rows(x: mx.array, layer) -> bool:
