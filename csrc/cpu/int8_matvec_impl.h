@@ -592,7 +592,14 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
       const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
-      if (one_chunk && features == Features) {
+      // the tile's scales and biases as [feature][group - g0] float32
+      const float* tile_scales = scales;
+      const float* tile_biases = biases;
+      if (one_chunk && features == Features && c.scale_type == ElemType::float32) {
+        // the tile's rows lie together in that layout already: read in place
+        tile_scales = static_cast<const float*>(c.scales) + n0 * groups;
+        tile_biases = static_cast<const float*>(c.biases) + n0 * groups;
+      } else if (one_chunk && features == Features) {
         convert_scales(c.scale_type, scales, c.scales, n0 * groups, Features * chunk);
         convert_scales(c.scale_type, biases, c.biases, n0 * groups, Features * chunk);
       } else {
@@ -607,13 +614,13 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
         for (int r = 0; r < Rows; ++r) d[r] = _mm256_loadu_ps(c.xd + r * lane_stride + b * 8);
         for (int f = 0; f < Features; ++f) {
           const typename Codes::Unpacked codes = Codes::template unpack<Bits>(w[f], b);
-          const __m256 scale = _mm256_set1_ps(scales[f * chunk + g]);
+          const __m256 scale = _mm256_set1_ps(tile_scales[f * chunk + g]);
           for (int r = 0; r < Rows; ++r) {
             const __m256i dot = Codes::template dot<Bits>(codes, xq + r * c.k + b * kInt8Block);
             acc[r][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[r], scale), acc[r][f]);
           }
           if (group_start) {
-            bias_terms[f] = _mm256_fmadd_ps(_mm256_set1_ps(biases[f * chunk + g]), _mm256_load_ps(group_sums[g]),
+            bias_terms[f] = _mm256_fmadd_ps(_mm256_set1_ps(tile_biases[f * chunk + g]), _mm256_load_ps(group_sums[g]),
                                             bias_terms[f]);
           }
         }
