@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <typeinfo>
 
 #include "csrc/core/attention_options.h"
 #include "csrc/cpu/host.h"
@@ -150,6 +151,19 @@ bool donate_or_allocate(const mx::array& buffer, mx::array& out) {
 }  // namespace
 
 // ---------------------------------------------------------------- the cache write
+std::vector<mx::Shape> RowsWrite::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
+bool RowsWrite::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const RowsWrite*>(&other);
+  return o != nullptr && typeid(*o) == typeid(*this) && o->rotate_ == rotate_ && o->traditional_ == traditional_;
+}
+
+void RowsWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string("[") + op_ + "] runs on the CPU only");
+}
+
 mx::array decode_cache_write(const mx::array& cache, const mx::array& rows, const mx::array& position,
                              const std::optional<mx::array>& cos, const std::optional<mx::array>& sin,
                              bool traditional, mx::Stream stream) {
@@ -186,18 +200,6 @@ void DecodeCacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   });
 }
 
-std::vector<mx::Shape> DecodeCacheWrite::output_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
-}
-
-bool DecodeCacheWrite::is_equivalent(const mx::Primitive& other) const {
-  const auto* o = dynamic_cast<const DecodeCacheWrite*>(&other);
-  return o != nullptr && o->rotate_ == rotate_ && o->traditional_ == traditional_;
-}
-
-void DecodeCacheWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[mlx_attn.decode_attention] runs on the CPU only");
-}
 
 // ---------------------------------------------------------------- the attention
 std::vector<mx::array> decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
@@ -453,18 +455,6 @@ void PagedRowsWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   });
 }
 
-std::vector<mx::Shape> PagedRowsWrite::output_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
-}
-
-bool PagedRowsWrite::is_equivalent(const mx::Primitive& other) const {
-  const auto* o = dynamic_cast<const PagedRowsWrite*>(&other);
-  return o != nullptr && o->rotate_ == rotate_ && o->traditional_ == traditional_;
-}
-
-void PagedRowsWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[mlx_attn.paged_rows_write] runs on the CPU only");
-}
 
 mx::array rotated_rows(const mx::array& rows, const mx::array& cos, const mx::array& sin, int heads, bool traditional,
                        mx::StreamOrDevice s) {

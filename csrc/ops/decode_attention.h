@@ -47,23 +47,37 @@ mx::array decode_cache_write(const mx::array& cache, const mx::array& rows, cons
                              const std::optional<mx::array>& cos, const std::optional<mx::array>& sin,
                              bool traditional, mx::Stream stream);
 
-class DecodeCacheWrite : public mx::Primitive {
+// A CPU primitive writing a step's rows (rotated first when `rotate`) into
+// the buffer of its first input, which it returns (DecodeCacheWrite,
+// PagedRowsWrite). The GPU runs the step as MLX's own operations.
+class RowsWrite : public mx::Primitive {
  public:
-  DecodeCacheWrite(mx::Stream stream, bool rotate, bool traditional)
-      : mx::Primitive(stream), rotate_(rotate), traditional_(traditional) {}
+  RowsWrite(mx::Stream stream, bool rotate, bool traditional, const char* op)
+      : mx::Primitive(stream), rotate_(rotate), traditional_(traditional), op_(op) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  // Throws: the GPU runs the step as MLX's own operations.
+  // Throws: CPU only.
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  // The same primitive class with the same flags.
   bool is_equivalent(const mx::Primitive& other) const override;
+
+ protected:
+  bool rotate_;
+  bool traditional_;
+
+ private:
+  const char* op_;  // the Python name in errors
+};
+
+class DecodeCacheWrite : public RowsWrite {
+ public:
+  DecodeCacheWrite(mx::Stream stream, bool rotate, bool traditional)
+      : RowsWrite(stream, rotate, traditional, "mlx_attn.decode_attention") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "DecodeCacheWrite";
   }
-
- private:
-  bool rotate_;
-  bool traditional_;
 };
 
 // The attention of the rotated query rows over slots [0, position] of the
@@ -108,22 +122,15 @@ mx::array paged_rows_write(const mx::array& pages, const mx::array& rows, const 
 mx::array rotated_rows(const mx::array& rows, const mx::array& cos, const mx::array& sin, int heads,
                        bool traditional = false, mx::StreamOrDevice s = {});
 
-class PagedRowsWrite : public mx::Primitive {
+class PagedRowsWrite : public RowsWrite {
  public:
   PagedRowsWrite(mx::Stream stream, bool rotate, bool traditional)
-      : mx::Primitive(stream), rotate_(rotate), traditional_(traditional) {}
+      : RowsWrite(stream, rotate, traditional, "mlx_attn.paged_rows_write") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
   const char* name() const override {
     return "PagedRowsWrite";
   }
-
- private:
-  bool rotate_;
-  bool traditional_;
 };
 
 class RotatedRows : public mx::Primitive {
