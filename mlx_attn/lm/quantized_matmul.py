@@ -144,7 +144,7 @@ def product_reads(layer) -> bool:
 
 def _fused_matvec_rows(x: mx.array, layer) -> bool:
     few_rows = _rows(x) < matvec_rows_limit() or not getattr(layer, "_dequantize_many_rows", True)
-    return 0 < _rows(x) and few_rows and _cpu_affine(layer, FUSED_MATVEC_BITS)
+    return 0 < _rows(x) and few_rows and product_reads(layer)
 
 
 def fused_matvec(x: mx.array, layer) -> mx.array:

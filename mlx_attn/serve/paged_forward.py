@@ -55,7 +55,7 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
         # the same values). An embedding's stay float32: its lookups then
         # dequantize in float32 (with float16 ones a compiled step spent 75 ms
         # of a 90 ms token converting float16 to float32, source not found).
-        as_loaded = _product_scales(model) if weights == "packed" else {}
+        as_loaded = _product_scales(model) if weights == "packed" else set()
         model.update(tree_map_with_path(
             lambda path, a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) and path not in as_loaded
             else a, model.parameters()))
@@ -67,15 +67,12 @@ def prepare_weights(model: Decoder, weights: str = "auto") -> str:
     return weights
 
 
-def _product_scales(model: Decoder) -> dict:
-    """{parameter path: its layer} for the scales and biases of every
-    quantized linear layer the fused CPU products read."""
-    paths = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear) and quantized_matmul.product_reads(module):
-            for part in ("scales", "biases"):
-                paths[f"{name}.{part}" if name else part] = module
-    return paths
+def _product_scales(model: Decoder) -> set[str]:
+    """The parameter paths of the scales and biases of every quantized linear
+    layer the fused CPU products read."""
+    return {f"{name}.{part}" if name else part for name, module in model.named_modules()
+            if isinstance(module, nn.QuantizedLinear) and quantized_matmul.product_reads(module)
+            for part in ("scales", "biases")}
 
 
 class PagedAttention(AttentionHook):
