@@ -245,7 +245,7 @@ def test_serve_cascade_flag_reaches_the_engine(flags, on):
     try:
         assert state.engine.cascade is on
     finally:
-        state._executor.shutdown(wait=True)
+        state.close()
 
 
 @pytest.mark.parametrize("flags, group", [([], "device"), (["--prefill-group-tokens", "0"], None),
@@ -264,7 +264,7 @@ def test_serve_prefill_group_flag_reaches_the_scheduler(flags, group):
     try:
         assert state.engine.scheduler.prefill_group_tokens == group
     finally:
-        state._executor.shutdown(wait=True)
+        state.close()
 
 
 def test_bad_cascade_flag_is_a_one_line_error(capsys):
