@@ -499,12 +499,15 @@ def test_sample_rows_reports_the_models_log_probabilities():
     logits[1, 7] = 50.0  # the biased row's own best, forbidden below
     bias = np.zeros((1, 500), np.float32)
     bias[0, 7] = -np.inf
-    params = [SamplingParams(), SamplingParams(top_logprobs=4), SamplingParams(top_logprobs=2)]
+    params = [SamplingParams(logprobs=True), SamplingParams(top_logprobs=4), SamplingParams(top_logprobs=2)]
     got = sample_rows(mx.array(logits), params, [(), (), ()], [0, 0, 0], ([1], mx.array(bias)))
+    unreported = sample_rows(mx.array(logits), [SamplingParams()] * 3, [(), (), ()], [0, 0, 0], ([1], mx.array(bias)))
     x = logits.astype(np.float64)
     oracle = x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
     chosen = (logits + np.pad(bias, ((1, 1), (0, 0)))).argmax(-1)
     assert [s.token for s in got] == chosen.tolist() and chosen[1] != 7
+    assert [s.token for s in unreported] == chosen.tolist()  # no logprobs asked for: the same tokens, None
+    assert all(s.logprob is None and s.top_logprobs == () for s in unreported)
     np.testing.assert_allclose([s.logprob for s in got], oracle[np.arange(3), chosen], atol=2e-5, rtol=0)
     for row, sampled in enumerate(got):
         want = np.argsort(-oracle[row], kind="stable")[: params[row].top_logprobs]
@@ -519,7 +522,7 @@ def test_seeded_sampling_is_batch_independent_and_logprobs_are_the_models():
     rng = np.random.default_rng(2)
     prompts = {f"s{i}": rng.integers(0, 64, int(rng.integers(2, 12))).tolist() for i in range(5)}
     params = {rid: SamplingParams(temperature=1.5, top_k=20 if i % 2 else 0, top_p=0.95, seed=100 + i,
-                                  repetition_penalty=1.2 if i == 3 else 1.0)
+                                  repetition_penalty=1.2 if i == 3 else 1.0, logprobs=True)
               for i, rid in enumerate(prompts)}
 
     def serve(rids, kv_tokens, budget):
