@@ -42,6 +42,13 @@ TINY_CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hid
                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
 
 
+def assert_same_logprobs(got, want, atol):
+    """Two runs' logprobs of the same tokens: None (not asked for) in the
+    same places, the others within ``atol``."""
+    assert [lp is None for lp in got] == [lp is None for lp in want]
+    np.testing.assert_allclose([lp for lp in got if lp is not None], [lp for lp in want if lp is not None], atol=atol)
+
+
 def tiny_llama(seed=0, **overrides):
     """A small random GQA Llama (97 tokens, 2 layers) for generation tests."""
     mx.random.seed(seed)

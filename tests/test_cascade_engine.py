@@ -14,6 +14,7 @@ from mlx_attn import _native
 from mlx_attn.serve import CascadeRule, Engine, SamplingParams
 from mlx_attn.serve import engine as engine_module
 from mlx_attn.serve.cascade_groups import DEFAULT_CASCADE_RULE, shared_prefix_groups
+from model_fixtures import assert_same_logprobs
 
 ANY_SHARED_PAGE = CascadeRule(min_saved_keys=1, max_query_rows=1000)  # any 2+ sequences over one full page
 
@@ -149,7 +150,7 @@ def assert_same_outputs(on, off, engine_on, engine_off, logit_rtol=2e-6):
     assert set(on) == set(off)
     for rid in off:
         assert [t for t, _, _ in on[rid]] == [t for t, _, _ in off[rid]], rid  # greedy tokens identical
-        np.testing.assert_allclose([lp for _, lp, _ in on[rid]], [lp for _, lp, _ in off[rid]], atol=1e-5)
+        assert_same_logprobs([lp for _, lp, _ in on[rid]], [lp for _, lp, _ in off[rid]], atol=1e-5)
         assert [[t for t, _ in top] for _, _, top in on[rid]] == [[t for t, _ in top] for _, _, top in off[rid]]
     logits_on, logits_off = engine_on.model.logits, engine_off.model.logits
     assert len(logits_on) == len(logits_off)  # the same steps
@@ -245,7 +246,7 @@ def test_serve_cascade_flag_reaches_the_engine(flags, on):
     try:
         assert state.engine.cascade is on
     finally:
-        state._executor.shutdown(wait=True)
+        state.close()
 
 
 @pytest.mark.parametrize("flags, group", [([], "device"), (["--prefill-group-tokens", "0"], None),
@@ -264,7 +265,7 @@ def test_serve_prefill_group_flag_reaches_the_scheduler(flags, group):
     try:
         assert state.engine.scheduler.prefill_group_tokens == group
     finally:
-        state._executor.shutdown(wait=True)
+        state.close()
 
 
 def test_bad_cascade_flag_is_a_one_line_error(capsys):

@@ -11,6 +11,7 @@ from mlx_attn import _native
 from mlx_attn.serve import Engine, PagedKVStore, SamplingParams
 
 from test_serve_engine import greedy_alone, tiny_llama
+from model_fixtures import assert_same_logprobs
 
 pytestmark = pytest.mark.skipif(_native.ext is None, reason="the compiled step calls the fused CPU paged kernel")
 
@@ -36,7 +37,7 @@ def test_compiled_decode_steps_equal_the_eager_step(kv_bits):
     engine's tokens and log-probabilities, and its decode steps did run compiled."""
     model = tiny_llama(seed=6, head_dim=8 if kv_bits is None else 32)
     rng = np.random.default_rng(7)
-    kinds = [SamplingParams(), SamplingParams(temperature=1.3, top_p=0.9, seed=11),
+    kinds = [SamplingParams(), SamplingParams(temperature=1.3, top_p=0.9, seed=11, logprobs=True),
              SamplingParams(top_logprobs=3), SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=12)]
     requests = {f"r{i}": (rng.integers(0, 64, int(rng.integers(2, 10))).tolist(), 5 + i % 3, kinds[i % 4])
                 for i in range(7)}
@@ -55,7 +56,7 @@ def test_compiled_decode_steps_equal_the_eager_step(kv_bits):
     assert set(compiled) == set(requests)
     for rid in requests:
         assert [t for t, _, _ in compiled[rid]] == [t for t, _, _ in eager[rid]], rid
-        np.testing.assert_allclose([lp for _, lp, _ in compiled[rid]], [lp for _, lp, _ in eager[rid]], atol=1e-5)
+        assert_same_logprobs([lp for _, lp, _ in compiled[rid]], [lp for _, lp, _ in eager[rid]], atol=1e-5)
         assert [top for _, _, top in compiled[rid]] == [top for _, _, top in eager[rid]], rid
     assert compiled_engine.pool.held_pages == 0
 
@@ -140,7 +141,7 @@ def test_the_fused_attention_block_gives_the_eager_steps_outputs(traditional, mo
     assert compiled_engine.decode_steps.steps > 0 and fused and all(fused)
     for rid in requests:
         assert [t for t, _, _ in compiled[rid]] == [t for t, _, _ in eager[rid]], rid
-        np.testing.assert_allclose([lp for _, lp, _ in compiled[rid]], [lp for _, lp, _ in eager[rid]], atol=1e-5)
+        assert_same_logprobs([lp for _, lp, _ in compiled[rid]], [lp for _, lp, _ in eager[rid]], atol=1e-5)
 
 
 def test_copy_on_write_updates_the_pool_in_place():

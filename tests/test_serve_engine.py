@@ -122,21 +122,26 @@ def test_pool_copy_on_write_and_lru_eviction():
     pool.check_invariants()
 
 
-def test_pool_lookup_partial_finds_a_page_beginning_with_the_rest():
-    pool = PagePool(4, 4)
-    first, second = pool.allocate("a", 2)
+def test_pool_lookup_partial_finds_the_longest_run_of_first_tokens():
+    pool = PagePool(6, 4)
+    first, second, third = pool.allocate("a", 3)
     parent = pool.register(first, ROOT_HASH, [1, 2, 3, 4])
     pool.register(second, parent, [5, 6, 7, 8])
-    assert pool.lookup_partial(parent, [5, 6, 7]) == second
-    assert pool.lookup_partial(ROOT_HASH, [1, 2]) == first
-    assert pool.lookup_partial(parent, [5, 7]) is None  # a token differs
+    other = pool.allocate("c", 1)[0]
+    pool.register(other, parent, [5, 6, 9, 9])  # a sibling: the same parent, another continuation
+    assert pool.lookup_partial(parent, [5, 6, 7]) == (second, 3)
+    assert pool.lookup_partial(parent, [5, 6, 9]) == (other, 3)
+    assert pool.lookup_partial(ROOT_HASH, [1, 2]) == (first, 2)
+    assert pool.lookup_partial(parent, [5, 7]) in ((second, 1), (other, 1))  # the run stops at a difference
+    assert pool.lookup_partial(parent, [5, 6, 7, 8, 9, 1]) == (second, 4)  # at most a page
+    assert pool.lookup_partial(parent, [6, 6]) is None  # no page begins with 6 there
     assert pool.lookup_partial(ROOT_HASH, [5, 6]) is None  # another parent
-    for bad in ([], [5, 6, 7, 8]):
-        with pytest.raises(ValueError, match="partial page"):
-            pool.lookup_partial(parent, bad)
+    with pytest.raises(ValueError, match="at least one token"):
+        pool.lookup_partial(parent, [])
     pool.check_invariants()
-    pool.release("a")
-    pool.allocate("b", 4)  # evicts both cached pages
+    for holder in ("a", "c"):
+        pool.release(holder)
+    pool.allocate("d", 6)  # evicts every cached page
     assert pool.lookup_partial(parent, [5, 6]) is None and pool.lookup_partial(ROOT_HASH, [1]) is None
     pool.check_invariants()
 
@@ -468,6 +473,32 @@ def test_engine_reused_partial_page_gives_the_dense_models_tokens():
     assert first == want and again == want
 
 
+def test_engine_reuses_the_first_tokens_of_a_page_a_prompt_diverges_in():
+    """A prompt that leaves a cached prompt inside a page reuses that page's
+    K/V up to where they differ (copied: it writes its own tokens after), and
+    computes the rest: the dense model's tokens, with and without chunks."""
+    from mlx_attn.serve import Engine
+
+    model = tiny_llama(seed=5)
+    first = [5, 1, 7, 3, 2, 6, 4, 1, 9, 3, 8, 8]  # 3 full pages of 4
+    diverging = first[:6] + [11, 12, 13, 14, 15]  # page 2 shared up to its 2nd token, then 5 own tokens
+    for budget in (64, 3):
+        engine = Engine(model, kv_tokens=64, page_size=4, max_batch_tokens=budget, dtype=mx.float32)
+        engine.submit("first", first, 4)
+        engine.run_until_idle()
+        engine.submit("diverging", diverging, 6)
+        got = [o.token for o in engine.step()]  # admitted: the shared page copied, the rest computed
+        assert engine.cached_tokens("diverging") == 6  # one full page and 2 tokens of the next
+        engine.scheduler.check_invariants()
+        got += engine.run_until_idle()["diverging"]
+        assert got == greedy_alone(model, diverging, 6), budget
+        engine.submit("first again", first, 4)  # the first prompt's cached pages were not written to
+        again = [o.token for o in engine.step()]
+        assert engine.cached_tokens("first again") == len(first) - 1
+        again += engine.run_until_idle()["first again"]
+        assert again == greedy_alone(model, first, 4), budget
+
+
 def test_engine_refuses_bad_requests_and_stops_on_stop_tokens():
     from mlx_attn.serve import Engine
 
@@ -499,12 +530,15 @@ def test_sample_rows_reports_the_models_log_probabilities():
     logits[1, 7] = 50.0  # the biased row's own best, forbidden below
     bias = np.zeros((1, 500), np.float32)
     bias[0, 7] = -np.inf
-    params = [SamplingParams(), SamplingParams(top_logprobs=4), SamplingParams(top_logprobs=2)]
+    params = [SamplingParams(logprobs=True), SamplingParams(top_logprobs=4), SamplingParams(top_logprobs=2)]
     got = sample_rows(mx.array(logits), params, [(), (), ()], [0, 0, 0], ([1], mx.array(bias)))
+    unreported = sample_rows(mx.array(logits), [SamplingParams()] * 3, [(), (), ()], [0, 0, 0], ([1], mx.array(bias)))
     x = logits.astype(np.float64)
     oracle = x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
     chosen = (logits + np.pad(bias, ((1, 1), (0, 0)))).argmax(-1)
     assert [s.token for s in got] == chosen.tolist() and chosen[1] != 7
+    assert [s.token for s in unreported] == chosen.tolist()  # no logprobs asked for: the same tokens, None
+    assert all(s.logprob is None and s.top_logprobs == () for s in unreported)
     np.testing.assert_allclose([s.logprob for s in got], oracle[np.arange(3), chosen], atol=2e-5, rtol=0)
     for row, sampled in enumerate(got):
         want = np.argsort(-oracle[row], kind="stable")[: params[row].top_logprobs]
@@ -519,7 +553,7 @@ def test_seeded_sampling_is_batch_independent_and_logprobs_are_the_models():
     rng = np.random.default_rng(2)
     prompts = {f"s{i}": rng.integers(0, 64, int(rng.integers(2, 12))).tolist() for i in range(5)}
     params = {rid: SamplingParams(temperature=1.5, top_k=20 if i % 2 else 0, top_p=0.95, seed=100 + i,
-                                  repetition_penalty=1.2 if i == 3 else 1.0)
+                                  repetition_penalty=1.2 if i == 3 else 1.0, logprobs=True)
               for i, rid in enumerate(prompts)}
 
     def serve(rids, kv_tokens, budget):

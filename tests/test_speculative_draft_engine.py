@@ -17,6 +17,7 @@ from mlx_attn.lm.sampling import filtered_logprobs
 from mlx_attn.paged import gather_pages
 from test_speculative import _chi_square_p_value, assert_draft_rule_keeps_p
 from test_speculative_engine import tiny_llama
+from model_fixtures import assert_same_logprobs
 
 VOCAB = 64  # tiny_llama's
 
@@ -78,9 +79,10 @@ def mixed_requests():
 
     rng = np.random.default_rng(2)
     loop = rng.integers(0, VOCAB, 6).tolist()
-    requests = {f"rep{i}": (loop * 3 + loop[: i + 1], 20, {}) for i in range(3)}  # shared prefix pages
-    requests.update({f"rand{i}": (rng.integers(0, VOCAB, int(rng.integers(3, 20))).tolist(), 20, {})
-                     for i in range(3)})
+    reported = {"sampling": SamplingParams(logprobs=True)}
+    requests = {f"rep{i}": (loop * 3 + loop[: i + 1], 20, reported) for i in range(3)}  # shared prefix pages
+    requests.update({f"rand{i}": (rng.integers(0, VOCAB, int(rng.integers(3, 20))).tolist(), 20,
+                                  reported if i else {}) for i in range(3)})
     requests["long"] = (rng.integers(0, VOCAB, 50).tolist(), 12, {})  # chunked prefill beside drafting rows
     requests["out"] = (loop * 2, 16, {"speculative": False})
     requests["top"] = (loop + [1, 2, 3], 16, {"sampling": SamplingParams(top_logprobs=3)})
@@ -107,7 +109,7 @@ def test_greedy_identical_in_a_mixed_batch_and_both_stores_exact(kind):
     drafted = drive(engine, requests, check=check_draft_store)
     for rid in requests:
         assert [o.token for o in drafted[rid]] == [o.token for o in plain[rid]], rid
-        np.testing.assert_allclose([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
+        assert_same_logprobs([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
     assert [t for t, _ in drafted["top"][0].top_logprobs] == [t for t, _ in plain["top"][0].top_logprobs]
     stats = engine.stats()
     assert stats["draft_tokens"] > 0

@@ -18,6 +18,7 @@ from mlx_attn.serve.pages import ROOT_HASH, chain_hash
 from mlx_attn.serve.scheduler import Speculation
 
 from fake_model import DIM, VOCAB, fake_keys, fake_sample
+from model_fixtures import assert_same_logprobs
 
 
 class OracleDrafter:
@@ -300,12 +301,15 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     opted_out = {"rep1", "rand2"}
     seeded = {"rand3": SamplingParams(temperature=0.8, seed=5), "rep3": SamplingParams(temperature=0.8, seed=9)}
     asked = {"rep0": SamplingParams(top_logprobs=3), "rand0": SamplingParams(top_logprobs=2)}
+    unreported = {"rand1", "long"}  # ask for no logprobs: None with and without drafts
     results = {}
     for speculative in (None, "ngram"):
         engine = Engine(model, kv_tokens=192, page_size=4, max_batch_tokens=24, dtype=mx.float32,
                         speculative=speculative, num_draft_tokens=5)
         for rid, prompt in prompts.items():
-            engine.submit(rid, prompt, 24, sampling=seeded.get(rid, asked.get(rid)), speculative=rid not in opted_out)
+            default = None if rid in unreported else SamplingParams(logprobs=True)
+            engine.submit(rid, prompt, 24, sampling=seeded.get(rid, asked.get(rid, default)),
+                          speculative=rid not in opted_out)
         outputs = {}
         for _ in range(400):
             if engine.idle:
@@ -319,7 +323,7 @@ def test_engine_greedy_identical_with_and_without_drafts_in_a_mixed_batch():
     stats = results["ngram"][1]
     for rid in prompts:  # the seeded sampled request too: its draws are the plain sampler's
         assert [o.token for o in drafted[rid]] == [o.token for o in plain[rid]], rid
-        np.testing.assert_allclose([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
+        assert_same_logprobs([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
         for a, b in zip(drafted[rid], plain[rid]):
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             np.testing.assert_allclose([lp for _, lp in a.top_logprobs], [lp for _, lp in b.top_logprobs], atol=1e-4)
@@ -484,8 +488,8 @@ def test_engine_greedy_with_penalties_and_bias_identical_with_and_without_drafts
     rng = np.random.default_rng(3)
     loop = rng.integers(0, 64, 5).tolist()
     prompts = {f"rep{i}": loop * 4 + loop[: i + 1] for i in range(4)}
-    shaped = {"rep0": SamplingParams(presence_penalty=2.0, frequency_penalty=2.0),
-              "rep1": SamplingParams(logit_bias=((loop[2], 8.0), (loop[3], -8.0))),
+    shaped = {"rep0": SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, logprobs=True),
+              "rep1": SamplingParams(logit_bias=((loop[2], 8.0), (loop[3], -8.0)), logprobs=True),
               "rep2": SamplingParams(frequency_penalty=2.0, repetition_penalty=1.2, top_logprobs=2),
               "rep3": SamplingParams(presence_penalty=-1.0, logit_bias=((7, 1.0),)),
               "rep4": SamplingParams(temperature=0.9, seed=11, frequency_penalty=1.0, logit_bias=((7, 2.0),))}
@@ -510,7 +514,7 @@ def test_engine_greedy_with_penalties_and_bias_identical_with_and_without_drafts
     assert results["ngram", True][1]["draft_tokens"] > 0
     for rid in prompts:
         assert [o.token for o in drafted[rid]] == [o.token for o in plain[rid]], rid
-        np.testing.assert_allclose([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
+        assert_same_logprobs([o.logprob for o in drafted[rid]], [o.logprob for o in plain[rid]], atol=1e-4)
         for a, b in zip(drafted[rid], plain[rid]):
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
     changed = [rid for rid in prompts if [o.token for o in plain[rid]] != [o.token for o in unshaped[rid]]]

@@ -208,7 +208,7 @@ class DraftModel:
         p = normalized_logprobs(filtered_logprobs(target, params.temperature, params.top_k, params.top_p,
                                                   params.min_p))
         kept = keyed_draft_rule(p, mx.stack([*proposal.q, proposal.next_q]), proposed, params.seed, index)
-        return kept_with_logprobs(logits, kept, params.top_logprobs)
+        return kept_with_logprobs(logits, kept, params)
 
 
 def keyed_draft_rule(target_logprobs: mx.array, draft_logprobs: mx.array, proposed: Sequence[int], seed: int,

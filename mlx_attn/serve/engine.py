@@ -89,7 +89,7 @@ class Output:
 
     request_id: Hashable
     token: int
-    logprob: float  # under the model's distribution, before sampling filters
+    logprob: float | None  # under the model's distribution, before sampling filters; None unless asked for
     finished: bool  # max_tokens reached or a stop token
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob), best first, as the request asked
     cached_tokens: int = 0  # prompt tokens the request found in the prefix cache when first admitted
@@ -400,7 +400,7 @@ class Engine:
         greedy = [b for b in drafting if params[b].greedy]
         if greedy:  # every greedy drafting request verified at once
             groups = [(int(firsts[b]), sampling[b].tokens[len(sampling[b].tokens) - sampling[b].drafts:],
-                       params[b].top_logprobs) for b in greedy]
+                       params[b]) for b in greedy]
             kept.update((sampling[b].request_id, v) for b, v in zip(greedy, verify_greedy_drafts(rows, groups)))
         for b in drafting:
             row = sampling[b]

@@ -17,9 +17,10 @@ before it matched too. An indexed page is immutable: a holder that must write
 into an indexed page or a page someone else holds first copies it
 (copy-on-write, :meth:`PagePool.make_private`). The index also keeps each
 page's tokens and parent hash, so a lookup compares tokens, not only hashes.
-A prompt's last, partial page may reuse an indexed page hanging from the
-same parent whose tokens begin with the prompt's rest
-(:meth:`PagePool.lookup_partial`; the holder copies it before writing).
+The page after a prompt's last fully cached page may reuse the first tokens
+of an indexed page hanging from the same parent that begins as the prompt's
+rest does (:meth:`PagePool.lookup_partial`: the longest such run; the holder
+copies the page before writing).
 
 :meth:`PagePool.check_invariants` checks all of this; tests call it after
 every operation.
@@ -147,18 +148,25 @@ class PagePool:
             self._children.setdefault(parent, set()).add(page)
         return key
 
-    def lookup_partial(self, parent: bytes, tokens: Sequence[int]) -> int | None:
-        """An indexed page after the page keyed ``parent`` (``ROOT_HASH``:
-        a first page) whose tokens begin with ``tokens`` (fewer than a page),
-        or None: its first ``len(tokens)`` positions hold the K/V those
-        tokens have after that prefix (read only: nothing is acquired)."""
-        tokens = tuple(int(t) for t in tokens)
-        if not 0 < len(tokens) < self.page_size:
-            raise ValueError(f"a partial page holds 1 to {self.page_size - 1} tokens, got {len(tokens)}")
+    def lookup_partial(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The indexed page after the page keyed ``parent`` (``ROOT_HASH``: a
+        first page) whose tokens share the longest run of first tokens with
+        ``tokens``, and that run's length (1 to a page): ``(page, count)``,
+        or None when no such page begins with ``tokens[0]``. Its first
+        ``count`` positions hold the K/V those tokens have after that prefix
+        (read only: nothing is acquired)."""
+        tokens = tuple(int(t) for t in tokens[: self.page_size])
+        if not tokens:
+            raise ValueError("a partial page lookup needs at least one token")
+        best, best_count = None, 0
         for page in self._children.get(parent, ()):
-            if self._indexed[page].tokens[: len(tokens)] == tokens:
-                return page
-        return None
+            held = self._indexed[page].tokens
+            count = 0
+            while count < len(tokens) and held[count] == tokens[count]:
+                count += 1
+            if count > best_count or (count == best_count and best is not None and page < best):
+                best, best_count = page, count
+        return None if best is None or best_count == 0 else (best, best_count)
 
     # ------------------------------------------------------------ holding
     def acquire(self, holder: Hashable, pages: Sequence[int]) -> None:

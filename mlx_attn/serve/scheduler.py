@@ -369,16 +369,21 @@ class Scheduler:
         total = pages_needed(len(sequence.tokens), size)
         whole = len(matched) * size == len(sequence.tokens)  # the last token must still be computed
         rest = sequence.tokens[len(matched) * size:]
-        # the last page from an indexed one that begins with the prompt's rest (copied: it writes there)
-        partial = None if not 2 <= len(rest) < size or self.reusable_pages is not None or not self.prefix_reuse else \
-            pool.lookup_partial(pool.key_of(matched[-1]) if matched else ROOT_HASH, rest)
+        # the next page from an indexed one that begins as the rest does, its
+        # first tokens reused (copied: the request writes the rest there); the
+        # prompt's last token is always computed
+        partial, reused = None, 0
+        if len(rest) >= 2 and self.reusable_pages is None and self.prefix_reuse:
+            found = pool.lookup_partial(pool.key_of(matched[-1]) if matched else ROOT_HASH, rest)
+            if found is not None:
+                partial, reused = found[0], min(found[1], len(rest) - 1)
         shared = matched + ([partial] if partial is not None else [])
         fresh = total - len(matched) + (1 if whole else 0)
         if pool.available - sum(pool.is_cached(p) for p in shared) < fresh:
             return False
         pool.acquire(rid, shared)
         pool.allocate(rid, total - len(shared))
-        sequence.num_computed = len(sequence.tokens) - 1 if partial is not None else \
+        sequence.num_computed = len(matched) * size + reused if partial is not None else \
             min(len(matched) * size, len(sequence.tokens) - 1)
         sequence.keys = []
         parent = ROOT_HASH
