@@ -13,7 +13,9 @@
 // unpacked once for every row); its int8 copy takes two blocks a step. AVX2
 // multiplies a tile of rows times a few outputs (feature_tiles: each block's
 // activations loaded once for the tile's outputs, each output's codes
-// unpacked once for its rows); plain C++ one block at a time (block_rows).
+// unpacked once for its rows), and so do the arm64 copies (MLX_ATTN_INT8_NEON:
+// widening SMLAL, or SDOT for int8 activations with MLX_ATTN_INT8_DOTPROD);
+// plain C++ one block at a time (block_rows).
 #pragma once
 
 #include "csrc/cpu/elements.h"
@@ -85,7 +87,7 @@ struct TileScales {
   const float* biases;
 };
 template <int Features>
-inline TileScales tile_scale_chunk(const Int8MatvecCall& c, int64_t groups, const int64_t* feature, int features,
+MLX_ATTN_STEP TileScales tile_scale_chunk(const Int8MatvecCall& c, int64_t groups, const int64_t* feature, int features,
                                    int64_t g0, int chunk, float* scales, float* biases) {
   const bool one_chunk = groups <= kInt8ScaleChunk;
   const int64_t n0 = feature[0];
