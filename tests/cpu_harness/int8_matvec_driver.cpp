@@ -234,13 +234,14 @@ int run_case(const Copy& copy, const Case& c, uint32_t& state, int& reported) {
 
 // The grid: 4 and 8 bits, groups of 32/64/128, float32/float16/bfloat16
 // scales, int8 and int16 activations, 1 to 9 and 17 rows (one pass of 8, a
-// pass and a single row, two passes and one), n not a multiple of a tile's
-// features, an odd number of blocks; plus rows longer than one scale chunk
-// (256 groups, kInt8ScaleChunk). --full: more n and k.
+// pass and a single row, two passes and one), n = 13 (not a multiple of a
+// tile's features), 3 groups a row (odd block counts at group 32); plus rows
+// longer than one scale chunk (256 groups, kInt8ScaleChunk). --full: n also
+// 1, 4 and 37, and 7 and 12 groups a row.
 int run_copy(const Copy& copy, bool full) {
   const int rows_list[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
   const int64_t n_list[] = {13, 1, 4, 37};
-  const int64_t k_blocks[] = {3, 7, 12};
+  const int64_t k_groups[] = {3, 7, 12};
   const ElemType types[] = {ElemType::float32, ElemType::float16, ElemType::bfloat16};
   const int bit_widths[] = {4, 8}, group_sizes[] = {32, 64, 128}, activation_widths[] = {8, 16}, long_rows[] = {1, 3};
   uint32_t state = 12345u;
@@ -252,7 +253,7 @@ int run_copy(const Copy& copy, bool full) {
           for (int rows : rows_list) {
             for (int ni = 0; ni < (full ? 4 : 1); ++ni) {
               for (int ki = 0; ki < (full ? 3 : 1); ++ki) {
-                const int64_t k = int64_t(group_size) * k_blocks[ki];
+                const int64_t k = int64_t(group_size) * k_groups[ki];
                 failures += run_case(copy, {bits, group_size, activation_bits, rows, type, n_list[ni], k}, state,
                                      reported) != 0;
                 ++cases;
