@@ -57,8 +57,13 @@ inline bool avx512vnni() {
 #if defined(__linux__)
 // Bits of the kernel's AT_HWCAP / AT_HWCAP2 (asm/hwcap.h), spelled out for
 // older C libraries whose headers lack them.
+inline constexpr unsigned long kHwcapAsimdDp = 1ul << 20;   // HWCAP_ASIMDDP
 inline constexpr unsigned long kHwcapAsimdFhm = 1ul << 23;  // HWCAP_ASIMDFHM
 inline constexpr unsigned long kHwcap2Bf16 = 1ul << 14;     // HWCAP2_BF16
+// FEAT_DotProd: SDOT / UDOT.
+inline bool neon_dotprod() {
+  return (getauxval(AT_HWCAP) & kHwcapAsimdDp) != 0;
+}
 inline bool neon_fhm() {
   return (getauxval(AT_HWCAP) & kHwcapAsimdFhm) != 0;
 }
@@ -73,6 +78,9 @@ inline bool sysctl_flag(const char* name) {
   size_t size = sizeof value;
   return sysctlbyname(name, &value, &size, nullptr, 0) == 0 && value != 0;
 }
+inline bool neon_dotprod() {
+  return sysctl_flag("hw.optional.arm.FEAT_DotProd");
+}
 inline bool neon_fhm() {
   return sysctl_flag("hw.optional.arm.FEAT_FHM");
 }
@@ -80,6 +88,9 @@ inline bool neon_bf16() {
   return sysctl_flag("hw.optional.arm.FEAT_BF16");
 }
 #else
+inline bool neon_dotprod() {
+  return false;
+}
 inline bool neon_fhm() {
   return false;
 }

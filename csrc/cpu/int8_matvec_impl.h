@@ -13,7 +13,9 @@
 // unpacked once for every row); its int8 copy takes two blocks a step. AVX2
 // multiplies a tile of rows times a few outputs (feature_tiles: each block's
 // activations loaded once for the tile's outputs, each output's codes
-// unpacked once for its rows); plain C++ one block at a time (block_rows).
+// unpacked once for its rows), and so do the arm64 copies (MLX_ATTN_INT8_NEON:
+// widening SMLAL, or SDOT for int8 activations with MLX_ATTN_INT8_DOTPROD);
+// plain C++ one block at a time (block_rows).
 #pragma once
 
 #include "csrc/cpu/elements.h"
@@ -21,6 +23,8 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(MLX_ATTN_INT8_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace mlx_attn::cpu::MLX_ATTN_ISA {
@@ -56,6 +60,47 @@ inline int convert_chunk(const Int8MatvecCall& c, int64_t groups, int64_t n, int
   convert_scales(c.scale_type, scales, c.scales, n * groups + g0, chunk);
   convert_scales(c.scale_type, biases, c.biases, n * groups + g0, chunk);
   return chunk;
+}
+
+// Each row's sums of x over the groups [g0, g0 + chunk), row r in lane r:
+// sums[g - g0][r] (xsum holds each block's sum / 8, repeated 8 times).
+template <int Rows>
+void row_group_sums(const Int8MatvecCall& c, const Int8Layout& layout, int64_t g0, int chunk, float (*sums)[8]) {
+  for (int g = 0; g < chunk; ++g) {
+    for (int r = 0; r < 8; ++r) sums[g][r] = 0.0f;
+  }
+  const int64_t first = g0 << layout.group_shift, last = (g0 + chunk) << layout.group_shift;
+  for (int r = 0; r < Rows; ++r) {
+    for (int64_t b = first; b < last; ++b) {
+      sums[(b - first) >> layout.group_shift][r] += c.xsum[r * layout.lane_stride + b * 8] * 8.0f;
+    }
+  }
+}
+
+// A feature tile's scales and biases of the chunk of groups from g0 as
+// [feature][group - g0] float32 (feature[f]: the tile's features, a short
+// tile repeating its last): read in place when float32, the groups one chunk
+// and the tile full (its features' rows lie together), else converted into
+// scales and biases (a whole tile's at once when the groups are one chunk).
+struct TileScales {
+  const float* scales;
+  const float* biases;
+};
+template <int Features>
+MLX_ATTN_STEP TileScales tile_scale_chunk(const Int8MatvecCall& c, int64_t groups, const int64_t* feature, int features,
+                                   int64_t g0, int chunk, float* scales, float* biases) {
+  const bool one_chunk = groups <= kInt8ScaleChunk;
+  const int64_t n0 = feature[0];
+  if (one_chunk && features == Features && c.scale_type == ElemType::float32) {
+    return {static_cast<const float*>(c.scales) + n0 * groups, static_cast<const float*>(c.biases) + n0 * groups};
+  }
+  if (one_chunk && features == Features) {
+    convert_scales(c.scale_type, scales, c.scales, n0 * groups, Features * chunk);
+    convert_scales(c.scale_type, biases, c.biases, n0 * groups, Features * chunk);
+  } else {
+    for (int f = 0; f < Features; ++f) convert_chunk(c, groups, feature[f], g0, scales + f * chunk, biases + f * chunk);
+  }
+  return {scales, biases};
 }
 
 #if defined(__AVX2__)
@@ -541,21 +586,6 @@ struct Int8Codes {
   }
 };
 
-// Each row's sums of x over the groups [g0, g0 + chunk), row r in lane r:
-// sums[g - g0][r] (xsum holds each block's sum / 8, repeated 8 times).
-template <int Rows>
-void row_group_sums(const Int8MatvecCall& c, const Int8Layout& layout, int64_t g0, int chunk, float (*sums)[8]) {
-  for (int g = 0; g < chunk; ++g) {
-    for (int r = 0; r < 8; ++r) sums[g][r] = 0.0f;
-  }
-  const int64_t first = g0 << layout.group_shift, last = (g0 + chunk) << layout.group_shift;
-  for (int r = 0; r < Rows; ++r) {
-    for (int64_t b = first; b < last; ++b) {
-      sums[(b - first) >> layout.group_shift][r] += c.xsum[r * layout.lane_stride + b * 8] * 8.0f;
-    }
-  }
-}
-
 // Output features [begin, end) of Rows rows, Features at a time; per chunk
 // of groups their scales and biases converted to float32 (a whole tile's at
 // once when the groups are one chunk: they lie together). The bias term,
@@ -592,19 +622,9 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
       const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
-      // the tile's scales and biases as [feature][group - g0] float32
-      const float* tile_scales = scales;
-      const float* tile_biases = biases;
-      if (one_chunk && features == Features && c.scale_type == ElemType::float32) {
-        // the tile's rows lie together in that layout already: read in place
-        tile_scales = static_cast<const float*>(c.scales) + n0 * groups;
-        tile_biases = static_cast<const float*>(c.biases) + n0 * groups;
-      } else if (one_chunk && features == Features) {
-        convert_scales(c.scale_type, scales, c.scales, n0 * groups, Features * chunk);
-        convert_scales(c.scale_type, biases, c.biases, n0 * groups, Features * chunk);
-      } else {
-        for (int f = 0; f < Features; ++f) convert_chunk(c, groups, feature[f], g0, scales + f * chunk, biases + f * chunk);
-      }
+      const TileScales tile = tile_scale_chunk<Features>(c, groups, feature, features, g0, chunk, scales, biases);
+      const float* tile_scales = tile.scales;
+      const float* tile_biases = tile.biases;
       if (!one_chunk) row_group_sums<Rows>(c, layout, g0, chunk, group_sums);
       const int64_t first = g0 << GroupShift, last = (g0 + chunk) << GroupShift;
       for (int64_t b = first; b < last; ++b) {
@@ -659,6 +679,207 @@ void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 template <int Bits, int Rows>
 void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   tiles_of_groups<Int16Codes, Bits, Rows>(c, begin, end);
+}
+
+#elif defined(MLX_ATTN_INT8_NEON)
+
+// arm64 (int8_matvec_neon.cpp, int8_matvec_neondot.cpp): the AVX2 copy's
+// feature_tiles with four float lanes. Per block each output's codes are
+// unpacked once for the tile's rows and multiplied with a row's codes into
+// four int32 lanes, then, lane by lane,
+//   acc += dot * (d * scale)
+// (d * scale one scalar: FMLA by element); the lanes are summed once per
+// output, plus the bias term. Every (row, output) has its own accumulator and
+// the same steps at any row count, so a row's result does not depend on the
+// rows beside it.
+
+// Weight tiles ahead of the one being multiplied whose codes are prefetched
+// (a decode step streams every weight from memory once).
+constexpr int kPrefetchTiles = 2;
+
+// Baseline NEON: the block's 32 codes widened to four int16x8 vectors, times
+// the row's codes (int16, or int8 widened) by SMULL / SMLAL(2) into int32
+// lanes (|15 or 255 x 32767| x 8 per lane fits easily).
+template <typename CodeType>
+struct WideningCodes {
+  using Code = CodeType;
+  static constexpr int activation_bits = int(sizeof(Code)) * 8;
+  struct Unpacked {
+    int16x8_t v[4];  // the block's 32 codes in the activations' order
+  };
+  template <int Bits>
+  static Unpacked unpack(const uint8_t* w, int64_t b) {
+    uint8x16_t first, last;  // the block's first and last 16 codes
+    if constexpr (Bits == 8) {
+      first = vld1q_u8(w + b * 32);
+      last = vld1q_u8(w + b * 32 + 16);
+    } else {
+      const uint8x16_t raw = vld1q_u8(w + b * 16);
+      first = vandq_u8(raw, vdupq_n_u8(15));  // low nibbles: the even columns
+      last = vshrq_n_u8(raw, 4);              // high nibbles: the odd columns
+    }
+    return {{vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(first))), vreinterpretq_s16_u16(vmovl_high_u8(first)),
+             vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(last))), vreinterpretq_s16_u16(vmovl_high_u8(last))}};
+  }
+  // Codes i * 8 .. i * 8 + 7 of the row's block as int16.
+  static int16x8_t row_codes(const Code* x, int i) {
+    if constexpr (sizeof(Code) == 2) {
+      return vld1q_s16(x + 8 * i);
+    } else {
+      const int8x16_t sixteen = vld1q_s8(x + 16 * (i / 2));
+      return i % 2 == 0 ? vmovl_s8(vget_low_s8(sixteen)) : vmovl_high_s8(sixteen);
+    }
+  }
+  template <int Bits>
+  static int32x4_t dot(const Unpacked& codes, const Code* x) {
+    // two chains (the low and high halves) halve the dependent SMLALs
+    int16x8_t xs = row_codes(x, 0);
+    int32x4_t low = vmull_s16(vget_low_s16(codes.v[0]), vget_low_s16(xs));
+    int32x4_t high = vmull_high_s16(codes.v[0], xs);
+    for (int i = 1; i < 4; ++i) {
+      xs = row_codes(x, i);
+      low = vmlal_s16(low, vget_low_s16(codes.v[i]), vget_low_s16(xs));
+      high = vmlal_high_s16(high, codes.v[i], xs);
+    }
+    return vaddq_s32(low, high);
+  }
+};
+
+#if defined(MLX_ATTN_INT8_DOTPROD)
+#if !defined(__ARM_FEATURE_DOTPROD)
+#error "the dotprod copy needs FEAT_DotProd (-march=armv8.2-a+dotprod)"
+#endif
+// FEAT_DotProd, int8 activations: the codes as signed bytes (4-bit codes as
+// they are; 8-bit ones split into nibbles, 0 .. 15, as SDOT has no unsigned x
+// signed form) times the row's int8 codes by SDOT, four products a lane.
+struct DotCodes {
+  using Code = int8_t;
+  static constexpr int activation_bits = 8;
+  struct Unpacked {
+    // 4-bit: v[0] the even columns, v[1] the odd ones; 8-bit: the low
+    // nibbles of the block's two halves, then their high nibbles
+    int8x16_t v[4];
+  };
+  template <int Bits>
+  static Unpacked unpack(const uint8_t* w, int64_t b) {
+    const uint8x16_t nibble = vdupq_n_u8(15);
+    if constexpr (Bits == 8) {
+      const uint8x16_t first = vld1q_u8(w + b * 32), last = vld1q_u8(w + b * 32 + 16);
+      return {{vreinterpretq_s8_u8(vandq_u8(first, nibble)), vreinterpretq_s8_u8(vandq_u8(last, nibble)),
+               vreinterpretq_s8_u8(vshrq_n_u8(first, 4)), vreinterpretq_s8_u8(vshrq_n_u8(last, 4))}};
+    } else {
+      const uint8x16_t raw = vld1q_u8(w + b * 16);
+      const int8x16_t zero = vdupq_n_s8(0);
+      return {{vreinterpretq_s8_u8(vandq_u8(raw, nibble)), vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), zero, zero}};
+    }
+  }
+  template <int Bits>
+  static int32x4_t dot(const Unpacked& codes, const int8_t* x) {
+    const int8x16_t first = vld1q_s8(x), last = vld1q_s8(x + 16);
+    const int32x4_t low = vdotq_s32(vdotq_s32(vdupq_n_s32(0), codes.v[0], first), codes.v[1], last);
+    if constexpr (Bits == 8) {
+      const int32x4_t high = vdotq_s32(vdotq_s32(vdupq_n_s32(0), codes.v[2], first), codes.v[3], last);
+      return vaddq_s32(low, vshlq_n_s32(high, 4));
+    } else {
+      return low;
+    }
+  }
+};
+using Int8Step = DotCodes;
+#else
+using Int8Step = WideningCodes<int8_t>;
+#endif
+
+// Output features [begin, end) of Rows rows, Features at a time, as the AVX2
+// copy's feature_tiles: the bias term, sum over groups of bias * (the row's
+// group sum of x), is one vector FMA per feature and group for four rows
+// (rows in the lanes).
+template <typename Codes, int Bits, int Rows, int Features, int GroupShift>
+void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  static_assert(Rows <= 8, "the bias term holds the rows in 8 lanes");
+  constexpr int row_quads = (Rows + 3) / 4;
+  using Code = typename Codes::Code;
+  const Code* xq = static_cast<const Code*>(c.xq);
+  const Int8Layout layout(c, Bits);
+  const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
+  const bool one_chunk = groups <= kInt8ScaleChunk;
+  float scales[Features * kInt8ScaleChunk], biases[Features * kInt8ScaleChunk];  // [feature][group - g0]
+  alignas(16) float group_sums[kInt8ScaleChunk][8];
+  if (one_chunk) row_group_sums<Rows>(c, layout, 0, int(groups), group_sums);
+  for (int64_t n0 = begin; n0 < end; n0 += Features) {
+    const int features = int(end - n0 < Features ? end - n0 : Features);
+    int64_t feature[Features];  // a short tile repeats its last feature (never stored)
+    const uint8_t* w[Features];
+    for (int f = 0; f < Features; ++f) {
+      feature[f] = n0 + (f < features ? f : features - 1);
+      w[f] = reinterpret_cast<const uint8_t*>(c.codes) + feature[f] * row_bytes;
+    }
+    if (kPrefetchTiles > 0) {  // the codes of the tile kPrefetchTiles ahead (they lie together)
+      const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * Features * row_bytes);
+      for (int64_t at = 0; at < Features * row_bytes; at += 64) __builtin_prefetch(ahead + at);
+    }
+    float32x4_t acc[Rows][Features], bias_terms[Features][row_quads];
+    for (int f = 0; f < Features; ++f) {
+      for (int q = 0; q < row_quads; ++q) bias_terms[f][q] = vdupq_n_f32(0.0f);
+      for (int r = 0; r < Rows; ++r) acc[r][f] = vdupq_n_f32(0.0f);
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
+      const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
+      const TileScales tile = tile_scale_chunk<Features>(c, groups, feature, features, g0, chunk, scales, biases);
+      if (!one_chunk) row_group_sums<Rows>(c, layout, g0, chunk, group_sums);
+      const int64_t first = g0 << GroupShift, last = (g0 + chunk) << GroupShift;
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t g = (b - first) >> GroupShift;
+        const bool group_start = GroupShift == 0 || ((b - first) & ((1 << GroupShift) - 1)) == 0;
+        for (int f = 0; f < Features; ++f) {
+          const typename Codes::Unpacked codes = Codes::template unpack<Bits>(w[f], b);
+          const float scale = tile.scales[f * chunk + g];
+          for (int r = 0; r < Rows; ++r) {
+            const int32x4_t dot = Codes::template dot<Bits>(codes, xq + r * c.k + b * kInt8Block);
+            acc[r][f] = vfmaq_n_f32(acc[r][f], vcvtq_f32_s32(dot), c.xd[r * lane_stride + b * 8] * scale);
+          }
+          if (group_start) {
+            const float bias = tile.biases[f * chunk + g];
+            for (int q = 0; q < row_quads; ++q) {
+              bias_terms[f][q] = vfmaq_n_f32(bias_terms[f][q], vld1q_f32(group_sums[g] + 4 * q), bias);
+            }
+          }
+        }
+      }
+    }
+    for (int f = 0; f < features; ++f) {
+      alignas(16) float bias_term[8];
+      for (int q = 0; q < row_quads; ++q) vst1q_f32(bias_term + 4 * q, bias_terms[f][q]);
+      for (int r = 0; r < Rows; ++r) c.out[r * c.n + n0 + f] = vaddvq_f32(acc[r][f]) + bias_term[r];
+    }
+  }
+}
+
+// Features a tile takes at Rows rows: 32 vector registers hold Rows x
+// Features accumulators plus a feature's unpacked codes and a row's codes
+// (reasoned, not measured: 4 at one or two rows, 2 up to 8 rows, 16
+// accumulators).
+template <int Rows>
+constexpr int kTileFeatures = Rows <= 2 ? 4 : 2;
+
+template <typename Codes, int Bits, int Rows>
+void tiles_of_groups(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  constexpr int features = kTileFeatures<Rows>;
+  switch (c.group_size) {
+    case 32: return feature_tiles<Codes, Bits, Rows, features, 0>(c, begin, end);
+    case 64: return feature_tiles<Codes, Bits, Rows, features, 1>(c, begin, end);
+    default: return feature_tiles<Codes, Bits, Rows, features, 2>(c, begin, end);
+  }
+}
+
+template <int Bits, int Rows>
+void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  tiles_of_groups<Int8Step, Bits, Rows>(c, begin, end);
+}
+
+template <int Bits, int Rows>
+void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  tiles_of_groups<WideningCodes<int16_t>, Bits, Rows>(c, begin, end);
 }
 
 #else
@@ -751,7 +972,7 @@ void rows_of(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   }
 }
 
-// The AVX2, AVX512-VNNI int8 and plain C++ copies take up to this many rows a weight pass.
+// The AVX2, NEON, AVX512-VNNI int8 and plain C++ copies take up to this many rows a weight pass.
 constexpr int kBlockRows = 8;
 
 template <int Bits>

@@ -4,9 +4,10 @@
 // int16 per block of 32 columns (quantize_activations, below) and an MLX
 // affine-quantized weight (4 or 8 bits). Per block the weight codes (unsigned)
 // and the activation codes (signed) meet in an integer dot product (int8:
-// AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw; int16: vpdpwssd, vpmaddwd; or plain
-// C++), which is scaled once by the weight's group scale times the block's
-// activation scale; the bias term uses the activations' exact float sums.
+// AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw, arm64 SDOT; int16: vpdpwssd,
+// vpmaddwd, NEON SMLAL; or plain C++), which is scaled once by the weight's
+// group scale times the block's activation scale; the bias term uses the
+// activations' exact float sums.
 //
 // Error against the float product of the same weights: only the activations
 // are rounded, |x - d * xq| <= d / 2 with d = max|x over the block| / 127
@@ -92,6 +93,14 @@ namespace avx2 {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
 namespace avx512vnni {
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
+}
+#endif
+#ifdef MLX_ATTN_ARM64_KERNELS
+namespace neon {
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
+}
+namespace neondot {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
 #endif

@@ -11,6 +11,7 @@
 
 #include "csrc/cpu/cpu_features.h"
 #include "csrc/cpu/host.h"
+#include "csrc/cpu/int8_matvec_copies.h"
 #include "csrc/cpu/int8_matvec_kernels.h"
 #include "csrc/cpu/matvec_kernels.h"
 #include "csrc/cpu/thread_pool.h"
@@ -59,22 +60,10 @@ void run(const cpu::MatvecCall& call) {
   }, /*contiguous=*/true);
 }
 
-// The int8 copy for the active CPU kernel ISA (MLX_ATTN_CPU_ISA /
-// set_cpu_isa): generic stays generic, avx2 stays avx2, an AVX-512 choice
-// takes vpdpbusd where the CPU has it.
-using Int8Matvec = void (*)(const cpu::Int8MatvecCall&, int64_t, int64_t);
-struct NamedInt8Matvec {
-  Int8Matvec kernel;
-  const char* name;
-};
-NamedInt8Matvec named_int8_copy() {
-#ifdef MLX_ATTN_X86_KERNELS
-  const std::string isa = cpu::current_isa();
-  if (isa.rfind("avx512", 0) == 0 && cpu::features::avx512vnni()) return {cpu::avx512vnni::int8_matvec, "avx512vnni"};
-  if (isa != "generic" && cpu::features::avx2()) return {cpu::avx2::int8_matvec, "avx2"};
-#endif
-  return {cpu::generic::int8_matvec, "generic"};
-}
+// The int8 copy for the active CPU kernel ISA (csrc/cpu/int8_matvec_copies.h).
+using cpu::Int8Matvec;
+using cpu::NamedInt8Matvec;
+NamedInt8Matvec named_int8_copy() { return cpu::int8_matvec_copy(cpu::current_isa()); }
 Int8Matvec int8_copy() { return named_int8_copy().kernel; }
 
 // x's rows times rsqrt(mean(x^2) + eps) times the norm's weight, as MLX's RMSNorm computes it in float32.
