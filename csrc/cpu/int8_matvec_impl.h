@@ -103,6 +103,32 @@ MLX_ATTN_STEP TileScales tile_scale_chunk(const Int8MatvecCall& c, int64_t group
   return {scales, biases};
 }
 
+#if defined(__AVX2__) || defined(MLX_ATTN_INT8_NEON)
+// Weight tiles ahead of the one being multiplied whose codes are prefetched:
+// a decode step streams every weight from memory once (they outgrow the
+// caches), and a tile reads several rows at once.
+constexpr int kPrefetchTiles = 2;
+
+// The tile of Features outputs from n0 (before end) of the vector copies'
+// feature_tiles: each output's index and codes (a short tile repeats its
+// last, never stored), and the codes of the tile kPrefetchTiles ahead
+// prefetched (they lie together). Returns the tile's own output count.
+template <int Features>
+MLX_ATTN_STEP int tile_outputs(const Int8MatvecCall& c, int64_t n0, int64_t end, int64_t row_bytes, int64_t* feature,
+                               const uint8_t** w) {
+  const int features = int(end - n0 < Features ? end - n0 : Features);
+  for (int f = 0; f < Features; ++f) {
+    feature[f] = n0 + (f < features ? f : features - 1);
+    w[f] = reinterpret_cast<const uint8_t*>(c.codes) + feature[f] * row_bytes;
+  }
+  if (kPrefetchTiles > 0) {
+    const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * Features * row_bytes);
+    for (int64_t at = 0; at < Features * row_bytes; at += 64) __builtin_prefetch(ahead + at);  // x86: prefetcht0
+  }
+  return features;
+}
+#endif
+
 #if defined(__AVX2__)
 inline float lanes_sum(__m256 v) {
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -519,11 +545,6 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 // (a block's int32 dot products: 8 lanes of 4 columns); the lanes are summed
 // once per output, plus the bias term.
 
-// Weight tiles ahead of the one being multiplied whose codes are prefetched:
-// a decode step streams every weight from memory once (they outgrow the
-// caches), and a tile reads several rows at once.
-constexpr int kPrefetchTiles = 2;
-
 // int16 activations: the block's 32 codes as two vectors of 16 words,
 // vpmaddwd with the row's words.
 struct Int16Codes {
@@ -604,17 +625,9 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   alignas(32) float group_sums[kInt8ScaleChunk][8];
   if (one_chunk) row_group_sums<Rows>(c, layout, 0, int(groups), group_sums);
   for (int64_t n0 = begin; n0 < end; n0 += Features) {
-    const int features = int(end - n0 < Features ? end - n0 : Features);
-    int64_t feature[Features];  // a short tile repeats its last feature (never stored)
+    int64_t feature[Features];
     const uint8_t* w[Features];
-    for (int f = 0; f < Features; ++f) {
-      feature[f] = n0 + (f < features ? f : features - 1);
-      w[f] = reinterpret_cast<const uint8_t*>(c.codes) + feature[f] * row_bytes;
-    }
-    if (kPrefetchTiles > 0) {  // the codes of the tile kPrefetchTiles ahead (they lie together)
-      const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * Features * row_bytes);
-      for (int64_t at = 0; at < Features * row_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
-    }
+    const int features = tile_outputs<Features>(c, n0, end, row_bytes, feature, w);
     __m256 acc[Rows][Features], bias_terms[Features];
     for (int f = 0; f < Features; ++f) {
       bias_terms[f] = _mm256_setzero_ps();
@@ -692,10 +705,6 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 // output, plus the bias term. Every (row, output) has its own accumulator and
 // the same steps at any row count, so a row's result does not depend on the
 // rows beside it.
-
-// Weight tiles ahead of the one being multiplied whose codes are prefetched
-// (a decode step streams every weight from memory once).
-constexpr int kPrefetchTiles = 2;
 
 // Baseline NEON: the block's 32 codes widened to four int16x8 vectors, times
 // the row's codes (int16, or int8 widened) by SMULL / SMLAL(2) into int32
@@ -807,17 +816,9 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   alignas(16) float group_sums[kInt8ScaleChunk][8];
   if (one_chunk) row_group_sums<Rows>(c, layout, 0, int(groups), group_sums);
   for (int64_t n0 = begin; n0 < end; n0 += Features) {
-    const int features = int(end - n0 < Features ? end - n0 : Features);
-    int64_t feature[Features];  // a short tile repeats its last feature (never stored)
+    int64_t feature[Features];
     const uint8_t* w[Features];
-    for (int f = 0; f < Features; ++f) {
-      feature[f] = n0 + (f < features ? f : features - 1);
-      w[f] = reinterpret_cast<const uint8_t*>(c.codes) + feature[f] * row_bytes;
-    }
-    if (kPrefetchTiles > 0) {  // the codes of the tile kPrefetchTiles ahead (they lie together)
-      const char* ahead = reinterpret_cast<const char*>(w[0] + kPrefetchTiles * Features * row_bytes);
-      for (int64_t at = 0; at < Features * row_bytes; at += 64) __builtin_prefetch(ahead + at);
-    }
+    const int features = tile_outputs<Features>(c, n0, end, row_bytes, feature, w);
     float32x4_t acc[Rows][Features], bias_terms[Features][row_quads];
     for (int f = 0; f < Features; ++f) {
       for (int q = 0; q < row_quads; ++q) bias_terms[f][q] = vdupq_n_f32(0.0f);
