@@ -6,6 +6,7 @@ after stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -63,6 +64,17 @@ def state_of(engine):
     return ServerState(lambda: engine, SimpleNamespace(eos_token_ids={0}), "scripted")
 
 
+@contextlib.asynccontextmanager
+async def serving(engine):
+    """A started state over ``engine``, stopped on the way out."""
+    state = state_of(engine)
+    await state.start()
+    try:
+        yield state
+    finally:
+        await state.stop()
+
+
 async def drain(queue, count, timeout=10.0):
     got = []
     for _ in range(count):
@@ -77,13 +89,9 @@ def test_every_engine_call_is_on_one_thread_and_all_tokens_arrive():
     engine = ScriptedEngine()
 
     async def main():
-        state = state_of(engine)
-        await state.start()
-        try:
+        async with serving(engine) as state:
             submitted = [await state.submit([1, 2], 5 + i, None) for i in range(3)]
             got = await asyncio.gather(*(drain(queue, 5 + i) for i, (_, queue) in enumerate(submitted)))
-        finally:
-            await state.stop()
         return submitted, got
 
     submitted, got = asyncio.run(main())
@@ -97,17 +105,13 @@ def test_a_call_is_served_between_steps_of_a_busy_engine():
     engine = ScriptedEngine(step_seconds=0.01)
 
     async def main():
-        state = state_of(engine)
-        await state.start()
-        try:
+        async with serving(engine) as state:
             await state.submit([1], 200, None)  # ~2 s of steps
             await asyncio.sleep(0.05)
             started = time.perf_counter()
             steps_then = await state.call(lambda: engine.steps)
             waited = time.perf_counter() - started
             busy = await state.call(lambda: not engine.idle)
-        finally:
-            await state.stop()
         return steps_then, waited, busy
 
     steps_then, waited, busy = asyncio.run(main())
@@ -120,15 +124,11 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving():
     engine = ScriptedEngine(fail_steps=1)
 
     async def main():
-        state = state_of(engine)
-        await state.start()
-        try:
+        async with serving(engine) as state:
             _, first = await state.submit([1], 3, None)
             failed = await drain(first, 3)
             _, second = await state.submit([1], 3, None)
             served = await drain(second, 3)
-        finally:
-            await state.stop()
         return failed, served
 
     failed, served = asyncio.run(main())
@@ -140,9 +140,8 @@ def test_calls_after_stop_are_a_clear_error_not_a_hang():
     engine = ScriptedEngine()
 
     async def main():
-        state = state_of(engine)
-        await state.start()
-        await state.stop()
+        async with serving(engine) as state:
+            pass
         return state
 
     state = asyncio.run(main())
