@@ -127,6 +127,19 @@ MLX_ATTN_STEP int tile_outputs(const Int8MatvecCall& c, int64_t n0, int64_t end,
   }
   return features;
 }
+
+// Each vector copy's tile loop (below), the group size a shift known to the compiler.
+template <typename Codes, int Bits, int Rows, int Features, int GroupShift>
+void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end);
+
+template <typename Codes, int Bits, int Rows, int Features>
+void tiles_of_groups(const Int8MatvecCall& c, int64_t begin, int64_t end) {
+  switch (c.group_size) {
+    case 32: return feature_tiles<Codes, Bits, Rows, Features, 0>(c, begin, end);
+    case 64: return feature_tiles<Codes, Bits, Rows, Features, 1>(c, begin, end);
+    default: return feature_tiles<Codes, Bits, Rows, Features, 2>(c, begin, end);
+  }
+}
 #endif
 
 #if defined(__AVX2__)
@@ -674,24 +687,14 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 template <int Rows, bool Int8>
 constexpr int kTileFeatures = Rows == 1 ? 4 : (Rows <= 4 || !Int8 ? 2 : 1);
 
-template <typename Codes, int Bits, int Rows>
-void tiles_of_groups(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  constexpr int features = kTileFeatures<Rows, Codes::activation_bits == 8>;
-  switch (c.group_size) {
-    case 32: return feature_tiles<Codes, Bits, Rows, features, 0>(c, begin, end);
-    case 64: return feature_tiles<Codes, Bits, Rows, features, 1>(c, begin, end);
-    default: return feature_tiles<Codes, Bits, Rows, features, 2>(c, begin, end);
-  }
-}
-
 template <int Bits, int Rows>
 void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  tiles_of_groups<Int8Codes, Bits, Rows>(c, begin, end);
+  tiles_of_groups<Int8Codes, Bits, Rows, kTileFeatures<Rows, true>>(c, begin, end);
 }
 
 template <int Bits, int Rows>
 void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  tiles_of_groups<Int16Codes, Bits, Rows>(c, begin, end);
+  tiles_of_groups<Int16Codes, Bits, Rows, kTileFeatures<Rows, false>>(c, begin, end);
 }
 
 #elif defined(MLX_ATTN_INT8_NEON)
@@ -863,24 +866,14 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 template <int Rows>
 constexpr int kTileFeatures = Rows <= 2 ? 4 : 2;
 
-template <typename Codes, int Bits, int Rows>
-void tiles_of_groups(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  constexpr int features = kTileFeatures<Rows>;
-  switch (c.group_size) {
-    case 32: return feature_tiles<Codes, Bits, Rows, features, 0>(c, begin, end);
-    case 64: return feature_tiles<Codes, Bits, Rows, features, 1>(c, begin, end);
-    default: return feature_tiles<Codes, Bits, Rows, features, 2>(c, begin, end);
-  }
-}
-
 template <int Bits, int Rows>
 void int8_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  tiles_of_groups<Int8Step, Bits, Rows>(c, begin, end);
+  tiles_of_groups<Int8Step, Bits, Rows, kTileFeatures<Rows>>(c, begin, end);
 }
 
 template <int Bits, int Rows>
 void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
-  tiles_of_groups<WideningCodes<int16_t>, Bits, Rows>(c, begin, end);
+  tiles_of_groups<WideningCodes<int16_t>, Bits, Rows, kTileFeatures<Rows>>(c, begin, end);
 }
 
 #else
