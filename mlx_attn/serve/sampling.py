@@ -173,10 +173,17 @@ def sample_rows(logits: mx.array, params: Sequence[SamplingParams], previous: Se
     for r, token in enumerate(token_ids.tolist()):
         ranked = ()
         if params[r].top_logprobs:
-            pairs = sorted(zip(best_logprobs[r], best[r]), key=lambda pair: (-pair[0], pair[1]))
-            ranked = tuple((int(t), float(lp)) for lp, t in pairs[: params[r].top_logprobs])
+            ranked = _ranked(best_logprobs[r], best[r], params[r].top_logprobs)
         out.append(Sampled(int(token), chosen_logprobs.get(r), ranked))
     return out
+
+
+def _ranked(logprobs: Sequence[float], token_ids: Sequence[int], count: int) -> tuple[tuple[int, float], ...]:
+    """The ``count`` most likely of a row's candidate tokens as ``(token,
+    logprob)``, best first; equal log-probabilities rank by token id, so the
+    order does not depend on which path found the candidates."""
+    pairs = sorted(zip(logprobs, token_ids), key=lambda pair: (-pair[0], pair[1]))
+    return tuple((int(token), float(logprob)) for logprob, token in pairs[:count])
 
 
 def _log_normalizer(logits: np.ndarray) -> np.ndarray:
@@ -247,8 +254,7 @@ def kept_with_logprobs(logits: mx.array, kept: Sequence[int], params: SamplingPa
     for r, (token, logprob) in enumerate(zip(kept, chosen.tolist())):
         ranked = ()
         if top:
-            pairs = sorted(zip(best_logprobs[r], best[r]), key=lambda pair: (-pair[0], pair[1]))
-            ranked = tuple((int(t), float(lp)) for lp, t in pairs[:top])
+            ranked = _ranked(best_logprobs[r], best[r], top)
         out.append(Sampled(int(token), float(logprob), ranked))
     return out
 
@@ -291,8 +297,7 @@ def verify_greedy_drafts(logits: mx.array, groups: Sequence[tuple[int, Sequence[
                 continue
             ranked = ()
             if params.top_logprobs:
-                pairs = sorted(zip(ranked_logprobs[r], ranked_ids[r]), key=lambda pair: (-pair[0], pair[1]))
-                ranked = tuple((int(t), float(lp)) for lp, t in pairs[:params.top_logprobs])
+                ranked = _ranked(ranked_logprobs[r], ranked_ids[r], params.top_logprobs)
             sampled.append(Sampled(int(token), float(chosen[r]), ranked))
             r += 1
         out.append(sampled)
