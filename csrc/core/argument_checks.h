@@ -14,10 +14,14 @@
 
 namespace mlx_attn {
 
-inline std::string shape_string(const mlx::core::array& a) {
+inline std::string shape_string(const mlx::core::Shape& shape) {
   std::string out = "(";
-  for (int i = 0; i < int(a.ndim()); ++i) out += (i ? ", " : "") + std::to_string(a.shape(i));
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
   return out + ")";
+}
+
+inline std::string shape_string(const mlx::core::array& a) {
+  return shape_string(a.shape());
 }
 
 inline std::string dtype_string(mlx::core::Dtype t) {

@@ -120,4 +120,21 @@ void quantized_matvec(const MatvecCall& call, int64_t begin, int64_t end) {
   }
 }
 
+void swiglu(const float* gate, const float* up, int64_t count, float* out) {
+  const auto step = [](vfloat g, vfloat u) {
+    // sigmoid(g) = 1 / (1 + 2^(-g log2 e)); past 2^126 it is 0 (exp2_below's clamp would give 2^-127)
+    const vfloat power = -g * kLog2e;
+    const vfloat sigmoid = power > 126.0f ? splat(0.0f) : 1.0f / (1.0f + exp2_below(power, 126.0f));
+    return (g * sigmoid) * u;
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) store(out + i, step(load(gate + i), load(up + i)));
+  if (i < count) {  // the tail through one padded vector
+    float g[kLanes] = {}, u[kLanes] = {}, o[kLanes];
+    for (int64_t j = i; j < count; ++j) g[j - i] = gate[j], u[j - i] = up[j];
+    store(o, step(load(g), load(u)));
+    for (int64_t j = i; j < count; ++j) out[j] = o[j - i];
+  }
+}
+
 }  // namespace mlx_attn::cpu::MLX_ATTN_ISA

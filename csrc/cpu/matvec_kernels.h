@@ -40,4 +40,17 @@ void quantized_matvec(const MatvecCall& call, int64_t begin, int64_t end);
 }
 #endif
 
+// A SwiGLU MLP's activations, the down projection's input: out[i] =
+// (gate[i] * sigmoid(gate[i])) * up[i] (MLX's nn.silu(gate) * up, in that
+// order), sigmoid through the kernels' vector exp2 (relative error ~3e-7);
+// gate = -inf gives NaN as MLX's does (-inf * 0). out may alias up.
+namespace generic {
+void swiglu(const float* gate, const float* up, int64_t count, float* out);
+}
+#ifdef MLX_ATTN_X86_KERNELS
+namespace avx2 {
+void swiglu(const float* gate, const float* up, int64_t count, float* out);
+}
+#endif
+
 }  // namespace mlx_attn::cpu

@@ -36,9 +36,14 @@ ElemType scale_type(mx::Dtype t) {
 // sixteen threads over a 576-wide projection, large enough to amortize.
 constexpr int64_t kOutputsPerTask = 32;
 
+#ifdef MLX_ATTN_X86_KERNELS
+// Whether the float copies (matvec_kernels.h) run their AVX2 copy: the CPU has it and the ISA chosen is not generic.
+bool wide_float_copy() { return cpu::features::avx2() && std::string(cpu::current_isa()) != "generic"; }
+#endif
+
 void run(const cpu::MatvecCall& call) {
 #ifdef MLX_ATTN_X86_KERNELS
-  const bool wide = cpu::features::avx2() && std::string(cpu::current_isa()) != "generic";
+  const bool wide = wide_float_copy();
 #endif
   const int64_t tasks = (call.n + kOutputsPerTask - 1) / kOutputsPerTask;
   cpu::thread_pool().parallel_for(tasks, [&](int64_t task, int) {
@@ -79,18 +84,37 @@ std::vector<float> rms_normalized(const float* x, int rows, int64_t k, const flo
   return out;
 }
 
-// Quantizes x's rows (one pass, on the calling thread; RMSNorm first when
-// norm_weight is given), then splits the output features over the pool;
+// The SwiGLU activations silu(gate) * up of `count` elements (matvec_kernels.h), by the CPU's float copy.
+void swiglu(const float* gate, const float* up, int64_t count, float* out) {
+#ifdef MLX_ATTN_X86_KERNELS
+  if (wide_float_copy()) return cpu::avx2::swiglu(gate, up, count, out);
+#endif
+  cpu::generic::swiglu(gate, up, count, out);
+}
+
+// What an integer product does around the product itself (quantized_matvec_int8_many).
+struct Int8Extras {
+  const float* norm_weight = nullptr;  // RMSNorm x first
+  float norm_eps = 0.0f;
+  const float* gate = nullptr;         // x is a SwiGLU's up: the product takes silu(gate) * x
+  const float* residual = nullptr;     // [rows, n] added to the (one) product's output
+};
+
+// Quantizes x's rows (one pass, on the calling thread; RMSNorm or SwiGLU
+// first where asked), then splits the output features over the pool;
 // each task runs every row chunk over its features while their weights are
-// in cache.
-void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int rows, const float* norm_weight,
-              float norm_eps) {
+// in cache, then adds the residual to its outputs.
+void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int rows, const Int8Extras& extras) {
   // every call shares x's quantization: the same k and bits (checked on construction)
   const cpu::Int8MatvecCall& first = calls.front();
-  std::vector<float> normalized;
-  if (norm_weight != nullptr) {
-    normalized = rms_normalized(x, rows, first.k, norm_weight, norm_eps);
-    x = normalized.data();
+  std::vector<float> activations;
+  if (extras.norm_weight != nullptr) {
+    activations = rms_normalized(x, rows, first.k, extras.norm_weight, extras.norm_eps);
+    x = activations.data();
+  } else if (extras.gate != nullptr) {
+    activations.resize(size_t(rows) * first.k);
+    swiglu(extras.gate, x, int64_t(rows) * first.k, activations.data());
+    x = activations.data();
   }
   const int64_t lanes = first.k / cpu::kInt8Block * 8;
   const size_t code_bytes = first.activation_bits / 8;
@@ -127,6 +151,12 @@ void run_int8(const float* x, const std::vector<cpu::Int8MatvecCall>& calls, int
       part.xsum = xsum.data() + r * lanes;
       part.out = call.out + r * call.n;
       kernel(part, begin, end);
+    }
+    // the residual stream's add, while the outputs are in cache (one weight: checked on construction)
+    for (int r = 0; extras.residual != nullptr && r < rows; ++r) {
+      float* out = call.out + r * call.n;
+      const float* residual = extras.residual + r * call.n;
+      for (int64_t j = begin; j < end; ++j) out[j] = residual[j] + out[j];
     }
   }, /*contiguous=*/true);
 }
@@ -388,7 +418,8 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
                                                   const std::vector<mx::array>& scales,
                                                   const std::vector<mx::array>& biases, int group_size, int bits,
                                                   int activation_bits, const std::optional<mx::array>& norm_weight,
-                                                  float norm_eps, mx::StreamOrDevice s) {
+                                                  float norm_eps, const std::optional<mx::array>& gate,
+                                                  const std::optional<mx::array>& residual, mx::StreamOrDevice s) {
   constexpr const char* op = "mlx_attn.quantized_matvec_int8";
   if (bits != 4 && bits != 8) throw_invalid(op, "bits must be 4 or 8, got " + std::to_string(bits));
   if (activation_bits != 8 && activation_bits != 16) {
@@ -436,11 +467,30 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
     }
     inputs.push_back(row_contiguous(*norm_weight, stream));
   }
+  // gate and residual as they come, like x (gathered at evaluation when strided)
+  if (gate) {
+    if (norm_weight) throw_invalid(op, "gate and norm_weight cannot be combined (a SwiGLU's down projection has no norm)");
+    if (gate->dtype() != mx::float32 || gate->shape() != x.shape()) {
+      throw_invalid(op, "gate must be float32 of x's shape " + shape_string(x) + ", got " + dtype_string(gate->dtype()) +
+                            " " + shape_string(*gate));
+    }
+    inputs.push_back(*gate);
+  }
+  if (residual) {
+    if (codes.size() != 1) {
+      throw_invalid(op, "residual needs exactly one weight, got " + std::to_string(codes.size()));
+    }
+    if (residual->dtype() != mx::float32 || residual->shape() != shapes[0]) {
+      throw_invalid(op, "residual must be float32 of the output's shape " + shape_string(shapes[0]) +
+                            ", got " + dtype_string(residual->dtype()) + " " + shape_string(*residual));
+    }
+    inputs.push_back(*residual);
+  }
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   return mx::array::make_arrays(
       std::move(shapes), dtypes,
       std::make_shared<QuantizedMatvecInt8>(stream, group_size, bits, activation_bits, norm_weight.has_value(),
-                                            norm_eps),
+                                            norm_eps, gate.has_value(), residual.has_value()),
       std::move(inputs));
 }
 
@@ -448,12 +498,12 @@ mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, cons
                                 const mx::array& biases, int group_size, int bits, int activation_bits,
                                 mx::StreamOrDevice s) {
   return quantized_matvec_int8_many(x, {codes}, {scales}, {biases}, group_size, bits, activation_bits, std::nullopt,
-                                    1e-5f, s)[0];
+                                    1e-5f, std::nullopt, std::nullopt, s)[0];
 }
 
 std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> shapes;
-  for (size_t w = 1; w + 2 < inputs.size(); w += 3) {
+  for (size_t w = 1; w < 1 + 3 * weights(inputs.size()); w += 3) {
     mx::Shape shape = inputs[0].shape();
     shape.back() = inputs[w].shape(0);
     shapes.push_back(std::move(shape));
@@ -464,10 +514,15 @@ std::vector<mx::Shape> QuantizedMatvecInt8::output_shapes(const std::vector<mx::
 std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& primals,
                                                 const std::vector<mx::array>& cotangents,
                                                 const std::vector<int>& argnums, const std::vector<mx::array>&) {
-  const int norm_arg = normalized_ ? int(primals.size()) - 1 : -1;
+  // the extra inputs follow the weights in this order
+  int next = 1 + 3 * int(weights(primals.size()));
+  const int norm_arg = normalized_ ? next++ : -1;
+  const int gate_arg = gated_ ? next++ : -1;
+  const int residual_arg = with_residual_ ? next++ : -1;
   for (int arg : argnums) {
-    if (arg != 0 && arg != norm_arg) {
-      throw_invalid("mlx_attn.quantized_matvec_int8", "gradients flow to x and the norm's weight, not to the weight");
+    if (arg != 0 && arg != norm_arg && arg != gate_arg && arg != residual_arg) {
+      throw_invalid("mlx_attn.quantized_matvec_int8",
+                    "gradients flow to x, the norm's weight, the gate and the residual, not to the weight");
     }
   }
   // the float product's gradient (the activations' rounding passes straight through), summed over the weights
@@ -477,17 +532,27 @@ std::vector<mx::array> QuantizedMatvecInt8::vjp(const std::vector<mx::array>& pr
                                           false, group_size_, bits_, "affine", stream());
     dx = dx ? mx::add(*dx, part, stream()) : part;
   }
-  mx::array d_normalized = mx::astype(*dx, mx::float32, stream());
-  if (!normalized_) return {d_normalized};
-  // and back through the norm: RMSNorm's own vjp, to x and to the norm's weight
-  const float eps = norm_eps_;
+  const mx::array d_activations = mx::astype(*dx, mx::float32, stream());
   const mx::Stream on = stream();
-  auto norm = [eps, on](const std::vector<mx::array>& in) -> std::vector<mx::array> {
-    return {mx::fast::rms_norm(in[0], in[1], eps, on)};
-  };
-  const std::vector<mx::array> grads = mx::vjp(norm, {primals[0], primals.back()}, {d_normalized}).second;
+  // back through what made the activations from x: nothing, RMSNorm or SwiGLU (each by MLX's own vjp)
+  std::vector<mx::array> grads = {d_activations};  // to x, then to the norm's weight or the gate
+  if (normalized_) {
+    const float eps = norm_eps_;
+    auto norm = [eps, on](const std::vector<mx::array>& in) -> std::vector<mx::array> {
+      return {mx::fast::rms_norm(in[0], in[1], eps, on)};
+    };
+    grads = mx::vjp(norm, {primals[0], primals[norm_arg]}, {d_activations}).second;
+  } else if (gated_) {
+    auto swiglu = [on](const std::vector<mx::array>& in) -> std::vector<mx::array> {
+      const mx::array& gate = in[1];
+      return {mx::multiply(mx::multiply(gate, mx::sigmoid(gate, on), on), in[0], on)};
+    };
+    grads = mx::vjp(swiglu, {primals[0], primals[gate_arg]}, {d_activations}).second;
+  }
   std::vector<mx::array> out;
-  for (int arg : argnums) out.push_back(arg == 0 ? grads[0] : grads[1]);
+  for (int arg : argnums) {
+    out.push_back(arg == 0 ? grads[0] : arg == residual_arg ? cotangents[0] : grads[1]);
+  }
   return out;
 }
 
@@ -499,7 +564,10 @@ void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   int64_t leading = 1;  // the rows of x [..., rows, k]
   for (int d = 0; d + 1 < inputs[0].ndim(); ++d) leading *= inputs[0].shape(d);
   const int rows = int(leading);
-  const float* norm_weight = normalized_ ? inputs.back().data<float>() : nullptr;
+  size_t next = 1 + 3 * outputs.size();  // the extra inputs, in order
+  const float* norm_weight = normalized_ ? inputs[next++].data<float>() : nullptr;
+  const std::optional<mx::array> gate = gated_ ? std::optional<mx::array>(inputs[next++]) : std::nullopt;
+  const std::optional<mx::array> residual = with_residual_ ? std::optional<mx::array>(inputs[next++]) : std::nullopt;
   for (size_t w = 0; w < outputs.size(); ++w) {
     mx::array& out = outputs[w];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -520,16 +588,22 @@ void QuantizedMatvecInt8::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   }
   if (calls.empty()) return;
   const mx::array x = inputs[0];
-  encoder.dispatch([x, calls = std::move(calls), rows, norm_weight, eps = norm_eps_]() {
-    std::vector<float> gathered;
-    run_int8(rows_of(x, gathered), calls, rows, norm_weight, eps);
+  encoder.dispatch([x, calls = std::move(calls), rows, norm_weight, eps = norm_eps_, gate, residual]() {
+    std::vector<float> gathered_x, gathered_gate, gathered_residual;
+    Int8Extras extras;
+    extras.norm_weight = norm_weight;
+    extras.norm_eps = eps;
+    extras.gate = gate ? rows_of(*gate, gathered_gate) : nullptr;
+    extras.residual = residual ? rows_of(*residual, gathered_residual) : nullptr;
+    run_int8(rows_of(x, gathered_x), calls, rows, extras);
   });
 }
 
 bool QuantizedMatvecInt8::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const QuantizedMatvecInt8*>(&other);
   return QuantizedWeightPrimitive::is_equivalent(other) && o != nullptr && o->activation_bits_ == activation_bits_ &&
-         o->normalized_ == normalized_ && o->norm_eps_ == norm_eps_;
+         o->normalized_ == normalized_ && o->norm_eps_ == norm_eps_ && o->gated_ == gated_ &&
+         o->with_residual_ == with_residual_;
 }
 
 void QuantizedWeightPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -35,13 +35,19 @@ mx::array quantized_matvec_int8(const mx::array& x, const mx::array& codes, cons
 // [rows, n_i] per weight. With norm_weight (float32 [k]) the products take
 // RMSNorm(x) = x / sqrt(mean(x^2) + norm_eps) * norm_weight instead of x,
 // normalized in the same pass that quantizes it (no graph nodes for the
-// norm in a decode step).
+// norm in a decode step). With gate (float32, x's shape) they take a SwiGLU's
+// activations silu(gate) * x instead (a down projection; not with a norm),
+// and residual (float32 [..., rows, n], one weight only) is added to the
+// output: a layer's `h + down(silu(g) * u)` or `h + o_proj(a)` as one node.
 std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std::vector<mx::array>& codes,
                                                   const std::vector<mx::array>& scales,
                                                   const std::vector<mx::array>& biases, int group_size, int bits,
                                                   int activation_bits = 8,
                                                   const std::optional<mx::array>& norm_weight = std::nullopt,
-                                                  float norm_eps = 1e-5f, mx::StreamOrDevice s = {});
+                                                  float norm_eps = 1e-5f,
+                                                  const std::optional<mx::array>& gate = std::nullopt,
+                                                  const std::optional<mx::array>& residual = std::nullopt,
+                                                  mx::StreamOrDevice s = {});
 
 // The integer product's copy for the active CPU kernel ISA: "avx512vnni",
 // "avx2" or "generic" (the policy in lm/quantized_matmul.py reads it: only
@@ -113,16 +119,19 @@ class QuantizedMatvec : public QuantizedWeightPrimitive {
 
 class QuantizedMatvecInt8 : public QuantizedWeightPrimitive {
  public:
-  // normalized: the last input is an RMSNorm weight applied to x first (quantized_matvec_int8_many).
+  // After the weights' (codes, scales, biases), in this order: with normalized an RMSNorm weight applied to
+  // x first, with gated a SwiGLU gate, with with_residual a residual added to the output
+  // (quantized_matvec_int8_many).
   QuantizedMatvecInt8(mx::Stream stream, int group_size, int bits, int activation_bits, bool normalized = false,
-                      float norm_eps = 0.0f)
+                      float norm_eps = 0.0f, bool gated = false, bool with_residual = false)
       : QuantizedWeightPrimitive(stream, group_size, bits), activation_bits_(activation_bits),
-        normalized_(normalized), norm_eps_(norm_eps) {}
+        normalized_(normalized), norm_eps_(norm_eps), gated_(gated), with_residual_(with_residual) {}
   bool is_equivalent(const mx::Primitive& other) const override;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  // The float product's gradient, to x (through the norm when normalized) and the norm's weight.
+  // The float product's gradient, to x (through the norm or the SwiGLU), the norm's weight, the gate and the
+  // residual.
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -133,9 +142,15 @@ class QuantizedMatvecInt8 : public QuantizedWeightPrimitive {
   }
 
  private:
+  // The weights among `inputs` inputs: x, three per weight, then the extras.
+  size_t weights(size_t inputs) const {
+    return (inputs - 1 - size_t(normalized_) - size_t(gated_) - size_t(with_residual_)) / 3;
+  }
   int activation_bits_;
   bool normalized_;
   float norm_eps_;
+  bool gated_;
+  bool with_residual_;
 };
 
 }  // namespace mlx_attn

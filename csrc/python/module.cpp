@@ -143,11 +143,14 @@ void bind_quantized_matvecs(nb::module_& m) {
         "generic.");
   m.def("quantized_matvec_int8_many", &quantized_matvec_int8_many, "x"_a, "codes"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(),
-        "norm_weight"_a = nb::none(), "norm_eps"_a = 1e-5f, "stream"_a = nb::none(),
+        "norm_weight"_a = nb::none(), "norm_eps"_a = 1e-5f, "gate"_a = nb::none(), "residual"_a = nb::none(),
+        "stream"_a = nb::none(),
         "quantized_matvec_int8 of x against several weights of one bit width and group size (lists of "
         "codes, scales and biases): x quantized once, all products in one pass over the threads; a list "
         "of float32 [rows, n_i]. norm_weight (float32 [k]): the products take RMSNorm(x, norm_weight, "
-        "norm_eps) instead of x, normalized in the same pass.");
+        "norm_eps) instead of x, normalized in the same pass. gate (float32, x's shape; not with "
+        "norm_weight): they take silu(gate) * x. residual (float32, the output's shape; one weight "
+        "only): added to the output.");
   m.def("dequantize_affine", &dequantize_affine, "codes"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The float32 weight [n, k] of an MLX affine-quantized one (2, 3, 4, 5, 6 or 8 bits), "

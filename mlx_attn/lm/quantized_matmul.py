@@ -52,6 +52,10 @@ gate/up) multiply in one call (:func:`fused_matvecs`,
 ``_ext.quantized_matvec_int8_many``): the row is quantized once and all
 weights' outputs go to the threads in one pass, the results bit-identical
 to one call per weight. The weights stay separate (no concatenated copy).
+The same call takes the layer's RMSNorm before the product, and
+(:func:`fused_product`) a SwiGLU's ``silu(gate) * up`` before it and the
+residual stream's add after it, so a decode step's graph holds one node
+per product and none for the norms, activations and residual adds.
 
 ``benchmarks/bench_generate.py`` and ``benchmarks/bench_gemma3.py`` measure
 the effect on prompt speed; ``benchmarks/bench_int8_matvec.py`` the integer
@@ -69,7 +73,7 @@ __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BI
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
            "INTEGER_MATVEC_ROWS", "PASSED_MATVEC_ROWS", "matvec_rows_limit", "fused_matvecs", "fusable_norm",
-           "product_reads"]
+           "product_reads", "fused_product"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -332,3 +336,29 @@ def hold_float32_weights(model: nn.Module) -> nn.Module:
             module._float32_weight = _Held(_dequantized(module))
             mx.eval(module._float32_weight.array)
     return model
+
+
+def fused_product(x: mx.array, layer, gate: mx.array | None = None, residual: mx.array | None = None
+                  ) -> mx.array | None:
+    """``residual + layer(silu(gate) * x)`` (each part where given) as one
+    ``_ext.quantized_matvec_int8_many`` call: the SwiGLU computed where the
+    activations are quantized, the add where the outputs are written. None
+    where that does not apply (a float product, too many rows, a layer the
+    integer product does not read or with a bias, arrays that are not all
+    float32 of matching shapes); the caller then computes it unfused. The
+    SwiGLU's sigmoid uses the kernels' exp (relative error ~3e-7 against
+    MLX's, well inside the activations' int16 rounding); the add is float32's."""
+    if MATVEC_PRODUCT == "float" or not isinstance(layer, RowAdaptiveQuantizedLinear) or "bias" in layer:
+        return None
+    if x.ndim < 2 or x.dtype != mx.float32 or not _fused_matvec_rows(x, layer):
+        return None
+    if gate is not None and (gate.dtype != mx.float32 or gate.shape != x.shape):
+        return None
+    out_shape = (*x.shape[:-1], layer["weight"].shape[0])
+    if residual is not None and (residual.dtype != mx.float32 or tuple(residual.shape) != out_shape):
+        return None
+    from mlx_attn import _ext
+
+    return _ext.quantized_matvec_int8_many(x, [layer["weight"]], [layer["scales"]], [layer["biases"]],
+                                           layer.group_size, layer.bits, 16 if MATVEC_PRODUCT == "int16" else 8,
+                                           gate=gate, residual=residual)[0]

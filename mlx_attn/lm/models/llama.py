@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_attn.lm.models.base import (AttentionHook, Decoder, LayerAttention, decoder_weight_shapes,
                                      projection_shapes, rename_weights)
 from mlx_attn.lm.models.registry import GGUF_TENSOR_NAMES, Architecture, register
-from mlx_attn.lm.quantized_matmul import fused_matvecs
+from mlx_attn.lm.quantized_matmul import fused_matvecs, fused_product
 from mlx_attn.lm.validate import FieldError, require_bool, require_float, require_int
 from mlx_attn.rope import RoPE
 
@@ -188,14 +188,19 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
-    def __call__(self, x, norm=None):
-        """``norm``: an RMSNorm to apply to ``x`` first (inside the fused product where it can)."""
+    def __call__(self, x, norm=None, residual=None):
+        """``norm``: an RMSNorm to apply to ``x`` first; ``residual``: added to
+        the output (both inside the fused products where they can)."""
         gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj], norm)
         if gate_up is None:
             x = x if norm is None else norm(x)
             gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj]) or (self.gate_proj(x), self.up_proj(x))
         gate, up = gate_up
-        return self.down_proj(nn.silu(gate) * up)
+        out = fused_product(up, self.down_proj, gate=gate, residual=residual)
+        if out is None:
+            out = self.down_proj(nn.silu(gate) * up)
+            out = out if residual is None else residual + out
+        return out
 
 
 class Attention(nn.Module):
@@ -213,8 +218,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.rope = RoPE(config.head_dim, base=config.rope_theta, traditional=config.rope_traditional)
 
-    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook, norm=None):
-        """``norm``: an RMSNorm to apply to ``x`` first (inside the fused product where it can)."""
+    def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook, norm=None, residual=None):
+        """``norm``: an RMSNorm to apply to ``x`` first; ``residual``: added to
+        the output (both inside the fused products where they can)."""
         b, t, _ = x.shape
         heads = lambda a, n: a.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
         projections = [self.q_proj, self.k_proj, self.v_proj]
@@ -229,7 +235,11 @@ class Attention(nn.Module):
             k = self.rope(heads(k, self.n_kv_heads), offset=positions)
             v = heads(v, self.n_kv_heads)
             out = attention(layer, q, k, v).transpose(0, 2, 1, 3).reshape(b, t, -1)
-        return self.o_proj(out)
+        projected = fused_product(out, self.o_proj, residual=residual)
+        if projected is None:
+            projected = self.o_proj(out)
+            projected = projected if residual is None else residual + projected
+        return projected
 
 
 class DecoderBlock(nn.Module):
@@ -241,9 +251,10 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x, positions, layer: LayerAttention, attention: AttentionHook):
-        # the norms run inside the fused Q/K/V and gate/up products where those apply
-        x = x + self.self_attn(x, positions, layer, attention, norm=self.input_layernorm)
-        return x + self.mlp(x, norm=self.post_attention_layernorm)
+        # the norms run inside the fused Q/K/V and gate/up products, the residual adds inside o_proj's and
+        # down_proj's, where those apply
+        x = self.self_attn(x, positions, layer, attention, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class Llama(Decoder):
