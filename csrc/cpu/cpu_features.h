@@ -4,6 +4,9 @@
 // harness (tests/cpu_harness), so both apply one rule. No STL.
 #pragma once
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -50,6 +53,13 @@ inline bool amx_bf16() {
 // Integer dot products of unsigned with signed bytes (vpdpbusd).
 inline bool avx512vnni() {
   return avx512() && __builtin_cpu_supports("avx512vnni");
+}
+// The same dot products VEX-encoded on ymm (AVX-VNNI): CPUID.(EAX=7,
+// ECX=1):EAX bit 4, read directly (older compilers' __builtin_cpu_supports
+// lack the name); avx2() has checked that the OS saves the YMM state.
+inline bool avx_vnni() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return avx2() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 4 & 1u) != 0;
 }
 #endif
 

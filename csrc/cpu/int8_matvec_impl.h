@@ -13,9 +13,10 @@
 // unpacked once for every row); its int8 copy takes two blocks a step. AVX2
 // multiplies a tile of rows times a few outputs (feature_tiles: each block's
 // activations loaded once for the tile's outputs, each output's codes
-// unpacked once for its rows), and so do the arm64 copies (MLX_ATTN_INT8_NEON:
-// widening SMLAL, or SDOT for int8 activations with MLX_ATTN_INT8_DOTPROD);
-// plain C++ one block at a time (block_rows).
+// unpacked once for its rows), and so do AVX-VNNI (MLX_ATTN_INT8_AVX_VNNI:
+// the block's dot by vpdpbusd / vpdpwssd) and the arm64 copies
+// (MLX_ATTN_INT8_NEON: widening SMLAL, or SDOT for int8 activations with
+// MLX_ATTN_INT8_DOTPROD); plain C++ one block at a time (block_rows).
 #pragma once
 
 #include "csrc/cpu/elements.h"
@@ -23,6 +24,11 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#if defined(MLX_ATTN_EMULATE_AVX_VNNI)
+// Only the test driver's build of the avxvnni copy for CPUs without AVX-VNNI:
+// its two instructions by exact AVX2 sequences.
+#include "tests/cpu_harness/avx_vnni_emulation.h"
+#endif
 #elif defined(MLX_ATTN_INT8_NEON)
 #include <arm_neon.h>
 #endif
@@ -549,17 +555,56 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 
 #elif defined(__AVX2__)
 
-// AVX2: a tile of Rows rows times Features output features. Per block the
-// rows' activations (scales d, sums) are loaded once for all the tile's
-// features and each feature's codes are unpacked once for all its rows; each
-// (row, feature) has its own float accumulator, so Rows * Features
+// AVX2 and AVX-VNNI: a tile of Rows rows times Features output features.
+// Per block the rows' activations (scales d, sums) are loaded once for all
+// the tile's features and each feature's codes are unpacked once for all its
+// rows; each (row, feature) has its own float accumulator, so Rows * Features
 // independent FMA chains hide their latency even at one row. Lane by lane,
 //   acc += dot * (d * scale)
 // (a block's int32 dot products: 8 lanes of 4 columns); the lanes are summed
 // once per output, plus the bias term.
 
-// int16 activations: the block's 32 codes as two vectors of 16 words,
-// vpmaddwd with the row's words.
+// The block's integer dot steps, the one thing the avx2 and avxvnni copies
+// (int8_matvec_avxvnni.cpp) do differently. byte_dot: each int32 lane the
+// sum of four products of unsigned codes (Int8Codes::unpack: low, and high
+// when 8-bit codes are split into nibbles) and signed int8 activations;
+// word_dot: sum plus, each lane, two products of int16 words (codes up to
+// 255 times activations up to 32767 in magnitude, four to a lane: no
+// overflow). whole_byte_codes: whether byte_dot takes 8-bit codes whole.
+#if defined(MLX_ATTN_INT8_AVX_VNNI)
+#if defined(MLX_ATTN_EMULATE_AVX_VNNI)
+inline __m256i dpbusd(__m256i sum, __m256i u, __m256i s) { return avx_vnni_emulation::dpbusd(sum, u, s); }
+inline __m256i dpwssd(__m256i sum, __m256i a, __m256i b) { return avx_vnni_emulation::dpwssd(sum, a, b); }
+#elif defined(__AVXVNNI__)
+inline __m256i dpbusd(__m256i sum, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(sum, u, s); }
+inline __m256i dpwssd(__m256i sum, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(sum, a, b); }
+#else
+#error "the avxvnni copy needs AVX-VNNI (-mavxvnni)"
+#endif
+// vpdpbusd sums its four byte products into int32 without saturating.
+constexpr bool whole_byte_codes = true;
+template <int Bits>
+inline __m256i byte_dot(__m256i low, __m256i, __m256i x) {
+  return dpbusd(_mm256_setzero_si256(), low, x);
+}
+inline __m256i word_dot(__m256i sum, __m256i codes, __m256i x) { return dpwssd(sum, codes, x); }
+#else
+// vpmaddubsw's pair sums saturate at int16 (4-bit codes, 15 * 127 * 2, fit;
+// 8-bit codes are split into nibbles, weighted 1 and 16 by vpmaddwd).
+constexpr bool whole_byte_codes = false;
+template <int Bits>
+inline __m256i byte_dot(__m256i low, __m256i high, __m256i x) {
+  const __m256i low_dot = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x), _mm256_set1_epi16(1));
+  if constexpr (Bits == 4) return low_dot;
+  return _mm256_add_epi32(low_dot, _mm256_madd_epi16(_mm256_maddubs_epi16(high, x), _mm256_set1_epi16(16)));
+}
+inline __m256i word_dot(__m256i sum, __m256i codes, __m256i x) {
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(codes, x));
+}
+#endif
+
+// int16 activations: the block's 32 codes as two vectors of 16 words, each
+// dotted with the row's words.
 struct Int16Codes {
   using Code = int16_t;
   static constexpr int activation_bits = 16;
@@ -580,26 +625,28 @@ struct Int16Codes {
   }
   template <int Bits>
   static __m256i dot(const Unpacked& codes, const int16_t* x) {
-    return _mm256_add_epi32(
-        _mm256_madd_epi16(codes.first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-        _mm256_madd_epi16(codes.last, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+    const __m256i first = word_dot(_mm256_setzero_si256(), codes.first,
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return word_dot(first, codes.last, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
   }
 };
 
-// int8 activations: unsigned codes times signed activations by vpmaddubsw
-// (pairs saturate at int16: 4-bit codes, 15 * 127 * 2, fit; 8-bit codes are
-// split into nibbles), the pairs summed to int32 by vpmaddwd.
+// int8 activations: the unsigned codes times the row's signed bytes by
+// byte_dot (8-bit codes split into nibbles unless it takes them whole).
 struct Int8Codes {
   using Code = int8_t;
   static constexpr int activation_bits = 8;
   struct Unpacked {
-    __m256i low, high;  // 4-bit: the block's 32 codes in low; 8-bit: its low and high nibbles
+    // the block's 32 codes in low (4-bit codes, or whole 8-bit ones); split
+    // 8-bit codes: their low nibbles in low, high ones in high
+    __m256i low, high;
   };
   template <int Bits>
   static Unpacked unpack(const uint8_t* w, int64_t b) {
     const __m256i nibble = _mm256_set1_epi8(15);
     if constexpr (Bits == 8) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+      if constexpr (whole_byte_codes) return {raw, _mm256_setzero_si256()};
       return {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
     } else {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
@@ -610,13 +657,7 @@ struct Int8Codes {
   }
   template <int Bits>
   static __m256i dot(const Unpacked& codes, const int8_t* xq) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    if constexpr (Bits == 8) {
-      return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(codes.low, x), _mm256_set1_epi16(1)),
-                              _mm256_madd_epi16(_mm256_maddubs_epi16(codes.high, x), _mm256_set1_epi16(16)));
-    } else {
-      return _mm256_madd_epi16(_mm256_maddubs_epi16(codes.low, x), _mm256_set1_epi16(1));
-    }
+    return byte_dot<Bits>(codes.low, codes.high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
   }
 };
 
@@ -682,8 +723,8 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 
 // Features a tile takes at Rows rows: enough accumulators to hide the FMA
 // latency at few rows, few enough to stay in the 16 registers at more
-// (measured on SmolLM2's layers, one thread: 4 at one row, then 2; int8
-// activations at 5 to 8 rows 1).
+// (measured on SmolLM2's layers, one thread, with AVX2: 4 at one row, then
+// 2; int8 activations at 5 to 8 rows 1; AVX-VNNI takes the same, unmeasured).
 template <int Rows, bool Int8>
 constexpr int kTileFeatures = Rows == 1 ? 4 : (Rows <= 4 || !Int8 ? 2 : 1);
 

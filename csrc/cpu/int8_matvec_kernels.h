@@ -4,8 +4,8 @@
 // int16 per block of 32 columns (quantize_activations, below) and an MLX
 // affine-quantized weight (4 or 8 bits). Per block the weight codes (unsigned)
 // and the activation codes (signed) meet in an integer dot product (int8:
-// AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw, arm64 SDOT; int16: vpdpwssd,
-// vpmaddwd, NEON SMLAL; or plain C++), which is scaled once by the weight's
+// AVX512-VNNI or AVX-VNNI vpdpbusd, AVX2 vpmaddubsw, arm64 SDOT; int16:
+// vpdpwssd, vpmaddwd, NEON SMLAL; or plain C++), which is scaled once by the weight's
 // group scale times the block's activation scale; the bias term uses the
 // activations' exact float sums.
 //
@@ -90,6 +90,9 @@ void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
 #ifdef MLX_ATTN_X86_KERNELS
 namespace avx2 {
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
+}
+namespace avxvnni {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
 namespace avx512vnni {
