@@ -3,9 +3,11 @@
 (tests/cpu_harness/int8_matvec_driver.cpp) and checked against its
 double-precision oracle within the error bound int8_matvec_kernels.h states,
 each row alone against the same row in a batch bit for bit: the arm64 copies
-(baseline NEON, SDOT with FEAT_DotProd) cross-compiled with clang and run
-under qemu-aarch64 on a CPU model with FEAT_DotProd (`max`) and one without
-(`cortex-a57`, where the dispatch rule must not pick SDOT), and the x86 copies
+(baseline NEON, SDOT with FEAT_DotProd, USMMLA with FEAT_I8MM)
+cross-compiled with clang and run under qemu-aarch64 on a CPU model with
+FEAT_I8MM (`max`), one with FEAT_DotProd only (`cortex-a76`, where the
+dispatch rule must pick SDOT) and one with neither (`cortex-a57`: NEON), and
+the x86 copies
 natively; the AVX-VNNI copy, where the CPU lacks AVX-VNNI (no qemu emulates
 it), built with its two instructions emulated by exact AVX2 sequences, the
 emulation itself checked against scalar sums. Compile flags are read from
@@ -34,7 +36,7 @@ IMPL = ROOT / "csrc" / "cpu" / "int8_matvec_impl.h"
 # rows longer than one scale chunk.
 CASES = 2 * 3 * 3 * 2 * 10 + 8
 FULL_CASES = 2 * 3 * 3 * 2 * 10 * 4 * 3 + 8
-ARM64_COPIES = ["neondot", "neon", "generic"]
+ARM64_COPIES = ["neoni8mm", "neondot", "neon", "generic"]
 X86_COPIES = ["avx512vnni", "avxvnni", "avxvnni_emulated", "avx2", "generic"]
 
 
@@ -116,13 +118,13 @@ def passed(report, copy):
 
 
 def test_arm64_copies_match_the_oracle_under_qemu(arm64_driver):
-    """On a CPU with FEAT_DotProd (qemu's `max`) the rule picks the SDOT copy
+    """On a CPU with FEAT_I8MM (qemu's `max`) the rule picks the USMMLA copy
     (and plain C++ when the generic ISA is chosen); every copy matches the
     oracle and is batch invariant."""
     binary, emulated = arm64_driver
     command = (qemu("max") if emulated else []) + [str(binary)]
     if emulated:
-        assert run_driver(command, ["--rule", "neon"])[1].split() == ["picked:", "neondot"]
+        assert run_driver(command, ["--rule", "neon"])[1].split() == ["picked:", "neoni8mm"]
     assert run_driver(command, ["--rule", "generic"])[1].split() == ["picked:", "generic"]
     rc, report = run_driver(command, grid_args(ARM64_COPIES))
     assert rc == 0, report
@@ -130,27 +132,43 @@ def test_arm64_copies_match_the_oracle_under_qemu(arm64_driver):
         assert passed(report, copy) or (not emulated and f"{copy}: not supported by this CPU" in report), report
 
 
+def test_a_cpu_without_i8mm_gets_the_sdot_copy(arm64_driver):
+    """A Cortex-A76 (FEAT_DotProd, no FEAT_I8MM): the rule picks SDOT, the
+    USMMLA copy reports itself unsupported, and SDOT is right there."""
+    binary, _ = arm64_driver
+    command = qemu("cortex-a76") + [str(binary)]
+    assert run_driver(command, ["--rule", "neon"])[1].split() == ["picked:", "neondot"]
+    rc, report = run_driver(command, grid_args(["neoni8mm", "neondot"]))
+    assert rc == 0, report
+    assert "neoni8mm: not supported by this CPU" in report, report
+    assert passed(report, "neondot"), report
+
+
 def test_a_cpu_without_dotprod_gets_the_neon_copy(arm64_driver):
-    """A Cortex-A57 (ARMv8.0, no FEAT_DotProd): the rule picks baseline NEON,
-    the SDOT copy reports itself unsupported, and NEON is right there."""
+    """A Cortex-A57 (ARMv8.0, neither FEAT_DotProd nor FEAT_I8MM): the rule
+    picks baseline NEON, the SDOT and USMMLA copies report themselves
+    unsupported, and NEON is right there."""
     binary, _ = arm64_driver
     command = qemu("cortex-a57") + [str(binary)]
     assert run_driver(command, ["--rule", "neon"])[1].split() == ["picked:", "neon"]
-    rc, report = run_driver(command, grid_args(["neondot", "neon"]))
+    rc, report = run_driver(command, grid_args(["neoni8mm", "neondot", "neon"]))
     assert rc == 0, report
+    assert "neoni8mm: not supported by this CPU" in report, report
     assert "neondot: not supported by this CPU" in report, report
     assert passed(report, "neon"), report
 
 
-def test_dotprod_copy_multiplies_with_sdot(arm64_driver):
-    """The SDOT copy really uses SDOT; the baseline NEON copy (which must run
-    on any ARMv8.0 core) does not, and widens with SMULL / SMLAL instead."""
+def test_dotprod_and_i8mm_copies_multiply_with_sdot_and_usmmla(arm64_driver):
+    """The SDOT copy really uses SDOT and the i8mm copy USMMLA (FEAT_I8MM's
+    unsigned x signed SMMLA); the baseline NEON copy (which must run on any
+    ARMv8.0 core) uses neither, and widens with SMULL / SMLAL instead."""
     binary, _ = arm64_driver
     found = {copy: _mnemonics(binary.parent / f"int8_matvec_{copy}.o") for copy in ARM64_COPIES}
-    assert "sdot" in found["neondot"]
+    assert "sdot" in found["neondot"] and "usmmla" not in found["neondot"]
+    assert "usmmla" in found["neoni8mm"]
     for baseline in ("neon", "generic"):
-        assert "sdot" not in found[baseline], baseline
-    assert {"smull", "smlal", "smlal2"} <= found["neon"]
+        assert not {"sdot", "usmmla", "smmla"} & found[baseline], baseline
+    assert {"smull", "smlal", "smlal2"} <= found["neon"] and "smlal2" in found["neoni8mm"]
 
 
 # (name, target text in int8_matvec_impl.h, replacement): each target occurs
@@ -160,21 +178,31 @@ MUTANTS = [
      "first = vandq_u8(raw, vdupq_n_u8(15));  // low nibbles: the even columns\n"
      "      last = vshrq_n_u8(raw, 4);              // high nibbles: the odd columns",
      "last = vandq_u8(raw, vdupq_n_u8(15));\n      first = vshrq_n_u8(raw, 4);"),
-    ("the bias term skipped", "c.out[r * c.n + n0 + f] = vaddvq_f32(acc[r][f]) + bias_term[r];",
-     "c.out[r * c.n + n0 + f] = vaddvq_f32(acc[r][f]);"),
+    ("the bias term skipped", "c.out[r * c.n + n0 + f] = sums.total(r, f) + bias_term[r];",
+     "c.out[r * c.n + n0 + f] = sums.total(r, f);"),
     ("8-bit high nibbles weighted 8, not 16", "vaddq_s32(low, vshlq_n_s32(high, 4))",
      "vaddq_s32(low, vshlq_n_s32(high, 3))"),
     ("multi-row tiles summing lanes in another order",
-     "c.out[r * c.n + n0 + f] = vaddvq_f32(acc[r][f]) + bias_term[r];",
-     "c.out[r * c.n + n0 + f] = (Rows == 1 ? vaddvq_f32(acc[r][f]) : ((vgetq_lane_f32(acc[r][f], 0) + "
-     "vgetq_lane_f32(acc[r][f], 1)) + vgetq_lane_f32(acc[r][f], 2)) + vgetq_lane_f32(acc[r][f], 3)) + bias_term[r];"),
+     "float total(int r, int f) const { return vaddvq_f32(acc[r][f]); }",
+     "float total(int r, int f) const { return Rows == 1 ? vaddvq_f32(acc[r][f]) : ((vgetq_lane_f32(acc[r][f], 0) + "
+     "vgetq_lane_f32(acc[r][f], 1)) + vgetq_lane_f32(acc[r][f], 2)) + vgetq_lane_f32(acc[r][f], 3); }"),
 ]
 SELECTED = MUTANTS if full_grid() else MUTANTS[:1]
+# Likewise for the i8mm copy.
+I8MM_MUTANTS = [
+    ("pair lanes read with rows and outputs swapped", "return lanes[2 * (f % 2) + r % 2];",
+     "return lanes[2 * (r % 2) + f % 2];"),
+    ("an output pair's columns 8-15 taken from columns 0-7", "last_halves(first[0], first[1])",
+     "first_halves(first[0], first[1])"),
+    ("a lone last row read from its zero partner's lane", "return lanes[2 * (f % 2) + r % 2];",
+     "return lanes[2 * (f % 2) + (Rows % 2 == 1 && r == Rows - 1 ? 1 : r % 2)];"),
+]
+SELECTED_I8MM = I8MM_MUTANTS if full_grid() else I8MM_MUTANTS[:1]
 
 
 def test_every_mutation_target_exists():
     text = IMPL.read_text()
-    for name, target, _ in MUTANTS + AVX_VNNI_MUTANTS:
+    for name, target, _ in MUTANTS + I8MM_MUTANTS + AVX_VNNI_MUTANTS:
         assert text.count(target) == 1, name
 
 
@@ -194,6 +222,27 @@ def test_neon_mutant_is_caught(tmp_path, arm64_driver, name, target, replacement
     command = (qemu("max") if emulated else []) + [str(binary)]
     rc, report = run_driver(command, ["neondot", "neon"])
     assert rc == 1 and re.search(r": \d+ cases, [1-9]\d* failures", report), report
+
+
+@pytest.mark.parametrize("name,target,replacement", SELECTED_I8MM, ids=[m[0] for m in SELECTED_I8MM])
+def test_i8mm_mutant_is_caught(tmp_path, arm64_driver, name, target, replacement):
+    """The unchanged i8mm copy passes; the mutated one must not (run on qemu's
+    `max`, or natively where the CPU has FEAT_I8MM). Built at -O1, as the
+    avxvnni mutants are."""
+    _, emulated = arm64_driver
+    include = tmp_path / "include"
+    (include / "csrc" / "cpu").mkdir(parents=True)
+    text = IMPL.read_text()
+    assert text.count(target) == 1, name
+    (include / "csrc" / "cpu" / "int8_matvec_impl.h").write_text(text.replace(target, replacement))
+    target_args, _ = arm64_target()
+    binary = build_driver(tmp_path, target_args, ARM64_COPIES, "HARNESS_ARM64", include_first=include,
+                          prebuilt=arm64_driver[0].parent, rebuild=["neoni8mm"], extra=["-O1"])
+    command = (qemu("max") if emulated else []) + [str(binary)]
+    rc, report = run_driver(command, ["neoni8mm"])
+    if "neoni8mm: not supported by this CPU" in report:
+        pytest.skip("this arm64 CPU lacks FEAT_I8MM")
+    assert rc == 1 and re.search(r"neoni8mm: \d+ cases, [1-9]\d* failures", report), report
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ inline bool avx_vnni() {
 // older C libraries whose headers lack them.
 inline constexpr unsigned long kHwcapAsimdDp = 1ul << 20;   // HWCAP_ASIMDDP
 inline constexpr unsigned long kHwcapAsimdFhm = 1ul << 23;  // HWCAP_ASIMDFHM
+inline constexpr unsigned long kHwcap2I8mm = 1ul << 13;     // HWCAP2_I8MM
 inline constexpr unsigned long kHwcap2Bf16 = 1ul << 14;     // HWCAP2_BF16
 // FEAT_DotProd: SDOT / UDOT.
 inline bool neon_dotprod() {
@@ -79,6 +80,10 @@ inline bool neon_fhm() {
 }
 inline bool neon_bf16() {
   return (getauxval(AT_HWCAP2) & kHwcap2Bf16) != 0;
+}
+// FEAT_I8MM: SMMLA / UMMLA / USMMLA, USDOT.
+inline bool neon_i8mm() {
+  return (getauxval(AT_HWCAP2) & kHwcap2I8mm) != 0;
 }
 #elif defined(__APPLE__)
 // Apple's "Determining instruction set characteristics" names; a name the
@@ -97,6 +102,9 @@ inline bool neon_fhm() {
 inline bool neon_bf16() {
   return sysctl_flag("hw.optional.arm.FEAT_BF16");
 }
+inline bool neon_i8mm() {
+  return sysctl_flag("hw.optional.arm.FEAT_I8MM");
+}
 #else
 inline bool neon_dotprod() {
   return false;
@@ -107,10 +115,17 @@ inline bool neon_fhm() {
 inline bool neon_bf16() {
   return false;
 }
+inline bool neon_i8mm() {
+  return false;
+}
 #endif
 // The neonbf16 copy multiplies float16 natively too (FMLAL), so it needs both.
 inline bool neon_bf16_and_fhm() {
   return neon_bf16() && neon_fhm();
+}
+// The neoni8mm copy is compiled for FEAT_DotProd too (every I8MM core has it).
+inline bool neon_i8mm_and_dotprod() {
+  return neon_i8mm() && neon_dotprod();
 }
 #endif
 

@@ -44,7 +44,7 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
                                                   float norm_eps = 1e-5f, mx::StreamOrDevice s = {});
 
 // The integer product's copy for the active CPU kernel ISA: "avx512vnni",
-// "avxvnni", "avx2", "neondot", "neon" or "generic" (the policy in
+// "avxvnni", "avx2", "neoni8mm", "neondot", "neon" or "generic" (the policy in
 // lm/quantized_matmul.py reads it: only the AVX512-VNNI int16 copy reads a
 // weight block once for 128 rows).
 std::string int8_matvec_copy_name();

@@ -6,7 +6,7 @@
 // against the same row in a batch, bit for bit. No STL (a cross build needs
 // only a C library).
 //
-// Build with -DHARNESS_ARM64 (copies neondot, neon, generic) or -DHARNESS_X86
+// Build with -DHARNESS_ARM64 (copies neoni8mm, neondot, neon, generic) or -DHARNESS_X86
 // (avx512vnni, avxvnni, avx2, generic) plus the matching int8_matvec_<copy>.cpp
 // units, and for HARNESS_X86 also int8_matvec_avxvnni.cpp built with
 // -DMLX_ATTN_EMULATE_AVX_VNNI and AVX2 flags only: copy avxvnni_emulated, the
@@ -54,6 +54,7 @@ struct Copy {
 };
 const Copy kCopies[] = {
 #if defined(HARNESS_ARM64)
+    {"neoni8mm", neoni8mm::int8_matvec, features::neon_i8mm_and_dotprod},
     {"neondot", neondot::int8_matvec, features::neon_dotprod},
     {"neon", neon::int8_matvec, always},
 #else
