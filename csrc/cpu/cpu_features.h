@@ -4,6 +4,9 @@
 // harness (tests/cpu_harness), so both apply one rule. No STL.
 #pragma once
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -51,6 +54,13 @@ inline bool amx_bf16() {
 inline bool avx512vnni() {
   return avx512() && __builtin_cpu_supports("avx512vnni");
 }
+// The same dot products VEX-encoded on ymm (AVX-VNNI): CPUID.(EAX=7,
+// ECX=1):EAX bit 4, read directly (older compilers' __builtin_cpu_supports
+// lack the name); avx2() has checked that the OS saves the YMM state.
+inline bool avx_vnni() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return avx2() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 4 & 1u) != 0;
+}
 #endif
 
 #if defined(__aarch64__)
@@ -59,6 +69,7 @@ inline bool avx512vnni() {
 // older C libraries whose headers lack them.
 inline constexpr unsigned long kHwcapAsimdDp = 1ul << 20;   // HWCAP_ASIMDDP
 inline constexpr unsigned long kHwcapAsimdFhm = 1ul << 23;  // HWCAP_ASIMDFHM
+inline constexpr unsigned long kHwcap2I8mm = 1ul << 13;     // HWCAP2_I8MM
 inline constexpr unsigned long kHwcap2Bf16 = 1ul << 14;     // HWCAP2_BF16
 // FEAT_DotProd: SDOT / UDOT.
 inline bool neon_dotprod() {
@@ -69,6 +80,10 @@ inline bool neon_fhm() {
 }
 inline bool neon_bf16() {
   return (getauxval(AT_HWCAP2) & kHwcap2Bf16) != 0;
+}
+// FEAT_I8MM: SMMLA / UMMLA / USMMLA, USDOT.
+inline bool neon_i8mm() {
+  return (getauxval(AT_HWCAP2) & kHwcap2I8mm) != 0;
 }
 #elif defined(__APPLE__)
 // Apple's "Determining instruction set characteristics" names; a name the
@@ -87,6 +102,9 @@ inline bool neon_fhm() {
 inline bool neon_bf16() {
   return sysctl_flag("hw.optional.arm.FEAT_BF16");
 }
+inline bool neon_i8mm() {
+  return sysctl_flag("hw.optional.arm.FEAT_I8MM");
+}
 #else
 inline bool neon_dotprod() {
   return false;
@@ -97,10 +115,17 @@ inline bool neon_fhm() {
 inline bool neon_bf16() {
   return false;
 }
+inline bool neon_i8mm() {
+  return false;
+}
 #endif
 // The neonbf16 copy multiplies float16 natively too (FMLAL), so it needs both.
 inline bool neon_bf16_and_fhm() {
   return neon_bf16() && neon_fhm();
+}
+// The neoni8mm copy is compiled for FEAT_DotProd too (every I8MM core has it).
+inline bool neon_i8mm_and_dotprod() {
+  return neon_i8mm() && neon_dotprod();
 }
 #endif
 

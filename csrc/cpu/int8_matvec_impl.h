@@ -13,9 +13,10 @@
 // unpacked once for every row); its int8 copy takes two blocks a step. AVX2
 // multiplies a tile of rows times a few outputs (feature_tiles: each block's
 // activations loaded once for the tile's outputs, each output's codes
-// unpacked once for its rows), and so do the arm64 copies (MLX_ATTN_INT8_NEON:
-// widening SMLAL, or SDOT for int8 activations with MLX_ATTN_INT8_DOTPROD);
-// plain C++ one block at a time (block_rows).
+// unpacked once for its rows), and so do AVX-VNNI (MLX_ATTN_INT8_AVX_VNNI:
+// the block's dot by vpdpbusd / vpdpwssd) and the arm64 copies
+// (MLX_ATTN_INT8_NEON: widening SMLAL, or SDOT for int8 activations with
+// MLX_ATTN_INT8_DOTPROD); plain C++ one block at a time (block_rows).
 #pragma once
 
 #include "csrc/cpu/elements.h"
@@ -23,6 +24,11 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#if defined(MLX_ATTN_EMULATE_AVX_VNNI)
+// Only the test driver's build of the avxvnni copy for CPUs without AVX-VNNI:
+// its two instructions by exact AVX2 sequences.
+#include "tests/cpu_harness/avx_vnni_emulation.h"
+#endif
 #elif defined(MLX_ATTN_INT8_NEON)
 #include <arm_neon.h>
 #endif
@@ -549,17 +555,56 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 
 #elif defined(__AVX2__)
 
-// AVX2: a tile of Rows rows times Features output features. Per block the
-// rows' activations (scales d, sums) are loaded once for all the tile's
-// features and each feature's codes are unpacked once for all its rows; each
-// (row, feature) has its own float accumulator, so Rows * Features
+// AVX2 and AVX-VNNI: a tile of Rows rows times Features output features.
+// Per block the rows' activations (scales d, sums) are loaded once for all
+// the tile's features and each feature's codes are unpacked once for all its
+// rows; each (row, feature) has its own float accumulator, so Rows * Features
 // independent FMA chains hide their latency even at one row. Lane by lane,
 //   acc += dot * (d * scale)
 // (a block's int32 dot products: 8 lanes of 4 columns); the lanes are summed
 // once per output, plus the bias term.
 
-// int16 activations: the block's 32 codes as two vectors of 16 words,
-// vpmaddwd with the row's words.
+// The block's integer dot steps, the one thing the avx2 and avxvnni copies
+// (int8_matvec_avxvnni.cpp) do differently. byte_dot: each int32 lane the
+// sum of four products of unsigned codes (Int8Codes::unpack: low, and high
+// when 8-bit codes are split into nibbles) and signed int8 activations;
+// word_dot: sum plus, each lane, two products of int16 words (codes up to
+// 255 times activations up to 32767 in magnitude, four to a lane: no
+// overflow). whole_byte_codes: whether byte_dot takes 8-bit codes whole.
+#if defined(MLX_ATTN_INT8_AVX_VNNI)
+#if defined(MLX_ATTN_EMULATE_AVX_VNNI)
+inline __m256i dpbusd(__m256i sum, __m256i u, __m256i s) { return avx_vnni_emulation::dpbusd(sum, u, s); }
+inline __m256i dpwssd(__m256i sum, __m256i a, __m256i b) { return avx_vnni_emulation::dpwssd(sum, a, b); }
+#elif defined(__AVXVNNI__)
+inline __m256i dpbusd(__m256i sum, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(sum, u, s); }
+inline __m256i dpwssd(__m256i sum, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(sum, a, b); }
+#else
+#error "the avxvnni copy needs AVX-VNNI (-mavxvnni)"
+#endif
+// vpdpbusd sums its four byte products into int32 without saturating.
+constexpr bool whole_byte_codes = true;
+template <int Bits>
+inline __m256i byte_dot(__m256i low, __m256i, __m256i x) {
+  return dpbusd(_mm256_setzero_si256(), low, x);
+}
+inline __m256i word_dot(__m256i sum, __m256i codes, __m256i x) { return dpwssd(sum, codes, x); }
+#else
+// vpmaddubsw's pair sums saturate at int16 (4-bit codes, 15 * 127 * 2, fit;
+// 8-bit codes are split into nibbles, weighted 1 and 16 by vpmaddwd).
+constexpr bool whole_byte_codes = false;
+template <int Bits>
+inline __m256i byte_dot(__m256i low, __m256i high, __m256i x) {
+  const __m256i low_dot = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x), _mm256_set1_epi16(1));
+  if constexpr (Bits == 4) return low_dot;
+  return _mm256_add_epi32(low_dot, _mm256_madd_epi16(_mm256_maddubs_epi16(high, x), _mm256_set1_epi16(16)));
+}
+inline __m256i word_dot(__m256i sum, __m256i codes, __m256i x) {
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(codes, x));
+}
+#endif
+
+// int16 activations: the block's 32 codes as two vectors of 16 words, each
+// dotted with the row's words.
 struct Int16Codes {
   using Code = int16_t;
   static constexpr int activation_bits = 16;
@@ -580,26 +625,28 @@ struct Int16Codes {
   }
   template <int Bits>
   static __m256i dot(const Unpacked& codes, const int16_t* x) {
-    return _mm256_add_epi32(
-        _mm256_madd_epi16(codes.first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-        _mm256_madd_epi16(codes.last, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+    const __m256i first = word_dot(_mm256_setzero_si256(), codes.first,
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return word_dot(first, codes.last, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
   }
 };
 
-// int8 activations: unsigned codes times signed activations by vpmaddubsw
-// (pairs saturate at int16: 4-bit codes, 15 * 127 * 2, fit; 8-bit codes are
-// split into nibbles), the pairs summed to int32 by vpmaddwd.
+// int8 activations: the unsigned codes times the row's signed bytes by
+// byte_dot (8-bit codes split into nibbles unless it takes them whole).
 struct Int8Codes {
   using Code = int8_t;
   static constexpr int activation_bits = 8;
   struct Unpacked {
-    __m256i low, high;  // 4-bit: the block's 32 codes in low; 8-bit: its low and high nibbles
+    // the block's 32 codes in low (4-bit codes, or whole 8-bit ones); split
+    // 8-bit codes: their low nibbles in low, high ones in high
+    __m256i low, high;
   };
   template <int Bits>
   static Unpacked unpack(const uint8_t* w, int64_t b) {
     const __m256i nibble = _mm256_set1_epi8(15);
     if constexpr (Bits == 8) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+      if constexpr (whole_byte_codes) return {raw, _mm256_setzero_si256()};
       return {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble)};
     } else {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
@@ -610,13 +657,7 @@ struct Int8Codes {
   }
   template <int Bits>
   static __m256i dot(const Unpacked& codes, const int8_t* xq) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    if constexpr (Bits == 8) {
-      return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(codes.low, x), _mm256_set1_epi16(1)),
-                              _mm256_madd_epi16(_mm256_maddubs_epi16(codes.high, x), _mm256_set1_epi16(16)));
-    } else {
-      return _mm256_madd_epi16(_mm256_maddubs_epi16(codes.low, x), _mm256_set1_epi16(1));
-    }
+    return byte_dot<Bits>(codes.low, codes.high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
   }
 };
 
@@ -682,8 +723,8 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 
 // Features a tile takes at Rows rows: enough accumulators to hide the FMA
 // latency at few rows, few enough to stay in the 16 registers at more
-// (measured on SmolLM2's layers, one thread: 4 at one row, then 2; int8
-// activations at 5 to 8 rows 1).
+// (measured on SmolLM2's layers, one thread, with AVX2: 4 at one row, then
+// 2; int8 activations at 5 to 8 rows 1; AVX-VNNI takes the same, unmeasured).
 template <int Rows, bool Int8>
 constexpr int kTileFeatures = Rows == 1 ? 4 : (Rows <= 4 || !Int8 ? 2 : 1);
 
@@ -699,15 +740,17 @@ void int16_rows(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 
 #elif defined(MLX_ATTN_INT8_NEON)
 
-// arm64 (int8_matvec_neon.cpp, int8_matvec_neondot.cpp): the AVX2 copy's
-// feature_tiles with four float lanes. Per block each output's codes are
-// unpacked once for the tile's rows and multiplied with a row's codes into
-// four int32 lanes, then, lane by lane,
+// arm64 (int8_matvec_neon.cpp, int8_matvec_neondot.cpp,
+// int8_matvec_neoni8mm.cpp): the AVX2 copy's feature_tiles with four float
+// lanes. Per block each output's codes are unpacked once for the tile's rows
+// and multiplied with a row's codes into four int32 lanes, then, lane by lane,
 //   acc += dot * (d * scale)
 // (d * scale one scalar: FMLA by element); the lanes are summed once per
-// output, plus the bias term. Every (row, output) has its own accumulator and
-// the same steps at any row count, so a row's result does not depend on the
-// rows beside it.
+// output, plus the bias term (TileSums). Every (row, output) has its own
+// accumulator and the same steps at any row count, so a row's result does not
+// depend on the rows beside it. FEAT_I8MM's int8 step instead multiplies two
+// rows by two outputs at once, each (row, output) one lane holding the
+// block's whole dot product (MatrixCodes, TileSums<MatrixCodes>).
 
 // Baseline NEON: the block's 32 codes widened to four int16x8 vectors, times
 // the row's codes (int16, or int8 widened) by SMULL / SMLAL(2) into int32
@@ -797,21 +840,158 @@ struct DotCodes {
     }
   }
 };
+#endif
+
+// A tile's Rows x Features sums over the blocks (feature_tiles), for the
+// steps that dot one row with one output's codes (WideningCodes, DotCodes):
+// four float lanes per (row, output), summed once at the end.
+template <typename Codes, int Rows, int Features>
+struct TileSums {
+  using Code = typename Codes::Code;
+  float32x4_t acc[Rows][Features];
+  TileSums() {
+    for (int r = 0; r < Rows; ++r) {
+      for (int f = 0; f < Features; ++f) acc[r][f] = vdupq_n_f32(0.0f);
+    }
+  }
+  // Block b of the outputs' codes w[f] (their scales scales[f * scale_stride]).
+  template <int Bits>
+  MLX_ATTN_STEP void add(const Int8MatvecCall& c, const uint8_t* const* w, int64_t b, int64_t lane_stride,
+                         const float* scales, int scale_stride) {
+    const Code* xq = static_cast<const Code*>(c.xq) + b * kInt8Block;
+    for (int f = 0; f < Features; ++f) {
+      const typename Codes::Unpacked codes = Codes::template unpack<Bits>(w[f], b);
+      const float scale = scales[f * scale_stride];
+      for (int r = 0; r < Rows; ++r) {
+        const int32x4_t dot = Codes::template dot<Bits>(codes, xq + r * c.k);
+        acc[r][f] = vfmaq_n_f32(acc[r][f], vcvtq_f32_s32(dot), c.xd[r * lane_stride + b * 8] * scale);
+      }
+    }
+  }
+  float total(int r, int f) const { return vaddvq_f32(acc[r][f]); }
+};
+
+#if defined(MLX_ATTN_INT8_I8MM)
+#if !defined(__ARM_FEATURE_MATMUL_INT8)
+#error "the i8mm copy needs FEAT_I8MM (-march=armv8.2-a+dotprod+i8mm)"
+#endif
+// FEAT_I8MM, int8 activations: USMMLA multiplies a 2 x 8 matrix of unsigned
+// bytes (two outputs' codes over 8 columns) by an 8 x 2 matrix of signed
+// bytes (two rows' codes over the same columns) into 2 x 2 int32 lanes,
+// (output i, row j) in lane 2i + j: 32 products an instruction (SDOT: 16),
+// and 8-bit codes go whole (unsigned times signed). Four give two outputs'
+// block dot products with two rows.
+struct MatrixCodes {
+  using Code = int8_t;
+  static constexpr int activation_bits = 8;
+  // v[i]: columns 8i .. 8i + 7 of the block (the activations' order) of a
+  // pair of outputs or rows, the first's 8 bytes then the second's
+  struct Unpacked {
+    uint8x16_t v[4];
+  };
+  struct RowPair {
+    int8x16_t v[4];
+  };
+  static uint8x16_t first_halves(uint8x16_t a, uint8x16_t b) {
+    return vreinterpretq_u8_u64(vzip1q_u64(vreinterpretq_u64_u8(a), vreinterpretq_u64_u8(b)));
+  }
+  static uint8x16_t last_halves(uint8x16_t a, uint8x16_t b) {
+    return vreinterpretq_u8_u64(vzip2q_u64(vreinterpretq_u64_u8(a), vreinterpretq_u64_u8(b)));
+  }
+  template <int Bits>
+  static Unpacked unpack(const uint8_t* w0, const uint8_t* w1, int64_t b) {
+    uint8x16_t first[2], last[2];  // each output's first and last 16 codes of the block
+    const uint8_t* w[2] = {w0, w1};
+    for (int i = 0; i < 2; ++i) {
+      if constexpr (Bits == 8) {
+        first[i] = vld1q_u8(w[i] + b * 32);
+        last[i] = vld1q_u8(w[i] + b * 32 + 16);
+      } else {
+        const uint8x16_t raw = vld1q_u8(w[i] + b * 16);
+        first[i] = vandq_u8(raw, vdupq_n_u8(15));  // low nibbles: the even columns
+        last[i] = vshrq_n_u8(raw, 4);              // high nibbles: the odd columns
+      }
+    }
+    return {{first_halves(first[0], first[1]), last_halves(first[0], first[1]), first_halves(last[0], last[1]),
+             last_halves(last[0], last[1])}};
+  }
+  // Two rows' codes of the block (x1 null: a row of zeros).
+  static RowPair rows(const int8_t* x0, const int8_t* x1) {
+    const uint8x16_t zero = vdupq_n_u8(0);
+    const uint8x16_t first0 = vreinterpretq_u8_s8(vld1q_s8(x0)), last0 = vreinterpretq_u8_s8(vld1q_s8(x0 + 16));
+    const uint8x16_t first1 = x1 ? vreinterpretq_u8_s8(vld1q_s8(x1)) : zero;
+    const uint8x16_t last1 = x1 ? vreinterpretq_u8_s8(vld1q_s8(x1 + 16)) : zero;
+    return {{vreinterpretq_s8_u8(first_halves(first0, first1)), vreinterpretq_s8_u8(last_halves(first0, first1)),
+             vreinterpretq_s8_u8(first_halves(last0, last1)), vreinterpretq_s8_u8(last_halves(last0, last1))}};
+  }
+  static int32x4_t dot(const Unpacked& codes, const RowPair& x) {
+    int32x4_t sums = vusmmlaq_s32(vdupq_n_s32(0), codes.v[0], x.v[0]);
+    for (int i = 1; i < 4; ++i) sums = vusmmlaq_s32(sums, codes.v[i], x.v[i]);
+    return sums;
+  }
+};
+
+// The sums of pairs of rows and pairs of outputs: (row r, output f) is lane
+// 2 * (f % 2) + r % 2 of acc[r / 2][f / 2], where each block adds
+// dot * (d * scale) with the block's whole integer dot product. A last odd
+// row pairs with a row of zeros, so every row takes the same steps in its
+// lane alone or in a batch.
+template <int Rows, int Features>
+struct TileSums<MatrixCodes, Rows, Features> {
+  static_assert(Features % 2 == 0, "the outputs go in pairs");
+  static constexpr int row_pairs = (Rows + 1) / 2, output_pairs = Features / 2;
+  float32x4_t acc[row_pairs][output_pairs];
+  TileSums() {
+    for (int i = 0; i < row_pairs; ++i) {
+      for (int p = 0; p < output_pairs; ++p) acc[i][p] = vdupq_n_f32(0.0f);
+    }
+  }
+  template <int Bits>
+  MLX_ATTN_STEP void add(const Int8MatvecCall& c, const uint8_t* const* w, int64_t b, int64_t lane_stride,
+                         const float* scales, int scale_stride) {
+    const int8_t* xq = static_cast<const int8_t*>(c.xq) + b * kInt8Block;
+    MatrixCodes::Unpacked codes[output_pairs];
+    float32x4_t scale[output_pairs];  // lanes: output 2p, 2p, 2p + 1, 2p + 1
+    for (int p = 0; p < output_pairs; ++p) {
+      codes[p] = MatrixCodes::unpack<Bits>(w[2 * p], w[2 * p + 1], b);
+      scale[p] = vcombine_f32(vdup_n_f32(scales[2 * p * scale_stride]), vdup_n_f32(scales[(2 * p + 1) * scale_stride]));
+    }
+    for (int i = 0; i < row_pairs; ++i) {
+      const int r = 2 * i;
+      const bool paired = r + 1 < Rows;
+      const MatrixCodes::RowPair x = MatrixCodes::rows(xq + r * c.k, paired ? xq + (r + 1) * c.k : nullptr);
+      const float32x2_t d_pair = vset_lane_f32(paired ? c.xd[(r + 1) * lane_stride + b * 8] : 0.0f,
+                                               vdup_n_f32(c.xd[r * lane_stride + b * 8]), 1);
+      const float32x4_t d = vcombine_f32(d_pair, d_pair);  // lanes: rows r, r + 1, r, r + 1
+      for (int p = 0; p < output_pairs; ++p) {
+        acc[i][p] = vfmaq_f32(acc[i][p], vcvtq_f32_s32(MatrixCodes::dot(codes[p], x)), vmulq_f32(d, scale[p]));
+      }
+    }
+  }
+  float total(int r, int f) const {
+    alignas(16) float lanes[4];
+    vst1q_f32(lanes, acc[r / 2][f / 2]);
+    return lanes[2 * (f % 2) + r % 2];
+  }
+};
+#endif
+
+#if defined(MLX_ATTN_INT8_I8MM)
+using Int8Step = MatrixCodes;
+#elif defined(MLX_ATTN_INT8_DOTPROD)
 using Int8Step = DotCodes;
 #else
 using Int8Step = WideningCodes<int8_t>;
 #endif
 
 // Output features [begin, end) of Rows rows, Features at a time, as the AVX2
-// copy's feature_tiles: the bias term, sum over groups of bias * (the row's
-// group sum of x), is one vector FMA per feature and group for four rows
-// (rows in the lanes).
+// copy's feature_tiles (the blocks' products in TileSums): the bias term, sum
+// over groups of bias * (the row's group sum of x), is one vector FMA per
+// feature and group for four rows (rows in the lanes).
 template <typename Codes, int Bits, int Rows, int Features, int GroupShift>
 void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
   static_assert(Rows <= 8, "the bias term holds the rows in 8 lanes");
   constexpr int row_quads = (Rows + 3) / 4;
-  using Code = typename Codes::Code;
-  const Code* xq = static_cast<const Code*>(c.xq);
   const Int8Layout layout(c, Bits);
   const int64_t groups = layout.groups, row_bytes = layout.row_bytes, lane_stride = layout.lane_stride;
   const bool one_chunk = groups <= kInt8ScaleChunk;
@@ -822,10 +1002,10 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
     int64_t feature[Features];
     const uint8_t* w[Features];
     const int features = tile_outputs<Features>(c, n0, end, row_bytes, feature, w);
-    float32x4_t acc[Rows][Features], bias_terms[Features][row_quads];
+    TileSums<Codes, Rows, Features> sums;
+    float32x4_t bias_terms[Features][row_quads];
     for (int f = 0; f < Features; ++f) {
       for (int q = 0; q < row_quads; ++q) bias_terms[f][q] = vdupq_n_f32(0.0f);
-      for (int r = 0; r < Rows; ++r) acc[r][f] = vdupq_n_f32(0.0f);
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kInt8ScaleChunk) {
       const int chunk = int(groups - g0 < kInt8ScaleChunk ? groups - g0 : kInt8ScaleChunk);
@@ -834,15 +1014,9 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
       const int64_t first = g0 << GroupShift, last = (g0 + chunk) << GroupShift;
       for (int64_t b = first; b < last; ++b) {
         const int64_t g = (b - first) >> GroupShift;
-        const bool group_start = GroupShift == 0 || ((b - first) & ((1 << GroupShift) - 1)) == 0;
-        for (int f = 0; f < Features; ++f) {
-          const typename Codes::Unpacked codes = Codes::template unpack<Bits>(w[f], b);
-          const float scale = tile.scales[f * chunk + g];
-          for (int r = 0; r < Rows; ++r) {
-            const int32x4_t dot = Codes::template dot<Bits>(codes, xq + r * c.k + b * kInt8Block);
-            acc[r][f] = vfmaq_n_f32(acc[r][f], vcvtq_f32_s32(dot), c.xd[r * lane_stride + b * 8] * scale);
-          }
-          if (group_start) {
+        sums.template add<Bits>(c, w, b, lane_stride, tile.scales + g, chunk);
+        if (GroupShift == 0 || ((b - first) & ((1 << GroupShift) - 1)) == 0) {  // the group's first block
+          for (int f = 0; f < Features; ++f) {
             const float bias = tile.biases[f * chunk + g];
             for (int q = 0; q < row_quads; ++q) {
               bias_terms[f][q] = vfmaq_n_f32(bias_terms[f][q], vld1q_f32(group_sums[g] + 4 * q), bias);
@@ -854,7 +1028,7 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
     for (int f = 0; f < features; ++f) {
       alignas(16) float bias_term[8];
       for (int q = 0; q < row_quads; ++q) vst1q_f32(bias_term + 4 * q, bias_terms[f][q]);
-      for (int r = 0; r < Rows; ++r) c.out[r * c.n + n0 + f] = vaddvq_f32(acc[r][f]) + bias_term[r];
+      for (int r = 0; r < Rows; ++r) c.out[r * c.n + n0 + f] = sums.total(r, f) + bias_term[r];
     }
   }
 }
@@ -862,7 +1036,7 @@ void feature_tiles(const Int8MatvecCall& c, int64_t begin, int64_t end) {
 // Features a tile takes at Rows rows: 32 vector registers hold Rows x
 // Features accumulators plus a feature's unpacked codes and a row's codes
 // (reasoned, not measured: 4 at one or two rows, 2 up to 8 rows, 16
-// accumulators).
+// accumulators; even, as MatrixCodes takes the outputs in pairs).
 template <int Rows>
 constexpr int kTileFeatures = Rows <= 2 ? 4 : 2;
 

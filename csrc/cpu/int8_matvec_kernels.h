@@ -4,8 +4,8 @@
 // int16 per block of 32 columns (quantize_activations, below) and an MLX
 // affine-quantized weight (4 or 8 bits). Per block the weight codes (unsigned)
 // and the activation codes (signed) meet in an integer dot product (int8:
-// AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw, arm64 SDOT; int16: vpdpwssd,
-// vpmaddwd, NEON SMLAL; or plain C++), which is scaled once by the weight's
+// AVX512-VNNI or AVX-VNNI vpdpbusd, AVX2 vpmaddubsw, arm64 USMMLA or SDOT;
+// int16: vpdpwssd, vpmaddwd, NEON SMLAL; or plain C++), which is scaled once by the weight's
 // group scale times the block's activation scale; the bias term uses the
 // activations' exact float sums.
 //
@@ -92,6 +92,9 @@ void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 namespace avx2 {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
+namespace avxvnni {
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
+}
 namespace avx512vnni {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
@@ -101,6 +104,9 @@ namespace neon {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
 namespace neondot {
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
+}
+namespace neoni8mm {
 void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
 }
 #endif

@@ -50,8 +50,9 @@ std::vector<mx::array> quantized_matvec_int8_many(const mx::array& x, const std:
                                                   mx::StreamOrDevice s = {});
 
 // The integer product's copy for the active CPU kernel ISA: "avx512vnni",
-// "avx2" or "generic" (the policy in lm/quantized_matmul.py reads it: only
-// the AVX512-VNNI int16 copy reads a weight block once for 128 rows).
+// "avxvnni", "avx2", "neoni8mm", "neondot", "neon" or "generic" (the policy in
+// lm/quantized_matmul.py reads it: only the AVX512-VNNI int16 copy reads a
+// weight block once for 128 rows).
 std::string int8_matvec_copy_name();
 
 // codes uint32 [n, k * bits / 32] (bits 2, 3, 4, 5, 6 or 8: code i of a row

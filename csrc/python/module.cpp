@@ -137,10 +137,10 @@ void bind_quantized_matvecs(nb::module_& m) {
         "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(), "stream"_a = nb::none(),
         "As quantized_matvec through integer dot products: x's rows quantized to int8 (or int16: "
         "activation_bits=16) per 32 columns, multiplied with the 4- or 8-bit codes as integers "
-        "(AVX512-VNNI, AVX2, arm64 NEON / SDOT or plain C++).");
+        "(AVX512-VNNI, AVX-VNNI, AVX2, arm64 NEON / SDOT / USMMLA or plain C++).");
   m.def("int8_matvec_copy", &int8_matvec_copy_name,
-        "The integer product's copy for the active CPU kernel ISA: avx512vnni, avx2, neondot, neon or "
-        "generic.");
+        "The integer product's copy for the active CPU kernel ISA: avx512vnni, avxvnni, avx2, neoni8mm, "
+        "neondot, neon or generic.");
   m.def("quantized_matvec_int8_many", &quantized_matvec_int8_many, "x"_a, "codes"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, "activation_bits"_a = 8, nb::kw_only(),
         "norm_weight"_a = nb::none(), "norm_eps"_a = 1e-5f, "gate"_a = nb::none(), "residual"_a = nb::none(),

@@ -6,8 +6,12 @@
 // against the same row in a batch, bit for bit. No STL (a cross build needs
 // only a C library).
 //
-// Build with -DHARNESS_ARM64 (copies neondot, neon, generic) or -DHARNESS_X86
-// (avx512vnni, avx2, generic) plus the matching int8_matvec_<copy>.cpp units.
+// Build with -DHARNESS_ARM64 (copies neoni8mm, neondot, neon, generic) or -DHARNESS_X86
+// (avx512vnni, avxvnni, avx2, generic) plus the matching int8_matvec_<copy>.cpp
+// units, and for HARNESS_X86 also int8_matvec_avxvnni.cpp built with
+// -DMLX_ATTN_EMULATE_AVX_VNNI and AVX2 flags only: copy avxvnni_emulated, the
+// avxvnni copy with its two VNNI instructions done by exact AVX2 sequences
+// (avx_vnni_emulation.h), which runs on any AVX2 CPU.
 //
 // Usage: int8_matvec_driver [--full] copy ...   each copy over the grid
 //        int8_matvec_driver --rule ISA          the copy the dispatch rule
@@ -33,6 +37,12 @@
 using namespace mlx_attn;
 using namespace mlx_attn::cpu;
 
+#if defined(HARNESS_X86)
+namespace mlx_attn::cpu::avxvnni_emulated {
+void int8_matvec(const Int8MatvecCall& call, int64_t begin, int64_t end);
+}
+#endif
+
 namespace {
 
 bool always() { return true; }
@@ -44,10 +54,13 @@ struct Copy {
 };
 const Copy kCopies[] = {
 #if defined(HARNESS_ARM64)
+    {"neoni8mm", neoni8mm::int8_matvec, features::neon_i8mm_and_dotprod},
     {"neondot", neondot::int8_matvec, features::neon_dotprod},
     {"neon", neon::int8_matvec, always},
 #else
     {"avx512vnni", avx512vnni::int8_matvec, features::avx512vnni},
+    {"avxvnni", avxvnni::int8_matvec, features::avx_vnni},
+    {"avxvnni_emulated", avxvnni_emulated::int8_matvec, features::avx2},
     {"avx2", avx2::int8_matvec, features::avx2},
 #endif
     {"generic", generic::int8_matvec, always},
