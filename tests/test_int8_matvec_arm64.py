@@ -206,10 +206,10 @@ def test_every_mutation_target_exists():
         assert text.count(target) == 1, name
 
 
-@pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
-def test_neon_mutant_is_caught(tmp_path, arm64_driver, name, target, replacement):
-    """The unchanged copies pass (the test above); the mutated NEON copies
-    (the driver and the plain C++ copy reused as built) must not."""
+def run_arm64_mutant(tmp_path, arm64_driver, name, target, replacement, copies, extra=()):
+    """The driver with ``copies`` rebuilt from int8_matvec_impl.h with
+    ``target`` replaced (the rest reused as built), run on qemu's `max` or
+    natively; returns (exit code, report)."""
     _, emulated = arm64_driver
     include = tmp_path / "include"
     (include / "csrc" / "cpu").mkdir(parents=True)
@@ -218,9 +218,16 @@ def test_neon_mutant_is_caught(tmp_path, arm64_driver, name, target, replacement
     (include / "csrc" / "cpu" / "int8_matvec_impl.h").write_text(text.replace(target, replacement))
     target_args, _ = arm64_target()
     binary = build_driver(tmp_path, target_args, ARM64_COPIES, "HARNESS_ARM64", include_first=include,
-                          prebuilt=arm64_driver[0].parent, rebuild=["neondot", "neon"])
+                          prebuilt=arm64_driver[0].parent, rebuild=copies, extra=list(extra))
     command = (qemu("max") if emulated else []) + [str(binary)]
-    rc, report = run_driver(command, ["neondot", "neon"])
+    return run_driver(command, copies)
+
+
+@pytest.mark.parametrize("name,target,replacement", SELECTED, ids=[m[0] for m in SELECTED])
+def test_neon_mutant_is_caught(tmp_path, arm64_driver, name, target, replacement):
+    """The unchanged copies pass (the test above); the mutated NEON copies
+    (the driver and the plain C++ copy reused as built) must not."""
+    rc, report = run_arm64_mutant(tmp_path, arm64_driver, name, target, replacement, ["neondot", "neon"])
     assert rc == 1 and re.search(r": \d+ cases, [1-9]\d* failures", report), report
 
 
@@ -229,17 +236,7 @@ def test_i8mm_mutant_is_caught(tmp_path, arm64_driver, name, target, replacement
     """The unchanged i8mm copy passes; the mutated one must not (run on qemu's
     `max`, or natively where the CPU has FEAT_I8MM). Built at -O1, as the
     avxvnni mutants are."""
-    _, emulated = arm64_driver
-    include = tmp_path / "include"
-    (include / "csrc" / "cpu").mkdir(parents=True)
-    text = IMPL.read_text()
-    assert text.count(target) == 1, name
-    (include / "csrc" / "cpu" / "int8_matvec_impl.h").write_text(text.replace(target, replacement))
-    target_args, _ = arm64_target()
-    binary = build_driver(tmp_path, target_args, ARM64_COPIES, "HARNESS_ARM64", include_first=include,
-                          prebuilt=arm64_driver[0].parent, rebuild=["neoni8mm"], extra=["-O1"])
-    command = (qemu("max") if emulated else []) + [str(binary)]
-    rc, report = run_driver(command, ["neoni8mm"])
+    rc, report = run_arm64_mutant(tmp_path, arm64_driver, name, target, replacement, ["neoni8mm"], extra=["-O1"])
     if "neoni8mm: not supported by this CPU" in report:
         pytest.skip("this arm64 CPU lacks FEAT_I8MM")
     assert rc == 1 and re.search(r"neoni8mm: \d+ cases, [1-9]\d* failures", report), report
