@@ -206,16 +206,23 @@ def test_every_mutation_target_exists():
         assert text.count(target) == 1, name
 
 
-def run_arm64_mutant(tmp_path, arm64_driver, name, target, replacement, copies, extra=()):
-    """The driver with ``copies`` rebuilt from int8_matvec_impl.h with
-    ``target`` replaced (the rest reused as built), run on qemu's `max` or
-    natively; returns (exit code, report)."""
-    _, emulated = arm64_driver
+def mutated_impl(tmp_path, name, target, replacement):
+    """A folder to search before the tree, holding int8_matvec_impl.h with
+    ``target`` (found exactly once) replaced."""
     include = tmp_path / "include"
     (include / "csrc" / "cpu").mkdir(parents=True)
     text = IMPL.read_text()
     assert text.count(target) == 1, name
     (include / "csrc" / "cpu" / "int8_matvec_impl.h").write_text(text.replace(target, replacement))
+    return include
+
+
+def run_arm64_mutant(tmp_path, arm64_driver, name, target, replacement, copies, extra=()):
+    """The driver with ``copies`` rebuilt from int8_matvec_impl.h with
+    ``target`` replaced (the rest reused as built), run on qemu's `max` or
+    natively; returns (exit code, report)."""
+    _, emulated = arm64_driver
+    include = mutated_impl(tmp_path, name, target, replacement)
     target_args, _ = arm64_target()
     binary = build_driver(tmp_path, target_args, ARM64_COPIES, "HARNESS_ARM64", include_first=include,
                           prebuilt=arm64_driver[0].parent, rebuild=copies, extra=list(extra))
@@ -385,11 +392,7 @@ def test_avxvnni_mutant_is_caught(tmp_path, x86_driver, name, target, replacemen
     the mutated one (the rest reused as built) must not. Built at -O1 (half
     the compile time of -O3; the faults are in the arithmetic, whatever the
     optimizer makes of it)."""
-    include = tmp_path / "include"
-    (include / "csrc" / "cpu").mkdir(parents=True)
-    text = IMPL.read_text()
-    assert text.count(target) == 1, name
-    (include / "csrc" / "cpu" / "int8_matvec_impl.h").write_text(text.replace(target, replacement))
+    include = mutated_impl(tmp_path, name, target, replacement)
     binary = build_driver(tmp_path, [], X86_COPIES, "HARNESS_X86", include_first=include, prebuilt=x86_driver.parent,
                           rebuild=["avxvnni_emulated"], extra=["-O1"])
     rc, report = run_driver([str(binary)], ["avxvnni_emulated"])

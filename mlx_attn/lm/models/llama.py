@@ -181,6 +181,16 @@ def hf_config(config: LlamaConfig) -> dict:
                 hidden_act="silu")
 
 
+def _projected(x, layer, gate=None, residual=None):
+    """``residual + layer(silu(gate) * x)`` (each part where given): in one
+    integer product where :func:`fused_product` applies, else MLX's ops."""
+    out = fused_product(x, layer, gate=gate, residual=residual)
+    if out is None:
+        out = layer(x if gate is None else nn.silu(gate) * x)
+        out = out if residual is None else residual + out
+    return out
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -196,11 +206,7 @@ class SwiGLU(nn.Module):
             x = x if norm is None else norm(x)
             gate_up = fused_matvecs(x, [self.gate_proj, self.up_proj]) or (self.gate_proj(x), self.up_proj(x))
         gate, up = gate_up
-        out = fused_product(up, self.down_proj, gate=gate, residual=residual)
-        if out is None:
-            out = self.down_proj(nn.silu(gate) * up)
-            out = out if residual is None else residual + out
-        return out
+        return _projected(up, self.down_proj, gate=gate, residual=residual)
 
 
 class Attention(nn.Module):
@@ -235,11 +241,7 @@ class Attention(nn.Module):
             k = self.rope(heads(k, self.n_kv_heads), offset=positions)
             v = heads(v, self.n_kv_heads)
             out = attention(layer, q, k, v).transpose(0, 2, 1, 3).reshape(b, t, -1)
-        projected = fused_product(out, self.o_proj, residual=residual)
-        if projected is None:
-            projected = self.o_proj(out)
-            projected = projected if residual is None else residual + projected
-        return projected
+        return _projected(out, self.o_proj, residual=residual)
 
 
 class DecoderBlock(nn.Module):
