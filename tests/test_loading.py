@@ -517,3 +517,25 @@ def test_mlx_lm_loads_the_converted_directory_and_generates_the_same_tokens(tmp_
     assert their_tokenizer.encode("The capital of France is") == ids
     their_tokens = [r.token for r in mlx_lm.stream_generate(theirs, their_tokenizer, ids, max_tokens=8)]
     assert their_tokens == list(generate_tokens(model, ids, GenerationConfig(max_tokens=8)))
+
+
+def test_a_5_bit_checkpoint_loads_widened_for_the_cpu_and_saves_at_5_bits(tmp_path):
+    """A checkpoint with 5-bit layers (as Q5_0 GGUF tensors load) is held at
+    8 bits on the CPU (the integer product's width: the same codes), and
+    saving it writes the 5-bit layers back byte for byte."""
+    from mlx_attn.lm.convert import save_mlx_directory
+
+    model, tokenizer = load_gguf(write_llama_gguf(tmp_path / "tiny.gguf"))
+    nn.quantize(model, group_size=32, bits=5)
+    first = save_mlx_directory(model, tokenizer, tmp_path / "five")
+    loaded, _ = load_model(first)
+    assert loaded.layers[0].self_attn.q_proj.bits == 8
+    assert json.loads((first / "config.json").read_text())["quantization"]["bits"] == 5
+    again = save_mlx_directory(loaded, tokenizer, tmp_path / "again")
+    assert json.loads((again / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    saved, resaved = (mx.load(str(d / "model.safetensors")) for d in (first, again))
+    assert saved.keys() == resaved.keys()
+    for name in saved:
+        np.testing.assert_array_equal(np.array(resaved[name]), np.array(saved[name]), err_msg=name)
+    tokens = mx.array([[1, 5, 9, 200, 42]])
+    np.testing.assert_allclose(np.array(loaded(tokens)), np.array(model(tokens)), rtol=1e-2, atol=2e-2)

@@ -326,3 +326,63 @@ def test_held_float32_weights_serve_many_rows_and_the_codes_few():
     for rows in (2, quantized_matmul.DEQUANTIZED_MATMUL_ROWS):
         x = mx.random.normal((rows, 64), key=mx.random.key(rows))
         np.testing.assert_allclose(np.array(layer(x)), np.array(x, dtype=np.float64) @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------- widths the integer product does not read
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_widened_layers_keep_their_weights_and_take_the_integer_product(bits, group_size, monkeypatch):
+    """widen_for_integer_product: a 2/3/5/6-bit layer (and embedding) is held
+    at 4 or 8 bits with the same codes, so the same weights bit for bit
+    (the bit-stream oracle of both packings); its few rows then go through
+    the integer product, within that product's bound of the original
+    weights' float64 product; stored_form gives the original packing back."""
+    from mlx_attn import _ext
+    from mlx_attn.lm.quantized_matmul import WIDENED_BITS, int8_error_bound, stored_form, widen_for_integer_product
+
+    monkeypatch.setattr(quantized_matmul, "MATVEC_PRODUCT", "int16")
+    mx.random.seed(bits * 10 + group_size)
+    model = nn.Sequential(nn.Linear(128, 40, bias=False), nn.Embedding(24, 128))
+    nn.quantize(model, group_size=group_size, bits=bits)
+    use_row_adaptive_matmuls(model)
+    linear, embedding = model.layers
+    originals = [(m["weight"], _bitstream_oracle(m["weight"], m["scales"], m["biases"], group_size, bits))
+                 for m in (linear, embedding)]
+    assert not quantized_matmul.product_reads(linear)
+    assert widen_for_integer_product(model) == 2
+    for module, (packed, weight) in zip((linear, embedding), originals):
+        assert module.bits == WIDENED_BITS[bits] and quantized_matmul.product_reads(module)
+        np.testing.assert_array_equal(
+            _bitstream_oracle(module["weight"], module["scales"], module["biases"], group_size, module.bits), weight)
+        stored_bits, stored = stored_form(module)
+        assert stored_bits == bits and stored.dtype == mx.uint32
+        np.testing.assert_array_equal(np.array(stored), np.array(packed))
+    calls = []
+    real = _ext.quantized_matvec_int8
+    monkeypatch.setattr(_ext, "quantized_matvec_int8", lambda *a, **kw: calls.append(a[5]) or real(*a, **kw))
+    x = mx.random.normal((3, 128), key=mx.random.key(bits))
+    for module, (_, weight) in zip((linear, embedding), originals):
+        got = np.array(module(x) if module is linear else module.as_linear(x), dtype=np.float64)
+        bound = int8_error_bound(np.array(x), np.abs(weight), activation_bits=16)
+        assert np.all(np.abs(got - np.array(x, dtype=np.float64) @ weight.T) <= bound + 1e-5 * (1 + np.abs(got)))
+    assert calls == [WIDENED_BITS[bits]] * 2
+    tokens = mx.array([0, 5, 23])
+    np.testing.assert_allclose(np.array(embedding(tokens)), originals[1][1][[0, 5, 23]], rtol=1e-6, atol=1e-6)
+
+
+def test_widening_leaves_read_widths_and_other_modes_alone():
+    """4- and 8-bit layers are read as they are, and a layer without biases
+    (a non-affine mode) is not the integer product's: nothing is widened."""
+    from mlx_attn.lm.quantized_matmul import stored_form, widen_for_integer_product
+
+    model = nn.Sequential(nn.Linear(64, 16), nn.Linear(64, 16))
+    nn.quantize(model, group_size=32, bits=4)
+    model.layers[1] = nn.QuantizedLinear.from_linear(nn.Linear(64, 16), group_size=32, bits=8)
+    before = [np.array(m["weight"]) for m in model.layers]
+    assert widen_for_integer_product(model) == 0
+    assert [m.bits for m in model.layers] == [4, 8]
+    for m, w in zip(model.layers, before):
+        np.testing.assert_array_equal(np.array(stored_form(m)[1]), w)
+    unbiased = nn.Sequential(nn.QuantizedLinear.from_linear(nn.Linear(64, 16), group_size=32, bits=5))
+    unbiased.layers[0].biases = None
+    assert widen_for_integer_product(unbiased) == 0 and unbiased.layers[0].bits == 5

@@ -27,7 +27,7 @@ from mlx_attn.lm.gguf_structure import check_gguf_structure
 from mlx_attn.lm.model_store import DEFAULT_DECODER, DEFAULT_ENCODER, MODELS, decoder_names, fetch_model
 from mlx_attn.lm.models import bert
 from mlx_attn.lm.models.base import Decoder, check_layer_count, check_weights
-from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
+from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls, widen_for_integer_product
 from mlx_attn.lm.models.registry import (GGUF_TENSOR_NAMES, Architecture, architecture_for_gguf,
                                          architecture_for_hf)
 from mlx_attn.lm.tokenizer import Tokenizer, tokenizer_from_file, tokenizer_from_gguf_metadata
@@ -148,6 +148,8 @@ def _build(model_class, config, weights: dict, expected_shapes: dict, group_size
     except ValueError as error:
         raise ValueError(f"{source}: weights do not fit the model its config describes: {error}") from None
     mx.eval(model.parameters())
+    if group_size is not None:
+        widen_for_integer_product(model)  # 2/3/5/6-bit layers through the integer product on the CPU
     return model
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_attn import cache as mlx_attn_cache
-from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls
+from mlx_attn.lm.quantized_matmul import use_row_adaptive_matmuls, widen_for_integer_product
 from mlx_attn.ops import AttentionCall
 from mlx_attn.quantized import quantized_scaled_dot_product_attention
 
@@ -567,6 +567,7 @@ def load(path_or_repo: str | os.PathLike, backend: str = "auto") -> tuple[MlxLmM
     model, wrapper, config = mlx_lm.utils.load(str(path), return_config=True)
     if mx.default_device() == mx.cpu:  # quantized layers through the integer product, as our own models
         use_row_adaptive_matmuls(model)
+        widen_for_integer_product(model)
     install_attention()
     return MlxLmModel(model, config, str(path), backend), MlxLmTokenizer(wrapper)
 
