@@ -96,25 +96,41 @@ def source_file(min_lines: int, max_lines: int) -> tuple[str, str]:
     return EDIT_FILES[0], "\n".join(lines)
 
 
-def edit_request(text: str, i: int) -> str:
+def _renamed(text: str, i: int) -> tuple[str, str]:
     functions = re.findall(r"^\s*def (\w+)\(", text, re.M) or ["main"]
     name = functions[i % len(functions)]
+    return name, f"{name}_v{i + 2}"
+
+
+def edit_request(text: str, i: int) -> str:
+    name, new_name = _renamed(text, i)
     return (f"Here is a Python file:\n\n```python\n{text}\n```\n\nRewrite the file with the function `{name}` "
-            f"renamed to `{name}_v{i + 2}` (and its uses). Reply with the whole file only.")
+            f"renamed to `{new_name}` (and its uses). Reply with the whole file only.")
+
+
+def plain_edit_request(text: str, i: int) -> str:
+    """The edit as a completion, for a base model (no chat template): the
+    file, the change, then the opening of the changed file."""
+    name, new_name = _renamed(text, i)
+    return (f"Here is a Python file:\n\n```python\n{text}\n```\n\nThe same file with the function `{name}` "
+            f"renamed to `{new_name}` (and its uses):\n\n```python\n")
+
+
+def prompt_tokens(tokenizer, ask: str, completion: str) -> list[int]:
+    """``ask`` as a user turn of the model's chat template, or ``completion``
+    as plain text where the model has none (a base model)."""
+    if not tokenizer.chat_template:
+        return tokenizer.encode(completion)
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}]), add_special_tokens=False)
 
 
 def edit_prompts(tokenizer, text: str, count: int) -> list[list[int]]:
-    prompts = []
-    for i in range(count):
-        ask = edit_request(text, i)
-        prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}]),
-                                        add_special_tokens=False))
-    return prompts
+    return [prompt_tokens(tokenizer, edit_request(text, i), plain_edit_request(text, i)) for i in range(count)]
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]),
-                             add_special_tokens=False) for i in range(count)]
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
+    return [prompt_tokens(tokenizer, q, f"Question: {q}\nAnswer:") for q in questions]
 
 
 def engine_phase(engine, prompts, concurrency: int, max_tokens: int, speculative: bool, eos) -> dict:

@@ -258,3 +258,27 @@ def test_drafts_must_beat_the_compiled_plain_step():
     assert not plain.beaten_by(eager, 0.5, 4)  # ~1.94 tokens in 25 ms
     assert plain.beaten_by(eager, 1.0, 4)  # 5 tokens in 25 ms
     assert PlainStepCost(forward=None).beaten_by(eager, 0.1, 1)  # no compiled step: the eager rule alone
+
+
+def test_plain_steps_of_one_row_count_borrow_the_measured_slope():
+    """Plain (compiled) steps measured at one row count only (a single
+    request; shared-prefix batches run the eager path): a row costs what the
+    eager steps measured (the same products), not the prior's 2 % of the
+    fixed cost, so four requests' drafts are judged against a plain step of
+    four rows at its real cost."""
+    from mlx_attn.lm.speculative import StepCost
+
+    eager, plain = StepCost(), StepCost()
+    for rows in (1, 2, 4, 8, 5, 3) * 4:
+        eager.record(rows, 0.020 + 0.010 * rows)
+    for _ in range(20):
+        plain.record(1, 0.025)
+    assert not plain.has_slope() and eager.has_slope()
+    # 12 drafts kept 9 times in 10: 14.8 tokens in 180 ms beat 4 tokens in a plain step of 15 + 4 * 10 ms
+    assert eager.drafting_beats(plain, 4 + 12 * 0.9, decode_rows=4, rows=4, drafts=12)
+    assert not eager.drafting_beats(plain, 4 + 12 * 0.3, decode_rows=4, rows=4, drafts=12)
+    fitted_plain = StepCost()
+    for rows in (1, 2, 4, 8, 5, 3) * 4:
+        fitted_plain.record(rows, 0.005 + 0.002 * rows)
+    # plain steps with a slope of their own keep it: 4 rows in 13 ms beat the drafts
+    assert not eager.drafting_beats(fitted_plain, 4 + 12 * 0.9, decode_rows=4, rows=4, drafts=12)

@@ -268,19 +268,30 @@ class StepCost:
         self._xx, self._xy = m * self._xx + rows * rows, m * self._xy + rows * seconds
         self.steps += 1
 
+    def has_slope(self) -> bool:
+        """Whether the measured steps spread over enough row counts to fit ``per_row``."""
+        if self._w == 0 or self.steps < self.min_steps:
+            return False
+        mean_x = self._x / self._w
+        return self._xx / self._w - mean_x * mean_x > 0.25
+
     def fit(self) -> tuple[float, float]:
         """``(fixed, per_row)`` in seconds (``(1, prior_ratio)`` before any step)."""
         if self._w == 0:
             return 1.0, self.prior_ratio
         mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if self.steps >= self.min_steps and var_x > 0.25:
-            per_row = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
-            # rows dominate: a line through (nearly) the origin, fixed kept positive
-            fixed = max(mean_y - per_row * mean_x, 0.05 * mean_y)
-            return fixed, per_row
+        if self.has_slope():
+            per_row = max(0.0, (self._xy / self._w - mean_x * mean_y) / (self._xx / self._w - mean_x * mean_x))
+            return self.through(per_row), per_row
         fixed = mean_y / (1 + self.prior_ratio * mean_x)
         return fixed, self.prior_ratio * fixed
+
+    def through(self, per_row: float) -> float:
+        """The fixed cost of the line of slope ``per_row`` through the
+        measured steps' mean (kept positive: where rows dominate, a line
+        through nearly the origin)."""
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        return max(mean_y - per_row * mean_x, 0.05 * mean_y)
 
     def worth(self, probability: float, decode_rows: int, rows: int) -> bool:
         fixed, per_row = self.fit()
@@ -297,5 +308,9 @@ class StepCost:
             return True
         fixed, per_row = self.fit()
         plain_fixed, plain_per_row = plain.fit()
+        if not plain.has_slope() and self.has_slope():
+            # plain steps of one row count (one request, or others that ran this path: shared-prefix
+            # steps do): a row costs what it costs here, the same products; only the fixed cost differs
+            plain_fixed, plain_per_row = plain.through(per_row), per_row
         with_drafts = fixed + (per_row + self.draft_row) * (rows + drafts)
         return expected_tokens / with_drafts > decode_rows / (plain_fixed + plain_per_row * rows)
