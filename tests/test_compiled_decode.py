@@ -120,3 +120,38 @@ def test_a_one_token_prompt_starts_from_empty_caches():
     assert _tokens(model, [7], True, max_tokens=10) == _tokens(model, [7], False, max_tokens=10)
     steps = list(generate_step(model, [7], GenerationConfig(max_tokens=3)))
     assert len(steps) == 3
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_several_rows_a_step_give_the_eager_logits_and_cache(backend):
+    """rows(): a token and its drafts in one compiled step (causal among
+    them) give the eager forward's logits for every
+    position and the same cache, also after a trim of rejected rows and
+    across a buffer growth; one trace per row count and buffer size."""
+    model = tiny_llama(seed=5)
+    model.set_backend(backend)
+    caches = {c: [KVCache(step=16) for _ in model.layers] for c in ("eager", "compiled")}
+    prompt = mx.array([[3, 9, 27, 81, 5, 7, 11]])
+    for cache in caches.values():
+        mx.eval(model(prompt, cache=cache))
+    step = CompiledDecodeStep(model, caches["compiled"])
+    counter, traced = _TraceCounter(model), []
+    for i, rows in enumerate([4, 3, 4, 1, 5, 4]):  # 7 + ... crosses the 16-slot buffer once
+        tokens = mx.array([[(13 * i + 7 * r) % 200 + 1 for r in range(rows)]])
+        want = model(tokens, cache=caches["eager"])
+        before = counter.calls
+        got = step.rows(tokens)
+        traced.append(counter.calls - before)
+        assert got.shape == want.shape == (1, rows, want.shape[-1])
+        assert mx.allclose(got, want, atol=1e-4).item(), i
+        for cache in caches.values():  # the last row rejected: trimmed as speculative decoding trims it
+            if rows > 1:
+                for c in cache:
+                    c.trim(1)
+    for e, c in zip(caches["eager"], caches["compiled"]):
+        assert c.offset == e.offset
+        for ours, theirs in zip(c.state, e.state):
+            assert mx.allclose(ours, theirs, atol=1e-5).item()
+    # offsets 7 -> 10 -> 12 -> 15 -> 16: 4, 3 and 1 rows traced at 16 slots, 4 rows again replayed; 5
+    # rows do not fit (eager: the buffer grows to 32), then 4 rows at 32 slots traced anew
+    assert traced == [1, 1, 0, 1, 1, 1]

@@ -90,31 +90,34 @@ class _BufferAttention(AttentionHook):
         return self._rotations[key]
 
     def positions(self, length: int) -> mx.array:
-        # one position per token ([1]), the same array for every layer: RoPE
-        # then computes the step's cos/sin once, not twice per layer
+        # one position per token ([length]), the same array for every layer:
+        # RoPE then computes the step's cos/sin once, not twice per layer
         if self._positions is None:
-            self._positions = self.position.reshape(1)
+            self._positions = (self.position.reshape(1) if length == 1
+                               else self.position + mx.arange(length, dtype=mx.int32))
         return self._positions
 
     def __call__(self, layer, queries, keys, values):
         i, start = layer.index, self.position.reshape(1)
         self.keys[i] = mx.slice_update(self.keys[i], keys, start, axes=(2,))
         self.values[i] = mx.slice_update(self.values[i], values, start, axes=(2,))
+        visible = self._visible(self.keys[i].shape[2], layer.window_size, queries.shape[2])
         return scaled_dot_product_attention(queries, self.keys[i], self.values[i], scale=layer.scale,
-                                            mask=self._visible(self.keys[i].shape[2], layer.window_size),
-                                            backend=self.backend)
+                                            mask=visible, backend=self.backend)
 
-    def _visible(self, slots: int, window_size: int | None) -> mx.array:
-        """The slots a layer's query sees, [1, 1, 1, slots]: built once per
-        buffer size and window for the whole step (two operations each, 30
-        times per SmolLM2 step otherwise)."""
+    def _visible(self, slots: int, window_size: int | None, length: int = 1) -> mx.array:
+        """The slots each of the step's ``length`` queries sees, [1, 1,
+        length, slots] (causal among the new tokens): built once per buffer
+        size and window for the whole step (two operations each, 30 times per
+        SmolLM2 step otherwise)."""
         key = (slots, window_size)
         if key not in self._masks:
             index = mx.arange(slots)
-            visible = index <= self.position
+            last = self.positions(length).reshape(-1, 1)  # each query's own position
+            visible = index <= last
             if window_size is not None:
-                visible = visible & (index > self.position - window_size)
-            self._masks[key] = visible.reshape(1, 1, 1, -1)
+                visible = visible & (index > last - window_size)
+            self._masks[key] = visible.reshape(1, 1, length, -1)
         return self._masks[key]
 
 
@@ -134,21 +137,36 @@ class CompiledDecodeStep:
 
     def _traced_forward(self, tokens, position, keys, values):
         hook = _BufferAttention(keys, values, position, self.model.backend, self.fused)
-        logits = self.model(tokens, attention=hook)[:, -1]
-        return logits, hook.keys, hook.values
+        logits = self.model(tokens, attention=hook)
+        return (logits[:, -1] if tokens.shape[1] == 1 else logits), hook.keys, hook.values
 
     def __call__(self, tokens: mx.array) -> mx.array:
+        """``tokens [B, 1]`` -> the next position's logits ``[B, vocab]``
+        (several tokens: a prefill, eager)."""
+        if tokens.shape[1] != 1:
+            return self.model(tokens, cache=self.cache)[:, -1]
+        return self._step(tokens)
+
+    def rows(self, tokens: mx.array) -> mx.array:
+        """``tokens [B, T]`` (a few: a token and the drafts that follow it)
+        -> the logits of every position ``[B, T, vocab]``, the cache
+        advanced by ``T``: one trace per ``T`` and buffer size, as the
+        one-token step."""
+        if tokens.shape[1] == 1:
+            return self._step(tokens)[:, None]
+        return self._step(tokens)
+
+    def _step(self, tokens: mx.array) -> mx.array:
         cache = self.cache
-        offset = cache[0].offset
-        if tokens.shape[1] != 1 or any(c.keys is None or c.offset != offset or offset + 1 > c.keys.shape[2]
-                                       for c in cache):
-            # an empty or full buffer grows in the cache's own update; several
-            # tokens at once are a prefill: both eager
-            return self.model(tokens, cache=cache)[:, -1]
+        offset, length = cache[0].offset, tokens.shape[1]
+        if any(c.keys is None or c.offset != offset or offset + length > c.keys.shape[2] for c in cache):
+            # an empty or full buffer grows in the cache's own update: eager
+            logits = self.model(tokens, cache=cache)
+            return logits[:, -1] if length == 1 else logits
         logits, keys, values = self._forward(tokens, mx.array(offset, dtype=mx.int32),
                                              [c.keys for c in cache], [c.values for c in cache])
         # the new buffers replace the old ones before anything is evaluated: the old ones are then held by
         # the step's graph alone, so it updates them in place (donated)
         for c, k, v in zip(cache, keys, values):
-            c.keys, c.values, c.offset = k, v, offset + 1
+            c.keys, c.values, c.offset = k, v, offset + length
         return logits
