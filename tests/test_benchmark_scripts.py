@@ -306,6 +306,38 @@ def test_speculative_benchmark_quick_run(tmp_path, model):
     assert (tmp_path / "spec.png").stat().st_size > 10_000
 
 
+def test_speculative_benchmark_prompts_a_base_model_as_a_completion():
+    """A model without a chat template (a base model, Gemma 3 270M's GGUF)
+    gets the edit as plain text ending in the opening of the changed file;
+    a chat model gets the request as a user turn."""
+    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH.parent / "bench_speculative.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Tokenizer:
+        def __init__(self, chat_template):
+            self.chat_template, self.encoded = chat_template, []
+
+        def apply_chat_template(self, messages):
+            return f"<user>{messages[0]['content']}</user>"
+
+        def encode(self, text, add_special_tokens=True):
+            self.encoded.append((text, add_special_tokens))
+            return [len(text)]
+
+    text = "def alpha(x):\n    return x\n\n\ndef beta():\n    return alpha(1)\n"
+    base, chat = Tokenizer(None), Tokenizer("{{ messages }}")
+    bench.edit_prompts(base, text, 2)
+    bench.edit_prompts(chat, text, 2)
+    (first, special), (second, _) = base.encoded
+    assert special and first.startswith("Here is a Python file:") and first.endswith("```python\n")
+    assert "`alpha` renamed to `alpha_v2`" in first and "`beta` renamed to `beta_v3`" in second
+    (turn, special), _ = chat.encoded
+    assert not special and turn.startswith("<user>") and "Reply with the whole file only." in turn
+    bench.chat_prompts(base, 1)
+    assert base.encoded[-1][0].startswith("Question: ") and base.encoded[-1][0].endswith("\nAnswer:")
+
+
 def test_serve_benchmark_cascade_table():
     """bench_serve.py --cascade's table: medians of the rounds, on / off."""
     spec = importlib.util.spec_from_file_location("bench_serve", BENCH.parent / "bench_serve.py")
