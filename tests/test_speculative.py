@@ -282,3 +282,39 @@ def test_plain_steps_of_one_row_count_borrow_the_measured_slope():
         fitted_plain.record(rows, 0.005 + 0.002 * rows)
     # plain steps with a slope of their own keep it: 4 rows in 13 ms beat the drafts
     assert not eager.drafting_beats(fitted_plain, 4 + 12 * 0.9, decode_rows=4, rows=4, drafts=12)
+
+
+@pytest.mark.usefixtures("always_draft")
+def test_greedy_plain_steps_queued_ahead_hand_over_to_drafting_exactly(monkeypatch):
+    """Greedy steps without drafts queue the next plain step before reading
+    their token (as generate_step does); when the drafter has a proposal
+    again the queued step runs first and drafting resumes one token late.
+    A drafter right at some places and wrong at others: the tokens are
+    those without drafts, the cache holds exactly them, and both the queued
+    plain steps and the drafts ran."""
+    import importlib
+
+    generate_module = importlib.import_module("mlx_attn.lm.generate")
+    model = tiny_llama(seed=3)
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    plain = list(generate_tokens(model, prompt, GenerationConfig(max_tokens=40, stop_at_eos=False)))
+
+    class ScriptedDrafter:
+        def propose(self, history, count):
+            produced = len(history) - len(prompt)
+            if 5 <= produced < 8 or 12 <= produced < 16 or 20 <= produced < 23:
+                return plain[produced:produced + count]
+            if 9 <= produced < 11:
+                return [(t + 1) % 256 for t in plain[produced:produced + count]]
+            return []
+
+    queued = []
+    greedy_token = generate_module._greedy_token
+    monkeypatch.setattr(generate_module, "NgramDrafter", ScriptedDrafter)
+    monkeypatch.setattr(generate_module, "_greedy_token", lambda *a: queued.append(1) or greedy_token(*a))
+    config = GenerationConfig(max_tokens=40, stop_at_eos=False, speculative="ngram", num_draft_tokens=3)
+    drafted, length, cache = _speculative_run(model, prompt, config)
+    assert drafted == plain
+    assert length.accepted > 0 and length.proposed > length.accepted  # kept and refused drafts both
+    assert len(queued) > 10  # plain steps went through the queued path
+    assert cache[0].offset == len(prompt) + len(plain) - 1
