@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 
 from mlx_attn.lm.loading import QUANTIZATION_MODE, load_model
 from mlx_attn.lm.models.registry import Architecture, architectures
-from mlx_attn.lm.quantized_matmul import stored_form
+from mlx_attn.lm.quantized_matmul import stored_bits, stored_form
 
 __all__ = ["convert", "save_mlx_directory"]
 
@@ -39,7 +39,7 @@ def _architecture(model) -> Architecture:
 def _quantization(model: nn.Module, arch: Architecture) -> dict | None:
     """mlx-lm's ``quantization`` entry: the most common bits/group size, and
     per-layer entries (mlx-lm's module paths) for layers that differ."""
-    layers = {arch.mlx_lm_name(path): (stored_form(m)[0], m.group_size)
+    layers = {arch.mlx_lm_name(path): (stored_bits(m), m.group_size)
               for path, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     if not layers:
         return None
@@ -69,7 +69,7 @@ def save_mlx_directory(model, tokenizer, path: str | os.PathLike) -> Path:
         config["quantization"] = config["quantization_config"] = quantization
     weights = {arch.mlx_lm_name(name): value for name, value in tree_flatten(model.parameters())}
     for name, module in model.named_modules():  # layers widened for the CPU product: the width they were loaded at
-        if getattr(module, "_stored_bits", None) is not None:
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and stored_bits(module) != module.bits:
             weights[arch.mlx_lm_name(f"{name}.weight")] = stored_form(module)[1]
     mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -73,7 +73,7 @@ __all__ = ["DEQUANTIZED_MATMUL_ROWS", "DEQUANTIZED_SLICE_ROWS", "FUSED_MATVEC_BI
            "RowAdaptiveQuantizedLinear", "RowAdaptiveQuantizedEmbedding", "use_row_adaptive_matmuls",
            "hold_float32_weights", "float32_weight", "MATVEC_PRODUCTS", "MATVEC_PRODUCT", "int8_error_bound",
            "INTEGER_MATVEC_ROWS", "PASSED_MATVEC_ROWS", "matvec_rows_limit", "fused_matvecs", "fusable_norm",
-           "product_reads", "fused_product", "WIDENED_BITS", "widen_for_integer_product", "stored_form"]
+           "product_reads", "fused_product", "WIDENED_BITS", "widen_for_integer_product", "stored_bits", "stored_form"]
 
 # rows from which the CPU multiplies a dequantized float32 weight
 DEQUANTIZED_MATMUL_ROWS = 24  # the crossover measured above lies between 24 and 32
@@ -107,7 +107,7 @@ FUSED_MATVEC_GROUP_SIZES = (32, 64, 128)
 # bit widths the fused products do not read, and the width a CPU model holds
 # them at instead (widen_for_integer_product): the same codes, two or three
 # bits more per weight, against MLX's CPU kernel at 3x the time per token
-# (Gemma 3 270M's Q4_K_M GGUF, 5-bit Q5_0 layers: 100 -> 35 ms a token)
+# (Gemma 3 270M's Q4_K_M GGUF, 5-bit Q5_0 layers: ~100 -> ~45 ms a token)
 WIDENED_BITS = {2: 4, 3: 4, 5: 8, 6: 8}
 # weights unpacked at once while widening or narrowing (bounds the transient)
 WIDEN_CHUNK_WEIGHTS = 1 << 22
@@ -418,12 +418,17 @@ def widen_for_integer_product(model: nn.Module) -> int:
     return widened
 
 
+def stored_bits(module) -> int:
+    """The bit width a quantized layer's checkpoint held it at."""
+    return getattr(module, "_stored_bits", None) or module.bits
+
+
 def stored_form(module) -> tuple[int, mx.array]:
     """``(bits, packed codes)`` of a quantized layer as its checkpoint held
     it: a layer :func:`widen_for_integer_product` widened is narrowed back
     (exactly: its codes fit the stored width)."""
-    stored = getattr(module, "_stored_bits", None)
-    if stored is None:
+    stored = stored_bits(module)
+    if stored == module.bits:
         return module.bits, module["weight"]
     import numpy as np
 
