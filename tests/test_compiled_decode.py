@@ -81,8 +81,7 @@ def test_the_step_is_traced_once_per_buffer_size_not_once_per_token():
     assert counter.calls == 1 and cache[0].offset == 23
 
 
-@pytest.mark.parametrize("make_cache", [lambda n: [RotatingKVCache(12, keep=4) for _ in range(n)],
-                                        lambda n: [ConcatKVCache() for _ in range(n)]], ids=["rotating", "concat"])
+@pytest.mark.parametrize("make_cache", [lambda n: [ConcatKVCache() for _ in range(n)]], ids=["concat"])
 def test_other_caches_keep_the_eager_step(make_cache, monkeypatch):
     model = tiny_llama()
     assert not compilable(model, make_cache(2))
@@ -155,3 +154,52 @@ def test_several_rows_a_step_give_the_eager_logits_and_cache(backend):
     # offsets 7 -> 10 -> 12 -> 15 -> 16: 4, 3 and 1 rows traced at 16 slots, 4 rows again replayed; 5
     # rows do not fit (eager: the buffer grows to 32), then 4 rows at 32 slots traced anew
     assert traced == [1, 1, 0, 1, 1, 1]
+
+
+def _gemma(seed=0, **overrides):
+    from test_gemma3 import tiny_gemma
+
+    return tiny_gemma(seed=seed, **overrides)
+
+
+@pytest.mark.parametrize("case", ["gemma windows", "llama max_kv_size", "gemma windows and max_kv_size"])
+def test_rotating_caches_compile_and_match_the_eager_step(case):
+    """Rotating caches (Gemma's windowed layers, a max_kv_size) run the
+    compiled one-token step once their ring neither grows nor reorders:
+    greedy and seeded sampled tokens, the caches' offsets, ring positions and
+    stored keys are those of the eager step, over many wraps of the ring;
+    the step is traced once per buffer layout, not per token."""
+    model = _gemma(seed=2) if case.startswith("gemma") else tiny_llama(seed=2)
+    max_kv_size = {"gemma windows": None, "llama max_kv_size": 12, "gemma windows and max_kv_size": 9}[case]
+    prompt = [7, 3, 11, 5, 2, 9, 4]
+    caches, tokens = {}, {}
+    for compiled in (False, True):
+        for options in ({}, {"temperature": 0.8, "seed": 5}):
+            cache = model.make_cache(max_kv_size)
+            assert compilable(model, cache) and any(type(c) is RotatingKVCache for c in cache)
+            out = _tokens(model, prompt, compiled, cache=cache, max_tokens=40, stop_at_eos=False, **options)
+            tokens[compiled, bool(options)] = out
+            caches[compiled, bool(options)] = cache
+    assert tokens[True, False] == tokens[False, False] and tokens[True, True] == tokens[False, True]
+    for e, c in zip(caches[False, False], caches[True, False]):
+        assert c.offset == e.offset == len(prompt) + 40 - 1
+        if type(c) is RotatingKVCache:
+            assert c._idx == e._idx and mx.array_equal(c.key_positions(), e.key_positions()).item()
+        for ours, theirs in zip(c.state, e.state):
+            assert mx.allclose(ours, theirs, atol=1e-5).item()
+
+
+def test_the_rotating_step_is_traced_once_per_layout_and_refuses_a_ring_wider_than_the_window():
+    model = _gemma(seed=3)
+    cache = model.make_cache()
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    step = CompiledDecodeStep(model, cache)
+    counter = _TraceCounter(model)
+    for token in range(30):
+        mx.eval(step(mx.array([[token % 50 + 4]])))
+    # the first steps grow the rings (eager), the rest replay one trace
+    assert counter.calls < 8 and cache[0].offset == 33
+    wide = model.make_cache()
+    window = model.attention_layers()[0].window_size
+    wide[0] = RotatingKVCache(window + 1)
+    assert not compilable(model, wide)

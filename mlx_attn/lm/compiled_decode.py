@@ -26,16 +26,20 @@ MLX's ``slice_update`` does. On a GPU, under ``backend="reference"`` and for
 models that attend through ``hook(layer, q, k, v)``, the step is MLX's
 operations as above.
 
-Only plain ``KVCache`` layers compile; quantized, rotating and concatenating
-caches, models that are not this package's :class:`Decoder` (mlx-lm's) and
-the distributed generator keep the eager step (:func:`compilable`)."""
+Plain ``KVCache`` layers compile, and ``RotatingKVCache`` layers (windows,
+``max_kv_size``) for one-token steps: the token goes to the ring's next slot
+(a scalar input, as the position), and it sees every filled slot, which
+the ring keeps within the window; steps that grow or reorder a ring run
+eager. Quantized and concatenating caches, models that are not this
+package's :class:`Decoder` (mlx-lm's) and the distributed generator keep
+the eager step (:func:`compilable`)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from mlx_attn import _native
-from mlx_attn.cache import KVCache
+from mlx_attn.cache import KVCache, RotatingKVCache
 from mlx_attn.lm.models.base import AttentionHook, Decoder
 from mlx_attn.ops import scaled_dot_product_attention
 from mlx_attn.rope import RoPE, rope_angles
@@ -46,8 +50,28 @@ __all__ = ["CompiledDecodeStep", "compilable"]
 def compilable(model, cache: list) -> bool:
     """Whether :class:`CompiledDecodeStep` can run ``model``'s decode steps
     over ``cache``: one of this package's decoders, every layer a plain
-    ``KVCache`` (its buffers are fixed-size between growths)."""
-    return isinstance(model, Decoder) and bool(cache) and all(type(c) is KVCache for c in cache)
+    ``KVCache`` (its buffers are fixed-size between growths) or a
+    ``RotatingKVCache`` no longer than the layer's window (a token then sees
+    every key the ring holds), as ``make_cache`` gives windowed layers and
+    ``max_kv_size``."""
+    if not isinstance(model, Decoder) or not cache or len(cache) != len(model.attention_layers()):
+        return False
+    for c, layer in zip(cache, model.attention_layers()):
+        ring_fits = type(c) is RotatingKVCache and (layer.window_size is None or c.max_size <= layer.window_size)
+        if type(c) is not KVCache and not ring_fits:
+            return False
+    return True
+
+
+def _ring_slot(cache: RotatingKVCache) -> int | None:
+    """The slot a rotating cache's next single token goes to where that write
+    is all the update does (None: the update reorders or grows the buffer,
+    which the eager step does): its ring's next slot, past the kept ones
+    once the ring is full (``RotatingKVCache._update_in_place``)."""
+    size = cache.keys.shape[2] if cache.keys is not None else 0
+    if cache.keys is None or size > cache.max_size or (cache._idx == size and size < cache.max_size):
+        return None
+    return cache.keep if cache._idx == cache.max_size else cache._idx
 
 
 def fused_attention_block(backend: str) -> bool:
@@ -63,15 +87,19 @@ class _BufferAttention(AttentionHook):
     it masked out (and, for a windowed layer, those before its window); with
     ``fused``, a whole attention block per layer (:meth:`attend_projected`)."""
 
-    def __init__(self, keys: list, values: list, position: mx.array, backend: str, fused: bool = False):
+    def __init__(self, keys: list, values: list, position: mx.array, backend: str, fused: bool = False,
+                 rings: list | None = None):
         self.keys, self.values, self.position, self.backend = list(keys), list(values), position, backend
         self.fused = fused
+        # per layer: None (a plain buffer, filled up to the position) or a rotating cache's (slot, filled)
+        # int32 scalars: the new token goes to slot, and the first `filled` slots hold what the layer sees
+        self.rings = rings or [None] * len(self.keys)
         self._positions = None
         self._masks = {}
         self._rotations = {}
 
     def attend_projected(self, layer, rope, queries, keys, values):
-        if not self.fused or type(rope) is not RoPE or queries.shape[1] != 1:
+        if not self.fused or type(rope) is not RoPE or queries.shape[1] != 1 or self.rings[layer.index] is not None:
             return None
         i = layer.index
         cos, sin = self._rotation(rope)
@@ -99,6 +127,14 @@ class _BufferAttention(AttentionHook):
 
     def __call__(self, layer, queries, keys, values):
         i, start = layer.index, self.position.reshape(1)
+        if self.rings[i] is not None:
+            # a ring holds only keys the token sees (the cache keeps its window): the filled slots, any order
+            slot, filled = self.rings[i]
+            self.keys[i] = mx.slice_update(self.keys[i], keys, slot.reshape(1), axes=(2,))
+            self.values[i] = mx.slice_update(self.values[i], values, slot.reshape(1), axes=(2,))
+            visible = (mx.arange(self.keys[i].shape[2]) < filled).reshape(1, 1, 1, -1)
+            return scaled_dot_product_attention(queries, self.keys[i], self.values[i], scale=layer.scale,
+                                                mask=visible, backend=self.backend)
         self.keys[i] = mx.slice_update(self.keys[i], keys, start, axes=(2,))
         self.values[i] = mx.slice_update(self.values[i], values, start, axes=(2,))
         visible = self._visible(self.keys[i].shape[2], layer.window_size, queries.shape[2])
@@ -123,20 +159,25 @@ class _BufferAttention(AttentionHook):
 
 class CompiledDecodeStep:
     """``step(tokens [B, 1]) -> logits [B, vocab]`` of the next position,
-    updating ``cache`` (plain ``KVCache`` layers, see :func:`compilable`) as
+    updating ``cache`` (``KVCache`` and ``RotatingKVCache`` layers, see :func:`compilable`) as
     ``model(tokens, cache=cache)[:, -1]`` does. The model's weights are
     captured by the trace: build a new step after changing them."""
 
     def __init__(self, model: Decoder, cache: list):
         if not compilable(model, cache):
             raise ValueError("the compiled decode step needs one of this package's decoders and a plain KVCache "
-                             "per layer")
+                             "or RotatingKVCache per layer")
         self.model, self.cache = model, cache
+        self.rings = [i for i, c in enumerate(cache) if type(c) is RotatingKVCache]  # layers with a ring buffer
         self.fused = fused_attention_block(model.backend)
         self._forward = mx.compile(self._traced_forward)
 
-    def _traced_forward(self, tokens, position, keys, values):
-        hook = _BufferAttention(keys, values, position, self.model.backend, self.fused)
+    def _traced_forward(self, tokens, position, keys, values, ring_scalars):
+        # ring_scalars: (slot, filled) of each rotating layer in turn (self.rings: which layers)
+        rings = [None] * len(keys)
+        for n, i in enumerate(self.rings):
+            rings[i] = (ring_scalars[2 * n], ring_scalars[2 * n + 1])
+        hook = _BufferAttention(keys, values, position, self.model.backend, self.fused, rings)
         logits = self.model(tokens, attention=hook)
         return (logits[:, -1] if tokens.shape[1] == 1 else logits), hook.keys, hook.values
 
@@ -159,14 +200,22 @@ class CompiledDecodeStep:
     def _step(self, tokens: mx.array) -> mx.array:
         cache = self.cache
         offset, length = cache[0].offset, tokens.shape[1]
-        if any(c.keys is None or c.offset != offset or offset + length > c.keys.shape[2] for c in cache):
-            # an empty or full buffer grows in the cache's own update: eager
+        slots = [_ring_slot(c) if type(c) is RotatingKVCache and length == 1 else None for c in cache]
+        if any(c.keys is None or c.offset != offset or
+               (offset + length > c.keys.shape[2] if type(c) is KVCache else slot is None)
+               for c, slot in zip(cache, slots)):
+            # an empty or full buffer grows (or a ring reorders) in the cache's own update; a rotating
+            # cache takes several tokens there too: eager
             logits = self.model(tokens, cache=cache)
             return logits[:, -1] if length == 1 else logits
+        ring_scalars = [mx.array(n, dtype=mx.int32) for i in self.rings
+                        for n in (slots[i], min(offset + 1, cache[i].keys.shape[2]))]
         logits, keys, values = self._forward(tokens, mx.array(offset, dtype=mx.int32),
-                                             [c.keys for c in cache], [c.values for c in cache])
+                                             [c.keys for c in cache], [c.values for c in cache], ring_scalars)
         # the new buffers replace the old ones before anything is evaluated: the old ones are then held by
         # the step's graph alone, so it updates them in place (donated)
-        for c, k, v in zip(cache, keys, values):
+        for c, k, v, slot in zip(cache, keys, values, slots):
             c.keys, c.values, c.offset = k, v, offset + length
+            if slot is not None:  # the ring's state as its own single-token update leaves it
+                c._idx, c._last_update = slot + 1, 1
         return logits
