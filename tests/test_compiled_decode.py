@@ -189,7 +189,7 @@ def test_rotating_caches_compile_and_match_the_eager_step(case):
             assert mx.allclose(ours, theirs, atol=1e-5).item()
 
 
-def test_the_rotating_step_is_traced_once_per_layout_and_refuses_a_ring_wider_than_the_window():
+def test_the_rotating_step_is_traced_once_per_layout_and_refuses_rings_that_see_past_the_window():
     model = _gemma(seed=3)
     cache = model.make_cache()
     model(mx.array([[1, 2, 3]]), cache=cache)
@@ -203,3 +203,7 @@ def test_the_rotating_step_is_traced_once_per_layout_and_refuses_a_ring_wider_th
     window = model.attention_layers()[0].window_size
     wide[0] = RotatingKVCache(window + 1)
     assert not compilable(model, wide)
+    sinks = model.make_cache()
+    sinks[0] = RotatingKVCache(window, keep=2)  # its kept tokens fall out of the layer's window
+    assert not compilable(model, sinks)
+    assert compilable(tiny_llama(), [RotatingKVCache(12, keep=4) for _ in range(2)])  # no window: sinks are seen

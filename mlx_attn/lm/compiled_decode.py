@@ -51,13 +51,15 @@ def compilable(model, cache: list) -> bool:
     """Whether :class:`CompiledDecodeStep` can run ``model``'s decode steps
     over ``cache``: one of this package's decoders, every layer a plain
     ``KVCache`` (its buffers are fixed-size between growths) or a
-    ``RotatingKVCache`` no longer than the layer's window (a token then sees
-    every key the ring holds), as ``make_cache`` gives windowed layers and
-    ``max_kv_size``."""
+    ``RotatingKVCache`` in which a token sees every key the ring holds (no
+    longer than a windowed layer's window, and keeping no sinks there), as
+    ``make_cache`` gives windowed layers and ``max_kv_size``."""
     if not isinstance(model, Decoder) or not cache or len(cache) != len(model.attention_layers()):
         return False
     for c, layer in zip(cache, model.attention_layers()):
-        ring_fits = type(c) is RotatingKVCache and (layer.window_size is None or c.max_size <= layer.window_size)
+        # a windowed layer's ring sees no sinks (kept tokens fall out of the window) and no more than the window
+        ring_fits = type(c) is RotatingKVCache and (
+            layer.window_size is None or (c.keep == 0 and c.max_size <= layer.window_size))
         if type(c) is not KVCache and not ring_fits:
             return False
     return True
