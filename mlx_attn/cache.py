@@ -389,8 +389,7 @@ class RotatingKVCache(_Cache):
             grow = min(self.step, self.max_size - (0 if self.keys is None else self.keys.shape[2]))
             self.keys = _extend(self.keys, keys, grow)
             self.values = _extend(self.values, values, grow)
-        if self._idx == self.max_size:  # full: overwrite the oldest non-kept slot
-            self._idx = self.keep
+        self._idx = self._next_slot()
         self.keys[..., self._idx : self._idx + 1, :] = keys
         self.values[..., self._idx : self._idx + 1, :] = values
         self._idx += 1
@@ -398,6 +397,29 @@ class RotatingKVCache(_Cache):
         if self.offset < self.keys.shape[2]:
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
+
+    def _next_slot(self) -> int:
+        """Where a single token goes once the buffer is in place: the ring's
+        next slot; when full, the oldest non-kept one."""
+        return self.keep if self._idx == self.max_size else self._idx
+
+    def in_place_slot(self) -> int | None:
+        """The slot the next single-token update writes when that write is
+        all it does; None when it first reorders the buffer (after a chunk)
+        or grows it, or the cache is empty."""
+        if self.keys is None:
+            return None
+        size = self.keys.shape[2]
+        if size > self.max_size or (self._idx == size and size < self.max_size):
+            return None
+        return self._next_slot()
+
+    def written_in_place(self, keys: mx.array, values: mx.array, slot: int) -> None:
+        """Take buffers that hold one more token at ``slot`` (from
+        :meth:`in_place_slot`), written elsewhere (a compiled step): the
+        state the single-token update leaves."""
+        self.keys, self.values = keys, values
+        self._idx, self.offset, self._last_update = slot + 1, self.offset + 1, 1
 
     def key_positions(self) -> mx.array:
         """The sequence position of each key the last update returned: in

@@ -65,17 +65,6 @@ def compilable(model, cache: list) -> bool:
     return True
 
 
-def _ring_slot(cache: RotatingKVCache) -> int | None:
-    """The slot a rotating cache's next single token goes to where that write
-    is all the update does (None: the update reorders or grows the buffer,
-    which the eager step does): its ring's next slot, past the kept ones
-    once the ring is full (``RotatingKVCache._update_in_place``)."""
-    size = cache.keys.shape[2] if cache.keys is not None else 0
-    if cache.keys is None or size > cache.max_size or (cache._idx == size and size < cache.max_size):
-        return None
-    return cache.keep if cache._idx == cache.max_size else cache._idx
-
-
 def fused_attention_block(backend: str) -> bool:
     """Whether the compiled step runs each layer's attention block through
     ``_ext.decode_attention``: on the CPU with the extension built,
@@ -202,7 +191,7 @@ class CompiledDecodeStep:
     def _step(self, tokens: mx.array) -> mx.array:
         cache = self.cache
         offset, length = cache[0].offset, tokens.shape[1]
-        slots = [_ring_slot(c) if type(c) is RotatingKVCache and length == 1 else None for c in cache]
+        slots = [c.in_place_slot() if type(c) is RotatingKVCache and length == 1 else None for c in cache]
         if any(c.keys is None or c.offset != offset or
                (offset + length > c.keys.shape[2] if type(c) is KVCache else slot is None)
                for c, slot in zip(cache, slots)):
@@ -217,7 +206,8 @@ class CompiledDecodeStep:
         # the new buffers replace the old ones before anything is evaluated: the old ones are then held by
         # the step's graph alone, so it updates them in place (donated)
         for c, k, v, slot in zip(cache, keys, values, slots):
-            c.keys, c.values, c.offset = k, v, offset + length
-            if slot is not None:  # the ring's state as its own single-token update leaves it
-                c._idx, c._last_update = slot + 1, 1
+            if slot is None:
+                c.keys, c.values, c.offset = k, v, offset + length
+            else:
+                c.written_in_place(k, v, slot)
         return logits
