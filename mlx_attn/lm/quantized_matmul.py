@@ -406,9 +406,8 @@ def widen_for_integer_product(model: nn.Module) -> int:
         return 0
     widened = 0
     for _, module in model.named_modules():
-        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or module.bits not in WIDENED_BITS:
-            continue
-        if not _cpu_affine(module, tuple(WIDENED_BITS)):
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or not _cpu_affine(
+                module, tuple(WIDENED_BITS)):
             continue
         stored = module.bits
         module.weight = _widened_codes(module, WIDENED_BITS[stored])
